@@ -1,0 +1,1 @@
+//! Paged KV pool (work in progress).
