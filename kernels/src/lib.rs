@@ -13,4 +13,5 @@
 pub mod gguf;
 pub mod kv;
 pub mod quant;
+pub mod threads;
 pub mod tokenizer;

@@ -1,6 +1,7 @@
 //! The ggml tensor types this engine understands, with their block geometry.
 
 /// A ggml tensor type, numbered as in GGUF files.
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum GgmlType {
