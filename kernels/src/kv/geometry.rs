@@ -48,7 +48,7 @@ const _: () = assert!(
         * (FLOAT_BYTES as u128)
         <= u64::MAX as u128
 );
-const _: () = assert!(POOL_BYTES_MAX % FLOAT_BYTES == 0);
+const _: () = assert!(POOL_BYTES_MAX.is_multiple_of(FLOAT_BYTES));
 
 /// The shape of a pool, as configured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
