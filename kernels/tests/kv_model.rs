@@ -629,8 +629,7 @@ impl Harness {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
-
+    // 256 cases by default; PROPTEST_CASES=N runs more.
     #[test]
     fn pool_matches_model_after_every_event(scenario in scenario()) {
         let mut harness = Harness::new(&scenario);

@@ -74,12 +74,6 @@
 //!     (r.clone(), r)
 //! }
 //! ```
-//!
-//! ```compile_fail
-//! // A reservation cannot be forged: its fields are private.
-//! use bulkhead_kernels::kv::{OwnerTag, Reservation};
-//! let r = Reservation { owner: OwnerTag(1), pages_booked: 100 };
-//! ```
 
 mod check;
 pub mod digest;
