@@ -124,6 +124,12 @@ pub enum Violation {
         /// The page.
         page: PageId,
     },
+    /// A page table names a page this pool does not have.
+    #[error("page table names page {page:?}, outside the pool")]
+    PageOutOfRange {
+        /// The page.
+        page: PageId,
+    },
     /// A page table of another pool.
     #[error("a page table belongs to another pool")]
     ForeignTable,
@@ -173,7 +179,7 @@ impl Pool {
             for handle in table.handles() {
                 let page = handle.page;
                 let Some(meta) = self.pages.get(page.index()) else {
-                    return Err(Violation::OrphanPage { page });
+                    return Err(Violation::PageOutOfRange { page });
                 };
                 if std::mem::replace(&mut in_table[page.index()], true) {
                     return Err(Violation::PageInTwoTables { page });

@@ -564,3 +564,17 @@ fn drop_table(pool: &mut Pool, mut table: PageTable) {
     pool.scrub_released();
     pool.check_invariants().unwrap();
 }
+
+#[test]
+fn canary_page_outside_the_pool_in_a_table_is_caught() {
+    let mut pool = pool();
+    let mut a = lease_pages(&mut pool, A, 1, 1);
+    a.plant_fault_push(PageHandle {
+        page: PageId(10),
+        generation: Generation(1),
+    });
+    assert_eq!(
+        pool.check_page_tables(&[&a]),
+        Err(Violation::PageOutOfRange { page: PageId(10) })
+    );
+}
