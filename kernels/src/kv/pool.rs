@@ -1,0 +1,615 @@
+//! The pool: page states, the reserve → acquire → release → scrub verbs, KV access.
+//!
+//! See the module doc of [`crate::kv`] for the lifecycle and the error/assert policy.
+
+use super::digest::digest_page;
+use super::geometry::{GeometryError, PageLayout, PoolGeometry};
+use super::ids::{Generation, Lease, OwnerTag, PageHandle, PageId, SeqId};
+use super::page_table::PageTable;
+use super::partition::{PartitionConfig, PartitionError, Partitions};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use thiserror::Error;
+
+/// The bit pattern written into released pages in poison mode: a quiet NaN whose
+/// payload reads "DEAD", so a read before a write shows up in any output it reaches.
+pub const POISON_BITS: u32 = 0x7FC0_DEAD;
+
+/// Gives each pool a distinct id, so a reservation or table from another pool is caught.
+static POOL_ID_NEXT: AtomicU32 = AtomicU32::new(1);
+
+/// Test and debug switches, all off in production.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolOptions {
+    /// Fill released pages with [`POISON_BITS`] so that reads before writes are visible.
+    pub poison_released: bool,
+    /// Verify page contents: zero after scrub and at acquire (assert), and every free
+    /// page zero in `check_invariants`. Costs a pass over the page each time.
+    pub paranoid: bool,
+}
+
+/// A page's state. Transitions (each asserts its from-state):
+/// `Free → Owned → Released → Scrubbed → Free`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PageState {
+    /// Clean (all zeros) and on the free list.
+    Free,
+    /// Leased to one sequence of one owner.
+    Owned {
+        /// The owner.
+        owner: OwnerTag,
+        /// The sequence.
+        seq: SeqId,
+    },
+    /// Dirty: released, waiting for scrub, still charged to its last owner.
+    Released {
+        /// The last owner.
+        owner: OwnerTag,
+    },
+    /// Zeroed, about to become free (only inside `scrub_released`).
+    Scrubbed {
+        /// The last owner.
+        owner: OwnerTag,
+    },
+}
+
+/// A page's state and the generation of its latest lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageMeta {
+    /// The state.
+    pub state: PageState,
+    /// The latest lease's generation (the current one while `Owned`).
+    pub generation: Generation,
+}
+
+/// Why a pool could not be created.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum PoolError {
+    /// Bad geometry.
+    #[error(transparent)]
+    Geometry(#[from] GeometryError),
+    /// Bad partitions.
+    #[error(transparent)]
+    Partition(#[from] PartitionError),
+}
+
+/// Why a reservation was refused. Nothing was booked.
+#[derive(Debug, Error, Clone, Copy, PartialEq, Eq)]
+pub enum ReserveError {
+    /// The owner has no partition in this pool.
+    #[error("owner {owner:?} has no partition in this pool")]
+    UnknownOwner {
+        /// The owner.
+        owner: OwnerTag,
+    },
+    /// A reservation of zero pages.
+    #[error("a reservation needs at least one page")]
+    ZeroPages,
+    /// The owner's own ceiling: it can never hold that many pages at once.
+    #[error("owner {owner:?} would hold {pages_wanted} pages, above its pages_max {pages_max}")]
+    AboveMax {
+        /// The owner.
+        owner: OwnerTag,
+        /// Held plus requested.
+        pages_wanted: u64,
+        /// Its maximum.
+        pages_max: u32,
+    },
+    /// Not now: the owner's reservation and the free burst region are used up.
+    #[error("owner {owner:?} asked for {pages} pages, {pages_available} available now")]
+    Exhausted {
+        /// The owner.
+        owner: OwnerTag,
+        /// Requested.
+        pages: u32,
+        /// What it could get now.
+        pages_available: u32,
+    },
+}
+
+/// Why an acquire was refused. The reservation is unchanged.
+#[derive(Debug, Error, Clone, Copy, PartialEq, Eq)]
+pub enum AcquireError {
+    /// Every page this reservation booked has been acquired.
+    #[error("reservation for owner {owner:?} has no booked page left")]
+    ReservationExhausted {
+        /// The owner.
+        owner: OwnerTag,
+    },
+}
+
+/// Why a KV access was refused. Nothing was read or written.
+#[derive(Debug, Error, Clone, Copy, PartialEq, Eq)]
+pub enum KvError {
+    /// The handle names no page of this pool.
+    #[error("page {page:?} is not in this pool")]
+    PageOutOfRange {
+        /// The page.
+        page: PageId,
+    },
+    /// The handle's lease has ended: the page was released, or leased again since.
+    #[error("stale handle: page {page:?} generation {generation:?} is no longer leased")]
+    StaleHandle {
+        /// The page.
+        page: PageId,
+        /// The handle's generation.
+        generation: Generation,
+    },
+}
+
+/// Booked capacity in one owner's partition: the only thing that can acquire pages (I1).
+///
+/// Not `Clone`: one booking, one token. It holds counts only; pages are chosen at
+/// acquire. Return unused capacity with [`Pool::release_reservation`]. Dropping a
+/// reservation that still books pages leaks that capacity: it is recorded where
+/// [`Pool::check_invariants`] reports it, and panics in builds with debug assertions.
+#[derive(Debug)]
+#[must_use = "booked pages leak unless acquired or returned with Pool::release_reservation"]
+pub struct Reservation {
+    pool_id: u32,
+    owner: OwnerTag,
+    pages_booked: u32,
+    leaks: Arc<ReservationLeaks>,
+}
+
+/// Reservations dropped while still booking pages, counted by their `Drop`.
+#[derive(Debug, Default)]
+pub(super) struct ReservationLeaks {
+    pub(super) reservations: AtomicU32,
+    pub(super) pages: AtomicU64,
+}
+
+impl Reservation {
+    /// The owner whose partition this books.
+    pub fn owner(&self) -> OwnerTag {
+        self.owner
+    }
+
+    /// Pages booked and not yet acquired.
+    pub fn pages_booked(&self) -> u32 {
+        self.pages_booked
+    }
+
+    /// Acquires one booked page into `table`; the same as [`Pool::acquire`].
+    pub fn acquire(
+        &mut self,
+        pool: &mut Pool,
+        table: &mut PageTable,
+    ) -> Result<PageHandle, AcquireError> {
+        pool.acquire(self, table)
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.pages_booked == 0 {
+            return;
+        }
+        self.leaks.reservations.fetch_add(1, Ordering::Relaxed);
+        self.leaks
+            .pages
+            .fetch_add(u64::from(self.pages_booked), Ordering::Relaxed);
+        if cfg!(debug_assertions) && !std::thread::panicking() {
+            panic!(
+                "reservation for owner {:?} dropped with {} booked pages: return it with Pool::release_reservation",
+                self.owner, self.pages_booked
+            );
+        }
+    }
+}
+
+/// Pool-wide page counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Pages in the pool.
+    pub pages_count: u32,
+    /// Clean pages on the free list.
+    pub pages_free: u32,
+    /// Pages leased to a sequence.
+    pub pages_owned: u32,
+    /// Dirty pages waiting for scrub.
+    pub pages_released: u32,
+    /// Pages booked by live reservations, not yet acquired.
+    pub pages_booked: u32,
+}
+
+/// One owner's counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PartitionStats {
+    /// The configured partition.
+    pub config: PartitionConfig,
+    /// Booked by live reservations, not yet acquired.
+    pub pages_booked: u32,
+    /// Leased to its sequences.
+    pub pages_owned: u32,
+    /// Released by it and not yet scrubbed (still charged to it).
+    pub pages_released: u32,
+    /// What a reservation could book right now.
+    pub pages_available: u32,
+}
+
+/// A paged KV pool with tenant partitions. See [`crate::kv`].
+#[derive(Debug)]
+pub struct Pool {
+    pub(super) pool_id: u32,
+    pub(super) layout: PageLayout,
+    pub(super) options: PoolOptions,
+    /// `// [pages_count][layer][k|v][page_tokens][kv_dim]`, allocated once, zeroed.
+    pub(super) floats: Vec<f32>,
+    /// `// [pages_count]`
+    pub(super) pages: Vec<PageMeta>,
+    /// Every `Free` page, once; a stack, so recently scrubbed pages are reused first.
+    pub(super) pages_free: Vec<PageId>,
+    /// Every `Released` page, once: the scrub queue.
+    pub(super) pages_released: Vec<PageId>,
+    pub(super) partitions: Partitions,
+    pub(super) leaks: Arc<ReservationLeaks>,
+}
+
+impl Pool {
+    /// Validates geometry and partitions and allocates every page, zeroed.
+    pub fn new(
+        geometry: PoolGeometry,
+        partitions: &[PartitionConfig],
+        options: PoolOptions,
+    ) -> Result<Pool, PoolError> {
+        let layout = geometry.layout()?;
+        let partitions = Partitions::new(partitions, geometry.pages_count)?;
+        let pages_count = geometry.pages_count;
+        let initial = PageMeta {
+            state: PageState::Free,
+            generation: Generation(0),
+        };
+        Ok(Pool {
+            pool_id: POOL_ID_NEXT.fetch_add(1, Ordering::Relaxed),
+            layout,
+            options,
+            floats: vec![0.0; layout.pool_floats()],
+            pages: vec![initial; pages_count as usize],
+            // Reversed so that page 0 is handed out first.
+            pages_free: (0..pages_count).rev().map(PageId).collect(),
+            pages_released: Vec::with_capacity(pages_count as usize),
+            partitions,
+            leaks: Arc::default(),
+        })
+    }
+
+    /// The validated page layout.
+    pub fn layout(&self) -> &PageLayout {
+        &self.layout
+    }
+
+    /// The options the pool was created with.
+    pub fn options(&self) -> PoolOptions {
+        self.options
+    }
+
+    /// A page's state and generation; `None` if the id is not in this pool.
+    pub fn page_meta(&self, page: PageId) -> Option<PageMeta> {
+        self.pages.get(page.index()).copied()
+    }
+
+    /// Pool-wide counts.
+    pub fn stats(&self) -> PoolStats {
+        let pages_count = self.layout.geometry().pages_count;
+        // Fit u32: each list holds at most pages_count distinct pages.
+        let pages_free = self.pages_free.len() as u32;
+        let pages_released = self.pages_released.len() as u32;
+        let pages_booked = self.partitions.list.iter().map(|p| p.pages_booked).sum();
+        PoolStats {
+            pages_count,
+            pages_free,
+            pages_owned: pages_count - pages_free - pages_released,
+            pages_released,
+            pages_booked,
+        }
+    }
+
+    /// One owner's counts; `None` if it has no partition here.
+    pub fn partition_stats(&self, owner: OwnerTag) -> Option<PartitionStats> {
+        let index = self.partitions.index(owner)?;
+        let partition = &self.partitions.list[index];
+        Some(PartitionStats {
+            config: partition.config,
+            pages_booked: partition.pages_booked,
+            pages_owned: partition.pages_owned,
+            pages_released: partition.pages_released,
+            pages_available: self.partitions.pages_available(index),
+        })
+    }
+
+    /// Books `pages` pages in `owner`'s partition without touching any page (I1): its
+    /// reserved headroom plus the free burst region, never above its `pages_max` (I8).
+    pub fn reserve(&mut self, owner: OwnerTag, pages: u32) -> Result<Reservation, ReserveError> {
+        let index = self
+            .partitions
+            .index(owner)
+            .ok_or(ReserveError::UnknownOwner { owner })?;
+        if pages == 0 {
+            return Err(ReserveError::ZeroPages);
+        }
+        let partition = &self.partitions.list[index];
+        let pages_wanted = u64::from(partition.pages_held()) + u64::from(pages);
+        if pages_wanted > u64::from(partition.config.pages_max) {
+            return Err(ReserveError::AboveMax {
+                owner,
+                pages_wanted,
+                pages_max: partition.config.pages_max,
+            });
+        }
+        let pages_available = self.partitions.pages_available(index);
+        if pages > pages_available {
+            return Err(ReserveError::Exhausted {
+                owner,
+                pages,
+                pages_available,
+            });
+        }
+        self.partitions.list[index].pages_booked += pages;
+        Ok(Reservation {
+            pool_id: self.pool_id,
+            owner,
+            pages_booked: pages,
+            leaks: Arc::clone(&self.leaks),
+        })
+    }
+
+    /// Returns a reservation's unacquired pages to the pool; the token is consumed.
+    /// Returns how many pages were unbooked.
+    pub fn release_reservation(&mut self, mut reservation: Reservation) -> u32 {
+        assert_eq!(
+            reservation.pool_id, self.pool_id,
+            "reservation from another pool"
+        );
+        let index = self.partition_index(reservation.owner);
+        let partition = &mut self.partitions.list[index];
+        let pages = reservation.pages_booked;
+        assert!(
+            partition.pages_booked >= pages,
+            "booked count below a live reservation"
+        );
+        partition.pages_booked -= pages;
+        reservation.pages_booked = 0;
+        pages
+    }
+
+    /// An empty page table for sequence `seq` of the reservation's owner.
+    pub fn page_table(&self, reservation: &Reservation, seq: SeqId) -> PageTable {
+        assert_eq!(
+            reservation.pool_id, self.pool_id,
+            "reservation from another pool"
+        );
+        PageTable::new(
+            self.pool_id,
+            reservation.owner,
+            seq,
+            self.layout.geometry().page_tokens,
+        )
+    }
+
+    /// Turns one booked page into an owned clean page at the end of `table`:
+    /// `Free → Owned { owner, seq }`, with a new generation.
+    pub fn acquire(
+        &mut self,
+        reservation: &mut Reservation,
+        table: &mut PageTable,
+    ) -> Result<PageHandle, AcquireError> {
+        assert_eq!(
+            reservation.pool_id, self.pool_id,
+            "reservation from another pool"
+        );
+        assert_eq!(table.pool_id, self.pool_id, "page table from another pool");
+        assert_eq!(
+            reservation.owner,
+            table.owner(),
+            "reservation and page table owners differ"
+        );
+        let owner = reservation.owner;
+        if reservation.pages_booked == 0 {
+            return Err(AcquireError::ReservationExhausted { owner });
+        }
+        // Every booked page is backed by a free one: free = pages_count - Σ(owned +
+        // released) ≥ Σ booked, because Σ held ≤ Σ claimed ≤ pages_count. A pop that
+        // finds none means the accounting is broken.
+        let Some(page) = self.pages_free.pop() else {
+            panic!("booked page without a free page: accounting broken");
+        };
+        let meta = &mut self.pages[page.index()];
+        assert_eq!(
+            meta.state,
+            PageState::Free,
+            "page {page:?} on the free list is not free"
+        );
+        if self.options.paranoid {
+            assert!(
+                self.page_is_zero(page),
+                "free page {page:?} is not scrubbed"
+            );
+        }
+        let meta = &mut self.pages[page.index()];
+        meta.generation = meta.generation.next();
+        meta.state = PageState::Owned {
+            owner,
+            seq: table.seq(),
+        };
+        let handle = PageHandle {
+            page,
+            generation: meta.generation,
+        };
+        let index = self.partition_index(owner);
+        let partition = &mut self.partitions.list[index];
+        assert!(partition.pages_booked > 0 && reservation.pages_booked > 0);
+        partition.pages_booked -= 1;
+        partition.pages_owned += 1;
+        reservation.pages_booked -= 1;
+        table.push(handle);
+        Ok(handle)
+    }
+
+    /// Releases every page of `table` (`Owned → Released`, dirty) and empties it.
+    /// Returns how many pages were released. The table may be dropped afterwards.
+    pub fn release(&mut self, table: &mut PageTable) -> u32 {
+        let mut pages = 0;
+        while self.release_last(table).is_some() {
+            pages += 1;
+        }
+        pages
+    }
+
+    /// Releases the last page of `table` (`Owned → Released`, dirty); `None` if empty.
+    pub fn release_last(&mut self, table: &mut PageTable) -> Option<PageHandle> {
+        assert_eq!(table.pool_id, self.pool_id, "page table from another pool");
+        let handle = table.pop()?;
+        let (owner, seq) = (table.owner(), table.seq());
+        let meta = &mut self.pages[handle.page.index()];
+        // A table's handle is always current: only the pool edits tables. Anything else
+        // is a corrupted table, and releasing through it could free another's page.
+        assert_eq!(
+            meta.generation, handle.generation,
+            "stale handle in page table: {handle:?}"
+        );
+        assert_eq!(
+            meta.state,
+            PageState::Owned { owner, seq },
+            "page table holds a page it does not own"
+        );
+        meta.state = PageState::Released { owner };
+        if self.options.poison_released {
+            let bits = f32::from_bits(POISON_BITS);
+            self.page_floats_mut(handle.page).fill(bits);
+        }
+        self.pages_released.push(handle.page);
+        let index = self.partition_index(owner);
+        let partition = &mut self.partitions.list[index];
+        assert!(partition.pages_owned > 0, "owned count below a live page");
+        partition.pages_owned -= 1;
+        partition.pages_released += 1;
+        Some(handle)
+    }
+
+    /// Scrubs every released page: zero, `Released → Scrubbed → Free`; the capacity
+    /// returns to its last owner. The scheduler runs this between steps. Returns how
+    /// many pages were scrubbed.
+    pub fn scrub_released(&mut self) -> u32 {
+        let mut pages = 0;
+        while let Some(page) = self.pages_released.pop() {
+            self.scrub(page);
+            pages += 1;
+        }
+        pages
+    }
+
+    fn scrub(&mut self, page: PageId) {
+        let PageState::Released { owner } = self.pages[page.index()].state else {
+            panic!("scrub of page {page:?} that is not released");
+        };
+        self.page_floats_mut(page).fill(0.0);
+        self.pages[page.index()].state = PageState::Scrubbed { owner };
+        if self.options.paranoid {
+            assert!(
+                self.page_is_zero(page),
+                "page {page:?} not zero after scrub"
+            );
+        }
+        let meta = &mut self.pages[page.index()];
+        assert_eq!(meta.state, PageState::Scrubbed { owner });
+        meta.state = PageState::Free;
+        self.pages_free.push(page);
+        let index = self.partition_index(owner);
+        let partition = &mut self.partitions.list[index];
+        assert!(
+            partition.pages_released > 0,
+            "released count below a dirty page"
+        );
+        partition.pages_released -= 1;
+    }
+
+    /// Writes one token's K and V (`[kv_dim]` each) into `slot` of `layer`.
+    pub fn write_kv(
+        &mut self,
+        lease: Lease,
+        layer: u32,
+        slot: u32,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), KvError> {
+        let page = self.check_lease(lease)?;
+        let layout = self.layout;
+        let kv_dim = layout.kv_dim();
+        assert_eq!(k.len(), kv_dim, "k is not [kv_dim]");
+        assert_eq!(v.len(), kv_dim, "v is not [kv_dim]");
+        let k_at = layout.k_offset(layer) + layout.slot_offset(slot);
+        let v_at = layout.v_offset(layer) + layout.slot_offset(slot);
+        let floats = self.page_floats_mut(page);
+        floats[k_at..k_at + kv_dim].copy_from_slice(k);
+        floats[v_at..v_at + kv_dim].copy_from_slice(v);
+        Ok(())
+    }
+
+    /// One layer's K and V of a page, each `// [page_tokens][kv_dim]`, for building the
+    /// attention batch. Ownership is checked again here (I3).
+    pub fn page_kv(&self, lease: Lease, layer: u32) -> Result<(&[f32], &[f32]), KvError> {
+        let page = self.check_lease(lease)?;
+        let slab = self.layout.slab_floats();
+        let k_at = self.layout.k_offset(layer);
+        let v_at = self.layout.v_offset(layer);
+        let floats = self.page_floats(page);
+        Ok((&floats[k_at..k_at + slab], &floats[v_at..v_at + slab]))
+    }
+
+    /// The digest of the page's first `tokens_used` slots (see [`super::digest`]).
+    pub fn digest(&self, lease: Lease, tokens_used: u32) -> Result<u64, KvError> {
+        let page = self.check_lease(lease)?;
+        Ok(digest_page(
+            &self.layout,
+            self.page_floats(page),
+            tokens_used,
+        ))
+    }
+
+    /// Checks a lease against the page: a typed error for an ended lease (a caller can
+    /// plausibly hold one), an assert for a current lease claimed by someone else (a
+    /// handle reached the wrong sequence: crash rather than serve it, I3).
+    fn check_lease(&self, lease: Lease) -> Result<PageId, KvError> {
+        let PageHandle { page, generation } = lease.handle;
+        let meta = self
+            .pages
+            .get(page.index())
+            .ok_or(KvError::PageOutOfRange { page })?;
+        match meta.state {
+            PageState::Owned { owner, seq } if meta.generation == generation => {
+                assert_eq!(
+                    owner, lease.owner,
+                    "page {page:?} owner mismatch: cross-tenant access"
+                );
+                assert_eq!(seq, lease.seq, "page {page:?} sequence mismatch");
+                Ok(page)
+            }
+            _ => Err(KvError::StaleHandle { page, generation }),
+        }
+    }
+
+    pub(super) fn partition_index(&self, owner: OwnerTag) -> usize {
+        match self.partitions.index(owner) {
+            Some(index) => index,
+            None => panic!("owner {owner:?} has no partition, yet holds pool state"),
+        }
+    }
+
+    /// `// [layer][k|v][page_tokens][kv_dim]`
+    pub(super) fn page_floats(&self, page: PageId) -> &[f32] {
+        let at = self.layout.page_offset(page.index());
+        &self.floats[at..at + self.layout.page_floats()]
+    }
+
+    fn page_floats_mut(&mut self, page: PageId) -> &mut [f32] {
+        let at = self.layout.page_offset(page.index());
+        let end = at + self.layout.page_floats();
+        &mut self.floats[at..end]
+    }
+
+    /// Whether every float of the page is +0.0 (bits, so -0.0 and NaN count as dirty).
+    pub(super) fn page_is_zero(&self, page: PageId) -> bool {
+        self.page_floats(page).iter().all(|f| f.to_bits() == 0)
+    }
+}
