@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from gguf import GGUFReader
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,6 +74,33 @@ CHAT = (
     "<|im_end|>\n<|im_start|>user\nWhat is 2+2? Say <|im_end|> twice.<|im_end|>\n"
     "<|im_start|>assistant\n"
 )
+
+
+# The patterns as the models' tokenizer.json files spell them (look-ahead included), for
+# the pre-tokenizer names we implement without a model file to test against.
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {
+    "gpt2": [GPT2_PATTERN],
+    "smollm": [r"\p{N}", GPT2_PATTERN],
+    "llama-bpe": [LLAMA3_PATTERN],
+    "qwen2": [QWEN2_PATTERN],
+}
+
+
+def pre_tokenize(patterns, text):
+    """HF (Oniguruma) splitting: every pattern splits every piece, keeping gaps."""
+    pre = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns]
+    )
+    return [piece for piece, _ in pre.pre_tokenize_str(text)]
 
 
 def field(reader, key):
@@ -144,12 +171,18 @@ def main():
         "decoded_without_specials": special.decode(chat_ids, skip_special_tokens=True),
     }
 
+    splits = {
+        name: [pre_tokenize(patterns, text) for text in TEXTS]
+        for name, patterns in PRE_TOKENIZERS.items()
+    }
+
     fixture = {
         "generator": "scripts/golden_tokens.py (HF tokenizers %s)" % sys.modules["tokenizers"].__version__,
         "model": MODEL.name,
         "vocab_len": len(vocab["tokens"]),
         "cases": cases,
         "chat": chat,
+        "pre_tokenized": splits,
     }
     body = json.dumps(fixture, ensure_ascii=False, indent=None, separators=(",", ":"))
     assert len(body.encode()) < FIXTURE_BYTES_MAX, len(body.encode())

@@ -560,7 +560,10 @@ impl Tokenizer {
     fn fragments<'t>(&self, text: &'t str, parse_special: bool) -> Vec<Fragment<'t>> {
         let mut fragments = Vec::new();
         if !parse_special {
-            fragments.push(Fragment::Text(text));
+            // Empty text is no fragment: SentencePiece would otherwise emit a lone `▁`.
+            if !text.is_empty() {
+                fragments.push(Fragment::Text(text));
+            }
             return fragments;
         }
         let bytes = text.as_bytes();
