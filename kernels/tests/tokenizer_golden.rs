@@ -279,4 +279,17 @@ fn measures_build_and_encode_speed() {
         text.len(),
         ids.len()
     );
+    // Worst cases for the merge loop and the splitter: one 1 MiB word, 1 MiB of spaces.
+    for (name, text) in [
+        ("one word", "x".repeat(1 << 20)),
+        ("spaces", " ".repeat(1 << 20)),
+    ] {
+        let start = Instant::now();
+        let ids = tok.encode(&text, PLAIN).unwrap();
+        eprintln!(
+            "{name}: 1 MiB -> {} ids in {:?}",
+            ids.len(),
+            start.elapsed()
+        );
+    }
 }

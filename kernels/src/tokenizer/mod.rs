@@ -299,15 +299,15 @@ pub enum TokenizerError {
     Regex(String),
 }
 
-/// The merge algorithm and its tables.
+/// The merge algorithm and its tables (boxed: the byte tables are a few KiB).
 #[derive(Debug)]
 enum Model {
     BytePairs {
-        bpe: BytePairs,
+        bpe: Box<BytePairs>,
         pre: PreTokenizer,
     },
     SentencePiece {
-        spm: SentencePiece,
+        spm: Box<SentencePiece>,
         scores: Vec<f32>,
         add_space_prefix: bool,
     },
@@ -374,31 +374,19 @@ impl Tokenizer {
         }
         let types = token_types_of(token_types, vocab_len, [bos, eos, pad], unk)?;
         let ids = index_tokens(&tokens)?;
-        let model = match model.as_str() {
-            "gpt2" => {
-                let merges = merges.ok_or(TokenizerError::MissingMerges)?;
-                if merges.len() > MERGES_MAX {
-                    return Err(TokenizerError::TooManyMerges {
-                        count: merges.len(),
-                        max: MERGES_MAX,
-                    });
-                }
-                let pre = PreTokenizer::for_name(pre.as_deref())?;
-                let bpe = BytePairs::new(&ids, &types, &merges)?;
-                Model::BytePairs { bpe, pre }
-            }
-            "llama" => {
-                let scores = scores.ok_or(TokenizerError::MissingScores)?;
-                check_scores(&scores, vocab_len)?;
-                let spm = SentencePiece::new(&tokens, &types, unk)?;
-                Model::SentencePiece {
-                    spm,
-                    scores,
-                    add_space_prefix,
-                }
-            }
-            other => return Err(TokenizerError::UnknownModel(other.to_owned())),
-        };
+        let model = build_model(
+            &model,
+            ModelData {
+                pre,
+                merges,
+                scores,
+                unk,
+                add_space_prefix,
+            },
+            &tokens,
+            &types,
+            &ids,
+        )?;
         let (piece_bytes, piece_starts) = render_pieces(&model, &tokens, &types);
         let specials = Specials::new(&tokens, &types);
         let mut eog: Vec<u32> = EOG_NAMES
@@ -643,6 +631,49 @@ impl Specials {
             .iter()
             .copied()
             .find(|&id| text[pos..].starts_with(tokens[id as usize].as_bytes()))
+    }
+}
+
+/// The parts of a [`VocabSpec`] only one model kind uses.
+struct ModelData {
+    pre: Option<String>,
+    merges: Option<Vec<String>>,
+    scores: Option<Vec<f32>>,
+    unk: Option<u32>,
+    add_space_prefix: bool,
+}
+
+fn build_model(
+    model: &str,
+    data: ModelData,
+    tokens: &[String],
+    types: &[TokenType],
+    ids: &HashMap<String, u32>,
+) -> Result<Model, TokenizerError> {
+    match model {
+        "gpt2" => {
+            let merges = data.merges.ok_or(TokenizerError::MissingMerges)?;
+            if merges.len() > MERGES_MAX {
+                return Err(TokenizerError::TooManyMerges {
+                    count: merges.len(),
+                    max: MERGES_MAX,
+                });
+            }
+            let pre = PreTokenizer::for_name(data.pre.as_deref())?;
+            let bpe = Box::new(BytePairs::new(ids, types, &merges)?);
+            Ok(Model::BytePairs { bpe, pre })
+        }
+        "llama" => {
+            let scores = data.scores.ok_or(TokenizerError::MissingScores)?;
+            check_scores(&scores, tokens.len())?;
+            let spm = Box::new(SentencePiece::new(tokens, types, data.unk)?);
+            Ok(Model::SentencePiece {
+                spm,
+                scores,
+                add_space_prefix: data.add_space_prefix,
+            })
+        }
+        other => Err(TokenizerError::UnknownModel(other.to_owned())),
     }
 }
 
