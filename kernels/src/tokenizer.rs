@@ -1,1 +1,0 @@
-//! Tokenizers from GGUF metadata (work in progress).
