@@ -1,5 +1,8 @@
 //! The ggml tensor types this engine understands, with their block geometry.
 
+// ggml spells the K-quants with an underscore; GGUF tooling and logs use those names.
+#![allow(non_camel_case_types)]
+
 /// A ggml tensor type, numbered as in GGUF files.
 #[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -1,0 +1,483 @@
+//! AVX2 + FMA + F16C kernels: `vpmaddubsw` int8 dot products on 256-bit vectors.
+//!
+//! One 32-weight block is one `__m256i`. Per block and (row, token) pair:
+//!
+//! ```text
+//! codes (u8, or |w| for Q8_0) x  x (i8, or sign(x, w) for Q8_0)
+//!     --vpmaddubsw--> 16 x i16 --vpmaddwd(1)--> 8 x i32 --cvt--> 8 x f32
+//!     --fma(dw*dx)--> acc[row][token]            and  msum += m * s  (offset term)
+//! ```
+//!
+//! Invariants:
+//! 1. Every function here runs only after the dispatcher confirmed avx2, fma and f16c
+//!    (`Isa::Avx2.is_available()`); `Isa::Avx512` implies the same features.
+//! 2. `vpmaddubsw` saturates at i16: pairs of (u8 <= 63) x (|i8| <= 127) cannot reach
+//!    it, which is why Q8_0 uses the sign trick (|w| <= 128) rather than w + 128.
+//! 3. Register tiles are `R` rows x `T` tokens; every row/token remainder is handled by
+//!    the 1-wide instantiations, so any shape is covered.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::activations::QuantizedActivations;
+use super::blocks::{
+    Q4_0_QS, Q4_1_M, Q4_1_QS, Q4_K_DMIN, Q4_K_QS, Q4_K_SCALES, Q6_K_D, Q6_K_QH, Q6_K_SCALES,
+    Q8_0_QS, QK32, QK_K,
+};
+use super::scalar;
+use super::GgmlType;
+
+/// Weight rows per register tile.
+const TILE_ROWS: usize = 4;
+/// Tokens per register tile.
+const TILE_TOKENS: usize = 2;
+
+/// AVX2 matmul; arguments already validated by the dispatcher.
+pub fn matmul(
+    ty: GgmlType,
+    w: &[u8],
+    k: usize,
+    rows: Range<usize>,
+    xq: &QuantizedActivations,
+    out: &mut [f32],
+) {
+    // SAFETY (every arm): the dispatcher asserted AVX2/FMA/F16C and the buffer shapes.
+    unsafe {
+        match ty {
+            GgmlType::Q4_0 => drive_b32::<Q4_0W>(w, k, rows, xq, out),
+            GgmlType::Q4_1 => drive_b32::<Q4_1W>(w, k, rows, xq, out),
+            GgmlType::Q8_0 => drive_b32::<Q8_0W>(w, k, rows, xq, out),
+            GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::F32 | GgmlType::F16 => {
+                matmul_rowwise(ty, w, k, rows, xq, out)
+            }
+        }
+    }
+}
+
+/// A 32-weight block format as the tile kernel sees it.
+pub(crate) trait B32 {
+    /// Bytes per block.
+    const BYTES: usize;
+    /// Loads one block: (codes for `dot`, scale d, offset coefficient m), where
+    /// `block . x = d * dx * dot(codes, x) + m * s`.
+    ///
+    /// # Safety
+    /// `block` points at `BYTES` readable bytes; AVX2/F16C available.
+    unsafe fn decode(block: *const u8) -> (__m256i, f32, f32);
+    /// Eight i32 partial sums of `codes . x`.
+    ///
+    /// # Safety
+    /// AVX2 available.
+    unsafe fn dot(codes: __m256i, x: __m256i) -> __m256i;
+}
+
+/// Reads an f16 at `p` as f32 with F16C.
+///
+/// # Safety
+/// `p` points at 2 readable bytes; F16C available.
+#[inline(always)]
+pub(crate) unsafe fn f16_load(p: *const u8) -> f32 {
+    let bits = (p as *const u16).read_unaligned();
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// Expands 16 bytes of ggml nibbles to 32 bytes: low nibbles, then high nibbles.
+///
+/// # Safety
+/// `p` points at 16 readable bytes; AVX2 available.
+#[inline(always)]
+pub(crate) unsafe fn nibbles32(p: *const u8) -> __m256i {
+    let packed = _mm_loadu_si128(p as *const __m128i);
+    let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+}
+
+#[inline(always)]
+unsafe fn maddubs_sum(codes: __m256i, x: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1))
+}
+
+struct Q4_0W;
+struct Q4_1W;
+struct Q8_0W;
+
+impl B32 for Q4_0W {
+    const BYTES: usize = GgmlType::Q4_0.block_bytes();
+    #[inline(always)]
+    unsafe fn decode(block: *const u8) -> (__m256i, f32, f32) {
+        let d = f16_load(block);
+        (nibbles32(block.add(Q4_0_QS)), d, -8.0 * d)
+    }
+    #[inline(always)]
+    unsafe fn dot(codes: __m256i, x: __m256i) -> __m256i {
+        maddubs_sum(codes, x)
+    }
+}
+
+impl B32 for Q4_1W {
+    const BYTES: usize = GgmlType::Q4_1.block_bytes();
+    #[inline(always)]
+    unsafe fn decode(block: *const u8) -> (__m256i, f32, f32) {
+        (
+            nibbles32(block.add(Q4_1_QS)),
+            f16_load(block),
+            f16_load(block.add(Q4_1_M)),
+        )
+    }
+    #[inline(always)]
+    unsafe fn dot(codes: __m256i, x: __m256i) -> __m256i {
+        maddubs_sum(codes, x)
+    }
+}
+
+impl B32 for Q8_0W {
+    const BYTES: usize = GgmlType::Q8_0.block_bytes();
+    #[inline(always)]
+    unsafe fn decode(block: *const u8) -> (__m256i, f32, f32) {
+        let q = _mm256_loadu_si256(block.add(Q8_0_QS) as *const __m256i);
+        (q, f16_load(block), 0.0)
+    }
+    #[inline(always)]
+    unsafe fn dot(codes: __m256i, x: __m256i) -> __m256i {
+        // |w| * sign(x, w) = w * x, with the unsigned operand at most 128.
+        maddubs_sum(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(x, codes))
+    }
+}
+
+/// Sum of the eight lanes.
+///
+/// # Safety
+/// AVX available.
+#[inline(always)]
+pub(crate) unsafe fn hsum256(v: __m256) -> f32 {
+    let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+    _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
+}
+
+/// Per-token activation pointers for a 32-block tile: (quants, scales d, sums s).
+type Q8Row = (*const i8, *const f32, *const f32);
+
+fn q8_row_ptrs(xq: &QuantizedActivations, t: usize) -> Q8Row {
+    let (qs, d, s) = xq.q8_row(t);
+    (qs.as_ptr(), d.as_ptr(), s.as_ptr())
+}
+
+/// Walks `rows` x tokens in `TILE_ROWS` x `TILE_TOKENS` tiles, remainders one wide.
+///
+/// # Safety
+/// AVX2/FMA/F16C available; shapes validated by the dispatcher.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn drive_b32<W: B32>(
+    w: &[u8],
+    k: usize,
+    rows: Range<usize>,
+    xq: &QuantizedActivations,
+    out: &mut [f32],
+) {
+    let nb = k / QK32;
+    let row_bytes = nb * W::BYTES;
+    let (n_rows, n_tokens) = (rows.len(), xq.n_tokens());
+    let mut r = 0;
+    while r < n_rows {
+        let tile_rows = if n_rows - r >= TILE_ROWS {
+            TILE_ROWS
+        } else {
+            1
+        };
+        // SAFETY: rows.end * row_bytes <= w.len() (dispatcher), so row r's blocks are in w.
+        let w_rows = w.as_ptr().add((rows.start + r) * row_bytes);
+        let mut t = 0;
+        while t < n_tokens {
+            let tile_tokens = if n_tokens - t >= TILE_TOKENS {
+                TILE_TOKENS
+            } else {
+                1
+            };
+            // SAFETY: (t, r) indexes inside out = [n_tokens][n_rows]; the tile writes
+            // only rows r..r+tile_rows and tokens t..t+tile_tokens of it.
+            let o = out.as_mut_ptr().add(t * n_rows + r);
+            let x2: [Q8Row; TILE_TOKENS] =
+                std::array::from_fn(|i| q8_row_ptrs(xq, t + i.min(tile_tokens - 1)));
+            let x1 = [x2[0]];
+            match (tile_rows, tile_tokens) {
+                (TILE_ROWS, TILE_TOKENS) => {
+                    tile_b32::<W, TILE_ROWS, TILE_TOKENS>(w_rows, row_bytes, nb, x2, o, n_rows)
+                }
+                (TILE_ROWS, _) => tile_b32::<W, TILE_ROWS, 1>(w_rows, row_bytes, nb, x1, o, n_rows),
+                (_, TILE_TOKENS) => {
+                    tile_b32::<W, 1, TILE_TOKENS>(w_rows, row_bytes, nb, x2, o, n_rows)
+                }
+                _ => tile_b32::<W, 1, 1>(w_rows, row_bytes, nb, x1, o, n_rows),
+            }
+            t += tile_tokens;
+        }
+        r += tile_rows;
+    }
+}
+
+/// One `R` x `T` register tile over all `nb` blocks; writes `out[t * out_stride + r]`.
+///
+/// # Safety
+/// `w_rows` holds `R` rows of `row_bytes`; each `x` row holds `nb` blocks; `out` has the
+/// `T` x `R` slots; AVX2/FMA/F16C available.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_b32<W: B32, const R: usize, const T: usize>(
+    w_rows: *const u8,
+    row_bytes: usize,
+    nb: usize,
+    x: [Q8Row; T],
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut offset = [[0.0f32; T]; R];
+    for b in 0..nb {
+        let mut codes = [_mm256_setzero_si256(); R];
+        let (mut dw, mut m) = ([0.0f32; R], [0.0f32; R]);
+        for r in 0..R {
+            (codes[r], dw[r], m[r]) = W::decode(w_rows.add(r * row_bytes + b * W::BYTES));
+        }
+        for t in 0..T {
+            let (qs, d, s) = x[t];
+            let xv = _mm256_loadu_si256(qs.add(b * QK32) as *const __m256i);
+            let (dx, sx) = (*d.add(b), *s.add(b));
+            for r in 0..R {
+                let sums = _mm256_cvtepi32_ps(W::dot(codes[r], xv));
+                acc[r][t] = _mm256_fmadd_ps(sums, _mm256_set1_ps(dw[r] * dx), acc[r][t]);
+                offset[r][t] += m[r] * sx;
+            }
+        }
+    }
+    for r in 0..R {
+        for t in 0..T {
+            *out.add(t * out_stride + r) = hsum256(acc[r][t]) + offset[r][t];
+        }
+    }
+}
+
+/// Row-at-a-time matmul for the types without a register-tiled kernel.
+///
+/// # Safety
+/// AVX2/FMA/F16C available; shapes validated by the dispatcher.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn matmul_rowwise(
+    ty: GgmlType,
+    w: &[u8],
+    k: usize,
+    rows: Range<usize>,
+    xq: &QuantizedActivations,
+    out: &mut [f32],
+) {
+    let nb = k / ty.block_len();
+    let row_bytes = nb * ty.block_bytes();
+    let n_rows = rows.len();
+    for t in 0..xq.n_tokens() {
+        for (i, r) in rows.clone().enumerate() {
+            let w_row = &w[r * row_bytes..(r + 1) * row_bytes];
+            out[t * n_rows + i] = match ty {
+                GgmlType::F32 => dot_f32_bytes::<false>(w_row, xq.values(t)),
+                GgmlType::F16 => dot_f32_bytes::<true>(w_row, xq.values(t)),
+                GgmlType::Q4_K => dot_q4_k(w_row, xq, t),
+                GgmlType::Q6_K => dot_q6_k(w_row, xq, t),
+                _ => scalar::dot_row(ty, w_row, xq, t),
+            };
+        }
+    }
+}
+
+/// Dot of a row of f32 (or f16 when `HALF`) weight bytes with f32 activations.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f32_bytes<const HALF: bool>(w_row: &[u8], x: &[f32]) -> f32 {
+    const LANES: usize = 8;
+    let width = if HALF { 2 } else { 4 };
+    let main = x.len() / LANES * LANES;
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let load = |i: usize| {
+        // SAFETY: i + 8 <= main <= x.len(), and w_row holds x.len() weights of `width` bytes.
+        unsafe {
+            let p = w_row.as_ptr().add(i * width);
+            if HALF {
+                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+            } else {
+                _mm256_loadu_ps(p as *const f32)
+            }
+        }
+    };
+    let mut i = 0;
+    while i + 2 * LANES <= main {
+        acc0 = _mm256_fmadd_ps(load(i), _mm256_loadu_ps(x.as_ptr().add(i)), acc0);
+        acc1 = _mm256_fmadd_ps(
+            load(i + LANES),
+            _mm256_loadu_ps(x.as_ptr().add(i + LANES)),
+            acc1,
+        );
+        i += 2 * LANES;
+    }
+    if i < main {
+        acc0 = _mm256_fmadd_ps(load(i), _mm256_loadu_ps(x.as_ptr().add(i)), acc0);
+    }
+    let mut sum = hsum256(_mm256_add_ps(acc0, acc1));
+    for j in main..x.len() {
+        let b = &w_row[j * width..];
+        sum += x[j]
+            * if HALF {
+                super::blocks::f16_at(b, 0)
+            } else {
+                f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+            };
+    }
+    sum
+}
+
+/// Q4_K row . Q8_K token `t`: nibble dots scaled by 6-bit sub-scales in i32, the
+/// sub-block mins applied through the activation block sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
+    let (qs, d, _) = xq.q8_row(t);
+    let bsums = xq.bsums(t);
+    let low = _mm256_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    let mut mins_total = 0.0f32;
+    for (b, block) in w_row.chunks_exact(GgmlType::Q4_K.block_bytes()).enumerate() {
+        let scales = &block[Q4_K_SCALES..Q4_K_QS];
+        let mut isum = _mm256_setzero_si256();
+        let mut mins = 0i32;
+        for chunk in 0..QK_K / 64 {
+            let (sc_lo, m_lo) = super::blocks::scale_min_k4(2 * chunk, scales);
+            let (sc_hi, m_hi) = super::blocks::scale_min_k4(2 * chunk + 1, scales);
+            let bs = &bsums[b * 16 + 4 * chunk..][..4];
+            mins += m_lo as i32 * (bs[0] as i32 + bs[1] as i32)
+                + m_hi as i32 * (bs[2] as i32 + bs[3] as i32);
+            // SAFETY: 32 qs bytes at chunk*32 lie inside the 144-byte block; the 64
+            // activations at b*256 + chunk*64 lie inside token t's k quants.
+            let q =
+                _mm256_loadu_si256(block.as_ptr().add(Q4_K_QS + chunk * QK32) as *const __m256i);
+            let x = qs.as_ptr().add(b * QK_K + chunk * 64);
+            let x_lo = _mm256_loadu_si256(x as *const __m256i);
+            let x_hi = _mm256_loadu_si256(x.add(QK32) as *const __m256i);
+            let p_lo = _mm256_maddubs_epi16(_mm256_and_si256(q, low), x_lo);
+            let p_hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), x_hi);
+            let s_lo = _mm256_madd_epi16(p_lo, _mm256_set1_epi16(sc_lo as i16));
+            let s_hi = _mm256_madd_epi16(p_hi, _mm256_set1_epi16(sc_hi as i16));
+            isum = _mm256_add_epi32(isum, _mm256_add_epi32(s_lo, s_hi));
+        }
+        let dw = super::blocks::f16_at(block, 0);
+        let dmin = super::blocks::f16_at(block, Q4_K_DMIN);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * d[b]), acc);
+        mins_total += dmin * d[b] * mins as f32;
+    }
+    hsum256(acc) - mins_total
+}
+
+/// Q6_K row . Q8_K token `t`: 6-bit codes (q + 32) as unsigned bytes, the -32 offset
+/// applied through the activation block sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q6_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
+    let (qs, d, _) = xq.q8_row(t);
+    let bsums = xq.bsums(t);
+    let mut acc = _mm256_setzero_ps();
+    let mut offset_total = 0.0f32;
+    for (b, block) in w_row.chunks_exact(GgmlType::Q6_K.block_bytes()).enumerate() {
+        let sc = |i: usize| block[Q6_K_SCALES + i] as i8 as i16;
+        let offset: i32 = (0..16)
+            .map(|i| sc(i) as i32 * bsums[b * 16 + i] as i32)
+            .sum();
+        let mut isum = _mm256_setzero_si256();
+        for half in 0..2 {
+            let p = block.as_ptr();
+            // SAFETY: ql (64 bytes at half*64) and qh (32 bytes) lie inside the
+            // 210-byte block; 128 activations at b*256 + half*128 lie inside token t's.
+            let ql0 = _mm256_loadu_si256(p.add(half * 64) as *const __m256i);
+            let ql1 = _mm256_loadu_si256(p.add(half * 64 + 32) as *const __m256i);
+            let qh = _mm256_loadu_si256(p.add(Q6_K_QH + half * 32) as *const __m256i);
+            let codes = q6_codes(ql0, ql1, qh);
+            let x = qs.as_ptr().add(b * QK_K + half * 128);
+            for (n, code) in codes.into_iter().enumerate() {
+                let xv = _mm256_loadu_si256(x.add(n * QK32) as *const __m256i);
+                let first = half * 8 + 2 * n;
+                let scale =
+                    _mm256_set_m128i(_mm_set1_epi16(sc(first + 1)), _mm_set1_epi16(sc(first)));
+                isum = _mm256_add_epi32(
+                    isum,
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(code, xv), scale),
+                );
+            }
+        }
+        let scale = super::blocks::f16_at(block, Q6_K_D) * d[b];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(scale), acc);
+        offset_total += scale * (32 * offset) as f32;
+    }
+    hsum256(acc) - offset_total
+}
+
+/// The four 32-byte vectors of unsigned 6-bit codes (q + 32) in one Q6_K half-block,
+/// for weights 0..32, 32..64, 64..96 and 96..128 of that half.
+#[inline(always)]
+unsafe fn q6_codes(ql0: __m256i, ql1: __m256i, qh: __m256i) -> [__m256i; 4] {
+    let low4 = _mm256_set1_epi8(0x0F);
+    let two = _mm256_set1_epi8(3);
+    let high = |shift: i32| {
+        // SAFETY: AVX2 is available in every caller.
+        unsafe {
+            let bits = match shift {
+                0 => qh,
+                2 => _mm256_srli_epi16(qh, 2),
+                4 => _mm256_srli_epi16(qh, 4),
+                _ => _mm256_srli_epi16(qh, 6),
+            };
+            _mm256_slli_epi16(_mm256_and_si256(bits, two), 4)
+        }
+    };
+    [
+        _mm256_or_si256(_mm256_and_si256(ql0, low4), high(0)),
+        _mm256_or_si256(_mm256_and_si256(ql1, low4), high(2)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), high(4)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4), high(6)),
+    ]
+}
+
+/// AVX2 `a . b`.
+///
+/// # Safety
+/// AVX2 and FMA available; `a.len() == b.len()`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    const LANES: usize = 8;
+    let main = a.len() / LANES * LANES;
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut i = 0;
+    while i + 2 * LANES <= main {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+        acc1 = _mm256_fmadd_ps(
+            _mm256_loadu_ps(pa.add(i + LANES)),
+            _mm256_loadu_ps(pb.add(i + LANES)),
+            acc1,
+        );
+        i += 2 * LANES;
+    }
+    if i < main {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+    }
+    hsum256(_mm256_add_ps(acc0, acc1)) + scalar::dot_f32(&a[main..], &b[main..])
+}
+
+/// AVX2 `y += alpha * x`.
+///
+/// # Safety
+/// AVX2 and FMA available; `x.len() == y.len()`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn axpy_f32(alpha: f32, x: &[f32], y: &mut [f32]) {
+    const LANES: usize = 8;
+    let main = x.len() / LANES * LANES;
+    let a = _mm256_set1_ps(alpha);
+    let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+    for i in (0..main).step_by(LANES) {
+        _mm256_storeu_ps(
+            py.add(i),
+            _mm256_fmadd_ps(a, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i))),
+        );
+    }
+    scalar::axpy_f32(alpha, &x[main..], &mut y[main..]);
+}
