@@ -6,16 +6,12 @@ Regenerate with:
     scripts/setup.sh --python && python3 scripts/golden_tokens.py
 
 Reads the vocabulary straight out of the GGUF model with the `gguf` package, builds a
-HuggingFace `tokenizers` BPE tokenizer from it with SmolLM2's own pre-tokenizer
-(Digits(individual_digits=True) then ByteLevel(add_prefix_space=False, use_regex=True)),
-and writes:
-
-1. kernels/tests/fixtures/tokens_smollm2.json (committed): texts -> expected ids with
-   special tokens NOT parsed, one chat-template rendering -> expected ids with special
-   tokens parsed, and HF's decode of every id list.
-2. .cache/smollm2_vocab.json (NOT committed; .cache is gitignored): the raw GGUF
-   tokenizer metadata, so the Rust test can build its tokenizer before the GGUF reader
-   exists.
+HuggingFace `tokenizers` BPE tokenizer from it (reference_tokenizer.py) with SmolLM2's
+own pre-tokenizer (Digits(individual_digits=True) then
+ByteLevel(add_prefix_space=False, use_regex=True)), and writes
+kernels/tests/fixtures/tokens_smollm2.json: texts -> expected ids with special tokens
+NOT parsed, one chat-template rendering -> expected ids with special tokens parsed,
+HF's decode of every id list, and HF's pre-token splits for each pre-tokenizer.
 
 Nothing here is shared with the Rust implementation: the expected ids come from HF's
 BPE, pre-tokenizer and added-token splitting.
@@ -25,17 +21,16 @@ import json
 import sys
 from pathlib import Path
 
-from gguf import GGUFReader
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, pre_tokenizers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference_tokenizer import build_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 FIXTURE = ROOT / "kernels/tests/fixtures/tokens_smollm2.json"
-VOCAB_DUMP = ROOT / ".cache/smollm2_vocab.json"
 FIXTURE_BYTES_MAX = 50_000
 
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
 
 TEXTS = [
     "Hello, world!",
@@ -103,59 +98,9 @@ def pre_tokenize(patterns, text):
     return [piece for piece, _ in pre.pre_tokenize_str(text)]
 
 
-def field(reader, key):
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
-
-
-def read_vocab():
-    reader = GGUFReader(MODEL)
-    return {
-        "model": field(reader, "tokenizer.ggml.model"),
-        "pre": field(reader, "tokenizer.ggml.pre"),
-        "tokens": field(reader, "tokenizer.ggml.tokens"),
-        "token_types": field(reader, "tokenizer.ggml.token_type"),
-        "scores": field(reader, "tokenizer.ggml.scores"),
-        "merges": field(reader, "tokenizer.ggml.merges"),
-        "bos": field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos": field(reader, "tokenizer.ggml.eos_token_id"),
-        "unk": field(reader, "tokenizer.ggml.unknown_token_id"),
-        "pad": field(reader, "tokenizer.ggml.padding_token_id"),
-        "add_bos": bool(field(reader, "tokenizer.ggml.add_bos_token") or False),
-        "add_space_prefix": bool(field(reader, "tokenizer.ggml.add_space_prefix") or False),
-    }
-
-
-def build_hf(vocab, with_specials):
-    tokens = vocab["tokens"]
-    ids = {t: i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ")) for m in vocab["merges"]]
-    tok = Tokenizer(models.BPE(vocab=ids, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    if with_specials:
-        specials = [
-            t
-            for t, ty in zip(tokens, vocab["token_types"])
-            if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
-        ]
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    return tok
-
-
 def main():
-    vocab = read_vocab()
-    assert vocab["model"] == "gpt2" and vocab["pre"] == "smollm", vocab["pre"]
-    VOCAB_DUMP.parent.mkdir(parents=True, exist_ok=True)
-    VOCAB_DUMP.write_text(json.dumps(vocab, ensure_ascii=False))
-
-    plain = build_hf(vocab, with_specials=False)
-    special = build_hf(vocab, with_specials=True)
+    plain = build_tokenizer(MODEL, specials=False)
+    special = build_tokenizer(MODEL, specials=True)
 
     cases = []
     for text in TEXTS:
@@ -179,7 +124,7 @@ def main():
     fixture = {
         "generator": "scripts/golden_tokens.py (HF tokenizers %s)" % sys.modules["tokenizers"].__version__,
         "model": MODEL.name,
-        "vocab_len": len(vocab["tokens"]),
+        "vocab_len": plain.get_vocab_size(),
         "cases": cases,
         "chat": chat,
         "pre_tokenized": splits,
@@ -188,7 +133,7 @@ def main():
     assert len(body.encode()) < FIXTURE_BYTES_MAX, len(body.encode())
     FIXTURE.parent.mkdir(parents=True, exist_ok=True)
     FIXTURE.write_text(body + "\n")
-    print(f"wrote {FIXTURE} ({len(body.encode())} bytes, {len(cases)} cases) and {VOCAB_DUMP}")
+    print(f"wrote {FIXTURE} ({len(body.encode())} bytes, {len(cases)} cases)")
 
 
 if __name__ == "__main__":

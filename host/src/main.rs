@@ -1,1 +1,210 @@
-fn main() {}
+//! The `bulkhead` command line (DESIGN.md §10).
+
+use anyhow::{bail, Context, Result};
+use bulkhead::bench;
+use bulkhead::engine::chat::{ChatTemplate, Message};
+use bulkhead::engine::generate::{Engine, GenerateOptions};
+use bulkhead::engine::sampling::SamplingParams;
+use bulkhead_kernels::model::Model;
+use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer};
+use clap::{Parser, Subcommand};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Parser)]
+#[command(
+    name = "bulkhead",
+    version,
+    about = "A multi-tenant LLM inference host"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// One generation to stdout; temperature 0 is greedy.
+    Generate {
+        /// GGUF model file.
+        #[arg(long)]
+        model: PathBuf,
+        /// Raw prompt text (special-token text in it stays plain text).
+        #[arg(long, conflicts_with = "chat", required_unless_present = "chat")]
+        prompt: Option<String>,
+        /// A user message, wrapped in the model's chat template.
+        #[arg(long)]
+        chat: Option<String>,
+        /// Most tokens to generate.
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        /// Sampling temperature; 0 is greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        /// Keep only the k most likely tokens (0 = all).
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        /// Nucleus sampling mass (1 = all).
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        /// Seed of the sampler.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Compute threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
+    /// Token ids of a text as one JSON array, no BOS added.
+    Tokenize {
+        /// GGUF model file.
+        #[arg(long)]
+        model: PathBuf,
+        /// The text.
+        #[arg(long)]
+        text: String,
+        /// Treat special-token text (e.g. `<|im_start|>`) as special tokens.
+        #[arg(long)]
+        parse_special: bool,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Engine throughput: prefill, decode at batch 1, aggregate decode at larger batches.
+    Engine(bench::EngineBenchArgs),
+}
+
+fn threads_default() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+fn load(path: &Path) -> Result<(Arc<Model>, Tokenizer)> {
+    let model = Model::open(path).with_context(|| format!("loading model {}", path.display()))?;
+    let tokenizer =
+        Tokenizer::from_gguf(&model.gguf).context("building the tokenizer from the model file")?;
+    Ok((Arc::new(model), tokenizer))
+}
+
+fn chat_tokens(model: &Model, tokenizer: &Tokenizer, user: &str) -> Result<Vec<u32>> {
+    let source = model
+        .gguf
+        .str("tokenizer.chat_template")
+        .context("the model has no chat template; use --prompt")?;
+    let piece = |id: Option<u32>| {
+        id.and_then(|id| tokenizer.token_text(id).ok())
+            .unwrap_or_default()
+    };
+    let template = ChatTemplate::new(source, &piece(tokenizer.bos()), &piece(tokenizer.eos()))?;
+    let messages = [Message {
+        role: "user".into(),
+        content: user.into(),
+    }];
+    Ok(template.tokens(tokenizer, &messages)?)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn generate(
+    model_path: &Path,
+    prompt: Option<String>,
+    chat: Option<String>,
+    options: GenerateOptions,
+    threads: usize,
+) -> Result<()> {
+    let (model, tokenizer) = load(model_path)?;
+    let prompt_ids = match (prompt, chat) {
+        (Some(text), None) => tokenizer.encode(
+            &text,
+            EncodeOptions {
+                add_bos: tokenizer.add_bos(),
+                parse_special: false,
+            },
+        )?,
+        (None, Some(user)) => chat_tokens(&model, &tokenizer, &user)?,
+        _ => bail!("give exactly one of --prompt and --chat"),
+    };
+    let mut engine = Engine::new(model, tokenizer, threads, 1);
+    let mut stdout = std::io::stdout().lock();
+    let report = engine.generate(&prompt_ids, &options, |text| {
+        let _ = stdout.write_all(text.as_bytes());
+        let _ = stdout.flush();
+    })?;
+    writeln!(stdout)?;
+    let decoded = report.generated.len();
+    eprintln!(
+        "[{} prompt tokens, prefill {:.1} tok/s; {} generated, decode {:.1} tok/s; finish: {:?}; backend {}]",
+        report.prompt_tokens,
+        report.prompt_tokens as f64 / report.prefill_secs,
+        decoded,
+        decoded as f64 / report.decode_secs.max(1e-9),
+        report.finish,
+        bulkhead_kernels::backend::Backend::name(&engine.backend),
+    );
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Generate {
+            model,
+            prompt,
+            chat,
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            threads,
+        } => {
+            if !(temperature.is_finite() && temperature >= 0.0) {
+                bail!("--temperature must be a finite number >= 0");
+            }
+            if !(top_p > 0.0 && top_p <= 1.0) {
+                bail!("--top-p must be in (0, 1]");
+            }
+            let options = GenerateOptions {
+                max_tokens,
+                sampling: SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    seed,
+                },
+            };
+            generate(
+                &model,
+                prompt,
+                chat,
+                options,
+                threads.unwrap_or_else(threads_default),
+            )
+        }
+        Command::Tokenize {
+            model,
+            text,
+            parse_special,
+        } => {
+            let (_, tokenizer) = load(&model)?;
+            let ids = tokenizer.encode(
+                &text,
+                EncodeOptions {
+                    add_bos: false,
+                    parse_special,
+                },
+            )?;
+            println!("{}", serde_json::to_string(&ids)?);
+            Ok(())
+        }
+        Command::Bench { which } => match which {
+            BenchCommand::Engine(args) => {
+                let (model, tokenizer) = load(&args.model)?;
+                bench::engine(model, tokenizer, &args)
+            }
+        },
+    }
+}

@@ -8,10 +8,15 @@
 //! 2. [`tokenizer`] builds a tokenizer from the file's metadata.
 //! 3. [`quant`] holds the block formats and their SIMD dot products.
 //! 4. [`kv`] owns the paged KV pool, its tenant partitions and page states.
-//! 5. [`model`] runs the batched Llama forward pass over page tables.
+//! 5. [`model`] checks the weights against the architecture; [`backend`] runs
+//!    the batched forward pass over page tables on [`threads`].
+//! 6. [`testing`] generates tiny models for fast tests.
 
+pub mod backend;
 pub mod gguf;
 pub mod kv;
+pub mod model;
 pub mod quant;
+pub mod testing;
 pub mod threads;
 pub mod tokenizer;

@@ -1,10 +1,12 @@
 //! SmolLM2's tokenizer against ids from an independent implementation (HF `tokenizers`).
 //!
 //! `tests/fixtures/tokens_smollm2.json` is written by `scripts/golden_tokens.py` from the
-//! real model's vocabulary. The vocabulary itself comes from [`load_smollm2_spec`], which
-//! until the GGUF reader lands reads a JSON dump the same script leaves in `.cache/`; when
-//! that dump is absent every test here says "skipped" and returns.
+//! real model's vocabulary; the tests read the same vocabulary from the model file through
+//! our GGUF reader. When the model is absent every test here says "skipped" and returns.
 
+mod common;
+
+use bulkhead_kernels::gguf::Gguf;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -29,43 +31,14 @@ fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// SmolLM2's tokenizer metadata. The one function to swap for the GGUF reader.
+/// SmolLM2's tokenizer metadata, read from the real model file.
 fn load_smollm2_spec() -> Option<VocabSpec> {
-    let path = repo_root().join(".cache/smollm2_vocab.json");
-    let text = std::fs::read_to_string(path).ok()?;
-    let v: Value = serde_json::from_str(&text).expect("vocab dump is JSON");
-    let strings = |key: &str| -> Option<Vec<String>> {
-        let items = v[key].as_array()?.iter();
-        Some(
-            items
-                .map(|s| s.as_str().expect("string").to_owned())
-                .collect(),
-        )
-    };
-    let id = |key: &str| v[key].as_u64().map(|n| u32::try_from(n).expect("u32 id"));
-    Some(VocabSpec {
-        model: v["model"].as_str().expect("model").to_owned(),
-        pre: v["pre"].as_str().map(str::to_owned),
-        tokens: strings("tokens").expect("tokens"),
-        token_types: v["token_types"].as_array().map(|a| {
-            a.iter()
-                .map(|t| i32::try_from(t.as_i64().expect("int")).expect("i32"))
-                .collect()
-        }),
-        scores: None,
-        merges: strings("merges"),
-        bos: id("bos"),
-        eos: id("eos"),
-        unk: id("unk"),
-        pad: id("pad"),
-        add_bos: v["add_bos"].as_bool().unwrap_or(false),
-        add_space_prefix: v["add_space_prefix"].as_bool().unwrap_or(false),
-    })
+    let gguf = Gguf::open(&common::smollm2_path()?).expect("the default model parses");
+    Some(VocabSpec::from_gguf(&gguf).expect("the default model has tokenizer metadata"))
 }
 
 fn smollm2() -> Option<Tokenizer> {
     let Some(spec) = load_smollm2_spec() else {
-        eprintln!("skipped: run scripts/golden_tokens.py (needs .cache/smollm2_vocab.json)");
         return None;
     };
     Some(Tokenizer::new(spec).expect("SmolLM2 vocabulary builds"))
@@ -257,7 +230,6 @@ fn rejects_text_over_the_cap_and_unknown_ids() {
 #[ignore]
 fn measures_build_and_encode_speed() {
     let Some(spec) = load_smollm2_spec() else {
-        eprintln!("skipped: run scripts/golden_tokens.py");
         return;
     };
     let start = Instant::now();

@@ -286,7 +286,7 @@ fn tensor_bytes_len(name: &str, dims: &[u64], ty: GgmlType) -> Result<u64, GgufE
     if dims.contains(&0) {
         return Err(bad("a dimension is zero"));
     }
-    if dims[0] % ty.block_len() as u64 != 0 {
+    if !dims[0].is_multiple_of(ty.block_len() as u64) {
         return Err(bad("row length is not a whole number of blocks"));
     }
     let count = dims

@@ -26,12 +26,14 @@
 
 mod bpe;
 mod detokenize;
+mod from_gguf;
 mod pretokenize;
 mod spm;
 
 use std::collections::HashMap;
 
 pub use detokenize::Detokenizer;
+pub use from_gguf::LoadError;
 
 use bpe::BytePairs;
 use pretokenize::PreTokenizer;

@@ -1,0 +1,7 @@
+//! The control plane's view of the engine: sampling, chat templates and, for
+//! now, a single-sequence generation driver used by `bulkhead generate` and the
+//! benchmarks. The multi-tenant scheduler joins here with the serving issue.
+
+pub mod chat;
+pub mod generate;
+pub mod sampling;

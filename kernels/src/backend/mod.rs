@@ -1,0 +1,110 @@
+//! Compute backends: the one interface the scheduler sees.
+//!
+//! A backend runs one *step*: a batch of sequences, each bringing either a
+//! prefill chunk or a single decode token, over KV that lives only in pool
+//! pages reached through each sequence's page table. The CPU backend is always
+//! present; a CUDA backend joins behind the same trait without the scheduler
+//! changing.
+
+pub mod cpu;
+
+use crate::kv::{PageTable, Pool};
+
+/// One sequence's share of a step.
+pub struct SeqStep<'a> {
+    /// The sequence's pages; the backend writes new K/V into them and reads
+    /// attention only through them.
+    pub pages: &'a PageTable,
+    /// Tokens already in the sequence's KV (the position of `tokens[0]`).
+    pub pos_start: usize,
+    /// New tokens: a prefill chunk or one decode token. Never empty.
+    pub tokens: &'a [u32],
+    /// Whether the caller wants logits for the last of `tokens`.
+    pub wants_logits: bool,
+}
+
+/// Why a step was refused. The pool and the sequences are unchanged when a step
+/// is refused before it starts, which every variant here is.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum StepError {
+    /// More tokens in one step than the backend's scratch was sized for.
+    #[error("step has {tokens} tokens; backend limit is {tokens_max}")]
+    TooManyTokens {
+        /// Tokens in the step.
+        tokens: usize,
+        /// The configured limit.
+        tokens_max: usize,
+    },
+    /// More sequences in one step than the backend's scratch was sized for.
+    #[error("step has {seqs} sequences; backend limit is {seqs_max}")]
+    TooManySequences {
+        /// Sequences in the step.
+        seqs: usize,
+        /// The configured limit.
+        seqs_max: usize,
+    },
+    /// A sequence brought no tokens.
+    #[error("sequence {index} in the step has no tokens")]
+    EmptySequence {
+        /// Its index in the step.
+        index: usize,
+    },
+    /// A token id outside the vocabulary.
+    #[error("token id {token} is outside the vocabulary of {vocab_len}")]
+    TokenOutOfRange {
+        /// The id.
+        token: u32,
+        /// Vocabulary size.
+        vocab_len: usize,
+    },
+    /// A page of the sequence's table is no longer leased to it.
+    #[error("sequence {index} in the step holds a stale page handle")]
+    StaleHandle {
+        /// Its index in the step.
+        index: usize,
+    },
+    /// Positions past the model's context or the sequence's pages.
+    #[error("positions up to {end} exceed capacity {capacity} ({limit})")]
+    PositionOutOfRange {
+        /// One past the last position the step would write.
+        end: usize,
+        /// The capacity it broke.
+        capacity: usize,
+        /// Which capacity: "model context" or "page table".
+        limit: &'static str,
+    },
+}
+
+/// Logits of one step: `[wanted][vocab]`, one row per sequence that asked, in
+/// step order.
+pub struct Logits<'a> {
+    /// Row-major values.
+    pub values: &'a [f32],
+    /// Vocabulary size (row length).
+    pub vocab_len: usize,
+}
+
+impl Logits<'_> {
+    /// The `i`-th row.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.values[i * self.vocab_len..(i + 1) * self.vocab_len]
+    }
+
+    /// Number of rows.
+    pub fn rows_count(&self) -> usize {
+        self.values.len() / self.vocab_len
+    }
+}
+
+/// A compute backend.
+pub trait Backend: Send {
+    /// A short name for logs and the capacity table ("cpu-avx512", "cuda").
+    fn name(&self) -> String;
+
+    /// Largest number of tokens one step may carry.
+    fn step_tokens_max(&self) -> usize;
+
+    /// Runs one step: writes the new tokens' K/V into their pages and returns
+    /// logits for the sequences that asked.
+    fn step(&mut self, steps: &[SeqStep<'_>], pool: &mut Pool) -> Result<Logits<'_>, StepError>;
+}

@@ -1,1 +1,0 @@
-//! GGUF reader (work in progress).

@@ -1,0 +1,341 @@
+//! The CPU backend on tiny generated models: batching, chunking, page order and
+//! instruction sets must not change results; bad steps are refused before they
+//! touch the pool.
+
+use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
+use bulkhead_kernels::backend::{Backend, SeqStep, StepError};
+use bulkhead_kernels::gguf::Gguf;
+use bulkhead_kernels::kv::{
+    OwnerTag, PageTable, PartitionConfig, Pool, PoolGeometry, PoolOptions, SeqId,
+};
+use bulkhead_kernels::model::{Model, ModelError};
+use bulkhead_kernels::quant::{GgmlType, Isa};
+use bulkhead_kernels::testing::{tiny_llama, TinySpec};
+use std::sync::Arc;
+
+const PAGE_TOKENS: u32 = 4;
+const ALPHA: OwnerTag = OwnerTag(7);
+const BETA: OwnerTag = OwnerTag(9);
+
+fn model(spec: &TinySpec) -> Arc<Model> {
+    let gguf = Gguf::from_bytes(tiny_llama(spec)).expect("tiny model parses");
+    Arc::new(Model::load(Arc::new(gguf)).expect("tiny model loads"))
+}
+
+fn backend(model: &Arc<Model>, isa: Option<Isa>, threads: usize) -> CpuBackend {
+    CpuBackend::new(
+        Arc::clone(model),
+        CpuOptions {
+            threads_count: threads,
+            step_tokens_max: 64,
+            step_seqs_max: 4,
+            isa,
+        },
+    )
+}
+
+fn pool(model: &Model, pages: u32, options: PoolOptions) -> Pool {
+    let c = &model.config;
+    let geometry = PoolGeometry {
+        pages_count: pages,
+        page_tokens: PAGE_TOKENS,
+        layers: c.layers_count as u32,
+        kv_heads: c.kv_heads_count as u32,
+        head_dim: c.head_dim as u32,
+    };
+    let half = pages / 2;
+    let partitions = [
+        PartitionConfig {
+            owner: ALPHA,
+            pages_reserved: half,
+            pages_max: pages,
+        },
+        PartitionConfig {
+            owner: BETA,
+            pages_reserved: pages - half,
+            pages_max: pages,
+        },
+    ];
+    Pool::new(geometry, &partitions, options).expect("valid pool")
+}
+
+fn table(pool: &mut Pool, owner: OwnerTag, seq: u64, pages: u32) -> PageTable {
+    let mut reservation = pool.reserve(owner, pages).expect("capacity");
+    let mut table = pool.page_table(&reservation, SeqId(seq));
+    for _ in 0..pages {
+        pool.acquire(&mut reservation, &mut table).expect("booked");
+    }
+    pool.release_reservation(reservation);
+    table
+}
+
+/// Logits of the last token after feeding `tokens` in chunks of `chunk`.
+fn run_chunked(
+    backend: &mut CpuBackend,
+    pool: &mut Pool,
+    table: &PageTable,
+    tokens: &[u32],
+    chunk: usize,
+) -> Vec<f32> {
+    let mut out = Vec::new();
+    let mut pos = 0;
+    for piece in tokens.chunks(chunk) {
+        let step = SeqStep {
+            pages: table,
+            pos_start: pos,
+            tokens: piece,
+            wants_logits: pos + piece.len() == tokens.len(),
+        };
+        let logits = backend.step(&[step], pool).expect("valid step");
+        if logits.rows_count() == 1 {
+            out = logits.row(0).to_vec();
+        }
+        pos += piece.len();
+    }
+    out
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+const PROMPT_A: [u32; 11] = [104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100];
+const PROMPT_B: [u32; 6] = [261, 3, 200, 17, 90, 262];
+
+#[test]
+fn chunked_prefill_matches_one_shot_and_token_by_token() {
+    let m = model(&TinySpec::default());
+    let mut b = backend(&m, None, 2);
+    let mut results = Vec::new();
+    for chunk in [PROMPT_A.len(), 5, 4, 1] {
+        let mut p = pool(&m, 16, PoolOptions::default());
+        let t = table(&mut p, ALPHA, 1, 3);
+        results.push(run_chunked(&mut b, &mut p, &t, &PROMPT_A, chunk));
+    }
+    assert!(results[0].iter().any(|&v| v != 0.0));
+    for other in &results[1..] {
+        let diff = max_abs_diff(&results[0], other);
+        assert!(diff < 1e-4, "chunking changed logits by {diff}");
+    }
+}
+
+#[test]
+fn a_batch_gives_each_sequence_what_it_gets_alone() {
+    let m = model(&TinySpec::default());
+    let mut b = backend(&m, None, 2);
+    let alone = |b: &mut CpuBackend, owner, prompt: &[u32]| {
+        let mut p = pool(&m, 16, PoolOptions::default());
+        let t = table(&mut p, owner, 1, 3);
+        run_chunked(b, &mut p, &t, prompt, prompt.len())
+    };
+    let a_alone = alone(&mut b, ALPHA, &PROMPT_A);
+    let b_alone = alone(&mut b, BETA, &PROMPT_B);
+
+    let mut p = pool(&m, 16, PoolOptions::default());
+    let ta = table(&mut p, ALPHA, 1, 3);
+    let tb = table(&mut p, BETA, 2, 3);
+    let steps = [
+        SeqStep {
+            pages: &ta,
+            pos_start: 0,
+            tokens: &PROMPT_A,
+            wants_logits: true,
+        },
+        SeqStep {
+            pages: &tb,
+            pos_start: 0,
+            tokens: &PROMPT_B,
+            wants_logits: true,
+        },
+    ];
+    let logits = b.step(&steps, &mut p).unwrap();
+    assert_eq!(logits.rows_count(), 2);
+    assert!(max_abs_diff(logits.row(0), &a_alone) < 1e-4);
+    assert!(max_abs_diff(logits.row(1), &b_alone) < 1e-4);
+    assert!(
+        max_abs_diff(&a_alone, &b_alone) > 1e-2,
+        "different prompts, different logits"
+    );
+}
+
+#[test]
+fn reused_scrubbed_pages_in_any_order_give_the_same_result() {
+    let m = model(&TinySpec::default());
+    let mut b = backend(&m, None, 2);
+    let mut fresh_pool = pool(&m, 16, PoolOptions::default());
+    let fresh_table = table(&mut fresh_pool, ALPHA, 1, 3);
+    let fresh = run_chunked(&mut b, &mut fresh_pool, &fresh_table, &PROMPT_A, 4);
+
+    // Fill pages with another tenant's KV, release them (poisoned), scrub, and
+    // let the sequence get them back in a different physical order.
+    let options = PoolOptions {
+        poison_released: true,
+        paranoid: true,
+    };
+    let mut p = pool(&m, 16, options);
+    let mut other = table(&mut p, BETA, 5, 8);
+    run_chunked(&mut b, &mut p, &other, &[1; 30], 8);
+    p.release(&mut other);
+    p.scrub_released();
+    let _spacer = table(&mut p, BETA, 6, 5);
+    let reused = table(&mut p, ALPHA, 1, 3);
+    let again = run_chunked(&mut b, &mut p, &reused, &PROMPT_A, 4);
+    assert!(max_abs_diff(&fresh, &again) < 1e-4);
+    p.check_invariants()
+        .expect("pool invariants hold after the steps");
+}
+
+#[test]
+fn every_isa_agrees_with_the_scalar_path() {
+    for matrix_type in [
+        GgmlType::Q4_1,
+        GgmlType::Q4_0,
+        GgmlType::Q8_0,
+        GgmlType::F32,
+        GgmlType::F16,
+    ] {
+        let spec = TinySpec {
+            matrix_type,
+            ..TinySpec::default()
+        };
+        let m = model(&spec);
+        let mut reference = None;
+        for isa in Isa::available() {
+            let mut b = backend(&m, Some(isa), 1);
+            let mut p = pool(&m, 16, PoolOptions::default());
+            let t = table(&mut p, ALPHA, 1, 3);
+            let logits = run_chunked(&mut b, &mut p, &t, &PROMPT_A, 3);
+            let reference = reference.get_or_insert(logits.clone());
+            let diff = max_abs_diff(reference, &logits);
+            assert!(
+                diff < 1e-3,
+                "{matrix_type:?} {isa:?} differs from scalar by {diff}"
+            );
+        }
+    }
+}
+
+#[test]
+fn k_quant_models_and_separate_output_heads_run() {
+    let spec = TinySpec {
+        embedding_len: 256,
+        heads: 4,
+        kv_heads: 1,
+        ffn_len: 512,
+        matrix_type: GgmlType::Q4_K,
+        embedding_type: GgmlType::Q6_K,
+        separate_output: true,
+        ..TinySpec::default()
+    };
+    let m = model(&spec);
+    assert_eq!(m.config.kv_group(), 4);
+    let mut b = backend(&m, None, 2);
+    let mut p = pool(&m, 16, PoolOptions::default());
+    let t = table(&mut p, ALPHA, 1, 3);
+    let logits = run_chunked(&mut b, &mut p, &t, &PROMPT_B, 6);
+    assert!(logits.iter().all(|v| v.is_finite()));
+    assert!(logits.iter().any(|&v| v != 0.0));
+}
+
+#[test]
+fn refuses_bad_steps_without_touching_the_pool() {
+    let m = model(&TinySpec::default());
+    let mut b = backend(&m, None, 2);
+    let mut p = pool(&m, 16, PoolOptions::default());
+    let t = table(&mut p, ALPHA, 1, 2);
+    let before = p.stats();
+    let step = |tokens: &'static [u32], pos_start| SeqStep {
+        pages: &t,
+        pos_start,
+        tokens,
+        wants_logits: true,
+    };
+    let vocab_len = m.config.vocab_len;
+    assert_eq!(
+        b.step(&[step(&[5, 999_999], 0)], &mut p).err(),
+        Some(StepError::TokenOutOfRange {
+            token: 999_999,
+            vocab_len
+        })
+    );
+    assert_eq!(
+        b.step(&[step(&[], 0)], &mut p).err(),
+        Some(StepError::EmptySequence { index: 0 })
+    );
+    assert!(matches!(
+        b.step(&[step(&[1, 2, 3], 6)], &mut p),
+        Err(StepError::PositionOutOfRange {
+            limit: "page table",
+            ..
+        })
+    ));
+    assert!(matches!(
+        b.step(&[step(&[1], 300)], &mut p),
+        Err(StepError::PositionOutOfRange {
+            limit: "model context",
+            ..
+        })
+    ));
+    let long = vec![1u32; 65];
+    let mut big = pool(&m, 40, PoolOptions::default());
+    let big_table = table(&mut big, ALPHA, 1, 17);
+    let too_many = SeqStep {
+        pages: &big_table,
+        pos_start: 0,
+        tokens: &long,
+        wants_logits: true,
+    };
+    assert!(matches!(
+        b.step(&[too_many], &mut big),
+        Err(StepError::TooManyTokens { .. })
+    ));
+    assert_eq!(p.stats(), before, "refused steps leave the pool as it was");
+}
+
+#[test]
+fn refuses_a_table_whose_pages_are_not_leased_in_this_pool() {
+    let m = model(&TinySpec::default());
+    let mut b = backend(&m, None, 2);
+    let mut elsewhere = pool(&m, 16, PoolOptions::default());
+    let foreign = table(&mut elsewhere, ALPHA, 1, 2);
+    let mut p = pool(&m, 16, PoolOptions::default());
+    let before = p.stats();
+    let step = SeqStep {
+        pages: &foreign,
+        pos_start: 0,
+        tokens: &[1, 2],
+        wants_logits: true,
+    };
+    assert_eq!(
+        b.step(&[step], &mut p).err(),
+        Some(StepError::StaleHandle { index: 0 })
+    );
+    assert_eq!(p.stats(), before);
+}
+
+#[test]
+fn model_load_rejects_shapes_that_disagree_with_the_hyper_parameters() {
+    let bytes = tiny_llama(&TinySpec::default());
+    let key = b"llama.feed_forward_length";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len() + 4;
+    let mut bad = bytes.clone();
+    bad[at..at + 4].copy_from_slice(&128u32.to_le_bytes());
+    let gguf = Arc::new(Gguf::from_bytes(bad).unwrap());
+    match Model::load(gguf) {
+        Err(ModelError::TensorShape { name, .. }) => assert_eq!(name, "blk.0.ffn_gate.weight"),
+        other => panic!("expected a shape error, got {:?}", other.err()),
+    }
+    let key = b"llama.attention.head_count_kv";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len() + 4;
+    let mut bad = bytes;
+    bad[at..at + 4].copy_from_slice(&3u32.to_le_bytes());
+    let gguf = Arc::new(Gguf::from_bytes(bad).unwrap());
+    assert!(matches!(
+        Model::load(gguf),
+        Err(ModelError::HyperParameter { .. })
+    ));
+}

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: set-up (idempotent), formatting, lints,
+# then every test in the workspace. Extra arguments go to `cargo test`.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+scripts/setup.sh
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+# End-to-end tests run the real binary; build it first.
+cargo build --locked -p bulkhead
+cargo test --workspace --locked "$@"
