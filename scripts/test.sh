@@ -10,4 +10,5 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # End-to-end tests run the real binary; build it first.
 cargo build --locked -p bulkhead
-cargo test --workspace --locked "$@"
+# Model-dependent tests fail (rather than skip) if the model is missing.
+BULKHEAD_REQUIRE_MODEL=1 cargo test --workspace --locked "$@"

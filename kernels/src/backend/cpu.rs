@@ -16,7 +16,7 @@
 //! (sequence, kv head, token chunk) tasks. Scratch is sized once, at creation,
 //! for `step_tokens_max` tokens and `step_seqs_max` sequences.
 
-use super::{Backend, Logits, SeqStep, StepError};
+use super::{vector, Backend, Logits, SeqStep, StepError};
 use crate::kv::{PageTable, Pool};
 use crate::model::{Matrix, Model};
 use crate::quant::{self, Isa, QuantizedActivations};
@@ -375,15 +375,14 @@ impl CpuBackend {
         let chunk_len = len.div_ceil(chunks);
         let gate = SharedOut(s.gate.as_mut_ptr());
         let up = &s.up[..len];
+        let isa = self.isa;
         self.threads.run(chunks, &|i, _| {
             let start = (i * chunk_len).min(len);
             let end = ((i + 1) * chunk_len).min(len);
             // SAFETY: tasks own disjoint ranges [start, end) of `gate`.
             let gate =
                 unsafe { std::slice::from_raw_parts_mut(gate.ptr().add(start), end - start) };
-            for (g, &u) in gate.iter_mut().zip(&up[start..end]) {
-                *g = silu(*g) * u;
-            }
+            vector::swiglu(isa, gate, &up[start..end]);
         });
     }
 
@@ -567,7 +566,7 @@ struct AttentionContext {
 
 impl AttentionContext {
     /// Attention of token `t` (at `pos`) for the query heads of `kv_head`, over
-    /// positions `0..=pos` of its sequence, read through its page table.
+    /// positions `0..=pos` of its sequence, read page by page through its table.
     #[allow(clippy::too_many_arguments)]
     fn token(
         &self,
@@ -586,47 +585,35 @@ impl AttentionContext {
         let kv_offset = kv_head * hd;
         for h in kv_head * self.kv_group..(kv_head + 1) * self.kv_group {
             let q_row = &q[t * d + h * hd..t * d + (h + 1) * hd];
-            let scores = &mut scratch.scores[..positions];
-            self.for_each_position(pool, table, pages, positions, |p, k, _| {
-                scores[p] =
-                    quant::dot_f32(self.isa, q_row, &k[kv_offset..kv_offset + hd]) * self.scale;
-            });
-            softmax(scores);
+            for page in 0..pages {
+                let (k, _) = self.page(pool, table, page);
+                let first = page * self.page_tokens;
+                let used = (positions - first).min(self.page_tokens);
+                let scores = &mut scratch.scores[first..first + used];
+                vector::dot_rows(self.isa, q_row, k, self.kv_len, kv_offset, self.scale, scores);
+            }
+            vector::softmax(self.isa, &mut scratch.scores[..positions]);
             let acc = &mut scratch.acc[..hd];
             acc.fill(0.0);
-            let scores = &scratch.scores[..positions];
-            self.for_each_position(pool, table, pages, positions, |p, _, v| {
-                quant::axpy_f32(self.isa, scores[p], &v[kv_offset..kv_offset + hd], acc);
-            });
+            for page in 0..pages {
+                let (_, v) = self.page(pool, table, page);
+                let first = page * self.page_tokens;
+                let used = (positions - first).min(self.page_tokens);
+                let p = &scratch.scores[first..first + used];
+                vector::axpy_rows(self.isa, p, v, self.kv_len, kv_offset, acc);
+            }
             // SAFETY: token t's head h slice belongs to exactly one task.
             let dst = unsafe { std::slice::from_raw_parts_mut(out.ptr().add(t * d + h * hd), hd) };
             dst.copy_from_slice(acc);
         }
     }
 
-    /// Calls `f(position, k_row, v_row)` for positions `0..positions`, page by page.
-    fn for_each_position(
-        &self,
-        pool: &Pool,
-        table: &PageTable,
-        pages: usize,
-        positions: usize,
-        mut f: impl FnMut(usize, &[f32], &[f32]),
-    ) {
-        for page_index in 0..pages {
-            let lease = table
-                .lease(page_index)
-                .expect("validated: position within the table");
-            let (k, v) = pool
-                .page_kv(lease, self.layer)
-                .expect("validated: every lease of the step is live");
-            let first = page_index * self.page_tokens;
-            let used = (positions - first).min(self.page_tokens);
-            for slot in 0..used {
-                let row = slot * self.kv_len..(slot + 1) * self.kv_len;
-                f(first + slot, &k[row.clone()], &v[row]);
-            }
-        }
+    /// K and V (`[page_tokens][kv_len]` each) of this layer in the table's
+    /// `index`-th page; the pool asserts the lease's owner and generation.
+    fn page<'p>(&self, pool: &'p Pool, table: &PageTable, index: usize) -> (&'p [f32], &'p [f32]) {
+        let lease = table.lease(index).expect("validated: position within the table");
+        pool.page_kv(lease, self.layer)
+            .expect("validated: every lease of the step is live")
     }
 }
 
@@ -658,21 +645,6 @@ fn apply_rope(x: &mut [f32], rope: &[f32], heads: usize, head_dim: usize, rope_d
             }
         }
     }
-}
-
-fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    x.iter_mut().for_each(|v| *v *= inv);
-}
-
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
 }
 
 fn add_into(x: &mut [f32], delta: &[f32]) {

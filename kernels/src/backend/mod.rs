@@ -7,6 +7,7 @@
 //! changing.
 
 pub mod cpu;
+pub mod vector;
 
 use crate::kv::{PageTable, Pool};
 

@@ -1,0 +1,170 @@
+//! The `bulkhead` binary as an operator uses it: `generate` and `tokenize` on the
+//! real SmolLM2 model, and clear errors (never a panic) on bad input.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The binary `scripts/test.sh` builds before the tests run.
+fn bulkhead() -> Command {
+    let exe = std::env::var_os("BULKHEAD_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            // target/<profile>/deps/cli-<hash> → target/<profile>/bulkhead
+            let test_exe = std::env::current_exe().expect("test executable path");
+            test_exe.parent().and_then(|deps| deps.parent()).expect("target dir").join("bulkhead")
+        });
+    assert!(exe.exists(), "{} is missing: run `cargo build -p bulkhead` first", exe.display());
+    Command::new(exe)
+}
+
+fn smollm2() -> Option<PathBuf> {
+    let path = repo_root().join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if path.exists() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_none(),
+        "BULKHEAD_REQUIRE_MODEL is set but the model is missing: run scripts/setup.sh"
+    );
+    eprintln!("skipped: {} is missing; run scripts/setup.sh", path.display());
+    None
+}
+
+fn run(cmd: &mut Command) -> Output {
+    cmd.output().expect("the binary starts")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8(out.stdout.clone()).expect("stdout is UTF-8")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A failure that is an error message and exit code 1, not a panic (101).
+fn assert_clean_failure(out: &Output, needle: &str) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(1), "expected exit 1, stderr: {err}");
+    assert!(!err.contains("panicked"), "panicked: {err}");
+    assert!(err.contains(needle), "stderr lacks {needle:?}: {err}");
+}
+
+#[test]
+fn greedy_chat_generation_is_coherent_and_deterministic() {
+    let Some(model) = smollm2() else { return };
+    let generate = || {
+        run(bulkhead()
+            .arg("generate")
+            .arg("--model")
+            .arg(&model)
+            .args(["--chat", "Name three primary colors.", "--max-tokens", "32", "--threads", "2"]))
+    };
+    let first = generate();
+    assert!(first.status.success(), "{}", stderr(&first));
+    let text = stdout(&first);
+    for color in ["Red", "Blue", "Yellow"] {
+        assert!(text.contains(color), "a coherent answer names {color}: {text:?}");
+    }
+    assert!(!text.contains("<|im_end|>"), "end-of-turn is not printed: {text:?}");
+    assert!(stderr(&first).contains("finish: Stop"), "{}", stderr(&first));
+    assert_eq!(text, stdout(&generate()), "greedy generation is deterministic");
+}
+
+#[test]
+fn sampling_is_reproducible_by_seed() {
+    let Some(model) = smollm2() else { return };
+    let sample = |seed: &str| {
+        let out = run(bulkhead().arg("generate").arg("--model").arg(&model).args([
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "1.0",
+            "--seed",
+            seed,
+        ]));
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+    };
+    assert_eq!(sample("7"), sample("7"));
+    assert_ne!(sample("7"), sample("8"));
+}
+
+#[test]
+fn tokenize_prints_the_reference_ids() {
+    let Some(model) = smollm2() else { return };
+    let fixture: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo_root().join("kernels/tests/fixtures/tokens_smollm2.json")).unwrap(),
+    )
+    .unwrap();
+    for case in fixture["cases"].as_array().unwrap().iter().take(6) {
+        let text = case["text"].as_str().unwrap();
+        let out = run(bulkhead().arg("tokenize").arg("--model").arg(&model).args(["--text", text]));
+        assert!(out.status.success(), "{}", stderr(&out));
+        let ids: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("one JSON array");
+        assert_eq!(ids, case["ids"], "text {text:?}");
+    }
+    // Special-token text is plain text unless asked.
+    let plain = run(bulkhead().arg("tokenize").arg("--model").arg(&model).args(["--text", "<|im_start|>"]));
+    let parsed = run(bulkhead()
+        .arg("tokenize")
+        .arg("--model")
+        .arg(&model)
+        .args(["--text", "<|im_start|>", "--parse-special"]));
+    assert_eq!(stdout(&parsed).trim(), "[1]");
+    assert!(stdout(&plain).trim().len() > 3, "split into ordinary pieces");
+}
+
+#[test]
+fn refuses_a_missing_or_hostile_model_file_with_a_clear_error() {
+    let dir = std::env::temp_dir().join(format!("bulkhead-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let missing = run(bulkhead().args(["tokenize", "--model", "/nonexistent/model.gguf", "--text", "x"]));
+    assert_clean_failure(&missing, "cannot read");
+
+    let hostile = dir.join("hostile.gguf");
+    let mut bytes = b"GGUF".to_vec();
+    bytes.extend_from_slice(&3u32.to_le_bytes());
+    bytes.extend_from_slice(&u64::MAX.to_le_bytes()); // tensor count
+    bytes.extend_from_slice(&0u64.to_le_bytes());
+    std::fs::write(&hostile, &bytes).unwrap();
+    let out = run(bulkhead().arg("generate").arg("--model").arg(&hostile).args(["--prompt", "x"]));
+    assert_clean_failure(&out, "absurd tensor count");
+
+    let text = dir.join("not-a-model.gguf");
+    std::fs::write(&text, "hello, I am not a model").unwrap();
+    let out = run(bulkhead().arg("generate").arg("--model").arg(&text).args(["--prompt", "x"]));
+    assert_clean_failure(&out, "bad magic");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn refuses_prompts_that_cannot_fit_and_bad_arguments() {
+    let Some(model) = smollm2() else { return };
+    let out = run(bulkhead()
+        .arg("generate")
+        .arg("--model")
+        .arg(&model)
+        .args(["--prompt", "hello", "--max-tokens", "9000"]));
+    assert_clean_failure(&out, "exceeds the context length 8192");
+    let out = run(bulkhead()
+        .arg("generate")
+        .arg("--model")
+        .arg(&model)
+        .args(["--prompt", "hello", "--temperature", "-1"]));
+    assert_clean_failure(&out, "--temperature");
+    let out = run(bulkhead().arg("generate").arg("--model").arg(&model).args(["--prompt", ""]));
+    assert_clean_failure(&out, "empty");
+    let both = run(bulkhead()
+        .arg("generate")
+        .arg("--model")
+        .arg(&model)
+        .args(["--prompt", "a", "--chat", "b"]));
+    assert_eq!(both.status.code(), Some(2), "clap usage error");
+}
