@@ -154,7 +154,7 @@ impl QuantizedActivations {
             ActivationFormat::Q8_1 => QK32,
             ActivationFormat::Q8_K => QK_K,
         };
-        if k % block_len != 0 {
+        if !k.is_multiple_of(block_len) {
             return Err(QuantError::PartialBlock {
                 ty: weight_ty,
                 len: k,

@@ -16,6 +16,10 @@
 //! 3. Register tiles are `R` rows x `T` tokens; every row/token remainder is handled by
 //!    the 1-wide instantiations, so any shape is covered.
 
+// Register tiles index several per-row and per-token arrays by the same r and t;
+// index loops say that more plainly than zipped iterators.
+#![allow(clippy::needless_range_loop)]
+
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -31,6 +35,9 @@ use super::GgmlType;
 const TILE_ROWS: usize = 4;
 /// Tokens per register tile.
 const TILE_TOKENS: usize = 2;
+
+/// Weights are prefetched this many rows ahead (see `avx512::PREFETCH_ROWS`).
+const PREFETCH_ROWS: usize = 4 * TILE_ROWS;
 
 /// AVX2 matmul; arguments already validated by the dispatcher.
 pub fn matmul(
@@ -327,6 +334,11 @@ unsafe fn tile_pairs<W: Avx2Dot, const R: usize, const T: usize>(
         let mut scales = [_mm_setzero_ps(); R];
         for r in 0..R {
             let row = w_rows.add(r * row_bytes);
+            // Prefetch never faults; wrapping_add keeps the address computation defined
+            // past the end of the weights.
+            let ahead = row.wrapping_add(PREFETCH_ROWS * row_bytes + o0);
+            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o1 - o0 + W::BYTES - 1) as *const i8);
             codes[r] = W::codes(row.add(o0), row.add(o1));
             scales[r] = W::scales(row.add(o0), row.add(o1));
         }

@@ -27,6 +27,10 @@
 //!    past the chunk.
 //! 4. A k-chunk holds at most [`CHUNK_BLOCKS`] blocks; later chunks add into `out`.
 
+// Register tiles index several per-row and per-token arrays by the same r and t;
+// index loops say that more plainly than zipped iterators.
+#![allow(clippy::needless_range_loop)]
+
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -43,6 +47,9 @@ const TILE_ROWS: usize = 4;
 const TILE_TOKENS: usize = 4;
 /// Up to this many tokens, decode weights directly instead of packing them.
 const DIRECT_TOKENS_MAX: usize = 2;
+/// Decode prefetches weights this many rows ahead: far enough to cover DRAM latency
+/// for short rows, which the hardware prefetcher streams poorly.
+const PREFETCH_ROWS: usize = 4 * TILE_ROWS;
 /// Blocks per packed k-chunk (4096 weights: 16 KiB of codes for a 4-row tile).
 const CHUNK_BLOCKS: usize = 128;
 /// Blocks per 512-bit vector of int8 codes.
@@ -52,7 +59,7 @@ const LANES: usize = 16;
 /// f32 values per pair in `ds` and in packed mins: [d or 0, s or m] x 2.
 const PAIR_DS: usize = 4;
 
-const _: () = assert!(CHUNK_BLOCKS % Q8_1_SCALE_ALIGN == 0);
+const _: () = assert!(CHUNK_BLOCKS.is_multiple_of(Q8_1_SCALE_ALIGN));
 const _: () = assert!(Q8_1_SCALE_ALIGN / PAIR * PAIR_DS == LANES);
 
 /// AVX-512 matmul; arguments already validated by the dispatcher.
@@ -204,6 +211,11 @@ unsafe fn direct<W: PairDecode, const R: usize>(
         let dsv = _mm_loadu_ps(ds.add(p * PAIR_DS));
         for r in 0..R {
             let row = w_rows.add(r * row_bytes);
+            // Prefetch never faults; wrapping_add keeps the address computation defined
+            // past the end of the weights.
+            let ahead = row.wrapping_add(PREFETCH_ROWS * row_bytes + o0);
+            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o1 - o0 + W::BYTES - 1) as *const i8);
             let codes = codes512::<W>(row.add(o0), row.add(o1));
             let product = _mm_mul_ps(W::scales(row.add(o0), row.add(o1)), dsv);
             offset[r] = _mm_add_ps(offset[r], product);
