@@ -91,7 +91,7 @@ fn bench(isa: Isa, ty: GgmlType, rows: usize, k: usize, n_tokens: usize) {
 fn main() {
     let filter = std::env::args().nth(1).unwrap_or_default();
     let shapes: &[(GgmlType, usize, usize, &[usize])] = &[
-        (GgmlType::Q4_1, 1536, 576, &[1, 4, 64, 512]),
+        (GgmlType::Q4_1, 1536, 576, &[1, 2, 4, 8, 16, 64, 512]),
         (GgmlType::Q4_1, 576, 1536, &[1, 512]),
         (GgmlType::Q8_0, 24576, 576, &[1, 64]),
         (GgmlType::Q8_0, 1536, 576, &[1, 512]),

@@ -304,6 +304,9 @@ pub(crate) fn pair_offsets(p: usize, nb: usize, block_bytes: usize) -> (usize, u
 }
 
 /// Sum of lanes 1 and 3 (the m * s terms of a pair-scale accumulator).
+///
+/// # Safety
+/// SSE available (always on x86_64).
 #[inline(always)]
 pub(crate) unsafe fn offset_lanes(v: __m128) -> f32 {
     let folded = _mm_add_ps(v, _mm_movehl_ps(v, v));
