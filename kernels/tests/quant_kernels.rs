@@ -203,16 +203,22 @@ fn integer_dot_matches_dequantized_f32_dot_within_activation_quantization_error(
                 let xt = &x[t * k..(t + 1) * k];
                 let exact: f64 = wr.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum();
                 // Each activation moves by at most half its block's step amax / 127.
-                let mut bound = 0.0f64;
-                for (i, &wi) in wr.iter().enumerate() {
-                    let half_step = if act_block == 0 {
-                        0.0
-                    } else {
-                        let block = &xt[i / act_block * act_block..][..act_block];
-                        block.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64 / 127.0 / 2.0
-                    };
-                    bound += wi.abs() as f64 * (half_step + 1e-6 * xt[i].abs() as f64);
-                }
+                let half_steps: Vec<f64> = match act_block {
+                    0 => vec![0.0; k],
+                    len => xt
+                        .chunks_exact(len)
+                        .flat_map(|block| {
+                            let amax = block.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                            std::iter::repeat_n(amax as f64 / 127.0 / 2.0, len)
+                        })
+                        .collect(),
+                };
+                let bound: f64 = wr
+                    .iter()
+                    .zip(xt)
+                    .zip(&half_steps)
+                    .map(|((&wi, &xi), &h)| wi.abs() as f64 * (h + 1e-6 * xi.abs() as f64))
+                    .sum();
                 let g = got[t * rows_total + r] as f64;
                 assert!(
                     (g - exact).abs() <= bound * 1.01 + 1e-5,
@@ -326,8 +332,8 @@ fn dequantizes_hand_built_q4_0_q4_1_q8_0_blocks() {
         assert_eq!(q4_1[j], 0.25 * j as f32 - 1.0);
         assert_eq!(q4_1[j + 16], 0.25 * (15 - j) as f32 - 1.0);
     }
-    for j in 0..32 {
-        assert_eq!(q8_0[j], 2.0 * (127 - 8 * j as i32) as f32);
+    for (j, &w) in q8_0.iter().enumerate() {
+        assert_eq!(w, 2.0 * (127 - 8 * j as i32) as f32);
     }
 }
 

@@ -13,11 +13,20 @@
 //! weights to `vpdpbusd` as unsigned bytes (nibble, or q8 + 128) and subtract the
 //! offset times `s` afterwards; the sum makes that free.
 //!
+//! Q8_1 rows are laid out in pairs of blocks (b, b+1), 16-byte lanes interleaved so
+//! that the two blocks' nibble-unpacked weights line up without a permute:
+//!
+//! ```text
+//! qs per pair (64 B):  [b q0..16][b+1 q0..16][b q16..32][b+1 q16..32]
+//! ds per pair (4 f32): [d_b, s_b, d_b+1, s_b+1]
+//! ```
+//!
 //! Invariants:
 //! 1. Activation quants lie in -127..=127 (never -128), so the AVX2 sign trick and
 //!    `vpmaddubsw` pair sums cannot overflow i16 for 4-bit and 6-bit weights.
 //! 2. Q8_1 rows are padded with zero blocks (q = 0, d = 0, s = 0) to [`Q8_1_QS_ALIGN`]
-//!    bytes and [`Q8_1_SCALE_ALIGN`] scales, so kernels may read whole vectors past k.
+//!    bytes and [`Q8_1_SCALE_ALIGN`] blocks, so kernels may read whole pairs and whole
+//!    512-bit vectors of `ds` past k.
 //! 3. Lifecycle: build once per worker (`with_capacity` at startup), then
 //!    `quantize` per step; buffers reallocate only when a step is larger than any before.
 
@@ -29,8 +38,12 @@ use super::{GgmlType, QuantError};
 
 /// Q8_1 rows are padded to this many bytes (two 32-blocks: one 512-bit vector).
 pub const Q8_1_QS_ALIGN: usize = 64;
-/// Q8_1 scale rows are padded to this many blocks (one 512-bit vector of f32).
-pub const Q8_1_SCALE_ALIGN: usize = 16;
+/// Q8_1 scale rows are padded to this many blocks (their `ds` fill one 512-bit vector).
+pub const Q8_1_SCALE_ALIGN: usize = 8;
+/// f32 values per Q8_1 block in `ds`: d and s.
+pub const Q8_1_DS: usize = 2;
+/// Bytes in one 16-quant lane of a Q8_1 pair.
+const Q8_1_LANE: usize = 16;
 /// Largest activation quant magnitude (see invariant 1).
 const Q8_MAX: f32 = 127.0;
 /// Q8_K block-sum group size.
@@ -68,10 +81,8 @@ pub struct QuantizedActivations {
     values: Vec<f32>,
     /// [n_tokens][qs_stride] quants (Q8 formats).
     qs: Vec<i8>,
-    /// [n_tokens][scale_stride] per-block scales d.
+    /// Q8_1: [n_tokens][scale_stride / 2][d, s]; Q8_K: [n_tokens][k / 256] scales d.
     d: Vec<f32>,
-    /// [n_tokens][scale_stride] per-block d * sum(q) (Q8_1 only).
-    s: Vec<f32>,
     /// [n_tokens][k / 16] sums of 16 consecutive quants (Q8_K only).
     bsums: Vec<i16>,
 }
@@ -103,7 +114,6 @@ impl QuantizedActivations {
             values: Vec::new(),
             qs: Vec::new(),
             d: Vec::new(),
-            s: Vec::new(),
             bsums: Vec::new(),
         }
     }
@@ -115,8 +125,7 @@ impl QuantizedActivations {
         QuantizedActivations {
             values: Vec::with_capacity(n_tokens_max * k_max),
             qs: Vec::with_capacity(n_tokens_max * round_up(k_max, Q8_1_QS_ALIGN)),
-            d: Vec::with_capacity(n_tokens_max * scales),
-            s: Vec::with_capacity(n_tokens_max * scales),
+            d: Vec::with_capacity(n_tokens_max * scales * Q8_1_DS),
             bsums: Vec::with_capacity(n_tokens_max * k_max.div_ceil(Q8_K_BSUM_LEN)),
             ..QuantizedActivations::new()
         }
@@ -145,7 +154,7 @@ impl QuantizedActivations {
             ActivationFormat::Q8_1 => QK32,
             ActivationFormat::Q8_K => QK_K,
         };
-        if k % block_len != 0 {
+        if !k.is_multiple_of(block_len) {
             return Err(QuantError::PartialBlock {
                 ty: weight_ty,
                 len: k,
@@ -165,17 +174,20 @@ impl QuantizedActivations {
     }
 
     fn quantize_q8_1(&mut self, x: &[f32]) {
-        let (qs_stride, scale_stride) = (self.qs_stride(), self.scale_stride());
+        let (qs_stride, ds_stride) = (self.qs_stride(), self.scale_stride() * Q8_1_DS);
         reset(&mut self.qs, self.n_tokens * qs_stride);
-        reset(&mut self.d, self.n_tokens * scale_stride);
-        reset(&mut self.s, self.n_tokens * scale_stride);
+        reset(&mut self.d, self.n_tokens * ds_stride);
+        let mut block = [0i8; QK32];
         for t in 0..self.n_tokens {
             let row = &x[t * self.k..(t + 1) * self.k];
             for (b, values) in row.chunks_exact(QK32).enumerate() {
-                let q = &mut self.qs[t * qs_stride + b * QK32..][..QK32];
-                let (d, sum) = quantize_block(values, q);
-                self.d[t * scale_stride + b] = d;
-                self.s[t * scale_stride + b] = d * sum as f32;
+                let (d, sum) = quantize_block(values, &mut block);
+                let (lo, hi) = q8_1_lanes(b);
+                let qs = &mut self.qs[t * qs_stride..][..qs_stride];
+                qs[lo..lo + Q8_1_LANE].copy_from_slice(&block[..Q8_1_LANE]);
+                qs[hi..hi + Q8_1_LANE].copy_from_slice(&block[Q8_1_LANE..]);
+                let ds = &mut self.d[t * ds_stride + b * Q8_1_DS..][..Q8_1_DS];
+                ds.copy_from_slice(&[d, d * sum as f32]);
             }
         }
     }
@@ -220,7 +232,16 @@ impl QuantizedActivations {
         }
     }
 
-    /// Scales between consecutive token rows of `d` (and `s`).
+    /// Bytes currently reserved by the buffers (for memory accounting and tests of
+    /// the no-reallocation contract).
+    pub fn capacity_bytes(&self) -> usize {
+        self.values.capacity() * 4
+            + self.qs.capacity()
+            + self.d.capacity() * 4
+            + self.bsums.capacity() * 2
+    }
+
+    /// Blocks (padded) between consecutive token rows of scales.
     pub(crate) fn scale_stride(&self) -> usize {
         match self.format {
             ActivationFormat::Q8_1 => round_up(self.k / QK32, Q8_1_SCALE_ALIGN),
@@ -228,31 +249,38 @@ impl QuantizedActivations {
         }
     }
 
-    /// Bytes currently reserved by the buffers (for memory accounting and tests of
-    /// the no-reallocation contract).
-    pub fn capacity_bytes(&self) -> usize {
-        self.values.capacity() * 4
-            + self.qs.capacity()
-            + (self.d.capacity() + self.s.capacity()) * 4
-            + self.bsums.capacity() * 2
-    }
-
     /// Token `t`'s f32 values (F32 format).
     pub(crate) fn values(&self, t: usize) -> &[f32] {
         &self.values[t * self.k..(t + 1) * self.k]
     }
 
-    /// Token `t`'s padded quants, scales and (Q8_1) scaled sums.
-    pub(crate) fn q8_row(&self, t: usize) -> (&[i8], &[f32], &[f32]) {
-        let (qs_stride, scale_stride) = (self.qs_stride(), self.scale_stride());
-        let s = match self.format {
-            ActivationFormat::Q8_1 => &self.s[t * scale_stride..(t + 1) * scale_stride],
-            _ => &[][..],
-        };
+    /// Token `t`'s padded Q8_1 row: pair-interleaved quants and [d, s] per block.
+    pub(crate) fn q8_1_row(&self, t: usize) -> (&[i8], &[f32]) {
+        debug_assert_eq!(self.format, ActivationFormat::Q8_1);
+        let (qs_stride, ds_stride) = (self.qs_stride(), self.scale_stride() * Q8_1_DS);
         (
             &self.qs[t * qs_stride..(t + 1) * qs_stride],
-            &self.d[t * scale_stride..(t + 1) * scale_stride],
-            s,
+            &self.d[t * ds_stride..(t + 1) * ds_stride],
+        )
+    }
+
+    /// Block `b` of token `t` in weight order: (quants, d, s). For the scalar path.
+    pub(crate) fn q8_1_block(&self, t: usize, b: usize) -> ([i8; QK32], f32, f32) {
+        let (qs, ds) = self.q8_1_row(t);
+        let (lo, hi) = q8_1_lanes(b);
+        let mut block = [0i8; QK32];
+        block[..Q8_1_LANE].copy_from_slice(&qs[lo..lo + Q8_1_LANE]);
+        block[Q8_1_LANE..].copy_from_slice(&qs[hi..hi + Q8_1_LANE]);
+        (block, ds[b * Q8_1_DS], ds[b * Q8_1_DS + 1])
+    }
+
+    /// Token `t`'s Q8_K quants ([k]) and scales ([k / 256]).
+    pub(crate) fn q8_k_row(&self, t: usize) -> (&[i8], &[f32]) {
+        debug_assert_eq!(self.format, ActivationFormat::Q8_K);
+        let blocks = self.k / QK_K;
+        (
+            &self.qs[t * self.k..(t + 1) * self.k],
+            &self.d[t * blocks..(t + 1) * blocks],
         )
     }
 
@@ -261,6 +289,13 @@ impl QuantizedActivations {
         let stride = self.k / Q8_K_BSUM_LEN;
         &self.bsums[t * stride..(t + 1) * stride]
     }
+}
+
+/// Byte offsets within a Q8_1 row of block `b`'s quants 0..16 and 16..32.
+const fn q8_1_lanes(b: usize) -> (usize, usize) {
+    let pair = b / 2 * 2 * QK32;
+    let lane = (b % 2) * Q8_1_LANE;
+    (pair + lane, pair + 2 * Q8_1_LANE + lane)
 }
 
 /// Symmetric 8-bit quantization of one block: returns (d, sum of quants).

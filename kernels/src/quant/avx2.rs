@@ -16,6 +16,10 @@
 //! 3. Register tiles are `R` rows x `T` tokens; every row/token remainder is handled by
 //!    the 1-wide instantiations, so any shape is covered.
 
+// Register tiles index several per-row and per-token arrays by the same r and t;
+// index loops say that more plainly than zipped iterators.
+#![allow(clippy::needless_range_loop)]
+
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -32,6 +36,9 @@ const TILE_ROWS: usize = 4;
 /// Tokens per register tile.
 const TILE_TOKENS: usize = 2;
 
+/// Weights are prefetched this many rows ahead (see `avx512::PREFETCH_ROWS`).
+const PREFETCH_ROWS: usize = 4 * TILE_ROWS;
+
 /// AVX2 matmul; arguments already validated by the dispatcher.
 pub fn matmul(
     ty: GgmlType,
@@ -46,7 +53,7 @@ pub fn matmul(
         match ty {
             GgmlType::Q4_0 => drive_b32::<Q4_0W>(w, k, rows, xq, out),
             GgmlType::Q4_1 => drive_b32::<Q4_1W>(w, k, rows, xq, out),
-            GgmlType::Q8_0 => drive_b32::<Q8_0W>(w, k, rows, xq, out),
+            GgmlType::Q8_0 => drive_b32::<Q8_0Signed>(w, k, rows, xq, out),
             GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::F32 | GgmlType::F16 => {
                 matmul_rowwise(ty, w, k, rows, xq, out)
             }
@@ -54,94 +61,162 @@ pub fn matmul(
     }
 }
 
-/// A 32-weight block format as the tile kernel sees it.
-pub(crate) trait B32 {
+/// A 32-weight block format decoded a pair of blocks (b, b + 1) at a time, in the
+/// Q8_1 pair layout (see `activations`): 16-byte lanes `[b 0..16][b+1 0..16]` and
+/// `[b 16..32][b+1 16..32]`.
+pub(crate) trait PairDecode {
     /// Bytes per block.
     const BYTES: usize;
-    /// Loads one block: (codes for `dot`, scale d, offset coefficient m), where
-    /// `block . x = d * dx * dot(codes, x) + m * s`.
+    /// Codes of weights 0..16 and 16..32 of both blocks at `p0` and `p1`.
     ///
     /// # Safety
-    /// `block` points at `BYTES` readable bytes; AVX2/F16C available.
-    unsafe fn decode(block: *const u8) -> (__m256i, f32, f32);
-    /// Eight i32 partial sums of `codes . x`.
+    /// `p0`, `p1` each point at `BYTES` readable bytes; AVX2 available.
+    unsafe fn codes(p0: *const u8, p1: *const u8) -> (__m256i, __m256i);
+    /// `[d_b, m_b, d_b+1, m_b+1]`, where `block . x = d * dx * (codes . q) + m * s`.
+    ///
+    /// # Safety
+    /// As for `codes`; F16C available.
+    unsafe fn scales(p0: *const u8, p1: *const u8) -> __m128;
+}
+
+/// A pair decoder whose codes `vpmaddubsw` can take.
+trait Avx2Dot: PairDecode {
+    /// i32 lanes 0..4 hold block b's partial sums, lanes 4..8 block b + 1's.
     ///
     /// # Safety
     /// AVX2 available.
-    unsafe fn dot(codes: __m256i, x: __m256i) -> __m256i;
+    unsafe fn dot(lo: __m256i, hi: __m256i, x_lo: __m256i, x_hi: __m256i) -> __m256i;
 }
 
-/// Reads an f16 at `p` as f32 with F16C.
+/// Four f16 at `p0`, `p0 + 2`, `p1`, `p1 + 2` as f32.
 ///
 /// # Safety
-/// `p` points at 2 readable bytes; F16C available.
+/// `p0`, `p1` each point at 4 readable bytes; F16C available.
 #[inline(always)]
-pub(crate) unsafe fn f16_load(p: *const u8) -> f32 {
-    let bits = (p as *const u16).read_unaligned();
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+unsafe fn f16x2_pair(p0: *const u8, p1: *const u8) -> __m128 {
+    let lo = (p0 as *const i32).read_unaligned();
+    let hi = (p1 as *const i32).read_unaligned();
+    _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(lo), hi, 1))
 }
 
-/// Expands 16 bytes of ggml nibbles to 32 bytes: low nibbles, then high nibbles.
+/// `[d_b, factor * d_b, d_b+1, factor * d_b+1]` from the f16 d at `p0` and `p1`.
 ///
 /// # Safety
-/// `p` points at 16 readable bytes; AVX2 available.
+/// As for [`f16x2_pair`] with 2 readable bytes each.
 #[inline(always)]
-pub(crate) unsafe fn nibbles32(p: *const u8) -> __m256i {
-    let packed = _mm_loadu_si128(p as *const __m128i);
-    let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+pub(crate) unsafe fn d_pair(p0: *const u8, p1: *const u8, factor: f32) -> __m128 {
+    let d0 = (p0 as *const u16).read_unaligned() as i32;
+    let d1 = (p1 as *const u16).read_unaligned() as i32;
+    let halves = _mm_insert_epi32(_mm_cvtsi32_si128(d0 | (d0 << 16)), d1 | (d1 << 16), 1);
+    _mm_mul_ps(_mm_cvtph_ps(halves), _mm_setr_ps(1.0, factor, 1.0, factor))
 }
 
+/// Nibbles of two 16-byte ggml nibble arrays: (low nibbles, high nibbles).
+///
+/// # Safety
+/// `p0`, `p1` each point at 16 readable bytes; AVX2 available.
 #[inline(always)]
-unsafe fn maddubs_sum(codes: __m256i, x: __m256i) -> __m256i {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1))
+pub(crate) unsafe fn nibble_pair(p0: *const u8, p1: *const u8) -> (__m256i, __m256i) {
+    let q = _mm256_loadu2_m128i(p1 as *const __m128i, p0 as *const __m128i);
+    let low = _mm256_set1_epi8(0x0F);
+    (
+        _mm256_and_si256(q, low),
+        _mm256_and_si256(_mm256_srli_epi16(q, 4), low),
+    )
 }
 
-struct Q4_0W;
-struct Q4_1W;
-struct Q8_0W;
+/// Signed Q8_0 quants of a pair: (weights 0..16 of both, weights 16..32 of both).
+///
+/// # Safety
+/// `p0`, `p1` each point at a Q8_0 block; AVX2 available.
+#[inline(always)]
+pub(crate) unsafe fn q8_pair(p0: *const u8, p1: *const u8) -> (__m256i, __m256i) {
+    let (q0, q1) = (p0.add(Q8_0_QS), p1.add(Q8_0_QS));
+    let lo = _mm256_loadu2_m128i(q1 as *const __m128i, q0 as *const __m128i);
+    let hi = _mm256_loadu2_m128i(q1.add(16) as *const __m128i, q0.add(16) as *const __m128i);
+    (lo, hi)
+}
 
-impl B32 for Q4_0W {
+/// Q4_0 as nibbles 0..=15 with the -8 folded into m = -8 d.
+pub(crate) struct Q4_0W;
+/// Q4_1 as nibbles with its own min m.
+pub(crate) struct Q4_1W;
+/// Q8_0 as signed bytes for the `vpmaddubsw` sign trick (m = 0).
+struct Q8_0Signed;
+
+impl PairDecode for Q4_0W {
     const BYTES: usize = GgmlType::Q4_0.block_bytes();
     #[inline(always)]
-    unsafe fn decode(block: *const u8) -> (__m256i, f32, f32) {
-        let d = f16_load(block);
-        (nibbles32(block.add(Q4_0_QS)), d, -8.0 * d)
+    unsafe fn codes(p0: *const u8, p1: *const u8) -> (__m256i, __m256i) {
+        nibble_pair(p0.add(Q4_0_QS), p1.add(Q4_0_QS))
     }
     #[inline(always)]
-    unsafe fn dot(codes: __m256i, x: __m256i) -> __m256i {
-        maddubs_sum(codes, x)
+    unsafe fn scales(p0: *const u8, p1: *const u8) -> __m128 {
+        d_pair(p0, p1, -8.0)
     }
 }
 
-impl B32 for Q4_1W {
+impl PairDecode for Q4_1W {
     const BYTES: usize = GgmlType::Q4_1.block_bytes();
     #[inline(always)]
-    unsafe fn decode(block: *const u8) -> (__m256i, f32, f32) {
-        (
-            nibbles32(block.add(Q4_1_QS)),
-            f16_load(block),
-            f16_load(block.add(Q4_1_M)),
-        )
+    unsafe fn codes(p0: *const u8, p1: *const u8) -> (__m256i, __m256i) {
+        nibble_pair(p0.add(Q4_1_QS), p1.add(Q4_1_QS))
     }
     #[inline(always)]
-    unsafe fn dot(codes: __m256i, x: __m256i) -> __m256i {
-        maddubs_sum(codes, x)
+    unsafe fn scales(p0: *const u8, p1: *const u8) -> __m128 {
+        // d and m are adjacent f16 at the block start: one u32 per block.
+        const _: () = assert!(Q4_1_M == 2);
+        f16x2_pair(p0, p1)
     }
 }
 
-impl B32 for Q8_0W {
+impl PairDecode for Q8_0Signed {
     const BYTES: usize = GgmlType::Q8_0.block_bytes();
     #[inline(always)]
-    unsafe fn decode(block: *const u8) -> (__m256i, f32, f32) {
-        let q = _mm256_loadu_si256(block.add(Q8_0_QS) as *const __m256i);
-        (q, f16_load(block), 0.0)
+    unsafe fn codes(p0: *const u8, p1: *const u8) -> (__m256i, __m256i) {
+        q8_pair(p0, p1)
     }
     #[inline(always)]
-    unsafe fn dot(codes: __m256i, x: __m256i) -> __m256i {
-        // |w| * sign(x, w) = w * x, with the unsigned operand at most 128.
-        maddubs_sum(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(x, codes))
+    unsafe fn scales(p0: *const u8, p1: *const u8) -> __m128 {
+        d_pair(p0, p1, 0.0)
     }
+}
+
+impl Avx2Dot for Q4_0W {
+    #[inline(always)]
+    unsafe fn dot(lo: __m256i, hi: __m256i, x_lo: __m256i, x_hi: __m256i) -> __m256i {
+        nibble_dot(lo, hi, x_lo, x_hi)
+    }
+}
+
+impl Avx2Dot for Q4_1W {
+    #[inline(always)]
+    unsafe fn dot(lo: __m256i, hi: __m256i, x_lo: __m256i, x_hi: __m256i) -> __m256i {
+        nibble_dot(lo, hi, x_lo, x_hi)
+    }
+}
+
+impl Avx2Dot for Q8_0Signed {
+    #[inline(always)]
+    unsafe fn dot(lo: __m256i, hi: __m256i, x_lo: __m256i, x_hi: __m256i) -> __m256i {
+        // |w| * sign(x, w) = w * x with the unsigned operand at most 128; each half is
+        // widened to i32 on its own because two such i16 sums could overflow.
+        let ones = _mm256_set1_epi16(1);
+        let p_lo = _mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(x_lo, lo));
+        let p_hi = _mm256_maddubs_epi16(_mm256_sign_epi8(hi, hi), _mm256_sign_epi8(x_hi, hi));
+        _mm256_add_epi32(_mm256_madd_epi16(p_lo, ones), _mm256_madd_epi16(p_hi, ones))
+    }
+}
+
+/// Nibble codes . quants: both halves' i16 pair sums (at most 2 * 2 * 15 * 127) add
+/// without overflow before one widening `vpmaddwd`.
+#[inline(always)]
+unsafe fn nibble_dot(lo: __m256i, hi: __m256i, x_lo: __m256i, x_hi: __m256i) -> __m256i {
+    let pairs = _mm256_add_epi16(
+        _mm256_maddubs_epi16(lo, x_lo),
+        _mm256_maddubs_epi16(hi, x_hi),
+    );
+    _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
 }
 
 /// Sum of the eight lanes.
@@ -155,12 +230,13 @@ pub(crate) unsafe fn hsum256(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
 }
 
-/// Per-token activation pointers for a 32-block tile: (quants, scales d, sums s).
-type Q8Row = (*const i8, *const f32, *const f32);
+/// Per-token activation pointers for a pair tile: (pair-interleaved quants, [d, s]).
+pub(crate) type Q8Row = (*const i8, *const f32);
 
-fn q8_row_ptrs(xq: &QuantizedActivations, t: usize) -> Q8Row {
-    let (qs, d, s) = xq.q8_row(t);
-    (qs.as_ptr(), d.as_ptr(), s.as_ptr())
+/// Token `t`'s Q8_1 row pointers.
+pub(crate) fn q8_1_ptrs(xq: &QuantizedActivations, t: usize) -> Q8Row {
+    let (qs, ds) = xq.q8_1_row(t);
+    (qs.as_ptr(), ds.as_ptr())
 }
 
 /// Walks `rows` x tokens in `TILE_ROWS` x `TILE_TOKENS` tiles, remainders one wide.
@@ -168,7 +244,7 @@ fn q8_row_ptrs(xq: &QuantizedActivations, t: usize) -> Q8Row {
 /// # Safety
 /// AVX2/FMA/F16C available; shapes validated by the dispatcher.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn drive_b32<W: B32>(
+unsafe fn drive_b32<W: Avx2Dot>(
     w: &[u8],
     k: usize,
     rows: Range<usize>,
@@ -198,17 +274,19 @@ unsafe fn drive_b32<W: B32>(
             // only rows r..r+tile_rows and tokens t..t+tile_tokens of it.
             let o = out.as_mut_ptr().add(t * n_rows + r);
             let x2: [Q8Row; TILE_TOKENS] =
-                std::array::from_fn(|i| q8_row_ptrs(xq, t + i.min(tile_tokens - 1)));
+                std::array::from_fn(|i| q8_1_ptrs(xq, t + i.min(tile_tokens - 1)));
             let x1 = [x2[0]];
             match (tile_rows, tile_tokens) {
                 (TILE_ROWS, TILE_TOKENS) => {
-                    tile_b32::<W, TILE_ROWS, TILE_TOKENS>(w_rows, row_bytes, nb, x2, o, n_rows)
+                    tile_pairs::<W, TILE_ROWS, TILE_TOKENS>(w_rows, row_bytes, nb, x2, o, n_rows)
                 }
-                (TILE_ROWS, _) => tile_b32::<W, TILE_ROWS, 1>(w_rows, row_bytes, nb, x1, o, n_rows),
+                (TILE_ROWS, _) => {
+                    tile_pairs::<W, TILE_ROWS, 1>(w_rows, row_bytes, nb, x1, o, n_rows)
+                }
                 (_, TILE_TOKENS) => {
-                    tile_b32::<W, 1, TILE_TOKENS>(w_rows, row_bytes, nb, x2, o, n_rows)
+                    tile_pairs::<W, 1, TILE_TOKENS>(w_rows, row_bytes, nb, x2, o, n_rows)
                 }
-                _ => tile_b32::<W, 1, 1>(w_rows, row_bytes, nb, x1, o, n_rows),
+                _ => tile_pairs::<W, 1, 1>(w_rows, row_bytes, nb, x1, o, n_rows),
             }
             t += tile_tokens;
         }
@@ -216,13 +294,32 @@ unsafe fn drive_b32<W: B32>(
     }
 }
 
-/// One `R` x `T` register tile over all `nb` blocks; writes `out[t * out_stride + r]`.
+/// Byte offsets of pair `p`'s two blocks in a row of `nb` blocks; an odd last block is
+/// paired with itself (its partner's activations are zero padding, so it adds 0).
+#[inline(always)]
+pub(crate) fn pair_offsets(p: usize, nb: usize, block_bytes: usize) -> (usize, usize) {
+    let b0 = 2 * p;
+    let b1 = if b0 + 1 < nb { b0 + 1 } else { b0 };
+    (b0 * block_bytes, b1 * block_bytes)
+}
+
+/// Sum of lanes 1 and 3 (the m * s terms of a pair-scale accumulator).
 ///
 /// # Safety
-/// `w_rows` holds `R` rows of `row_bytes`; each `x` row holds `nb` blocks; `out` has the
-/// `T` x `R` slots; AVX2/FMA/F16C available.
+/// SSE available (always on x86_64).
+#[inline(always)]
+pub(crate) unsafe fn offset_lanes(v: __m128) -> f32 {
+    let folded = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    _mm_cvtss_f32(_mm_shuffle_ps(folded, folded, 1))
+}
+
+/// One `R` x `T` register tile over all blocks; writes `out[t * out_stride + r]`.
+///
+/// # Safety
+/// `w_rows` holds `R` rows of `row_bytes`; each `x` row holds `nb` blocks, padded to
+/// whole pairs; `out` has the `T` x `R` slots; AVX2/FMA/F16C available.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_b32<W: B32, const R: usize, const T: usize>(
+unsafe fn tile_pairs<W: Avx2Dot, const R: usize, const T: usize>(
     w_rows: *const u8,
     row_bytes: usize,
     nb: usize,
@@ -230,28 +327,41 @@ unsafe fn tile_b32<W: B32, const R: usize, const T: usize>(
     out: *mut f32,
     out_stride: usize,
 ) {
+    // Lanes 0..4 (block b) take the product's lane 0, lanes 4..8 its lane 2.
+    let spread = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let mut offset = [[0.0f32; T]; R];
-    for b in 0..nb {
-        let mut codes = [_mm256_setzero_si256(); R];
-        let (mut dw, mut m) = ([0.0f32; R], [0.0f32; R]);
+    let mut offset = [[_mm_setzero_ps(); T]; R];
+    for p in 0..nb.div_ceil(2) {
+        let (o0, o1) = pair_offsets(p, nb, W::BYTES);
+        let mut codes = [(_mm256_setzero_si256(), _mm256_setzero_si256()); R];
+        let mut scales = [_mm_setzero_ps(); R];
         for r in 0..R {
-            (codes[r], dw[r], m[r]) = W::decode(w_rows.add(r * row_bytes + b * W::BYTES));
+            let row = w_rows.add(r * row_bytes);
+            // Prefetch never faults; wrapping_add keeps the address computation defined
+            // past the end of the weights.
+            let ahead = row.wrapping_add(PREFETCH_ROWS * row_bytes + o0);
+            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o1 - o0 + W::BYTES - 1) as *const i8);
+            codes[r] = W::codes(row.add(o0), row.add(o1));
+            scales[r] = W::scales(row.add(o0), row.add(o1));
         }
         for t in 0..T {
-            let (qs, d, s) = x[t];
-            let xv = _mm256_loadu_si256(qs.add(b * QK32) as *const __m256i);
-            let (dx, sx) = (*d.add(b), *s.add(b));
+            let (qs, ds) = x[t];
+            let x_lo = _mm256_loadu_si256(qs.add(p * 2 * QK32) as *const __m256i);
+            let x_hi = _mm256_loadu_si256(qs.add(p * 2 * QK32 + QK32) as *const __m256i);
+            let dsv = _mm_loadu_ps(ds.add(4 * p));
             for r in 0..R {
-                let sums = _mm256_cvtepi32_ps(W::dot(codes[r], xv));
-                acc[r][t] = _mm256_fmadd_ps(sums, _mm256_set1_ps(dw[r] * dx), acc[r][t]);
-                offset[r][t] += m[r] * sx;
+                let product = _mm_mul_ps(scales[r], dsv);
+                offset[r][t] = _mm_add_ps(offset[r][t], product);
+                let scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(product), spread);
+                let sums = _mm256_cvtepi32_ps(W::dot(codes[r].0, codes[r].1, x_lo, x_hi));
+                acc[r][t] = _mm256_fmadd_ps(sums, scale, acc[r][t]);
             }
         }
     }
     for r in 0..R {
         for t in 0..T {
-            *out.add(t * out_stride + r) = hsum256(acc[r][t]) + offset[r][t];
+            *out.add(t * out_stride + r) = hsum256(acc[r][t]) + offset_lanes(offset[r][t]);
         }
     }
 }
@@ -334,7 +444,7 @@ unsafe fn dot_f32_bytes<const HALF: bool>(w_row: &[u8], x: &[f32]) -> f32 {
 /// sub-block mins applied through the activation block sums.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q4_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
-    let (qs, d, _) = xq.q8_row(t);
+    let (qs, d) = xq.q8_k_row(t);
     let bsums = xq.bsums(t);
     let low = _mm256_set1_epi8(0x0F);
     let mut acc = _mm256_setzero_ps();
@@ -374,7 +484,7 @@ unsafe fn dot_q4_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
 /// applied through the activation block sums.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q6_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
-    let (qs, d, _) = xq.q8_row(t);
+    let (qs, d) = xq.q8_k_row(t);
     let bsums = xq.bsums(t);
     let mut acc = _mm256_setzero_ps();
     let mut offset_total = 0.0f32;

@@ -1,50 +1,67 @@
 //! AVX-512 VNNI kernels: `vpdpbusd` int8 dot products on 512-bit vectors.
 //!
-//! The 32-block types (Q4_0, Q4_1, Q8_0) run in two phases per tile of rows:
+//! The 32-block types (Q4_0, Q4_1, Q8_0) decode a pair of blocks (b, b + 1) into one
+//! 512-bit vector of codes in the Q8_1 pair layout (see `activations`), so codes and
+//! activation quants line up byte for byte:
 //!
 //! ```text
-//! 1. pack   R ggml rows (one k-chunk) -> codes [R][k] u8 (nibble, or q8 ^ 0x80 = q8 + 128)
-//!                                      dw    [R][pair][16] f32 (d of 2 blocks, 8 lanes each)
-//!                                      m     [R][block] f32   (offset coefficient)
-//! 2. tile   for each R x T (rows x tokens) register tile, per pair of blocks:
-//!           acc[r][t] += cvt(vpdpbusd(0, codes[r], x[t])) * (dw[r] * dx[t])
-//!           then acc[r][t] += m[r] . s[t] (16 blocks per fma), reduce, store.
+//! codes: [b w0..16][b+1 w0..16][b w16..32][b+1 w16..32]  (nibble, or q8 ^ 0x80 = q8 + 128)
+//! i32 lanes after vpdpbusd: 0..4 b, 4..8 b+1, 8..12 b, 12..16 b+1
+//! acc[r][t] += cvt(vpdpbusd(0, codes[r], x[t])) * spread(dw[r] * dx[t]);  + m[r] * s[t]
 //! ```
 //!
-//! The packed codes are in weight order, so they line up with the activations byte for
-//! byte; unpacking happens once per row, not once per (row, token).
+//! Two schedules:
+//! 1. Few tokens (decode): decode each pair straight from the ggml row and use it at
+//!    once; weights stream through exactly once.
+//! 2. Many tokens (prefill): pack `TILE_ROWS` rows of a k-chunk once (codes, scales
+//!    spread to lanes, mins), then sweep `TILE_ROWS` x `TILE_TOKENS` register tiles over
+//!    every token, so each decoded pair serves all tokens.
 //!
 //! Invariants:
 //! 1. Every function here runs only after `Isa::Avx512.is_available()` (avx512 f, bw,
 //!    vl, vnni plus avx2, fma, f16c).
 //! 2. `vpdpbusd` does not saturate, so Q8_0 may use unsigned codes q8 + 128 (<= 255):
 //!    32 * 255 * 127 fits i32 with room to spare; the +128 is removed via m = -128 d.
-//! 3. Pack padding (odd last block, scale groups) is zero in codes, dw and m, and the
-//!    activations are zero-padded to whole pairs and 16-block groups, so padded lanes
-//!    contribute exactly 0.
+//! 3. Padding contributes exactly 0: activations are zero past k (quants, d and s), an
+//!    odd last block is paired with itself against those zeros, and packed mins are zero
+//!    past the chunk.
 //! 4. A k-chunk holds at most [`CHUNK_BLOCKS`] blocks; later chunks add into `out`.
+
+// Register tiles index several per-row and per-token arrays by the same r and t;
+// index loops say that more plainly than zipped iterators.
+#![allow(clippy::needless_range_loop)]
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::activations::{QuantizedActivations, Q8_1_SCALE_ALIGN};
-use super::avx2::{f16_load, nibbles32};
-use super::blocks::{Q4_0_QS, Q4_1_M, Q4_1_QS, Q8_0_QS, QK32};
+use super::avx2::{
+    d_pair, offset_lanes, pair_offsets, q8_1_ptrs, q8_pair, PairDecode, Q8Row, Q4_0W, Q4_1W,
+};
+use super::blocks::QK32;
 use super::GgmlType;
 
 /// Weight rows per register tile.
 const TILE_ROWS: usize = 4;
-/// Tokens per register tile.
+/// Tokens per register tile (prefill schedule).
 const TILE_TOKENS: usize = 4;
+/// Up to this many tokens, decode weights directly instead of packing them (measured
+/// crossover on Zen 4 for k = 576: packing wins from about 16 tokens).
+const DIRECT_TOKENS_MAX: usize = 8;
+/// Decode prefetches weights this many rows ahead: far enough to cover DRAM latency
+/// for short rows, which the hardware prefetcher streams poorly.
+const PREFETCH_ROWS: usize = 4 * TILE_ROWS;
 /// Blocks per packed k-chunk (4096 weights: 16 KiB of codes for a 4-row tile).
 const CHUNK_BLOCKS: usize = 128;
 /// Blocks per 512-bit vector of int8 codes.
 const PAIR: usize = 2;
 /// f32 lanes in a 512-bit vector.
 const LANES: usize = 16;
+/// f32 values per pair in `ds` and in packed mins: [d or 0, s or m] x 2.
+const PAIR_DS: usize = 4;
 
-const _: () = assert!(CHUNK_BLOCKS % Q8_1_SCALE_ALIGN == 0 && CHUNK_BLOCKS % PAIR == 0);
-const _: () = assert!(Q8_1_SCALE_ALIGN == LANES);
+const _: () = assert!(CHUNK_BLOCKS.is_multiple_of(Q8_1_SCALE_ALIGN));
+const _: () = assert!(Q8_1_SCALE_ALIGN / PAIR * PAIR_DS == LANES);
 
 /// AVX-512 matmul; arguments already validated by the dispatcher.
 pub fn matmul(
@@ -61,7 +78,7 @@ pub fn matmul(
         match ty {
             GgmlType::Q4_0 => drive::<Q4_0W>(w, k, rows, xq, out),
             GgmlType::Q4_1 => drive::<Q4_1W>(w, k, rows, xq, out),
-            GgmlType::Q8_0 => drive::<Q8_0W>(w, k, rows, xq, out),
+            GgmlType::Q8_0 => drive::<Q8_0Offset>(w, k, rows, xq, out),
             GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::F32 | GgmlType::F16 => {
                 super::avx2::matmul_rowwise(ty, w, k, rows, xq, out)
             }
@@ -69,68 +86,158 @@ pub fn matmul(
     }
 }
 
-/// A 32-weight block format as the packer sees it.
-trait Pack32 {
-    /// Bytes per block.
-    const BYTES: usize;
-    /// Writes the block's 32 unsigned codes to `codes`; returns (d, m) such that
-    /// `block . x = d * dx * (codes . q) + m * s`.
-    ///
-    /// # Safety
-    /// `block` has `BYTES` readable bytes, `codes` 32 writable; AVX2/F16C available.
-    unsafe fn unpack(block: *const u8, codes: *mut u8) -> (f32, f32);
-}
+/// Q8_0 as unsigned q8 + 128 with m = -128 d (see invariant 2).
+struct Q8_0Offset;
 
-struct Q4_0W;
-struct Q4_1W;
-struct Q8_0W;
-
-impl Pack32 for Q4_0W {
-    const BYTES: usize = GgmlType::Q4_0.block_bytes();
-    #[inline(always)]
-    unsafe fn unpack(block: *const u8, codes: *mut u8) -> (f32, f32) {
-        _mm256_storeu_si256(codes as *mut __m256i, nibbles32(block.add(Q4_0_QS)));
-        let d = f16_load(block);
-        (d, -8.0 * d)
-    }
-}
-
-impl Pack32 for Q4_1W {
-    const BYTES: usize = GgmlType::Q4_1.block_bytes();
-    #[inline(always)]
-    unsafe fn unpack(block: *const u8, codes: *mut u8) -> (f32, f32) {
-        _mm256_storeu_si256(codes as *mut __m256i, nibbles32(block.add(Q4_1_QS)));
-        (f16_load(block), f16_load(block.add(Q4_1_M)))
-    }
-}
-
-impl Pack32 for Q8_0W {
+impl PairDecode for Q8_0Offset {
     const BYTES: usize = GgmlType::Q8_0.block_bytes();
     #[inline(always)]
-    unsafe fn unpack(block: *const u8, codes: *mut u8) -> (f32, f32) {
-        let q = _mm256_loadu_si256(block.add(Q8_0_QS) as *const __m256i);
+    unsafe fn codes(p0: *const u8, p1: *const u8) -> (__m256i, __m256i) {
+        let (lo, hi) = q8_pair(p0, p1);
         // q ^ 0x80 reinterprets the signed byte q as the unsigned byte q + 128.
-        _mm256_storeu_si256(
-            codes as *mut __m256i,
-            _mm256_xor_si256(q, _mm256_set1_epi8(i8::MIN)),
-        );
-        let d = f16_load(block);
-        (d, -128.0 * d)
+        let flip = _mm256_set1_epi8(i8::MIN);
+        (_mm256_xor_si256(lo, flip), _mm256_xor_si256(hi, flip))
+    }
+    #[inline(always)]
+    unsafe fn scales(p0: *const u8, p1: *const u8) -> __m128 {
+        d_pair(p0, p1, -128.0)
     }
 }
 
-/// One row tile's packed k-chunk (see the module diagram).
-struct Packed {
-    /// [TILE_ROWS][CHUNK_BLOCKS * 32] unsigned codes.
-    codes: [[u8; CHUNK_BLOCKS * QK32]; TILE_ROWS],
-    /// [TILE_ROWS][CHUNK_BLOCKS / 2][16] block scales, 8 lanes per block.
-    dw: [[f32; CHUNK_BLOCKS * LANES / PAIR]; TILE_ROWS],
-    /// [TILE_ROWS][CHUNK_BLOCKS] offset coefficients.
-    m: [[f32; CHUNK_BLOCKS]; TILE_ROWS],
+/// One pair's codes as a 512-bit vector.
+///
+/// # Safety
+/// As for `PairDecode::codes`; AVX-512F available.
+#[inline(always)]
+unsafe fn codes512<W: PairDecode>(p0: *const u8, p1: *const u8) -> __m512i {
+    let (lo, hi) = W::codes(p0, p1);
+    _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
 }
 
-/// Per-token activation pointers at the current chunk: (quants, scales d, sums s).
-type Q8Row = (*const i8, *const f32, *const f32);
+/// Spreads `[a, _, b, _]` to lanes `[a x4, b x4, a x4, b x4]`, matching the i32 lanes.
+///
+/// # Safety
+/// AVX-512F available.
+#[inline(always)]
+unsafe fn spread(v: __m128) -> __m512 {
+    let index = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2);
+    _mm512_permutexvar_ps(index, _mm512_castps128_ps512(v))
+}
+
+/// Picks the schedule and walks row tiles (remainder rows one at a time).
+///
+/// # Safety
+/// AVX-512 set available; shapes validated by the dispatcher.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn drive<W: PairDecode>(
+    w: &[u8],
+    k: usize,
+    rows: Range<usize>,
+    xq: &QuantizedActivations,
+    out: &mut [f32],
+) {
+    let nb = k / QK32;
+    let row_bytes = nb * W::BYTES;
+    let (n_rows, n_tokens) = (rows.len(), xq.n_tokens());
+    // SAFETY: rows.end * row_bytes <= w.len() (dispatcher).
+    let w_first = w.as_ptr().add(rows.start * row_bytes);
+    if n_tokens <= DIRECT_TOKENS_MAX {
+        for t in 0..n_tokens {
+            let x = q8_1_ptrs(xq, t);
+            // SAFETY: token t's slots are out[t * n_rows..(t + 1) * n_rows].
+            let o = out.as_mut_ptr().add(t * n_rows);
+            let mut r = 0;
+            while r + TILE_ROWS <= n_rows {
+                direct::<W, TILE_ROWS>(w_first.add(r * row_bytes), row_bytes, nb, x, o.add(r));
+                r += TILE_ROWS;
+            }
+            for r in r..n_rows {
+                direct::<W, 1>(w_first.add(r * row_bytes), row_bytes, nb, x, o.add(r));
+            }
+        }
+        return;
+    }
+    let mut pack = Packed {
+        codes: [[0; CHUNK_BLOCKS * QK32]; TILE_ROWS],
+        dw: [[0.0; CHUNK_BLOCKS / PAIR * LANES]; TILE_ROWS],
+        m: [[0.0; CHUNK_BLOCKS / PAIR * PAIR_DS]; TILE_ROWS],
+    };
+    let mut r = 0;
+    while r < n_rows {
+        let tile_rows = if n_rows - r >= TILE_ROWS {
+            TILE_ROWS
+        } else {
+            1
+        };
+        for first_block in (0..nb).step_by(CHUNK_BLOCKS) {
+            let blocks = CHUNK_BLOCKS.min(nb - first_block);
+            let chunk = Chunk {
+                first_block,
+                blocks,
+                accumulate: first_block > 0,
+            };
+            pack_rows::<W>(
+                &mut pack,
+                w_first.add(r * row_bytes),
+                row_bytes,
+                tile_rows,
+                chunk,
+            );
+            sweep_tokens(&pack, chunk, tile_rows, xq, out, r, n_rows);
+        }
+        r += tile_rows;
+    }
+}
+
+/// Decode schedule: `R` rows against one token, pairs decoded and used at once.
+///
+/// # Safety
+/// `w_rows` holds `R` rows of `row_bytes`; `x` covers `nb` blocks padded to whole
+/// pairs; `out` has `R` slots; AVX-512 set available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn direct<W: PairDecode, const R: usize>(
+    w_rows: *const u8,
+    row_bytes: usize,
+    nb: usize,
+    x: Q8Row,
+    out: *mut f32,
+) {
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut offset = [_mm_setzero_ps(); R];
+    let (qs, ds) = x;
+    for p in 0..nb.div_ceil(PAIR) {
+        let (o0, o1) = pair_offsets(p, nb, W::BYTES);
+        let xv = _mm512_loadu_si512(qs.add(p * PAIR * QK32) as *const _);
+        let dsv = _mm_loadu_ps(ds.add(p * PAIR_DS));
+        for r in 0..R {
+            let row = w_rows.add(r * row_bytes);
+            // Prefetch never faults; wrapping_add keeps the address computation defined
+            // past the end of the weights.
+            let ahead = row.wrapping_add(PREFETCH_ROWS * row_bytes + o0);
+            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o1 - o0 + W::BYTES - 1) as *const i8);
+            let codes = codes512::<W>(row.add(o0), row.add(o1));
+            let product = _mm_mul_ps(W::scales(row.add(o0), row.add(o1)), dsv);
+            offset[r] = _mm_add_ps(offset[r], product);
+            let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, codes, xv));
+            acc[r] = _mm512_fmadd_ps(sums, spread(product), acc[r]);
+        }
+    }
+    for r in 0..R {
+        *out.add(r) = _mm512_reduce_add_ps(acc[r]) + offset_lanes(offset[r]);
+    }
+}
+
+/// One row tile's packed k-chunk.
+struct Packed {
+    /// [TILE_ROWS][pair][64] unsigned codes in pair layout.
+    codes: [[u8; CHUNK_BLOCKS * QK32]; TILE_ROWS],
+    /// [TILE_ROWS][pair][16] block scales spread to the i32 lanes.
+    dw: [[f32; CHUNK_BLOCKS / PAIR * LANES]; TILE_ROWS],
+    /// [TILE_ROWS][pair][0, m_b, 0, m_b+1], zero past the chunk to a whole vector.
+    m: [[f32; CHUNK_BLOCKS / PAIR * PAIR_DS]; TILE_ROWS],
+}
 
 /// Geometry of one packed k-chunk.
 #[derive(Clone, Copy)]
@@ -143,110 +250,79 @@ struct Chunk {
     accumulate: bool,
 }
 
-/// Packs `n` rows (at most `TILE_ROWS`) of one chunk into `pack`, zero-padding the
-/// chunk to whole pairs (codes, dw) and whole 16-block groups (m).
+/// Packs `n` rows (at most `TILE_ROWS`) of one chunk into `pack`.
 ///
 /// # Safety
-/// `w_rows` holds `n` rows of `row_bytes` covering the chunk; AVX2/F16C available.
-#[inline(always)]
-unsafe fn pack_rows<W: Pack32>(
+/// `w_rows` holds `n` rows of `row_bytes` covering the chunk; AVX-512 set available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn pack_rows<W: PairDecode>(
     pack: &mut Packed,
     w_rows: *const u8,
     row_bytes: usize,
     n: usize,
     chunk: Chunk,
 ) {
-    let padded_pairs = chunk.blocks.div_ceil(PAIR) * PAIR;
-    let padded_groups = chunk.blocks.div_ceil(LANES) * LANES;
+    let pairs = chunk.blocks.div_ceil(PAIR);
+    let padded_pairs = chunk.blocks.div_ceil(Q8_1_SCALE_ALIGN) * Q8_1_SCALE_ALIGN / PAIR;
     for r in 0..n {
         let row = w_rows.add(r * row_bytes + chunk.first_block * W::BYTES);
-        for j in 0..chunk.blocks {
-            let (d, m) = W::unpack(
-                row.add(j * W::BYTES),
-                pack.codes[r].as_mut_ptr().add(j * QK32),
+        for p in 0..pairs {
+            let (o0, o1) = pair_offsets(p, chunk.blocks, W::BYTES);
+            let codes = codes512::<W>(row.add(o0), row.add(o1));
+            _mm512_storeu_si512(
+                pack.codes[r].as_mut_ptr().add(p * PAIR * QK32) as *mut _,
+                codes,
             );
-            let lanes = (j / PAIR) * LANES + (j % PAIR) * (LANES / PAIR);
-            pack.dw[r][lanes..lanes + LANES / PAIR].fill(d);
-            pack.m[r][j] = m;
+            let scales = W::scales(row.add(o0), row.add(o1));
+            _mm512_storeu_ps(pack.dw[r].as_mut_ptr().add(p * LANES), spread(scales));
+            let mins = _mm_blend_ps(_mm_setzero_ps(), scales, 0b1010);
+            _mm_storeu_ps(pack.m[r].as_mut_ptr().add(p * PAIR_DS), mins);
         }
-        for j in chunk.blocks..padded_pairs {
-            pack.codes[r][j * QK32..(j + 1) * QK32].fill(0);
-            let lanes = (j / PAIR) * LANES + (j % PAIR) * (LANES / PAIR);
-            pack.dw[r][lanes..lanes + LANES / PAIR].fill(0.0);
-        }
-        pack.m[r][chunk.blocks..padded_groups].fill(0.0);
+        pack.m[r][pairs * PAIR_DS..padded_pairs * PAIR_DS].fill(0.0);
     }
 }
 
-/// Walks row tiles, packs each k-chunk once, then sweeps all token tiles over it.
+/// Runs every token tile over one packed chunk of `tile_rows` rows starting at row `r`.
 ///
 /// # Safety
-/// AVX-512 set available; shapes validated by the dispatcher.
+/// As for [`tile`]; AVX-512 set available.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn drive<W: Pack32>(
-    w: &[u8],
-    k: usize,
-    rows: Range<usize>,
+unsafe fn sweep_tokens(
+    pack: &Packed,
+    chunk: Chunk,
+    tile_rows: usize,
     xq: &QuantizedActivations,
     out: &mut [f32],
+    r: usize,
+    n_rows: usize,
 ) {
-    let nb = k / QK32;
-    let row_bytes = nb * W::BYTES;
-    let (n_rows, n_tokens) = (rows.len(), xq.n_tokens());
-    let mut pack = Packed {
-        codes: [[0; CHUNK_BLOCKS * QK32]; TILE_ROWS],
-        dw: [[0.0; CHUNK_BLOCKS * LANES / PAIR]; TILE_ROWS],
-        m: [[0.0; CHUNK_BLOCKS]; TILE_ROWS],
-    };
-    let mut r = 0;
-    while r < n_rows {
-        let tile_rows = if n_rows - r >= TILE_ROWS {
-            TILE_ROWS
+    let n_tokens = xq.n_tokens();
+    let mut t = 0;
+    while t < n_tokens {
+        let tile_tokens = if n_tokens - t >= TILE_TOKENS {
+            TILE_TOKENS
         } else {
             1
         };
-        // SAFETY: rows.end * row_bytes <= w.len() (dispatcher).
-        let w_rows = w.as_ptr().add((rows.start + r) * row_bytes);
-        for first_block in (0..nb).step_by(CHUNK_BLOCKS) {
-            let blocks = CHUNK_BLOCKS.min(nb - first_block);
-            let chunk = Chunk {
-                first_block,
-                blocks,
-                accumulate: first_block > 0,
-            };
-            pack_rows::<W>(&mut pack, w_rows, row_bytes, tile_rows, chunk);
-            let mut t = 0;
-            while t < n_tokens {
-                let tile_tokens = if n_tokens - t >= TILE_TOKENS {
-                    TILE_TOKENS
-                } else {
-                    1
-                };
-                let x4: [Q8Row; TILE_TOKENS] = std::array::from_fn(|i| {
-                    let (qs, d, s) = xq.q8_row(t + i.min(tile_tokens - 1));
-                    // SAFETY: the chunk's blocks lie inside the padded activation row.
-                    unsafe {
-                        (
-                            qs.as_ptr().add(first_block * QK32),
-                            d.as_ptr().add(first_block),
-                            s.as_ptr().add(first_block),
-                        )
-                    }
-                });
-                // SAFETY: tile (t, r) lies inside out = [n_tokens][n_rows].
-                let o = out.as_mut_ptr().add(t * n_rows + r);
-                match (tile_rows, tile_tokens) {
-                    (TILE_ROWS, TILE_TOKENS) => {
-                        tile::<TILE_ROWS, TILE_TOKENS>(&pack, chunk, x4, o, n_rows)
-                    }
-                    (TILE_ROWS, _) => tile::<TILE_ROWS, 1>(&pack, chunk, [x4[0]], o, n_rows),
-                    (_, TILE_TOKENS) => tile::<1, TILE_TOKENS>(&pack, chunk, x4, o, n_rows),
-                    _ => tile::<1, 1>(&pack, chunk, [x4[0]], o, n_rows),
-                }
-                t += tile_tokens;
+        let x4: [Q8Row; TILE_TOKENS] = std::array::from_fn(|i| {
+            let (qs, ds) = q8_1_ptrs(xq, t + i.min(tile_tokens - 1));
+            // SAFETY: the chunk's blocks lie inside the padded activation row.
+            unsafe {
+                (
+                    qs.add(chunk.first_block * QK32),
+                    ds.add(chunk.first_block * PAIR_DS / PAIR),
+                )
             }
+        });
+        // SAFETY: tile (t, r) lies inside out = [n_tokens][n_rows].
+        let o = out.as_mut_ptr().add(t * n_rows + r);
+        match (tile_rows, tile_tokens) {
+            (TILE_ROWS, TILE_TOKENS) => tile::<TILE_ROWS, TILE_TOKENS>(pack, chunk, x4, o, n_rows),
+            (TILE_ROWS, _) => tile::<TILE_ROWS, 1>(pack, chunk, [x4[0]], o, n_rows),
+            (_, TILE_TOKENS) => tile::<1, TILE_TOKENS>(pack, chunk, x4, o, n_rows),
+            _ => tile::<1, 1>(pack, chunk, [x4[0]], o, n_rows),
         }
-        r += tile_rows;
+        t += tile_tokens;
     }
 }
 
@@ -264,34 +340,32 @@ unsafe fn tile<const R: usize, const T: usize>(
     out: *mut f32,
     out_stride: usize,
 ) {
-    // Lanes 0..8 take the pair's first scale, lanes 8..16 the second.
-    let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     let zero = _mm512_setzero_si512();
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     for p in 0..chunk.blocks.div_ceil(PAIR) {
         let codes: [__m512i; R] = std::array::from_fn(|r| {
-            // SAFETY: pair p lies inside the packed (padded) chunk.
-            unsafe { _mm512_loadu_si512(pack.codes[r].as_ptr().add(p * 2 * QK32) as *const _) }
+            // SAFETY: pair p lies inside the packed chunk.
+            unsafe { _mm512_loadu_si512(pack.codes[r].as_ptr().add(p * PAIR * QK32) as *const _) }
         });
-        // SAFETY: as above, for the scale lanes.
+        // SAFETY: as above, for the spread scales.
         let dw: [__m512; R] =
             std::array::from_fn(|r| unsafe { _mm512_loadu_ps(pack.dw[r].as_ptr().add(p * LANES)) });
         for t in 0..T {
-            let (qs, d, _) = x[t];
-            let xv = _mm512_loadu_si512(qs.add(p * 2 * QK32) as *const _);
-            let d2 = _mm_loadl_epi64(d.add(p * PAIR) as *const __m128i);
-            let dx = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_castsi128_ps(d2)));
+            let (qs, ds) = x[t];
+            let xv = _mm512_loadu_si512(qs.add(p * PAIR * QK32) as *const _);
+            let dx = spread(_mm_loadu_ps(ds.add(p * PAIR_DS)));
             for r in 0..R {
                 let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, codes[r], xv));
                 acc[r][t] = _mm512_fmadd_ps(sums, _mm512_mul_ps(dw[r], dx), acc[r][t]);
             }
         }
     }
-    for g in 0..chunk.blocks.div_ceil(LANES) {
+    // m * s for four pairs per vector: packed [0, m, 0, m] against [d, s, d, s].
+    for g in 0..chunk.blocks.div_ceil(Q8_1_SCALE_ALIGN) {
         for r in 0..R {
             let m = _mm512_loadu_ps(pack.m[r].as_ptr().add(g * LANES));
             for t in 0..T {
-                acc[r][t] = _mm512_fmadd_ps(m, _mm512_loadu_ps(x[t].2.add(g * LANES)), acc[r][t]);
+                acc[r][t] = _mm512_fmadd_ps(m, _mm512_loadu_ps(x[t].1.add(g * LANES)), acc[r][t]);
             }
         }
     }

@@ -91,7 +91,7 @@ pub fn pack_scale_min_k4(scale: &[u8; 8], min: &[u8; 8]) -> [u8; K_SCALE_BYTES] 
 /// Checks that `bytes` holds exactly the blocks for `weights` values of `ty`.
 pub fn check_row(ty: GgmlType, weights: usize, bytes: usize) -> Result<(), QuantError> {
     let block_len = ty.block_len();
-    if weights % block_len != 0 {
+    if !weights.is_multiple_of(block_len) {
         return Err(QuantError::PartialBlock {
             ty,
             len: weights,

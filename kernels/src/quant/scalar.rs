@@ -50,29 +50,27 @@ pub fn dot_row(ty: GgmlType, w_row: &[u8], xq: &QuantizedActivations, t: usize) 
 }
 
 fn dot_row_b32(ty: GgmlType, w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
-    let (qs, d, s) = xq.q8_row(t);
     let mut sum = 0.0f32;
     for (b, block) in w_row.chunks_exact(ty.block_bytes()).enumerate() {
-        let x = &qs[b * QK32..(b + 1) * QK32];
+        let (x, dx, sx) = xq.q8_1_block(t, b);
         let dw = f16_at(block, 0);
         sum += match ty {
             GgmlType::Q4_0 => {
                 let q = &block[Q4_0_QS..Q4_0_QS + QK32 / 2];
-                let nibble_dot = nibble_dot(q, x, -8);
-                dw * d[b] * nibble_dot as f32
+                dw * dx * nibble_dot(q, &x, -8) as f32
             }
             GgmlType::Q4_1 => {
                 let q = &block[Q4_1_QS..Q4_1_QS + QK32 / 2];
-                dw * d[b] * nibble_dot(q, x, 0) as f32 + f16_at(block, Q4_1_M) * s[b]
+                dw * dx * nibble_dot(q, &x, 0) as f32 + f16_at(block, Q4_1_M) * sx
             }
             _ => {
                 let q = &block[Q8_0_QS..Q8_0_QS + QK32];
                 let isum: i32 = q
                     .iter()
-                    .zip(x)
+                    .zip(&x)
                     .map(|(&w, &x)| (w as i8) as i32 * x as i32)
                     .sum();
-                dw * d[b] * isum as f32
+                dw * dx * isum as f32
             }
         };
     }
@@ -91,7 +89,7 @@ fn nibble_dot(q: &[u8], x: &[i8], offset: i32) -> i32 {
 }
 
 fn dot_row_q4_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
-    let (qs, d, _) = xq.q8_row(t);
+    let (qs, d) = xq.q8_k_row(t);
     let bsums = xq.bsums(t);
     let mut sum = 0.0f32;
     for (b, block) in w_row.chunks_exact(GgmlType::Q4_K.block_bytes()).enumerate() {
@@ -115,7 +113,7 @@ fn dot_row_q4_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
 }
 
 fn dot_row_q6_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
-    let (qs, d, _) = xq.q8_row(t);
+    let (qs, d) = xq.q8_k_row(t);
     let mut sum = 0.0f32;
     for (b, block) in w_row.chunks_exact(GgmlType::Q6_K.block_bytes()).enumerate() {
         let x = &qs[b * QK_K..(b + 1) * QK_K];

@@ -65,7 +65,7 @@ impl GgmlType {
     /// blocks or the size overflows.
     pub fn bytes_for(self, count: u64) -> Option<u64> {
         let block_len = self.block_len() as u64;
-        if count % block_len != 0 {
+        if !count.is_multiple_of(block_len) {
             return None;
         }
         (count / block_len).checked_mul(self.block_bytes() as u64)

@@ -1,0 +1,120 @@
+//! Single-thread matmul throughput per ISA for the default model's shapes.
+//!
+//! `cargo run -p bulkhead-kernels --release --example quant_bench [filter]`
+//!
+//! Decode shapes report weight-streaming GB/s (hot: the matrix fits L2 and is reused;
+//! cold: a rotation of copies larger than L3); prefill shapes report G MAC/s
+//! (rows x k x tokens multiply-accumulates per second). Timings are best-of-N, since
+//! other builds share the machine.
+
+use std::time::{Duration, Instant};
+
+use bulkhead_kernels::quant::{matmul, quantize_row, GgmlType, Isa, QuantizedActivations};
+
+/// Bytes of weight copies for the cold (DRAM-streaming) decode figure: above L3.
+const COLD_BYTES_MIN: usize = 96 << 20;
+/// Time spent per measurement.
+const MEASURE: Duration = Duration::from_millis(400);
+
+fn weights(ty: GgmlType, rows: usize, k: usize, seed: u32) -> Vec<u8> {
+    let row_bytes = k / ty.block_len() * ty.block_bytes();
+    let mut w = vec![0u8; rows * row_bytes];
+    let mut state = seed.wrapping_mul(2654435761).max(1);
+    let mut x = vec![0.0f32; k];
+    for row in w.chunks_exact_mut(row_bytes) {
+        for v in x.iter_mut() {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            *v = (state as f32 / u32::MAX as f32 - 0.5) * 0.1;
+        }
+        quantize_row(ty, &x, row).expect("whole blocks by construction");
+    }
+    w
+}
+
+/// Best seconds per call of `f` over repeated runs.
+fn best_seconds(mut f: impl FnMut()) -> f64 {
+    f();
+    let start = Instant::now();
+    let mut best = f64::MAX;
+    while start.elapsed() < MEASURE {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    best
+}
+
+fn bench(isa: Isa, ty: GgmlType, rows: usize, k: usize, n_tokens: usize) {
+    let x: Vec<f32> = (0..n_tokens * k)
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let mut xq = QuantizedActivations::new();
+    xq.quantize(ty, &x, n_tokens, k)
+        .expect("whole blocks by construction");
+    let mut out = vec![0.0f32; n_tokens * rows];
+    let w = weights(ty, rows, k, 1);
+    let secs = best_seconds(|| matmul(isa, ty, &w, k, 0..rows, &xq, &mut out));
+    let macs = (rows * k * n_tokens) as f64;
+    let line = format!(
+        "{:7} {:5} rows={rows:6} k={k:5} tokens={n_tokens:4}",
+        isa.name(),
+        ty.name()
+    );
+    if n_tokens == 1 {
+        let copies = COLD_BYTES_MIN.div_ceil(w.len()).max(2);
+        let cold: Vec<Vec<u8>> = (0..copies)
+            .map(|c| weights(ty, rows, k, c as u32 + 2))
+            .collect();
+        let mut next = 0;
+        let cold_secs = best_seconds(|| {
+            matmul(isa, ty, &cold[next], k, 0..rows, &xq, &mut out);
+            next = (next + 1) % copies;
+        });
+        println!(
+            "{line}  {:8.1} us  hot {:6.1} GB/s  cold {:6.1} GB/s  ({:.1} G MAC/s hot)",
+            secs * 1e6,
+            w.len() as f64 / secs / 1e9,
+            w.len() as f64 / cold_secs / 1e9,
+            macs / secs / 1e9
+        );
+    } else {
+        println!(
+            "{line}  {:8.1} us  {:6.1} G MAC/s",
+            secs * 1e6,
+            macs / secs / 1e9
+        );
+    }
+}
+
+fn main() {
+    let filter = std::env::args().nth(1).unwrap_or_default();
+    let shapes: &[(GgmlType, usize, usize, &[usize])] = &[
+        (GgmlType::Q4_1, 1536, 576, &[1, 2, 4, 8, 16, 64, 512]),
+        (GgmlType::Q4_1, 576, 1536, &[1, 512]),
+        (GgmlType::Q8_0, 24576, 576, &[1, 64]),
+        (GgmlType::Q8_0, 1536, 576, &[1, 512]),
+        (GgmlType::Q4_0, 1536, 576, &[1, 512]),
+        (GgmlType::Q4_K, 1536, 768, &[1, 64]),
+        (GgmlType::Q6_K, 1536, 768, &[1, 64]),
+        (GgmlType::F32, 576, 576, &[1, 16]),
+        (GgmlType::F16, 576, 576, &[1, 16]),
+    ];
+    for isa in Isa::available() {
+        if !isa.name().contains(&filter) && !filter.starts_with('Q') && !filter.starts_with('F') {
+            continue;
+        }
+        for &(ty, rows, k, tokens) in shapes {
+            if filter.starts_with(['Q', 'F']) && ty.name() != filter {
+                continue;
+            }
+            for &n in tokens {
+                if isa == Isa::Scalar && n > 64 {
+                    continue;
+                }
+                bench(isa, ty, rows, k, n);
+            }
+        }
+    }
+}
