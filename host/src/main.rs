@@ -100,7 +100,7 @@ fn chat_tokens(model: &Model, tokenizer: &Tokenizer, user: &str) -> Result<Vec<u
         id.and_then(|id| tokenizer.token_text(id).ok())
             .unwrap_or_default()
     };
-    let template = ChatTemplate::new(source, &piece(tokenizer.bos()), &piece(tokenizer.eos()))?;
+    let template = ChatTemplate::new(source, piece(tokenizer.bos()), piece(tokenizer.eos()))?;
     let messages = [Message {
         role: "user".into(),
         content: user.into(),

@@ -38,9 +38,7 @@ fn load_smollm2_spec() -> Option<VocabSpec> {
 }
 
 fn smollm2() -> Option<Tokenizer> {
-    let Some(spec) = load_smollm2_spec() else {
-        return None;
-    };
+    let spec = load_smollm2_spec()?;
     Some(Tokenizer::new(spec).expect("SmolLM2 vocabulary builds"))
 }
 

@@ -15,9 +15,17 @@ fn bulkhead() -> Command {
         .unwrap_or_else(|| {
             // target/<profile>/deps/cli-<hash> → target/<profile>/bulkhead
             let test_exe = std::env::current_exe().expect("test executable path");
-            test_exe.parent().and_then(|deps| deps.parent()).expect("target dir").join("bulkhead")
+            test_exe
+                .parent()
+                .and_then(|deps| deps.parent())
+                .expect("target dir")
+                .join("bulkhead")
         });
-    assert!(exe.exists(), "{} is missing: run `cargo build -p bulkhead` first", exe.display());
+    assert!(
+        exe.exists(),
+        "{} is missing: run `cargo build -p bulkhead` first",
+        exe.display()
+    );
     Command::new(exe)
 }
 
@@ -30,7 +38,10 @@ fn smollm2() -> Option<PathBuf> {
         std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_none(),
         "BULKHEAD_REQUIRE_MODEL is set but the model is missing: run scripts/setup.sh"
     );
-    eprintln!("skipped: {} is missing; run scripts/setup.sh", path.display());
+    eprintln!(
+        "skipped: {} is missing; run scripts/setup.sh",
+        path.display()
+    );
     None
 }
 
@@ -58,21 +69,38 @@ fn assert_clean_failure(out: &Output, needle: &str) {
 fn greedy_chat_generation_is_coherent_and_deterministic() {
     let Some(model) = smollm2() else { return };
     let generate = || {
-        run(bulkhead()
-            .arg("generate")
-            .arg("--model")
-            .arg(&model)
-            .args(["--chat", "Name three primary colors.", "--max-tokens", "32", "--threads", "2"]))
+        run(bulkhead().arg("generate").arg("--model").arg(&model).args([
+            "--chat",
+            "Name three primary colors.",
+            "--max-tokens",
+            "32",
+            "--threads",
+            "2",
+        ]))
     };
     let first = generate();
     assert!(first.status.success(), "{}", stderr(&first));
     let text = stdout(&first);
     for color in ["Red", "Blue", "Yellow"] {
-        assert!(text.contains(color), "a coherent answer names {color}: {text:?}");
+        assert!(
+            text.contains(color),
+            "a coherent answer names {color}: {text:?}"
+        );
     }
-    assert!(!text.contains("<|im_end|>"), "end-of-turn is not printed: {text:?}");
-    assert!(stderr(&first).contains("finish: Stop"), "{}", stderr(&first));
-    assert_eq!(text, stdout(&generate()), "greedy generation is deterministic");
+    assert!(
+        !text.contains("<|im_end|>"),
+        "end-of-turn is not printed: {text:?}"
+    );
+    assert!(
+        stderr(&first).contains("finish: Stop"),
+        "{}",
+        stderr(&first)
+    );
+    assert_eq!(
+        text,
+        stdout(&generate()),
+        "greedy generation is deterministic"
+    );
 }
 
 #[test]
@@ -100,32 +128,51 @@ fn sampling_is_reproducible_by_seed() {
 fn tokenize_prints_the_reference_ids() {
     let Some(model) = smollm2() else { return };
     let fixture: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(repo_root().join("kernels/tests/fixtures/tokens_smollm2.json")).unwrap(),
+        &std::fs::read_to_string(repo_root().join("kernels/tests/fixtures/tokens_smollm2.json"))
+            .unwrap(),
     )
     .unwrap();
     for case in fixture["cases"].as_array().unwrap().iter().take(6) {
         let text = case["text"].as_str().unwrap();
-        let out = run(bulkhead().arg("tokenize").arg("--model").arg(&model).args(["--text", text]));
+        let out = run(bulkhead()
+            .arg("tokenize")
+            .arg("--model")
+            .arg(&model)
+            .args(["--text", text]));
         assert!(out.status.success(), "{}", stderr(&out));
-        let ids: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("one JSON array");
+        let ids: serde_json::Value =
+            serde_json::from_str(stdout(&out).trim()).expect("one JSON array");
         assert_eq!(ids, case["ids"], "text {text:?}");
     }
     // Special-token text is plain text unless asked.
-    let plain = run(bulkhead().arg("tokenize").arg("--model").arg(&model).args(["--text", "<|im_start|>"]));
-    let parsed = run(bulkhead()
+    let plain = run(bulkhead()
         .arg("tokenize")
         .arg("--model")
         .arg(&model)
-        .args(["--text", "<|im_start|>", "--parse-special"]));
+        .args(["--text", "<|im_start|>"]));
+    let parsed = run(bulkhead().arg("tokenize").arg("--model").arg(&model).args([
+        "--text",
+        "<|im_start|>",
+        "--parse-special",
+    ]));
     assert_eq!(stdout(&parsed).trim(), "[1]");
-    assert!(stdout(&plain).trim().len() > 3, "split into ordinary pieces");
+    assert!(
+        stdout(&plain).trim().len() > 3,
+        "split into ordinary pieces"
+    );
 }
 
 #[test]
 fn refuses_a_missing_or_hostile_model_file_with_a_clear_error() {
     let dir = std::env::temp_dir().join(format!("bulkhead-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let missing = run(bulkhead().args(["tokenize", "--model", "/nonexistent/model.gguf", "--text", "x"]));
+    let missing = run(bulkhead().args([
+        "tokenize",
+        "--model",
+        "/nonexistent/model.gguf",
+        "--text",
+        "x",
+    ]));
     assert_clean_failure(&missing, "cannot read");
 
     let hostile = dir.join("hostile.gguf");
@@ -134,12 +181,20 @@ fn refuses_a_missing_or_hostile_model_file_with_a_clear_error() {
     bytes.extend_from_slice(&u64::MAX.to_le_bytes()); // tensor count
     bytes.extend_from_slice(&0u64.to_le_bytes());
     std::fs::write(&hostile, &bytes).unwrap();
-    let out = run(bulkhead().arg("generate").arg("--model").arg(&hostile).args(["--prompt", "x"]));
+    let out = run(bulkhead()
+        .arg("generate")
+        .arg("--model")
+        .arg(&hostile)
+        .args(["--prompt", "x"]));
     assert_clean_failure(&out, "absurd tensor count");
 
     let text = dir.join("not-a-model.gguf");
     std::fs::write(&text, "hello, I am not a model").unwrap();
-    let out = run(bulkhead().arg("generate").arg("--model").arg(&text).args(["--prompt", "x"]));
+    let out = run(bulkhead()
+        .arg("generate")
+        .arg("--model")
+        .arg(&text)
+        .args(["--prompt", "x"]));
     assert_clean_failure(&out, "bad magic");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -147,19 +202,25 @@ fn refuses_a_missing_or_hostile_model_file_with_a_clear_error() {
 #[test]
 fn refuses_prompts_that_cannot_fit_and_bad_arguments() {
     let Some(model) = smollm2() else { return };
-    let out = run(bulkhead()
-        .arg("generate")
-        .arg("--model")
-        .arg(&model)
-        .args(["--prompt", "hello", "--max-tokens", "9000"]));
+    let out = run(bulkhead().arg("generate").arg("--model").arg(&model).args([
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "9000",
+    ]));
     assert_clean_failure(&out, "exceeds the context length 8192");
+    let out = run(bulkhead().arg("generate").arg("--model").arg(&model).args([
+        "--prompt",
+        "hello",
+        "--temperature",
+        "-1",
+    ]));
+    assert_clean_failure(&out, "--temperature");
     let out = run(bulkhead()
         .arg("generate")
         .arg("--model")
         .arg(&model)
-        .args(["--prompt", "hello", "--temperature", "-1"]));
-    assert_clean_failure(&out, "--temperature");
-    let out = run(bulkhead().arg("generate").arg("--model").arg(&model).args(["--prompt", ""]));
+        .args(["--prompt", ""]));
     assert_clean_failure(&out, "empty");
     let both = run(bulkhead()
         .arg("generate")

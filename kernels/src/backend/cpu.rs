@@ -590,7 +590,15 @@ impl AttentionContext {
                 let first = page * self.page_tokens;
                 let used = (positions - first).min(self.page_tokens);
                 let scores = &mut scratch.scores[first..first + used];
-                vector::dot_rows(self.isa, q_row, k, self.kv_len, kv_offset, self.scale, scores);
+                vector::dot_rows(
+                    self.isa,
+                    q_row,
+                    k,
+                    self.kv_len,
+                    kv_offset,
+                    self.scale,
+                    scores,
+                );
             }
             vector::softmax(self.isa, &mut scratch.scores[..positions]);
             let acc = &mut scratch.acc[..hd];
@@ -611,7 +619,9 @@ impl AttentionContext {
     /// K and V (`[page_tokens][kv_len]` each) of this layer in the table's
     /// `index`-th page; the pool asserts the lease's owner and generation.
     fn page<'p>(&self, pool: &'p Pool, table: &PageTable, index: usize) -> (&'p [f32], &'p [f32]) {
-        let lease = table.lease(index).expect("validated: position within the table");
+        let lease = table
+            .lease(index)
+            .expect("validated: position within the table");
         pool.page_kv(lease, self.layer)
             .expect("validated: every lease of the step is live")
     }

@@ -14,7 +14,15 @@ const LANES: usize = 16;
 
 /// `scores[j] = scale * q · k[j][offset..offset + q.len()]` for `j < scores.len()`,
 /// where `k` rows are `stride` floats apart.
-pub fn dot_rows(isa: Isa, q: &[f32], k: &[f32], stride: usize, offset: usize, scale: f32, scores: &mut [f32]) {
+pub fn dot_rows(
+    isa: Isa,
+    q: &[f32],
+    k: &[f32],
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
     assert!(scores.is_empty() || (scores.len() - 1) * stride + offset + q.len() <= k.len());
     dispatch(isa, || dot_rows_body(q, k, stride, offset, scale, scores))
 }
@@ -86,7 +94,14 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn dot_rows_body(q: &[f32], k: &[f32], stride: usize, offset: usize, scale: f32, scores: &mut [f32]) {
+fn dot_rows_body(
+    q: &[f32],
+    k: &[f32],
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
     let width = q.len();
     for (j, score) in scores.iter_mut().enumerate() {
         let row = &k[j * stride + offset..][..width];
@@ -170,7 +185,9 @@ mod tests {
 
     #[test]
     fn every_isa_matches_scalar_on_odd_lengths() {
-        let data: Vec<f32> = (0..997).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let data: Vec<f32> = (0..997)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+            .collect();
         for isa in Isa::available() {
             for width in [1usize, 15, 16, 17, 64, 67] {
                 let rows = 13;
@@ -182,14 +199,20 @@ mod tests {
                 dot_rows(Isa::Scalar, q, k, stride, 3, 0.5, &mut want);
                 dot_rows(isa, q, k, stride, 3, 0.5, &mut got);
                 for (a, b) in want.iter().zip(&got) {
-                    assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{isa:?} dot {a} vs {b}");
+                    assert!(
+                        (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+                        "{isa:?} dot {a} vs {b}"
+                    );
                 }
                 let mut acc_want = vec![0.25; width];
                 let mut acc_got = acc_want.clone();
                 axpy_rows(Isa::Scalar, &want, k, stride, 3, &mut acc_want);
                 axpy_rows(isa, &want, k, stride, 3, &mut acc_got);
                 for (a, b) in acc_want.iter().zip(&acc_got) {
-                    assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{isa:?} axpy {a} vs {b}");
+                    assert!(
+                        (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+                        "{isa:?} axpy {a} vs {b}"
+                    );
                 }
             }
             let mut s = data[..77].to_vec();
@@ -206,7 +229,10 @@ mod tests {
             for (i, v) in g.iter().enumerate() {
                 let x = data[i];
                 let want = x / (1.0 + (-x).exp()) * data[200 + i];
-                assert!((v - want).abs() < 1e-5 * (1.0 + want.abs()), "{isa:?} swiglu");
+                assert!(
+                    (v - want).abs() < 1e-5 * (1.0 + want.abs()),
+                    "{isa:?} swiglu"
+                );
             }
         }
     }
