@@ -212,8 +212,7 @@ fn refuses_prompts_that_cannot_fit_and_bad_arguments() {
     let out = run(bulkhead().arg("generate").arg("--model").arg(&model).args([
         "--prompt",
         "hello",
-        "--temperature",
-        "-1",
+        "--temperature=-1",
     ]));
     assert_clean_failure(&out, "--temperature");
     let out = run(bulkhead()
