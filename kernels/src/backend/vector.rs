@@ -4,76 +4,67 @@
 //! Each is written once as plain Rust with fixed-width accumulators and a
 //! branch-free `exp`, then compiled three times: for the baseline target, and
 //! inside `#[target_feature]` wrappers for AVX2+FMA and AVX-512, where LLVM
-//! vectorizes the inlined body with the wider registers. [`Isa`] picks one at
-//! run time, once per call (per page, not per position).
+//! vectorizes the inlined body with the wider registers (see `multiversion!`).
+//! [`Isa`] picks one at run time, once per call (per page, not per position).
 
 use crate::quant::Isa;
 
 /// Accumulator lanes: one AVX-512 register of f32, or two AVX2 ones.
 const LANES: usize = 16;
 
-/// `scores[j] = scale * q · k[j][offset..offset + q.len()]` for `j < scores.len()`,
-/// where `k` rows are `stride` floats apart.
-pub fn dot_rows(
-    isa: Isa,
-    q: &[f32],
-    k: &[f32],
-    stride: usize,
-    offset: usize,
-    scale: f32,
-    scores: &mut [f32],
-) {
-    assert!(scores.is_empty() || (scores.len() - 1) * stride + offset + q.len() <= k.len());
-    dispatch(isa, || dot_rows_body(q, k, stride, offset, scale, scores))
-}
-
-/// `acc += Σ_j p[j] * v[j][offset..offset + acc.len()]`, rows `stride` apart.
-pub fn axpy_rows(isa: Isa, p: &[f32], v: &[f32], stride: usize, offset: usize, acc: &mut [f32]) {
-    assert!(p.is_empty() || (p.len() - 1) * stride + offset + acc.len() <= v.len());
-    dispatch(isa, || axpy_rows_body(p, v, stride, offset, acc))
-}
-
-/// In-place softmax.
-pub fn softmax(isa: Isa, x: &mut [f32]) {
-    dispatch(isa, || softmax_body(x))
-}
-
-/// `gate[i] = silu(gate[i]) * up[i]`.
-pub fn swiglu(isa: Isa, gate: &mut [f32], up: &[f32]) {
-    assert_eq!(gate.len(), up.len());
-    dispatch(isa, || swiglu_body(gate, up))
-}
-
-/// Runs `body` compiled for the widest vector unit `isa` allows.
-#[inline(always)]
-fn dispatch<F: FnOnce()>(isa: Isa, body: F) {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
-            assert!(isa.is_available());
-            // SAFETY: the CPU supports AVX-512 (checked above).
-            unsafe { run_avx512(body) }
+/// Defines `pub fn $name(isa, args…)` that runs `$body(args…)` compiled for the
+/// widest vector unit `isa` allows: `$body` is `#[inline(always)]`, so it is
+/// inlined into, and vectorized for, each `#[target_feature]` copy.
+macro_rules! multiversion {
+    ($(#[$meta:meta])* pub fn $name:ident($($arg:ident: $ty:ty),*) => $body:ident) => {
+        $(#[$meta])*
+        pub fn $name(isa: Isa, $($arg: $ty),*) {
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => {
+                    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+                    unsafe fn wide($($arg: $ty),*) {
+                        $body($($arg),*)
+                    }
+                    assert!(isa.is_available());
+                    // SAFETY: the CPU supports AVX-512 (checked above).
+                    unsafe { wide($($arg),*) }
+                }
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => {
+                    #[target_feature(enable = "avx2,fma")]
+                    unsafe fn wide($($arg: $ty),*) {
+                        $body($($arg),*)
+                    }
+                    assert!(isa.is_available());
+                    // SAFETY: the CPU supports AVX2 and FMA (checked above).
+                    unsafe { wide($($arg),*) }
+                }
+                _ => $body($($arg),*),
+            }
         }
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
-            assert!(isa.is_available());
-            // SAFETY: the CPU supports AVX2 and FMA (checked above).
-            unsafe { run_avx2(body) }
-        }
-        _ => body(),
-    }
+    };
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-unsafe fn run_avx512<F: FnOnce()>(body: F) {
-    body()
+multiversion! {
+    /// `scores[j] = scale * q · k[j][offset..offset + q.len()]` for `j < scores.len()`,
+    /// where `k` rows are `stride` floats apart.
+    pub fn dot_rows(q: &[f32], k: &[f32], stride: usize, offset: usize, scale: f32, scores: &mut [f32]) => dot_rows_body
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2<F: FnOnce()>(body: F) {
-    body()
+multiversion! {
+    /// `acc += Σ_j p[j] * v[j][offset..offset + acc.len()]`, rows `stride` apart.
+    pub fn axpy_rows(p: &[f32], v: &[f32], stride: usize, offset: usize, acc: &mut [f32]) => axpy_rows_body
+}
+
+multiversion! {
+    /// In-place softmax.
+    pub fn softmax(x: &mut [f32]) => softmax_body
+}
+
+multiversion! {
+    /// `gate[i] = silu(gate[i]) * up[i]`.
+    pub fn swiglu(gate: &mut [f32], up: &[f32]) => swiglu_body
 }
 
 #[inline(always)]
@@ -112,6 +103,7 @@ fn dot_rows_body(
 #[inline(always)]
 fn axpy_rows_body(p: &[f32], v: &[f32], stride: usize, offset: usize, acc: &mut [f32]) {
     let width = acc.len();
+    assert!(p.is_empty() || (p.len() - 1) * stride + offset + width <= v.len());
     for (j, &weight) in p.iter().enumerate() {
         let row = &v[j * stride + offset..][..width];
         for (a, &x) in acc.iter_mut().zip(row) {
@@ -136,6 +128,7 @@ fn softmax_body(x: &mut [f32]) {
 
 #[inline(always)]
 fn swiglu_body(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len());
     for (g, &u) in gate.iter_mut().zip(up) {
         *g = *g / (1.0 + exp(-*g)) * u;
     }

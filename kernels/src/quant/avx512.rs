@@ -47,7 +47,7 @@ const TILE_ROWS: usize = 4;
 const TILE_TOKENS: usize = 4;
 /// Up to this many tokens, decode weights directly instead of packing them (measured
 /// crossover on Zen 4 for k = 576: packing wins from about 16 tokens).
-const DIRECT_TOKENS_MAX: usize = 8;
+const DIRECT_TOKENS_MAX: usize = 1;
 /// Decode prefetches weights this many rows ahead: far enough to cover DRAM latency
 /// for short rows, which the hardware prefetcher streams poorly.
 const PREFETCH_ROWS: usize = 4 * TILE_ROWS;
