@@ -6,10 +6,11 @@
 //! 2. Decode at batch B: B sequences, each prefilled with a short prompt, then
 //!    `decode_tokens` steps of B tokens each; aggregate tokens per second.
 
-use crate::engine::generate::{Engine, PAGE_TOKENS, PREFILL_CHUNK_TOKENS};
-use anyhow::{ensure, Context, Result};
+use crate::engine::generate::{single_tenant_pool, PAGE_TOKENS, PREFILL_CHUNK_TOKENS};
+use anyhow::{anyhow, ensure, Result};
+use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::backend::{Backend, SeqStep};
-use bulkhead_kernels::kv::{PageTable, SeqId};
+use bulkhead_kernels::kv::{OwnerTag, PageTable, Pool, SeqId};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer};
 use std::path::PathBuf;
@@ -56,16 +57,28 @@ fn prompt(tokenizer: &Tokenizer, len: usize) -> Result<Vec<u32>> {
 
 /// Runs the engine benchmark and prints one line per figure.
 pub fn engine(model: Arc<Model>, tokenizer: Tokenizer, args: &EngineBenchArgs) -> Result<()> {
+    let chunk = PREFILL_CHUNK_TOKENS as usize;
     ensure!(
-        args.prefill_tokens <= PREFILL_CHUNK_TOKENS,
-        "--prefill-tokens is at most {PREFILL_CHUNK_TOKENS}"
+        args.prefill_tokens <= chunk,
+        "--prefill-tokens is at most {chunk}"
     );
     let batch_max = args.batches.iter().copied().max().unwrap_or(1);
     ensure!(
         (1..=BENCH_BATCH_MAX).contains(&batch_max),
         "batch sizes are 1..={BENCH_BATCH_MAX}"
     );
-    let mut engine = Engine::new(model, tokenizer, args.threads, batch_max);
+    let options = CpuOptions {
+        threads_count: args.threads,
+        step_tokens_max: chunk.max(batch_max),
+        step_seqs_max: batch_max,
+        isa: None,
+    };
+    let backend = CpuBackend::new(Arc::clone(&model), options);
+    let mut engine = Engine {
+        model,
+        tokenizer,
+        backend,
+    };
     println!(
         "bench engine: backend {}, threads {}, model {}",
         engine.backend.name(),
@@ -89,23 +102,48 @@ pub fn engine(model: Arc<Model>, tokenizer: Tokenizer, args: &EngineBenchArgs) -
     Ok(())
 }
 
+struct Engine {
+    model: Arc<Model>,
+    tokenizer: Tokenizer,
+    backend: CpuBackend,
+}
+
+const OWNER: OwnerTag = OwnerTag(0);
+
+impl Engine {
+    fn pool(&self, pages: u32) -> Result<Pool> {
+        single_tenant_pool(&self.model, OWNER, pages).map_err(|e| anyhow!(e))
+    }
+}
+
+/// A page table of `pages` pages for sequence `seq`.
+fn table(pool: &mut Pool, seq: u64, pages: u32) -> Result<PageTable> {
+    let mut reservation = pool.reserve(OWNER, pages)?;
+    let mut table = pool.page_table(&reservation, SeqId(seq));
+    for _ in 0..pages {
+        pool.acquire(&mut reservation, &mut table)?;
+    }
+    pool.release_reservation(reservation);
+    Ok(table)
+}
+
 fn prefill(engine: &mut Engine, args: &EngineBenchArgs) -> Result<f64> {
     let ids = prompt(&engine.tokenizer, args.prefill_tokens)?;
     let pages = ids.len().div_ceil(PAGE_TOKENS as usize) as u32;
     let mut best = 0.0f64;
     for _ in 0..args.repeats.max(1) {
-        let mut pool = engine.single_tenant_pool(pages)?;
-        let mut seq = crate::engine::generate::Sequence::admit(&mut pool, SeqId(0), pages)?;
+        let mut pool = engine.pool(pages)?;
+        let mut seq = table(&mut pool, 0, pages)?;
         let started = Instant::now();
         let step = SeqStep {
-            pages: &seq.table,
+            pages: &seq,
             pos_start: 0,
             tokens: &ids,
             wants_logits: true,
         };
         engine.backend.step(&[step], &mut pool)?;
         best = best.max(ids.len() as f64 / started.elapsed().as_secs_f64());
-        seq.finish(&mut pool);
+        pool.release(&mut seq);
     }
     Ok(best)
 }
@@ -116,28 +154,24 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
     let pages_per_seq = tokens_per_seq.div_ceil(PAGE_TOKENS as usize) as u32;
     let mut best = 0.0f64;
     for _ in 0..args.repeats.max(1) {
-        let mut pool = engine.single_tenant_pool(pages_per_seq * batch as u32)?;
+        let mut pool = engine.pool(pages_per_seq * batch as u32)?;
         let mut seqs = (0..batch)
-            .map(|i| {
-                crate::engine::generate::Sequence::admit(&mut pool, SeqId(i as u64), pages_per_seq)
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .context("admitting the benchmark's sequences")?;
+            .map(|i| table(&mut pool, i as u64, pages_per_seq))
+            .collect::<Result<Vec<_>>>()?;
         for seq in &seqs {
             let step = SeqStep {
-                pages: &seq.table,
+                pages: seq,
                 pos_start: 0,
                 tokens: &context,
                 wants_logits: false,
             };
             engine.backend.step(&[step], &mut pool)?;
         }
-        let tables: Vec<&PageTable> = seqs.iter().map(|s| &s.table).collect();
         // Decode feeds back a fixed token: sampling is not what is measured.
         let token = [context[0]];
         let started = Instant::now();
         for i in 0..args.decode_tokens {
-            let steps: Vec<SeqStep> = tables
+            let steps: Vec<SeqStep> = seqs
                 .iter()
                 .map(|table| SeqStep {
                     pages: table,
@@ -151,7 +185,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
         let secs = started.elapsed().as_secs_f64();
         best = best.max((batch * args.decode_tokens) as f64 / secs);
         for seq in &mut seqs {
-            seq.finish(&mut pool);
+            pool.release(seq);
         }
     }
     Ok(best)

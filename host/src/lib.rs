@@ -4,4 +4,6 @@
 //! policy); the data plane is the `bulkhead-kernels` crate.
 
 pub mod bench;
+pub mod config;
 pub mod engine;
+pub mod tenancy;

@@ -2,10 +2,12 @@
 
 use anyhow::{bail, Context, Result};
 use bulkhead::bench;
+use bulkhead::config::{Capacity, Config};
 use bulkhead::engine::chat::{ChatTemplate, Message};
-use bulkhead::engine::generate::{Engine, GenerateOptions};
+use bulkhead::engine::generate::{self, GenerateOptions};
 use bulkhead::engine::sampling::SamplingParams;
-use bulkhead_kernels::model::Model;
+use bulkhead_kernels::gguf::Gguf;
+use bulkhead_kernels::model::{LlamaConfig, Model};
 use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer};
 use clap::{Parser, Subcommand};
 use std::io::Write;
@@ -67,6 +69,12 @@ enum Command {
         #[arg(long)]
         parse_special: bool,
     },
+    /// Print the capacity table of a deployment policy; exit non-zero on a violation.
+    Check {
+        /// The policy file (e.g. policies/demo.toml).
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -108,13 +116,11 @@ fn chat_tokens(model: &Model, tokenizer: &Tokenizer, user: &str) -> Result<Vec<u
     Ok(template.tokens(tokenizer, &messages)?)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn generate(
     model_path: &Path,
     prompt: Option<String>,
     chat: Option<String>,
     options: GenerateOptions,
-    threads: usize,
 ) -> Result<()> {
     let (model, tokenizer) = load(model_path)?;
     let prompt_ids = match (prompt, chat) {
@@ -128,22 +134,38 @@ fn generate(
         (None, Some(user)) => chat_tokens(&model, &tokenizer, &user)?,
         _ => bail!("give exactly one of --prompt and --chat"),
     };
-    let mut engine = Engine::new(model, tokenizer, threads, 1);
     let mut stdout = std::io::stdout().lock();
-    let report = engine.generate(&prompt_ids, &options, |text| {
+    let report = generate::generate(model, Arc::new(tokenizer), prompt_ids, &options, |text| {
         let _ = stdout.write_all(text.as_bytes());
         let _ = stdout.flush();
     })?;
     writeln!(stdout)?;
-    let decoded = report.generated.len();
+    let u = report.usage;
     eprintln!(
         "[{} prompt tokens, prefill {:.1} tok/s; {} generated, decode {:.1} tok/s; finish: {:?}; backend {}]",
-        report.prompt_tokens,
-        report.prompt_tokens as f64 / report.prefill_secs,
-        decoded,
-        decoded as f64 / report.decode_secs.max(1e-9),
+        u.prompt_tokens,
+        f64::from(u.prompt_tokens) / report.prefill_secs.max(1e-9),
+        u.completion_tokens,
+        f64::from(u.completion_tokens.saturating_sub(1)) / report.decode_secs.max(1e-9),
         report.finish,
-        bulkhead_kernels::backend::Backend::name(&engine.backend),
+        report.backend,
+    );
+    Ok(())
+}
+
+fn check(path: &Path) -> Result<()> {
+    let config = Config::load(path)?;
+    let model_path = config.model_path();
+    let gguf =
+        Gguf::open(&model_path).with_context(|| format!("model {}", model_path.display()))?;
+    let model =
+        LlamaConfig::from_gguf(&gguf).with_context(|| format!("model {}", model_path.display()))?;
+    let capacity = Capacity::new(&config, model.context_len as u64);
+    print!("{}", capacity.table());
+    capacity.check()?;
+    println!(
+        "ok: every stage holds the promised context of {} tokens",
+        capacity.promised_tokens
     );
     Ok(())
 }
@@ -168,7 +190,8 @@ fn main() -> Result<()> {
                 bail!("--top-p must be in (0, 1]");
             }
             let options = GenerateOptions {
-                max_tokens,
+                threads: threads.unwrap_or_else(threads_default),
+                max_tokens: u32::try_from(max_tokens).context("--max-tokens is too large")?,
                 sampling: SamplingParams {
                     temperature,
                     top_k,
@@ -176,13 +199,7 @@ fn main() -> Result<()> {
                     seed,
                 },
             };
-            generate(
-                &model,
-                prompt,
-                chat,
-                options,
-                threads.unwrap_or_else(threads_default),
-            )
+            generate(&model, prompt, chat, options)
         }
         Command::Tokenize {
             model,
@@ -200,6 +217,7 @@ fn main() -> Result<()> {
             println!("{}", serde_json::to_string(&ids)?);
             Ok(())
         }
+        Command::Check { config } => check(&config),
         Command::Bench { which } => match which {
             BenchCommand::Engine(args) => {
                 let (model, tokenizer) = load(&args.model)?;

@@ -5,14 +5,20 @@
 //! anything a general-purpose pool optimises for. This pool:
 //!
 //! 1. starts `threads_count - 1` workers once; the calling thread is the last worker;
-//! 2. publishes a job by writing it and bumping an epoch counter (release);
+//! 2. publishes a job by writing it, opening it and bumping an epoch counter;
 //! 3. lets workers spin briefly on the epoch, then sleep on a condvar;
-//! 4. hands out task indices with one atomic counter, so uneven tasks balance;
-//! 5. returns from [`Threads::run`] only after every worker has left the job,
-//!    which is what makes lending the job's borrowed closure to them sound.
+//! 4. hands out task indices with one atomic counter, so uneven tasks balance,
+//!    and counts *finished tasks*: the caller never waits for a worker that has
+//!    not started (on a loaded machine a worker may not get a core for
+//!    milliseconds; the caller then runs every task itself);
+//! 5. closes the job when every task is done, then waits until no worker is
+//!    inside it: a worker enters (counted in `active`) before it looks at the
+//!    job and touches it only while it is open. That is what makes lending the
+//!    job's borrowed closure to the workers sound.
 //!
-//! A panic inside a task (a failed ownership assertion, say) is caught on the
-//! worker and re-raised on the calling thread after the region ends.
+//! A panic inside a task (a failed ownership assertion, say) is caught, the
+//! task counts as finished, and the panic is re-raised on the calling thread
+//! after the region ends.
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -36,8 +42,12 @@ struct Job {
 struct Inner {
     epoch: AtomicU64,
     job: UnsafeCell<Job>,
+    /// The job may be worked on (point 5 of the module doc).
+    open: AtomicBool,
+    /// Workers inside the current job.
+    active: AtomicUsize,
     next_task: AtomicUsize,
-    workers_done: AtomicUsize,
+    tasks_done: AtomicUsize,
     panicked: AtomicBool,
     shutdown: AtomicBool,
     sleepers: AtomicUsize,
@@ -45,9 +55,9 @@ struct Inner {
     wake: Condvar,
 }
 
-// SAFETY: `job` is written only by the thread inside `run` while no worker reads it
-// (all workers have finished the previous epoch), and read by workers only between
-// observing a new epoch (acquire) and reporting done (release).
+// SAFETY: `job` is written only by the thread inside `run` while the job is closed
+// and no worker is active in it, and read by workers only while they are counted in
+// `active` and have seen the job open (all SeqCst).
 unsafe impl Sync for Inner {}
 // SAFETY: as above; the raw task pointer is only dereferenced under that protocol.
 unsafe impl Send for Inner {}
@@ -70,8 +80,10 @@ impl Threads {
                 task: &noop as &Task<'static> as *const Task<'static>,
                 tasks_count: 0,
             }),
+            open: AtomicBool::new(false),
+            active: AtomicUsize::new(0),
             next_task: AtomicUsize::new(0),
-            workers_done: AtomicUsize::new(0),
+            tasks_done: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
@@ -108,9 +120,9 @@ impl Threads {
         }
         let _guard = self.running.lock().unwrap_or_else(|e| e.into_inner());
         let inner = &*self.inner;
-        // SAFETY: every worker finished the previous epoch before the last `run`
-        // returned, so nobody reads `job` now. The erased lifetime is upheld by
-        // waiting for all workers below before returning.
+        // SAFETY: the job is closed and no worker is active in it (the previous
+        // `run` waited for both), so nobody reads `job` now. The erased lifetime is
+        // upheld by closing the job and waiting for `active == 0` before returning.
         unsafe {
             let erased: *const Task<'static> = std::mem::transmute(task as *const Task<'_>);
             *inner.job.get() = Job {
@@ -118,31 +130,33 @@ impl Threads {
                 tasks_count,
             };
         }
-        inner.next_task.store(0, Ordering::Relaxed);
-        inner.workers_done.store(0, Ordering::Relaxed);
+        inner.next_task.store(0, Ordering::SeqCst);
+        inner.tasks_done.store(0, Ordering::SeqCst);
+        inner.open.store(true, Ordering::SeqCst);
         inner.epoch.fetch_add(1, Ordering::SeqCst);
         if inner.sleepers.load(Ordering::SeqCst) > 0 {
             let _lock = inner.lock.lock().unwrap_or_else(|e| e.into_inner());
             inner.wake.notify_all();
         }
-        let caller = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            claim_tasks(inner, task, tasks_count, 0);
-        }));
-        let workers = self.workers.len();
-        let mut spins = 0u32;
-        while inner.workers_done.load(Ordering::Acquire) < workers {
-            spins += 1;
-            if spins < SPINS_BEFORE_SLEEP {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
-        if let Err(payload) = caller {
-            std::panic::resume_unwind(payload);
-        }
+        claim_tasks(inner, task, tasks_count, 0);
+        wait_until(|| inner.tasks_done.load(Ordering::SeqCst) == tasks_count);
+        inner.open.store(false, Ordering::SeqCst);
+        wait_until(|| inner.active.load(Ordering::SeqCst) == 0);
         if inner.panicked.swap(false, Ordering::SeqCst) {
-            panic!("a compute task panicked on a worker thread");
+            panic!("a compute task panicked");
+        }
+    }
+}
+
+/// Spins on `done`, then yields the core, until it holds.
+fn wait_until(done: impl Fn() -> bool) {
+    let mut spins = 0u32;
+    while !done() {
+        spins += 1;
+        if spins < SPINS_BEFORE_SLEEP {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
         }
     }
 }
@@ -151,11 +165,15 @@ fn noop(_: usize, _: usize) {}
 
 fn claim_tasks(inner: &Inner, task: &Task<'_>, tasks_count: usize, worker: usize) {
     loop {
-        let i = inner.next_task.fetch_add(1, Ordering::Relaxed);
+        let i = inner.next_task.fetch_add(1, Ordering::SeqCst);
         if i >= tasks_count {
             return;
         }
-        task(i, worker);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(i, worker)));
+        if result.is_err() {
+            inner.panicked.store(true, Ordering::SeqCst);
+        }
+        inner.tasks_done.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -163,23 +181,21 @@ fn worker_loop(inner: &Inner, worker: usize) {
     let mut seen = 0u64;
     loop {
         seen = wait_for_epoch(inner, seen);
-        if inner.shutdown.load(Ordering::Acquire) {
+        if inner.shutdown.load(Ordering::SeqCst) {
             return;
         }
-        // SAFETY: the new epoch was observed with acquire ordering after `run`
-        // wrote the job; `run` does not return (and so the closure stays alive)
-        // until this worker reports done below.
-        let (task, tasks_count) = unsafe {
-            let job = &*inner.job.get();
-            (&*job.task, job.tasks_count)
-        };
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        inner.active.fetch_add(1, Ordering::SeqCst);
+        if inner.open.load(Ordering::SeqCst) {
+            // SAFETY: counted in `active` and the job is open, so `run` has
+            // finished writing it and will not return (ending the closure's
+            // lifetime) or rewrite it until this worker leaves `active`.
+            let (task, tasks_count) = unsafe {
+                let job = &*inner.job.get();
+                (&*job.task, job.tasks_count)
+            };
             claim_tasks(inner, task, tasks_count, worker);
-        }));
-        if result.is_err() {
-            inner.panicked.store(true, Ordering::SeqCst);
         }
-        inner.workers_done.fetch_add(1, Ordering::Release);
+        inner.active.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

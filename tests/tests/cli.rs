@@ -208,7 +208,7 @@ fn refuses_prompts_that_cannot_fit_and_bad_arguments() {
         "--max-tokens",
         "9000",
     ]));
-    assert_clean_failure(&out, "exceeds the context length 8192");
+    assert_clean_failure(&out, "maximum context length is 8192");
     let out = run(bulkhead().arg("generate").arg("--model").arg(&model).args([
         "--prompt",
         "hello",
@@ -227,4 +227,44 @@ fn refuses_prompts_that_cannot_fit_and_bad_arguments() {
         .arg(&model)
         .args(["--prompt", "a", "--chat", "b"]));
     assert_eq!(both.status.code(), Some(2), "clap usage error");
+}
+
+#[test]
+fn check_prints_the_capacity_table_and_refuses_a_broken_promise() {
+    let Some(_model) = smollm2() else { return };
+    let demo = repo_root().join("policies/demo.toml");
+    let out = run(bulkhead().arg("check").arg("--config").arg(&demo));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = stdout(&out);
+    for stage in [
+        "promised context",
+        "model context",
+        "per-sequence page limit",
+        "KV pool",
+        "tenant alpha maximum",
+        "tenant beta maximum",
+    ] {
+        assert!(table.contains(stage), "{stage}: {table}");
+    }
+
+    // The same policy promising more than the model's 8192 tokens.
+    let dir = std::env::temp_dir().join(format!("bulkhead-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = std::fs::read_to_string(&demo)
+        .unwrap()
+        .replace("context_tokens = 8192", "context_tokens = 16384")
+        .replace(
+            "../.cache",
+            &repo_root().join(".cache").display().to_string(),
+        );
+    let broken = dir.join("broken.toml");
+    std::fs::write(&broken, text).unwrap();
+    let out = run(bulkhead().arg("check").arg("--config").arg(&broken));
+    assert_clean_failure(&out, "exceeds model context");
+    assert!(
+        stdout(&out).contains("NO"),
+        "the table marks the stage: {}",
+        stdout(&out)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }

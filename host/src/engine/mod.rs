@@ -5,3 +5,5 @@
 pub mod chat;
 pub mod generate;
 pub mod sampling;
+pub mod scheduler;
+pub mod stop;

@@ -28,6 +28,9 @@ use std::sync::{Arc, Mutex};
 const ATTENTION_TOKENS_PER_TASK: usize = 16;
 /// Output rows per matrix-product task are rounded to this (the kernels' tile).
 const MATMUL_ROWS_ALIGN: usize = 16;
+/// Row chunks per thread in a matrix product: more than one, so that when a
+/// thread is descheduled (a loaded machine) the others take over its share.
+const MATMUL_TASKS_PER_THREAD: usize = 4;
 /// Why activation quantization cannot fail: every matrix's input width is its
 /// row length, which the GGUF reader checked is a whole number of blocks.
 const WIDTHS_CHECKED: &str = "matrix input widths are whole blocks (checked at load)";
@@ -494,8 +497,9 @@ impl CpuBackend {
         let rows = matrix.rows;
         let s = &mut self.scratch;
         let out = SharedOut(dst.select(s).as_mut_ptr());
-        let tasks = self.threads.threads_count();
+        let tasks = self.threads.threads_count() * MATMUL_TASKS_PER_THREAD;
         let chunk = rows.div_ceil(tasks).next_multiple_of(MATMUL_ROWS_ALIGN);
+        let tasks = rows.div_ceil(chunk);
         let (isa, ty, cols) = (self.isa, matrix.ty(), matrix.cols);
         let xq = &s.xq;
         let workers = &s.workers;

@@ -13,27 +13,32 @@
 //! [`Tokenizer::decode`] is this loop run over a whole slice, so the two always agree.
 
 use super::{DecodeOptions, Tokenizer, TokenizerError};
+use std::ops::Deref;
 
 /// The longest incomplete UTF-8 sequence: a 4-byte lead and two continuation bytes.
 const PENDING_BYTES_MAX: usize = 3;
 
-/// Stateful streaming decoder; see the module doc.
+/// Stateful streaming decoder; see the module doc. `T` is how it holds the
+/// tokenizer: a borrow (`&Tokenizer`) or shared ownership (`Arc<Tokenizer>`), so a
+/// long-lived sequence can keep its decoder without borrowing its scheduler.
 #[derive(Debug)]
-pub struct Detokenizer<'t> {
-    tokenizer: &'t Tokenizer,
+pub struct Detokenizer<T: Deref<Target = Tokenizer>> {
+    tokenizer: T,
     options: DecodeOptions,
     pending: Vec<u8>,
     /// SentencePiece with `add_space_prefix`: drop the space that encoding added.
     strip_leading_space: bool,
 }
 
-impl<'t> Detokenizer<'t> {
-    pub(super) fn new(tokenizer: &'t Tokenizer, options: DecodeOptions) -> Detokenizer<'t> {
+impl<T: Deref<Target = Tokenizer>> Detokenizer<T> {
+    /// A decoder over `tokenizer`.
+    pub fn new(tokenizer: T, options: DecodeOptions) -> Detokenizer<T> {
+        let strip_leading_space = tokenizer.strips_leading_space();
         Detokenizer {
             tokenizer,
             options,
             pending: Vec::with_capacity(64),
-            strip_leading_space: tokenizer.strips_leading_space(),
+            strip_leading_space,
         }
     }
 

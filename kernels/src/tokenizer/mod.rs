@@ -465,7 +465,7 @@ impl Tokenizer {
     }
 
     /// A streaming decoder for generated ids.
-    pub fn detokenizer(&self, options: DecodeOptions) -> Detokenizer<'_> {
+    pub fn detokenizer(&self, options: DecodeOptions) -> Detokenizer<&Tokenizer> {
         Detokenizer::new(self, options)
     }
 

@@ -1,0 +1,680 @@
+//! The deployment policy (`policies/*.toml`) as typed configuration, and the
+//! capacity contract (invariant I2).
+//!
+//! 1. [`Config::load`] parses a file; every limit has a named default and a
+//!    bound, and an unknown key is an error (a typo must not silently fall back
+//!    to a default).
+//! 2. [`Capacity::check`] compares the context window promised to clients with
+//!    every stage that must hold it: the model's context, the per-sequence page
+//!    limit, each tenant's hard maximum, and the pool. A violation refuses to
+//!    start (or to apply an admin change) and names the limit.
+//! 3. [`Capacity::table`] renders the same numbers for `bulkhead check` and the
+//!    server's start-up log.
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+/// Largest accepted request body, in bytes, whatever the file says.
+pub const BODY_BYTES_LIMIT: u64 = 64 << 20;
+/// Most tenants one deployment may define.
+pub const TENANTS_MAX: usize = 1024;
+/// Most queued requests per tenant, whatever the file says.
+pub const QUEUE_DEPTH_LIMIT: u32 = 1 << 16;
+/// Most pages a pool may have (the KV crate has its own bound too).
+pub const POOL_PAGES_LIMIT: u32 = 1 << 22;
+
+/// Why a policy file was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this schema.
+    #[error("{path}: {message}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// The parser's message (with line and column).
+        message: String,
+    },
+    /// A value is outside its bounds.
+    #[error("{field}: {reason}")]
+    Invalid {
+        /// The offending field, e.g. `tenants.alpha.pages_max`.
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// The whole deployment policy.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Listeners and request limits.
+    #[serde(default)]
+    pub server: ServerConfig,
+    /// The model served.
+    pub model: ModelConfig,
+    /// KV pool and batching.
+    #[serde(default)]
+    pub engine: EngineConfig,
+    /// Tenants by name.
+    pub tenants: BTreeMap<String, TenantConfig>,
+    /// Where the file was read from (relative paths in it resolve against its folder).
+    #[serde(skip)]
+    pub source: PathBuf,
+}
+
+/// Listeners and request limits.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Inference listener.
+    pub listen: SocketAddr,
+    /// Admin listener.
+    pub admin_listen: SocketAddr,
+    /// Largest request body accepted.
+    pub body_bytes_max: u64,
+    /// Most concurrent connections per listener.
+    pub connections_max: u32,
+    /// Deadline of one request, from arrival to its last token.
+    pub request_timeout_ms: u64,
+    /// How long a shutdown waits for in-flight requests.
+    pub drain_timeout_ms: u64,
+    /// TLS for both listeners, when present.
+    pub tls: Option<TlsConfig>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 8081)),
+            body_bytes_max: 1 << 20,
+            connections_max: 1024,
+            request_timeout_ms: 300_000,
+            drain_timeout_ms: 10_000,
+            tls: None,
+        }
+    }
+}
+
+/// PEM files for rustls.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// Certificate chain.
+    pub cert_pem: PathBuf,
+    /// Private key.
+    pub key_pem: PathBuf,
+}
+
+/// The model served.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The id clients name in requests and `GET /v1/models` lists.
+    pub id: String,
+    /// The GGUF file (relative to the policy file's folder).
+    pub path: PathBuf,
+    /// The context window promised to clients (prompt + completion tokens).
+    pub context_tokens: u32,
+    /// Compute threads.
+    #[serde(default = "default_threads")]
+    pub threads: u32,
+}
+
+fn default_threads() -> u32 {
+    std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
+}
+
+/// KV pool and batching.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    /// Token positions per KV page.
+    pub page_tokens: u32,
+    /// Pages in the pool (allocated once, at start-up).
+    pub pool_pages: u32,
+    /// Most pages one sequence may hold.
+    pub seq_pages_max: u32,
+    /// Most tokens in one step: the prefill chunk budget plus decode tokens.
+    pub step_tokens_max: u32,
+    /// Most sequences in one step.
+    pub step_seqs_max: u32,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            page_tokens: 16,
+            pool_pages: 1024,
+            seq_pages_max: 512,
+            step_tokens_max: 512,
+            step_seqs_max: 32,
+        }
+    }
+}
+
+/// One tenant.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    /// Share of the engine under contention, relative to other tenants.
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+    /// Pages only this tenant may use.
+    pub pages_reserved: u32,
+    /// Hard maximum of pages this tenant may hold.
+    pub pages_max: u32,
+    /// Most requests waiting for pages.
+    #[serde(default = "default_queue_depth")]
+    pub queue_depth_max: u32,
+    /// Most sequences running at once.
+    #[serde(default = "default_running")]
+    pub running_max: u32,
+    /// SHA-256 digests (hex) of the tenant's API keys.
+    #[serde(default)]
+    pub keys_sha256: Vec<String>,
+    /// An environment variable whose value, when set, is one more API key.
+    #[serde(default)]
+    pub key_env: Option<String>,
+}
+
+fn default_weight() -> u32 {
+    1
+}
+fn default_queue_depth() -> u32 {
+    64
+}
+fn default_running() -> u32 {
+    16
+}
+
+impl Config {
+    /// Reads and validates a policy file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let mut config = Config::parse(&text).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: path.display().to_string(),
+                message,
+            },
+            other => other,
+        })?;
+        config.source = path.to_path_buf();
+        Ok(config)
+    }
+
+    /// Parses and validates policy text.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: "<policy>".into(),
+            message: e.to_string(),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The model file, resolved against the policy file's folder.
+    pub fn model_path(&self) -> PathBuf {
+        match self.source.parent() {
+            Some(dir) if self.model.path.is_relative() => dir.join(&self.model.path),
+            _ => self.model.path.clone(),
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let s = &self.server;
+        if s.body_bytes_max == 0 || s.body_bytes_max > BODY_BYTES_LIMIT {
+            return Err(invalid(
+                "server.body_bytes_max",
+                format!("must be 1..={BODY_BYTES_LIMIT}"),
+            ));
+        }
+        for (field, value) in [
+            ("server.connections_max", u64::from(s.connections_max)),
+            ("server.request_timeout_ms", s.request_timeout_ms),
+            ("server.drain_timeout_ms", s.drain_timeout_ms),
+            ("model.context_tokens", u64::from(self.model.context_tokens)),
+            ("model.threads", u64::from(self.model.threads)),
+            ("engine.page_tokens", u64::from(self.engine.page_tokens)),
+            ("engine.pool_pages", u64::from(self.engine.pool_pages)),
+            ("engine.seq_pages_max", u64::from(self.engine.seq_pages_max)),
+            (
+                "engine.step_tokens_max",
+                u64::from(self.engine.step_tokens_max),
+            ),
+            ("engine.step_seqs_max", u64::from(self.engine.step_seqs_max)),
+        ] {
+            if value == 0 {
+                return Err(invalid(field, "must be at least 1"));
+            }
+        }
+        if self.engine.pool_pages > POOL_PAGES_LIMIT {
+            return Err(invalid(
+                "engine.pool_pages",
+                format!("at most {POOL_PAGES_LIMIT}"),
+            ));
+        }
+        if self.engine.step_tokens_max < self.engine.step_seqs_max {
+            return Err(invalid(
+                "engine.step_tokens_max",
+                "must be at least engine.step_seqs_max, so every sequence in a step can decode",
+            ));
+        }
+        if self.model.id.is_empty() {
+            return Err(invalid("model.id", "must not be empty"));
+        }
+        self.validate_tenants()
+    }
+
+    fn validate_tenants(&self) -> Result<(), ConfigError> {
+        if self.tenants.is_empty() || self.tenants.len() > TENANTS_MAX {
+            return Err(invalid(
+                "tenants",
+                format!("define 1..={TENANTS_MAX} tenants"),
+            ));
+        }
+        let mut reserved_total = 0u64;
+        for (name, t) in &self.tenants {
+            let field = |f: &str| format!("tenants.{name}.{f}");
+            let valid_name = !name.is_empty()
+                && name.len() <= 64
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+            if !valid_name {
+                return Err(invalid(
+                    format!("tenants.{name}"),
+                    "names are 1-64 of [A-Za-z0-9_-]",
+                ));
+            }
+            if t.weight == 0 || t.weight > 1000 {
+                return Err(invalid(field("weight"), "must be 1..=1000"));
+            }
+            if t.pages_max == 0 || t.pages_max < t.pages_reserved {
+                return Err(invalid(
+                    field("pages_max"),
+                    "must be at least 1 and at least pages_reserved",
+                ));
+            }
+            if t.queue_depth_max == 0 || t.queue_depth_max > QUEUE_DEPTH_LIMIT {
+                return Err(invalid(
+                    field("queue_depth_max"),
+                    format!("must be 1..={QUEUE_DEPTH_LIMIT}"),
+                ));
+            }
+            if t.running_max == 0 {
+                return Err(invalid(field("running_max"), "must be at least 1"));
+            }
+            for (i, digest) in t.keys_sha256.iter().enumerate() {
+                let hex = digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit());
+                if !hex {
+                    return Err(invalid(
+                        field(&format!("keys_sha256[{i}]")),
+                        "must be 64 hex digits",
+                    ));
+                }
+            }
+            reserved_total += u64::from(t.pages_reserved);
+        }
+        if reserved_total > u64::from(self.engine.pool_pages) {
+            return Err(invalid(
+                "tenants.*.pages_reserved",
+                format!(
+                    "reservations add up to {reserved_total} pages; the pool has {}",
+                    self.engine.pool_pages
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One row of the capacity table: a stage and how many tokens it can hold.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limit {
+    /// The stage, as printed ("model context", "tenant alpha maximum", ...).
+    pub stage: String,
+    /// The config field that sets it.
+    pub field: String,
+    /// Tokens it holds for one sequence.
+    pub tokens: u64,
+}
+
+/// The capacity contract of a deployment.
+#[derive(Clone, Debug)]
+pub struct Capacity {
+    /// Tokens promised to clients (prompt + completion).
+    pub promised_tokens: u64,
+    /// Every stage that must hold a promised window.
+    pub limits: Vec<Limit>,
+    /// Tokens per step, for the table (chunked prefill takes any prompt length).
+    pub step_tokens_max: u64,
+}
+
+/// A promise that some stage cannot keep.
+#[derive(Debug, thiserror::Error)]
+#[error("capacity contract violated: the promised context of {promised} tokens exceeds {stage} ({tokens} tokens, set by {field})\n{table}")]
+pub struct CapacityViolation {
+    /// Tokens promised.
+    pub promised: u64,
+    /// The stage that cannot hold them.
+    pub stage: String,
+    /// The field that sets that stage.
+    pub field: String,
+    /// What that stage holds.
+    pub tokens: u64,
+    /// The whole table.
+    pub table: String,
+}
+
+impl Capacity {
+    /// The contract of `config` for a model whose own context is `model_context_tokens`.
+    pub fn new(config: &Config, model_context_tokens: u64) -> Capacity {
+        let page_tokens = u64::from(config.engine.page_tokens);
+        let mut limits = vec![
+            Limit {
+                stage: "model context".into(),
+                field: "the model file (context_length)".into(),
+                tokens: model_context_tokens,
+            },
+            Limit {
+                stage: "per-sequence page limit".into(),
+                field: "engine.seq_pages_max".into(),
+                tokens: u64::from(config.engine.seq_pages_max) * page_tokens,
+            },
+            Limit {
+                stage: "KV pool".into(),
+                field: "engine.pool_pages".into(),
+                tokens: u64::from(config.engine.pool_pages) * page_tokens,
+            },
+        ];
+        let reserved_total: u64 = config
+            .tenants
+            .values()
+            .map(|t| u64::from(t.pages_reserved))
+            .sum();
+        for (name, tenant) in &config.tenants {
+            // A tenant can never take pages other tenants have reserved (I8).
+            let others_reserved = reserved_total - u64::from(tenant.pages_reserved);
+            let reachable = u64::from(config.engine.pool_pages) - others_reserved;
+            let (pages, field) = if u64::from(tenant.pages_max) <= reachable {
+                (
+                    u64::from(tenant.pages_max),
+                    format!("tenants.{name}.pages_max"),
+                )
+            } else {
+                (
+                    reachable,
+                    "engine.pool_pages minus other tenants' pages_reserved".to_string(),
+                )
+            };
+            limits.push(Limit {
+                stage: format!("tenant {name} maximum"),
+                field,
+                tokens: pages * page_tokens,
+            });
+        }
+        Capacity {
+            promised_tokens: u64::from(config.model.context_tokens),
+            limits,
+            step_tokens_max: u64::from(config.engine.step_tokens_max),
+        }
+    }
+
+    /// Ok when every stage holds the promised window; otherwise the first stage
+    /// that does not, with the whole table.
+    pub fn check(&self) -> Result<(), CapacityViolation> {
+        match self.limits.iter().find(|l| l.tokens < self.promised_tokens) {
+            None => Ok(()),
+            Some(l) => Err(CapacityViolation {
+                promised: self.promised_tokens,
+                stage: l.stage.clone(),
+                field: l.field.clone(),
+                tokens: l.tokens,
+                table: self.table(),
+            }),
+        }
+    }
+
+    /// The table of limits, one stage a line.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{:<32} {:>10}  {:<6} set by",
+            "stage", "tokens", "holds"
+        );
+        let _ = writeln!(
+            out,
+            "{:<32} {:>10}  {:<6} model.context_tokens",
+            "promised context", self.promised_tokens, "-"
+        );
+        for l in &self.limits {
+            let holds = if l.tokens >= self.promised_tokens {
+                "ok"
+            } else {
+                "NO"
+            };
+            let _ = writeln!(
+                out,
+                "{:<32} {:>10}  {:<6} {}",
+                l.stage, l.tokens, holds, l.field
+            );
+        }
+        let _ = writeln!(
+            out,
+            "{:<32} {:>10}  {:<6} engine.step_tokens_max (chunked: any prompt length)",
+            "prefill chunk budget", self.step_tokens_max, "ok"
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"
+[model]
+id = "m"
+path = "m.gguf"
+context_tokens = 4096
+
+[engine]
+page_tokens = 16
+pool_pages = 1024
+seq_pages_max = 256
+step_tokens_max = 512
+step_seqs_max = 32
+
+[tenants.alpha]
+pages_reserved = 256
+pages_max = 512
+
+[tenants.beta]
+pages_reserved = 256
+pages_max = 512
+"#;
+
+    fn with(replace: &str, by: &str) -> Config {
+        assert!(BASE.contains(replace), "{replace}");
+        Config::parse(&BASE.replace(replace, by)).expect("valid policy")
+    }
+
+    fn violation(config: &Config, model_context: u64) -> CapacityViolation {
+        Capacity::new(config, model_context)
+            .check()
+            .expect_err("a violation")
+    }
+
+    #[test]
+    fn the_base_policy_keeps_its_promise() {
+        let config = Config::parse(BASE).unwrap();
+        let capacity = Capacity::new(&config, 8192);
+        capacity.check().unwrap();
+        let table = capacity.table();
+        for stage in [
+            "promised context",
+            "model context",
+            "per-sequence page limit",
+            "KV pool",
+            "tenant alpha maximum",
+            "tenant beta maximum",
+            "prefill chunk budget",
+        ] {
+            assert!(table.contains(stage), "{stage} missing from\n{table}");
+        }
+        assert!(!table.contains("NO"));
+    }
+
+    #[test]
+    fn refuses_a_promise_beyond_the_model_context() {
+        let v = violation(&Config::parse(BASE).unwrap(), 2048);
+        assert_eq!(v.stage, "model context");
+        assert!(v.to_string().contains("4096") && v.to_string().contains("NO"));
+    }
+
+    #[test]
+    fn refuses_a_promise_beyond_the_per_sequence_page_limit() {
+        let v = violation(&with("seq_pages_max = 256", "seq_pages_max = 255"), 8192);
+        assert_eq!(
+            (v.stage.as_str(), v.field.as_str()),
+            ("per-sequence page limit", "engine.seq_pages_max")
+        );
+    }
+
+    #[test]
+    fn refuses_a_promise_beyond_a_tenants_maximum() {
+        let config = with(
+            "pages_reserved = 256\npages_max = 512\n\n[tenants.beta]",
+            "pages_reserved = 0\npages_max = 255\n\n[tenants.beta]",
+        );
+        let v = violation(&config, 8192);
+        assert_eq!(
+            (v.stage.as_str(), v.field.as_str()),
+            ("tenant alpha maximum", "tenants.alpha.pages_max")
+        );
+    }
+
+    #[test]
+    fn refuses_a_promise_other_tenants_reservations_make_unreachable() {
+        // beta reserves 800 of 1024 pages: alpha can never hold more than 224.
+        let text = BASE
+            .replace(
+                "[tenants.alpha]\npages_reserved = 256",
+                "[tenants.alpha]\npages_reserved = 200",
+            )
+            .replace(
+                "[tenants.beta]\npages_reserved = 256\npages_max = 512",
+                "[tenants.beta]\npages_reserved = 800\npages_max = 1024",
+            );
+        let v = violation(&Config::parse(&text).unwrap(), 8192);
+        assert_eq!(v.stage, "tenant alpha maximum");
+        assert!(
+            v.field.contains("other tenants' pages_reserved"),
+            "{}",
+            v.field
+        );
+    }
+
+    #[test]
+    fn refuses_a_promise_beyond_the_pool() {
+        let text = BASE
+            .replace("context_tokens = 4096", "context_tokens = 9700")
+            .replace("pool_pages = 1024", "pool_pages = 600")
+            .replace("seq_pages_max = 256", "seq_pages_max = 1000")
+            .replace(
+                "pages_reserved = 256\npages_max = 512",
+                "pages_reserved = 0\npages_max = 1000",
+            );
+        let v = violation(&Config::parse(&text).unwrap(), 16384);
+        assert_eq!(
+            (v.stage.as_str(), v.field.as_str()),
+            ("KV pool", "engine.pool_pages")
+        );
+    }
+
+    #[test]
+    fn refuses_bad_values_and_unknown_keys() {
+        let bad = [
+            (
+                BASE.replace("pool_pages = 1024", "pool_pages = 0"),
+                "engine.pool_pages",
+            ),
+            (
+                BASE.replace("step_tokens_max = 512", "step_tokens_max = 8"),
+                "engine.step_tokens_max",
+            ),
+            (
+                BASE.replace(
+                    "pages_max = 512\n\n[tenants.beta]",
+                    "pages_max = 100\n\n[tenants.beta]",
+                ),
+                "tenants.alpha.pages_max",
+            ),
+            (
+                BASE.replace("pool_pages = 1024", "pool_pages = 500"),
+                "pages_reserved",
+            ),
+            (
+                BASE.replace("[tenants.beta]", "[tenants.\"be ta\"]"),
+                "tenants.be ta",
+            ),
+            (
+                BASE.replace(
+                    "context_tokens = 4096",
+                    "context_tokens = 4096\ncontext_tokenz = 1",
+                ),
+                "context_tokenz",
+            ),
+            (
+                BASE.replace("context_tokens = 4096", "context_tokens = \"big\""),
+                "context_tokens",
+            ),
+            (
+                BASE.replace(
+                    "[tenants.alpha]",
+                    "[tenants.alpha]\nkeys_sha256 = [\"abc\"]",
+                ),
+                "keys_sha256[0]",
+            ),
+        ];
+        for (text, needle) in bad {
+            let err = Config::parse(&text).expect_err(needle).to_string();
+            assert!(err.contains(needle), "{needle}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_demo_policy_parses_and_resolves_the_model_path() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies/demo.toml");
+        let config = Config::load(&path).unwrap();
+        assert!(config.tenants.contains_key("alpha") && config.tenants.contains_key("beta"));
+        assert!(config
+            .model_path()
+            .ends_with(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+        Capacity::new(&config, 8192).check().unwrap();
+    }
+}

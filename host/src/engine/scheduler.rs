@@ -1,0 +1,720 @@
+//! The scheduler: iteration-level continuous batching across tenants, and the
+//! typed lifecycle of a request (invariants I1, I6, I8).
+//!
+//! 1. **Admit** ([`Admission::admit`]): the prompt and `max_tokens` are checked
+//!    against the capacity contract before anything shared is touched. The
+//!    result is an [`Admitted`] (the only way in) or a terminal [`Rejection`].
+//! 2. **Queue**: an `Admitted` waits in its tenant's bounded queue.
+//! 3. **Reserve**: when the tenant's turn comes, its partition books the
+//!    request's worst case (`prompt + max_tokens` tokens of pages); only then are
+//!    pages acquired, into the sequence's own page table. Worst-case booking means
+//!    a running sequence never runs out of pages, so no tenant is ever preempted
+//!    for another; a request that cannot be booked yet stays queued.
+//! 4. **Step**: every [`Scheduler::tick`] builds one batch — a decode token for
+//!    each running sequence that has one, then prefill chunks — within
+//!    `step_tokens_max` tokens and `step_seqs_max` sequences, in weighted-fair
+//!    order of tenants (least virtual time first; a tenant's virtual time grows
+//!    by tokens processed divided by its weight).
+//! 5. **Finish** ([`Scheduler::finish`]): every exit — stop, length, cancel
+//!    (the client went away), timeout, engine error — goes through this one
+//!    function, which releases the pages; the pool scrubs them before the next
+//!    step. A step is synchronous, so no write into those pages is in flight.
+//!
+//! ```text
+//!  NewRequest ──admit──► Admitted ──queue──► (reserve) ──► Sequence ──step*──► finish(reason)
+//!      │                    │                                   │                  │
+//!      └──► Rejection       └──► finish(timeout | cancelled)    └──────────────────┴─► pages released
+//! ```
+
+use super::sampling::{Sampler, SamplingParams};
+use super::stop::{Scan, StopMatcher};
+use crate::tenancy::TenantId;
+use bulkhead_kernels::backend::{Backend, SeqStep};
+use bulkhead_kernels::kv::{OwnerTag, PageTable, Pool, ReserveError, SeqId};
+use bulkhead_kernels::tokenizer::{DecodeOptions, Detokenizer, Tokenizer};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// A request's identity, unique within the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+/// Why a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token or a stop sequence.
+    Stop,
+    /// `max_tokens` were generated.
+    Length,
+    /// The client went away.
+    Cancelled,
+    /// The request's deadline passed.
+    Timeout,
+    /// The engine failed the step (logged with the request id).
+    Error,
+}
+
+impl FinishReason {
+    /// The label used in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+            FinishReason::Timeout => "timeout",
+            FinishReason::Error => "error",
+        }
+    }
+}
+
+/// Token counts of a request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Generated tokens.
+    pub completion_tokens: u32,
+}
+
+/// What the scheduler tells a request's client side.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// New text (whole UTF-8; text that may begin a stop sequence is held back).
+    Text(String),
+    /// The request ended; nothing follows.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Token counts.
+        usage: Usage,
+    },
+}
+
+/// A request as the API layer hands it over, before admission.
+pub struct NewRequest {
+    /// Its id.
+    pub id: RequestId,
+    /// Its tenant (authenticated).
+    pub tenant: TenantId,
+    /// Prompt tokens (chat template already applied).
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: u32,
+    /// Sampling.
+    pub sampling: SamplingParams,
+    /// Stop sequences.
+    pub stop: Vec<String>,
+    /// When the request must have finished.
+    pub deadline: Instant,
+    /// Where its events go; a closed channel cancels the request.
+    pub events: UnboundedSender<Event>,
+}
+
+/// A terminal refusal: it holds no page, queue slot or plugin state, and
+/// nothing can turn it back into a request.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    /// The prompt has no tokens.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// Prompt plus completion exceed the promised context.
+    #[error(
+        "this model's maximum context length is {context_tokens} tokens; the request needs {prompt_tokens} prompt \
+         + {max_tokens} completion tokens"
+    )]
+    ContextLengthExceeded {
+        /// Prompt tokens.
+        prompt_tokens: u32,
+        /// Requested completion tokens.
+        max_tokens: u32,
+        /// The promised context.
+        context_tokens: u32,
+    },
+    /// `max_tokens` is zero.
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    /// The tenant's queue is full.
+    #[error("too many requests queued for this tenant")]
+    QueueFull,
+}
+
+/// A request that passed static admission (I1). Only [`Admission::admit`]
+/// makes one, and only an `Admitted` can be queued and booked.
+pub struct Admitted {
+    request: NewRequest,
+    pages_needed: u32,
+}
+
+impl Admitted {
+    /// Pages its worst case needs.
+    pub fn pages_needed(&self) -> u32 {
+        self.pages_needed
+    }
+
+    /// Its id.
+    pub fn id(&self) -> RequestId {
+        self.request.id
+    }
+
+    /// Its tenant.
+    pub fn tenant(&self) -> TenantId {
+        self.request.tenant
+    }
+}
+
+/// The static admission check: the capacity contract applied to one request.
+#[derive(Clone, Copy, Debug)]
+pub struct Admission {
+    /// The promised context (I2 guarantees every stage holds it).
+    pub context_tokens: u32,
+    /// Tokens per KV page.
+    pub page_tokens: u32,
+}
+
+impl Admission {
+    /// Checks `request` against the contract; touches nothing shared.
+    pub fn admit(&self, request: NewRequest) -> Result<Admitted, Rejection> {
+        let prompt_tokens = u32::try_from(request.prompt.len()).unwrap_or(u32::MAX);
+        if prompt_tokens == 0 {
+            return Err(Rejection::EmptyPrompt);
+        }
+        if request.max_tokens == 0 {
+            return Err(Rejection::ZeroMaxTokens);
+        }
+        let total = u64::from(prompt_tokens) + u64::from(request.max_tokens);
+        if total > u64::from(self.context_tokens) {
+            return Err(Rejection::ContextLengthExceeded {
+                prompt_tokens,
+                max_tokens: request.max_tokens,
+                context_tokens: self.context_tokens,
+            });
+        }
+        // total <= context_tokens <= u32::MAX, so this fits.
+        let pages_needed = total.div_ceil(u64::from(self.page_tokens)) as u32;
+        Ok(Admitted {
+            request,
+            pages_needed,
+        })
+    }
+}
+
+/// A tenant's scheduling parameters.
+#[derive(Clone, Debug)]
+pub struct TenantLimits {
+    /// Its id (also its pool owner tag).
+    pub id: TenantId,
+    /// Its name, for logs.
+    pub name: String,
+    /// Fair-share weight.
+    pub weight: u32,
+    /// Most requests queued.
+    pub queue_depth_max: u32,
+    /// Most sequences running.
+    pub running_max: u32,
+}
+
+/// Batch limits.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchLimits {
+    /// Most tokens in one step.
+    pub step_tokens_max: u32,
+    /// Most sequences in one step (and running at once).
+    pub step_seqs_max: u32,
+}
+
+struct TenantState {
+    limits: TenantLimits,
+    queue: VecDeque<Admitted>,
+    running: u32,
+    /// Tokens processed divided by weight: the fair-share clock.
+    virtual_time: f64,
+    /// Tokens fed to the backend for this tenant.
+    tokens_processed: u64,
+}
+
+/// A running request: its pages and its progress.
+struct Sequence {
+    id: RequestId,
+    tenant: usize,
+    table: PageTable,
+    prompt: Vec<u32>,
+    /// Prompt tokens already in KV.
+    prefilled: usize,
+    /// Generated tokens; all but the last are in KV.
+    generated: u32,
+    /// The last sampled token, not yet fed back.
+    next: Option<u32>,
+    max_tokens: u32,
+    sampler: Sampler,
+    detokenizer: Detokenizer<Arc<Tokenizer>>,
+    stop: StopMatcher,
+    /// A stop sequence ended the text: nothing after it is sent.
+    text_closed: bool,
+    deadline: Instant,
+    events: UnboundedSender<Event>,
+}
+
+impl Sequence {
+    /// Tokens already written into the sequence's pages.
+    fn kv_len(&self) -> usize {
+        self.prefilled + self.generated.saturating_sub(1) as usize
+    }
+
+    fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt.len() as u32,
+            completion_tokens: self.generated,
+        }
+    }
+}
+
+/// What one tick did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TickReport {
+    /// Tokens fed to the backend.
+    pub tokens: u32,
+    /// Sequences in the step.
+    pub seqs: u32,
+    /// Requests that finished (any reason).
+    pub finished: u32,
+}
+
+/// The scheduler: owns the pool, the backend and every request in flight.
+pub struct Scheduler<B: Backend> {
+    backend: B,
+    pool: Pool,
+    tokenizer: Arc<Tokenizer>,
+    limits: BatchLimits,
+    tenants: Vec<TenantState>,
+    running: Vec<Sequence>,
+    tokens_generated: u64,
+}
+
+/// How one batch entry maps back to its sequence.
+struct Planned {
+    seq_index: usize,
+    tokens: Vec<u32>,
+    pos_start: usize,
+    wants_logits: bool,
+}
+
+impl<B: Backend> Scheduler<B> {
+    /// A scheduler over `pool` (whose partitions are keyed by tenant id).
+    pub fn new(
+        backend: B,
+        pool: Pool,
+        tokenizer: Arc<Tokenizer>,
+        limits: BatchLimits,
+        tenants: Vec<TenantLimits>,
+    ) -> Scheduler<B> {
+        let tenants = tenants
+            .into_iter()
+            .map(|limits| TenantState {
+                limits,
+                queue: VecDeque::new(),
+                running: 0,
+                virtual_time: 0.0,
+                tokens_processed: 0,
+            })
+            .collect();
+        Scheduler {
+            backend,
+            pool,
+            tokenizer,
+            limits,
+            tenants,
+            running: Vec::new(),
+            tokens_generated: 0,
+        }
+    }
+
+    /// The pool, for stats and invariant checks.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Requests queued plus running.
+    pub fn in_flight(&self) -> usize {
+        self.running.len() + self.tenants.iter().map(|t| t.queue.len()).sum::<usize>()
+    }
+
+    /// Queued requests of a tenant.
+    pub fn queued(&self, tenant: TenantId) -> usize {
+        self.tenant_index(tenant)
+            .map_or(0, |i| self.tenants[i].queue.len())
+    }
+
+    /// Tokens sampled so far, over all requests.
+    pub fn tokens_generated(&self) -> u64 {
+        self.tokens_generated
+    }
+
+    /// Tokens fed to the backend for `tenant` so far.
+    pub fn tokens_processed(&self, tenant: TenantId) -> u64 {
+        self.tenant_index(tenant)
+            .map_or(0, |i| self.tenants[i].tokens_processed)
+    }
+
+    fn tenant_index(&self, tenant: TenantId) -> Option<usize> {
+        self.tenants.iter().position(|t| t.limits.id == tenant)
+    }
+
+    /// Queues an admitted request, or refuses it when its tenant's queue is full
+    /// (the request is dropped with the rejection; nothing was touched).
+    pub fn enqueue(&mut self, admitted: Admitted) -> Result<(), Rejection> {
+        let index = self
+            .tenant_index(admitted.tenant())
+            .expect("requests come from authenticated, configured tenants");
+        let tenant = &mut self.tenants[index];
+        if tenant.queue.len() >= tenant.limits.queue_depth_max as usize {
+            return Err(Rejection::QueueFull);
+        }
+        tenant.queue.push_back(admitted);
+        Ok(())
+    }
+
+    /// One iteration: expire, start, step, apply. `now` is the clock (a
+    /// parameter so simulations are deterministic).
+    pub fn tick(&mut self, now: Instant) -> TickReport {
+        let mut report = TickReport {
+            finished: self.expire_queued(now) + self.expire_running(now),
+            ..TickReport::default()
+        };
+        self.start_sequences();
+        let plan = self.plan_batch();
+        if !plan.is_empty() {
+            report.tokens = plan.iter().map(|p| p.tokens.len() as u32).sum();
+            report.seqs = plan.len() as u32;
+            report.finished += self.run_batch(&plan);
+        }
+        self.pool.scrub_released();
+        report
+    }
+
+    /// Drops queued requests whose client left or whose deadline passed.
+    fn expire_queued(&mut self, now: Instant) -> u32 {
+        let mut finished = 0;
+        for tenant in &mut self.tenants {
+            tenant.queue.retain(|a| {
+                let r = &a.request;
+                let reason = if r.events.is_closed() {
+                    FinishReason::Cancelled
+                } else if now >= r.deadline {
+                    FinishReason::Timeout
+                } else {
+                    return true;
+                };
+                let usage = Usage {
+                    prompt_tokens: r.prompt.len() as u32,
+                    completion_tokens: 0,
+                };
+                let _ = r.events.send(Event::Finished { reason, usage });
+                tracing::info!(request_id = r.id.0, tenant = %tenant.limits.name, reason = reason.as_str(), "finished while queued");
+                finished += 1;
+                false
+            });
+        }
+        finished
+    }
+
+    /// Finishes running sequences whose client left or whose deadline passed.
+    fn expire_running(&mut self, now: Instant) -> u32 {
+        let mut finished = 0;
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &self.running[i];
+            let reason = if s.events.is_closed() {
+                Some(FinishReason::Cancelled)
+            } else if now >= s.deadline {
+                Some(FinishReason::Timeout)
+            } else {
+                None
+            };
+            match reason {
+                Some(reason) => {
+                    self.finish(i, reason);
+                    finished += 1;
+                }
+                None => i += 1,
+            }
+        }
+        finished
+    }
+
+    /// Tenant indices, least virtual time first (ties: lower index).
+    fn fair_order(&self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.tenants.len()).collect();
+        order.sort_by(|&a, &b| {
+            let (ta, tb) = (&self.tenants[a], &self.tenants[b]);
+            ta.virtual_time.total_cmp(&tb.virtual_time).then(a.cmp(&b))
+        });
+        order
+    }
+
+    /// Moves queued requests to running, in fair order, while sequences and
+    /// pages allow: each start books its worst case in its tenant's partition.
+    fn start_sequences(&mut self) {
+        let seqs_max = self.limits.step_seqs_max as usize;
+        loop {
+            let mut started = false;
+            for index in self.fair_order() {
+                if self.running.len() >= seqs_max {
+                    return;
+                }
+                let tenant = &self.tenants[index];
+                if tenant.running >= tenant.limits.running_max || tenant.queue.is_empty() {
+                    continue;
+                }
+                started |= self.try_start(index);
+            }
+            if !started {
+                return;
+            }
+        }
+    }
+
+    /// Books and acquires pages for the head of tenant `index`'s queue.
+    fn try_start(&mut self, index: usize) -> bool {
+        let tenant = &mut self.tenants[index];
+        let pages = tenant
+            .queue
+            .front()
+            .expect("checked non-empty")
+            .pages_needed;
+        let owner = OwnerTag(tenant.limits.id.0);
+        let pages_max = self
+            .pool
+            .partition_stats(owner)
+            .map_or(0, |p| p.config.pages_max);
+        let mut reservation = match self.pool.reserve(owner, pages) {
+            Ok(reservation) => reservation,
+            // Not now: pages this tenant holds, or the burst region, are in use; it
+            // waits for its own sequences to finish.
+            Err(ReserveError::Exhausted { .. } | ReserveError::AboveMax { .. })
+                if pages <= pages_max =>
+            {
+                return false
+            }
+            Err(other) => {
+                // The capacity contract (I2) makes this unreachable for admitted
+                // requests; fail the request rather than the process.
+                let admitted = tenant.queue.pop_front().expect("checked non-empty");
+                tracing::error!(request_id = admitted.id().0, error = %other, "reservation refused");
+                let _ = admitted.request.events.send(Event::Finished {
+                    reason: FinishReason::Error,
+                    usage: Usage::default(),
+                });
+                return false;
+            }
+        };
+        let admitted = tenant.queue.pop_front().expect("checked non-empty");
+        let request = admitted.request;
+        let mut table = self.pool.page_table(&reservation, SeqId(request.id.0));
+        for _ in 0..pages {
+            self.pool
+                .acquire(&mut reservation, &mut table)
+                .expect("a reservation of n pages acquires n pages");
+        }
+        self.pool.release_reservation(reservation);
+        tenant.running += 1;
+        tracing::debug!(request_id = request.id.0, tenant = %tenant.limits.name, pages, "started");
+        self.running.push(Sequence {
+            id: request.id,
+            tenant: index,
+            table,
+            prompt: request.prompt,
+            prefilled: 0,
+            generated: 0,
+            next: None,
+            max_tokens: request.max_tokens,
+            sampler: Sampler::new(request.sampling),
+            detokenizer: Detokenizer::new(
+                Arc::clone(&self.tokenizer),
+                DecodeOptions { skip_special: true },
+            ),
+            stop: StopMatcher::new(request.stop),
+            text_closed: false,
+            deadline: request.deadline,
+            events: request.events,
+        });
+        true
+    }
+
+    /// Chooses this step's work: decode tokens first (each running sequence with
+    /// a pending token), then prefill chunks, tenants in fair order.
+    fn plan_batch(&self) -> Vec<Planned> {
+        let mut budget = self.limits.step_tokens_max as usize;
+        let mut plan = Vec::new();
+        let order = self.fair_order();
+        for decode in [true, false] {
+            for &tenant in &order {
+                for (seq_index, s) in self.running.iter().enumerate() {
+                    if s.tenant != tenant
+                        || budget == 0
+                        || plan.len() >= self.limits.step_seqs_max as usize
+                    {
+                        continue;
+                    }
+                    let entry = match (decode, s.next) {
+                        (true, Some(token)) => Planned {
+                            seq_index,
+                            tokens: vec![token],
+                            pos_start: s.kv_len(),
+                            wants_logits: true,
+                        },
+                        (false, None) if s.prefilled < s.prompt.len() => {
+                            let n = (s.prompt.len() - s.prefilled).min(budget);
+                            Planned {
+                                seq_index,
+                                tokens: s.prompt[s.prefilled..s.prefilled + n].to_vec(),
+                                pos_start: s.prefilled,
+                                wants_logits: s.prefilled + n == s.prompt.len(),
+                            }
+                        }
+                        _ => continue,
+                    };
+                    budget -= entry.tokens.len();
+                    plan.push(entry);
+                }
+            }
+        }
+        plan
+    }
+
+    /// Runs one step and applies its outputs; returns how many finished.
+    fn run_batch(&mut self, plan: &[Planned]) -> u32 {
+        let steps: Vec<SeqStep> = plan
+            .iter()
+            .map(|p| SeqStep {
+                pages: &self.running[p.seq_index].table,
+                pos_start: p.pos_start,
+                tokens: &p.tokens,
+                wants_logits: p.wants_logits,
+            })
+            .collect();
+        let sampled: Vec<u32> = match self.backend.step(&steps, &mut self.pool) {
+            Ok(logits) => {
+                let mut out = Vec::new();
+                for (row, p) in plan.iter().filter(|p| p.wants_logits).enumerate() {
+                    out.push(self.running[p.seq_index].sampler.sample(logits.row(row)));
+                }
+                out
+            }
+            Err(error) => {
+                tracing::error!(%error, "step refused; failing its sequences");
+                return self.finish_all(
+                    plan.iter().map(|p| p.seq_index).collect(),
+                    FinishReason::Error,
+                );
+            }
+        };
+        let mut finishing = Vec::new();
+        let mut next_sample = sampled.into_iter();
+        for p in plan {
+            let weight = f64::from(self.tenants[self.running[p.seq_index].tenant].limits.weight);
+            let s = &mut self.running[p.seq_index];
+            let tenant = &mut self.tenants[s.tenant];
+            tenant.virtual_time += p.tokens.len() as f64 / weight;
+            tenant.tokens_processed += p.tokens.len() as u64;
+            if s.next.is_none() {
+                s.prefilled += p.tokens.len();
+            }
+            if !p.wants_logits {
+                continue;
+            }
+            let token = next_sample
+                .next()
+                .expect("one sample per entry that wants logits");
+            self.tokens_generated += 1;
+            if let Some(reason) = self.accept(p.seq_index, token) {
+                finishing.push((p.seq_index, reason));
+            }
+        }
+        let finished = finishing.len() as u32;
+        // Finish from the highest index down so earlier indices stay valid.
+        finishing.sort_by_key(|&(seq_index, _)| std::cmp::Reverse(seq_index));
+        for (seq_index, reason) in finishing {
+            self.finish(seq_index, reason);
+        }
+        finished
+    }
+
+    /// Takes a sampled token: streams its text, or says why the sequence ends.
+    fn accept(&mut self, seq_index: usize, token: u32) -> Option<FinishReason> {
+        let is_eog = self.tokenizer.is_eog(token);
+        let s = &mut self.running[seq_index];
+        if is_eog {
+            return Some(FinishReason::Stop);
+        }
+        s.generated += 1;
+        let text = match s.detokenizer.push(token) {
+            Ok(text) => text,
+            Err(error) => {
+                tracing::error!(request_id = s.id.0, %error, "detokenization failed");
+                return Some(FinishReason::Error);
+            }
+        };
+        match s.stop.push(&text) {
+            Scan::Stopped(text) => {
+                if !text.is_empty() {
+                    let _ = s.events.send(Event::Text(text));
+                }
+                s.text_closed = true;
+                return Some(FinishReason::Stop);
+            }
+            Scan::Text(text) if !text.is_empty() => {
+                let _ = s.events.send(Event::Text(text));
+            }
+            Scan::Text(_) => {}
+        }
+        if s.generated >= s.max_tokens {
+            return Some(FinishReason::Length);
+        }
+        s.next = Some(token);
+        None
+    }
+
+    fn finish_all(&mut self, mut indices: Vec<usize>, reason: FinishReason) -> u32 {
+        indices.sort_unstable_by(|a, b| b.cmp(a));
+        indices.dedup();
+        let count = indices.len() as u32;
+        for i in indices {
+            self.finish(i, reason);
+        }
+        count
+    }
+
+    /// The one exit (I6): releases the sequence's pages (scrubbed before the
+    /// next step), flushes held text, reports usage, logs without content.
+    fn finish(&mut self, seq_index: usize, reason: FinishReason) {
+        let mut s = self.running.swap_remove(seq_index);
+        let pages = self.pool.release(&mut s.table);
+        let tenant = &mut self.tenants[s.tenant];
+        tenant.running -= 1;
+        let usage = s.usage();
+        if !s.text_closed && matches!(reason, FinishReason::Stop | FinishReason::Length) {
+            // Bytes of an incomplete character and text held for a possible stop
+            // sequence belong to the completion after all.
+            let tail = s.detokenizer.finish();
+            let rest = match s.stop.push(&tail) {
+                Scan::Stopped(text) => text,
+                Scan::Text(text) => text + &s.stop.finish(),
+            };
+            if !rest.is_empty() {
+                let _ = s.events.send(Event::Text(rest));
+            }
+        }
+        let _ = s.events.send(Event::Finished { reason, usage });
+        tracing::info!(
+            request_id = s.id.0,
+            tenant = %tenant.limits.name,
+            reason = reason.as_str(),
+            prompt_tokens = usage.prompt_tokens,
+            completion_tokens = usage.completion_tokens,
+            pages,
+            "finished"
+        );
+    }
+}
