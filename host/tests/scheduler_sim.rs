@@ -390,3 +390,23 @@ fn tenants_share_steps_by_weight() {
     );
     assert_eq!(a + b, 32.0 * 16.0);
 }
+
+#[test]
+fn shutdown_ends_queued_and_running_requests_and_frees_every_page() {
+    let mut s = sim(&[tenant(ALPHA, 1, 16, 16)], 16, LIMITS);
+    let mut running = s.submit(ALPHA, prompt(1, 30), 30);
+    let mut queued = s.submit(ALPHA, prompt(2, 30), 30);
+    s.tick();
+    s.scheduler.finish_everything();
+    assert_eq!(
+        drain(&mut running).1.map(|e| e.0),
+        Some(FinishReason::Shutdown)
+    );
+    assert_eq!(
+        drain(&mut queued).1.map(|e| e.0),
+        Some(FinishReason::Shutdown)
+    );
+    assert_eq!(s.scheduler.in_flight(), 0);
+    s.assert_all_pages_free();
+    s.scheduler.pool().check_invariants().unwrap();
+}

@@ -6,4 +6,5 @@ pub mod chat;
 pub mod generate;
 pub mod sampling;
 pub mod scheduler;
+pub mod service;
 pub mod stop;

@@ -54,6 +54,8 @@ pub enum FinishReason {
     Timeout,
     /// The engine failed the step (logged with the request id).
     Error,
+    /// The server shut down before the request could finish.
+    Shutdown,
 }
 
 impl FinishReason {
@@ -65,6 +67,7 @@ impl FinishReason {
             FinishReason::Cancelled => "cancelled",
             FinishReason::Timeout => "timeout",
             FinishReason::Error => "error",
+            FinishReason::Shutdown => "shutdown",
         }
     }
 }
@@ -391,6 +394,28 @@ impl<B: Backend> Scheduler<B> {
         }
         self.pool.scrub_released();
         report
+    }
+
+    /// Ends every queued and running request (shutdown after the drain
+    /// deadline); running ones release their pages through [`Scheduler::finish`].
+    pub fn finish_everything(&mut self) {
+        for tenant in &mut self.tenants {
+            for admitted in tenant.queue.drain(..) {
+                let r = admitted.request;
+                let usage = Usage {
+                    prompt_tokens: r.prompt.len() as u32,
+                    completion_tokens: 0,
+                };
+                let _ = r.events.send(Event::Finished {
+                    reason: FinishReason::Shutdown,
+                    usage,
+                });
+            }
+        }
+        while !self.running.is_empty() {
+            self.finish(self.running.len() - 1, FinishReason::Shutdown);
+        }
+        self.pool.scrub_released();
     }
 
     /// Drops queued requests whose client left or whose deadline passed.

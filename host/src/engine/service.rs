@@ -1,0 +1,165 @@
+//! The scheduler on its own thread, and the handle the async side talks to.
+//!
+//! Model compute never runs on the async runtime's workers: the scheduler and
+//! its backend live on one dedicated thread (plus the backend's compute pool),
+//! stepping at their own pace. The API layer submits an [`Admitted`] request
+//! and gets a synchronous answer — queued, or refused with a [`Rejection`] —
+//! then reads the request's events from its channel.
+//!
+//! 1. [`EngineService::start`] moves the scheduler onto its thread.
+//! 2. [`EngineHandle::submit`] enqueues (bounded per tenant) and answers at once.
+//! 3. The thread ticks while anything is in flight and sleeps on its command
+//!    channel when idle (waking for new work or shutdown).
+//! 4. [`EngineService::shutdown`] stops accepting, lets in-flight requests run
+//!    until the drain deadline, then finishes the rest (their pages released
+//!    through the scheduler's one finish path) and joins the thread.
+
+use super::scheduler::{Admitted, Rejection, Scheduler, TickReport};
+use bulkhead_kernels::backend::Backend;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+
+/// Most submissions waiting for the engine thread to pick them up.
+pub const COMMANDS_MAX: usize = 4096;
+/// How long an idle engine thread sleeps before looking again.
+const IDLE_WAIT: Duration = Duration::from_millis(100);
+/// How long a stalled engine thread (work queued, none runnable) sleeps.
+const STALLED_WAIT: Duration = Duration::from_millis(5);
+
+enum Command {
+    Submit(Admitted, oneshot::Sender<Result<(), Rejection>>),
+    Shutdown { drain_until: Instant },
+}
+
+/// Why a submission did not reach the scheduler.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SubmitError {
+    /// The scheduler refused it (queue full).
+    #[error(transparent)]
+    Rejected(#[from] Rejection),
+    /// The engine is shutting down or has stopped.
+    #[error("the engine is not accepting requests")]
+    Unavailable,
+}
+
+/// A cloneable handle for submitting requests.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: mpsc::SyncSender<Command>,
+    accepting: Arc<AtomicBool>,
+}
+
+impl EngineHandle {
+    /// Queues `admitted`; the answer comes once the engine thread has looked at it.
+    pub async fn submit(&self, admitted: Admitted) -> Result<(), SubmitError> {
+        if !self.accepting.load(Ordering::SeqCst) {
+            return Err(SubmitError::Unavailable);
+        }
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .try_send(Command::Submit(admitted, reply))
+            .map_err(|_| SubmitError::Unavailable)?;
+        match answer.await {
+            Ok(result) => result.map_err(SubmitError::Rejected),
+            Err(_) => Err(SubmitError::Unavailable),
+        }
+    }
+
+    /// Whether new requests are accepted (for readiness).
+    pub fn is_accepting(&self) -> bool {
+        self.accepting.load(Ordering::SeqCst)
+    }
+}
+
+/// The running engine thread.
+pub struct EngineService {
+    handle: EngineHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EngineService {
+    /// Starts the engine thread with `scheduler`.
+    pub fn start<B: Backend + 'static>(scheduler: Scheduler<B>) -> std::io::Result<EngineService> {
+        let (commands, inbox) = mpsc::sync_channel(COMMANDS_MAX);
+        let accepting = Arc::new(AtomicBool::new(true));
+        let thread = std::thread::Builder::new()
+            .name("bulkhead-engine".into())
+            .spawn(move || engine_loop(scheduler, inbox))?;
+        Ok(EngineService {
+            handle: EngineHandle {
+                commands,
+                accepting,
+            },
+            thread: Some(thread),
+        })
+    }
+
+    /// A handle for the API layer.
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+
+    /// Stops accepting, lets in-flight requests finish until `drain`, then ends
+    /// the rest and joins the thread.
+    pub fn shutdown(mut self, drain: Duration) {
+        self.handle.accepting.store(false, Ordering::SeqCst);
+        let drain_until = Instant::now() + drain;
+        let _ = self.handle.commands.send(Command::Shutdown { drain_until });
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn engine_loop<B: Backend>(mut scheduler: Scheduler<B>, inbox: mpsc::Receiver<Command>) {
+    let mut drain_until: Option<Instant> = None;
+    let mut stalled = false;
+    loop {
+        let empty = scheduler.in_flight() == 0;
+        if empty && drain_until.is_some() {
+            return;
+        }
+        // Idle (nothing in flight, or the last tick could do nothing, e.g. every
+        // queued request waits on a limit): block for work, briefly when stalled
+        // so deadlines still expire. Busy: take what has arrived and step.
+        let wait = if empty {
+            Some(IDLE_WAIT)
+        } else if stalled {
+            Some(STALLED_WAIT)
+        } else {
+            None
+        };
+        let first = if let Some(wait) = wait {
+            match inbox.recv_timeout(wait) {
+                Ok(command) => Some(command),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        } else {
+            inbox.try_recv().ok()
+        };
+        for command in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| inbox.try_recv().ok()))
+        {
+            match command {
+                Command::Submit(admitted, reply) => {
+                    let _ = reply.send(scheduler.enqueue(admitted));
+                }
+                Command::Shutdown { drain_until: until } => drain_until = Some(until),
+            }
+        }
+        let now = Instant::now();
+        if let Some(until) = drain_until {
+            if now >= until {
+                scheduler.finish_everything();
+                return;
+            }
+        }
+        stalled = scheduler.in_flight() > 0 && scheduler.tick(now) == TickReport::default();
+    }
+}

@@ -1,0 +1,161 @@
+//! The scheduler on its own thread: submissions from async code are answered
+//! at once, requests stream to completion, and shutdown drains then stops.
+
+use bulkhead::engine::sampling::SamplingParams;
+use bulkhead::engine::scheduler::{
+    Admission, BatchLimits, Event, FinishReason, NewRequest, Rejection, RequestId, Scheduler,
+    TenantLimits,
+};
+use bulkhead::engine::service::{EngineService, SubmitError};
+use bulkhead::tenancy::TenantId;
+use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
+use bulkhead_kernels::gguf::Gguf;
+use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolGeometry, PoolOptions};
+use bulkhead_kernels::model::Model;
+use bulkhead_kernels::testing::{tiny_llama, TinySpec};
+use bulkhead_kernels::tokenizer::Tokenizer;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn service(queue_depth_max: u32, running_max: u32) -> (EngineService, Admission) {
+    let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap());
+    let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
+    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
+    let c = &model.config;
+    let geometry = PoolGeometry {
+        pages_count: 8,
+        page_tokens: 8,
+        layers: c.layers_count as u32,
+        kv_heads: c.kv_heads_count as u32,
+        head_dim: c.head_dim as u32,
+    };
+    let partition = PartitionConfig {
+        owner: OwnerTag(0),
+        pages_reserved: 8,
+        pages_max: 8,
+    };
+    let pool = Pool::new(geometry, &[partition], PoolOptions::default()).unwrap();
+    let backend = CpuBackend::new(
+        Arc::clone(&model),
+        CpuOptions {
+            threads_count: 2,
+            step_tokens_max: 64,
+            step_seqs_max: 4,
+            isa: None,
+        },
+    );
+    let limits = BatchLimits {
+        step_tokens_max: 64,
+        step_seqs_max: 4,
+    };
+    let tenants = vec![TenantLimits {
+        id: TenantId(0),
+        name: "alpha".into(),
+        weight: 1,
+        queue_depth_max,
+        running_max,
+    }];
+    let scheduler = Scheduler::new(backend, pool, tokenizer, limits, tenants);
+    let admission = Admission {
+        context_tokens: 64,
+        page_tokens: 8,
+    };
+    (EngineService::start(scheduler).unwrap(), admission)
+}
+
+fn request(id: u64, max_tokens: u32) -> (NewRequest, tokio::sync::mpsc::UnboundedReceiver<Event>) {
+    let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+    let request = NewRequest {
+        id: RequestId(id),
+        tenant: TenantId(0),
+        prompt: vec![104, 101, 108, 108, 111],
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop: Vec::new(),
+        deadline: Instant::now() + Duration::from_secs(30),
+        events,
+    };
+    (request, rx)
+}
+
+async fn finished(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Event>) -> FinishReason {
+    while let Some(event) = rx.recv().await {
+        if let Event::Finished { reason, .. } = event {
+            return reason;
+        }
+    }
+    panic!("the channel closed without a Finished event");
+}
+
+#[test]
+fn streams_requests_to_completion() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (service, admission) = service(4, 4);
+    let handle = service.handle();
+    runtime.block_on(async {
+        let (r1, mut rx1) = request(1, 20);
+        let (r2, mut rx2) = request(2, 20);
+        handle.submit(admission.admit(r1).unwrap()).await.unwrap();
+        handle.submit(admission.admit(r2).unwrap()).await.unwrap();
+        assert!(matches!(
+            finished(&mut rx1).await,
+            FinishReason::Length | FinishReason::Stop
+        ));
+        assert!(matches!(
+            finished(&mut rx2).await,
+            FinishReason::Length | FinishReason::Stop
+        ));
+    });
+    service.shutdown(Duration::from_secs(1));
+}
+
+#[test]
+fn a_full_queue_is_refused_at_submit_and_shutdown_ends_the_queued() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    // No sequence may run, so the queue fills deterministically.
+    let (service, admission) = service(1, 0);
+    let handle = service.handle();
+    let (r1, mut rx1) = request(1, 8);
+    let (r2, _rx2) = request(2, 8);
+    runtime.block_on(async {
+        handle.submit(admission.admit(r1).unwrap()).await.unwrap();
+        let second = handle.submit(admission.admit(r2).unwrap()).await;
+        assert_eq!(second, Err(SubmitError::Rejected(Rejection::QueueFull)));
+    });
+    service.shutdown(Duration::ZERO);
+    runtime.block_on(async { assert_eq!(finished(&mut rx1).await, FinishReason::Shutdown) });
+}
+
+#[test]
+fn shutdown_stops_accepting_and_ends_what_is_left_after_the_drain() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (service, admission) = service(4, 4);
+    let handle = service.handle();
+    let (r1, mut rx1) = request(1, 59);
+    runtime.block_on(async { handle.submit(admission.admit(r1).unwrap()).await.unwrap() });
+    service.shutdown(Duration::ZERO);
+    runtime.block_on(async {
+        let reason = finished(&mut rx1).await;
+        assert!(
+            matches!(
+                reason,
+                FinishReason::Shutdown | FinishReason::Length | FinishReason::Stop
+            ),
+            "{reason:?}"
+        );
+        let (r2, _rx2) = request(2, 4);
+        assert_eq!(
+            handle.submit(admission.admit(r2).unwrap()).await,
+            Err(SubmitError::Unavailable)
+        );
+    });
+}
