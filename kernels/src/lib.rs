@@ -12,6 +12,8 @@
 //!    the batched forward pass over page tables on [`threads`].
 //! 6. [`testing`] generates tiny models for fast tests.
 
+#![deny(missing_docs)]
+
 pub mod backend;
 pub mod gguf;
 pub mod kv;
