@@ -10,7 +10,7 @@ use bulkhead::engine::service::{EngineService, SubmitError};
 use bulkhead::tenancy::TenantId;
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::gguf::Gguf;
-use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolGeometry, PoolOptions};
+use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolOptions};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::testing::{tiny_llama, TinySpec};
 use bulkhead_kernels::tokenizer::Tokenizer;
@@ -22,13 +22,7 @@ fn service(queue_depth_max: u32, running_max: u32) -> (EngineService, Admission)
     let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
     let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
     let c = &model.config;
-    let geometry = PoolGeometry {
-        pages_count: 8,
-        page_tokens: 8,
-        layers: c.layers_count as u32,
-        kv_heads: c.kv_heads_count as u32,
-        head_dim: c.head_dim as u32,
-    };
+    let geometry = c.pool_geometry(8, 8);
     let partition = PartitionConfig {
         owner: OwnerTag(0),
         pages_reserved: 8,

@@ -11,7 +11,7 @@ use bulkhead::engine::scheduler::{
 use bulkhead::tenancy::TenantId;
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::gguf::Gguf;
-use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolGeometry, PoolOptions};
+use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolOptions};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::testing::{tiny_llama, TinySpec};
 use bulkhead_kernels::tokenizer::Tokenizer;
@@ -53,13 +53,7 @@ fn sim(tenants: &[Tenant], pool_pages: u32, limits: BatchLimits) -> Sim {
     let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
     let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
     let c = &model.config;
-    let geometry = PoolGeometry {
-        pages_count: pool_pages,
-        page_tokens: PAGE_TOKENS,
-        layers: c.layers_count as u32,
-        kv_heads: c.kv_heads_count as u32,
-        head_dim: c.head_dim as u32,
-    };
+    let geometry = c.pool_geometry(pool_pages, PAGE_TOKENS);
     let partitions: Vec<PartitionConfig> = tenants
         .iter()
         .map(|t| PartitionConfig {

@@ -19,6 +19,7 @@ pub mod gguf;
 pub mod kv;
 pub mod model;
 pub mod quant;
+pub mod rng;
 pub mod testing;
 pub mod threads;
 pub mod tokenizer;

@@ -10,6 +10,7 @@
 //! kernels do not use. Norm vectors are copied out as f32 (a few KiB).
 
 use crate::gguf::{metadata_error, Gguf, GgufError, TensorInfo};
+use crate::kv::PoolGeometry;
 use crate::quant::{self, GgmlType};
 use std::path::Path;
 use std::sync::Arc;
@@ -159,6 +160,19 @@ impl LlamaConfig {
     /// Width of the key (and value) projection: `kv_heads_count * head_dim`.
     pub fn kv_len(&self) -> usize {
         self.kv_heads_count * self.head_dim
+    }
+
+    /// The KV pool geometry for this model: `pages_count` pages of `page_tokens`
+    /// positions, each holding K and V of every layer and KV head.
+    pub fn pool_geometry(&self, pages_count: u32, page_tokens: u32) -> PoolGeometry {
+        PoolGeometry {
+            pages_count,
+            page_tokens,
+            // Bounded by LAYERS_MAX and DIM_MAX at load, so these fit in u32.
+            layers: self.layers_count as u32,
+            kv_heads: self.kv_heads_count as u32,
+            head_dim: self.head_dim as u32,
+        }
     }
 
     /// Query heads that share one key/value head.

@@ -7,6 +7,7 @@
 
 use crate::gguf::{GgufWriter, Value};
 use crate::quant::{self, GgmlType};
+use crate::rng::SplitMix64;
 
 /// Shape and types of a generated model.
 #[derive(Clone, Debug)]
@@ -87,22 +88,12 @@ fn vocab() -> (Vec<String>, Vec<i32>, Vec<String>) {
     (tokens, types, merges)
 }
 
-/// SplitMix64 mapped to roughly normal values (sum of uniforms).
-struct Rng(u64);
+/// Roughly normal values (a scaled sum of four uniforms).
+struct Rng(SplitMix64);
 
 impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
     fn normal(&mut self) -> f32 {
-        let sum: f64 = (0..4)
-            .map(|_| (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64)
-            .sum();
+        let sum: f64 = (0..4).map(|_| self.0.next_f64()).sum();
         ((sum - 2.0) * 1.732) as f32
     }
 }
@@ -124,7 +115,7 @@ pub fn tiny_llama(spec: &TinySpec) -> Vec<u8> {
     let head_dim = d / u64::from(spec.heads);
     let kv = head_dim * u64::from(spec.kv_heads);
     let ffn = u64::from(spec.ffn_len);
-    let mut rng = Rng(spec.seed);
+    let mut rng = Rng(SplitMix64(spec.seed));
     let mut w = GgufWriter::new();
     let s = |v: &str| Value::String(v.to_string());
     w.metadata("general.architecture", s("llama"))

@@ -5,9 +5,7 @@
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::backend::{Backend, SeqStep, StepError};
 use bulkhead_kernels::gguf::Gguf;
-use bulkhead_kernels::kv::{
-    OwnerTag, PageTable, PartitionConfig, Pool, PoolGeometry, PoolOptions, SeqId,
-};
+use bulkhead_kernels::kv::{OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId};
 use bulkhead_kernels::model::{Model, ModelError};
 use bulkhead_kernels::quant::{GgmlType, Isa};
 use bulkhead_kernels::testing::{tiny_llama, TinySpec};
@@ -36,13 +34,7 @@ fn backend(model: &Arc<Model>, isa: Option<Isa>, threads: usize) -> CpuBackend {
 
 fn pool(model: &Model, pages: u32, options: PoolOptions) -> Pool {
     let c = &model.config;
-    let geometry = PoolGeometry {
-        pages_count: pages,
-        page_tokens: PAGE_TOKENS,
-        layers: c.layers_count as u32,
-        kv_heads: c.kv_heads_count as u32,
-        head_dim: c.head_dim as u32,
-    };
+    let geometry = c.pool_geometry(pages, PAGE_TOKENS);
     let half = pages / 2;
     let partitions = [
         PartitionConfig {

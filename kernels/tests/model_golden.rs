@@ -22,9 +22,7 @@ mod common;
 
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::backend::{Backend, SeqStep};
-use bulkhead_kernels::kv::{
-    OwnerTag, PageTable, PartitionConfig, Pool, PoolGeometry, PoolOptions, SeqId,
-};
+use bulkhead_kernels::kv::{OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::quant::Isa;
 use serde_json::Value;
@@ -57,13 +55,7 @@ struct Harness {
 fn harness(model: &Arc<Model>, isa: Isa, tokens_max: usize) -> Harness {
     let c = &model.config;
     let pages = tokens_max.div_ceil(PAGE_TOKENS as usize) as u32;
-    let geometry = PoolGeometry {
-        pages_count: pages,
-        page_tokens: PAGE_TOKENS,
-        layers: c.layers_count as u32,
-        kv_heads: c.kv_heads_count as u32,
-        head_dim: c.head_dim as u32,
-    };
+    let geometry = c.pool_geometry(pages, PAGE_TOKENS);
     let partition = PartitionConfig {
         owner: OWNER,
         pages_reserved: pages,

@@ -9,7 +9,7 @@ use super::scheduler::{
 };
 use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
-use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolGeometry, PoolOptions};
+use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolOptions};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::Tokenizer;
 use std::sync::Arc;
@@ -68,14 +68,7 @@ pub fn single_tenant_pool(
     owner: OwnerTag,
     pages_count: u32,
 ) -> Result<Pool, String> {
-    let c = &model.config;
-    let geometry = PoolGeometry {
-        pages_count,
-        page_tokens: PAGE_TOKENS,
-        layers: c.layers_count as u32,
-        kv_heads: c.kv_heads_count as u32,
-        head_dim: c.head_dim as u32,
-    };
+    let geometry = model.config.pool_geometry(pages_count, PAGE_TOKENS);
     let partition = PartitionConfig {
         owner,
         pages_reserved: pages_count,

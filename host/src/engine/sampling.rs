@@ -1,6 +1,8 @@
 //! Token sampling: greedy at temperature 0, otherwise temperature, top-k and
 //! top-p (nucleus) over a seeded generator, so a seed reproduces a completion.
 
+use bulkhead_kernels::rng::SplitMix64;
+
 /// Largest top-k honoured; larger values are clamped (the vocabulary is the real bound).
 pub const TOP_K_MAX: usize = 1 << 16;
 
@@ -107,24 +109,6 @@ pub fn argmax(logits: &[f32]) -> u32 {
         }
     }
     best as u32
-}
-
-/// SplitMix64: small, fast, and good enough for sampling.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 #[cfg(test)]
