@@ -189,7 +189,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     // Whatever did not finish within the drain ends now (reason `shutdown`).
     service.shutdown(Duration::ZERO);
     // Streams still open (past the drain deadline) get their error event out.
-    runtime.block_on(tokio::time::sleep(FINAL_EVENTS_FLUSH));
+    runtime.block_on(async { tokio::time::sleep(FINAL_EVENTS_FLUSH).await });
     runtime.shutdown_timeout(RUNTIME_SHUTDOWN_TIMEOUT);
     tracing::info!("stopped");
     result
