@@ -45,6 +45,9 @@ use tracing::Instrument;
 
 /// How long a client may take to send its body.
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Most bytes beyond `server.body_bytes_max` read and dropped before a 413
+/// (larger bodies are answered at once; the client may see a reset).
+pub const BODY_DISCARD_BYTES_MAX: u64 = 8 << 20;
 
 /// Everything the handlers share.
 pub struct App {
@@ -262,7 +265,12 @@ async fn read_body(body: Body, headers: &HeaderMap, limit: u64) -> Result<Bytes,
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > limit) {
+    if let Some(len) = declared.filter(|&len| len > limit) {
+        if len <= limit.saturating_add(BODY_DISCARD_BYTES_MAX) {
+            // Read and drop it, so the client (still sending) gets the 413
+            // instead of a reset connection.
+            let _ = tokio::time::timeout(BODY_READ_TIMEOUT, discard(body)).await;
+        }
         return Err(ApiError::BodyTooLarge { limit });
     }
     // `limit` <= config::BODY_BYTES_LIMIT (64 MiB), so it fits a usize.
@@ -277,6 +285,10 @@ async fn read_body(body: Body, headers: &HeaderMap, limit: u64) -> Result<Bytes,
         Ok(Err(_)) => Err(ApiError::BodyRead),
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
     }
+}
+
+async fn discard(mut body: Body) {
+    while let Some(Ok(_)) = body.frame().await {}
 }
 
 /// What the prompt is made of, before tokenization.
