@@ -38,7 +38,7 @@ fn chat_and_completions_answer_in_openai_shape_with_usage() {
         usage["completion_tokens"].as_u64().unwrap(),
     );
     assert!(prompt > 5 && prompt < 64, "{usage}");
-    assert!(completion >= 1 && completion <= 24, "{usage}");
+    assert!((1..=24).contains(&completion), "{usage}");
     assert_eq!(usage["total_tokens"].as_u64().unwrap(), prompt + completion);
     let reason = choice["finish_reason"].as_str().unwrap();
     assert!(
