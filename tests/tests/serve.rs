@@ -286,6 +286,9 @@ fn context_length_exceeded_is_refused_before_any_queue_or_page_is_touched() {
     let acquired = r#"bulkhead_kv_pages_acquired_total{tenant="alpha"}"#;
     let owned = r#"bulkhead_kv_pages{tenant="alpha",state="owned"}"#;
     let rejected = r#"bulkhead_rejections_total{tenant="alpha",reason="context_length_exceeded"}"#;
+    // The engine publishes its counts after each loop turn: wait for the one
+    // after that request finished.
+    assert!(eventually(Duration::from_secs(5), || server.metric(owned) == 0.0));
     let before = server.metrics();
     assert_eq!(metric_value(&before, enqueued), 1.0);
     assert!(metric_value(&before, acquired) >= 1.0);
