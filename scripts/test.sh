@@ -6,6 +6,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 scripts/setup.sh
+# The official OpenAI Python client, for tests/tests/openai_client.rs.
+python3 -m pip install --quiet --disable-pip-version-check "$(grep '^openai==' scripts/requirements.txt)"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # End-to-end tests run the real binary; build it first.

@@ -1,9 +1,12 @@
 //! Bulkhead: a multi-tenant LLM inference host.
 //!
-//! The control plane lives here (engine driving, and later the API, tenancy and
-//! policy); the data plane is the `bulkhead-kernels` crate.
+//! The control plane lives here (the HTTP API, tenancy, engine driving, and
+//! later policy); the data plane is the `bulkhead-kernels` crate.
 
+pub mod api;
 pub mod bench;
 pub mod config;
 pub mod engine;
+pub mod server;
+pub mod telemetry;
 pub mod tenancy;

@@ -6,11 +6,13 @@ use bulkhead::config::{Capacity, Config};
 use bulkhead::engine::chat::{ChatTemplate, Message};
 use bulkhead::engine::generate::{self, GenerateOptions};
 use bulkhead::engine::sampling::SamplingParams;
+use bulkhead::server::{self, ServeOptions};
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::model::{LlamaConfig, Model};
 use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer};
 use clap::{Parser, Subcommand};
 use std::io::Write;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -68,6 +70,21 @@ enum Command {
         /// Treat special-token text (e.g. `<|im_start|>`) as special tokens.
         #[arg(long)]
         parse_special: bool,
+    },
+    /// Serve the OpenAI-compatible API and the admin API until SIGINT/SIGTERM.
+    Serve {
+        /// The policy file (e.g. policies/demo.toml).
+        #[arg(long)]
+        config: PathBuf,
+        /// Inference listener address (overrides `server.listen`).
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+        /// Admin listener address (overrides `server.admin_listen`).
+        #[arg(long)]
+        admin_listen: Option<SocketAddr>,
+        /// GGUF model file (overrides `model.path`).
+        #[arg(long)]
+        model: Option<PathBuf>,
     },
     /// Print the capacity table of a deployment policy; exit non-zero on a violation.
     Check {
@@ -217,6 +234,17 @@ fn main() -> Result<()> {
             println!("{}", serde_json::to_string(&ids)?);
             Ok(())
         }
+        Command::Serve {
+            config,
+            listen,
+            admin_listen,
+            model,
+        } => Ok(server::serve(ServeOptions {
+            config,
+            listen,
+            admin_listen,
+            model,
+        })?),
         Command::Check { config } => check(&config),
         Command::Bench { which } => match which {
             BenchCommand::Engine(args) => {

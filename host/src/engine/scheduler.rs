@@ -235,6 +235,8 @@ struct TenantState {
     virtual_time: f64,
     /// Tokens fed to the backend for this tenant.
     tokens_processed: u64,
+    /// Requests ever queued, and pages ever acquired (observability).
+    counts: TenantCounts,
 }
 
 /// A running request: its pages and its progress.
@@ -293,6 +295,8 @@ pub struct Scheduler<B: Backend> {
     tenants: Vec<TenantState>,
     running: Vec<Sequence>,
     tokens_generated: u64,
+    /// Pages scrubbed so far (observability).
+    pages_scrubbed: u64,
 }
 
 /// How one batch entry maps back to its sequence.
@@ -320,6 +324,7 @@ impl<B: Backend> Scheduler<B> {
                 running: 0,
                 virtual_time: 0.0,
                 tokens_processed: 0,
+                counts: TenantCounts::default(),
             })
             .collect();
         Scheduler {
@@ -330,6 +335,7 @@ impl<B: Backend> Scheduler<B> {
             tenants,
             running: Vec::new(),
             tokens_generated: 0,
+            pages_scrubbed: 0,
         }
     }
 
@@ -375,6 +381,7 @@ impl<B: Backend> Scheduler<B> {
             return Err(Rejection::QueueFull);
         }
         tenant.queue.push_back(admitted);
+        tenant.counts.enqueued_total += 1;
         Ok(())
     }
 
@@ -392,7 +399,7 @@ impl<B: Backend> Scheduler<B> {
             report.seqs = plan.len() as u32;
             report.finished += self.run_batch(&plan);
         }
-        self.pool.scrub_released();
+        self.pages_scrubbed += u64::from(self.pool.scrub_released());
         report
     }
 
@@ -415,7 +422,7 @@ impl<B: Backend> Scheduler<B> {
         while !self.running.is_empty() {
             self.finish(self.running.len() - 1, FinishReason::Shutdown);
         }
-        self.pool.scrub_released();
+        self.pages_scrubbed += u64::from(self.pool.scrub_released());
     }
 
     /// Drops queued requests whose client left or whose deadline passed.
@@ -544,6 +551,7 @@ impl<B: Backend> Scheduler<B> {
         }
         self.pool.release_reservation(reservation);
         tenant.running += 1;
+        tenant.counts.pages_acquired_total += u64::from(pages);
         tracing::debug!(request_id = request.id.0, tenant = %tenant.limits.name, pages, "started");
         self.running.push(Sequence {
             id: request.id,
@@ -741,5 +749,84 @@ impl<B: Backend> Scheduler<B> {
             pages,
             "finished"
         );
+    }
+}
+
+// Observability: a snapshot of counts that the engine thread publishes after
+// each tick, so the API layer can render gauges without touching the scheduler.
+
+/// Cumulative per-tenant counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TenantCounts {
+    /// Requests that entered the tenant's queue.
+    pub enqueued_total: u64,
+    /// Pages acquired for the tenant's sequences.
+    pub pages_acquired_total: u64,
+}
+
+/// One tenant's scheduler and KV partition counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TenantStats {
+    /// The tenant.
+    pub id: u32,
+    /// Requests waiting in its queue.
+    pub queued: u32,
+    /// Its running sequences.
+    pub running: u32,
+    /// Pages leased to its sequences.
+    pub pages_owned: u32,
+    /// Pages it released that await scrubbing.
+    pub pages_released: u32,
+    /// Pages booked by its live reservations.
+    pub pages_booked: u32,
+    /// Pages a reservation could book now.
+    pub pages_available: u32,
+    /// Cumulative counts.
+    pub counts: TenantCounts,
+}
+
+/// A snapshot of the scheduler and its pool.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    /// Per tenant, in configuration order.
+    pub tenants: Vec<TenantStats>,
+    /// Pages in the pool.
+    pub pages_count: u32,
+    /// Clean pages on the free list.
+    pub pages_free: u32,
+    /// Pages scrubbed since start.
+    pub pages_scrubbed_total: u64,
+    /// Tokens sampled since start.
+    pub tokens_generated_total: u64,
+}
+
+impl<B: Backend> Scheduler<B> {
+    /// The current counts (cheap: a few numbers per tenant).
+    pub fn stats(&self) -> SchedulerStats {
+        let pool = self.pool.stats();
+        let tenants = self
+            .tenants
+            .iter()
+            .map(|t| {
+                let p = self.pool.partition_stats(OwnerTag(t.limits.id.0));
+                TenantStats {
+                    id: t.limits.id.0,
+                    queued: t.queue.len() as u32,
+                    running: t.running,
+                    pages_owned: p.map_or(0, |p| p.pages_owned),
+                    pages_released: p.map_or(0, |p| p.pages_released),
+                    pages_booked: p.map_or(0, |p| p.pages_booked),
+                    pages_available: p.map_or(0, |p| p.pages_available),
+                    counts: t.counts,
+                }
+            })
+            .collect();
+        SchedulerStats {
+            tenants,
+            pages_count: pool.pages_count,
+            pages_free: pool.pages_free,
+            pages_scrubbed_total: self.pages_scrubbed,
+            tokens_generated_total: self.tokens_generated,
+        }
     }
 }

@@ -14,11 +14,11 @@
 //!    until the drain deadline, then finishes the rest (their pages released
 //!    through the scheduler's one finish path) and joins the thread.
 
-use super::scheduler::{Admitted, Rejection, Scheduler, TickReport};
+use super::scheduler::{Admitted, Rejection, Scheduler, SchedulerStats, TickReport};
 use bulkhead_kernels::backend::Backend;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
@@ -51,6 +51,8 @@ pub enum SubmitError {
 pub struct EngineHandle {
     commands: mpsc::SyncSender<Command>,
     accepting: Arc<AtomicBool>,
+    /// Published by the engine thread after every loop turn.
+    stats: Arc<Mutex<SchedulerStats>>,
 }
 
 impl EngineHandle {
@@ -73,6 +75,16 @@ impl EngineHandle {
     pub fn is_accepting(&self) -> bool {
         self.accepting.load(Ordering::SeqCst)
     }
+
+    /// The latest counts the engine thread published (for metrics).
+    pub fn stats(&self) -> SchedulerStats {
+        // A poisoned lock means the engine thread panicked mid-publish; the
+        // snapshot is plain data, still the best numbers there are.
+        self.stats
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
 }
 
 /// The running engine thread.
@@ -86,13 +98,16 @@ impl EngineService {
     pub fn start<B: Backend + 'static>(scheduler: Scheduler<B>) -> std::io::Result<EngineService> {
         let (commands, inbox) = mpsc::sync_channel(COMMANDS_MAX);
         let accepting = Arc::new(AtomicBool::new(true));
+        let stats = Arc::new(Mutex::new(scheduler.stats()));
+        let published = Arc::clone(&stats);
         let thread = std::thread::Builder::new()
             .name("bulkhead-engine".into())
-            .spawn(move || engine_loop(scheduler, inbox))?;
+            .spawn(move || engine_loop(scheduler, inbox, &published))?;
         Ok(EngineService {
             handle: EngineHandle {
                 commands,
                 accepting,
+                stats,
             },
             thread: Some(thread),
         })
@@ -115,10 +130,15 @@ impl EngineService {
     }
 }
 
-fn engine_loop<B: Backend>(mut scheduler: Scheduler<B>, inbox: mpsc::Receiver<Command>) {
+fn engine_loop<B: Backend>(
+    mut scheduler: Scheduler<B>,
+    inbox: mpsc::Receiver<Command>,
+    stats: &Mutex<SchedulerStats>,
+) {
     let mut drain_until: Option<Instant> = None;
     let mut stalled = false;
     loop {
+        publish(&scheduler, stats);
         let empty = scheduler.in_flight() == 0;
         if empty && drain_until.is_some() {
             return;
@@ -157,9 +177,17 @@ fn engine_loop<B: Backend>(mut scheduler: Scheduler<B>, inbox: mpsc::Receiver<Co
         if let Some(until) = drain_until {
             if now >= until {
                 scheduler.finish_everything();
+                publish(&scheduler, stats);
                 return;
             }
         }
         stalled = scheduler.in_flight() > 0 && scheduler.tick(now) == TickReport::default();
     }
+}
+
+fn publish<B: Backend>(scheduler: &Scheduler<B>, stats: &Mutex<SchedulerStats>) {
+    let snapshot = scheduler.stats();
+    *stats
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner()) = snapshot;
 }

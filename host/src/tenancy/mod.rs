@@ -132,6 +132,31 @@ impl Tenants {
         &self.tenants
     }
 
+    /// Adds `key` for `tenant` (a demo key generated at start-up). Refused if
+    /// the key is too short or already belongs to a tenant.
+    pub fn add_key(&mut self, tenant: TenantId, key: &str) -> Result<(), TenancyError> {
+        let index = tenant.0 as usize;
+        assert!(
+            index < self.tenants.len(),
+            "tenant ids come from this registry"
+        );
+        if key.len() < KEY_BYTES_MIN {
+            return Err(TenancyError::WeakKey {
+                var: format!("the key for {}", self.tenants[index].name),
+                len: key.len(),
+            });
+        }
+        let digest = key_digest(key);
+        if let Some(&(_, other)) = self.digests.iter().find(|(d, _)| *d == digest) {
+            return Err(TenancyError::SharedKey {
+                first: self.tenants[other].name.clone(),
+                second: self.tenants[index].name.clone(),
+            });
+        }
+        self.digests.push((digest, index));
+        Ok(())
+    }
+
     /// Tenants without any key (their names), for a start-up warning.
     pub fn without_keys(&self) -> Vec<&str> {
         self.tenants

@@ -1,0 +1,324 @@
+//! Every error the HTTP surface can answer, and the one place that maps it to a
+//! status code and OpenAI's error shape `{"error":{"message","type","param","code"}}`.
+//!
+//! 1. Handlers return [`ApiError`]; nothing else builds an error response.
+//! 2. [`ApiError::into_response`] picks the status, writes the body, counts the
+//!    rejection (`bulkhead_rejections_total{tenant, reason}`) and logs it with
+//!    the request id and tenant.
+//! 3. A 4xx says what was wrong. A 5xx says only "internal error"; its cause
+//!    goes to the log (never to the client). Neither the log line nor the metric
+//!    carries the message of a 4xx, which may quote the client's input.
+
+use crate::engine::scheduler::{Rejection, RequestId};
+use crate::engine::service::SubmitError;
+use crate::telemetry;
+use axum::body::Body;
+use axum::http::{header, HeaderValue, Response, StatusCode};
+use serde::Serialize;
+
+/// Seconds a client is told to wait after a 429 (`Retry-After`).
+pub const RETRY_AFTER_SECS: u32 = 1;
+
+/// Where a parameter error points (`param`).
+pub type Param = String;
+
+/// An error answered to a client.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// No or an unknown API key.
+    #[error("Incorrect or missing API key. Send `Authorization: Bearer KEY`.")]
+    Unauthenticated,
+    /// No or a wrong admin token.
+    #[error("Incorrect or missing admin token. Send `Authorization: Bearer TOKEN`.")]
+    AdminUnauthenticated,
+    /// The body is larger than `server.body_bytes_max`.
+    #[error("The request body exceeds {limit} bytes.")]
+    BodyTooLarge {
+        /// The limit.
+        limit: u64,
+    },
+    /// The body did not arrive in time.
+    #[error("The request body did not arrive within {secs} seconds.")]
+    BodyTimeout {
+        /// The limit.
+        secs: u64,
+    },
+    /// The body could not be read.
+    #[error("The request body could not be read.")]
+    BodyRead,
+    /// The body is not JSON (or not a JSON object).
+    #[error("We could not parse the JSON body of your request: {0}")]
+    InvalidJson(String),
+    /// A parameter has the wrong type.
+    #[error("Invalid type for '{param}': {message}")]
+    InvalidType {
+        /// The parameter.
+        param: Param,
+        /// What is wrong.
+        message: String,
+    },
+    /// A parameter has a value outside its range.
+    #[error("Invalid value for '{param}': {message}")]
+    InvalidValue {
+        /// The parameter.
+        param: Param,
+        /// What is wrong.
+        message: String,
+    },
+    /// A required parameter is absent.
+    #[error("Missing required parameter: '{0}'.")]
+    MissingParam(Param),
+    /// A parameter this server does not support (with this value).
+    #[error("Unsupported parameter: '{param}' {reason}.")]
+    Unsupported {
+        /// The parameter.
+        param: Param,
+        /// Why (e.g. "is not supported by this server").
+        reason: String,
+    },
+    /// A parameter nobody knows.
+    #[error("Unrecognized request argument supplied: {0}")]
+    UnknownParam(Param),
+    /// The model is not served here.
+    #[error("The model `{0}` does not exist or you do not have access to it.")]
+    ModelNotFound(String),
+    /// Static admission refused the request.
+    #[error("{rejection}")]
+    Rejected {
+        /// Why.
+        rejection: Rejection,
+        /// The parameter holding the prompt ("messages" or "prompt").
+        prompt_param: &'static str,
+    },
+    /// The engine is shutting down or stopped.
+    #[error("The server is not accepting requests right now.")]
+    Unavailable,
+    /// The engine ended the request at its deadline.
+    #[error("The request did not finish within its deadline.")]
+    Timeout,
+    /// The server shut down before the request finished.
+    #[error("The server shut down before the request finished.")]
+    Shutdown,
+    /// No such route.
+    #[error("Unknown request URL.")]
+    NotFound,
+    /// A server-side failure; the cause is logged, never sent.
+    #[error("internal error")]
+    Internal(String),
+}
+
+impl From<SubmitError> for ApiError {
+    fn from(error: SubmitError) -> ApiError {
+        match error {
+            SubmitError::Rejected(rejection) => ApiError::Rejected {
+                rejection,
+                prompt_param: "",
+            },
+            SubmitError::Unavailable => ApiError::Unavailable,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct ErrorBody<'a> {
+    error: ErrorObject<'a>,
+}
+
+/// The `error` object as OpenAI sends it (also used in SSE error events).
+#[derive(Serialize)]
+pub struct ErrorObject<'a> {
+    message: String,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: Option<&'a str>,
+}
+
+impl ApiError {
+    /// Status, OpenAI `type`, `code`, and `param`.
+    fn parts(&self) -> (StatusCode, &'static str, &'static str, Option<&str>) {
+        use ApiError as E;
+        const INVALID: &str = "invalid_request_error";
+        match self {
+            E::Unauthenticated | E::AdminUnauthenticated => {
+                (StatusCode::UNAUTHORIZED, INVALID, "invalid_api_key", None)
+            }
+            E::BodyTooLarge { .. } => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                INVALID,
+                "request_too_large",
+                None,
+            ),
+            E::BodyTimeout { .. } => (StatusCode::REQUEST_TIMEOUT, INVALID, "body_timeout", None),
+            E::BodyRead => (StatusCode::BAD_REQUEST, INVALID, "body_unreadable", None),
+            E::InvalidJson(_) => (StatusCode::BAD_REQUEST, INVALID, "invalid_json", None),
+            E::InvalidType { param, .. } => (
+                StatusCode::BAD_REQUEST,
+                INVALID,
+                "invalid_type",
+                Some(param),
+            ),
+            E::InvalidValue { param, .. } => (
+                StatusCode::BAD_REQUEST,
+                INVALID,
+                "invalid_value",
+                Some(param),
+            ),
+            E::MissingParam(param) => (
+                StatusCode::BAD_REQUEST,
+                INVALID,
+                "missing_required_parameter",
+                Some(param),
+            ),
+            E::Unsupported { param, .. } => (
+                StatusCode::BAD_REQUEST,
+                INVALID,
+                "unsupported_parameter",
+                Some(param),
+            ),
+            E::UnknownParam(param) => (
+                StatusCode::BAD_REQUEST,
+                INVALID,
+                "unknown_parameter",
+                Some(param),
+            ),
+            E::ModelNotFound(_) => (
+                StatusCode::NOT_FOUND,
+                INVALID,
+                "model_not_found",
+                Some("model"),
+            ),
+            E::Rejected {
+                rejection,
+                prompt_param,
+            } => {
+                let prompt = (!prompt_param.is_empty()).then_some(*prompt_param);
+                match rejection {
+                    Rejection::EmptyPrompt => {
+                        (StatusCode::BAD_REQUEST, INVALID, "empty_prompt", prompt)
+                    }
+                    Rejection::ContextLengthExceeded { .. } => (
+                        StatusCode::BAD_REQUEST,
+                        INVALID,
+                        "context_length_exceeded",
+                        prompt,
+                    ),
+                    Rejection::ZeroMaxTokens => (
+                        StatusCode::BAD_REQUEST,
+                        INVALID,
+                        "invalid_value",
+                        Some("max_tokens"),
+                    ),
+                    Rejection::QueueFull => (
+                        StatusCode::TOO_MANY_REQUESTS,
+                        "rate_limit_error",
+                        "queue_full",
+                        None,
+                    ),
+                }
+            }
+            E::Unavailable => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "engine_unavailable",
+                None,
+            ),
+            E::Timeout => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "server_error",
+                "request_timeout",
+                None,
+            ),
+            E::Shutdown => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "server_shutting_down",
+                None,
+            ),
+            E::NotFound => (StatusCode::NOT_FOUND, INVALID, "unknown_url", None),
+            E::Internal(_) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "internal_error",
+                None,
+            ),
+        }
+    }
+
+    /// The reason label of metrics and logs (a fixed code, never client text).
+    pub fn code(&self) -> &'static str {
+        self.parts().2
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.parts().0
+    }
+
+    /// The `error` object (for the JSON body and SSE error events).
+    pub fn object(&self) -> ErrorObject<'_> {
+        let (_, kind, code, param) = self.parts();
+        ErrorObject {
+            // `Internal` displays as "internal error": its cause is never sent.
+            message: self.to_string(),
+            kind,
+            param,
+            code: Some(code),
+        }
+    }
+
+    /// Logs and counts the error, then renders it. `tenant` is the
+    /// authenticated tenant's name, when known.
+    pub fn into_response(self, request_id: RequestId, tenant: Option<&str>) -> Response<Body> {
+        self.record(request_id, tenant);
+        let status = self.status();
+        let body = serde_json::to_vec(&ErrorBody {
+            error: self.object(),
+        })
+        // Serializing strings and options cannot fail.
+        .unwrap_or_default();
+        let mut response = Response::new(Body::from(body));
+        *response.status_mut() = status;
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+        }
+        response
+    }
+
+    /// Counts and logs the error: the code and ids only (I9); a 5xx also logs
+    /// its cause, which is server-side text, never client content.
+    pub fn record(&self, request_id: RequestId, tenant: Option<&str>) {
+        let code = self.code();
+        let tenant = tenant.unwrap_or(telemetry::TENANT_UNKNOWN);
+        telemetry::count_rejection(tenant, code);
+        let status = self.status().as_u16();
+        match self {
+            ApiError::Internal(cause) => {
+                tracing::error!(request_id = request_id.0, tenant, status, code, cause = %cause, "request failed");
+            }
+            _ if self.status().is_server_error() => {
+                tracing::warn!(
+                    request_id = request_id.0,
+                    tenant,
+                    status,
+                    code,
+                    "request failed"
+                );
+            }
+            _ => {
+                tracing::info!(
+                    request_id = request_id.0,
+                    tenant,
+                    status,
+                    code,
+                    "request refused"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,691 @@
+//! OpenAI-compatible request parsing and response shapes.
+//!
+//! 1. A body is parsed as a JSON object, then each known parameter is taken
+//!    out and typed on its own, so a type error names its parameter.
+//! 2. Parameters a client commonly sends with a harmless value (`n: 1`,
+//!    `logprobs: false`, `user`, ...) are accepted and ignored; the same
+//!    parameters with a value this server cannot honour get a 400 naming them;
+//!    anything else is an unknown parameter (400), as OpenAI answers.
+//! 3. Responses and stream chunks are built here, in OpenAI's exact shape.
+
+use super::error::ApiError;
+use crate::engine::chat::{Message, MESSAGES_MAX};
+use crate::engine::sampling::SamplingParams;
+use crate::engine::scheduler::{FinishReason, Usage};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+/// Most stop sequences (as OpenAI).
+pub const STOP_SEQUENCES_MAX: usize = 4;
+/// Longest stop sequence, in bytes.
+pub const STOP_BYTES_MAX: usize = 256;
+/// Largest `top_k` accepted.
+pub const TOP_K_LIMIT: u64 = 1 << 16;
+/// Generated tokens when the client names no `max_tokens` (or fewer, if the
+/// context has less room left).
+pub const MAX_TOKENS_DEFAULT: u32 = 1024;
+
+/// Parameters shared by both endpoints.
+#[derive(Clone, Debug)]
+pub struct Common {
+    /// The model the client named.
+    pub model: String,
+    /// `max_completion_tokens` or `max_tokens`, when given (clamped to u32).
+    pub max_tokens: Option<u32>,
+    /// Sampling.
+    pub sampling: SamplingParams,
+    /// Stop sequences.
+    pub stop: Vec<String>,
+    /// Stream as SSE.
+    pub stream: bool,
+    /// Send a usage chunk at the end of a stream.
+    pub include_usage: bool,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Clone, Debug)]
+pub struct ChatRequest {
+    /// Shared parameters.
+    pub common: Common,
+    /// The conversation.
+    pub messages: Vec<Message>,
+}
+
+/// A completion prompt.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    /// Text, tokenized by the server.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+}
+
+/// `POST /v1/completions`.
+#[derive(Clone, Debug)]
+pub struct CompletionRequest {
+    /// Shared parameters.
+    pub common: Common,
+    /// The prompt.
+    pub prompt: Prompt,
+}
+
+/// A JSON object whose parameters are taken out one by one.
+struct Fields(Map<String, Value>);
+
+fn type_error(param: &str, error: serde_json::Error) -> ApiError {
+    ApiError::InvalidType {
+        param: param.to_string(),
+        message: error.to_string(),
+    }
+}
+
+fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+    ApiError::InvalidValue {
+        param: param.to_string(),
+        message: message.into(),
+    }
+}
+
+fn unsupported(param: &str, reason: &str) -> ApiError {
+    ApiError::Unsupported {
+        param: param.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+impl Fields {
+    fn parse(body: &[u8]) -> Result<Fields, ApiError> {
+        match serde_json::from_slice::<Value>(body) {
+            Ok(Value::Object(map)) => Ok(Fields(map)),
+            Ok(_) => Err(ApiError::InvalidJson(
+                "the body must be a JSON object".into(),
+            )),
+            Err(e) => Err(ApiError::InvalidJson(e.to_string())),
+        }
+    }
+
+    /// Takes `name`; absent and `null` are `None`.
+    fn take<T: DeserializeOwned>(&mut self, name: &str) -> Result<Option<T>, ApiError> {
+        match self.0.remove(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => serde_json::from_value(v)
+                .map(Some)
+                .map_err(|e| type_error(name, e)),
+        }
+    }
+
+    /// Removes a parameter that is accepted only with a harmless value.
+    fn allow_if(&mut self, name: &str, harmless: impl Fn(&Value) -> bool) -> Result<(), ApiError> {
+        match self.0.remove(name) {
+            None | Some(Value::Null) => Ok(()),
+            Some(v) if harmless(&v) => Ok(()),
+            Some(_) => Err(unsupported(name, "is not supported by this server")),
+        }
+    }
+
+    fn ignore(&mut self, name: &str) {
+        self.0.remove(name);
+    }
+
+    /// Errors on whatever is left.
+    fn finish(self) -> Result<(), ApiError> {
+        match self.0.into_iter().next() {
+            None => Ok(()),
+            Some((name, _)) => Err(ApiError::UnknownParam(name)),
+        }
+    }
+}
+
+fn is_zero(v: &Value) -> bool {
+    v.as_f64() == Some(0.0)
+}
+
+fn is_empty(v: &Value) -> bool {
+    match v {
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        _ => false,
+    }
+}
+
+/// Parameters both endpoints share, plus the ones both ignore or refuse.
+fn common(f: &mut Fields) -> Result<Common, ApiError> {
+    let model: String = f
+        .take("model")?
+        .ok_or_else(|| ApiError::MissingParam("model".into()))?;
+    let max_completion: Option<u64> = f.take("max_completion_tokens")?;
+    let max_tokens: Option<u64> = f.take("max_tokens")?;
+    // Huge values stay huge (u32::MAX) so admission answers context_length_exceeded.
+    let max_tokens = max_completion
+        .or(max_tokens)
+        .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+    let temperature: f32 = f.take("temperature")?.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(invalid("temperature", "must be between 0 and 2"));
+    }
+    let top_p: f32 = f.take("top_p")?.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(invalid("top_p", "must be greater than 0 and at most 1"));
+    }
+    let top_k: u64 = f.take("top_k")?.unwrap_or(0);
+    if top_k > TOP_K_LIMIT {
+        return Err(invalid("top_k", format!("must be at most {TOP_K_LIMIT}")));
+    }
+    let seed = match f.take::<serde_json::Number>("seed")? {
+        None => 0,
+        Some(n) => n
+            .as_u64()
+            .or_else(|| n.as_i64().map(|i| i as u64))
+            .ok_or_else(|| invalid("seed", "must be an integer"))?,
+    };
+    let stop = match f.take::<Value>("stop")? {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s],
+        Some(v) => serde_json::from_value::<Vec<String>>(v).map_err(|e| type_error("stop", e))?,
+    };
+    if stop.len() > STOP_SEQUENCES_MAX {
+        return Err(invalid(
+            "stop",
+            format!("at most {STOP_SEQUENCES_MAX} stop sequences"),
+        ));
+    }
+    if stop
+        .iter()
+        .any(|s| s.is_empty() || s.len() > STOP_BYTES_MAX)
+    {
+        return Err(invalid(
+            "stop",
+            format!("each stop sequence must have 1 to {STOP_BYTES_MAX} bytes"),
+        ));
+    }
+    let stream: bool = f.take("stream")?.unwrap_or(false);
+    let include_usage = match f.take::<Map<String, Value>>("stream_options")? {
+        None => false,
+        Some(options) => {
+            let mut options = Fields(options);
+            let include: Option<bool> = options.take("include_usage").map_err(|e| match e {
+                ApiError::InvalidType { message, .. } => ApiError::InvalidType {
+                    param: "stream_options.include_usage".into(),
+                    message,
+                },
+                other => other,
+            })?;
+            options.ignore("include_obfuscation");
+            options.finish().map_err(|e| match e {
+                ApiError::UnknownParam(p) => ApiError::UnknownParam(format!("stream_options.{p}")),
+                other => other,
+            })?;
+            include.unwrap_or(false)
+        }
+    };
+    f.allow_if("n", |v| v.as_u64() == Some(1))?;
+    f.allow_if("presence_penalty", is_zero)?;
+    f.allow_if("frequency_penalty", is_zero)?;
+    f.allow_if("logit_bias", is_empty)?;
+    f.allow_if("top_logprobs", is_zero)?;
+    for ignored in [
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+    ] {
+        f.ignore(ignored);
+    }
+    Ok(Common {
+        model,
+        max_tokens,
+        sampling: SamplingParams {
+            temperature,
+            top_k: top_k as usize,
+            top_p,
+            seed,
+        },
+        stop,
+        stream,
+        include_usage,
+    })
+}
+
+impl ChatRequest {
+    /// Parses and validates a chat body.
+    pub fn parse(body: &[u8]) -> Result<ChatRequest, ApiError> {
+        let mut f = Fields::parse(body)?;
+        let messages: Vec<Value> = f
+            .take("messages")?
+            .ok_or_else(|| ApiError::MissingParam("messages".into()))?;
+        let common = common(&mut f)?;
+        f.allow_if("logprobs", |v| v == &Value::Bool(false))?;
+        f.allow_if("tools", is_empty)?;
+        f.allow_if("functions", is_empty)?;
+        f.allow_if("tool_choice", |v| v == "none")?;
+        f.allow_if("function_call", |v| v == "none")?;
+        f.ignore("parallel_tool_calls");
+        f.allow_if("response_format", |v| {
+            v.get("type") == Some(&Value::from("text"))
+        })?;
+        f.allow_if("modalities", |v| v == &serde_json::json!(["text"]))?;
+        f.finish()?;
+        if messages.is_empty() {
+            return Err(invalid("messages", "must contain at least one message"));
+        }
+        if messages.len() > MESSAGES_MAX {
+            return Err(invalid(
+                "messages",
+                format!("at most {MESSAGES_MAX} messages"),
+            ));
+        }
+        let messages = messages
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| message(i, m))
+            .collect::<Result<_, _>>()?;
+        Ok(ChatRequest { common, messages })
+    }
+}
+
+/// One message: `role` and `content` (a string, or text parts joined).
+fn message(index: usize, value: Value) -> Result<Message, ApiError> {
+    let param = |field: &str| format!("messages[{index}].{field}");
+    let Value::Object(map) = value else {
+        return Err(ApiError::InvalidType {
+            param: format!("messages[{index}]"),
+            message: "each message must be an object".into(),
+        });
+    };
+    let mut f = Fields(map);
+    let role: String = f
+        .take("role")
+        .map_err(|_| invalid(&param("role"), "must be a string"))?
+        .ok_or_else(|| ApiError::MissingParam(param("role")))?;
+    let role = match role.as_str() {
+        "system" | "developer" => "system",
+        "user" => "user",
+        "assistant" => "assistant",
+        "tool" | "function" => {
+            return Err(unsupported(
+                &param("role"),
+                "(tool messages) is not supported by this server",
+            ))
+        }
+        _ => {
+            return Err(invalid(
+                &param("role"),
+                "must be one of system, developer, user, assistant",
+            ))
+        }
+    };
+    let content = match f.take::<Value>("content")? {
+        None if role == "assistant" => String::new(),
+        None => return Err(ApiError::MissingParam(param("content"))),
+        Some(Value::String(s)) => s,
+        Some(Value::Array(parts)) => text_parts(&param("content"), parts)?,
+        Some(_) => {
+            return Err(ApiError::InvalidType {
+                param: param("content"),
+                message: "must be a string or an array of text parts".into(),
+            })
+        }
+    };
+    f.allow_if("tool_calls", is_empty)
+        .map_err(|_| unsupported(&param("tool_calls"), "is not supported by this server"))?;
+    f.allow_if("function_call", |_| false)
+        .map_err(|_| unsupported(&param("function_call"), "is not supported by this server"))?;
+    for ignored in ["name", "refusal", "annotations", "audio"] {
+        f.ignore(ignored);
+    }
+    f.finish().map_err(|e| match e {
+        ApiError::UnknownParam(p) => ApiError::UnknownParam(format!("messages[{index}].{p}")),
+        other => other,
+    })?;
+    Ok(Message {
+        role: role.to_string(),
+        content,
+    })
+}
+
+fn text_parts(param: &str, parts: Vec<Value>) -> Result<String, ApiError> {
+    let mut texts = Vec::with_capacity(parts.len());
+    for part in parts {
+        match (part.get("type").and_then(Value::as_str), part.get("text")) {
+            (Some("text"), Some(Value::String(text))) => texts.push(text.clone()),
+            (Some("text"), _) => {
+                return Err(ApiError::InvalidType {
+                    param: param.to_string(),
+                    message: "a text part needs a string `text`".into(),
+                })
+            }
+            _ => {
+                return Err(unsupported(
+                    param,
+                    "parts other than text are not supported",
+                ))
+            }
+        }
+    }
+    Ok(texts.join("\n"))
+}
+
+impl CompletionRequest {
+    /// Parses and validates a completions body.
+    pub fn parse(body: &[u8]) -> Result<CompletionRequest, ApiError> {
+        let mut f = Fields::parse(body)?;
+        let prompt = match f.take::<Value>("prompt")? {
+            None => return Err(ApiError::MissingParam("prompt".into())),
+            Some(Value::String(s)) => Prompt::Text(s),
+            Some(Value::Array(items)) => prompt_array(items)?,
+            Some(_) => {
+                return Err(ApiError::InvalidType {
+                    param: "prompt".into(),
+                    message: "must be a string, an array of one string, or an array of token ids"
+                        .into(),
+                })
+            }
+        };
+        let common = common(&mut f)?;
+        f.allow_if("logprobs", |v| v.as_u64() == Some(0))?;
+        f.allow_if("echo", |v| v == &Value::Bool(false))?;
+        f.allow_if("best_of", |v| v.as_u64() == Some(1))?;
+        f.allow_if("suffix", |v| v == "")?;
+        f.finish()?;
+        Ok(CompletionRequest { common, prompt })
+    }
+}
+
+fn prompt_array(mut items: Vec<Value>) -> Result<Prompt, ApiError> {
+    if items.iter().all(Value::is_number) {
+        return serde_json::from_value::<Vec<u32>>(Value::Array(items))
+            .map(Prompt::Tokens)
+            .map_err(|e| type_error("prompt", e));
+    }
+    if items.len() == 1 {
+        if let Some(Value::String(text)) = items.pop() {
+            return Ok(Prompt::Text(text));
+        }
+    }
+    Err(unsupported(
+        "prompt",
+        "must be one prompt (a string, or an array of token ids)",
+    ))
+}
+
+/// `usage` as OpenAI reports it.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct UsageBody {
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Generated tokens.
+    pub completion_tokens: u32,
+    /// Their sum.
+    pub total_tokens: u32,
+}
+
+impl From<Usage> for UsageBody {
+    fn from(u: Usage) -> UsageBody {
+        UsageBody {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            total_tokens: u.prompt_tokens + u.completion_tokens,
+        }
+    }
+}
+
+/// OpenAI's `finish_reason` for a successful finish.
+pub fn finish_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Length => "length",
+        _ => "stop",
+    }
+}
+
+/// Which endpoint a response belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+}
+
+impl Endpoint {
+    /// The id prefix of its responses.
+    pub fn id_prefix(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chatcmpl-",
+            Endpoint::Completions => "cmpl-",
+        }
+    }
+
+    /// The parameter that holds the prompt.
+    pub fn prompt_param(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "messages",
+            Endpoint::Completions => "prompt",
+        }
+    }
+}
+
+/// What every response and chunk repeats.
+#[derive(Clone, Debug)]
+pub struct ResponseMeta {
+    /// `chatcmpl-…` / `cmpl-…`.
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// The model id.
+    pub model: String,
+    /// The endpoint.
+    pub endpoint: Endpoint,
+}
+
+impl ResponseMeta {
+    /// A whole (non-streamed) response.
+    pub fn response(&self, text: String, reason: FinishReason, usage: Usage) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Chat => serde_json::json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": null},
+                "logprobs": null,
+                "finish_reason": finish_reason(reason),
+            }),
+            Endpoint::Completions => serde_json::json!({
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": finish_reason(reason),
+            }),
+        };
+        serde_json::json!({
+            "id": self.id,
+            "object": match self.endpoint { Endpoint::Chat => "chat.completion", Endpoint::Completions => "text_completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": UsageBody::from(usage),
+        })
+    }
+
+    /// One stream chunk: `role` only in the first, `text` in the middle ones,
+    /// `reason` in the last; `usage_null` adds `"usage": null` (as OpenAI does
+    /// when the client asked for usage).
+    pub fn chunk(
+        &self,
+        role: bool,
+        text: Option<&str>,
+        reason: Option<FinishReason>,
+        usage_null: bool,
+    ) -> Value {
+        let finish = reason.map(finish_reason);
+        let mut chunk = match self.endpoint {
+            Endpoint::Chat => {
+                let mut delta = Map::new();
+                if role {
+                    delta.insert("role".into(), "assistant".into());
+                    delta.insert("content".into(), "".into());
+                }
+                if let Some(text) = text {
+                    delta.insert("content".into(), text.into());
+                }
+                serde_json::json!({
+                    "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+                })
+            }
+            Endpoint::Completions => serde_json::json!({
+                "id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}],
+            }),
+        };
+        if usage_null {
+            chunk["usage"] = Value::Null;
+        }
+        chunk
+    }
+
+    /// The usage chunk that ends a stream when the client asked for usage.
+    pub fn usage_chunk(&self, usage: Usage) -> Value {
+        serde_json::json!({
+            "id": self.id,
+            "object": match self.endpoint { Endpoint::Chat => "chat.completion.chunk", Endpoint::Completions => "text_completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": UsageBody::from(usage),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<ChatRequest, ApiError> {
+        ChatRequest::parse(body.as_bytes())
+    }
+
+    fn param_of(e: ApiError) -> String {
+        match e {
+            ApiError::InvalidType { param, .. }
+            | ApiError::InvalidValue { param, .. }
+            | ApiError::Unsupported { param, .. }
+            | ApiError::UnknownParam(param)
+            | ApiError::MissingParam(param) => param,
+            other => panic!("no param: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn parses_a_full_chat_request_and_ignores_harmless_fields() {
+        let r = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"s"},
+            {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],
+            "max_tokens":5,"temperature":0,"top_p":0.5,"top_k":3,"seed":-1,"stop":"x",
+            "stream":true,"stream_options":{"include_usage":true},"n":1,"logprobs":false,
+            "user":"u","presence_penalty":0,"response_format":{"type":"text"}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.messages[1].content, "a\nb");
+        assert_eq!(r.common.max_tokens, Some(5));
+        assert_eq!(r.common.sampling.top_k, 3);
+        assert_eq!(r.common.sampling.seed, u64::MAX);
+        assert_eq!(r.common.stop, vec!["x"]);
+        assert!(r.common.stream && r.common.include_usage);
+    }
+
+    #[test]
+    fn names_the_parameter_it_refuses() {
+        let base = r#""model":"m","messages":[{"role":"user","content":"hi"}]"#;
+        for (extra, param) in [
+            (r#""n":2"#, "n"),
+            (r#""tools":[{"type":"function"}]"#, "tools"),
+            (r#""tool_choice":"auto""#, "tool_choice"),
+            (r#""logprobs":true"#, "logprobs"),
+            (
+                r#""response_format":{"type":"json_object"}"#,
+                "response_format",
+            ),
+            (r#""logit_bias":{"1":2}"#, "logit_bias"),
+            (r#""max_tokens":"ten""#, "max_tokens"),
+            (r#""max_tokens":-1"#, "max_tokens"),
+            (r#""temperature":3"#, "temperature"),
+            (r#""top_p":0"#, "top_p"),
+            (r#""stop":["a","b","c","d","e"]"#, "stop"),
+            (r#""stream":"yes""#, "stream"),
+            (r#""bogus":1"#, "bogus"),
+            (r#""stream_options":{"x":1}"#, "stream_options.x"),
+        ] {
+            let e = chat(&format!("{{{base},{extra}}}")).unwrap_err();
+            assert_eq!(param_of(e), param, "{extra}");
+        }
+        let e = chat(r#"{"model":"m","messages":[{"role":"user"}]}"#).unwrap_err();
+        assert_eq!(param_of(e), "messages[0].content");
+        let e = chat(r#"{"messages":[]}"#).unwrap_err();
+        assert_eq!(param_of(e), "model");
+    }
+
+    #[test]
+    fn refuses_bodies_that_are_not_json_objects() {
+        for body in ["", "[]", "{", "\"x\"", "{\"model\":\"\u{FFFD}"] {
+            assert!(
+                matches!(chat(body), Err(ApiError::InvalidJson(_))),
+                "{body}"
+            );
+        }
+        assert!(matches!(
+            ChatRequest::parse(b"{\"model\":\"\xff\"}"),
+            Err(ApiError::InvalidJson(_))
+        ));
+    }
+
+    #[test]
+    fn huge_max_tokens_stays_huge_for_admission() {
+        let r = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":99999999999}"#,
+        )
+        .unwrap();
+        assert_eq!(r.common.max_tokens, Some(u32::MAX));
+    }
+
+    #[test]
+    fn completion_prompts_as_text_one_string_or_tokens() {
+        let p = |body: &str| CompletionRequest::parse(body.as_bytes()).map(|r| r.prompt);
+        assert!(matches!(p(r#"{"model":"m","prompt":"hi"}"#), Ok(Prompt::Text(t)) if t == "hi"));
+        assert!(matches!(p(r#"{"model":"m","prompt":["hi"]}"#), Ok(Prompt::Text(t)) if t == "hi"));
+        assert!(
+            matches!(p(r#"{"model":"m","prompt":[1,2]}"#), Ok(Prompt::Tokens(t)) if t == [1, 2])
+        );
+        assert_eq!(
+            param_of(p(r#"{"model":"m","prompt":["a","b"]}"#).unwrap_err()),
+            "prompt"
+        );
+        assert_eq!(
+            param_of(p(r#"{"model":"m","prompt":"a","echo":true}"#).unwrap_err()),
+            "echo"
+        );
+    }
+
+    #[test]
+    fn chunks_have_openai_shape() {
+        let meta = ResponseMeta {
+            id: "chatcmpl-1".into(),
+            created: 7,
+            model: "m".into(),
+            endpoint: Endpoint::Chat,
+        };
+        let first = meta.chunk(true, None, None, false);
+        assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(first["object"], "chat.completion.chunk");
+        let last = meta.chunk(false, None, Some(FinishReason::Length), true);
+        assert_eq!(last["choices"][0]["finish_reason"], "length");
+        assert!(last["usage"].is_null() && last.get("usage").is_some());
+        let usage = meta.usage_chunk(Usage {
+            prompt_tokens: 3,
+            completion_tokens: 4,
+        });
+        assert_eq!(usage["usage"]["total_tokens"], 7);
+        assert_eq!(usage["choices"], serde_json::json!([]));
+    }
+}

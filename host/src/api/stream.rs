@@ -1,0 +1,222 @@
+//! A request's events after submission: metrics for every request, and the
+//! SSE body of a streamed one.
+//!
+//! 1. [`Tracker`] watches a request's events: time to first text, gaps between
+//!    texts, and, at the finish, the request and token counters. It logs ids,
+//!    counts and reasons, never text.
+//! 2. [`SseBody`] owns the request's event receiver and turns events into
+//!    OpenAI's SSE frames as hyper polls it. Hyper drops the body when the
+//!    client goes away; that drops the receiver, and the scheduler cancels
+//!    the request and releases its pages within one step.
+//!
+//! ```text
+//!  role chunk ─► text chunk* ─► finish chunk ─► [usage chunk] ─► [DONE]
+//!                    └─(timeout | shutdown | error)─► error event ─► end
+//! ```
+
+use super::error::ApiError;
+use super::openai::ResponseMeta;
+use crate::engine::scheduler::{Event, FinishReason, RequestId, Usage};
+use crate::telemetry;
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+/// Watches one request's events for metrics and its closing log line.
+pub struct Tracker {
+    request_id: RequestId,
+    tenant: String,
+    arrived: Instant,
+    last_text: Option<Instant>,
+    finished: bool,
+}
+
+impl Tracker {
+    /// Starts watching a request that arrived at `arrived`.
+    pub fn new(request_id: RequestId, tenant: &str, arrived: Instant) -> Tracker {
+        Tracker {
+            request_id,
+            tenant: tenant.to_string(),
+            arrived,
+            last_text: None,
+            finished: false,
+        }
+    }
+
+    /// Sees one event.
+    pub fn observe(&mut self, event: &Event) {
+        let now = Instant::now();
+        match event {
+            Event::Text(_) => {
+                match self.last_text {
+                    None => telemetry::observe_first_token(&self.tenant, now - self.arrived),
+                    Some(last) => telemetry::observe_inter_token(&self.tenant, now - last),
+                }
+                self.last_text = Some(now);
+            }
+            Event::Finished { reason, usage } => {
+                self.finished = true;
+                telemetry::count_finished(
+                    &self.tenant,
+                    reason.as_str(),
+                    usage.prompt_tokens,
+                    usage.completion_tokens,
+                );
+                tracing::info!(
+                    request_id = self.request_id.0,
+                    tenant = %self.tenant,
+                    reason = reason.as_str(),
+                    prompt_tokens = usage.prompt_tokens,
+                    completion_tokens = usage.completion_tokens,
+                    elapsed_ms = self.arrived.elapsed().as_millis() as u64,
+                    "request finished"
+                );
+            }
+        }
+    }
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        if !self.finished {
+            // The client went away (or the handler was dropped) first.
+            tracing::info!(
+                request_id = self.request_id.0,
+                tenant = %self.tenant,
+                "client disconnected; request cancelled"
+            );
+        }
+    }
+}
+
+/// The error a non-successful finish maps to (None: a successful finish).
+pub fn finish_error(reason: FinishReason) -> Option<ApiError> {
+    match reason {
+        FinishReason::Stop | FinishReason::Length => None,
+        FinishReason::Timeout => Some(ApiError::Timeout),
+        FinishReason::Shutdown => Some(ApiError::Shutdown),
+        FinishReason::Cancelled => Some(ApiError::Internal(
+            "the engine cancelled a request whose client is still connected".into(),
+        )),
+        FinishReason::Error => Some(ApiError::Internal(
+            "the engine failed the request (see the engine's log line)".into(),
+        )),
+    }
+}
+
+/// The SSE body of a streamed request.
+pub struct SseBody {
+    events: UnboundedReceiver<Event>,
+    meta: ResponseMeta,
+    include_usage: bool,
+    tracker: Tracker,
+    frames: VecDeque<Bytes>,
+    done: bool,
+}
+
+fn sse(value: &serde_json::Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+impl SseBody {
+    /// A stream over `events`; the first (role) chunk is ready at once.
+    pub fn new(
+        events: UnboundedReceiver<Event>,
+        meta: ResponseMeta,
+        include_usage: bool,
+        tracker: Tracker,
+    ) -> SseBody {
+        let mut frames = VecDeque::new();
+        if meta.endpoint == super::openai::Endpoint::Chat {
+            frames.push_back(sse(&meta.chunk(true, None, None, include_usage)));
+        }
+        SseBody {
+            events,
+            meta,
+            include_usage,
+            tracker,
+            frames,
+            done: false,
+        }
+    }
+
+    fn on_event(&mut self, event: Event) {
+        self.tracker.observe(&event);
+        match event {
+            Event::Text(text) => {
+                let chunk = self
+                    .meta
+                    .chunk(false, Some(&text), None, self.include_usage);
+                self.frames.push_back(sse(&chunk));
+            }
+            Event::Finished { reason, usage } => self.on_finished(reason, usage),
+        }
+    }
+
+    fn on_finished(&mut self, reason: FinishReason, usage: Usage) {
+        self.done = true;
+        if let Some(error) = finish_error(reason) {
+            self.push_error(error);
+            return;
+        }
+        let last = self
+            .meta
+            .chunk(false, None, Some(reason), self.include_usage);
+        self.frames.push_back(sse(&last));
+        if self.include_usage {
+            self.frames.push_back(sse(&self.meta.usage_chunk(usage)));
+        }
+        self.frames
+            .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+    }
+
+    /// An error event ends the stream (no `[DONE]` follows).
+    fn push_error(&mut self, error: ApiError) {
+        error.record(self.tracker.request_id, Some(&self.tracker.tenant));
+        let value = serde_json::json!({ "error": error.object() });
+        self.frames.push_back(sse(&value));
+    }
+}
+
+impl Body for SseBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        loop {
+            if let Some(frame) = self.frames.pop_front() {
+                return Poll::Ready(Some(Ok(Frame::data(frame))));
+            }
+            if self.done {
+                return Poll::Ready(None);
+            }
+            match self.events.poll_recv(cx) {
+                Poll::Ready(Some(event)) => self.on_event(event),
+                Poll::Ready(None) => {
+                    // The engine dropped the sender without a finish.
+                    self.done = true;
+                    self.push_error(ApiError::Internal(
+                        "the engine dropped a request without finishing it".into(),
+                    ));
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done && self.frames.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Drives a running `bulkhead serve` with the official `openai` client, as a new
+user would: a chat completion, a streamed one, and the error on an oversized
+prompt. Usage: openai_client_check.py BASE_URL API_KEY MODEL_ID
+
+Exit 0 and "ok" on success; exit 3 if the `openai` package is missing."""
+
+import sys
+
+try:
+    import openai
+except ImportError:
+    print("openai is not installed (pip install -r scripts/requirements.txt)")
+    sys.exit(3)
+
+
+def main() -> None:
+    base_url, key, model = sys.argv[1:4]
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0, timeout=300)
+
+    models = [m.id for m in client.models.list()]
+    assert models == [model], models
+
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Name three primary colors."}],
+        max_tokens=24,
+        temperature=0,
+    )
+    text = reply.choices[0].message.content
+    assert reply.choices[0].message.role == "assistant"
+    assert text and ("Red" in text or "red" in text), text
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+    pieces = []
+    usage = None
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Name three primary colors."}],
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
+    assert "".join(pieces) == text, ("".join(pieces), text)
+    assert usage is not None and usage.completion_tokens == reply.usage.completion_tokens
+
+    completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert completion.usage.completion_tokens == 8, completion.usage
+
+    try:
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "hello " * 5000}],
+            max_tokens=16,
+        )
+    except openai.BadRequestError as e:
+        assert e.status_code == 400
+        assert e.code == "context_length_exceeded", e.code
+    else:
+        raise AssertionError("an oversized prompt was accepted")
+
+    try:
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+        )
+    except openai.NotFoundError as e:
+        assert e.code == "model_not_found", e.code
+    else:
+        raise AssertionError("an unknown model was accepted")
+
+    bad = openai.OpenAI(base_url=base_url + "/v1", api_key="wrong-key-0123456789", max_retries=0)
+    try:
+        bad.models.list()
+    except openai.AuthenticationError:
+        pass
+    else:
+        raise AssertionError("a wrong key was accepted")
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,498 @@
+//! `bulkhead serve` end to end: the real binary, the real SmolLM2, a small
+//! policy, plain HTTP. Each test starts its own server so metrics are its own.
+
+mod support;
+
+use serde_json::{json, Value};
+use std::time::Duration;
+use support::*;
+
+fn data_json(data: &str) -> Value {
+    serde_json::from_str(data).unwrap_or_else(|e| panic!("chunk is not JSON ({e}): {data}"))
+}
+
+#[test]
+fn chat_and_completions_answer_in_openai_shape_with_usage() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+
+    let r = server.post_json(
+        "/v1/chat/completions",
+        Some(KEY_ALPHA),
+        &chat_body("Name three primary colors.", 24),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"), "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], MODEL_ID);
+    assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
+    let choice = &v["choices"][0];
+    assert_eq!(choice["index"], 0);
+    assert_eq!(choice["message"]["role"], "assistant");
+    let text = choice["message"]["content"].as_str().unwrap();
+    assert!(text.contains("Red") || text.contains("red"), "{text:?}");
+    let usage = &v["usage"];
+    let (prompt, completion) = (
+        usage["prompt_tokens"].as_u64().unwrap(),
+        usage["completion_tokens"].as_u64().unwrap(),
+    );
+    assert!(prompt > 5 && prompt < 64, "{usage}");
+    assert!((1..=24).contains(&completion), "{usage}");
+    assert_eq!(usage["total_tokens"].as_u64().unwrap(), prompt + completion);
+    let reason = choice["finish_reason"].as_str().unwrap();
+    assert!(
+        (reason == "length") == (completion == 24),
+        "{reason} {completion}"
+    );
+
+    let r = server.post_json(
+        "/v1/completions",
+        Some(KEY_BETA),
+        &json!({"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"), "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert!(!v["choices"][0]["text"].as_str().unwrap().is_empty());
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+    assert_eq!(
+        v["usage"]["prompt_tokens"], 4,
+        "'Once upon a time' is 4 tokens"
+    );
+
+    let r = server.get(&server.inference, "/v1/models", Some(KEY_ALPHA));
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["data"][0]["id"], MODEL_ID);
+    let r = server.get(&server.inference, "/healthz", None);
+    assert_eq!(r.status, 200);
+    let r = server.get(&server.admin, "/readyz", None);
+    assert_eq!(r.status, 200);
+
+    // Finished requests and their tokens are counted by tenant.
+    let metrics = server.metrics();
+    assert_eq!(
+        metric_value(
+            &metrics,
+            r#"bulkhead_generated_tokens_total{tenant="beta"}"#
+        ),
+        8.0
+    );
+    assert_eq!(
+        metric_value(&metrics, r#"bulkhead_prompt_tokens_total{tenant="beta"}"#),
+        4.0
+    );
+    assert!(metrics.contains("bulkhead_time_to_first_token_seconds_bucket"));
+}
+
+#[test]
+fn streams_follow_openai_sse_and_match_the_whole_answer() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let body = chat_body("What is the capital of France?", 16);
+    let whole = server
+        .post_json("/v1/chat/completions", Some(KEY_ALPHA), &body)
+        .json();
+    let whole_text = whole["choices"][0]["message"]["content"].as_str().unwrap();
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (status, mut sse) = server.stream("/v1/chat/completions", KEY_ALPHA, &streamed);
+    assert_eq!(status, 200);
+    let events = sse.rest();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|d| data_json(d))
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(
+        text, whole_text,
+        "greedy: the stream says what the body says"
+    );
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["id"], chunks[0]["id"]);
+    }
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]), "usage chunk has no choices");
+    assert_eq!(usage["usage"], whole["usage"]);
+    let finish = &chunks[chunks.len() - 2];
+    assert_eq!(
+        finish["choices"][0]["finish_reason"],
+        whole["choices"][0]["finish_reason"]
+    );
+    assert!(chunks[1..chunks.len() - 2]
+        .iter()
+        .all(|c| c["choices"][0]["finish_reason"].is_null()));
+
+    // Completions stream, without usage.
+    let (status, mut sse) = server.stream(
+        "/v1/completions",
+        KEY_BETA,
+        &json!({"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 6,
+                "temperature": 0, "stream": true}),
+    );
+    assert_eq!(status, 200);
+    let events = sse.rest();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|d| data_json(d))
+        .collect();
+    assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+    assert!(chunks.iter().all(|c| c.get("usage").is_none()));
+}
+
+#[test]
+fn stop_sequences_end_the_text_before_the_stop() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let body = chat_body("Count from 1 to 10, separated by commas.", 40);
+    let free = server
+        .post_json("/v1/chat/completions", Some(KEY_ALPHA), &body)
+        .json();
+    let free_text = free["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(free_text.contains('4'), "{free_text:?}");
+    let mut stopped = body.clone();
+    stopped["stop"] = json!(["4"]);
+    let v = server
+        .post_json("/v1/chat/completions", Some(KEY_ALPHA), &stopped)
+        .json();
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert!(!text.contains('4'), "{text:?}");
+    assert!(free_text.starts_with(text), "{text:?} vs {free_text:?}");
+}
+
+#[test]
+fn client_errors_are_openai_shaped_and_name_the_parameter() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let chat = "/v1/chat/completions";
+    let ok = chat_body("hi", 4);
+
+    let r = server.post_json(chat, None, &ok);
+    assert_eq!((r.status, r.error().1), (401, json!("invalid_api_key")));
+    let r = server.post_json(chat, Some("not-a-key-0123456789abcdef"), &ok);
+    assert_eq!(r.status, 401);
+    let r = server.get(&server.inference, "/v1/models", None);
+    assert_eq!(r.status, 401);
+
+    let mut wrong_model = ok.clone();
+    wrong_model["model"] = json!("gpt-4");
+    let r = server.post_json(chat, Some(KEY_ALPHA), &wrong_model);
+    assert_eq!((r.status, r.error().1), (404, json!("model_not_found")));
+
+    for body in [
+        &b"{not json"[..],
+        b"[1,2]",
+        b"",
+        b"{\"model\":\"\xff\xfe\"}",
+    ] {
+        let r = server.post(chat, Some(KEY_ALPHA), body);
+        assert_eq!(
+            (r.status, r.error().1),
+            (400, json!("invalid_json")),
+            "{body:?}"
+        );
+    }
+    for (field, value, param) in [
+        ("max_tokens", json!("ten"), "max_tokens"),
+        ("temperature", json!(5), "temperature"),
+        ("n", json!(2), "n"),
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "f"}}]),
+            "tools",
+        ),
+        ("logprobs", json!(true), "logprobs"),
+        ("stop", json!(["a", "b", "c", "d", "e"]), "stop"),
+        ("frobnicate", json!(1), "frobnicate"),
+        ("messages", json!("hello"), "messages"),
+    ] {
+        let mut body = ok.clone();
+        body[field] = value;
+        let r = server.post_json(chat, Some(KEY_ALPHA), &body);
+        assert_eq!(r.status, 400, "{field}: {}", r.body);
+        assert_eq!(r.error().0, json!(param), "{field}: {}", r.body);
+    }
+    // Harmless fields clients send are accepted.
+    let mut body = ok.clone();
+    for (k, v) in [
+        ("n", json!(1)),
+        ("logprobs", json!(false)),
+        ("user", json!("u")),
+    ] {
+        body[k] = v;
+    }
+    assert_eq!(server.post_json(chat, Some(KEY_ALPHA), &body).status, 200);
+
+    // Over server.body_bytes_max (32 KiB here).
+    let mut big = ok.clone();
+    big["messages"][0]["content"] = json!("x".repeat(40_000));
+    let r = server.post_json(chat, Some(KEY_ALPHA), &big);
+    assert_eq!((r.status, r.error().1), (413, json!("request_too_large")));
+
+    let r = server.get(&server.inference, "/v2/nothing", Some(KEY_ALPHA));
+    assert_eq!(r.status, 404);
+    r.error();
+
+    // The metrics listener is the admin one; the capacity table needs the token.
+    assert_eq!(server.get(&server.inference, "/metrics", None).status, 404);
+    assert_eq!(server.get(&server.admin, "/v1/capacity", None).status, 401);
+    let r = server.get(&server.admin, "/v1/capacity", Some(ADMIN_TOKEN));
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["promised_tokens"], 1024);
+    assert_eq!(r.json()["ok"], true);
+
+    assert!(
+        server.metric(r#"bulkhead_rejections_total{tenant="none",reason="invalid_api_key"}"#)
+            >= 2.0
+    );
+}
+
+#[test]
+fn context_length_exceeded_is_refused_before_any_queue_or_page_is_touched() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let chat = "/v1/chat/completions";
+    // A request that runs, so the cumulative counters are non-zero.
+    assert_eq!(
+        server
+            .post_json(chat, Some(KEY_ALPHA), &chat_body("hi", 4))
+            .status,
+        200
+    );
+    let enqueued = r#"bulkhead_enqueued_total{tenant="alpha"}"#;
+    let acquired = r#"bulkhead_kv_pages_acquired_total{tenant="alpha"}"#;
+    let owned = r#"bulkhead_kv_pages{tenant="alpha",state="owned"}"#;
+    let rejected = r#"bulkhead_rejections_total{tenant="alpha",reason="context_length_exceeded"}"#;
+    // The engine publishes its counts after each loop turn: wait for the one
+    // after that request finished.
+    assert!(eventually(Duration::from_secs(5), || server.metric(owned) == 0.0));
+    let before = server.metrics();
+    assert_eq!(metric_value(&before, enqueued), 1.0);
+    assert!(metric_value(&before, acquired) >= 1.0);
+
+    for body in [
+        // A huge max_tokens.
+        chat_body("hi", 100_000_000),
+        // A prompt longer than the 1024-token context.
+        chat_body(&"hello ".repeat(1500), 4),
+        // Fits the context alone, not with max_tokens.
+        chat_body(&"hello ".repeat(900), 200),
+    ] {
+        let r = server.post_json(chat, Some(KEY_ALPHA), &body);
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(r.error().1, json!("context_length_exceeded"));
+        assert_eq!(r.error().0, json!("messages"));
+    }
+    let r = server.post_json(
+        "/v1/completions",
+        Some(KEY_ALPHA),
+        &json!({"model": MODEL_ID, "prompt": "hi ".repeat(2000)}),
+    );
+    assert_eq!(r.error().1, json!("context_length_exceeded"));
+
+    let after = server.metrics();
+    for counter in [enqueued, acquired, owned] {
+        assert_eq!(
+            metric_value(&before, counter),
+            metric_value(&after, counter),
+            "{counter} moved"
+        );
+    }
+    assert_eq!(metric_value(&after, rejected), 4.0);
+}
+
+#[test]
+fn a_full_queue_answers_429_with_retry_after() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let mut long = chat_body("Write a long story about a dragon.", 400);
+    long["stream"] = json!(true);
+    // gamma: running_max 1, queue_depth_max 1.
+    let (status, mut running) = server.stream("/v1/chat/completions", KEY_GAMMA, &long);
+    assert_eq!(status, 200);
+    running.next_data().unwrap(); // role chunk
+    running.next_data().unwrap(); // first text: it runs
+    let (status, _queued) = server.stream("/v1/chat/completions", KEY_GAMMA, &long);
+    assert_eq!(status, 200, "the second waits in the queue");
+    let r = server.post_json("/v1/chat/completions", Some(KEY_GAMMA), &chat_body("hi", 4));
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.error().1, json!("queue_full"));
+    assert_eq!(r.retry_after.as_deref(), Some("1"));
+    // Other tenants are not affected.
+    assert_eq!(
+        server
+            .post_json("/v1/chat/completions", Some(KEY_BETA), &chat_body("hi", 4))
+            .status,
+        200
+    );
+}
+
+#[test]
+fn a_client_disconnect_mid_stream_cancels_and_frees_pages() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let owned = r#"bulkhead_kv_pages{tenant="beta",state="owned"}"#;
+    let mut body = chat_body("Write a long story about a dragon.", 500);
+    body["stream"] = json!(true);
+    let (status, mut sse) = server.stream("/v1/chat/completions", KEY_BETA, &body);
+    assert_eq!(status, 200);
+    for _ in 0..3 {
+        sse.next_data().unwrap();
+    }
+    assert!(
+        server.metric(owned) > 0.0,
+        "the running request holds pages"
+    );
+    drop(sse);
+    assert!(
+        eventually(Duration::from_secs(10), || server.metric(owned) == 0.0),
+        "pages released after the disconnect"
+    );
+    assert!(eventually(Duration::from_secs(5), || {
+        server.metric(r#"bulkhead_kv_pages{tenant="beta",state="released"}"#) == 0.0
+    }));
+    assert!(server.metric("bulkhead_kv_pages_scrubbed_total") > 0.0);
+    let finished = server.metric(r#"bulkhead_requests_total{tenant="beta",reason="length"}"#);
+    assert_eq!(finished, 0.0, "it did not run to max_tokens");
+}
+
+#[test]
+fn sigterm_lets_in_flight_requests_finish_and_exits_zero() {
+    let Some(model) = smollm2() else { return };
+    let mut server = start(&model, &Policy::default());
+    let mut body = chat_body("Name three primary colors.", 24);
+    body["stream"] = json!(true);
+    let (status, mut sse) = server.stream("/v1/chat/completions", KEY_ALPHA, &body);
+    assert_eq!(status, 200);
+    sse.next_data().unwrap();
+    server.terminate();
+    let events = sse.rest();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let status = server.wait(Duration::from_secs(30));
+    assert!(status.success(), "{status}");
+    let lines = server.stderr_lines();
+    assert!(lines.iter().any(|l| l.contains("drained")), "{lines:#?}");
+}
+
+#[test]
+fn serve_refuses_a_policy_that_breaks_the_capacity_contract() {
+    let Some(model) = smollm2() else { return };
+    // 2048 promised tokens, 64 pages of 16 per sequence: 1024.
+    let policy = Policy {
+        context_tokens: 2048,
+        ..Policy::default()
+    };
+    match try_start(&model, &policy) {
+        Ok(_) => panic!("started despite a broken contract"),
+        Err((status, stderr)) => {
+            assert!(!status.success());
+            assert!(stderr.contains("engine.seq_pages_max"), "{stderr}");
+            assert!(!stderr.contains("panicked"), "{stderr}");
+        }
+    }
+}
+
+#[test]
+fn a_canary_prompt_never_reaches_logs_or_metrics() {
+    let Some(model) = smollm2() else { return };
+    let mut server = start(
+        &model,
+        &Policy {
+            rust_log: "trace",
+            ..Policy::default()
+        },
+    );
+    let canary = format!("CANARY{}xq", std::process::id());
+    let chat = "/v1/chat/completions";
+    let completions = "/v1/completions";
+    let said = format!("Repeat after me: {canary} {canary}");
+    let mut chat_req = chat_body(&said, 12);
+    let mut completion_req = json!({"model": MODEL_ID, "prompt": format!("{canary} {canary}"), "max_tokens": 12, "temperature": 0});
+    for stream in [false, true] {
+        chat_req["stream"] = json!(stream);
+        completion_req["stream"] = json!(stream);
+        if stream {
+            let (_, mut sse) = server.stream(chat, KEY_ALPHA, &chat_req);
+            sse.rest();
+            let (_, mut sse) = server.stream(completions, KEY_BETA, &completion_req);
+            sse.rest();
+        } else {
+            assert_eq!(
+                server.post_json(chat, Some(KEY_ALPHA), &chat_req).status,
+                200
+            );
+            assert_eq!(
+                server
+                    .post_json(completions, Some(KEY_BETA), &completion_req)
+                    .status,
+                200
+            );
+        }
+    }
+    // Error paths: unsupported parameter, wrong type quoting the canary,
+    // too long, wrong model, bad key, malformed JSON.
+    let mut bad = chat_body(&said, 4);
+    bad["n"] = json!(3);
+    assert_eq!(server.post_json(chat, Some(KEY_ALPHA), &bad).status, 400);
+    let mut bad = chat_body(&said, 4);
+    bad["max_tokens"] = json!(canary);
+    assert_eq!(server.post_json(chat, Some(KEY_ALPHA), &bad).status, 400);
+    let bad = chat_body(&format!("{canary} ").repeat(400), 4);
+    assert_eq!(server.post_json(chat, Some(KEY_ALPHA), &bad).status, 400);
+    let mut bad = chat_body(&said, 4);
+    bad["model"] = json!(canary);
+    assert_eq!(server.post_json(chat, Some(KEY_ALPHA), &bad).status, 404);
+    assert_eq!(
+        server
+            .post_json(chat, Some(&canary), &chat_body(&said, 4))
+            .status,
+        401
+    );
+    let broken = format!("{{\"model\": \"{canary}");
+    assert_eq!(
+        server.post(chat, Some(KEY_ALPHA), broken.as_bytes()).status,
+        400
+    );
+
+    let metrics = server.metrics();
+    assert!(!metrics.contains(&canary), "metrics carry the canary");
+    server.terminate();
+    assert!(server.wait(Duration::from_secs(30)).success());
+    let lines = server.stderr_lines();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("TRACE") || l.contains("DEBUG")),
+        "the log ran at trace level"
+    );
+    assert!(lines.iter().any(|l| l.contains("request_id")));
+    let leaks: Vec<&String> = lines.iter().filter(|l| l.contains(&canary)).collect();
+    assert!(leaks.is_empty(), "log lines carry the canary: {leaks:#?}");
+}

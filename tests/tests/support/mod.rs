@@ -1,0 +1,425 @@
+//! A `bulkhead serve` child process on loopback ports it picks itself
+//! (`--listen 127.0.0.1:0`; the bound addresses are read from its stderr), a
+//! small policy in a temporary folder, and a plain HTTP client.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Tenant keys the tests hand the server through `key_env`.
+pub const KEY_ALPHA: &str = "test-key-alpha-0123456789abcdef";
+pub const KEY_BETA: &str = "test-key-beta-0123456789abcdef";
+pub const KEY_GAMMA: &str = "test-key-gamma-0123456789abcdef";
+pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789abcdef";
+/// The model id in the test policy.
+pub const MODEL_ID: &str = "smollm2-test";
+/// How long a server may take to start listening.
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The binary `cargo build -p bulkhead` produced.
+pub fn bulkhead_exe() -> PathBuf {
+    let exe = std::env::var_os("BULKHEAD_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let test_exe = std::env::current_exe().expect("test executable path");
+            test_exe
+                .parent()
+                .and_then(|deps| deps.parent())
+                .expect("target dir")
+                .join("bulkhead")
+        });
+    assert!(
+        exe.exists(),
+        "{} is missing: run `cargo build -p bulkhead` first",
+        exe.display()
+    );
+    exe
+}
+
+/// The real model, or `None` (and a "skipped:" line) when it is absent.
+pub fn smollm2() -> Option<PathBuf> {
+    let path = repo_root().join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if path.exists() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_none(),
+        "BULKHEAD_REQUIRE_MODEL is set but the model is missing: run scripts/setup.sh"
+    );
+    eprintln!(
+        "skipped: {} is missing; run scripts/setup.sh",
+        path.display()
+    );
+    None
+}
+
+/// Knobs of the test policy.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    pub context_tokens: u32,
+    pub seq_pages_max: u32,
+    pub body_bytes_max: u32,
+    pub drain_timeout_ms: u32,
+    pub rust_log: &'static str,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            context_tokens: 1024,
+            seq_pages_max: 64,
+            body_bytes_max: 32768,
+            drain_timeout_ms: 60_000,
+            rust_log: "info",
+        }
+    }
+}
+
+impl Policy {
+    fn toml(&self, model: &std::path::Path) -> String {
+        format!(
+            r#"
+[server]
+body_bytes_max = {body}
+connections_max = 64
+request_timeout_ms = 120000
+drain_timeout_ms = {drain}
+
+[model]
+id = "{MODEL_ID}"
+path = "{model}"
+context_tokens = {context}
+threads = 1
+
+[engine]
+page_tokens = 16
+pool_pages = 224
+seq_pages_max = {seq_pages}
+step_tokens_max = 256
+step_seqs_max = 8
+
+[tenants.alpha]
+pages_reserved = 64
+pages_max = 96
+key_env = "BULKHEAD_KEY_ALPHA"
+
+[tenants.beta]
+pages_reserved = 64
+pages_max = 96
+key_env = "BULKHEAD_KEY_BETA"
+
+# One running, one queued: the third concurrent request gets 429.
+[tenants.gamma]
+pages_reserved = 64
+pages_max = 96
+queue_depth_max = 1
+running_max = 1
+key_env = "BULKHEAD_KEY_GAMMA"
+"#,
+            body = self.body_bytes_max,
+            drain = self.drain_timeout_ms,
+            model = model.display(),
+            context = self.context_tokens,
+            seq_pages = self.seq_pages_max,
+        )
+    }
+}
+
+/// A running server; killed when dropped.
+pub struct Server {
+    child: Child,
+    pub inference: String,
+    pub admin: String,
+    lines: Arc<Mutex<Vec<String>>>,
+    dir: PathBuf,
+    agent: ureq::Agent,
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("bulkhead-{tag}-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Starts `bulkhead serve` with `policy`; the exit status and stderr when it
+/// refused to start.
+pub fn try_start(model: &std::path::Path, policy: &Policy) -> Result<Server, (ExitStatus, String)> {
+    let dir = temp_dir("serve");
+    let config = dir.join("policy.toml");
+    std::fs::write(&config, policy.toml(model)).unwrap();
+    let mut child = Command::new(bulkhead_exe())
+        .arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .env("BULKHEAD_KEY_ALPHA", KEY_ALPHA)
+        .env("BULKHEAD_KEY_BETA", KEY_BETA)
+        .env("BULKHEAD_KEY_GAMMA", KEY_GAMMA)
+        .env("BULKHEAD_ADMIN_TOKEN", ADMIN_TOKEN)
+        .env("RUST_LOG", policy.rust_log)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary starts");
+    let stderr = child.stderr.take().unwrap();
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let (tx, rx) = mpsc::channel();
+    let sink = Arc::clone(&lines);
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if let Some(rest) = line.strip_prefix("listening: ") {
+                let _ = tx.send(rest.to_string());
+            }
+            sink.lock().unwrap().push(line);
+        }
+    });
+    let mut inference = None;
+    let mut admin = None;
+    let deadline = Instant::now() + START_TIMEOUT;
+    while inference.is_none() || admin.is_none() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                let (name, url) = line.split_once(' ').unwrap();
+                match name {
+                    "inference" => inference = Some(url.to_string()),
+                    "admin" => admin = Some(url.to_string()),
+                    other => panic!("unknown listener {other}"),
+                }
+            }
+            Err(_) => {
+                // Exited (refused to start) or hung.
+                let status = match child.try_wait().unwrap() {
+                    Some(status) => status,
+                    None => {
+                        let _ = child.kill();
+                        child.wait().unwrap()
+                    }
+                };
+                std::thread::sleep(Duration::from_millis(100));
+                let text = lines.lock().unwrap().join("\n");
+                return Err((status, text));
+            }
+        }
+    }
+    Ok(Server {
+        child,
+        inference: inference.unwrap(),
+        admin: admin.unwrap(),
+        lines,
+        dir,
+        agent: ureq::AgentBuilder::new()
+            .timeout(Duration::from_secs(300))
+            .build(),
+    })
+}
+
+/// Starts a server or panics with its stderr.
+pub fn start(model: &std::path::Path, policy: &Policy) -> Server {
+    match try_start(model, policy) {
+        Ok(server) => server,
+        Err((status, stderr)) => panic!("server did not start ({status}):\n{stderr}"),
+    }
+}
+
+/// A response: status, headers we care about, body.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub retry_after: Option<String>,
+    pub content_type: Option<String>,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+    }
+
+    /// `error.param` and `error.code` of an error reply.
+    pub fn error(&self) -> (serde_json::Value, serde_json::Value) {
+        let v = self.json();
+        let e = &v["error"];
+        assert!(e["message"].is_string(), "OpenAI error shape: {v}");
+        assert!(e["type"].is_string(), "OpenAI error shape: {v}");
+        (e["param"].clone(), e["code"].clone())
+    }
+}
+
+fn reply(result: Result<ureq::Response, ureq::Error>) -> Reply {
+    let response = match result {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("transport error: {e}"),
+    };
+    Reply {
+        status: response.status(),
+        retry_after: response.header("retry-after").map(str::to_string),
+        content_type: response.header("content-type").map(str::to_string),
+        body: response.into_string().unwrap(),
+    }
+}
+
+impl Server {
+    pub fn post(&self, path: &str, key: Option<&str>, body: &[u8]) -> Reply {
+        let mut request = self
+            .agent
+            .post(&format!("{}{path}", self.inference))
+            .set("content-type", "application/json");
+        if let Some(key) = key {
+            request = request.set("authorization", &format!("Bearer {key}"));
+        }
+        reply(request.send_bytes(body))
+    }
+
+    pub fn post_json(&self, path: &str, key: Option<&str>, body: &serde_json::Value) -> Reply {
+        self.post(path, key, body.to_string().as_bytes())
+    }
+
+    pub fn get(&self, base: &str, path: &str, key: Option<&str>) -> Reply {
+        let mut request = self.agent.get(&format!("{base}{path}"));
+        if let Some(key) = key {
+            request = request.set("authorization", &format!("Bearer {key}"));
+        }
+        reply(request.call())
+    }
+
+    /// Starts a streamed request; the reader yields the SSE body.
+    pub fn stream(&self, path: &str, key: &str, body: &serde_json::Value) -> (u16, SseReader) {
+        let result = self
+            .agent
+            .post(&format!("{}{path}", self.inference))
+            .set("authorization", &format!("Bearer {key}"))
+            .send_string(&body.to_string());
+        let response = match result {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("transport error: {e}"),
+        };
+        let status = response.status();
+        (
+            status,
+            SseReader {
+                reader: BufReader::new(Box::new(response.into_reader())),
+            },
+        )
+    }
+
+    /// `/metrics` from the admin listener.
+    pub fn metrics(&self) -> String {
+        let r = self.get(&self.admin, "/metrics", None);
+        assert_eq!(r.status, 200);
+        r.body
+    }
+
+    /// The value of the sample `name{labels}` (labels exactly as rendered), or 0.
+    pub fn metric(&self, name_and_labels: &str) -> f64 {
+        metric_value(&self.metrics(), name_and_labels)
+    }
+
+    /// Every stderr line so far.
+    pub fn stderr_lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        // SAFETY: kill(2) with a child pid we own; no memory is shared.
+        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        assert_eq!(rc, 0, "kill failed");
+    }
+
+    /// Waits for the process to exit, at most `timeout`.
+    pub fn wait(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                // Let the reader thread take the last lines.
+                std::thread::sleep(Duration::from_millis(200));
+                return status;
+            }
+            assert!(Instant::now() < deadline, "the server did not exit in time");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// Finds `name_and_labels` at the start of a line of Prometheus text.
+pub fn metric_value(text: &str, name_and_labels: &str) -> f64 {
+    text.lines()
+        .find_map(|line| {
+            let rest = line.strip_prefix(name_and_labels)?;
+            rest.strip_prefix(' ')?.trim().parse::<f64>().ok()
+        })
+        .unwrap_or(0.0)
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The events of an SSE body.
+pub struct SseReader {
+    reader: BufReader<Box<dyn Read + Send + Sync>>,
+}
+
+impl SseReader {
+    /// The next `data:` payload, or `None` at the end of the body.
+    pub fn next_data(&mut self) -> Option<String> {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if self.reader.read_line(&mut line).ok()? == 0 {
+                return None;
+            }
+            if let Some(data) = line.trim_end().strip_prefix("data: ") {
+                return Some(data.to_string());
+            }
+            assert!(line.trim().is_empty(), "unexpected SSE line {line:?}");
+        }
+    }
+
+    /// Every remaining payload.
+    pub fn rest(&mut self) -> Vec<String> {
+        std::iter::from_fn(|| self.next_data()).collect()
+    }
+}
+
+/// A chat body.
+pub fn chat_body(content: &str, max_tokens: u32) -> serde_json::Value {
+    serde_json::json!({
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    })
+}
+
+/// Polls `check` every 50 ms until it holds, at most `timeout`.
+pub fn eventually(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if check() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    check()
+}
