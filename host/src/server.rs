@@ -324,6 +324,7 @@ fn tls_acceptor(tls: &TlsConfig, base: &std::path::Path) -> Result<TlsAcceptor, 
 
 /// Binds both listeners, serves until a signal, then drains.
 async fn run_listeners(config: &Config, app: Arc<App>, drain: Duration) -> Result<(), ServeError> {
+    let signals = Signals::install()?;
     let tls = match &config.server.tls {
         Some(tls) => Some(tls_acceptor(tls, &config.source)?),
         None => None,
@@ -363,7 +364,7 @@ async fn run_listeners(config: &Config, app: Arc<App>, drain: Duration) -> Resul
         };
         tasks.push(tokio::spawn(accept.run(stop_rx.clone(), drain)));
     }
-    wait_for_signal().await?;
+    signals.wait().await;
     tracing::info!(
         drain_ms = drain.as_millis() as u64,
         "shutting down: draining in-flight requests"
@@ -376,15 +377,28 @@ async fn run_listeners(config: &Config, app: Arc<App>, drain: Duration) -> Resul
     Ok(())
 }
 
-async fn wait_for_signal() -> Result<(), ServeError> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    tokio::select! {
-        _ = term.recv() => tracing::info!(signal = "SIGTERM", "signal received"),
-        _ = int.recv() => tracing::info!(signal = "SIGINT", "signal received"),
+/// SIGTERM and SIGINT, caught from before the first connection is accepted
+/// (a signal arriving earlier would kill the process mid-response).
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Signals, ServeError> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
     }
-    Ok(())
+
+    async fn wait(mut self) {
+        tokio::select! {
+            _ = self.term.recv() => tracing::info!(signal = "SIGTERM", "signal received"),
+            _ = self.int.recv() => tracing::info!(signal = "SIGINT", "signal received"),
+        }
+    }
 }
 
 /// One listener's accept loop.
