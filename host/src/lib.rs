@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod bench;
+pub mod bench_http;
 pub mod config;
 pub mod engine;
 pub mod server;

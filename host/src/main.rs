@@ -103,6 +103,8 @@ enum Command {
 enum BenchCommand {
     /// Engine throughput: prefill, decode at batch 1, aggregate decode at larger batches.
     Engine(bench::EngineBenchArgs),
+    /// Load on an OpenAI-compatible server: throughput and latency per concurrency level.
+    Http(bulkhead::bench_http::HttpBenchArgs),
 }
 
 fn threads_default() -> usize {
@@ -251,6 +253,7 @@ fn main() -> Result<()> {
                 let (model, tokenizer) = load(&args.model)?;
                 bench::engine(model, tokenizer, &args)
             }
+            BenchCommand::Http(args) => bulkhead::bench_http::run(&args),
         },
     }
 }

@@ -1,0 +1,255 @@
+//! `bulkhead bench http`: a load generator for any OpenAI-compatible server
+//! (this one, or llama.cpp's `llama-server` for comparison). Figures go to
+//! BENCHMARKS.md; they are measured, never asserted by tests.
+//!
+//! At each concurrency level C, C clients each send streaming
+//! `POST /v1/completions` requests back to back (a ~100-token prompt, 64
+//! tokens, temperature 0) until the level's request count is done; per
+//! request it records the time to the first streamed text and to the end.
+//! Reported: aggregate generated tokens per second (streamed text chunks over
+//! wall time), time-to-first-token p50/p99, latency p50/p99, failures, and the
+//! server's resident memory before and after the level when `--pid` is given.
+
+use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use std::time::{Duration, Instant};
+
+/// Most clients at one level.
+pub const CONCURRENCY_MAX: usize = 1024;
+
+/// Arguments of `bulkhead bench http`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct HttpBenchArgs {
+    /// Base URL of the server (plain http), e.g. http://127.0.0.1:8080.
+    #[arg(long)]
+    pub url: String,
+    /// API key (sent as a bearer token).
+    #[arg(long, default_value = "")]
+    pub key: String,
+    /// Model id to request.
+    #[arg(long, default_value = "smollm2-135m-instruct")]
+    pub model: String,
+    /// Concurrency levels, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8,32")]
+    pub concurrency: Vec<usize>,
+    /// Requests per level (at least the concurrency).
+    #[arg(long, default_value_t = 32)]
+    pub requests: usize,
+    /// Tokens to generate per request.
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: u32,
+    /// Repeats of the ~12-token sentence that makes the prompt (8 → ~100 tokens).
+    #[arg(long, default_value_t = 8)]
+    pub prompt_sentences: usize,
+    /// Server process id, to report its resident memory.
+    #[arg(long)]
+    pub pid: Option<u32>,
+    /// Extra JSON fields merged into each request (e.g. '{"ignore_eos":true}').
+    #[arg(long)]
+    pub extra: Option<String>,
+}
+
+const SENTENCE: &str = "The quick brown fox jumps over the lazy dog near the river. ";
+
+struct Sample {
+    ttft: Duration,
+    latency: Duration,
+    chunks: u64,
+    /// From the usage chunk, when the server sends one.
+    prompt_tokens: Option<u64>,
+}
+
+/// Runs the load generator and prints one line per level.
+pub fn run(args: &HttpBenchArgs) -> Result<()> {
+    let authority = args
+        .url
+        .strip_prefix("http://")
+        .context("--url must start with http://")?
+        .trim_end_matches('/')
+        .to_string();
+    let mut body = serde_json::json!({
+        "model": args.model,
+        "prompt": SENTENCE.repeat(args.prompt_sentences),
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    if let Some(extra) = &args.extra {
+        let extra: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(extra).context("--extra is not a JSON object")?;
+        body.as_object_mut()
+            .expect("built as an object")
+            .extend(extra);
+    }
+    let body = Bytes::from(serde_json::to_vec(&body)?);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    println!(
+        "bench http: {} model {}, {} prompt sentences, max_tokens {}, {} requests per level",
+        args.url, args.model, args.prompt_sentences, args.max_tokens, args.requests
+    );
+    for &concurrency in &args.concurrency {
+        if concurrency == 0 || concurrency > CONCURRENCY_MAX {
+            bail!("concurrency levels are 1..={CONCURRENCY_MAX}");
+        }
+        let rss_before = args.pid.and_then(rss_kib);
+        let requests = args.requests.max(concurrency);
+        let started = Instant::now();
+        let results = runtime.block_on(level(&authority, &args.key, &body, concurrency, requests));
+        let wall = started.elapsed().as_secs_f64();
+        report(
+            concurrency,
+            &results,
+            wall,
+            rss_before,
+            args.pid.and_then(rss_kib),
+        );
+    }
+    Ok(())
+}
+
+async fn level(
+    authority: &str,
+    key: &str,
+    body: &Bytes,
+    concurrency: usize,
+    requests: usize,
+) -> Vec<Result<Sample>> {
+    let mut clients = Vec::new();
+    for client in 0..concurrency {
+        // Client i sends requests i, i + C, i + 2C, ...
+        let count = (client..requests).step_by(concurrency).count();
+        let (authority, key, body) = (authority.to_string(), key.to_string(), body.clone());
+        clients.push(tokio::spawn(async move {
+            let mut out = Vec::with_capacity(count);
+            for _ in 0..count {
+                out.push(one_request(&authority, &key, body.clone()).await);
+            }
+            out
+        }));
+    }
+    let mut results = Vec::new();
+    for client in clients {
+        match client.await {
+            Ok(samples) => results.extend(samples),
+            Err(e) => results.push(Err(anyhow::anyhow!("client task failed: {e}"))),
+        }
+    }
+    results
+}
+
+async fn one_request(authority: &str, key: &str, body: Bytes) -> Result<Sample> {
+    let started = Instant::now();
+    let stream = tokio::net::TcpStream::connect(authority).await?;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(connection);
+    let request = hyper::Request::post("/v1/completions")
+        .header("host", authority)
+        .header("content-type", "application/json")
+        .header("authorization", format!("Bearer {key}"))
+        .body(Full::new(body))?;
+    let mut response = sender.send_request(request).await?;
+    if !response.status().is_success() {
+        bail!("status {}", response.status());
+    }
+    let mut ttft = None;
+    let mut chunks = 0u64;
+    let mut prompt_tokens = None;
+    let mut pending = Vec::new();
+    while let Some(frame) = response.body_mut().frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        pending.extend_from_slice(&data);
+        while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = pending.drain(..end + 2).collect();
+            let Some(value) = event_json(&event) else {
+                continue;
+            };
+            if value["choices"][0]["text"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty())
+            {
+                chunks += 1;
+                ttft.get_or_insert_with(|| started.elapsed());
+            }
+            prompt_tokens = prompt_tokens.or(value["usage"]["prompt_tokens"].as_u64());
+        }
+    }
+    Ok(Sample {
+        ttft: ttft.context("no text was streamed")?,
+        latency: started.elapsed(),
+        chunks,
+        prompt_tokens,
+    })
+}
+
+/// The JSON payload of one SSE event (`None` for `[DONE]` and non-JSON).
+fn event_json(event: &[u8]) -> Option<serde_json::Value> {
+    let json = std::str::from_utf8(event)
+        .ok()?
+        .trim()
+        .strip_prefix("data: ")?;
+    serde_json::from_str(json).ok()
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[index].as_secs_f64()
+}
+
+fn report(
+    concurrency: usize,
+    results: &[Result<Sample>],
+    wall: f64,
+    rss_before: Option<u64>,
+    rss_after: Option<u64>,
+) {
+    let samples: Vec<&Sample> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+    let failures: Vec<String> = results
+        .iter()
+        .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
+        .collect();
+    let mut ttft: Vec<Duration> = samples.iter().map(|s| s.ttft).collect();
+    let mut latency: Vec<Duration> = samples.iter().map(|s| s.latency).collect();
+    ttft.sort();
+    latency.sort();
+    let tokens: u64 = samples.iter().map(|s| s.chunks).sum();
+    let prompt = samples
+        .iter()
+        .find_map(|s| s.prompt_tokens)
+        .map_or(String::new(), |p| format!(", prompt {p} tokens"));
+    let per_request = tokens as f64 / samples.len().max(1) as f64;
+    let rss = match (rss_before, rss_after) {
+        (Some(a), Some(b)) => format!(", rss {} -> {} MiB", a / 1024, b / 1024),
+        _ => String::new(),
+    };
+    println!(
+        "concurrency {concurrency:>3}: {:>6.1} tok/s aggregate, ttft p50 {:.3}s p99 {:.3}s, latency p50 {:.3}s p99 {:.3}s, {} ok ({per_request:.1} tokens each{prompt}), {} failed{rss}",
+        tokens as f64 / wall,
+        percentile(&ttft, 0.5),
+        percentile(&ttft, 0.99),
+        percentile(&latency, 0.5),
+        percentile(&latency, 0.99),
+        samples.len(),
+        failures.len(),
+    );
+    if let Some(first) = failures.first() {
+        println!("  first failure: {first}");
+    }
+}
+
+/// Resident memory of process `pid`, in KiB (Linux).
+fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
