@@ -50,6 +50,9 @@ const DIRECT_TILE_ROWS: usize = 2;
 /// Tokens per direct multi-token tile: `DIRECT_TILE_ROWS` x 8 accumulators plus the
 /// decoded rows fit the 32 zmm registers.
 const DIRECT_TILE_TOKENS: usize = 8;
+/// Up to this many tokens, direct tiles are `TILE_ROWS` high (fewer tokens to share
+/// each decoded row, so more rows share each token's loads).
+const DIRECT_WIDE_TOKENS_MAX: usize = 4;
 /// Up to this many tokens, decode weights directly instead of packing them.
 const DIRECT_TOKENS_MAX: usize = 16;
 /// Decode prefetches weights this many rows ahead: far enough to cover DRAM latency
@@ -150,7 +153,14 @@ unsafe fn drive<W: PairDecode>(
     };
     match xq.n_tokens() {
         1 => drive_direct::<W>(w_first, geometry, xq, out),
-        n if n <= DIRECT_TOKENS_MAX => drive_direct_tokens::<W>(w_first, geometry, xq, out),
+        n if n <= DIRECT_WIDE_TOKENS_MAX => {
+            drive_direct_tokens::<W, TILE_ROWS, TILE_TOKENS>(w_first, geometry, xq, out)
+        }
+        n if n <= DIRECT_TOKENS_MAX => {
+            drive_direct_tokens::<W, DIRECT_TILE_ROWS, DIRECT_TILE_TOKENS>(
+                w_first, geometry, xq, out,
+            )
+        }
         _ => drive_packed::<W>(w_first, geometry, xq, out),
     }
 }
@@ -196,7 +206,7 @@ unsafe fn drive_direct<W: PairDecode>(
 /// `w_first` holds `g.n_rows` rows; `out` is `[n_tokens][g.n_rows]`; AVX-512 set
 /// available.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn drive_direct_tokens<W: PairDecode>(
+unsafe fn drive_direct_tokens<W: PairDecode, const R: usize, const T: usize>(
     w_first: *const u8,
     g: Geometry,
     xq: &QuantizedActivations,
@@ -206,18 +216,14 @@ unsafe fn drive_direct_tokens<W: PairDecode>(
     // Token pointers, padded with the last token so every group reads a whole array.
     let xs: [Q8Row; DIRECT_TOKENS_MAX + DIRECT_TILE_TOKENS] =
         std::array::from_fn(|t| q8_1_ptrs(xq, t.min(n_tokens - 1)));
-    let mut mins = [[0.0; CHUNK_BLOCKS / PAIR * PAIR_DS]; DIRECT_TILE_ROWS];
+    let mut mins = [[0.0; CHUNK_BLOCKS / PAIR * PAIR_DS]; TILE_ROWS];
     let mut r = 0;
     while r < g.n_rows {
-        let tile_rows = if g.n_rows - r >= DIRECT_TILE_ROWS {
-            DIRECT_TILE_ROWS
-        } else {
-            1
-        };
+        let tile_rows = if g.n_rows - r >= R { R } else { 1 };
         let w_rows = w_first.add(r * g.row_bytes);
         let mut t = 0;
         while t < n_tokens {
-            let tile_tokens = (n_tokens - t).min(DIRECT_TILE_TOKENS);
+            let tile_tokens = (n_tokens - t).min(T);
             let tile = DirectTile {
                 w_rows,
                 x: xs[t..t + DIRECT_TILE_TOKENS]
@@ -228,8 +234,8 @@ unsafe fn drive_direct_tokens<W: PairDecode>(
                 // Later token groups find the rows in cache already.
                 prefetch: t == 0,
             };
-            if tile_rows == DIRECT_TILE_ROWS {
-                direct_tokens::<W, DIRECT_TILE_ROWS>(tile, tile_tokens, g, &mut mins);
+            if tile_rows == R {
+                direct_tokens::<W, R>(tile, tile_tokens, g, &mut mins);
             } else {
                 direct_tokens::<W, 1>(tile, tile_tokens, g, &mut mins);
             }
@@ -337,7 +343,7 @@ struct DirectTile<'a> {
 }
 
 /// Per-row packed mins of one k-chunk: [row][pair][0, m_b, 0, m_b+1].
-type ChunkMins = [[f32; CHUNK_BLOCKS / PAIR * PAIR_DS]; DIRECT_TILE_ROWS];
+type ChunkMins = [[f32; CHUNK_BLOCKS / PAIR * PAIR_DS]; TILE_ROWS];
 
 /// `direct_tile` for a run-time token count up to `DIRECT_TILE_TOKENS`.
 ///
