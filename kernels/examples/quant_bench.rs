@@ -16,7 +16,7 @@ use bulkhead_kernels::quant::{matmul, quantize_row, GgmlType, Isa, QuantizedActi
 /// Bytes of weight copies for the cold (DRAM-streaming) decode figure: above L3.
 const COLD_BYTES_MIN: usize = 96 << 20;
 /// Up to this many tokens a case is batched decode and is also timed cold.
-const COLD_TOKENS_MAX: usize = 16;
+const COLD_TOKENS_MAX: usize = 64;
 /// Time spent per measurement.
 const MEASURE: Duration = Duration::from_millis(400);
 
@@ -120,9 +120,9 @@ fn main() {
     let filter = std::env::args().nth(1).unwrap_or_default();
     let only_tokens: Option<usize> = std::env::args().nth(2).and_then(|n| n.parse().ok());
     let shapes: &[(GgmlType, usize, usize, &[usize])] = &[
-        (GgmlType::Q4_1, 1536, 576, &[1, 2, 4, 8, 16, 64, 512]),
+        (GgmlType::Q4_1, 1536, 576, &[1, 2, 4, 8, 16, 32, 64, 512]),
         (GgmlType::Q4_1, 576, 1536, &[1, 512]),
-        (GgmlType::Q8_0, 24576, 576, &[1, 2, 4, 8, 16, 64]),
+        (GgmlType::Q8_0, 24576, 576, &[1, 2, 4, 8, 16, 32, 64]),
         (GgmlType::Q8_0, 1536, 576, &[1, 512]),
         (GgmlType::Q4_0, 1536, 576, &[1, 512]),
         (GgmlType::Q4_K, 1536, 768, &[1, 64]),
