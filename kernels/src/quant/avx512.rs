@@ -10,12 +10,25 @@
 //! acc[r][t] += cvt(vpdpbusd(0, codes[r], x[t])) * spread(dw[r] * dx[t]);  + m[r] * s[t]
 //! ```
 //!
-//! Two schedules:
-//! 1. Few tokens (decode): decode each pair straight from the ggml row and use it at
-//!    once; weights stream through exactly once.
-//! 2. Many tokens (prefill): pack `TILE_ROWS` rows of a k-chunk once (codes, scales
+//! Three schedules, by token count (thresholds measured end to end on Zen 4, where
+//! each step's weights come cold from DRAM):
+//! 1. One token (decode at batch 1): `direct` decodes each pair straight from the
+//!    ggml rows, 4 rows at a time, and uses it at once; weights stream through once.
+//! 2. 2 to [`DIRECT_TOKENS_MAX`] tokens (batched decode): `direct_tile` decodes each
+//!    pair of an `R`-row tile once into registers and dots it with up to
+//!    [`DIRECT_TILE_TOKENS`] tokens; later token groups find the rows in L1. Weights
+//!    still stream from DRAM once, with no pack buffer to store and reload.
+//! 3. More tokens (prefill): pack `TILE_ROWS` rows of a k-chunk once (codes, scales
 //!    spread to lanes, mins), then sweep `TILE_ROWS` x `TILE_TOKENS` register tiles over
 //!    every token, so each decoded pair serves all tokens.
+//!
+//! ```text
+//! direct_tile, R = 2, T = 8, per pair p:        zmm registers
+//!   codes[r], dw[r] = decode(row r, p)           2 + 2
+//!   for t: xv, dx = x[t] at p                    2
+//!     for r: acc[r][t] += cvt(dpbusd(codes[r], xv)) * (dw[r] * dx)    16 + temps
+//!   mins[r][p] = [0, m_b, 0, m_b+1]  (stored; applied 4 pairs per vector per chunk)
+//! ```
 //!
 //! Invariants:
 //! 1. Every function here runs only after `Isa::Avx512.is_available()` (avx512 f, bw,
@@ -53,8 +66,9 @@ const DIRECT_TILE_TOKENS: usize = 8;
 /// Up to this many tokens, direct tiles are `TILE_ROWS` high (fewer tokens to share
 /// each decoded row, so more rows share each token's loads).
 const DIRECT_WIDE_TOKENS_MAX: usize = 4;
-/// Up to this many tokens, decode weights directly instead of packing them.
-const DIRECT_TOKENS_MAX: usize = 16;
+/// Up to this many tokens, decode weights directly instead of packing them. Measured
+/// end to end (`bulkhead bench engine`): direct wins at 32 tokens, packing at 64.
+const DIRECT_TOKENS_MAX: usize = 32;
 /// Decode prefetches weights this many rows ahead: far enough to cover DRAM latency
 /// for short rows, which the hardware prefetcher streams poorly.
 const PREFETCH_ROWS: usize = 4 * TILE_ROWS;
