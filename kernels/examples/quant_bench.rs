@@ -1,11 +1,13 @@
 //! Single-thread matmul throughput per ISA for the default model's shapes.
 //!
-//! `cargo run -p bulkhead-kernels --release --example quant_bench [filter]`
+//! `cargo run -p bulkhead-kernels --release --example quant_bench [filter] [tokens]`
 //!
 //! Decode shapes report weight-streaming GB/s (hot: the matrix fits L2 and is reused;
 //! cold: a rotation of copies larger than L3); prefill shapes report G MAC/s
-//! (rows x k x tokens multiply-accumulates per second). Timings are best-of-N, since
-//! other builds share the machine.
+//! (rows x k x tokens multiply-accumulates per second). Batched decode (2 to
+//! `COLD_TOKENS_MAX` tokens) reports both hot and cold G MAC/s, since in the engine
+//! each step's weights come cold from DRAM. Timings are best-of-N, since other builds
+//! share the machine.
 
 use std::time::{Duration, Instant};
 
@@ -13,6 +15,8 @@ use bulkhead_kernels::quant::{matmul, quantize_row, GgmlType, Isa, QuantizedActi
 
 /// Bytes of weight copies for the cold (DRAM-streaming) decode figure: above L3.
 const COLD_BYTES_MIN: usize = 96 << 20;
+/// Up to this many tokens a case is batched decode and is also timed cold.
+const COLD_TOKENS_MAX: usize = 64;
 /// Time spent per measurement.
 const MEASURE: Duration = Duration::from_millis(400);
 
@@ -63,21 +67,23 @@ fn bench(isa: Isa, ty: GgmlType, rows: usize, k: usize, n_tokens: usize) {
         ty.name()
     );
     if n_tokens == 1 {
-        let copies = COLD_BYTES_MIN.div_ceil(w.len()).max(2);
-        let cold: Vec<Vec<u8>> = (0..copies)
-            .map(|c| weights(ty, rows, k, c as u32 + 2))
-            .collect();
-        let mut next = 0;
-        let cold_secs = best_seconds(|| {
-            matmul(isa, ty, &cold[next], k, 0..rows, &xq, &mut out);
-            next = (next + 1) % copies;
-        });
+        let cold_secs = cold_seconds(isa, ty, rows, k, &xq, &mut out);
         println!(
             "{line}  {:8.1} us  hot {:6.1} GB/s  cold {:6.1} GB/s  ({:.1} G MAC/s hot)",
             secs * 1e6,
             w.len() as f64 / secs / 1e9,
             w.len() as f64 / cold_secs / 1e9,
             macs / secs / 1e9
+        );
+    } else if n_tokens <= COLD_TOKENS_MAX {
+        let cold_secs = cold_seconds(isa, ty, rows, k, &xq, &mut out);
+        println!(
+            "{line}  {:8.1} us  hot {:6.1} G MAC/s  cold {:8.1} us {:6.1} G MAC/s {:6.1} GB/s",
+            secs * 1e6,
+            macs / secs / 1e9,
+            cold_secs * 1e6,
+            macs / cold_secs / 1e9,
+            w.len() as f64 / cold_secs / 1e9
         );
     } else {
         println!(
@@ -88,12 +94,35 @@ fn bench(isa: Isa, ty: GgmlType, rows: usize, k: usize, n_tokens: usize) {
     }
 }
 
+/// Best seconds per call with the weights cold: each call takes the next of a
+/// rotation of copies larger than L3.
+fn cold_seconds(
+    isa: Isa,
+    ty: GgmlType,
+    rows: usize,
+    k: usize,
+    xq: &QuantizedActivations,
+    out: &mut [f32],
+) -> f64 {
+    let bytes = k / ty.block_len() * ty.block_bytes() * rows;
+    let copies = COLD_BYTES_MIN.div_ceil(bytes).max(2);
+    let cold: Vec<Vec<u8>> = (0..copies)
+        .map(|c| weights(ty, rows, k, c as u32 + 2))
+        .collect();
+    let mut next = 0;
+    best_seconds(|| {
+        matmul(isa, ty, &cold[next], k, 0..rows, xq, out);
+        next = (next + 1) % copies;
+    })
+}
+
 fn main() {
     let filter = std::env::args().nth(1).unwrap_or_default();
+    let only_tokens: Option<usize> = std::env::args().nth(2).and_then(|n| n.parse().ok());
     let shapes: &[(GgmlType, usize, usize, &[usize])] = &[
-        (GgmlType::Q4_1, 1536, 576, &[1, 2, 4, 8, 16, 64, 512]),
+        (GgmlType::Q4_1, 1536, 576, &[1, 2, 4, 8, 16, 32, 64, 512]),
         (GgmlType::Q4_1, 576, 1536, &[1, 512]),
-        (GgmlType::Q8_0, 24576, 576, &[1, 64]),
+        (GgmlType::Q8_0, 24576, 576, &[1, 2, 4, 8, 16, 32, 64]),
         (GgmlType::Q8_0, 1536, 576, &[1, 512]),
         (GgmlType::Q4_0, 1536, 576, &[1, 512]),
         (GgmlType::Q4_K, 1536, 768, &[1, 64]),
@@ -110,7 +139,7 @@ fn main() {
                 continue;
             }
             for &n in tokens {
-                if isa == Isa::Scalar && n > 64 {
+                if (isa == Isa::Scalar && n > 64) || only_tokens.is_some_and(|o| o != n) {
                     continue;
                 }
                 bench(isa, ty, rows, k, n);

@@ -180,6 +180,28 @@ fn every_simd_matmul_covers_each_row_remainder() {
     }
 }
 
+/// Every batched-decode token count (one token group, several groups, a partial
+/// group) against row counts that leave remainders for every row tile, with k odd in
+/// blocks and k crossing a 128-block chunk.
+#[test]
+fn every_simd_matmul_covers_each_decode_batch_with_row_remainders() {
+    let isas = simd_isas();
+    let mut rng = Rng(0x5EED_0003);
+    let token_counts = (1..=9).chain([12, 16, 17, 24, 33]);
+    for n_tokens in token_counts {
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0] {
+            for k in [160, 576, 4128] {
+                for rows_total in [1, 2, 3, 5, 6, 7, 9, 18] {
+                    // A range that starts past row 0 as the second worker's does.
+                    let start = rng.below(rows_total.min(3));
+                    let rows = start..rows_total;
+                    check_matmul_case(&mut rng, &isas, ty, k, rows_total, rows, n_tokens);
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn integer_dot_matches_dequantized_f32_dot_within_activation_quantization_error() {
     let mut rng = Rng(0x5EED_0003);

@@ -337,11 +337,13 @@ unsafe fn tile_pairs<W: Avx2Dot, const R: usize, const T: usize>(
         let mut scales = [_mm_setzero_ps(); R];
         for r in 0..R {
             let row = w_rows.add(r * row_bytes);
-            // Prefetch never faults; wrapping_add keeps the address computation defined
-            // past the end of the weights.
-            let ahead = row.wrapping_add(PREFETCH_ROWS * row_bytes + o0);
+            // The tile's rows are contiguous: prefetch the region ahead as one linear
+            // stream (see `avx512::prefetch_linear`). Prefetch never faults;
+            // wrapping_add keeps the address computation defined past the weights.
+            let step = 2 * W::BYTES;
+            let ahead = w_rows.wrapping_add(PREFETCH_ROWS * row_bytes + (p * R + r) * step);
             _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o1 - o0 + W::BYTES - 1) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(step - 1) as *const i8);
             codes[r] = W::codes(row.add(o0), row.add(o1));
             scales[r] = W::scales(row.add(o0), row.add(o1));
         }

@@ -10,12 +10,25 @@
 //! acc[r][t] += cvt(vpdpbusd(0, codes[r], x[t])) * spread(dw[r] * dx[t]);  + m[r] * s[t]
 //! ```
 //!
-//! Two schedules:
-//! 1. Few tokens (decode): decode each pair straight from the ggml row and use it at
-//!    once; weights stream through exactly once.
-//! 2. Many tokens (prefill): pack `TILE_ROWS` rows of a k-chunk once (codes, scales
+//! Three schedules, by token count (thresholds measured end to end on Zen 4, where
+//! each step's weights come cold from DRAM):
+//! 1. One token (decode at batch 1): `direct` decodes each pair straight from the
+//!    ggml rows, 4 rows at a time, and uses it at once; weights stream through once.
+//! 2. 2 to [`DIRECT_TOKENS_MAX`] tokens (batched decode): `direct_tile` decodes each
+//!    pair of an `R`-row tile once into registers and dots it with up to
+//!    [`DIRECT_TILE_TOKENS`] tokens; later token groups find the rows in L1. Weights
+//!    still stream from DRAM once, with no pack buffer to store and reload.
+//! 3. More tokens (prefill): pack `TILE_ROWS` rows of a k-chunk once (codes, scales
 //!    spread to lanes, mins), then sweep `TILE_ROWS` x `TILE_TOKENS` register tiles over
 //!    every token, so each decoded pair serves all tokens.
+//!
+//! ```text
+//! direct_tile, R = 2, T = 8, per pair p:        zmm registers
+//!   codes[r], dw[r] = decode(row r, p)           2 + 2
+//!   for t: xv, dx = x[t] at p                    2
+//!     for r: acc[r][t] += cvt(dpbusd(codes[r], xv)) * (dw[r] * dx)    16 + temps
+//!   mins[r][p] = [0, m_b, 0, m_b+1]  (stored; applied 4 pairs per vector per chunk)
+//! ```
 //!
 //! Invariants:
 //! 1. Every function here runs only after `Isa::Avx512.is_available()` (avx512 f, bw,
@@ -45,9 +58,17 @@ use super::GgmlType;
 const TILE_ROWS: usize = 4;
 /// Tokens per register tile (prefill schedule).
 const TILE_TOKENS: usize = 4;
-/// Up to this many tokens, decode weights directly instead of packing them (measured
-/// crossover on Zen 4 for k = 576: packing wins from about 16 tokens).
-const DIRECT_TOKENS_MAX: usize = 1;
+/// Weight rows per direct multi-token tile.
+const DIRECT_TILE_ROWS: usize = 2;
+/// Tokens per direct multi-token tile: `DIRECT_TILE_ROWS` x 8 accumulators plus the
+/// decoded rows fit the 32 zmm registers.
+const DIRECT_TILE_TOKENS: usize = 8;
+/// Up to this many tokens, direct tiles are `TILE_ROWS` high (fewer tokens to share
+/// each decoded row, so more rows share each token's loads).
+const DIRECT_WIDE_TOKENS_MAX: usize = 4;
+/// Up to this many tokens, decode weights directly instead of packing them. Measured
+/// end to end (`bulkhead bench engine`): direct wins at 32 tokens, packing at 64.
+const DIRECT_TOKENS_MAX: usize = 32;
 /// Decode prefetches weights this many rows ahead: far enough to cover DRAM latency
 /// for short rows, which the hardware prefetcher streams poorly.
 const PREFETCH_ROWS: usize = 4 * TILE_ROWS;
@@ -124,7 +145,7 @@ unsafe fn spread(v: __m128) -> __m512 {
     _mm512_permutexvar_ps(index, _mm512_castps128_ps512(v))
 }
 
-/// Picks the schedule and walks row tiles (remainder rows one at a time).
+/// Picks the schedule from the token count.
 ///
 /// # Safety
 /// AVX-512 set available; shapes validated by the dispatcher.
@@ -136,41 +157,134 @@ unsafe fn drive<W: PairDecode>(
     xq: &QuantizedActivations,
     out: &mut [f32],
 ) {
-    let nb = k / QK32;
-    let row_bytes = nb * W::BYTES;
-    let (n_rows, n_tokens) = (rows.len(), xq.n_tokens());
+    let row_bytes = k / QK32 * W::BYTES;
     // SAFETY: rows.end * row_bytes <= w.len() (dispatcher).
     let w_first = w.as_ptr().add(rows.start * row_bytes);
-    if n_tokens <= DIRECT_TOKENS_MAX {
-        for t in 0..n_tokens {
-            let x = q8_1_ptrs(xq, t);
-            // SAFETY: token t's slots are out[t * n_rows..(t + 1) * n_rows].
-            let o = out.as_mut_ptr().add(t * n_rows);
-            let mut r = 0;
-            while r + TILE_ROWS <= n_rows {
-                direct::<W, TILE_ROWS>(w_first.add(r * row_bytes), row_bytes, nb, x, o.add(r));
-                r += TILE_ROWS;
-            }
-            for r in r..n_rows {
-                direct::<W, 1>(w_first.add(r * row_bytes), row_bytes, nb, x, o.add(r));
-            }
+    let geometry = Geometry {
+        nb: k / QK32,
+        row_bytes,
+        n_rows: rows.len(),
+    };
+    match xq.n_tokens() {
+        1 => drive_direct::<W>(w_first, geometry, xq, out),
+        n if n <= DIRECT_WIDE_TOKENS_MAX => {
+            drive_direct_tokens::<W, TILE_ROWS, TILE_TOKENS>(w_first, geometry, xq, out)
         }
-        return;
+        n if n <= DIRECT_TOKENS_MAX => {
+            drive_direct_tokens::<W, DIRECT_TILE_ROWS, DIRECT_TILE_TOKENS>(
+                w_first, geometry, xq, out,
+            )
+        }
+        _ => drive_packed::<W>(w_first, geometry, xq, out),
     }
+}
+
+/// Shape of the weight rows one `matmul` call covers.
+#[derive(Clone, Copy)]
+struct Geometry {
+    /// Blocks per row.
+    nb: usize,
+    /// Bytes per row.
+    row_bytes: usize,
+    /// Rows in the call (`out` holds `n_rows` slots per token).
+    n_rows: usize,
+}
+
+/// One token: `direct` over row tiles, remainder rows one at a time.
+///
+/// # Safety
+/// `w_first` holds `g.n_rows` rows; `out` is `[1][g.n_rows]`; AVX-512 set available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn drive_direct<W: PairDecode>(
+    w_first: *const u8,
+    g: Geometry,
+    xq: &QuantizedActivations,
+    out: &mut [f32],
+) {
+    let x = q8_1_ptrs(xq, 0);
+    let o = out.as_mut_ptr();
+    let mut r = 0;
+    while r + TILE_ROWS <= g.n_rows {
+        direct::<W, TILE_ROWS>(w_first.add(r * g.row_bytes), g.row_bytes, g.nb, x, o.add(r));
+        r += TILE_ROWS;
+    }
+    for r in r..g.n_rows {
+        direct::<W, 1>(w_first.add(r * g.row_bytes), g.row_bytes, g.nb, x, o.add(r));
+    }
+}
+
+/// Few tokens: for each `DIRECT_TILE_ROWS` row tile, every token group in turn, so
+/// the tile's rows come from DRAM once and stay in L1 for the later groups.
+///
+/// # Safety
+/// `w_first` holds `g.n_rows` rows; `out` is `[n_tokens][g.n_rows]`; AVX-512 set
+/// available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn drive_direct_tokens<W: PairDecode, const R: usize, const T: usize>(
+    w_first: *const u8,
+    g: Geometry,
+    xq: &QuantizedActivations,
+    out: &mut [f32],
+) {
+    let n_tokens = xq.n_tokens();
+    // Token pointers, padded with the last token so every group reads a whole array.
+    let xs: [Q8Row; DIRECT_TOKENS_MAX + DIRECT_TILE_TOKENS] =
+        std::array::from_fn(|t| q8_1_ptrs(xq, t.min(n_tokens - 1)));
+    let mut mins = [[0.0; CHUNK_BLOCKS / PAIR * PAIR_DS]; TILE_ROWS];
+    let mut r = 0;
+    while r < g.n_rows {
+        let tile_rows = if g.n_rows - r >= R { R } else { 1 };
+        let w_rows = w_first.add(r * g.row_bytes);
+        let mut t = 0;
+        while t < n_tokens {
+            let tile_tokens = (n_tokens - t).min(T);
+            let tile = DirectTile {
+                w_rows,
+                x: xs[t..t + DIRECT_TILE_TOKENS]
+                    .try_into()
+                    .expect("xs is padded by a whole tile"),
+                // SAFETY: tile (t, r) lies inside out = [n_tokens][n_rows].
+                out: out.as_mut_ptr().add(t * g.n_rows + r),
+                // Later token groups find the rows in cache already.
+                prefetch: t == 0,
+            };
+            if tile_rows == R {
+                direct_tokens::<W, R>(tile, tile_tokens, g, &mut mins);
+            } else {
+                direct_tokens::<W, 1>(tile, tile_tokens, g, &mut mins);
+            }
+            t += tile_tokens;
+        }
+        r += tile_rows;
+    }
+}
+
+/// Many tokens: pack each row tile's k-chunks once, then sweep every token over them.
+///
+/// # Safety
+/// `w_first` holds `g.n_rows` rows; `out` is `[n_tokens][g.n_rows]`; AVX-512 set
+/// available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn drive_packed<W: PairDecode>(
+    w_first: *const u8,
+    g: Geometry,
+    xq: &QuantizedActivations,
+    out: &mut [f32],
+) {
     let mut pack = Packed {
         codes: [[0; CHUNK_BLOCKS * QK32]; TILE_ROWS],
         dw: [[0.0; CHUNK_BLOCKS / PAIR * LANES]; TILE_ROWS],
         m: [[0.0; CHUNK_BLOCKS / PAIR * PAIR_DS]; TILE_ROWS],
     };
     let mut r = 0;
-    while r < n_rows {
-        let tile_rows = if n_rows - r >= TILE_ROWS {
+    while r < g.n_rows {
+        let tile_rows = if g.n_rows - r >= TILE_ROWS {
             TILE_ROWS
         } else {
             1
         };
-        for first_block in (0..nb).step_by(CHUNK_BLOCKS) {
-            let blocks = CHUNK_BLOCKS.min(nb - first_block);
+        for first_block in (0..g.nb).step_by(CHUNK_BLOCKS) {
+            let blocks = CHUNK_BLOCKS.min(g.nb - first_block);
             let chunk = Chunk {
                 first_block,
                 blocks,
@@ -178,12 +292,12 @@ unsafe fn drive<W: PairDecode>(
             };
             pack_rows::<W>(
                 &mut pack,
-                w_first.add(r * row_bytes),
-                row_bytes,
+                w_first.add(r * g.row_bytes),
+                g.row_bytes,
                 tile_rows,
                 chunk,
             );
-            sweep_tokens(&pack, chunk, tile_rows, xq, out, r, n_rows);
+            sweep_tokens(&pack, chunk, tile_rows, xq, out, r, g.n_rows);
         }
         r += tile_rows;
     }
@@ -212,11 +326,7 @@ unsafe fn direct<W: PairDecode, const R: usize>(
         let dsv = _mm_loadu_ps(ds.add(p * PAIR_DS));
         for r in 0..R {
             let row = w_rows.add(r * row_bytes);
-            // Prefetch never faults; wrapping_add keeps the address computation defined
-            // past the end of the weights.
-            let ahead = row.wrapping_add(PREFETCH_ROWS * row_bytes + o0);
-            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o1 - o0 + W::BYTES - 1) as *const i8);
+            prefetch_linear::<W, R>(w_rows, row_bytes, p, r);
             let codes = codes512::<W>(row.add(o0), row.add(o1));
             let product = _mm_mul_ps(W::scales(row.add(o0), row.add(o1)), dsv);
             offset[r] = _mm_add_ps(offset[r], product);
@@ -227,6 +337,192 @@ unsafe fn direct<W: PairDecode, const R: usize>(
     for r in 0..R {
         *out.add(r) = _mm512_reduce_add_ps(acc[r]) + offset_lanes(offset[r]);
     }
+}
+
+/// Prefetches the `R` x `row_bytes` tile `PREFETCH_ROWS` rows ahead of `w_rows`, a
+/// pair's worth of bytes at step (pair `p`, row `r`), as ONE linear stream.
+///
+/// A tile's rows are contiguous, so walking the region ahead in address order keeps
+/// one sequential stream for the hardware prefetcher too; prefetching each row at the
+/// pair being decoded instead opened `R` streams a row apart, which halved the
+/// DRAM rate for rows of 600 bytes and more (Q8_0 output head, k = 1536 Q4_1).
+/// `pairs x R` steps of `PAIR * W::BYTES` bytes cover the tile ahead exactly when a
+/// row is one k-chunk (every model shape here); longer rows get part of it, and the
+/// hardware prefetcher follows such long rows well on its own.
+///
+/// # Safety
+/// SSE available (prefetch never faults; wrapping_add keeps the address computation
+/// defined past the end of the weights).
+#[inline(always)]
+unsafe fn prefetch_linear<W: PairDecode, const R: usize>(
+    w_rows: *const u8,
+    row_bytes: usize,
+    p: usize,
+    r: usize,
+) {
+    let step = PAIR * W::BYTES;
+    let ahead = w_rows.wrapping_add(PREFETCH_ROWS * row_bytes + (p * R + r) * step);
+    _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(step - 1) as *const i8);
+}
+
+/// One direct multi-token tile: `R` rows from `w_rows` against tokens `x[..T]`.
+#[derive(Clone, Copy)]
+struct DirectTile<'a> {
+    /// First of the tile's rows.
+    w_rows: *const u8,
+    /// Token rows; only the first `T` are read.
+    x: &'a [Q8Row; DIRECT_TILE_TOKENS],
+    /// Slot (token 0, row 0) of the tile in `out`, `Geometry::n_rows` per token.
+    out: *mut f32,
+    /// Whether to prefetch rows ahead (only the first token group streams from DRAM).
+    prefetch: bool,
+}
+
+/// Per-row packed mins of one k-chunk: [row][pair][0, m_b, 0, m_b+1].
+type ChunkMins = [[f32; CHUNK_BLOCKS / PAIR * PAIR_DS]; TILE_ROWS];
+
+/// `direct_tile` for a run-time token count up to `DIRECT_TILE_TOKENS`.
+///
+/// # Safety
+/// As for [`direct_tile`].
+#[inline(always)]
+unsafe fn direct_tokens<W: PairDecode, const R: usize>(
+    tile: DirectTile,
+    tile_tokens: usize,
+    g: Geometry,
+    mins: &mut ChunkMins,
+) {
+    const _: () = assert!(DIRECT_TILE_TOKENS == 8);
+    match tile_tokens {
+        1 => direct_tile::<W, R, 1>(tile, g, mins),
+        2 => direct_tile::<W, R, 2>(tile, g, mins),
+        3 => direct_tile::<W, R, 3>(tile, g, mins),
+        4 => direct_tile::<W, R, 4>(tile, g, mins),
+        5 => direct_tile::<W, R, 5>(tile, g, mins),
+        6 => direct_tile::<W, R, 6>(tile, g, mins),
+        7 => direct_tile::<W, R, 7>(tile, g, mins),
+        _ => direct_tile::<W, R, DIRECT_TILE_TOKENS>(tile, g, mins),
+    }
+}
+
+/// Few-token decode schedule: each pair of `R` rows is decoded once into registers
+/// and dotted with all `T` tokens; the mins go to `mins` and are applied per k-chunk
+/// four pairs per vector, as in [`tile`].
+///
+/// # Safety
+/// `tile.w_rows` holds `R` rows of `g.row_bytes`; `x[..T]` cover `g.nb` blocks,
+/// padded; `tile.out` has the `T` x `R` slots at stride `g.n_rows`; AVX-512 set
+/// available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn direct_tile<W: PairDecode, const R: usize, const T: usize>(
+    tile: DirectTile,
+    g: Geometry,
+    mins: &mut ChunkMins,
+) {
+    let zero = _mm512_setzero_si512();
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    for first_block in (0..g.nb).step_by(CHUNK_BLOCKS) {
+        let blocks = CHUNK_BLOCKS.min(g.nb - first_block);
+        let pairs = blocks.div_ceil(PAIR);
+        let w_chunk = tile.w_rows.add(first_block * W::BYTES);
+        // Activation offsets of the chunk: quants per block, [d, s] per block.
+        let (x_qs, x_ds) = (first_block * QK32, first_block * PAIR_DS / PAIR);
+        for p in 0..pairs {
+            let (o0, o1) = pair_offsets(p, blocks, W::BYTES);
+            let mut codes = [zero; R];
+            let mut dw = [_mm512_setzero_ps(); R];
+            for r in 0..R {
+                let row = w_chunk.add(r * g.row_bytes);
+                if tile.prefetch {
+                    prefetch_linear::<W, R>(w_chunk, g.row_bytes, p, r);
+                }
+                codes[r] = codes512::<W>(row.add(o0), row.add(o1));
+                let scales = W::scales(row.add(o0), row.add(o1));
+                dw[r] = spread(scales);
+                let m = _mm_blend_ps(_mm_setzero_ps(), scales, 0b1010);
+                _mm_storeu_ps(mins[r].as_mut_ptr().add(p * PAIR_DS), m);
+            }
+            for t in 0..T {
+                let (qs, ds) = tile.x[t];
+                let xv = _mm512_loadu_si512(qs.add(x_qs + p * PAIR * QK32) as *const _);
+                let dx = spread(_mm_loadu_ps(ds.add(x_ds + p * PAIR_DS)));
+                for r in 0..R {
+                    let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, codes[r], xv));
+                    acc[r][t] = _mm512_fmadd_ps(sums, _mm512_mul_ps(dw[r], dx), acc[r][t]);
+                }
+            }
+        }
+        let groups = blocks.div_ceil(Q8_1_SCALE_ALIGN);
+        for r in 0..R {
+            mins[r][pairs * PAIR_DS..groups * LANES].fill(0.0);
+        }
+        // m * s for four pairs per vector: [0, m, 0, m] against [d, s, d, s].
+        for gi in 0..groups {
+            // SAFETY: group gi lies inside the row's mins (zero-filled to whole groups).
+            let m: [__m512; R] = std::array::from_fn(|r| unsafe {
+                _mm512_loadu_ps(mins[r].as_ptr().add(gi * LANES))
+            });
+            for t in 0..T {
+                let s = _mm512_loadu_ps(tile.x[t].1.add(x_ds + gi * LANES));
+                for r in 0..R {
+                    acc[r][t] = _mm512_fmadd_ps(m[r], s, acc[r][t]);
+                }
+            }
+        }
+    }
+    store_sums::<R, T>(&acc, tile.out, g.n_rows);
+}
+
+/// Writes `out[t * out_stride + r] = sum of acc[r][t]`, reducing four accumulators
+/// per shuffle tree.
+///
+/// # Safety
+/// `out` has the `T` x `R` slots; AVX-512F available.
+#[inline(always)]
+unsafe fn store_sums<const R: usize, const T: usize>(
+    acc: &[[__m512; T]; R],
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let flat = |i: usize| acc[i % R][i / R];
+    let mut i = 0;
+    while i + 4 <= R * T {
+        let sums = hsum4(flat(i), flat(i + 1), flat(i + 2), flat(i + 3));
+        let mut lanes = [0.0f32; 4];
+        _mm_storeu_ps(lanes.as_mut_ptr(), sums);
+        for (j, lane) in lanes.into_iter().enumerate() {
+            let (r, t) = ((i + j) % R, (i + j) / R);
+            *out.add(t * out_stride + r) = lane;
+        }
+        i += 4;
+    }
+    for i in i..R * T {
+        *out.add(i / R * out_stride + i % R) = _mm512_reduce_add_ps(flat(i));
+    }
+}
+
+/// The lane sums of four vectors, `[sum a, sum b, sum c, sum d]`.
+///
+/// # Safety
+/// AVX-512F available.
+#[inline(always)]
+unsafe fn hsum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
+    let fold = |v: __m512| {
+        // SAFETY: AVX-512F available in every caller.
+        unsafe {
+            let high = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v));
+            _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(high))
+        }
+    };
+    // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7].
+    let ab = _mm256_hadd_ps(fold(a), fold(b));
+    let cd = _mm256_hadd_ps(fold(c), fold(d));
+    let abcd = _mm256_hadd_ps(ab, cd);
+    _mm_add_ps(
+        _mm256_castps256_ps128(abcd),
+        _mm256_extractf128_ps::<1>(abcd),
+    )
 }
 
 /// One row tile's packed k-chunk.
