@@ -120,8 +120,8 @@ impl CpuBackend {
             .map(|_| {
                 Mutex::new(WorkerScratch {
                     rows_out: Vec::new(),
-                    scores: vec![0.0; c.context_len],
-                    acc: vec![0.0; c.head_dim],
+                    scores: vec![0.0; c.context_len * c.kv_group()],
+                    acc: vec![0.0; c.head_dim * c.kv_group()],
                 })
             })
             .collect();
@@ -583,41 +583,50 @@ impl AttentionContext {
         out: SharedOut,
         scratch: &mut WorkerScratch,
     ) {
-        let (hd, d) = (self.head_dim, self.heads_count * self.head_dim);
+        let (hd, d, group) = (
+            self.head_dim,
+            self.heads_count * self.head_dim,
+            self.kv_group,
+        );
         let positions = pos + 1;
         let pages = positions.div_ceil(self.page_tokens);
         let kv_offset = kv_head * hd;
-        for h in kv_head * self.kv_group..(kv_head + 1) * self.kv_group {
-            let q_row = &q[t * d + h * hd..t * d + (h + 1) * hd];
-            for page in 0..pages {
-                let (k, _) = self.page(pool, table, page);
-                let first = page * self.page_tokens;
-                let used = (positions - first).min(self.page_tokens);
-                let scores = &mut scratch.scores[first..first + used];
-                vector::dot_rows(
-                    self.isa,
-                    q_row,
-                    k,
-                    self.kv_len,
-                    kv_offset,
-                    self.scale,
-                    scores,
-                );
+        let first_head = kv_head * group;
+        // [group][context]: one score row per query head sharing this KV head.
+        let context = scratch.scores.len() / group;
+        let (scores, acc) = (&mut scratch.scores, &mut scratch.acc);
+        // Each page is looked up (and its lease checked) once for the whole group.
+        for page in 0..pages {
+            let (k, _) = self.page(pool, table, page);
+            let first = page * self.page_tokens;
+            let used = (positions - first).min(self.page_tokens);
+            for g in 0..group {
+                let h = first_head + g;
+                let q_row = &q[t * d + h * hd..t * d + (h + 1) * hd];
+                let row = &mut scores[g * context + first..g * context + first + used];
+                vector::dot_rows(self.isa, q_row, k, self.kv_len, kv_offset, self.scale, row);
             }
-            vector::softmax(self.isa, &mut scratch.scores[..positions]);
-            let acc = &mut scratch.acc[..hd];
-            acc.fill(0.0);
-            for page in 0..pages {
-                let (_, v) = self.page(pool, table, page);
-                let first = page * self.page_tokens;
-                let used = (positions - first).min(self.page_tokens);
-                let p = &scratch.scores[first..first + used];
+        }
+        for g in 0..group {
+            vector::softmax(self.isa, &mut scores[g * context..g * context + positions]);
+        }
+        acc[..group * hd].fill(0.0);
+        for page in 0..pages {
+            let (_, v) = self.page(pool, table, page);
+            let first = page * self.page_tokens;
+            let used = (positions - first).min(self.page_tokens);
+            for g in 0..group {
+                let p = &scores[g * context + first..g * context + first + used];
+                let acc = &mut acc[g * hd..(g + 1) * hd];
                 vector::axpy_rows(self.isa, p, v, self.kv_len, kv_offset, acc);
             }
-            // SAFETY: token t's head h slice belongs to exactly one task.
-            let dst = unsafe { std::slice::from_raw_parts_mut(out.ptr().add(t * d + h * hd), hd) };
-            dst.copy_from_slice(acc);
         }
+        // SAFETY: token t's heads first_head..first_head + group belong to exactly
+        // one task (the one for this token's KV head).
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(out.ptr().add(t * d + first_head * hd), group * hd)
+        };
+        dst.copy_from_slice(&acc[..group * hd]);
     }
 
     /// K and V (`[page_tokens][kv_len]` each) of this layer in the table's
