@@ -4,6 +4,7 @@
 mod support;
 
 use serde_json::{json, Value};
+use std::process::Command;
 use std::time::Duration;
 use support::*;
 
@@ -495,4 +496,99 @@ fn a_canary_prompt_never_reaches_logs_or_metrics() {
     assert!(lines.iter().any(|l| l.contains("request_id")));
     let leaks: Vec<&String> = lines.iter().filter(|l| l.contains(&canary)).collect();
     assert!(leaks.is_empty(), "log lines carry the canary: {leaks:#?}");
+}
+
+/// TLS end to end with a self-signed certificate: HTTP/2 and HTTP/1.1 over
+/// HTTPS answer, plain HTTP on the same port does not. Uses the `openssl` and
+/// `curl` command-line tools (skipped, with a line, where either is missing).
+#[test]
+fn serves_over_tls_with_http2_and_http1() {
+    let Some(model) = smollm2() else { return };
+    let runs = |tool: &str, arg: &str| {
+        Command::new(tool)
+            .arg(arg)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if !runs("openssl", "version") || !runs("curl", "--version") {
+        eprintln!("skipped: the openssl and curl command-line tools are needed");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("bulkhead-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    let made = Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+        ])
+        .args(["-addext", "subjectAltName=IP:127.0.0.1"])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let policy = Policy {
+        tls: Some((cert.clone(), key)),
+        ..Policy::default()
+    };
+    let server = start(&model, &policy);
+    assert!(
+        server.inference.starts_with("https://"),
+        "{}",
+        server.inference
+    );
+    let body = chat_body("Say hi.", 4).to_string();
+    for version in ["--http2", "--http1.1"] {
+        let out = Command::new("curl")
+            .args(["-sS", version, "--cacert"])
+            .arg(&cert)
+            .args(["-w", "\n%{http_version} %{http_code}", "-H"])
+            .arg(format!("Authorization: Bearer {KEY_ALPHA}"))
+            .args(["-H", "Content-Type: application/json", "-d", &body])
+            .arg(format!("{}/v1/chat/completions", server.inference))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let (json, status) = text.rsplit_once('\n').unwrap();
+        let expected = if version == "--http2" {
+            "2 200"
+        } else {
+            "1.1 200"
+        };
+        assert_eq!(
+            status,
+            expected,
+            "{text} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let reply: serde_json::Value = serde_json::from_str(json).unwrap();
+        assert_eq!(reply["usage"]["completion_tokens"], 4);
+    }
+    let plain = server.inference.replacen("https://", "http://", 1);
+    let out = Command::new("curl")
+        .args(["-s", "-m", "5", "-o", "/dev/null", "-w", "%{http_code}"])
+        .arg(format!("{plain}/healthz"))
+        .output()
+        .unwrap();
+    assert_ne!(
+        String::from_utf8_lossy(&out.stdout),
+        "200",
+        "plain HTTP must not be served on a TLS port"
+    );
+    drop(server);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -70,6 +70,8 @@ pub struct Policy {
     pub body_bytes_max: u32,
     pub drain_timeout_ms: u32,
     pub rust_log: &'static str,
+    /// Certificate and key PEM files: both listeners speak TLS.
+    pub tls: Option<(PathBuf, PathBuf)>,
 }
 
 impl Default for Policy {
@@ -80,12 +82,21 @@ impl Default for Policy {
             body_bytes_max: 32768,
             drain_timeout_ms: 60_000,
             rust_log: "info",
+            tls: None,
         }
     }
 }
 
 impl Policy {
     fn toml(&self, model: &std::path::Path) -> String {
+        let tls = match &self.tls {
+            Some((cert, key)) => format!(
+                "[server.tls]\ncert_pem = \"{}\"\nkey_pem = \"{}\"\n",
+                cert.display(),
+                key.display()
+            ),
+            None => String::new(),
+        };
         format!(
             r#"
 [server]
@@ -93,7 +104,7 @@ body_bytes_max = {body}
 connections_max = 64
 request_timeout_ms = 120000
 drain_timeout_ms = {drain}
-
+{tls}
 [model]
 id = "{MODEL_ID}"
 path = "{model}"
