@@ -1,48 +1,14 @@
 //! The `bulkhead` binary as an operator uses it: `generate` and `tokenize` on the
 //! real SmolLM2 model, and clear errors (never a panic) on bad input.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod support;
 
-fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+use std::process::{Command, Output};
+use support::{bulkhead_exe, repo_root, smollm2};
 
 /// The binary `scripts/test.sh` builds before the tests run.
 fn bulkhead() -> Command {
-    let exe = std::env::var_os("BULKHEAD_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            // target/<profile>/deps/cli-<hash> → target/<profile>/bulkhead
-            let test_exe = std::env::current_exe().expect("test executable path");
-            test_exe
-                .parent()
-                .and_then(|deps| deps.parent())
-                .expect("target dir")
-                .join("bulkhead")
-        });
-    assert!(
-        exe.exists(),
-        "{} is missing: run `cargo build -p bulkhead` first",
-        exe.display()
-    );
-    Command::new(exe)
-}
-
-fn smollm2() -> Option<PathBuf> {
-    let path = repo_root().join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if path.exists() {
-        return Some(path);
-    }
-    assert!(
-        std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_none(),
-        "BULKHEAD_REQUIRE_MODEL is set but the model is missing: run scripts/setup.sh"
-    );
-    eprintln!(
-        "skipped: {} is missing; run scripts/setup.sh",
-        path.display()
-    );
-    None
+    Command::new(bulkhead_exe())
 }
 
 fn run(cmd: &mut Command) -> Output {
