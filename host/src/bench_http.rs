@@ -49,6 +49,10 @@ pub struct HttpBenchArgs {
     /// Extra JSON fields merged into each request (e.g. '{"ignore_eos":true}').
     #[arg(long)]
     pub extra: Option<String>,
+    /// Start every prompt with its request's number, so no two requests share a
+    /// prefix (a server's prompt cache cannot skip their prefill).
+    #[arg(long)]
+    pub distinct_prompts: bool,
 }
 
 const SENTENCE: &str = "The quick brown fox jumps over the lazy dog near the river. ";
@@ -84,13 +88,22 @@ pub fn run(args: &HttpBenchArgs) -> Result<()> {
             .expect("built as an object")
             .extend(extra);
     }
-    let body = Bytes::from(serde_json::to_vec(&body)?);
+    let mut sent = 0usize;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     println!(
-        "bench http: {} model {}, {} prompt sentences, max_tokens {}, {} requests per level",
-        args.url, args.model, args.prompt_sentences, args.max_tokens, args.requests
+        "bench http: {} model {}, {} prompt sentences{}, max_tokens {}, {} requests per level",
+        args.url,
+        args.model,
+        args.prompt_sentences,
+        if args.distinct_prompts {
+            " (distinct)"
+        } else {
+            ""
+        },
+        args.max_tokens,
+        args.requests
     );
     for &concurrency in &args.concurrency {
         if concurrency == 0 || concurrency > CONCURRENCY_MAX {
@@ -98,8 +111,19 @@ pub fn run(args: &HttpBenchArgs) -> Result<()> {
         }
         let rss_before = args.pid.and_then(rss_kib);
         let requests = args.requests.max(concurrency);
+        let bodies = (sent..sent + requests)
+            .map(|n| {
+                let mut body = body.clone();
+                if args.distinct_prompts {
+                    body["prompt"] =
+                        format!("Request {n}: {}", SENTENCE.repeat(args.prompt_sentences)).into();
+                }
+                serde_json::to_vec(&body).map(Bytes::from)
+            })
+            .collect::<Result<Vec<Bytes>, _>>()?;
+        sent += requests;
         let started = Instant::now();
-        let results = runtime.block_on(level(&authority, &args.key, &body, concurrency, requests));
+        let results = runtime.block_on(level(&authority, &args.key, &bodies, concurrency));
         let wall = started.elapsed().as_secs_f64();
         report(
             concurrency,
@@ -115,19 +139,23 @@ pub fn run(args: &HttpBenchArgs) -> Result<()> {
 async fn level(
     authority: &str,
     key: &str,
-    body: &Bytes,
+    bodies: &[Bytes],
     concurrency: usize,
-    requests: usize,
 ) -> Vec<Result<Sample>> {
     let mut clients = Vec::new();
     for client in 0..concurrency {
         // Client i sends requests i, i + C, i + 2C, ...
-        let count = (client..requests).step_by(concurrency).count();
-        let (authority, key, body) = (authority.to_string(), key.to_string(), body.clone());
+        let mine: Vec<Bytes> = bodies
+            .iter()
+            .skip(client)
+            .step_by(concurrency)
+            .cloned()
+            .collect();
+        let (authority, key) = (authority.to_string(), key.to_string());
         clients.push(tokio::spawn(async move {
-            let mut out = Vec::with_capacity(count);
-            for _ in 0..count {
-                out.push(one_request(&authority, &key, body.clone()).await);
+            let mut out = Vec::with_capacity(mine.len());
+            for body in mine {
+                out.push(one_request(&authority, &key, body).await);
             }
             out
         }));
