@@ -404,3 +404,36 @@ fn shutdown_ends_queued_and_running_requests_and_frees_every_page() {
     s.assert_all_pages_free();
     s.scheduler.pool().check_invariants().unwrap();
 }
+
+#[test]
+fn a_tenant_back_from_idle_does_not_starve_the_busy_one() {
+    let limits = BatchLimits {
+        step_tokens_max: 16,
+        step_seqs_max: 4,
+    };
+    let mut s = sim(
+        &[tenant(ALPHA, 1, 256, 256), tenant(BETA, 1, 256, 256)],
+        512,
+        limits,
+    );
+    // Alpha works alone for 20 steps, building up virtual time.
+    let _a: Vec<_> = (0..2).map(|i| s.submit(ALPHA, prompt(i, 200), 1)).collect();
+    for _ in 0..20 {
+        s.tick();
+    }
+    let alpha_before = s.scheduler.tokens_processed(ALPHA);
+    // Beta arrives: with equal weights the next steps alternate, instead of beta
+    // taking every step until its clock catches up with alpha's 20 steps.
+    let _b: Vec<_> = (0..2)
+        .map(|i| s.submit(BETA, prompt(10 + i, 200), 1))
+        .collect();
+    for _ in 0..10 {
+        s.tick();
+    }
+    let alpha = s.scheduler.tokens_processed(ALPHA) - alpha_before;
+    let beta = s.scheduler.tokens_processed(BETA);
+    assert!(
+        alpha >= 4 * 16 && beta >= 4 * 16,
+        "alpha {alpha}, beta {beta} tokens in 10 shared steps"
+    );
+}

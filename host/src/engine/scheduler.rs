@@ -376,10 +376,24 @@ impl<B: Backend> Scheduler<B> {
         let index = self
             .tenant_index(admitted.tenant())
             .expect("requests come from authenticated, configured tenants");
-        let tenant = &mut self.tenants[index];
-        if tenant.queue.len() >= tenant.limits.queue_depth_max as usize {
+        if self.tenants[index].queue.len() >= self.tenants[index].limits.queue_depth_max as usize {
             return Err(Rejection::QueueFull);
         }
+        // A tenant that was idle joins at the busy tenants' clock: time spent
+        // idle is not credit to spend later at the others' expense.
+        if self.tenants[index].queue.is_empty() && self.tenants[index].running == 0 {
+            let busy_min = self
+                .tenants
+                .iter()
+                .filter(|t| !t.queue.is_empty() || t.running > 0)
+                .map(|t| t.virtual_time)
+                .min_by(f64::total_cmp);
+            if let Some(busy_min) = busy_min {
+                let tenant = &mut self.tenants[index];
+                tenant.virtual_time = tenant.virtual_time.max(busy_min);
+            }
+        }
+        let tenant = &mut self.tenants[index];
         tenant.queue.push_back(admitted);
         tenant.counts.enqueued_total += 1;
         Ok(())
