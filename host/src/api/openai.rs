@@ -16,10 +16,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-/// Most stop sequences (as OpenAI).
-pub const STOP_SEQUENCES_MAX: usize = 4;
-/// Longest stop sequence, in bytes.
-pub const STOP_BYTES_MAX: usize = 256;
+use crate::engine::stop::{STOPS_MAX, STOP_BYTES_MAX};
 /// Largest `top_k` accepted.
 pub const TOP_K_LIMIT: u64 = 1 << 16;
 /// Generated tokens when the client names no `max_tokens` (or fewer, if the
@@ -184,10 +181,10 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
         Some(Value::String(s)) => vec![s],
         Some(v) => serde_json::from_value::<Vec<String>>(v).map_err(|e| type_error("stop", e))?,
     };
-    if stop.len() > STOP_SEQUENCES_MAX {
+    if stop.len() > STOPS_MAX {
         return Err(invalid(
             "stop",
-            format!("at most {STOP_SEQUENCES_MAX} stop sequences"),
+            format!("at most {STOPS_MAX} stop sequences"),
         ));
     }
     if stop

@@ -4,7 +4,7 @@
 //! stop sequence; when a stop sequence completes, the text before it is
 //! released and the rest (the stop sequence included) is dropped, as OpenAI does.
 
-/// Most stop sequences per request.
+/// Most stop sequences per request (as OpenAI); the API enforces both limits.
 pub const STOPS_MAX: usize = 4;
 /// Longest stop sequence, in bytes.
 pub const STOP_BYTES_MAX: usize = 256;
