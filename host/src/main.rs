@@ -119,15 +119,8 @@ fn load(path: &Path) -> Result<(Arc<Model>, Tokenizer)> {
 }
 
 fn chat_tokens(model: &Model, tokenizer: &Tokenizer, user: &str) -> Result<Vec<u32>> {
-    let source = model
-        .gguf
-        .str("tokenizer.chat_template")
+    let template = ChatTemplate::from_model(&model.gguf, tokenizer)?
         .context("the model has no chat template; use --prompt")?;
-    let piece = |id: Option<u32>| {
-        id.and_then(|id| tokenizer.token_text(id).ok())
-            .unwrap_or_default()
-    };
-    let template = ChatTemplate::new(source, piece(tokenizer.bos()), piece(tokenizer.eos()))?;
     let messages = [Message {
         role: "user".into(),
         content: user.into(),

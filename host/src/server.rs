@@ -215,13 +215,8 @@ fn tenants_with_keys(config: &Config) -> Result<Tenants, ServeError> {
 }
 
 fn chat_template(model: &Model, tokenizer: &Tokenizer) -> Option<ChatTemplate> {
-    let source = model.gguf.str("tokenizer.chat_template").ok()?;
-    let piece = |id: Option<u32>| {
-        id.and_then(|id| tokenizer.token_text(id).ok())
-            .unwrap_or_default()
-    };
-    match ChatTemplate::new(source, piece(tokenizer.bos()), piece(tokenizer.eos())) {
-        Ok(template) => Some(template),
+    match ChatTemplate::from_model(&model.gguf, tokenizer) {
+        Ok(template) => template,
         Err(error) => {
             tracing::warn!(%error, "the model's chat template does not compile; chat is disabled");
             None

@@ -8,6 +8,7 @@
 //! 3. Tokenize template text with special-token parsing on, and each message's
 //!    content with it off, and concatenate.
 
+use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer, TokenizerError};
 
 /// Most messages in one conversation.
@@ -72,6 +73,22 @@ impl ChatTemplate {
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
+    }
+
+    /// The template stored in a model file (`tokenizer.chat_template`), with the
+    /// tokenizer's BOS/EOS spellings; `Ok(None)` when the file has none.
+    pub fn from_model(
+        gguf: &Gguf,
+        tokenizer: &Tokenizer,
+    ) -> Result<Option<ChatTemplate>, ChatError> {
+        let Ok(source) = gguf.str("tokenizer.chat_template") else {
+            return Ok(None);
+        };
+        let piece = |id: Option<u32>| {
+            id.and_then(|id| tokenizer.token_text(id).ok())
+                .unwrap_or_default()
+        };
+        ChatTemplate::new(source, piece(tokenizer.bos()), piece(tokenizer.eos())).map(Some)
     }
 
     /// Renders `messages` with each content replaced by its sentinel.
