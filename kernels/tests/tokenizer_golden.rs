@@ -263,3 +263,44 @@ fn measures_build_and_encode_speed() {
         );
     }
 }
+
+/// `text_bytes_per_token_max` is a true bound: no text yields fewer tokens than
+/// its bytes divided by it (what the server relies on to refuse an oversized
+/// prompt before tokenizing it).
+#[test]
+fn text_bytes_per_token_max_bounds_the_token_count_from_below() {
+    let Some(tok) = smollm2() else { return };
+    let per_token = tok.text_bytes_per_token_max();
+    eprintln!("SmolLM2: a token covers at most {per_token} bytes of text");
+    assert!(
+        (4..=256).contains(&per_token),
+        "SmolLM2's longest text token covers {per_token} bytes"
+    );
+    let mut texts: Vec<String> = cases().into_iter().map(|(text, _, _)| text).collect();
+    // What compresses best: long runs of whitespace, repeated words and code.
+    for unit in [
+        " ",
+        "\n",
+        "\t",
+        "  ",
+        "the ",
+        "================",
+        "ing",
+        "é",
+        "😀",
+        "0",
+    ] {
+        texts.push(unit.repeat(4096 / unit.len()));
+    }
+    texts.push("function(){ return 0; }\n".repeat(100));
+    for text in &texts {
+        let ids = tok.encode(text, PLAIN).unwrap();
+        assert!(
+            ids.len() * per_token >= text.len(),
+            "{} tokens of at most {per_token} bytes cannot cover {} bytes: {:?}",
+            ids.len(),
+            text.len(),
+            &text[..text.len().min(40)]
+        );
+    }
+}

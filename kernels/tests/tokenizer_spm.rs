@@ -245,3 +245,21 @@ fn rejects_ids_outside_the_vocab_when_streaming_without_losing_state() {
     assert_eq!(d.push(byte(0xBD)).unwrap(), "");
     assert_eq!(d.push(byte(0xA0)).unwrap(), "你");
 }
+
+#[test]
+fn text_bytes_per_token_max_bounds_the_token_count_from_below() {
+    let tok = Tokenizer::new(spec()).unwrap();
+    // "hello" (5 bytes) and "▁wor" (6 bytes escaped) are the longest pieces.
+    assert_eq!(tok.text_bytes_per_token_max(), 6);
+    for text in [
+        "hello world",
+        "hellohellohello",
+        "  wor  wor",
+        "ŧ€xt ☃",
+        "",
+        "h",
+    ] {
+        let ids = tok.encode(text, PLAIN).unwrap();
+        assert!(ids.len() * 6 >= text.len(), "{text:?}: {ids:?}");
+    }
+}

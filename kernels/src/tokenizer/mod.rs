@@ -279,6 +279,12 @@ pub enum TokenizerError {
         /// [`TEXT_BYTES_MAX`].
         max: usize,
     },
+    /// The text has more tokens than the caller's budget (`encode_into`).
+    #[error("text has more than {max} tokens")]
+    TooManyTokens {
+        /// The budget.
+        max: usize,
+    },
     /// SentencePiece text with a byte that has neither a byte token nor UNK.
     #[error("no token for byte {byte:#04x} and no unknown token")]
     UnencodableByte {
@@ -344,6 +350,7 @@ pub struct Tokenizer {
     bos: Option<u32>,
     eos: Option<u32>,
     add_bos: bool,
+    text_bytes_per_token_max: usize,
 }
 
 impl Tokenizer {
@@ -390,6 +397,7 @@ impl Tokenizer {
             &ids,
         )?;
         let (piece_bytes, piece_starts) = render_pieces(&model, &tokens, &types);
+        let text_bytes_per_token_max = text_bytes_per_token_max(&tokens, &types, &piece_starts);
         let specials = Specials::new(&tokens, &types);
         let mut eog: Vec<u32> = EOG_NAMES
             .iter()
@@ -411,18 +419,45 @@ impl Tokenizer {
             bos,
             eos,
             add_bos,
+            text_bytes_per_token_max,
         })
+    }
+
+    /// The most bytes of plain text (no special tokens parsed) that one token
+    /// can cover, so `ceil(text.len() / this)` is a lower bound on the tokens
+    /// `encode` makes of it: an oversized prompt can be refused by its size
+    /// alone, before any tokenization work. Every token `encode` emits for text
+    /// is a text token (whose spelling, in its model's escaped or byte-mapped
+    /// form, covers no more input bytes than the longer of its spelling and its
+    /// rendering), a byte token or the unknown token (one byte each).
+    pub fn text_bytes_per_token_max(&self) -> usize {
+        self.text_bytes_per_token_max
     }
 
     /// Encodes `text` (module doc, lifecycle 2).
     pub fn encode(&self, text: &str, options: EncodeOptions) -> Result<Vec<u32>, TokenizerError> {
+        let mut out = Vec::with_capacity(text.len().min(TEXT_BYTES_MAX) / 3 + 2);
+        self.encode_into(text, options, usize::MAX, &mut out)?;
+        Ok(out)
+    }
+
+    /// Appends the tokens of `text` to `out`, and stops with
+    /// [`TokenizerError::TooManyTokens`] as soon as `out` holds more than
+    /// `tokens_max` (checked after each pre-tokenized word, so the work done on
+    /// a text too long for its budget is bounded by the budget, not the text).
+    pub fn encode_into(
+        &self,
+        text: &str,
+        options: EncodeOptions,
+        tokens_max: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizerError> {
         if text.len() > TEXT_BYTES_MAX {
             return Err(TokenizerError::TextTooLong {
                 bytes: text.len(),
                 max: TEXT_BYTES_MAX,
             });
         }
-        let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if options.add_bos {
             out.push(self.bos.ok_or(TokenizerError::MissingBos)?);
         }
@@ -434,12 +469,15 @@ impl Tokenizer {
                     after_special = true;
                 }
                 Fragment::Text(part) => {
-                    self.encode_fragment(part, after_special, &mut out)?;
+                    self.encode_fragment(part, after_special, tokens_max, out)?;
                     after_special = false;
                 }
             }
+            if out.len() > tokens_max {
+                return Err(TokenizerError::TooManyTokens { max: tokens_max });
+            }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Splits the words byte-level BPE would merge; their concatenation is `text`.
@@ -581,6 +619,7 @@ impl Tokenizer {
         &self,
         text: &str,
         after_special: bool,
+        tokens_max: usize,
         out: &mut Vec<u32>,
     ) -> Result<(), TokenizerError> {
         match &self.model {
@@ -591,6 +630,9 @@ impl Tokenizer {
                 let mut scratch = bpe::Scratch::default();
                 for word in words {
                     bpe.encode_word(word, whole_word, &mut scratch, out);
+                    if out.len() > tokens_max {
+                        return Err(TokenizerError::TooManyTokens { max: tokens_max });
+                    }
                 }
                 Ok(())
             }
@@ -762,6 +804,21 @@ fn check_scores(scores: &[f32], vocab_len: usize) -> Result<(), TokenizerError> 
 }
 
 /// What each token renders as when decoded, flattened (see `Tokenizer::piece_bytes`).
+fn text_bytes_per_token_max(
+    tokens: &[String],
+    types: &[TokenType],
+    piece_starts: &[usize],
+) -> usize {
+    tokens
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| types[*i].is_text())
+        .map(|(i, text)| text.len().max(piece_starts[i + 1] - piece_starts[i]))
+        .max()
+        .unwrap_or(1)
+        .max(1)
+}
+
 fn render_pieces(model: &Model, tokens: &[String], types: &[TokenType]) -> (Vec<u8>, Vec<usize>) {
     let char_to_byte = bpe::char_to_byte();
     let mut bytes = Vec::with_capacity(tokens.iter().map(String::len).sum());
