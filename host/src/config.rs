@@ -25,6 +25,10 @@ pub const TENANTS_MAX: usize = 1024;
 pub const QUEUE_DEPTH_LIMIT: u32 = 1 << 16;
 /// Most pages a pool may have (the KV crate has its own bound too).
 pub const POOL_PAGES_LIMIT: u32 = 1 << 22;
+/// Most requests of one tenant before admission at once, whatever the file says.
+pub const PENDING_LIMIT: u32 = 1024;
+/// Longest timeout a policy may set, in milliseconds (a day).
+pub const TIMEOUT_MS_LIMIT: u64 = 24 * 3600 * 1000;
 
 /// Why a policy file was refused.
 #[derive(Debug, thiserror::Error)]
@@ -93,6 +97,17 @@ pub struct ServerConfig {
     pub body_bytes_max: u64,
     /// Most concurrent connections per listener.
     pub connections_max: u32,
+    /// Most concurrent connections per listener from one peer (an IPv4 address,
+    /// or an IPv6 /64 prefix): one client cannot take every slot.
+    pub connections_per_peer_max: u32,
+    /// From accept to the first request's headers (the TLS handshake and
+    /// protocol detection included), and for each later request's headers.
+    pub handshake_timeout_ms: u64,
+    /// How long a connection may stay open with no request in flight.
+    pub idle_timeout_ms: u64,
+    /// Threads that tokenize prompts, taking tenants in turn (their CPU is
+    /// the engine's too on a CPU host).
+    pub tokenize_threads: u32,
     /// Deadline of one request, from arrival to its last token.
     pub request_timeout_ms: u64,
     /// How long a shutdown waits for in-flight requests.
@@ -108,6 +123,10 @@ impl Default for ServerConfig {
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 8081)),
             body_bytes_max: 1 << 20,
             connections_max: 1024,
+            connections_per_peer_max: 256,
+            handshake_timeout_ms: 10_000,
+            idle_timeout_ms: 60_000,
+            tokenize_threads: (default_threads() / 2).max(1),
             request_timeout_ms: 300_000,
             drain_timeout_ms: 10_000,
             tls: None,
@@ -189,6 +208,10 @@ pub struct TenantConfig {
     /// Most sequences running at once.
     #[serde(default = "default_running")]
     pub running_max: u32,
+    /// Most of its requests being read, parsed, tokenized and submitted at once
+    /// (work before admission, which its queue does not count yet).
+    #[serde(default = "default_pending")]
+    pub pending_max: u32,
     /// SHA-256 digests (hex) of the tenant's API keys.
     #[serde(default)]
     pub keys_sha256: Vec<String>,
@@ -205,6 +228,9 @@ fn default_queue_depth() -> u32 {
 }
 fn default_running() -> u32 {
     16
+}
+fn default_pending() -> u32 {
+    8
 }
 
 impl Config {
@@ -253,8 +279,15 @@ impl Config {
         }
         for (field, value) in [
             ("server.connections_max", u64::from(s.connections_max)),
+            (
+                "server.connections_per_peer_max",
+                u64::from(s.connections_per_peer_max),
+            ),
+            ("server.handshake_timeout_ms", s.handshake_timeout_ms),
+            ("server.idle_timeout_ms", s.idle_timeout_ms),
             ("server.request_timeout_ms", s.request_timeout_ms),
             ("server.drain_timeout_ms", s.drain_timeout_ms),
+            ("server.tokenize_threads", u64::from(s.tokenize_threads)),
             ("model.context_tokens", u64::from(self.model.context_tokens)),
             ("model.threads", u64::from(self.model.threads)),
             ("engine.page_tokens", u64::from(self.engine.page_tokens)),
@@ -268,6 +301,31 @@ impl Config {
         ] {
             if value == 0 {
                 return Err(invalid(field, "must be at least 1"));
+            }
+        }
+        if s.tokenize_threads as usize > crate::api::lane::LANE_THREADS_MAX {
+            return Err(invalid(
+                "server.tokenize_threads",
+                format!("at most {}", crate::api::lane::LANE_THREADS_MAX),
+            ));
+        }
+        if s.connections_per_peer_max > s.connections_max {
+            return Err(invalid(
+                "server.connections_per_peer_max",
+                "must be at most server.connections_max",
+            ));
+        }
+        for (field, value) in [
+            ("server.handshake_timeout_ms", s.handshake_timeout_ms),
+            ("server.idle_timeout_ms", s.idle_timeout_ms),
+            ("server.request_timeout_ms", s.request_timeout_ms),
+            ("server.drain_timeout_ms", s.drain_timeout_ms),
+        ] {
+            if value > TIMEOUT_MS_LIMIT {
+                return Err(invalid(
+                    field,
+                    format!("at most {TIMEOUT_MS_LIMIT} (a day)"),
+                ));
             }
         }
         if self.engine.pool_pages > POOL_PAGES_LIMIT {
@@ -326,6 +384,12 @@ impl Config {
             }
             if t.running_max == 0 {
                 return Err(invalid(field("running_max"), "must be at least 1"));
+            }
+            if t.pending_max == 0 || t.pending_max > PENDING_LIMIT {
+                return Err(invalid(
+                    field("pending_max"),
+                    format!("must be 1..={PENDING_LIMIT}"),
+                ));
             }
             for (i, digest) in t.keys_sha256.iter().enumerate() {
                 let hex = digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit());

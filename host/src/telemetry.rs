@@ -44,6 +44,10 @@ pub const KV_POOL_PAGES: &str = "bulkhead_kv_pool_pages";
 /// KV pages scrubbed since start.
 pub const KV_PAGES_SCRUBBED_TOTAL: &str = "bulkhead_kv_pages_scrubbed_total";
 
+/// Connections a listener closed itself, by listener and reason
+/// (`peer_limit`, `handshake_timeout`, `idle_timeout`).
+pub const CONNECTIONS_CLOSED_TOTAL: &str = "bulkhead_connections_closed_total";
+
 /// Histogram buckets for latencies, in seconds.
 const LATENCY_BUCKETS_SECONDS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -86,6 +90,11 @@ pub fn init_tracing() {
 /// Counts a refused request.
 pub fn count_rejection(tenant: &str, code: &'static str) {
     counter!(REJECTIONS_TOTAL, "tenant" => tenant.to_string(), "reason" => code).increment(1);
+}
+
+/// Counts a connection the listener closed itself.
+pub fn count_connection_closed(listener: &'static str, reason: &'static str) {
+    counter!(CONNECTIONS_CLOSED_TOTAL, "listener" => listener, "reason" => reason).increment(1);
 }
 
 /// Counts a finished request and its tokens.

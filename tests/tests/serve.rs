@@ -543,9 +543,15 @@ fn serves_over_tls_with_http2_and_http1() {
     );
     let policy = Policy {
         tls: Some((cert.clone(), key)),
+        handshake_timeout_ms: 1000,
         ..Policy::default()
     };
     let server = start(&model, &policy);
+    // A client that opens the TLS port and never says hello is closed at the
+    // handshake deadline.
+    let silent_since = std::time::Instant::now();
+    let mut silent =
+        std::net::TcpStream::connect(server.inference.trim_start_matches("https://")).unwrap();
     assert!(
         server.inference.starts_with("https://"),
         "{}",
@@ -578,6 +584,16 @@ fn serves_over_tls_with_http2_and_http1() {
         let reply: serde_json::Value = serde_json::from_str(json).unwrap();
         assert_eq!(reply["usage"]["completion_tokens"], 4);
     }
+    silent
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    let read = std::io::Read::read(&mut silent, &mut byte);
+    assert!(
+        matches!(read, Ok(0) | Err(_)) && silent_since.elapsed() < Duration::from_secs(8),
+        "a silent TLS client is closed: {read:?} after {:?}",
+        silent_since.elapsed()
+    );
     let plain = server.inference.replacen("https://", "http://", 1);
     let out = Command::new("curl")
         .args(["-s", "-m", "5", "-o", "/dev/null", "-w", "%{http_code}"])

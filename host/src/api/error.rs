@@ -90,6 +90,12 @@ pub enum ApiError {
         /// The parameter holding the prompt ("messages" or "prompt").
         prompt_param: &'static str,
     },
+    /// The tenant already has `pending_max` requests being read, tokenized or
+    /// submitted.
+    #[error(
+        "Too many requests of this tenant are being read and prepared at once; retry shortly."
+    )]
+    TooManyPending,
     /// The engine is shutting down or stopped.
     #[error("The server is not accepting requests right now.")]
     Unavailable,
@@ -197,7 +203,7 @@ impl ApiError {
                     Rejection::EmptyPrompt => {
                         (StatusCode::BAD_REQUEST, INVALID, "empty_prompt", prompt)
                     }
-                    Rejection::ContextLengthExceeded { .. } => (
+                    Rejection::ContextLengthExceeded { .. } | Rejection::PromptTooLong { .. } => (
                         StatusCode::BAD_REQUEST,
                         INVALID,
                         "context_length_exceeded",
@@ -217,6 +223,12 @@ impl ApiError {
                     ),
                 }
             }
+            E::TooManyPending => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "too_many_pending",
+                None,
+            ),
             E::Unavailable => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "server_error",

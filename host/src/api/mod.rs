@@ -3,19 +3,29 @@
 //!
 //! A request's path through [`infer`]:
 //!
-//! 1. **Authenticate** the bearer key → tenant (401 otherwise).
+//! 1. **Authenticate** the bearer key → tenant (401 otherwise), and take one of
+//!    the tenant's `pending_max` permits (429 `too_many_pending` otherwise): work
+//!    before admission — reading, parsing, tokenizing, submitting — is bounded
+//!    per tenant, so one tenant cannot take the CPU or the engine's inbox from
+//!    another before its queue limits apply.
 //! 2. **Read** the body under `server.body_bytes_max` (413) and a read deadline.
-//! 3. **Parse** and validate the OpenAI parameters ([`openai`]); resolve the model (404).
-//! 4. **Tokenize** (the model's chat template for chat) on a blocking thread.
+//! 3. **Parse** and validate the OpenAI parameters ([`openai`]); resolve the model
+//!    (404); refuse a prompt whose byte count alone proves it too long (400
+//!    `context_length_exceeded`, before any tokenization work).
+//! 4. **Tokenize** (the model's chat template for chat) in the tenant's turn on
+//!    the tokenization [`lane`], stopping once the prompt cannot fit.
 //! 5. **Admit** statically (I1): `prompt + max_tokens` against the contract —
 //!    a 400 `context_length_exceeded` here touches no page, queue or plugin state.
-//! 6. **Submit** to the engine thread: queued, or 429 (`Retry-After`) / 503.
+//! 6. **Submit** to the engine thread: queued, or 429 (`Retry-After`) / 503. The
+//!    permit of step 1 is held until the engine answers, so the engine's inbox
+//!    holds at most `pending_max` submissions of any one tenant.
 //! 7. **Answer**: one JSON body, or an SSE stream whose body owns the event
 //!    receiver, so a client disconnect cancels the request.
 //!
 //! Every error goes through [`error::ApiError::into_response`].
 
 pub mod error;
+pub mod lane;
 pub mod openai;
 pub mod stream;
 
@@ -29,7 +39,7 @@ use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 use axum::routing::{get, post};
 use axum::Router;
-use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer};
+use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer, TokenizerError};
 use bytes::Bytes;
 use error::ApiError;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -41,6 +51,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use stream::{finish_error, SseBody, Tracker};
 use subtle::ConstantTimeEq;
+use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
 /// How long a client may take to send its body.
@@ -48,6 +59,13 @@ pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// Most bytes beyond `server.body_bytes_max` read and dropped before a 413
 /// (larger bodies are answered at once; the client may see a reset).
 pub const BODY_DISCARD_BYTES_MAX: u64 = 8 << 20;
+
+/// A request refused before its body was read (401, 429 `too_many_pending`)
+/// has a body of at most this many bytes read and dropped, so its client —
+/// likely still sending — gets the answer rather than a reset connection.
+pub const REFUSED_BODY_DRAIN_BYTES_MAX: u64 = 64 << 10;
+/// How long such a body may take to arrive; a slower one is left unread.
+pub const REFUSED_BODY_DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Everything the handlers share.
 pub struct App {
@@ -59,6 +77,11 @@ pub struct App {
     pub admission: Admission,
     /// The model's tokenizer.
     pub tokenizer: Arc<Tokenizer>,
+    /// `tokenizer.text_bytes_per_token_max()`: a prompt's bytes over this are
+    /// the fewest tokens it can be.
+    pub text_bytes_per_token_max: u64,
+    /// Where prompts are tokenized, tenants in turn.
+    pub lane: lane::Lane,
     /// The model's chat template, if it has one.
     pub template: Option<ChatTemplate>,
     /// The served model's id.
@@ -242,17 +265,26 @@ async fn infer(
     let arrived = Instant::now();
     let id = app.request_id();
     let mut response = match app.tenant(&headers) {
-        None => ApiError::Unauthenticated.into_response(id, None),
-        Some(tenant) => {
-            let span = tracing::info_span!("request", request_id = id.0, tenant = %tenant.name);
-            match run(&app, tenant, id, arrived, &headers, body, endpoint)
-                .instrument(span)
-                .await
-            {
-                Ok(response) => response,
-                Err(error) => error.into_response(id, Some(&tenant.name)),
-            }
+        None => {
+            drain_refused(body, &headers).await;
+            ApiError::Unauthenticated.into_response(id, None)
         }
+        Some(tenant) => match Arc::clone(&tenant.pending).try_acquire_owned() {
+            Err(_) => {
+                drain_refused(body, &headers).await;
+                ApiError::TooManyPending.into_response(id, Some(&tenant.name))
+            }
+            Ok(pending) => {
+                let span = tracing::info_span!("request", request_id = id.0, tenant = %tenant.name);
+                match run(&app, tenant, pending, id, arrived, &headers, body, endpoint)
+                    .instrument(span)
+                    .await
+                {
+                    Ok(response) => response,
+                    Err(error) => error.into_response(id, Some(&tenant.name)),
+                }
+            }
+        },
     };
     if let Ok(value) = HeaderValue::from_str(&id.0.to_string()) {
         response.headers_mut().insert("x-request-id", value);
@@ -260,12 +292,26 @@ async fn infer(
     response
 }
 
-async fn read_body(body: Body, headers: &HeaderMap, limit: u64) -> Result<Bytes, ApiError> {
-    let declared = headers
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if let Some(len) = declared.filter(|&len| len > limit) {
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
+/// Reads and drops the body of a refused request when it is small and prompt
+/// (see [`REFUSED_BODY_DRAIN_BYTES_MAX`]); holds no tenant's permit.
+async fn drain_refused(body: Body, headers: &HeaderMap) {
+    if content_length(headers).is_some_and(|len| len > REFUSED_BODY_DRAIN_BYTES_MAX) {
+        return;
+    }
+    // At most REFUSED_BODY_DRAIN_BYTES_MAX (64 KiB) is buffered.
+    let limited = Limited::new(body, REFUSED_BODY_DRAIN_BYTES_MAX as usize);
+    let _ = tokio::time::timeout(REFUSED_BODY_DRAIN_TIMEOUT, limited.collect()).await;
+}
+
+async fn read_body(body: Body, headers: &HeaderMap, limit: u64) -> Result<Bytes, ApiError> {
+    if let Some(len) = content_length(headers).filter(|&len| len > limit) {
         if len <= limit.saturating_add(BODY_DISCARD_BYTES_MAX) {
             // Read and drop it, so the client (still sending) gets the 413
             // instead of a reset connection.
@@ -297,7 +343,25 @@ enum Source {
     Completion(Prompt),
 }
 
-fn tokenize(app: &App, source: Source) -> Result<Vec<u32>, ApiError> {
+impl Source {
+    /// The fewest tokens the prompt can be, known without tokenizing: its text's
+    /// bytes over the most bytes one token covers (the chat template only adds
+    /// tokens), or the count of token ids.
+    fn tokens_min(&self, text_bytes_per_token_max: u64) -> u64 {
+        let text_bytes: u64 = match self {
+            Source::Chat(messages) => messages.iter().map(|m| m.content.len() as u64).sum(),
+            Source::Completion(Prompt::Text(text)) => text.len() as u64,
+            Source::Completion(Prompt::Tokens(ids)) => return ids.len() as u64,
+        };
+        text_bytes.div_ceil(text_bytes_per_token_max)
+    }
+}
+
+/// The prompt's tokens; `Ok(None)` when it has more than `tokens_max` (the
+/// tokenizer stopped there).
+fn tokenize(app: &App, source: Source, tokens_max: u64) -> Result<Option<Vec<u32>>, ApiError> {
+    let tokens_max = usize::try_from(tokens_max).unwrap_or(usize::MAX);
+    let too_many = |e: &TokenizerError| matches!(e, TokenizerError::TooManyTokens { .. });
     match source {
         Source::Chat(messages) => {
             let template = app.template.as_ref().ok_or_else(|| ApiError::Unsupported {
@@ -305,9 +369,10 @@ fn tokenize(app: &App, source: Source) -> Result<Vec<u32>, ApiError> {
                 reason: "cannot be used: the model has no chat template; use /v1/completions"
                     .into(),
             })?;
-            template
-                .tokens(&app.tokenizer, &messages)
-                .map_err(|e| match e {
+            match template.tokens_max(&app.tokenizer, &messages, tokens_max) {
+                Ok(ids) => Ok(Some(ids)),
+                Err(ChatError::Tokenizer(e)) if too_many(&e) => Ok(None),
+                Err(e) => Err(match e {
                     // Rendered with sentinels in place of content: the message
                     // holds template text only.
                     ChatError::Template(message) => ApiError::InvalidValue {
@@ -315,18 +380,24 @@ fn tokenize(app: &App, source: Source) -> Result<Vec<u32>, ApiError> {
                         message: format!("the chat template refused the conversation: {message}"),
                     },
                     other => ApiError::Internal(format!("chat tokenization: {other}")),
-                })
+                }),
+            }
         }
-        Source::Completion(Prompt::Text(text)) => app
-            .tokenizer
-            .encode(
-                &text,
-                EncodeOptions {
-                    add_bos: app.tokenizer.add_bos(),
-                    parse_special: false,
-                },
-            )
-            .map_err(|e| ApiError::Internal(format!("tokenization: {e}"))),
+        Source::Completion(Prompt::Text(text)) => {
+            let options = EncodeOptions {
+                add_bos: app.tokenizer.add_bos(),
+                parse_special: false,
+            };
+            let mut ids = Vec::new();
+            match app
+                .tokenizer
+                .encode_into(&text, options, tokens_max, &mut ids)
+            {
+                Ok(()) => Ok(Some(ids)),
+                Err(e) if too_many(&e) => Ok(None),
+                Err(e) => Err(ApiError::Internal(format!("tokenization: {e}"))),
+            }
+        }
         Source::Completion(Prompt::Tokens(ids)) => {
             let vocab = app.tokenizer.vocab_len();
             if ids.iter().any(|&id| id as usize >= vocab) {
@@ -335,15 +406,17 @@ fn tokenize(app: &App, source: Source) -> Result<Vec<u32>, ApiError> {
                     message: format!("token ids must be below {vocab}"),
                 });
             }
-            Ok(ids)
+            Ok(Some(ids))
         }
     }
 }
 
-/// Steps 2–7 of the module doc.
+/// Steps 2–7 of the module doc; `pending` is the tenant's permit of step 1.
+#[allow(clippy::too_many_arguments)]
 async fn run(
     app: &Arc<App>,
     tenant: &Tenant,
+    pending: OwnedSemaphorePermit,
     id: RequestId,
     arrived: Instant,
     headers: &HeaderMap,
@@ -368,10 +441,27 @@ async fn run(
     if common.model != app.model_id {
         return Err(ApiError::ModelNotFound(common.model));
     }
+    let rejected = |rejection| ApiError::Rejected {
+        rejection,
+        prompt_param: endpoint.prompt_param(),
+    };
+    // Refused by its size alone, before any tokenization work.
+    let tokens_min = source.tokens_min(app.text_bytes_per_token_max);
+    app.admission
+        .check_size(tokens_min, common.max_tokens)
+        .map_err(rejected)?;
     let worker = Arc::clone(app);
-    let prompt = tokio::task::spawn_blocking(move || tokenize(&worker, source))
+    let tokens_max = app.admission.prompt_tokens_max(common.max_tokens);
+    let prompt = app
+        .lane
+        .run(tenant.id, move || tokenize(&worker, source, tokens_max))
         .await
-        .map_err(|e| ApiError::Internal(format!("tokenizer task: {e}")))??;
+        .map_err(|e| ApiError::Internal(e.to_string()))??;
+    let Some(prompt) = prompt else {
+        // Tokenizing stopped once the prompt could no longer fit.
+        let rejection = app.admission.too_long(tokens_max + 1, common.max_tokens);
+        return Err(rejected(rejection));
+    };
     let prompt_tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
     let context = app.admission.context_tokens;
     let max_tokens = common.max_tokens.unwrap_or_else(|| {
@@ -390,13 +480,7 @@ async fn run(
         deadline: arrived + app.request_timeout,
         events,
     };
-    let admitted = app
-        .admission
-        .admit(request)
-        .map_err(|rejection| ApiError::Rejected {
-            rejection,
-            prompt_param: endpoint.prompt_param(),
-        })?;
+    let admitted = app.admission.admit(request).map_err(rejected)?;
     tracing::info!(
         request_id = id.0,
         tenant = %tenant.name,
@@ -407,6 +491,8 @@ async fn run(
         "admitted"
     );
     app.engine.submit(admitted).await?;
+    // Queued: the tenant's queue limits govern it from here.
+    drop(pending);
     let meta = ResponseMeta {
         id: format!(
             "{}{:08x}{:08x}",

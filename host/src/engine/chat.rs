@@ -118,6 +118,17 @@ impl ChatTemplate {
         tokenizer: &Tokenizer,
         messages: &[Message],
     ) -> Result<Vec<u32>, ChatError> {
+        self.tokens_max(tokenizer, messages, usize::MAX)
+    }
+
+    /// [`ChatTemplate::tokens`], stopping with `TokenizerError::TooManyTokens`
+    /// once the conversation has more than `tokens_max` tokens.
+    pub fn tokens_max(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &[Message],
+        tokens_max: usize,
+    ) -> Result<Vec<u32>, ChatError> {
         if messages.len() > MESSAGES_MAX {
             return Err(ChatError::TooManyMessages(messages.len()));
         }
@@ -135,14 +146,14 @@ impl ChatTemplate {
         for (i, message) in messages.iter().enumerate() {
             let marker = sentinel(i);
             let at = rest.find(&marker).ok_or(ChatError::ContentNotPlaced)?;
-            ids.extend(tokenizer.encode(&rest[..at], template_text)?);
-            ids.extend(tokenizer.encode(&message.content, user_text)?);
+            tokenizer.encode_into(&rest[..at], template_text, tokens_max, &mut ids)?;
+            tokenizer.encode_into(&message.content, user_text, tokens_max, &mut ids)?;
             rest = &rest[at + marker.len()..];
         }
         if rest.contains('\u{E000}') {
             return Err(ChatError::ContentNotPlaced);
         }
-        ids.extend(tokenizer.encode(rest, template_text)?);
+        tokenizer.encode_into(rest, template_text, tokens_max, &mut ids)?;
         Ok(ids)
     }
 }

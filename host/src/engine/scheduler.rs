@@ -135,6 +135,21 @@ pub enum Rejection {
         /// The promised context.
         context_tokens: u32,
     },
+    /// The prompt cannot fit, and was refused before it was tokenized in full:
+    /// by its byte count (its tokens are at least its bytes over the most bytes
+    /// a token covers), or when tokenizing passed the context's budget.
+    #[error(
+        "this model's maximum context length is {context_tokens} tokens; the prompt is at least \
+         {prompt_tokens_min} tokens, plus {max_tokens} completion tokens"
+    )]
+    PromptTooLong {
+        /// The fewest tokens the prompt can be.
+        prompt_tokens_min: u64,
+        /// Requested completion tokens (1 when not given).
+        max_tokens: u32,
+        /// The promised context.
+        context_tokens: u32,
+    },
     /// `max_tokens` is zero.
     #[error("max_tokens must be at least 1")]
     ZeroMaxTokens,
@@ -177,6 +192,35 @@ pub struct Admission {
 }
 
 impl Admission {
+    /// The most prompt tokens a request asking for `max_tokens` can have (when
+    /// not given, at least one token is generated): tokenization stops past it.
+    pub fn prompt_tokens_max(&self, max_tokens: Option<u32>) -> u64 {
+        let max_tokens = max_tokens.unwrap_or(1).max(1);
+        u64::from(self.context_tokens).saturating_sub(u64::from(max_tokens))
+    }
+
+    /// Refuses a prompt known to be at least `prompt_tokens_min` tokens when
+    /// that alone cannot fit with `max_tokens`.
+    pub fn check_size(
+        &self,
+        prompt_tokens_min: u64,
+        max_tokens: Option<u32>,
+    ) -> Result<(), Rejection> {
+        if prompt_tokens_min > self.prompt_tokens_max(max_tokens) {
+            return Err(self.too_long(prompt_tokens_min, max_tokens));
+        }
+        Ok(())
+    }
+
+    /// The refusal of a prompt of at least `prompt_tokens_min` tokens.
+    pub fn too_long(&self, prompt_tokens_min: u64, max_tokens: Option<u32>) -> Rejection {
+        Rejection::PromptTooLong {
+            prompt_tokens_min,
+            max_tokens: max_tokens.unwrap_or(1).max(1),
+            context_tokens: self.context_tokens,
+        }
+    }
+
     /// Checks `request` against the contract; touches nothing shared.
     pub fn admit(&self, request: NewRequest) -> Result<Admitted, Rejection> {
         let prompt_tokens = u32::try_from(request.prompt.len()).unwrap_or(u32::MAX);

@@ -8,6 +8,10 @@
 //!
 //! 1. [`EngineService::start`] moves the scheduler onto its thread.
 //! 2. [`EngineHandle::submit`] enqueues (bounded per tenant) and answers at once.
+//!    The command channel itself has no bound of its own: the API layer sends
+//!    while holding one of the tenant's `pending_max` permits and keeps it until
+//!    the answer, so the channel holds at most Σ `pending_max` submissions, and
+//!    one tenant's burst can never fill another's share.
 //! 3. The thread ticks while anything is in flight and sleeps on its command
 //!    channel when idle (waking for new work or shutdown).
 //! 4. [`EngineService::shutdown`] stops accepting, lets in-flight requests run
@@ -23,8 +27,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
-/// Most submissions waiting for the engine thread to pick them up.
-pub const COMMANDS_MAX: usize = 4096;
 /// How long an idle engine thread sleeps before looking again.
 const IDLE_WAIT: Duration = Duration::from_millis(100);
 /// How long a stalled engine thread (work queued, none runnable) sleeps.
@@ -49,7 +51,7 @@ pub enum SubmitError {
 /// A cloneable handle for submitting requests.
 #[derive(Clone)]
 pub struct EngineHandle {
-    commands: mpsc::SyncSender<Command>,
+    commands: mpsc::Sender<Command>,
     accepting: Arc<AtomicBool>,
     /// Published by the engine thread after every loop turn.
     stats: Arc<Mutex<SchedulerStats>>,
@@ -63,7 +65,7 @@ impl EngineHandle {
         }
         let (reply, answer) = oneshot::channel();
         self.commands
-            .try_send(Command::Submit(admitted, reply))
+            .send(Command::Submit(admitted, reply))
             .map_err(|_| SubmitError::Unavailable)?;
         match answer.await {
             Ok(result) => result.map_err(SubmitError::Rejected),
@@ -96,7 +98,7 @@ pub struct EngineService {
 impl EngineService {
     /// Starts the engine thread with `scheduler`.
     pub fn start<B: Backend + 'static>(scheduler: Scheduler<B>) -> std::io::Result<EngineService> {
-        let (commands, inbox) = mpsc::sync_channel(COMMANDS_MAX);
+        let (commands, inbox) = mpsc::channel();
         let accepting = Arc::new(AtomicBool::new(true));
         let stats = Arc::new(Mutex::new(scheduler.stats()));
         let published = Arc::clone(&stats);

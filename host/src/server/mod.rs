@@ -8,12 +8,16 @@
 //! 3. **Engine**: one KV pool with a partition per tenant, the CPU backend and
 //!    the scheduler on their own thread ([`EngineService`]).
 //! 4. **Listen**: inference and admin listeners (HTTP/1.1 and HTTP/2, optional
-//!    TLS), each with at most `server.connections_max` connections; each bound
-//!    address is printed to stderr as `listening: <name> <url>`.
+//!    TLS), each with its connection limits ([`accept`]: caps in all and per
+//!    peer, handshake and idle deadlines); each bound address is printed to
+//!    stderr as `listening: <name> <url>`.
 //! 5. **Shut down** on SIGINT/SIGTERM: stop accepting, mark not ready, let
 //!    in-flight requests finish until `server.drain_timeout_ms`, then stop the
 //!    engine (whatever is left ends with reason `shutdown`).
 
+mod accept;
+
+use crate::api::lane::Lane;
 use crate::api::{self, App};
 use crate::config::{Capacity, CapacityViolation, Config, ConfigError, TlsConfig};
 use crate::engine::chat::ChatTemplate;
@@ -21,31 +25,23 @@ use crate::engine::scheduler::{Admission, BatchLimits, Scheduler, TenantLimits};
 use crate::engine::service::EngineService;
 use crate::telemetry;
 use crate::tenancy::{TenancyError, Tenants};
-use axum::Router;
+use accept::{Accept, ConnectionLimits};
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolGeometry, PoolOptions};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::Tokenizer;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 use sha2::{Digest, Sha256};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
 /// Most async worker threads (model compute has its own threads).
 pub const HTTP_WORKER_THREADS_MAX: usize = 4;
-/// How long a client may take to send its request headers.
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a TLS handshake may take.
-pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// After the engine stopped, how long streams get to send their final error event.
 pub const FINAL_EVENTS_FLUSH: Duration = Duration::from_millis(200);
 /// How long the runtime waits for its remaining tasks at exit.
@@ -161,6 +157,8 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
             context_tokens: config.model.context_tokens,
             page_tokens: config.engine.page_tokens,
         },
+        text_bytes_per_token_max: tokenizer.text_bytes_per_token_max() as u64,
+        lane: Lane::new(config.server.tokenize_threads as usize)?,
         tokenizer,
         template,
         model_id: config.model.id.clone(),
@@ -347,7 +345,13 @@ async fn run_listeners(config: &Config, app: Arc<App>, drain: Duration) -> Resul
         listeners.push((name, listener, router));
     }
     let (stop_tx, stop_rx) = watch::channel(false);
-    let limit = config.server.connections_max as usize;
+    let s = &config.server;
+    let limits = ConnectionLimits {
+        connections_max: s.connections_max,
+        per_peer_max: s.connections_per_peer_max,
+        handshake: Duration::from_millis(s.handshake_timeout_ms),
+        idle: Duration::from_millis(s.idle_timeout_ms),
+    };
     let mut tasks = Vec::new();
     for (name, listener, router) in listeners {
         let accept = Accept {
@@ -355,7 +359,7 @@ async fn run_listeners(config: &Config, app: Arc<App>, drain: Duration) -> Resul
             listener,
             router,
             tls: tls.clone(),
-            connections: Arc::new(Semaphore::new(limit)),
+            limits,
         };
         tasks.push(tokio::spawn(accept.run(stop_rx.clone(), drain)));
     }
@@ -392,109 +396,6 @@ impl Signals {
         tokio::select! {
             _ = self.term.recv() => tracing::info!(signal = "SIGTERM", "signal received"),
             _ = self.int.recv() => tracing::info!(signal = "SIGINT", "signal received"),
-        }
-    }
-}
-
-/// One listener's accept loop.
-struct Accept {
-    name: &'static str,
-    listener: TcpListener,
-    router: Router,
-    tls: Option<TlsAcceptor>,
-    connections: Arc<Semaphore>,
-}
-
-impl Accept {
-    /// Accepts until `stop`, then drains this listener's connections until `drain`.
-    async fn run(self, mut stop: watch::Receiver<bool>, drain: Duration) {
-        let graceful = GracefulShutdown::new();
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder
-            .http1()
-            .timer(TokioTimer::new())
-            .header_read_timeout(HEADER_READ_TIMEOUT);
-        loop {
-            // Hold a permit before accepting: past the limit, connections wait
-            // in the kernel's backlog instead of being served.
-            let permit = tokio::select! {
-                permit = Arc::clone(&self.connections).acquire_owned() => match permit {
-                    Ok(permit) => permit,
-                    Err(_) => break,
-                },
-                _ = stop.changed() => break,
-            };
-            let (stream, peer) = tokio::select! {
-                accepted = self.listener.accept() => match accepted {
-                    Ok(accepted) => accepted,
-                    Err(error) => {
-                        // Out of descriptors and the like: back off, keep serving.
-                        tracing::warn!(listener = self.name, %error, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                },
-                _ = stop.changed() => break,
-            };
-            let _ = stream.set_nodelay(true);
-            let service = TowerToHyperService::new(self.router.clone());
-            let watcher = graceful.watcher();
-            let builder = builder.clone();
-            let tls = self.tls.clone();
-            let name = self.name;
-            tokio::spawn(async move {
-                let _permit = permit;
-                let result = match tls {
-                    None => {
-                        let conn =
-                            builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                        watcher.watch(conn.into_owned()).await
-                    }
-                    Some(acceptor) => {
-                        let stream = match tokio::time::timeout(
-                            TLS_HANDSHAKE_TIMEOUT,
-                            acceptor.accept(stream),
-                        )
-                        .await
-                        {
-                            Ok(Ok(stream)) => stream,
-                            Ok(Err(error)) => {
-                                tracing::debug!(listener = name, %peer, %error, "tls handshake failed");
-                                return;
-                            }
-                            Err(_) => {
-                                tracing::debug!(listener = name, %peer, "tls handshake timed out");
-                                return;
-                            }
-                        };
-                        let conn =
-                            builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                        watcher.watch(conn.into_owned()).await
-                    }
-                };
-                if let Err(error) = result {
-                    tracing::debug!(listener = name, %peer, %error, "connection ended with an error");
-                }
-            });
-        }
-        drop(self.listener);
-        let started = Instant::now();
-        let open = graceful.count();
-        if tokio::time::timeout(drain, graceful.shutdown())
-            .await
-            .is_err()
-        {
-            tracing::warn!(
-                listener = self.name,
-                open,
-                "drain deadline passed with connections open"
-            );
-        } else {
-            tracing::info!(
-                listener = self.name,
-                elapsed_ms = started.elapsed().as_millis() as u64,
-                "drained"
-            );
         }
     }
 }

@@ -11,7 +11,9 @@
 
 use crate::config::Config;
 use sha2::{Digest, Sha256};
+use std::sync::Arc;
 use subtle::ConstantTimeEq;
+use tokio::sync::Semaphore;
 
 /// Shortest key accepted from the environment: 128 bits of hex, or more.
 pub const KEY_BYTES_MIN: usize = 16;
@@ -50,6 +52,9 @@ pub struct Tenant {
     pub id: TenantId,
     /// Its configured name (never a secret; used in logs and metrics).
     pub name: String,
+    /// Its requests before admission (`pending_max` permits): a request holds
+    /// one from authentication until the engine has queued or refused it.
+    pub pending: Arc<Semaphore>,
 }
 
 /// All tenants and their key digests.
@@ -85,6 +90,7 @@ impl Tenants {
             tenants.push(Tenant {
                 id: TenantId(index as u32),
                 name: name.clone(),
+                pending: Arc::new(Semaphore::new(t.pending_max as usize)),
             });
             let mut own: Vec<[u8; 32]> = t.keys_sha256.iter().map(|h| parse_hex(h)).collect();
             if let Some(var) = &t.key_env {

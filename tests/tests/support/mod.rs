@@ -72,6 +72,12 @@ pub struct Policy {
     pub rust_log: &'static str,
     /// Certificate and key PEM files: both listeners speak TLS.
     pub tls: Option<(PathBuf, PathBuf)>,
+    pub connections_max: u32,
+    pub connections_per_peer_max: u32,
+    pub handshake_timeout_ms: u64,
+    pub idle_timeout_ms: u64,
+    /// Tenant beta's `pending_max`.
+    pub beta_pending_max: u32,
 }
 
 impl Default for Policy {
@@ -83,6 +89,11 @@ impl Default for Policy {
             drain_timeout_ms: 60_000,
             rust_log: "info",
             tls: None,
+            connections_max: 64,
+            connections_per_peer_max: 64,
+            handshake_timeout_ms: 10_000,
+            idle_timeout_ms: 60_000,
+            beta_pending_max: 8,
         }
     }
 }
@@ -101,7 +112,10 @@ impl Policy {
             r#"
 [server]
 body_bytes_max = {body}
-connections_max = 64
+connections_max = {connections_max}
+connections_per_peer_max = {per_peer}
+handshake_timeout_ms = {handshake}
+idle_timeout_ms = {idle}
 request_timeout_ms = 120000
 drain_timeout_ms = {drain}
 {tls}
@@ -126,6 +140,7 @@ key_env = "BULKHEAD_KEY_ALPHA"
 [tenants.beta]
 pages_reserved = 64
 pages_max = 96
+pending_max = {beta_pending}
 key_env = "BULKHEAD_KEY_BETA"
 
 # One running, one queued: the third concurrent request gets 429.
@@ -141,6 +156,11 @@ key_env = "BULKHEAD_KEY_GAMMA"
             model = model.display(),
             context = self.context_tokens,
             seq_pages = self.seq_pages_max,
+            connections_max = self.connections_max,
+            per_peer = self.connections_per_peer_max,
+            handshake = self.handshake_timeout_ms,
+            idle = self.idle_timeout_ms,
+            beta_pending = self.beta_pending_max,
         )
     }
 }

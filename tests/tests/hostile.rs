@@ -1,0 +1,378 @@
+//! Hostile load through the real binary (issue: isolation gate, item 1): each
+//! attack runs, and meanwhile another client's or tenant's requests succeed
+//! within a stated bound.
+//!
+//! Attackers connect from other loopback addresses (127.0.0.2, ...: all of
+//! 127/8 is loopback on Linux), so the per-peer cap tells them from the victim
+//! on 127.0.0.1.
+
+mod support;
+
+use serde_json::json;
+use socket2::{Domain, Socket, Type};
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+use support::*;
+
+/// What a victim's small request may take while an attack runs, beyond the
+/// attack's own deadline where it has one. A solo request takes well under a
+/// second here; the slack absorbs a loaded 2-core CI machine.
+const VICTIM_SLACK: Duration = Duration::from_secs(5);
+
+fn addr(url: &str) -> SocketAddr {
+    let host = url
+        .trim_start_matches("http://")
+        .trim_start_matches("https://");
+    host.parse().unwrap_or_else(|e| panic!("{url}: {e}"))
+}
+
+/// A TCP connection to `url` from the loopback address `from`.
+fn connect_from(url: &str, from: Ipv4Addr) -> TcpStream {
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    socket
+        .bind(&SocketAddr::from((from, 0)).into())
+        .unwrap_or_else(|e| panic!("bind {from}: {e}"));
+    socket.connect(&addr(url).into()).unwrap();
+    socket.into()
+}
+
+/// How long until the server closes `stream` (reading and dropping whatever
+/// it sends), or None if it is still open after `wait`.
+fn closed_within(stream: &mut TcpStream, wait: Duration) -> Option<Duration> {
+    let started = Instant::now();
+    let mut buf = [0u8; 4096];
+    loop {
+        let left = wait.checked_sub(started.elapsed())?;
+        stream
+            .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .unwrap();
+        match stream.read(&mut buf) {
+            Ok(0) => return Some(started.elapsed()),
+            Ok(_) => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                if started.elapsed() >= wait {
+                    return None;
+                }
+            }
+            Err(_) => return Some(started.elapsed()),
+        }
+    }
+}
+
+/// A small chat request by `key`, timed.
+fn timed_chat(server: &Server, key: &str) -> (u16, Duration) {
+    let started = Instant::now();
+    let r = server.post_json("/v1/chat/completions", Some(key), &chat_body("Say hi.", 4));
+    (r.status, started.elapsed())
+}
+
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// An empty HTTP/2 SETTINGS frame (length 0, type 4, no flags, stream 0).
+const H2_EMPTY_SETTINGS: &[u8] = &[0, 0, 0, 4, 0, 0, 0, 0, 0];
+
+#[test]
+fn connections_that_say_nothing_are_closed_at_the_handshake_deadline() {
+    let Some(model) = smollm2() else { return };
+    let handshake = Duration::from_millis(1000);
+    let idle = Duration::from_millis(3000);
+    let server = start(
+        &model,
+        &Policy {
+            handshake_timeout_ms: handshake.as_millis() as u64,
+            idle_timeout_ms: idle.as_millis() as u64,
+            ..Policy::default()
+        },
+    );
+    let local = Ipv4Addr::LOCALHOST;
+    // What each stalled client sent before going quiet, on both listeners.
+    let stalls: [(&str, &str, Vec<u8>); 5] = [
+        ("silent", &server.inference, vec![]),
+        ("silent on admin", &server.admin, vec![]),
+        (
+            "half an HTTP/2 preface",
+            &server.inference,
+            H2_PREFACE[..8].to_vec(),
+        ),
+        (
+            "an HTTP/2 preface and SETTINGS",
+            &server.admin,
+            [H2_PREFACE, H2_EMPTY_SETTINGS].concat(),
+        ),
+        (
+            "half the HTTP/1 headers",
+            &server.inference,
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\n".to_vec(),
+        ),
+    ];
+    let threads: Vec<_> = stalls
+        .into_iter()
+        .map(|(what, url, bytes)| {
+            let mut stream = connect_from(url, local);
+            stream.write_all(&bytes).unwrap();
+            std::thread::spawn(move || (what, closed_within(&mut stream, handshake * 4)))
+        })
+        .collect();
+    // A keep-alive client that asked once and then went quiet lasts until the
+    // idle deadline, not the handshake one.
+    let mut kept = connect_from(&server.inference, local);
+    kept.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut first = [0u8; 12];
+    kept.read_exact(&mut first).unwrap();
+    assert_eq!(&first, b"HTTP/1.1 200");
+    let idle_closed = closed_within(&mut kept, idle * 3);
+
+    for thread in threads {
+        let (what, closed) = thread.join().unwrap();
+        let closed = closed.unwrap_or_else(|| panic!("{what}: still open"));
+        assert!(
+            closed >= handshake.mul_f32(0.8) && closed <= handshake + VICTIM_SLACK,
+            "{what}: closed after {closed:?}, deadline {handshake:?}"
+        );
+    }
+    let idle_closed = idle_closed.expect("an idle keep-alive connection is closed");
+    assert!(
+        idle_closed >= idle.mul_f32(0.8) && idle_closed <= idle + VICTIM_SLACK,
+        "idle connection closed after {idle_closed:?}, deadline {idle:?}"
+    );
+    let metrics = server.metrics();
+    let closed = |listener: &str, reason: &str| {
+        metric_value(
+            &metrics,
+            &format!(
+                r#"bulkhead_connections_closed_total{{listener="{listener}",reason="{reason}"}}"#
+            ),
+        )
+    };
+    assert!(closed("inference", "handshake_timeout") >= 3.0, "{metrics}");
+    assert!(closed("admin", "handshake_timeout") >= 2.0, "{metrics}");
+    assert!(closed("inference", "idle_timeout") >= 1.0, "{metrics}");
+}
+
+#[test]
+fn one_peer_cannot_take_every_connection_slot() {
+    let Some(model) = smollm2() else { return };
+    let server = start(
+        &model,
+        &Policy {
+            connections_max: 16,
+            connections_per_peer_max: 4,
+            // Long: here only the per-peer cap may free the victim's way.
+            handshake_timeout_ms: 60_000,
+            ..Policy::default()
+        },
+    );
+    let attacker = Ipv4Addr::new(127, 0, 0, 2);
+    let mut held: Vec<TcpStream> = (0..16)
+        .map(|_| connect_from(&server.inference, attacker))
+        .collect();
+    // Four are served; the other twelve are closed at once.
+    let closed = held
+        .iter_mut()
+        .map(|s| closed_within(s, Duration::from_millis(700)))
+        .filter(Option::is_some)
+        .count();
+    assert_eq!(closed, 12, "the per-peer cap is 4");
+    let (status, took) = timed_chat(&server, KEY_ALPHA);
+    assert_eq!(status, 200);
+    assert!(took < VICTIM_SLACK, "the victim waited {took:?}");
+    assert_eq!(
+        server.metric(
+            r#"bulkhead_connections_closed_total{listener="inference",reason="peer_limit"}"#
+        ),
+        12.0
+    );
+}
+
+#[test]
+fn many_peers_holding_every_slot_are_cleared_by_the_handshake_deadline() {
+    let Some(model) = smollm2() else { return };
+    let handshake = Duration::from_millis(1500);
+    let server = start(
+        &model,
+        &Policy {
+            connections_max: 16,
+            connections_per_peer_max: 4,
+            handshake_timeout_ms: handshake.as_millis() as u64,
+            ..Policy::default()
+        },
+    );
+    // Four peers take all 16 slots and reconnect as soon as they are closed.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let attackers: Vec<_> = (2..6)
+        .flat_map(|last| std::iter::repeat_n(last, 4))
+        .map(|last| {
+            let url = server.inference.clone();
+            let stop = std::sync::Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let stopped = || stop.load(std::sync::atomic::Ordering::Relaxed);
+                while !stopped() {
+                    // Hold the connection, saying nothing, until the server closes it.
+                    let mut stream = connect_from(&url, Ipv4Addr::new(127, 0, 0, last));
+                    while !stopped()
+                        && closed_within(&mut stream, Duration::from_millis(100)).is_none()
+                    {
+                    }
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, took) = timed_chat(&server, KEY_ALPHA);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(status, 200);
+    assert!(
+        took <= handshake + VICTIM_SLACK,
+        "the victim waited {took:?} behind the attack"
+    );
+    for attacker in attackers {
+        attacker.join().unwrap();
+    }
+    assert!(
+        server.metric(
+            r#"bulkhead_connections_closed_total{listener="inference",reason="handshake_timeout"}"#
+        ) >= 16.0
+    );
+}
+
+/// Starts a chat request whose body never finishes arriving.
+fn slow_body(server: &Server, key: &str) -> TcpStream {
+    let mut stream = connect_from(&server.inference, Ipv4Addr::LOCALHOST);
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{\"model\":"
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    stream
+}
+
+#[test]
+fn one_tenants_slow_bodies_cannot_hold_another_tenants_requests() {
+    let Some(model) = smollm2() else { return };
+    let server = start(
+        &model,
+        &Policy {
+            beta_pending_max: 2,
+            ..Policy::default()
+        },
+    );
+    let slow: Vec<TcpStream> = (0..2).map(|_| slow_body(&server, KEY_BETA)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    // Beta's third request before admission is refused at once ...
+    let r = server.post_json("/v1/chat/completions", Some(KEY_BETA), &chat_body("hi", 4));
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.error().1, json!("too_many_pending"));
+    assert_eq!(r.retry_after.as_deref(), Some("1"));
+    // ... while alpha is served as usual.
+    let (status, took) = timed_chat(&server, KEY_ALPHA);
+    assert_eq!(status, 200);
+    assert!(took < VICTIM_SLACK, "alpha waited {took:?}");
+    // Beta's permits come back when its slow clients go away.
+    drop(slow);
+    assert!(eventually(Duration::from_secs(5), || {
+        timed_chat(&server, KEY_BETA).0 == 200
+    }));
+}
+
+#[test]
+fn an_oversized_prompt_is_refused_by_its_size_before_it_is_tokenized() {
+    let Some(model) = smollm2() else { return };
+    let server = start(
+        &model,
+        &Policy {
+            body_bytes_max: 4 << 20,
+            ..Policy::default()
+        },
+    );
+    // 1024 promised tokens: a few MiB of text cannot be fewer, whatever it says.
+    let huge = "lorem ipsum ".repeat(300_000);
+    for (path, body) in [
+        ("/v1/chat/completions", chat_body(&huge, 4)),
+        (
+            "/v1/completions",
+            json!({"model": MODEL_ID, "prompt": huge, "max_tokens": 4}),
+        ),
+    ] {
+        let r = server.post_json(path, Some(KEY_BETA), &body);
+        assert_eq!(r.status, 400, "{path}");
+        assert_eq!(r.error().1, json!("context_length_exceeded"));
+        let message = r.json()["error"]["message"].as_str().unwrap().to_string();
+        assert!(message.contains("the prompt is at least"), "{message}");
+    }
+    // Below the byte bound, tokenizing stops at the budget: the same answer.
+    let r = server.post_json(
+        "/v1/chat/completions",
+        Some(KEY_BETA),
+        &chat_body(&"hello ".repeat(5000), 4),
+    );
+    assert_eq!(r.error().1, json!("context_length_exceeded"));
+    let message = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(
+        message.contains("the prompt is at least 1021 tokens"),
+        "1024 - 4 + 1: {message}"
+    );
+    assert_eq!(timed_chat(&server, KEY_BETA).0, 200);
+}
+
+#[test]
+fn a_flooding_tenant_cannot_503_or_starve_another() {
+    let Some(model) = smollm2() else { return };
+    let server = std::sync::Arc::new(start(&model, &Policy::default()));
+    let flood_for = Duration::from_secs(6);
+    let started = Instant::now();
+    // Beta: 8 clients sending as fast as they are answered (on this machine the
+    // clients' own CPU is the server's too), small requests and prompts that
+    // will be refused for their length.
+    let flood: Vec<_> = (0..8)
+        .map(|i| {
+            let server = std::sync::Arc::clone(&server);
+            std::thread::spawn(move || {
+                let mut statuses = Vec::new();
+                while started.elapsed() < flood_for {
+                    let body = if i % 3 == 0 {
+                        chat_body(&"hello ".repeat(3000), 4)
+                    } else {
+                        chat_body("Write a short poem.", 8)
+                    };
+                    statuses.push(
+                        server
+                            .post_json("/v1/chat/completions", Some(KEY_BETA), &body)
+                            .status,
+                    );
+                }
+                statuses
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut alpha = Vec::new();
+    while started.elapsed() < flood_for {
+        alpha.push(timed_chat(&server, KEY_ALPHA));
+    }
+    let beta: Vec<u16> = flood.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    let count = |status: u16| beta.iter().filter(|&&s| s == status).count();
+    eprintln!(
+        "alpha: {} requests, slowest {:?}; beta: {} answered 200, {} refused 400, {} refused 429",
+        alpha.len(),
+        alpha.iter().map(|(_, took)| *took).max(),
+        count(200),
+        count(400),
+        count(429)
+    );
+    assert!(!alpha.is_empty());
+    for (status, took) in &alpha {
+        assert_eq!(*status, 200, "alpha during beta's flood");
+        assert!(*took < VICTIM_SLACK, "alpha waited {took:?}");
+    }
+    assert!(
+        beta.iter().all(|s| [200, 400, 429].contains(s)),
+        "beta is answered or refused, never failed: {beta:?}"
+    );
+    assert!(beta.contains(&200), "beta is served too");
+}
