@@ -12,11 +12,15 @@
 //! - an acquired page was clean in the model and reads all zeros, even after poison (I4);
 //! - reads return exactly what the model says the owner wrote (no page aliasing);
 //! - a lease claimed by another tenant or sequence is refused (panics), and a handle
-//!   whose lease ended is refused with `StaleHandle`, on read, write and digest (I3).
+//!   whose lease ended is refused with `StaleHandle`, on read, write and digest (I3);
+//! - a partition changed, removed or added while others run (an admin's quota
+//!   change) is predicted exactly: a change that would put another tenant's held
+//!   pages inside a reservation, or a maximum below what is held, is refused.
 
 use bulkhead_kernels::kv::{
     digest_page, AcquireError, Generation, KvError, Lease, OwnerTag, PageId, PageState, PageTable,
-    PartitionConfig, Pool, PoolGeometry, PoolOptions, Reservation, ReserveError, SeqId,
+    PartitionConfig, PartitionError, Pool, PoolGeometry, PoolOptions, Reservation, ReserveError,
+    SeqId,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -99,6 +103,15 @@ enum Op {
     },
     /// A tenant asks for all of its remaining reserved pages: must succeed.
     ProbeReserved { tenant: usize },
+    /// Change a tenant's reservation and maximum (may be refused).
+    Repartition {
+        tenant: usize,
+        pages_reserved: u32,
+        pages_max: u32,
+    },
+    /// Remove a tenant's partition (refused while it holds pages) and add it
+    /// back with a new reservation (or, if that is refused, the old one).
+    Rejoin { tenant: usize, pages_reserved: u32 },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -119,7 +132,11 @@ fn op() -> impl Strategy<Value = Op> {
         2 => any::<Index>().prop_map(|lease| Op::StaleAccess { lease }),
         1 => (any::<Index>(), any::<Index>(), tenant.clone())
             .prop_map(|(seq, page, tenant)| Op::CrossAccess { seq, page, tenant }),
-        1 => tenant.prop_map(|tenant| Op::ProbeReserved { tenant }),
+        1 => tenant.clone().prop_map(|tenant| Op::ProbeReserved { tenant }),
+        1 => (tenant.clone(), 0u32..=8, 0u32..=26).prop_map(|(tenant, pages_reserved, pages_max)| {
+            Op::Repartition { tenant, pages_reserved, pages_max }
+        }),
+        1 => (tenant, 0u32..=8).prop_map(|(tenant, pages_reserved)| Op::Rejoin { tenant, pages_reserved }),
     ]
 }
 
@@ -272,6 +289,128 @@ impl Harness {
             Op::StaleAccess { lease } => self.stale_access(*lease),
             Op::CrossAccess { seq, page, tenant } => self.cross_access(*seq, *page, *tenant),
             Op::ProbeReserved { tenant } => self.probe_reserved(*tenant),
+            Op::Repartition {
+                tenant,
+                pages_reserved,
+                pages_max,
+            } => self.repartition(*tenant, *pages_reserved, *pages_max),
+            Op::Rejoin {
+                tenant,
+                pages_reserved,
+            } => self.rejoin(*tenant, *pages_reserved),
+        }
+    }
+
+    /// The model's answer to a change of `tenant`'s partition to `config`
+    /// (`present`: the tenant has a partition now).
+    fn predict_partition(
+        &self,
+        tenant: usize,
+        config: &PartitionConfig,
+    ) -> Result<(), &'static str> {
+        let pages_count = self.pages_count();
+        if config.pages_max == 0 {
+            return Err("max zero");
+        }
+        if config.pages_max < config.pages_reserved {
+            return Err("max below reserved");
+        }
+        if config.pages_max > pages_count {
+            return Err("max above pool");
+        }
+        let held = self.tenants[tenant].held();
+        if held > config.pages_max {
+            return Err("max below held");
+        }
+        let others = (0..TENANTS_COUNT).filter(|&u| u != tenant);
+        let reserved: u32 = others
+            .clone()
+            .map(|u| self.partitions[u].pages_reserved)
+            .sum();
+        if reserved + config.pages_reserved > pages_count {
+            return Err("reserved above pool");
+        }
+        let claimed: u32 = others
+            .map(|u| {
+                self.tenants[u]
+                    .held()
+                    .max(self.partitions[u].pages_reserved)
+            })
+            .sum();
+        if claimed + held.max(config.pages_reserved) > pages_count {
+            return Err("claim unavailable");
+        }
+        Ok(())
+    }
+
+    fn partition_error_kind(error: &PartitionError) -> &'static str {
+        match error {
+            PartitionError::MaxZero { .. } => "max zero",
+            PartitionError::MaxBelowReserved { .. } => "max below reserved",
+            PartitionError::MaxAbovePool { .. } => "max above pool",
+            PartitionError::MaxBelowHeld { .. } => "max below held",
+            PartitionError::ReservedAbovePool { .. } => "reserved above pool",
+            PartitionError::ClaimUnavailable { .. } => "claim unavailable",
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    fn repartition(&mut self, tenant: usize, pages_reserved: u32, pages_max: u32) {
+        let config = PartitionConfig {
+            owner: owner_of(tenant),
+            pages_reserved,
+            pages_max,
+        };
+        let expected = self.predict_partition(tenant, &config);
+        let result = self.pool.set_partition(config);
+        assert_eq!(
+            result.as_ref().map_err(Self::partition_error_kind),
+            expected.map(|_| &()),
+            "set_partition({config:?})"
+        );
+        if result.is_ok() {
+            self.partitions[tenant] = config;
+        }
+    }
+
+    fn rejoin(&mut self, tenant: usize, pages_reserved: u32) {
+        let owner = owner_of(tenant);
+        let held = self.tenants[tenant].held();
+        let removed = self.pool.remove_partition(owner);
+        if held > 0 {
+            assert_eq!(
+                removed,
+                Err(PartitionError::StillHeld {
+                    owner,
+                    pages_held: held
+                })
+            );
+            return;
+        }
+        removed.unwrap();
+        // While it is gone, it cannot book anything.
+        assert_eq!(
+            self.pool.reserve(owner, 1).map(|_| ()).unwrap_err(),
+            ReserveError::UnknownOwner { owner }
+        );
+        let old = self.partitions[tenant];
+        let new = PartitionConfig {
+            pages_reserved,
+            pages_max: old.pages_max.max(pages_reserved),
+            ..old
+        };
+        let expected = self.predict_partition(tenant, &new);
+        let added = self.pool.add_partition(new);
+        assert_eq!(
+            added.as_ref().map_err(Self::partition_error_kind),
+            expected.map(|_| &()),
+            "add_partition({new:?})"
+        );
+        if added.is_ok() {
+            self.partitions[tenant] = new;
+        } else {
+            // Its old claim was its own until a moment ago: it is still free.
+            self.pool.add_partition(old).unwrap();
         }
     }
 

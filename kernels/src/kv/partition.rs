@@ -37,12 +37,9 @@ pub struct PartitionConfig {
     pub pages_max: u32,
 }
 
-/// Why a partition set was refused.
+/// Why a partition set, or a change to one partition, was refused. Nothing changed.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum PartitionError {
-    /// No partitions: the pool would be unusable.
-    #[error("a pool needs at least one partition")]
-    Empty,
     /// More partitions than `PARTITIONS_MAX`.
     #[error("{count} partitions, above partitions_max {max}")]
     TooMany {
@@ -91,6 +88,45 @@ pub enum PartitionError {
         /// The pool's pages.
         pages_count: u32,
     },
+    /// A change names an owner without a partition.
+    #[error("owner {owner:?} has no partition in this pool")]
+    UnknownOwner {
+        /// The owner.
+        owner: OwnerTag,
+    },
+    /// A new or larger reservation whose pages other owners hold right now (they
+    /// burst into the region it would take): granting it would take pages from
+    /// under them. Retry once they are released.
+    #[error(
+        "owner {owner:?} would claim {pages_claimed} pages; {pages_unclaimed} are unclaimed now"
+    )]
+    ClaimUnavailable {
+        /// The owner.
+        owner: OwnerTag,
+        /// What its partition would claim: max(held, pages_reserved).
+        pages_claimed: u32,
+        /// Pages no owner claims right now (plus what it claims already).
+        pages_unclaimed: u64,
+    },
+    /// A maximum below what the owner holds now.
+    #[error("owner {owner:?} holds {pages_held} pages, above the new pages_max {pages_max}")]
+    MaxBelowHeld {
+        /// The owner.
+        owner: OwnerTag,
+        /// What it holds (booked, owned, released).
+        pages_held: u32,
+        /// The refused maximum.
+        pages_max: u32,
+    },
+    /// Removing a partition that still holds pages: its sequences must finish and
+    /// its released pages be scrubbed first.
+    #[error("owner {owner:?} still holds {pages_held} pages")]
+    StillHeld {
+        /// The owner.
+        owner: OwnerTag,
+        /// What it holds.
+        pages_held: u32,
+    },
 }
 
 /// One owner's partition and its live counters.
@@ -129,9 +165,6 @@ impl Partitions {
         configs: &[PartitionConfig],
         pages_count: u32,
     ) -> Result<Self, PartitionError> {
-        if configs.is_empty() {
-            return Err(PartitionError::Empty);
-        }
         if configs.len() > PARTITIONS_MAX {
             return Err(PartitionError::TooMany {
                 count: configs.len(),
@@ -175,6 +208,107 @@ impl Partitions {
         self.list
             .binary_search_by_key(&owner, |p| p.config.owner)
             .ok()
+    }
+
+    /// Adds a partition for a new owner. Its reservation must be unclaimed now.
+    pub(super) fn add(&mut self, config: PartitionConfig) -> Result<(), PartitionError> {
+        validate_one(&config, self.pages_count)?;
+        let Err(at) = self
+            .list
+            .binary_search_by_key(&config.owner, |p| p.config.owner)
+        else {
+            return Err(PartitionError::DuplicateOwner {
+                owner: config.owner,
+            });
+        };
+        if self.list.len() >= PARTITIONS_MAX {
+            return Err(PartitionError::TooMany {
+                count: self.list.len() + 1,
+                max: PARTITIONS_MAX,
+            });
+        }
+        self.check_claim(None, &config, 0)?;
+        self.list.insert(
+            at,
+            Partition {
+                config,
+                pages_booked: 0,
+                pages_owned: 0,
+                pages_released: 0,
+            },
+        );
+        Ok(())
+    }
+
+    /// Changes an owner's reservation and maximum. A larger claim must be
+    /// unclaimed now; the maximum may not fall below what the owner holds.
+    pub(super) fn set(&mut self, config: PartitionConfig) -> Result<(), PartitionError> {
+        validate_one(&config, self.pages_count)?;
+        let owner = config.owner;
+        let index = self
+            .index(owner)
+            .ok_or(PartitionError::UnknownOwner { owner })?;
+        let pages_held = self.list[index].pages_held();
+        if pages_held > config.pages_max {
+            return Err(PartitionError::MaxBelowHeld {
+                owner,
+                pages_held,
+                pages_max: config.pages_max,
+            });
+        }
+        self.check_claim(Some(index), &config, pages_held)?;
+        self.list[index].config = config;
+        Ok(())
+    }
+
+    /// Removes an owner's partition; it must hold no page.
+    pub(super) fn remove(&mut self, owner: OwnerTag) -> Result<(), PartitionError> {
+        let index = self
+            .index(owner)
+            .ok_or(PartitionError::UnknownOwner { owner })?;
+        let pages_held = self.list[index].pages_held();
+        if pages_held > 0 {
+            return Err(PartitionError::StillHeld { owner, pages_held });
+        }
+        self.list.remove(index);
+        Ok(())
+    }
+
+    /// Whether the partition at `index` (None: a new one) may claim what `config`
+    /// says while holding `pages_held`: Σ pages_claimed stays ≤ pages_count, so
+    /// no page another owner holds now falls inside a reservation.
+    fn check_claim(
+        &self,
+        index: Option<usize>,
+        config: &PartitionConfig,
+        pages_held: u32,
+    ) -> Result<(), PartitionError> {
+        let pages_claimed = pages_held.max(config.pages_reserved);
+        let claimed_now = index.map_or(0, |i| u64::from(self.list[i].pages_claimed()));
+        // Cannot underflow: claimed_now is part of the sum, which is ≤ pages_count.
+        let pages_unclaimed = u64::from(self.pages_count) - self.pages_claimed_sum() + claimed_now;
+        let reserved_sum: u64 = self
+            .list
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| Some(*i) != index)
+            .map(|(_, p)| u64::from(p.config.pages_reserved))
+            .sum::<u64>()
+            + u64::from(config.pages_reserved);
+        if reserved_sum > u64::from(self.pages_count) {
+            return Err(PartitionError::ReservedAbovePool {
+                pages_reserved_sum: reserved_sum,
+                pages_count: self.pages_count,
+            });
+        }
+        if u64::from(pages_claimed) > pages_unclaimed {
+            return Err(PartitionError::ClaimUnavailable {
+                owner: config.owner,
+                pages_claimed,
+                pages_unclaimed,
+            });
+        }
+        Ok(())
     }
 
     /// Σ pages_claimed over every owner.
@@ -277,8 +411,78 @@ mod tests {
     }
 
     #[test]
-    fn rejects_empty_partition_set() {
-        assert_eq!(Partitions::new(&[], 10).unwrap_err(), PartitionError::Empty);
+    fn accepts_an_empty_partition_set_and_adds_to_it() {
+        let mut parts = Partitions::new(&[], 10).unwrap();
+        parts.add(part(5, 4, 10)).unwrap();
+        assert_eq!(parts.pages_available(parts.index(OwnerTag(5)).unwrap()), 10);
+    }
+
+    #[test]
+    fn a_new_reservation_may_not_take_pages_another_owner_holds_now() {
+        // Owner 1 reserves 2 and bursts to 8 of 10 pages.
+        let mut parts = Partitions::new(&[part(1, 2, 10)], 10).unwrap();
+        parts.list[0].pages_owned = 8;
+        assert_eq!(
+            parts.add(part(2, 3, 5)),
+            Err(PartitionError::ClaimUnavailable {
+                owner: OwnerTag(2),
+                pages_claimed: 3,
+                pages_unclaimed: 2
+            })
+        );
+        parts.add(part(2, 2, 5)).unwrap();
+        // Nor may an existing owner grow its reservation into them.
+        let two = parts.index(OwnerTag(2)).unwrap();
+        assert!(matches!(
+            parts.set(part(2, 3, 5)),
+            Err(PartitionError::ClaimUnavailable { .. })
+        ));
+        assert_eq!(parts.list[two].config, part(2, 2, 5), "nothing changed");
+        let one = parts.index(OwnerTag(1)).unwrap();
+        parts.list[one].pages_owned = 2;
+        parts.set(part(2, 6, 8)).unwrap();
+        let one = parts.index(OwnerTag(1)).unwrap();
+        assert_eq!(
+            parts.pages_available(one),
+            2,
+            "2 held, 6 reserved by owner 2"
+        );
+    }
+
+    #[test]
+    fn refuses_a_maximum_below_what_is_held_and_removing_a_partition_that_holds_pages() {
+        let mut parts = Partitions::new(&[part(1, 2, 10), part(2, 2, 10)], 10).unwrap();
+        parts.list[0].pages_released = 4;
+        assert_eq!(
+            parts.set(part(1, 2, 3)),
+            Err(PartitionError::MaxBelowHeld {
+                owner: OwnerTag(1),
+                pages_held: 4,
+                pages_max: 3
+            })
+        );
+        parts.set(part(1, 0, 4)).unwrap();
+        assert_eq!(
+            parts.remove(OwnerTag(1)),
+            Err(PartitionError::StillHeld {
+                owner: OwnerTag(1),
+                pages_held: 4
+            })
+        );
+        parts.list[0].pages_released = 0;
+        parts.remove(OwnerTag(1)).unwrap();
+        assert_eq!(
+            parts.remove(OwnerTag(1)),
+            Err(PartitionError::UnknownOwner { owner: OwnerTag(1) })
+        );
+        assert!(matches!(
+            parts.add(part(2, 1, 1)),
+            Err(PartitionError::DuplicateOwner { .. })
+        ));
+        assert!(matches!(
+            parts.add(part(3, 9, 10)),
+            Err(PartitionError::ReservedAbovePool { .. })
+        ));
     }
 
     #[test]

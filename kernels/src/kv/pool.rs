@@ -318,6 +318,27 @@ impl Pool {
         })
     }
 
+    /// Adds a partition for a new owner (a tenant created while serving). Refused,
+    /// changing nothing, when the owner has one, the config is invalid, the
+    /// reservations would exceed the pool, or the reservation's pages are held
+    /// by other owners' bursts right now.
+    pub fn add_partition(&mut self, config: PartitionConfig) -> Result<(), PartitionError> {
+        self.partitions.add(config)
+    }
+
+    /// Changes an owner's reservation and maximum (same refusals as
+    /// [`Pool::add_partition`], and a maximum below what the owner holds).
+    pub fn set_partition(&mut self, config: PartitionConfig) -> Result<(), PartitionError> {
+        self.partitions.set(config)
+    }
+
+    /// Removes an owner's partition. Its sequences must have finished and its
+    /// released pages been scrubbed: it holds no page, so none can still carry
+    /// its data when the partition is gone.
+    pub fn remove_partition(&mut self, owner: OwnerTag) -> Result<(), PartitionError> {
+        self.partitions.remove(owner)
+    }
+
     /// Books `pages` pages in `owner`'s partition without touching any page (I1): its
     /// reserved headroom plus the free burst region, never above its `pages_max` (I8).
     pub fn reserve(&mut self, owner: OwnerTag, pages: u32) -> Result<Reservation, ReserveError> {
