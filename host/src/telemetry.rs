@@ -9,7 +9,7 @@
 //! 3. Engine gauges (queue depth, KV pages by tenant and state, scrubs) are
 //!    set from the engine thread's latest snapshot when `/metrics` is scraped.
 
-use crate::engine::scheduler::SchedulerStats;
+use crate::engine::stats::SchedulerStats;
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
 use std::time::Duration;

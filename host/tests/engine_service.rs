@@ -1,11 +1,10 @@
 //! The scheduler on its own thread: submissions from async code are answered
 //! at once, requests stream to completion, and shutdown drains then stops.
 
+use bulkhead::engine::admission::Admission;
+use bulkhead::engine::request::{Event, FinishReason, NewRequest, Rejection, RequestId};
 use bulkhead::engine::sampling::SamplingParams;
-use bulkhead::engine::scheduler::{
-    Admission, BatchLimits, Event, FinishReason, NewRequest, Rejection, RequestId, Scheduler,
-    TenantLimits,
-};
+use bulkhead::engine::scheduler::{BatchLimits, Scheduler, TenantLimits};
 use bulkhead::engine::service::{EngineService, SubmitError};
 use bulkhead::tenancy::TenantId;
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};

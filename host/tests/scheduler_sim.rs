@@ -3,11 +3,10 @@
 //! back, tenants are isolated and share the engine by weight. The pool's
 //! invariant checker runs after every tick.
 
+use bulkhead::engine::admission::Admission;
+use bulkhead::engine::request::{Event, FinishReason, NewRequest, Rejection, RequestId};
 use bulkhead::engine::sampling::SamplingParams;
-use bulkhead::engine::scheduler::{
-    Admission, BatchLimits, Event, FinishReason, NewRequest, Rejection, RequestId, Scheduler,
-    TenantLimits,
-};
+use bulkhead::engine::scheduler::{BatchLimits, Scheduler, TenantLimits};
 use bulkhead::tenancy::TenantId;
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::gguf::Gguf;

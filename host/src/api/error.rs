@@ -9,7 +9,7 @@
 //!    goes to the log (never to the client). Neither the log line nor the metric
 //!    carries the message of a 4xx, which may quote the client's input.
 
-use crate::engine::scheduler::{Rejection, RequestId};
+use crate::engine::request::{Rejection, RequestId};
 use crate::engine::service::SubmitError;
 use crate::telemetry;
 use axum::body::Body;

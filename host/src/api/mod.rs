@@ -29,8 +29,9 @@ pub mod lane;
 pub mod openai;
 pub mod stream;
 
+use crate::engine::admission::Admission;
 use crate::engine::chat::{ChatError, ChatTemplate};
-use crate::engine::scheduler::{Admission, Event, NewRequest, RequestId};
+use crate::engine::request::{Event, NewRequest, RequestId};
 use crate::engine::service::EngineHandle;
 use crate::telemetry;
 use crate::tenancy::{Tenant, Tenants};

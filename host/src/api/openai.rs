@@ -10,8 +10,8 @@
 
 use super::error::ApiError;
 use crate::engine::chat::{Message, MESSAGES_MAX};
+use crate::engine::request::{FinishReason, Usage};
 use crate::engine::sampling::SamplingParams;
-use crate::engine::scheduler::{FinishReason, Usage};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{Map, Value};

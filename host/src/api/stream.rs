@@ -16,7 +16,7 @@
 
 use super::error::ApiError;
 use super::openai::ResponseMeta;
-use crate::engine::scheduler::{Event, FinishReason, RequestId, Usage};
+use crate::engine::request::{Event, FinishReason, RequestId, Usage};
 use crate::telemetry;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};

@@ -2,11 +2,10 @@
 //! behind `bulkhead generate`, which operators use to check a model before
 //! serving it. A single tenant owns the whole pool, sized for this request.
 
+use super::admission::Admission;
+use super::request::{Event, FinishReason, NewRequest, Rejection, RequestId, Usage};
 use super::sampling::SamplingParams;
-use super::scheduler::{
-    Admission, BatchLimits, Event, FinishReason, NewRequest, Rejection, RequestId, Scheduler,
-    TenantLimits, Usage,
-};
+use super::scheduler::{BatchLimits, Scheduler, TenantLimits};
 use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolOptions};

@@ -2,9 +2,12 @@
 //! now, a single-sequence generation driver used by `bulkhead generate` and the
 //! benchmarks. The multi-tenant scheduler joins here with the serving issue.
 
+pub mod admission;
 pub mod chat;
 pub mod generate;
+pub mod request;
 pub mod sampling;
 pub mod scheduler;
 pub mod service;
+pub mod stats;
 pub mod stop;

@@ -1,7 +1,7 @@
 //! The scheduler: iteration-level continuous batching across tenants, and the
 //! typed lifecycle of a request (invariants I1, I6, I8).
 //!
-//! 1. **Admit** ([`Admission::admit`]): the prompt and `max_tokens` are checked
+//! 1. **Admit** ([`Admission::admit`](super::admission::Admission::admit)): the prompt and `max_tokens` are checked
 //!    against the capacity contract before anything shared is touched. The
 //!    result is an [`Admitted`] (the only way in) or a terminal [`Rejection`].
 //! 2. **Queue**: an `Admitted` waits in its tenant's bounded queue.
@@ -26,7 +26,10 @@
 //!      └──► Rejection       └──► finish(timeout | cancelled)    └──────────────────┴─► pages released
 //! ```
 
-use super::sampling::{Sampler, SamplingParams};
+use super::admission::Admitted;
+use super::request::{Event, FinishReason, Rejection, RequestId, Usage};
+use super::sampling::Sampler;
+use super::stats::{SchedulerStats, TenantCounts, TenantStats};
 use super::stop::{Scan, StopMatcher};
 use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::{Backend, SeqStep};
@@ -36,216 +39,6 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
-
-/// A request's identity, unique within the process.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RequestId(pub u64);
-
-/// Why a request ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-generation token or a stop sequence.
-    Stop,
-    /// `max_tokens` were generated.
-    Length,
-    /// The client went away.
-    Cancelled,
-    /// The request's deadline passed.
-    Timeout,
-    /// The engine failed the step (logged with the request id).
-    Error,
-    /// The server shut down before the request could finish.
-    Shutdown,
-}
-
-impl FinishReason {
-    /// The label used in logs and metrics.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Cancelled => "cancelled",
-            FinishReason::Timeout => "timeout",
-            FinishReason::Error => "error",
-            FinishReason::Shutdown => "shutdown",
-        }
-    }
-}
-
-/// Token counts of a request.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Usage {
-    /// Prompt tokens.
-    pub prompt_tokens: u32,
-    /// Generated tokens.
-    pub completion_tokens: u32,
-}
-
-/// What the scheduler tells a request's client side.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Event {
-    /// New text (whole UTF-8; text that may begin a stop sequence is held back).
-    Text(String),
-    /// The request ended; nothing follows.
-    Finished {
-        /// Why.
-        reason: FinishReason,
-        /// Token counts.
-        usage: Usage,
-    },
-}
-
-/// A request as the API layer hands it over, before admission.
-pub struct NewRequest {
-    /// Its id.
-    pub id: RequestId,
-    /// Its tenant (authenticated).
-    pub tenant: TenantId,
-    /// Prompt tokens (chat template already applied).
-    pub prompt: Vec<u32>,
-    /// Most tokens to generate.
-    pub max_tokens: u32,
-    /// Sampling.
-    pub sampling: SamplingParams,
-    /// Stop sequences.
-    pub stop: Vec<String>,
-    /// When the request must have finished.
-    pub deadline: Instant,
-    /// Where its events go; a closed channel cancels the request.
-    pub events: UnboundedSender<Event>,
-}
-
-/// A terminal refusal: it holds no page, queue slot or plugin state, and
-/// nothing can turn it back into a request.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum Rejection {
-    /// The prompt has no tokens.
-    #[error("the prompt is empty")]
-    EmptyPrompt,
-    /// Prompt plus completion exceed the promised context.
-    #[error(
-        "this model's maximum context length is {context_tokens} tokens; the request needs {prompt_tokens} prompt \
-         + {max_tokens} completion tokens"
-    )]
-    ContextLengthExceeded {
-        /// Prompt tokens.
-        prompt_tokens: u32,
-        /// Requested completion tokens.
-        max_tokens: u32,
-        /// The promised context.
-        context_tokens: u32,
-    },
-    /// The prompt cannot fit, and was refused before it was tokenized in full:
-    /// by its byte count (its tokens are at least its bytes over the most bytes
-    /// a token covers), or when tokenizing passed the context's budget.
-    #[error(
-        "this model's maximum context length is {context_tokens} tokens; the prompt is at least \
-         {prompt_tokens_min} tokens, plus {max_tokens} completion tokens"
-    )]
-    PromptTooLong {
-        /// The fewest tokens the prompt can be.
-        prompt_tokens_min: u64,
-        /// Requested completion tokens (1 when not given).
-        max_tokens: u32,
-        /// The promised context.
-        context_tokens: u32,
-    },
-    /// `max_tokens` is zero.
-    #[error("max_tokens must be at least 1")]
-    ZeroMaxTokens,
-    /// The tenant's queue is full.
-    #[error("too many requests queued for this tenant")]
-    QueueFull,
-}
-
-/// A request that passed static admission (I1). Only [`Admission::admit`]
-/// makes one, and only an `Admitted` can be queued and booked.
-pub struct Admitted {
-    request: NewRequest,
-    pages_needed: u32,
-}
-
-impl Admitted {
-    /// Pages its worst case needs.
-    pub fn pages_needed(&self) -> u32 {
-        self.pages_needed
-    }
-
-    /// Its id.
-    pub fn id(&self) -> RequestId {
-        self.request.id
-    }
-
-    /// Its tenant.
-    pub fn tenant(&self) -> TenantId {
-        self.request.tenant
-    }
-}
-
-/// The static admission check: the capacity contract applied to one request.
-#[derive(Clone, Copy, Debug)]
-pub struct Admission {
-    /// The promised context (I2 guarantees every stage holds it).
-    pub context_tokens: u32,
-    /// Tokens per KV page.
-    pub page_tokens: u32,
-}
-
-impl Admission {
-    /// The most prompt tokens a request asking for `max_tokens` can have (when
-    /// not given, at least one token is generated): tokenization stops past it.
-    pub fn prompt_tokens_max(&self, max_tokens: Option<u32>) -> u64 {
-        let max_tokens = max_tokens.unwrap_or(1).max(1);
-        u64::from(self.context_tokens).saturating_sub(u64::from(max_tokens))
-    }
-
-    /// Refuses a prompt known to be at least `prompt_tokens_min` tokens when
-    /// that alone cannot fit with `max_tokens`.
-    pub fn check_size(
-        &self,
-        prompt_tokens_min: u64,
-        max_tokens: Option<u32>,
-    ) -> Result<(), Rejection> {
-        if prompt_tokens_min > self.prompt_tokens_max(max_tokens) {
-            return Err(self.too_long(prompt_tokens_min, max_tokens));
-        }
-        Ok(())
-    }
-
-    /// The refusal of a prompt of at least `prompt_tokens_min` tokens.
-    pub fn too_long(&self, prompt_tokens_min: u64, max_tokens: Option<u32>) -> Rejection {
-        Rejection::PromptTooLong {
-            prompt_tokens_min,
-            max_tokens: max_tokens.unwrap_or(1).max(1),
-            context_tokens: self.context_tokens,
-        }
-    }
-
-    /// Checks `request` against the contract; touches nothing shared.
-    pub fn admit(&self, request: NewRequest) -> Result<Admitted, Rejection> {
-        let prompt_tokens = u32::try_from(request.prompt.len()).unwrap_or(u32::MAX);
-        if prompt_tokens == 0 {
-            return Err(Rejection::EmptyPrompt);
-        }
-        if request.max_tokens == 0 {
-            return Err(Rejection::ZeroMaxTokens);
-        }
-        let total = u64::from(prompt_tokens) + u64::from(request.max_tokens);
-        if total > u64::from(self.context_tokens) {
-            return Err(Rejection::ContextLengthExceeded {
-                prompt_tokens,
-                max_tokens: request.max_tokens,
-                context_tokens: self.context_tokens,
-            });
-        }
-        // total <= context_tokens <= u32::MAX, so this fits.
-        let pages_needed = total.div_ceil(u64::from(self.page_tokens)) as u32;
-        Ok(Admitted {
-            request,
-            pages_needed,
-        })
-    }
-}
 
 /// A tenant's scheduling parameters.
 #[derive(Clone, Debug)]
@@ -808,54 +601,6 @@ impl<B: Backend> Scheduler<B> {
             "finished"
         );
     }
-}
-
-// Observability: a snapshot of counts that the engine thread publishes after
-// each tick, so the API layer can render gauges without touching the scheduler.
-
-/// Cumulative per-tenant counts.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TenantCounts {
-    /// Requests that entered the tenant's queue.
-    pub enqueued_total: u64,
-    /// Pages acquired for the tenant's sequences.
-    pub pages_acquired_total: u64,
-}
-
-/// One tenant's scheduler and KV partition counts.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TenantStats {
-    /// The tenant.
-    pub id: u32,
-    /// Requests waiting in its queue.
-    pub queued: u32,
-    /// Its running sequences.
-    pub running: u32,
-    /// Pages leased to its sequences.
-    pub pages_owned: u32,
-    /// Pages it released that await scrubbing.
-    pub pages_released: u32,
-    /// Pages booked by its live reservations.
-    pub pages_booked: u32,
-    /// Pages a reservation could book now.
-    pub pages_available: u32,
-    /// Cumulative counts.
-    pub counts: TenantCounts,
-}
-
-/// A snapshot of the scheduler and its pool.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SchedulerStats {
-    /// Per tenant, in configuration order.
-    pub tenants: Vec<TenantStats>,
-    /// Pages in the pool.
-    pub pages_count: u32,
-    /// Clean pages on the free list.
-    pub pages_free: u32,
-    /// Pages scrubbed since start.
-    pub pages_scrubbed_total: u64,
-    /// Tokens sampled since start.
-    pub tokens_generated_total: u64,
 }
 
 impl<B: Backend> Scheduler<B> {

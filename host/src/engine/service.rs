@@ -18,7 +18,10 @@
 //!    until the drain deadline, then finishes the rest (their pages released
 //!    through the scheduler's one finish path) and joins the thread.
 
-use super::scheduler::{Admitted, Rejection, Scheduler, SchedulerStats, TickReport};
+use super::admission::Admitted;
+use super::request::Rejection;
+use super::scheduler::{Scheduler, TickReport};
+use super::stats::SchedulerStats;
 use bulkhead_kernels::backend::Backend;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};

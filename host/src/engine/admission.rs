@@ -1,0 +1,96 @@
+//! Static admission (I1, I2): the capacity contract applied to one request
+//! before anything shared is touched. [`Admission::admit`] is the only way to
+//! make an [`Admitted`], and only an `Admitted` can be queued and booked; a
+//! refusal is a terminal [`Rejection`].
+
+use super::request::{NewRequest, Rejection, RequestId};
+use crate::tenancy::TenantId;
+
+/// A request that passed static admission (I1). Only [`Admission::admit`]
+/// makes one, and only an `Admitted` can be queued and booked.
+pub struct Admitted {
+    pub(super) request: NewRequest,
+    pub(super) pages_needed: u32,
+}
+
+impl Admitted {
+    /// Pages its worst case needs.
+    pub fn pages_needed(&self) -> u32 {
+        self.pages_needed
+    }
+
+    /// Its id.
+    pub fn id(&self) -> RequestId {
+        self.request.id
+    }
+
+    /// Its tenant.
+    pub fn tenant(&self) -> TenantId {
+        self.request.tenant
+    }
+}
+
+/// The static admission check: the capacity contract applied to one request.
+#[derive(Clone, Copy, Debug)]
+pub struct Admission {
+    /// The promised context (I2 guarantees every stage holds it).
+    pub context_tokens: u32,
+    /// Tokens per KV page.
+    pub page_tokens: u32,
+}
+
+impl Admission {
+    /// The most prompt tokens a request asking for `max_tokens` can have (when
+    /// not given, at least one token is generated): tokenization stops past it.
+    pub fn prompt_tokens_max(&self, max_tokens: Option<u32>) -> u64 {
+        let max_tokens = max_tokens.unwrap_or(1).max(1);
+        u64::from(self.context_tokens).saturating_sub(u64::from(max_tokens))
+    }
+
+    /// Refuses a prompt known to be at least `prompt_tokens_min` tokens when
+    /// that alone cannot fit with `max_tokens`.
+    pub fn check_size(
+        &self,
+        prompt_tokens_min: u64,
+        max_tokens: Option<u32>,
+    ) -> Result<(), Rejection> {
+        if prompt_tokens_min > self.prompt_tokens_max(max_tokens) {
+            return Err(self.too_long(prompt_tokens_min, max_tokens));
+        }
+        Ok(())
+    }
+
+    /// The refusal of a prompt of at least `prompt_tokens_min` tokens.
+    pub fn too_long(&self, prompt_tokens_min: u64, max_tokens: Option<u32>) -> Rejection {
+        Rejection::PromptTooLong {
+            prompt_tokens_min,
+            max_tokens: max_tokens.unwrap_or(1).max(1),
+            context_tokens: self.context_tokens,
+        }
+    }
+
+    /// Checks `request` against the contract; touches nothing shared.
+    pub fn admit(&self, request: NewRequest) -> Result<Admitted, Rejection> {
+        let prompt_tokens = u32::try_from(request.prompt.len()).unwrap_or(u32::MAX);
+        if prompt_tokens == 0 {
+            return Err(Rejection::EmptyPrompt);
+        }
+        if request.max_tokens == 0 {
+            return Err(Rejection::ZeroMaxTokens);
+        }
+        let total = u64::from(prompt_tokens) + u64::from(request.max_tokens);
+        if total > u64::from(self.context_tokens) {
+            return Err(Rejection::ContextLengthExceeded {
+                prompt_tokens,
+                max_tokens: request.max_tokens,
+                context_tokens: self.context_tokens,
+            });
+        }
+        // total <= context_tokens <= u32::MAX, so this fits.
+        let pages_needed = total.div_ceil(u64::from(self.page_tokens)) as u32;
+        Ok(Admitted {
+            request,
+            pages_needed,
+        })
+    }
+}

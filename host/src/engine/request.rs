@@ -1,0 +1,129 @@
+//! The vocabulary of a request between the API layer and the engine: its id,
+//! what it asks for, the events it receives, how it ends, and the terminal
+//! refusals static admission can give it.
+
+use super::sampling::SamplingParams;
+use crate::tenancy::TenantId;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// A request's identity, unique within the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+/// Why a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token or a stop sequence.
+    Stop,
+    /// `max_tokens` were generated.
+    Length,
+    /// The client went away.
+    Cancelled,
+    /// The request's deadline passed.
+    Timeout,
+    /// The engine failed the step (logged with the request id).
+    Error,
+    /// The server shut down before the request could finish.
+    Shutdown,
+}
+
+impl FinishReason {
+    /// The label used in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+            FinishReason::Timeout => "timeout",
+            FinishReason::Error => "error",
+            FinishReason::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// Token counts of a request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Generated tokens.
+    pub completion_tokens: u32,
+}
+
+/// What the scheduler tells a request's client side.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// New text (whole UTF-8; text that may begin a stop sequence is held back).
+    Text(String),
+    /// The request ended; nothing follows.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Token counts.
+        usage: Usage,
+    },
+}
+
+/// A request as the API layer hands it over, before admission.
+pub struct NewRequest {
+    /// Its id.
+    pub id: RequestId,
+    /// Its tenant (authenticated).
+    pub tenant: TenantId,
+    /// Prompt tokens (chat template already applied).
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: u32,
+    /// Sampling.
+    pub sampling: SamplingParams,
+    /// Stop sequences.
+    pub stop: Vec<String>,
+    /// When the request must have finished.
+    pub deadline: Instant,
+    /// Where its events go; a closed channel cancels the request.
+    pub events: UnboundedSender<Event>,
+}
+
+/// A terminal refusal: it holds no page, queue slot or plugin state, and
+/// nothing can turn it back into a request.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    /// The prompt has no tokens.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// Prompt plus completion exceed the promised context.
+    #[error(
+        "this model's maximum context length is {context_tokens} tokens; the request needs {prompt_tokens} prompt \
+         + {max_tokens} completion tokens"
+    )]
+    ContextLengthExceeded {
+        /// Prompt tokens.
+        prompt_tokens: u32,
+        /// Requested completion tokens.
+        max_tokens: u32,
+        /// The promised context.
+        context_tokens: u32,
+    },
+    /// The prompt cannot fit, and was refused before it was tokenized in full:
+    /// by its byte count (its tokens are at least its bytes over the most bytes
+    /// a token covers), or when tokenizing passed the context's budget.
+    #[error(
+        "this model's maximum context length is {context_tokens} tokens; the prompt is at least \
+         {prompt_tokens_min} tokens, plus {max_tokens} completion tokens"
+    )]
+    PromptTooLong {
+        /// The fewest tokens the prompt can be.
+        prompt_tokens_min: u64,
+        /// Requested completion tokens (1 when not given).
+        max_tokens: u32,
+        /// The promised context.
+        context_tokens: u32,
+    },
+    /// `max_tokens` is zero.
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    /// The tenant's queue is full.
+    #[error("too many requests queued for this tenant")]
+    QueueFull,
+}
