@@ -6,11 +6,12 @@
 //! 2. Decode at batch B: B sequences, each prefilled with a short prompt, then
 //!    `decode_tokens` steps of B tokens each; aggregate tokens per second.
 
-use crate::engine::generate::{single_tenant_pool, PAGE_TOKENS, PREFILL_CHUNK_TOKENS};
-use anyhow::{anyhow, ensure, Result};
-use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
+use crate::engine::build::{self, EngineSpec};
+use crate::engine::generate::{PAGE_TOKENS, PREFILL_CHUNK_TOKENS};
+use anyhow::{ensure, Result};
+use bulkhead_kernels::backend::cpu::CpuBackend;
 use bulkhead_kernels::backend::{Backend, SeqStep};
-use bulkhead_kernels::kv::{OwnerTag, PageTable, Pool, SeqId};
+use bulkhead_kernels::kv::{OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer};
 use std::path::PathBuf;
@@ -67,17 +68,19 @@ pub fn engine(model: Arc<Model>, tokenizer: Tokenizer, args: &EngineBenchArgs) -
         (1..=BENCH_BATCH_MAX).contains(&batch_max),
         "batch sizes are 1..={BENCH_BATCH_MAX}"
     );
-    let options = CpuOptions {
-        threads_count: args.threads,
-        step_tokens_max: chunk.max(batch_max),
-        step_seqs_max: batch_max,
-        isa: None,
+    let spec = EngineSpec {
+        pool_pages: 0, // each measurement sizes its own pool
+        page_tokens: PAGE_TOKENS,
+        threads: args.threads,
+        step_tokens_max: chunk.max(batch_max) as u32,
+        step_seqs_max: batch_max as u32,
+        pool_options: PoolOptions::default(),
     };
-    let backend = CpuBackend::new(Arc::clone(&model), options);
     let mut engine = Engine {
+        backend: build::backend(&model, &spec),
         model,
         tokenizer,
-        backend,
+        spec,
     };
     println!(
         "bench engine: backend {}, threads {}, model {}",
@@ -106,13 +109,25 @@ struct Engine {
     model: Arc<Model>,
     tokenizer: Tokenizer,
     backend: CpuBackend,
+    spec: EngineSpec,
 }
 
 const OWNER: OwnerTag = OwnerTag(0);
 
 impl Engine {
+    /// A pool of `pages` pages, all of them one owner's.
     fn pool(&self, pages: u32) -> Result<Pool> {
-        single_tenant_pool(&self.model, OWNER, pages).map_err(|e| anyhow!(e))
+        let spec = EngineSpec {
+            pool_pages: pages,
+            ..self.spec
+        };
+        let mut pool = build::pool(&self.model, &spec)?;
+        pool.add_partition(PartitionConfig {
+            owner: OWNER,
+            pages_reserved: pages,
+            pages_max: pages,
+        })?;
+        Ok(pool)
     }
 }
 

@@ -2,14 +2,14 @@
 //! at once, requests stream to completion, and shutdown drains then stops.
 
 use bulkhead::engine::admission::Admission;
+use bulkhead::engine::build::{self, EngineSpec};
 use bulkhead::engine::request::{Event, FinishReason, NewRequest, Rejection, RequestId};
 use bulkhead::engine::sampling::SamplingParams;
-use bulkhead::engine::scheduler::{BatchLimits, Scheduler, TenantLimits};
+use bulkhead::engine::scheduler::TenantLimits;
 use bulkhead::engine::service::{EngineService, SubmitError};
 use bulkhead::tenancy::TenantId;
-use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::gguf::Gguf;
-use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolOptions};
+use bulkhead_kernels::kv::PoolOptions;
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::testing::{tiny_llama, TinySpec};
 use bulkhead_kernels::tokenizer::Tokenizer;
@@ -20,26 +20,13 @@ fn service(queue_depth_max: u32, running_max: u32) -> (EngineService, Admission)
     let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap());
     let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
     let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
-    let c = &model.config;
-    let geometry = c.pool_geometry(8, 8);
-    let partition = PartitionConfig {
-        owner: OwnerTag(0),
-        pages_reserved: 8,
-        pages_max: 8,
-    };
-    let pool = Pool::new(geometry, &[partition], PoolOptions::default()).unwrap();
-    let backend = CpuBackend::new(
-        Arc::clone(&model),
-        CpuOptions {
-            threads_count: 2,
-            step_tokens_max: 64,
-            step_seqs_max: 4,
-            isa: None,
-        },
-    );
-    let limits = BatchLimits {
+    let spec = EngineSpec {
+        pool_pages: 8,
+        page_tokens: 8,
+        threads: 2,
         step_tokens_max: 64,
         step_seqs_max: 4,
+        pool_options: PoolOptions::default(),
     };
     let tenants = vec![TenantLimits {
         id: TenantId(0),
@@ -47,8 +34,10 @@ fn service(queue_depth_max: u32, running_max: u32) -> (EngineService, Admission)
         weight: 1,
         queue_depth_max,
         running_max,
+        pages_reserved: 8,
+        pages_max: 8,
     }];
-    let scheduler = Scheduler::new(backend, pool, tokenizer, limits, tenants);
+    let scheduler = build::scheduler(&model, &tokenizer, &spec, tenants).unwrap();
     let admission = Admission {
         context_tokens: 64,
         page_tokens: 8,

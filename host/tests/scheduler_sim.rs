@@ -4,13 +4,14 @@
 //! invariant checker runs after every tick.
 
 use bulkhead::engine::admission::Admission;
+use bulkhead::engine::build::{self, EngineSpec};
 use bulkhead::engine::request::{Event, FinishReason, NewRequest, Rejection, RequestId};
 use bulkhead::engine::sampling::SamplingParams;
-use bulkhead::engine::scheduler::{BatchLimits, Scheduler, TenantLimits};
+use bulkhead::engine::scheduler::{BatchLimits, Scheduler, TenantChangeError, TenantLimits};
 use bulkhead::tenancy::TenantId;
-use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
+use bulkhead_kernels::backend::cpu::CpuBackend;
 use bulkhead_kernels::gguf::Gguf;
-use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolOptions};
+use bulkhead_kernels::kv::{OwnerTag, PoolOptions};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::testing::{tiny_llama, TinySpec};
 use bulkhead_kernels::tokenizer::Tokenizer;
@@ -51,30 +52,17 @@ fn sim(tenants: &[Tenant], pool_pages: u32, limits: BatchLimits) -> Sim {
     let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap());
     let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
     let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
-    let c = &model.config;
-    let geometry = c.pool_geometry(pool_pages, PAGE_TOKENS);
-    let partitions: Vec<PartitionConfig> = tenants
-        .iter()
-        .map(|t| PartitionConfig {
-            owner: OwnerTag(t.id.0),
-            pages_reserved: t.pages_reserved,
-            pages_max: t.pages_max,
-        })
-        .collect();
-    let options = PoolOptions {
-        poison_released: true,
-        paranoid: true,
-    };
-    let pool = Pool::new(geometry, &partitions, options).unwrap();
-    let backend = CpuBackend::new(
-        Arc::clone(&model),
-        CpuOptions {
-            threads_count: 2,
-            step_tokens_max: limits.step_tokens_max as usize,
-            step_seqs_max: limits.step_seqs_max as usize,
-            isa: None,
+    let spec = EngineSpec {
+        pool_pages,
+        page_tokens: PAGE_TOKENS,
+        threads: 2,
+        step_tokens_max: limits.step_tokens_max,
+        step_seqs_max: limits.step_seqs_max,
+        pool_options: PoolOptions {
+            poison_released: true,
+            paranoid: true,
         },
-    );
+    };
     let tenant_limits = tenants
         .iter()
         .map(|t| TenantLimits {
@@ -83,14 +71,16 @@ fn sim(tenants: &[Tenant], pool_pages: u32, limits: BatchLimits) -> Sim {
             weight: t.weight,
             queue_depth_max: t.queue_depth_max,
             running_max: 16,
+            pages_reserved: t.pages_reserved,
+            pages_max: t.pages_max,
         })
         .collect();
     Sim {
         admission: Admission {
-            context_tokens: c.context_len as u32,
+            context_tokens: model.config.context_len as u32,
             page_tokens: PAGE_TOKENS,
         },
-        scheduler: Scheduler::new(backend, pool, tokenizer, limits, tenant_limits),
+        scheduler: build::scheduler(&model, &tokenizer, &spec, tenant_limits).unwrap(),
         now: Instant::now(),
         next_id: 1,
     }
@@ -435,4 +425,119 @@ fn a_tenant_back_from_idle_does_not_starve_the_busy_one() {
         alpha >= 4 * 16 && beta >= 4 * 16,
         "alpha {alpha}, beta {beta} tokens in 10 shared steps"
     );
+}
+
+const GAMMA: TenantId = TenantId(7);
+
+#[test]
+fn removing_a_tenant_ends_its_requests_frees_its_partition_and_spares_the_others() {
+    let mut s = sim(
+        &[tenant(ALPHA, 1, 16, 32), tenant(BETA, 1, 16, 32)],
+        64,
+        LIMITS,
+    );
+    // Alpha: two running (running_max is 16, but the pages allow two of these),
+    // one queued behind them; beta: one running.
+    let mut alpha: Vec<_> = (0..3).map(|i| s.submit(ALPHA, prompt(i, 40), 20)).collect();
+    let mut beta = s.submit(BETA, prompt(9, 8), 12);
+    s.tick();
+    s.tick();
+    assert!(
+        s.scheduler.queued(ALPHA) >= 1,
+        "one of alpha's waits for pages"
+    );
+    let owner = OwnerTag(ALPHA.0);
+    assert!(
+        s.scheduler
+            .pool()
+            .partition_stats(owner)
+            .unwrap()
+            .pages_owned
+            > 0
+    );
+
+    let ended = s.scheduler.remove_tenant(ALPHA).unwrap();
+    assert_eq!(ended, 3);
+    s.scheduler.pool().check_invariants().unwrap();
+    assert!(
+        s.scheduler.pool().partition_stats(owner).is_none(),
+        "the partition is gone"
+    );
+    for rx in &mut alpha {
+        let (_, end) = drain(rx);
+        assert_eq!(end.map(|e| e.0), Some(FinishReason::TenantRemoved));
+    }
+    // The pages alpha held are clean and free again; beta runs on untouched.
+    assert_eq!(
+        s.scheduler.pool().stats().pages_released,
+        0,
+        "scrubbed before the partition went"
+    );
+    s.run_to_idle();
+    let (_, end) = drain(&mut beta);
+    assert!(matches!(
+        end.map(|e| e.0),
+        Some(FinishReason::Length | FinishReason::Stop)
+    ));
+    s.assert_all_pages_free();
+    // A request of the removed tenant still on its way in is refused, not a panic.
+    let (request, _rx) = s.request(ALPHA, prompt(1, 4), 2);
+    let admitted = s.admission.admit(request).unwrap();
+    assert_eq!(
+        s.scheduler.enqueue(admitted).err(),
+        Some(Rejection::TenantRemoved)
+    );
+    assert!(matches!(
+        s.scheduler.remove_tenant(ALPHA),
+        Err(TenantChangeError::Unknown(_))
+    ));
+}
+
+#[test]
+fn a_tenant_added_while_serving_is_served_and_its_limits_change_between_steps() {
+    let mut s = sim(&[tenant(ALPHA, 1, 16, 32)], 64, LIMITS);
+    let mut busy = s.submit(ALPHA, prompt(1, 20), 30);
+    s.tick();
+    let mut gamma = TenantLimits {
+        id: GAMMA,
+        name: "gamma".into(),
+        weight: 1,
+        queue_depth_max: 1,
+        running_max: 1,
+        pages_reserved: 16,
+        pages_max: 16,
+    };
+    s.scheduler.add_tenant(gamma.clone()).unwrap();
+    assert!(matches!(
+        s.scheduler.add_tenant(gamma.clone()),
+        Err(TenantChangeError::Exists(_))
+    ));
+    let mut first = s.submit(GAMMA, prompt(2, 6), 4);
+    s.tick();
+    // running_max 1 and queue_depth_max 1: the second waits, the third is refused.
+    let _second = s.submit(GAMMA, prompt(3, 6), 4);
+    let (request, _rx) = s.request(GAMMA, prompt(4, 6), 4);
+    let admitted = s.admission.admit(request).unwrap();
+    assert_eq!(
+        s.scheduler.enqueue(admitted).err(),
+        Some(Rejection::QueueFull)
+    );
+    // A larger queue governs the next admission.
+    gamma.queue_depth_max = 4;
+    s.scheduler.update_tenant(gamma.clone()).unwrap();
+    let _third = s.submit(GAMMA, prompt(4, 6), 4);
+    // A maximum below what gamma holds now is refused, changing nothing.
+    s.tick();
+    gamma.pages_max = 0;
+    gamma.pages_reserved = 0;
+    assert!(s.scheduler.update_tenant(gamma).is_err());
+    s.run_to_idle();
+    for rx in [&mut busy, &mut first] {
+        let (_, end) = drain(rx);
+        assert!(matches!(
+            end.map(|e| e.0),
+            Some(FinishReason::Length | FinishReason::Stop)
+        ));
+    }
+    s.assert_all_pages_free();
 }

@@ -105,6 +105,9 @@ pub enum ApiError {
     /// The server shut down before the request finished.
     #[error("The server shut down before the request finished.")]
     Shutdown,
+    /// The operator removed the tenant while the request was in flight.
+    #[error("This tenant has been removed; the request was ended.")]
+    TenantRemoved,
     /// No such route.
     #[error("Unknown request URL.")]
     NotFound,
@@ -215,6 +218,12 @@ impl ApiError {
                         "invalid_value",
                         Some("max_tokens"),
                     ),
+                    Rejection::TenantRemoved => (
+                        StatusCode::FORBIDDEN,
+                        "permission_error",
+                        "tenant_removed",
+                        None,
+                    ),
                     Rejection::QueueFull => (
                         StatusCode::TOO_MANY_REQUESTS,
                         "rate_limit_error",
@@ -245,6 +254,12 @@ impl ApiError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "server_error",
                 "server_shutting_down",
+                None,
+            ),
+            E::TenantRemoved => (
+                StatusCode::FORBIDDEN,
+                "permission_error",
+                "tenant_removed",
                 None,
             ),
             E::NotFound => (StatusCode::NOT_FOUND, INVALID, "unknown_url", None),

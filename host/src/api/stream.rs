@@ -100,6 +100,7 @@ pub fn finish_error(reason: FinishReason) -> Option<ApiError> {
         FinishReason::Stop | FinishReason::Length => None,
         FinishReason::Timeout => Some(ApiError::Timeout),
         FinishReason::Shutdown => Some(ApiError::Shutdown),
+        FinishReason::TenantRemoved => Some(ApiError::TenantRemoved),
         FinishReason::Cancelled => Some(ApiError::Internal(
             "the engine cancelled a request whose client is still connected".into(),
         )),

@@ -3,12 +3,13 @@
 //! serving it. A single tenant owns the whole pool, sized for this request.
 
 use super::admission::Admission;
+use super::build::{self, BuildError, EngineSpec};
 use super::request::{Event, FinishReason, NewRequest, Rejection, RequestId, Usage};
 use super::sampling::SamplingParams;
-use super::scheduler::{BatchLimits, Scheduler, TenantLimits};
+use super::scheduler::TenantLimits;
 use crate::tenancy::TenantId;
-use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
-use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolOptions};
+use bulkhead_kernels::backend::Backend;
+use bulkhead_kernels::kv::PoolOptions;
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::Tokenizer;
 use std::sync::Arc;
@@ -27,9 +28,9 @@ pub enum GenerateError {
     /// Static admission refused the request.
     #[error(transparent)]
     Rejected(#[from] Rejection),
-    /// The KV pool could not be built.
-    #[error("kv pool: {0}")]
-    Pool(String),
+    /// The engine could not be built.
+    #[error(transparent)]
+    Build(#[from] BuildError),
     /// The engine ended the request with an error (see the log).
     #[error("the engine failed the request")]
     Engine,
@@ -61,21 +62,6 @@ pub struct GenerateReport {
     pub backend: String,
 }
 
-/// A pool of `pages_count` pages for one tenant, with `model`'s geometry.
-pub fn single_tenant_pool(
-    model: &Model,
-    owner: OwnerTag,
-    pages_count: u32,
-) -> Result<Pool, String> {
-    let geometry = model.config.pool_geometry(pages_count, PAGE_TOKENS);
-    let partition = PartitionConfig {
-        owner,
-        pages_reserved: pages_count,
-        pages_max: pages_count,
-    };
-    Pool::new(geometry, &[partition], PoolOptions::default()).map_err(|e| e.to_string())
-}
-
 /// Generates a completion of `prompt`, calling `on_text` with each piece of text.
 pub fn generate(
     model: Arc<Model>,
@@ -102,22 +88,15 @@ pub fn generate(
         events,
     };
     let admitted = admission.admit(request)?;
+    // One tenant owns the whole pool, sized for this request.
     let pages = admitted.pages_needed();
-    let pool =
-        single_tenant_pool(&model, OwnerTag(tenant.0), pages).map_err(GenerateError::Pool)?;
-    let backend = CpuBackend::new(
-        Arc::clone(&model),
-        CpuOptions {
-            threads_count: options.threads,
-            step_tokens_max: PREFILL_CHUNK_TOKENS as usize,
-            step_seqs_max: 1,
-            isa: None,
-        },
-    );
-    let backend_name = bulkhead_kernels::backend::Backend::name(&backend);
-    let limits = BatchLimits {
+    let spec = EngineSpec {
+        pool_pages: pages,
+        page_tokens: PAGE_TOKENS,
+        threads: options.threads,
         step_tokens_max: PREFILL_CHUNK_TOKENS,
         step_seqs_max: 1,
+        pool_options: PoolOptions::default(),
     };
     let tenants = vec![TenantLimits {
         id: tenant,
@@ -125,8 +104,11 @@ pub fn generate(
         weight: 1,
         queue_depth_max: 1,
         running_max: 1,
+        pages_reserved: pages,
+        pages_max: pages,
     }];
-    let mut scheduler = Scheduler::new(backend, pool, tokenizer, limits, tenants);
+    let mut scheduler = build::scheduler(&model, &tokenizer, &spec, tenants)?;
+    let backend_name = scheduler.backend().name();
     scheduler.enqueue(admitted)?;
     let mut first_token_at = None;
     loop {

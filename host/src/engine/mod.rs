@@ -3,6 +3,7 @@
 //! benchmarks. The multi-tenant scheduler joins here with the serving issue.
 
 pub mod admission;
+pub mod build;
 pub mod chat;
 pub mod generate;
 pub mod request;

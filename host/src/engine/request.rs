@@ -26,6 +26,8 @@ pub enum FinishReason {
     Error,
     /// The server shut down before the request could finish.
     Shutdown,
+    /// The operator removed the request's tenant.
+    TenantRemoved,
 }
 
 impl FinishReason {
@@ -38,6 +40,7 @@ impl FinishReason {
             FinishReason::Timeout => "timeout",
             FinishReason::Error => "error",
             FinishReason::Shutdown => "shutdown",
+            FinishReason::TenantRemoved => "tenant_removed",
         }
     }
 }
@@ -126,4 +129,7 @@ pub enum Rejection {
     /// The tenant's queue is full.
     #[error("too many requests queued for this tenant")]
     QueueFull,
+    /// The tenant was removed while the request was on its way in.
+    #[error("this tenant has been removed")]
+    TenantRemoved,
 }

@@ -16,9 +16,14 @@
 //!    order of tenants (least virtual time first; a tenant's virtual time grows
 //!    by tokens processed divided by its weight).
 //! 5. **Finish** ([`Scheduler::finish`]): every exit — stop, length, cancel
-//!    (the client went away), timeout, engine error — goes through this one
-//!    function, which releases the pages; the pool scrubs them before the next
-//!    step. A step is synchronous, so no write into those pages is in flight.
+//!    (the client went away), timeout, engine error, the tenant's removal —
+//!    goes through this one function, which releases the pages; the pool
+//!    scrubs them before the next step. A step is synchronous, so no write into
+//!    those pages is in flight. A request that ends before it started holds no
+//!    page and ends in `finish_queued`.
+//! 6. **Tenants** come and go between steps ([`Scheduler::add_tenant`],
+//!    [`Scheduler::update_tenant`], [`Scheduler::remove_tenant`]), keyed by
+//!    their registry id, never by a position in a list.
 //!
 //! ```text
 //!  NewRequest ──admit──► Admitted ──queue──► (reserve) ──► Sequence ──step*──► finish(reason)
@@ -33,17 +38,19 @@ use super::stats::{SchedulerStats, TenantCounts, TenantStats};
 use super::stop::{Scan, StopMatcher};
 use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::{Backend, SeqStep};
-use bulkhead_kernels::kv::{OwnerTag, PageTable, Pool, ReserveError, SeqId};
+use bulkhead_kernels::kv::{
+    OwnerTag, PageTable, PartitionConfig, PartitionError, Pool, ReserveError, SeqId,
+};
 use bulkhead_kernels::tokenizer::{DecodeOptions, Detokenizer, Tokenizer};
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
-/// A tenant's scheduling parameters.
-#[derive(Clone, Debug)]
+/// A tenant's scheduling parameters and KV partition.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TenantLimits {
-    /// Its id (also its pool owner tag).
+    /// Its id, from the tenant registry (also its pool owner tag).
     pub id: TenantId,
     /// Its name, for logs.
     pub name: String,
@@ -53,6 +60,34 @@ pub struct TenantLimits {
     pub queue_depth_max: u32,
     /// Most sequences running.
     pub running_max: u32,
+    /// KV pages only this tenant may use.
+    pub pages_reserved: u32,
+    /// The most KV pages it may hold.
+    pub pages_max: u32,
+}
+
+impl TenantLimits {
+    fn partition(&self) -> PartitionConfig {
+        PartitionConfig {
+            owner: OwnerTag(self.id.0),
+            pages_reserved: self.pages_reserved,
+            pages_max: self.pages_max,
+        }
+    }
+}
+
+/// Why a change to the tenant set was refused. Nothing changed.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum TenantChangeError {
+    /// Adding a tenant the scheduler has.
+    #[error("tenant {0:?} exists already")]
+    Exists(TenantId),
+    /// Changing or removing a tenant the scheduler does not have.
+    #[error("no tenant {0:?}")]
+    Unknown(TenantId),
+    /// The pool refused the partition (see the message).
+    #[error(transparent)]
+    Partition(#[from] PartitionError),
 }
 
 /// Batch limits.
@@ -79,7 +114,7 @@ struct TenantState {
 /// A running request: its pages and its progress.
 struct Sequence {
     id: RequestId,
-    tenant: usize,
+    tenant: TenantId,
     table: PageTable,
     prompt: Vec<u32>,
     /// Prompt tokens already in KV.
@@ -129,7 +164,7 @@ pub struct Scheduler<B: Backend> {
     pool: Pool,
     tokenizer: Arc<Tokenizer>,
     limits: BatchLimits,
-    tenants: Vec<TenantState>,
+    tenants: BTreeMap<TenantId, TenantState>,
     running: Vec<Sequence>,
     tokens_generated: u64,
     /// Pages scrubbed so far (observability).
@@ -145,35 +180,93 @@ struct Planned {
 }
 
 impl<B: Backend> Scheduler<B> {
-    /// A scheduler over `pool` (whose partitions are keyed by tenant id).
+    /// A scheduler over `pool`, with a partition in it for each of `tenants`
+    /// (the pool comes without partitions, or with none of theirs).
     pub fn new(
         backend: B,
         pool: Pool,
         tokenizer: Arc<Tokenizer>,
         limits: BatchLimits,
         tenants: Vec<TenantLimits>,
-    ) -> Scheduler<B> {
-        let tenants = tenants
-            .into_iter()
-            .map(|limits| TenantState {
-                limits,
-                queue: VecDeque::new(),
-                running: 0,
-                virtual_time: 0.0,
-                tokens_processed: 0,
-                counts: TenantCounts::default(),
-            })
-            .collect();
-        Scheduler {
+    ) -> Result<Scheduler<B>, TenantChangeError> {
+        let mut scheduler = Scheduler {
             backend,
             pool,
             tokenizer,
             limits,
-            tenants,
+            tenants: BTreeMap::new(),
             running: Vec::new(),
             tokens_generated: 0,
             pages_scrubbed: 0,
+        };
+        for tenant in tenants {
+            scheduler.add_tenant(tenant)?;
         }
+        Ok(scheduler)
+    }
+
+    /// Adds a tenant and its partition (between steps).
+    pub fn add_tenant(&mut self, limits: TenantLimits) -> Result<(), TenantChangeError> {
+        if self.tenants.contains_key(&limits.id) {
+            return Err(TenantChangeError::Exists(limits.id));
+        }
+        self.pool.add_partition(limits.partition())?;
+        // A new tenant starts at the busy tenants' clock, like one back from idle.
+        let virtual_time = self.busy_virtual_time_min().unwrap_or(0.0);
+        tracing::info!(tenant = %limits.name, tenant_id = limits.id.0, "tenant added");
+        self.tenants.insert(
+            limits.id,
+            TenantState {
+                limits,
+                queue: VecDeque::new(),
+                running: 0,
+                virtual_time,
+                tokens_processed: 0,
+                counts: TenantCounts::default(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Changes a tenant's limits and partition; the next admission and booking
+    /// follow them (queued and running requests keep their places).
+    pub fn update_tenant(&mut self, limits: TenantLimits) -> Result<(), TenantChangeError> {
+        let Some(tenant) = self.tenants.get_mut(&limits.id) else {
+            return Err(TenantChangeError::Unknown(limits.id));
+        };
+        self.pool.set_partition(limits.partition())?;
+        tracing::info!(tenant = %limits.name, tenant_id = limits.id.0, "tenant limits changed");
+        tenant.limits = limits;
+        Ok(())
+    }
+
+    /// Removes a tenant: its queued and running requests end with reason
+    /// `TenantRemoved` through the one finish path, their pages are released
+    /// and scrubbed, and only then is its partition freed. Returns how many
+    /// requests ended.
+    pub fn remove_tenant(&mut self, id: TenantId) -> Result<u32, TenantChangeError> {
+        let Some(tenant) = self.tenants.get_mut(&id) else {
+            return Err(TenantChangeError::Unknown(id));
+        };
+        let reason = FinishReason::TenantRemoved;
+        let mut ended = 0;
+        for admitted in std::mem::take(&mut tenant.queue) {
+            finish_queued(admitted, &tenant.limits.name, reason);
+            ended += 1;
+        }
+        while let Some(index) = self.running.iter().rposition(|s| s.tenant == id) {
+            self.finish(index, reason);
+            ended += 1;
+        }
+        self.pages_scrubbed += u64::from(self.pool.scrub_released());
+        // Every sequence of the tenant has finished and its pages are scrubbed;
+        // bookings never outlive `try_start`: the partition holds no page.
+        self.pool
+            .remove_partition(OwnerTag(id.0))
+            .expect("a tenant without sequences or dirty pages holds no page");
+        let tenant = self.tenants.remove(&id).expect("looked up above");
+        tracing::info!(tenant = %tenant.limits.name, tenant_id = id.0, requests_ended = ended, "tenant removed");
+        Ok(ended)
     }
 
     /// The pool, for stats and invariant checks.
@@ -181,15 +274,19 @@ impl<B: Backend> Scheduler<B> {
         &self.pool
     }
 
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
     /// Requests queued plus running.
     pub fn in_flight(&self) -> usize {
-        self.running.len() + self.tenants.iter().map(|t| t.queue.len()).sum::<usize>()
+        self.running.len() + self.tenants.values().map(|t| t.queue.len()).sum::<usize>()
     }
 
     /// Queued requests of a tenant.
     pub fn queued(&self, tenant: TenantId) -> usize {
-        self.tenant_index(tenant)
-            .map_or(0, |i| self.tenants[i].queue.len())
+        self.tenants.get(&tenant).map_or(0, |t| t.queue.len())
     }
 
     /// Tokens sampled so far, over all requests.
@@ -199,38 +296,37 @@ impl<B: Backend> Scheduler<B> {
 
     /// Tokens fed to the backend for `tenant` so far.
     pub fn tokens_processed(&self, tenant: TenantId) -> u64 {
-        self.tenant_index(tenant)
-            .map_or(0, |i| self.tenants[i].tokens_processed)
+        self.tenants.get(&tenant).map_or(0, |t| t.tokens_processed)
     }
 
-    fn tenant_index(&self, tenant: TenantId) -> Option<usize> {
-        self.tenants.iter().position(|t| t.limits.id == tenant)
+    /// The least virtual time among tenants with work, if any has.
+    fn busy_virtual_time_min(&self) -> Option<f64> {
+        self.tenants
+            .values()
+            .filter(|t| !t.queue.is_empty() || t.running > 0)
+            .map(|t| t.virtual_time)
+            .min_by(f64::total_cmp)
     }
 
-    /// Queues an admitted request, or refuses it when its tenant's queue is full
-    /// (the request is dropped with the rejection; nothing was touched).
+    /// Queues an admitted request, or refuses it when its tenant's queue is
+    /// full or its tenant is gone (removed between authentication and here);
+    /// the request is dropped with the rejection, nothing was touched.
     pub fn enqueue(&mut self, admitted: Admitted) -> Result<(), Rejection> {
-        let index = self
-            .tenant_index(admitted.tenant())
-            .expect("requests come from authenticated, configured tenants");
-        if self.tenants[index].queue.len() >= self.tenants[index].limits.queue_depth_max as usize {
+        let id = admitted.tenant();
+        let busy_min = self.busy_virtual_time_min();
+        let Some(tenant) = self.tenants.get_mut(&id) else {
+            return Err(Rejection::TenantRemoved);
+        };
+        if tenant.queue.len() >= tenant.limits.queue_depth_max as usize {
             return Err(Rejection::QueueFull);
         }
         // A tenant that was idle joins at the busy tenants' clock: time spent
         // idle is not credit to spend later at the others' expense.
-        if self.tenants[index].queue.is_empty() && self.tenants[index].running == 0 {
-            let busy_min = self
-                .tenants
-                .iter()
-                .filter(|t| !t.queue.is_empty() || t.running > 0)
-                .map(|t| t.virtual_time)
-                .min_by(f64::total_cmp);
+        if tenant.queue.is_empty() && tenant.running == 0 {
             if let Some(busy_min) = busy_min {
-                let tenant = &mut self.tenants[index];
                 tenant.virtual_time = tenant.virtual_time.max(busy_min);
             }
         }
-        let tenant = &mut self.tenants[index];
         tenant.queue.push_back(admitted);
         tenant.counts.enqueued_total += 1;
         Ok(())
@@ -257,17 +353,9 @@ impl<B: Backend> Scheduler<B> {
     /// Ends every queued and running request (shutdown after the drain
     /// deadline); running ones release their pages through [`Scheduler::finish`].
     pub fn finish_everything(&mut self) {
-        for tenant in &mut self.tenants {
+        for tenant in self.tenants.values_mut() {
             for admitted in tenant.queue.drain(..) {
-                let r = admitted.request;
-                let usage = Usage {
-                    prompt_tokens: r.prompt.len() as u32,
-                    completion_tokens: 0,
-                };
-                let _ = r.events.send(Event::Finished {
-                    reason: FinishReason::Shutdown,
-                    usage,
-                });
+                finish_queued(admitted, &tenant.limits.name, FinishReason::Shutdown);
             }
         }
         while !self.running.is_empty() {
@@ -279,25 +367,21 @@ impl<B: Backend> Scheduler<B> {
     /// Drops queued requests whose client left or whose deadline passed.
     fn expire_queued(&mut self, now: Instant) -> u32 {
         let mut finished = 0;
-        for tenant in &mut self.tenants {
-            tenant.queue.retain(|a| {
-                let r = &a.request;
-                let reason = if r.events.is_closed() {
+        for tenant in self.tenants.values_mut() {
+            let (kept, expired): (VecDeque<Admitted>, VecDeque<Admitted>) =
+                std::mem::take(&mut tenant.queue)
+                    .into_iter()
+                    .partition(|a| !a.request.events.is_closed() && now < a.request.deadline);
+            tenant.queue = kept;
+            for admitted in expired {
+                let reason = if admitted.request.events.is_closed() {
                     FinishReason::Cancelled
-                } else if now >= r.deadline {
-                    FinishReason::Timeout
                 } else {
-                    return true;
+                    FinishReason::Timeout
                 };
-                let usage = Usage {
-                    prompt_tokens: r.prompt.len() as u32,
-                    completion_tokens: 0,
-                };
-                let _ = r.events.send(Event::Finished { reason, usage });
-                tracing::info!(request_id = r.id.0, tenant = %tenant.limits.name, reason = reason.as_str(), "finished while queued");
+                finish_queued(admitted, &tenant.limits.name, reason);
                 finished += 1;
-                false
-            });
+            }
         }
         finished
     }
@@ -326,14 +410,15 @@ impl<B: Backend> Scheduler<B> {
         finished
     }
 
-    /// Tenant indices, least virtual time first (ties: lower index).
-    fn fair_order(&self) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..self.tenants.len()).collect();
-        order.sort_by(|&a, &b| {
-            let (ta, tb) = (&self.tenants[a], &self.tenants[b]);
-            ta.virtual_time.total_cmp(&tb.virtual_time).then(a.cmp(&b))
-        });
-        order
+    /// Tenants, least virtual time first (ties: lower id).
+    fn fair_order(&self) -> Vec<TenantId> {
+        let mut order: Vec<(f64, TenantId)> = self
+            .tenants
+            .values()
+            .map(|t| (t.virtual_time, t.limits.id))
+            .collect();
+        order.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        order.into_iter().map(|(_, id)| id).collect()
     }
 
     /// Moves queued requests to running, in fair order, while sequences and
@@ -342,15 +427,15 @@ impl<B: Backend> Scheduler<B> {
         let seqs_max = self.limits.step_seqs_max as usize;
         loop {
             let mut started = false;
-            for index in self.fair_order() {
+            for id in self.fair_order() {
                 if self.running.len() >= seqs_max {
                     return;
                 }
-                let tenant = &self.tenants[index];
+                let tenant = &self.tenants[&id];
                 if tenant.running >= tenant.limits.running_max || tenant.queue.is_empty() {
                     continue;
                 }
-                started |= self.try_start(index);
+                started |= self.try_start(id);
             }
             if !started {
                 return;
@@ -358,9 +443,9 @@ impl<B: Backend> Scheduler<B> {
         }
     }
 
-    /// Books and acquires pages for the head of tenant `index`'s queue.
-    fn try_start(&mut self, index: usize) -> bool {
-        let tenant = &mut self.tenants[index];
+    /// Books and acquires pages for the head of tenant `id`'s queue.
+    fn try_start(&mut self, id: TenantId) -> bool {
+        let tenant = self.tenants.get_mut(&id).expect("in the fair order");
         let pages = tenant
             .queue
             .front()
@@ -385,10 +470,7 @@ impl<B: Backend> Scheduler<B> {
                 // requests; fail the request rather than the process.
                 let admitted = tenant.queue.pop_front().expect("checked non-empty");
                 tracing::error!(request_id = admitted.id().0, error = %other, "reservation refused");
-                let _ = admitted.request.events.send(Event::Finished {
-                    reason: FinishReason::Error,
-                    usage: Usage::default(),
-                });
+                finish_queued(admitted, &tenant.limits.name, FinishReason::Error);
                 return false;
             }
         };
@@ -406,7 +488,7 @@ impl<B: Backend> Scheduler<B> {
         tracing::debug!(request_id = request.id.0, tenant = %tenant.limits.name, pages, "started");
         self.running.push(Sequence {
             id: request.id,
-            tenant: index,
+            tenant: id,
             table,
             prompt: request.prompt,
             prefilled: 0,
@@ -497,10 +579,12 @@ impl<B: Backend> Scheduler<B> {
         let mut finishing = Vec::new();
         let mut next_sample = sampled.into_iter();
         for p in plan {
-            let weight = f64::from(self.tenants[self.running[p.seq_index].tenant].limits.weight);
             let s = &mut self.running[p.seq_index];
-            let tenant = &mut self.tenants[s.tenant];
-            tenant.virtual_time += p.tokens.len() as f64 / weight;
+            let tenant = self
+                .tenants
+                .get_mut(&s.tenant)
+                .expect("a running sequence's tenant exists");
+            tenant.virtual_time += p.tokens.len() as f64 / f64::from(tenant.limits.weight);
             tenant.tokens_processed += p.tokens.len() as u64;
             if s.next.is_none() {
                 s.prefilled += p.tokens.len();
@@ -575,7 +659,11 @@ impl<B: Backend> Scheduler<B> {
     fn finish(&mut self, seq_index: usize, reason: FinishReason) {
         let mut s = self.running.swap_remove(seq_index);
         let pages = self.pool.release(&mut s.table);
-        let tenant = &mut self.tenants[s.tenant];
+        let tenant = self
+            .tenants
+            .get_mut(&s.tenant)
+            .expect("a running sequence's tenant exists");
+        assert!(tenant.running > 0, "a running sequence is counted");
         tenant.running -= 1;
         let usage = s.usage();
         if !s.text_closed && matches!(reason, FinishReason::Stop | FinishReason::Length) {
@@ -603,13 +691,31 @@ impl<B: Backend> Scheduler<B> {
     }
 }
 
+/// Ends a request that never started: it holds no page, so there is nothing
+/// to release; its client hears why, with the prompt it sent and nothing
+/// generated.
+fn finish_queued(admitted: Admitted, tenant: &str, reason: FinishReason) {
+    let request = admitted.request;
+    let usage = Usage {
+        prompt_tokens: request.prompt.len() as u32,
+        completion_tokens: 0,
+    };
+    let _ = request.events.send(Event::Finished { reason, usage });
+    tracing::info!(
+        request_id = request.id.0,
+        tenant,
+        reason = reason.as_str(),
+        "finished while queued"
+    );
+}
+
 impl<B: Backend> Scheduler<B> {
     /// The current counts (cheap: a few numbers per tenant).
     pub fn stats(&self) -> SchedulerStats {
         let pool = self.pool.stats();
         let tenants = self
             .tenants
-            .iter()
+            .values()
             .map(|t| {
                 let p = self.pool.partition_stats(OwnerTag(t.limits.id.0));
                 TenantStats {

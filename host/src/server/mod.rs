@@ -21,14 +21,13 @@ use crate::api::lane::Lane;
 use crate::api::{self, App};
 use crate::config::{Capacity, CapacityViolation, Config, ConfigError, TlsConfig};
 use crate::engine::admission::Admission;
+use crate::engine::build::{self, EngineSpec};
 use crate::engine::chat::ChatTemplate;
-use crate::engine::scheduler::{BatchLimits, Scheduler, TenantLimits};
+use crate::engine::scheduler::TenantLimits;
 use crate::engine::service::EngineService;
 use crate::telemetry;
 use crate::tenancy::{TenancyError, Tenants};
 use accept::{Accept, ConnectionLimits};
-use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
-use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolGeometry, PoolOptions};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::Tokenizer;
 use sha2::{Digest, Sha256};
@@ -146,7 +145,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         }
     };
     let template = chat_template(&model, &tokenizer);
-    let service = start_engine(&config, &model, &tokenizer)?;
+    let service = start_engine(&config, &model, &tokenizer, &tenants)?;
     let metrics = telemetry::install_metrics().map_err(|e| ServeError::Metrics(e.to_string()))?;
     let mut nonce = [0u8; 8];
     getrandom::fill(&mut nonce)
@@ -227,49 +226,27 @@ fn start_engine(
     config: &Config,
     model: &Arc<Model>,
     tokenizer: &Arc<Tokenizer>,
+    tenants: &Tenants,
 ) -> Result<EngineService, ServeError> {
-    let c = &model.config;
-    let geometry = PoolGeometry {
-        pages_count: config.engine.pool_pages,
-        page_tokens: config.engine.page_tokens,
-        layers: c.layers_count as u32,
-        kv_heads: c.kv_heads_count as u32,
-        head_dim: c.head_dim as u32,
-    };
-    let mut partitions = Vec::new();
-    let mut limits = Vec::new();
-    // Tenant ids are the index in the policy's (sorted) tenant map, as in `Tenants::new`.
-    for (index, (name, t)) in config.tenants.iter().enumerate() {
-        let id = crate::tenancy::TenantId(index as u32);
-        partitions.push(PartitionConfig {
-            owner: OwnerTag(id.0),
-            pages_reserved: t.pages_reserved,
-            pages_max: t.pages_max,
-        });
-        limits.push(TenantLimits {
-            id,
-            name: name.clone(),
-            weight: t.weight,
-            queue_depth_max: t.queue_depth_max,
-            running_max: t.running_max,
-        });
-    }
-    let pool = Pool::new(geometry, &partitions, PoolOptions::default())
+    let limits = tenants
+        .all()
+        .iter()
+        .map(|tenant| {
+            let t = &config.tenants[&tenant.name];
+            TenantLimits {
+                id: tenant.id,
+                name: tenant.name.clone(),
+                weight: t.weight,
+                queue_depth_max: t.queue_depth_max,
+                running_max: t.running_max,
+                pages_reserved: t.pages_reserved,
+                pages_max: t.pages_max,
+            }
+        })
+        .collect();
+    let spec = EngineSpec::from_config(config);
+    let scheduler = build::scheduler(model, tokenizer, &spec, limits)
         .map_err(|e| ServeError::Pool(e.to_string()))?;
-    let backend = CpuBackend::new(
-        Arc::clone(model),
-        CpuOptions {
-            threads_count: config.model.threads as usize,
-            step_tokens_max: config.engine.step_tokens_max as usize,
-            step_seqs_max: config.engine.step_seqs_max as usize,
-            isa: None,
-        },
-    );
-    let batch = BatchLimits {
-        step_tokens_max: config.engine.step_tokens_max,
-        step_seqs_max: config.engine.step_seqs_max,
-    };
-    let scheduler = Scheduler::new(backend, pool, Arc::clone(tokenizer), batch, limits);
     Ok(EngineService::start(scheduler)?)
 }
 
