@@ -11,6 +11,7 @@
 //! 3. [`Capacity::table`] renders the same numbers for `bulkhead check` and the
 //!    server's start-up log.
 
+use crate::tenancy::{valid_name, Quota};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -21,12 +22,8 @@ use std::path::{Path, PathBuf};
 pub const BODY_BYTES_LIMIT: u64 = 64 << 20;
 /// Most tenants one deployment may define.
 pub const TENANTS_MAX: usize = 1024;
-/// Most queued requests per tenant, whatever the file says.
-pub const QUEUE_DEPTH_LIMIT: u32 = 1 << 16;
 /// Most pages a pool may have (the KV crate has its own bound too).
 pub const POOL_PAGES_LIMIT: u32 = 1 << 22;
-/// Most requests of one tenant before admission at once, whatever the file says.
-pub const PENDING_LIMIT: u32 = 1024;
 /// Longest timeout a policy may set, in milliseconds (a day).
 pub const TIMEOUT_MS_LIMIT: u64 = 24 * 3600 * 1000;
 
@@ -78,7 +75,12 @@ pub struct Config {
     /// KV pool and batching.
     #[serde(default)]
     pub engine: EngineConfig,
-    /// Tenants by name.
+    /// The control-plane store.
+    #[serde(default)]
+    pub store: StoreConfig,
+    /// Tenants by name: the seed of an empty store (after that, the store is
+    /// the source of truth for tenants, keys and quotas).
+    #[serde(default)]
     pub tenants: BTreeMap<String, TenantConfig>,
     /// Where the file was read from (relative paths in it resolve against its folder).
     #[serde(skip)]
@@ -130,6 +132,26 @@ impl Default for ServerConfig {
             request_timeout_ms: 300_000,
             drain_timeout_ms: 10_000,
             tls: None,
+        }
+    }
+}
+
+/// The control-plane store.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// Its folder (relative to the policy file's folder).
+    pub path: PathBuf,
+    /// How often usage counters and refusal records are written: what a
+    /// crash can lose.
+    pub usage_flush_ms: u64,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            path: PathBuf::from("bulkhead-state"),
+            usage_flush_ms: 1000,
         }
     }
 }
@@ -220,6 +242,20 @@ pub struct TenantConfig {
     pub key_env: Option<String>,
 }
 
+impl TenantConfig {
+    /// Its limits.
+    pub fn quota(&self) -> Quota {
+        Quota {
+            weight: self.weight,
+            pages_reserved: self.pages_reserved,
+            pages_max: self.pages_max,
+            queue_depth_max: self.queue_depth_max,
+            running_max: self.running_max,
+            pending_max: self.pending_max,
+        }
+    }
+}
+
 fn default_weight() -> u32 {
     1
 }
@@ -263,9 +299,19 @@ impl Config {
 
     /// The model file, resolved against the policy file's folder.
     pub fn model_path(&self) -> PathBuf {
+        self.resolve(&self.model.path)
+    }
+
+    /// The store's folder, resolved against the policy file's folder.
+    pub fn store_path(&self) -> PathBuf {
+        self.resolve(&self.store.path)
+    }
+
+    /// `path`, relative to the policy file's folder when it is relative.
+    pub fn resolve(&self, path: &Path) -> PathBuf {
         match self.source.parent() {
-            Some(dir) if self.model.path.is_relative() => dir.join(&self.model.path),
-            _ => self.model.path.clone(),
+            Some(dir) if path.is_relative() => dir.join(path),
+            _ => path.to_path_buf(),
         }
     }
 
@@ -288,6 +334,7 @@ impl Config {
             ("server.request_timeout_ms", s.request_timeout_ms),
             ("server.drain_timeout_ms", s.drain_timeout_ms),
             ("server.tokenize_threads", u64::from(s.tokenize_threads)),
+            ("store.usage_flush_ms", self.store.usage_flush_ms),
             ("model.context_tokens", u64::from(self.model.context_tokens)),
             ("model.threads", u64::from(self.model.threads)),
             ("engine.page_tokens", u64::from(self.engine.page_tokens)),
@@ -320,6 +367,7 @@ impl Config {
             ("server.idle_timeout_ms", s.idle_timeout_ms),
             ("server.request_timeout_ms", s.request_timeout_ms),
             ("server.drain_timeout_ms", s.drain_timeout_ms),
+            ("store.usage_flush_ms", self.store.usage_flush_ms),
         ] {
             if value > TIMEOUT_MS_LIMIT {
                 return Err(invalid(
@@ -347,50 +395,24 @@ impl Config {
     }
 
     fn validate_tenants(&self) -> Result<(), ConfigError> {
-        if self.tenants.is_empty() || self.tenants.len() > TENANTS_MAX {
+        if self.tenants.len() > TENANTS_MAX {
             return Err(invalid(
                 "tenants",
-                format!("define 1..={TENANTS_MAX} tenants"),
+                format!("define at most {TENANTS_MAX} tenants"),
             ));
         }
         let mut reserved_total = 0u64;
         for (name, t) in &self.tenants {
             let field = |f: &str| format!("tenants.{name}.{f}");
-            let valid_name = !name.is_empty()
-                && name.len() <= 64
-                && name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-            if !valid_name {
+            if !valid_name(name) {
                 return Err(invalid(
                     format!("tenants.{name}"),
-                    "names are 1-64 of [A-Za-z0-9_-]",
+                    "names are 1-64 of [A-Za-z0-9_-], starting with a letter",
                 ));
             }
-            if t.weight == 0 || t.weight > 1000 {
-                return Err(invalid(field("weight"), "must be 1..=1000"));
-            }
-            if t.pages_max == 0 || t.pages_max < t.pages_reserved {
-                return Err(invalid(
-                    field("pages_max"),
-                    "must be at least 1 and at least pages_reserved",
-                ));
-            }
-            if t.queue_depth_max == 0 || t.queue_depth_max > QUEUE_DEPTH_LIMIT {
-                return Err(invalid(
-                    field("queue_depth_max"),
-                    format!("must be 1..={QUEUE_DEPTH_LIMIT}"),
-                ));
-            }
-            if t.running_max == 0 {
-                return Err(invalid(field("running_max"), "must be at least 1"));
-            }
-            if t.pending_max == 0 || t.pending_max > PENDING_LIMIT {
-                return Err(invalid(
-                    field("pending_max"),
-                    format!("must be 1..={PENDING_LIMIT}"),
-                ));
-            }
+            t.quota()
+                .validate()
+                .map_err(|e| invalid(field(e.field), e.reason))?;
             for (i, digest) in t.keys_sha256.iter().enumerate() {
                 let hex = digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit());
                 if !hex {
@@ -451,12 +473,31 @@ pub struct CapacityViolation {
     pub tokens: u64,
     /// The whole table.
     pub table: String,
+    /// The whole contract.
+    pub capacity: Box<Capacity>,
 }
 
 impl Capacity {
-    /// The contract of `config` for a model whose own context is `model_context_tokens`.
+    /// The contract of `config` for a model whose own context is
+    /// `model_context_tokens`, with the policy file's tenants.
     pub fn new(config: &Config, model_context_tokens: u64) -> Capacity {
+        let tenants: Vec<(String, Quota)> = config
+            .tenants
+            .iter()
+            .map(|(name, t)| (name.clone(), t.quota()))
+            .collect();
+        Capacity::with_tenants(config, model_context_tokens, &tenants)
+    }
+
+    /// The contract of `config`'s model and engine with `tenants` (the live
+    /// set, or the set an admin change would make).
+    pub fn with_tenants(
+        config: &Config,
+        model_context_tokens: u64,
+        tenants: &[(String, Quota)],
+    ) -> Capacity {
         let page_tokens = u64::from(config.engine.page_tokens);
+        let pool_pages = u64::from(config.engine.pool_pages);
         let mut limits = vec![
             Limit {
                 stage: "model context".into(),
@@ -471,21 +512,30 @@ impl Capacity {
             Limit {
                 stage: "KV pool".into(),
                 field: "engine.pool_pages".into(),
-                tokens: u64::from(config.engine.pool_pages) * page_tokens,
+                tokens: pool_pages * page_tokens,
             },
         ];
-        let reserved_total: u64 = config
-            .tenants
-            .values()
-            .map(|t| u64::from(t.pages_reserved))
+        let reserved_total: u64 = tenants
+            .iter()
+            .map(|(_, q)| u64::from(q.pages_reserved))
             .sum();
-        for (name, tenant) in &config.tenants {
+        if reserved_total > pool_pages {
+            // I8: no tenant's reservation may be another's burst.
+            limits.push(Limit {
+                stage: "reservations".into(),
+                field: format!(
+                    "tenants' pages_reserved add up to {reserved_total} pages, above engine.pool_pages"
+                ),
+                tokens: 0,
+            });
+        }
+        for (name, quota) in tenants {
             // A tenant can never take pages other tenants have reserved (I8).
-            let others_reserved = reserved_total - u64::from(tenant.pages_reserved);
-            let reachable = u64::from(config.engine.pool_pages) - others_reserved;
-            let (pages, field) = if u64::from(tenant.pages_max) <= reachable {
+            let others_reserved = reserved_total - u64::from(quota.pages_reserved);
+            let reachable = pool_pages.saturating_sub(others_reserved);
+            let (pages, field) = if u64::from(quota.pages_max) <= reachable {
                 (
-                    u64::from(tenant.pages_max),
+                    u64::from(quota.pages_max),
                     format!("tenants.{name}.pages_max"),
                 )
             } else {
@@ -518,6 +568,7 @@ impl Capacity {
                 field: l.field.clone(),
                 tokens: l.tokens,
                 table: self.table(),
+                capacity: Box::new(self.clone()),
             }),
         }
     }

@@ -3,11 +3,13 @@
 //! The control plane lives here (the HTTP API, tenancy, engine driving, and
 //! later policy); the data plane is the `bulkhead-kernels` crate.
 
+pub mod admin_cli;
 pub mod api;
 pub mod bench;
 pub mod bench_http;
 pub mod config;
 pub mod engine;
 pub mod server;
+pub mod store;
 pub mod telemetry;
 pub mod tenancy;

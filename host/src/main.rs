@@ -7,6 +7,7 @@ use bulkhead::engine::chat::{ChatTemplate, Message};
 use bulkhead::engine::generate::{self, GenerateOptions};
 use bulkhead::engine::sampling::SamplingParams;
 use bulkhead::server::{self, ServeOptions};
+use bulkhead::store::Store;
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::model::{LlamaConfig, Model};
 use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer};
@@ -85,13 +86,22 @@ enum Command {
         /// GGUF model file (overrides `model.path`).
         #[arg(long)]
         model: Option<PathBuf>,
+        /// The control-plane store's folder (overrides `store.path`).
+        #[arg(long)]
+        store: Option<PathBuf>,
     },
-    /// Print the capacity table of a deployment policy; exit non-zero on a violation.
+    /// Print the capacity table of a deployment: the store's tenants (or, for a
+    /// store not yet seeded, the policy's); exit non-zero on a violation.
     Check {
         /// The policy file (e.g. policies/demo.toml).
         #[arg(long)]
         config: PathBuf,
+        /// The control-plane store's folder (overrides `store.path`).
+        #[arg(long)]
+        store: Option<PathBuf>,
     },
+    /// Everyday admin tasks through the admin API of a running server.
+    Admin(bulkhead::admin_cli::AdminArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -165,14 +175,36 @@ fn generate(
     Ok(())
 }
 
-fn check(path: &Path) -> Result<()> {
-    let config = Config::load(path)?;
+fn check(path: &Path, store: Option<PathBuf>) -> Result<()> {
+    let mut config = Config::load(path)?;
+    if let Some(store) = store {
+        config.store.path = std::path::absolute(store)?;
+    }
     let model_path = config.model_path();
     let gguf =
         Gguf::open(&model_path).with_context(|| format!("model {}", model_path.display()))?;
     let model =
         LlamaConfig::from_gguf(&gguf).with_context(|| format!("model {}", model_path.display()))?;
-    let capacity = Capacity::new(&config, model.context_len as u64);
+    // The state the server would use: a seeded store's tenants win over the
+    // policy's. Opening the store creates nothing when there is none yet.
+    let store_path = config.store_path();
+    let capacity = if store_path.exists() {
+        let store = Store::open(&store_path)?;
+        match store.meta()? {
+            Some(_) => {
+                println!("tenants: the store at {}", store_path.display());
+                let tenants = bulkhead::server::quotas(&store.tenants()?);
+                Capacity::with_tenants(&config, model.context_len as u64, &tenants)
+            }
+            None => Capacity::new(&config, model.context_len as u64),
+        }
+    } else {
+        println!(
+            "tenants: the policy (the store at {} is not seeded yet)",
+            store_path.display()
+        );
+        Capacity::new(&config, model.context_len as u64)
+    };
     print!("{}", capacity.table());
     capacity.check()?;
     println!(
@@ -234,13 +266,16 @@ fn main() -> Result<()> {
             listen,
             admin_listen,
             model,
+            store,
         } => Ok(server::serve(ServeOptions {
             config,
             listen,
             admin_listen,
             model,
+            store,
         })?),
-        Command::Check { config } => check(&config),
+        Command::Check { config, store } => check(&config, store),
+        Command::Admin(args) => bulkhead::admin_cli::run(args),
         Command::Bench { which } => match which {
             BenchCommand::Engine(args) => {
                 let (model, tokenizer) = load(&args.model)?;

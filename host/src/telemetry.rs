@@ -117,10 +117,16 @@ pub fn observe_inter_token(tenant: &str, gap: Duration) {
         .record(gap.as_secs_f64());
 }
 
-/// Sets the engine gauges from a snapshot; `names[id]` is tenant `id`'s name.
-pub fn publish_engine_stats(stats: &SchedulerStats, names: &[String]) {
+/// Tenant names whose engine gauges were last published: a tenant that is
+/// gone has its gauges set to zero once, not left at their last values.
+static PUBLISHED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Sets the engine gauges from a snapshot; `name_of(id)` is tenant `id`'s
+/// name (None for a tenant removed since the snapshot).
+pub fn publish_engine_stats(stats: &SchedulerStats, name_of: impl Fn(u32) -> Option<String>) {
+    let mut published = Vec::new();
     for t in &stats.tenants {
-        let Some(name) = names.get(t.id as usize) else {
+        let Some(name) = name_of(t.id) else {
             continue;
         };
         gauge!(QUEUE_DEPTH, "tenant" => name.clone()).set(f64::from(t.queued));
@@ -136,7 +142,17 @@ pub fn publish_engine_stats(stats: &SchedulerStats, names: &[String]) {
         counter!(ENQUEUED_TOTAL, "tenant" => name.clone()).absolute(t.counts.enqueued_total);
         counter!(KV_PAGES_ACQUIRED_TOTAL, "tenant" => name.clone())
             .absolute(t.counts.pages_acquired_total);
+        published.push(name);
     }
+    let mut last = PUBLISHED.lock().unwrap_or_else(|p| p.into_inner());
+    for gone in last.iter().filter(|n| !published.contains(n)) {
+        gauge!(QUEUE_DEPTH, "tenant" => gone.clone()).set(0.0);
+        gauge!(RUNNING, "tenant" => gone.clone()).set(0.0);
+        for state in ["owned", "released", "booked", "available"] {
+            gauge!(KV_PAGES, "tenant" => gone.clone(), "state" => state).set(0.0);
+        }
+    }
+    *last = published;
     gauge!(KV_POOL_PAGES, "state" => "total").set(f64::from(stats.pages_count));
     gauge!(KV_POOL_PAGES, "state" => "free").set(f64::from(stats.pages_free));
     counter!(KV_PAGES_SCRUBBED_TOTAL).absolute(stats.pages_scrubbed_total);

@@ -259,8 +259,11 @@ fn client_errors_are_openai_shaped_and_name_the_parameter() {
 
     // The metrics listener is the admin one; the capacity table needs the token.
     assert_eq!(server.get(&server.inference, "/metrics", None).status, 404);
-    assert_eq!(server.get(&server.admin, "/v1/capacity", None).status, 401);
-    let r = server.get(&server.admin, "/v1/capacity", Some(ADMIN_TOKEN));
+    assert_eq!(
+        server.get(&server.admin, "/admin/v1/capacity", None).status,
+        401
+    );
+    let r = server.get(&server.admin, "/admin/v1/capacity", Some(ADMIN_TOKEN));
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["promised_tokens"], 1024);
     assert_eq!(r.json()["ok"], true);

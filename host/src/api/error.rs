@@ -9,9 +9,11 @@
 //!    goes to the log (never to the client). Neither the log line nor the metric
 //!    carries the message of a 4xx, which may quote the client's input.
 
+use crate::config::{Capacity, CapacityViolation};
 use crate::engine::request::{Rejection, RequestId};
 use crate::engine::service::SubmitError;
 use crate::telemetry;
+use crate::tenancy::control::ControlError;
 use axum::body::Body;
 use axum::http::{header, HeaderValue, Response, StatusCode};
 use serde::Serialize;
@@ -111,9 +113,57 @@ pub enum ApiError {
     /// No such route.
     #[error("Unknown request URL.")]
     NotFound,
+    /// A control-plane object that does not exist (or is another tenant's).
+    #[error("{what} {name:?} does not exist.")]
+    ObjectNotFound {
+        /// "tenant", "key", "plugin".
+        what: &'static str,
+        /// What was asked for.
+        name: String,
+    },
+    /// A name that is taken.
+    #[error("{what} {name:?} exists already.")]
+    Exists {
+        /// "tenant", "plugin".
+        what: &'static str,
+        /// The name.
+        name: String,
+    },
+    /// A change the capacity contract (I2) or the reservations (I8) cannot hold.
+    #[error("{0}")]
+    Capacity(CapacityViolation),
+    /// A change the KV pool cannot apply now.
+    #[error("The KV pool cannot apply this change now: {0}")]
+    PoolConflict(String),
+    /// A count limit reached.
+    #[error("At most {max} {what}.")]
+    TooMany {
+        /// What is counted.
+        what: &'static str,
+        /// The limit.
+        max: usize,
+    },
     /// A server-side failure; the cause is logged, never sent.
     #[error("internal error")]
     Internal(String),
+}
+
+impl From<ControlError> for ApiError {
+    fn from(error: ControlError) -> ApiError {
+        match error {
+            ControlError::NotFound { what, name } => ApiError::ObjectNotFound { what, name },
+            ControlError::Exists { what, name } => ApiError::Exists { what, name },
+            ControlError::Invalid { field, reason } => ApiError::InvalidValue {
+                param: field,
+                message: reason,
+            },
+            ControlError::Capacity(violation) => ApiError::Capacity(violation),
+            ControlError::Pool(message) => ApiError::PoolConflict(message),
+            ControlError::TooMany { what, max } => ApiError::TooMany { what, max },
+            ControlError::Store(error) => ApiError::Internal(format!("store: {error}")),
+            ControlError::Engine => ApiError::Unavailable,
+        }
+    }
 }
 
 impl From<SubmitError> for ApiError {
@@ -141,6 +191,62 @@ pub struct ErrorObject<'a> {
     kind: &'a str,
     param: Option<&'a str>,
     code: Option<&'a str>,
+    /// For a capacity conflict: the table of limits the change would break.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    limits: Option<Vec<CapacityLimit>>,
+}
+
+/// The error body, for the OpenAPI document.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct ErrorResponse {
+    /// The error.
+    error: ErrorDetail,
+}
+
+/// The error object, for the OpenAPI document.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct ErrorDetail {
+    /// What was wrong (a 5xx says only "internal error").
+    message: String,
+    /// OpenAI's error type (`invalid_request_error`, `server_error`, ...).
+    #[schema(rename = "type")]
+    kind: String,
+    /// The parameter at fault, if one is.
+    param: Option<String>,
+    /// A fixed code (`tenant_not_found`, `capacity_contract_violated`, ...).
+    code: Option<String>,
+    /// For a capacity conflict: the limits the change would break.
+    #[schema(nullable = false)]
+    limits: Option<Vec<CapacityLimit>>,
+}
+
+/// One row of the capacity table.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct CapacityLimit {
+    /// The stage ("model context", "tenant alpha maximum", ...).
+    pub stage: String,
+    /// The setting that sets it.
+    pub field: String,
+    /// Tokens of one sequence it holds.
+    pub tokens: u64,
+    /// Whether it holds the promised context.
+    pub holds: bool,
+}
+
+/// The rows of `capacity`'s table.
+pub fn capacity_limits(capacity: &Capacity) -> Vec<CapacityLimit> {
+    capacity
+        .limits
+        .iter()
+        .map(|l| CapacityLimit {
+            stage: l.stage.clone(),
+            field: l.field.clone(),
+            tokens: l.tokens,
+            holds: l.tokens >= capacity.promised_tokens,
+        })
+        .collect()
 }
 
 impl ApiError {
@@ -263,12 +369,59 @@ impl ApiError {
                 None,
             ),
             E::NotFound => (StatusCode::NOT_FOUND, INVALID, "unknown_url", None),
+            E::ObjectNotFound { what, .. } => {
+                let code = match *what {
+                    "tenant" => "tenant_not_found",
+                    "key" => "key_not_found",
+                    "plugin" => "plugin_not_found",
+                    _ => "not_found",
+                };
+                (StatusCode::NOT_FOUND, INVALID, code, None)
+            }
+            E::Exists { .. } => (StatusCode::CONFLICT, INVALID, "already_exists", None),
+            E::Capacity(_) => (
+                StatusCode::CONFLICT,
+                INVALID,
+                "capacity_contract_violated",
+                None,
+            ),
+            E::PoolConflict(_) => (StatusCode::CONFLICT, INVALID, "pool_conflict", None),
+            E::TooMany { .. } => (StatusCode::CONFLICT, INVALID, "limit_reached", None),
             E::Internal(_) => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "server_error",
                 "internal_error",
                 None,
             ),
+        }
+    }
+
+    /// The sizes a refusal's audit record keeps (numbers only).
+    pub fn sizes(&self) -> Vec<(&'static str, u64)> {
+        match self {
+            ApiError::BodyTooLarge { limit } => vec![("body_bytes_max", *limit)],
+            ApiError::Rejected { rejection, .. } => match rejection {
+                Rejection::ContextLengthExceeded {
+                    prompt_tokens,
+                    max_tokens,
+                    context_tokens,
+                } => vec![
+                    ("prompt_tokens", u64::from(*prompt_tokens)),
+                    ("max_tokens", u64::from(*max_tokens)),
+                    ("context_tokens", u64::from(*context_tokens)),
+                ],
+                Rejection::PromptTooLong {
+                    prompt_tokens_min,
+                    max_tokens,
+                    context_tokens,
+                } => vec![
+                    ("prompt_tokens_min", *prompt_tokens_min),
+                    ("max_tokens", u64::from(*max_tokens)),
+                    ("context_tokens", u64::from(*context_tokens)),
+                ],
+                _ => Vec::new(),
+            },
+            _ => Vec::new(),
         }
     }
 
@@ -285,12 +438,24 @@ impl ApiError {
     /// The `error` object (for the JSON body and SSE error events).
     pub fn object(&self) -> ErrorObject<'_> {
         let (_, kind, code, param) = self.parts();
-        ErrorObject {
+        let (message, limits) = match self {
+            // The table goes as rows, not as text in the message.
+            ApiError::Capacity(v) => (
+                format!(
+                    "The change would break the capacity contract: the promised context of {} tokens exceeds {} ({} tokens, set by {}).",
+                    v.promised, v.stage, v.tokens, v.field
+                ),
+                Some(capacity_limits(&v.capacity)),
+            ),
             // `Internal` displays as "internal error": its cause is never sent.
-            message: self.to_string(),
+            _ => (self.to_string(), None),
+        };
+        ErrorObject {
+            message,
             kind,
             param,
             code: Some(code),
+            limits,
         }
     }
 

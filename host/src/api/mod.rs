@@ -24,17 +24,21 @@
 //!
 //! Every error goes through [`error::ApiError::into_response`].
 
+pub mod admin;
 pub mod error;
+pub mod ids;
 pub mod lane;
 pub mod openai;
 pub mod stream;
+pub mod tenant;
 
 use crate::engine::admission::Admission;
 use crate::engine::chat::{ChatError, ChatTemplate};
 use crate::engine::request::{Event, NewRequest, RequestId};
 use crate::engine::service::EngineHandle;
 use crate::telemetry;
-use crate::tenancy::{Tenant, Tenants};
+use crate::tenancy::control::{self, now_ms, Control};
+use crate::tenancy::{Tenant, TenantId};
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, Response, StatusCode};
@@ -44,10 +48,11 @@ use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer, TokenizerError};
 use bytes::Bytes;
 use error::ApiError;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use ids::RequestIds;
 use metrics_exporter_prometheus::PrometheusHandle;
 use openai::{ChatRequest, Common, CompletionRequest, Endpoint, Prompt, ResponseMeta};
 use sha2::{Digest, Sha256};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use stream::{finish_error, SseBody, Tracker};
@@ -68,10 +73,8 @@ pub const REFUSED_BODY_DRAIN_BYTES_MAX: u64 = 64 << 10;
 /// How long such a body may take to arrive; a slower one is left unread.
 pub const REFUSED_BODY_DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Everything the handlers share.
-pub struct App {
-    /// Tenants and their key digests.
-    pub tenants: Tenants,
+/// The serving plane: what turns a request into tokens and tokens into text.
+pub struct Serving {
     /// The engine thread.
     pub engine: EngineHandle,
     /// The static admission check (the promised context).
@@ -93,27 +96,33 @@ pub struct App {
     pub body_bytes_max: u64,
     /// `server.request_timeout_ms`.
     pub request_timeout: Duration,
+}
+
+/// Everything the handlers share, by plane.
+pub struct App {
+    /// Serving: engine, tokenizer, limits of a request.
+    pub serving: Serving,
+    /// The control plane: tenants, keys, quotas, plugins, usage, audit.
+    pub control: Arc<Control>,
     /// SHA-256 of the admin token.
     pub admin_token_sha256: [u8; 32],
-    /// The capacity table as JSON (`GET /v1/capacity`).
-    pub capacity: serde_json::Value,
     /// The Prometheus recorder.
     pub metrics: PrometheusHandle,
     /// Set once a shutdown began: new requests get 503, `/readyz` fails.
     pub shutting_down: AtomicBool,
-    /// Request ids are unique within the process.
-    pub next_request_id: AtomicU64,
+    /// Request ids (a keyed permutation: unique, and their gaps say nothing).
+    pub ids: RequestIds,
     /// Random per process, so response ids differ across restarts.
     pub id_nonce: u64,
 }
 
 impl App {
     fn request_id(&self) -> RequestId {
-        RequestId(self.next_request_id.fetch_add(1, Ordering::Relaxed))
+        self.ids.next()
     }
 
-    fn tenant(&self, headers: &HeaderMap) -> Option<&Tenant> {
-        self.tenants.authenticate(bearer(headers)?)
+    fn tenant(&self, headers: &HeaderMap) -> Option<Arc<Tenant>> {
+        self.control.registry().authenticate(bearer(headers)?)
     }
 
     fn is_admin(&self, headers: &HeaderMap) -> bool {
@@ -121,10 +130,6 @@ impl App {
             let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
             bool::from(digest.ct_eq(&self.admin_token_sha256))
         })
-    }
-
-    fn tenant_names(&self) -> Vec<String> {
-        self.tenants.all().iter().map(|t| t.name.clone()).collect()
     }
 }
 
@@ -144,20 +149,21 @@ pub fn inference_router(app: Arc<App>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
+        .merge(tenant::router(Arc::clone(&app)))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .fallback(not_found)
         .with_state(app)
 }
 
-/// The admin listener's routes. `/healthz`, `/readyz` and `/metrics` are open
-/// (probes and scrapers; content-free by I9); everything else needs the token.
+/// The admin listener's routes: `/healthz`, `/readyz` and `/metrics` are open
+/// (probes and scrapers; content-free by I9), as is the OpenAPI document;
+/// everything under `/admin/v1/` needs the admin token ([`admin`]).
 pub fn admin_router(app: Arc<App>) -> Router {
-    Router::new()
+    admin::router(Arc::clone(&app))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .route("/v1/capacity", get(capacity))
         .fallback(not_found)
         .with_state(app)
 }
@@ -177,7 +183,7 @@ async fn healthz() -> Response<Body> {
 }
 
 async fn readyz(State(app): State<Arc<App>>) -> Response<Body> {
-    if app.engine.is_accepting() && !app.shutting_down.load(Ordering::SeqCst) {
+    if app.serving.engine.is_accepting() && !app.shutting_down.load(Ordering::SeqCst) {
         json(StatusCode::OK, &serde_json::json!({"status": "ready"}))
     } else {
         json(
@@ -188,7 +194,10 @@ async fn readyz(State(app): State<Arc<App>>) -> Response<Body> {
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response<Body> {
-    telemetry::publish_engine_stats(&app.engine.stats(), &app.tenant_names());
+    let directory = app.control.registry().snapshot();
+    telemetry::publish_engine_stats(&app.serving.engine.stats(), |id| {
+        directory.tenant(TenantId(id)).map(|t| t.name.clone())
+    });
     app.metrics.run_upkeep();
     let mut response = Response::new(Body::from(app.metrics.render()));
     response.headers_mut().insert(
@@ -198,20 +207,13 @@ async fn metrics(State(app): State<Arc<App>>) -> Response<Body> {
     response
 }
 
-async fn capacity(State(app): State<Arc<App>>, headers: HeaderMap) -> Response<Body> {
-    if !app.is_admin(&headers) {
-        return ApiError::AdminUnauthenticated.into_response(app.request_id(), None);
-    }
-    json(StatusCode::OK, &app.capacity)
-}
-
 async fn not_found(State(app): State<Arc<App>>) -> Response<Body> {
     ApiError::NotFound.into_response(app.request_id(), None)
 }
 
 fn model_object(app: &App) -> serde_json::Value {
     serde_json::json!({
-        "id": app.model_id, "object": "model", "created": app.created, "owned_by": "bulkhead",
+        "id": app.serving.model_id, "object": "model", "created": app.serving.created, "owned_by": "bulkhead",
     })
 }
 
@@ -234,7 +236,7 @@ async fn model(
     let Some(tenant) = app.tenant(&headers) else {
         return ApiError::Unauthenticated.into_response(id, None);
     };
-    if model != app.model_id {
+    if model != app.serving.model_id {
         return ApiError::ModelNotFound(model).into_response(id, Some(&tenant.name));
     }
     json(StatusCode::OK, &model_object(&app))
@@ -270,27 +272,54 @@ async fn infer(
             drain_refused(body, &headers).await;
             ApiError::Unauthenticated.into_response(id, None)
         }
-        Some(tenant) => match Arc::clone(&tenant.pending).try_acquire_owned() {
-            Err(_) => {
-                drain_refused(body, &headers).await;
-                ApiError::TooManyPending.into_response(id, Some(&tenant.name))
-            }
-            Ok(pending) => {
-                let span = tracing::info_span!("request", request_id = id.0, tenant = %tenant.name);
-                match run(&app, tenant, pending, id, arrived, &headers, body, endpoint)
+        Some(tenant) => {
+            let result = match Arc::clone(&tenant.pending).try_acquire_owned() {
+                Err(_) => {
+                    drain_refused(body, &headers).await;
+                    Err(ApiError::TooManyPending)
+                }
+                Ok(pending) => {
+                    let span =
+                        tracing::info_span!("request", request_id = id.0, tenant = %tenant.name);
+                    run(
+                        &app, &tenant, pending, id, arrived, &headers, body, endpoint,
+                    )
                     .instrument(span)
                     .await
-                {
-                    Ok(response) => response,
-                    Err(error) => error.into_response(id, Some(&tenant.name)),
                 }
-            }
-        },
+            };
+            result.unwrap_or_else(|error| {
+                refused(&app, &tenant, id, &error);
+                error.into_response(id, Some(&tenant.name))
+            })
+        }
     };
     if let Ok(value) = HeaderValue::from_str(&id.0.to_string()) {
         response.headers_mut().insert("x-request-id", value);
     }
     response
+}
+
+/// Accounts a refused request of an authenticated tenant: its usage (by error
+/// code) and an audit record with the code and sizes — never its text.
+fn refused(app: &App, tenant: &Tenant, id: RequestId, error: &ApiError) {
+    let now = now_ms();
+    let book = app.control.usage_book();
+    book.record(tenant.id, now, error.code(), 0, 0);
+    let mut record = control::audit(
+        &control::Actor::Tenant(tenant.name.clone()),
+        "request.refused",
+        &format!("{:016x}", id.0),
+    );
+    record.at_ms = now;
+    record
+        .detail
+        .insert("status".into(), error.status().as_u16().into());
+    record.detail.insert("code".into(), error.code().into());
+    for (field, value) in error.sizes() {
+        record.detail.insert(field.into(), value.into());
+    }
+    book.refusal(record);
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {
@@ -365,12 +394,16 @@ fn tokenize(app: &App, source: Source, tokens_max: u64) -> Result<Option<Vec<u32
     let too_many = |e: &TokenizerError| matches!(e, TokenizerError::TooManyTokens { .. });
     match source {
         Source::Chat(messages) => {
-            let template = app.template.as_ref().ok_or_else(|| ApiError::Unsupported {
-                param: "messages".into(),
-                reason: "cannot be used: the model has no chat template; use /v1/completions"
-                    .into(),
-            })?;
-            match template.tokens_max(&app.tokenizer, &messages, tokens_max) {
+            let template = app
+                .serving
+                .template
+                .as_ref()
+                .ok_or_else(|| ApiError::Unsupported {
+                    param: "messages".into(),
+                    reason: "cannot be used: the model has no chat template; use /v1/completions"
+                        .into(),
+                })?;
+            match template.tokens_max(&app.serving.tokenizer, &messages, tokens_max) {
                 Ok(ids) => Ok(Some(ids)),
                 Err(ChatError::Tokenizer(e)) if too_many(&e) => Ok(None),
                 Err(e) => Err(match e {
@@ -386,11 +419,12 @@ fn tokenize(app: &App, source: Source, tokens_max: u64) -> Result<Option<Vec<u32
         }
         Source::Completion(Prompt::Text(text)) => {
             let options = EncodeOptions {
-                add_bos: app.tokenizer.add_bos(),
+                add_bos: app.serving.tokenizer.add_bos(),
                 parse_special: false,
             };
             let mut ids = Vec::new();
             match app
+                .serving
                 .tokenizer
                 .encode_into(&text, options, tokens_max, &mut ids)
             {
@@ -400,7 +434,7 @@ fn tokenize(app: &App, source: Source, tokens_max: u64) -> Result<Option<Vec<u32
             }
         }
         Source::Completion(Prompt::Tokens(ids)) => {
-            let vocab = app.tokenizer.vocab_len();
+            let vocab = app.serving.tokenizer.vocab_len();
             if ids.iter().any(|&id| id as usize >= vocab) {
                 return Err(ApiError::InvalidValue {
                     param: "prompt".into(),
@@ -427,7 +461,7 @@ async fn run(
     if app.shutting_down.load(Ordering::SeqCst) {
         return Err(ApiError::Unavailable);
     }
-    let bytes = read_body(body, headers, app.body_bytes_max).await?;
+    let bytes = read_body(body, headers, app.serving.body_bytes_max).await?;
     let (common, source): (Common, Source) = match endpoint {
         Endpoint::Chat => {
             let r = ChatRequest::parse(&bytes)?;
@@ -439,7 +473,7 @@ async fn run(
         }
     };
     drop(bytes);
-    if common.model != app.model_id {
+    if common.model != app.serving.model_id {
         return Err(ApiError::ModelNotFound(common.model));
     }
     let rejected = |rejection| ApiError::Rejected {
@@ -447,24 +481,29 @@ async fn run(
         prompt_param: endpoint.prompt_param(),
     };
     // Refused by its size alone, before any tokenization work.
-    let tokens_min = source.tokens_min(app.text_bytes_per_token_max);
-    app.admission
+    let tokens_min = source.tokens_min(app.serving.text_bytes_per_token_max);
+    app.serving
+        .admission
         .check_size(tokens_min, common.max_tokens)
         .map_err(rejected)?;
     let worker = Arc::clone(app);
-    let tokens_max = app.admission.prompt_tokens_max(common.max_tokens);
+    let tokens_max = app.serving.admission.prompt_tokens_max(common.max_tokens);
     let prompt = app
+        .serving
         .lane
         .run(tenant.id, move || tokenize(&worker, source, tokens_max))
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))??;
     let Some(prompt) = prompt else {
         // Tokenizing stopped once the prompt could no longer fit.
-        let rejection = app.admission.too_long(tokens_max + 1, common.max_tokens);
+        let rejection = app
+            .serving
+            .admission
+            .too_long(tokens_max + 1, common.max_tokens);
         return Err(rejected(rejection));
     };
     let prompt_tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
-    let context = app.admission.context_tokens;
+    let context = app.serving.admission.context_tokens;
     let max_tokens = common.max_tokens.unwrap_or_else(|| {
         context
             .saturating_sub(prompt_tokens)
@@ -478,10 +517,10 @@ async fn run(
         max_tokens,
         sampling: common.sampling.clone(),
         stop: common.stop.clone(),
-        deadline: arrived + app.request_timeout,
+        deadline: arrived + app.serving.request_timeout,
         events,
     };
-    let admitted = app.admission.admit(request).map_err(rejected)?;
+    let admitted = app.serving.admission.admit(request).map_err(rejected)?;
     tracing::info!(
         request_id = id.0,
         tenant = %tenant.name,
@@ -491,21 +530,27 @@ async fn run(
         pages = admitted.pages_needed(),
         "admitted"
     );
-    app.engine.submit(admitted).await?;
+    app.serving.engine.submit(admitted).await?;
     // Queued: the tenant's queue limits govern it from here.
     drop(pending);
     let meta = ResponseMeta {
         id: format!(
-            "{}{:08x}{:08x}",
+            "{}{:08x}{:016x}",
             endpoint.id_prefix(),
             app.id_nonce as u32,
             id.0
         ),
         created: unix_now(),
-        model: app.model_id.clone(),
+        model: app.serving.model_id.clone(),
         endpoint,
     };
-    let tracker = Tracker::new(id, &tenant.name, arrived);
+    let tracker = Tracker::new(
+        id,
+        tenant.id,
+        &tenant.name,
+        arrived,
+        Arc::clone(app.control.usage_book()),
+    );
     if common.stream {
         let body = SseBody::new(receiver, meta, common.include_usage, tracker);
         let mut response = Response::new(Body::new(body));

@@ -12,16 +12,19 @@
 //!    while holding one of the tenant's `pending_max` permits and keeps it until
 //!    the answer, so the channel holds at most Σ `pending_max` submissions, and
 //!    one tenant's burst can never fill another's share.
-//! 3. The thread ticks while anything is in flight and sleeps on its command
+//! 3. [`EngineHandle::change_tenant`] adds, changes or removes a tenant between
+//!    two steps and answers once it is applied.
+//! 4. The thread ticks while anything is in flight and sleeps on its command
 //!    channel when idle (waking for new work or shutdown).
-//! 4. [`EngineService::shutdown`] stops accepting, lets in-flight requests run
+//! 5. [`EngineService::shutdown`] stops accepting, lets in-flight requests run
 //!    until the drain deadline, then finishes the rest (their pages released
 //!    through the scheduler's one finish path) and joins the thread.
 
 use super::admission::Admitted;
 use super::request::Rejection;
-use super::scheduler::{Scheduler, TickReport};
+use super::scheduler::{Scheduler, TenantChangeError, TenantLimits, TickReport};
 use super::stats::SchedulerStats;
+use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::Backend;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -37,7 +40,35 @@ const STALLED_WAIT: Duration = Duration::from_millis(5);
 
 enum Command {
     Submit(Admitted, oneshot::Sender<Result<(), Rejection>>),
-    Shutdown { drain_until: Instant },
+    Tenant(
+        TenantChange,
+        oneshot::Sender<Result<u32, TenantChangeError>>,
+    ),
+    Shutdown {
+        drain_until: Instant,
+    },
+}
+
+/// A change to the engine's tenant set, applied between steps.
+#[derive(Clone, Debug)]
+pub enum TenantChange {
+    /// A new tenant and its partition.
+    Add(TenantLimits),
+    /// New limits and partition for a tenant.
+    Update(TenantLimits),
+    /// Ends the tenant's requests (`tenant_removed`), scrubs, frees its partition.
+    Remove(TenantId),
+}
+
+/// Why a tenant change did not apply. Nothing changed.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ChangeError {
+    /// The scheduler or its pool refused it.
+    #[error(transparent)]
+    Refused(#[from] TenantChangeError),
+    /// The engine is shutting down or has stopped.
+    #[error("the engine is not running")]
+    Unavailable,
 }
 
 /// Why a submission did not reach the scheduler.
@@ -73,6 +104,19 @@ impl EngineHandle {
         match answer.await {
             Ok(result) => result.map_err(SubmitError::Rejected),
             Err(_) => Err(SubmitError::Unavailable),
+        }
+    }
+
+    /// Applies `change` between two steps and waits for it; for a removal,
+    /// answers how many requests it ended.
+    pub async fn change_tenant(&self, change: TenantChange) -> Result<u32, ChangeError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Tenant(change, reply))
+            .map_err(|_| ChangeError::Unavailable)?;
+        match answer.await {
+            Ok(result) => Ok(result?),
+            Err(_) => Err(ChangeError::Unavailable),
         }
     }
 
@@ -174,6 +218,14 @@ fn engine_loop<B: Backend>(
             match command {
                 Command::Submit(admitted, reply) => {
                     let _ = reply.send(scheduler.enqueue(admitted));
+                }
+                Command::Tenant(change, reply) => {
+                    let result = match change {
+                        TenantChange::Add(limits) => scheduler.add_tenant(limits).map(|()| 0),
+                        TenantChange::Update(limits) => scheduler.update_tenant(limits).map(|()| 0),
+                        TenantChange::Remove(id) => scheduler.remove_tenant(id),
+                    };
+                    let _ = reply.send(result);
                 }
                 Command::Shutdown { drain_until: until } => drain_until = Some(until),
             }

@@ -2,11 +2,13 @@
 //!
 //! 1. **Load** the policy, the model and its tokenizer; print the capacity
 //!    table to stderr and refuse to start on a violation (I2).
-//! 2. **Keys**: tenant keys from the policy (`keys_sha256`, `key_env`); a tenant
-//!    without any gets a random demo key, printed once to stderr. The admin
-//!    token is `BULKHEAD_ADMIN_TOKEN`, or random and printed once.
-//! 3. **Engine**: one KV pool with a partition per tenant, the CPU backend and
-//!    the scheduler on their own thread ([`EngineService`]).
+//! 2. **State**: open the control-plane store; seed it from the policy when it
+//!    is empty, add environment keys, generate what is missing (keys, the
+//!    admin token), shown once on stdout, never in the log ([`seed`]). The
+//!    store's tenants are checked against the capacity contract.
+//! 3. **Engine**: one KV pool with a partition per stored tenant, the CPU
+//!    backend and the scheduler on their own thread ([`EngineService`]); the
+//!    control plane ([`Control`]) keeps the engine in step with the store.
 //! 4. **Listen**: inference and admin listeners (HTTP/1.1 and HTTP/2, optional
 //!    TLS), each with its connection limits ([`accept`]: caps in all and per
 //!    peer, handshake and idle deadlines); each bound address is printed to
@@ -17,23 +19,27 @@
 
 mod accept;
 
+use crate::api::ids::RequestIds;
 use crate::api::lane::Lane;
-use crate::api::{self, App};
+use crate::api::{self, App, Serving};
 use crate::config::{Capacity, CapacityViolation, Config, ConfigError, TlsConfig};
 use crate::engine::admission::Admission;
 use crate::engine::build::{self, EngineSpec};
 use crate::engine::chat::ChatTemplate;
-use crate::engine::scheduler::TenantLimits;
 use crate::engine::service::EngineService;
+use crate::store::records::TenantRecord;
+use crate::store::usage::UsageBook;
+use crate::store::{Store, StoreError};
 use crate::telemetry;
-use crate::tenancy::{TenancyError, Tenants};
+use crate::tenancy::control::{self, now_ms, Control};
+use crate::tenancy::seed::{self, SeedError};
+use crate::tenancy::{Directory, Quota, Registry};
 use accept::{Accept, ConnectionLimits};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::Tokenizer;
-use sha2::{Digest, Sha256};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -46,8 +52,6 @@ pub const HTTP_WORKER_THREADS_MAX: usize = 4;
 pub const FINAL_EVENTS_FLUSH: Duration = Duration::from_millis(200);
 /// How long the runtime waits for its remaining tasks at exit.
 pub const RUNTIME_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(2);
-/// Random bytes in a generated key or token (hex-encoded: twice as many characters).
-const SECRET_BYTES: usize = 24;
 
 /// Command-line overrides of the policy.
 #[derive(Clone, Debug, Default)]
@@ -60,6 +64,8 @@ pub struct ServeOptions {
     pub admin_listen: Option<SocketAddr>,
     /// Overrides `model.path` (relative to the working directory).
     pub model: Option<PathBuf>,
+    /// Overrides `store.path` (relative to the working directory).
+    pub store: Option<PathBuf>,
 }
 
 /// Why the server could not start (or stopped with an error).
@@ -71,9 +77,12 @@ pub enum ServeError {
     /// The capacity contract (the message names the limit).
     #[error(transparent)]
     Capacity(#[from] CapacityViolation),
-    /// Tenant keys.
+    /// The control-plane store.
     #[error(transparent)]
-    Tenancy(#[from] TenancyError),
+    Store(#[from] StoreError),
+    /// Keys and the admin token.
+    #[error(transparent)]
+    Seed(#[from] SeedError),
     /// The model file.
     #[error("model {path}: {message}")]
     Model {
@@ -104,26 +113,10 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
 }
 
-fn secret() -> Result<String, ServeError> {
-    let mut bytes = [0u8; SECRET_BYTES];
-    getrandom::fill(&mut bytes)
-        .map_err(|e| ServeError::Io(std::io::Error::other(format!("randomness: {e}"))))?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
-}
-
 /// Runs the server until SIGINT/SIGTERM and a drain.
 pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     telemetry::init_tracing();
-    let mut config = Config::load(&options.config)?;
-    if let Some(addr) = options.listen {
-        config.server.listen = addr;
-    }
-    if let Some(addr) = options.admin_listen {
-        config.server.admin_listen = addr;
-    }
-    if let Some(path) = options.model {
-        config.model.path = std::path::absolute(&path)?;
-    }
+    let config = Arc::new(options.apply(Config::load(&options.config)?)?);
     let model_path = config.model_path();
     let model_error = |message: String| ServeError::Model {
         path: model_path.display().to_string(),
@@ -132,46 +125,59 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     let model = Arc::new(Model::open(&model_path).map_err(|e| model_error(e.to_string()))?);
     let tokenizer =
         Arc::new(Tokenizer::from_gguf(&model.gguf).map_err(|e| model_error(e.to_string()))?);
-    let capacity = Capacity::new(&config, model.config.context_len as u64);
+    let model_context = model.config.context_len as u64;
+    let store = Arc::new(Store::open(&config.store_path())?);
+    if store.meta()?.is_none() {
+        // A policy that breaks the contract must not seed the store first:
+        // fixing the file would not fix a seeded store.
+        Capacity::new(&config, model_context).check()?;
+    }
+    let prepared = seed::prepare(&config, &store, |var| std::env::var(var).ok())?;
+    let (tenants, keys) = (store.tenants()?, store.keys()?);
+    let capacity = Capacity::with_tenants(&config, model_context, &quotas(&tenants));
     eprint!("{}", capacity.table());
     capacity.check()?;
-    let tenants = tenants_with_keys(&config)?;
-    let admin_token = match std::env::var("BULKHEAD_ADMIN_TOKEN") {
-        Ok(token) if !token.is_empty() => token,
-        _ => {
-            let token = format!("bk-admin-{}", secret()?);
-            eprintln!("admin token (generated; set BULKHEAD_ADMIN_TOKEN to choose one): {token}");
-            token
-        }
-    };
-    let template = chat_template(&model, &tokenizer);
+    // Secrets generated now go to the terminal that started the server, not
+    // to the log stream (stderr).
+    for line in &prepared.shown {
+        println!("{line}");
+    }
+    let registry = Arc::new(Registry::new(Directory::build(&tenants, &keys, None)));
     let service = start_engine(&config, &model, &tokenizer, &tenants)?;
     let metrics = telemetry::install_metrics().map_err(|e| ServeError::Metrics(e.to_string()))?;
+    let usage = Arc::new(UsageBook::default());
+    let control = Arc::new(Control::new(
+        Arc::clone(&store),
+        registry,
+        service.handle(),
+        Arc::clone(&usage),
+        Arc::clone(&config),
+        model_context,
+    ));
     let mut nonce = [0u8; 8];
     getrandom::fill(&mut nonce)
         .map_err(|e| ServeError::Io(std::io::Error::other(format!("randomness: {e}"))))?;
     let app = Arc::new(App {
-        tenants,
-        engine: service.handle(),
-        admission: Admission {
-            context_tokens: config.model.context_tokens,
-            page_tokens: config.engine.page_tokens,
+        serving: Serving {
+            engine: service.handle(),
+            admission: Admission {
+                context_tokens: config.model.context_tokens,
+                page_tokens: config.engine.page_tokens,
+            },
+            text_bytes_per_token_max: tokenizer.text_bytes_per_token_max() as u64,
+            lane: Lane::new(config.server.tokenize_threads as usize)?,
+            template: chat_template(&model, &tokenizer),
+            tokenizer,
+            model_id: config.model.id.clone(),
+            created: now_ms() / 1000,
+            body_bytes_max: config.server.body_bytes_max,
+            request_timeout: Duration::from_millis(config.server.request_timeout_ms),
         },
-        text_bytes_per_token_max: tokenizer.text_bytes_per_token_max() as u64,
-        lane: Lane::new(config.server.tokenize_threads as usize)?,
-        tokenizer,
-        template,
-        model_id: config.model.id.clone(),
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-        body_bytes_max: config.server.body_bytes_max,
-        request_timeout: Duration::from_millis(config.server.request_timeout_ms),
-        admin_token_sha256: Sha256::digest(admin_token.as_bytes()).into(),
-        capacity: capacity_json(&capacity),
+        control,
+        admin_token_sha256: prepared.admin_token_sha256,
         metrics,
         shutting_down: AtomicBool::new(false),
-        next_request_id: AtomicU64::new(1),
+        ids: RequestIds::random()?,
         id_nonce: u64::from_le_bytes(nonce),
     });
     let workers = std::thread::available_parallelism()
@@ -183,33 +189,72 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         .enable_all()
         .build()?;
     let drain = Duration::from_millis(config.server.drain_timeout_ms);
+    let flush_every = Duration::from_millis(config.store.usage_flush_ms);
+    let flusher = runtime.spawn(flush_usage(
+        Arc::clone(&usage),
+        Arc::clone(&store),
+        flush_every,
+    ));
     let result = runtime.block_on(run_listeners(&config, Arc::clone(&app), drain));
     // Whatever did not finish within the drain ends now (reason `shutdown`).
     service.shutdown(Duration::ZERO);
     // Streams still open (past the drain deadline) get their error event out.
     runtime.block_on(async { tokio::time::sleep(FINAL_EVENTS_FLUSH).await });
+    flusher.abort();
     runtime.shutdown_timeout(RUNTIME_SHUTDOWN_TIMEOUT);
+    flush_once(&usage, &store);
     tracing::info!("stopped");
     result
 }
 
-/// Tenants from the policy; a tenant without any key gets a printed demo key.
-fn tenants_with_keys(config: &Config) -> Result<Tenants, ServeError> {
-    let mut tenants = Tenants::new(config, |var| std::env::var(var).ok())?;
-    let keyless: Vec<String> = tenants
-        .without_keys()
-        .into_iter()
-        .map(str::to_string)
-        .collect();
-    for name in keyless {
-        let Some(tenant) = tenants.all().iter().find(|t| t.name == name).cloned() else {
-            continue;
-        };
-        let key = format!("bk-{name}-{}", secret()?);
-        tenants.add_key(tenant.id, &key)?;
-        eprintln!("demo key for tenant {name} (generated; valid until restart): {key}");
+impl ServeOptions {
+    /// The policy with the command line's overrides.
+    fn apply(&self, mut config: Config) -> Result<Config, ServeError> {
+        if let Some(addr) = self.listen {
+            config.server.listen = addr;
+        }
+        if let Some(addr) = self.admin_listen {
+            config.server.admin_listen = addr;
+        }
+        if let Some(path) = &self.model {
+            config.model.path = std::path::absolute(path)?;
+        }
+        if let Some(path) = &self.store {
+            config.store.path = std::path::absolute(path)?;
+        }
+        Ok(config)
     }
-    Ok(tenants)
+}
+
+/// The name and limits of each tenant (for the capacity contract).
+pub fn quotas(tenants: &[TenantRecord]) -> Vec<(String, Quota)> {
+    tenants.iter().map(|t| (t.name.clone(), t.quota)).collect()
+}
+
+/// Writes usage counters every `every`, until aborted.
+async fn flush_usage(usage: Arc<UsageBook>, store: Arc<Store>, every: Duration) {
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let (usage, store) = (Arc::clone(&usage), Arc::clone(&store));
+        let _ = tokio::task::spawn_blocking(move || flush_once(&usage, &store)).await;
+    }
+}
+
+fn flush_once(usage: &UsageBook, store: &Store) {
+    match usage.flush(store) {
+        Ok(0) => {}
+        Ok(dropped) => {
+            tracing::warn!(
+                dropped,
+                "refusal audit records over the per-interval cap were counted, not kept"
+            );
+        }
+        Err(error) => {
+            tracing::error!(%error, "usage counters could not be written; kept for the next try")
+        }
+    }
 }
 
 fn chat_template(model: &Model, tokenizer: &Tokenizer) -> Option<ChatTemplate> {
@@ -226,57 +271,19 @@ fn start_engine(
     config: &Config,
     model: &Arc<Model>,
     tokenizer: &Arc<Tokenizer>,
-    tenants: &Tenants,
+    tenants: &[TenantRecord],
 ) -> Result<EngineService, ServeError> {
-    let limits = tenants
-        .all()
-        .iter()
-        .map(|tenant| {
-            let t = &config.tenants[&tenant.name];
-            TenantLimits {
-                id: tenant.id,
-                name: tenant.name.clone(),
-                weight: t.weight,
-                queue_depth_max: t.queue_depth_max,
-                running_max: t.running_max,
-                pages_reserved: t.pages_reserved,
-                pages_max: t.pages_max,
-            }
-        })
-        .collect();
+    let limits = tenants.iter().map(control::limits_of).collect();
     let spec = EngineSpec::from_config(config);
     let scheduler = build::scheduler(model, tokenizer, &spec, limits)
         .map_err(|e| ServeError::Pool(e.to_string()))?;
     Ok(EngineService::start(scheduler)?)
 }
 
-fn capacity_json(capacity: &Capacity) -> serde_json::Value {
-    let limits: Vec<serde_json::Value> = capacity
-        .limits
-        .iter()
-        .map(|l| {
-            serde_json::json!({
-                "stage": l.stage, "field": l.field, "tokens": l.tokens,
-                "holds": l.tokens >= capacity.promised_tokens,
-            })
-        })
-        .collect();
-    serde_json::json!({
-        "promised_tokens": capacity.promised_tokens,
-        "limits": limits,
-        "prefill_chunk_tokens": capacity.step_tokens_max,
-        "ok": capacity.check().is_ok(),
-    })
-}
-
-fn tls_acceptor(tls: &TlsConfig, base: &std::path::Path) -> Result<TlsAcceptor, ServeError> {
+fn tls_acceptor(tls: &TlsConfig, config: &Config) -> Result<TlsAcceptor, ServeError> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let resolve = |p: &PathBuf| match base.parent() {
-        Some(dir) if p.is_relative() => dir.join(p),
-        _ => p.clone(),
-    };
-    let (cert_path, key_path) = (resolve(&tls.cert_pem), resolve(&tls.key_pem));
+    let (cert_path, key_path) = (config.resolve(&tls.cert_pem), config.resolve(&tls.key_pem));
     let certs = CertificateDer::pem_file_iter(&cert_path)
         .and_then(|it| it.collect::<Result<Vec<_>, _>>())
         .map_err(|e| ServeError::Tls(format!("{}: {e}", cert_path.display())))?;
@@ -297,7 +304,7 @@ fn tls_acceptor(tls: &TlsConfig, base: &std::path::Path) -> Result<TlsAcceptor, 
 async fn run_listeners(config: &Config, app: Arc<App>, drain: Duration) -> Result<(), ServeError> {
     let signals = Signals::install()?;
     let tls = match &config.server.tls {
-        Some(tls) => Some(tls_acceptor(tls, &config.source)?),
+        Some(tls) => Some(tls_acceptor(tls, config)?),
         None => None,
     };
     let scheme = if tls.is_some() { "https" } else { "http" };

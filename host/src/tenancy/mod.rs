@@ -1,17 +1,28 @@
-//! Tenants and their API keys.
+//! Tenants as the request path sees them: stable ids, limits, and the API
+//! keys that authenticate them.
 //!
-//! 1. A tenant is known by its configured name and an opaque [`TenantId`]; the
-//!    engine and the KV pool see only the id (as an owner tag).
-//! 2. Keys are stored as SHA-256 digests of high-entropy secrets, never in
-//!    clear. A presented key is hashed and compared with every stored digest in
+//! 1. **Identity.** A tenant is a [`TenantId`] the control plane hands out once
+//!    (a counter in the store, never reused for another tenant, not even one
+//!    that takes a deleted tenant's name) and a name. The engine and the KV
+//!    pool see only the id, as an owner tag.
+//! 2. **Keys** are SHA-256 digests of high-entropy secrets, never kept in
+//!    clear. A presented key is hashed and compared with every live digest in
 //!    constant time, so neither timing nor an early exit tells which digest (or
 //!    which byte) came close.
-//! 3. A key may come from an environment variable named in the policy (a test
-//!    harness or a demo brings its own); otherwise operators store digests.
+//! 3. **The registry** ([`Registry`]) holds an immutable [`Directory`] —
+//!    tenants and live key digests — that the control plane replaces whole after
+//!    each committed change. A request reads one snapshot, so it sees a change
+//!    entirely or not at all: a new key works on the next request, a revoked
+//!    one fails on the next request.
 
-use crate::config::Config;
+pub mod control;
+pub mod seed;
+
+use crate::store::records::{KeyRecord, TenantRecord};
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
 use subtle::ConstantTimeEq;
 use tokio::sync::Semaphore;
 
@@ -19,49 +30,104 @@ use tokio::sync::Semaphore;
 pub const KEY_BYTES_MIN: usize = 16;
 /// Longest key accepted in a request header.
 pub const KEY_BYTES_MAX: usize = 256;
+/// Longest tenant name.
+pub const NAME_BYTES_MAX: usize = 64;
+/// Highest fair-share weight.
+pub const WEIGHT_MAX: u32 = 1000;
+/// Most queued requests per tenant.
+pub const QUEUE_DEPTH_LIMIT: u32 = 1 << 16;
+/// Most requests of one tenant before admission at once.
+pub const PENDING_LIMIT: u32 = 1024;
+/// Most running sequences per tenant.
+pub const RUNNING_LIMIT: u32 = 1 << 16;
 
-/// A tenant's identity inside the process; also its KV owner tag.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// A tenant's identity inside the process and in the store; also its KV
+/// owner tag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct TenantId(pub u32);
 
-/// Why the tenant registry could not be built.
-#[derive(Debug, thiserror::Error)]
-pub enum TenancyError {
-    /// A key from the environment is too short to be a secret.
-    #[error("{var} holds a key of {len} bytes; keys must have at least {KEY_BYTES_MIN}")]
-    WeakKey {
-        /// The variable.
-        var: String,
-        /// Its length.
-        len: usize,
-    },
-    /// Two tenants share a key.
-    #[error("tenants {first} and {second} share an API key")]
-    SharedKey {
-        /// One tenant.
-        first: String,
-        /// The other.
-        second: String,
-    },
+/// A tenant's limits: its share of the engine, its KV partition and its
+/// queues.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Quota {
+    /// Share of the engine under contention, relative to other tenants (1..=1000).
+    pub weight: u32,
+    /// KV pages only this tenant may use.
+    pub pages_reserved: u32,
+    /// The most KV pages it may hold at once (at least `pages_reserved`).
+    pub pages_max: u32,
+    /// Most requests waiting for pages.
+    pub queue_depth_max: u32,
+    /// Most sequences running at once.
+    pub running_max: u32,
+    /// Most requests being read, tokenized and submitted at once (before admission).
+    pub pending_max: u32,
 }
 
-/// One tenant as the host sees it.
-#[derive(Clone, Debug)]
+/// A quota field outside its bounds.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct QuotaError {
+    /// The field.
+    pub field: &'static str,
+    /// What is wrong.
+    pub reason: String,
+}
+
+impl Quota {
+    /// Checks every field against its bounds (the pool and the capacity
+    /// contract are checked elsewhere, against the whole tenant set).
+    pub fn validate(&self) -> Result<(), QuotaError> {
+        let error = |field, reason: String| Err(QuotaError { field, reason });
+        if !(1..=WEIGHT_MAX).contains(&self.weight) {
+            return error("weight", format!("must be 1..={WEIGHT_MAX}"));
+        }
+        if self.pages_max == 0 || self.pages_max < self.pages_reserved {
+            return error(
+                "pages_max",
+                "must be at least 1 and at least pages_reserved".into(),
+            );
+        }
+        if !(1..=QUEUE_DEPTH_LIMIT).contains(&self.queue_depth_max) {
+            return error(
+                "queue_depth_max",
+                format!("must be 1..={QUEUE_DEPTH_LIMIT}"),
+            );
+        }
+        if !(1..=RUNNING_LIMIT).contains(&self.running_max) {
+            return error("running_max", format!("must be 1..={RUNNING_LIMIT}"));
+        }
+        if !(1..=PENDING_LIMIT).contains(&self.pending_max) {
+            return error("pending_max", format!("must be 1..={PENDING_LIMIT}"));
+        }
+        Ok(())
+    }
+}
+
+/// Whether `name` may name a tenant: 1–64 of `[A-Za-z0-9_-]`, starting with a
+/// letter (so it cannot be mistaken for an id, a path or a flag).
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= NAME_BYTES_MAX
+        && name.as_bytes()[0].is_ascii_alphabetic()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+/// One tenant as the request path sees it.
+#[derive(Debug)]
 pub struct Tenant {
     /// Its id.
     pub id: TenantId,
-    /// Its configured name (never a secret; used in logs and metrics).
+    /// Its name (never a secret; used in logs and metrics).
     pub name: String,
+    /// Its limits.
+    pub quota: Quota,
     /// Its requests before admission (`pending_max` permits): a request holds
     /// one from authentication until the engine has queued or refused it.
     pub pending: Arc<Semaphore>,
-}
-
-/// All tenants and their key digests.
-pub struct Tenants {
-    tenants: Vec<Tenant>,
-    /// (digest, index into `tenants`).
-    digests: Vec<([u8; 32], usize)>,
 }
 
 /// The SHA-256 digest of a key.
@@ -69,196 +135,296 @@ pub fn key_digest(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
 }
 
-fn parse_hex(hex: &str) -> [u8; 32] {
-    let mut out = [0u8; 32];
-    for (i, byte) in out.iter_mut().enumerate() {
-        // Validated as 64 hex digits by `Config::validate`.
-        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("validated hex");
-    }
-    out
+/// Lowercase hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-impl Tenants {
-    /// Builds the registry from `config`, reading `key_env` variables through `env`.
-    pub fn new(
-        config: &Config,
-        env: impl Fn(&str) -> Option<String>,
-    ) -> Result<Tenants, TenancyError> {
-        let mut tenants = Vec::new();
-        let mut digests: Vec<([u8; 32], usize)> = Vec::new();
-        for (index, (name, t)) in config.tenants.iter().enumerate() {
-            tenants.push(Tenant {
-                id: TenantId(index as u32),
-                name: name.clone(),
-                pending: Arc::new(Semaphore::new(t.pending_max as usize)),
-            });
-            let mut own: Vec<[u8; 32]> = t.keys_sha256.iter().map(|h| parse_hex(h)).collect();
-            if let Some(var) = &t.key_env {
-                if let Some(key) = env(var) {
-                    if key.len() < KEY_BYTES_MIN {
-                        return Err(TenancyError::WeakKey {
-                            var: var.clone(),
-                            len: key.len(),
-                        });
-                    }
-                    own.push(key_digest(&key));
-                }
-            }
-            for digest in own {
-                if let Some(&(_, other)) = digests.iter().find(|(d, _)| *d == digest) {
-                    return Err(TenancyError::SharedKey {
-                        first: tenants[other].name.clone(),
-                        second: name.clone(),
-                    });
-                }
-                digests.push((digest, index));
+/// The 32 bytes of a 64-digit hex digest, or None.
+pub fn parse_digest(hex: &str) -> Option<[u8; 32]> {
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Tenants and live key digests at one moment.
+#[derive(Default, Debug)]
+pub struct Directory {
+    tenants: BTreeMap<TenantId, Arc<Tenant>>,
+    by_name: BTreeMap<String, TenantId>,
+    /// Digests of live (unrevoked) keys and their tenants.
+    keys: Vec<([u8; 32], TenantId)>,
+}
+
+impl Directory {
+    /// The directory of `tenants` and the live ones of `keys`. A tenant whose
+    /// `pending_max` did not change keeps its permits from `previous`, so the
+    /// requests in flight stay counted.
+    pub fn build(
+        tenants: &[TenantRecord],
+        keys: &[KeyRecord],
+        previous: Option<&Directory>,
+    ) -> Directory {
+        let mut directory = Directory::default();
+        for record in tenants {
+            let id = TenantId(record.id);
+            let kept = previous
+                .and_then(|p| p.tenants.get(&id))
+                .filter(|t| t.quota.pending_max == record.quota.pending_max);
+            let pending = kept.map_or_else(
+                || Arc::new(Semaphore::new(record.quota.pending_max as usize)),
+                |t| Arc::clone(&t.pending),
+            );
+            directory.by_name.insert(record.name.clone(), id);
+            directory.tenants.insert(
+                id,
+                Arc::new(Tenant {
+                    id,
+                    name: record.name.clone(),
+                    quota: record.quota,
+                    pending,
+                }),
+            );
+        }
+        for key in keys {
+            let tenant = TenantId(key.tenant);
+            let live = key.revoked_ms.is_none() && directory.tenants.contains_key(&tenant);
+            if let (true, Some(digest)) = (live, parse_digest(&key.sha256)) {
+                directory.keys.push((digest, tenant));
             }
         }
-        Ok(Tenants { tenants, digests })
+        directory
     }
 
     /// The tenant whose key this is, comparing with every digest in constant time.
-    pub fn authenticate(&self, key: &str) -> Option<&Tenant> {
+    pub fn authenticate(&self, key: &str) -> Option<&Arc<Tenant>> {
         if key.is_empty() || key.len() > KEY_BYTES_MAX {
             return None;
         }
         let presented = key_digest(key);
-        let mut found: Option<usize> = None;
-        for (digest, index) in &self.digests {
+        let mut found: Option<TenantId> = None;
+        for (digest, tenant) in &self.keys {
             // No early exit: every digest is compared.
             if bool::from(digest.ct_eq(&presented)) {
-                found = Some(*index);
+                found = Some(*tenant);
             }
         }
-        found.map(|i| &self.tenants[i])
+        self.tenants.get(&found?)
+    }
+
+    /// A tenant by id.
+    pub fn tenant(&self, id: TenantId) -> Option<&Arc<Tenant>> {
+        self.tenants.get(&id)
+    }
+
+    /// A tenant by name.
+    pub fn by_name(&self, name: &str) -> Option<&Arc<Tenant>> {
+        self.tenants.get(self.by_name.get(name)?)
     }
 
     /// Every tenant, in id order.
-    pub fn all(&self) -> &[Tenant] {
-        &self.tenants
+    pub fn all(&self) -> impl Iterator<Item = &Arc<Tenant>> {
+        self.tenants.values()
     }
 
-    /// Adds `key` for `tenant` (a demo key generated at start-up). Refused if
-    /// the key is too short or already belongs to a tenant.
-    pub fn add_key(&mut self, tenant: TenantId, key: &str) -> Result<(), TenancyError> {
-        let index = tenant.0 as usize;
-        assert!(
-            index < self.tenants.len(),
-            "tenant ids come from this registry"
-        );
-        if key.len() < KEY_BYTES_MIN {
-            return Err(TenancyError::WeakKey {
-                var: format!("the key for {}", self.tenants[index].name),
-                len: key.len(),
-            });
-        }
-        let digest = key_digest(key);
-        if let Some(&(_, other)) = self.digests.iter().find(|(d, _)| *d == digest) {
-            return Err(TenancyError::SharedKey {
-                first: self.tenants[other].name.clone(),
-                second: self.tenants[index].name.clone(),
-            });
-        }
-        self.digests.push((digest, index));
-        Ok(())
+    /// Tenants.
+    pub fn len(&self) -> usize {
+        self.tenants.len()
     }
 
-    /// Tenants without any key (their names), for a start-up warning.
-    pub fn without_keys(&self) -> Vec<&str> {
-        self.tenants
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !self.digests.iter().any(|(_, j)| j == i))
-            .map(|(_, t)| t.name.as_str())
-            .collect()
+    /// Whether there is no tenant.
+    pub fn is_empty(&self) -> bool {
+        self.tenants.is_empty()
+    }
+}
+
+/// The live directory, replaced whole on every committed change.
+#[derive(Default)]
+pub struct Registry {
+    current: RwLock<Arc<Directory>>,
+}
+
+impl Registry {
+    /// A registry serving `directory`.
+    pub fn new(directory: Directory) -> Registry {
+        Registry {
+            current: RwLock::new(Arc::new(directory)),
+        }
+    }
+
+    /// The current directory.
+    pub fn snapshot(&self) -> Arc<Directory> {
+        // A poisoned lock means a panic while swapping an Arc: the value is
+        // still a whole directory.
+        Arc::clone(&self.current.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Replaces the directory.
+    pub fn replace(&self, directory: Directory) {
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(directory);
+    }
+
+    /// The tenant whose key this is (see [`Directory::authenticate`]).
+    pub fn authenticate(&self, key: &str) -> Option<Arc<Tenant>> {
+        self.snapshot().authenticate(key).cloned()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::records::KeySource;
 
-    fn config(extra_alpha: &str) -> Config {
-        Config::parse(&format!(
-            r#"
-[model]
-id = "m"
-path = "m.gguf"
-context_tokens = 64
-[tenants.alpha]
-pages_reserved = 4
-pages_max = 8
-key_env = "KEY_A"
-{extra_alpha}
-[tenants.beta]
-pages_reserved = 4
-pages_max = 8
-key_env = "KEY_B"
-"#
-        ))
-        .unwrap()
+    fn quota() -> Quota {
+        Quota {
+            weight: 1,
+            pages_reserved: 4,
+            pages_max: 8,
+            queue_depth_max: 4,
+            running_max: 2,
+            pending_max: 2,
+        }
     }
 
-    fn env(a: &'static str, b: &'static str) -> impl Fn(&str) -> Option<String> {
-        move |var| match var {
-            "KEY_A" => Some(a.to_string()),
-            "KEY_B" => Some(b.to_string()),
-            _ => None,
+    fn tenant(id: u32, name: &str) -> TenantRecord {
+        TenantRecord {
+            id,
+            name: name.into(),
+            quota: quota(),
+            created_ms: 0,
+            updated_ms: 0,
+        }
+    }
+
+    fn key(id: &str, tenant: u32, secret: &str, revoked: bool) -> KeyRecord {
+        KeyRecord {
+            id: id.into(),
+            tenant,
+            sha256: hex(&key_digest(secret)),
+            prefix: secret[..4].into(),
+            source: KeySource::Issued,
+            created_ms: 0,
+            revoked_ms: revoked.then_some(1),
         }
     }
 
     #[test]
-    fn authenticates_env_and_stored_keys_and_refuses_others() {
-        let stored = "stored-key-for-alpha-0123456789";
-        let digest: String = key_digest(stored)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        let tenants = Tenants::new(
-            &config(&format!("keys_sha256 = [\"{digest}\"]")),
-            env("alpha-secret-0123456789", "beta-secret-0123456789"),
-        )
-        .unwrap();
+    fn authenticates_live_keys_only() {
+        let tenants = [tenant(3, "alpha"), tenant(9, "beta")];
+        let keys = [
+            key("key_a", 3, "alpha-secret-0123456789", false),
+            key("key_b", 9, "beta-secret-0123456789", false),
+            key("key_c", 3, "alpha-revoked-0123456789", true),
+            key("key_d", 4, "orphan-secret-0123456789", false),
+        ];
+        let d = Directory::build(&tenants, &keys, None);
         assert_eq!(
-            tenants
-                .authenticate("alpha-secret-0123456789")
-                .unwrap()
-                .name,
-            "alpha"
+            d.authenticate("alpha-secret-0123456789").unwrap().id,
+            TenantId(3)
         );
-        assert_eq!(tenants.authenticate(stored).unwrap().name, "alpha");
         assert_eq!(
-            tenants.authenticate("beta-secret-0123456789").unwrap().name,
+            d.authenticate("beta-secret-0123456789").unwrap().name,
             "beta"
         );
         for wrong in [
             "",
+            "alpha-revoked-0123456789",
+            "orphan-secret-0123456789",
             "alpha-secret-012345678",
-            "alpha-secret-0123456789 ",
             &"x".repeat(KEY_BYTES_MAX + 1),
         ] {
-            assert!(tenants.authenticate(wrong).is_none(), "{wrong:?}");
+            assert!(d.authenticate(wrong).is_none(), "{wrong:?}");
+        }
+        assert_eq!(d.by_name("beta").unwrap().id, TenantId(9));
+        assert!(d.by_name("gamma").is_none());
+    }
+
+    #[test]
+    fn a_rebuilt_directory_keeps_permits_in_use_unless_pending_max_changed() {
+        let mut tenants = vec![tenant(1, "alpha"), tenant(2, "beta")];
+        let first = Directory::build(&tenants, &[], None);
+        let held = Arc::clone(&first.tenant(TenantId(1)).unwrap().pending)
+            .try_acquire_owned()
+            .unwrap();
+        tenants[1].quota.pending_max = 5;
+        let second = Directory::build(&tenants, &[], Some(&first));
+        assert_eq!(
+            second
+                .tenant(TenantId(1))
+                .unwrap()
+                .pending
+                .available_permits(),
+            1,
+            "the permit in use is still counted"
+        );
+        assert_eq!(
+            second
+                .tenant(TenantId(2))
+                .unwrap()
+                .pending
+                .available_permits(),
+            5
+        );
+        drop(held);
+    }
+
+    #[test]
+    fn names_are_letters_digits_dash_underscore_starting_with_a_letter() {
+        for good in ["alpha", "a", "Tenant_2", "x-y"] {
+            assert!(valid_name(good), "{good}");
+        }
+        let long = "a".repeat(NAME_BYTES_MAX + 1);
+        for bad in ["", "1abc", "-a", "a/b", "a b", "a\u{7}", "../x", "é", &long] {
+            assert!(!valid_name(bad), "{bad:?}");
         }
     }
 
     #[test]
-    fn refuses_weak_and_shared_keys() {
-        assert!(matches!(
-            Tenants::new(&config(""), env("short", "beta-secret-0123456789")),
-            Err(TenancyError::WeakKey { .. })
-        ));
-        assert!(matches!(
-            Tenants::new(
-                &config(""),
-                env("same-secret-0123456789", "same-secret-0123456789")
+    fn quotas_are_bounded() {
+        quota().validate().unwrap();
+        for (bad, field) in [
+            (
+                Quota {
+                    weight: 0,
+                    ..quota()
+                },
+                "weight",
             ),
-            Err(TenancyError::SharedKey { .. })
-        ));
-    }
-
-    #[test]
-    fn reports_tenants_without_keys() {
-        let tenants = Tenants::new(&config(""), |_| None).unwrap();
-        assert_eq!(tenants.without_keys(), vec!["alpha", "beta"]);
+            (
+                Quota {
+                    pages_max: 3,
+                    ..quota()
+                },
+                "pages_max",
+            ),
+            (
+                Quota {
+                    queue_depth_max: 0,
+                    ..quota()
+                },
+                "queue_depth_max",
+            ),
+            (
+                Quota {
+                    running_max: 0,
+                    ..quota()
+                },
+                "running_max",
+            ),
+            (
+                Quota {
+                    pending_max: PENDING_LIMIT + 1,
+                    ..quota()
+                },
+                "pending_max",
+            ),
+        ] {
+            assert_eq!(bad.validate().unwrap_err().field, field);
+        }
     }
 }

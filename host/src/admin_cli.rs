@@ -1,0 +1,464 @@
+//! `bulkhead admin …`: the everyday admin tasks as commands that call the
+//! admin API (HTTP or HTTPS) and print its JSON answer.
+//!
+//! The token comes from `--token` or `BULKHEAD_ADMIN_TOKEN`; the server from
+//! `--url` or `BULKHEAD_ADMIN_URL` (default `http://127.0.0.1:8081`). A secret
+//! the server generates (`key issue`) is printed here, to the terminal that
+//! asked for it, and nowhere else. A refused call prints the server's error
+//! message to stderr and exits with status 1.
+
+use anyhow::{anyhow, bail, Context, Result};
+use bytes::Bytes;
+use clap::{Args, Subcommand};
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long one admin call may take.
+const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// Largest answer read.
+const ANSWER_BYTES_MAX: usize = 64 << 20;
+
+/// `bulkhead admin` arguments.
+#[derive(Args, Debug)]
+pub struct AdminArgs {
+    /// The admin listener (default: $BULKHEAD_ADMIN_URL, or http://127.0.0.1:8081).
+    #[arg(long)]
+    url: Option<String>,
+    /// The admin token (default: $BULKHEAD_ADMIN_TOKEN).
+    #[arg(long)]
+    token: Option<String>,
+    /// A PEM certificate to trust for HTTPS (e.g. a self-signed server certificate).
+    #[arg(long)]
+    cacert: Option<PathBuf>,
+    #[command(subcommand)]
+    command: AdminCommand,
+}
+
+#[derive(Subcommand, Debug)]
+enum AdminCommand {
+    /// Tenants.
+    #[command(subcommand)]
+    Tenant(TenantCommand),
+    /// A tenant's limits.
+    #[command(subcommand)]
+    Quota(QuotaCommand),
+    /// API keys.
+    #[command(subcommand)]
+    Key(KeyCommand),
+    /// Plugins.
+    #[command(subcommand)]
+    Plugin(PluginCommand),
+    /// The capacity contract of the live tenant set.
+    Capacity,
+    /// Every tenant's live KV partition and queues.
+    Partitions,
+    /// A tenant's usage over the last minutes.
+    Usage {
+        /// The tenant.
+        tenant: String,
+        /// How many minutes back (default 60).
+        #[arg(long, default_value_t = 60)]
+        minutes: u64,
+    },
+    /// The audit log.
+    Audit {
+        /// Records after this sequence number.
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        /// Most records.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum TenantCommand {
+    /// Every tenant.
+    List,
+    /// One tenant.
+    Get {
+        /// Its name.
+        name: String,
+    },
+    /// Creates a tenant (then issue it a key with `key issue`).
+    Create {
+        /// Its name.
+        name: String,
+        #[command(flatten)]
+        quota: QuotaArgs,
+    },
+    /// Deletes a tenant: its keys stop working, its requests end.
+    Delete {
+        /// Its name.
+        name: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum QuotaCommand {
+    /// Changes some of a tenant's limits.
+    Set {
+        /// The tenant.
+        tenant: String,
+        #[command(flatten)]
+        quota: QuotaArgs,
+    },
+}
+
+#[derive(Args, Debug)]
+struct QuotaArgs {
+    /// Share of the engine under contention.
+    #[arg(long)]
+    weight: Option<u32>,
+    /// KV pages only this tenant may use.
+    #[arg(long)]
+    pages_reserved: Option<u32>,
+    /// The most KV pages it may hold.
+    #[arg(long)]
+    pages_max: Option<u32>,
+    /// Most requests waiting for pages.
+    #[arg(long)]
+    queue_depth_max: Option<u32>,
+    /// Most sequences running at once.
+    #[arg(long)]
+    running_max: Option<u32>,
+    /// Most requests before admission at once.
+    #[arg(long)]
+    pending_max: Option<u32>,
+}
+
+impl QuotaArgs {
+    fn json(&self) -> Value {
+        let mut out = serde_json::Map::new();
+        for (field, value) in [
+            ("weight", self.weight),
+            ("pages_reserved", self.pages_reserved),
+            ("pages_max", self.pages_max),
+            ("queue_depth_max", self.queue_depth_max),
+            ("running_max", self.running_max),
+            ("pending_max", self.pending_max),
+        ] {
+            if let Some(value) = value {
+                out.insert(field.into(), value.into());
+            }
+        }
+        Value::Object(out)
+    }
+}
+
+#[derive(Subcommand, Debug)]
+enum KeyCommand {
+    /// Issues a key; its secret is printed once, here.
+    Issue {
+        /// The tenant.
+        tenant: String,
+    },
+    /// A tenant's keys (never their secrets).
+    List {
+        /// The tenant.
+        tenant: String,
+    },
+    /// Revokes a key; it fails from the next request on.
+    Revoke {
+        /// The tenant.
+        tenant: String,
+        /// The key's id (`key_…`).
+        key: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum PluginCommand {
+    /// Uploads a component (a new version if the name exists).
+    Upload {
+        /// The tenant.
+        tenant: String,
+        /// The plugin's name.
+        name: String,
+        /// The `.wasm` component.
+        file: PathBuf,
+    },
+    /// A tenant's plugins.
+    List {
+        /// The tenant.
+        tenant: String,
+    },
+    /// Enables a plugin.
+    Enable {
+        /// The tenant.
+        tenant: String,
+        /// The plugin.
+        name: String,
+    },
+    /// Disables a plugin.
+    Disable {
+        /// The tenant.
+        tenant: String,
+        /// The plugin.
+        name: String,
+    },
+    /// Deletes a plugin.
+    Delete {
+        /// The tenant.
+        tenant: String,
+        /// The plugin.
+        name: String,
+    },
+}
+
+/// One call: method, path, body.
+struct Call {
+    method: Method,
+    path: String,
+    body: Option<(Bytes, &'static str)>,
+}
+
+impl Call {
+    fn get(path: String) -> Call {
+        Call {
+            method: Method::GET,
+            path,
+            body: None,
+        }
+    }
+
+    fn with(method: Method, path: String, body: Option<Value>) -> Call {
+        Call {
+            method,
+            path,
+            body: body.map(|b| (Bytes::from(b.to_string()), "application/json")),
+        }
+    }
+}
+
+/// Percent-encodes a path segment (names are validated server-side; this
+/// keeps a typo from becoming another path).
+fn segment(text: &str) -> String {
+    text.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+fn call_of(command: &AdminCommand) -> Result<Call> {
+    let tenants = "/admin/v1/tenants";
+    Ok(match command {
+        AdminCommand::Tenant(TenantCommand::List) => Call::get(tenants.into()),
+        AdminCommand::Tenant(TenantCommand::Get { name }) => {
+            Call::get(format!("{tenants}/{}", segment(name)))
+        }
+        AdminCommand::Tenant(TenantCommand::Create { name, quota }) => {
+            let mut body = quota.json();
+            body["name"] = json!(name);
+            Call::with(Method::POST, tenants.into(), Some(body))
+        }
+        AdminCommand::Tenant(TenantCommand::Delete { name }) => {
+            Call::with(Method::DELETE, format!("{tenants}/{}", segment(name)), None)
+        }
+        AdminCommand::Quota(QuotaCommand::Set { tenant, quota }) => Call::with(
+            Method::PATCH,
+            format!("{tenants}/{}", segment(tenant)),
+            Some(quota.json()),
+        ),
+        AdminCommand::Key(KeyCommand::Issue { tenant }) => Call::with(
+            Method::POST,
+            format!("{tenants}/{}/keys", segment(tenant)),
+            None,
+        ),
+        AdminCommand::Key(KeyCommand::List { tenant }) => {
+            Call::get(format!("{tenants}/{}/keys", segment(tenant)))
+        }
+        AdminCommand::Key(KeyCommand::Revoke { tenant, key }) => Call::with(
+            Method::DELETE,
+            format!("{tenants}/{}/keys/{}", segment(tenant), segment(key)),
+            None,
+        ),
+        AdminCommand::Plugin(PluginCommand::Upload { tenant, name, file }) => {
+            let bytes =
+                std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+            Call {
+                method: Method::PUT,
+                path: format!("{tenants}/{}/plugins/{}", segment(tenant), segment(name)),
+                body: Some((Bytes::from(bytes), "application/wasm")),
+            }
+        }
+        AdminCommand::Plugin(PluginCommand::List { tenant }) => {
+            Call::get(format!("{tenants}/{}/plugins", segment(tenant)))
+        }
+        AdminCommand::Plugin(PluginCommand::Enable { tenant, name }) => Call::with(
+            Method::POST,
+            format!(
+                "{tenants}/{}/plugins/{}/enable",
+                segment(tenant),
+                segment(name)
+            ),
+            None,
+        ),
+        AdminCommand::Plugin(PluginCommand::Disable { tenant, name }) => Call::with(
+            Method::POST,
+            format!(
+                "{tenants}/{}/plugins/{}/disable",
+                segment(tenant),
+                segment(name)
+            ),
+            None,
+        ),
+        AdminCommand::Plugin(PluginCommand::Delete { tenant, name }) => Call::with(
+            Method::DELETE,
+            format!("{tenants}/{}/plugins/{}", segment(tenant), segment(name)),
+            None,
+        ),
+        AdminCommand::Capacity => Call::get("/admin/v1/capacity".into()),
+        AdminCommand::Partitions => Call::get("/admin/v1/partitions".into()),
+        AdminCommand::Usage { tenant, minutes } => {
+            let now = crate::tenancy::control::now_ms();
+            let from = now.saturating_sub(minutes.saturating_mul(60_000));
+            Call::get(format!(
+                "/admin/v1/usage?tenant={}&from_ms={from}&to_ms={}",
+                segment(tenant),
+                now + 60_000
+            ))
+        }
+        AdminCommand::Audit { after, limit } => {
+            Call::get(format!("/admin/v1/audit?after={after}&limit={limit}"))
+        }
+    })
+}
+
+/// Runs `bulkhead admin …`.
+pub fn run(args: AdminArgs) -> Result<()> {
+    let url = args
+        .url
+        .clone()
+        .or_else(|| std::env::var("BULKHEAD_ADMIN_URL").ok())
+        .unwrap_or_else(|| "http://127.0.0.1:8081".into());
+    let token = args
+        .token
+        .clone()
+        .or_else(|| std::env::var("BULKHEAD_ADMIN_TOKEN").ok())
+        .filter(|t| !t.is_empty())
+        .context("no admin token: pass --token or set BULKHEAD_ADMIN_TOKEN")?;
+    let call = call_of(&args.command)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (status, body) = runtime.block_on(async {
+        tokio::time::timeout(
+            CALL_TIMEOUT,
+            send(&url, &token, args.cacert.as_deref(), call),
+        )
+        .await
+        .map_err(|_| anyhow!("no answer from {url} within {}s", CALL_TIMEOUT.as_secs()))?
+    })?;
+    let value: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    if !(200..300).contains(&status) {
+        let message = value["error"]["message"].as_str().map_or_else(
+            || String::from_utf8_lossy(&body).into_owned(),
+            str::to_string,
+        );
+        if let Some(limits) = value["error"]["limits"].as_array() {
+            for l in limits {
+                eprintln!(
+                    "  {:<32} {:>10}  {:<5} {}",
+                    l["stage"].as_str().unwrap_or(""),
+                    l["tokens"],
+                    if l["holds"] == true { "ok" } else { "NO" },
+                    l["field"].as_str().unwrap_or("")
+                );
+            }
+        }
+        bail!("{status}: {message}");
+    }
+    if !body.is_empty() {
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    }
+    Ok(())
+}
+
+/// Sends one call over HTTP/1.1, with TLS for `https://`.
+async fn send(
+    url: &str,
+    token: &str,
+    cacert: Option<&std::path::Path>,
+    call: Call,
+) -> Result<(u16, Bytes)> {
+    let uri: hyper::Uri = url.parse().with_context(|| format!("--url {url}"))?;
+    let https = match uri.scheme_str() {
+        Some("http") => false,
+        Some("https") => true,
+        _ => bail!("--url {url}: use http:// or https://"),
+    };
+    let host = uri.host().context("--url has no host")?.to_string();
+    let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+    let stream = tokio::net::TcpStream::connect((host.as_str(), port))
+        .await
+        .with_context(|| format!("connecting to {host}:{port}"))?;
+    let (method, path, body) = (call.method, call.path, call.body);
+    let mut request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", format!("{host}:{port}"))
+        .header("authorization", format!("Bearer {token}"));
+    let payload = match body {
+        Some((bytes, content_type)) => {
+            request = request.header("content-type", content_type);
+            bytes
+        }
+        None => Bytes::new(),
+    };
+    let request = request.body(Full::new(payload))?;
+    if https {
+        let connector = tls_connector(cacert)?;
+        let name = rustls::pki_types::ServerName::try_from(host.clone())
+            .map_err(|e| anyhow!("--url host {host}: {e}"))?;
+        let stream = connector.connect(name, stream).await?;
+        exchange(TokioIo::new(stream), request).await
+    } else {
+        exchange(TokioIo::new(stream), request).await
+    }
+}
+
+async fn exchange<I>(io: I, request: Request<Full<Bytes>>) -> Result<(u16, Bytes)>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(io).await?;
+    tokio::spawn(connection);
+    let response = sender.send_request(request).await?;
+    let status = response.status().as_u16();
+    let body = http_body_util::Limited::new(response.into_body(), ANSWER_BYTES_MAX)
+        .collect()
+        .await
+        .map_err(|e| anyhow!("reading the answer: {e}"))?
+        .to_bytes();
+    Ok((status, body))
+}
+
+fn tls_connector(cacert: Option<&std::path::Path>) -> Result<tokio_rustls::TlsConnector> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore::empty();
+    let path =
+        cacert.context("an https:// --url needs --cacert (the server's certificate or its CA)")?;
+    for cert in CertificateDer::pem_file_iter(path)
+        .with_context(|| format!("--cacert {}", path.display()))?
+    {
+        roots.add(cert?)?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+}

@@ -1,0 +1,738 @@
+//! The admin REST API, under `/admin/v1/` on the admin listener.
+//!
+//! 1. **Authentication** is one layer ([`require_admin`]) over every route but
+//!    the OpenAPI document: the admin token, compared as a SHA-256 digest in
+//!    constant time; anything else is a 401 before a handler runs.
+//! 2. **Handlers** parse, call the control plane ([`Control`]), and answer JSON.
+//!    Every error goes through [`ApiError`] (OpenAI's error shape); a change the
+//!    capacity contract cannot hold is a 409 that carries the table of limits.
+//! 3. **Bodies** are bounded ([`ADMIN_BODY_BYTES_MAX`] for JSON,
+//!    [`PLUGIN_BYTES_MAX`] for a component) and JSON with unknown fields is
+//!    refused, so a typo is never silently a default.
+//! 4. **The OpenAPI 3.1 document** (`/admin/v1/openapi.json`) is generated from
+//!    these handlers' annotations and types ([`AdminApi`]).
+
+use super::error::{capacity_limits, ApiError, CapacityLimit, ErrorResponse};
+use super::App;
+use crate::store::records::AuditRecord;
+use crate::tenancy::control::{
+    now_ms, Actor, Control, IssuedKey, KeyView, PluginView, QuotaPatch, TenantRef, TenantView,
+    UsageView, PLUGIN_BYTES_MAX,
+};
+use crate::tenancy::{Quota, TenantId};
+use axum::body::Body;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Response, StatusCode};
+use axum::middleware::{self, Next};
+use axum::routing::{delete, get, post};
+use axum::Router;
+use bytes::Bytes;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::Duration;
+use utoipa::OpenApi;
+
+/// Largest JSON body an admin or self-service route reads.
+pub const ADMIN_BODY_BYTES_MAX: usize = 64 << 10;
+/// How long such a body may take to arrive.
+pub const ADMIN_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Most audit records one page returns.
+pub const AUDIT_PAGE_MAX: usize = 1000;
+/// Usage window when none is given: the last hour.
+pub const USAGE_WINDOW_DEFAULT_MS: u64 = 3600 * 1000;
+
+/// The admin routes (state: the [`App`]).
+pub fn router(app: Arc<App>) -> Router<Arc<App>> {
+    let protected = Router::new()
+        .route("/admin/v1/tenants", get(list_tenants).post(create_tenant))
+        .route(
+            "/admin/v1/tenants/{tenant}",
+            get(get_tenant).patch(update_tenant).delete(delete_tenant),
+        )
+        .route(
+            "/admin/v1/tenants/{tenant}/keys",
+            get(list_keys).post(issue_key),
+        )
+        .route("/admin/v1/tenants/{tenant}/keys/{key}", delete(revoke_key))
+        .route("/admin/v1/tenants/{tenant}/plugins", get(list_plugins))
+        .route(
+            "/admin/v1/tenants/{tenant}/plugins/{plugin}",
+            get(get_plugin).put(upload_plugin).delete(delete_plugin),
+        )
+        .route(
+            "/admin/v1/tenants/{tenant}/plugins/{plugin}/enable",
+            post(enable_plugin),
+        )
+        .route(
+            "/admin/v1/tenants/{tenant}/plugins/{plugin}/disable",
+            post(disable_plugin),
+        )
+        .route("/admin/v1/partitions", get(partitions))
+        .route("/admin/v1/capacity", get(capacity))
+        .route("/admin/v1/usage", get(usage))
+        .route("/admin/v1/audit", get(audit_log))
+        .route_layer(middleware::from_fn_with_state(app, require_admin));
+    Router::new()
+        .route("/admin/v1/openapi.json", get(openapi))
+        .merge(protected)
+}
+
+/// The admin token, or a 401 before any handler runs.
+async fn require_admin(
+    State(app): State<Arc<App>>,
+    request: Request,
+    next: Next,
+) -> Response<Body> {
+    if app.is_admin(request.headers()) {
+        next.run(request).await
+    } else {
+        ApiError::AdminUnauthenticated.into_response(app.request_id(), None)
+    }
+}
+
+/// A tenant the admin names (by name; ids appear in responses).
+fn name(tenant: &str) -> TenantRef<'_> {
+    TenantRef::Name(tenant)
+}
+
+/// A JSON response.
+pub fn reply<T: Serialize>(status: StatusCode, value: &T) -> Response<Body> {
+    // Views are plain structs of strings, numbers and maps.
+    let body = serde_json::to_vec(value).unwrap_or_default();
+    let mut response = Response::new(Body::from(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// An answer, or its error rendered with a fresh request id.
+pub fn respond(app: &App, answer: Result<Response<Body>, ApiError>) -> Response<Body> {
+    answer.unwrap_or_else(|error| error.into_response(app.request_id(), None))
+}
+
+/// Reads at most `limit` bytes of body within [`ADMIN_BODY_TIMEOUT`].
+pub async fn read_bounded(
+    body: Body,
+    headers: &HeaderMap,
+    limit: usize,
+) -> Result<Bytes, ApiError> {
+    let declared = super::content_length(headers);
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Err(ApiError::BodyTooLarge {
+            limit: limit as u64,
+        });
+    }
+    match tokio::time::timeout(ADMIN_BODY_TIMEOUT, Limited::new(body, limit).collect()).await {
+        Err(_) => Err(ApiError::BodyTimeout {
+            secs: ADMIN_BODY_TIMEOUT.as_secs(),
+        }),
+        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            Err(ApiError::BodyTooLarge {
+                limit: limit as u64,
+            })
+        }
+        Ok(Err(_)) => Err(ApiError::BodyRead),
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+    }
+}
+
+/// A JSON body of type `T` (unknown fields refused by `T`'s own serde rules).
+pub async fn json_body<T: DeserializeOwned>(
+    body: Body,
+    headers: &HeaderMap,
+) -> Result<T, ApiError> {
+    let bytes = read_bounded(body, headers, ADMIN_BODY_BYTES_MAX).await?;
+    serde_json::from_slice(&bytes).map_err(|e| ApiError::InvalidJson(e.to_string()))
+}
+
+/// A query string of type `T`.
+pub fn query<T>(query: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
+    query.map(|Query(q)| q).map_err(|e| ApiError::InvalidValue {
+        param: "query".into(),
+        message: e.body_text(),
+    })
+}
+
+/// A list.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct List<T> {
+    /// The items.
+    pub data: Vec<T>,
+}
+
+/// A new tenant: its name and limits (defaults as in the policy file).
+#[derive(Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateTenant {
+    /// 1-64 of `[A-Za-z0-9_-]`, starting with a letter; unique among live tenants.
+    pub name: String,
+    /// Share of the engine under contention (default 1).
+    #[serde(default = "one")]
+    pub weight: u32,
+    /// KV pages only this tenant may use.
+    pub pages_reserved: u32,
+    /// The most KV pages it may hold.
+    pub pages_max: u32,
+    /// Most requests waiting for pages (default 64).
+    #[serde(default = "queue_depth_default")]
+    pub queue_depth_max: u32,
+    /// Most sequences running at once (default 16).
+    #[serde(default = "running_default")]
+    pub running_max: u32,
+    /// Most requests before admission at once (default 8).
+    #[serde(default = "pending_default")]
+    pub pending_max: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+fn queue_depth_default() -> u32 {
+    64
+}
+fn running_default() -> u32 {
+    16
+}
+fn pending_default() -> u32 {
+    8
+}
+
+impl CreateTenant {
+    fn quota(&self) -> Quota {
+        Quota {
+            weight: self.weight,
+            pages_reserved: self.pages_reserved,
+            pages_max: self.pages_max,
+            queue_depth_max: self.queue_depth_max,
+            running_max: self.running_max,
+            pending_max: self.pending_max,
+        }
+    }
+}
+
+/// What deleting a tenant did.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct Deleted {
+    /// The tenant's name.
+    pub deleted: String,
+    /// Its requests that were queued or running, ended with `tenant_removed`.
+    pub requests_ended: u32,
+}
+
+/// A tenant's live partition and queues.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct PartitionView {
+    /// The tenant.
+    pub tenant: String,
+    /// Its id.
+    pub tenant_id: u32,
+    /// Pages only it may use.
+    pub pages_reserved: u32,
+    /// The most pages it may hold.
+    pub pages_max: u32,
+    /// Pages leased to its sequences.
+    pub pages_owned: u32,
+    /// Pages booked for its sequences, not yet leased.
+    pub pages_booked: u32,
+    /// Pages it released that wait to be scrubbed.
+    pub pages_released: u32,
+    /// Pages it could book now.
+    pub pages_available: u32,
+    /// Its requests waiting.
+    pub queued: u32,
+    /// Its sequences running.
+    pub running: u32,
+}
+
+/// The capacity contract of the live tenant set.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct CapacityView {
+    /// Tokens promised to clients (prompt and completion).
+    pub promised_tokens: u64,
+    /// Whether every stage holds them.
+    pub ok: bool,
+    /// Tokens per prefill step (chunked: any prompt length).
+    pub prefill_chunk_tokens: u64,
+    /// Every stage and what it holds.
+    pub limits: Vec<CapacityLimit>,
+}
+
+/// A usage window.
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct UsageQuery {
+    /// A live tenant's name (or give `tenant_id`).
+    pub tenant: Option<String>,
+    /// A tenant's id, also of a deleted one.
+    pub tenant_id: Option<u32>,
+    /// Start, Unix milliseconds (default: an hour ago).
+    pub from_ms: Option<u64>,
+    /// End, Unix milliseconds, exclusive (default: the end of this minute).
+    pub to_ms: Option<u64>,
+}
+
+impl UsageQuery {
+    /// The window, defaults applied.
+    pub fn window(&self) -> (u64, u64) {
+        let now = now_ms();
+        let to = self.to_ms.unwrap_or(now + 60_000);
+        let from = self
+            .from_ms
+            .unwrap_or_else(|| to.saturating_sub(USAGE_WINDOW_DEFAULT_MS));
+        (from, to)
+    }
+}
+
+/// A page of the audit log.
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct AuditQuery {
+    /// Records after this sequence number (default 0: from the oldest kept).
+    pub after: Option<u64>,
+    /// Most records (default 100, at most 1000).
+    pub limit: Option<usize>,
+}
+
+/// A page of audit records.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct AuditPage {
+    /// The records, oldest first.
+    pub data: Vec<AuditRecord>,
+    /// The `after` of the next page (the last record's sequence number).
+    pub next_after: u64,
+}
+
+/// A WebAssembly component's bytes.
+#[derive(utoipa::ToSchema)]
+#[schema(value_type = String, format = Binary)]
+#[allow(dead_code)]
+pub struct WasmComponent(Vec<u8>);
+
+#[utoipa::path(get, path = "/admin/v1/tenants", tag = "tenants",
+    responses((status = 200, body = List<TenantView>), (status = 401, body = ErrorResponse)))]
+async fn list_tenants(State(app): State<Arc<App>>) -> Response<Body> {
+    respond(
+        &app,
+        (|| {
+            Ok(reply(
+                StatusCode::OK,
+                &List {
+                    data: app.control.tenants()?,
+                },
+            ))
+        })(),
+    )
+}
+
+#[utoipa::path(post, path = "/admin/v1/tenants", tag = "tenants", request_body = CreateTenant,
+    responses((status = 201, body = TenantView), (status = 400, body = ErrorResponse),
+        (status = 401, body = ErrorResponse), (status = 409, body = ErrorResponse),
+        (status = 413, body = ErrorResponse)))]
+async fn create_tenant(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response<Body> {
+    let answer = async {
+        let new: CreateTenant = json_body(body, &headers).await?;
+        let view = app
+            .control
+            .create_tenant(&Actor::Admin, &new.name, new.quota())
+            .await?;
+        Ok(reply(StatusCode::CREATED, &view))
+    };
+    respond(&app, answer.await)
+}
+
+#[utoipa::path(get, path = "/admin/v1/tenants/{tenant}", tag = "tenants",
+    params(("tenant" = String, Path, description = "The tenant's name")),
+    responses((status = 200, body = TenantView), (status = 401, body = ErrorResponse),
+        (status = 404, body = ErrorResponse)))]
+async fn get_tenant(State(app): State<Arc<App>>, Path(tenant): Path<String>) -> Response<Body> {
+    respond(
+        &app,
+        app.control
+            .tenant(name(&tenant))
+            .map(|v| reply(StatusCode::OK, &v))
+            .map_err(Into::into),
+    )
+}
+
+#[utoipa::path(patch, path = "/admin/v1/tenants/{tenant}", tag = "tenants", request_body = QuotaPatch,
+    params(("tenant" = String, Path, description = "The tenant's name")),
+    responses((status = 200, body = TenantView), (status = 400, body = ErrorResponse),
+        (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse),
+        (status = 409, body = ErrorResponse)))]
+async fn update_tenant(
+    State(app): State<Arc<App>>,
+    Path(tenant): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response<Body> {
+    let answer = async {
+        let patch: QuotaPatch = json_body(body, &headers).await?;
+        let view = app
+            .control
+            .update_tenant(&Actor::Admin, name(&tenant), patch)
+            .await?;
+        Ok(reply(StatusCode::OK, &view))
+    };
+    respond(&app, answer.await)
+}
+
+#[utoipa::path(delete, path = "/admin/v1/tenants/{tenant}", tag = "tenants",
+    params(("tenant" = String, Path, description = "The tenant's name")),
+    responses((status = 200, body = Deleted), (status = 401, body = ErrorResponse),
+        (status = 404, body = ErrorResponse)))]
+async fn delete_tenant(State(app): State<Arc<App>>, Path(tenant): Path<String>) -> Response<Body> {
+    let answer = async {
+        let requests_ended = app
+            .control
+            .delete_tenant(&Actor::Admin, name(&tenant))
+            .await?;
+        Ok(reply(
+            StatusCode::OK,
+            &Deleted {
+                deleted: tenant.clone(),
+                requests_ended,
+            },
+        ))
+    };
+    respond(&app, answer.await)
+}
+
+#[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/keys", tag = "keys",
+    params(("tenant" = String, Path, description = "The tenant's name")),
+    responses((status = 200, body = List<KeyView>), (status = 401, body = ErrorResponse),
+        (status = 404, body = ErrorResponse)))]
+async fn list_keys(State(app): State<Arc<App>>, Path(tenant): Path<String>) -> Response<Body> {
+    respond(
+        &app,
+        (|| {
+            Ok(reply(
+                StatusCode::OK,
+                &List {
+                    data: app.control.keys(name(&tenant))?,
+                },
+            ))
+        })(),
+    )
+}
+
+#[utoipa::path(post, path = "/admin/v1/tenants/{tenant}/keys", tag = "keys",
+    params(("tenant" = String, Path, description = "The tenant's name")),
+    responses((status = 201, body = IssuedKey, description = "The secret is shown here, once"),
+        (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse),
+        (status = 409, body = ErrorResponse)))]
+async fn issue_key(State(app): State<Arc<App>>, Path(tenant): Path<String>) -> Response<Body> {
+    let answer = async {
+        let issued = app.control.issue_key(&Actor::Admin, name(&tenant)).await?;
+        Ok(reply(StatusCode::CREATED, &issued))
+    };
+    respond(&app, answer.await)
+}
+
+#[utoipa::path(delete, path = "/admin/v1/tenants/{tenant}/keys/{key}", tag = "keys",
+    params(("tenant" = String, Path, description = "The tenant's name"),
+        ("key" = String, Path, description = "The key's id")),
+    responses((status = 200, body = KeyView, description = "The key, revoked"),
+        (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
+async fn revoke_key(
+    State(app): State<Arc<App>>,
+    Path((tenant, key)): Path<(String, String)>,
+) -> Response<Body> {
+    let answer = async {
+        let view = app
+            .control
+            .revoke_key(&Actor::Admin, name(&tenant), &key)
+            .await?;
+        Ok(reply(StatusCode::OK, &view))
+    };
+    respond(&app, answer.await)
+}
+
+#[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/plugins", tag = "plugins",
+    params(("tenant" = String, Path, description = "The tenant's name")),
+    responses((status = 200, body = List<PluginView>), (status = 401, body = ErrorResponse),
+        (status = 404, body = ErrorResponse)))]
+async fn list_plugins(State(app): State<Arc<App>>, Path(tenant): Path<String>) -> Response<Body> {
+    respond(
+        &app,
+        (|| {
+            Ok(reply(
+                StatusCode::OK,
+                &List {
+                    data: app.control.plugins(name(&tenant))?,
+                },
+            ))
+        })(),
+    )
+}
+
+#[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/plugins/{plugin}", tag = "plugins",
+    params(("tenant" = String, Path, description = "The tenant's name"),
+        ("plugin" = String, Path, description = "The plugin's name")),
+    responses((status = 200, body = PluginView), (status = 401, body = ErrorResponse),
+        (status = 404, body = ErrorResponse)))]
+async fn get_plugin(
+    State(app): State<Arc<App>>,
+    Path((tenant, plugin)): Path<(String, String)>,
+) -> Response<Body> {
+    respond(
+        &app,
+        app.control
+            .plugin(name(&tenant), &plugin)
+            .map(|v| reply(StatusCode::OK, &v))
+            .map_err(Into::into),
+    )
+}
+
+#[utoipa::path(put, path = "/admin/v1/tenants/{tenant}/plugins/{plugin}", tag = "plugins",
+    request_body(content = WasmComponent, content_type = "application/wasm"),
+    params(("tenant" = String, Path, description = "The tenant's name"),
+        ("plugin" = String, Path, description = "The plugin's name")),
+    responses((status = 200, body = PluginView, description = "Stored (a new version if the name existed)"),
+        (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse),
+        (status = 404, body = ErrorResponse), (status = 409, body = ErrorResponse),
+        (status = 413, body = ErrorResponse)))]
+async fn upload_plugin(
+    State(app): State<Arc<App>>,
+    Path((tenant, plugin)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response<Body> {
+    let answer = upload(
+        &app.control,
+        &Actor::Admin,
+        name(&tenant),
+        &plugin,
+        &headers,
+        body,
+    );
+    respond(&app, answer.await)
+}
+
+/// Reads a component body and stores it (admin and self-service alike).
+pub async fn upload(
+    control: &Control,
+    actor: &Actor,
+    tenant: TenantRef<'_>,
+    plugin: &str,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Response<Body>, ApiError> {
+    let bytes = read_bounded(body, headers, PLUGIN_BYTES_MAX).await?;
+    let view = control.upload_plugin(actor, tenant, plugin, &bytes).await?;
+    Ok(reply(StatusCode::OK, &view))
+}
+
+#[utoipa::path(post, path = "/admin/v1/tenants/{tenant}/plugins/{plugin}/enable", tag = "plugins",
+    params(("tenant" = String, Path, description = "The tenant's name"),
+        ("plugin" = String, Path, description = "The plugin's name")),
+    responses((status = 200, body = PluginView), (status = 401, body = ErrorResponse),
+        (status = 404, body = ErrorResponse)))]
+async fn enable_plugin(
+    State(app): State<Arc<App>>,
+    Path((tenant, plugin)): Path<(String, String)>,
+) -> Response<Body> {
+    let answer = app
+        .control
+        .set_plugin_enabled(&Actor::Admin, name(&tenant), &plugin, true)
+        .await;
+    respond(
+        &app,
+        answer
+            .map(|v| reply(StatusCode::OK, &v))
+            .map_err(Into::into),
+    )
+}
+
+#[utoipa::path(post, path = "/admin/v1/tenants/{tenant}/plugins/{plugin}/disable", tag = "plugins",
+    params(("tenant" = String, Path, description = "The tenant's name"),
+        ("plugin" = String, Path, description = "The plugin's name")),
+    responses((status = 200, body = PluginView), (status = 401, body = ErrorResponse),
+        (status = 404, body = ErrorResponse)))]
+async fn disable_plugin(
+    State(app): State<Arc<App>>,
+    Path((tenant, plugin)): Path<(String, String)>,
+) -> Response<Body> {
+    let answer = app
+        .control
+        .set_plugin_enabled(&Actor::Admin, name(&tenant), &plugin, false)
+        .await;
+    respond(
+        &app,
+        answer
+            .map(|v| reply(StatusCode::OK, &v))
+            .map_err(Into::into),
+    )
+}
+
+#[utoipa::path(delete, path = "/admin/v1/tenants/{tenant}/plugins/{plugin}", tag = "plugins",
+    params(("tenant" = String, Path, description = "The tenant's name"),
+        ("plugin" = String, Path, description = "The plugin's name")),
+    responses((status = 204, description = "Deleted"), (status = 401, body = ErrorResponse),
+        (status = 404, body = ErrorResponse)))]
+async fn delete_plugin(
+    State(app): State<Arc<App>>,
+    Path((tenant, plugin)): Path<(String, String)>,
+) -> Response<Body> {
+    let answer = app
+        .control
+        .delete_plugin(&Actor::Admin, name(&tenant), &plugin)
+        .await;
+    respond(&app, answer.map(|()| no_content()).map_err(Into::into))
+}
+
+/// An empty 204.
+pub fn no_content() -> Response<Body> {
+    let mut response = Response::new(Body::empty());
+    *response.status_mut() = StatusCode::NO_CONTENT;
+    response
+}
+
+#[utoipa::path(get, path = "/admin/v1/partitions", tag = "capacity",
+    responses((status = 200, body = List<PartitionView>), (status = 401, body = ErrorResponse)))]
+async fn partitions(State(app): State<Arc<App>>) -> Response<Body> {
+    let directory = app.control.registry().snapshot();
+    let stats = app.serving.engine.stats();
+    let data = stats
+        .tenants
+        .iter()
+        .filter_map(|t| {
+            let tenant = directory.tenant(TenantId(t.id))?;
+            Some(PartitionView {
+                tenant: tenant.name.clone(),
+                tenant_id: t.id,
+                pages_reserved: tenant.quota.pages_reserved,
+                pages_max: tenant.quota.pages_max,
+                pages_owned: t.pages_owned,
+                pages_booked: t.pages_booked,
+                pages_released: t.pages_released,
+                pages_available: t.pages_available,
+                queued: t.queued,
+                running: t.running,
+            })
+        })
+        .collect();
+    reply(StatusCode::OK, &List { data })
+}
+
+#[utoipa::path(get, path = "/admin/v1/capacity", tag = "capacity",
+    responses((status = 200, body = CapacityView), (status = 401, body = ErrorResponse)))]
+async fn capacity(State(app): State<Arc<App>>) -> Response<Body> {
+    let answer = app.control.capacity().map(|capacity| {
+        reply(
+            StatusCode::OK,
+            &CapacityView {
+                promised_tokens: capacity.promised_tokens,
+                ok: capacity.check().is_ok(),
+                prefill_chunk_tokens: capacity.step_tokens_max,
+                limits: capacity_limits(&capacity),
+            },
+        )
+    });
+    respond(&app, answer.map_err(Into::into))
+}
+
+#[utoipa::path(get, path = "/admin/v1/usage", tag = "usage", params(UsageQuery),
+    responses((status = 200, body = UsageView), (status = 400, body = ErrorResponse),
+        (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
+async fn usage(
+    State(app): State<Arc<App>>,
+    q: Result<Query<UsageQuery>, QueryRejection>,
+) -> Response<Body> {
+    let answer = (|| {
+        let q = query(q)?;
+        let (from, to) = q.window();
+        let view = match (&q.tenant, q.tenant_id) {
+            (Some(tenant), None) => app.control.usage(name(tenant), from, to)?,
+            (None, Some(id)) => app.control.usage_of(id, from, to)?,
+            _ => {
+                return Err(ApiError::InvalidValue {
+                    param: "tenant".into(),
+                    message: "give exactly one of tenant and tenant_id".into(),
+                })
+            }
+        };
+        Ok(reply(StatusCode::OK, &view))
+    })();
+    respond(&app, answer)
+}
+
+#[utoipa::path(get, path = "/admin/v1/audit", tag = "audit", params(AuditQuery),
+    responses((status = 200, body = AuditPage), (status = 400, body = ErrorResponse),
+        (status = 401, body = ErrorResponse)))]
+async fn audit_log(
+    State(app): State<Arc<App>>,
+    q: Result<Query<AuditQuery>, QueryRejection>,
+) -> Response<Body> {
+    let answer = (|| {
+        let q = query(q)?;
+        let after = q.after.unwrap_or(0);
+        let limit = q.limit.unwrap_or(100);
+        if !(1..=AUDIT_PAGE_MAX).contains(&limit) {
+            return Err(ApiError::InvalidValue {
+                param: "limit".into(),
+                message: format!("must be 1..={AUDIT_PAGE_MAX}"),
+            });
+        }
+        let data = app.control.audit_log(after, limit)?;
+        let next_after = data.last().map_or(after, |r| r.seq);
+        Ok(reply(StatusCode::OK, &AuditPage { data, next_after }))
+    })();
+    respond(&app, answer)
+}
+
+async fn openapi() -> Response<Body> {
+    let mut response = Response::new(Body::from(
+        AdminApi::openapi().to_json().unwrap_or_default(),
+    ));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// Adds the admin token as a bearer security scheme, required everywhere.
+struct AdminToken;
+
+impl utoipa::Modify for AdminToken {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{
+            HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
+        };
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "admin_token",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+        openapi.security = Some(vec![SecurityRequirement::new(
+            "admin_token",
+            Vec::<String>::new(),
+        )]);
+    }
+}
+
+/// The admin API's OpenAPI 3.1 document.
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "Bulkhead admin API", description = "Tenants, keys, quotas, plugins, capacity, usage and the audit log of a Bulkhead server. Every route needs `Authorization: Bearer <admin token>`."),
+    paths(list_tenants, create_tenant, get_tenant, update_tenant, delete_tenant, list_keys,
+        issue_key, revoke_key, list_plugins, get_plugin, upload_plugin, enable_plugin,
+        disable_plugin, delete_plugin, partitions, capacity, usage, audit_log),
+    components(schemas(ErrorResponse, TenantView, KeyView, IssuedKey, PluginView, UsageView,
+        AuditRecord, CapacityView, PartitionView, Deleted, AuditPage, CreateTenant, QuotaPatch,
+        Quota, WasmComponent)),
+    modifiers(&AdminToken)
+)]
+pub struct AdminApi;

@@ -1,0 +1,518 @@
+//! The control-plane store: tenants, API keys (digests only), quotas, plugins,
+//! usage counters and the audit log, on disk.
+//!
+//! 1. **Storage** ([`Storage`]) is a small trait over ordered byte keys: get,
+//!    scan, and an atomic batch that is durable when `commit` returns. sled
+//!    implements it ([`sled_storage`]); a replicated store can replace it
+//!    without touching anything above.
+//! 2. **Records** ([`records`]) are JSON, each wrapped with its format version
+//!    (`{"v": 1, "record": {...}}`). A record of another version is an error
+//!    naming the key, never a guess.
+//! 3. **[`Store`]** is the typed layer the control plane uses: every change is
+//!    a [`Batch`] of record writes plus the audit records that describe it,
+//!    committed together, so a change and its audit entry land or vanish as one.
+//!
+//! Key layout (ids big-endian, so scans come back in id and time order):
+//!
+//! ```text
+//!   meta/format                      format version and creation time
+//!   meta/tenant_id_next              the next tenant id (ids are never reused)
+//!   meta/admin_token                 SHA-256 of a generated admin token
+//!   tenant/<id u32>                  TenantRecord
+//!   tenant_name/<name>               <id u32>: one live tenant per name
+//!   key/<key id>                     KeyRecord (tenant, SHA-256, revoked?)
+//!   plugin/<tenant u32>/<name>       PluginRecord (metadata)
+//!   plugin_wasm/<sha256 hex>         the component's bytes
+//!   usage/<tenant u32>/<minute u64>  UsageRecord: one minute's counters
+//!   audit/<seq u64>                  AuditRecord
+//! ```
+
+pub mod records;
+pub mod sled_storage;
+pub mod usage;
+
+use records::{
+    AuditRecord, KeyRecord, Meta, PluginRecord, TenantRecord, UsageRecord, Versioned,
+    FORMAT_VERSION,
+};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::path::Path;
+use std::sync::Mutex;
+
+/// Most audit records kept; the oldest go first.
+pub const AUDIT_RECORDS_MAX: u64 = 100_000;
+/// Most records one scan returns.
+pub const SCAN_RECORDS_MAX: usize = 10_000;
+
+/// Why the store could not do something. Nothing was written.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store could not be opened (the message names the path and cause).
+    #[error("cannot open the store at {path}: {cause}")]
+    Open {
+        /// The store's folder.
+        path: String,
+        /// What went wrong.
+        cause: String,
+    },
+    /// Reading or writing failed.
+    #[error("store i/o: {0}")]
+    Io(String),
+    /// A record of a format this build does not read.
+    #[error("store record {key} has format version {version}; this build reads version {FORMAT_VERSION}")]
+    Version {
+        /// The record's key.
+        key: String,
+        /// Its version.
+        version: u32,
+    },
+    /// A record that does not parse.
+    #[error("store record {key} is unreadable: {cause}")]
+    Corrupt {
+        /// The record's key.
+        key: String,
+        /// The parser's message.
+        cause: String,
+    },
+}
+
+/// One write of an atomic batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Write {
+    /// Sets `key` to `value`.
+    Put {
+        /// The key.
+        key: Vec<u8>,
+        /// The value.
+        value: Vec<u8>,
+    },
+    /// Removes `key` (nothing if absent).
+    Delete {
+        /// The key.
+        key: Vec<u8>,
+    },
+}
+
+/// A key and its value.
+pub type Entry = (Vec<u8>, Vec<u8>);
+
+/// Ordered byte keys and values: what the store needs from a storage engine.
+pub trait Storage: Send + Sync {
+    /// The value of `key`.
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError>;
+    /// Up to `limit` entries whose keys start with `prefix` and sort after
+    /// `after` (all of them when None), in key order.
+    fn scan(
+        &self,
+        prefix: &[u8],
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Vec<Entry>, StoreError>;
+    /// The entry with the greatest key starting with `prefix`.
+    fn last(&self, prefix: &[u8]) -> Result<Option<Entry>, StoreError>;
+    /// Applies every write atomically; durable (on disk) when it returns Ok.
+    fn commit(&self, writes: Vec<Write>) -> Result<(), StoreError>;
+}
+
+/// Key of `prefix` followed by big-endian `id`.
+fn key_u32(prefix: &str, id: u32) -> Vec<u8> {
+    [prefix.as_bytes(), &id.to_be_bytes()].concat()
+}
+
+/// The key of a tenant record.
+fn tenant_key(id: u32) -> Vec<u8> {
+    key_u32("tenant/", id)
+}
+
+fn tenant_name_key(name: &str) -> Vec<u8> {
+    format!("tenant_name/{name}").into_bytes()
+}
+
+fn key_record_key(key_id: &str) -> Vec<u8> {
+    format!("key/{key_id}").into_bytes()
+}
+
+fn plugin_prefix(tenant: u32) -> Vec<u8> {
+    [key_u32("plugin/", tenant).as_slice(), b"/"].concat()
+}
+
+fn plugin_key(tenant: u32, name: &str) -> Vec<u8> {
+    [plugin_prefix(tenant).as_slice(), name.as_bytes()].concat()
+}
+
+fn plugin_wasm_key(sha256_hex: &str) -> Vec<u8> {
+    format!("plugin_wasm/{sha256_hex}").into_bytes()
+}
+
+fn usage_prefix(tenant: u32) -> Vec<u8> {
+    [key_u32("usage/", tenant).as_slice(), b"/"].concat()
+}
+
+fn usage_key(tenant: u32, minute: u64) -> Vec<u8> {
+    [usage_prefix(tenant).as_slice(), &minute.to_be_bytes()].concat()
+}
+
+const AUDIT_PREFIX: &[u8] = b"audit/";
+
+fn audit_key(seq: u64) -> Vec<u8> {
+    [AUDIT_PREFIX, &seq.to_be_bytes()].concat()
+}
+
+const META_FORMAT: &[u8] = b"meta/format";
+const META_TENANT_ID_NEXT: &[u8] = b"meta/tenant_id_next";
+const META_ADMIN_TOKEN: &[u8] = b"meta/admin_token";
+
+fn printable(key: &[u8]) -> String {
+    key.iter()
+        .map(|&b| {
+            if b.is_ascii_graphic() {
+                (b as char).to_string()
+            } else {
+                format!("\\x{b:02x}")
+            }
+        })
+        .collect()
+}
+
+fn encode<T: Serialize>(record: &T) -> Vec<u8> {
+    // Records are plain structs of strings, numbers and maps: serializing
+    // them cannot fail.
+    serde_json::to_vec(&Versioned {
+        v: FORMAT_VERSION,
+        record,
+    })
+    .expect("records serialize")
+}
+
+fn decode<T: DeserializeOwned>(key: &[u8], bytes: &[u8]) -> Result<T, StoreError> {
+    let probe: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt {
+            key: printable(key),
+            cause: e.to_string(),
+        })?;
+    let version = probe.get("v").and_then(serde_json::Value::as_u64);
+    if version != Some(u64::from(FORMAT_VERSION)) {
+        return Err(StoreError::Version {
+            key: printable(key),
+            version: version.map_or(0, |v| v.min(u64::from(u32::MAX)) as u32),
+        });
+    }
+    let versioned: Versioned<T> =
+        serde_json::from_value(probe).map_err(|e| StoreError::Corrupt {
+            key: printable(key),
+            cause: e.to_string(),
+        })?;
+    Ok(versioned.record)
+}
+
+/// A change to commit: record writes and the audit records describing them.
+#[derive(Default)]
+#[must_use = "a batch does nothing until committed"]
+pub struct Batch {
+    writes: Vec<Write>,
+    audit: Vec<AuditRecord>,
+}
+
+impl Batch {
+    fn put<T: Serialize>(&mut self, key: Vec<u8>, record: &T) -> &mut Self {
+        self.writes.push(Write::Put {
+            key,
+            value: encode(record),
+        });
+        self
+    }
+
+    fn delete(&mut self, key: Vec<u8>) -> &mut Self {
+        self.writes.push(Write::Delete { key });
+        self
+    }
+
+    /// Creates or replaces a tenant (and claims its name).
+    pub fn put_tenant(&mut self, tenant: &TenantRecord) -> &mut Self {
+        self.put(tenant_name_key(&tenant.name), &tenant.id);
+        self.put(tenant_key(tenant.id), tenant)
+    }
+
+    /// Removes a tenant and frees its name (its keys and plugins are the
+    /// caller's to remove in the same batch).
+    pub fn delete_tenant(&mut self, tenant: &TenantRecord) -> &mut Self {
+        self.delete(tenant_name_key(&tenant.name));
+        self.delete(tenant_key(tenant.id))
+    }
+
+    /// Sets the next tenant id.
+    pub fn put_tenant_id_next(&mut self, next: u32) -> &mut Self {
+        self.put(META_TENANT_ID_NEXT.to_vec(), &next)
+    }
+
+    /// Creates or replaces a key record.
+    pub fn put_key(&mut self, key: &KeyRecord) -> &mut Self {
+        self.put(key_record_key(&key.id), key)
+    }
+
+    /// Removes a key record.
+    pub fn delete_key(&mut self, key_id: &str) -> &mut Self {
+        self.delete(key_record_key(key_id))
+    }
+
+    /// Creates or replaces a plugin's metadata.
+    pub fn put_plugin(&mut self, plugin: &PluginRecord) -> &mut Self {
+        self.put(plugin_key(plugin.tenant, &plugin.name), plugin)
+    }
+
+    /// Stores a component's bytes under their SHA-256.
+    pub fn put_plugin_wasm(&mut self, sha256_hex: &str, bytes: &[u8]) -> &mut Self {
+        self.writes.push(Write::Put {
+            key: plugin_wasm_key(sha256_hex),
+            value: bytes.to_vec(),
+        });
+        self
+    }
+
+    /// Removes a plugin's metadata.
+    pub fn delete_plugin(&mut self, tenant: u32, name: &str) -> &mut Self {
+        self.delete(plugin_key(tenant, name))
+    }
+
+    /// Removes a component's bytes.
+    pub fn delete_plugin_wasm(&mut self, sha256_hex: &str) -> &mut Self {
+        self.delete(plugin_wasm_key(sha256_hex))
+    }
+
+    /// Sets one minute's usage counters of a tenant.
+    pub fn put_usage(&mut self, tenant: u32, minute: u64, usage: &UsageRecord) -> &mut Self {
+        self.put(usage_key(tenant, minute), usage)
+    }
+
+    /// Records the store's format (first start).
+    pub fn put_meta(&mut self, meta: &Meta) -> &mut Self {
+        self.put(META_FORMAT.to_vec(), meta)
+    }
+
+    /// Sets the digest of a generated admin token.
+    pub fn put_admin_token(&mut self, sha256_hex: &str) -> &mut Self {
+        self.put(META_ADMIN_TOKEN.to_vec(), &sha256_hex)
+    }
+
+    /// Appends an audit record (its sequence number is set at commit).
+    pub fn audit(&mut self, record: AuditRecord) -> &mut Self {
+        self.audit.push(record);
+        self
+    }
+
+    /// Whether nothing would be written.
+    pub fn is_empty(&self) -> bool {
+        self.writes.is_empty() && self.audit.is_empty()
+    }
+}
+
+/// The typed store.
+pub struct Store {
+    storage: Box<dyn Storage>,
+    path: String,
+    /// Serializes commits, so audit sequence numbers follow commit order.
+    audit: Mutex<AuditCursor>,
+}
+
+struct AuditCursor {
+    /// The next sequence number.
+    next: u64,
+    /// The oldest kept.
+    oldest: u64,
+}
+
+impl Store {
+    /// Opens (or creates) the sled store in `dir`.
+    pub fn open(dir: &Path) -> Result<Store, StoreError> {
+        let storage = sled_storage::SledStorage::open(dir)?;
+        Store::with_storage(Box::new(storage), dir.display().to_string())
+    }
+
+    /// A store over any storage engine.
+    pub fn with_storage(storage: Box<dyn Storage>, path: String) -> Result<Store, StoreError> {
+        let next = match storage.last(AUDIT_PREFIX)? {
+            Some((key, _)) => seq_of(&key)? + 1,
+            None => 1,
+        };
+        let oldest = match storage.scan(AUDIT_PREFIX, None, 1)?.first() {
+            Some((key, _)) => seq_of(key)?,
+            None => next,
+        };
+        let store = Store {
+            storage,
+            path,
+            audit: Mutex::new(AuditCursor { next, oldest }),
+        };
+        // A store of another format fails here, before anything reads it.
+        store.meta()?;
+        Ok(store)
+    }
+
+    /// Where the store lives (for messages).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn get<T: DeserializeOwned>(&self, key: &[u8]) -> Result<Option<T>, StoreError> {
+        match self.storage.get(key)? {
+            Some(bytes) => decode(key, &bytes).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn scan<T: DeserializeOwned>(
+        &self,
+        prefix: &[u8],
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Vec<(Vec<u8>, T)>, StoreError> {
+        self.storage
+            .scan(prefix, after, limit)?
+            .into_iter()
+            .map(|(key, bytes)| decode(&key, &bytes).map(|record| (key, record)))
+            .collect()
+    }
+
+    /// The format record; None in a store nothing was written to yet.
+    pub fn meta(&self) -> Result<Option<Meta>, StoreError> {
+        self.get(META_FORMAT)
+    }
+
+    /// The next tenant id to hand out.
+    pub fn tenant_id_next(&self) -> Result<u32, StoreError> {
+        Ok(self.get(META_TENANT_ID_NEXT)?.unwrap_or(1))
+    }
+
+    /// The digest of a generated admin token, if one was generated.
+    pub fn admin_token(&self) -> Result<Option<String>, StoreError> {
+        self.get(META_ADMIN_TOKEN)
+    }
+
+    /// Every tenant, in id order.
+    pub fn tenants(&self) -> Result<Vec<TenantRecord>, StoreError> {
+        Ok(self
+            .scan(b"tenant/", None, SCAN_RECORDS_MAX)?
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect())
+    }
+
+    /// Every key record (revoked ones too).
+    pub fn keys(&self) -> Result<Vec<KeyRecord>, StoreError> {
+        Ok(self
+            .scan(b"key/", None, SCAN_RECORDS_MAX)?
+            .into_iter()
+            .map(|(_, k)| k)
+            .collect())
+    }
+
+    /// A tenant's plugins, by name.
+    pub fn plugins(&self, tenant: u32) -> Result<Vec<PluginRecord>, StoreError> {
+        Ok(self
+            .scan(&plugin_prefix(tenant), None, SCAN_RECORDS_MAX)?
+            .into_iter()
+            .map(|(_, p)| p)
+            .collect())
+    }
+
+    /// A component's bytes.
+    pub fn plugin_wasm(&self, sha256_hex: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.storage.get(&plugin_wasm_key(sha256_hex))
+    }
+
+    /// A tenant's usage, minute by minute, for minutes in `from..to`.
+    pub fn usage(
+        &self,
+        tenant: u32,
+        from_minute: u64,
+        to_minute: u64,
+    ) -> Result<Vec<(u64, UsageRecord)>, StoreError> {
+        let prefix = usage_prefix(tenant);
+        let after = from_minute
+            .checked_sub(1)
+            .map(|before| usage_key(tenant, before));
+        let mut out = Vec::new();
+        let mut cursor = after;
+        loop {
+            let page = self.scan::<UsageRecord>(&prefix, cursor.as_deref(), 1024)?;
+            let Some((last_key, _)) = page.last() else {
+                break;
+            };
+            cursor = Some(last_key.clone());
+            for (key, record) in page {
+                let minute = u64_suffix(&key)?;
+                if minute >= to_minute {
+                    return Ok(out);
+                }
+                out.push((minute, record));
+            }
+        }
+        Ok(out)
+    }
+
+    /// One minute's usage counters of a tenant (for read-modify-write).
+    pub fn usage_minute(&self, tenant: u32, minute: u64) -> Result<UsageRecord, StoreError> {
+        Ok(self.get(&usage_key(tenant, minute))?.unwrap_or_default())
+    }
+
+    /// Up to `limit` audit records after sequence number `after`, oldest first.
+    pub fn audit(&self, after: u64, limit: usize) -> Result<Vec<AuditRecord>, StoreError> {
+        let after = audit_key(after);
+        Ok(self
+            .scan(AUDIT_PREFIX, Some(&after), limit.min(SCAN_RECORDS_MAX))?
+            .into_iter()
+            .map(|(_, record)| record)
+            .collect())
+    }
+
+    /// Commits `batch` atomically and durably; its audit records get their
+    /// sequence numbers here, in commit order. The oldest audit records past
+    /// [`AUDIT_RECORDS_MAX`] go in the same batch.
+    pub fn commit(&self, batch: Batch) -> Result<(), StoreError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let mut cursor = self.audit.lock().unwrap_or_else(|p| p.into_inner());
+        let Batch { mut writes, audit } = batch;
+        let mut next = cursor.next;
+        for mut record in audit {
+            record.seq = next;
+            writes.push(Write::Put {
+                key: audit_key(next),
+                value: encode(&record),
+            });
+            next += 1;
+        }
+        let mut oldest = cursor.oldest;
+        while next - oldest > AUDIT_RECORDS_MAX {
+            writes.push(Write::Delete {
+                key: audit_key(oldest),
+            });
+            oldest += 1;
+        }
+        self.storage.commit(writes)?;
+        cursor.next = next;
+        cursor.oldest = oldest;
+        Ok(())
+    }
+}
+
+fn u64_suffix(key: &[u8]) -> Result<u64, StoreError> {
+    let tail: [u8; 8] = key
+        .len()
+        .checked_sub(8)
+        .and_then(|at| key[at..].try_into().ok())
+        .ok_or_else(|| StoreError::Corrupt {
+            key: printable(key),
+            cause: "the key does not end in a 64-bit number".into(),
+        })?;
+    Ok(u64::from_be_bytes(tail))
+}
+
+fn seq_of(key: &[u8]) -> Result<u64, StoreError> {
+    u64_suffix(key)
+}
+
+#[cfg(test)]
+mod tests;

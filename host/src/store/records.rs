@@ -1,0 +1,153 @@
+//! What the store keeps: one struct per record kind, each written inside a
+//! [`Versioned`] envelope. A change to any of these shapes bumps
+//! [`FORMAT_VERSION`] (and needs a migration); nothing reads a record of a
+//! version it does not know.
+//!
+//! No record holds a secret (keys are SHA-256 digests) or any prompt or
+//! completion text.
+
+use crate::tenancy::Quota;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The format of every record this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// The envelope of every stored value.
+#[derive(Serialize, Deserialize)]
+pub struct Versioned<T> {
+    /// The record's format version.
+    pub v: u32,
+    /// The record.
+    pub record: T,
+}
+
+/// The store's own record: written once, when the store is first seeded.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Meta {
+    /// When the store was seeded, Unix milliseconds.
+    pub created_ms: u64,
+    /// The policy file that seeded it.
+    pub seeded_from: String,
+}
+
+/// A tenant.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantRecord {
+    /// Its id: handed out once, never reused for another tenant.
+    pub id: u32,
+    /// Its name (unique among live tenants; a deleted tenant's name may be
+    /// taken again, by a tenant with a new id).
+    pub name: String,
+    /// Its limits.
+    pub quota: Quota,
+    /// Created, Unix milliseconds.
+    pub created_ms: u64,
+    /// Last changed, Unix milliseconds.
+    pub updated_ms: u64,
+}
+
+/// Where a key came from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum KeySource {
+    /// Issued through the admin API or the tenant's self-service.
+    Issued,
+    /// The policy's `keys_sha256`, when the store was seeded.
+    Policy,
+    /// The environment variable the policy names in `key_env`.
+    Env {
+        /// The variable.
+        var: String,
+    },
+    /// Generated at first start for a tenant without any key.
+    Generated,
+}
+
+/// An API key: its digest, never the secret.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyRecord {
+    /// Its id (random, `key_…`): what the key routes name.
+    pub id: String,
+    /// Its tenant.
+    pub tenant: u32,
+    /// SHA-256 of the secret, hex.
+    pub sha256: String,
+    /// The secret's first characters, to tell keys apart (never enough to use).
+    pub prefix: String,
+    /// Where it came from.
+    pub source: KeySource,
+    /// Created, Unix milliseconds.
+    pub created_ms: u64,
+    /// Revoked, Unix milliseconds; a revoked key never authenticates again.
+    pub revoked_ms: Option<u64>,
+}
+
+/// A plugin's metadata (its bytes are stored under their digest).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginRecord {
+    /// Its tenant.
+    pub tenant: u32,
+    /// Its name, unique per tenant.
+    pub name: String,
+    /// Uploads so far under this name (1 for the first).
+    pub version: u32,
+    /// SHA-256 of the component, hex.
+    pub sha256: String,
+    /// The component's size.
+    pub size_bytes: u64,
+    /// Whether it runs in the tenant's policy chain.
+    pub enabled: bool,
+    /// Last uploaded, Unix milliseconds.
+    pub uploaded_ms: u64,
+}
+
+/// One minute of a tenant's usage.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UsageRecord {
+    /// Requests that finished (any reason).
+    pub requests: u64,
+    /// Their prompt tokens.
+    pub prompt_tokens: u64,
+    /// Their generated tokens.
+    pub completion_tokens: u64,
+    /// Requests by finish reason, or by the error code that refused them.
+    pub outcomes: BTreeMap<String, u64>,
+}
+
+impl UsageRecord {
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &UsageRecord) {
+        self.requests += other.requests;
+        self.prompt_tokens += other.prompt_tokens;
+        self.completion_tokens += other.completion_tokens;
+        for (outcome, count) in &other.outcomes {
+            *self.outcomes.entry(outcome.clone()).or_default() += count;
+        }
+    }
+}
+
+/// One audited event: an admin action, a self-service action or a refused
+/// request. Ids, codes and sizes only — never request text, never a secret.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AuditRecord {
+    /// Its place in the log (set at commit).
+    pub seq: u64,
+    /// When, Unix milliseconds.
+    pub at_ms: u64,
+    /// Who: `admin`, or `tenant:<name>` for self-service, or `system`.
+    pub actor: String,
+    /// What: `tenant.create`, `key.revoke`, `request.rejected`, ...
+    pub action: String,
+    /// On what: a tenant name, a key id, a request id.
+    pub target: String,
+    /// Content-free details: codes, counts, sizes.
+    #[schema(value_type = Object)]
+    pub detail: BTreeMap<String, serde_json::Value>,
+}

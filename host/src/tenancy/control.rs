@@ -1,0 +1,990 @@
+//! The control plane's writes: tenants, keys, quotas and plugins change here
+//! and nowhere else, while the server runs.
+//!
+//! Every change holds one lock (one write at a time) and runs in this order:
+//!
+//! 1. **Validate** names, numbers and existence (400, 404, 409) before anything else.
+//! 2. **Contract**: the tenant set the change would make is checked against the
+//!    capacity contract (I2) and the pool's reservations (I8); a violation is a
+//!    409 with the table of limits, and nothing is written anywhere.
+//! 3. **Engine**: tenant and quota changes are applied between two steps. The
+//!    pool may refuse a partition it cannot grant right now (other tenants'
+//!    bursts hold the pages a larger reservation needs): 409, nothing written.
+//! 4. **Store**: the records and the audit record commit together and are
+//!    flushed to disk; only then does the caller get its 2xx. If the commit
+//!    fails, the engine change is undone.
+//! 5. **Registry**: the new directory is published; the next request sees it.
+//!
+//! A crash between 3 and 4 loses an engine change that was never acknowledged:
+//! the next start builds the engine from the store, so the two agree again.
+//! Deleting a tenant unpublishes it first (its keys stop working at once), then
+//! ends its requests in the engine (`tenant_removed`), then commits.
+
+use super::{
+    hex, key_digest, valid_name, Directory, Quota, Registry, Tenant, TenantId, KEY_BYTES_MAX,
+};
+use crate::config::{Capacity, CapacityViolation, Config};
+use crate::engine::scheduler::TenantLimits;
+use crate::engine::service::{ChangeError, EngineHandle, TenantChange};
+use crate::store::records::{
+    AuditRecord, KeyRecord, KeySource, PluginRecord, TenantRecord, UsageRecord,
+};
+use crate::store::usage::{minute_of, UsageBook};
+use crate::store::{Batch, Store, StoreError};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Most tenants a deployment may have.
+pub const TENANTS_MAX: usize = crate::config::TENANTS_MAX;
+/// Most live keys per tenant.
+pub const KEYS_PER_TENANT_MAX: usize = 32;
+/// Most plugins per tenant.
+pub const PLUGINS_PER_TENANT_MAX: usize = 16;
+/// Largest plugin component, in bytes.
+pub const PLUGIN_BYTES_MAX: usize = 16 << 20;
+/// Longest plugin name.
+pub const PLUGIN_NAME_BYTES_MAX: usize = 64;
+/// Widest usage window one query may ask for: 31 days of minutes.
+pub const USAGE_MINUTES_MAX: u64 = 31 * 24 * 60;
+/// Random bytes in a generated key (hex-encoded: twice as many characters).
+pub const SECRET_BYTES: usize = 24;
+/// Characters of a key shown to tell keys apart.
+pub const KEY_PREFIX_CHARS: usize = 12;
+
+/// Why a change was refused or failed. Nothing was written.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// No such object (for a tenant's own routes, also: another tenant's).
+    #[error("{what} {name:?} does not exist")]
+    NotFound {
+        /// "tenant", "key", "plugin".
+        what: &'static str,
+        /// What was asked for.
+        name: String,
+    },
+    /// The name is taken.
+    #[error("{what} {name:?} exists already")]
+    Exists {
+        /// "tenant", "plugin".
+        what: &'static str,
+        /// The name.
+        name: String,
+    },
+    /// A value outside its bounds.
+    #[error("{field}: {reason}")]
+    Invalid {
+        /// The field.
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The change would break the capacity contract (I2, I8).
+    #[error(transparent)]
+    Capacity(#[from] CapacityViolation),
+    /// The KV pool cannot apply the change now.
+    #[error("the KV pool cannot apply this now: {0}")]
+    Pool(String),
+    /// A count limit.
+    #[error("at most {max} {what}")]
+    TooMany {
+        /// What is counted.
+        what: &'static str,
+        /// The limit.
+        max: usize,
+    },
+    /// The store failed (the cause is logged; the client sees a 500).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The engine is not running.
+    #[error("the engine is not running")]
+    Engine,
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ControlError {
+    ControlError::Invalid {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// A tenant as a caller names it: the admin by name, a tenant itself by id
+/// (its key authenticated an id; a name may belong to a newer tenant by now).
+#[derive(Clone, Copy, Debug)]
+pub enum TenantRef<'a> {
+    /// By name.
+    Name(&'a str),
+    /// By id.
+    Id(TenantId),
+}
+
+impl TenantRef<'_> {
+    fn matches(&self, tenant: &TenantRecord) -> bool {
+        match self {
+            TenantRef::Name(name) => tenant.name == *name,
+            TenantRef::Id(id) => tenant.id == id.0,
+        }
+    }
+
+    fn not_found(&self) -> ControlError {
+        ControlError::NotFound {
+            what: "tenant",
+            name: match self {
+                TenantRef::Name(name) => (*name).to_string(),
+                TenantRef::Id(id) => format!("#{}", id.0),
+            },
+        }
+    }
+}
+
+/// Who asks for a change (the audit log's `actor`).
+#[derive(Clone, Debug)]
+pub enum Actor {
+    /// The operator, with the admin token.
+    Admin,
+    /// A tenant, with its own key, on its own objects.
+    Tenant(String),
+    /// The server itself (start-up).
+    System,
+}
+
+impl Actor {
+    fn label(&self) -> String {
+        match self {
+            Actor::Admin => "admin".into(),
+            Actor::Tenant(name) => format!("tenant:{name}"),
+            Actor::System => "system".into(),
+        }
+    }
+}
+
+/// A tenant as the admin API shows it.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct TenantView {
+    /// Its id (never reused).
+    pub id: u32,
+    /// Its name.
+    pub name: String,
+    /// Its limits.
+    pub quota: Quota,
+    /// Created, Unix milliseconds.
+    pub created_ms: u64,
+    /// Last changed, Unix milliseconds.
+    pub updated_ms: u64,
+}
+
+impl From<&TenantRecord> for TenantView {
+    fn from(t: &TenantRecord) -> TenantView {
+        TenantView {
+            id: t.id,
+            name: t.name.clone(),
+            quota: t.quota,
+            created_ms: t.created_ms,
+            updated_ms: t.updated_ms,
+        }
+    }
+}
+
+/// A change to some of a tenant's limits; absent fields keep their value.
+#[derive(Clone, Copy, Debug, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaPatch {
+    /// Share of the engine under contention (1..=1000).
+    pub weight: Option<u32>,
+    /// KV pages only this tenant may use.
+    pub pages_reserved: Option<u32>,
+    /// The most KV pages it may hold.
+    pub pages_max: Option<u32>,
+    /// Most requests waiting for pages.
+    pub queue_depth_max: Option<u32>,
+    /// Most sequences running at once.
+    pub running_max: Option<u32>,
+    /// Most requests before admission at once.
+    pub pending_max: Option<u32>,
+}
+
+impl QuotaPatch {
+    fn apply(&self, q: Quota) -> Quota {
+        Quota {
+            weight: self.weight.unwrap_or(q.weight),
+            pages_reserved: self.pages_reserved.unwrap_or(q.pages_reserved),
+            pages_max: self.pages_max.unwrap_or(q.pages_max),
+            queue_depth_max: self.queue_depth_max.unwrap_or(q.queue_depth_max),
+            running_max: self.running_max.unwrap_or(q.running_max),
+            pending_max: self.pending_max.unwrap_or(q.pending_max),
+        }
+    }
+}
+
+/// An API key as the API shows it: never the secret, never its digest.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct KeyView {
+    /// Its id (what the revoke route names).
+    pub id: String,
+    /// The secret's first characters, to tell keys apart.
+    pub prefix: String,
+    /// Where it came from: `issued`, `policy`, `env`, `generated`.
+    pub source: String,
+    /// Created, Unix milliseconds.
+    pub created_ms: u64,
+    /// Revoked, Unix milliseconds (absent while it works).
+    pub revoked_ms: Option<u64>,
+}
+
+impl From<&KeyRecord> for KeyView {
+    fn from(k: &KeyRecord) -> KeyView {
+        let source = match &k.source {
+            KeySource::Issued => "issued",
+            KeySource::Policy => "policy",
+            KeySource::Env { .. } => "env",
+            KeySource::Generated => "generated",
+        };
+        KeyView {
+            id: k.id.clone(),
+            prefix: k.prefix.clone(),
+            source: source.into(),
+            created_ms: k.created_ms,
+            revoked_ms: k.revoked_ms,
+        }
+    }
+}
+
+/// A key just issued: the only time its secret is shown.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct IssuedKey {
+    /// The key.
+    pub key: KeyView,
+    /// The secret to send as `Authorization: Bearer ...`. Shown once; only its
+    /// SHA-256 is kept.
+    pub secret: String,
+}
+
+/// A plugin's metadata.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct PluginView {
+    /// Its name.
+    pub name: String,
+    /// Uploads so far under this name.
+    pub version: u32,
+    /// SHA-256 of the component, hex.
+    pub sha256: String,
+    /// The component's size.
+    pub size_bytes: u64,
+    /// Whether it runs in the tenant's policy chain.
+    pub enabled: bool,
+    /// Last uploaded, Unix milliseconds.
+    pub uploaded_ms: u64,
+}
+
+impl From<&PluginRecord> for PluginView {
+    fn from(p: &PluginRecord) -> PluginView {
+        PluginView {
+            name: p.name.clone(),
+            version: p.version,
+            sha256: p.sha256.clone(),
+            size_bytes: p.size_bytes,
+            enabled: p.enabled,
+            uploaded_ms: p.uploaded_ms,
+        }
+    }
+}
+
+/// A tenant's usage over a window.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct UsageView {
+    /// The tenant's id.
+    pub tenant_id: u32,
+    /// The window's start (inclusive), Unix milliseconds, on a minute.
+    pub from_ms: u64,
+    /// The window's end (exclusive), Unix milliseconds, on a minute.
+    pub to_ms: u64,
+    /// The whole window's counts.
+    pub total: UsageCounts,
+    /// Minute by minute (minutes without requests are left out).
+    pub minutes: Vec<UsageMinute>,
+}
+
+/// Request and token counts.
+#[derive(Clone, Debug, Default, Serialize, utoipa::ToSchema)]
+pub struct UsageCounts {
+    /// Requests that ended (served or refused).
+    pub requests: u64,
+    /// Their prompt tokens.
+    pub prompt_tokens: u64,
+    /// Their generated tokens.
+    pub completion_tokens: u64,
+    /// Requests by finish reason or refusal code.
+    pub outcomes: BTreeMap<String, u64>,
+}
+
+impl From<&UsageRecord> for UsageCounts {
+    fn from(u: &UsageRecord) -> UsageCounts {
+        UsageCounts {
+            requests: u.requests,
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            outcomes: u.outcomes.clone(),
+        }
+    }
+}
+
+/// One minute of usage.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct UsageMinute {
+    /// The minute's start, Unix milliseconds.
+    pub at_ms: u64,
+    /// Its counts.
+    #[serde(flatten)]
+    pub counts: UsageCounts,
+}
+
+/// The current time, Unix milliseconds.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A random hex string of `bytes` random bytes.
+pub fn random_hex(bytes: usize) -> Result<String, StoreError> {
+    let mut buf = vec![0u8; bytes];
+    getrandom::fill(&mut buf).map_err(|e| StoreError::Io(format!("randomness: {e}")))?;
+    Ok(hex(&buf))
+}
+
+/// A new key for `tenant`: its record (digest only) and its secret.
+pub fn new_key(
+    tenant: &TenantRecord,
+    source: KeySource,
+) -> Result<(KeyRecord, String), StoreError> {
+    let secret = format!("bk-{}-{}", tenant.name, random_hex(SECRET_BYTES)?);
+    let record = key_record(tenant.id, &secret, source)?;
+    Ok((record, secret))
+}
+
+/// The record of `secret`, a key of tenant `tenant`.
+pub fn key_record(tenant: u32, secret: &str, source: KeySource) -> Result<KeyRecord, StoreError> {
+    Ok(KeyRecord {
+        id: format!("key_{}", random_hex(8)?),
+        tenant,
+        sha256: hex(&key_digest(secret)),
+        prefix: secret.chars().take(KEY_PREFIX_CHARS).collect(),
+        source,
+        created_ms: now_ms(),
+        revoked_ms: None,
+    })
+}
+
+/// An audit record of `actor` doing `action` on `target`.
+pub fn audit(actor: &Actor, action: &str, target: &str) -> AuditRecord {
+    AuditRecord {
+        seq: 0,
+        at_ms: now_ms(),
+        actor: actor.label(),
+        action: action.into(),
+        target: target.into(),
+        detail: BTreeMap::new(),
+    }
+}
+
+fn with_detail(
+    mut record: AuditRecord,
+    detail: impl IntoIterator<Item = (&'static str, serde_json::Value)>,
+) -> AuditRecord {
+    record
+        .detail
+        .extend(detail.into_iter().map(|(k, v)| (k.to_string(), v)));
+    record
+}
+
+/// The engine's view of a tenant record.
+pub fn limits_of(tenant: &TenantRecord) -> TenantLimits {
+    TenantLimits {
+        id: TenantId(tenant.id),
+        name: tenant.name.clone(),
+        weight: tenant.quota.weight,
+        queue_depth_max: tenant.quota.queue_depth_max,
+        running_max: tenant.quota.running_max,
+        pages_reserved: tenant.quota.pages_reserved,
+        pages_max: tenant.quota.pages_max,
+    }
+}
+
+/// The control plane: the store, the registry it feeds, and the engine it
+/// keeps in step.
+pub struct Control {
+    store: Arc<Store>,
+    registry: Arc<Registry>,
+    engine: EngineHandle,
+    usage: Arc<UsageBook>,
+    config: Arc<Config>,
+    model_context_tokens: u64,
+    writes: tokio::sync::Mutex<()>,
+}
+
+/// Runs `f` on the current thread, telling the runtime it blocks (store
+/// commits wait for an fsync).
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
+impl Control {
+    /// The control plane over an opened, prepared store and a running engine
+    /// built from it.
+    pub fn new(
+        store: Arc<Store>,
+        registry: Arc<Registry>,
+        engine: EngineHandle,
+        usage: Arc<UsageBook>,
+        config: Arc<Config>,
+        model_context_tokens: u64,
+    ) -> Control {
+        Control {
+            store,
+            registry,
+            engine,
+            usage,
+            config,
+            model_context_tokens,
+            writes: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// The registry requests authenticate against.
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
+    /// The usage counters requests add to.
+    pub fn usage_book(&self) -> &Arc<UsageBook> {
+        &self.usage
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// The capacity contract with `tenants`.
+    fn capacity_of(&self, tenants: &[TenantRecord]) -> Capacity {
+        let set: Vec<(String, Quota)> = tenants.iter().map(|t| (t.name.clone(), t.quota)).collect();
+        Capacity::with_tenants(&self.config, self.model_context_tokens, &set)
+    }
+
+    /// The contract of the live tenant set.
+    pub fn capacity(&self) -> Result<Capacity, ControlError> {
+        let tenants = blocking(|| self.store.tenants())?;
+        Ok(self.capacity_of(&tenants))
+    }
+
+    /// Publishes the store's tenants and keys.
+    fn publish(&self) -> Result<(), ControlError> {
+        let (tenants, keys) =
+            blocking(|| Ok::<_, StoreError>((self.store.tenants()?, self.store.keys()?)))?;
+        let previous = self.registry.snapshot();
+        self.registry
+            .replace(Directory::build(&tenants, &keys, Some(&previous)));
+        Ok(())
+    }
+
+    fn tenant_record(&self, tenant: TenantRef<'_>) -> Result<TenantRecord, ControlError> {
+        let tenants = blocking(|| self.store.tenants())?;
+        tenants
+            .into_iter()
+            .find(|t| tenant.matches(t))
+            .ok_or_else(|| tenant.not_found())
+    }
+
+    async fn engine(&self, change: TenantChange) -> Result<u32, ControlError> {
+        self.engine
+            .change_tenant(change)
+            .await
+            .map_err(|e| match e {
+                ChangeError::Refused(refused) => ControlError::Pool(refused.to_string()),
+                ChangeError::Unavailable => ControlError::Engine,
+            })
+    }
+
+    /// Commits `batch`; on failure, undoes `undo` in the engine first.
+    async fn commit_or_undo(
+        &self,
+        batch: Batch,
+        undo: Option<TenantChange>,
+    ) -> Result<(), ControlError> {
+        match blocking(|| self.store.commit(batch)) {
+            Ok(()) => Ok(()),
+            Err(error) => {
+                if let Some(undo) = undo {
+                    if let Err(e) = self.engine.change_tenant(undo).await {
+                        tracing::error!(error = %e, "undoing an engine change after a failed commit");
+                    }
+                }
+                Err(error.into())
+            }
+        }
+    }
+
+    /// Every tenant, in id order.
+    pub fn tenants(&self) -> Result<Vec<TenantView>, ControlError> {
+        Ok(blocking(|| self.store.tenants())?
+            .iter()
+            .map(TenantView::from)
+            .collect())
+    }
+
+    /// One tenant.
+    pub fn tenant(&self, tenant: TenantRef<'_>) -> Result<TenantView, ControlError> {
+        Ok(TenantView::from(&self.tenant_record(tenant)?))
+    }
+
+    /// Creates a tenant with `quota` (no key yet: issue one next).
+    pub async fn create_tenant(
+        &self,
+        actor: &Actor,
+        name: &str,
+        quota: Quota,
+    ) -> Result<TenantView, ControlError> {
+        let _write = self.writes.lock().await;
+        if !valid_name(name) {
+            return Err(invalid(
+                "name",
+                "1-64 of [A-Za-z0-9_-], starting with a letter",
+            ));
+        }
+        quota.validate().map_err(|e| invalid(e.field, e.reason))?;
+        let mut tenants = blocking(|| self.store.tenants())?;
+        if tenants.iter().any(|t| t.name == name) {
+            return Err(ControlError::Exists {
+                what: "tenant",
+                name: name.into(),
+            });
+        }
+        if tenants.len() >= TENANTS_MAX {
+            return Err(ControlError::TooMany {
+                what: "tenants",
+                max: TENANTS_MAX,
+            });
+        }
+        let id = blocking(|| self.store.tenant_id_next())?;
+        let now = now_ms();
+        let record = TenantRecord {
+            id,
+            name: name.into(),
+            quota,
+            created_ms: now,
+            updated_ms: now,
+        };
+        tenants.push(record.clone());
+        self.capacity_of(&tenants).check()?;
+        self.engine(TenantChange::Add(limits_of(&record))).await?;
+        let mut batch = Batch::default();
+        batch
+            .put_tenant(&record)
+            .put_tenant_id_next(id + 1)
+            .audit(with_detail(
+                audit(actor, "tenant.create", name),
+                [("tenant_id", id.into()), ("quota", quota_json(&quota))],
+            ));
+        self.commit_or_undo(batch, Some(TenantChange::Remove(TenantId(id))))
+            .await?;
+        self.publish()?;
+        Ok(TenantView::from(&record))
+    }
+
+    /// Changes some of a tenant's limits; the next admission follows them.
+    pub async fn update_tenant(
+        &self,
+        actor: &Actor,
+        tenant: TenantRef<'_>,
+        patch: QuotaPatch,
+    ) -> Result<TenantView, ControlError> {
+        let _write = self.writes.lock().await;
+        let mut tenants = blocking(|| self.store.tenants())?;
+        let at = tenants
+            .iter()
+            .position(|t| tenant.matches(t))
+            .ok_or_else(|| tenant.not_found())?;
+        let old = tenants[at].clone();
+        let name = old.name.clone();
+        let quota = patch.apply(old.quota);
+        quota.validate().map_err(|e| invalid(e.field, e.reason))?;
+        tenants[at].quota = quota;
+        tenants[at].updated_ms = now_ms();
+        let record = tenants[at].clone();
+        self.capacity_of(&tenants).check()?;
+        self.engine(TenantChange::Update(limits_of(&record)))
+            .await?;
+        let mut batch = Batch::default();
+        batch.put_tenant(&record).audit(with_detail(
+            audit(actor, "tenant.update", &name),
+            [
+                ("tenant_id", record.id.into()),
+                ("before", quota_json(&old.quota)),
+                ("after", quota_json(&quota)),
+            ],
+        ));
+        self.commit_or_undo(batch, Some(TenantChange::Update(limits_of(&old))))
+            .await?;
+        self.publish()?;
+        Ok(TenantView::from(&record))
+    }
+
+    /// Deletes a tenant: its keys stop working at once, its queued and
+    /// running requests end with `tenant_removed`, its pages are scrubbed and
+    /// its partition freed, then its records go. Returns the requests ended.
+    pub async fn delete_tenant(
+        &self,
+        actor: &Actor,
+        tenant: TenantRef<'_>,
+    ) -> Result<u32, ControlError> {
+        let _write = self.writes.lock().await;
+        let record = self.tenant_record(tenant)?;
+        let name = record.name.as_str();
+        let (keys, plugins) =
+            blocking(|| Ok::<_, StoreError>((self.store.keys()?, self.store.plugins(record.id)?)))?;
+        // Unpublish first: no new request of this tenant gets past authentication.
+        let before = self.registry.snapshot();
+        let remaining: Vec<TenantRecord> = blocking(|| self.store.tenants())?
+            .into_iter()
+            .filter(|t| t.id != record.id)
+            .collect();
+        self.registry
+            .replace(Directory::build(&remaining, &keys, Some(&before)));
+        let ended = match self.engine(TenantChange::Remove(TenantId(record.id))).await {
+            Ok(ended) => ended,
+            Err(error) => {
+                self.publish()?;
+                return Err(error);
+            }
+        };
+        let mut batch = Batch::default();
+        batch.delete_tenant(&record);
+        for key in keys.iter().filter(|k| k.tenant == record.id) {
+            batch.delete_key(&key.id);
+        }
+        for plugin in &plugins {
+            batch.delete_plugin(record.id, &plugin.name);
+            batch.delete_plugin_wasm(&plugin.sha256);
+        }
+        batch.audit(with_detail(
+            audit(actor, "tenant.delete", name),
+            [
+                ("tenant_id", record.id.into()),
+                ("requests_ended", ended.into()),
+            ],
+        ));
+        let committed = self
+            .commit_or_undo(batch, Some(TenantChange::Add(limits_of(&record))))
+            .await;
+        self.publish()?;
+        committed?;
+        Ok(ended)
+    }
+
+    /// A tenant's keys (revoked ones too), never their secrets.
+    pub fn keys(&self, tenant: TenantRef<'_>) -> Result<Vec<KeyView>, ControlError> {
+        let record = self.tenant_record(tenant)?;
+        Ok(blocking(|| self.store.keys())?
+            .iter()
+            .filter(|k| k.tenant == record.id)
+            .map(KeyView::from)
+            .collect())
+    }
+
+    /// Issues a new key for `tenant`; it works from the next request on.
+    pub async fn issue_key(
+        &self,
+        actor: &Actor,
+        tenant: TenantRef<'_>,
+    ) -> Result<IssuedKey, ControlError> {
+        let _write = self.writes.lock().await;
+        let record = self.tenant_record(tenant)?;
+        let keys = blocking(|| self.store.keys())?;
+        let live = keys
+            .iter()
+            .filter(|k| k.tenant == record.id && k.revoked_ms.is_none())
+            .count();
+        if live >= KEYS_PER_TENANT_MAX {
+            return Err(ControlError::TooMany {
+                what: "live keys per tenant",
+                max: KEYS_PER_TENANT_MAX,
+            });
+        }
+        let (key, secret) = new_key(&record, KeySource::Issued)?;
+        debug_assert!(secret.len() <= KEY_BYTES_MAX);
+        let mut batch = Batch::default();
+        batch.put_key(&key).audit(with_detail(
+            audit(actor, "key.issue", &record.name),
+            [("key_id", key.id.clone().into())],
+        ));
+        self.commit_or_undo(batch, None).await?;
+        self.publish()?;
+        Ok(IssuedKey {
+            key: KeyView::from(&key),
+            secret,
+        })
+    }
+
+    /// Revokes one of `tenant`'s keys; it fails from the next request on. A
+    /// key of another tenant is "not found", exactly like one that never was.
+    pub async fn revoke_key(
+        &self,
+        actor: &Actor,
+        tenant: TenantRef<'_>,
+        key_id: &str,
+    ) -> Result<KeyView, ControlError> {
+        let _write = self.writes.lock().await;
+        let record = self.tenant_record(tenant)?;
+        let mut key = blocking(|| self.store.keys())?
+            .into_iter()
+            .find(|k| k.id == key_id && k.tenant == record.id)
+            .ok_or_else(|| ControlError::NotFound {
+                what: "key",
+                name: key_id.into(),
+            })?;
+        if key.revoked_ms.is_none() {
+            key.revoked_ms = Some(now_ms());
+            let mut batch = Batch::default();
+            batch.put_key(&key).audit(with_detail(
+                audit(actor, "key.revoke", &record.name),
+                [("key_id", key.id.clone().into())],
+            ));
+            self.commit_or_undo(batch, None).await?;
+            self.publish()?;
+        }
+        Ok(KeyView::from(&key))
+    }
+
+    /// A tenant's plugins.
+    pub fn plugins(&self, tenant: TenantRef<'_>) -> Result<Vec<PluginView>, ControlError> {
+        let record = self.tenant_record(tenant)?;
+        Ok(blocking(|| self.store.plugins(record.id))?
+            .iter()
+            .map(PluginView::from)
+            .collect())
+    }
+
+    /// One plugin of a tenant.
+    pub fn plugin(&self, tenant: TenantRef<'_>, name: &str) -> Result<PluginView, ControlError> {
+        self.plugins(tenant)?
+            .into_iter()
+            .find(|p| p.name == name)
+            .ok_or_else(|| ControlError::NotFound {
+                what: "plugin",
+                name: name.into(),
+            })
+    }
+
+    /// Stores a plugin component for `tenant` under `name` (a new version when
+    /// the name exists). Checks here: the name, the size, and that the bytes
+    /// are a WebAssembly component rather than a core module; compiling and
+    /// checking its world come with the plugin runtime.
+    pub async fn upload_plugin(
+        &self,
+        actor: &Actor,
+        tenant: TenantRef<'_>,
+        name: &str,
+        bytes: &[u8],
+    ) -> Result<PluginView, ControlError> {
+        let _write = self.writes.lock().await;
+        if !valid_name(name) || name.len() > PLUGIN_NAME_BYTES_MAX {
+            return Err(invalid(
+                "name",
+                "1-64 of [A-Za-z0-9_-], starting with a letter",
+            ));
+        }
+        check_component(bytes)?;
+        let record = self.tenant_record(tenant)?;
+        let existing = blocking(|| self.store.plugins(record.id))?;
+        let previous = existing.iter().find(|p| p.name == name);
+        if previous.is_none() && existing.len() >= PLUGINS_PER_TENANT_MAX {
+            return Err(ControlError::TooMany {
+                what: "plugins per tenant",
+                max: PLUGINS_PER_TENANT_MAX,
+            });
+        }
+        let sha256 = hex(&Sha256::digest(bytes));
+        let plugin = PluginRecord {
+            tenant: record.id,
+            name: name.into(),
+            version: previous.map_or(1, |p| p.version + 1),
+            sha256: sha256.clone(),
+            size_bytes: bytes.len() as u64,
+            enabled: previous.is_none_or(|p| p.enabled),
+            uploaded_ms: now_ms(),
+        };
+        let mut batch = Batch::default();
+        batch.put_plugin_wasm(&sha256, bytes).put_plugin(&plugin);
+        if let Some(old) = previous.filter(|p| p.sha256 != sha256) {
+            batch.delete_plugin_wasm(&old.sha256);
+        }
+        batch.audit(with_detail(
+            audit(actor, "plugin.upload", &record.name),
+            [
+                ("plugin", name.into()),
+                ("version", plugin.version.into()),
+                ("size_bytes", plugin.size_bytes.into()),
+                ("sha256", sha256.into()),
+            ],
+        ));
+        self.commit_or_undo(batch, None).await?;
+        Ok(PluginView::from(&plugin))
+    }
+
+    /// Enables or disables a plugin; the next request follows.
+    pub async fn set_plugin_enabled(
+        &self,
+        actor: &Actor,
+        tenant: TenantRef<'_>,
+        name: &str,
+        enabled: bool,
+    ) -> Result<PluginView, ControlError> {
+        let _write = self.writes.lock().await;
+        let (owner, mut plugin) = self.plugin_record(tenant, name)?;
+        plugin.enabled = enabled;
+        let action = if enabled {
+            "plugin.enable"
+        } else {
+            "plugin.disable"
+        };
+        let mut batch = Batch::default();
+        batch.put_plugin(&plugin).audit(with_detail(
+            audit(actor, action, &owner),
+            [("plugin", name.into())],
+        ));
+        self.commit_or_undo(batch, None).await?;
+        Ok(PluginView::from(&plugin))
+    }
+
+    /// Deletes a plugin and its bytes.
+    pub async fn delete_plugin(
+        &self,
+        actor: &Actor,
+        tenant: TenantRef<'_>,
+        name: &str,
+    ) -> Result<(), ControlError> {
+        let _write = self.writes.lock().await;
+        let (owner, plugin) = self.plugin_record(tenant, name)?;
+        let mut batch = Batch::default();
+        batch
+            .delete_plugin(plugin.tenant, name)
+            .delete_plugin_wasm(&plugin.sha256)
+            .audit(with_detail(
+                audit(actor, "plugin.delete", &owner),
+                [("plugin", name.into())],
+            ));
+        self.commit_or_undo(batch, None).await
+    }
+
+    /// The tenant's name and its plugin `name`.
+    fn plugin_record(
+        &self,
+        tenant: TenantRef<'_>,
+        name: &str,
+    ) -> Result<(String, PluginRecord), ControlError> {
+        let record = self.tenant_record(tenant)?;
+        let plugin = blocking(|| self.store.plugins(record.id))?
+            .into_iter()
+            .find(|p| p.name == name)
+            .ok_or_else(|| ControlError::NotFound {
+                what: "plugin",
+                name: name.into(),
+            })?;
+        Ok((record.name, plugin))
+    }
+
+    /// A live tenant's usage over `[from_ms, to_ms)` (rounded down to minutes).
+    pub fn usage(
+        &self,
+        tenant: TenantRef<'_>,
+        from_ms: u64,
+        to_ms: u64,
+    ) -> Result<UsageView, ControlError> {
+        let record = self.tenant_record(tenant)?;
+        self.usage_of(record.id, from_ms, to_ms)
+    }
+
+    /// Usage by tenant id: also for a deleted tenant (ids are never reused).
+    pub fn usage_of(
+        &self,
+        tenant_id: u32,
+        from_ms: u64,
+        to_ms: u64,
+    ) -> Result<UsageView, ControlError> {
+        let (from, to) = (minute_of(from_ms), minute_of(to_ms));
+        if to <= from {
+            return Err(invalid("to_ms", "must be at least a minute after from_ms"));
+        }
+        if to - from > USAGE_MINUTES_MAX {
+            return Err(invalid(
+                "to_ms",
+                format!("a window is at most {USAGE_MINUTES_MAX} minutes"),
+            ));
+        }
+        let minutes = blocking(|| self.store.usage(tenant_id, from, to))?;
+        let mut total = UsageRecord::default();
+        for (_, minute) in &minutes {
+            total.add(minute);
+        }
+        Ok(UsageView {
+            tenant_id,
+            from_ms: from * 60_000,
+            to_ms: to * 60_000,
+            total: UsageCounts::from(&total),
+            minutes: minutes
+                .iter()
+                .map(|(minute, record)| UsageMinute {
+                    at_ms: minute * 60_000,
+                    counts: UsageCounts::from(record),
+                })
+                .collect(),
+        })
+    }
+
+    /// Up to `limit` audit records after sequence number `after`.
+    pub fn audit_log(&self, after: u64, limit: usize) -> Result<Vec<AuditRecord>, ControlError> {
+        Ok(blocking(|| self.store.audit(after, limit))?)
+    }
+
+    /// The tenant with this id right now, if any.
+    pub fn live(&self, id: TenantId) -> Option<Arc<Tenant>> {
+        self.registry.snapshot().tenant(id).cloned()
+    }
+}
+
+fn quota_json(quota: &Quota) -> serde_json::Value {
+    serde_json::to_value(quota).unwrap_or_default()
+}
+
+/// The first bytes of a WebAssembly component (a core module has version 1,
+/// layer 0 instead).
+const COMPONENT_PREAMBLE: [u8; 8] = [0x00, 0x61, 0x73, 0x6d, 0x0d, 0x00, 0x01, 0x00];
+
+/// Refuses what is not a component within the size limit.
+fn check_component(bytes: &[u8]) -> Result<(), ControlError> {
+    if bytes.is_empty() {
+        return Err(invalid("body", "the component is empty"));
+    }
+    if bytes.len() > PLUGIN_BYTES_MAX {
+        return Err(invalid(
+            "body",
+            format!("a component is at most {PLUGIN_BYTES_MAX} bytes"),
+        ));
+    }
+    if !bytes.starts_with(&COMPONENT_PREAMBLE[..4]) {
+        return Err(invalid("body", "not WebAssembly (no \\0asm header)"));
+    }
+    if bytes.len() < 8 || bytes[4..8] != COMPONENT_PREAMBLE[4..8] {
+        return Err(invalid(
+            "body",
+            "a core WebAssembly module, not a component (build for wasm32-wasip2)",
+        ));
+    }
+    Ok(())
+}
