@@ -6,8 +6,10 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 scripts/setup.sh
-# The official OpenAI Python client, for tests/tests/openai_client.rs.
-python3 -m pip install --quiet --disable-pip-version-check "$(grep '^openai==' scripts/requirements.txt)"
+# The official OpenAI Python client (tests/tests/openai_client.rs) and
+# jsonschema (the admin API's OpenAPI check, tests/tests/admin.rs).
+python3 -m pip install --quiet --disable-pip-version-check \
+    "$(grep '^openai==' scripts/requirements.txt)" "$(grep '^jsonschema==' scripts/requirements.txt)"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # End-to-end tests run the real binary; build it first.

@@ -7,13 +7,13 @@
 //!    Every error goes through [`ApiError`] (OpenAI's error shape); a change the
 //!    capacity contract cannot hold is a 409 that carries the table of limits.
 //! 3. **Bodies** are bounded ([`ADMIN_BODY_BYTES_MAX`] for JSON,
-//!    [`PLUGIN_BYTES_MAX`] for a component) and JSON with unknown fields is
+//!    [`PLUGIN_BYTES_MAX`] for a component) and read like inference bodies and JSON with unknown fields is
 //!    refused, so a typo is never silently a default.
 //! 4. **The OpenAPI 3.1 document** (`/admin/v1/openapi.json`) is generated from
 //!    these handlers' annotations and types ([`AdminApi`]).
 
 use super::error::{capacity_limits, ApiError, CapacityLimit, ErrorResponse};
-use super::App;
+use super::{read_body, App};
 use crate::store::records::AuditRecord;
 use crate::tenancy::control::{
     now_ms, Actor, Control, IssuedKey, KeyView, PluginView, QuotaPatch, TenantRef, TenantView,
@@ -27,18 +27,13 @@ use axum::http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 use axum::middleware::{self, Next};
 use axum::routing::{delete, get, post};
 use axum::Router;
-use bytes::Bytes;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
-use std::time::Duration;
 use utoipa::OpenApi;
 
 /// Largest JSON body an admin or self-service route reads.
 pub const ADMIN_BODY_BYTES_MAX: usize = 64 << 10;
-/// How long such a body may take to arrive.
-pub const ADMIN_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Most audit records one page returns.
 pub const AUDIT_PAGE_MAX: usize = 1000;
 /// Usage window when none is given: the last hour.
@@ -116,38 +111,12 @@ pub fn respond(app: &App, answer: Result<Response<Body>, ApiError>) -> Response<
     answer.unwrap_or_else(|error| error.into_response(app.request_id(), None))
 }
 
-/// Reads at most `limit` bytes of body within [`ADMIN_BODY_TIMEOUT`].
-pub async fn read_bounded(
-    body: Body,
-    headers: &HeaderMap,
-    limit: usize,
-) -> Result<Bytes, ApiError> {
-    let declared = super::content_length(headers);
-    if declared.is_some_and(|len| len > limit as u64) {
-        return Err(ApiError::BodyTooLarge {
-            limit: limit as u64,
-        });
-    }
-    match tokio::time::timeout(ADMIN_BODY_TIMEOUT, Limited::new(body, limit).collect()).await {
-        Err(_) => Err(ApiError::BodyTimeout {
-            secs: ADMIN_BODY_TIMEOUT.as_secs(),
-        }),
-        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            Err(ApiError::BodyTooLarge {
-                limit: limit as u64,
-            })
-        }
-        Ok(Err(_)) => Err(ApiError::BodyRead),
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
-    }
-}
-
 /// A JSON body of type `T` (unknown fields refused by `T`'s own serde rules).
 pub async fn json_body<T: DeserializeOwned>(
     body: Body,
     headers: &HeaderMap,
 ) -> Result<T, ApiError> {
-    let bytes = read_bounded(body, headers, ADMIN_BODY_BYTES_MAX).await?;
+    let bytes = read_body(body, headers, ADMIN_BODY_BYTES_MAX as u64).await?;
     serde_json::from_slice(&bytes).map_err(|e| ApiError::InvalidJson(e.to_string()))
 }
 
@@ -529,7 +498,7 @@ pub async fn upload(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response<Body>, ApiError> {
-    let bytes = read_bounded(body, headers, PLUGIN_BYTES_MAX).await?;
+    let bytes = read_body(body, headers, PLUGIN_BYTES_MAX as u64).await?;
     let view = control.upload_plugin(actor, tenant, plugin, &bytes).await?;
     Ok(reply(StatusCode::OK, &view))
 }

@@ -311,6 +311,8 @@ impl Batch {
 pub struct Store {
     storage: Box<dyn Storage>,
     path: String,
+    /// Most audit records kept ([`AUDIT_RECORDS_MAX`] unless changed).
+    audit_max: u64,
     /// Serializes commits, so audit sequence numbers follow commit order.
     audit: Mutex<AuditCursor>,
 }
@@ -342,11 +344,18 @@ impl Store {
         let store = Store {
             storage,
             path,
+            audit_max: AUDIT_RECORDS_MAX,
             audit: Mutex::new(AuditCursor { next, oldest }),
         };
         // A store of another format fails here, before anything reads it.
         store.meta()?;
         Ok(store)
+    }
+
+    /// Keeps at most `audit_max` audit records (at least one).
+    pub fn with_audit_max(mut self, audit_max: u64) -> Store {
+        self.audit_max = audit_max.max(1);
+        self
     }
 
     /// Where the store lives (for messages).
@@ -468,7 +477,7 @@ impl Store {
 
     /// Commits `batch` atomically and durably; its audit records get their
     /// sequence numbers here, in commit order. The oldest audit records past
-    /// [`AUDIT_RECORDS_MAX`] go in the same batch.
+    /// the cap ([`AUDIT_RECORDS_MAX`]) go in the same batch.
     pub fn commit(&self, batch: Batch) -> Result<(), StoreError> {
         if batch.is_empty() {
             return Ok(());
@@ -485,7 +494,7 @@ impl Store {
             next += 1;
         }
         let mut oldest = cursor.oldest;
-        while next - oldest > AUDIT_RECORDS_MAX {
+        while next - oldest > self.audit_max {
             writes.push(Write::Delete {
                 key: audit_key(oldest),
             });

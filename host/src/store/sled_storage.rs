@@ -1,6 +1,14 @@
 //! [`Storage`] on sled 0.34: one tree, atomic batches, `flush` before a commit
 //! returns (sled writes are durable only after a flush).
 //!
+//! Damaged files must not pass for an empty or older store: sled recovers its
+//! log up to the first record that fails its checksum and drops the rest, so a
+//! damaged store could open "fine" with its latest records gone — revoked keys
+//! working again, deleted tenants back. Every commit therefore also counts
+//! itself inside the batch (`storage/commits`) and, once flushed, in a file
+//! beside the database ([`COMMITS_FILE`]). Opening a database that holds fewer
+//! commits than the file says were acknowledged is refused, naming both.
+//!
 //! sled is no longer maintained; it stays behind the [`Storage`] trait so a
 //! replacement touches this file only. Opening must never panic on a bad
 //! folder: a second server holding the lock, an unwritable folder, or files
@@ -13,10 +21,17 @@ use std::path::Path;
 
 /// sled's page cache, in bytes: the control plane's data is small.
 const CACHE_BYTES: u64 = 16 << 20;
+/// The file beside the database holding the count of acknowledged commits.
+pub const COMMITS_FILE: &str = "bulkhead-commits";
+/// The key of the same count inside the database.
+const COMMITS_KEY: &[u8] = b"storage/commits";
 
 /// The sled database of a store.
 pub struct SledStorage {
     db: sled::Db,
+    dir: std::path::PathBuf,
+    /// Commits so far; the mutex also orders commits with their count.
+    commits: std::sync::Mutex<u64>,
 }
 
 impl SledStorage {
@@ -44,8 +59,55 @@ impl SledStorage {
                 ))
             }
         };
-        Ok(SledStorage { db })
+        let in_db = match db.get(COMMITS_KEY).map_err(|e| open_error(e.to_string()))? {
+            Some(bytes) => u64::from_be_bytes(
+                bytes
+                    .as_ref()
+                    .try_into()
+                    .map_err(|_| open_error("its commit count is unreadable".into()))?,
+            ),
+            None => 0,
+        };
+        let acknowledged =
+            read_commits(dir).map_err(|e| open_error(format!("{COMMITS_FILE}: {e}")))?;
+        if in_db < acknowledged {
+            return Err(open_error(format!(
+                "its files are damaged: the database holds {in_db} commits, but {acknowledged} were \
+                 acknowledged ({COMMITS_FILE}); restore the folder from a backup, or move it away to \
+                 start from the policy"
+            )));
+        }
+        Ok(SledStorage {
+            db,
+            dir: dir.to_path_buf(),
+            commits: std::sync::Mutex::new(in_db),
+        })
     }
+}
+
+/// The acknowledged commit count (0 when the file does not exist yet).
+fn read_commits(dir: &Path) -> std::io::Result<u64> {
+    match std::fs::read_to_string(dir.join(COMMITS_FILE)) {
+        Ok(text) => text
+            .trim()
+            .parse()
+            .map_err(|_| std::io::Error::other("not a number")),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
+/// Replaces the commit count file durably: a new file, fsync, rename, fsync
+/// of the folder.
+fn write_commits(dir: &Path, commits: u64) -> std::io::Result<()> {
+    let temp = dir.join(format!("{COMMITS_FILE}.new"));
+    {
+        let mut file = std::fs::File::create(&temp)?;
+        std::io::Write::write_all(&mut file, format!("{commits}\n").as_bytes())?;
+        file.sync_all()?;
+    }
+    std::fs::rename(&temp, dir.join(COMMITS_FILE))?;
+    std::fs::File::open(dir)?.sync_all()
 }
 
 /// A readable cause for an open error (sled's lock error reads as an I/O error).
@@ -120,6 +182,8 @@ impl Storage for SledStorage {
     }
 
     fn commit(&self, writes: Vec<Write>) -> Result<(), StoreError> {
+        let mut commits = self.commits.lock().unwrap_or_else(|p| p.into_inner());
+        let next = *commits + 1;
         let mut batch = sled::Batch::default();
         for write in writes {
             match write {
@@ -127,8 +191,12 @@ impl Storage for SledStorage {
                 Write::Delete { key } => batch.remove(key),
             }
         }
+        batch.insert(COMMITS_KEY, &next.to_be_bytes());
         self.db.apply_batch(batch).map_err(io)?;
         self.db.flush().map_err(io)?;
-        Ok(())
+        *commits = next;
+        // After the flush: a crash between the two leaves the database ahead
+        // of the file, which opens fine.
+        write_commits(&self.dir, next).map_err(|e| StoreError::Io(format!("{COMMITS_FILE}: {e}")))
     }
 }

@@ -1,1 +1,258 @@
+//! The store on real sled files: records round-trip inside their version
+//! envelope, a record of another version or a broken one is a typed error
+//! naming its key, audit sequence numbers follow commits and the oldest go
+//! first, usage counters add up, and opening fails cleanly.
 
+use super::records::{AuditRecord, KeyRecord, KeySource, TenantRecord, UsageRecord};
+use super::sled_storage::SledStorage;
+use super::usage::UsageBook;
+use super::*;
+use crate::tenancy::{Quota, TenantId};
+use std::path::PathBuf;
+
+fn temp_dir(tag: &str) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("bulkhead-store-{tag}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn tenant(id: u32, name: &str) -> TenantRecord {
+    TenantRecord {
+        id,
+        name: name.into(),
+        quota: Quota {
+            weight: 2,
+            pages_reserved: 4,
+            pages_max: 8,
+            queue_depth_max: 4,
+            running_max: 2,
+            pending_max: 2,
+        },
+        created_ms: 1,
+        updated_ms: 2,
+    }
+}
+
+fn audit(action: &str) -> AuditRecord {
+    AuditRecord {
+        seq: 0,
+        at_ms: 5,
+        actor: "admin".into(),
+        action: action.into(),
+        target: "alpha".into(),
+        detail: Default::default(),
+    }
+}
+
+#[test]
+fn records_round_trip_and_survive_a_reopen() {
+    let dir = temp_dir("roundtrip");
+    {
+        let store = Store::open(&dir).unwrap();
+        assert!(store.meta().unwrap().is_none());
+        let mut batch = Batch::default();
+        batch
+            .put_tenant(&tenant(3, "alpha"))
+            .put_tenant(&tenant(12, "beta"))
+            .put_tenant_id_next(13)
+            .put_key(&KeyRecord {
+                id: "key_1".into(),
+                tenant: 3,
+                sha256: "ab".repeat(32),
+                prefix: "bk-alpha-".into(),
+                source: KeySource::Env { var: "K".into() },
+                created_ms: 9,
+                revoked_ms: Some(10),
+            })
+            .audit(audit("tenant.create"));
+        store.commit(batch).unwrap();
+    }
+    let store = Store::open(&dir).unwrap();
+    let tenants = store.tenants().unwrap();
+    assert_eq!(tenants, vec![tenant(3, "alpha"), tenant(12, "beta")]);
+    assert_eq!(store.tenant_id_next().unwrap(), 13);
+    let keys = store.keys().unwrap();
+    assert_eq!(keys[0].source, KeySource::Env { var: "K".into() });
+    assert_eq!(keys[0].revoked_ms, Some(10));
+    let log = store.audit(0, 10).unwrap();
+    assert_eq!((log.len(), log[0].seq), (1, 1));
+    // Deleting a tenant frees its name.
+    let mut batch = Batch::default();
+    batch.delete_tenant(&tenant(3, "alpha"));
+    store.commit(batch).unwrap();
+    assert_eq!(store.tenants().unwrap(), vec![tenant(12, "beta")]);
+    assert!(store
+        .get::<u32>(&tenant_name_key("alpha"))
+        .unwrap()
+        .is_none());
+    drop(store);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_record_of_another_version_or_broken_is_an_error_naming_its_key() {
+    let dir = temp_dir("version");
+    let storage = SledStorage::open(&dir).unwrap();
+    storage
+        .commit(vec![
+            Write::Put {
+                key: tenant_key(1),
+                value: br#"{"v": 2, "record": {}}"#.to_vec(),
+            },
+            Write::Put {
+                key: tenant_key(2),
+                value: b"{not json".to_vec(),
+            },
+        ])
+        .unwrap();
+    let store = Store::with_storage(Box::new(storage), "test".into()).unwrap();
+    match store.get::<TenantRecord>(&tenant_key(1)) {
+        Err(StoreError::Version { key, version }) => {
+            assert_eq!(version, 2);
+            assert!(key.starts_with("tenant/"), "{key}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        store.get::<TenantRecord>(&tenant_key(2)),
+        Err(StoreError::Corrupt { .. })
+    ));
+    assert!(store.tenants().is_err(), "a scan meets the same records");
+    drop(store);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_store_of_another_format_refuses_to_open() {
+    let dir = temp_dir("format");
+    let storage = SledStorage::open(&dir).unwrap();
+    storage
+        .commit(vec![Write::Put {
+            key: META_FORMAT.to_vec(),
+            value: br#"{"v": 7, "record": {"created_ms": 1, "seeded_from": "x"}}"#.to_vec(),
+        }])
+        .unwrap();
+    let error = Store::with_storage(Box::new(storage), "test".into())
+        .err()
+        .expect("refused");
+    assert!(error.to_string().contains("format version 7"), "{error}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn audit_numbers_follow_commits_and_the_oldest_go_first() {
+    let dir = temp_dir("audit");
+    let store = Store::open(&dir).unwrap().with_audit_max(5);
+    for i in 0..8 {
+        let mut batch = Batch::default();
+        batch.audit(audit(&format!("a{i}")));
+        store.commit(batch).unwrap();
+    }
+    let log = store.audit(0, 100).unwrap();
+    let seqs: Vec<u64> = log.iter().map(|r| r.seq).collect();
+    assert_eq!(seqs, vec![4, 5, 6, 7, 8], "the five newest");
+    assert_eq!(log[0].action, "a3");
+    // Paging.
+    let page = store.audit(5, 2).unwrap();
+    assert_eq!(page.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![6, 7]);
+    // Numbering continues after a reopen.
+    drop(store);
+    let store = Store::open(&dir).unwrap().with_audit_max(5);
+    let mut batch = Batch::default();
+    batch.audit(audit("after"));
+    store.commit(batch).unwrap();
+    let log = store.audit(0, 100).unwrap();
+    assert_eq!(
+        log.last().map(|r| (r.seq, r.action.as_str())),
+        Some((9, "after"))
+    );
+    assert_eq!(log.len(), 5);
+    drop(store);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn usage_counters_add_up_across_flushes_and_windows() {
+    let dir = temp_dir("usage");
+    let store = Store::open(&dir).unwrap();
+    let book = UsageBook::default();
+    let minute = 60_000;
+    book.record(TenantId(1), minute, "stop", 10, 5);
+    book.record(TenantId(1), minute + 30_000, "length", 20, 7);
+    book.record(TenantId(1), 3 * minute, "queue_full", 0, 0);
+    book.record(TenantId(2), minute, "stop", 100, 100);
+    assert_eq!(book.flush(&store).unwrap(), 0);
+    book.record(TenantId(1), minute, "stop", 1, 1);
+    book.flush(&store).unwrap();
+    let usage = store.usage(1, 0, 10).unwrap();
+    assert_eq!(usage.len(), 2);
+    let (m, first) = &usage[0];
+    assert_eq!(*m, 1);
+    assert_eq!(
+        (first.requests, first.prompt_tokens, first.completion_tokens),
+        (3, 31, 13)
+    );
+    assert_eq!(first.outcomes["stop"], 2);
+    assert_eq!(usage[1].1.outcomes["queue_full"], 1);
+    // Windows are half-open, and tenant 2's minutes are its own.
+    assert_eq!(store.usage(1, 2, 3).unwrap().len(), 0);
+    assert_eq!(store.usage(1, 3, 4).unwrap().len(), 1);
+    assert_eq!(store.usage(2, 0, 10).unwrap()[0].1.requests, 1);
+    let mut total = UsageRecord::default();
+    for (_, u) in &usage {
+        total.add(u);
+    }
+    assert_eq!(total.requests, 4);
+    drop(store);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn opening_fails_cleanly_on_a_held_lock_or_a_path_below_a_file() {
+    let dir = temp_dir("open");
+    let held = Store::open(&dir).unwrap();
+    match Store::open(&dir) {
+        Err(StoreError::Open { path, cause }) => {
+            assert_eq!(path, dir.display().to_string());
+            assert!(cause.contains("another process"), "{cause}");
+        }
+        other => panic!("{:?}", other.err()),
+    }
+    drop(held);
+    let file = dir.join("file");
+    std::fs::write(&file, b"x").unwrap();
+    match Store::open(&file.join("below")) {
+        Err(StoreError::Open { path, .. }) => assert!(path.ends_with("below"), "{path}"),
+        other => panic!("{:?}", other.err()),
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_database_that_lost_acknowledged_commits_refuses_to_open() {
+    let dir = temp_dir("lost");
+    {
+        let store = Store::open(&dir).unwrap();
+        for i in 0..3 {
+            let mut batch = Batch::default();
+            batch.put_tenant(&tenant(i, &format!("t{i}")));
+            store.commit(batch).unwrap();
+        }
+    }
+    let count = dir.join(sled_storage::COMMITS_FILE);
+    assert_eq!(std::fs::read_to_string(&count).unwrap().trim(), "3");
+    // As if sled had recovered only part of its log.
+    std::fs::write(&count, "5\n").unwrap();
+    match Store::open(&dir) {
+        Err(StoreError::Open { cause, .. }) => {
+            assert!(cause.contains("holds 3 commits, but 5 were"), "{cause}")
+        }
+        other => panic!("{:?}", other.err()),
+    }
+    // A database ahead of the file (a crash between the two) opens.
+    std::fs::write(&count, "2\n").unwrap();
+    assert_eq!(Store::open(&dir).unwrap().tenants().unwrap().len(), 3);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -78,6 +78,8 @@ pub struct Policy {
     pub idle_timeout_ms: u64,
     /// Tenant beta's `pending_max`.
     pub beta_pending_max: u32,
+    /// `store.path` (default: a folder next to the policy file).
+    pub store_path: Option<PathBuf>,
 }
 
 impl Default for Policy {
@@ -94,6 +96,7 @@ impl Default for Policy {
             handshake_timeout_ms: 10_000,
             idle_timeout_ms: 60_000,
             beta_pending_max: 8,
+            store_path: None,
         }
     }
 }
@@ -108,6 +111,10 @@ impl Policy {
             ),
             None => String::new(),
         };
+        let store = match &self.store_path {
+            Some(path) => format!("[store]\npath = \"{}\"\n", path.display()),
+            None => String::new(),
+        };
         format!(
             r#"
 [server]
@@ -119,6 +126,7 @@ idle_timeout_ms = {idle}
 request_timeout_ms = 120000
 drain_timeout_ms = {drain}
 {tls}
+{store}
 [model]
 id = "{MODEL_ID}"
 path = "{model}"
@@ -165,13 +173,16 @@ key_env = "BULKHEAD_KEY_GAMMA"
     }
 }
 
-/// A running server; killed when dropped.
+/// A running server; killed when dropped (its folder, with the policy and the
+/// store, is removed then too, unless another `Server` started in it later).
 pub struct Server {
     child: Child,
     pub inference: String,
     pub admin: String,
     lines: Arc<Mutex<Vec<String>>>,
-    dir: PathBuf,
+    stdout: Arc<Mutex<Vec<String>>>,
+    pub dir: PathBuf,
+    owns_dir: bool,
     agent: ureq::Agent,
 }
 
@@ -183,13 +194,67 @@ fn temp_dir(tag: &str) -> PathBuf {
     dir
 }
 
+/// How to start a server: a policy, a folder, and environment changes.
+pub struct Launch<'a> {
+    pub model: &'a std::path::Path,
+    pub policy: &'a Policy,
+    /// The folder holding policy.toml and the store (a new one when None).
+    pub dir: Option<PathBuf>,
+    /// Environment variables to set (value Some) or remove (None).
+    pub env: Vec<(&'static str, Option<String>)>,
+}
+
+impl<'a> Launch<'a> {
+    pub fn new(model: &'a std::path::Path, policy: &'a Policy) -> Launch<'a> {
+        Launch {
+            model,
+            policy,
+            dir: None,
+            env: Vec::new(),
+        }
+    }
+
+    pub fn env(mut self, var: &'static str, value: Option<&str>) -> Launch<'a> {
+        self.env.push((var, value.map(str::to_string)));
+        self
+    }
+
+    pub fn dir(mut self, dir: &std::path::Path) -> Launch<'a> {
+        self.dir = Some(dir.to_path_buf());
+        self
+    }
+}
+
+fn collect_lines(
+    reader: impl Read + Send + 'static,
+    sink: Arc<Mutex<Vec<String>>>,
+    listening: Option<mpsc::Sender<String>>,
+) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(reader).lines() {
+            let Ok(line) = line else { break };
+            if let (Some(tx), Some(rest)) = (&listening, line.strip_prefix("listening: ")) {
+                let _ = tx.send(rest.to_string());
+            }
+            sink.lock().unwrap().push(line);
+        }
+    });
+}
+
 /// Starts `bulkhead serve` with `policy`; the exit status and stderr when it
 /// refused to start.
 pub fn try_start(model: &std::path::Path, policy: &Policy) -> Result<Server, (ExitStatus, String)> {
-    let dir = temp_dir("serve");
+    try_launch(Launch::new(model, policy))
+}
+
+/// Starts `bulkhead serve` as `launch` says.
+pub fn try_launch(launch: Launch) -> Result<Server, (ExitStatus, String)> {
+    let owns_dir = launch.dir.is_none();
+    let dir = launch.dir.unwrap_or_else(|| temp_dir("serve"));
     let config = dir.join("policy.toml");
-    std::fs::write(&config, policy.toml(model)).unwrap();
-    let mut child = Command::new(bulkhead_exe())
+    std::fs::write(&config, launch.policy.toml(launch.model)).unwrap();
+    let mut command = Command::new(bulkhead_exe());
+    command
         .arg("serve")
         .arg("--config")
         .arg(&config)
@@ -198,25 +263,22 @@ pub fn try_start(model: &std::path::Path, policy: &Policy) -> Result<Server, (Ex
         .env("BULKHEAD_KEY_BETA", KEY_BETA)
         .env("BULKHEAD_KEY_GAMMA", KEY_GAMMA)
         .env("BULKHEAD_ADMIN_TOKEN", ADMIN_TOKEN)
-        .env("RUST_LOG", policy.rust_log)
+        .env("RUST_LOG", launch.policy.rust_log)
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the binary starts");
-    let stderr = child.stderr.take().unwrap();
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (var, value) in &launch.env {
+        match value {
+            Some(value) => command.env(var, value),
+            None => command.env_remove(var),
+        };
+    }
+    let mut child = command.spawn().expect("the binary starts");
     let lines = Arc::new(Mutex::new(Vec::new()));
+    let stdout = Arc::new(Mutex::new(Vec::new()));
     let (tx, rx) = mpsc::channel();
-    let sink = Arc::clone(&lines);
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            if let Some(rest) = line.strip_prefix("listening: ") {
-                let _ = tx.send(rest.to_string());
-            }
-            sink.lock().unwrap().push(line);
-        }
-    });
+    collect_lines(child.stderr.take().unwrap(), Arc::clone(&lines), Some(tx));
+    collect_lines(child.stdout.take().unwrap(), Arc::clone(&stdout), None);
     let mut inference = None;
     let mut admin = None;
     let deadline = Instant::now() + START_TIMEOUT;
@@ -242,6 +304,9 @@ pub fn try_start(model: &std::path::Path, policy: &Policy) -> Result<Server, (Ex
                 };
                 std::thread::sleep(Duration::from_millis(100));
                 let text = lines.lock().unwrap().join("\n");
+                if owns_dir {
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
                 return Err((status, text));
             }
         }
@@ -251,11 +316,21 @@ pub fn try_start(model: &std::path::Path, policy: &Policy) -> Result<Server, (Ex
         inference: inference.unwrap(),
         admin: admin.unwrap(),
         lines,
+        stdout,
         dir,
+        owns_dir,
         agent: ureq::AgentBuilder::new()
             .timeout(Duration::from_secs(300))
             .build(),
     })
+}
+
+/// Starts a server as `launch` says, or panics with its stderr.
+pub fn launch(launch: Launch) -> Server {
+    match try_launch(launch) {
+        Ok(server) => server,
+        Err((status, stderr)) => panic!("server did not start ({status}):\n{stderr}"),
+    }
 }
 
 /// Starts a server or panics with its stderr.
@@ -272,6 +347,7 @@ pub struct Reply {
     pub status: u16,
     pub retry_after: Option<String>,
     pub content_type: Option<String>,
+    pub request_id: Option<String>,
     pub body: String,
 }
 
@@ -300,6 +376,7 @@ fn reply(result: Result<ureq::Response, ureq::Error>) -> Reply {
         status: response.status(),
         retry_after: response.header("retry-after").map(str::to_string),
         content_type: response.header("content-type").map(str::to_string),
+        request_id: response.header("x-request-id").map(str::to_string),
         body: response.into_string().unwrap(),
     }
 }
@@ -361,9 +438,69 @@ impl Server {
         metric_value(&self.metrics(), name_and_labels)
     }
 
-    /// Every stderr line so far.
+    /// Every stderr line so far (the log stream).
     pub fn stderr_lines(&self) -> Vec<String> {
         self.lines.lock().unwrap().clone()
+    }
+
+    /// Every stdout line so far (secrets generated at start-up).
+    pub fn stdout_lines(&self) -> Vec<String> {
+        self.stdout.lock().unwrap().clone()
+    }
+
+    /// Kills the process at once (SIGKILL: no drain, no flush) and keeps its
+    /// folder for the next server; returns the folder.
+    pub fn kill(mut self) -> PathBuf {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.owns_dir = false;
+        self.dir.clone()
+    }
+
+    /// An admin call: method, path, optional JSON body, with the admin token.
+    pub fn admin_call(&self, method: &str, path: &str, body: Option<&serde_json::Value>) -> Reply {
+        self.call(&self.admin, method, path, Some(ADMIN_TOKEN), body)
+    }
+
+    /// A call with `key` on the listener at `base`.
+    pub fn call(
+        &self,
+        base: &str,
+        method: &str,
+        path: &str,
+        key: Option<&str>,
+        body: Option<&serde_json::Value>,
+    ) -> Reply {
+        let mut request = self.agent.request(method, &format!("{base}{path}"));
+        if let Some(key) = key {
+            request = request.set("authorization", &format!("Bearer {key}"));
+        }
+        reply(match body {
+            Some(body) => request
+                .set("content-type", "application/json")
+                .send_string(&body.to_string()),
+            None => request.call(),
+        })
+    }
+
+    /// A call with a raw body and content type.
+    pub fn call_raw(
+        &self,
+        base: &str,
+        method: &str,
+        path: &str,
+        key: Option<&str>,
+        content_type: &str,
+        body: &[u8],
+    ) -> Reply {
+        let mut request = self
+            .agent
+            .request(method, &format!("{base}{path}"))
+            .set("content-type", content_type);
+        if let Some(key) = key {
+            request = request.set("authorization", &format!("Bearer {key}"));
+        }
+        reply(request.send_bytes(body))
     }
 
     /// Sends SIGTERM.
@@ -402,7 +539,9 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if self.owns_dir {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
