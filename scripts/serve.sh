@@ -2,7 +2,8 @@
 # Quick start: fetch the default model (once), build, and serve the demo policy
 # (tenants alpha and beta) on 127.0.0.1:8080 (inference) and :8081 (admin).
 # Keys: BULKHEAD_KEY_ALPHA / BULKHEAD_KEY_BETA / BULKHEAD_ADMIN_TOKEN when set;
-# otherwise the server prints random ones to stderr at start-up.
+# otherwise the first start generates them and prints each once, to stdout
+# (the log stream is stderr). State lives in .cache/state/demo.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

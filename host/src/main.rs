@@ -214,8 +214,20 @@ fn check(path: &Path, store: Option<PathBuf>) -> Result<()> {
     Ok(())
 }
 
-fn main() -> Result<()> {
-    match Cli::parse().command {
+fn main() -> std::process::ExitCode {
+    // Errors are for the operator at the terminal: the chain of causes, one
+    // line, exit status 1 — no backtrace, whatever RUST_BACKTRACE says.
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("Error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
         Command::Generate {
             model,
             prompt,
