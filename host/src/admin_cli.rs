@@ -462,3 +462,89 @@ fn tls_connector(cacert: Option<&std::path::Path>) -> Result<tokio_rustls::TlsCo
         .with_no_client_auth();
     Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
 }
+
+/// Arguments of `bulkhead bench admin`.
+#[derive(Args, Clone, Debug)]
+pub struct AdminBenchArgs {
+    /// The admin listener (default: $BULKHEAD_ADMIN_URL, or http://127.0.0.1:8081).
+    #[arg(long)]
+    url: Option<String>,
+    /// The admin token (default: $BULKHEAD_ADMIN_TOKEN).
+    #[arg(long)]
+    token: Option<String>,
+    /// The tenant whose weight the writes toggle (its quota changes in the
+    /// store, the engine and the audit log: a full admin write).
+    #[arg(long, default_value = "beta")]
+    tenant: String,
+    /// Writes to send.
+    #[arg(long, default_value_t = 200)]
+    writes: u32,
+    /// Writes per second (0: back to back).
+    #[arg(long, default_value_t = 0.0)]
+    rate: f64,
+}
+
+/// `bulkhead bench admin`: admin write latency (each write flushed to disk
+/// before its answer), p50/p99 over `--writes` writes.
+pub fn bench(args: &AdminBenchArgs) -> Result<()> {
+    let url = args
+        .url
+        .clone()
+        .or_else(|| std::env::var("BULKHEAD_ADMIN_URL").ok())
+        .unwrap_or_else(|| "http://127.0.0.1:8081".into());
+    let token = args
+        .token
+        .clone()
+        .or_else(|| std::env::var("BULKHEAD_ADMIN_TOKEN").ok())
+        .context("no admin token: pass --token or set BULKHEAD_ADMIN_TOKEN")?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let interval = (args.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / args.rate));
+    let started = std::time::Instant::now();
+    let mut latencies = Vec::with_capacity(args.writes as usize);
+    let mut failures = 0u32;
+    for n in 0..args.writes {
+        if let Some(interval) = interval {
+            let due = started + interval * n;
+            std::thread::sleep(due.saturating_duration_since(std::time::Instant::now()));
+        }
+        let call = Call::with(
+            Method::PATCH,
+            format!("/admin/v1/tenants/{}", segment(&args.tenant)),
+            Some(json!({"weight": 1 + n % 2})),
+        );
+        let sent = std::time::Instant::now();
+        match runtime.block_on(send(&url, &token, None, call)) {
+            Ok((200, _)) => latencies.push(sent.elapsed()),
+            Ok((status, body)) => {
+                failures += 1;
+                if failures == 1 {
+                    eprintln!("write {n}: {status} {}", String::from_utf8_lossy(&body));
+                }
+            }
+            Err(error) => {
+                failures += 1;
+                if failures == 1 {
+                    eprintln!("write {n}: {error:#}");
+                }
+            }
+        }
+    }
+    let wall = started.elapsed().as_secs_f64();
+    latencies.sort();
+    let at = |p: f64| {
+        latencies
+            .get(((latencies.len() as f64 - 1.0) * p).round() as usize)
+            .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
+    };
+    println!(
+        "bench admin: {} writes in {wall:.1} s ({:.1}/s), latency p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms, {failures} failed",
+        latencies.len(),
+        latencies.len() as f64 / wall,
+        at(0.5),
+        at(0.99),
+        at(1.0),
+    );
+    Ok(())
+}

@@ -115,6 +115,8 @@ enum BenchCommand {
     Engine(bench::EngineBenchArgs),
     /// Load on an OpenAI-compatible server: throughput and latency per concurrency level.
     Http(bulkhead::bench_http::HttpBenchArgs),
+    /// Admin write latency against a running server (each write flushed before its answer).
+    Admin(bulkhead::admin_cli::AdminBenchArgs),
 }
 
 fn threads_default() -> usize {
@@ -294,6 +296,7 @@ fn run(cli: Cli) -> Result<()> {
                 bench::engine(model, tokenizer, &args)
             }
             BenchCommand::Http(args) => bulkhead::bench_http::run(&args),
+            BenchCommand::Admin(args) => bulkhead::admin_cli::bench(&args),
         },
     }
 }

@@ -306,3 +306,40 @@ async fn a_crash_between_engine_and_store_is_repaired_by_the_next_start() {
     plane.engine.shutdown(std::time::Duration::ZERO);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issuing_and_revoking_keys_forever_keeps_a_bounded_number_of_records() {
+    let dir = temp_dir("control-keys");
+    let plane = start(&dir);
+    let actor = Actor::Tenant("beta".into());
+    let beta = TenantRef::Name("beta");
+    for _ in 0..control::KEY_RECORDS_PER_TENANT_MAX + 20 {
+        let issued = plane.control.issue_key(&actor, beta).await.unwrap();
+        plane
+            .control
+            .revoke_key(&actor, beta, &issued.key.id)
+            .await
+            .unwrap();
+    }
+    let keys = plane.control.keys(beta).unwrap();
+    assert!(
+        keys.len() <= control::KEY_RECORDS_PER_TENANT_MAX,
+        "{}",
+        keys.len()
+    );
+    assert_eq!(
+        keys.iter().filter(|k| k.revoked_ms.is_none()).count(),
+        1,
+        "the generated key"
+    );
+    // Live keys have their own cap.
+    for _ in 1..control::KEYS_PER_TENANT_MAX {
+        plane.control.issue_key(&actor, beta).await.unwrap();
+    }
+    assert!(matches!(
+        plane.control.issue_key(&actor, beta).await,
+        Err(ControlError::TooMany { .. })
+    ));
+    plane.engine.shutdown(std::time::Duration::ZERO);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

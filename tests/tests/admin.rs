@@ -196,30 +196,60 @@ fn changes_apply_on_the_next_request_without_a_restart() {
 }
 
 #[test]
-fn request_ids_are_random_not_a_shared_counter() {
+fn requests_get_random_ids_and_are_counted_and_audited_without_content() {
     let Some(model) = smollm2() else { return };
     let server = start(&model, &Policy::default());
-    let ids: Vec<u64> = (0..6)
+    let chat_ids: Vec<u64> = (0..4)
         .map(|_| {
-            let r = server.get(
-                &server.inference,
-                "/v1/models",
-                Some("no-such-key-0123456789"),
-            );
-            r.request_id.map_or(0, |id| id.parse().unwrap())
-        })
-        .chain((0..4).map(|_| {
             let r = chat(&server, KEY_ALPHA);
+            assert_eq!(r.status, 200);
             r.request_id.unwrap().parse().unwrap()
-        }))
+        })
         .collect();
-    let chat_ids = &ids[6..];
     for pair in chat_ids.windows(2) {
         assert!(
             pair[0].abs_diff(pair[1]) > 1 << 20,
             "consecutive ids {pair:?} betray a counter"
         );
     }
+    // A refusal of an authenticated request is counted and audited: its code
+    // and sizes, never its text.
+    let canary = format!("CANARY{}zz", std::process::id());
+    let r = server.post_json(
+        "/v1/chat/completions",
+        Some(KEY_ALPHA),
+        &chat_body(&format!("{canary} ").repeat(400), 4),
+    );
+    assert_eq!(r.error().1, json!("context_length_exceeded"));
+    let refused_id = r.request_id.unwrap().parse::<u64>().unwrap();
+    let usage = || {
+        server
+            .admin_call("GET", "/admin/v1/usage?tenant=alpha", None)
+            .json()
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || usage()["total"]["requests"] == 5),
+        "{}",
+        usage()
+    );
+    let total = &usage()["total"];
+    assert_eq!(total["outcomes"]["context_length_exceeded"], 1, "{total}");
+    assert!(total["completion_tokens"].as_u64().unwrap() >= 4, "{total}");
+    let audit = server.admin_call("GET", "/admin/v1/audit?limit=1000", None);
+    let refusal = audit.json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["action"] == "request.refused")
+        .cloned()
+        .expect("the refusal is audited");
+    assert_eq!(refusal["actor"], "tenant:alpha");
+    assert_eq!(refusal["target"], refused_id.to_string());
+    assert_eq!(refusal["detail"]["code"], "context_length_exceeded");
+    assert!(
+        !audit.body.contains(&canary),
+        "the audit log carries the prompt"
+    );
 }
 
 #[test]

@@ -309,7 +309,7 @@ fn refused(app: &App, tenant: &Tenant, id: RequestId, error: &ApiError) {
     let mut record = control::audit(
         &control::Actor::Tenant(tenant.name.clone()),
         "request.refused",
-        &format!("{:016x}", id.0),
+        &id.0.to_string(),
     );
     record.at_ms = now;
     record
@@ -544,13 +544,7 @@ async fn run(
         model: app.serving.model_id.clone(),
         endpoint,
     };
-    let tracker = Tracker::new(
-        id,
-        tenant.id,
-        &tenant.name,
-        arrived,
-        Arc::clone(app.control.usage_book()),
-    );
+    let tracker = Tracker::new(id, &tenant.name, arrived);
     if common.stream {
         let body = SseBody::new(receiver, meta, common.include_usage, tracker);
         let mut response = Response::new(Body::new(body));

@@ -17,48 +17,35 @@
 use super::error::ApiError;
 use super::openai::ResponseMeta;
 use crate::engine::request::{Event, FinishReason, RequestId, Usage};
-use crate::store::usage::UsageBook;
 use crate::telemetry;
-use crate::tenancy::control::now_ms;
-use crate::tenancy::TenantId;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-/// Watches one request's events for metrics, usage and its closing log line.
+/// Watches one request's events for metrics and its closing log line (its
+/// usage is counted by the scheduler, which sees every end).
 pub struct Tracker {
     request_id: RequestId,
-    tenant_id: TenantId,
     tenant: String,
     arrived: Instant,
     last_text: Option<Instant>,
     finished: bool,
-    usage: Arc<UsageBook>,
 }
 
 impl Tracker {
     /// Starts watching a request that arrived at `arrived`.
-    pub fn new(
-        request_id: RequestId,
-        tenant_id: TenantId,
-        tenant: &str,
-        arrived: Instant,
-        usage: Arc<UsageBook>,
-    ) -> Tracker {
+    pub fn new(request_id: RequestId, tenant: &str, arrived: Instant) -> Tracker {
         Tracker {
             request_id,
-            tenant_id,
             tenant: tenant.to_string(),
             arrived,
             last_text: None,
             finished: false,
-            usage,
         }
     }
 
@@ -77,13 +64,6 @@ impl Tracker {
                 self.finished = true;
                 telemetry::count_finished(
                     &self.tenant,
-                    reason.as_str(),
-                    usage.prompt_tokens,
-                    usage.completion_tokens,
-                );
-                self.usage.record(
-                    self.tenant_id,
-                    now_ms(),
                     reason.as_str(),
                     usage.prompt_tokens,
                     usage.completion_tokens,

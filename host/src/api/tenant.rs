@@ -11,7 +11,7 @@
 
 use super::admin::{self, no_content, query, reply, respond, List};
 use super::error::ApiError;
-use super::{bearer, App};
+use super::{bearer, drain_refused, App};
 use crate::tenancy::control::{Actor, TenantRef};
 use crate::tenancy::Tenant;
 use axum::body::Body;
@@ -41,20 +41,29 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .route_layer(middleware::from_fn_with_state(app, require_tenant))
 }
 
-/// The caller's tenant, from its key, or a 401 before any handler runs.
+/// The caller's tenant, from its key, or a 401 before any handler runs. A
+/// self-service call holds one of the tenant's `pending_max` permits while it
+/// runs, as an inference request does before admission: a tenant's uploads and
+/// key changes count against its own limit, not everyone's memory.
 async fn require_tenant(
     State(app): State<Arc<App>>,
     mut request: Request,
     next: Next,
 ) -> Response<Body> {
     let tenant = bearer(request.headers()).and_then(|key| app.control.registry().authenticate(key));
-    match tenant {
-        Some(tenant) => {
-            request.extensions_mut().insert(tenant);
-            next.run(request).await
-        }
-        None => ApiError::Unauthenticated.into_response(app.request_id(), None),
-    }
+    let Some(tenant) = tenant else {
+        let (parts, body) = request.into_parts();
+        drain_refused(body, &parts.headers).await;
+        return ApiError::Unauthenticated.into_response(app.request_id(), None);
+    };
+    let Ok(_permit) = Arc::clone(&tenant.pending).try_acquire_owned() else {
+        let (parts, body) = request.into_parts();
+        drain_refused(body, &parts.headers).await;
+        return ApiError::TooManyPending.into_response(app.request_id(), Some(&tenant.name));
+    };
+    request.extensions_mut().insert(tenant);
+    // Self-service answers are whole JSON bodies: the permit covers the work.
+    next.run(request).await
 }
 
 type Caller = Extension<Arc<Tenant>>;

@@ -90,6 +90,15 @@ pub enum TenantChangeError {
     Partition(#[from] PartitionError),
 }
 
+/// Where every request's end is reported, whatever the exit and whether or
+/// not its client is still there: usage accounting.
+pub trait FinishSink: Send + Sync {
+    /// `tenant`'s request ended with `reason`, having used `usage`.
+    fn finished(&self, tenant: TenantId, reason: FinishReason, usage: Usage);
+}
+
+type Sink = Option<Arc<dyn FinishSink>>;
+
 /// Batch limits.
 #[derive(Clone, Copy, Debug)]
 pub struct BatchLimits {
@@ -169,6 +178,8 @@ pub struct Scheduler<B: Backend> {
     tokens_generated: u64,
     /// Pages scrubbed so far (observability).
     pages_scrubbed: u64,
+    /// Where ends are reported.
+    sink: Sink,
 }
 
 /// How one batch entry maps back to its sequence.
@@ -198,6 +209,7 @@ impl<B: Backend> Scheduler<B> {
             running: Vec::new(),
             tokens_generated: 0,
             pages_scrubbed: 0,
+            sink: None,
         };
         for tenant in tenants {
             scheduler.add_tenant(tenant)?;
@@ -251,7 +263,7 @@ impl<B: Backend> Scheduler<B> {
         let reason = FinishReason::TenantRemoved;
         let mut ended = 0;
         for admitted in std::mem::take(&mut tenant.queue) {
-            finish_queued(admitted, &tenant.limits.name, reason);
+            finish_queued(&self.sink, admitted, &tenant.limits.name, reason);
             ended += 1;
         }
         while let Some(index) = self.running.iter().rposition(|s| s.tenant == id) {
@@ -277,6 +289,11 @@ impl<B: Backend> Scheduler<B> {
     /// The backend.
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// Reports every request's end to `sink` from now on.
+    pub fn set_finish_sink(&mut self, sink: Arc<dyn FinishSink>) {
+        self.sink = Some(sink);
     }
 
     /// Requests queued plus running.
@@ -355,7 +372,12 @@ impl<B: Backend> Scheduler<B> {
     pub fn finish_everything(&mut self) {
         for tenant in self.tenants.values_mut() {
             for admitted in tenant.queue.drain(..) {
-                finish_queued(admitted, &tenant.limits.name, FinishReason::Shutdown);
+                finish_queued(
+                    &self.sink,
+                    admitted,
+                    &tenant.limits.name,
+                    FinishReason::Shutdown,
+                );
             }
         }
         while !self.running.is_empty() {
@@ -379,7 +401,7 @@ impl<B: Backend> Scheduler<B> {
                 } else {
                     FinishReason::Timeout
                 };
-                finish_queued(admitted, &tenant.limits.name, reason);
+                finish_queued(&self.sink, admitted, &tenant.limits.name, reason);
                 finished += 1;
             }
         }
@@ -470,7 +492,12 @@ impl<B: Backend> Scheduler<B> {
                 // requests; fail the request rather than the process.
                 let admitted = tenant.queue.pop_front().expect("checked non-empty");
                 tracing::error!(request_id = admitted.id().0, error = %other, "reservation refused");
-                finish_queued(admitted, &tenant.limits.name, FinishReason::Error);
+                finish_queued(
+                    &self.sink,
+                    admitted,
+                    &tenant.limits.name,
+                    FinishReason::Error,
+                );
                 return false;
             }
         };
@@ -679,6 +706,9 @@ impl<B: Backend> Scheduler<B> {
             }
         }
         let _ = s.events.send(Event::Finished { reason, usage });
+        if let Some(sink) = &self.sink {
+            sink.finished(s.tenant, reason, usage);
+        }
         tracing::info!(
             request_id = s.id.0,
             tenant = %tenant.limits.name,
@@ -694,13 +724,16 @@ impl<B: Backend> Scheduler<B> {
 /// Ends a request that never started: it holds no page, so there is nothing
 /// to release; its client hears why, with the prompt it sent and nothing
 /// generated.
-fn finish_queued(admitted: Admitted, tenant: &str, reason: FinishReason) {
+fn finish_queued(sink: &Sink, admitted: Admitted, tenant: &str, reason: FinishReason) {
     let request = admitted.request;
     let usage = Usage {
         prompt_tokens: request.prompt.len() as u32,
         completion_tokens: 0,
     };
     let _ = request.events.send(Event::Finished { reason, usage });
+    if let Some(sink) = sink {
+        sink.finished(request.tenant, reason, usage);
+    }
     tracing::info!(
         request_id = request.id.0,
         tenant,

@@ -26,6 +26,7 @@ use crate::config::{Capacity, CapacityViolation, Config, ConfigError, TlsConfig}
 use crate::engine::admission::Admission;
 use crate::engine::build::{self, EngineSpec};
 use crate::engine::chat::ChatTemplate;
+use crate::engine::scheduler::FinishSink;
 use crate::engine::service::EngineService;
 use crate::store::records::TenantRecord;
 use crate::store::usage::UsageBook;
@@ -143,9 +144,9 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         println!("{line}");
     }
     let registry = Arc::new(Registry::new(Directory::build(&tenants, &keys, None)));
-    let service = start_engine(&config, &model, &tokenizer, &tenants)?;
-    let metrics = telemetry::install_metrics().map_err(|e| ServeError::Metrics(e.to_string()))?;
     let usage = Arc::new(UsageBook::default());
+    let service = start_engine(&config, &model, &tokenizer, &tenants, &usage)?;
+    let metrics = telemetry::install_metrics().map_err(|e| ServeError::Metrics(e.to_string()))?;
     let control = Arc::new(Control::new(
         Arc::clone(&store),
         registry,
@@ -231,14 +232,36 @@ pub fn quotas(tenants: &[TenantRecord]) -> Vec<(String, Quota)> {
     tenants.iter().map(|t| (t.name.clone(), t.quota)).collect()
 }
 
-/// Writes usage counters every `every`, until aborted.
+/// How long usage minutes are kept (the widest window a usage query takes).
+pub const USAGE_RETENTION_MINUTES: u64 = control::USAGE_MINUTES_MAX;
+/// How often usage past retention is deleted.
+const USAGE_PURGE_EVERY: Duration = Duration::from_secs(3600);
+
+/// Writes usage counters every `every`, and deletes those past retention every
+/// hour, until aborted.
 async fn flush_usage(usage: Arc<UsageBook>, store: Arc<Store>, every: Duration) {
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut purged_at: Option<tokio::time::Instant> = None;
     loop {
         ticks.tick().await;
+        let purge = purged_at.is_none_or(|at| at.elapsed() >= USAGE_PURGE_EVERY);
+        if purge {
+            purged_at = Some(tokio::time::Instant::now());
+        }
         let (usage, store) = (Arc::clone(&usage), Arc::clone(&store));
-        let _ = tokio::task::spawn_blocking(move || flush_once(&usage, &store)).await;
+        let _ = tokio::task::spawn_blocking(move || {
+            flush_once(&usage, &store);
+            if purge {
+                let cutoff = (now_ms() / 60_000).saturating_sub(USAGE_RETENTION_MINUTES);
+                match store.purge_usage_before(cutoff) {
+                    Ok(0) => {}
+                    Ok(purged) => tracing::info!(purged, "usage minutes past retention deleted"),
+                    Err(error) => tracing::warn!(%error, "usage retention"),
+                }
+            }
+        })
+        .await;
     }
 }
 
@@ -272,11 +295,13 @@ fn start_engine(
     model: &Arc<Model>,
     tokenizer: &Arc<Tokenizer>,
     tenants: &[TenantRecord],
+    usage: &Arc<UsageBook>,
 ) -> Result<EngineService, ServeError> {
     let limits = tenants.iter().map(control::limits_of).collect();
     let spec = EngineSpec::from_config(config);
-    let scheduler = build::scheduler(model, tokenizer, &spec, limits)
+    let mut scheduler = build::scheduler(model, tokenizer, &spec, limits)
         .map_err(|e| ServeError::Pool(e.to_string()))?;
+    scheduler.set_finish_sink(Arc::clone(usage) as Arc<dyn FinishSink>);
     Ok(EngineService::start(scheduler)?)
 }
 

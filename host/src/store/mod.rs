@@ -465,6 +465,34 @@ impl Store {
         Ok(self.get(&usage_key(tenant, minute))?.unwrap_or_default())
     }
 
+    /// Deletes every tenant's usage minutes before `minute` (retention);
+    /// returns how many went. Ids are never reused, so every id below the next
+    /// one is looked at, deleted tenants' included.
+    pub fn purge_usage_before(&self, minute: u64) -> Result<u64, StoreError> {
+        let mut purged = 0;
+        for tenant in 0..self.tenant_id_next()? {
+            let prefix = usage_prefix(tenant);
+            loop {
+                let page = self.storage.scan(&prefix, None, 1024)?;
+                let old: Vec<Write> = page
+                    .iter()
+                    .take_while(|(key, _)| u64_suffix(key).is_ok_and(|m| m < minute))
+                    .map(|(key, _)| Write::Delete { key: key.clone() })
+                    .collect();
+                if old.is_empty() {
+                    break;
+                }
+                let done = old.len() < page.len() || page.len() < 1024;
+                purged += old.len() as u64;
+                self.storage.commit(old)?;
+                if done {
+                    break;
+                }
+            }
+        }
+        Ok(purged)
+    }
+
     /// Up to `limit` audit records after sequence number `after`, oldest first.
     pub fn audit(&self, after: u64, limit: usize) -> Result<Vec<AuditRecord>, StoreError> {
         let after = audit_key(after);

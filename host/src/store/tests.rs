@@ -205,6 +205,18 @@ fn usage_counters_add_up_across_flushes_and_windows() {
         total.add(u);
     }
     assert_eq!(total.requests, 4);
+    // Retention: minutes before the cutoff go, of every tenant id ever handed out.
+    let mut batch = Batch::default();
+    batch.put_tenant_id_next(3);
+    store.commit(batch).unwrap();
+    assert_eq!(
+        store.purge_usage_before(2).unwrap(),
+        2,
+        "minute 1 of tenants 1 and 2"
+    );
+    assert_eq!(store.usage(1, 0, 10).unwrap().len(), 1);
+    assert!(store.usage(2, 0, 10).unwrap().is_empty());
+    assert_eq!(store.purge_usage_before(2).unwrap(), 0);
     drop(store);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -10,6 +10,9 @@
 
 use super::records::{AuditRecord, UsageRecord};
 use super::{Batch, Store, StoreError};
+use crate::engine::request::{FinishReason, Usage};
+use crate::engine::scheduler::FinishSink;
+use crate::tenancy::control::now_ms;
 use crate::tenancy::TenantId;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -29,6 +32,18 @@ struct Pending {
 #[derive(Default)]
 pub struct UsageBook {
     pending: Mutex<Pending>,
+}
+
+impl FinishSink for UsageBook {
+    fn finished(&self, tenant: TenantId, reason: FinishReason, usage: Usage) {
+        self.record(
+            tenant,
+            now_ms(),
+            reason.as_str(),
+            usage.prompt_tokens,
+            usage.completion_tokens,
+        );
+    }
 }
 
 /// The minute (since the Unix epoch) of a Unix-milliseconds time.

@@ -40,6 +40,10 @@ use std::sync::Arc;
 pub const TENANTS_MAX: usize = crate::config::TENANTS_MAX;
 /// Most live keys per tenant.
 pub const KEYS_PER_TENANT_MAX: usize = 32;
+/// Most key records per tenant, revoked ones included: past it, issuing a key
+/// forgets the oldest revoked ones (never one from the environment, which a
+/// restart would otherwise bring back).
+pub const KEY_RECORDS_PER_TENANT_MAX: usize = 128;
 /// Most plugins per tenant.
 pub const PLUGINS_PER_TENANT_MAX: usize = 16;
 /// Largest plugin component, in bytes.
@@ -706,19 +710,32 @@ impl Control {
         let _write = self.writes.lock().await;
         let record = self.tenant_record(tenant)?;
         let keys = blocking(|| self.store.keys())?;
-        let live = keys
-            .iter()
-            .filter(|k| k.tenant == record.id && k.revoked_ms.is_none())
-            .count();
+        let own: Vec<&KeyRecord> = keys.iter().filter(|k| k.tenant == record.id).collect();
+        let live = own.iter().filter(|k| k.revoked_ms.is_none()).count();
         if live >= KEYS_PER_TENANT_MAX {
             return Err(ControlError::TooMany {
                 what: "live keys per tenant",
                 max: KEYS_PER_TENANT_MAX,
             });
         }
+        let mut batch = Batch::default();
+        let mut forgettable: Vec<&&KeyRecord> = own
+            .iter()
+            .filter(|k| k.revoked_ms.is_some() && !matches!(k.source, KeySource::Env { .. }))
+            .collect();
+        forgettable.sort_by_key(|k| k.revoked_ms);
+        let excess = (own.len() + 1).saturating_sub(KEY_RECORDS_PER_TENANT_MAX);
+        if excess > forgettable.len() {
+            return Err(ControlError::TooMany {
+                what: "key records per tenant",
+                max: KEY_RECORDS_PER_TENANT_MAX,
+            });
+        }
+        for old in forgettable.iter().take(excess) {
+            batch.delete_key(&old.id);
+        }
         let (key, secret) = new_key(&record, KeySource::Issued)?;
         debug_assert!(secret.len() <= KEY_BYTES_MAX);
-        let mut batch = Batch::default();
         batch.put_key(&key).audit(with_detail(
             audit(actor, "key.issue", &record.name),
             [("key_id", key.id.clone().into())],
