@@ -437,6 +437,10 @@ impl Config {
     }
 }
 
+/// The stage of the capacity table that reports reservations above the pool
+/// (I8): a row only when they are, holding no tokens.
+pub const RESERVATIONS_STAGE: &str = "reservations";
+
 /// One row of the capacity table: a stage and how many tokens it can hold.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Limit {
@@ -522,9 +526,9 @@ impl Capacity {
         if reserved_total > pool_pages {
             // I8: no tenant's reservation may be another's burst.
             limits.push(Limit {
-                stage: "reservations".into(),
+                stage: RESERVATIONS_STAGE.into(),
                 field: format!(
-                    "tenants' pages_reserved add up to {reserved_total} pages, above engine.pool_pages"
+                    "tenants' pages_reserved add up to {reserved_total} pages; engine.pool_pages is {pool_pages}"
                 ),
                 tokens: 0,
             });

@@ -83,6 +83,21 @@ fn changes_apply_on_the_next_request_without_a_restart() {
     );
     assert!(!tenant_names(&server).contains("delta"));
 
+    // Reservations beyond the pool (I8): refused, the row says so.
+    let r = server.admin_call(
+        "PATCH",
+        "/admin/v1/tenants/gamma",
+        Some(&json!({"pages_reserved": 97, "pages_max": 97})),
+    );
+    assert_eq!(r.status, 409, "{}", r.body);
+    let message = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(message.contains("over-commit"), "{message}");
+    assert!(r.body.contains("add up to 225 pages"), "{}", r.body);
+    let gamma = server
+        .admin_call("GET", "/admin/v1/tenants/gamma", None)
+        .json();
+    assert_eq!(gamma["quota"]["pages_reserved"], 64, "nothing written");
+
     free_gamma_reservation(&server);
     let r = server.admin_call("POST", "/admin/v1/tenants", Some(&delta));
     assert_eq!(r.status, 201, "{}", r.body);
@@ -984,4 +999,38 @@ fn bulkhead_admin_commands_do_the_everyday_tasks() {
     assert_eq!(code, Some(1));
     assert!(stderr.contains("401"), "{stderr}");
     ok(&["tenant", "delete", "zeta"]);
+}
+
+#[test]
+fn bulkhead_check_reads_the_store_the_server_uses() {
+    let Some(model) = smollm2() else { return };
+    let policy = Policy::default();
+    let mut server = start(&model, &policy);
+    let r = server.admin_call(
+        "PATCH",
+        "/admin/v1/tenants/beta",
+        Some(&json!({"pages_max": 70})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    server.terminate();
+    assert!(server.wait(Duration::from_secs(30)).success());
+    let config = server.dir.join("policy.toml");
+    let out = Command::new(bulkhead_exe())
+        .args(["check", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("tenants: the store at"), "{stdout}");
+    // beta's maximum as the store has it (70 pages of 16 tokens), not the policy's 96.
+    let beta = stdout
+        .lines()
+        .find(|l| l.starts_with("tenant beta maximum"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(beta.contains(" 1120 "), "{beta}");
 }

@@ -9,7 +9,7 @@
 //!    goes to the log (never to the client). Neither the log line nor the metric
 //!    carries the message of a 4xx, which may quote the client's input.
 
-use crate::config::{Capacity, CapacityViolation};
+use crate::config::{Capacity, CapacityViolation, RESERVATIONS_STAGE};
 use crate::engine::request::{Rejection, RequestId};
 use crate::engine::service::SubmitError;
 use crate::telemetry;
@@ -440,6 +440,10 @@ impl ApiError {
         let (_, kind, code, param) = self.parts();
         let (message, limits) = match self {
             // The table goes as rows, not as text in the message.
+            ApiError::Capacity(v) if v.stage == RESERVATIONS_STAGE => (
+                format!("The change would over-commit the KV pool: {}.", v.field),
+                Some(capacity_limits(&v.capacity)),
+            ),
             ApiError::Capacity(v) => (
                 format!(
                     "The change would break the capacity contract: the promised context of {} tokens exceeds {} ({} tokens, set by {}).",
