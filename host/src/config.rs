@@ -78,6 +78,9 @@ pub struct Config {
     /// The control-plane store.
     #[serde(default)]
     pub store: StoreConfig,
+    /// Policy plugins: limits of every call, and the operator's own plugins.
+    #[serde(default)]
+    pub plugins: PluginsConfig,
     /// Tenants by name: the seed of an empty store (after that, the store is
     /// the source of truth for tenants, keys and quotas).
     #[serde(default)]
@@ -155,6 +158,69 @@ impl Default for StoreConfig {
         }
     }
 }
+
+/// Policy plugins (`[plugins]`). Each limit is both the default of every
+/// plugin call and its maximum: a plugin may ask for less at upload, never more.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PluginsConfig {
+    /// Wall-clock bound of one call, instantiation included (milliseconds).
+    pub deadline_ms: u64,
+    /// Fuel of one call (roughly, WebAssembly instructions).
+    pub fuel: u64,
+    /// Linear memory of one call's instance, in bytes.
+    pub memory_bytes: u64,
+    /// Host functions one call may call.
+    pub host_calls_max: u32,
+    /// Resource handles one call may hold.
+    pub handles_max: u32,
+    /// Faults (traps, deadlines, fuel, memory) that disable a plugin...
+    pub faults_max: u32,
+    /// ... within this window (milliseconds).
+    pub fault_window_ms: u64,
+    /// Plugin calls that may run at once (the instance pool's size).
+    pub instances_max: u32,
+    /// Whether operator plugins may read the prompt text (`operator.prompt-text`).
+    pub operator_prompt_text: bool,
+    /// The operator's plugins, run before every tenant's own, in this order.
+    pub operator: Vec<OperatorPlugin>,
+}
+
+impl Default for PluginsConfig {
+    fn default() -> Self {
+        PluginsConfig {
+            deadline_ms: 20,
+            fuel: 20_000_000,
+            memory_bytes: 16 << 20,
+            host_calls_max: 1000,
+            handles_max: 16,
+            faults_max: 5,
+            fault_window_ms: 60_000,
+            instances_max: 64,
+            operator_prompt_text: false,
+            operator: Vec::new(),
+        }
+    }
+}
+
+/// One operator plugin: a component file, run for every tenant.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OperatorPlugin {
+    /// Its name (logs, metrics, audit).
+    pub name: String,
+    /// The component (relative to the policy file's folder).
+    pub path: PathBuf,
+}
+
+/// Highest `plugins.deadline_ms`.
+pub const PLUGIN_DEADLINE_MS_LIMIT: u64 = 10_000;
+/// Highest `plugins.memory_bytes`.
+pub const PLUGIN_MEMORY_BYTES_LIMIT: u64 = 1 << 30;
+/// Highest `plugins.instances_max`.
+pub const PLUGIN_INSTANCES_LIMIT: u32 = 4096;
+/// Most operator plugins.
+pub const OPERATOR_PLUGINS_MAX: usize = 16;
 
 /// PEM files for rustls.
 #[derive(Clone, Debug, Deserialize)]
@@ -376,6 +442,7 @@ impl Config {
                 ));
             }
         }
+        self.validate_plugins()?;
         if self.engine.pool_pages > POOL_PAGES_LIMIT {
             return Err(invalid(
                 "engine.pool_pages",
@@ -392,6 +459,63 @@ impl Config {
             return Err(invalid("model.id", "must not be empty"));
         }
         self.validate_tenants()
+    }
+
+    fn validate_plugins(&self) -> Result<(), ConfigError> {
+        let p = &self.plugins;
+        for (field, value, max) in [
+            (
+                "plugins.deadline_ms",
+                p.deadline_ms,
+                PLUGIN_DEADLINE_MS_LIMIT,
+            ),
+            ("plugins.fuel", p.fuel, u64::MAX),
+            (
+                "plugins.memory_bytes",
+                p.memory_bytes,
+                PLUGIN_MEMORY_BYTES_LIMIT,
+            ),
+            (
+                "plugins.host_calls_max",
+                u64::from(p.host_calls_max),
+                1 << 20,
+            ),
+            ("plugins.handles_max", u64::from(p.handles_max), 1024),
+            ("plugins.faults_max", u64::from(p.faults_max), 1 << 20),
+            (
+                "plugins.fault_window_ms",
+                p.fault_window_ms,
+                TIMEOUT_MS_LIMIT,
+            ),
+            (
+                "plugins.instances_max",
+                u64::from(p.instances_max),
+                u64::from(PLUGIN_INSTANCES_LIMIT),
+            ),
+        ] {
+            if value == 0 || value > max {
+                return Err(invalid(field, format!("must be 1..={max}")));
+            }
+        }
+        if p.operator.len() > OPERATOR_PLUGINS_MAX {
+            return Err(invalid(
+                "plugins.operator",
+                format!("at most {OPERATOR_PLUGINS_MAX} operator plugins"),
+            ));
+        }
+        for (i, plugin) in p.operator.iter().enumerate() {
+            if !valid_name(&plugin.name)
+                || p.operator[..i]
+                    .iter()
+                    .any(|other| other.name == plugin.name)
+            {
+                return Err(invalid(
+                    format!("plugins.operator[{i}].name"),
+                    "unique names of 1-64 of [A-Za-z0-9_-], starting with a letter",
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn validate_tenants(&self) -> Result<(), ConfigError> {

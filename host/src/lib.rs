@@ -9,6 +9,7 @@ pub mod bench;
 pub mod bench_http;
 pub mod config;
 pub mod engine;
+pub mod policy;
 pub mod server;
 pub mod store;
 pub mod telemetry;

@@ -48,6 +48,11 @@ pub const KV_PAGES_SCRUBBED_TOTAL: &str = "bulkhead_kv_pages_scrubbed_total";
 /// (`peer_limit`, `handshake_timeout`, `idle_timeout`).
 pub const CONNECTIONS_CLOSED_TOTAL: &str = "bulkhead_connections_closed_total";
 
+/// Plugin calls, by outcome (`ok`, `fuel`, `deadline`, `memory`, `host_limit`, `trap`).
+pub const PLUGIN_CALLS_TOTAL: &str = "bulkhead_plugin_calls_total";
+/// Plugins disabled after repeated faults.
+pub const PLUGINS_DISABLED_TOTAL: &str = "bulkhead_plugins_disabled_total";
+
 /// Histogram buckets for latencies, in seconds.
 const LATENCY_BUCKETS_SECONDS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -95,6 +100,16 @@ pub fn count_rejection(tenant: &str, code: &'static str) {
 /// Counts a connection the listener closed itself.
 pub fn count_connection_closed(listener: &'static str, reason: &'static str) {
     counter!(CONNECTIONS_CLOSED_TOTAL, "listener" => listener, "reason" => reason).increment(1);
+}
+
+/// Counts a plugin call by outcome.
+pub fn count_plugin_call(outcome: &'static str) {
+    counter!(PLUGIN_CALLS_TOTAL, "outcome" => outcome).increment(1);
+}
+
+/// Counts a plugin disabled after repeated faults.
+pub fn count_plugin_disabled() {
+    counter!(PLUGINS_DISABLED_TOTAL).increment(1);
 }
 
 /// Counts a finished request and its tokens.

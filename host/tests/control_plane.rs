@@ -7,6 +7,7 @@
 use bulkhead::config::Config;
 use bulkhead::engine::build::{self, EngineSpec};
 use bulkhead::engine::service::{EngineService, TenantChange};
+use bulkhead::policy::PolicyRuntime;
 use bulkhead::store::sled_storage::SledStorage;
 use bulkhead::store::usage::UsageBook;
 use bulkhead::store::{Entry, Storage, Store, StoreError, Write};
@@ -124,10 +125,12 @@ fn start(dir: &Path) -> Plane {
         &store.keys().unwrap(),
         None,
     )));
+    let policy = PolicyRuntime::new(&config, Arc::clone(&store), dir, engine.handle()).unwrap();
     let control = Control::new(
         store,
         registry,
         engine.handle(),
+        policy,
         Arc::new(UsageBook::default()),
         config,
         model.config.context_len as u64,

@@ -17,7 +17,7 @@ use super::{read_body, App};
 use crate::store::records::AuditRecord;
 use crate::tenancy::control::{
     now_ms, Actor, Control, IssuedKey, KeyView, PluginView, QuotaPatch, TenantRef, TenantView,
-    UsageView, PLUGIN_BYTES_MAX,
+    UploadOptions, UsageView, PLUGIN_BYTES_MAX,
 };
 use crate::tenancy::{Quota, TenantId};
 use axum::body::Body;
@@ -467,7 +467,7 @@ async fn get_plugin(
 #[utoipa::path(put, path = "/admin/v1/tenants/{tenant}/plugins/{plugin}", tag = "plugins",
     request_body(content = WasmComponent, content_type = "application/wasm"),
     params(("tenant" = String, Path, description = "The tenant's name"),
-        ("plugin" = String, Path, description = "The plugin's name")),
+        ("plugin" = String, Path, description = "The plugin's name"), UploadOptions),
     responses((status = 200, body = PluginView, description = "Stored (a new version if the name existed)"),
         (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse),
         (status = 404, body = ErrorResponse), (status = 409, body = ErrorResponse),
@@ -475,17 +475,23 @@ async fn get_plugin(
 async fn upload_plugin(
     State(app): State<Arc<App>>,
     Path((tenant, plugin)): Path<(String, String)>,
+    options: Result<Query<UploadOptions>, QueryRejection>,
     headers: HeaderMap,
     body: Body,
 ) -> Response<Body> {
-    let answer = upload(
-        &app.control,
-        &Actor::Admin,
-        name(&tenant),
-        &plugin,
-        &headers,
-        body,
-    );
+    let answer = async {
+        let options = query(options)?;
+        upload(
+            &app.control,
+            &Actor::Admin,
+            name(&tenant),
+            &plugin,
+            options,
+            &headers,
+            body,
+        )
+        .await
+    };
     respond(&app, answer.await)
 }
 
@@ -495,11 +501,14 @@ pub async fn upload(
     actor: &Actor,
     tenant: TenantRef<'_>,
     plugin: &str,
+    options: UploadOptions,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response<Body>, ApiError> {
     let bytes = read_body(body, headers, PLUGIN_BYTES_MAX as u64).await?;
-    let view = control.upload_plugin(actor, tenant, plugin, &bytes).await?;
+    let view = control
+        .upload_plugin(actor, tenant, plugin, &bytes, options)
+        .await?;
     Ok(reply(StatusCode::OK, &view))
 }
 

@@ -12,6 +12,7 @@
 use crate::config::{Capacity, CapacityViolation, RESERVATIONS_STAGE};
 use crate::engine::request::{Rejection, RequestId};
 use crate::engine::service::SubmitError;
+use crate::policy::{FaultKind, PluginRejection};
 use crate::telemetry;
 use crate::tenancy::control::ControlError;
 use axum::body::Body;
@@ -135,6 +136,17 @@ pub enum ApiError {
     /// A change the KV pool cannot apply now.
     #[error("The KV pool cannot apply this change now: {0}")]
     PoolConflict(String),
+    /// A policy plugin refused the request (its status, code and message).
+    #[error("{}", .0.message)]
+    PolicyRejected(PluginRejection),
+    /// A policy plugin failed (trap, deadline, fuel, memory): fail closed.
+    #[error("A policy plugin of this tenant could not decide; the request was not run.")]
+    PolicyUnavailable {
+        /// The plugin (logged, not sent).
+        plugin: String,
+        /// How it failed.
+        kind: FaultKind,
+    },
     /// A count limit reached.
     #[error("At most {max} {what}.")]
     TooMany {
@@ -387,6 +399,27 @@ impl ApiError {
             ),
             E::PoolConflict(_) => (StatusCode::CONFLICT, INVALID, "pool_conflict", None),
             E::TooMany { .. } => (StatusCode::CONFLICT, INVALID, "limit_reached", None),
+            E::PolicyRejected(r) => match r.status {
+                400 => (StatusCode::BAD_REQUEST, INVALID, "policy_rejected", None),
+                429 => (
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    "policy_rejected",
+                    None,
+                ),
+                _ => (
+                    StatusCode::FORBIDDEN,
+                    "permission_error",
+                    "policy_rejected",
+                    None,
+                ),
+            },
+            E::PolicyUnavailable { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "policy_unavailable",
+                None,
+            ),
             E::Internal(_) => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "server_error",
@@ -454,6 +487,12 @@ impl ApiError {
             // `Internal` displays as "internal error": its cause is never sent.
             _ => (self.to_string(), None),
         };
+        // A plugin's own code (checked `[a-z0-9_]`, at most 64) reaches the
+        // client; metrics and logs keep the fixed `policy_rejected`.
+        let code = match self {
+            ApiError::PolicyRejected(r) => r.code.as_str(),
+            _ => code,
+        };
         ErrorObject {
             message,
             kind,
@@ -481,7 +520,11 @@ impl ApiError {
             HeaderValue::from_static("application/json"),
         );
         if status == StatusCode::TOO_MANY_REQUESTS {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+            let secs = match &self {
+                ApiError::PolicyRejected(r) => r.retry_after_secs.unwrap_or(RETRY_AFTER_SECS),
+                _ => RETRY_AFTER_SECS,
+            };
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         response
     }
@@ -494,6 +537,9 @@ impl ApiError {
         telemetry::count_rejection(tenant, code);
         let status = self.status().as_u16();
         match self {
+            ApiError::PolicyUnavailable { plugin, kind } => {
+                tracing::warn!(request_id = request_id.0, tenant, status, code, plugin = %plugin, fault = kind.as_str(), "request failed");
+            }
             ApiError::Internal(cause) => {
                 tracing::error!(request_id = request_id.0, tenant, status, code, cause = %cause, "request failed");
             }

@@ -36,6 +36,7 @@ use crate::engine::admission::Admission;
 use crate::engine::chat::{ChatError, ChatTemplate};
 use crate::engine::request::{Event, NewRequest, RequestId};
 use crate::engine::service::EngineHandle;
+use crate::policy::{plugin_headers, AdmitInput, PolicyRuntime, Verdict};
 use crate::telemetry;
 use crate::tenancy::control::{self, now_ms, Control};
 use crate::tenancy::{Tenant, TenantId};
@@ -104,6 +105,8 @@ pub struct App {
     pub serving: Serving,
     /// The control plane: tenants, keys, quotas, plugins, usage, audit.
     pub control: Arc<Control>,
+    /// The policy plugins.
+    pub policy: Arc<PolicyRuntime>,
     /// SHA-256 of the admin token.
     pub admin_token_sha256: [u8; 32],
     /// The Prometheus recorder.
@@ -374,6 +377,22 @@ enum Source {
 }
 
 impl Source {
+    /// The prompt's text (chat contents joined by newlines); None for token ids.
+    fn text(&self) -> Option<Arc<str>> {
+        match self {
+            Source::Chat(messages) => Some(
+                messages
+                    .iter()
+                    .map(|m| m.content.as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n")
+                    .into(),
+            ),
+            Source::Completion(Prompt::Text(text)) => Some(text.as_str().into()),
+            Source::Completion(Prompt::Tokens(_)) => None,
+        }
+    }
+
     /// The fewest tokens the prompt can be, known without tokenizing: its text's
     /// bytes over the most bytes one token covers (the chat template only adds
     /// tokens), or the count of token ids.
@@ -486,6 +505,12 @@ async fn run(
         .admission
         .check_size(tokens_min, common.max_tokens)
         .map_err(rejected)?;
+    // Operator plugins may read the text, when the deployment says so.
+    let prompt_text = app
+        .policy
+        .wants_prompt_text()
+        .then(|| source.text())
+        .flatten();
     let worker = Arc::clone(app);
     let tokens_max = app.serving.admission.prompt_tokens_max(common.max_tokens);
     let prompt = app
@@ -520,17 +545,53 @@ async fn run(
         deadline: arrived + app.serving.request_timeout,
         events,
     };
-    let admitted = app.serving.admission.admit(request).map_err(rejected)?;
+    let mut admitted = app.serving.admission.admit(request).map_err(rejected)?;
+    if app.policy.has_chain(tenant.id) {
+        let input = AdmitInput {
+            request: id,
+            tenant: tenant.id,
+            tenant_name: tenant.name.clone(),
+            model: common.model.clone(),
+            chat: endpoint == Endpoint::Chat,
+            prompt_tokens,
+            max_tokens,
+            stream: common.stream,
+            headers: plugin_headers(headers),
+            prompt_text,
+        };
+        let policy = Arc::clone(&app.policy);
+        let verdict = app
+            .serving
+            .lane
+            .run(tenant.id, move || policy.admit(input))
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        match verdict {
+            Verdict::Admit {
+                max_tokens,
+                priority,
+            } => admitted.tighten(max_tokens, priority),
+            Verdict::Reject(rejection) => return Err(ApiError::PolicyRejected(rejection)),
+            Verdict::Fault { plugin, kind } => {
+                return Err(ApiError::PolicyUnavailable { plugin, kind })
+            }
+        }
+    }
     tracing::info!(
         request_id = id.0,
         tenant = %tenant.name,
         prompt_tokens,
-        max_tokens,
+        max_tokens = admitted.max_tokens(),
+        priority = admitted.priority(),
         stream = common.stream,
         pages = admitted.pages_needed(),
         "admitted"
     );
-    app.serving.engine.submit(admitted).await?;
+    if let Err(error) = app.serving.engine.submit(admitted).await {
+        // The plugins that admitted it hear it was refused; bookings come back.
+        app.policy.refused(id, prompt_tokens);
+        return Err(error.into());
+    }
     // Queued: the tenant's queue limits govern it from here.
     drop(pending);
     let meta = ResponseMeta {

@@ -12,7 +12,7 @@
 use super::admin::{self, no_content, query, reply, respond, List};
 use super::error::ApiError;
 use super::{bearer, drain_refused, App};
-use crate::tenancy::control::{Actor, TenantRef};
+use crate::tenancy::control::{Actor, TenantRef, UploadOptions};
 use crate::tenancy::Tenant;
 use axum::body::Body;
 use axum::extract::rejection::QueryRejection;
@@ -189,11 +189,24 @@ async fn upload_plugin(
     State(app): State<Arc<App>>,
     Extension(tenant): Caller,
     Path(plugin): Path<String>,
+    options: Result<Query<UploadOptions>, QueryRejection>,
     headers: HeaderMap,
     body: Body,
 ) -> Response<Body> {
     let actor = actor(&tenant);
-    let answer = admin::upload(&app.control, &actor, own(&tenant), &plugin, &headers, body);
+    let answer = async {
+        let options = query(options)?;
+        admin::upload(
+            &app.control,
+            &actor,
+            own(&tenant),
+            &plugin,
+            options,
+            &headers,
+            body,
+        )
+        .await
+    };
     respond(&app, answer.await)
 }
 

@@ -11,12 +11,48 @@ use crate::tenancy::TenantId;
 pub struct Admitted {
     pub(super) request: NewRequest,
     pub(super) pages_needed: u32,
+    /// Its place in its tenant's queue: higher runs first (FIFO among equals).
+    pub(super) priority: u8,
+    page_tokens: u32,
 }
+
+/// The priority of a request nothing lowered.
+pub const PRIORITY_DEFAULT: u8 = 128;
 
 impl Admitted {
     /// Pages its worst case needs.
     pub fn pages_needed(&self) -> u32 {
         self.pages_needed
+    }
+
+    /// Its most generated tokens.
+    pub fn max_tokens(&self) -> u32 {
+        self.request.max_tokens
+    }
+
+    /// Its prompt tokens.
+    pub fn prompt_tokens(&self) -> u32 {
+        u32::try_from(self.request.prompt.len()).unwrap_or(u32::MAX)
+    }
+
+    /// Its priority.
+    pub fn priority(&self) -> u8 {
+        self.priority
+    }
+
+    /// Tightens the request (a policy plugin's adjustments): a lower
+    /// `max_tokens` (at least 1) and a lower priority apply; anything higher
+    /// is ignored, so an adjustment can never need more than was admitted.
+    pub fn tighten(&mut self, max_tokens: Option<u32>, priority: Option<u8>) {
+        if let Some(max) = max_tokens.filter(|&m| m >= 1 && m < self.request.max_tokens) {
+            self.request.max_tokens = max;
+            let total = u64::from(self.prompt_tokens()) + u64::from(max);
+            // Smaller than the admitted total, which fit a u32 page count.
+            self.pages_needed = total.div_ceil(u64::from(self.page_tokens)) as u32;
+        }
+        if let Some(p) = priority.filter(|&p| p < self.priority) {
+            self.priority = p;
+        }
     }
 
     /// Its id.
@@ -91,6 +127,8 @@ impl Admission {
         Ok(Admitted {
             request,
             pages_needed,
+            priority: PRIORITY_DEFAULT,
+            page_tokens: self.page_tokens,
         })
     }
 }

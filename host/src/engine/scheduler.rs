@@ -93,8 +93,8 @@ pub enum TenantChangeError {
 /// Where every request's end is reported, whatever the exit and whether or
 /// not its client is still there: usage accounting.
 pub trait FinishSink: Send + Sync {
-    /// `tenant`'s request ended with `reason`, having used `usage`.
-    fn finished(&self, tenant: TenantId, reason: FinishReason, usage: Usage);
+    /// `tenant`'s request `request` ended with `reason`, having used `usage`.
+    fn finished(&self, request: RequestId, tenant: TenantId, reason: FinishReason, usage: Usage);
 }
 
 type Sink = Option<Arc<dyn FinishSink>>;
@@ -344,7 +344,13 @@ impl<B: Backend> Scheduler<B> {
                 tenant.virtual_time = tenant.virtual_time.max(busy_min);
             }
         }
-        tenant.queue.push_back(admitted);
+        // Higher priority first, arrival order among equals.
+        let at = tenant
+            .queue
+            .iter()
+            .position(|queued| queued.priority < admitted.priority)
+            .unwrap_or(tenant.queue.len());
+        tenant.queue.insert(at, admitted);
         tenant.counts.enqueued_total += 1;
         Ok(())
     }
@@ -707,7 +713,7 @@ impl<B: Backend> Scheduler<B> {
         }
         let _ = s.events.send(Event::Finished { reason, usage });
         if let Some(sink) = &self.sink {
-            sink.finished(s.tenant, reason, usage);
+            sink.finished(s.id, s.tenant, reason, usage);
         }
         tracing::info!(
             request_id = s.id.0,
@@ -732,7 +738,7 @@ fn finish_queued(sink: &Sink, admitted: Admitted, tenant: &str, reason: FinishRe
     };
     let _ = request.events.send(Event::Finished { reason, usage });
     if let Some(sink) = sink {
-        sink.finished(request.tenant, reason, usage);
+        sink.finished(request.id, request.tenant, reason, usage);
     }
     tracing::info!(
         request_id = request.id.0,
@@ -755,6 +761,8 @@ impl<B: Backend> Scheduler<B> {
                     id: t.limits.id.0,
                     queued: t.queue.len() as u32,
                     running: t.running,
+                    pages_reserved: t.limits.pages_reserved,
+                    pages_max: t.limits.pages_max,
                     pages_owned: p.map_or(0, |p| p.pages_owned),
                     pages_released: p.map_or(0, |p| p.pages_released),
                     pages_booked: p.map_or(0, |p| p.pages_booked),

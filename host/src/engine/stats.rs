@@ -19,6 +19,10 @@ pub struct TenantStats {
     pub queued: u32,
     /// Its running sequences.
     pub running: u32,
+    /// Pages only it may use.
+    pub pages_reserved: u32,
+    /// The most pages it may hold.
+    pub pages_max: u32,
     /// Pages leased to its sequences.
     pub pages_owned: u32,
     /// Pages it released that await scrubbing.
@@ -34,7 +38,7 @@ pub struct TenantStats {
 /// A snapshot of the scheduler and its pool.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SchedulerStats {
-    /// Per tenant, in configuration order.
+    /// Per tenant, in id order.
     pub tenants: Vec<TenantStats>,
     /// Pages in the pool.
     pub pages_count: u32,

@@ -26,22 +26,24 @@ use crate::config::{Capacity, CapacityViolation, Config, ConfigError, TlsConfig}
 use crate::engine::admission::Admission;
 use crate::engine::build::{self, EngineSpec};
 use crate::engine::chat::ChatTemplate;
+use crate::engine::request::{FinishReason, RequestId, Usage};
 use crate::engine::scheduler::FinishSink;
 use crate::engine::service::EngineService;
+use crate::policy::{PolicyError, PolicyRuntime, Trip};
 use crate::store::records::TenantRecord;
 use crate::store::usage::UsageBook;
 use crate::store::{Store, StoreError};
 use crate::telemetry;
-use crate::tenancy::control::{self, now_ms, Control};
+use crate::tenancy::control::{self, now_ms, Actor, Control, ControlError, TenantRef};
 use crate::tenancy::seed::{self, SeedError};
-use crate::tenancy::{Directory, Quota, Registry};
+use crate::tenancy::{Directory, Quota, Registry, TenantId};
 use accept::{Accept, ConnectionLimits};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::Tokenizer;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -84,6 +86,12 @@ pub enum ServeError {
     /// Keys and the admin token.
     #[error(transparent)]
     Seed(#[from] SeedError),
+    /// The plugin runtime or an operator plugin.
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    /// Loading the stored plugins.
+    #[error("plugins: {0}")]
+    Plugins(#[from] ControlError),
     /// The model file.
     #[error("model {path}: {message}")]
     Model {
@@ -145,16 +153,29 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     }
     let registry = Arc::new(Registry::new(Directory::build(&tenants, &keys, None)));
     let usage = Arc::new(UsageBook::default());
-    let service = start_engine(&config, &model, &tokenizer, &tenants, &usage)?;
+    let finishes = Arc::new(Finishes {
+        usage: Arc::clone(&usage),
+        policy: OnceLock::new(),
+    });
+    let service = start_engine(&config, &model, &tokenizer, &tenants, &finishes)?;
     let metrics = telemetry::install_metrics().map_err(|e| ServeError::Metrics(e.to_string()))?;
+    let policy = PolicyRuntime::new(
+        &config,
+        Arc::clone(&store),
+        &config.store_path(),
+        service.handle(),
+    )?;
+    let _ = finishes.policy.set(Arc::clone(&policy));
     let control = Arc::new(Control::new(
         Arc::clone(&store),
         registry,
         service.handle(),
+        Arc::clone(&policy),
         Arc::clone(&usage),
         Arc::clone(&config),
         model_context,
     ));
+    control.load_plugins()?;
     let mut nonce = [0u8; 8];
     getrandom::fill(&mut nonce)
         .map_err(|e| ServeError::Io(std::io::Error::other(format!("randomness: {e}"))))?;
@@ -174,7 +195,8 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
             body_bytes_max: config.server.body_bytes_max,
             request_timeout: Duration::from_millis(config.server.request_timeout_ms),
         },
-        control,
+        policy: Arc::clone(&policy),
+        control: Arc::clone(&control),
         admin_token_sha256: prepared.admin_token_sha256,
         metrics,
         shutting_down: AtomicBool::new(false),
@@ -196,6 +218,9 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         Arc::clone(&store),
         flush_every,
     ));
+    let (trips, tripped) = std::sync::mpsc::channel();
+    policy.on_trip(trips);
+    runtime.spawn_blocking(move || disable_tripped(&control, tripped));
     let result = runtime.block_on(run_listeners(&config, Arc::clone(&app), drain));
     // Whatever did not finish within the drain ends now (reason `shutdown`).
     service.shutdown(Duration::ZERO);
@@ -236,6 +261,41 @@ pub fn quotas(tenants: &[TenantRecord]) -> Vec<(String, Quota)> {
 pub const USAGE_RETENTION_MINUTES: u64 = control::USAGE_MINUTES_MAX;
 /// How often usage past retention is deleted.
 const USAGE_PURGE_EVERY: Duration = Duration::from_secs(3600);
+
+/// Every request's end goes to usage accounting and to the plugins that
+/// admitted it (budgets reconciled, `on-complete`).
+struct Finishes {
+    usage: Arc<UsageBook>,
+    policy: OnceLock<Arc<PolicyRuntime>>,
+}
+
+impl FinishSink for Finishes {
+    fn finished(&self, request: RequestId, tenant: TenantId, reason: FinishReason, usage: Usage) {
+        self.usage.finished(request, tenant, reason, usage);
+        if let Some(policy) = self.policy.get() {
+            policy.finished(request, reason, usage);
+        }
+    }
+}
+
+/// Disables, through the control plane (stored and audited), each plugin the
+/// runtime reports for repeated faults; ends when the runtime goes.
+fn disable_tripped(control: &Control, tripped: std::sync::mpsc::Receiver<Trip>) {
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    for trip in tripped {
+        let result = handle.block_on(control.set_plugin_enabled(
+            &Actor::System,
+            TenantRef::Id(trip.tenant),
+            &trip.plugin,
+            false,
+        ));
+        if let Err(error) = result {
+            tracing::warn!(plugin = %trip.plugin, %error, "disabling a faulty plugin");
+        }
+    }
+}
 
 /// Writes usage counters every `every`, and deletes those past retention every
 /// hour, until aborted.
@@ -295,13 +355,13 @@ fn start_engine(
     model: &Arc<Model>,
     tokenizer: &Arc<Tokenizer>,
     tenants: &[TenantRecord],
-    usage: &Arc<UsageBook>,
+    finishes: &Arc<Finishes>,
 ) -> Result<EngineService, ServeError> {
     let limits = tenants.iter().map(control::limits_of).collect();
     let spec = EngineSpec::from_config(config);
     let mut scheduler = build::scheduler(model, tokenizer, &spec, limits)
         .map_err(|e| ServeError::Pool(e.to_string()))?;
-    scheduler.set_finish_sink(Arc::clone(usage) as Arc<dyn FinishSink>);
+    scheduler.set_finish_sink(Arc::clone(finishes) as Arc<dyn FinishSink>);
     Ok(EngineService::start(scheduler)?)
 }
 

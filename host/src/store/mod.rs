@@ -23,6 +23,8 @@
 //!   key/<key id>                     KeyRecord (tenant, SHA-256, revoked?)
 //!   plugin/<tenant u32>/<name>       PluginRecord (metadata)
 //!   plugin_wasm/<sha256 hex>         the component's bytes
+//!   plugin_compiled/<sha256 hex>     its compiled form, sealed (see policy::artifact)
+//!   pstate/<tenant u32>/<plugin>/<k> PluginStateRecord: a plugin's own key-value state
 //!   usage/<tenant u32>/<minute u64>  UsageRecord: one minute's counters
 //!   audit/<seq u64>                  AuditRecord
 //! ```
@@ -32,8 +34,8 @@ pub mod sled_storage;
 pub mod usage;
 
 use records::{
-    AuditRecord, KeyRecord, Meta, PluginRecord, TenantRecord, UsageRecord, Versioned,
-    FORMAT_VERSION,
+    AuditRecord, KeyRecord, Meta, PluginRecord, PluginStateRecord, TenantRecord, UsageRecord,
+    Versioned, FORMAT_VERSION,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -143,6 +145,28 @@ fn plugin_key(tenant: u32, name: &str) -> Vec<u8> {
 
 fn plugin_wasm_key(sha256_hex: &str) -> Vec<u8> {
     format!("plugin_wasm/{sha256_hex}").into_bytes()
+}
+
+fn plugin_compiled_key(sha256_hex: &str) -> Vec<u8> {
+    format!("plugin_compiled/{sha256_hex}").into_bytes()
+}
+
+fn plugin_state_prefix(tenant: u32, plugin: &str) -> Vec<u8> {
+    [
+        key_u32("pstate/", tenant).as_slice(),
+        b"/",
+        plugin.as_bytes(),
+        b"/",
+    ]
+    .concat()
+}
+
+fn plugin_state_key(tenant: u32, plugin: &str, key: &str) -> Vec<u8> {
+    [
+        plugin_state_prefix(tenant, plugin).as_slice(),
+        key.as_bytes(),
+    ]
+    .concat()
 }
 
 fn usage_prefix(tenant: u32) -> Vec<u8> {
@@ -278,6 +302,36 @@ impl Batch {
     /// Removes a component's bytes.
     pub fn delete_plugin_wasm(&mut self, sha256_hex: &str) -> &mut Self {
         self.delete(plugin_wasm_key(sha256_hex))
+    }
+
+    /// Stores a component's compiled form.
+    pub fn put_plugin_compiled(&mut self, sha256_hex: &str, sealed: Vec<u8>) -> &mut Self {
+        self.writes.push(Write::Put {
+            key: plugin_compiled_key(sha256_hex),
+            value: sealed,
+        });
+        self
+    }
+
+    /// Removes a component's compiled form.
+    pub fn delete_plugin_compiled(&mut self, sha256_hex: &str) -> &mut Self {
+        self.delete(plugin_compiled_key(sha256_hex))
+    }
+
+    /// Sets an entry of a plugin's own state.
+    pub fn put_plugin_state(
+        &mut self,
+        tenant: u32,
+        plugin: &str,
+        key: &str,
+        record: &PluginStateRecord,
+    ) -> &mut Self {
+        self.put(plugin_state_key(tenant, plugin, key), record)
+    }
+
+    /// Removes an entry of a plugin's own state.
+    pub fn delete_plugin_state(&mut self, tenant: u32, plugin: &str, key: &str) -> &mut Self {
+        self.delete(plugin_state_key(tenant, plugin, key))
     }
 
     /// Sets one minute's usage counters of a tenant.
@@ -428,6 +482,41 @@ impl Store {
     /// A component's bytes.
     pub fn plugin_wasm(&self, sha256_hex: &str) -> Result<Option<Vec<u8>>, StoreError> {
         self.storage.get(&plugin_wasm_key(sha256_hex))
+    }
+
+    /// A component's sealed compiled form.
+    pub fn plugin_compiled(&self, sha256_hex: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.storage.get(&plugin_compiled_key(sha256_hex))
+    }
+
+    /// An entry of a plugin's own state.
+    pub fn plugin_state(
+        &self,
+        tenant: u32,
+        plugin: &str,
+        key: &str,
+    ) -> Result<Option<PluginStateRecord>, StoreError> {
+        self.get(&plugin_state_key(tenant, plugin, key))
+    }
+
+    /// Up to `limit` entries of a plugin's own state, by key.
+    pub fn plugin_state_entries(
+        &self,
+        tenant: u32,
+        plugin: &str,
+        limit: usize,
+    ) -> Result<Vec<(String, PluginStateRecord)>, StoreError> {
+        let prefix = plugin_state_prefix(tenant, plugin);
+        Ok(self
+            .scan::<PluginStateRecord>(&prefix, None, limit)?
+            .into_iter()
+            .map(|(key, record)| {
+                (
+                    String::from_utf8_lossy(&key[prefix.len()..]).into_owned(),
+                    record,
+                )
+            })
+            .collect())
     }
 
     /// A tenant's usage, minute by minute, for minutes in `from..to`.

@@ -104,6 +104,34 @@ pub struct PluginRecord {
     pub enabled: bool,
     /// Last uploaded, Unix milliseconds.
     pub uploaded_ms: u64,
+    /// Its place in the tenant's chain (lower runs first; ties by name).
+    #[serde(default)]
+    pub order: u32,
+    /// Limits it asked for, below the deployment's (None: the deployment's).
+    #[serde(default)]
+    pub limits: PluginLimitsRequest,
+}
+
+/// Limits a plugin asks for: each at most the deployment's maximum.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginLimitsRequest {
+    /// Wall-clock bound of a call, milliseconds.
+    pub deadline_ms: Option<u64>,
+    /// Fuel of a call.
+    pub fuel: Option<u64>,
+    /// Linear memory, bytes.
+    pub memory_bytes: Option<u64>,
+}
+
+/// One entry of a plugin's own key-value state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginStateRecord {
+    /// The value, hex.
+    pub value_hex: String,
+    /// When it expires, Unix milliseconds.
+    pub expires_ms: Option<u64>,
 }
 
 /// One minute of a tenant's usage.

@@ -10,7 +10,7 @@
 
 use super::records::{AuditRecord, UsageRecord};
 use super::{Batch, Store, StoreError};
-use crate::engine::request::{FinishReason, Usage};
+use crate::engine::request::{FinishReason, RequestId, Usage};
 use crate::engine::scheduler::FinishSink;
 use crate::tenancy::control::now_ms;
 use crate::tenancy::TenantId;
@@ -35,7 +35,7 @@ pub struct UsageBook {
 }
 
 impl FinishSink for UsageBook {
-    fn finished(&self, tenant: TenantId, reason: FinishReason, usage: Usage) {
+    fn finished(&self, _request: RequestId, tenant: TenantId, reason: FinishReason, usage: Usage) {
         self.record(
             tenant,
             now_ms(),

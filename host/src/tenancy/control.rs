@@ -26,8 +26,9 @@ use super::{
 use crate::config::{Capacity, CapacityViolation, Config};
 use crate::engine::scheduler::TenantLimits;
 use crate::engine::service::{ChangeError, EngineHandle, TenantChange};
+use crate::policy::PolicyRuntime;
 use crate::store::records::{
-    AuditRecord, KeyRecord, KeySource, PluginRecord, TenantRecord, UsageRecord,
+    AuditRecord, KeyRecord, KeySource, PluginLimitsRequest, PluginRecord, TenantRecord, UsageRecord,
 };
 use crate::store::usage::{minute_of, UsageBook};
 use crate::store::{Batch, Store, StoreError};
@@ -190,6 +191,33 @@ impl From<&TenantRecord> for TenantView {
     }
 }
 
+/// How a plugin is uploaded: its place in the chain and the limits it asks
+/// for (query parameters of the upload).
+#[derive(Clone, Copy, Debug, Default, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct UploadOptions {
+    /// Its place in the tenant's chain (lower runs first; default: after the
+    /// others, or where its previous version was).
+    pub order: Option<u32>,
+    /// A lower wall-clock bound per call, milliseconds.
+    pub deadline_ms: Option<u64>,
+    /// Less fuel per call.
+    pub fuel: Option<u64>,
+    /// Less linear memory, bytes.
+    pub memory_bytes: Option<u64>,
+}
+
+impl UploadOptions {
+    fn limits(&self) -> PluginLimitsRequest {
+        PluginLimitsRequest {
+            deadline_ms: self.deadline_ms,
+            fuel: self.fuel,
+            memory_bytes: self.memory_bytes,
+        }
+    }
+}
+
 /// A change to some of a tenant's limits; absent fields keep their value.
 #[derive(Clone, Copy, Debug, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -267,6 +295,8 @@ pub struct IssuedKey {
 /// A plugin's metadata.
 #[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct PluginView {
+    /// Its place in the chain (lower runs first).
+    pub order: u32,
     /// Its name.
     pub name: String,
     /// Uploads so far under this name.
@@ -284,6 +314,7 @@ pub struct PluginView {
 impl From<&PluginRecord> for PluginView {
     fn from(p: &PluginRecord) -> PluginView {
         PluginView {
+            order: p.order,
             name: p.name.clone(),
             version: p.version,
             sha256: p.sha256.clone(),
@@ -421,6 +452,7 @@ pub struct Control {
     store: Arc<Store>,
     registry: Arc<Registry>,
     engine: EngineHandle,
+    policy: Arc<PolicyRuntime>,
     usage: Arc<UsageBook>,
     config: Arc<Config>,
     model_context_tokens: u64,
@@ -445,6 +477,7 @@ impl Control {
         store: Arc<Store>,
         registry: Arc<Registry>,
         engine: EngineHandle,
+        policy: Arc<PolicyRuntime>,
         usage: Arc<UsageBook>,
         config: Arc<Config>,
         model_context_tokens: u64,
@@ -453,6 +486,7 @@ impl Control {
             store,
             registry,
             engine,
+            policy,
             usage,
             config,
             model_context_tokens,
@@ -673,8 +707,15 @@ impl Control {
             batch.delete_key(&key.id);
         }
         for plugin in &plugins {
-            batch.delete_plugin(record.id, &plugin.name);
-            batch.delete_plugin_wasm(&plugin.sha256);
+            batch
+                .delete_plugin(record.id, &plugin.name)
+                .delete_plugin_wasm(&plugin.sha256)
+                .delete_plugin_compiled(&plugin.sha256);
+            blocking(|| {
+                self.policy
+                    .state()
+                    .forget(&mut batch, TenantId(record.id), &plugin.name)
+            })?;
         }
         batch.audit(with_detail(
             audit(actor, "tenant.delete", name),
@@ -688,6 +729,7 @@ impl Control {
             .await;
         self.publish()?;
         committed?;
+        self.policy.forget(TenantId(record.id), None);
         Ok(ended)
     }
 
@@ -799,15 +841,17 @@ impl Control {
     }
 
     /// Stores a plugin component for `tenant` under `name` (a new version when
-    /// the name exists). Checks here: the name, the size, and that the bytes
-    /// are a WebAssembly component rather than a core module; compiling and
-    /// checking its world come with the plugin runtime.
+    /// the name exists) and swaps it into the tenant's chain for the next
+    /// request. It is refused, with nothing written and the old version left
+    /// serving, when it is not a component of the tenant world within the
+    /// limits, or asks for more than the deployment's limits.
     pub async fn upload_plugin(
         &self,
         actor: &Actor,
         tenant: TenantRef<'_>,
         name: &str,
         bytes: &[u8],
+        options: UploadOptions,
     ) -> Result<PluginView, ControlError> {
         let _write = self.writes.lock().await;
         if !valid_name(name) || name.len() > PLUGIN_NAME_BYTES_MAX {
@@ -817,6 +861,10 @@ impl Control {
             ));
         }
         check_component(bytes)?;
+        self.policy
+            .limits()
+            .lowered(&options.limits())
+            .map_err(|reason| invalid("limits", reason))?;
         let record = self.tenant_record(tenant)?;
         let existing = blocking(|| self.store.plugins(record.id))?;
         let previous = existing.iter().find(|p| p.name == name);
@@ -826,6 +874,13 @@ impl Control {
                 max: PLUGINS_PER_TENANT_MAX,
             });
         }
+        // Compile and check the world before anything is written.
+        let component =
+            blocking(|| self.policy.compile(bytes, false)).map_err(|e| invalid("body", e.0))?;
+        let sealed = self
+            .policy
+            .seal(&component)
+            .map_err(|e| ControlError::Store(StoreError::Io(format!("sealing a plugin: {e}"))))?;
         let sha256 = hex(&Sha256::digest(bytes));
         let plugin = PluginRecord {
             tenant: record.id,
@@ -835,11 +890,20 @@ impl Control {
             size_bytes: bytes.len() as u64,
             enabled: previous.is_none_or(|p| p.enabled),
             uploaded_ms: now_ms(),
+            order: options
+                .order
+                .unwrap_or_else(|| previous.map_or(existing.len() as u32, |p| p.order)),
+            limits: options.limits(),
         };
         let mut batch = Batch::default();
-        batch.put_plugin_wasm(&sha256, bytes).put_plugin(&plugin);
+        batch
+            .put_plugin_wasm(&sha256, bytes)
+            .put_plugin_compiled(&sha256, sealed)
+            .put_plugin(&plugin);
         if let Some(old) = previous.filter(|p| p.sha256 != sha256) {
-            batch.delete_plugin_wasm(&old.sha256);
+            batch
+                .delete_plugin_wasm(&old.sha256)
+                .delete_plugin_compiled(&old.sha256);
         }
         batch.audit(with_detail(
             audit(actor, "plugin.upload", &record.name),
@@ -851,7 +915,53 @@ impl Control {
             ],
         ));
         self.commit_or_undo(batch, None).await?;
+        self.policy
+            .install(&plugin, &component)
+            .map_err(|e| invalid("limits", e.0))?;
         Ok(PluginView::from(&plugin))
+    }
+
+    /// Installs every enabled plugin of every tenant (start-up): from its
+    /// sealed compiled form when this host sealed it, else compiled again
+    /// (and the new form stored). A plugin that no longer loads is disabled,
+    /// audited, and the server starts without it.
+    pub fn load_plugins(&self) -> Result<(), ControlError> {
+        for tenant in self.store.tenants()? {
+            for mut plugin in self.store.plugins(tenant.id)? {
+                if !plugin.enabled {
+                    continue;
+                }
+                let wasm = self.store.plugin_wasm(&plugin.sha256)?.unwrap_or_default();
+                let sealed = self.store.plugin_compiled(&plugin.sha256)?;
+                let loaded =
+                    self.policy
+                        .load(sealed.as_deref(), &wasm)
+                        .and_then(|(component, resealed)| {
+                            self.policy.install(&plugin, &component)?;
+                            Ok(resealed)
+                        });
+                let mut batch = Batch::default();
+                match loaded {
+                    Ok(None) => continue,
+                    Ok(Some(resealed)) => {
+                        batch.put_plugin_compiled(&plugin.sha256, resealed);
+                    }
+                    Err(error) => {
+                        tracing::error!(tenant = %tenant.name, plugin = %plugin.name, %error, "plugin does not load; disabled");
+                        plugin.enabled = false;
+                        batch.put_plugin(&plugin).audit(with_detail(
+                            audit(&Actor::System, "plugin.disable", &tenant.name),
+                            [
+                                ("plugin", plugin.name.clone().into()),
+                                ("reason", "load".into()),
+                            ],
+                        ));
+                    }
+                }
+                self.store.commit(batch)?;
+            }
+        }
+        Ok(())
     }
 
     /// Enables or disables a plugin; the next request follows.
@@ -865,17 +975,36 @@ impl Control {
         let _write = self.writes.lock().await;
         let (owner, mut plugin) = self.plugin_record(tenant, name)?;
         plugin.enabled = enabled;
+        let component = if enabled {
+            let wasm = blocking(|| self.store.plugin_wasm(&plugin.sha256))?.unwrap_or_default();
+            let sealed = blocking(|| self.store.plugin_compiled(&plugin.sha256))?;
+            let (component, _) = blocking(|| self.policy.load(sealed.as_deref(), &wasm))
+                .map_err(|e| invalid("plugin", e.0))?;
+            Some(component)
+        } else {
+            None
+        };
         let action = if enabled {
             "plugin.enable"
         } else {
             "plugin.disable"
         };
+        let mut detail = vec![("plugin", name.into())];
+        if matches!(actor, Actor::System) {
+            detail.push(("reason", "faults".into()));
+        }
         let mut batch = Batch::default();
-        batch.put_plugin(&plugin).audit(with_detail(
-            audit(actor, action, &owner),
-            [("plugin", name.into())],
-        ));
+        batch
+            .put_plugin(&plugin)
+            .audit(with_detail(audit(actor, action, &owner), detail));
         self.commit_or_undo(batch, None).await?;
+        match component {
+            Some(component) => self
+                .policy
+                .install(&plugin, &component)
+                .map_err(|e| invalid("plugin", e.0))?,
+            None => self.policy.remove(TenantId(plugin.tenant), name),
+        }
         Ok(PluginView::from(&plugin))
     }
 
@@ -892,11 +1021,19 @@ impl Control {
         batch
             .delete_plugin(plugin.tenant, name)
             .delete_plugin_wasm(&plugin.sha256)
-            .audit(with_detail(
-                audit(actor, "plugin.delete", &owner),
-                [("plugin", name.into())],
-            ));
-        self.commit_or_undo(batch, None).await
+            .delete_plugin_compiled(&plugin.sha256);
+        blocking(|| {
+            self.policy
+                .state()
+                .forget(&mut batch, TenantId(plugin.tenant), name)
+        })?;
+        batch.audit(with_detail(
+            audit(actor, "plugin.delete", &owner),
+            [("plugin", name.into())],
+        ));
+        self.commit_or_undo(batch, None).await?;
+        self.policy.forget(TenantId(plugin.tenant), Some(name));
+        Ok(())
     }
 
     /// The tenant's name and its plugin `name`.

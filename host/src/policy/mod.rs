@@ -1,0 +1,956 @@
+//! Policy plugins: tenants' and operators' admission and routing decisions,
+//! WebAssembly components run in a sandbox on every request (I1, I10).
+//!
+//! 1. **Compile and validate** ([`PolicyRuntime::compile`]) at upload: not
+//!    WebAssembly, a core module, the wrong world or version, an import the
+//!    host does not offer — each refused with a message before anything is
+//!    stored. The compiled form is kept sealed ([`artifact`]) so a restart does
+//!    not compile again.
+//! 2. **Install** a compiled plugin in its tenant's chain (ordered by `order`,
+//!    then name); uploading a new version swaps it in for the next request,
+//!    while requests already past admission finish with the version they
+//!    started with (each holds its chain).
+//! 3. **Admit** ([`PolicyRuntime::admit`]): operator plugins first, then the
+//!    tenant's, each in a fresh instance from a pre-instantiated template (the
+//!    pooling allocator; linear memory is zeroed between uses; no instance is
+//!    ever reused, across tenants or after a trap). The first reject wins;
+//!    adjustments can only tighten. Every call has four limits — an epoch
+//!    deadline and a wall-clock bound checked in every host call, fuel, and
+//!    memory/table/instance caps — plus caps on host calls and handles. A
+//!    fault fails the request closed (503 `policy_unavailable`) and counts
+//!    against the plugin; [`PluginsConfig::faults_max`] faults within the
+//!    window disable it (through the control plane: audited).
+//! 4. **Complete**: when an admitted request ends — any way, streamed or not —
+//!    its budget bookings are reconciled and each plugin of its chain gets
+//!    `on-complete` with the real counts, on a thread of its own.
+//!
+//! Plugin calls run on the tokenization lane's threads (tenants in turn),
+//! never on the engine thread or the async runtime's workers.
+
+pub mod artifact;
+pub mod budget;
+pub mod host;
+pub mod state;
+
+use crate::config::{Config, PluginsConfig};
+use crate::engine::admission::PRIORITY_DEFAULT;
+use crate::engine::request::{FinishReason, RequestId, Usage};
+use crate::engine::service::EngineHandle;
+use crate::store::records::{PluginLimitsRequest, PluginRecord};
+use crate::store::{Store, StoreError};
+use crate::tenancy::TenantId;
+use artifact::Sealer;
+use budget::Budgets;
+use host::bindings::bulkhead::policy::types::{
+    Adjustments, Completion, Decision, Endpoint, Header, Outcome, RequestView,
+};
+use host::bindings::OperatorPolicyPre;
+use host::{Call, CallState, HostTrap, Services};
+use state::PluginState;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+use wasmtime::component::{Component, Linker, ResourceTable};
+use wasmtime::{Engine, Store as WasmStore, StoreLimitsBuilder};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::WasiCtxBuilder;
+
+/// How often the epoch ticks (the unit of the epoch deadline).
+pub const EPOCH_TICK: Duration = Duration::from_millis(1);
+/// Most headers passed to a plugin.
+pub const HEADERS_MAX: usize = 64;
+/// Longest header value passed, in bytes (longer ones are left out).
+pub const HEADER_BYTES_MAX: usize = 1024;
+/// Headers never passed to a plugin.
+pub const CREDENTIAL_HEADERS: [&str; 4] = [
+    "authorization",
+    "cookie",
+    "proxy-authorization",
+    "x-api-key",
+];
+/// Longest reject code accepted from a plugin.
+pub const REJECT_CODE_BYTES_MAX: usize = 64;
+/// Longest reject message accepted (longer ones are cut).
+pub const REJECT_MESSAGE_BYTES_MAX: usize = 256;
+/// Longest `Retry-After` a plugin may ask for, in seconds.
+pub const RETRY_AFTER_SECS_MAX: u32 = 3600;
+
+/// The limits of one call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallLimits {
+    /// Wall clock, instantiation included.
+    pub deadline: Duration,
+    /// Fuel.
+    pub fuel: u64,
+    /// Linear memory, bytes.
+    pub memory_bytes: u64,
+    /// Host calls.
+    pub host_calls: u32,
+    /// Resource handles.
+    pub handles: u32,
+}
+
+impl CallLimits {
+    /// The deployment's limits (defaults and maximums).
+    pub fn of(config: &PluginsConfig) -> CallLimits {
+        CallLimits {
+            deadline: Duration::from_millis(config.deadline_ms),
+            fuel: config.fuel,
+            memory_bytes: config.memory_bytes,
+            host_calls: config.host_calls_max,
+            handles: config.handles_max,
+        }
+    }
+
+    /// These limits lowered to what a plugin asked for; more than these is an
+    /// error naming the field.
+    pub fn lowered(&self, asked: &PluginLimitsRequest) -> Result<CallLimits, String> {
+        let pick = |field: &str, asked: Option<u64>, max: u64| match asked {
+            None => Ok(max),
+            Some(0) => Err(format!("{field} must be at least 1")),
+            Some(v) if v > max => Err(format!("{field} is at most {max} in this deployment")),
+            Some(v) => Ok(v),
+        };
+        Ok(CallLimits {
+            deadline: Duration::from_millis(pick(
+                "deadline_ms",
+                asked.deadline_ms,
+                self.deadline.as_millis() as u64,
+            )?),
+            fuel: pick("fuel", asked.fuel, self.fuel)?,
+            memory_bytes: pick("memory_bytes", asked.memory_bytes, self.memory_bytes)?,
+            ..*self
+        })
+    }
+}
+
+/// Why a component was refused at upload (400, with the message).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidPlugin(pub String);
+
+/// Why the runtime could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    /// Wasmtime's engine or linker.
+    #[error("plugin runtime: {0}")]
+    Runtime(String),
+    /// An operator plugin from the policy file.
+    #[error("operator plugin {name} ({path}): {message}")]
+    Operator {
+        /// Its name.
+        name: String,
+        /// Its file.
+        path: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The store.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// How a call failed: the request fails closed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// Out of fuel.
+    Fuel,
+    /// The epoch deadline or the wall clock.
+    Deadline,
+    /// Memory, tables or instances over their caps.
+    Memory,
+    /// Host calls or handles over their caps, or a bad handle.
+    HostLimit,
+    /// Any other trap (unreachable, a panic, a bad instantiation).
+    Trap,
+}
+
+impl FaultKind {
+    /// The metric and audit label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FaultKind::Fuel => "fuel",
+            FaultKind::Deadline => "deadline",
+            FaultKind::Memory => "memory",
+            FaultKind::HostLimit => "host_limit",
+            FaultKind::Trap => "trap",
+        }
+    }
+
+    fn of(error: &wasmtime::Error) -> FaultKind {
+        if let Some(trap) = error.downcast_ref::<wasmtime::Trap>() {
+            return match trap {
+                wasmtime::Trap::OutOfFuel => FaultKind::Fuel,
+                wasmtime::Trap::Interrupt => FaultKind::Deadline,
+                wasmtime::Trap::AllocationTooLarge => FaultKind::Memory,
+                _ => FaultKind::Trap,
+            };
+        }
+        match error.downcast_ref::<HostTrap>() {
+            Some(HostTrap::Deadline) => FaultKind::Deadline,
+            Some(_) => FaultKind::HostLimit,
+            None if format!("{error:#}").contains("grow") => FaultKind::Memory,
+            None => FaultKind::Trap,
+        }
+    }
+}
+
+/// A plugin's refusal, cleaned up for the client.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PluginRejection {
+    /// The plugin.
+    pub plugin: String,
+    /// 400, 403 or 429.
+    pub status: u16,
+    /// `[a-z0-9_]`, at most 64.
+    pub code: String,
+    /// At most 256 bytes, no control characters.
+    pub message: String,
+    /// Seconds, for a 429.
+    pub retry_after_secs: Option<u32>,
+}
+
+/// What the chain decided.
+#[derive(Debug)]
+pub enum Verdict {
+    /// Admitted, maybe tightened.
+    Admit {
+        /// A lower limit on generated tokens.
+        max_tokens: Option<u32>,
+        /// A lower priority.
+        priority: Option<u8>,
+    },
+    /// Refused by a plugin.
+    Reject(PluginRejection),
+    /// A plugin failed: the request fails closed.
+    Fault {
+        /// The plugin.
+        plugin: String,
+        /// How.
+        kind: FaultKind,
+    },
+}
+
+/// A request as the chain sees it.
+pub struct AdmitInput {
+    /// Its id.
+    pub request: RequestId,
+    /// Its tenant.
+    pub tenant: TenantId,
+    /// The tenant's name.
+    pub tenant_name: String,
+    /// The model asked for.
+    pub model: String,
+    /// Chat or completions.
+    pub chat: bool,
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Most tokens to generate.
+    pub max_tokens: u32,
+    /// Streamed.
+    pub stream: bool,
+    /// Its headers, credentials already removed ([`plugin_headers`]).
+    pub headers: Vec<(String, String)>,
+    /// The prompt text, only when operator plugins may read it.
+    pub prompt_text: Option<Arc<str>>,
+}
+
+/// A compiled plugin.
+pub struct Plugin {
+    /// Its name.
+    pub name: Arc<str>,
+    /// Its tenant; None for an operator plugin.
+    pub tenant: Option<TenantId>,
+    /// Its version (uploads under its name).
+    pub version: u32,
+    /// Its place in the chain.
+    pub order: u32,
+    pre: OperatorPolicyPre<CallState>,
+    limits: CallLimits,
+    faults: Mutex<VecDeque<Instant>>,
+    tripped: AtomicBool,
+}
+
+/// A plugin to disable: repeated faults.
+#[derive(Clone, Debug)]
+pub struct Trip {
+    /// Its tenant (never an operator plugin: those are the deployment's).
+    pub tenant: TenantId,
+    /// Its name.
+    pub plugin: String,
+    /// Faults in the window.
+    pub faults: u32,
+}
+
+/// A request past the chain, until it ends.
+struct Inflight {
+    tenant: TenantId,
+    tenant_name: String,
+    chain: Vec<Arc<Plugin>>,
+    arrived: Instant,
+}
+
+/// An ended request, for the completion thread.
+struct Ended {
+    request: RequestId,
+    outcome: Outcome,
+    usage: Usage,
+}
+
+/// The plugin host.
+pub struct PolicyRuntime {
+    engine: Engine,
+    tenant_linker: Linker<CallState>,
+    operator_linker: Linker<CallState>,
+    services: Arc<Services>,
+    limits: CallLimits,
+    faults_max: u32,
+    fault_window: Duration,
+    operator_prompt_text: bool,
+    operator: Vec<Arc<Plugin>>,
+    tenants: RwLock<HashMap<TenantId, Vec<Arc<Plugin>>>>,
+    inflight: Mutex<HashMap<RequestId, Inflight>>,
+    sealer: Sealer,
+    trips: Mutex<Option<mpsc::Sender<Trip>>>,
+    ended: Mutex<Option<mpsc::Sender<Ended>>>,
+    ticker_stop: Arc<AtomicBool>,
+}
+
+/// Wasmtime's engine for plugins: component model, fuel, epochs, pooling.
+fn engine(config: &PluginsConfig) -> wasmtime::Result<Engine> {
+    let mut pooling = wasmtime::PoolingAllocationConfig::default();
+    let slots = config.instances_max;
+    pooling
+        .total_component_instances(slots)
+        .total_core_instances(slots.saturating_mul(4))
+        .total_memories(slots.saturating_mul(2))
+        .total_tables(slots.saturating_mul(4))
+        .total_stacks(slots)
+        .max_memory_size(config.memory_bytes as usize)
+        .max_memories_per_component(2)
+        .max_core_instances_per_component(16)
+        .max_tables_per_component(8)
+        .table_elements(20_000)
+        // Every linear memory goes back to zeros when its slot is freed.
+        .linear_memory_keep_resident(0);
+    let mut wasm = wasmtime::Config::new();
+    wasm.wasm_component_model(true)
+        .consume_fuel(true)
+        .epoch_interruption(true)
+        .max_wasm_stack(512 << 10)
+        .memory_reservation(config.memory_bytes.next_power_of_two().max(64 << 10))
+        .memory_guard_size(64 << 10)
+        .allocation_strategy(wasmtime::InstanceAllocationStrategy::Pooling(pooling));
+    Engine::new(&wasm)
+}
+
+fn clean_code(code: &str) -> String {
+    let ok = !code.is_empty()
+        && code.len() <= REJECT_CODE_BYTES_MAX
+        && code
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok {
+        code.to_string()
+    } else {
+        "policy_rejected".into()
+    }
+}
+
+fn clean_message(message: &str) -> String {
+    let mut out = String::new();
+    for c in message.chars().filter(|c| !c.is_control()) {
+        if out.len() + c.len_utf8() > REJECT_MESSAGE_BYTES_MAX {
+            break;
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The headers a plugin may see: lower-case names, no credentials, UTF-8
+/// values of at most [`HEADER_BYTES_MAX`], at most [`HEADERS_MAX`].
+pub fn plugin_headers(headers: &axum::http::HeaderMap) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .filter(|(name, _)| !CREDENTIAL_HEADERS.contains(&name.as_str()))
+        .filter_map(|(name, value)| {
+            let value = value.to_str().ok()?;
+            (value.len() <= HEADER_BYTES_MAX)
+                .then(|| (name.as_str().to_string(), value.to_string()))
+        })
+        .take(HEADERS_MAX)
+        .collect()
+}
+
+fn outcome_of(reason: FinishReason) -> Outcome {
+    match reason {
+        FinishReason::Stop => Outcome::Stop,
+        FinishReason::Length => Outcome::Length,
+        FinishReason::Cancelled => Outcome::Cancelled,
+        FinishReason::Timeout => Outcome::Timeout,
+        FinishReason::Error => Outcome::Error,
+        FinishReason::Shutdown => Outcome::Shutdown,
+        FinishReason::TenantRemoved => Outcome::TenantRemoved,
+    }
+}
+
+impl PolicyRuntime {
+    /// The runtime for `config`, with the operator's plugins compiled from
+    /// their files; `store_dir` keeps the sealing secret.
+    pub fn new(
+        config: &Config,
+        store: Arc<Store>,
+        store_dir: &std::path::Path,
+        engine_handle: EngineHandle,
+    ) -> Result<Arc<PolicyRuntime>, PolicyError> {
+        let runtime_error = |e: wasmtime::Error| PolicyError::Runtime(format!("{e:#}"));
+        let plugins = &config.plugins;
+        let engine = engine(plugins).map_err(runtime_error)?;
+        let sealer = Sealer::open(store_dir, &engine)
+            .map_err(|e| PolicyError::Runtime(format!("{}: {e}", artifact::SECRET_FILE)))?;
+        let mut runtime = PolicyRuntime {
+            tenant_linker: host::linker(&engine, false).map_err(runtime_error)?,
+            operator_linker: host::linker(&engine, true).map_err(runtime_error)?,
+            engine,
+            services: Arc::new(Services {
+                budgets: Budgets::default(),
+                state: PluginState::new(store),
+                engine: engine_handle,
+            }),
+            limits: CallLimits::of(plugins),
+            faults_max: plugins.faults_max,
+            fault_window: Duration::from_millis(plugins.fault_window_ms),
+            operator_prompt_text: plugins.operator_prompt_text,
+            operator: Vec::new(),
+            tenants: RwLock::new(HashMap::new()),
+            inflight: Mutex::new(HashMap::new()),
+            sealer,
+            trips: Mutex::new(None),
+            ended: Mutex::new(None),
+            ticker_stop: Arc::new(AtomicBool::new(false)),
+        };
+        for (order, operator) in plugins.operator.iter().enumerate() {
+            let path = config.resolve(&operator.path);
+            let error = |message: String| PolicyError::Operator {
+                name: operator.name.clone(),
+                path: path.display().to_string(),
+                message,
+            };
+            let bytes = std::fs::read(&path).map_err(|e| error(e.to_string()))?;
+            let component = runtime.compile(&bytes, true).map_err(|e| error(e.0))?;
+            let plugin = runtime
+                .plugin(
+                    &component,
+                    &operator.name,
+                    None,
+                    1,
+                    order as u32,
+                    runtime.limits,
+                    true,
+                )
+                .map_err(|e| error(e.0))?;
+            runtime.operator.push(Arc::new(plugin));
+        }
+        let runtime = Arc::new(runtime);
+        runtime.start_ticker();
+        runtime.start_completions();
+        Ok(runtime)
+    }
+
+    /// The deployment's call limits.
+    pub fn limits(&self) -> CallLimits {
+        self.limits
+    }
+
+    /// Where repeated faults are reported (the control plane disables the plugin).
+    pub fn on_trip(&self, trips: mpsc::Sender<Trip>) {
+        *self.trips.lock().unwrap_or_else(|p| p.into_inner()) = Some(trips);
+    }
+
+    /// Whether the request path should capture prompt text for operator plugins.
+    pub fn wants_prompt_text(&self) -> bool {
+        self.operator_prompt_text && !self.operator.is_empty()
+    }
+
+    /// Whether `tenant` has any plugin to run (operator plugins included).
+    pub fn has_chain(&self, tenant: TenantId) -> bool {
+        !self.operator.is_empty()
+            || self
+                .tenants
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&tenant)
+                .is_some_and(|c| !c.is_empty())
+    }
+
+    /// Ticks the engine's epoch every [`EPOCH_TICK`] until the runtime drops.
+    fn start_ticker(self: &Arc<Self>) {
+        let engine = self.engine.clone();
+        let stop = Arc::clone(&self.ticker_stop);
+        let _ = std::thread::Builder::new()
+            .name("bulkhead-epoch".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    engine.increment_epoch();
+                }
+            });
+    }
+
+    /// Runs `on-complete` calls on a thread of their own.
+    fn start_completions(self: &Arc<Self>) {
+        let (tx, rx) = mpsc::channel::<Ended>();
+        *self.ended.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
+        let runtime = Arc::downgrade(self);
+        let _ = std::thread::Builder::new()
+            .name("bulkhead-plugin-complete".into())
+            .spawn(move || {
+                for ended in rx {
+                    let Some(runtime) = runtime.upgrade() else {
+                        return;
+                    };
+                    runtime.complete(ended);
+                }
+            });
+    }
+
+    /// Compiles and validates a component for the tenant world (or the
+    /// operator world): refused with a message when it is not one.
+    pub fn compile(&self, bytes: &[u8], operator: bool) -> Result<Component, InvalidPlugin> {
+        let component = Component::new(&self.engine, bytes).map_err(|e| {
+            let text = format!("{e:#}");
+            InvalidPlugin(
+                if text.contains("core module") || text.contains("component") {
+                    format!("not a WebAssembly component for wasm32-wasip2: {text}")
+                } else {
+                    format!("not a valid WebAssembly component: {text}")
+                },
+            )
+        })?;
+        self.pre(&component, operator)?;
+        Ok(component)
+    }
+
+    fn pre(
+        &self,
+        component: &Component,
+        operator: bool,
+    ) -> Result<OperatorPolicyPre<CallState>, InvalidPlugin> {
+        let linker = if operator {
+            &self.operator_linker
+        } else {
+            &self.tenant_linker
+        };
+        let pre = linker.instantiate_pre(component).map_err(|e| {
+            InvalidPlugin(format!(
+                "it imports what the host does not offer (the {} world of bulkhead:policy@0.1.0): {e:#}",
+                if operator { "operator-policy" } else { "tenant-policy" }
+            ))
+        })?;
+        OperatorPolicyPre::new(pre).map_err(|e| {
+            InvalidPlugin(format!(
+                "it does not export bulkhead:policy/policy@0.1.0 (admit, route, on-complete): {e:#}"
+            ))
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn plugin(
+        &self,
+        component: &Component,
+        name: &str,
+        tenant: Option<TenantId>,
+        version: u32,
+        order: u32,
+        limits: CallLimits,
+        operator: bool,
+    ) -> Result<Plugin, InvalidPlugin> {
+        Ok(Plugin {
+            name: Arc::from(name),
+            tenant,
+            version,
+            order,
+            pre: self.pre(component, operator)?,
+            limits,
+            faults: Mutex::new(VecDeque::new()),
+            tripped: AtomicBool::new(false),
+        })
+    }
+
+    /// The sealed compiled form of `component`, to keep in the store.
+    pub fn seal(&self, component: &Component) -> Result<Vec<u8>, String> {
+        self.sealer.seal(component).map_err(|e| format!("{e:#}"))
+    }
+
+    /// The component of `record`: from its sealed compiled form when this
+    /// host sealed it, else compiled from `wasm` (and the new sealed form
+    /// returned, to store).
+    pub fn load(
+        &self,
+        sealed: Option<&[u8]>,
+        wasm: &[u8],
+    ) -> Result<(Component, Option<Vec<u8>>), InvalidPlugin> {
+        if let Some(component) = sealed.and_then(|s| self.sealer.open_sealed(&self.engine, s)) {
+            return Ok((component, None));
+        }
+        let component = self.compile(wasm, false)?;
+        let sealed = self.seal(&component).ok();
+        Ok((component, sealed))
+    }
+
+    /// Puts `record`'s plugin in its tenant's chain (replacing one of the same
+    /// name), or takes it out when disabled.
+    pub fn install(
+        &self,
+        record: &PluginRecord,
+        component: &Component,
+    ) -> Result<(), InvalidPlugin> {
+        let tenant = TenantId(record.tenant);
+        self.remove(tenant, &record.name);
+        if !record.enabled {
+            return Ok(());
+        }
+        let limits = self.limits.lowered(&record.limits).map_err(InvalidPlugin)?;
+        let plugin = Arc::new(self.plugin(
+            component,
+            &record.name,
+            Some(tenant),
+            record.version,
+            record.order,
+            limits,
+            false,
+        )?);
+        let mut tenants = self.tenants.write().unwrap_or_else(|p| p.into_inner());
+        let chain = tenants.entry(tenant).or_default();
+        chain.push(plugin);
+        chain.sort_by(|a, b| a.order.cmp(&b.order).then_with(|| a.name.cmp(&b.name)));
+        Ok(())
+    }
+
+    /// Takes a plugin out of its tenant's chain (requests already past
+    /// admission keep theirs).
+    pub fn remove(&self, tenant: TenantId, name: &str) {
+        let mut tenants = self.tenants.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(chain) = tenants.get_mut(&tenant) {
+            chain.retain(|p| &*p.name != name);
+        }
+    }
+
+    /// Forgets everything of a deleted plugin (or all of a deleted tenant's).
+    pub fn forget(&self, tenant: TenantId, name: Option<&str>) {
+        match name {
+            Some(name) => self.remove(tenant, name),
+            None => {
+                self.tenants
+                    .write()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&tenant);
+            }
+        }
+        self.services.budgets.forget(tenant, name);
+    }
+
+    /// The plugin state store (the control plane deletes a plugin's state).
+    pub fn state(&self) -> &PluginState {
+        &self.services.state
+    }
+
+    /// Runs the chain for a request (blocking: call it on the lane). Every
+    /// plugin that admits holds its bookings until the request ends; a
+    /// reject or a fault gives them back at once.
+    pub fn admit(&self, input: AdmitInput) -> Verdict {
+        let chain: Vec<Arc<Plugin>> = {
+            let tenants = self.tenants.read().unwrap_or_else(|p| p.into_inner());
+            self.operator
+                .iter()
+                .chain(tenants.get(&input.tenant).into_iter().flatten())
+                .filter(|p| !p.tripped.load(Ordering::Relaxed))
+                .cloned()
+                .collect()
+        };
+        if chain.is_empty() {
+            return Verdict::Admit {
+                max_tokens: None,
+                priority: None,
+            };
+        }
+        let mut view = RequestView {
+            request_id: input.request.0,
+            tenant: input.tenant_name.clone(),
+            model: input.model.clone(),
+            endpoint: if input.chat {
+                Endpoint::ChatCompletions
+            } else {
+                Endpoint::Completions
+            },
+            prompt_tokens: input.prompt_tokens,
+            max_tokens: input.max_tokens,
+            stream: input.stream,
+            priority: PRIORITY_DEFAULT,
+            headers: input
+                .headers
+                .iter()
+                .map(|(name, value)| Header {
+                    name: name.clone(),
+                    value: value.clone(),
+                })
+                .collect(),
+        };
+        let (mut max_tokens, mut priority) = (None, None);
+        for plugin in &chain {
+            let prompt = plugin
+                .tenant
+                .is_none()
+                .then(|| input.prompt_text.clone())
+                .flatten();
+            let decision = self.call(plugin, input.request, input.tenant, prompt, |p, store| {
+                p.bulkhead_policy_policy().call_admit(store, &view)
+            });
+            match decision {
+                Err(kind) => {
+                    self.services.budgets.release(input.request, Instant::now());
+                    return Verdict::Fault {
+                        plugin: plugin.name.to_string(),
+                        kind,
+                    };
+                }
+                Ok(Decision::Reject(r)) => {
+                    self.services.budgets.release(input.request, Instant::now());
+                    return Verdict::Reject(PluginRejection {
+                        plugin: plugin.name.to_string(),
+                        status: if matches!(r.status, 400 | 403 | 429) {
+                            r.status
+                        } else {
+                            403
+                        },
+                        code: clean_code(&r.code),
+                        message: clean_message(&r.message),
+                        retry_after_secs: r
+                            .retry_after_ms
+                            .map(|ms| ms.div_ceil(1000).clamp(1, RETRY_AFTER_SECS_MAX)),
+                    });
+                }
+                Ok(Decision::Admit(Adjustments {
+                    max_tokens: m,
+                    priority: p,
+                })) => {
+                    if let Some(m) = m.filter(|&m| m >= 1 && m < view.max_tokens) {
+                        view.max_tokens = m;
+                        max_tokens = Some(m);
+                    }
+                    if let Some(p) = p.filter(|&p| p < view.priority) {
+                        view.priority = p;
+                        priority = Some(p);
+                    }
+                }
+            }
+        }
+        self.inflight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                input.request,
+                Inflight {
+                    tenant: input.tenant,
+                    tenant_name: input.tenant_name,
+                    chain,
+                    arrived: Instant::now(),
+                },
+            );
+        Verdict::Admit {
+            max_tokens,
+            priority,
+        }
+    }
+
+    /// The request the chain admitted was refused afterwards (a full queue,
+    /// the engine gone): its bookings come back, its plugins hear `refused`.
+    pub fn refused(&self, request: RequestId, prompt_tokens: u32) {
+        self.services.budgets.release(request, Instant::now());
+        self.send_ended(Ended {
+            request,
+            outcome: Outcome::Refused,
+            usage: Usage {
+                prompt_tokens,
+                completion_tokens: 0,
+            },
+        });
+    }
+
+    /// A request ended in the engine (any reason): bookings are reconciled
+    /// with its real tokens and its plugins hear how it went. Cheap: called
+    /// on the engine thread.
+    pub fn finished(&self, request: RequestId, reason: FinishReason, usage: Usage) {
+        let tokens = u64::from(usage.prompt_tokens) + u64::from(usage.completion_tokens);
+        self.services
+            .budgets
+            .reconcile(request, tokens, Instant::now());
+        self.send_ended(Ended {
+            request,
+            outcome: outcome_of(reason),
+            usage,
+        });
+    }
+
+    fn send_ended(&self, ended: Ended) {
+        let known = self
+            .inflight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&ended.request);
+        if known {
+            if let Some(tx) = &*self.ended.lock().unwrap_or_else(|p| p.into_inner()) {
+                let _ = tx.send(ended);
+            }
+        }
+    }
+
+    /// `on-complete` for every plugin of an ended request's chain.
+    fn complete(&self, ended: Ended) {
+        let Some(inflight) = self
+            .inflight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&ended.request)
+        else {
+            return;
+        };
+        let completion = Completion {
+            request_id: ended.request.0,
+            outcome: ended.outcome,
+            prompt_tokens: ended.usage.prompt_tokens,
+            completion_tokens: ended.usage.completion_tokens,
+            elapsed_ms: inflight
+                .arrived
+                .elapsed()
+                .as_millis()
+                .min(u128::from(u32::MAX)) as u32,
+        };
+        for plugin in &inflight.chain {
+            let result = self.call(plugin, ended.request, inflight.tenant, None, |p, store| {
+                p.bulkhead_policy_policy()
+                    .call_on_complete(store, completion)
+            });
+            if let Err(kind) = result {
+                tracing::warn!(
+                    request_id = ended.request.0,
+                    tenant = %inflight.tenant_name,
+                    plugin = %plugin.name,
+                    fault = kind.as_str(),
+                    "on-complete failed"
+                );
+            }
+        }
+    }
+
+    /// One call in a fresh instance, with every limit set; a fault is
+    /// counted against the plugin.
+    fn call<R>(
+        &self,
+        plugin: &Arc<Plugin>,
+        request: RequestId,
+        tenant: TenantId,
+        prompt_text: Option<Arc<str>>,
+        f: impl FnOnce(
+            &host::bindings::OperatorPolicy,
+            &mut WasmStore<CallState>,
+        ) -> wasmtime::Result<R>,
+    ) -> Result<R, FaultKind> {
+        let started = Instant::now();
+        let limits = plugin.limits;
+        let stderr = MemoryOutputPipe::new(host::STDERR_BYTES_MAX);
+        let wasi = WasiCtxBuilder::new().stderr(stderr.clone()).build();
+        let state = CallState {
+            wasi,
+            table: ResourceTable::new(),
+            limits: StoreLimitsBuilder::new()
+                .memory_size(limits.memory_bytes as usize)
+                .instances(16)
+                .tables(8)
+                .memories(2)
+                .trap_on_grow_failure(true)
+                .build(),
+            call: Call {
+                request,
+                tenant,
+                plugin: Arc::clone(&plugin.name),
+                deadline: started + limits.deadline,
+                host_calls_left: limits.host_calls,
+                handles_left: limits.handles,
+                log_lines_left: host::LOG_LINES_MAX,
+                memory_max: limits.memory_bytes,
+                prompt_text,
+                services: Arc::clone(&self.services),
+            },
+        };
+        let mut store = WasmStore::new(&self.engine, state);
+        store.limiter(|s| &mut s.limits);
+        let ticks = (limits.deadline.as_millis() as u64 / EPOCH_TICK.as_millis() as u64).max(1);
+        store.set_epoch_deadline(ticks);
+        store.epoch_deadline_trap();
+        let result = store
+            .set_fuel(limits.fuel)
+            .and_then(|()| plugin.pre.instantiate(&mut store))
+            .and_then(|instance| f(&instance, &mut store));
+        let written = stderr.contents();
+        if !written.is_empty() {
+            // The plugin's own output, cut: a tenant plugin never sees request
+            // text, so it cannot write it here.
+            let text = String::from_utf8_lossy(&written);
+            tracing::info!(request_id = request.0, plugin = %plugin.name, stderr = %text.trim_end(), "plugin stderr");
+        }
+        let outcome = match &result {
+            Ok(_) => "ok",
+            Err(e) => FaultKind::of(e).as_str(),
+        };
+        crate::telemetry::count_plugin_call(outcome);
+        match result {
+            Ok(value) => Ok(value),
+            Err(error) => {
+                let kind = FaultKind::of(&error);
+                tracing::warn!(request_id = request.0, plugin = %plugin.name, fault = kind.as_str(), error = %format!("{error:#}"), "plugin call failed");
+                self.fault(plugin, kind);
+                Err(kind)
+            }
+        }
+    }
+
+    /// Counts a fault; past `faults_max` in the window, the plugin is
+    /// disabled (tenant plugins: reported for the control plane to record).
+    fn fault(&self, plugin: &Arc<Plugin>, kind: FaultKind) {
+        let now = Instant::now();
+        let mut faults = plugin.faults.lock().unwrap_or_else(|p| p.into_inner());
+        faults.push_back(now);
+        while faults
+            .front()
+            .is_some_and(|&at| now.duration_since(at) > self.fault_window)
+        {
+            faults.pop_front();
+        }
+        let count = faults.len() as u32;
+        drop(faults);
+        if count < self.faults_max || plugin.tripped.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        crate::telemetry::count_plugin_disabled();
+        tracing::warn!(plugin = %plugin.name, faults = count, last = kind.as_str(), "plugin disabled after repeated faults");
+        if let (Some(tenant), Some(tx)) = (
+            plugin.tenant,
+            &*self.trips.lock().unwrap_or_else(|p| p.into_inner()),
+        ) {
+            let _ = tx.send(Trip {
+                tenant,
+                plugin: plugin.name.to_string(),
+                faults: count,
+            });
+        }
+    }
+}
+
+impl Drop for PolicyRuntime {
+    fn drop(&mut self) {
+        self.ticker_stop.store(true, Ordering::Relaxed);
+    }
+}
