@@ -43,6 +43,9 @@ PY
     echo "setup: model installed: $model"
 fi
 
+# Policy plugins are WebAssembly components (plugins/, scripts/plugins.sh).
+rustup target add wasm32-wasip2 >/dev/null 2>&1 || echo "setup: could not add the wasm32-wasip2 target (rustup)" >&2
+
 if [ "${1:-}" = "--python" ]; then
     python3 -m pip install --quiet --disable-pip-version-check -r "$root/scripts/requirements.txt"
 fi

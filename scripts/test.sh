@@ -10,7 +10,10 @@ scripts/setup.sh
 # jsonschema (the admin API's OpenAPI check, tests/tests/admin.rs).
 python3 -m pip install --quiet --disable-pip-version-check \
     "$(grep '^openai==' scripts/requirements.txt)" "$(grep '^jsonschema==' scripts/requirements.txt)"
+# The policy plugins the end-to-end tests upload (tests/tests/plugins.rs).
+scripts/plugins.sh
 cargo fmt --all -- --check
+(cd plugins && cargo fmt --all -- --check)
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # End-to-end tests run the real binary; build it first.
 cargo build --locked -p bulkhead

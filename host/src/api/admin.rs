@@ -479,33 +479,32 @@ async fn upload_plugin(
     headers: HeaderMap,
     body: Body,
 ) -> Response<Body> {
-    let answer = async {
-        let options = query(options)?;
-        upload(
-            &app.control,
-            &Actor::Admin,
-            name(&tenant),
-            &plugin,
-            options,
-            &headers,
-            body,
-        )
-        .await
-    };
+    let answer = upload(
+        &app.control,
+        &Actor::Admin,
+        name(&tenant),
+        &plugin,
+        options,
+        &headers,
+        body,
+    );
     respond(&app, answer.await)
 }
 
-/// Reads a component body and stores it (admin and self-service alike).
+/// Reads a component body and stores it (admin and self-service alike). The
+/// body is read before the query is judged, so a refused upload still gets
+/// its answer rather than a reset connection.
 pub async fn upload(
     control: &Control,
     actor: &Actor,
     tenant: TenantRef<'_>,
     plugin: &str,
-    options: UploadOptions,
+    options: Result<Query<UploadOptions>, QueryRejection>,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response<Body>, ApiError> {
     let bytes = read_body(body, headers, PLUGIN_BYTES_MAX as u64).await?;
+    let options = query(options)?;
     let view = control
         .upload_plugin(actor, tenant, plugin, &bytes, options)
         .await?;

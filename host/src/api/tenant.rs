@@ -194,19 +194,15 @@ async fn upload_plugin(
     body: Body,
 ) -> Response<Body> {
     let actor = actor(&tenant);
-    let answer = async {
-        let options = query(options)?;
-        admin::upload(
-            &app.control,
-            &actor,
-            own(&tenant),
-            &plugin,
-            options,
-            &headers,
-            body,
-        )
-        .await
-    };
+    let answer = admin::upload(
+        &app.control,
+        &actor,
+        own(&tenant),
+        &plugin,
+        options,
+        &headers,
+        body,
+    );
     respond(&app, answer.await)
 }
 

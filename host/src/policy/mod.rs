@@ -31,6 +31,7 @@ pub mod artifact;
 pub mod budget;
 pub mod host;
 pub mod state;
+pub mod stderr;
 
 use crate::config::{Config, PluginsConfig};
 use crate::engine::admission::PRIORITY_DEFAULT;
@@ -53,7 +54,6 @@ use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use wasmtime::component::{Component, Linker, ResourceTable};
 use wasmtime::{Engine, Store as WasmStore, StoreLimitsBuilder};
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::WasiCtxBuilder;
 
 /// How often the epoch ticks (the unit of the epoch deadline).
@@ -860,7 +860,7 @@ impl PolicyRuntime {
     ) -> Result<R, FaultKind> {
         let started = Instant::now();
         let limits = plugin.limits;
-        let stderr = MemoryOutputPipe::new(host::STDERR_BYTES_MAX);
+        let stderr = stderr::CappedStderr::new(host::STDERR_BYTES_MAX);
         let wasi = WasiCtxBuilder::new().stderr(stderr.clone()).build();
         let state = CallState {
             wasi,

@@ -942,8 +942,12 @@ impl Control {
                         });
                 let mut batch = Batch::default();
                 match loaded {
-                    Ok(None) => continue,
+                    Ok(None) => {
+                        tracing::info!(tenant = %tenant.name, plugin = %plugin.name, compiled = false, "plugin loaded");
+                        continue;
+                    }
                     Ok(Some(resealed)) => {
+                        tracing::info!(tenant = %tenant.name, plugin = %plugin.name, compiled = true, "plugin loaded");
                         batch.put_plugin_compiled(&plugin.sha256, resealed);
                     }
                     Err(error) => {

@@ -80,6 +80,10 @@ pub struct Policy {
     pub beta_pending_max: u32,
     /// `store.path` (default: a folder next to the policy file).
     pub store_path: Option<PathBuf>,
+    /// Tenant alpha's `pending_max`.
+    pub alpha_pending_max: u32,
+    /// A `[plugins]` section (TOML), when not the defaults.
+    pub plugins_toml: String,
 }
 
 impl Default for Policy {
@@ -97,6 +101,8 @@ impl Default for Policy {
             idle_timeout_ms: 60_000,
             beta_pending_max: 8,
             store_path: None,
+            alpha_pending_max: 8,
+            plugins_toml: String::new(),
         }
     }
 }
@@ -127,6 +133,7 @@ request_timeout_ms = 120000
 drain_timeout_ms = {drain}
 {tls}
 {store}
+{plugins}
 [model]
 id = "{MODEL_ID}"
 path = "{model}"
@@ -143,6 +150,7 @@ step_seqs_max = 8
 [tenants.alpha]
 pages_reserved = 64
 pages_max = 96
+pending_max = {alpha_pending}
 key_env = "BULKHEAD_KEY_ALPHA"
 
 [tenants.beta]
@@ -169,6 +177,8 @@ key_env = "BULKHEAD_KEY_GAMMA"
             handshake = self.handshake_timeout_ms,
             idle = self.idle_timeout_ms,
             beta_pending = self.beta_pending_max,
+            alpha_pending = self.alpha_pending_max,
+            plugins = self.plugins_toml,
         )
     }
 }
@@ -592,4 +602,23 @@ pub fn eventually(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(50));
     }
     check()
+}
+
+/// A plugin component that `scripts/plugins.sh` builds (`rate_limit`,
+/// `probe`, ...), or `None` (and a "skipped:" line) when it is absent.
+pub fn plugin_wasm(name: &str) -> Option<PathBuf> {
+    let path = repo_root().join(format!("plugins/target/wasm32-wasip2/release/{name}.wasm"));
+    if path.exists() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_none(),
+        "BULKHEAD_REQUIRE_MODEL is set but {} is missing: run scripts/plugins.sh",
+        path.display()
+    );
+    eprintln!(
+        "skipped: {} is missing; run scripts/plugins.sh",
+        path.display()
+    );
+    None
 }
