@@ -12,8 +12,10 @@ use std::process::Command;
 use std::time::Duration;
 use support::*;
 
-/// A minimal WebAssembly component preamble (the plugin runtime checks more).
-const COMPONENT: &[u8] = &[0x00, 0x61, 0x73, 0x6d, 0x0d, 0x00, 0x01, 0x00];
+/// A real plugin component (plugins/size-cap), or None (skipped).
+fn component() -> Option<Vec<u8>> {
+    plugin_wasm("size_cap").map(|p| std::fs::read(p).unwrap())
+}
 /// A core module's preamble: refused.
 const CORE_MODULE: &[u8] = &[0x00, 0x61, 0x73, 0x6d, 0x01, 0x00, 0x00, 0x00];
 
@@ -414,6 +416,7 @@ fn a_store_that_cannot_be_opened_stops_start_up_with_its_path_and_cause() {
 #[test]
 fn tenants_cannot_reach_each_others_objects_even_by_guessing() {
     let Some(model) = smollm2() else { return };
+    let Some(component) = component() else { return };
     let server = start(&model, &Policy::default());
     let base = server.inference.clone();
     // Alpha makes a key and a plugin of its own.
@@ -427,7 +430,7 @@ fn tenants_cannot_reach_each_others_objects_even_by_guessing() {
         "/v1/tenant/plugins/limits",
         Some(KEY_ALPHA),
         "application/wasm",
-        COMPONENT,
+        &component,
     );
     assert_eq!(r.status, 200, "{}", r.body);
 
@@ -769,6 +772,7 @@ fn sample(samples: &mut Vec<Value>, method: &str, template: &str, r: &Reply) {
 #[test]
 fn real_responses_match_the_openapi_document() {
     let Some(model) = smollm2() else { return };
+    let Some(component) = component() else { return };
     let python_ok = Command::new("python3")
         .args(["-c", "import jsonschema"])
         .status()
@@ -844,7 +848,7 @@ fn real_responses_match_the_openapi_document() {
         "/admin/v1/tenants/zeta/plugins/p1",
         Some(ADMIN_TOKEN),
         "application/wasm",
-        COMPONENT,
+        &component,
     );
     sample(&mut s, "put", plugin, &r);
     let r = server.call_raw(
@@ -927,6 +931,7 @@ fn real_responses_match_the_openapi_document() {
 #[test]
 fn bulkhead_admin_commands_do_the_everyday_tasks() {
     let Some(model) = smollm2() else { return };
+    let Some(component) = component() else { return };
     let server = start(&model, &Policy::default());
     let admin = |args: &[&str]| {
         let out = Command::new(bulkhead_exe())
@@ -970,7 +975,7 @@ fn bulkhead_admin_commands_do_the_everyday_tasks() {
     ok(&["key", "revoke", "zeta", key_id]);
     assert_eq!(chat(&server, &secret).status, 401);
     let file = server.dir.join("plugin.wasm");
-    std::fs::write(&file, COMPONENT).unwrap();
+    std::fs::write(&file, &component).unwrap();
     let plugin = ok(&["plugin", "upload", "zeta", "limits", file.to_str().unwrap()]);
     assert_eq!(plugin["version"], 1);
     ok(&["plugin", "disable", "zeta", "limits"]);
