@@ -7,6 +7,7 @@ pub mod admin_cli;
 pub mod api;
 pub mod bench;
 pub mod bench_http;
+pub mod bench_plugins;
 pub mod config;
 pub mod engine;
 pub mod policy;

@@ -117,6 +117,8 @@ enum BenchCommand {
     Http(bulkhead::bench_http::HttpBenchArgs),
     /// Admin write latency against a running server (each write flushed before its answer).
     Admin(bulkhead::admin_cli::AdminBenchArgs),
+    /// What the policy chain adds to admission, with 1 and with all given plugins.
+    Plugins(bulkhead::bench_plugins::PluginBenchArgs),
 }
 
 fn threads_default() -> usize {
@@ -297,6 +299,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             BenchCommand::Http(args) => bulkhead::bench_http::run(&args),
             BenchCommand::Admin(args) => bulkhead::admin_cli::bench(&args),
+            BenchCommand::Plugins(args) => bulkhead::bench_plugins::run(&args),
         },
     }
 }
