@@ -49,6 +49,9 @@ pub struct HttpBenchArgs {
     /// Extra JSON fields merged into each request (e.g. '{"ignore_eos":true}').
     #[arg(long)]
     pub extra: Option<String>,
+    /// Extra request headers, `NAME:VALUE` (repeatable; e.g. what a plugin reads).
+    #[arg(long = "header")]
+    pub headers: Vec<String>,
     /// Start every prompt with its request's number, so no two requests share a
     /// prefix (a server's prompt cache cannot skip their prefill).
     #[arg(long)]
@@ -123,7 +126,17 @@ pub fn run(args: &HttpBenchArgs) -> Result<()> {
             .collect::<Result<Vec<Bytes>, _>>()?;
         sent += requests;
         let started = Instant::now();
-        let results = runtime.block_on(level(&authority, &args.key, &bodies, concurrency));
+        let headers: Vec<(String, String)> = args
+            .headers
+            .iter()
+            .map(|h| {
+                h.split_once(':')
+                    .map(|(n, v)| (n.trim().to_string(), v.trim().to_string()))
+                    .context("--header is NAME:VALUE")
+            })
+            .collect::<Result<_>>()?;
+        let results =
+            runtime.block_on(level(&authority, &args.key, &headers, &bodies, concurrency));
         let wall = started.elapsed().as_secs_f64();
         report(
             concurrency,
@@ -139,6 +152,7 @@ pub fn run(args: &HttpBenchArgs) -> Result<()> {
 async fn level(
     authority: &str,
     key: &str,
+    headers: &[(String, String)],
     bodies: &[Bytes],
     concurrency: usize,
 ) -> Vec<Result<Sample>> {
@@ -152,10 +166,11 @@ async fn level(
             .cloned()
             .collect();
         let (authority, key) = (authority.to_string(), key.to_string());
+        let headers = headers.to_vec();
         clients.push(tokio::spawn(async move {
             let mut out = Vec::with_capacity(mine.len());
             for body in mine {
-                out.push(one_request(&authority, &key, body).await);
+                out.push(one_request(&authority, &key, &headers, body).await);
             }
             out
         }));
@@ -170,17 +185,25 @@ async fn level(
     results
 }
 
-async fn one_request(authority: &str, key: &str, body: Bytes) -> Result<Sample> {
+async fn one_request(
+    authority: &str,
+    key: &str,
+    headers: &[(String, String)],
+    body: Bytes,
+) -> Result<Sample> {
     let started = Instant::now();
     let stream = tokio::net::TcpStream::connect(authority).await?;
     let (mut sender, connection) =
         hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(connection);
-    let request = hyper::Request::post("/v1/completions")
+    let mut request = hyper::Request::post("/v1/completions")
         .header("host", authority)
         .header("content-type", "application/json")
-        .header("authorization", format!("Bearer {key}"))
-        .body(Full::new(body))?;
+        .header("authorization", format!("Bearer {key}"));
+    for (name, value) in headers {
+        request = request.header(name.as_str(), value.as_str());
+    }
+    let request = request.body(Full::new(body))?;
     let mut response = sender.send_request(request).await?;
     if !response.status().is_success() {
         bail!("status {}", response.status());

@@ -101,7 +101,10 @@ pub fn run(args: &PluginBenchArgs) -> Result<()> {
             installed += 1;
         }
         let samples = measure(&runtime, args.calls)?;
-        report(&format!("{length} plugin{}", if length == 1 { "" } else { "s" }), &samples);
+        report(
+            &format!("{length} plugin{}", if length == 1 { "" } else { "s" }),
+            &samples,
+        );
     }
     engine.shutdown(Duration::ZERO);
     drop(runtime);

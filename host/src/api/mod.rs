@@ -546,6 +546,14 @@ async fn run(
         events,
     };
     let mut admitted = app.serving.admission.admit(request).map_err(rejected)?;
+    // Whatever the chain admits reaches the engine or is refused: if this
+    // future ends first (an error, the client gone), the guard refuses it.
+    let mut chain_admitted = Unsubmitted {
+        policy: &app.policy,
+        request: id,
+        prompt_tokens,
+        armed: false,
+    };
     if app.policy.has_chain(tenant.id) {
         let input = AdmitInput {
             request: id,
@@ -559,14 +567,7 @@ async fn run(
             headers: plugin_headers(headers),
             prompt_text,
         };
-        let policy = Arc::clone(&app.policy);
-        let verdict = app
-            .serving
-            .lane
-            .run(tenant.id, move || policy.admit(input))
-            .await
-            .map_err(|e| ApiError::Internal(e.to_string()))?;
-        match verdict {
+        match run_chain(app, tenant.id, input, prompt_tokens).await? {
             Verdict::Admit {
                 max_tokens,
                 priority,
@@ -576,6 +577,7 @@ async fn run(
                 return Err(ApiError::PolicyUnavailable { plugin, kind })
             }
         }
+        chain_admitted.armed = true;
     }
     tracing::info!(
         request_id = id.0,
@@ -587,11 +589,9 @@ async fn run(
         pages = admitted.pages_needed(),
         "admitted"
     );
-    if let Err(error) = app.serving.engine.submit(admitted).await {
-        // The plugins that admitted it hear it was refused; bookings come back.
-        app.policy.refused(id, prompt_tokens);
-        return Err(error.into());
-    }
+    // On an error the guard tells the plugins it was refused.
+    app.serving.engine.submit(admitted).await?;
+    chain_admitted.armed = false;
     // Queued: the tenant's queue limits govern it from here.
     drop(pending);
     let meta = ResponseMeta {
@@ -618,6 +618,56 @@ async fn run(
         return Ok(response);
     }
     collect(receiver, meta, tracker).await
+}
+
+/// A request the policy chain admitted that has not reached the engine yet:
+/// dropped armed, it is refused, so its budget bookings come back and its
+/// plugins hear `refused`.
+struct Unsubmitted<'a> {
+    policy: &'a PolicyRuntime,
+    request: RequestId,
+    prompt_tokens: u32,
+    armed: bool,
+}
+
+impl Drop for Unsubmitted<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.policy.refused(self.request, self.prompt_tokens);
+        }
+    }
+}
+
+/// Runs the policy chain in the tenant's turn on the lane. The chain runs to
+/// its end even if the request's future is dropped meanwhile (the client went
+/// away): then nobody waits for an admit, and it is refused at once.
+async fn run_chain(
+    app: &Arc<App>,
+    tenant: TenantId,
+    input: AdmitInput,
+    prompt_tokens: u32,
+) -> Result<Verdict, ApiError> {
+    let (answer, verdict) = tokio::sync::oneshot::channel();
+    let request = input.request;
+    let app = Arc::clone(app);
+    tokio::spawn(async move {
+        let policy = Arc::clone(&app.policy);
+        let result = app
+            .serving
+            .lane
+            .run(tenant, move || policy.admit(input))
+            .await;
+        if let Err(Ok(Verdict::Admit { .. })) = answer.send(result) {
+            app.policy.refused(request, prompt_tokens);
+        }
+    });
+    match verdict.await {
+        Ok(Ok(verdict)) => Ok(verdict),
+        Ok(Err(stopped)) => Err(ApiError::Internal(stopped.to_string())),
+        Err(_) => Err(ApiError::Internal(
+            "the policy task ended without a verdict".into(),
+        )),
+    }
 }
 
 /// Waits for the whole completion (a dropped future drops the receiver,
