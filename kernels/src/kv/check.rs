@@ -133,6 +133,12 @@ pub enum Violation {
     /// A page table of another pool.
     #[error("a page table belongs to another pool")]
     ForeignTable,
+    /// A page table holds a handle another pool leased.
+    #[error("page {page:?} in a table was leased by another pool")]
+    ForeignHandleInTable {
+        /// The page the handle names.
+        page: PageId,
+    },
 }
 
 /// Per-owner recount from the page array.
@@ -178,6 +184,9 @@ impl Pool {
             }
             for handle in table.handles() {
                 let page = handle.page;
+                if handle.pool != self.pool_id {
+                    return Err(Violation::ForeignHandleInTable { page });
+                }
                 let Some(meta) = self.pages.get(page.index()) else {
                     return Err(Violation::PageOutOfRange { page });
                 };

@@ -3,6 +3,12 @@
 //! Each is a newtype with an explicit width so that a page id can never be passed where
 //! an owner tag is expected, and so that stored keys have a fixed size.
 
+/// A pool's identity, unique within the process. Every handle carries the pool it
+/// was leased from, so a handle (or page table) can never be used on another pool
+/// (another model's) even where page index, generation, owner and sequence agree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolId(pub u32);
+
 /// An opaque tenant tag. The kernels crate never learns tenant names; the host maps its
 /// `TenantId` to a tag when it builds the pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -46,6 +52,8 @@ impl Generation {
 /// itself; every access also names the owner and sequence, and is checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PageHandle {
+    /// The pool that leased it.
+    pub pool: PoolId,
     /// The page.
     pub page: PageId,
     /// The lease this handle was issued for.

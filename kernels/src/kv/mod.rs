@@ -94,7 +94,7 @@ pub use geometry::{
     GeometryError, PageLayout, PoolGeometry, HEAD_DIM_MAX, KV_HEADS_MAX, LAYERS_MAX,
     PAGES_COUNT_MAX, PAGE_TOKENS_MAX, POOL_BYTES_MAX, POOL_FLOATS_MAX,
 };
-pub use ids::{Generation, Lease, OwnerTag, PageHandle, PageId, SeqId};
+pub use ids::{Generation, Lease, OwnerTag, PageHandle, PageId, PoolId, SeqId};
 pub use page_table::PageTable;
 pub use partition::{PartitionConfig, PartitionError, PARTITIONS_MAX};
 pub use pool::{

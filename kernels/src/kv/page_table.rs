@@ -5,12 +5,12 @@
 //! own `(owner, seq)` (I3). Token `t` of the sequence lives in page `t / page_tokens`,
 //! slot `t % page_tokens`.
 
-use super::ids::{Lease, OwnerTag, PageHandle, SeqId};
+use super::ids::{Lease, OwnerTag, PageHandle, PoolId, SeqId};
 
 /// The pages of one sequence, in token order.
 #[derive(Debug, PartialEq, Eq)]
 pub struct PageTable {
-    pub(super) pool_id: u32,
+    pub(super) pool_id: PoolId,
     owner: OwnerTag,
     seq: SeqId,
     page_tokens: u32,
@@ -18,7 +18,7 @@ pub struct PageTable {
 }
 
 impl PageTable {
-    pub(super) fn new(pool_id: u32, owner: OwnerTag, seq: SeqId, page_tokens: u32) -> Self {
+    pub(super) fn new(pool_id: PoolId, owner: OwnerTag, seq: SeqId, page_tokens: u32) -> Self {
         PageTable {
             pool_id,
             owner,

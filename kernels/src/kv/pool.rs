@@ -4,7 +4,7 @@
 
 use super::digest::digest_page;
 use super::geometry::{GeometryError, PageLayout, PoolGeometry};
-use super::ids::{Generation, Lease, OwnerTag, PageHandle, PageId, SeqId};
+use super::ids::{Generation, Lease, OwnerTag, PageHandle, PageId, PoolId, SeqId};
 use super::page_table::PageTable;
 use super::partition::{PartitionConfig, PartitionError, Partitions};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -121,6 +121,17 @@ pub enum AcquireError {
 /// Why a KV access was refused. Nothing was read or written.
 #[derive(Debug, Error, Clone, Copy, PartialEq, Eq)]
 pub enum KvError {
+    /// The handle was leased from another pool (another model's): refused before
+    /// its page index is even looked at.
+    #[error("page {page:?} belongs to pool {handle_pool:?}, not to this pool {pool:?}")]
+    ForeignPool {
+        /// The page the handle names (in its own pool).
+        page: PageId,
+        /// The pool that leased the handle.
+        handle_pool: PoolId,
+        /// This pool.
+        pool: PoolId,
+    },
     /// The handle names no page of this pool.
     #[error("page {page:?} is not in this pool")]
     PageOutOfRange {
@@ -146,7 +157,7 @@ pub enum KvError {
 #[derive(Debug)]
 #[must_use = "booked pages leak unless acquired or returned with Pool::release_reservation"]
 pub struct Reservation {
-    pool_id: u32,
+    pool_id: PoolId,
     owner: OwnerTag,
     pages_booked: u32,
     leaks: Arc<ReservationLeaks>,
@@ -231,7 +242,7 @@ pub struct PartitionStats {
 /// A paged KV pool with tenant partitions. See [`crate::kv`].
 #[derive(Debug)]
 pub struct Pool {
-    pub(super) pool_id: u32,
+    pub(super) pool_id: PoolId,
     pub(super) layout: PageLayout,
     pub(super) options: PoolOptions,
     /// `// [pages_count][layer][k|v][page_tokens][kv_dim]`, allocated once, zeroed.
@@ -261,7 +272,7 @@ impl Pool {
             generation: Generation(0),
         };
         Ok(Pool {
-            pool_id: POOL_ID_NEXT.fetch_add(1, Ordering::Relaxed),
+            pool_id: PoolId(POOL_ID_NEXT.fetch_add(1, Ordering::Relaxed)),
             layout,
             options,
             floats: vec![0.0; layout.pool_floats()],
@@ -272,6 +283,11 @@ impl Pool {
             partitions,
             leaks: Arc::default(),
         })
+    }
+
+    /// This pool's identity (carried by every handle it leases).
+    pub fn id(&self) -> PoolId {
+        self.pool_id
     }
 
     /// The validated page layout.
@@ -454,6 +470,7 @@ impl Pool {
             seq: table.seq(),
         };
         let handle = PageHandle {
+            pool: self.pool_id,
             page,
             generation: meta.generation,
         };
@@ -588,11 +605,23 @@ impl Pool {
         ))
     }
 
-    /// Checks a lease against the page: a typed error for an ended lease (a caller can
-    /// plausibly hold one), an assert for a current lease claimed by someone else (a
-    /// handle reached the wrong sequence: crash rather than serve it, I3).
+    /// Checks a lease against the page: a typed error for another pool's handle or
+    /// an ended lease (a caller can plausibly hold one), an assert for a current
+    /// lease claimed by someone else (a handle reached the wrong sequence: crash
+    /// rather than serve it, I3).
     fn check_lease(&self, lease: Lease) -> Result<PageId, KvError> {
-        let PageHandle { page, generation } = lease.handle;
+        let PageHandle {
+            pool,
+            page,
+            generation,
+        } = lease.handle;
+        if pool != self.pool_id {
+            return Err(KvError::ForeignPool {
+                page,
+                handle_pool: pool,
+                pool: self.pool_id,
+            });
+        }
         let meta = self
             .pages
             .get(page.index())

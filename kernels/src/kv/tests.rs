@@ -285,6 +285,7 @@ fn rejects_handle_outside_the_pool() {
     let pool = pool();
     let lease = Lease {
         handle: PageHandle {
+            pool: pool.id(),
             page: PageId(10),
             generation: Generation(1),
         },
@@ -295,6 +296,39 @@ fn rejects_handle_outside_the_pool() {
         pool.page_kv(lease, 0).map(|_| ()),
         Err(KvError::PageOutOfRange { page: PageId(10) })
     );
+}
+
+#[test]
+fn refuses_another_pools_handle_even_when_everything_else_matches() {
+    // Two pools (two models) with the same geometry: the same tenant's same
+    // sequence leases page 0, generation 1, in each. Only the pool id tells the
+    // handles apart, and each pool refuses the other's.
+    let (mut first, mut second) = (pool(), pool());
+    let a = lease_pages(&mut first, A, 1, 1);
+    let b = lease_pages(&mut second, A, 1, 1);
+    let (lease_a, lease_b) = (a.lease(0).unwrap(), b.lease(0).unwrap());
+    assert_eq!(
+        (lease_a.handle.page, lease_a.handle.generation),
+        (lease_b.handle.page, lease_b.handle.generation)
+    );
+    assert_ne!(first.id(), second.id());
+    let foreign = Err(KvError::ForeignPool {
+        page: lease_a.handle.page,
+        handle_pool: first.id(),
+        pool: second.id(),
+    });
+    assert_eq!(second.page_kv(lease_a, 0).map(|_| ()), foreign);
+    assert_eq!(second.digest(lease_a, 1).map(|_| ()), foreign);
+    assert_eq!(
+        second.write_kv(lease_a, 0, 0, &row(1.0), &row(1.0)),
+        foreign
+    );
+    // Its own handles still work.
+    second
+        .write_kv(lease_b, 0, 0, &row(2.0), &row(2.0))
+        .unwrap();
+    drop_table(&mut first, a);
+    drop_table(&mut second, b);
 }
 
 #[test]
@@ -566,10 +600,23 @@ fn drop_table(pool: &mut Pool, mut table: PageTable) {
 }
 
 #[test]
+fn canary_another_pools_handle_in_a_table_is_caught() {
+    let (mut pool, mut other) = (pool(), pool());
+    let mut a = lease_pages(&mut pool, A, 1, 1);
+    let theirs = lease_pages(&mut other, A, 1, 1);
+    a.plant_fault_push(theirs.handles()[0]);
+    assert_eq!(
+        pool.check_page_tables(&[&a]),
+        Err(Violation::ForeignHandleInTable { page: PageId(0) })
+    );
+}
+
+#[test]
 fn canary_page_outside_the_pool_in_a_table_is_caught() {
     let mut pool = pool();
     let mut a = lease_pages(&mut pool, A, 1, 1);
     a.plant_fault_push(PageHandle {
+        pool: pool.id(),
         page: PageId(10),
         generation: Generation(1),
     });
