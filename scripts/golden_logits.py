@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Golden logits for the default model from an independent reference.
+"""Golden logits for a model file from an independent reference.
 
 This is a plain NumPy Llama forward pass over tensors dequantized by the `gguf`
 Python package (llama.cpp's own reference dequantizers), with full f32
@@ -8,13 +8,21 @@ Prompts are tokenized by the HuggingFace `tokenizers` library built from the
 GGUF vocabulary (see golden_tokens.py), so the fixture is independent of our
 tokenizer as well.
 
-Writes kernels/tests/fixtures/logits_smollm2.json:
+Writes the fixture (default kernels/tests/fixtures/logits_smollm2.json for the
+default model):
   prompts: [{text, ids, positions: [{pos, top: [[id, logit], ...10]}]}]
   greedy:  {text, ids, continuation: [ids...]}
 
 Regenerate:  scripts/setup.sh --python && python3 scripts/golden_logits.py
+The Q8_0 model that scripts/models.sh derives with `bulkhead quantize` (reading
+it here also proves, independently of our reader, that the file is valid GGUF):
+  python3 scripts/golden_logits.py \
+      --model .cache/models/SmolLM2-135M-Instruct.Q8_0.gguf \
+      --out kernels/tests/fixtures/logits_smollm2_q8.json
 """
 
+import argparse
+import hashlib
 import json
 import os
 import sys
@@ -111,9 +119,21 @@ def top(logits, count=TOP):
     return [[int(i), round(float(logits[i]), 5)] for i in order]
 
 
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def main():
-    tokenizer = build_tokenizer(MODEL)
-    ref = Reference(MODEL)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--model", default=MODEL, help="GGUF model file (default: %(default)s)")
+    parser.add_argument("--out", default=OUT, help="fixture to write (default: %(default)s)")
+    args = parser.parse_args()
+    tokenizer = build_tokenizer(args.model)
+    ref = Reference(args.model)
     prompts = []
     for text in PROMPTS:
         ids = tokenizer.encode(text).ids
@@ -132,16 +152,16 @@ def main():
         margins.append(round(best[0][1] - best[1][1], 5))
     print("greedy:", repr(tokenizer.decode(continuation)), file=sys.stderr)
     fixture = {
-        "model_sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "model_sha256": sha256(args.model),
         "reference": "NumPy f64 forward over gguf-dequantized tensors (scripts/golden_logits.py)",
         "prompts": prompts,
         "greedy": {"text": GREEDY_PROMPT, "ids": ids, "continuation": continuation, "top2_margins": margins},
     }
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
         json.dump(fixture, f, indent=1)
         f.write("\n")
-    print(f"wrote {OUT}", file=sys.stderr)
+    print(f"wrote {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

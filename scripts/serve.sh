@@ -10,4 +10,7 @@ cd "$root"
 
 scripts/setup.sh
 cargo build --release --locked -p bulkhead
-exec target/release/bulkhead serve --config policies/demo.toml "$@"
+bulkhead="${CARGO_TARGET_DIR:-target}/release/bulkhead"
+# Models the project derives itself (the Q8_0 SmolLM2); idempotent.
+scripts/models.sh "$bulkhead"
+exec "$bulkhead" serve --config policies/demo.toml "$@"

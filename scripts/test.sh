@@ -17,5 +17,7 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # End-to-end tests run the real binary; build it first.
 cargo build --locked -p bulkhead
+# The Q8_0 model (model_golden.rs), derived by that binary; idempotent.
+scripts/models.sh "${CARGO_TARGET_DIR:-target}/debug/bulkhead"
 # Model-dependent tests fail (rather than skip) if the model is missing.
 BULKHEAD_REQUIRE_MODEL=1 cargo test --workspace --locked "$@"

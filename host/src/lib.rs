@@ -11,6 +11,7 @@ pub mod bench_plugins;
 pub mod config;
 pub mod engine;
 pub mod policy;
+pub mod quantize_cli;
 pub mod server;
 pub mod store;
 pub mod telemetry;

@@ -102,6 +102,8 @@ enum Command {
     },
     /// Everyday admin tasks through the admin API of a running server.
     Admin(bulkhead::admin_cli::AdminArgs),
+    /// Convert a model file's weight matrices to another type (writes OUT.partial, then renames).
+    Quantize(bulkhead::quantize_cli::QuantizeArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -292,6 +294,7 @@ fn run(cli: Cli) -> Result<()> {
         })?),
         Command::Check { config, store } => check(&config, store),
         Command::Admin(args) => bulkhead::admin_cli::run(args),
+        Command::Quantize(args) => bulkhead::quantize_cli::run(&args),
         Command::Bench { which } => match which {
             BenchCommand::Engine(args) => {
                 let (model, tokenizer) = load(&args.model)?;

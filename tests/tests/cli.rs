@@ -1,10 +1,16 @@
-//! The `bulkhead` binary as an operator uses it: `generate` and `tokenize` on the
-//! real SmolLM2 model, and clear errors (never a panic) on bad input.
+//! The `bulkhead` binary as an operator uses it: `generate`, `tokenize` and
+//! `quantize` on the real SmolLM2 model, and clear errors (never a panic) on bad
+//! input.
 
 mod support;
 
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use support::{bulkhead_exe, repo_root, smollm2};
+
+/// sha256 of `bulkhead quantize --to q8_0` of the default model. The conversion
+/// is deterministic; `scripts/models.sh` pins the same digest.
+const Q8_0_SHA256: &str = "0c1d3326cd9793cfb7296113c063dd5c24e2bd734b48ec1a3d01b7158eca9387";
 
 /// The binary `scripts/test.sh` builds before the tests run.
 fn bulkhead() -> Command {
@@ -233,4 +239,166 @@ fn check_prints_the_capacity_table_and_refuses_a_broken_promise() {
         stdout(&out)
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A fresh temporary folder for one test.
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bulkhead-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn sha256(path: &Path) -> String {
+    let out = run(Command::new("sha256sum").arg(path));
+    assert!(out.status.success(), "sha256sum: {}", stderr(&out));
+    stdout(&out).split_whitespace().next().unwrap().to_string()
+}
+
+fn quantize(input: &Path, output: &Path) -> Output {
+    run(bulkhead()
+        .args(["quantize", "--to", "q8_0"])
+        .arg(input)
+        .arg(output))
+}
+
+/// Neither OUT nor its temporary `OUT.partial` exists.
+fn assert_nothing_at(output: &Path) {
+    let mut partial = output.as_os_str().to_owned();
+    partial.push(".partial");
+    for path in [output.to_path_buf(), PathBuf::from(partial)] {
+        assert!(!path.exists(), "{} was left behind", path.display());
+    }
+}
+
+#[test]
+fn quantize_to_q8_0_writes_the_pinned_file_and_it_generates() {
+    let Some(model) = smollm2() else { return };
+    let script = std::fs::read_to_string(repo_root().join("scripts/models.sh")).unwrap();
+    assert!(
+        script.contains(&format!("q8_sha256=\"{Q8_0_SHA256}\"")),
+        "scripts/models.sh pins the same digest as this test"
+    );
+    let dir = temp_dir("quantize");
+    let output = dir.join("model.Q8_0.gguf");
+    let out = quantize(&model, &output);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report = stderr(&out);
+    assert!(
+        report.contains("converted to Q8_0: 210 (Q4_1: 210)"),
+        "{report}"
+    );
+    assert!(
+        report.contains("kept as they were: 62 (Q8_0: 1, F32: 61)"),
+        "{report}"
+    );
+    assert_eq!(sha256(&output), Q8_0_SHA256, "deterministic output");
+    assert!(!dir.join("model.Q8_0.gguf.partial").exists());
+
+    let out = run(bulkhead()
+        .arg("generate")
+        .arg("--model")
+        .arg(&output)
+        .args([
+            "--chat",
+            "Name three primary colors.",
+            "--max-tokens",
+            "32",
+            "--threads",
+            "2",
+        ]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        ["Red", "Blue", "Yellow"].iter().all(|c| text.contains(c)),
+        "a coherent answer: {text:?}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn quantize_refuses_hostile_and_non_gguf_files_and_leaves_nothing() {
+    let dir = temp_dir("quantize-hostile");
+    let output = dir.join("out.gguf");
+
+    let text = dir.join("not-a-model.gguf");
+    std::fs::write(&text, "hello, I am not a model").unwrap();
+    assert_clean_failure(&quantize(&text, &output), "bad magic");
+    assert_nothing_at(&output);
+
+    let mut hostile = b"GGUF".to_vec();
+    hostile.extend_from_slice(&3u32.to_le_bytes());
+    hostile.extend_from_slice(&u64::MAX.to_le_bytes()); // tensor count
+    hostile.extend_from_slice(&0u64.to_le_bytes());
+    let hostile_path = dir.join("hostile.gguf");
+    std::fs::write(&hostile_path, &hostile).unwrap();
+    assert_clean_failure(&quantize(&hostile_path, &output), "absurd tensor count");
+    assert_nothing_at(&output);
+
+    assert_clean_failure(&quantize(&dir.join("missing.gguf"), &output), "cannot read");
+    assert_nothing_at(&output);
+
+    // A well-formed file that fails half-way, after OUT.partial was created: a
+    // 32x1 F32 matrix holding a NaN, which Q8_0 cannot carry.
+    let nan = dir.join("nan.gguf");
+    std::fs::write(&nan, gguf_with_one_f32_matrix(f32::NAN)).unwrap();
+    assert_clean_failure(&quantize(&nan, &output), "not finite");
+    assert_nothing_at(&output);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn quantize_refuses_to_write_over_its_input() {
+    let dir = temp_dir("quantize-self");
+    let input = dir.join("in.gguf");
+    let bytes = gguf_with_one_f32_matrix(0.5);
+    std::fs::write(&input, &bytes).unwrap();
+    // The same file by its own name, by another spelling, and as the temporary
+    // file of an output named without the suffix.
+    let spelled = dir.join(".").join("in.gguf");
+    for output in [input.clone(), spelled] {
+        assert_clean_failure(&quantize(&input, &output), "over the input");
+    }
+    let partial = dir.join("out.gguf.partial");
+    std::fs::write(&partial, &bytes).unwrap();
+    assert_clean_failure(&quantize(&partial, &dir.join("out.gguf")), "over the input");
+    assert!(!dir.join("out.gguf").exists());
+    assert_eq!(
+        std::fs::read(&input).unwrap(),
+        bytes,
+        "the input is untouched"
+    );
+    assert_eq!(
+        std::fs::read(&partial).unwrap(),
+        bytes,
+        "the input is untouched"
+    );
+
+    // The refusal is about identity: a different output works.
+    let out = quantize(&input, &dir.join("out.gguf"));
+    assert!(out.status.success(), "{}", stderr(&out));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A GGUF file with no metadata and one 32x1 F32 tensor "w" whose first weight
+/// is `first` (the rest 0.25), laid out by hand as in the GGUF spec.
+fn gguf_with_one_f32_matrix(first: f32) -> Vec<u8> {
+    const ALIGNMENT: usize = 32;
+    let mut bytes = b"GGUF".to_vec();
+    bytes.extend_from_slice(&3u32.to_le_bytes()); // version
+    bytes.extend_from_slice(&1u64.to_le_bytes()); // tensor count
+    bytes.extend_from_slice(&0u64.to_le_bytes()); // metadata count
+    bytes.extend_from_slice(&1u64.to_le_bytes()); // name length
+    bytes.extend_from_slice(b"w");
+    bytes.extend_from_slice(&2u32.to_le_bytes()); // dimensions
+    bytes.extend_from_slice(&32u64.to_le_bytes());
+    bytes.extend_from_slice(&1u64.to_le_bytes());
+    bytes.extend_from_slice(&0u32.to_le_bytes()); // F32
+    bytes.extend_from_slice(&0u64.to_le_bytes()); // offset in the data section
+    bytes.resize(bytes.len().next_multiple_of(ALIGNMENT), 0);
+    bytes.extend_from_slice(&first.to_le_bytes());
+    for _ in 1..32 {
+        bytes.extend_from_slice(&0.25f32.to_le_bytes());
+    }
+    bytes
 }

@@ -22,15 +22,21 @@
 //! 3. No two tensors overlap, and no two tensors or keys share a name.
 //!
 //! The reader does not interpret the metadata; [`crate::model`] checks that the
-//! shapes agree with the architecture.
+//! shapes agree with the architecture. [`GgufWriter`] and [`GgufStreamWriter`]
+//! write files; [`requantize_q8_0`] derives a Q8_0 file from any readable one.
 
 mod reader;
+mod requantize;
 mod writer;
 
 use std::collections::HashMap;
 use std::path::Path;
 
-pub use writer::GgufWriter;
+pub use requantize::{
+    requantize_q8_0, RequantizeError, RequantizeReport, FILE_TYPE_KEY, FILE_TYPE_MOSTLY_Q8_0,
+    Q8_0_ABS_MAX, ROW_LEN_MAX,
+};
+pub use writer::{GgufStreamWriter, GgufWriter, TensorEntry};
 
 use crate::quant::GgmlType;
 

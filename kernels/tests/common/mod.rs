@@ -1,4 +1,4 @@
-//! Shared by the integration tests: where the default model lives.
+//! Shared by the integration tests: where the real models live.
 #![allow(dead_code)]
 
 use std::path::PathBuf;
@@ -12,18 +12,29 @@ pub fn repo_root() -> PathBuf {
 /// line) when it is absent, unless `BULKHEAD_REQUIRE_MODEL` is set — as
 /// `scripts/test.sh` and CI do — in which case its absence fails the test.
 pub fn smollm2_path() -> Option<PathBuf> {
-    let path = repo_root().join(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    model_path("SmolLM2-135M-Instruct.Q4_1.gguf", "scripts/setup.sh")
+}
+
+/// The default model re-quantized to Q8_0 by `bulkhead quantize`, derived by
+/// `scripts/models.sh` (which `scripts/test.sh` runs). Absent: as for
+/// [`smollm2_path`].
+pub fn smollm2_q8_path() -> Option<PathBuf> {
+    model_path(
+        "SmolLM2-135M-Instruct.Q8_0.gguf",
+        "scripts/models.sh target/debug/bulkhead",
+    )
+}
+
+fn model_path(file: &str, remedy: &str) -> Option<PathBuf> {
+    let path = repo_root().join(".cache/models").join(file);
     if path.exists() {
         return Some(path);
     }
     assert!(
         std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_none(),
-        "BULKHEAD_REQUIRE_MODEL is set but {} is missing: run scripts/setup.sh",
+        "BULKHEAD_REQUIRE_MODEL is set but {} is missing: run {remedy}",
         path.display()
     );
-    eprintln!(
-        "skipped: {} is missing; run scripts/setup.sh",
-        path.display()
-    );
+    eprintln!("skipped: {} is missing; run {remedy}", path.display());
     None
 }
