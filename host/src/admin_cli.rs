@@ -53,9 +53,12 @@ enum AdminCommand {
     /// Plugins.
     #[command(subcommand)]
     Plugin(PluginCommand),
-    /// The capacity contract of the live tenant set.
+    /// The catalog: load and unload models without a restart.
+    #[command(subcommand)]
+    Model(ModelCommand),
+    /// Each model's capacity contract with the live tenant set.
     Capacity,
-    /// Every tenant's live KV partition and queues.
+    /// Every tenant's live KV partition and queues, per model.
     Partitions,
     /// A tenant's usage over the last minutes.
     Usage {
@@ -130,6 +133,9 @@ struct QuotaArgs {
     /// Most requests before admission at once.
     #[arg(long)]
     pending_max: Option<u32>,
+    /// The models it may use: comma-separated ids, `*` for every model, `""` for none.
+    #[arg(long, value_delimiter = ',')]
+    models: Option<Vec<String>>,
 }
 
 impl QuotaArgs {
@@ -146,6 +152,11 @@ impl QuotaArgs {
             if let Some(value) = value {
                 out.insert(field.into(), value.into());
             }
+        }
+        if let Some(models) = &self.models {
+            // `--models ""` is the empty list: no model.
+            let ids: Vec<&String> = models.iter().filter(|m| !m.is_empty()).collect();
+            out.insert("models".into(), json!(ids));
         }
         Value::Object(out)
     }
@@ -211,6 +222,50 @@ enum PluginCommand {
     },
 }
 
+#[derive(Subcommand, Debug)]
+enum ModelCommand {
+    /// Every model: its source, memory and readiness.
+    List,
+    /// Loads a GGUF file as a new model; it serves at once and at every start
+    /// until removed.
+    Add {
+        /// The id clients send as `model`.
+        id: String,
+        /// The GGUF file (a path on the server; made absolute here).
+        file: PathBuf,
+        /// The context promised to clients.
+        #[arg(long)]
+        context_tokens: u32,
+        /// Pages in its KV pool.
+        #[arg(long)]
+        pool_pages: Option<u32>,
+        /// Most pages one sequence may hold.
+        #[arg(long)]
+        seq_pages_max: Option<u32>,
+        /// Token positions per page.
+        #[arg(long)]
+        page_tokens: Option<u32>,
+        /// Compute threads.
+        #[arg(long)]
+        threads: Option<u32>,
+        /// Most tokens in one step.
+        #[arg(long)]
+        step_tokens_max: Option<u32>,
+        /// Most sequences in one step.
+        #[arg(long)]
+        step_seqs_max: Option<u32>,
+    },
+    /// Unloads a model: new requests get 404, those in flight get the drain.
+    Remove {
+        /// Its id.
+        id: String,
+        /// Milliseconds its requests in flight may run on (default: the
+        /// server's drain_timeout_ms).
+        #[arg(long)]
+        drain_ms: Option<u64>,
+    },
+}
+
 /// One call: method, path, body.
 struct Call {
     method: Method,
@@ -241,7 +296,7 @@ impl Call {
 fn segment(text: &str) -> String {
     text.bytes()
         .map(|b| {
-            if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
+            if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':') {
                 (b as char).to_string()
             } else {
                 format!("%{b:02X}")
@@ -318,6 +373,42 @@ fn call_of(command: &AdminCommand) -> Result<Call> {
             format!("{tenants}/{}/plugins/{}", segment(tenant), segment(name)),
             None,
         ),
+        AdminCommand::Model(ModelCommand::List) => Call::get("/admin/v1/models".into()),
+        AdminCommand::Model(ModelCommand::Add {
+            id,
+            file,
+            context_tokens,
+            pool_pages,
+            seq_pages_max,
+            page_tokens,
+            threads,
+            step_tokens_max,
+            step_seqs_max,
+        }) => {
+            let path = std::path::absolute(file).with_context(|| format!("{}", file.display()))?;
+            let mut body = json!({"id": id, "path": path, "context_tokens": context_tokens});
+            for (field, value) in [
+                ("pool_pages", pool_pages),
+                ("seq_pages_max", seq_pages_max),
+                ("page_tokens", page_tokens),
+                ("threads", threads),
+                ("step_tokens_max", step_tokens_max),
+                ("step_seqs_max", step_seqs_max),
+            ] {
+                if let Some(value) = value {
+                    body[field] = json!(value);
+                }
+            }
+            Call::with(Method::POST, "/admin/v1/models".into(), Some(body))
+        }
+        AdminCommand::Model(ModelCommand::Remove { id, drain_ms }) => {
+            let query = drain_ms.map_or_else(String::new, |ms| format!("?drain_ms={ms}"));
+            Call::with(
+                Method::DELETE,
+                format!("/admin/v1/models/{}{query}", segment(id)),
+                None,
+            )
+        }
         AdminCommand::Capacity => Call::get("/admin/v1/capacity".into()),
         AdminCommand::Partitions => Call::get("/admin/v1/partitions".into()),
         AdminCommand::Usage { tenant, minutes } => {

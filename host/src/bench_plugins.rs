@@ -4,15 +4,15 @@
 //! pooling allocator), with every limit on, as the request path does; the
 //! figures go to BENCHMARKS.md.
 
+use crate::catalog;
 use crate::config::Config;
-use crate::engine::build::{self, EngineSpec};
-use crate::engine::request::RequestId;
-use crate::engine::service::EngineService;
+use crate::engine::build;
+use crate::engine::request::{FinishReason, RequestId};
+use crate::engine::service::{EngineHandle, EngineService};
 use crate::policy::{AdmitInput, PolicyRuntime, Verdict};
 use crate::store::records::{PluginLimitsRequest, PluginRecord};
 use crate::store::Store;
-use crate::tenancy::control::limits_of;
-use crate::tenancy::TenantId;
+use crate::tenancy::{ModelAccess, TenantId};
 use anyhow::{bail, Context, Result};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::Tokenizer;
@@ -38,7 +38,12 @@ pub struct PluginBenchArgs {
 /// Runs the benchmark and prints one line per chain length.
 pub fn run(args: &PluginBenchArgs) -> Result<()> {
     let config = Config::load(&args.config)?;
-    let model = Arc::new(Model::open(&config.model_path()).context("the policy's model")?);
+    let Some(mut spec) = config.model_specs().into_iter().next() else {
+        bail!("the policy has no [[models]]");
+    };
+    // A small pool: the benchmark runs no request, it only needs an engine.
+    spec.pool_pages = 16;
+    let model = Arc::new(Model::open(&spec.path).context("the policy's first model")?);
     let tokenizer = Arc::new(Tokenizer::from_gguf(&model.gguf)?);
     let dir = std::env::temp_dir().join(format!("bulkhead-bench-plugins-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -49,28 +54,24 @@ pub fn run(args: &PluginBenchArgs) -> Result<()> {
         quota: crate::tenancy::Quota {
             weight: 1,
             pages_reserved: 0,
-            pages_max: config.engine.pool_pages,
+            pages_max: spec.pool_pages,
             queue_depth_max: 1,
             running_max: 1,
             pending_max: 1,
         },
+        models: ModelAccess::All,
         created_ms: 0,
         updated_ms: 0,
     };
-    let spec = EngineSpec {
-        pool_pages: 16,
-        ..EngineSpec::from_config(&config)
-    };
-    let mut tenant_limits = limits_of(&tenant);
-    tenant_limits.pages_max = spec.pool_pages;
-    let scheduler = build::scheduler(&model, &tokenizer, &spec, vec![tenant_limits])?;
+    let limits = vec![catalog::tenant_limits(&tenant, &spec)];
+    let scheduler = build::scheduler(&model, &tokenizer, &catalog::engine_spec(&spec), limits)?;
     let engine = EngineService::start(scheduler)?;
-    let runtime = PolicyRuntime::new(&config, Arc::clone(&store), &dir, engine.handle())?;
+    let runtime = PolicyRuntime::new(&config, Arc::clone(&store), &dir)?;
     println!(
         "bench plugins: {} calls per chain, deadline {} ms, fuel {}, memory {} bytes",
         args.calls, config.plugins.deadline_ms, config.plugins.fuel, config.plugins.memory_bytes
     );
-    let none = measure(&runtime, args.calls)?;
+    let none = measure(&runtime, &engine.handle(), args.calls)?;
     report("no plugin", &none);
     let mut chains = vec![1];
     if args.plugins.len() > 1 {
@@ -100,19 +101,19 @@ pub fn run(args: &PluginBenchArgs) -> Result<()> {
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             installed += 1;
         }
-        let samples = measure(&runtime, args.calls)?;
+        let samples = measure(&runtime, &engine.handle(), args.calls)?;
         report(
             &format!("{length} plugin{}", if length == 1 { "" } else { "s" }),
             &samples,
         );
     }
-    engine.shutdown(Duration::ZERO);
+    engine.shutdown(Duration::ZERO, FinishReason::Shutdown);
     drop(runtime);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 
-fn measure(runtime: &PolicyRuntime, calls: u32) -> Result<Vec<Duration>> {
+fn measure(runtime: &PolicyRuntime, engine: &EngineHandle, calls: u32) -> Result<Vec<Duration>> {
     let mut samples = Vec::with_capacity(calls as usize);
     for n in 0..calls {
         let input = AdmitInput {
@@ -126,6 +127,7 @@ fn measure(runtime: &PolicyRuntime, calls: u32) -> Result<Vec<Duration>> {
             stream: true,
             headers: vec![("x-user".into(), format!("user-{}", n % 16))],
             prompt_text: None,
+            engine: engine.clone(),
         };
         let started = Instant::now();
         let verdict = runtime.admit(input);

@@ -1,20 +1,19 @@
-//! The deployment policy (`policies/*.toml`) as typed configuration, and the
-//! capacity contract (invariant I2).
+//! The deployment policy (`policies/*.toml`) as typed configuration.
 //!
 //! 1. [`Config::load`] parses a file; every limit has a named default and a
 //!    bound, and an unknown key is an error (a typo must not silently fall back
 //!    to a default).
-//! 2. [`Capacity::check`] compares the context window promised to clients with
-//!    every stage that must hold it: the model's context, the per-sequence page
-//!    limit, each tenant's hard maximum, and the pool. A violation refuses to
-//!    start (or to apply an admin change) and names the limit.
-//! 3. [`Capacity::table`] renders the same numbers for `bulkhead check` and the
-//!    server's start-up log.
+//! 2. The catalog: each `[[models]]` entry is a [`ModelSpec`] — the id clients
+//!    send, its GGUF file, the context it promises, its own KV pool and page
+//!    geometry. These are the catalog's *policy* models, loaded at every start;
+//!    models added through the admin API live in the store (see
+//!    [`crate::catalog`]).
+//! 3. The capacity contract and the memory budget these numbers must keep are
+//!    checked in [`crate::capacity`].
 
-use crate::tenancy::{valid_name, Quota};
-use serde::Deserialize;
+use crate::tenancy::{valid_name, ModelAccess, Quota};
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
@@ -26,6 +25,12 @@ pub const TENANTS_MAX: usize = 1024;
 pub const POOL_PAGES_LIMIT: u32 = 1 << 22;
 /// Longest timeout a policy may set, in milliseconds (a day).
 pub const TIMEOUT_MS_LIMIT: u64 = 24 * 3600 * 1000;
+/// Most models one catalog may hold (policy and admin-added together).
+pub const MODELS_MAX: usize = 16;
+/// Longest model id.
+pub const MODEL_ID_BYTES_MAX: usize = 128;
+/// Most compute threads one model may have.
+pub const MODEL_THREADS_MAX: u32 = 256;
 
 /// Why a policy file was refused.
 #[derive(Debug, thiserror::Error)]
@@ -70,9 +75,10 @@ pub struct Config {
     /// Listeners and request limits.
     #[serde(default)]
     pub server: ServerConfig,
-    /// The model served.
-    pub model: ModelConfig,
-    /// KV pool and batching.
+    /// The catalog's policy models, in order.
+    #[serde(default)]
+    pub models: Vec<ModelSpec>,
+    /// What all models share: the memory budget.
     #[serde(default)]
     pub engine: EngineConfig,
     /// The control-plane store.
@@ -232,51 +238,170 @@ pub struct TlsConfig {
     pub key_pem: PathBuf,
 }
 
-/// The model served.
-#[derive(Clone, Debug, Deserialize)]
+/// One model of the catalog: what clients call it, its file, its promise, and
+/// its own engine (KV pool, page geometry, batching, threads). The same shape
+/// is a `[[models]]` entry of the policy, the body of `POST /admin/v1/models`,
+/// and the store's record of an admin-added model.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct ModelConfig {
-    /// The id clients name in requests and `GET /v1/models` lists.
+pub struct ModelSpec {
+    /// The id clients send as `model` (1-128 of `[A-Za-z0-9._:-]`, starting
+    /// with a letter or digit).
     pub id: String,
-    /// The GGUF file (relative to the policy file's folder).
+    /// The GGUF file (in a policy, relative to the policy file's folder; through
+    /// the admin API, an absolute path on the server).
+    #[schema(value_type = String)]
     pub path: PathBuf,
     /// The context window promised to clients (prompt + completion tokens).
     pub context_tokens: u32,
-    /// Compute threads.
+    /// Compute threads (default: every core).
     #[serde(default = "default_threads")]
     pub threads: u32,
+    /// Token positions per KV page (default 16).
+    #[serde(default = "default_page_tokens")]
+    pub page_tokens: u32,
+    /// Pages in its KV pool, allocated whole at load (default 1024).
+    #[serde(default = "default_pool_pages")]
+    pub pool_pages: u32,
+    /// Most pages one sequence may hold (default 512).
+    #[serde(default = "default_seq_pages_max")]
+    pub seq_pages_max: u32,
+    /// Most tokens in one step: the prefill chunk budget plus decode tokens
+    /// (default 512).
+    #[serde(default = "default_step_tokens_max")]
+    pub step_tokens_max: u32,
+    /// Most sequences in one step (default 32).
+    #[serde(default = "default_step_seqs_max")]
+    pub step_seqs_max: u32,
 }
 
 fn default_threads() -> u32 {
     std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
 }
-
-/// KV pool and batching.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct EngineConfig {
-    /// Token positions per KV page.
-    pub page_tokens: u32,
-    /// Pages in the pool (allocated once, at start-up).
-    pub pool_pages: u32,
-    /// Most pages one sequence may hold.
-    pub seq_pages_max: u32,
-    /// Most tokens in one step: the prefill chunk budget plus decode tokens.
-    pub step_tokens_max: u32,
-    /// Most sequences in one step.
-    pub step_seqs_max: u32,
+fn default_page_tokens() -> u32 {
+    16
+}
+fn default_pool_pages() -> u32 {
+    1024
+}
+fn default_seq_pages_max() -> u32 {
+    512
+}
+fn default_step_tokens_max() -> u32 {
+    512
+}
+fn default_step_seqs_max() -> u32 {
+    32
 }
 
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            page_tokens: 16,
-            pool_pages: 1024,
-            seq_pages_max: 512,
-            step_tokens_max: 512,
-            step_seqs_max: 32,
+/// Whether `id` may name a model: 1-128 of `[A-Za-z0-9._:-]`, starting with a
+/// letter or digit (it is a URL path segment and a metric label).
+pub fn valid_model_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= MODEL_ID_BYTES_MAX
+        && id.as_bytes()[0].is_ascii_alphanumeric()
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+}
+
+impl ModelSpec {
+    /// Checks every field against its bounds; `field(name)` names a field in
+    /// the error (`models[0].pool_pages`, `pool_pages`).
+    pub fn validate(&self, field: impl Fn(&str) -> String) -> Result<(), ConfigError> {
+        if !valid_model_id(&self.id) {
+            return Err(invalid(
+                field("id"),
+                "1-128 of [A-Za-z0-9._:-], starting with a letter or digit",
+            ));
         }
+        if self.path.as_os_str().is_empty() {
+            return Err(invalid(field("path"), "must not be empty"));
+        }
+        for (name, value) in [
+            ("context_tokens", self.context_tokens),
+            ("threads", self.threads),
+            ("page_tokens", self.page_tokens),
+            ("pool_pages", self.pool_pages),
+            ("seq_pages_max", self.seq_pages_max),
+            ("step_tokens_max", self.step_tokens_max),
+            ("step_seqs_max", self.step_seqs_max),
+        ] {
+            if value == 0 {
+                return Err(invalid(field(name), "must be at least 1"));
+            }
+        }
+        if self.threads > MODEL_THREADS_MAX {
+            return Err(invalid(
+                field("threads"),
+                format!("at most {MODEL_THREADS_MAX}"),
+            ));
+        }
+        if self.pool_pages > POOL_PAGES_LIMIT {
+            return Err(invalid(
+                field("pool_pages"),
+                format!("at most {POOL_PAGES_LIMIT}"),
+            ));
+        }
+        if self.step_tokens_max < self.step_seqs_max {
+            return Err(invalid(
+                field("step_tokens_max"),
+                "must be at least step_seqs_max, so every sequence in a step can decode",
+            ));
+        }
+        Ok(())
     }
+}
+
+/// What all models share.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    /// The memory every model's weights and KV pool may take together, in bytes
+    /// or with a unit (`"6 GiB"`); unset, nothing is checked (the sum is still
+    /// printed). Start-up, `bulkhead check` and adding a model refuse a catalog
+    /// above it.
+    #[serde(deserialize_with = "bytes_with_unit")]
+    pub memory_max: Option<u64>,
+}
+
+/// A byte count: an integer, or a string of a number and a unit (`B`, `KiB`,
+/// `MiB`, `GiB`, `TiB`).
+fn bytes_with_unit<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Bytes(u64),
+        Text(String),
+    }
+    let text = match Raw::deserialize(d)? {
+        Raw::Bytes(n) => return Ok(Some(n)),
+        Raw::Text(text) => text,
+    };
+    parse_bytes(&text).map(Some).ok_or_else(|| {
+        serde::de::Error::custom(format!(
+            "{text:?} is not a byte count such as 6442450944 or \"6 GiB\""
+        ))
+    })
+}
+
+/// `"6 GiB"` → 6442450944; None for anything else (or an overflow).
+pub fn parse_bytes(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number.parse().ok()?;
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "KiB" => 10,
+        "MiB" => 20,
+        "GiB" => 30,
+        "TiB" => 40,
+        _ => return None,
+    };
+    number.checked_mul(1u64 << shift)
 }
 
 /// One tenant.
@@ -306,6 +431,10 @@ pub struct TenantConfig {
     /// An environment variable whose value, when set, is one more API key.
     #[serde(default)]
     pub key_env: Option<String>,
+    /// The models it may use: `["*"]` (the default) for every model, or ids of
+    /// the policy's `[[models]]`.
+    #[serde(default)]
+    pub models: ModelAccess,
 }
 
 impl TenantConfig {
@@ -363,9 +492,15 @@ impl Config {
         Ok(config)
     }
 
-    /// The model file, resolved against the policy file's folder.
-    pub fn model_path(&self) -> PathBuf {
-        self.resolve(&self.model.path)
+    /// The policy's models, their paths resolved against its folder.
+    pub fn model_specs(&self) -> Vec<ModelSpec> {
+        self.models
+            .iter()
+            .map(|m| ModelSpec {
+                path: self.resolve(&m.path),
+                ..m.clone()
+            })
+            .collect()
     }
 
     /// The store's folder, resolved against the policy file's folder.
@@ -401,16 +536,6 @@ impl Config {
             ("server.drain_timeout_ms", s.drain_timeout_ms),
             ("server.tokenize_threads", u64::from(s.tokenize_threads)),
             ("store.usage_flush_ms", self.store.usage_flush_ms),
-            ("model.context_tokens", u64::from(self.model.context_tokens)),
-            ("model.threads", u64::from(self.model.threads)),
-            ("engine.page_tokens", u64::from(self.engine.page_tokens)),
-            ("engine.pool_pages", u64::from(self.engine.pool_pages)),
-            ("engine.seq_pages_max", u64::from(self.engine.seq_pages_max)),
-            (
-                "engine.step_tokens_max",
-                u64::from(self.engine.step_tokens_max),
-            ),
-            ("engine.step_seqs_max", u64::from(self.engine.step_seqs_max)),
         ] {
             if value == 0 {
                 return Err(invalid(field, "must be at least 1"));
@@ -443,22 +568,24 @@ impl Config {
             }
         }
         self.validate_plugins()?;
-        if self.engine.pool_pages > POOL_PAGES_LIMIT {
-            return Err(invalid(
-                "engine.pool_pages",
-                format!("at most {POOL_PAGES_LIMIT}"),
-            ));
-        }
-        if self.engine.step_tokens_max < self.engine.step_seqs_max {
-            return Err(invalid(
-                "engine.step_tokens_max",
-                "must be at least engine.step_seqs_max, so every sequence in a step can decode",
-            ));
-        }
-        if self.model.id.is_empty() {
-            return Err(invalid("model.id", "must not be empty"));
-        }
+        self.validate_models()?;
         self.validate_tenants()
+    }
+
+    fn validate_models(&self) -> Result<(), ConfigError> {
+        if self.models.len() > MODELS_MAX {
+            return Err(invalid("models", format!("at most {MODELS_MAX} models")));
+        }
+        for (i, model) in self.models.iter().enumerate() {
+            model.validate(|f| format!("models[{i}].{f}"))?;
+            if self.models[..i].iter().any(|m| m.id == model.id) {
+                return Err(invalid(
+                    format!("models[{i}].id"),
+                    format!("{:?} is defined twice", model.id),
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn validate_plugins(&self) -> Result<(), ConfigError> {
@@ -525,7 +652,6 @@ impl Config {
                 format!("define at most {TENANTS_MAX} tenants"),
             ));
         }
-        let mut reserved_total = 0u64;
         for (name, t) in &self.tenants {
             let field = |f: &str| format!("tenants.{name}.{f}");
             if !valid_name(name) {
@@ -546,192 +672,18 @@ impl Config {
                     ));
                 }
             }
-            reserved_total += u64::from(t.pages_reserved);
-        }
-        if reserved_total > u64::from(self.engine.pool_pages) {
-            return Err(invalid(
-                "tenants.*.pages_reserved",
-                format!(
-                    "reservations add up to {reserved_total} pages; the pool has {}",
-                    self.engine.pool_pages
-                ),
-            ));
+            if let Some(unknown) = t
+                .models
+                .ids()
+                .find(|id| !self.models.iter().any(|m| &m.id == *id))
+            {
+                return Err(invalid(
+                    field("models"),
+                    format!("{unknown:?} is not one of the policy's [[models]]"),
+                ));
+            }
         }
         Ok(())
-    }
-}
-
-/// The stage of the capacity table that reports reservations above the pool
-/// (I8): a row only when they are, holding no tokens.
-pub const RESERVATIONS_STAGE: &str = "reservations";
-
-/// One row of the capacity table: a stage and how many tokens it can hold.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Limit {
-    /// The stage, as printed ("model context", "tenant alpha maximum", ...).
-    pub stage: String,
-    /// The config field that sets it.
-    pub field: String,
-    /// Tokens it holds for one sequence.
-    pub tokens: u64,
-}
-
-/// The capacity contract of a deployment.
-#[derive(Clone, Debug)]
-pub struct Capacity {
-    /// Tokens promised to clients (prompt + completion).
-    pub promised_tokens: u64,
-    /// Every stage that must hold a promised window.
-    pub limits: Vec<Limit>,
-    /// Tokens per step, for the table (chunked prefill takes any prompt length).
-    pub step_tokens_max: u64,
-}
-
-/// A promise that some stage cannot keep.
-#[derive(Debug, thiserror::Error)]
-#[error("capacity contract violated: the promised context of {promised} tokens exceeds {stage} ({tokens} tokens, set by {field})\n{table}")]
-pub struct CapacityViolation {
-    /// Tokens promised.
-    pub promised: u64,
-    /// The stage that cannot hold them.
-    pub stage: String,
-    /// The field that sets that stage.
-    pub field: String,
-    /// What that stage holds.
-    pub tokens: u64,
-    /// The whole table.
-    pub table: String,
-    /// The whole contract.
-    pub capacity: Box<Capacity>,
-}
-
-impl Capacity {
-    /// The contract of `config` for a model whose own context is
-    /// `model_context_tokens`, with the policy file's tenants.
-    pub fn new(config: &Config, model_context_tokens: u64) -> Capacity {
-        let tenants: Vec<(String, Quota)> = config
-            .tenants
-            .iter()
-            .map(|(name, t)| (name.clone(), t.quota()))
-            .collect();
-        Capacity::with_tenants(config, model_context_tokens, &tenants)
-    }
-
-    /// The contract of `config`'s model and engine with `tenants` (the live
-    /// set, or the set an admin change would make).
-    pub fn with_tenants(
-        config: &Config,
-        model_context_tokens: u64,
-        tenants: &[(String, Quota)],
-    ) -> Capacity {
-        let page_tokens = u64::from(config.engine.page_tokens);
-        let pool_pages = u64::from(config.engine.pool_pages);
-        let mut limits = vec![
-            Limit {
-                stage: "model context".into(),
-                field: "the model file (context_length)".into(),
-                tokens: model_context_tokens,
-            },
-            Limit {
-                stage: "per-sequence page limit".into(),
-                field: "engine.seq_pages_max".into(),
-                tokens: u64::from(config.engine.seq_pages_max) * page_tokens,
-            },
-            Limit {
-                stage: "KV pool".into(),
-                field: "engine.pool_pages".into(),
-                tokens: pool_pages * page_tokens,
-            },
-        ];
-        let reserved_total: u64 = tenants
-            .iter()
-            .map(|(_, q)| u64::from(q.pages_reserved))
-            .sum();
-        if reserved_total > pool_pages {
-            // I8: no tenant's reservation may be another's burst.
-            limits.push(Limit {
-                stage: RESERVATIONS_STAGE.into(),
-                field: format!(
-                    "tenants' pages_reserved add up to {reserved_total} pages; engine.pool_pages is {pool_pages}"
-                ),
-                tokens: 0,
-            });
-        }
-        for (name, quota) in tenants {
-            // A tenant can never take pages other tenants have reserved (I8).
-            let others_reserved = reserved_total - u64::from(quota.pages_reserved);
-            let reachable = pool_pages.saturating_sub(others_reserved);
-            let (pages, field) = if u64::from(quota.pages_max) <= reachable {
-                (
-                    u64::from(quota.pages_max),
-                    format!("tenants.{name}.pages_max"),
-                )
-            } else {
-                (
-                    reachable,
-                    "engine.pool_pages minus other tenants' pages_reserved".to_string(),
-                )
-            };
-            limits.push(Limit {
-                stage: format!("tenant {name} maximum"),
-                field,
-                tokens: pages * page_tokens,
-            });
-        }
-        Capacity {
-            promised_tokens: u64::from(config.model.context_tokens),
-            limits,
-            step_tokens_max: u64::from(config.engine.step_tokens_max),
-        }
-    }
-
-    /// Ok when every stage holds the promised window; otherwise the first stage
-    /// that does not, with the whole table.
-    pub fn check(&self) -> Result<(), CapacityViolation> {
-        match self.limits.iter().find(|l| l.tokens < self.promised_tokens) {
-            None => Ok(()),
-            Some(l) => Err(CapacityViolation {
-                promised: self.promised_tokens,
-                stage: l.stage.clone(),
-                field: l.field.clone(),
-                tokens: l.tokens,
-                table: self.table(),
-                capacity: Box::new(self.clone()),
-            }),
-        }
-    }
-
-    /// The table of limits, one stage a line.
-    pub fn table(&self) -> String {
-        let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "{:<32} {:>10}  {:<6} set by",
-            "stage", "tokens", "holds"
-        );
-        let _ = writeln!(
-            out,
-            "{:<32} {:>10}  {:<6} model.context_tokens",
-            "promised context", self.promised_tokens, "-"
-        );
-        for l in &self.limits {
-            let holds = if l.tokens >= self.promised_tokens {
-                "ok"
-            } else {
-                "NO"
-            };
-            let _ = writeln!(
-                out,
-                "{:<32} {:>10}  {:<6} {}",
-                l.stage, l.tokens, holds, l.field
-            );
-        }
-        let _ = writeln!(
-            out,
-            "{:<32} {:>10}  {:<6} engine.step_tokens_max (chunked: any prompt length)",
-            "prefill chunk budget", self.step_tokens_max, "ok"
-        );
-        out
     }
 }
 
@@ -740,17 +692,23 @@ mod tests {
     use super::*;
 
     const BASE: &str = r#"
-[model]
+[engine]
+memory_max = "2 GiB"
+
+[[models]]
 id = "m"
 path = "m.gguf"
 context_tokens = 4096
-
-[engine]
 page_tokens = 16
 pool_pages = 1024
 seq_pages_max = 256
 step_tokens_max = 512
 step_seqs_max = 32
+
+[[models]]
+id = "m-q8"
+path = "/models/m-q8.gguf"
+context_tokens = 2048
 
 [tenants.alpha]
 pages_reserved = 256
@@ -759,104 +717,42 @@ pages_max = 512
 [tenants.beta]
 pages_reserved = 256
 pages_max = 512
+models = ["m"]
 "#;
 
-    fn with(replace: &str, by: &str) -> Config {
-        assert!(BASE.contains(replace), "{replace}");
-        Config::parse(&BASE.replace(replace, by)).expect("valid policy")
-    }
-
-    fn violation(config: &Config, model_context: u64) -> CapacityViolation {
-        Capacity::new(config, model_context)
-            .check()
-            .expect_err("a violation")
+    #[test]
+    fn the_base_policy_parses_with_defaults_filled_in() {
+        let mut config = Config::parse(BASE).unwrap();
+        config.source = PathBuf::from("/etc/bulkhead/policy.toml");
+        assert_eq!(config.engine.memory_max, Some(2 << 30));
+        let specs = config.model_specs();
+        assert_eq!(specs.len(), 2);
+        assert_eq!(specs[0].path, PathBuf::from("/etc/bulkhead/m.gguf"));
+        assert_eq!(specs[1].path, PathBuf::from("/models/m-q8.gguf"));
+        let q8 = &specs[1];
+        assert_eq!(
+            (
+                q8.page_tokens,
+                q8.pool_pages,
+                q8.seq_pages_max,
+                q8.step_tokens_max,
+                q8.step_seqs_max
+            ),
+            (16, 1024, 512, 512, 32)
+        );
+        assert!(config.tenants["alpha"].models.allows("m-q8"));
+        assert!(config.tenants["beta"].models.allows("m"));
+        assert!(!config.tenants["beta"].models.allows("m-q8"));
     }
 
     #[test]
-    fn the_base_policy_keeps_its_promise() {
-        let config = Config::parse(BASE).unwrap();
-        let capacity = Capacity::new(&config, 8192);
-        capacity.check().unwrap();
-        let table = capacity.table();
-        for stage in [
-            "promised context",
-            "model context",
-            "per-sequence page limit",
-            "KV pool",
-            "tenant alpha maximum",
-            "tenant beta maximum",
-            "prefill chunk budget",
-        ] {
-            assert!(table.contains(stage), "{stage} missing from\n{table}");
+    fn byte_counts_take_units() {
+        assert_eq!(parse_bytes("6 GiB"), Some(6 << 30));
+        assert_eq!(parse_bytes("512MiB"), Some(512 << 20));
+        assert_eq!(parse_bytes("100"), Some(100));
+        for bad in ["", "GiB", "6 GB", "-1 GiB", "1.5 GiB", "99999999999 TiB"] {
+            assert_eq!(parse_bytes(bad), None, "{bad:?}");
         }
-        assert!(!table.contains("NO"));
-    }
-
-    #[test]
-    fn refuses_a_promise_beyond_the_model_context() {
-        let v = violation(&Config::parse(BASE).unwrap(), 2048);
-        assert_eq!(v.stage, "model context");
-        assert!(v.to_string().contains("4096") && v.to_string().contains("NO"));
-    }
-
-    #[test]
-    fn refuses_a_promise_beyond_the_per_sequence_page_limit() {
-        let v = violation(&with("seq_pages_max = 256", "seq_pages_max = 255"), 8192);
-        assert_eq!(
-            (v.stage.as_str(), v.field.as_str()),
-            ("per-sequence page limit", "engine.seq_pages_max")
-        );
-    }
-
-    #[test]
-    fn refuses_a_promise_beyond_a_tenants_maximum() {
-        let config = with(
-            "pages_reserved = 256\npages_max = 512\n\n[tenants.beta]",
-            "pages_reserved = 0\npages_max = 255\n\n[tenants.beta]",
-        );
-        let v = violation(&config, 8192);
-        assert_eq!(
-            (v.stage.as_str(), v.field.as_str()),
-            ("tenant alpha maximum", "tenants.alpha.pages_max")
-        );
-    }
-
-    #[test]
-    fn refuses_a_promise_other_tenants_reservations_make_unreachable() {
-        // beta reserves 800 of 1024 pages: alpha can never hold more than 224.
-        let text = BASE
-            .replace(
-                "[tenants.alpha]\npages_reserved = 256",
-                "[tenants.alpha]\npages_reserved = 200",
-            )
-            .replace(
-                "[tenants.beta]\npages_reserved = 256\npages_max = 512",
-                "[tenants.beta]\npages_reserved = 800\npages_max = 1024",
-            );
-        let v = violation(&Config::parse(&text).unwrap(), 8192);
-        assert_eq!(v.stage, "tenant alpha maximum");
-        assert!(
-            v.field.contains("other tenants' pages_reserved"),
-            "{}",
-            v.field
-        );
-    }
-
-    #[test]
-    fn refuses_a_promise_beyond_the_pool() {
-        let text = BASE
-            .replace("context_tokens = 4096", "context_tokens = 9700")
-            .replace("pool_pages = 1024", "pool_pages = 600")
-            .replace("seq_pages_max = 256", "seq_pages_max = 1000")
-            .replace(
-                "pages_reserved = 256\npages_max = 512",
-                "pages_reserved = 0\npages_max = 1000",
-            );
-        let v = violation(&Config::parse(&text).unwrap(), 16384);
-        assert_eq!(
-            (v.stage.as_str(), v.field.as_str()),
-            ("KV pool", "engine.pool_pages")
-        );
     }
 
     #[test]
@@ -864,11 +760,28 @@ pages_max = 512
         let bad = [
             (
                 BASE.replace("pool_pages = 1024", "pool_pages = 0"),
-                "engine.pool_pages",
+                "models[0].pool_pages",
             ),
             (
                 BASE.replace("step_tokens_max = 512", "step_tokens_max = 8"),
-                "engine.step_tokens_max",
+                "models[0].step_tokens_max",
+            ),
+            (BASE.replace("id = \"m-q8\"", "id = \"m\""), "models[1].id"),
+            (
+                BASE.replace("id = \"m-q8\"", "id = \"m/q8\""),
+                "models[1].id",
+            ),
+            (
+                BASE.replace("models = [\"m\"]", "models = [\"m-q4\"]"),
+                "tenants.beta.models",
+            ),
+            (
+                BASE.replace("models = [\"m\"]", "models = [\"*\", \"m\"]"),
+                "models",
+            ),
+            (
+                BASE.replace("memory_max = \"2 GiB\"", "memory_max = \"2 GB\""),
+                "memory_max",
             ),
             (
                 BASE.replace(
@@ -876,10 +789,6 @@ pages_max = 512
                     "pages_max = 100\n\n[tenants.beta]",
                 ),
                 "tenants.alpha.pages_max",
-            ),
-            (
-                BASE.replace("pool_pages = 1024", "pool_pages = 500"),
-                "pages_reserved",
             ),
             (
                 BASE.replace("[tenants.beta]", "[tenants.\"be ta\"]"),
@@ -903,6 +812,10 @@ pages_max = 512
                 ),
                 "keys_sha256[0]",
             ),
+            (
+                BASE.replace("[[models]]\nid = \"m\"", "[model]\nid = \"m\""),
+                "model",
+            ),
         ];
         for (text, needle) in bad {
             let err = Config::parse(&text).expect_err(needle).to_string();
@@ -911,13 +824,18 @@ pages_max = 512
     }
 
     #[test]
-    fn the_demo_policy_parses_and_resolves_the_model_path() {
+    fn the_demo_policy_parses_and_resolves_the_model_paths() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies/demo.toml");
         let config = Config::load(&path).unwrap();
         assert!(config.tenants.contains_key("alpha") && config.tenants.contains_key("beta"));
-        assert!(config
-            .model_path()
+        let specs = config.model_specs();
+        assert!(specs[0]
+            .path
             .ends_with(".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-        Capacity::new(&config, 8192).check().unwrap();
+        assert!(specs[1]
+            .path
+            .ends_with(".cache/models/SmolLM2-135M-Instruct.Q8_0.gguf"));
+        let beta = &config.tenants["beta"].models;
+        assert!(beta.allows(&specs[0].id) && !beta.allows(&specs[1].id));
     }
 }

@@ -8,6 +8,8 @@ pub mod api;
 pub mod bench;
 pub mod bench_http;
 pub mod bench_plugins;
+pub mod capacity;
+pub mod catalog;
 pub mod config;
 pub mod engine;
 pub mod policy;

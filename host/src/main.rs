@@ -2,14 +2,16 @@
 
 use anyhow::{bail, Context, Result};
 use bulkhead::bench;
-use bulkhead::config::{Capacity, Config};
+use bulkhead::capacity::{Capacity, MemoryBudget};
+use bulkhead::catalog;
+use bulkhead::config::Config;
 use bulkhead::engine::chat::{ChatTemplate, Message};
 use bulkhead::engine::generate::{self, GenerateOptions};
 use bulkhead::engine::sampling::SamplingParams;
 use bulkhead::server::{self, ServeOptions};
 use bulkhead::store::Store;
-use bulkhead_kernels::gguf::Gguf;
-use bulkhead_kernels::model::{LlamaConfig, Model};
+use bulkhead::tenancy::seed;
+use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer};
 use clap::{Parser, Subcommand};
 use std::io::Write;
@@ -83,15 +85,14 @@ enum Command {
         /// Admin listener address (overrides `server.admin_listen`).
         #[arg(long)]
         admin_listen: Option<SocketAddr>,
-        /// GGUF model file (overrides `model.path`).
-        #[arg(long)]
-        model: Option<PathBuf>,
         /// The control-plane store's folder (overrides `store.path`).
         #[arg(long)]
         store: Option<PathBuf>,
     },
-    /// Print the capacity table of a deployment: the store's tenants (or, for a
-    /// store not yet seeded, the policy's); exit non-zero on a violation.
+    /// Print each model's capacity table and the memory budget of a deployment,
+    /// as `serve` would check them: the policy's models and those added through
+    /// the admin API, with the store's tenants (or, for a store not yet seeded,
+    /// the policy's); exit non-zero on a violation.
     Check {
         /// The policy file (e.g. policies/demo.toml).
         #[arg(long)]
@@ -186,36 +187,58 @@ fn check(path: &Path, store: Option<PathBuf>) -> Result<()> {
     if let Some(store) = store {
         config.store.path = std::path::absolute(store)?;
     }
-    let model_path = config.model_path();
-    let gguf =
-        Gguf::open(&model_path).with_context(|| format!("model {}", model_path.display()))?;
-    let model =
-        LlamaConfig::from_gguf(&gguf).with_context(|| format!("model {}", model_path.display()))?;
     // The state the server would use: a seeded store's tenants win over the
-    // policy's. Opening the store creates nothing when there is none yet.
+    // policy's, and its models join the policy's. Opening the store creates
+    // nothing when there is none yet.
     let store_path = config.store_path();
-    let capacity = if store_path.exists() {
-        let store = Store::open(&store_path)?;
-        match store.meta()? {
-            Some(_) => {
-                println!("tenants: the store at {}", store_path.display());
-                let tenants = bulkhead::server::quotas(&store.tenants()?);
-                Capacity::with_tenants(&config, model.context_len as u64, &tenants)
+    let (specs, tenants) = match store_path.exists() {
+        true => {
+            let store = Store::open(&store_path)?;
+            let specs = server::catalog_of(&config, &store)?;
+            match store.meta()? {
+                Some(_) => {
+                    println!("tenants: the store at {}", store_path.display());
+                    (specs, store.tenants()?)
+                }
+                None => (specs, seed::policy_tenants(&config)),
             }
-            None => Capacity::new(&config, model.context_len as u64),
         }
-    } else {
-        println!(
-            "tenants: the policy (the store at {} is not seeded yet)",
-            store_path.display()
-        );
-        Capacity::new(&config, model.context_len as u64)
+        false => {
+            println!(
+                "tenants: the policy (the store at {} is not seeded yet)",
+                store_path.display()
+            );
+            let specs = config
+                .model_specs()
+                .into_iter()
+                .map(|spec| (spec, catalog::Source::Policy))
+                .collect();
+            (specs, seed::policy_tenants(&config))
+        }
     };
-    print!("{}", capacity.table());
-    capacity.check()?;
+    let mut memory = MemoryBudget {
+        max_bytes: config.engine.memory_max,
+        models: Vec::new(),
+    };
+    let mut violation = None;
+    for (spec, _) in &specs {
+        let inspected = catalog::inspect(spec)?;
+        let quotas = catalog::quotas_for(spec, &tenants);
+        let capacity = Capacity::of_model(spec, inspected.file_context_tokens, &quotas);
+        print!("{}", capacity.table());
+        if let Err(v) = capacity.check() {
+            violation.get_or_insert_with(|| anyhow::Error::from(v));
+        }
+        memory.models.push(inspected.memory);
+    }
+    print!("{}", memory.table());
+    if let Some(v) = violation {
+        return Err(v);
+    }
+    memory.check()?;
     println!(
-        "ok: every stage holds the promised context of {} tokens",
-        capacity.promised_tokens
+        "ok: {} models; every stage of each holds its promised context, and the catalog fits its memory budget",
+        specs.len()
     );
     Ok(())
 }
@@ -283,13 +306,11 @@ fn run(cli: Cli) -> Result<()> {
             config,
             listen,
             admin_listen,
-            model,
             store,
         } => Ok(server::serve(ServeOptions {
             config,
             listen,
             admin_listen,
-            model,
             store,
         })?),
         Command::Check { config, store } => check(&config, store),

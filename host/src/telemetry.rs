@@ -1,13 +1,15 @@
 //! Metric names, the Prometheus recorder, and tracing set-up (invariant I9).
 //!
 //! 1. Every metric is named here. Labels are tenant names (validated
-//!    `[A-Za-z0-9_-]` in the policy) and fixed reason codes; never a client
-//!    value, never prompt or completion text.
+//!    `[A-Za-z0-9_-]`), model ids (validated `[A-Za-z0-9._:-]`, bounded by the
+//!    catalog's `MODELS_MAX`) and fixed reason codes; never a client value,
+//!    never prompt or completion text.
 //! 2. Logs are JSON lines on stderr with the request id and tenant. Dependency
 //!    crates (hyper, h2, rustls) are capped at `info` whatever `RUST_LOG` says,
 //!    because their trace output can carry raw protocol bytes.
-//! 3. Engine gauges (queue depth, KV pages by tenant and state, scrubs) are
-//!    set from the engine thread's latest snapshot when `/metrics` is scraped.
+//! 3. Engine gauges (queue depth, KV pages by model, tenant and state, scrubs)
+//!    are set from each model's engine thread's latest snapshot when `/metrics`
+//!    is scraped.
 
 use crate::engine::stats::SchedulerStats;
 use metrics::{counter, gauge, histogram};
@@ -17,31 +19,31 @@ use std::time::Duration;
 /// The tenant label of requests that never authenticated.
 pub const TENANT_UNKNOWN: &str = "none";
 
-/// Requests that finished, by tenant and finish reason.
+/// Requests that finished, by model, tenant and finish reason.
 pub const REQUESTS_TOTAL: &str = "bulkhead_requests_total";
 /// Requests refused with an error, by tenant and error code.
 pub const REJECTIONS_TOTAL: &str = "bulkhead_rejections_total";
-/// Prompt tokens of finished requests, by tenant.
+/// Prompt tokens of finished requests, by model and tenant.
 pub const PROMPT_TOKENS_TOTAL: &str = "bulkhead_prompt_tokens_total";
-/// Generated tokens of finished requests, by tenant.
+/// Generated tokens of finished requests, by model and tenant.
 pub const GENERATED_TOKENS_TOTAL: &str = "bulkhead_generated_tokens_total";
-/// Seconds from arrival to the first generated text, by tenant.
+/// Seconds from arrival to the first generated text, by model and tenant.
 pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "bulkhead_time_to_first_token_seconds";
-/// Seconds between successive pieces of generated text, by tenant.
+/// Seconds between successive pieces of generated text, by model and tenant.
 pub const INTER_TOKEN_LATENCY_SECONDS: &str = "bulkhead_inter_token_latency_seconds";
-/// Requests waiting in a tenant's queue.
+/// Requests waiting in a tenant's queue of a model.
 pub const QUEUE_DEPTH: &str = "bulkhead_queue_depth";
-/// Running sequences of a tenant.
+/// Running sequences of a tenant in a model.
 pub const RUNNING: &str = "bulkhead_running_sequences";
-/// Requests that ever entered a tenant's queue.
+/// Requests that ever entered a tenant's queue of a model.
 pub const ENQUEUED_TOTAL: &str = "bulkhead_enqueued_total";
-/// KV pages of a tenant by state (owned, released, booked, available).
+/// KV pages of a tenant in a model's pool by state (owned, released, booked, available).
 pub const KV_PAGES: &str = "bulkhead_kv_pages";
-/// KV pages ever acquired for a tenant.
+/// KV pages ever acquired for a tenant in a model's pool.
 pub const KV_PAGES_ACQUIRED_TOTAL: &str = "bulkhead_kv_pages_acquired_total";
-/// Pool-wide KV pages by state (total, free).
+/// A model's KV pages by state (total, free).
 pub const KV_POOL_PAGES: &str = "bulkhead_kv_pool_pages";
-/// KV pages scrubbed since start.
+/// KV pages a model's pool scrubbed since it was loaded.
 pub const KV_PAGES_SCRUBBED_TOTAL: &str = "bulkhead_kv_pages_scrubbed_total";
 
 /// Connections a listener closed itself, by listener and reason
@@ -113,62 +115,112 @@ pub fn count_plugin_disabled() {
 }
 
 /// Counts a finished request and its tokens.
-pub fn count_finished(tenant: &str, reason: &'static str, prompt: u32, generated: u32) {
-    counter!(REQUESTS_TOTAL, "tenant" => tenant.to_string(), "reason" => reason).increment(1);
-    counter!(PROMPT_TOKENS_TOTAL, "tenant" => tenant.to_string()).increment(u64::from(prompt));
-    counter!(GENERATED_TOKENS_TOTAL, "tenant" => tenant.to_string())
+pub fn count_finished(
+    model: &str,
+    tenant: &str,
+    reason: &'static str,
+    prompt: u32,
+    generated: u32,
+) {
+    let (model, tenant) = (model.to_string(), tenant.to_string());
+    counter!(REQUESTS_TOTAL, "model" => model.clone(), "tenant" => tenant.clone(), "reason" => reason)
+        .increment(1);
+    counter!(PROMPT_TOKENS_TOTAL, "model" => model.clone(), "tenant" => tenant.clone())
+        .increment(u64::from(prompt));
+    counter!(GENERATED_TOKENS_TOTAL, "model" => model, "tenant" => tenant)
         .increment(u64::from(generated));
 }
 
 /// Records time to first token.
-pub fn observe_first_token(tenant: &str, elapsed: Duration) {
-    histogram!(TIME_TO_FIRST_TOKEN_SECONDS, "tenant" => tenant.to_string())
+pub fn observe_first_token(model: &str, tenant: &str, elapsed: Duration) {
+    histogram!(TIME_TO_FIRST_TOKEN_SECONDS, "model" => model.to_string(), "tenant" => tenant.to_string())
         .record(elapsed.as_secs_f64());
 }
 
 /// Records the gap between two pieces of text.
-pub fn observe_inter_token(tenant: &str, gap: Duration) {
-    histogram!(INTER_TOKEN_LATENCY_SECONDS, "tenant" => tenant.to_string())
+pub fn observe_inter_token(model: &str, tenant: &str, gap: Duration) {
+    histogram!(INTER_TOKEN_LATENCY_SECONDS, "model" => model.to_string(), "tenant" => tenant.to_string())
         .record(gap.as_secs_f64());
 }
 
-/// Tenant names whose engine gauges were last published: a tenant that is
-/// gone has its gauges set to zero once, not left at their last values.
-static PUBLISHED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+/// What the last scrape published gauges for.
+struct Published {
+    /// (model, tenant) pairs.
+    pairs: Vec<(String, String)>,
+    /// Models.
+    models: Vec<String>,
+}
 
-/// Sets the engine gauges from a snapshot; `name_of(id)` is tenant `id`'s
-/// name (None for a tenant removed since the snapshot).
-pub fn publish_engine_stats(stats: &SchedulerStats, name_of: impl Fn(u32) -> Option<String>) {
-    let mut published = Vec::new();
-    for t in &stats.tenants {
-        let Some(name) = name_of(t.id) else {
-            continue;
-        };
-        gauge!(QUEUE_DEPTH, "tenant" => name.clone()).set(f64::from(t.queued));
-        gauge!(RUNNING, "tenant" => name.clone()).set(f64::from(t.running));
-        for (state, pages) in [
-            ("owned", t.pages_owned),
-            ("released", t.pages_released),
-            ("booked", t.pages_booked),
-            ("available", t.pages_available),
-        ] {
-            gauge!(KV_PAGES, "tenant" => name.clone(), "state" => state).set(f64::from(pages));
+/// What the last scrape published: a (model, tenant) pair or a model that is
+/// gone has its gauges set to zero once, not left at their last values.
+static PUBLISHED: std::sync::Mutex<Published> = std::sync::Mutex::new(Published {
+    pairs: Vec::new(),
+    models: Vec::new(),
+});
+
+/// The per-tenant gauges of one model.
+fn set_tenant_gauges(model: &str, tenant: &str, queued: u32, running: u32, pages: [u32; 4]) {
+    let labels = |extra: Option<&'static str>| {
+        let mut l = vec![
+            metrics::Label::new("model", model.to_string()),
+            metrics::Label::new("tenant", tenant.to_string()),
+        ];
+        if let Some(state) = extra {
+            l.push(metrics::Label::new("state", state));
         }
-        counter!(ENQUEUED_TOTAL, "tenant" => name.clone()).absolute(t.counts.enqueued_total);
-        counter!(KV_PAGES_ACQUIRED_TOTAL, "tenant" => name.clone())
-            .absolute(t.counts.pages_acquired_total);
-        published.push(name);
+        l
+    };
+    gauge!(QUEUE_DEPTH, labels(None)).set(f64::from(queued));
+    gauge!(RUNNING, labels(None)).set(f64::from(running));
+    for (state, count) in ["owned", "released", "booked", "available"]
+        .into_iter()
+        .zip(pages)
+    {
+        gauge!(KV_PAGES, labels(Some(state))).set(f64::from(count));
     }
+}
+
+/// Sets the engine gauges from each model's snapshot; `name_of(id)` is tenant
+/// `id`'s name (None for a tenant removed since the snapshot).
+pub fn publish_engine_stats(
+    models: &[(String, SchedulerStats)],
+    name_of: impl Fn(u32) -> Option<String>,
+) {
+    let mut pairs = Vec::new();
+    for (model, stats) in models {
+        for t in &stats.tenants {
+            let Some(name) = name_of(t.id) else {
+                continue;
+            };
+            let pages = [
+                t.pages_owned,
+                t.pages_released,
+                t.pages_booked,
+                t.pages_available,
+            ];
+            set_tenant_gauges(model, &name, t.queued, t.running, pages);
+            counter!(ENQUEUED_TOTAL, "model" => model.clone(), "tenant" => name.clone())
+                .absolute(t.counts.enqueued_total);
+            counter!(KV_PAGES_ACQUIRED_TOTAL, "model" => model.clone(), "tenant" => name.clone())
+                .absolute(t.counts.pages_acquired_total);
+            pairs.push((model.clone(), name));
+        }
+        gauge!(KV_POOL_PAGES, "model" => model.clone(), "state" => "total")
+            .set(f64::from(stats.pages_count));
+        gauge!(KV_POOL_PAGES, "model" => model.clone(), "state" => "free")
+            .set(f64::from(stats.pages_free));
+        counter!(KV_PAGES_SCRUBBED_TOTAL, "model" => model.clone())
+            .absolute(stats.pages_scrubbed_total);
+    }
+    let ids: Vec<String> = models.iter().map(|(m, _)| m.clone()).collect();
     let mut last = PUBLISHED.lock().unwrap_or_else(|p| p.into_inner());
-    for gone in last.iter().filter(|n| !published.contains(n)) {
-        gauge!(QUEUE_DEPTH, "tenant" => gone.clone()).set(0.0);
-        gauge!(RUNNING, "tenant" => gone.clone()).set(0.0);
-        for state in ["owned", "released", "booked", "available"] {
-            gauge!(KV_PAGES, "tenant" => gone.clone(), "state" => state).set(0.0);
+    for (model, tenant) in last.pairs.iter().filter(|p| !pairs.contains(p)) {
+        set_tenant_gauges(model, tenant, 0, 0, [0; 4]);
+    }
+    for gone in last.models.iter().filter(|m| !ids.contains(m)) {
+        for state in ["total", "free"] {
+            gauge!(KV_POOL_PAGES, "model" => gone.clone(), "state" => state).set(0.0);
         }
     }
-    *last = published;
-    gauge!(KV_POOL_PAGES, "state" => "total").set(f64::from(stats.pages_count));
-    gauge!(KV_POOL_PAGES, "state" => "free").set(f64::from(stats.pages_free));
-    counter!(KV_PAGES_SCRUBBED_TOTAL).absolute(stats.pages_scrubbed_total);
+    *last = Published { pairs, models: ids };
 }

@@ -4,21 +4,21 @@
 //! crash between the engine change and the commit is repaired by the next
 //! start, which builds the engine from the store.
 
+use bulkhead::catalog::{self, Catalog, Source};
 use bulkhead::config::Config;
-use bulkhead::engine::build::{self, EngineSpec};
-use bulkhead::engine::service::{EngineService, TenantChange};
+use bulkhead::engine::request::{FinishReason, RequestId, Usage};
+use bulkhead::engine::scheduler::FinishSink;
+use bulkhead::engine::service::{EngineHandle, TenantChange};
 use bulkhead::policy::PolicyRuntime;
 use bulkhead::store::sled_storage::SledStorage;
 use bulkhead::store::usage::UsageBook;
 use bulkhead::store::{Entry, Storage, Store, StoreError, Write};
-use bulkhead::tenancy::control::{self, Actor, Control, ControlError, QuotaPatch, TenantRef};
+use bulkhead::tenancy::control::{
+    self, Actor, Control, ControlError, Parts, TenantPatch, TenantRef,
+};
 use bulkhead::tenancy::seed;
-use bulkhead::tenancy::{Directory, Quota, Registry, TenantId};
-use bulkhead_kernels::gguf::Gguf;
-use bulkhead_kernels::kv::PoolOptions;
-use bulkhead_kernels::model::Model;
+use bulkhead::tenancy::{Directory, ModelAccess, Quota, Registry, TenantId};
 use bulkhead_kernels::testing::{tiny_llama, TinySpec};
-use bulkhead_kernels::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -53,12 +53,11 @@ impl Storage for Flaky {
 }
 
 const POLICY: &str = r#"
-[model]
+[[models]]
 id = "tiny"
-path = "unused.gguf"
+path = "tiny.gguf"
 context_tokens = 32
-
-[engine]
+threads = 1
 page_tokens = 8
 pool_pages = 32
 seq_pages_max = 8
@@ -79,8 +78,29 @@ const KEY_ALPHA: &str = "alpha-secret-0123456789abcdef";
 
 struct Plane {
     control: Control,
-    engine: EngineService,
     fail: Arc<AtomicBool>,
+}
+
+impl Plane {
+    /// The engine of the policy's one model.
+    fn engine(&self) -> EngineHandle {
+        let snapshot = self.control.catalog().snapshot();
+        snapshot.get("tiny").expect("loaded").engine.clone()
+    }
+
+    /// Stops every engine, as the server does at exit.
+    fn stop(&self) {
+        for (_, service) in self.control.catalog().take_all() {
+            service.shutdown(std::time::Duration::ZERO, FinishReason::Shutdown);
+        }
+    }
+}
+
+/// Nobody listens for request ends here.
+struct NoSink;
+
+impl FinishSink for NoSink {
+    fn finished(&self, _: RequestId, _: TenantId, _: FinishReason, _: Usage) {}
 }
 
 fn temp_dir(tag: &str) -> PathBuf {
@@ -90,12 +110,20 @@ fn temp_dir(tag: &str) -> PathBuf {
     dir
 }
 
-/// Opens the store in `dir` and starts everything from it, as `serve` does.
+/// Opens the store in `dir` and starts everything from it, as `serve` does:
+/// the policy's model (a tiny generated one, written next to the policy) goes
+/// through the catalog's one load path.
 fn start(dir: &Path) -> Plane {
-    let config = Arc::new(Config::parse(POLICY).unwrap());
+    let mut config = Config::parse(POLICY).unwrap();
+    config.source = dir.join("policy.toml");
+    let model_file = dir.join("tiny.gguf");
+    if !model_file.exists() {
+        std::fs::write(&model_file, tiny_llama(&TinySpec::default())).unwrap();
+    }
+    let config = Arc::new(config);
     let fail = Arc::new(AtomicBool::new(false));
     let storage = Flaky {
-        inner: SledStorage::open(dir).unwrap(),
+        inner: SledStorage::open(&dir.join("store")).unwrap(),
         fail: Arc::clone(&fail),
     };
     let store =
@@ -106,40 +134,29 @@ fn start(dir: &Path) -> Plane {
         _ => None,
     };
     seed::prepare(&config, &store, env).unwrap();
-    let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap());
-    let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
-    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
     let tenants = store.tenants().unwrap();
-    let spec = EngineSpec {
-        pool_options: PoolOptions {
-            poison_released: true,
-            paranoid: true,
-        },
-        ..EngineSpec::from_config(&config)
-    };
-    let limits = tenants.iter().map(control::limits_of).collect();
-    let scheduler = build::scheduler(&model, &tokenizer, &spec, limits).unwrap();
-    let engine = EngineService::start(scheduler).unwrap();
+    let catalog = Arc::new(Catalog::default());
+    let sink: Arc<dyn FinishSink> = Arc::new(NoSink);
+    for spec in config.model_specs() {
+        let loaded = catalog::load(spec, Source::Policy, &tenants, Arc::clone(&sink)).unwrap();
+        catalog.insert(loaded);
+    }
     let registry = Arc::new(Registry::new(Directory::build(
         &tenants,
         &store.keys().unwrap(),
         None,
     )));
-    let policy = PolicyRuntime::new(&config, Arc::clone(&store), dir, engine.handle()).unwrap();
-    let control = Control::new(
+    let policy = PolicyRuntime::new(&config, Arc::clone(&store), dir).unwrap();
+    let control = Control::new(Parts {
         store,
         registry,
-        engine.handle(),
+        catalog,
         policy,
-        Arc::new(UsageBook::default()),
+        usage: Arc::new(UsageBook::default()),
         config,
-        model.config.context_len as u64,
-    );
-    Plane {
-        control,
-        engine,
-        fail,
-    }
+        finishes: sink,
+    });
+    Plane { control, fail }
 }
 
 fn quota(pages_reserved: u32, pages_max: u32) -> Quota {
@@ -156,7 +173,7 @@ fn quota(pages_reserved: u32, pages_max: u32) -> Quota {
 /// Whether the engine serves tenant `id`, from the stats it publishes after
 /// every loop turn (polled: a change shows up within a turn or two).
 async fn engine_has(plane: &Plane, id: TenantId) -> bool {
-    let handle = plane.engine.handle();
+    let handle = plane.engine();
     let present = || handle.stats().tenants.iter().any(|t| t.id == id.0);
     for _ in 0..40 {
         if present() {
@@ -177,7 +194,7 @@ async fn a_failed_commit_leaves_the_engine_and_the_registry_as_they_were() {
     plane.fail.store(true, Ordering::SeqCst);
     let created = plane
         .control
-        .create_tenant(&actor, "gamma", quota(4, 8))
+        .create_tenant(&actor, "gamma", quota(4, 8), ModelAccess::All)
         .await;
     assert!(
         matches!(created, Err(ControlError::Store(_))),
@@ -199,9 +216,9 @@ async fn a_failed_commit_leaves_the_engine_and_the_registry_as_they_were() {
     // A quota change whose commit fails: the engine goes back to the old limits.
     let before = plane.control.tenant(TenantRef::Name("beta")).unwrap();
     plane.fail.store(true, Ordering::SeqCst);
-    let patch = QuotaPatch {
+    let patch = TenantPatch {
         pages_max: Some(8),
-        ..QuotaPatch::default()
+        ..TenantPatch::default()
     };
     assert!(plane
         .control
@@ -233,11 +250,11 @@ async fn a_failed_commit_leaves_the_engine_and_the_registry_as_they_were() {
     // And with the disk back, the same changes go through.
     plane
         .control
-        .create_tenant(&actor, "gamma", quota(4, 8))
+        .create_tenant(&actor, "gamma", quota(4, 8), ModelAccess::All)
         .await
         .unwrap();
     assert!(engine_has(&plane, TenantId(next_id)).await);
-    plane.engine.shutdown(std::time::Duration::ZERO);
+    plane.stop();
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -248,7 +265,7 @@ async fn a_crash_between_engine_and_store_is_repaired_by_the_next_start() {
     let actor = Actor::Admin;
     plane
         .control
-        .create_tenant(&actor, "gamma", quota(4, 8))
+        .create_tenant(&actor, "gamma", quota(4, 8), ModelAccess::All)
         .await
         .unwrap();
     let gamma = plane
@@ -270,7 +287,7 @@ async fn a_crash_between_engine_and_store_is_repaired_by_the_next_start() {
         pages_reserved: 0,
         pages_max: max,
     };
-    let handle = plane.engine.handle();
+    let handle = plane.engine();
     handle
         .change_tenant(TenantChange::Add(limits(next_id, "delta", 8)))
         .await
@@ -279,7 +296,7 @@ async fn a_crash_between_engine_and_store_is_repaired_by_the_next_start() {
         .change_tenant(TenantChange::Update(limits(gamma.0, "gamma", 4)))
         .await
         .unwrap();
-    plane.engine.shutdown(std::time::Duration::ZERO);
+    plane.stop();
     drop(plane.control);
 
     // The next start builds the engine from the store: what was acknowledged.
@@ -302,11 +319,11 @@ async fn a_crash_between_engine_and_store_is_repaired_by_the_next_start() {
     // The id the lost change used is handed out again: it never left the process.
     let delta = plane
         .control
-        .create_tenant(&actor, "delta", quota(0, 8))
+        .create_tenant(&actor, "delta", quota(0, 8), ModelAccess::All)
         .await
         .unwrap();
     assert_eq!(delta.id, next_id);
-    plane.engine.shutdown(std::time::Duration::ZERO);
+    plane.stop();
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -343,6 +360,6 @@ async fn issuing_and_revoking_keys_forever_keeps_a_bounded_number_of_records() {
         plane.control.issue_key(&actor, beta).await,
         Err(ControlError::TooMany { .. })
     ));
-    plane.engine.shutdown(std::time::Duration::ZERO);
+    plane.stop();
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -38,10 +38,7 @@ fn service(queue_depth_max: u32, running_max: u32) -> (EngineService, Admission)
         pages_max: 8,
     }];
     let scheduler = build::scheduler(&model, &tokenizer, &spec, tenants).unwrap();
-    let admission = Admission {
-        context_tokens: 64,
-        page_tokens: 8,
-    };
+    let admission = scheduler.admission(64);
     (EngineService::start(scheduler).unwrap(), admission)
 }
 
@@ -91,7 +88,7 @@ fn streams_requests_to_completion() {
             FinishReason::Length | FinishReason::Stop
         ));
     });
-    service.shutdown(Duration::from_secs(1));
+    service.shutdown(Duration::from_secs(1), FinishReason::Shutdown);
 }
 
 #[test]
@@ -110,7 +107,7 @@ fn a_full_queue_is_refused_at_submit_and_shutdown_ends_the_queued() {
         let second = handle.submit(admission.admit(r2).unwrap()).await;
         assert_eq!(second, Err(SubmitError::Rejected(Rejection::QueueFull)));
     });
-    service.shutdown(Duration::ZERO);
+    service.shutdown(Duration::ZERO, FinishReason::Shutdown);
     runtime.block_on(async { assert_eq!(finished(&mut rx1).await, FinishReason::Shutdown) });
 }
 
@@ -124,7 +121,7 @@ fn shutdown_stops_accepting_and_ends_what_is_left_after_the_drain() {
     let handle = service.handle();
     let (r1, mut rx1) = request(1, 59);
     runtime.block_on(async { handle.submit(admission.admit(r1).unwrap()).await.unwrap() });
-    service.shutdown(Duration::ZERO);
+    service.shutdown(Duration::ZERO, FinishReason::Shutdown);
     runtime.block_on(async {
         let reason = finished(&mut rx1).await;
         assert!(

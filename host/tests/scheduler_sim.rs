@@ -75,12 +75,10 @@ fn sim(tenants: &[Tenant], pool_pages: u32, limits: BatchLimits) -> Sim {
             pages_max: t.pages_max,
         })
         .collect();
+    let scheduler = build::scheduler(&model, &tokenizer, &spec, tenant_limits).unwrap();
     Sim {
-        admission: Admission {
-            context_tokens: model.config.context_len as u32,
-            page_tokens: PAGE_TOKENS,
-        },
-        scheduler: build::scheduler(&model, &tokenizer, &spec, tenant_limits).unwrap(),
+        admission: scheduler.admission(model.config.context_len as u32),
+        scheduler,
         now: Instant::now(),
         next_id: 1,
     }
@@ -375,12 +373,33 @@ fn tenants_share_steps_by_weight() {
 }
 
 #[test]
+fn a_request_admitted_for_another_models_pool_is_refused_and_costs_nothing() {
+    // Two engines of the same model and geometry: pages_needed means the same
+    // thing in both, yet an admission of one is refused by the other.
+    let mut ours = sim(&[tenant(ALPHA, 1, 16, 16)], 16, LIMITS);
+    let mut theirs = sim(&[tenant(ALPHA, 1, 16, 16)], 16, LIMITS);
+    let (request, _rx) = theirs.request(ALPHA, prompt(1, 8), 8);
+    let admitted = theirs.admission.admit(request).unwrap();
+    assert_eq!(
+        ours.scheduler.enqueue(admitted).err(),
+        Some(Rejection::ForeignPool)
+    );
+    assert_eq!(ours.scheduler.in_flight(), 0);
+    let stats = ours.scheduler.stats();
+    assert_eq!(stats.tenants[0].counts.enqueued_total, 0);
+    // Its own admission still works.
+    let mut rx = ours.submit(ALPHA, prompt(2, 8), 4);
+    ours.run_to_idle();
+    assert!(drain(&mut rx).1.is_some());
+}
+
+#[test]
 fn shutdown_ends_queued_and_running_requests_and_frees_every_page() {
     let mut s = sim(&[tenant(ALPHA, 1, 16, 16)], 16, LIMITS);
     let mut running = s.submit(ALPHA, prompt(1, 30), 30);
     let mut queued = s.submit(ALPHA, prompt(2, 30), 30);
     s.tick();
-    s.scheduler.finish_everything();
+    assert_eq!(s.scheduler.finish_everything(FinishReason::Shutdown), 2);
     assert_eq!(
         drain(&mut running).1.map(|e| e.0),
         Some(FinishReason::Shutdown)

@@ -189,7 +189,7 @@ fn changes_apply_on_the_next_request_without_a_restart() {
         .iter()
         .all(|p| p["tenant"] != "delta"));
     assert!(eventually(Duration::from_secs(5), || {
-        server.metric(r#"bulkhead_kv_pool_pages{state="free"}"#) == 224.0
+        server.metric(r#"bulkhead_kv_pool_pages{model="smollm2-test",state="free"}"#) == 224.0
     }));
     // A deleted name can be taken again, by a new id.
     let r = server.admin_call("POST", "/admin/v1/tenants", Some(&delta));
@@ -971,6 +971,18 @@ fn bulkhead_admin_commands_do_the_everyday_tasks() {
         !keys.to_string().contains(&secret),
         "listed without secrets"
     );
+    // Model access: none, then every model again.
+    let none = ok(&["quota", "set", "zeta", "--models", ""]);
+    assert_eq!(none["models"], json!([]));
+    assert_eq!(chat(&server, &secret).status, 404);
+    let all = ok(&["quota", "set", "zeta", "--models", "*"]);
+    assert_eq!(all["models"], json!(["*"]));
+    assert_eq!(chat(&server, &secret).status, 200);
+    let models = ok(&["model", "list"]);
+    assert_eq!(models["data"][0]["spec"]["id"], MODEL_ID);
+    let (code, _, stderr) = admin(&["model", "remove", "no-such-model"]);
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("404"), "{stderr}");
     let key_id = issued["key"]["id"].as_str().unwrap();
     ok(&["key", "revoke", "zeta", key_id]);
     assert_eq!(chat(&server, &secret).status, 401);
@@ -980,7 +992,7 @@ fn bulkhead_admin_commands_do_the_everyday_tasks() {
     assert_eq!(plugin["version"], 1);
     ok(&["plugin", "disable", "zeta", "limits"]);
     let capacity = ok(&["capacity"]);
-    assert_eq!(capacity["ok"], true);
+    assert_eq!(capacity["data"][0]["ok"], true);
     ok(&["partitions"]);
     ok(&["usage", "alpha"]);
     let audit = ok(&["audit", "--limit", "1000"]);
@@ -1035,7 +1047,7 @@ fn bulkhead_check_reads_the_store_the_server_uses() {
     // beta's maximum as the store has it (70 pages of 16 tokens), not the policy's 96.
     let beta = stdout
         .lines()
-        .find(|l| l.starts_with("tenant beta maximum"))
+        .find(|l| l.trim_start().starts_with("tenant beta maximum"))
         .unwrap_or_else(|| panic!("{stdout}"));
     assert!(beta.contains(" 1120 "), "{beta}");
 }

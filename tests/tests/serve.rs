@@ -77,12 +77,15 @@ fn chat_and_completions_answer_in_openai_shape_with_usage() {
     assert_eq!(
         metric_value(
             &metrics,
-            r#"bulkhead_generated_tokens_total{tenant="beta"}"#
+            r#"bulkhead_generated_tokens_total{model="smollm2-test",tenant="beta"}"#
         ),
         8.0
     );
     assert_eq!(
-        metric_value(&metrics, r#"bulkhead_prompt_tokens_total{tenant="beta"}"#),
+        metric_value(
+            &metrics,
+            r#"bulkhead_prompt_tokens_total{model="smollm2-test",tenant="beta"}"#
+        ),
         4.0
     );
     assert!(metrics.contains("bulkhead_time_to_first_token_seconds_bucket"));
@@ -265,8 +268,10 @@ fn client_errors_are_openai_shaped_and_name_the_parameter() {
     );
     let r = server.get(&server.admin, "/admin/v1/capacity", Some(ADMIN_TOKEN));
     assert_eq!(r.status, 200);
-    assert_eq!(r.json()["promised_tokens"], 1024);
-    assert_eq!(r.json()["ok"], true);
+    let model = &r.json()["data"][0];
+    assert_eq!(model["model"], MODEL_ID);
+    assert_eq!(model["promised_tokens"], 1024);
+    assert_eq!(model["ok"], true);
 
     assert!(
         server.metric(r#"bulkhead_rejections_total{tenant="none",reason="invalid_api_key"}"#)
@@ -286,9 +291,9 @@ fn context_length_exceeded_is_refused_before_any_queue_or_page_is_touched() {
             .status,
         200
     );
-    let enqueued = r#"bulkhead_enqueued_total{tenant="alpha"}"#;
-    let acquired = r#"bulkhead_kv_pages_acquired_total{tenant="alpha"}"#;
-    let owned = r#"bulkhead_kv_pages{tenant="alpha",state="owned"}"#;
+    let enqueued = r#"bulkhead_enqueued_total{model="smollm2-test",tenant="alpha"}"#;
+    let acquired = r#"bulkhead_kv_pages_acquired_total{model="smollm2-test",tenant="alpha"}"#;
+    let owned = r#"bulkhead_kv_pages{model="smollm2-test",tenant="alpha",state="owned"}"#;
     let rejected = r#"bulkhead_rejections_total{tenant="alpha",reason="context_length_exceeded"}"#;
     // The engine publishes its counts after each loop turn: wait for the one
     // after that request finished.
@@ -358,7 +363,7 @@ fn a_full_queue_answers_429_with_retry_after() {
 fn a_client_disconnect_mid_stream_cancels_and_frees_pages() {
     let Some(model) = smollm2() else { return };
     let server = start(&model, &Policy::default());
-    let owned = r#"bulkhead_kv_pages{tenant="beta",state="owned"}"#;
+    let owned = r#"bulkhead_kv_pages{model="smollm2-test",tenant="beta",state="owned"}"#;
     let mut body = chat_body("Write a long story about a dragon.", 500);
     body["stream"] = json!(true);
     let (status, mut sse) = server.stream("/v1/chat/completions", KEY_BETA, &body);
@@ -376,10 +381,12 @@ fn a_client_disconnect_mid_stream_cancels_and_frees_pages() {
         "pages released after the disconnect"
     );
     assert!(eventually(Duration::from_secs(5), || {
-        server.metric(r#"bulkhead_kv_pages{tenant="beta",state="released"}"#) == 0.0
+        server.metric(r#"bulkhead_kv_pages{model="smollm2-test",tenant="beta",state="released"}"#)
+            == 0.0
     }));
-    assert!(server.metric("bulkhead_kv_pages_scrubbed_total") > 0.0);
-    let finished = server.metric(r#"bulkhead_requests_total{tenant="beta",reason="length"}"#);
+    assert!(server.metric(r#"bulkhead_kv_pages_scrubbed_total{model="smollm2-test"}"#) > 0.0);
+    let finished = server
+        .metric(r#"bulkhead_requests_total{model="smollm2-test",tenant="beta",reason="length"}"#);
     assert_eq!(finished, 0.0, "it did not run to max_tokens");
 }
 
@@ -417,7 +424,10 @@ fn serve_refuses_a_policy_that_breaks_the_capacity_contract() {
         Ok(_) => panic!("started despite a broken contract"),
         Err((status, stderr)) => {
             assert!(!status.success());
-            assert!(stderr.contains("engine.seq_pages_max"), "{stderr}");
+            assert!(
+                stderr.contains(&format!("models.{MODEL_ID}.seq_pages_max")),
+                "{stderr}"
+            );
             assert!(!stderr.contains("panicked"), "{stderr}");
         }
     }

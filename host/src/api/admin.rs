@@ -14,12 +14,14 @@
 
 use super::error::{capacity_limits, ApiError, CapacityLimit, ErrorResponse};
 use super::{read_body, App};
+use crate::catalog::Source;
+use crate::config::ModelSpec;
 use crate::store::records::AuditRecord;
 use crate::tenancy::control::{
-    now_ms, Actor, Control, IssuedKey, KeyView, PluginView, QuotaPatch, TenantRef, TenantView,
-    UploadOptions, UsageView, PLUGIN_BYTES_MAX,
+    now_ms, Actor, Control, IssuedKey, KeyView, ModelRemoved, ModelView, PluginView, TenantPatch,
+    TenantRef, TenantView, UploadOptions, UsageView, PLUGIN_BYTES_MAX,
 };
-use crate::tenancy::{Quota, TenantId};
+use crate::tenancy::{ModelAccess, Quota, TenantId};
 use axum::body::Body;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, Request, State};
@@ -64,6 +66,11 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .route(
             "/admin/v1/tenants/{tenant}/plugins/{plugin}/disable",
             post(disable_plugin),
+        )
+        .route("/admin/v1/models", get(list_models).post(add_model))
+        .route(
+            "/admin/v1/models/{model}",
+            get(get_model).delete(remove_model),
         )
         .route("/admin/v1/partitions", get(partitions))
         .route("/admin/v1/capacity", get(capacity))
@@ -157,6 +164,11 @@ pub struct CreateTenant {
     /// Most requests before admission at once (default 8).
     #[serde(default = "pending_default")]
     pub pending_max: u32,
+    /// The models it may use: `["*"]` (the default) for every model, else ids
+    /// of models in the catalog.
+    #[serde(default)]
+    #[schema(value_type = Vec<String>)]
+    pub models: ModelAccess,
 }
 
 fn one() -> u32 {
@@ -194,9 +206,11 @@ pub struct Deleted {
     pub requests_ended: u32,
 }
 
-/// A tenant's live partition and queues.
+/// A tenant's live partition and queues in one model's engine.
 #[derive(Serialize, utoipa::ToSchema)]
 pub struct PartitionView {
+    /// The model.
+    pub model: String,
     /// The tenant.
     pub tenant: String,
     /// Its id.
@@ -219,9 +233,11 @@ pub struct PartitionView {
     pub running: u32,
 }
 
-/// The capacity contract of the live tenant set.
+/// One model's capacity contract with the live tenant set.
 #[derive(Serialize, utoipa::ToSchema)]
 pub struct CapacityView {
+    /// The model.
+    pub model: String,
     /// Tokens promised to clients (prompt and completion).
     pub promised_tokens: u64,
     /// Whether every stage holds them.
@@ -314,7 +330,7 @@ async fn create_tenant(
         let new: CreateTenant = json_body(body, &headers).await?;
         let view = app
             .control
-            .create_tenant(&Actor::Admin, &new.name, new.quota())
+            .create_tenant(&Actor::Admin, &new.name, new.quota(), new.models.clone())
             .await?;
         Ok(reply(StatusCode::CREATED, &view))
     };
@@ -335,7 +351,7 @@ async fn get_tenant(State(app): State<Arc<App>>, Path(tenant): Path<String>) -> 
     )
 }
 
-#[utoipa::path(patch, path = "/admin/v1/tenants/{tenant}", tag = "tenants", request_body = QuotaPatch,
+#[utoipa::path(patch, path = "/admin/v1/tenants/{tenant}", tag = "tenants", request_body = TenantPatch,
     params(("tenant" = String, Path, description = "The tenant's name")),
     responses((status = 200, body = TenantView), (status = 400, body = ErrorResponse),
         (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse),
@@ -347,7 +363,7 @@ async fn update_tenant(
     body: Body,
 ) -> Response<Body> {
     let answer = async {
-        let patch: QuotaPatch = json_body(body, &headers).await?;
+        let patch: TenantPatch = json_body(body, &headers).await?;
         let view = app
             .control
             .update_tenant(&Actor::Admin, name(&tenant), patch)
@@ -580,17 +596,17 @@ pub fn no_content() -> Response<Body> {
     responses((status = 200, body = List<PartitionView>), (status = 401, body = ErrorResponse)))]
 async fn partitions(State(app): State<Arc<App>>) -> Response<Body> {
     let directory = app.control.registry().snapshot();
-    let stats = app.serving.engine.stats();
-    let data = stats
-        .tenants
-        .iter()
-        .filter_map(|t| {
+    let mut data = Vec::new();
+    for model in app.control.catalog().snapshot().all() {
+        let stats = model.engine.stats();
+        data.extend(stats.tenants.iter().filter_map(|t| {
             let tenant = directory.tenant(TenantId(t.id))?;
             Some(PartitionView {
+                model: model.spec.id.clone(),
                 tenant: tenant.name.clone(),
                 tenant_id: t.id,
-                pages_reserved: tenant.quota.pages_reserved,
-                pages_max: tenant.quota.pages_max,
+                pages_reserved: t.pages_reserved,
+                pages_max: t.pages_max,
                 pages_owned: t.pages_owned,
                 pages_booked: t.pages_booked,
                 pages_released: t.pages_released,
@@ -598,26 +614,110 @@ async fn partitions(State(app): State<Arc<App>>) -> Response<Body> {
                 queued: t.queued,
                 running: t.running,
             })
-        })
-        .collect();
+        }));
+    }
     reply(StatusCode::OK, &List { data })
 }
 
 #[utoipa::path(get, path = "/admin/v1/capacity", tag = "capacity",
-    responses((status = 200, body = CapacityView), (status = 401, body = ErrorResponse)))]
+    responses((status = 200, body = List<CapacityView>), (status = 401, body = ErrorResponse)))]
 async fn capacity(State(app): State<Arc<App>>) -> Response<Body> {
-    let answer = app.control.capacity().map(|capacity| {
-        reply(
-            StatusCode::OK,
-            &CapacityView {
+    let answer = app.control.capacity().map(|capacities| {
+        let data: Vec<CapacityView> = capacities
+            .iter()
+            .map(|capacity| CapacityView {
+                model: capacity.model.clone(),
                 promised_tokens: capacity.promised_tokens,
                 ok: capacity.check().is_ok(),
                 prefill_chunk_tokens: capacity.step_tokens_max,
-                limits: capacity_limits(&capacity),
-            },
-        )
+                limits: capacity_limits(capacity),
+            })
+            .collect();
+        reply(StatusCode::OK, &List { data })
     });
     respond(&app, answer.map_err(Into::into))
+}
+
+#[utoipa::path(get, path = "/admin/v1/models", tag = "models",
+    responses((status = 200, body = List<ModelView>), (status = 401, body = ErrorResponse)))]
+async fn list_models(State(app): State<Arc<App>>) -> Response<Body> {
+    reply(
+        StatusCode::OK,
+        &List {
+            data: app.control.models(),
+        },
+    )
+}
+
+#[utoipa::path(post, path = "/admin/v1/models", tag = "models", request_body = ModelSpec,
+    responses((status = 201, body = ModelView, description = "Loaded and serving"),
+        (status = 400, body = ErrorResponse, description = "A bad value, or a file that cannot be served"),
+        (status = 401, body = ErrorResponse),
+        (status = 409, body = ErrorResponse, description = "The id is taken, or the memory budget or a capacity contract would break"),
+        (status = 413, body = ErrorResponse)))]
+async fn add_model(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response<Body> {
+    let answer = async {
+        let spec: ModelSpec = json_body(body, &headers).await?;
+        let view = app.control.add_model(&Actor::Admin, spec).await?;
+        Ok(reply(StatusCode::CREATED, &view))
+    };
+    respond(&app, answer.await)
+}
+
+#[utoipa::path(get, path = "/admin/v1/models/{model}", tag = "models",
+    params(("model" = String, Path, description = "The model's id")),
+    responses((status = 200, body = ModelView), (status = 401, body = ErrorResponse),
+        (status = 404, body = ErrorResponse)))]
+async fn get_model(State(app): State<Arc<App>>, Path(model): Path<String>) -> Response<Body> {
+    respond(
+        &app,
+        app.control
+            .model(&model)
+            .map(|v| reply(StatusCode::OK, &v))
+            .map_err(Into::into),
+    )
+}
+
+/// How a model is unloaded.
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct RemoveQuery {
+    /// How long its requests in flight may run on, milliseconds (default:
+    /// `server.drain_timeout_ms`); then they end with `model_removed`.
+    pub drain_ms: Option<u64>,
+}
+
+#[utoipa::path(delete, path = "/admin/v1/models/{model}", tag = "models",
+    params(("model" = String, Path, description = "The model's id"), RemoveQuery),
+    responses((status = 200, body = ModelRemoved, description = "Unloaded: its memory is freed"),
+        (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse),
+        (status = 404, body = ErrorResponse)))]
+async fn remove_model(
+    State(app): State<Arc<App>>,
+    Path(model): Path<String>,
+    q: Result<Query<RemoveQuery>, QueryRejection>,
+) -> Response<Body> {
+    let answer = async {
+        let q = query(q)?;
+        let drain_ms = q.drain_ms.unwrap_or(app.control.drain_default_ms());
+        if drain_ms > crate::config::TIMEOUT_MS_LIMIT {
+            return Err(ApiError::InvalidValue {
+                param: "drain_ms".into(),
+                message: format!("at most {}", crate::config::TIMEOUT_MS_LIMIT),
+            });
+        }
+        let removed = app
+            .control
+            .remove_model(
+                &Actor::Admin,
+                &model,
+                std::time::Duration::from_millis(drain_ms),
+            )
+            .await?;
+        Ok(reply(StatusCode::OK, &removed))
+    };
+    respond(&app, answer.await)
 }
 
 #[utoipa::path(get, path = "/admin/v1/usage", tag = "usage", params(UsageQuery),
@@ -703,13 +803,14 @@ impl utoipa::Modify for AdminToken {
 /// The admin API's OpenAPI 3.1 document.
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "Bulkhead admin API", description = "Tenants, keys, quotas, plugins, capacity, usage and the audit log of a Bulkhead server. Every route needs `Authorization: Bearer <admin token>`."),
+    info(title = "Bulkhead admin API", description = "Tenants, keys, quotas, plugins, models, capacity, usage and the audit log of a Bulkhead server. Every route needs `Authorization: Bearer <admin token>`."),
     paths(list_tenants, create_tenant, get_tenant, update_tenant, delete_tenant, list_keys,
         issue_key, revoke_key, list_plugins, get_plugin, upload_plugin, enable_plugin,
-        disable_plugin, delete_plugin, partitions, capacity, usage, audit_log),
+        disable_plugin, delete_plugin, list_models, add_model, get_model, remove_model,
+        partitions, capacity, usage, audit_log),
     components(schemas(ErrorResponse, TenantView, KeyView, IssuedKey, PluginView, UsageView,
-        AuditRecord, CapacityView, PartitionView, Deleted, AuditPage, CreateTenant, QuotaPatch,
-        Quota, WasmComponent)),
+        AuditRecord, CapacityView, PartitionView, Deleted, AuditPage, CreateTenant, TenantPatch,
+        Quota, WasmComponent, ModelSpec, ModelView, ModelRemoved, Source)),
     modifiers(&AdminToken)
 )]
 pub struct AdminApi;

@@ -9,7 +9,8 @@
 //!    goes to the log (never to the client). Neither the log line nor the metric
 //!    carries the message of a 4xx, which may quote the client's input.
 
-use crate::config::{Capacity, CapacityViolation, RESERVATIONS_STAGE};
+use crate::capacity::{Capacity, CapacityViolation, MemoryViolation, RESERVATIONS_STAGE};
+use crate::catalog::LoadError;
 use crate::engine::request::{Rejection, RequestId};
 use crate::engine::service::SubmitError;
 use crate::policy::{FaultKind, PluginRejection};
@@ -111,6 +112,10 @@ pub enum ApiError {
     /// The operator removed the tenant while the request was in flight.
     #[error("This tenant has been removed; the request was ended.")]
     TenantRemoved,
+    /// The operator removed the model while the request was in flight, and it
+    /// did not finish within the unload's drain.
+    #[error("The model was removed from this server; the request was ended.")]
+    ModelRemoved,
     /// No such route.
     #[error("Unknown request URL.")]
     NotFound,
@@ -133,6 +138,13 @@ pub enum ApiError {
     /// A change the capacity contract (I2) or the reservations (I8) cannot hold.
     #[error("{0}")]
     Capacity(CapacityViolation),
+    /// A model the memory budget (`engine.memory_max`) cannot hold.
+    #[error("The catalog would exceed the memory budget: model {} needs {} bytes; with the models before it that is {} bytes, above engine.memory_max ({} bytes).", .0.model, .0.needed, .0.total, .0.max_bytes)]
+    Memory(MemoryViolation),
+    /// A model file that cannot be served (missing, unreadable, hostile, or
+    /// not a model this engine runs).
+    #[error("The model could not be loaded: {0}")]
+    ModelLoad(String),
     /// A change the KV pool cannot apply now.
     #[error("The KV pool cannot apply this change now: {0}")]
     PoolConflict(String),
@@ -170,6 +182,12 @@ impl From<ControlError> for ApiError {
                 message: reason,
             },
             ControlError::Capacity(violation) => ApiError::Capacity(violation),
+            ControlError::Memory(violation) => ApiError::Memory(violation),
+            ControlError::Load(error) => match error {
+                LoadError::Thread { .. } => ApiError::Internal(error.to_string()),
+                LoadError::Capacity(violation) => ApiError::Capacity(violation),
+                other => ApiError::ModelLoad(other.to_string()),
+            },
             ControlError::Pool(message) => ApiError::PoolConflict(message),
             ControlError::TooMany { what, max } => ApiError::TooMany { what, max },
             ControlError::Store(error) => ApiError::Internal(format!("store: {error}")),
@@ -342,6 +360,12 @@ impl ApiError {
                         "tenant_removed",
                         None,
                     ),
+                    Rejection::ForeignPool => (
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "server_error",
+                        "internal_error",
+                        None,
+                    ),
                     Rejection::QueueFull => (
                         StatusCode::TOO_MANY_REQUESTS,
                         "rate_limit_error",
@@ -380,12 +404,19 @@ impl ApiError {
                 "tenant_removed",
                 None,
             ),
+            E::ModelRemoved => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "model_removed",
+                None,
+            ),
             E::NotFound => (StatusCode::NOT_FOUND, INVALID, "unknown_url", None),
             E::ObjectNotFound { what, .. } => {
                 let code = match *what {
                     "tenant" => "tenant_not_found",
                     "key" => "key_not_found",
                     "plugin" => "plugin_not_found",
+                    "model" => "model_not_found",
                     _ => "not_found",
                 };
                 (StatusCode::NOT_FOUND, INVALID, code, None)
@@ -396,6 +427,18 @@ impl ApiError {
                 INVALID,
                 "capacity_contract_violated",
                 None,
+            ),
+            E::Memory(_) => (
+                StatusCode::CONFLICT,
+                INVALID,
+                "memory_budget_exceeded",
+                None,
+            ),
+            E::ModelLoad(_) => (
+                StatusCode::BAD_REQUEST,
+                INVALID,
+                "model_unloadable",
+                Some("path"),
             ),
             E::PoolConflict(_) => (StatusCode::CONFLICT, INVALID, "pool_conflict", None),
             E::TooMany { .. } => (StatusCode::CONFLICT, INVALID, "limit_reached", None),
@@ -474,13 +517,16 @@ impl ApiError {
         let (message, limits) = match self {
             // The table goes as rows, not as text in the message.
             ApiError::Capacity(v) if v.stage == RESERVATIONS_STAGE => (
-                format!("The change would over-commit the KV pool: {}.", v.field),
+                format!(
+                    "The change would over-commit the KV pool of model {}: {}.",
+                    v.model, v.field
+                ),
                 Some(capacity_limits(&v.capacity)),
             ),
             ApiError::Capacity(v) => (
                 format!(
-                    "The change would break the capacity contract: the promised context of {} tokens exceeds {} ({} tokens, set by {}).",
-                    v.promised, v.stage, v.tokens, v.field
+                    "The change would break the capacity contract of model {}: the promised context of {} tokens exceeds {} ({} tokens, set by {}).",
+                    v.model, v.promised, v.stage, v.tokens, v.field
                 ),
                 Some(capacity_limits(&v.capacity)),
             ),

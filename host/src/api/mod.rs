@@ -10,16 +10,22 @@
 //!    another before its queue limits apply.
 //! 2. **Read** the body under `server.body_bytes_max` (413) and a read deadline.
 //! 3. **Parse** and validate the OpenAI parameters ([`openai`]); resolve the model
-//!    (404); refuse a prompt whose byte count alone proves it too long (400
+//!    in the catalog among those the tenant may use (404 `model_not_found` for
+//!    one it may not use, exactly as for one that does not exist); refuse a
+//!    prompt whose byte count alone proves it too long (400
 //!    `context_length_exceeded`, before any tokenization work).
 //! 4. **Tokenize** (the model's chat template for chat) in the tenant's turn on
 //!    the tokenization [`lane`], stopping once the prompt cannot fit.
-//! 5. **Admit** statically (I1): `prompt + max_tokens` against the contract —
-//!    a 400 `context_length_exceeded` here touches no page, queue or plugin state.
-//! 6. **Submit** to the engine thread: queued, or 429 (`Retry-After`) / 503. The
-//!    permit of step 1 is held until the engine answers, so the engine's inbox
-//!    holds at most `pending_max` submissions of any one tenant.
-//! 7. **Answer**: one JSON body, or an SSE stream whose body owns the event
+//! 5. **Route**: when the tenant has policy plugins and may use more than one
+//!    model, the chain may pick another of those models (`route`); the prompt
+//!    is then tokenized again for it.
+//! 6. **Admit** statically (I1) against the serving model's contract — a 400
+//!    `context_length_exceeded` here touches no page, queue or plugin state —
+//!    then through the policy chain (`admit`).
+//! 7. **Submit** to the model's engine thread: queued, or 429 (`Retry-After`) /
+//!    503. The permit of step 1 is held until the engine answers, so an
+//!    engine's inbox holds at most `pending_max` submissions of any one tenant.
+//! 8. **Answer**: one JSON body, or an SSE stream whose body owns the event
 //!    receiver, so a client disconnect cancels the request.
 //!
 //! Every error goes through [`error::ApiError::into_response`].
@@ -32,11 +38,10 @@ pub mod openai;
 pub mod stream;
 pub mod tenant;
 
-use crate::engine::admission::Admission;
-use crate::engine::chat::{ChatError, ChatTemplate};
+use crate::catalog::Served;
+use crate::engine::chat::ChatError;
 use crate::engine::request::{Event, NewRequest, RequestId};
-use crate::engine::service::EngineHandle;
-use crate::policy::{plugin_headers, AdmitInput, PolicyRuntime, Verdict};
+use crate::policy::{plugin_headers, AdmitInput, PolicyRuntime, Route, Verdict};
 use crate::telemetry;
 use crate::tenancy::control::{self, now_ms, Control};
 use crate::tenancy::{Tenant, TenantId};
@@ -45,7 +50,7 @@ use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 use axum::routing::{get, post};
 use axum::Router;
-use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer, TokenizerError};
+use bulkhead_kernels::tokenizer::{EncodeOptions, TokenizerError};
 use bytes::Bytes;
 use error::ApiError;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -74,25 +79,11 @@ pub const REFUSED_BODY_DRAIN_BYTES_MAX: u64 = 64 << 10;
 /// How long such a body may take to arrive; a slower one is left unread.
 pub const REFUSED_BODY_DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The serving plane: what turns a request into tokens and tokens into text.
+/// The serving plane's own parts (the models are in the control plane's
+/// catalog: [`Control::catalog`]).
 pub struct Serving {
-    /// The engine thread.
-    pub engine: EngineHandle,
-    /// The static admission check (the promised context).
-    pub admission: Admission,
-    /// The model's tokenizer.
-    pub tokenizer: Arc<Tokenizer>,
-    /// `tokenizer.text_bytes_per_token_max()`: a prompt's bytes over this are
-    /// the fewest tokens it can be.
-    pub text_bytes_per_token_max: u64,
-    /// Where prompts are tokenized, tenants in turn.
+    /// Where prompts are tokenized and plugins run, tenants in turn.
     pub lane: lane::Lane,
-    /// The model's chat template, if it has one.
-    pub template: Option<ChatTemplate>,
-    /// The served model's id.
-    pub model_id: String,
-    /// Unix seconds at start-up (the model's `created`).
-    pub created: u64,
     /// `server.body_bytes_max`.
     pub body_bytes_max: u64,
     /// `server.request_timeout_ms`.
@@ -101,7 +92,7 @@ pub struct Serving {
 
 /// Everything the handlers share, by plane.
 pub struct App {
-    /// Serving: engine, tokenizer, limits of a request.
+    /// Serving: the lane and the limits of a request.
     pub serving: Serving,
     /// The control plane: tenants, keys, quotas, plugins, usage, audit.
     pub control: Arc<Control>,
@@ -126,6 +117,26 @@ impl App {
 
     fn tenant(&self, headers: &HeaderMap) -> Option<Arc<Tenant>> {
         self.control.registry().authenticate(bearer(headers)?)
+    }
+
+    /// Model `id`, if it is in the catalog and `tenant` may use it: a model
+    /// it may not use is exactly as absent as one that does not exist.
+    fn served(&self, tenant: &Tenant, id: &str) -> Option<Arc<Served>> {
+        if !tenant.models.allows(id) {
+            return None;
+        }
+        self.control.catalog().snapshot().get(id).cloned()
+    }
+
+    /// The ids of the models `tenant` may use, in catalog order.
+    fn candidates(&self, tenant: &Tenant) -> Vec<String> {
+        self.control
+            .catalog()
+            .snapshot()
+            .all()
+            .filter(|m| tenant.models.allows(&m.spec.id))
+            .map(|m| m.spec.id.clone())
+            .collect()
     }
 
     fn is_admin(&self, headers: &HeaderMap) -> bool {
@@ -165,7 +176,7 @@ pub fn inference_router(app: Arc<App>) -> Router {
 pub fn admin_router(app: Arc<App>) -> Router {
     admin::router(Arc::clone(&app))
         .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
+        .route("/readyz", get(admin_readyz))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .with_state(app)
@@ -185,8 +196,24 @@ async fn healthz() -> Response<Body> {
     json(StatusCode::OK, &serde_json::json!({"status": "ok"}))
 }
 
+/// Ready: not shutting down, and every model of the catalog accepting. The
+/// inference listener says only that (its callers are tenants, who must not
+/// learn the catalog); the admin listener lists every model.
+fn readiness(app: &App) -> (bool, serde_json::Map<String, serde_json::Value>) {
+    let mut models = serde_json::Map::new();
+    let mut ready = !app.shutting_down.load(Ordering::SeqCst);
+    for model in app.control.catalog().snapshot().all() {
+        let accepting = model.engine.is_accepting();
+        ready &= accepting;
+        let state = if accepting { "ready" } else { "not ready" };
+        models.insert(model.spec.id.clone(), state.into());
+    }
+    (ready, models)
+}
+
 async fn readyz(State(app): State<Arc<App>>) -> Response<Body> {
-    if app.serving.engine.is_accepting() && !app.shutting_down.load(Ordering::SeqCst) {
+    let (ready, _) = readiness(&app);
+    if ready {
         json(StatusCode::OK, &serde_json::json!({"status": "ready"}))
     } else {
         json(
@@ -196,9 +223,27 @@ async fn readyz(State(app): State<Arc<App>>) -> Response<Body> {
     }
 }
 
+async fn admin_readyz(State(app): State<Arc<App>>) -> Response<Body> {
+    let (ready, models) = readiness(&app);
+    let (status, word) = if ready {
+        (StatusCode::OK, "ready")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+    };
+    json(
+        status,
+        &serde_json::json!({"status": word, "models": models}),
+    )
+}
+
 async fn metrics(State(app): State<Arc<App>>) -> Response<Body> {
     let directory = app.control.registry().snapshot();
-    telemetry::publish_engine_stats(&app.serving.engine.stats(), |id| {
+    let catalog = app.control.catalog().snapshot();
+    let models: Vec<_> = catalog
+        .all()
+        .map(|m| (m.spec.id.clone(), m.engine.stats()))
+        .collect();
+    telemetry::publish_engine_stats(&models, |id| {
         directory.tenant(TenantId(id)).map(|t| t.name.clone())
     });
     app.metrics.run_upkeep();
@@ -214,19 +259,27 @@ async fn not_found(State(app): State<Arc<App>>) -> Response<Body> {
     ApiError::NotFound.into_response(app.request_id(), None)
 }
 
-fn model_object(app: &App) -> serde_json::Value {
+fn model_object(model: &Served) -> serde_json::Value {
     serde_json::json!({
-        "id": app.serving.model_id, "object": "model", "created": app.serving.created, "owned_by": "bulkhead",
+        "id": model.spec.id, "object": "model", "created": model.created, "owned_by": "bulkhead",
     })
 }
 
+/// The models the tenant may use (only those: the catalog is not anyone's to
+/// browse).
 async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response<Body> {
-    if app.tenant(&headers).is_none() {
+    let Some(tenant) = app.tenant(&headers) else {
         return ApiError::Unauthenticated.into_response(app.request_id(), None);
-    }
+    };
+    let catalog = app.control.catalog().snapshot();
+    let data: Vec<_> = catalog
+        .all()
+        .filter(|m| tenant.models.allows(&m.spec.id))
+        .map(|m| model_object(m))
+        .collect();
     json(
         StatusCode::OK,
-        &serde_json::json!({"object": "list", "data": [model_object(&app)]}),
+        &serde_json::json!({"object": "list", "data": data}),
     )
 }
 
@@ -239,10 +292,10 @@ async fn model(
     let Some(tenant) = app.tenant(&headers) else {
         return ApiError::Unauthenticated.into_response(id, None);
     };
-    if model != app.serving.model_id {
-        return ApiError::ModelNotFound(model).into_response(id, Some(&tenant.name));
+    match app.served(&tenant, &model) {
+        Some(served) => json(StatusCode::OK, &model_object(&served)),
+        None => ApiError::ModelNotFound(model).into_response(id, Some(&tenant.name)),
     }
-    json(StatusCode::OK, &model_object(&app))
 }
 
 async fn chat_completions(
@@ -371,6 +424,7 @@ async fn discard(mut body: Body) {
 }
 
 /// What the prompt is made of, before tokenization.
+#[derive(Clone)]
 enum Source {
     Chat(Vec<crate::engine::chat::Message>),
     Completion(Prompt),
@@ -408,13 +462,12 @@ impl Source {
 
 /// The prompt's tokens; `Ok(None)` when it has more than `tokens_max` (the
 /// tokenizer stopped there).
-fn tokenize(app: &App, source: Source, tokens_max: u64) -> Result<Option<Vec<u32>>, ApiError> {
+fn tokenize(model: &Served, source: Source, tokens_max: u64) -> Result<Option<Vec<u32>>, ApiError> {
     let tokens_max = usize::try_from(tokens_max).unwrap_or(usize::MAX);
     let too_many = |e: &TokenizerError| matches!(e, TokenizerError::TooManyTokens { .. });
     match source {
         Source::Chat(messages) => {
-            let template = app
-                .serving
+            let template = model
                 .template
                 .as_ref()
                 .ok_or_else(|| ApiError::Unsupported {
@@ -422,7 +475,7 @@ fn tokenize(app: &App, source: Source, tokens_max: u64) -> Result<Option<Vec<u32
                     reason: "cannot be used: the model has no chat template; use /v1/completions"
                         .into(),
                 })?;
-            match template.tokens_max(&app.serving.tokenizer, &messages, tokens_max) {
+            match template.tokens_max(&model.tokenizer, &messages, tokens_max) {
                 Ok(ids) => Ok(Some(ids)),
                 Err(ChatError::Tokenizer(e)) if too_many(&e) => Ok(None),
                 Err(e) => Err(match e {
@@ -438,12 +491,11 @@ fn tokenize(app: &App, source: Source, tokens_max: u64) -> Result<Option<Vec<u32
         }
         Source::Completion(Prompt::Text(text)) => {
             let options = EncodeOptions {
-                add_bos: app.serving.tokenizer.add_bos(),
+                add_bos: model.tokenizer.add_bos(),
                 parse_special: false,
             };
             let mut ids = Vec::new();
-            match app
-                .serving
+            match model
                 .tokenizer
                 .encode_into(&text, options, tokens_max, &mut ids)
             {
@@ -453,7 +505,7 @@ fn tokenize(app: &App, source: Source, tokens_max: u64) -> Result<Option<Vec<u32
             }
         }
         Source::Completion(Prompt::Tokens(ids)) => {
-            let vocab = app.serving.tokenizer.vocab_len();
+            let vocab = model.tokenizer.vocab_len();
             if ids.iter().any(|&id| id as usize >= vocab) {
                 return Err(ApiError::InvalidValue {
                     param: "prompt".into(),
@@ -492,16 +544,16 @@ async fn run(
         }
     };
     drop(bytes);
-    if common.model != app.serving.model_id {
+    let Some(mut model) = app.served(tenant, &common.model) else {
         return Err(ApiError::ModelNotFound(common.model));
-    }
+    };
     let rejected = |rejection| ApiError::Rejected {
         rejection,
         prompt_param: endpoint.prompt_param(),
     };
     // Refused by its size alone, before any tokenization work.
-    let tokens_min = source.tokens_min(app.serving.text_bytes_per_token_max);
-    app.serving
+    let tokens_min = source.tokens_min(model.text_bytes_per_token_max);
+    model
         .admission
         .check_size(tokens_min, common.max_tokens)
         .map_err(rejected)?;
@@ -511,41 +563,75 @@ async fn run(
         .wants_prompt_text()
         .then(|| source.text())
         .flatten();
-    let worker = Arc::clone(app);
-    let tokens_max = app.serving.admission.prompt_tokens_max(common.max_tokens);
-    let prompt = app
-        .serving
-        .lane
-        .run(tenant.id, move || tokenize(&worker, source, tokens_max))
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))??;
-    let Some(prompt) = prompt else {
-        // Tokenizing stopped once the prompt could no longer fit.
-        let rejection = app
-            .serving
-            .admission
-            .too_long(tokens_max + 1, common.max_tokens);
-        return Err(rejected(rejection));
+    let has_chain = app.policy.has_chain(tenant.id);
+    let candidates = if has_chain {
+        app.candidates(tenant)
+    } else {
+        Vec::new()
     };
-    let prompt_tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
-    let context = app.serving.admission.context_tokens;
-    let max_tokens = common.max_tokens.unwrap_or_else(|| {
-        context
-            .saturating_sub(prompt_tokens)
-            .clamp(1, openai::MAX_TOKENS_DEFAULT)
-    });
+    // Kept for a second tokenization only if the chain may route elsewhere.
+    let routable = (candidates.len() > 1).then(|| source.clone());
+    let mut prompt = tokenize_on_lane(app, tenant, &model, source, common.max_tokens)
+        .await?
+        .map_err(rejected)?;
+    let mut input = AdmitInput {
+        request: id,
+        tenant: tenant.id,
+        tenant_name: tenant.name.clone(),
+        model: common.model.clone(),
+        chat: endpoint == Endpoint::Chat,
+        prompt_tokens: prompt_tokens_of(&prompt),
+        max_tokens: max_tokens_of(&model, &common, &prompt),
+        stream: common.stream,
+        headers: plugin_headers(headers),
+        prompt_text,
+        engine: model.engine.clone(),
+    };
+    if let Some(source) = routable {
+        match run_route(app, tenant.id, &input, candidates).await? {
+            Route::Unchanged => {}
+            Route::Fault { plugin, kind } => {
+                return Err(ApiError::PolicyUnavailable { plugin, kind })
+            }
+            Route::To { model: to, plugin } if to != model.spec.id => {
+                // Routed elsewhere: the access check, the size check and the
+                // prompt's tokens are the new model's.
+                let Some(routed) = app.served(tenant, &to) else {
+                    return Err(ApiError::ModelNotFound(to));
+                };
+                tracing::info!(request_id = id.0, tenant = %tenant.name, plugin = %plugin, from = %model.spec.id, to = %routed.spec.id, "routed");
+                routed
+                    .admission
+                    .check_size(
+                        source.tokens_min(routed.text_bytes_per_token_max),
+                        common.max_tokens,
+                    )
+                    .map_err(rejected)?;
+                prompt = tokenize_on_lane(app, tenant, &routed, source, common.max_tokens)
+                    .await?
+                    .map_err(rejected)?;
+                model = routed;
+                input.model = model.spec.id.clone();
+                input.prompt_tokens = prompt_tokens_of(&prompt);
+                input.max_tokens = max_tokens_of(&model, &common, &prompt);
+                input.engine = model.engine.clone();
+            }
+            Route::To { .. } => {}
+        }
+    }
+    let prompt_tokens = input.prompt_tokens;
     let (events, receiver) = tokio::sync::mpsc::unbounded_channel::<Event>();
     let request = NewRequest {
         id,
         tenant: tenant.id,
         prompt,
-        max_tokens,
+        max_tokens: input.max_tokens,
         sampling: common.sampling.clone(),
         stop: common.stop.clone(),
         deadline: arrived + app.serving.request_timeout,
         events,
     };
-    let mut admitted = app.serving.admission.admit(request).map_err(rejected)?;
+    let mut admitted = model.admission.admit(request).map_err(rejected)?;
     // Whatever the chain admits reaches the engine or is refused: if this
     // future ends first (an error, the client gone), the guard refuses it.
     let mut chain_admitted = Unsubmitted {
@@ -554,19 +640,7 @@ async fn run(
         prompt_tokens,
         armed: false,
     };
-    if app.policy.has_chain(tenant.id) {
-        let input = AdmitInput {
-            request: id,
-            tenant: tenant.id,
-            tenant_name: tenant.name.clone(),
-            model: common.model.clone(),
-            chat: endpoint == Endpoint::Chat,
-            prompt_tokens,
-            max_tokens,
-            stream: common.stream,
-            headers: plugin_headers(headers),
-            prompt_text,
-        };
+    if has_chain {
         match run_chain(app, tenant.id, input, prompt_tokens).await? {
             Verdict::Admit {
                 max_tokens,
@@ -582,6 +656,7 @@ async fn run(
     tracing::info!(
         request_id = id.0,
         tenant = %tenant.name,
+        model = %model.spec.id,
         prompt_tokens,
         max_tokens = admitted.max_tokens(),
         priority = admitted.priority(),
@@ -590,7 +665,7 @@ async fn run(
         "admitted"
     );
     // On an error the guard tells the plugins it was refused.
-    app.serving.engine.submit(admitted).await?;
+    model.engine.submit(admitted).await?;
     chain_admitted.armed = false;
     // Queued: the tenant's queue limits govern it from here.
     drop(pending);
@@ -602,10 +677,10 @@ async fn run(
             id.0
         ),
         created: unix_now(),
-        model: app.serving.model_id.clone(),
+        model: model.spec.id.clone(),
         endpoint,
     };
-    let tracker = Tracker::new(id, &tenant.name, arrived);
+    let tracker = Tracker::new(id, &tenant.name, &model.spec.id, arrived);
     if common.stream {
         let body = SseBody::new(receiver, meta, common.include_usage, tracker);
         let mut response = Response::new(Body::new(body));
@@ -618,6 +693,59 @@ async fn run(
         return Ok(response);
     }
     collect(receiver, meta, tracker).await
+}
+
+/// The prompt's tokens for `model`, tokenized in the tenant's turn on the
+/// lane; `Ok(Err(_))` when it cannot fit `model`'s context with `max_tokens`
+/// (tokenizing stopped there).
+async fn tokenize_on_lane(
+    app: &Arc<App>,
+    tenant: &Tenant,
+    model: &Arc<Served>,
+    source: Source,
+    max_tokens: Option<u32>,
+) -> Result<Result<Vec<u32>, crate::engine::request::Rejection>, ApiError> {
+    let tokens_max = model.admission.prompt_tokens_max(max_tokens);
+    let worker = Arc::clone(model);
+    let prompt = app
+        .serving
+        .lane
+        .run(tenant.id, move || tokenize(&worker, source, tokens_max))
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))??;
+    Ok(prompt.ok_or_else(|| model.admission.too_long(tokens_max + 1, max_tokens)))
+}
+
+fn prompt_tokens_of(prompt: &[u32]) -> u32 {
+    u32::try_from(prompt.len()).unwrap_or(u32::MAX)
+}
+
+/// The request's `max_tokens`, or when not given, what the model's context
+/// leaves (at most [`openai::MAX_TOKENS_DEFAULT`]).
+fn max_tokens_of(model: &Served, common: &Common, prompt: &[u32]) -> u32 {
+    common.max_tokens.unwrap_or_else(|| {
+        model
+            .admission
+            .context_tokens()
+            .saturating_sub(prompt_tokens_of(prompt))
+            .clamp(1, openai::MAX_TOKENS_DEFAULT)
+    })
+}
+
+/// Runs the route chain in the tenant's turn on the lane.
+async fn run_route(
+    app: &Arc<App>,
+    tenant: TenantId,
+    input: &AdmitInput,
+    candidates: Vec<String>,
+) -> Result<Route, ApiError> {
+    let policy = Arc::clone(&app.policy);
+    let input = input.clone();
+    app.serving
+        .lane
+        .run(tenant, move || policy.route(&input, &candidates))
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))
 }
 
 /// A request the policy chain admitted that has not reached the engine yet:

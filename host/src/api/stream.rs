@@ -32,17 +32,19 @@ use tokio::sync::mpsc::UnboundedReceiver;
 pub struct Tracker {
     request_id: RequestId,
     tenant: String,
+    model: String,
     arrived: Instant,
     last_text: Option<Instant>,
     finished: bool,
 }
 
 impl Tracker {
-    /// Starts watching a request that arrived at `arrived`.
-    pub fn new(request_id: RequestId, tenant: &str, arrived: Instant) -> Tracker {
+    /// Starts watching a request of `tenant` on `model` that arrived at `arrived`.
+    pub fn new(request_id: RequestId, tenant: &str, model: &str, arrived: Instant) -> Tracker {
         Tracker {
             request_id,
             tenant: tenant.to_string(),
+            model: model.to_string(),
             arrived,
             last_text: None,
             finished: false,
@@ -55,14 +57,21 @@ impl Tracker {
         match event {
             Event::Text(_) => {
                 match self.last_text {
-                    None => telemetry::observe_first_token(&self.tenant, now - self.arrived),
-                    Some(last) => telemetry::observe_inter_token(&self.tenant, now - last),
+                    None => telemetry::observe_first_token(
+                        &self.model,
+                        &self.tenant,
+                        now - self.arrived,
+                    ),
+                    Some(last) => {
+                        telemetry::observe_inter_token(&self.model, &self.tenant, now - last)
+                    }
                 }
                 self.last_text = Some(now);
             }
             Event::Finished { reason, usage } => {
                 self.finished = true;
                 telemetry::count_finished(
+                    &self.model,
                     &self.tenant,
                     reason.as_str(),
                     usage.prompt_tokens,
@@ -71,6 +80,7 @@ impl Tracker {
                 tracing::info!(
                     request_id = self.request_id.0,
                     tenant = %self.tenant,
+                    model = %self.model,
                     reason = reason.as_str(),
                     prompt_tokens = usage.prompt_tokens,
                     completion_tokens = usage.completion_tokens,
@@ -102,6 +112,7 @@ pub fn finish_error(reason: FinishReason) -> Option<ApiError> {
         FinishReason::Timeout => Some(ApiError::Timeout),
         FinishReason::Shutdown => Some(ApiError::Shutdown),
         FinishReason::TenantRemoved => Some(ApiError::TenantRemoved),
+        FinishReason::ModelRemoved => Some(ApiError::ModelRemoved),
         FinishReason::Cancelled => Some(ApiError::Internal(
             "the engine cancelled a request whose client is still connected".into(),
         )),

@@ -5,6 +5,7 @@
 
 use super::request::{NewRequest, Rejection, RequestId};
 use crate::tenancy::TenantId;
+use bulkhead_kernels::kv::PoolId;
 
 /// A request that passed static admission (I1). Only [`Admission::admit`]
 /// makes one, and only an `Admitted` can be queued and booked.
@@ -14,6 +15,9 @@ pub struct Admitted {
     /// Its place in its tenant's queue: higher runs first (FIFO among equals).
     pub(super) priority: u8,
     page_tokens: u32,
+    /// The pool whose page geometry `pages_needed` counts in: only that pool's
+    /// scheduler takes it.
+    pub(super) pool: PoolId,
 }
 
 /// The priority of a request nothing lowered.
@@ -66,16 +70,26 @@ impl Admitted {
     }
 }
 
-/// The static admission check: the capacity contract applied to one request.
+/// The static admission check of one model: the capacity contract applied to
+/// one request. Made by the model's scheduler ([`super::scheduler::Scheduler::admission`]),
+/// so it carries that scheduler's pool: a request admitted for one model can
+/// never be queued (and counted in pages) by another.
 #[derive(Clone, Copy, Debug)]
 pub struct Admission {
     /// The promised context (I2 guarantees every stage holds it).
-    pub context_tokens: u32,
+    pub(super) context_tokens: u32,
     /// Tokens per KV page.
-    pub page_tokens: u32,
+    pub(super) page_tokens: u32,
+    /// The pool it admits for.
+    pub(super) pool: PoolId,
 }
 
 impl Admission {
+    /// The promised context.
+    pub fn context_tokens(&self) -> u32 {
+        self.context_tokens
+    }
+
     /// The most prompt tokens a request asking for `max_tokens` can have (when
     /// not given, at least one token is generated): tokenization stops past it.
     pub fn prompt_tokens_max(&self, max_tokens: Option<u32>) -> u64 {
@@ -129,6 +143,7 @@ impl Admission {
             pages_needed,
             priority: PRIORITY_DEFAULT,
             page_tokens: self.page_tokens,
+            pool: self.pool,
         })
     }
 }

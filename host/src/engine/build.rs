@@ -1,10 +1,10 @@
 //! The one place an engine stack is assembled: a model's weights → its KV pool
 //! (the model's page geometry) → the CPU backend → the scheduler with its
-//! tenants' partitions. The server, `bulkhead generate`, the benchmarks and the
-//! tests all build through here, so they run the same stack.
+//! tenants' partitions. The catalog (every served model), `bulkhead generate`,
+//! the benchmarks and the tests all build through here, so they run the same
+//! stack.
 
 use super::scheduler::{BatchLimits, Scheduler, TenantChangeError, TenantLimits};
-use crate::config::Config;
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::kv::{Pool, PoolError, PoolOptions};
 use bulkhead_kernels::model::Model;
@@ -26,20 +26,6 @@ pub struct EngineSpec {
     pub step_seqs_max: u32,
     /// Pool test switches (poison, paranoid); off when serving.
     pub pool_options: PoolOptions,
-}
-
-impl EngineSpec {
-    /// The engine a deployment policy describes.
-    pub fn from_config(config: &Config) -> EngineSpec {
-        EngineSpec {
-            pool_pages: config.engine.pool_pages,
-            page_tokens: config.engine.page_tokens,
-            threads: config.model.threads as usize,
-            step_tokens_max: config.engine.step_tokens_max,
-            step_seqs_max: config.engine.step_seqs_max,
-            pool_options: PoolOptions::default(),
-        }
-    }
 }
 
 /// Why an engine could not be built.

@@ -2,7 +2,6 @@
 //! behind `bulkhead generate`, which operators use to check a model before
 //! serving it. A single tenant owns the whole pool, sized for this request.
 
-use super::admission::Admission;
 use super::build::{self, BuildError, EngineSpec};
 use super::request::{Event, FinishReason, NewRequest, Rejection, RequestId, Usage};
 use super::sampling::SamplingParams;
@@ -71,25 +70,13 @@ pub fn generate(
     mut on_text: impl FnMut(&str),
 ) -> Result<GenerateReport, GenerateError> {
     let tenant = TenantId(0);
-    let admission = Admission {
-        context_tokens: model.config.context_len as u32,
-        page_tokens: PAGE_TOKENS,
-    };
-    let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let started = Instant::now();
-    let request = NewRequest {
-        id: RequestId(1),
-        tenant,
-        prompt,
-        max_tokens: options.max_tokens,
-        sampling: options.sampling.clone(),
-        stop: Vec::new(),
-        deadline: started + GENERATE_TIMEOUT,
-        events,
-    };
-    let admitted = admission.admit(request)?;
-    // One tenant owns the whole pool, sized for this request.
-    let pages = admitted.pages_needed();
+    let context_tokens = model.config.context_len as u32;
+    // One tenant owns the whole pool, sized for this request (and never for
+    // more than the context: admission refuses anything larger).
+    let total =
+        (prompt.len() as u64 + u64::from(options.max_tokens)).min(u64::from(context_tokens));
+    // At most the context's pages, which fit a u32.
+    let pages = (total.div_ceil(u64::from(PAGE_TOKENS)) as u32).max(1);
     let spec = EngineSpec {
         pool_pages: pages,
         page_tokens: PAGE_TOKENS,
@@ -108,6 +95,19 @@ pub fn generate(
         pages_max: pages,
     }];
     let mut scheduler = build::scheduler(&model, &tokenizer, &spec, tenants)?;
+    let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let started = Instant::now();
+    let request = NewRequest {
+        id: RequestId(1),
+        tenant,
+        prompt,
+        max_tokens: options.max_tokens,
+        sampling: options.sampling.clone(),
+        stop: Vec::new(),
+        deadline: started + GENERATE_TIMEOUT,
+        events,
+    };
+    let admitted = scheduler.admission(context_tokens).admit(request)?;
     let backend_name = scheduler.backend().name();
     scheduler.enqueue(admitted)?;
     let mut first_token_at = None;

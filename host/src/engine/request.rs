@@ -28,6 +28,9 @@ pub enum FinishReason {
     Shutdown,
     /// The operator removed the request's tenant.
     TenantRemoved,
+    /// The operator removed the request's model (it was not done by the end
+    /// of the unload's drain).
+    ModelRemoved,
 }
 
 impl FinishReason {
@@ -41,6 +44,7 @@ impl FinishReason {
             FinishReason::Error => "error",
             FinishReason::Shutdown => "shutdown",
             FinishReason::TenantRemoved => "tenant_removed",
+            FinishReason::ModelRemoved => "model_removed",
         }
     }
 }
@@ -132,4 +136,8 @@ pub enum Rejection {
     /// The tenant was removed while the request was on its way in.
     #[error("this tenant has been removed")]
     TenantRemoved,
+    /// Admitted for another model's pool (a bug: refused, never counted in the
+    /// wrong page geometry).
+    #[error("the request was admitted for another model's engine")]
+    ForeignPool,
 }

@@ -31,7 +31,7 @@
 //!      └──► Rejection       └──► finish(timeout | cancelled)    └──────────────────┴─► pages released
 //! ```
 
-use super::admission::Admitted;
+use super::admission::{Admission, Admitted};
 use super::request::{Event, FinishReason, Rejection, RequestId, Usage};
 use super::sampling::Sampler;
 use super::stats::{SchedulerStats, TenantCounts, TenantStats};
@@ -217,6 +217,16 @@ impl<B: Backend> Scheduler<B> {
         Ok(scheduler)
     }
 
+    /// The static admission check of this scheduler's model, promising
+    /// `context_tokens`: its requests, and no other scheduler's, are queued here.
+    pub fn admission(&self, context_tokens: u32) -> Admission {
+        Admission {
+            context_tokens,
+            page_tokens: self.pool.layout().geometry().page_tokens,
+            pool: self.pool.id(),
+        }
+    }
+
     /// Adds a tenant and its partition (between steps).
     pub fn add_tenant(&mut self, limits: TenantLimits) -> Result<(), TenantChangeError> {
         if self.tenants.contains_key(&limits.id) {
@@ -329,6 +339,9 @@ impl<B: Backend> Scheduler<B> {
     /// full or its tenant is gone (removed between authentication and here);
     /// the request is dropped with the rejection, nothing was touched.
     pub fn enqueue(&mut self, admitted: Admitted) -> Result<(), Rejection> {
+        if admitted.pool != self.pool.id() {
+            return Err(Rejection::ForeignPool);
+        }
         let id = admitted.tenant();
         let busy_min = self.busy_virtual_time_min();
         let Some(tenant) = self.tenants.get_mut(&id) else {
@@ -373,23 +386,23 @@ impl<B: Backend> Scheduler<B> {
         report
     }
 
-    /// Ends every queued and running request (shutdown after the drain
-    /// deadline); running ones release their pages through [`Scheduler::finish`].
-    pub fn finish_everything(&mut self) {
+    /// Ends every queued and running request with `reason` (a shutdown or an
+    /// unload, after its drain deadline); running ones release their pages
+    /// through [`Scheduler::finish`]. Returns how many it ended.
+    pub fn finish_everything(&mut self, reason: FinishReason) -> u32 {
+        let mut ended = 0u32;
         for tenant in self.tenants.values_mut() {
             for admitted in tenant.queue.drain(..) {
-                finish_queued(
-                    &self.sink,
-                    admitted,
-                    &tenant.limits.name,
-                    FinishReason::Shutdown,
-                );
+                finish_queued(&self.sink, admitted, &tenant.limits.name, reason);
+                ended = ended.saturating_add(1);
             }
         }
         while !self.running.is_empty() {
-            self.finish(self.running.len() - 1, FinishReason::Shutdown);
+            self.finish(self.running.len() - 1, reason);
+            ended = ended.saturating_add(1);
         }
         self.pages_scrubbed += u64::from(self.pool.scrub_released());
+        ended
     }
 
     /// Drops queued requests whose client left or whose deadline passed.

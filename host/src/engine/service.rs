@@ -21,7 +21,7 @@
 //!    through the scheduler's one finish path) and joins the thread.
 
 use super::admission::Admitted;
-use super::request::Rejection;
+use super::request::{FinishReason, Rejection};
 use super::scheduler::{Scheduler, TenantChangeError, TenantLimits, TickReport};
 use super::stats::SchedulerStats;
 use crate::tenancy::TenantId;
@@ -46,6 +46,7 @@ enum Command {
     ),
     Shutdown {
         drain_until: Instant,
+        reason: FinishReason,
     },
 }
 
@@ -139,7 +140,7 @@ impl EngineHandle {
 /// The running engine thread.
 pub struct EngineService {
     handle: EngineHandle,
-    thread: Option<JoinHandle<()>>,
+    thread: Option<JoinHandle<u32>>,
 }
 
 impl EngineService {
@@ -168,29 +169,37 @@ impl EngineService {
     }
 
     /// Stops accepting, lets in-flight requests finish until `drain`, then ends
-    /// the rest and joins the thread.
-    pub fn shutdown(mut self, drain: Duration) {
+    /// the rest with `reason` and joins the thread. The scheduler — its pool,
+    /// backend and model — is dropped with the thread. Returns how many
+    /// requests were still in flight at the deadline.
+    pub fn shutdown(mut self, drain: Duration, reason: FinishReason) -> u32 {
         self.handle.accepting.store(false, Ordering::SeqCst);
         let drain_until = Instant::now() + drain;
-        let _ = self.handle.commands.send(Command::Shutdown { drain_until });
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+        let _ = self.handle.commands.send(Command::Shutdown {
+            drain_until,
+            reason,
+        });
+        match self.thread.take() {
+            // A panicked engine thread ended everything it held by unwinding.
+            Some(thread) => thread.join().unwrap_or(0),
+            None => 0,
         }
     }
 }
 
+/// Runs until shut down; returns how many requests the drain deadline ended.
 fn engine_loop<B: Backend>(
     mut scheduler: Scheduler<B>,
     inbox: mpsc::Receiver<Command>,
     stats: &Mutex<SchedulerStats>,
-) {
-    let mut drain_until: Option<Instant> = None;
+) -> u32 {
+    let mut drain_until: Option<(Instant, FinishReason)> = None;
     let mut stalled = false;
     loop {
         publish(&scheduler, stats);
         let empty = scheduler.in_flight() == 0;
         if empty && drain_until.is_some() {
-            return;
+            return 0;
         }
         // Idle (nothing in flight, or the last tick could do nothing, e.g. every
         // queued request waits on a limit): block for work, briefly when stalled
@@ -206,7 +215,7 @@ fn engine_loop<B: Backend>(
             match inbox.recv_timeout(wait) {
                 Ok(command) => Some(command),
                 Err(RecvTimeoutError::Timeout) => None,
-                Err(RecvTimeoutError::Disconnected) => return,
+                Err(RecvTimeoutError::Disconnected) => return 0,
             }
         } else {
             inbox.try_recv().ok()
@@ -227,15 +236,18 @@ fn engine_loop<B: Backend>(
                     };
                     let _ = reply.send(result);
                 }
-                Command::Shutdown { drain_until: until } => drain_until = Some(until),
+                Command::Shutdown {
+                    drain_until: until,
+                    reason,
+                } => drain_until = Some((until, reason)),
             }
         }
         let now = Instant::now();
-        if let Some(until) = drain_until {
+        if let Some((until, reason)) = drain_until {
             if now >= until {
-                scheduler.finish_everything();
+                let ended = scheduler.finish_everything(reason);
                 publish(&scheduler, stats);
-                return;
+                return ended;
             }
         }
         stalled = scheduler.in_flight() > 0 && scheduler.tick(now) == TickReport::default();

@@ -53,8 +53,6 @@ pub struct Services {
     pub budgets: Budgets,
     /// Plugins' key-value state.
     pub state: PluginState,
-    /// The engine, for the partition's counts.
-    pub engine: EngineHandle,
 }
 
 /// One call's identity and limits.
@@ -77,6 +75,8 @@ pub struct Call {
     pub memory_max: u64,
     /// The prompt text, for an operator plugin when the deployment allows it.
     pub prompt_text: Option<Arc<str>>,
+    /// The engine of the request's model, for the tenant's partition there.
+    pub engine: Option<EngineHandle>,
     /// Shared host services.
     pub services: Arc<Services>,
 }
@@ -152,12 +152,20 @@ impl bindings::bulkhead::policy::kv_pool::HostPartition for CallState {
     fn stats(&mut self, handle: Resource<PartitionHandle>) -> wasmtime::Result<PartitionStats> {
         self.call.enter()?;
         self.table.get(&handle).map_err(|_| HostTrap::BadHandle)?;
-        let stats = self.call.services.engine.stats();
-        let mine = stats
-            .tenants
-            .iter()
-            .find(|t| t.id == self.call.tenant.0)
-            .copied()
+        // The tenant's partition in the pool of the request's model; all
+        // zeros when it has none there (or the model was just unloaded).
+        let mine = self
+            .call
+            .engine
+            .as_ref()
+            .and_then(|engine| {
+                let stats = engine.stats();
+                stats
+                    .tenants
+                    .iter()
+                    .find(|t| t.id == self.call.tenant.0)
+                    .copied()
+            })
             .unwrap_or_default();
         Ok(PartitionStats {
             pages_reserved: mine.pages_reserved,

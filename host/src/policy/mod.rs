@@ -233,6 +233,7 @@ pub enum Verdict {
 }
 
 /// A request as the chain sees it.
+#[derive(Clone)]
 pub struct AdmitInput {
     /// Its id.
     pub request: RequestId,
@@ -254,6 +255,64 @@ pub struct AdmitInput {
     pub headers: Vec<(String, String)>,
     /// The prompt text, only when operator plugins may read it.
     pub prompt_text: Option<Arc<str>>,
+    /// The engine of the model it will run on (the kv-pool interface reports
+    /// the tenant's partition there).
+    pub engine: EngineHandle,
+}
+
+/// What the route chain decided.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Route {
+    /// A plugin picked this candidate.
+    To {
+        /// The model.
+        model: String,
+        /// The plugin that picked it.
+        plugin: String,
+    },
+    /// No plugin picked one: the client's model stands.
+    Unchanged,
+    /// A plugin failed: the request is refused (503 `policy_unavailable`).
+    Fault {
+        /// The plugin.
+        plugin: String,
+        /// How it failed.
+        kind: FaultKind,
+    },
+}
+
+/// What a plugin sees of `input`.
+fn view_of(input: &AdmitInput) -> RequestView {
+    RequestView {
+        request_id: input.request.0,
+        tenant: input.tenant_name.clone(),
+        model: input.model.clone(),
+        endpoint: if input.chat {
+            Endpoint::ChatCompletions
+        } else {
+            Endpoint::Completions
+        },
+        prompt_tokens: input.prompt_tokens,
+        max_tokens: input.max_tokens,
+        stream: input.stream,
+        priority: PRIORITY_DEFAULT,
+        headers: input
+            .headers
+            .iter()
+            .map(|(name, value)| Header {
+                name: name.clone(),
+                value: value.clone(),
+            })
+            .collect(),
+    }
+}
+
+/// Who a plugin call is for.
+struct CallFor {
+    request: RequestId,
+    tenant: TenantId,
+    prompt_text: Option<Arc<str>>,
+    engine: Option<EngineHandle>,
 }
 
 /// A compiled plugin.
@@ -289,6 +348,7 @@ struct Inflight {
     tenant_name: String,
     chain: Vec<Arc<Plugin>>,
     arrived: Instant,
+    engine: EngineHandle,
 }
 
 /// An ended request, for the completion thread.
@@ -396,6 +456,9 @@ fn outcome_of(reason: FinishReason) -> Outcome {
         FinishReason::Error => Outcome::Error,
         FinishReason::Shutdown => Outcome::Shutdown,
         FinishReason::TenantRemoved => Outcome::TenantRemoved,
+        // The contract (0.1.0) has no outcome of its own for this: the engine
+        // serving the request stopped, as at a shutdown.
+        FinishReason::ModelRemoved => Outcome::Shutdown,
     }
 }
 
@@ -406,7 +469,6 @@ impl PolicyRuntime {
         config: &Config,
         store: Arc<Store>,
         store_dir: &std::path::Path,
-        engine_handle: EngineHandle,
     ) -> Result<Arc<PolicyRuntime>, PolicyError> {
         let runtime_error = |e: wasmtime::Error| PolicyError::Runtime(format!("{e:#}"));
         let plugins = &config.plugins;
@@ -420,7 +482,6 @@ impl PolicyRuntime {
             services: Arc::new(Services {
                 budgets: Budgets::default(),
                 state: PluginState::new(store),
-                engine: engine_handle,
             }),
             limits: CallLimits::of(plugins),
             faults_max: plugins.faults_max,
@@ -664,43 +725,14 @@ impl PolicyRuntime {
     /// plugin that admits holds its bookings until the request ends; a
     /// reject or a fault gives them back at once.
     pub fn admit(&self, input: AdmitInput) -> Verdict {
-        let chain: Vec<Arc<Plugin>> = {
-            let tenants = self.tenants.read().unwrap_or_else(|p| p.into_inner());
-            self.operator
-                .iter()
-                .chain(tenants.get(&input.tenant).into_iter().flatten())
-                .filter(|p| !p.tripped.load(Ordering::Relaxed))
-                .cloned()
-                .collect()
-        };
+        let chain = self.chain_of(input.tenant);
         if chain.is_empty() {
             return Verdict::Admit {
                 max_tokens: None,
                 priority: None,
             };
         }
-        let mut view = RequestView {
-            request_id: input.request.0,
-            tenant: input.tenant_name.clone(),
-            model: input.model.clone(),
-            endpoint: if input.chat {
-                Endpoint::ChatCompletions
-            } else {
-                Endpoint::Completions
-            },
-            prompt_tokens: input.prompt_tokens,
-            max_tokens: input.max_tokens,
-            stream: input.stream,
-            priority: PRIORITY_DEFAULT,
-            headers: input
-                .headers
-                .iter()
-                .map(|(name, value)| Header {
-                    name: name.clone(),
-                    value: value.clone(),
-                })
-                .collect(),
-        };
+        let mut view = view_of(&input);
         let (mut max_tokens, mut priority) = (None, None);
         for plugin in &chain {
             let prompt = plugin
@@ -708,7 +740,13 @@ impl PolicyRuntime {
                 .is_none()
                 .then(|| input.prompt_text.clone())
                 .flatten();
-            let decision = self.call(plugin, input.request, input.tenant, prompt, |p, store| {
+            let call_for = CallFor {
+                request: input.request,
+                tenant: input.tenant,
+                prompt_text: prompt,
+                engine: Some(input.engine.clone()),
+            };
+            let decision = self.call(plugin, call_for, |p, store| {
                 p.bulkhead_policy_policy().call_admit(store, &view)
             });
             match decision {
@@ -760,12 +798,76 @@ impl PolicyRuntime {
                     tenant_name: input.tenant_name,
                     chain,
                     arrived: Instant::now(),
+                    engine: input.engine,
                 },
             );
         Verdict::Admit {
             max_tokens,
             priority,
         }
+    }
+
+    /// Asks the chain which of `candidates` (the models the tenant may use,
+    /// more than one) should serve the request: operator plugins first, then
+    /// the tenant's; the first that names a candidate decides. A plugin that
+    /// names anything else is ignored (logged); one that faults fails the
+    /// request closed, as in [`PolicyRuntime::admit`].
+    pub fn route(&self, input: &AdmitInput, candidates: &[String]) -> Route {
+        let chain = self.chain_of(input.tenant);
+        let view = view_of(input);
+        for plugin in &chain {
+            let prompt = plugin
+                .tenant
+                .is_none()
+                .then(|| input.prompt_text.clone())
+                .flatten();
+            let call_for = CallFor {
+                request: input.request,
+                tenant: input.tenant,
+                prompt_text: prompt,
+                engine: Some(input.engine.clone()),
+            };
+            let picked = self.call(plugin, call_for, |p, store| {
+                p.bulkhead_policy_policy()
+                    .call_route(store, &view, candidates)
+            });
+            match picked {
+                Err(kind) => {
+                    return Route::Fault {
+                        plugin: plugin.name.to_string(),
+                        kind,
+                    }
+                }
+                Ok(None) => {}
+                Ok(Some(model)) if candidates.contains(&model) => {
+                    return Route::To {
+                        model,
+                        plugin: plugin.name.to_string(),
+                    }
+                }
+                Ok(Some(_)) => {
+                    tracing::warn!(
+                        request_id = input.request.0,
+                        tenant = %input.tenant_name,
+                        plugin = %plugin.name,
+                        "route named a model that is not a candidate; ignored"
+                    );
+                }
+            }
+        }
+        Route::Unchanged
+    }
+
+    /// The plugins that run for `tenant`'s requests: the operator's, then its
+    /// own enabled ones, in order.
+    fn chain_of(&self, tenant: TenantId) -> Vec<Arc<Plugin>> {
+        let tenants = self.tenants.read().unwrap_or_else(|p| p.into_inner());
+        self.operator
+            .iter()
+            .chain(tenants.get(&tenant).into_iter().flatten())
+            .filter(|p| !p.tripped.load(Ordering::Relaxed))
+            .cloned()
+            .collect()
     }
 
     /// The request the chain admitted was refused afterwards (a full queue,
@@ -832,7 +934,13 @@ impl PolicyRuntime {
                 .min(u128::from(u32::MAX)) as u32,
         };
         for plugin in &inflight.chain {
-            let result = self.call(plugin, ended.request, inflight.tenant, None, |p, store| {
+            let call_for = CallFor {
+                request: ended.request,
+                tenant: inflight.tenant,
+                prompt_text: None,
+                engine: Some(inflight.engine.clone()),
+            };
+            let result = self.call(plugin, call_for, |p, store| {
                 p.bulkhead_policy_policy()
                     .call_on_complete(store, completion)
             });
@@ -853,15 +961,14 @@ impl PolicyRuntime {
     fn call<R>(
         &self,
         plugin: &Arc<Plugin>,
-        request: RequestId,
-        tenant: TenantId,
-        prompt_text: Option<Arc<str>>,
+        call_for: CallFor,
         f: impl FnOnce(
             &host::bindings::OperatorPolicy,
             &mut WasmStore<CallState>,
         ) -> wasmtime::Result<R>,
     ) -> Result<R, FaultKind> {
         let started = Instant::now();
+        let request = call_for.request;
         let limits = plugin.limits;
         let stderr = stderr::CappedStderr::new(host::STDERR_BYTES_MAX);
         let wasi = WasiCtxBuilder::new().stderr(stderr.clone()).build();
@@ -876,15 +983,16 @@ impl PolicyRuntime {
                 .trap_on_grow_failure(true)
                 .build(),
             call: Call {
-                request,
-                tenant,
+                request: call_for.request,
+                tenant: call_for.tenant,
                 plugin: Arc::clone(&plugin.name),
                 deadline: started + limits.deadline,
                 host_calls_left: limits.host_calls,
                 handles_left: limits.handles,
                 log_lines_left: host::LOG_LINES_MAX,
                 memory_max: limits.memory_bytes,
-                prompt_text,
+                prompt_text: call_for.prompt_text,
+                engine: call_for.engine,
                 services: Arc::clone(&self.services),
             },
         };

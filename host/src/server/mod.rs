@@ -1,14 +1,19 @@
 //! `bulkhead serve`: start-up, listeners and graceful shutdown.
 //!
-//! 1. **Load** the policy, the model and its tokenizer; print the capacity
-//!    table to stderr and refuse to start on a violation (I2).
-//! 2. **State**: open the control-plane store; seed it from the policy when it
-//!    is empty, add environment keys, generate what is missing (keys, the
-//!    admin token), shown once on stdout, never in the log ([`seed`]). The
-//!    store's tenants are checked against the capacity contract.
-//! 3. **Engine**: one KV pool with a partition per stored tenant, the CPU
-//!    backend and the scheduler on their own thread ([`EngineService`]); the
-//!    control plane ([`Control`]) keeps the engine in step with the store.
+//! 1. **Policy and state**: load the policy; open the control-plane store; seed
+//!    it from the policy when it is empty, add environment keys, generate what
+//!    is missing (keys, the admin token), shown once on stdout, never in the log
+//!    ([`seed`]).
+//! 2. **Check the catalog** — the policy's `[[models]]`, then the models added
+//!    through the admin API — from the files' headers, before anything is
+//!    allocated: every model's capacity contract with the tenants that may use
+//!    it (I2), and all weights and KV pools against `engine.memory_max`. The
+//!    tables go to stderr; a violation refuses to start, naming the model and
+//!    the limit.
+//! 3. **Engines**: each model gets its own KV pool with a partition per tenant
+//!    that may use it, its backend and its scheduler on its own thread
+//!    ([`catalog::load`]); the control plane ([`Control`]) keeps every engine in
+//!    step with the store, and loads and unloads models.
 //! 4. **Listen**: inference and admin listeners (HTTP/1.1 and HTTP/2, optional
 //!    TLS), each with its connection limits ([`accept`]: caps in all and per
 //!    peer, handshake and idle deadlines); each bound address is printed to
@@ -22,24 +27,20 @@ mod accept;
 use crate::api::ids::RequestIds;
 use crate::api::lane::Lane;
 use crate::api::{self, App, Serving};
-use crate::config::{Capacity, CapacityViolation, Config, ConfigError, TlsConfig};
-use crate::engine::admission::Admission;
-use crate::engine::build::{self, EngineSpec};
-use crate::engine::chat::ChatTemplate;
+use crate::capacity::{Capacity, CapacityViolation, MemoryBudget, MemoryViolation};
+use crate::catalog::{self, Catalog, LoadError, Source};
+use crate::config::{Config, ConfigError, ModelSpec, TlsConfig, MODELS_MAX};
 use crate::engine::request::{FinishReason, RequestId, Usage};
 use crate::engine::scheduler::FinishSink;
-use crate::engine::service::EngineService;
 use crate::policy::{PolicyError, PolicyRuntime, Trip};
 use crate::store::records::TenantRecord;
 use crate::store::usage::UsageBook;
 use crate::store::{Store, StoreError};
 use crate::telemetry;
-use crate::tenancy::control::{self, now_ms, Actor, Control, ControlError, TenantRef};
+use crate::tenancy::control::{self, now_ms, Actor, Control, ControlError, Parts, TenantRef};
 use crate::tenancy::seed::{self, SeedError};
-use crate::tenancy::{Directory, Quota, Registry, TenantId};
+use crate::tenancy::{Directory, Registry, TenantId};
 use accept::{Accept, ConnectionLimits};
-use bulkhead_kernels::model::Model;
-use bulkhead_kernels::tokenizer::Tokenizer;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -65,8 +66,6 @@ pub struct ServeOptions {
     pub listen: Option<SocketAddr>,
     /// Overrides `server.admin_listen`.
     pub admin_listen: Option<SocketAddr>,
-    /// Overrides `model.path` (relative to the working directory).
-    pub model: Option<PathBuf>,
     /// Overrides `store.path` (relative to the working directory).
     pub store: Option<PathBuf>,
 }
@@ -77,9 +76,18 @@ pub enum ServeError {
     /// The policy file.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// The capacity contract (the message names the limit).
+    /// A model's capacity contract (the message names the model and the limit).
     #[error(transparent)]
     Capacity(#[from] CapacityViolation),
+    /// The catalog does not fit `engine.memory_max` (the message names the model).
+    #[error(transparent)]
+    Memory(#[from] MemoryViolation),
+    /// A model could not be loaded.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// The catalog itself (an id defined twice, too many models).
+    #[error("catalog: {0}")]
+    Catalog(String),
     /// The control-plane store.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -91,18 +99,7 @@ pub enum ServeError {
     Policy(#[from] PolicyError),
     /// Loading the stored plugins.
     #[error("plugins: {0}")]
-    Plugins(#[from] ControlError),
-    /// The model file.
-    #[error("model {path}: {message}")]
-    Model {
-        /// The file.
-        path: String,
-        /// What went wrong.
-        message: String,
-    },
-    /// The KV pool.
-    #[error("kv pool: {0}")]
-    Pool(String),
+    Plugins(Box<ControlError>),
     /// TLS set-up.
     #[error("tls: {0}")]
     Tls(String),
@@ -122,30 +119,46 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
 }
 
+impl From<ControlError> for ServeError {
+    fn from(error: ControlError) -> ServeError {
+        ServeError::Plugins(Box::new(error))
+    }
+}
+
 /// Runs the server until SIGINT/SIGTERM and a drain.
 pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     telemetry::init_tracing();
     let config = Arc::new(options.apply(Config::load(&options.config)?)?);
-    let model_path = config.model_path();
-    let model_error = |message: String| ServeError::Model {
-        path: model_path.display().to_string(),
-        message,
-    };
-    let model = Arc::new(Model::open(&model_path).map_err(|e| model_error(e.to_string()))?);
-    let tokenizer =
-        Arc::new(Tokenizer::from_gguf(&model.gguf).map_err(|e| model_error(e.to_string()))?);
-    let model_context = model.config.context_len as u64;
     let store = Arc::new(Store::open(&config.store_path())?);
-    if store.meta()?.is_none() {
+    let seeded = store.meta()?.is_some();
+    let specs = catalog_of(&config, &store)?;
+    let inspected = specs
+        .iter()
+        .map(|(spec, _)| catalog::inspect(spec))
+        .collect::<Result<Vec<_>, _>>()?;
+    if !seeded {
         // A policy that breaks the contract must not seed the store first:
         // fixing the file would not fix a seeded store.
-        Capacity::new(&config, model_context).check()?;
+        let tenants: Vec<TenantRecord> = seed::policy_tenants(&config);
+        for ((spec, _), file) in specs.iter().zip(&inspected) {
+            let quotas = catalog::quotas_for(spec, &tenants);
+            Capacity::of_model(spec, file.file_context_tokens, &quotas).check()?;
+        }
     }
     let prepared = seed::prepare(&config, &store, |var| std::env::var(var).ok())?;
     let (tenants, keys) = (store.tenants()?, store.keys()?);
-    let capacity = Capacity::with_tenants(&config, model_context, &quotas(&tenants));
-    eprint!("{}", capacity.table());
-    capacity.check()?;
+    for ((spec, _), file) in specs.iter().zip(&inspected) {
+        let quotas = catalog::quotas_for(spec, &tenants);
+        let capacity = Capacity::of_model(spec, file.file_context_tokens, &quotas);
+        eprint!("{}", capacity.table());
+        capacity.check()?;
+    }
+    let memory = MemoryBudget {
+        max_bytes: config.engine.memory_max,
+        models: inspected.iter().map(|i| i.memory.clone()).collect(),
+    };
+    eprint!("{}", memory.table());
+    memory.check()?;
     // Secrets generated now go to the terminal that started the server, not
     // to the log stream (stderr).
     for line in &prepared.shown {
@@ -157,41 +170,37 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         usage: Arc::clone(&usage),
         policy: OnceLock::new(),
     });
-    let service = start_engine(&config, &model, &tokenizer, &tenants, &finishes)?;
+    let catalog = Arc::new(Catalog::default());
+    for (spec, source) in specs {
+        let sink = Arc::clone(&finishes) as Arc<dyn FinishSink>;
+        let loaded = match catalog::load(spec, source, &tenants, sink) {
+            Ok(loaded) => loaded,
+            Err(error) => {
+                stop_engines(&catalog, FinishReason::Shutdown);
+                return Err(error.into());
+            }
+        };
+        catalog.insert(loaded);
+    }
     let metrics = telemetry::install_metrics().map_err(|e| ServeError::Metrics(e.to_string()))?;
-    let policy = PolicyRuntime::new(
-        &config,
-        Arc::clone(&store),
-        &config.store_path(),
-        service.handle(),
-    )?;
+    let policy = PolicyRuntime::new(&config, Arc::clone(&store), &config.store_path())?;
     let _ = finishes.policy.set(Arc::clone(&policy));
-    let control = Arc::new(Control::new(
-        Arc::clone(&store),
+    let control = Arc::new(Control::new(Parts {
+        store: Arc::clone(&store),
         registry,
-        service.handle(),
-        Arc::clone(&policy),
-        Arc::clone(&usage),
-        Arc::clone(&config),
-        model_context,
-    ));
+        catalog: Arc::clone(&catalog),
+        policy: Arc::clone(&policy),
+        usage: Arc::clone(&usage),
+        config: Arc::clone(&config),
+        finishes: Arc::clone(&finishes) as Arc<dyn FinishSink>,
+    }));
     control.load_plugins()?;
     let mut nonce = [0u8; 8];
     getrandom::fill(&mut nonce)
         .map_err(|e| ServeError::Io(std::io::Error::other(format!("randomness: {e}"))))?;
     let app = Arc::new(App {
         serving: Serving {
-            engine: service.handle(),
-            admission: Admission {
-                context_tokens: config.model.context_tokens,
-                page_tokens: config.engine.page_tokens,
-            },
-            text_bytes_per_token_max: tokenizer.text_bytes_per_token_max() as u64,
             lane: Lane::new(config.server.tokenize_threads as usize)?,
-            template: chat_template(&model, &tokenizer),
-            tokenizer,
-            model_id: config.model.id.clone(),
-            created: now_ms() / 1000,
             body_bytes_max: config.server.body_bytes_max,
             request_timeout: Duration::from_millis(config.server.request_timeout_ms),
         },
@@ -223,7 +232,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     runtime.spawn_blocking(move || disable_tripped(&control, tripped));
     let result = runtime.block_on(run_listeners(&config, Arc::clone(&app), drain));
     // Whatever did not finish within the drain ends now (reason `shutdown`).
-    service.shutdown(Duration::ZERO);
+    stop_engines(&catalog, FinishReason::Shutdown);
     // Streams still open (past the drain deadline) get their error event out.
     runtime.block_on(async { tokio::time::sleep(FINAL_EVENTS_FLUSH).await });
     flusher.abort();
@@ -231,6 +240,40 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     flush_once(&usage, &store);
     tracing::info!("stopped");
     result
+}
+
+/// The catalog a start loads: the policy's models (paths resolved), then the
+/// models added through the admin API, in id order. An id in both is an
+/// error: one of them has to go.
+pub fn catalog_of(config: &Config, store: &Store) -> Result<Vec<(ModelSpec, Source)>, ServeError> {
+    let mut specs: Vec<(ModelSpec, Source)> = config
+        .model_specs()
+        .into_iter()
+        .map(|spec| (spec, Source::Policy))
+        .collect();
+    for record in store.models()? {
+        if specs.iter().any(|(s, _)| s.id == record.spec.id) {
+            return Err(ServeError::Catalog(format!(
+                "model {:?} is in the policy and was also added through the admin API; remove it from one (DELETE /admin/v1/models/{}, or the policy's [[models]])",
+                record.spec.id, record.spec.id
+            )));
+        }
+        specs.push((record.spec, Source::Admin));
+    }
+    if specs.len() > MODELS_MAX {
+        return Err(ServeError::Catalog(format!(
+            "{} models; at most {MODELS_MAX}",
+            specs.len()
+        )));
+    }
+    Ok(specs)
+}
+
+/// Ends every model's requests with `reason` and joins its engine.
+fn stop_engines(catalog: &Catalog, reason: FinishReason) {
+    for (_, service) in catalog.take_all() {
+        service.shutdown(Duration::ZERO, reason);
+    }
 }
 
 impl ServeOptions {
@@ -242,19 +285,11 @@ impl ServeOptions {
         if let Some(addr) = self.admin_listen {
             config.server.admin_listen = addr;
         }
-        if let Some(path) = &self.model {
-            config.model.path = std::path::absolute(path)?;
-        }
         if let Some(path) = &self.store {
             config.store.path = std::path::absolute(path)?;
         }
         Ok(config)
     }
-}
-
-/// The name and limits of each tenant (for the capacity contract).
-pub fn quotas(tenants: &[TenantRecord]) -> Vec<(String, Quota)> {
-    tenants.iter().map(|t| (t.name.clone(), t.quota)).collect()
 }
 
 /// How long usage minutes are kept (the widest window a usage query takes).
@@ -338,31 +373,6 @@ fn flush_once(usage: &UsageBook, store: &Store) {
             tracing::error!(%error, "usage counters could not be written; kept for the next try")
         }
     }
-}
-
-fn chat_template(model: &Model, tokenizer: &Tokenizer) -> Option<ChatTemplate> {
-    match ChatTemplate::from_model(&model.gguf, tokenizer) {
-        Ok(template) => template,
-        Err(error) => {
-            tracing::warn!(%error, "the model's chat template does not compile; chat is disabled");
-            None
-        }
-    }
-}
-
-fn start_engine(
-    config: &Config,
-    model: &Arc<Model>,
-    tokenizer: &Arc<Tokenizer>,
-    tenants: &[TenantRecord],
-    finishes: &Arc<Finishes>,
-) -> Result<EngineService, ServeError> {
-    let limits = tenants.iter().map(control::limits_of).collect();
-    let spec = EngineSpec::from_config(config);
-    let mut scheduler = build::scheduler(model, tokenizer, &spec, limits)
-        .map_err(|e| ServeError::Pool(e.to_string()))?;
-    scheduler.set_finish_sink(Arc::clone(finishes) as Arc<dyn FinishSink>);
-    Ok(EngineService::start(scheduler)?)
 }
 
 fn tls_acceptor(tls: &TlsConfig, config: &Config) -> Result<TlsAcceptor, ServeError> {

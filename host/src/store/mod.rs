@@ -20,6 +20,7 @@
 //!   meta/admin_token                 SHA-256 of a generated admin token
 //!   tenant/<id u32>                  TenantRecord
 //!   tenant_name/<name>               <id u32>: one live tenant per name
+//!   model/<id>                       ModelRecord: a model added through the admin API
 //!   key/<key id>                     KeyRecord (tenant, SHA-256, revoked?)
 //!   plugin/<tenant u32>/<name>       PluginRecord (metadata)
 //!   plugin_wasm/<sha256 hex>         the component's bytes
@@ -34,8 +35,8 @@ pub mod sled_storage;
 pub mod usage;
 
 use records::{
-    AuditRecord, KeyRecord, Meta, PluginRecord, PluginStateRecord, TenantRecord, UsageRecord,
-    Versioned, FORMAT_VERSION,
+    AuditRecord, KeyRecord, Meta, ModelRecord, PluginRecord, PluginStateRecord, TenantRecord,
+    UsageRecord, Versioned, FORMAT_VERSION, FORMAT_VERSION_READ_MIN,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -62,7 +63,7 @@ pub enum StoreError {
     #[error("store i/o: {0}")]
     Io(String),
     /// A record of a format this build does not read.
-    #[error("store record {key} has format version {version}; this build reads version {FORMAT_VERSION}")]
+    #[error("store record {key} has format version {version}; this build reads versions {FORMAT_VERSION_READ_MIN} to {FORMAT_VERSION}")]
     Version {
         /// The record's key.
         key: String,
@@ -129,6 +130,10 @@ fn tenant_key(id: u32) -> Vec<u8> {
 
 fn tenant_name_key(name: &str) -> Vec<u8> {
     format!("tenant_name/{name}").into_bytes()
+}
+
+fn model_key(id: &str) -> Vec<u8> {
+    format!("model/{id}").into_bytes()
 }
 
 fn key_record_key(key_id: &str) -> Vec<u8> {
@@ -216,7 +221,8 @@ fn decode<T: DeserializeOwned>(key: &[u8], bytes: &[u8]) -> Result<T, StoreError
             cause: e.to_string(),
         })?;
     let version = probe.get("v").and_then(serde_json::Value::as_u64);
-    if version != Some(u64::from(FORMAT_VERSION)) {
+    let readable = u64::from(FORMAT_VERSION_READ_MIN)..=u64::from(FORMAT_VERSION);
+    if !version.is_some_and(|v| readable.contains(&v)) {
         return Err(StoreError::Version {
             key: printable(key),
             version: version.map_or(0, |v| v.min(u64::from(u32::MAX)) as u32),
@@ -263,6 +269,16 @@ impl Batch {
     pub fn delete_tenant(&mut self, tenant: &TenantRecord) -> &mut Self {
         self.delete(tenant_name_key(&tenant.name));
         self.delete(tenant_key(tenant.id))
+    }
+
+    /// Creates or replaces an admin-added model.
+    pub fn put_model(&mut self, model: &ModelRecord) -> &mut Self {
+        self.put(model_key(&model.spec.id), model)
+    }
+
+    /// Removes an admin-added model.
+    pub fn delete_model(&mut self, id: &str) -> &mut Self {
+        self.delete(model_key(id))
     }
 
     /// Sets the next tenant id.
@@ -458,6 +474,15 @@ impl Store {
             .scan(b"tenant/", None, SCAN_RECORDS_MAX)?
             .into_iter()
             .map(|(_, t)| t)
+            .collect())
+    }
+
+    /// Every admin-added model, in id order.
+    pub fn models(&self) -> Result<Vec<ModelRecord>, StoreError> {
+        Ok(self
+            .scan(b"model/", None, SCAN_RECORDS_MAX)?
+            .into_iter()
+            .map(|(_, m)| m)
             .collect())
     }
 

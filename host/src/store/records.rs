@@ -6,12 +6,20 @@
 //! No record holds a secret (keys are SHA-256 digests) or any prompt or
 //! completion text.
 
-use crate::tenancy::Quota;
+use crate::config::ModelSpec;
+use crate::tenancy::{ModelAccess, Quota};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// The format of every record this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The format of every record this build writes.
+///
+/// - 1: tenants, keys, plugins, usage, audit.
+/// - 2: adds `TenantRecord::models` (absent in format 1: every model) and
+///   [`ModelRecord`].
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest format this build reads (every change since is additive, with a
+/// default for what older records lack).
+pub const FORMAT_VERSION_READ_MIN: u32 = 1;
 
 /// The envelope of every stored value.
 #[derive(Serialize, Deserialize)]
@@ -43,10 +51,24 @@ pub struct TenantRecord {
     pub name: String,
     /// Its limits.
     pub quota: Quota,
+    /// The models it may use (format 1 records have none: every model).
+    #[serde(default)]
+    pub models: ModelAccess,
     /// Created, Unix milliseconds.
     pub created_ms: u64,
     /// Last changed, Unix milliseconds.
     pub updated_ms: u64,
+}
+
+/// A model added through the admin API (the policy's models are never stored:
+/// the policy file is their source of truth at every start).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelRecord {
+    /// What was added (its path absolute).
+    pub spec: ModelSpec,
+    /// Added, Unix milliseconds.
+    pub added_ms: u64,
 }
 
 /// Where a key came from.

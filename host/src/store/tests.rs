@@ -3,11 +3,12 @@
 //! naming its key, audit sequence numbers follow commits and the oldest go
 //! first, usage counters add up, and opening fails cleanly.
 
-use super::records::{AuditRecord, KeyRecord, KeySource, TenantRecord, UsageRecord};
+use super::records::{AuditRecord, KeyRecord, KeySource, ModelRecord, TenantRecord, UsageRecord};
 use super::sled_storage::SledStorage;
 use super::usage::UsageBook;
 use super::*;
-use crate::tenancy::{Quota, TenantId};
+use crate::config::ModelSpec;
+use crate::tenancy::{ModelAccess, Quota, TenantId};
 use std::path::PathBuf;
 
 fn temp_dir(tag: &str) -> PathBuf {
@@ -30,6 +31,7 @@ fn tenant(id: u32, name: &str) -> TenantRecord {
             running_max: 2,
             pending_max: 2,
         },
+        models: ModelAccess::All,
         created_ms: 1,
         updated_ms: 2,
     }
@@ -92,6 +94,60 @@ fn records_round_trip_and_survive_a_reopen() {
 }
 
 #[test]
+fn a_format_1_tenant_reads_as_one_that_may_use_every_model() {
+    let dir = temp_dir("format1");
+    let storage = SledStorage::open(&dir).unwrap();
+    let v1 = br#"{"v": 1, "record": {"id": 3, "name": "alpha", "quota": {"weight": 2,
+        "pages_reserved": 4, "pages_max": 8, "queue_depth_max": 4, "running_max": 2,
+        "pending_max": 2}, "created_ms": 1, "updated_ms": 2}}"#;
+    storage
+        .commit(vec![Write::Put {
+            key: tenant_key(3),
+            value: v1.to_vec(),
+        }])
+        .unwrap();
+    let store = Store::with_storage(Box::new(storage), "test".into()).unwrap();
+    assert_eq!(store.tenants().unwrap(), vec![tenant(3, "alpha")]);
+    drop(store);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn model_records_round_trip_in_id_order() {
+    let dir = temp_dir("models");
+    let store = Store::open(&dir).unwrap();
+    let record = |id: &str| ModelRecord {
+        spec: ModelSpec {
+            id: id.into(),
+            path: format!("/models/{id}.gguf").into(),
+            context_tokens: 2048,
+            threads: 2,
+            page_tokens: 16,
+            pool_pages: 256,
+            seq_pages_max: 128,
+            step_tokens_max: 256,
+            step_seqs_max: 8,
+        },
+        added_ms: 7,
+    };
+    let mut batch = Batch::default();
+    batch
+        .put_model(&record("zeta"))
+        .put_model(&record("alpha-q8"));
+    store.commit(batch).unwrap();
+    assert_eq!(
+        store.models().unwrap(),
+        vec![record("alpha-q8"), record("zeta")]
+    );
+    let mut batch = Batch::default();
+    batch.delete_model("zeta");
+    store.commit(batch).unwrap();
+    assert_eq!(store.models().unwrap(), vec![record("alpha-q8")]);
+    drop(store);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn a_record_of_another_version_or_broken_is_an_error_naming_its_key() {
     let dir = temp_dir("version");
     let storage = SledStorage::open(&dir).unwrap();
@@ -99,7 +155,7 @@ fn a_record_of_another_version_or_broken_is_an_error_naming_its_key() {
         .commit(vec![
             Write::Put {
                 key: tenant_key(1),
-                value: br#"{"v": 2, "record": {}}"#.to_vec(),
+                value: br#"{"v": 3, "record": {}}"#.to_vec(),
             },
             Write::Put {
                 key: tenant_key(2),
@@ -110,7 +166,7 @@ fn a_record_of_another_version_or_broken_is_an_error_naming_its_key() {
     let store = Store::with_storage(Box::new(storage), "test".into()).unwrap();
     match store.get::<TenantRecord>(&tenant_key(1)) {
         Err(StoreError::Version { key, version }) => {
-            assert_eq!(version, 2);
+            assert_eq!(version, 3);
             assert!(key.starts_with("tenant/"), "{key}");
         }
         other => panic!("{other:?}"),

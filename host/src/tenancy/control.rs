@@ -21,14 +21,19 @@
 //! ends its requests in the engine (`tenant_removed`), then commits.
 
 use super::{
-    hex, key_digest, valid_name, Directory, Quota, Registry, Tenant, TenantId, KEY_BYTES_MAX,
+    hex, key_digest, valid_name, Directory, ModelAccess, Quota, Registry, Tenant, TenantId,
+    KEY_BYTES_MAX,
 };
-use crate::config::{Capacity, CapacityViolation, Config};
-use crate::engine::scheduler::TenantLimits;
-use crate::engine::service::{ChangeError, EngineHandle, TenantChange};
+use crate::capacity::{Capacity, CapacityViolation, MemoryViolation};
+use crate::catalog::{self, Catalog, LoadError, Served, Source};
+use crate::config::{Config, ModelSpec, MODELS_MAX};
+use crate::engine::request::FinishReason;
+use crate::engine::scheduler::FinishSink;
+use crate::engine::service::{ChangeError, TenantChange};
 use crate::policy::PolicyRuntime;
 use crate::store::records::{
-    AuditRecord, KeyRecord, KeySource, PluginLimitsRequest, PluginRecord, TenantRecord, UsageRecord,
+    AuditRecord, KeyRecord, KeySource, ModelRecord, PluginLimitsRequest, PluginRecord,
+    TenantRecord, UsageRecord,
 };
 use crate::store::usage::{minute_of, UsageBook};
 use crate::store::{Batch, Store, StoreError};
@@ -64,7 +69,7 @@ pub enum ControlError {
     /// No such object (for a tenant's own routes, also: another tenant's).
     #[error("{what} {name:?} does not exist")]
     NotFound {
-        /// "tenant", "key", "plugin".
+        /// "tenant", "key", "plugin", "model".
         what: &'static str,
         /// What was asked for.
         name: String,
@@ -85,9 +90,15 @@ pub enum ControlError {
         /// What is wrong.
         reason: String,
     },
-    /// The change would break the capacity contract (I2, I8).
+    /// The change would break a model's capacity contract (I2, I8).
     #[error(transparent)]
     Capacity(#[from] CapacityViolation),
+    /// The catalog would not fit `engine.memory_max`.
+    #[error(transparent)]
+    Memory(#[from] MemoryViolation),
+    /// A model's file could not be loaded.
+    #[error(transparent)]
+    Load(LoadError),
     /// The KV pool cannot apply the change now.
     #[error("the KV pool cannot apply this now: {0}")]
     Pool(String),
@@ -173,6 +184,9 @@ pub struct TenantView {
     pub name: String,
     /// Its limits.
     pub quota: Quota,
+    /// The models it may use: `["*"]` for every model, else their ids.
+    #[schema(value_type = Vec<String>)]
+    pub models: ModelAccess,
     /// Created, Unix milliseconds.
     pub created_ms: u64,
     /// Last changed, Unix milliseconds.
@@ -185,6 +199,7 @@ impl From<&TenantRecord> for TenantView {
             id: t.id,
             name: t.name.clone(),
             quota: t.quota,
+            models: t.models.clone(),
             created_ms: t.created_ms,
             updated_ms: t.updated_ms,
         }
@@ -218,10 +233,11 @@ impl UploadOptions {
     }
 }
 
-/// A change to some of a tenant's limits; absent fields keep their value.
-#[derive(Clone, Copy, Debug, Default, Deserialize, utoipa::ToSchema)]
+/// A change to some of a tenant's limits and model access; absent fields keep
+/// their value.
+#[derive(Clone, Debug, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct QuotaPatch {
+pub struct TenantPatch {
     /// Share of the engine under contention (1..=1000).
     pub weight: Option<u32>,
     /// KV pages only this tenant may use.
@@ -234,9 +250,13 @@ pub struct QuotaPatch {
     pub running_max: Option<u32>,
     /// Most requests before admission at once.
     pub pending_max: Option<u32>,
+    /// The models it may use: `["*"]` for every model, else ids of models in
+    /// the catalog.
+    #[schema(value_type = Option<Vec<String>>)]
+    pub models: Option<ModelAccess>,
 }
 
-impl QuotaPatch {
+impl TenantPatch {
     fn apply(&self, q: Quota) -> Quota {
         Quota {
             weight: self.weight.unwrap_or(q.weight),
@@ -433,29 +453,104 @@ fn with_detail(
     record
 }
 
-/// The engine's view of a tenant record.
-pub fn limits_of(tenant: &TenantRecord) -> TenantLimits {
-    TenantLimits {
-        id: TenantId(tenant.id),
-        name: tenant.name.clone(),
-        weight: tenant.quota.weight,
-        queue_depth_max: tenant.quota.queue_depth_max,
-        running_max: tenant.quota.running_max,
-        pages_reserved: tenant.quota.pages_reserved,
-        pages_max: tenant.quota.pages_max,
+/// One tenant change in one model's engine, and the change that undoes it.
+struct EngineChange {
+    model: Arc<Served>,
+    change: TenantChange,
+    undo: TenantChange,
+}
+
+/// The engine changes that take tenant `old` (None: absent) to `new` (None:
+/// removed) in every model of `models`: a partition added where it gains
+/// access, updated where it keeps it, removed where it loses it.
+fn tenant_changes<'a>(
+    models: impl IntoIterator<Item = &'a Arc<Served>>,
+    old: Option<&TenantRecord>,
+    new: Option<&TenantRecord>,
+) -> Vec<EngineChange> {
+    let mut changes = Vec::new();
+    for model in models {
+        let spec = &model.spec;
+        let had = old.filter(|t| t.models.allows(&spec.id));
+        let has = new.filter(|t| t.models.allows(&spec.id));
+        let (change, undo) = match (had, has) {
+            (None, Some(new)) => (
+                TenantChange::Add(catalog::tenant_limits(new, spec)),
+                TenantChange::Remove(TenantId(new.id)),
+            ),
+            (Some(old), Some(new)) => (
+                TenantChange::Update(catalog::tenant_limits(new, spec)),
+                TenantChange::Update(catalog::tenant_limits(old, spec)),
+            ),
+            (Some(old), None) => (
+                TenantChange::Remove(TenantId(old.id)),
+                TenantChange::Add(catalog::tenant_limits(old, spec)),
+            ),
+            (None, None) => continue,
+        };
+        changes.push(EngineChange {
+            model: Arc::clone(model),
+            change,
+            undo,
+        });
+    }
+    changes
+}
+
+/// A model as the admin API shows it.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct ModelView {
+    /// What was loaded (its path resolved).
+    pub spec: ModelSpec,
+    /// `policy` (the policy file's) or `admin` (added through this API).
+    pub source: Source,
+    /// The context its file holds.
+    pub file_context_tokens: u64,
+    /// Bytes of its weights.
+    pub weights_bytes: u64,
+    /// Bytes of its KV pool.
+    pub kv_bytes: u64,
+    /// Whether its engine accepts requests.
+    pub ready: bool,
+    /// Loaded, Unix seconds.
+    pub created: u64,
+}
+
+impl From<&Served> for ModelView {
+    fn from(m: &Served) -> ModelView {
+        ModelView {
+            spec: m.spec.clone(),
+            source: m.source,
+            file_context_tokens: m.file_context_tokens,
+            weights_bytes: m.memory.weights_bytes,
+            kv_bytes: m.memory.kv_bytes,
+            ready: m.engine.is_accepting(),
+            created: m.created,
+        }
     }
 }
 
-/// The control plane: the store, the registry it feeds, and the engine it
-/// keeps in step.
+/// What unloading a model did.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct ModelRemoved {
+    /// The model's id.
+    pub removed: String,
+    /// Requests still in flight at the drain deadline, ended with `model_removed`.
+    pub requests_ended: u32,
+    /// How long the drain took, milliseconds.
+    pub drain_ms: u64,
+}
+
+/// The control plane: the store, the registry it feeds, and the catalog whose
+/// engines it keeps in step.
 pub struct Control {
     store: Arc<Store>,
     registry: Arc<Registry>,
-    engine: EngineHandle,
+    catalog: Arc<Catalog>,
     policy: Arc<PolicyRuntime>,
     usage: Arc<UsageBook>,
     config: Arc<Config>,
-    model_context_tokens: u64,
+    finishes: Arc<dyn FinishSink>,
     writes: tokio::sync::Mutex<()>,
 }
 
@@ -470,26 +565,36 @@ fn blocking<T>(f: impl FnOnce() -> T) -> T {
     }
 }
 
+/// The parts the control plane works with.
+pub struct Parts {
+    /// The store, opened and prepared.
+    pub store: Arc<Store>,
+    /// The registry built from it.
+    pub registry: Arc<Registry>,
+    /// The catalog, loaded from the policy and the store.
+    pub catalog: Arc<Catalog>,
+    /// The plugin runtime.
+    pub policy: Arc<PolicyRuntime>,
+    /// Usage counters.
+    pub usage: Arc<UsageBook>,
+    /// The policy.
+    pub config: Arc<Config>,
+    /// Where the engines of models loaded later report each request's end.
+    pub finishes: Arc<dyn FinishSink>,
+}
+
 impl Control {
-    /// The control plane over an opened, prepared store and a running engine
-    /// built from it.
-    pub fn new(
-        store: Arc<Store>,
-        registry: Arc<Registry>,
-        engine: EngineHandle,
-        policy: Arc<PolicyRuntime>,
-        usage: Arc<UsageBook>,
-        config: Arc<Config>,
-        model_context_tokens: u64,
-    ) -> Control {
+    /// The control plane over an opened, prepared store and the running
+    /// engines built from it.
+    pub fn new(parts: Parts) -> Control {
         Control {
-            store,
-            registry,
-            engine,
-            policy,
-            usage,
-            config,
-            model_context_tokens,
+            store: parts.store,
+            registry: parts.registry,
+            catalog: parts.catalog,
+            policy: parts.policy,
+            usage: parts.usage,
+            config: parts.config,
+            finishes: parts.finishes,
             writes: tokio::sync::Mutex::new(()),
         }
     }
@@ -497,6 +602,11 @@ impl Control {
     /// The registry requests authenticate against.
     pub fn registry(&self) -> &Arc<Registry> {
         &self.registry
+    }
+
+    /// The catalog requests look models up in.
+    pub fn catalog(&self) -> &Arc<Catalog> {
+        &self.catalog
     }
 
     /// The usage counters requests add to.
@@ -509,16 +619,33 @@ impl Control {
         &self.store
     }
 
-    /// The capacity contract with `tenants`.
-    fn capacity_of(&self, tenants: &[TenantRecord]) -> Capacity {
-        let set: Vec<(String, Quota)> = tenants.iter().map(|t| (t.name.clone(), t.quota)).collect();
-        Capacity::with_tenants(&self.config, self.model_context_tokens, &set)
+    /// Every model's capacity contract with `tenants`.
+    fn capacities_of(&self, tenants: &[TenantRecord]) -> Vec<Capacity> {
+        self.catalog
+            .snapshot()
+            .all()
+            .map(|m| {
+                Capacity::of_model(
+                    &m.spec,
+                    m.file_context_tokens,
+                    &catalog::quotas_for(&m.spec, tenants),
+                )
+            })
+            .collect()
     }
 
-    /// The contract of the live tenant set.
-    pub fn capacity(&self) -> Result<Capacity, ControlError> {
+    /// Ok when every model's contract holds with `tenants`.
+    fn check_capacity(&self, tenants: &[TenantRecord]) -> Result<(), ControlError> {
+        for capacity in self.capacities_of(tenants) {
+            capacity.check()?;
+        }
+        Ok(())
+    }
+
+    /// The contracts of the live tenant set, one per model.
+    pub fn capacity(&self) -> Result<Vec<Capacity>, ControlError> {
         let tenants = blocking(|| self.store.tenants())?;
-        Ok(self.capacity_of(&tenants))
+        Ok(self.capacities_of(&tenants))
     }
 
     /// Publishes the store's tenants and keys.
@@ -539,30 +666,59 @@ impl Control {
             .ok_or_else(|| tenant.not_found())
     }
 
-    async fn engine(&self, change: TenantChange) -> Result<u32, ControlError> {
-        self.engine
-            .change_tenant(change)
-            .await
-            .map_err(|e| match e {
-                ChangeError::Refused(refused) => ControlError::Pool(refused.to_string()),
-                ChangeError::Unavailable => ControlError::Engine,
-            })
+    /// Refuses an access list naming a model the catalog does not hold (a
+    /// typo would otherwise grant nothing, silently).
+    fn check_access(&self, access: &ModelAccess) -> Result<(), ControlError> {
+        let snapshot = self.catalog.snapshot();
+        match access.ids().find(|id| snapshot.get(id).is_none()) {
+            Some(unknown) => Err(invalid(
+                "models",
+                format!("{unknown:?} is not a model of the catalog"),
+            )),
+            None => Ok(()),
+        }
     }
 
-    /// Commits `batch`; on failure, undoes `undo` in the engine first.
+    /// Applies `changes` in order; if one is refused, undoes the ones applied
+    /// (in reverse) and answers why. For removals, answers the requests ended.
+    async fn apply(&self, changes: &[EngineChange]) -> Result<u32, ControlError> {
+        let mut ended = 0;
+        for (i, c) in changes.iter().enumerate() {
+            match c.model.engine.change_tenant(c.change.clone()).await {
+                Ok(n) => ended += n,
+                Err(error) => {
+                    self.undo(&changes[..i]).await;
+                    return Err(match error {
+                        ChangeError::Refused(refused) => {
+                            ControlError::Pool(format!("model {}: {refused}", c.model.spec.id))
+                        }
+                        ChangeError::Unavailable => ControlError::Engine,
+                    });
+                }
+            }
+        }
+        Ok(ended)
+    }
+
+    /// Undoes applied `changes`, last first.
+    async fn undo(&self, changes: &[EngineChange]) {
+        for c in changes.iter().rev() {
+            if let Err(e) = c.model.engine.change_tenant(c.undo.clone()).await {
+                tracing::error!(model = %c.model.spec.id, error = %e, "undoing an engine change");
+            }
+        }
+    }
+
+    /// Commits `batch`; on failure, undoes the applied `changes` first.
     async fn commit_or_undo(
         &self,
         batch: Batch,
-        undo: Option<TenantChange>,
+        changes: &[EngineChange],
     ) -> Result<(), ControlError> {
         match blocking(|| self.store.commit(batch)) {
             Ok(()) => Ok(()),
             Err(error) => {
-                if let Some(undo) = undo {
-                    if let Err(e) = self.engine.change_tenant(undo).await {
-                        tracing::error!(error = %e, "undoing an engine change after a failed commit");
-                    }
-                }
+                self.undo(changes).await;
                 Err(error.into())
             }
         }
@@ -581,12 +737,14 @@ impl Control {
         Ok(TenantView::from(&self.tenant_record(tenant)?))
     }
 
-    /// Creates a tenant with `quota` (no key yet: issue one next).
+    /// Creates a tenant with `quota`, allowed the models of `models` (no key
+    /// yet: issue one next).
     pub async fn create_tenant(
         &self,
         actor: &Actor,
         name: &str,
         quota: Quota,
+        models: ModelAccess,
     ) -> Result<TenantView, ControlError> {
         let _write = self.writes.lock().await;
         if !valid_name(name) {
@@ -596,6 +754,7 @@ impl Control {
             ));
         }
         quota.validate().map_err(|e| invalid(e.field, e.reason))?;
+        self.check_access(&models)?;
         let mut tenants = blocking(|| self.store.tenants())?;
         if tenants.iter().any(|t| t.name == name) {
             return Err(ControlError::Exists {
@@ -615,32 +774,39 @@ impl Control {
             id,
             name: name.into(),
             quota,
+            models,
             created_ms: now,
             updated_ms: now,
         };
         tenants.push(record.clone());
-        self.capacity_of(&tenants).check()?;
-        self.engine(TenantChange::Add(limits_of(&record))).await?;
+        self.check_capacity(&tenants)?;
+        let changes = tenant_changes(self.catalog.snapshot().all(), None, Some(&record));
+        self.apply(&changes).await?;
         let mut batch = Batch::default();
         batch
             .put_tenant(&record)
             .put_tenant_id_next(id + 1)
             .audit(with_detail(
                 audit(actor, "tenant.create", name),
-                [("tenant_id", id.into()), ("quota", quota_json(&quota))],
+                [
+                    ("tenant_id", id.into()),
+                    ("quota", quota_json(&quota)),
+                    ("models", access_json(&record.models)),
+                ],
             ));
-        self.commit_or_undo(batch, Some(TenantChange::Remove(TenantId(id))))
-            .await?;
+        self.commit_or_undo(batch, &changes).await?;
         self.publish()?;
         Ok(TenantView::from(&record))
     }
 
-    /// Changes some of a tenant's limits; the next admission follows them.
+    /// Changes some of a tenant's limits or models; the next admission follows
+    /// them. A model it may no longer use ends its requests there
+    /// (`tenant_removed`) and frees its partition.
     pub async fn update_tenant(
         &self,
         actor: &Actor,
         tenant: TenantRef<'_>,
-        patch: QuotaPatch,
+        patch: TenantPatch,
     ) -> Result<TenantView, ControlError> {
         let _write = self.writes.lock().await;
         let mut tenants = blocking(|| self.store.tenants())?;
@@ -652,12 +818,16 @@ impl Control {
         let name = old.name.clone();
         let quota = patch.apply(old.quota);
         quota.validate().map_err(|e| invalid(e.field, e.reason))?;
+        if let Some(models) = &patch.models {
+            self.check_access(models)?;
+            tenants[at].models = models.clone();
+        }
         tenants[at].quota = quota;
         tenants[at].updated_ms = now_ms();
         let record = tenants[at].clone();
-        self.capacity_of(&tenants).check()?;
-        self.engine(TenantChange::Update(limits_of(&record)))
-            .await?;
+        self.check_capacity(&tenants)?;
+        let changes = tenant_changes(self.catalog.snapshot().all(), Some(&old), Some(&record));
+        self.apply(&changes).await?;
         let mut batch = Batch::default();
         batch.put_tenant(&record).audit(with_detail(
             audit(actor, "tenant.update", &name),
@@ -665,17 +835,19 @@ impl Control {
                 ("tenant_id", record.id.into()),
                 ("before", quota_json(&old.quota)),
                 ("after", quota_json(&quota)),
+                ("models_before", access_json(&old.models)),
+                ("models_after", access_json(&record.models)),
             ],
         ));
-        self.commit_or_undo(batch, Some(TenantChange::Update(limits_of(&old))))
-            .await?;
+        self.commit_or_undo(batch, &changes).await?;
         self.publish()?;
         Ok(TenantView::from(&record))
     }
 
     /// Deletes a tenant: its keys stop working at once, its queued and
-    /// running requests end with `tenant_removed`, its pages are scrubbed and
-    /// its partition freed, then its records go. Returns the requests ended.
+    /// running requests end with `tenant_removed` in every model, its pages
+    /// are scrubbed and its partitions freed, then its records go. Returns the
+    /// requests ended.
     pub async fn delete_tenant(
         &self,
         actor: &Actor,
@@ -694,7 +866,8 @@ impl Control {
             .collect();
         self.registry
             .replace(Directory::build(&remaining, &keys, Some(&before)));
-        let ended = match self.engine(TenantChange::Remove(TenantId(record.id))).await {
+        let changes = tenant_changes(self.catalog.snapshot().all(), Some(&record), None);
+        let ended = match self.apply(&changes).await {
             Ok(ended) => ended,
             Err(error) => {
                 self.publish()?;
@@ -724,13 +897,162 @@ impl Control {
                 ("requests_ended", ended.into()),
             ],
         ));
-        let committed = self
-            .commit_or_undo(batch, Some(TenantChange::Add(limits_of(&record))))
-            .await;
+        let committed = self.commit_or_undo(batch, &changes).await;
         self.publish()?;
         committed?;
         self.policy.forget(TenantId(record.id), None);
         Ok(ended)
+    }
+
+    /// How long an unload drains when the admin does not say: the policy's
+    /// `server.drain_timeout_ms`.
+    pub fn drain_default_ms(&self) -> u64 {
+        self.config.server.drain_timeout_ms
+    }
+
+    /// Every model of the catalog, in catalog order.
+    pub fn models(&self) -> Vec<ModelView> {
+        self.catalog
+            .snapshot()
+            .all()
+            .map(|m| ModelView::from(m.as_ref()))
+            .collect()
+    }
+
+    /// One model.
+    pub fn model(&self, id: &str) -> Result<ModelView, ControlError> {
+        self.catalog
+            .snapshot()
+            .get(id)
+            .map(|m| ModelView::from(m.as_ref()))
+            .ok_or_else(|| ControlError::NotFound {
+                what: "model",
+                name: id.into(),
+            })
+    }
+
+    /// Loads `spec` and adds it to the catalog, stored so later starts load it
+    /// too. Checked before anything is allocated: its id is new, its file's
+    /// header reads, the catalog with it fits `engine.memory_max`, and its
+    /// capacity contract holds with the tenants that may use it.
+    pub async fn add_model(
+        &self,
+        actor: &Actor,
+        spec: ModelSpec,
+    ) -> Result<ModelView, ControlError> {
+        let _write = self.writes.lock().await;
+        spec.validate(|f| f.to_string()).map_err(|e| match e {
+            crate::config::ConfigError::Invalid { field, reason } => invalid(field, reason),
+            other => invalid("model", other.to_string()),
+        })?;
+        if !spec.path.is_absolute() {
+            return Err(invalid("path", "must be an absolute path on the server"));
+        }
+        let snapshot = self.catalog.snapshot();
+        // A policy model's id stays the policy's, loaded or not: the next
+        // start would load both.
+        if snapshot.get(&spec.id).is_some() || self.config.models.iter().any(|m| m.id == spec.id) {
+            return Err(ControlError::Exists {
+                what: "model",
+                name: spec.id.clone(),
+            });
+        }
+        if snapshot.len() >= MODELS_MAX {
+            return Err(ControlError::TooMany {
+                what: "models",
+                max: MODELS_MAX,
+            });
+        }
+        let probe = spec.clone();
+        let inspected = run_blocking(move || catalog::inspect(&probe))
+            .await?
+            .map_err(ControlError::Load)?;
+        snapshot
+            .memory(self.config.engine.memory_max, Some(inspected.memory))
+            .check()?;
+        let tenants = blocking(|| self.store.tenants())?;
+        let (to_load, finishes) = (spec.clone(), Arc::clone(&self.finishes));
+        let loaded =
+            run_blocking(move || catalog::load(to_load, Source::Admin, &tenants, finishes))
+                .await?
+                .map_err(|e| match e {
+                    LoadError::Capacity(v) => ControlError::Capacity(v),
+                    other => ControlError::Load(other),
+                })?;
+        let record = ModelRecord {
+            spec: spec.clone(),
+            added_ms: now_ms(),
+        };
+        let mut batch = Batch::default();
+        batch.put_model(&record).audit(with_detail(
+            audit(actor, "model.add", &spec.id),
+            [
+                ("path", spec.path.display().to_string().into()),
+                ("context_tokens", spec.context_tokens.into()),
+                ("pool_pages", spec.pool_pages.into()),
+                ("weights_bytes", loaded.served.memory.weights_bytes.into()),
+                ("kv_bytes", loaded.served.memory.kv_bytes.into()),
+            ],
+        ));
+        if let Err(error) = blocking(|| self.store.commit(batch)) {
+            let service = loaded.service;
+            run_blocking(move || {
+                service.shutdown(std::time::Duration::ZERO, FinishReason::ModelRemoved)
+            })
+            .await?;
+            return Err(error.into());
+        }
+        let view = ModelView::from(loaded.served.as_ref());
+        self.catalog.insert(loaded);
+        tracing::info!(model = %spec.id, "model added");
+        Ok(view)
+    }
+
+    /// Unloads model `id`: new requests no longer find it (404), its engine
+    /// stops accepting, requests in flight run until `drain`, the rest end with
+    /// `model_removed`; then its pool, engine and weights are freed. An admin
+    /// model's record goes too; a policy model returns at the next start.
+    pub async fn remove_model(
+        &self,
+        actor: &Actor,
+        id: &str,
+        drain: std::time::Duration,
+    ) -> Result<ModelRemoved, ControlError> {
+        let _write = self.writes.lock().await;
+        let Some((served, service)) = self.catalog.take(id) else {
+            return Err(ControlError::NotFound {
+                what: "model",
+                name: id.into(),
+            });
+        };
+        let source = served.source;
+        drop(served);
+        let started = std::time::Instant::now();
+        let ended =
+            run_blocking(move || service.shutdown(drain, FinishReason::ModelRemoved)).await?;
+        let drain_ms = started.elapsed().as_millis() as u64;
+        // Committed after the drain: a crash during it leaves the record, and
+        // the model loads again at the next start (the removal was never
+        // acknowledged).
+        let mut batch = Batch::default();
+        if source == Source::Admin {
+            batch.delete_model(id);
+        }
+        batch.audit(with_detail(
+            audit(actor, "model.remove", id),
+            [
+                ("source", serde_json::to_value(source).unwrap_or_default()),
+                ("drain_ms", drain_ms.into()),
+                ("requests_ended", ended.into()),
+            ],
+        ));
+        blocking(|| self.store.commit(batch))?;
+        tracing::info!(model = %id, drain_ms, requests_ended = ended, "model removed");
+        Ok(ModelRemoved {
+            removed: id.into(),
+            requests_ended: ended,
+            drain_ms,
+        })
     }
 
     /// A tenant's keys (revoked ones too), never their secrets.
@@ -782,7 +1104,7 @@ impl Control {
             audit(actor, "key.issue", &record.name),
             [("key_id", key.id.clone().into())],
         ));
-        self.commit_or_undo(batch, None).await?;
+        self.commit_or_undo(batch, &[]).await?;
         self.publish()?;
         Ok(IssuedKey {
             key: KeyView::from(&key),
@@ -814,7 +1136,7 @@ impl Control {
                 audit(actor, "key.revoke", &record.name),
                 [("key_id", key.id.clone().into())],
             ));
-            self.commit_or_undo(batch, None).await?;
+            self.commit_or_undo(batch, &[]).await?;
             self.publish()?;
         }
         Ok(KeyView::from(&key))
@@ -914,7 +1236,7 @@ impl Control {
                 ("sha256", sha256.into()),
             ],
         ));
-        self.commit_or_undo(batch, None).await?;
+        self.commit_or_undo(batch, &[]).await?;
         self.policy
             .install(&plugin, &component)
             .map_err(|e| invalid("limits", e.0))?;
@@ -1001,7 +1323,7 @@ impl Control {
         batch
             .put_plugin(&plugin)
             .audit(with_detail(audit(actor, action, &owner), detail));
-        self.commit_or_undo(batch, None).await?;
+        self.commit_or_undo(batch, &[]).await?;
         match component {
             Some(component) => self
                 .policy
@@ -1035,7 +1357,7 @@ impl Control {
             audit(actor, "plugin.delete", &owner),
             [("plugin", name.into())],
         ));
-        self.commit_or_undo(batch, None).await?;
+        self.commit_or_undo(batch, &[]).await?;
         self.policy.forget(TenantId(plugin.tenant), Some(name));
         Ok(())
     }
@@ -1118,6 +1440,19 @@ impl Control {
 
 fn quota_json(quota: &Quota) -> serde_json::Value {
     serde_json::to_value(quota).unwrap_or_default()
+}
+
+fn access_json(models: &ModelAccess) -> serde_json::Value {
+    serde_json::to_value(models).unwrap_or_default()
+}
+
+/// Runs blocking work (a model load, an engine's drain) off the async workers.
+async fn run_blocking<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ControlError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ControlError::Store(StoreError::Io(format!("a blocking task failed: {e}"))))
 }
 
 /// The first bytes of a WebAssembly component (a core module has version 1,

@@ -18,10 +18,11 @@
 pub mod control;
 pub mod seed;
 
+use crate::config::valid_model_id;
 use crate::store::records::{KeyRecord, TenantRecord};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, RwLock};
 use subtle::ConstantTimeEq;
 use tokio::sync::Semaphore;
@@ -105,6 +106,76 @@ impl Quota {
     }
 }
 
+/// Most model ids one tenant's access list may name.
+pub const ACCESS_IDS_MAX: usize = 64;
+/// The access list entry that means every model.
+pub const EVERY_MODEL: &str = "*";
+
+/// The models a tenant may use. Written as a list: `["*"]` (the default) for
+/// every model in the catalog, now and later; otherwise the ids it may use
+/// (`[]`: none). An id of a model not in the catalog grants nothing until a
+/// model of that id is added.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "Vec<String>", into = "Vec<String>")]
+pub enum ModelAccess {
+    /// Every model.
+    #[default]
+    All,
+    /// These models only.
+    Only(BTreeSet<String>),
+}
+
+impl ModelAccess {
+    /// Whether the tenant may use model `id`.
+    pub fn allows(&self, id: &str) -> bool {
+        match self {
+            ModelAccess::All => true,
+            ModelAccess::Only(ids) => ids.contains(id),
+        }
+    }
+
+    /// The ids listed (none for every model).
+    pub fn ids(&self) -> impl Iterator<Item = &String> {
+        match self {
+            ModelAccess::All => None,
+            ModelAccess::Only(ids) => Some(ids.iter()),
+        }
+        .into_iter()
+        .flatten()
+    }
+}
+
+impl TryFrom<Vec<String>> for ModelAccess {
+    type Error = String;
+
+    fn try_from(list: Vec<String>) -> Result<ModelAccess, String> {
+        if list.iter().any(|id| id == EVERY_MODEL) {
+            return match list.len() {
+                1 => Ok(ModelAccess::All),
+                _ => Err(format!(
+                    "models: {EVERY_MODEL:?} (every model) must be alone"
+                )),
+            };
+        }
+        if list.len() > ACCESS_IDS_MAX {
+            return Err(format!("models: at most {ACCESS_IDS_MAX} ids"));
+        }
+        if let Some(bad) = list.iter().find(|id| !valid_model_id(id)) {
+            return Err(format!("models: {bad:?} is not a model id"));
+        }
+        Ok(ModelAccess::Only(list.into_iter().collect()))
+    }
+}
+
+impl From<ModelAccess> for Vec<String> {
+    fn from(access: ModelAccess) -> Vec<String> {
+        match access {
+            ModelAccess::All => vec![EVERY_MODEL.to_string()],
+            ModelAccess::Only(ids) => ids.into_iter().collect(),
+        }
+    }
+}
+
 /// Whether `name` may name a tenant: 1–64 of `[A-Za-z0-9_-]`, starting with a
 /// letter (so it cannot be mistaken for an id, a path or a flag).
 pub fn valid_name(name: &str) -> bool {
@@ -125,6 +196,8 @@ pub struct Tenant {
     pub name: String,
     /// Its limits.
     pub quota: Quota,
+    /// The models it may use.
+    pub models: ModelAccess,
     /// Its requests before admission (`pending_max` permits): a request holds
     /// one from authentication until the engine has queued or refused it.
     pub pending: Arc<Semaphore>,
@@ -187,6 +260,7 @@ impl Directory {
                     id,
                     name: record.name.clone(),
                     quota: record.quota,
+                    models: record.models.clone(),
                     pending,
                 }),
             );
@@ -296,6 +370,7 @@ mod tests {
             id,
             name: name.into(),
             quota: quota(),
+            models: ModelAccess::All,
             created_ms: 0,
             updated_ms: 0,
         }
@@ -371,6 +446,24 @@ mod tests {
             5
         );
         drop(held);
+    }
+
+    #[test]
+    fn access_lists_are_every_model_or_valid_ids() {
+        let parse = |json: &str| serde_json::from_str::<ModelAccess>(json);
+        assert_eq!(parse(r#"["*"]"#).unwrap(), ModelAccess::All);
+        let only = parse(r#"["b", "a", "a"]"#).unwrap();
+        assert!(only.allows("a") && only.allows("b") && !only.allows("c"));
+        assert_eq!(serde_json::to_string(&only).unwrap(), r#"["a","b"]"#);
+        assert_eq!(
+            serde_json::to_string(&ModelAccess::All).unwrap(),
+            r#"["*"]"#
+        );
+        let none = parse("[]").unwrap();
+        assert!(!none.allows("a"));
+        for bad in [r#"["*", "a"]"#, r#"["a/b"]"#, r#"[""]"#, r#""*""#] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -83,28 +83,41 @@ pub fn prepare(
     })
 }
 
+/// The records the policy's tenants become when they seed a store: ids from
+/// 1, in name order.
+pub fn policy_tenants(config: &Config) -> Vec<TenantRecord> {
+    let now = now_ms();
+    config
+        .tenants
+        .iter()
+        .zip(1..)
+        .map(|((name, tenant), id)| TenantRecord {
+            id,
+            name: name.clone(),
+            quota: tenant.quota(),
+            models: tenant.models.clone(),
+            created_ms: now,
+            updated_ms: now,
+        })
+        .collect()
+}
+
 /// First start: the policy's tenants and stored key digests.
 fn seed(config: &Config, store: &Store) -> Result<(), SeedError> {
     let mut batch = Batch::default();
     let now = now_ms();
-    let mut id = 1;
-    for (name, tenant) in &config.tenants {
-        let record = TenantRecord {
-            id,
-            name: name.clone(),
-            quota: tenant.quota(),
-            created_ms: now,
-            updated_ms: now,
-        };
-        batch.put_tenant(&record);
+    let records = policy_tenants(config);
+    for (record, tenant) in records.iter().zip(config.tenants.values()) {
+        batch.put_tenant(record);
         for digest in &tenant.keys_sha256 {
-            let mut key = key_record(id, "", KeySource::Policy)?;
+            let mut key = key_record(record.id, "", KeySource::Policy)?;
             key.sha256 = digest.to_ascii_lowercase();
             key.prefix = String::new();
             batch.put_key(&key);
         }
-        id += 1;
     }
+    // At most TENANTS_MAX (1024) tenants: the count fits a u32.
+    let id = records.len() as u32 + 1;
     batch.put_tenant_id_next(id);
     batch.put_meta(&Meta {
         created_ms: now,

@@ -18,6 +18,8 @@ pub const KEY_GAMMA: &str = "test-key-gamma-0123456789abcdef";
 pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789abcdef";
 /// The model id in the test policy.
 pub const MODEL_ID: &str = "smollm2-test";
+/// The id tests give the Q8_0 model, when they serve it too.
+pub const Q8_ID: &str = "smollm2-test-q8";
 /// How long a server may take to start listening.
 const START_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -62,6 +64,36 @@ pub fn smollm2() -> Option<PathBuf> {
     None
 }
 
+/// The Q8_0 model `scripts/models.sh` derives from the default one, or `None`
+/// (and a "skipped:" line) when it is absent.
+pub fn smollm2_q8() -> Option<PathBuf> {
+    let path = repo_root().join(".cache/models/SmolLM2-135M-Instruct.Q8_0.gguf");
+    if path.exists() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_none(),
+        "BULKHEAD_REQUIRE_MODEL is set but {} is missing: run scripts/models.sh",
+        path.display()
+    );
+    eprintln!(
+        "skipped: {} is missing; run scripts/models.sh",
+        path.display()
+    );
+    None
+}
+
+/// A `[[models]]` entry (or an admin API body, as JSON) serving `path` as `id`
+/// with the test policy's geometry.
+pub fn model_toml(id: &str, path: &std::path::Path, pool_pages: u32) -> String {
+    format!(
+        "[[models]]\nid = \"{id}\"\npath = \"{}\"\ncontext_tokens = 1024\nthreads = 1\n\
+         page_tokens = 16\npool_pages = {pool_pages}\nseq_pages_max = 64\n\
+         step_tokens_max = 256\nstep_seqs_max = 8\n",
+        path.display()
+    )
+}
+
 /// Knobs of the test policy.
 #[derive(Clone, Debug)]
 pub struct Policy {
@@ -84,6 +116,10 @@ pub struct Policy {
     pub alpha_pending_max: u32,
     /// A `[plugins]` section (TOML), when not the defaults.
     pub plugins_toml: String,
+    /// Tenant beta's `models` (TOML list), when not every model.
+    pub beta_models: Option<String>,
+    /// More TOML at the end: more `[[models]]`, an `[engine]` section.
+    pub extra_toml: String,
 }
 
 impl Default for Policy {
@@ -103,6 +139,8 @@ impl Default for Policy {
             store_path: None,
             alpha_pending_max: 8,
             plugins_toml: String::new(),
+            beta_models: None,
+            extra_toml: String::new(),
         }
     }
 }
@@ -134,13 +172,11 @@ drain_timeout_ms = {drain}
 {tls}
 {store}
 {plugins}
-[model]
+[[models]]
 id = "{MODEL_ID}"
 path = "{model}"
 context_tokens = {context}
 threads = 1
-
-[engine]
 page_tokens = 16
 pool_pages = 224
 seq_pages_max = {seq_pages}
@@ -158,6 +194,7 @@ pages_reserved = 64
 pages_max = 96
 pending_max = {beta_pending}
 key_env = "BULKHEAD_KEY_BETA"
+{beta_models}
 
 # One running, one queued: the third concurrent request gets 429.
 [tenants.gamma]
@@ -166,6 +203,8 @@ pages_max = 96
 queue_depth_max = 1
 running_max = 1
 key_env = "BULKHEAD_KEY_GAMMA"
+
+{extra}
 "#,
             body = self.body_bytes_max,
             drain = self.drain_timeout_ms,
@@ -179,6 +218,11 @@ key_env = "BULKHEAD_KEY_GAMMA"
             beta_pending = self.beta_pending_max,
             alpha_pending = self.alpha_pending_max,
             plugins = self.plugins_toml,
+            beta_models = match &self.beta_models {
+                Some(list) => format!("models = {list}"),
+                None => String::new(),
+            },
+            extra = self.extra_toml,
         )
     }
 }

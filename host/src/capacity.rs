@@ -1,0 +1,460 @@
+//! The capacity contract of each model (invariant I2) and the memory budget of
+//! the whole catalog.
+//!
+//! 1. [`Capacity::of_model`] compares the context window a model promises to
+//!    clients with every stage that must hold it: the model file's own context,
+//!    the per-sequence page limit, the model's KV pool, and the maximum of each
+//!    tenant that may use the model. A violation refuses to start (or to apply
+//!    an admin change) and names the model and the limit.
+//! 2. [`MemoryBudget::check`] adds up every model's weights and KV pool against
+//!    `engine.memory_max`, in catalog order, and names the first model that no
+//!    longer fits.
+//! 3. Both render as tables for `bulkhead check`, the server's start-up log and
+//!    the admin API's 409 answers.
+
+use crate::config::ModelSpec;
+use crate::tenancy::Quota;
+use std::fmt::Write as _;
+
+/// The stage of the capacity table that reports reservations above the pool
+/// (I8): a row only when they are, holding no tokens.
+pub const RESERVATIONS_STAGE: &str = "reservations";
+
+/// One row of the capacity table: a stage and how many tokens it can hold.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limit {
+    /// The stage, as printed ("model context", "tenant alpha maximum", ...).
+    pub stage: String,
+    /// The setting that sets it.
+    pub field: String,
+    /// Tokens it holds for one sequence.
+    pub tokens: u64,
+}
+
+/// The capacity contract of one model.
+#[derive(Clone, Debug)]
+pub struct Capacity {
+    /// The model's id.
+    pub model: String,
+    /// Tokens promised to clients (prompt + completion).
+    pub promised_tokens: u64,
+    /// Every stage that must hold a promised window.
+    pub limits: Vec<Limit>,
+    /// Tokens per step, for the table (chunked prefill takes any prompt length).
+    pub step_tokens_max: u64,
+}
+
+/// A promise that some stage cannot keep.
+#[derive(Debug, thiserror::Error)]
+#[error("capacity contract of model {model} violated: the promised context of {promised} tokens exceeds {stage} ({tokens} tokens, set by {field})\n{table}")]
+pub struct CapacityViolation {
+    /// The model.
+    pub model: String,
+    /// Tokens promised.
+    pub promised: u64,
+    /// The stage that cannot hold them.
+    pub stage: String,
+    /// The setting that sets that stage.
+    pub field: String,
+    /// What that stage holds.
+    pub tokens: u64,
+    /// The whole table.
+    pub table: String,
+    /// The whole contract.
+    pub capacity: Box<Capacity>,
+}
+
+impl Capacity {
+    /// The contract of `spec`, a model whose file holds `model_context_tokens`,
+    /// with `tenants`: the name and limits of each tenant that may use it.
+    pub fn of_model(
+        spec: &ModelSpec,
+        model_context_tokens: u64,
+        tenants: &[(String, Quota)],
+    ) -> Capacity {
+        let id = &spec.id;
+        let page_tokens = u64::from(spec.page_tokens);
+        let pool_pages = u64::from(spec.pool_pages);
+        let mut limits = vec![
+            Limit {
+                stage: "model context".into(),
+                field: format!("the file of model {id} (context_length)"),
+                tokens: model_context_tokens,
+            },
+            Limit {
+                stage: "per-sequence page limit".into(),
+                field: format!("models.{id}.seq_pages_max"),
+                tokens: u64::from(spec.seq_pages_max) * page_tokens,
+            },
+            Limit {
+                stage: "KV pool".into(),
+                field: format!("models.{id}.pool_pages"),
+                tokens: pool_pages * page_tokens,
+            },
+        ];
+        let reserved_total: u64 = tenants
+            .iter()
+            .map(|(_, q)| u64::from(q.pages_reserved))
+            .sum();
+        if reserved_total > pool_pages {
+            // I8: no tenant's reservation may be another's burst.
+            limits.push(Limit {
+                stage: RESERVATIONS_STAGE.into(),
+                field: format!(
+                    "the pages_reserved of the tenants that may use model {id} add up to {reserved_total} pages; models.{id}.pool_pages is {pool_pages}"
+                ),
+                tokens: 0,
+            });
+        }
+        for (name, quota) in tenants {
+            // A tenant can never take pages other tenants have reserved (I8),
+            // nor more than the pool (its partition is capped there).
+            let others_reserved = reserved_total - u64::from(quota.pages_reserved);
+            let reachable = pool_pages.saturating_sub(others_reserved);
+            let (pages, field) = if u64::from(quota.pages_max) <= reachable {
+                (
+                    u64::from(quota.pages_max),
+                    format!("tenants.{name}.pages_max"),
+                )
+            } else {
+                (
+                    reachable,
+                    format!("models.{id}.pool_pages minus other tenants' pages_reserved"),
+                )
+            };
+            limits.push(Limit {
+                stage: format!("tenant {name} maximum"),
+                field,
+                tokens: pages * page_tokens,
+            });
+        }
+        Capacity {
+            model: id.clone(),
+            promised_tokens: u64::from(spec.context_tokens),
+            limits,
+            step_tokens_max: u64::from(spec.step_tokens_max),
+        }
+    }
+
+    /// Ok when every stage holds the promised window; otherwise the first stage
+    /// that does not, with the whole table.
+    pub fn check(&self) -> Result<(), CapacityViolation> {
+        match self.limits.iter().find(|l| l.tokens < self.promised_tokens) {
+            None => Ok(()),
+            Some(l) => Err(CapacityViolation {
+                model: self.model.clone(),
+                promised: self.promised_tokens,
+                stage: l.stage.clone(),
+                field: l.field.clone(),
+                tokens: l.tokens,
+                table: self.table(),
+                capacity: Box::new(self.clone()),
+            }),
+        }
+    }
+
+    /// The table of limits, one stage a line, under the model's id.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "model {}", self.model);
+        let _ = writeln!(
+            out,
+            "  {:<32} {:>10}  {:<6} set by",
+            "stage", "tokens", "holds"
+        );
+        let _ = writeln!(
+            out,
+            "  {:<32} {:>10}  {:<6} models.{}.context_tokens",
+            "promised context", self.promised_tokens, "-", self.model
+        );
+        for l in &self.limits {
+            let holds = if l.tokens >= self.promised_tokens {
+                "ok"
+            } else {
+                "NO"
+            };
+            let _ = writeln!(
+                out,
+                "  {:<32} {:>10}  {:<6} {}",
+                l.stage, l.tokens, holds, l.field
+            );
+        }
+        let _ = writeln!(
+            out,
+            "  {:<32} {:>10}  {:<6} models.{}.step_tokens_max (chunked: any prompt length)",
+            "prefill chunk budget", self.step_tokens_max, "ok", self.model
+        );
+        out
+    }
+}
+
+/// What one model holds in memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelMemory {
+    /// The model's id.
+    pub model: String,
+    /// Its weights (the tensors of its file, mapped and read on every step).
+    pub weights_bytes: u64,
+    /// Its KV pool (allocated whole at load).
+    pub kv_bytes: u64,
+}
+
+impl ModelMemory {
+    /// Weights and KV pool together.
+    pub fn total(&self) -> u64 {
+        self.weights_bytes.saturating_add(self.kv_bytes)
+    }
+}
+
+/// The memory of every model against the operator's budget.
+#[derive(Clone, Debug)]
+pub struct MemoryBudget {
+    /// `engine.memory_max`: None when the operator set no budget.
+    pub max_bytes: Option<u64>,
+    /// Every model, in catalog order.
+    pub models: Vec<ModelMemory>,
+}
+
+/// A catalog that does not fit the memory budget.
+#[derive(Debug, thiserror::Error)]
+#[error("memory budget exceeded: model {model} needs {needed} bytes (weights {weights_bytes}, KV pool {kv_bytes}); with the models before it that is {total} bytes, above engine.memory_max ({max_bytes} bytes)\n{table}")]
+pub struct MemoryViolation {
+    /// The first model that does not fit.
+    pub model: String,
+    /// Its weights.
+    pub weights_bytes: u64,
+    /// Its KV pool.
+    pub kv_bytes: u64,
+    /// Both.
+    pub needed: u64,
+    /// Every model up to and including it.
+    pub total: u64,
+    /// The budget.
+    pub max_bytes: u64,
+    /// The whole table.
+    pub table: String,
+}
+
+impl MemoryBudget {
+    /// Every model's bytes together.
+    pub fn total(&self) -> u64 {
+        self.models
+            .iter()
+            .fold(0u64, |sum, m| sum.saturating_add(m.total()))
+    }
+
+    /// Ok when every model fits; otherwise the first one (in catalog order)
+    /// that takes the sum over the budget.
+    pub fn check(&self) -> Result<(), MemoryViolation> {
+        let Some(max_bytes) = self.max_bytes else {
+            return Ok(());
+        };
+        let mut total = 0u64;
+        for m in &self.models {
+            total = total.saturating_add(m.total());
+            if total > max_bytes {
+                return Err(MemoryViolation {
+                    model: m.model.clone(),
+                    weights_bytes: m.weights_bytes,
+                    kv_bytes: m.kv_bytes,
+                    needed: m.total(),
+                    total,
+                    max_bytes,
+                    table: self.table(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// One line per model, then the sum against the budget.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "memory");
+        let _ = writeln!(
+            out,
+            "  {:<32} {:>14} {:>14} {:>14}",
+            "model", "weights", "KV pool", "total"
+        );
+        for m in &self.models {
+            let _ = writeln!(
+                out,
+                "  {:<32} {:>14} {:>14} {:>14}",
+                m.model,
+                m.weights_bytes,
+                m.kv_bytes,
+                m.total()
+            );
+        }
+        let budget = match self.max_bytes {
+            Some(max) => format!("{max} ({})", if self.total() <= max { "ok" } else { "NO" }),
+            None => "not set (engine.memory_max)".into(),
+        };
+        let _ = writeln!(
+            out,
+            "  {:<32} {:>44}\n  {:<32} {:>44}",
+            "all models",
+            self.total(),
+            "budget",
+            budget
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> ModelSpec {
+        ModelSpec {
+            id: "m".into(),
+            path: "m.gguf".into(),
+            context_tokens: 4096,
+            threads: 1,
+            page_tokens: 16,
+            pool_pages: 1024,
+            seq_pages_max: 256,
+            step_tokens_max: 512,
+            step_seqs_max: 32,
+        }
+    }
+
+    fn quota(pages_reserved: u32, pages_max: u32) -> Quota {
+        Quota {
+            weight: 1,
+            pages_reserved,
+            pages_max,
+            queue_depth_max: 4,
+            running_max: 2,
+            pending_max: 2,
+        }
+    }
+
+    fn tenants(list: &[(&str, u32, u32)]) -> Vec<(String, Quota)> {
+        list.iter()
+            .map(|&(name, reserved, max)| (name.to_string(), quota(reserved, max)))
+            .collect()
+    }
+
+    fn violation(spec: &ModelSpec, context: u64, t: &[(&str, u32, u32)]) -> CapacityViolation {
+        Capacity::of_model(spec, context, &tenants(t))
+            .check()
+            .expect_err("a violation")
+    }
+
+    #[test]
+    fn a_model_that_holds_its_promise_prints_every_stage() {
+        let capacity = Capacity::of_model(
+            &spec(),
+            8192,
+            &tenants(&[("alpha", 256, 512), ("beta", 256, 512)]),
+        );
+        capacity.check().unwrap();
+        let table = capacity.table();
+        for stage in [
+            "model m",
+            "promised context",
+            "model context",
+            "per-sequence page limit",
+            "KV pool",
+            "tenant alpha maximum",
+            "tenant beta maximum",
+            "prefill chunk budget",
+        ] {
+            assert!(table.contains(stage), "{stage} missing from\n{table}");
+        }
+        assert!(!table.contains("NO"));
+    }
+
+    #[test]
+    fn refusals_name_the_model_and_the_limit() {
+        let v = violation(&spec(), 2048, &[]);
+        assert_eq!((v.model.as_str(), v.stage.as_str()), ("m", "model context"));
+        assert!(v.to_string().contains("model m") && v.to_string().contains("NO"));
+
+        let short = ModelSpec {
+            seq_pages_max: 255,
+            ..spec()
+        };
+        let v = violation(&short, 8192, &[]);
+        assert_eq!(v.field, "models.m.seq_pages_max");
+
+        let v = violation(&spec(), 8192, &[("alpha", 0, 255)]);
+        assert_eq!(
+            (v.stage.as_str(), v.field.as_str()),
+            ("tenant alpha maximum", "tenants.alpha.pages_max")
+        );
+
+        // beta reserves 800 of 1024 pages: alpha can never hold more than 224.
+        let v = violation(&spec(), 8192, &[("alpha", 200, 512), ("beta", 800, 1024)]);
+        assert_eq!(v.stage, "tenant alpha maximum");
+        assert!(
+            v.field.contains("other tenants' pages_reserved"),
+            "{}",
+            v.field
+        );
+
+        let small = ModelSpec {
+            context_tokens: 9700,
+            pool_pages: 600,
+            seq_pages_max: 1000,
+            ..spec()
+        };
+        let v = violation(&small, 16384, &[("alpha", 0, 600)]);
+        assert_eq!(
+            (v.stage.as_str(), v.field.as_str()),
+            ("KV pool", "models.m.pool_pages")
+        );
+
+        let v = violation(&spec(), 8192, &[("alpha", 600, 600), ("beta", 600, 600)]);
+        assert_eq!(v.stage, RESERVATIONS_STAGE);
+    }
+
+    #[test]
+    fn a_pages_max_above_the_pool_is_capped_by_the_pool() {
+        let capacity = Capacity::of_model(&spec(), 8192, &tenants(&[("alpha", 0, 5000)]));
+        let alpha = capacity
+            .limits
+            .iter()
+            .find(|l| l.stage == "tenant alpha maximum")
+            .unwrap();
+        assert_eq!(alpha.tokens, 1024 * 16);
+        assert!(alpha.field.starts_with("models.m.pool_pages"));
+    }
+
+    #[test]
+    fn the_memory_budget_names_the_first_model_that_does_not_fit() {
+        let models = vec![
+            ModelMemory {
+                model: "small".into(),
+                weights_bytes: 100,
+                kv_bytes: 50,
+            },
+            ModelMemory {
+                model: "large".into(),
+                weights_bytes: 200,
+                kv_bytes: 100,
+            },
+        ];
+        let fits = MemoryBudget {
+            max_bytes: Some(450),
+            models: models.clone(),
+        };
+        fits.check().unwrap();
+        assert!(fits.table().contains("450 (ok)"), "{}", fits.table());
+        let tight = MemoryBudget {
+            max_bytes: Some(449),
+            models: models.clone(),
+        };
+        let v = tight.check().unwrap_err();
+        assert_eq!((v.model.as_str(), v.needed, v.total), ("large", 300, 450));
+        assert!(v.to_string().contains("model large") && v.table.contains("NO"));
+        let unset = MemoryBudget {
+            max_bytes: None,
+            models,
+        };
+        unset.check().unwrap();
+        assert!(unset.table().contains("not set"));
+    }
+}

@@ -1,0 +1,357 @@
+//! The catalog: the models a server serves, each with its own engine.
+//!
+//! 1. **Sources.** The policy's `[[models]]` load at every start, in policy
+//!    order; models added through the admin API are stored ([`ModelRecord`])
+//!    and load after them, in id order. An id names one model across both.
+//! 2. **Load** ([`load`]): map the GGUF file, build its tokenizer and chat
+//!    template, check the model's capacity contract with the tenants that may
+//!    use it (I2), then build its engine through [`build::scheduler`] — its own
+//!    KV pool with a partition for each of those tenants, its backend, its
+//!    scheduler on its own thread. Pages of one model's pool are never another's:
+//!    every handle carries its pool's id, and an [`Admission`] only admits for
+//!    its own model's pool.
+//! 3. **Lookup.** The request path reads one immutable snapshot
+//!    ([`Catalog::snapshot`]): a model is there whole, or not at all.
+//! 4. **Unload** ([`Catalog::take`], then [`EngineService::shutdown`]): the
+//!    model leaves the snapshot first (new requests get 404), its engine stops
+//!    accepting, in-flight requests run until the drain deadline and the rest
+//!    end with `model_removed`; the engine thread drops the pool, backend and
+//!    mapped weights when it exits.
+//! 5. **Memory.** Every model's weights and KV pool count against
+//!    `engine.memory_max` ([`MemoryBudget`]), checked from the file headers
+//!    before anything is allocated.
+
+use crate::capacity::{Capacity, CapacityViolation, MemoryBudget, ModelMemory};
+use crate::config::ModelSpec;
+use crate::engine::admission::Admission;
+use crate::engine::build::{self, EngineSpec};
+use crate::engine::chat::ChatTemplate;
+use crate::engine::scheduler::{FinishSink, TenantLimits};
+use crate::engine::service::{EngineHandle, EngineService};
+use crate::store::records::TenantRecord;
+use crate::tenancy::{Quota, TenantId};
+use bulkhead_kernels::gguf::Gguf;
+use bulkhead_kernels::kv::PoolOptions;
+use bulkhead_kernels::model::{LlamaConfig, Model};
+use bulkhead_kernels::tokenizer::Tokenizer;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, RwLock};
+
+/// Where a model of the catalog comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Source {
+    /// The policy file's `[[models]]`: loaded at every start; removing it
+    /// through the admin API lasts until the next start.
+    Policy,
+    /// Added through the admin API: stored, loaded at every start until removed.
+    Admin,
+}
+
+/// Why a model could not be loaded. Nothing of it stays loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The file is missing, unreadable, hostile, or not a model this engine runs.
+    #[error("model {id}: {path}: {message}")]
+    File {
+        /// The model's id.
+        id: String,
+        /// Its file.
+        path: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// Its capacity contract does not hold (the message names the limit).
+    #[error(transparent)]
+    Capacity(#[from] CapacityViolation),
+    /// Its engine could not be built (KV pool geometry, a partition).
+    #[error("model {id}: engine: {message}")]
+    Engine {
+        /// The model's id.
+        id: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// The engine thread could not start.
+    #[error("model {id}: {source}")]
+    Thread {
+        /// The model's id.
+        id: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+/// One loaded model, as the request path uses it.
+pub struct Served {
+    /// What was loaded (its path resolved).
+    pub spec: ModelSpec,
+    /// Where it comes from.
+    pub source: Source,
+    /// Its tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// `tokenizer.text_bytes_per_token_max()`: a prompt's bytes over this are
+    /// the fewest tokens it can be.
+    pub text_bytes_per_token_max: u64,
+    /// Its chat template, if it has one that compiles.
+    pub template: Option<ChatTemplate>,
+    /// The static admission check for its pool.
+    pub admission: Admission,
+    /// Its engine thread.
+    pub engine: EngineHandle,
+    /// The context its file holds (for its capacity contract).
+    pub file_context_tokens: u64,
+    /// Its weights and KV pool.
+    pub memory: ModelMemory,
+    /// Unix seconds when it was loaded (the `created` of `/v1/models`).
+    pub created: u64,
+}
+
+/// A model loaded, its engine running, not yet in a catalog.
+pub struct Loaded {
+    /// What requests use.
+    pub served: Arc<Served>,
+    /// Its engine thread, to shut down at unload.
+    pub service: EngineService,
+}
+
+/// What a model's file says before anything is allocated: the numbers its
+/// capacity contract and memory need.
+pub struct Inspected {
+    /// The context the file holds.
+    pub file_context_tokens: u64,
+    /// Its weights and KV pool.
+    pub memory: ModelMemory,
+}
+
+fn file_error(spec: &ModelSpec, message: impl ToString) -> LoadError {
+    LoadError::File {
+        id: spec.id.clone(),
+        path: spec.path.display().to_string(),
+        message: message.to_string(),
+    }
+}
+
+/// The memory of `spec` given its parsed file.
+fn memory_of(
+    spec: &ModelSpec,
+    gguf: &Gguf,
+    config: &LlamaConfig,
+) -> Result<ModelMemory, LoadError> {
+    let weights_bytes = gguf
+        .tensors()
+        .iter()
+        .map(|t| gguf.tensor_bytes(t).len() as u64)
+        .sum();
+    let layout = config
+        .pool_geometry(spec.pool_pages, spec.page_tokens)
+        .layout()
+        .map_err(|e| LoadError::Engine {
+            id: spec.id.clone(),
+            message: format!("kv pool: {e}"),
+        })?;
+    Ok(ModelMemory {
+        model: spec.id.clone(),
+        weights_bytes,
+        kv_bytes: layout.pool_floats() as u64 * std::mem::size_of::<f32>() as u64,
+    })
+}
+
+/// Reads `spec`'s file header: its context and memory, nothing allocated.
+pub fn inspect(spec: &ModelSpec) -> Result<Inspected, LoadError> {
+    let gguf = Gguf::open(&spec.path).map_err(|e| file_error(spec, e))?;
+    let config = LlamaConfig::from_gguf(&gguf).map_err(|e| file_error(spec, e))?;
+    Ok(Inspected {
+        file_context_tokens: config.context_len as u64,
+        memory: memory_of(spec, &gguf, &config)?,
+    })
+}
+
+/// The tenants of `tenants` that may use model `spec`, with their limits.
+pub fn quotas_for<'a>(
+    spec: &ModelSpec,
+    tenants: impl IntoIterator<Item = &'a TenantRecord>,
+) -> Vec<(String, Quota)> {
+    tenants
+        .into_iter()
+        .filter(|t| t.models.allows(&spec.id))
+        .map(|t| (t.name.clone(), t.quota))
+        .collect()
+}
+
+/// The engine's view of `tenant` in model `spec`'s engine: its quota, with
+/// `pages_max` capped at the model's pool.
+pub fn tenant_limits(tenant: &TenantRecord, spec: &ModelSpec) -> TenantLimits {
+    TenantLimits {
+        id: TenantId(tenant.id),
+        name: tenant.name.clone(),
+        weight: tenant.quota.weight,
+        queue_depth_max: tenant.quota.queue_depth_max,
+        running_max: tenant.quota.running_max,
+        pages_reserved: tenant.quota.pages_reserved,
+        pages_max: tenant.quota.pages_max.min(spec.pool_pages),
+    }
+}
+
+/// The engine of `spec`.
+pub fn engine_spec(spec: &ModelSpec) -> EngineSpec {
+    EngineSpec {
+        pool_pages: spec.pool_pages,
+        page_tokens: spec.page_tokens,
+        threads: spec.threads as usize,
+        step_tokens_max: spec.step_tokens_max,
+        step_seqs_max: spec.step_seqs_max,
+        pool_options: PoolOptions::default(),
+    }
+}
+
+/// Loads `spec` and starts its engine, with a partition for each of `tenants`
+/// that may use it; every request's end goes to `finishes`.
+pub fn load(
+    spec: ModelSpec,
+    source: Source,
+    tenants: &[TenantRecord],
+    finishes: Arc<dyn FinishSink>,
+) -> Result<Loaded, LoadError> {
+    let model = Arc::new(Model::open(&spec.path).map_err(|e| file_error(&spec, e))?);
+    let tokenizer = Arc::new(Tokenizer::from_gguf(&model.gguf).map_err(|e| file_error(&spec, e))?);
+    let file_context_tokens = model.config.context_len as u64;
+    Capacity::of_model(&spec, file_context_tokens, &quotas_for(&spec, tenants)).check()?;
+    let memory = memory_of(&spec, &model.gguf, &model.config)?;
+    let limits = tenants
+        .iter()
+        .filter(|t| t.models.allows(&spec.id))
+        .map(|t| tenant_limits(t, &spec))
+        .collect();
+    let mut scheduler =
+        build::scheduler(&model, &tokenizer, &engine_spec(&spec), limits).map_err(|e| {
+            LoadError::Engine {
+                id: spec.id.clone(),
+                message: e.to_string(),
+            }
+        })?;
+    scheduler.set_finish_sink(finishes);
+    let admission = scheduler.admission(spec.context_tokens);
+    let template = match ChatTemplate::from_model(&model.gguf, &tokenizer) {
+        Ok(template) => template,
+        Err(error) => {
+            tracing::warn!(model = %spec.id, %error, "the model's chat template does not compile; chat is disabled");
+            None
+        }
+    };
+    let service = EngineService::start(scheduler).map_err(|source| LoadError::Thread {
+        id: spec.id.clone(),
+        source,
+    })?;
+    let served = Served {
+        text_bytes_per_token_max: tokenizer.text_bytes_per_token_max() as u64,
+        tokenizer,
+        template,
+        admission,
+        engine: service.handle(),
+        file_context_tokens,
+        memory,
+        created: crate::tenancy::control::now_ms() / 1000,
+        spec,
+        source,
+    };
+    Ok(Loaded {
+        served: Arc::new(served),
+        service,
+    })
+}
+
+/// The models loaded at one moment, in catalog order.
+#[derive(Default)]
+pub struct Snapshot {
+    models: Vec<Arc<Served>>,
+}
+
+impl Snapshot {
+    /// The model `id`.
+    pub fn get(&self, id: &str) -> Option<&Arc<Served>> {
+        self.models.iter().find(|m| m.spec.id == id)
+    }
+
+    /// Every model, in catalog order.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<Served>> {
+        self.models.iter()
+    }
+
+    /// How many.
+    pub fn len(&self) -> usize {
+        self.models.len()
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.models.is_empty()
+    }
+
+    /// Every model's memory against `max_bytes`, with `extra` (a model about to
+    /// be added) last.
+    pub fn memory(&self, max_bytes: Option<u64>, extra: Option<ModelMemory>) -> MemoryBudget {
+        MemoryBudget {
+            max_bytes,
+            models: self
+                .models
+                .iter()
+                .map(|m| m.memory.clone())
+                .chain(extra)
+                .collect(),
+        }
+    }
+}
+
+/// The live catalog: a snapshot replaced whole on every change, and the
+/// engines of the models in it.
+#[derive(Default)]
+pub struct Catalog {
+    current: RwLock<Arc<Snapshot>>,
+    services: Mutex<BTreeMap<String, EngineService>>,
+}
+
+impl Catalog {
+    /// The models now.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        // A poisoned lock means a panic while swapping an Arc: the value is
+        // still a whole snapshot.
+        Arc::clone(&self.current.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Adds a loaded model last. Its id must be new (the caller checked, under
+    /// the control plane's write lock).
+    pub fn insert(&self, loaded: Loaded) {
+        let mut current = self.current.write().unwrap_or_else(|p| p.into_inner());
+        debug_assert!(current.get(&loaded.served.spec.id).is_none());
+        let mut models = current.models.clone();
+        models.push(loaded.served);
+        self.services
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(models[models.len() - 1].spec.id.clone(), loaded.service);
+        *current = Arc::new(Snapshot { models });
+    }
+
+    /// Takes model `id` out: new requests no longer find it. Its engine is
+    /// the caller's to shut down (draining what runs).
+    pub fn take(&self, id: &str) -> Option<(Arc<Served>, EngineService)> {
+        let mut current = self.current.write().unwrap_or_else(|p| p.into_inner());
+        let at = current.models.iter().position(|m| m.spec.id == id)?;
+        let mut models = current.models.clone();
+        let served = models.remove(at);
+        *current = Arc::new(Snapshot { models });
+        let service = self
+            .services
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id)?;
+        Some((served, service))
+    }
+
+    /// Takes every model out (shutdown).
+    pub fn take_all(&self) -> Vec<(Arc<Served>, EngineService)> {
+        let ids: Vec<String> = self.snapshot().all().map(|m| m.spec.id.clone()).collect();
+        ids.iter().filter_map(|id| self.take(id)).collect()
+    }
+}
