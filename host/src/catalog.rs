@@ -73,12 +73,12 @@ pub enum LoadError {
         message: String,
     },
     /// The engine thread could not start.
-    #[error("model {id}: {source}")]
+    #[error("model {id}: {cause}")]
     Thread {
         /// The model's id.
         id: String,
         /// The cause.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 
@@ -132,6 +132,16 @@ fn file_error(spec: &ModelSpec, message: impl ToString) -> LoadError {
     }
 }
 
+/// Refuses a path that is not a regular file before opening it (a FIFO or a
+/// device would block or never end).
+fn regular_file(spec: &ModelSpec) -> Result<(), LoadError> {
+    match std::fs::metadata(&spec.path) {
+        Ok(meta) if meta.is_file() => Ok(()),
+        Ok(_) => Err(file_error(spec, "not a regular file")),
+        Err(e) => Err(file_error(spec, e)),
+    }
+}
+
 /// The memory of `spec` given its parsed file.
 fn memory_of(
     spec: &ModelSpec,
@@ -159,6 +169,7 @@ fn memory_of(
 
 /// Reads `spec`'s file header: its context and memory, nothing allocated.
 pub fn inspect(spec: &ModelSpec) -> Result<Inspected, LoadError> {
+    regular_file(spec)?;
     let gguf = Gguf::open(&spec.path).map_err(|e| file_error(spec, e))?;
     let config = LlamaConfig::from_gguf(&gguf).map_err(|e| file_error(spec, e))?;
     Ok(Inspected {
@@ -213,6 +224,7 @@ pub fn load(
     tenants: &[TenantRecord],
     finishes: Arc<dyn FinishSink>,
 ) -> Result<Loaded, LoadError> {
+    regular_file(&spec)?;
     let model = Arc::new(Model::open(&spec.path).map_err(|e| file_error(&spec, e))?);
     let tokenizer = Arc::new(Tokenizer::from_gguf(&model.gguf).map_err(|e| file_error(&spec, e))?);
     let file_context_tokens = model.config.context_len as u64;
@@ -239,9 +251,9 @@ pub fn load(
             None
         }
     };
-    let service = EngineService::start(scheduler).map_err(|source| LoadError::Thread {
+    let service = EngineService::start(scheduler).map_err(|cause| LoadError::Thread {
         id: spec.id.clone(),
-        source,
+        cause,
     })?;
     let served = Served {
         text_bytes_per_token_max: tokenizer.text_bytes_per_token_max() as u64,

@@ -14,6 +14,15 @@ use std::sync::Arc;
 use std::time::Duration;
 use support::*;
 
+/// Sets its flag when dropped, also when a test panics.
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
 /// Both models: the test policy's own, and the Q8_0 one as [`Q8_ID`].
 fn two_models(q8: &Path) -> Policy {
     Policy {
@@ -209,6 +218,9 @@ fn a_model_added_and_removed_under_load_leaves_the_other_model_untouched() {
     let server = Arc::new(start(&model, &policy));
     // Load on the policy's model for the whole test; every answer must be 200.
     let stop = Arc::new(AtomicBool::new(false));
+    // If an assertion below fails, the load stops too (and with it the last
+    // holder of the server, which then stops it).
+    let _stop_on_exit = StopOnDrop(Arc::clone(&stop));
     let served = Arc::new(AtomicU32::new(0));
     let load: Vec<_> = [KEY_ALPHA, KEY_BETA]
         .into_iter()

@@ -587,6 +587,15 @@ async fn run(
         prompt_text,
         engine: model.engine.clone(),
     };
+    // Whatever the chain books or admits reaches the engine or is refused: if
+    // this future ends first (an error, a refusal, the client gone), the guard
+    // gives the bookings back and tells the plugins.
+    let mut chain_guard = Unsubmitted {
+        policy: &app.policy,
+        request: id,
+        prompt_tokens: input.prompt_tokens,
+        armed: has_chain,
+    };
     if let Some(source) = routable {
         match run_route(app, tenant.id, &input, candidates).await? {
             Route::Unchanged => {}
@@ -615,6 +624,7 @@ async fn run(
                 input.prompt_tokens = prompt_tokens_of(&prompt);
                 input.max_tokens = max_tokens_of(&model, &common, &prompt);
                 input.engine = model.engine.clone();
+                chain_guard.prompt_tokens = input.prompt_tokens;
             }
             Route::To { .. } => {}
         }
@@ -632,14 +642,6 @@ async fn run(
         events,
     };
     let mut admitted = model.admission.admit(request).map_err(rejected)?;
-    // Whatever the chain admits reaches the engine or is refused: if this
-    // future ends first (an error, the client gone), the guard refuses it.
-    let mut chain_admitted = Unsubmitted {
-        policy: &app.policy,
-        request: id,
-        prompt_tokens,
-        armed: false,
-    };
     if has_chain {
         match run_chain(app, tenant.id, input, prompt_tokens).await? {
             Verdict::Admit {
@@ -651,7 +653,6 @@ async fn run(
                 return Err(ApiError::PolicyUnavailable { plugin, kind })
             }
         }
-        chain_admitted.armed = true;
     }
     tracing::info!(
         request_id = id.0,
@@ -666,7 +667,7 @@ async fn run(
     );
     // On an error the guard tells the plugins it was refused.
     model.engine.submit(admitted).await?;
-    chain_admitted.armed = false;
+    chain_guard.armed = false;
     // Queued: the tenant's queue limits govern it from here.
     drop(pending);
     let meta = ResponseMeta {
@@ -732,25 +733,43 @@ fn max_tokens_of(model: &Served, common: &Common, prompt: &[u32]) -> u32 {
     })
 }
 
-/// Runs the route chain in the tenant's turn on the lane.
+/// Runs the route chain in the tenant's turn on the lane. Like the admit
+/// chain, it runs to its end even if the request's future is dropped
+/// meanwhile; then whatever it booked is given back at once.
 async fn run_route(
     app: &Arc<App>,
     tenant: TenantId,
     input: &AdmitInput,
     candidates: Vec<String>,
 ) -> Result<Route, ApiError> {
-    let policy = Arc::clone(&app.policy);
+    let (answer, route) = tokio::sync::oneshot::channel();
+    let (request, prompt_tokens) = (input.request, input.prompt_tokens);
     let input = input.clone();
-    app.serving
-        .lane
-        .run(tenant, move || policy.route(&input, &candidates))
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))
+    let app = Arc::clone(app);
+    tokio::spawn(async move {
+        let policy = Arc::clone(&app.policy);
+        let result = app
+            .serving
+            .lane
+            .run(tenant, move || policy.route(&input, &candidates))
+            .await;
+        if answer.send(result).is_err() {
+            app.policy.refused(request, prompt_tokens);
+        }
+    });
+    match route.await {
+        Ok(Ok(route)) => Ok(route),
+        Ok(Err(stopped)) => Err(ApiError::Internal(stopped.to_string())),
+        Err(_) => Err(ApiError::Internal(
+            "the policy task ended without a route".into(),
+        )),
+    }
 }
 
-/// A request the policy chain admitted that has not reached the engine yet:
-/// dropped armed, it is refused, so its budget bookings come back and its
-/// plugins hear `refused`.
+/// A request the policy chain may have booked budgets for (in `route` or
+/// `admit`) that has not reached the engine yet: dropped armed, it is refused,
+/// so its bookings come back and, if the chain admitted it, its plugins hear
+/// `refused`.
 struct Unsubmitted<'a> {
     policy: &'a PolicyRuntime,
     request: RequestId,

@@ -104,12 +104,12 @@ pub enum ServeError {
     #[error("tls: {0}")]
     Tls(String),
     /// A listener could not bind.
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}: {cause}")]
     Bind {
         /// The address.
         addr: SocketAddr,
         /// The cause.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// Metrics set-up.
     #[error("metrics: {0}")]
@@ -418,7 +418,7 @@ async fn run_listeners(config: &Config, app: Arc<App>, drain: Duration) -> Resul
     ] {
         let listener = TcpListener::bind(addr)
             .await
-            .map_err(|source| ServeError::Bind { addr, source })?;
+            .map_err(|cause| ServeError::Bind { addr, cause })?;
         let bound = listener.local_addr()?;
         eprintln!("listening: {name} {scheme}://{bound}");
         tracing::info!(listener = name, addr = %bound, "listening");

@@ -61,12 +61,13 @@ pub const ALIGNMENT_DEFAULT: u64 = 32;
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
     /// The file could not be opened or mapped.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {cause}")]
     Io {
         /// The file.
         path: String,
-        /// The cause.
-        source: std::io::Error,
+        /// The cause (in the message, so not also a `source`: a chain of
+        /// causes would print it twice).
+        cause: std::io::Error,
     },
     /// The first four bytes are not "GGUF".
     #[error("not a GGUF file: bad magic {0:02x?}")]
@@ -284,9 +285,9 @@ impl std::fmt::Debug for Gguf {
 impl Gguf {
     /// Maps and validates a file.
     pub fn open(path: &Path) -> Result<Gguf, GgufError> {
-        let io = |source| GgufError::Io {
+        let io = |cause| GgufError::Io {
             path: path.display().to_string(),
-            source,
+            cause,
         };
         let file = std::fs::File::open(path).map_err(io)?;
         // SAFETY: the map is read-only and private to this process. A file changed
