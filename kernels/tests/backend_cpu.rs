@@ -331,3 +331,65 @@ fn model_load_rejects_shapes_that_disagree_with_the_hyper_parameters() {
         Err(ModelError::HyperParameter { .. })
     ));
 }
+
+#[test]
+fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
+    let m = model(&TinySpec::default());
+    let mut b = backend(&m, None, 2);
+    let mut p = pool(&m, 16, PoolOptions::default());
+    let prompt = PROMPT_A;
+    let full = prompt.len() / PAGE_TOKENS as usize; // full pages of the prompt
+    let cut = full * PAGE_TOKENS as usize;
+    // The first sequence fills its pages, prefix then suffix.
+    let pages = (prompt.len() as u32).div_ceil(PAGE_TOKENS);
+    let first = table(&mut p, ALPHA, 1, pages);
+    run_chunked(&mut b, &mut p, &first, &prompt[..cut], cut);
+    let step = SeqStep {
+        pages: &first,
+        pos_start: cut,
+        tokens: &prompt[cut..],
+        wants_logits: true,
+    };
+    let own = b.step(&[step], &mut p).unwrap().row(0).to_vec();
+    // Its full prefix pages are shared; a second sequence of the same owner
+    // attaches them and computes only the suffix, in pages of its own.
+    let shared: Vec<_> = (0..full).map(|i| p.share(&first, i)).collect();
+    let mut reservation = p.reserve(ALPHA, pages - full as u32).unwrap();
+    let mut second = p.page_table(&reservation, SeqId(2));
+    for &handle in &shared {
+        p.attach(&mut second, handle).unwrap();
+    }
+    for _ in full as u32..pages {
+        p.acquire(&mut reservation, &mut second).unwrap();
+    }
+    p.release_reservation(reservation);
+    let step = SeqStep {
+        pages: &second,
+        pos_start: cut,
+        tokens: &prompt[cut..],
+        wants_logits: true,
+    };
+    let cached = b.step(&[step], &mut p).unwrap().row(0).to_vec();
+    assert_eq!(
+        max_abs_diff(&own, &cached),
+        0.0,
+        "the same KV, the same logits"
+    );
+    p.check_page_tables(&[&first, &second]).unwrap();
+    // A step that would write a position of a shared page is refused.
+    let before = p.stats();
+    let rewrite = SeqStep {
+        pages: &second,
+        pos_start: cut - 1,
+        tokens: &prompt[cut - 1..],
+        wants_logits: true,
+    };
+    assert_eq!(
+        b.step(&[rewrite], &mut p).err(),
+        Some(StepError::SharedPage {
+            index: 0,
+            page: full - 1
+        })
+    );
+    assert_eq!(p.stats(), before);
+}

@@ -15,12 +15,17 @@
 //!   whose lease ended is refused with `StaleHandle`, on read, write and digest (I3);
 //! - a partition changed, removed or added while others run (an admin's quota
 //!   change) is predicted exactly: a change that would put another tenant's held
-//!   pages inside a reservation, or a maximum below what is held, is refused.
+//!   pages inside a reservation, or a maximum below what is held, is refused;
+//! - shared (prefix-cache) pages: a share, an attach to another sequence of the
+//!   same tenant, and an evict are predicted exactly (reference counts, charges,
+//!   `InUse`, stale handles after eviction); every holder reads what was written
+//!   before the share; a write to a shared page, and an attach or evict by
+//!   another tenant, are refused (panic); sequences of another tenant never read it.
 
 use bulkhead_kernels::kv::{
-    digest_page, AcquireError, Generation, KvError, Lease, OwnerTag, PageId, PageState, PageTable,
-    PartitionConfig, PartitionError, Pool, PoolGeometry, PoolOptions, Reservation, ReserveError,
-    SeqId,
+    digest_page, AcquireError, Generation, KvError, Lease, OwnerTag, PageHandle, PageId, PageState,
+    PageTable, PartitionConfig, PartitionError, Pool, PoolGeometry, PoolOptions, Reservation,
+    ReserveError, SeqId,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -112,6 +117,12 @@ enum Op {
     /// Remove a tenant's partition (refused while it holds pages) and add it
     /// back with a new reservation (or, if that is refused, the old one).
     Rejoin { tenant: usize, pages_reserved: u32 },
+    /// Share one page of a sequence (a prefix-cache page).
+    Share { seq: Index, page: Index },
+    /// Attach a shared page to a sequence (of its tenant, or another: refused).
+    Attach { shared: Index, seq: Index },
+    /// Evict a shared page (refused while held, stale once evicted).
+    Evict { shared: Index },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -137,6 +148,9 @@ fn op() -> impl Strategy<Value = Op> {
             Op::Repartition { tenant, pages_reserved, pages_max }
         }),
         1 => (tenant, 0u32..=8).prop_map(|(tenant, pages_reserved)| Op::Rejoin { tenant, pages_reserved }),
+        2 => (any::<Index>(), any::<Index>()).prop_map(|(seq, page)| Op::Share { seq, page }),
+        2 => (any::<Index>(), any::<Index>()).prop_map(|(shared, seq)| Op::Attach { shared, seq }),
+        2 => any::<Index>().prop_map(|shared| Op::Evict { shared }),
     ]
 }
 
@@ -186,6 +200,7 @@ fn owner_of(tenant: usize) -> OwnerTag {
 enum ModelState {
     Free,
     Owned { tenant: usize, seq: SeqId },
+    Shared { tenant: usize, refs: u32 },
     Released { tenant: usize },
 }
 
@@ -201,12 +216,13 @@ struct ModelPage {
 struct ModelTenant {
     booked: u32,
     owned: u32,
+    shared: u32,
     released: u32,
 }
 
 impl ModelTenant {
     fn held(&self) -> u32 {
-        self.booked + self.owned + self.released
+        self.booked + self.owned + self.shared + self.released
     }
 }
 
@@ -224,6 +240,9 @@ struct Harness {
     tenants: [ModelTenant; TENANTS_COUNT],
     sequences: Vec<Sequence>,
     stale: Vec<Lease>,
+    /// Every handle a share returned, with its tenant (evicted ones too: they
+    /// must stay refused).
+    shared: Vec<(usize, PageHandle)>,
     seq_next: u64,
 }
 
@@ -246,6 +265,7 @@ impl Harness {
             tenants: [ModelTenant::default(); TENANTS_COUNT],
             sequences: Vec::new(),
             stale: Vec::new(),
+            shared: Vec::new(),
             seq_next: 1,
         }
     }
@@ -298,6 +318,111 @@ impl Harness {
                 tenant,
                 pages_reserved,
             } => self.rejoin(*tenant, *pages_reserved),
+            Op::Share { seq, page } => self.share(*seq, *page),
+            Op::Attach { shared, seq } => self.attach(*shared, *seq),
+            Op::Evict { shared } => self.evict(*shared),
+        }
+    }
+
+    fn share(&mut self, seq: Index, page: Index) {
+        let Some(at) = self.pick_seq(seq) else { return };
+        let sequence = &self.sequences[at];
+        if sequence.table.is_empty() {
+            return;
+        }
+        let index = page.index(sequence.table.pages_count());
+        let lease = sequence.table.lease(index).unwrap();
+        let model = &mut self.pages[lease.handle.page.0 as usize];
+        if !matches!(model.state, ModelState::Owned { .. }) {
+            // Already shared (attached here, or shared before): nothing to do.
+            return;
+        }
+        let tenant = sequence.tenant;
+        let handle = self.pool.share(&sequence.table, index);
+        assert_eq!(handle, lease.handle);
+        model.state = ModelState::Shared { tenant, refs: 1 };
+        self.tenants[tenant].owned -= 1;
+        self.tenants[tenant].shared += 1;
+        self.shared.push((tenant, handle));
+    }
+
+    fn attach(&mut self, shared: Index, seq: Index) {
+        if self.shared.is_empty() {
+            return;
+        }
+        let Some(at) = self.pick_seq(seq) else { return };
+        let (tenant, handle) = self.shared[shared.index(self.shared.len())];
+        let sequence = &mut self.sequences[at];
+        let model = &mut self.pages[handle.page.0 as usize];
+        let live = model.generation == handle.generation.0
+            && matches!(model.state, ModelState::Shared { .. });
+        if !live {
+            let result = self.pool.attach(&mut sequence.table, handle);
+            assert!(
+                matches!(result, Err(KvError::StaleHandle { .. })),
+                "{result:?}"
+            );
+            return;
+        }
+        if sequence.tenant != tenant {
+            // I7: never another tenant's page, whatever the handle says.
+            let (pool, table) = (&mut self.pool, &mut sequence.table);
+            must_panic("cross-tenant attach", || {
+                let _ = pool.attach(table, handle);
+            });
+            return;
+        }
+        if sequence.table.handles().contains(&handle) {
+            return; // Once per table.
+        }
+        self.pool.attach(&mut sequence.table, handle).unwrap();
+        let ModelState::Shared { refs, .. } = &mut model.state else {
+            unreachable!()
+        };
+        *refs += 1;
+    }
+
+    fn evict(&mut self, shared: Index) {
+        if self.shared.is_empty() {
+            return;
+        }
+        let (tenant, handle) = self.shared[shared.index(self.shared.len())];
+        self.evict_handle(tenant, handle);
+    }
+
+    fn evict_handle(&mut self, tenant: usize, handle: PageHandle) {
+        let model = &mut self.pages[handle.page.0 as usize];
+        let result = self.pool.evict(owner_of(tenant), handle);
+        match model.state {
+            ModelState::Shared { refs, .. } if model.generation == handle.generation.0 => {
+                if refs > 0 {
+                    assert_eq!(
+                        result,
+                        Err(KvError::InUse {
+                            page: handle.page,
+                            refs
+                        })
+                    );
+                    return;
+                }
+                result.unwrap();
+                model.state = ModelState::Released { tenant };
+                model.floats.fill(0.0);
+                self.tenants[tenant].shared -= 1;
+                self.tenants[tenant].released += 1;
+                if self.stale.len() == STALE_LEASES_MAX {
+                    self.stale.remove(0);
+                }
+                self.stale.push(Lease {
+                    handle,
+                    owner: owner_of(tenant),
+                    seq: SeqId(0),
+                });
+            }
+            _ => assert!(
+                matches!(result, Err(KvError::StaleHandle { .. })),
+                "{result:?}"
+            ),
         }
     }
 
@@ -505,6 +630,18 @@ impl Harness {
             .map(|i| f32::from(seed) + i as f32 * 0.5)
             .collect();
         let v: Vec<f32> = k.iter().map(|x| -x - 1.0).collect();
+        if matches!(
+            self.pages[lease.handle.page.0 as usize].state,
+            ModelState::Shared { .. }
+        ) {
+            assert_eq!(self.pool.is_writable(lease), Ok(false));
+            let pool = &mut self.pool;
+            must_panic("write to a shared page", || {
+                let _ = pool.write_kv(lease, layer, slot, &k, &v);
+            });
+            return;
+        }
+        assert_eq!(self.pool.is_writable(lease), Ok(true));
         self.pool.write_kv(lease, layer, slot, &k, &v).unwrap();
         let floats = &mut self.pages[lease.handle.page.0 as usize].floats;
         let k_at = layout.k_offset(layer) + layout.slot_offset(slot);
@@ -556,6 +693,11 @@ impl Harness {
 
     fn model_release(&mut self, tenant: usize, lease: Lease) {
         let model = &mut self.pages[lease.handle.page.0 as usize];
+        if let ModelState::Shared { refs, .. } = &mut model.state {
+            // One holder less; the page stays shared (and its handle live).
+            *refs -= 1;
+            return;
+        }
         assert_eq!(
             model.state,
             ModelState::Owned {
@@ -656,8 +798,20 @@ impl Harness {
                 ..lease
             }
         };
+        let shared = matches!(
+            self.pages[lease.handle.page.0 as usize].state,
+            ModelState::Shared { .. }
+        );
         let pool = &mut self.pool;
         let row = vec![9.0; pool.layout().kv_dim()];
+        if shared && intruder.owner == lease.owner {
+            // Another sequence of the same tenant: a shared page is for reading.
+            assert!(pool.page_kv(intruder, 0).is_ok());
+            must_panic("write to a shared page", || {
+                let _ = pool.write_kv(intruder, 0, 0, &row, &row);
+            });
+            return;
+        }
         must_panic("cross read", || {
             let _ = pool.page_kv(intruder, 0);
         });
@@ -704,6 +858,10 @@ impl Harness {
                     owner: owner_of(tenant),
                     seq,
                 },
+                ModelState::Shared { tenant, refs } => PageState::Shared {
+                    owner: owner_of(tenant),
+                    refs,
+                },
                 ModelState::Released { tenant } => PageState::Released {
                     owner: owner_of(tenant),
                 },
@@ -715,11 +873,12 @@ impl Harness {
                 "page {index}"
             );
         }
-        let (mut owned, mut released, mut booked) = (0, 0, 0);
+        let (mut owned, mut released, mut booked, mut shared) = (0, 0, 0, 0);
         for (tenant, model) in self.tenants.iter().enumerate() {
             let stats = self.pool.partition_stats(owner_of(tenant)).unwrap();
             assert_eq!(stats.pages_booked, model.booked, "tenant {tenant} booked");
             assert_eq!(stats.pages_owned, model.owned, "tenant {tenant} owned");
+            assert_eq!(stats.pages_shared, model.shared, "tenant {tenant} shared");
             assert_eq!(
                 stats.pages_released, model.released,
                 "tenant {tenant} released"
@@ -739,18 +898,27 @@ impl Harness {
                 stats.pages_available >= headroom,
                 "tenant {tenant} lost reserved pages"
             );
-            (owned, released, booked) = (
+            (owned, released, booked, shared) = (
                 owned + model.owned,
                 released + model.released,
                 booked + model.booked,
+                shared + model.shared,
             );
         }
         let stats = self.pool.stats();
         assert_eq!(
-            (stats.pages_owned, stats.pages_released, stats.pages_booked),
-            (owned, released, booked)
+            (
+                stats.pages_owned,
+                stats.pages_released,
+                stats.pages_booked,
+                stats.pages_shared
+            ),
+            (owned, released, booked, shared)
         );
-        assert_eq!(stats.pages_free + owned + released, self.pages_count());
+        assert_eq!(
+            stats.pages_free + owned + released + shared,
+            self.pages_count()
+        );
     }
 
     /// Finishes every sequence and scrubs: the pool must be back to all free.
@@ -759,6 +927,11 @@ impl Harness {
             self.finish_at(0);
             self.check();
         }
+        // The caches go too: every shared page, no longer held, evicts.
+        for (tenant, handle) in self.shared.clone() {
+            self.evict_handle(tenant, handle);
+        }
+        self.check();
         self.scrub();
         self.check();
         let stats = self.pool.stats();

@@ -204,12 +204,18 @@ impl CpuBackend {
                     limit: "page table",
                 });
             }
-            // Every page the step touches must be a live lease; the pool stays
-            // borrowed for the whole step, so this holds until it ends.
+            // Every page the step touches must be a live lease, and every page
+            // it writes its own, not shared; the pool stays borrowed for the
+            // whole step, so this holds until it ends.
+            let first_written = step.pos_start / page_tokens;
             for page in 0..end.div_ceil(page_tokens) {
                 let lease = step.pages.lease(page).expect("page count checked above");
-                pool.page_kv(lease, 0)
+                let writable = pool
+                    .is_writable(lease)
                     .map_err(|_| StepError::StaleHandle { index })?;
+                if page >= first_written && !writable {
+                    return Err(StepError::SharedPage { index, page });
+                }
             }
             tokens += step.tokens.len();
         }

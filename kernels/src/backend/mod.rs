@@ -64,6 +64,15 @@ pub enum StepError {
         /// Its index in the step.
         index: usize,
     },
+    /// The step would write KV into a shared (prefix-cache) page, which is
+    /// read-only: its positions are already in it.
+    #[error("sequence {index} in the step would write into shared page {page}")]
+    SharedPage {
+        /// Its index in the step.
+        index: usize,
+        /// The page's index in the sequence's table.
+        page: usize,
+    },
     /// Positions past the model's context or the sequence's pages.
     #[error("positions up to {end} exceed capacity {capacity} ({limit})")]
     PositionOutOfRange {

@@ -139,12 +139,23 @@ pub enum Violation {
         /// The page the handle names.
         page: PageId,
     },
+    /// A shared page's reference count and the tables holding it disagree.
+    #[error("shared page {page:?} counts {refs} references, {tables} tables hold it")]
+    SharedRefs {
+        /// The page.
+        page: PageId,
+        /// Its count.
+        refs: u32,
+        /// Tables that hold it.
+        tables: u32,
+    },
 }
 
 /// Per-owner recount from the page array.
 #[derive(Clone, Copy, Default)]
 struct Recount {
     pages_owned: u32,
+    pages_shared: u32,
     pages_released: u32,
 }
 
@@ -173,15 +184,19 @@ impl Pool {
     }
 
     /// `check_invariants`, plus: `tables` (every live page table of this pool) hold
-    /// only current handles to pages their own (owner, seq) owns, no page twice, and
-    /// every owned page is in one of them.
+    /// only current handles — to pages their own (owner, seq) owns, or shared
+    /// pages of their own owner — no page twice in one table, an owned page in
+    /// one table only and in one of them, and each shared page in exactly as
+    /// many tables as it counts references.
     pub fn check_page_tables(&self, tables: &[&PageTable]) -> Result<(), Violation> {
         self.check_invariants()?;
-        let mut in_table = vec![false; self.pages.len()];
+        // How many tables hold each page.
+        let mut holders = vec![0u32; self.pages.len()];
         for table in tables {
             if table.pool_id != self.pool_id {
                 return Err(Violation::ForeignTable);
             }
+            let mut in_this_table = std::collections::HashSet::new();
             for handle in table.handles() {
                 let page = handle.page;
                 if handle.pool != self.pool_id {
@@ -190,7 +205,9 @@ impl Pool {
                 let Some(meta) = self.pages.get(page.index()) else {
                     return Err(Violation::PageOutOfRange { page });
                 };
-                if std::mem::replace(&mut in_table[page.index()], true) {
+                holders[page.index()] += 1;
+                let owned = matches!(meta.state, PageState::Owned { .. });
+                if !in_this_table.insert(page) || (owned && holders[page.index()] > 1) {
                     return Err(Violation::PageInTwoTables { page });
                 }
                 if meta.generation != handle.generation {
@@ -201,16 +218,30 @@ impl Pool {
                     });
                 }
                 let (owner, seq) = (table.owner(), table.seq());
-                if meta.state != (PageState::Owned { owner, seq }) {
+                let ours = match meta.state {
+                    PageState::Owned { .. } => meta.state == PageState::Owned { owner, seq },
+                    PageState::Shared { owner: o, .. } => o == owner,
+                    _ => false,
+                };
+                if !ours {
                     return Err(Violation::TableNotOwner { page, owner, seq });
                 }
             }
         }
         for (index, meta) in self.pages.iter().enumerate() {
-            if matches!(meta.state, PageState::Owned { .. }) && !in_table[index] {
-                return Err(Violation::OrphanPage {
-                    page: PageId(index as u32),
-                });
+            let page = PageId(index as u32);
+            match meta.state {
+                PageState::Owned { .. } if holders[index] == 0 => {
+                    return Err(Violation::OrphanPage { page })
+                }
+                PageState::Shared { refs, .. } if refs != holders[index] => {
+                    return Err(Violation::SharedRefs {
+                        page,
+                        refs,
+                        tables: holders[index],
+                    })
+                }
+                _ => {}
             }
         }
         Ok(())
@@ -258,9 +289,10 @@ impl Pool {
         let mut recounts = vec![Recount::default(); self.partitions.list.len()];
         for (index, meta) in self.pages.iter().enumerate() {
             let page = PageId(index as u32);
-            let (owner, owned) = match meta.state {
-                PageState::Owned { owner, .. } => (owner, true),
-                PageState::Released { owner } => (owner, false),
+            let owner = match meta.state {
+                PageState::Owned { owner, .. }
+                | PageState::Shared { owner, .. }
+                | PageState::Released { owner } => owner,
                 _ => continue,
             };
             let at = self
@@ -268,10 +300,10 @@ impl Pool {
                 .index(owner)
                 .ok_or(Violation::UnknownOwner { page, owner })?;
             let recount = &mut recounts[at];
-            if owned {
-                recount.pages_owned += 1;
-            } else {
-                recount.pages_released += 1;
+            match meta.state {
+                PageState::Owned { .. } => recount.pages_owned += 1,
+                PageState::Shared { .. } => recount.pages_shared += 1,
+                _ => recount.pages_released += 1,
             }
         }
         let mut pages_booked: u64 = 0;
@@ -279,6 +311,7 @@ impl Pool {
             let owner = partition.config.owner;
             let pairs = [
                 ("pages_owned", partition.pages_owned, recount.pages_owned),
+                ("pages_shared", partition.pages_shared, recount.pages_shared),
                 (
                     "pages_released",
                     partition.pages_released,
@@ -297,6 +330,7 @@ impl Pool {
             }
             let pages_held = u64::from(partition.pages_booked)
                 + u64::from(partition.pages_owned)
+                + u64::from(partition.pages_shared)
                 + u64::from(partition.pages_released);
             if pages_held > u64::from(partition.config.pages_max) {
                 return Err(Violation::AboveMax {

@@ -31,6 +31,18 @@
 //! 7. `scrub_released()`, between scheduler steps: `Released → Scrubbed → Free`.
 //! 8. `release_reservation(reservation)` returns booked pages that were never acquired.
 //!
+//! A prefix cache shares pages within one owner:
+//!
+//! - `share(&table, i)`: `Owned { owner, seq } → Shared { owner, refs: 1 }`; the page's
+//!   content is final and read-only from then on (`write_kv` asserts, and the backend
+//!   refuses a step that would write it).
+//! - `attach(&mut table, handle)`: another sequence *of the same owner* appends it
+//!   (`refs += 1`); another owner's table is an assert (I7).
+//! - `release` of a table takes one reference; at `refs == 0` the page stays `Shared`,
+//!   charged to its owner, for the owner's cache.
+//! - `evict(owner, handle)` at `refs == 0`: `Shared → Released`, scrubbed like any
+//!   release; its handles are stale from then on.
+//!
 //! ```text
 //!            acquire (gen += 1)         release                 scrub: zero
 //!   ┌──────┐ ─────────────────► ┌───────────────┐ ───────► ┌──────────────┐ ──────► ┌──────────┐
@@ -64,9 +76,10 @@
 //!
 //! # Not here
 //!
-//! Prefix caching (content-addressed, refcounted pages per tenant namespace, I7) lives in
-//! the host scheduler's issue, not in this module. Device (CUDA) memory pools will
-//! reuse this state machine over a device allocation.
+//! The prefix cache's index (which token prefix is in which shared page, per tenant and
+//! model, I7) and its eviction policy live in the host's scheduler; this module only
+//! keeps shared pages read-only, counted and owner-bound. Device (CUDA) memory pools
+//! will reuse this state machine over a device allocation.
 //!
 //! ```compile_fail
 //! // A reservation is one booking: it cannot be cloned.

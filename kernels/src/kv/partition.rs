@@ -6,6 +6,7 @@
 //! ```text
 //! pages_held    = pages_booked (reserved, not yet acquired)
 //!               + pages_owned  (acquired, in a page table)
+//!               + pages_shared (its prefix cache: read-only, in its tables or kept)
 //!               + pages_released (released, dirty until scrubbed: still charged to it)
 //! pages_claimed = max(pages_held, pages_reserved)   // what the owner keeps from the pool
 //!
@@ -135,6 +136,7 @@ pub(super) struct Partition {
     pub(super) config: PartitionConfig,
     pub(super) pages_booked: u32,
     pub(super) pages_owned: u32,
+    pub(super) pages_shared: u32,
     pub(super) pages_released: u32,
 }
 
@@ -143,7 +145,7 @@ impl Partition {
     pub(super) fn pages_held(&self) -> u32 {
         // Cannot overflow: each term is bounded by pages_max ≤ pages_count ≤ 2^24, and
         // the sum is asserted ≤ pages_max after every change.
-        self.pages_booked + self.pages_owned + self.pages_released
+        self.pages_booked + self.pages_owned + self.pages_shared + self.pages_released
     }
 
     /// Pages this owner keeps from the pool: its reservation, or more when bursting.
@@ -188,6 +190,7 @@ impl Partitions {
                 config,
                 pages_booked: 0,
                 pages_owned: 0,
+                pages_shared: 0,
                 pages_released: 0,
             })
             .collect();
@@ -234,6 +237,7 @@ impl Partitions {
                 config,
                 pages_booked: 0,
                 pages_owned: 0,
+                pages_shared: 0,
                 pages_released: 0,
             },
         );

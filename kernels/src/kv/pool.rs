@@ -29,7 +29,8 @@ pub struct PoolOptions {
 }
 
 /// A page's state. Transitions (each asserts its from-state):
-/// `Free → Owned → Released → Scrubbed → Free`.
+/// `Free → Owned → Released → Scrubbed → Free`, and for a prefix cache
+/// `Owned → Shared → Released` (shared by `share`, back to dirty by `evict`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PageState {
     /// Clean (all zeros) and on the free list.
@@ -40,6 +41,14 @@ pub enum PageState {
         owner: OwnerTag,
         /// The sequence.
         seq: SeqId,
+    },
+    /// Read-only, final content, readable by any sequence of its owner that
+    /// holds its handle: a prefix-cache page. Never written again.
+    Shared {
+        /// The owner (never another's: sharing is within one owner only).
+        owner: OwnerTag,
+        /// Page tables that hold it; 0 means only the owner's cache keeps it.
+        refs: u32,
     },
     /// Dirty: released, waiting for scrub, still charged to its last owner.
     Released {
@@ -118,9 +127,23 @@ pub enum AcquireError {
     },
 }
 
-/// Why a KV access was refused. Nothing was read or written.
+/// Why a KV access (or a share, attach or evict) was refused. Nothing changed.
 #[derive(Debug, Error, Clone, Copy, PartialEq, Eq)]
 pub enum KvError {
+    /// `attach` or `evict` of a page that is not shared.
+    #[error("page {page:?} is not shared")]
+    NotShared {
+        /// The page.
+        page: PageId,
+    },
+    /// `evict` of a shared page that page tables still hold.
+    #[error("page {page:?} is held by {refs} page tables")]
+    InUse {
+        /// The page.
+        page: PageId,
+        /// How many tables hold it.
+        refs: u32,
+    },
     /// The handle was leased from another pool (another model's): refused before
     /// its page index is even looked at.
     #[error("page {page:?} belongs to pool {handle_pool:?}, not to this pool {pool:?}")]
@@ -220,6 +243,8 @@ pub struct PoolStats {
     pub pages_owned: u32,
     /// Dirty pages waiting for scrub.
     pub pages_released: u32,
+    /// Shared (prefix-cache) pages.
+    pub pages_shared: u32,
     /// Pages booked by live reservations, not yet acquired.
     pub pages_booked: u32,
 }
@@ -235,6 +260,9 @@ pub struct PartitionStats {
     pub pages_owned: u32,
     /// Released by it and not yet scrubbed (still charged to it).
     pub pages_released: u32,
+    /// Shared (its prefix cache): read-only, held by its sequences or only by
+    /// its cache, charged to it.
+    pub pages_shared: u32,
     /// What a reservation could book right now.
     pub pages_available: u32,
 }
@@ -312,11 +340,13 @@ impl Pool {
         let pages_free = self.pages_free.len() as u32;
         let pages_released = self.pages_released.len() as u32;
         let pages_booked = self.partitions.list.iter().map(|p| p.pages_booked).sum();
+        let pages_shared: u32 = self.partitions.list.iter().map(|p| p.pages_shared).sum();
         PoolStats {
             pages_count,
             pages_free,
-            pages_owned: pages_count - pages_free - pages_released,
+            pages_owned: pages_count - pages_free - pages_released - pages_shared,
             pages_released,
+            pages_shared,
             pages_booked,
         }
     }
@@ -330,6 +360,7 @@ impl Pool {
             pages_booked: partition.pages_booked,
             pages_owned: partition.pages_owned,
             pages_released: partition.pages_released,
+            pages_shared: partition.pages_shared,
             pages_available: self.partitions.pages_available(index),
         })
     }
@@ -484,8 +515,10 @@ impl Pool {
         Ok(handle)
     }
 
-    /// Releases every page of `table` (`Owned → Released`, dirty) and empties it.
-    /// Returns how many pages were released. The table may be dropped afterwards.
+    /// Empties `table`: each owned page is released (`Owned → Released`, dirty),
+    /// each shared one loses this table's reference (it stays shared, for the
+    /// owner's cache or its other sequences). Returns how many pages left the
+    /// table. The table may be dropped afterwards.
     pub fn release(&mut self, table: &mut PageTable) -> u32 {
         let mut pages = 0;
         while self.release_last(table).is_some() {
@@ -494,7 +527,8 @@ impl Pool {
         pages
     }
 
-    /// Releases the last page of `table` (`Owned → Released`, dirty); `None` if empty.
+    /// Takes the last page out of `table` (owned: `Owned → Released`, dirty;
+    /// shared: one reference less); `None` if empty.
     pub fn release_last(&mut self, table: &mut PageTable) -> Option<PageHandle> {
         assert_eq!(table.pool_id, self.pool_id, "page table from another pool");
         let handle = table.pop()?;
@@ -506,6 +540,22 @@ impl Pool {
             meta.generation, handle.generation,
             "stale handle in page table: {handle:?}"
         );
+        if let PageState::Shared {
+            owner: shared_owner,
+            refs,
+        } = meta.state
+        {
+            assert_eq!(
+                shared_owner, owner,
+                "page table holds another owner's shared page"
+            );
+            assert!(refs > 0, "shared page in a table with no reference counted");
+            meta.state = PageState::Shared {
+                owner,
+                refs: refs - 1,
+            };
+            return Some(handle);
+        }
         assert_eq!(
             meta.state,
             PageState::Owned { owner, seq },
@@ -523,6 +573,107 @@ impl Pool {
         partition.pages_owned -= 1;
         partition.pages_released += 1;
         Some(handle)
+    }
+
+    /// Shares the page at `index` of `table`: `Owned { owner, seq } → Shared {
+    /// owner, refs: 1 }` (the table keeps it, now read-only). Its content must be
+    /// final: no sequence writes it again (`write_kv` asserts, the backend refuses
+    /// a step that would). Returns its handle, which [`Pool::attach`] appends to
+    /// another table of the same owner.
+    pub fn share(&mut self, table: &PageTable, index: usize) -> PageHandle {
+        assert_eq!(table.pool_id, self.pool_id, "page table from another pool");
+        let handle = *table
+            .handles()
+            .get(index)
+            .expect("share of a page outside the table");
+        let (owner, seq) = (table.owner(), table.seq());
+        let meta = &mut self.pages[handle.page.index()];
+        assert_eq!(
+            meta.generation, handle.generation,
+            "stale handle in page table: {handle:?}"
+        );
+        assert_eq!(
+            meta.state,
+            PageState::Owned { owner, seq },
+            "share of a page the table does not own"
+        );
+        meta.state = PageState::Shared { owner, refs: 1 };
+        let at = self.partition_index(owner);
+        let partition = &mut self.partitions.list[at];
+        assert!(partition.pages_owned > 0, "owned count below a live page");
+        partition.pages_owned -= 1;
+        partition.pages_shared += 1;
+        handle
+    }
+
+    /// Appends shared page `handle` to `table`, a sequence of the page's owner:
+    /// one reference more. Refused, changing nothing, for a handle whose lease
+    /// ended (the page was evicted since) or a page that is not shared; asserts
+    /// the owner (another owner's page reaching this table is a bug, never a
+    /// shared prefix: I7).
+    pub fn attach(&mut self, table: &mut PageTable, handle: PageHandle) -> Result<(), KvError> {
+        assert_eq!(table.pool_id, self.pool_id, "page table from another pool");
+        let page = self.check_handle(handle)?;
+        let meta = &mut self.pages[page.index()];
+        let PageState::Shared { owner, refs } = meta.state else {
+            return Err(KvError::NotShared { page });
+        };
+        assert_eq!(
+            owner,
+            table.owner(),
+            "attach of another owner's shared page"
+        );
+        meta.state = PageState::Shared {
+            owner,
+            refs: refs.checked_add(1).expect("references fit u32"),
+        };
+        table.push(handle);
+        Ok(())
+    }
+
+    /// Evicts a shared page no table holds: `Shared { owner, refs: 0 } →
+    /// Released` (dirty, scrubbed with the other released pages; poisoned in
+    /// poison mode), still charged to `owner` until scrubbed. Refused, changing
+    /// nothing, for a stale handle, a page that is not shared, or one in use.
+    pub fn evict(&mut self, owner: OwnerTag, handle: PageHandle) -> Result<(), KvError> {
+        let page = self.check_handle(handle)?;
+        let meta = &mut self.pages[page.index()];
+        let PageState::Shared {
+            owner: shared_owner,
+            refs,
+        } = meta.state
+        else {
+            return Err(KvError::NotShared { page });
+        };
+        assert_eq!(shared_owner, owner, "evict of another owner's shared page");
+        if refs > 0 {
+            return Err(KvError::InUse { page, refs });
+        }
+        meta.state = PageState::Released { owner };
+        if self.options.poison_released {
+            let bits = f32::from_bits(POISON_BITS);
+            self.page_floats_mut(page).fill(bits);
+        }
+        self.pages_released.push(page);
+        let at = self.partition_index(owner);
+        let partition = &mut self.partitions.list[at];
+        assert!(
+            partition.pages_shared > 0,
+            "shared count below a shared page"
+        );
+        partition.pages_shared -= 1;
+        partition.pages_released += 1;
+        Ok(())
+    }
+
+    /// Whether `lease` may be written: its page is owned by its sequence, not
+    /// shared (errors as for a read).
+    pub fn is_writable(&self, lease: Lease) -> Result<bool, KvError> {
+        let page = self.check_lease(lease)?;
+        Ok(matches!(
+            self.pages[page.index()].state,
+            PageState::Owned { .. }
+        ))
     }
 
     /// Scrubs every released page: zero, `Released → Scrubbed → Free`; the capacity
@@ -572,6 +723,10 @@ impl Pool {
         v: &[f32],
     ) -> Result<(), KvError> {
         let page = self.check_lease(lease)?;
+        assert!(
+            matches!(self.pages[page.index()].state, PageState::Owned { .. }),
+            "write to shared page {page:?}"
+        );
         let layout = self.layout;
         let kv_dim = layout.kv_dim();
         assert_eq!(k.len(), kv_dim, "k is not [kv_dim]");
@@ -610,11 +765,39 @@ impl Pool {
     /// lease claimed by someone else (a handle reached the wrong sequence: crash
     /// rather than serve it, I3).
     fn check_lease(&self, lease: Lease) -> Result<PageId, KvError> {
+        let page = self.check_handle(lease.handle)?;
+        match self.pages[page.index()].state {
+            PageState::Owned { owner, seq } => {
+                assert_eq!(
+                    owner, lease.owner,
+                    "page {page:?} owner mismatch: cross-tenant access"
+                );
+                assert_eq!(seq, lease.seq, "page {page:?} sequence mismatch");
+                Ok(page)
+            }
+            // Shared pages are read by any sequence of their owner; never another's.
+            PageState::Shared { owner, .. } => {
+                assert_eq!(
+                    owner, lease.owner,
+                    "page {page:?} owner mismatch: cross-tenant access"
+                );
+                Ok(page)
+            }
+            _ => Err(KvError::StaleHandle {
+                page,
+                generation: lease.handle.generation,
+            }),
+        }
+    }
+
+    /// Checks a handle's pool, page and generation: the page is the one the
+    /// handle was issued for, and still leased (owned or shared).
+    fn check_handle(&self, handle: PageHandle) -> Result<PageId, KvError> {
         let PageHandle {
             pool,
             page,
             generation,
-        } = lease.handle;
+        } = handle;
         if pool != self.pool_id {
             return Err(KvError::ForeignPool {
                 page,
@@ -626,17 +809,14 @@ impl Pool {
             .pages
             .get(page.index())
             .ok_or(KvError::PageOutOfRange { page })?;
-        match meta.state {
-            PageState::Owned { owner, seq } if meta.generation == generation => {
-                assert_eq!(
-                    owner, lease.owner,
-                    "page {page:?} owner mismatch: cross-tenant access"
-                );
-                assert_eq!(seq, lease.seq, "page {page:?} sequence mismatch");
-                Ok(page)
-            }
-            _ => Err(KvError::StaleHandle { page, generation }),
+        let leased = matches!(
+            meta.state,
+            PageState::Owned { .. } | PageState::Shared { .. }
+        );
+        if meta.generation != generation || !leased {
+            return Err(KvError::StaleHandle { page, generation });
         }
+        Ok(page)
     }
 
     pub(super) fn partition_index(&self, owner: OwnerTag) -> usize {

@@ -625,3 +625,147 @@ fn canary_page_outside_the_pool_in_a_table_is_caught() {
         Err(Violation::PageOutOfRange { page: PageId(10) })
     );
 }
+
+/// A's sequence 1 with `pages` pages, the first `shared` of them shared.
+fn with_shared(pool: &mut Pool, pages: u32, shared: usize) -> (PageTable, Vec<PageHandle>) {
+    let table = lease_pages(pool, A, 1, pages);
+    let handles = (0..shared).map(|i| pool.share(&table, i)).collect();
+    (table, handles)
+}
+
+/// An empty table for A's sequence `seq` (through a reservation of one page,
+/// returned at once).
+fn empty_table(pool: &mut Pool, owner: OwnerTag, seq: u64) -> PageTable {
+    let reservation = pool.reserve(owner, 1).unwrap();
+    let table = pool.page_table(&reservation, SeqId(seq));
+    pool.release_reservation(reservation);
+    table
+}
+
+#[test]
+fn shared_pages_are_read_by_every_holder_and_written_by_none() {
+    let mut pool = pool();
+    let (first, shared) = with_shared(&mut pool, 2, 1);
+    pool.write_kv(first.lease(1).unwrap(), 0, 0, &row(3.0), &row(3.0))
+        .unwrap();
+    let mut second = empty_table(&mut pool, A, 2);
+    pool.attach(&mut second, shared[0]).unwrap();
+    assert_eq!(
+        pool.page_meta(shared[0].page).unwrap().state,
+        PageState::Shared { owner: A, refs: 2 }
+    );
+    pool.check_page_tables(&[&first, &second]).unwrap();
+    // Both sequences read it; neither may write it.
+    for table in [&first, &second] {
+        let lease = table.lease(0).unwrap();
+        assert!(pool.page_kv(lease, 0).is_ok());
+        assert_eq!(pool.is_writable(lease), Ok(false));
+    }
+    assert_eq!(pool.is_writable(first.lease(1).unwrap()), Ok(true));
+    // Counted once, against its owner.
+    let stats = pool.partition_stats(A).unwrap();
+    assert_eq!((stats.pages_owned, stats.pages_shared), (1, 1));
+    // The end of one holder leaves it to the other; the end of both leaves it
+    // to the owner's cache, still charged, until evicted.
+    let mut first = first;
+    assert_eq!(pool.release(&mut first), 2);
+    assert_eq!(
+        pool.stats().pages_released,
+        1,
+        "only the owned page is released"
+    );
+    pool.check_page_tables(&[&second]).unwrap();
+    assert_eq!(
+        pool.evict(A, shared[0]),
+        Err(KvError::InUse {
+            page: shared[0].page,
+            refs: 1
+        })
+    );
+    pool.release(&mut second);
+    pool.check_page_tables(&[]).unwrap();
+    assert_eq!(pool.partition_stats(A).unwrap().pages_shared, 1);
+    pool.evict(A, shared[0]).unwrap();
+    // With the first sequence's own page, both wait for the scrub.
+    assert_eq!(pool.partition_stats(A).unwrap().pages_released, 2);
+    // Scrubbed like any release, and its handle is dead.
+    pool.scrub_released();
+    pool.check_invariants().unwrap();
+    assert!(pool.page_is_zero(shared[0].page));
+    let mut third = empty_table(&mut pool, A, 3);
+    assert!(matches!(
+        pool.attach(&mut third, shared[0]),
+        Err(KvError::StaleHandle { .. })
+    ));
+    assert!(matches!(
+        pool.evict(A, shared[0]),
+        Err(KvError::StaleHandle { .. })
+    ));
+    assert_eq!(pool.partition_stats(A).unwrap().pages_shared, 0);
+}
+
+#[test]
+fn a_write_to_a_shared_page_panics() {
+    let mut pool = pool();
+    let (table, _) = with_shared(&mut pool, 1, 1);
+    let lease = table.lease(0).unwrap();
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        let _ = pool.write_kv(lease, 0, 0, &row(1.0), &row(1.0));
+    }));
+    assert!(
+        result.is_err(),
+        "a write into a shared page must never happen"
+    );
+}
+
+#[test]
+fn sharing_never_crosses_owners() {
+    let mut pool = pool();
+    let (_table, shared) = with_shared(&mut pool, 1, 1);
+    let mut theirs = empty_table(&mut pool, C, 9);
+    assert!(panics(|| {
+        let _ = pool.attach(&mut theirs, shared[0]);
+    }));
+    assert!(panics(|| {
+        let _ = pool.evict(C, shared[0]);
+    }));
+    // Another owner's lease on it is refused like any cross-tenant access.
+    let lease = Lease {
+        handle: shared[0],
+        owner: C,
+        seq: SeqId(9),
+    };
+    assert!(panics(|| {
+        let _ = pool.page_kv(lease, 0);
+    }));
+}
+
+#[test]
+fn an_owner_with_shared_pages_cannot_be_removed_until_they_are_evicted() {
+    let mut pool = pool();
+    let (mut table, shared) = with_shared(&mut pool, 1, 1);
+    pool.release(&mut table);
+    assert!(matches!(
+        pool.remove_partition(A),
+        Err(PartitionError::StillHeld { pages_held: 1, .. })
+    ));
+    pool.evict(A, shared[0]).unwrap();
+    pool.scrub_released();
+    pool.remove_partition(A).unwrap();
+}
+
+#[test]
+fn canary_a_shared_page_in_a_table_without_its_reference_is_caught() {
+    let mut pool = pool();
+    let (table, shared) = with_shared(&mut pool, 1, 1);
+    let mut other = empty_table(&mut pool, A, 2);
+    other.plant_fault_push(shared[0]);
+    assert_eq!(
+        pool.check_page_tables(&[&table, &other]),
+        Err(Violation::SharedRefs {
+            page: shared[0].page,
+            refs: 1,
+            tables: 2
+        })
+    );
+}
