@@ -25,6 +25,8 @@
 //!                                Q4_1                 Q8_0
 //! 2026-11-29, Zen 4              0.46 / 0.65 / 0.52   -
 //! 2026-11-30, AMD EPYC (AVX-512) 0.46 / 0.65 / 0.58   0.48 / 0.48 / 0.42
+//! 2026-11-30, batch-invariant     0.46 / 0.65 / 0.53   0.48 / 0.48 / 0.44
+//!   AVX-512 (same machine)
 //! ```
 //!
 //! Eight-bit weights do not shrink the difference: it comes from the 8-bit

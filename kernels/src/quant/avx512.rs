@@ -12,8 +12,9 @@
 //!
 //! Three schedules, by token count (thresholds measured end to end on Zen 4, where
 //! each step's weights come cold from DRAM):
-//! 1. One token (decode at batch 1): `direct` decodes each pair straight from the
-//!    ggml rows, 4 rows at a time, and uses it at once; weights stream through once.
+//! 1. One token (decode at batch 1): `direct_tile` with one token decodes each pair
+//!    straight from the ggml rows, 4 rows at a time, and uses it at once; weights
+//!    stream through once.
 //! 2. 2 to [`DIRECT_TOKENS_MAX`] tokens (batched decode): `direct_tile` decodes each
 //!    pair of an `R`-row tile once into registers and dots it with up to
 //!    [`DIRECT_TILE_TOKENS`] tokens; later token groups find the rows in L1. Weights
@@ -29,6 +30,15 @@
 //!     for r: acc[r][t] += cvt(dpbusd(codes[r], xv)) * (dw[r] * dx)    16 + temps
 //!   mins[r][p] = [0, m_b, 0, m_b+1]  (stored; applied 4 pairs per vector per chunk)
 //! ```
+//!
+//! Every schedule computes each (row, token) result with the same operations in the
+//! same order — per k-chunk: the pairs in order into one accumulator (`fmadd` of the
+//! dot product with `dw * dx`), its lane sum by a fixed tree added to the result, then
+//! the chunk's mins four pairs per vector into another accumulator, its lane sum added
+//! too; chunks in order — so a token's result is the same
+//! bits whatever the batch, tile or schedule it lands in (batch invariance: a prefix
+//! served from cache, a sequence recomputed after preemption and one decoded with other
+//! tenants' requests all see exactly what they would alone).
 //!
 //! Invariants:
 //! 1. Every function here runs only after `Isa::Avx512.is_available()` (avx512 f, bw,
@@ -48,9 +58,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::activations::{QuantizedActivations, Q8_1_SCALE_ALIGN};
-use super::avx2::{
-    d_pair, offset_lanes, pair_offsets, q8_1_ptrs, q8_pair, PairDecode, Q8Row, Q4_0W, Q4_1W,
-};
+use super::avx2::{d_pair, pair_offsets, q8_1_ptrs, q8_pair, PairDecode, Q8Row, Q4_0W, Q4_1W};
 use super::blocks::QK32;
 use super::GgmlType;
 
@@ -190,7 +198,8 @@ struct Geometry {
     n_rows: usize,
 }
 
-/// One token: `direct` over row tiles, remainder rows one at a time.
+/// One token: `direct_tile` over `TILE_ROWS`-row tiles, remainder rows one at a
+/// time, prefetching ahead (weights stream through once).
 ///
 /// # Safety
 /// `w_first` holds `g.n_rows` rows; `out` is `[1][g.n_rows]`; AVX-512 set available.
@@ -201,15 +210,27 @@ unsafe fn drive_direct<W: PairDecode>(
     xq: &QuantizedActivations,
     out: &mut [f32],
 ) {
-    let x = q8_1_ptrs(xq, 0);
-    let o = out.as_mut_ptr();
+    let x: [Q8Row; DIRECT_TILE_TOKENS] = [q8_1_ptrs(xq, 0); DIRECT_TILE_TOKENS];
+    let mut mins = [[0.0; CHUNK_BLOCKS / PAIR * PAIR_DS]; TILE_ROWS];
     let mut r = 0;
-    while r + TILE_ROWS <= g.n_rows {
-        direct::<W, TILE_ROWS>(w_first.add(r * g.row_bytes), g.row_bytes, g.nb, x, o.add(r));
-        r += TILE_ROWS;
-    }
-    for r in r..g.n_rows {
-        direct::<W, 1>(w_first.add(r * g.row_bytes), g.row_bytes, g.nb, x, o.add(r));
+    while r < g.n_rows {
+        let tile_rows = if g.n_rows - r >= TILE_ROWS {
+            TILE_ROWS
+        } else {
+            1
+        };
+        let tile = DirectTile {
+            w_rows: w_first.add(r * g.row_bytes),
+            x: &x,
+            out: out.as_mut_ptr().add(r),
+            prefetch: true,
+        };
+        if tile_rows == TILE_ROWS {
+            direct_tile::<W, TILE_ROWS, 1>(tile, g, &mut mins);
+        } else {
+            direct_tile::<W, 1, 1>(tile, g, &mut mins);
+        }
+        r += tile_rows;
     }
 }
 
@@ -303,42 +324,6 @@ unsafe fn drive_packed<W: PairDecode>(
     }
 }
 
-/// Decode schedule: `R` rows against one token, pairs decoded and used at once.
-///
-/// # Safety
-/// `w_rows` holds `R` rows of `row_bytes`; `x` covers `nb` blocks padded to whole
-/// pairs; `out` has `R` slots; AVX-512 set available.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn direct<W: PairDecode, const R: usize>(
-    w_rows: *const u8,
-    row_bytes: usize,
-    nb: usize,
-    x: Q8Row,
-    out: *mut f32,
-) {
-    let zero = _mm512_setzero_si512();
-    let mut acc = [_mm512_setzero_ps(); R];
-    let mut offset = [_mm_setzero_ps(); R];
-    let (qs, ds) = x;
-    for p in 0..nb.div_ceil(PAIR) {
-        let (o0, o1) = pair_offsets(p, nb, W::BYTES);
-        let xv = _mm512_loadu_si512(qs.add(p * PAIR * QK32) as *const _);
-        let dsv = _mm_loadu_ps(ds.add(p * PAIR_DS));
-        for r in 0..R {
-            let row = w_rows.add(r * row_bytes);
-            prefetch_linear::<W, R>(w_rows, row_bytes, p, r);
-            let codes = codes512::<W>(row.add(o0), row.add(o1));
-            let product = _mm_mul_ps(W::scales(row.add(o0), row.add(o1)), dsv);
-            offset[r] = _mm_add_ps(offset[r], product);
-            let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, codes, xv));
-            acc[r] = _mm512_fmadd_ps(sums, spread(product), acc[r]);
-        }
-    }
-    for r in 0..R {
-        *out.add(r) = _mm512_reduce_add_ps(acc[r]) + offset_lanes(offset[r]);
-    }
-}
-
 /// Prefetches the `R` x `row_bytes` tile `PREFETCH_ROWS` rows ahead of `w_rows`, a
 /// pair's worth of bytes at step (pair `p`, row `r`), as ONE linear stream.
 ///
@@ -421,8 +406,8 @@ unsafe fn direct_tile<W: PairDecode, const R: usize, const T: usize>(
     mins: &mut ChunkMins,
 ) {
     let zero = _mm512_setzero_si512();
-    let mut acc = [[_mm512_setzero_ps(); T]; R];
     for first_block in (0..g.nb).step_by(CHUNK_BLOCKS) {
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
         let blocks = CHUNK_BLOCKS.min(g.nb - first_block);
         let pairs = blocks.div_ceil(PAIR);
         let w_chunk = tile.w_rows.add(first_block * W::BYTES);
@@ -453,11 +438,15 @@ unsafe fn direct_tile<W: PairDecode, const R: usize, const T: usize>(
                 }
             }
         }
+        store_sums::<R, T>(&acc, tile.out, g.n_rows, first_block > 0);
         let groups = blocks.div_ceil(Q8_1_SCALE_ALIGN);
         for r in 0..R {
             mins[r][pairs * PAIR_DS..groups * LANES].fill(0.0);
         }
-        // m * s for four pairs per vector: [0, m, 0, m] against [d, s, d, s].
+        // m * s for four pairs per vector: [0, m, 0, m] against [d, s, d, s], in
+        // an accumulator of their own (the dot products and the offsets are
+        // large and cancel: summed apart, then added, they keep more bits).
+        let mut offsets = [[_mm512_setzero_ps(); T]; R];
         for gi in 0..groups {
             // SAFETY: group gi lies inside the row's mins (zero-filled to whole groups).
             let m: [__m512; R] = std::array::from_fn(|r| unsafe {
@@ -466,16 +455,18 @@ unsafe fn direct_tile<W: PairDecode, const R: usize, const T: usize>(
             for t in 0..T {
                 let s = _mm512_loadu_ps(tile.x[t].1.add(x_ds + gi * LANES));
                 for r in 0..R {
-                    acc[r][t] = _mm512_fmadd_ps(m[r], s, acc[r][t]);
+                    offsets[r][t] = _mm512_fmadd_ps(m[r], s, offsets[r][t]);
                 }
             }
         }
+        store_sums::<R, T>(&offsets, tile.out, g.n_rows, true);
     }
-    store_sums::<R, T>(&acc, tile.out, g.n_rows);
 }
 
-/// Writes `out[t * out_stride + r] = sum of acc[r][t]`, reducing four accumulators
-/// per shuffle tree.
+/// Writes `out[t * out_stride + r] = sum of acc[r][t]` (adds it when
+/// `accumulate`: a later k-chunk), reducing four accumulators per shuffle tree.
+/// Every lane sum takes the same tree ([`hsum4`] and [`hsum1`] agree bit for
+/// bit), so a token's result never depends on its place in a tile.
 ///
 /// # Safety
 /// `out` has the `T` x `R` slots; AVX-512F available.
@@ -484,37 +475,37 @@ unsafe fn store_sums<const R: usize, const T: usize>(
     acc: &[[__m512; T]; R],
     out: *mut f32,
     out_stride: usize,
+    accumulate: bool,
 ) {
     let flat = |i: usize| acc[i % R][i / R];
+    let put = |i: usize, sum: f32| {
+        // SAFETY: slot (i / R, i % R) is one of the tile's T x R slots.
+        let slot = unsafe { out.add(i / R * out_stride + i % R) };
+        // SAFETY: as above.
+        unsafe { *slot = if accumulate { *slot + sum } else { sum } };
+    };
     let mut i = 0;
     while i + 4 <= R * T {
         let sums = hsum4(flat(i), flat(i + 1), flat(i + 2), flat(i + 3));
         let mut lanes = [0.0f32; 4];
         _mm_storeu_ps(lanes.as_mut_ptr(), sums);
         for (j, lane) in lanes.into_iter().enumerate() {
-            let (r, t) = ((i + j) % R, (i + j) / R);
-            *out.add(t * out_stride + r) = lane;
+            put(i + j, lane);
         }
         i += 4;
     }
     for i in i..R * T {
-        *out.add(i / R * out_stride + i % R) = _mm512_reduce_add_ps(flat(i));
+        put(i, hsum1(flat(i)));
     }
 }
 
-/// The lane sums of four vectors, `[sum a, sum b, sum c, sum d]`.
+/// The lane sums of four vectors, `[sum a, sum b, sum c, sum d]`, each as
+/// `((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))` over `x_i = v_i + v_{i+8}`.
 ///
 /// # Safety
 /// AVX-512F available.
 #[inline(always)]
 unsafe fn hsum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
-    let fold = |v: __m512| {
-        // SAFETY: AVX-512F available in every caller.
-        unsafe {
-            let high = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v));
-            _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(high))
-        }
-    };
     // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7].
     let ab = _mm256_hadd_ps(fold(a), fold(b));
     let cd = _mm256_hadd_ps(fold(c), fold(d));
@@ -523,6 +514,32 @@ unsafe fn hsum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
         _mm256_castps256_ps128(abcd),
         _mm256_extractf128_ps::<1>(abcd),
     )
+}
+
+/// The lane sum of one vector by exactly [`hsum4`]'s tree.
+///
+/// # Safety
+/// AVX-512F available.
+#[inline(always)]
+unsafe fn hsum1(v: __m512) -> f32 {
+    let x = fold(v);
+    let pairs = _mm256_hadd_ps(x, x);
+    let quads = _mm256_hadd_ps(pairs, pairs);
+    let sum = _mm_add_ps(
+        _mm256_castps256_ps128(quads),
+        _mm256_extractf128_ps::<1>(quads),
+    );
+    _mm_cvtss_f32(sum)
+}
+
+/// `[v_i + v_{i+8}]`: the 512-bit vector folded to 256 bits.
+///
+/// # Safety
+/// AVX-512F available.
+#[inline(always)]
+unsafe fn fold(v: __m512) -> __m256 {
+    let high = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v));
+    _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(high))
 }
 
 /// One row tile's packed k-chunk.
@@ -656,22 +673,20 @@ unsafe fn tile<const R: usize, const T: usize>(
             }
         }
     }
-    // m * s for four pairs per vector: packed [0, m, 0, m] against [d, s, d, s].
+    store_sums::<R, T>(&acc, out, out_stride, chunk.accumulate);
+    // m * s for four pairs per vector: packed [0, m, 0, m] against [d, s, d, s], in
+    // an accumulator of their own, as in `direct_tile`.
+    let mut offsets = [[_mm512_setzero_ps(); T]; R];
     for g in 0..chunk.blocks.div_ceil(Q8_1_SCALE_ALIGN) {
         for r in 0..R {
             let m = _mm512_loadu_ps(pack.m[r].as_ptr().add(g * LANES));
             for t in 0..T {
-                acc[r][t] = _mm512_fmadd_ps(m, _mm512_loadu_ps(x[t].1.add(g * LANES)), acc[r][t]);
+                offsets[r][t] =
+                    _mm512_fmadd_ps(m, _mm512_loadu_ps(x[t].1.add(g * LANES)), offsets[r][t]);
             }
         }
     }
-    for r in 0..R {
-        for t in 0..T {
-            let slot = out.add(t * out_stride + r);
-            let sum = _mm512_reduce_add_ps(acc[r][t]);
-            *slot = if chunk.accumulate { *slot + sum } else { sum };
-        }
-    }
+    store_sums::<R, T>(&offsets, out, out_stride, true);
 }
 
 /// AVX-512 `a . b`, the tail under a lane mask.
