@@ -58,6 +58,7 @@ pub fn run(args: &PluginBenchArgs) -> Result<()> {
             queue_depth_max: 1,
             running_max: 1,
             pending_max: 1,
+            prefix_cache: true,
         },
         models: ModelAccess::All,
         created_ms: 0,

@@ -20,6 +20,10 @@ use std::fmt::Write as _;
 /// (I8): a row only when they are, holding no tokens.
 pub const RESERVATIONS_STAGE: &str = "reservations";
 
+/// The stage that reports more tenants than sequence slots (each is
+/// guaranteed an equal share, at least one): a row only then, holding no tokens.
+pub const SLOTS_STAGE: &str = "sequence slots";
+
 /// One row of the capacity table: a stage and how many tokens it can hold.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Limit {
@@ -102,6 +106,19 @@ impl Capacity {
                 stage: RESERVATIONS_STAGE.into(),
                 field: format!(
                     "the pages_reserved of the tenants that may use model {id} add up to {reserved_total} pages; models.{id}.pool_pages is {pool_pages}"
+                ),
+                tokens: 0,
+            });
+        }
+        if tenants.len() as u64 > u64::from(spec.step_seqs_max) {
+            // Each tenant is guaranteed an equal share of the sequence slots, and
+            // a share of none would starve it as surely as a page limit.
+            limits.push(Limit {
+                stage: SLOTS_STAGE.into(),
+                field: format!(
+                    "{} tenants may use model {id}; models.{id}.step_seqs_max is {} (each is guaranteed at least one sequence slot)",
+                    tenants.len(),
+                    spec.step_seqs_max
                 ),
                 tokens: 0,
             });
@@ -328,6 +345,7 @@ mod tests {
             queue_depth_max: 4,
             running_max: 2,
             pending_max: 2,
+            prefix_cache: true,
         }
     }
 
@@ -409,6 +427,22 @@ mod tests {
 
         let v = violation(&spec(), 8192, &[("alpha", 600, 600), ("beta", 600, 600)]);
         assert_eq!(v.stage, RESERVATIONS_STAGE);
+
+        // Three tenants, two slots: one of them would be guaranteed none.
+        let two_slots = ModelSpec {
+            step_seqs_max: 2,
+            ..spec()
+        };
+        let three = [("a", 0, 512), ("b", 0, 512), ("c", 0, 512)];
+        let v = violation(&two_slots, 8192, &three);
+        assert_eq!(v.stage, SLOTS_STAGE);
+        assert!(
+            v.field.contains("models.m.step_seqs_max is 2"),
+            "{}",
+            v.field
+        );
+        let ok = Capacity::of_model(&two_slots, 8192, &tenants(&three[..2]));
+        assert!(ok.check().is_ok());
     }
 
     #[test]

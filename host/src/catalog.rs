@@ -201,6 +201,7 @@ pub fn tenant_limits(tenant: &TenantRecord, spec: &ModelSpec) -> TenantLimits {
         running_max: tenant.quota.running_max,
         pages_reserved: tenant.quota.pages_reserved,
         pages_max: tenant.quota.pages_max.min(spec.pool_pages),
+        prefix_cache: tenant.quota.prefix_cache,
     }
 }
 

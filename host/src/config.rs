@@ -425,6 +425,9 @@ pub struct TenantConfig {
     /// (work before admission, which its queue does not count yet).
     #[serde(default = "default_pending")]
     pub pending_max: u32,
+    /// Whether its repeated prompt prefixes are cached (for it alone).
+    #[serde(default = "default_prefix_cache")]
+    pub prefix_cache: bool,
     /// SHA-256 digests (hex) of the tenant's API keys.
     #[serde(default)]
     pub keys_sha256: Vec<String>,
@@ -447,12 +450,16 @@ impl TenantConfig {
             queue_depth_max: self.queue_depth_max,
             running_max: self.running_max,
             pending_max: self.pending_max,
+            prefix_cache: self.prefix_cache,
         }
     }
 }
 
 fn default_weight() -> u32 {
     1
+}
+fn default_prefix_cache() -> bool {
+    true
 }
 fn default_queue_depth() -> u32 {
     64

@@ -37,10 +37,15 @@ pub const QUEUE_DEPTH: &str = "bulkhead_queue_depth";
 pub const RUNNING: &str = "bulkhead_running_sequences";
 /// Requests that ever entered a tenant's queue of a model.
 pub const ENQUEUED_TOTAL: &str = "bulkhead_enqueued_total";
-/// KV pages of a tenant in a model's pool by state (owned, released, booked, available).
+/// KV pages of a tenant in a model's pool by state (owned, released, booked,
+/// available, cached: its prefix cache, in use or idle).
 pub const KV_PAGES: &str = "bulkhead_kv_pages";
 /// KV pages ever acquired for a tenant in a model's pool.
 pub const KV_PAGES_ACQUIRED_TOTAL: &str = "bulkhead_kv_pages_acquired_total";
+/// Prompt tokens of a tenant's requests found in its prefix cache of a model.
+pub const PREFIX_CACHED_TOKENS_TOTAL: &str = "bulkhead_prefix_cached_tokens_total";
+/// A tenant's sequences preempted in a model to give loaned pages or slots back.
+pub const PREEMPTED_TOTAL: &str = "bulkhead_preempted_total";
 /// A model's KV pages by state (total, free).
 pub const KV_POOL_PAGES: &str = "bulkhead_kv_pool_pages";
 /// KV pages a model's pool scrubbed since it was loaded.
@@ -159,7 +164,7 @@ static PUBLISHED: std::sync::Mutex<Published> = std::sync::Mutex::new(Published 
 });
 
 /// The per-tenant gauges of one model.
-fn set_tenant_gauges(model: &str, tenant: &str, queued: u32, running: u32, pages: [u32; 4]) {
+fn set_tenant_gauges(model: &str, tenant: &str, queued: u32, running: u32, pages: [u32; 5]) {
     let labels = |extra: Option<&'static str>| {
         let mut l = vec![
             metrics::Label::new("model", model.to_string()),
@@ -172,7 +177,7 @@ fn set_tenant_gauges(model: &str, tenant: &str, queued: u32, running: u32, pages
     };
     gauge!(QUEUE_DEPTH, labels(None)).set(f64::from(queued));
     gauge!(RUNNING, labels(None)).set(f64::from(running));
-    for (state, count) in ["owned", "released", "booked", "available"]
+    for (state, count) in ["owned", "released", "booked", "available", "cached"]
         .into_iter()
         .zip(pages)
     {
@@ -197,12 +202,17 @@ pub fn publish_engine_stats(
                 t.pages_released,
                 t.pages_booked,
                 t.pages_available,
+                t.pages_shared,
             ];
             set_tenant_gauges(model, &name, t.queued, t.running, pages);
             counter!(ENQUEUED_TOTAL, "model" => model.clone(), "tenant" => name.clone())
                 .absolute(t.counts.enqueued_total);
             counter!(KV_PAGES_ACQUIRED_TOTAL, "model" => model.clone(), "tenant" => name.clone())
                 .absolute(t.counts.pages_acquired_total);
+            counter!(PREFIX_CACHED_TOKENS_TOTAL, "model" => model.clone(), "tenant" => name.clone())
+                .absolute(t.counts.cached_tokens_total);
+            counter!(PREEMPTED_TOTAL, "model" => model.clone(), "tenant" => name.clone())
+                .absolute(t.counts.preempted_total);
             pairs.push((model.clone(), name));
         }
         gauge!(KV_POOL_PAGES, "model" => model.clone(), "state" => "total")
@@ -215,7 +225,7 @@ pub fn publish_engine_stats(
     let ids: Vec<String> = models.iter().map(|(m, _)| m.clone()).collect();
     let mut last = PUBLISHED.lock().unwrap_or_else(|p| p.into_inner());
     for (model, tenant) in last.pairs.iter().filter(|p| !pairs.contains(p)) {
-        set_tenant_gauges(model, tenant, 0, 0, [0; 4]);
+        set_tenant_gauges(model, tenant, 0, 0, [0; 5]);
     }
     for gone in last.models.iter().filter(|m| !ids.contains(m)) {
         for state in ["total", "free"] {

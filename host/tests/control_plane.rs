@@ -167,6 +167,7 @@ fn quota(pages_reserved: u32, pages_max: u32) -> Quota {
         queue_depth_max: 4,
         running_max: 2,
         pending_max: 2,
+        prefix_cache: true,
     }
 }
 
@@ -286,6 +287,7 @@ async fn a_crash_between_engine_and_store_is_repaired_by_the_next_start() {
         running_max: 2,
         pages_reserved: 0,
         pages_max: max,
+        prefix_cache: true,
     };
     let handle = plane.engine();
     handle

@@ -36,6 +36,7 @@ fn service(queue_depth_max: u32, running_max: u32) -> (EngineService, Admission)
         running_max,
         pages_reserved: 8,
         pages_max: 8,
+        prefix_cache: true,
     }];
     let scheduler = build::scheduler(&model, &tokenizer, &spec, tenants).unwrap();
     let admission = scheduler.admission(64);

@@ -5,7 +5,7 @@
 
 use bulkhead::engine::admission::Admission;
 use bulkhead::engine::build::{self, EngineSpec};
-use bulkhead::engine::request::{Event, FinishReason, NewRequest, Rejection, RequestId};
+use bulkhead::engine::request::{Event, FinishReason, NewRequest, Rejection, RequestId, Usage};
 use bulkhead::engine::sampling::SamplingParams;
 use bulkhead::engine::scheduler::{BatchLimits, Scheduler, TenantChangeError, TenantLimits};
 use bulkhead::tenancy::TenantId;
@@ -36,6 +36,8 @@ struct Tenant {
     pages_reserved: u32,
     pages_max: u32,
     queue_depth_max: u32,
+    running_max: u32,
+    prefix_cache: bool,
 }
 
 fn tenant(id: TenantId, weight: u32, pages_reserved: u32, pages_max: u32) -> Tenant {
@@ -45,6 +47,8 @@ fn tenant(id: TenantId, weight: u32, pages_reserved: u32, pages_max: u32) -> Ten
         pages_reserved,
         pages_max,
         queue_depth_max: 64,
+        running_max: 16,
+        prefix_cache: true,
     }
 }
 
@@ -70,9 +74,10 @@ fn sim(tenants: &[Tenant], pool_pages: u32, limits: BatchLimits) -> Sim {
             name: format!("t{}", t.id.0),
             weight: t.weight,
             queue_depth_max: t.queue_depth_max,
-            running_max: 16,
+            running_max: t.running_max,
             pages_reserved: t.pages_reserved,
             pages_max: t.pages_max,
+            prefix_cache: t.prefix_cache,
         })
         .collect();
     let scheduler = build::scheduler(&model, &tokenizer, &spec, tenant_limits).unwrap();
@@ -161,6 +166,19 @@ fn drain(rx: &mut UnboundedReceiver<Event>) -> (String, Option<(FinishReason, u3
                 text.push_str(&t);
             }
             Event::Finished { reason, usage } => end = Some((reason, usage.completion_tokens)),
+        }
+    }
+    (text, end)
+}
+
+/// Everything a request's channel received: its text, and its end with usage.
+fn outcome(rx: &mut UnboundedReceiver<Event>) -> (String, Option<(FinishReason, Usage)>) {
+    let mut text = String::new();
+    let mut end = None;
+    while let Ok(event) = rx.try_recv() {
+        match event {
+            Event::Text(t) => text.push_str(&t),
+            Event::Finished { reason, usage } => end = Some((reason, usage)),
         }
     }
     (text, end)
@@ -323,7 +341,8 @@ fn one_tenant_flooding_cannot_take_anothers_reserved_pages() {
         .partition_stats(OwnerTag(ALPHA.0))
         .unwrap();
     assert_eq!(
-        alpha.pages_owned, 24,
+        alpha.pages_owned + alpha.pages_shared,
+        24,
         "alpha uses its reservation and the burst region, up to its max"
     );
     let mut beta = s.submit(BETA, prompt(99, 12), 12);
@@ -334,7 +353,8 @@ fn one_tenant_flooding_cannot_take_anothers_reserved_pages() {
         .partition_stats(OwnerTag(BETA.0))
         .unwrap();
     assert_eq!(
-        beta_stats.pages_owned, 6,
+        beta_stats.pages_owned + beta_stats.pages_shared,
+        6,
         "beta starts at once in its reserved pages"
     );
     s.run_to_idle();
@@ -525,6 +545,7 @@ fn a_tenant_added_while_serving_is_served_and_its_limits_change_between_steps() 
         running_max: 1,
         pages_reserved: 16,
         pages_max: 16,
+        prefix_cache: true,
     };
     s.scheduler.add_tenant(gamma.clone()).unwrap();
     assert!(matches!(
@@ -558,5 +579,278 @@ fn a_tenant_added_while_serving_is_served_and_its_limits_change_between_steps() 
             Some(FinishReason::Length | FinishReason::Stop)
         ));
     }
+    s.assert_all_pages_free();
+}
+
+// Prefix cache and reclaim (invariants I7, I8).
+
+/// What a request produces alone on a fresh engine: the reference for outputs
+/// under caching and preemption (greedy, so it must be exactly the same).
+fn solo(prompt: Vec<u32>, max_tokens: u32) -> (String, FinishReason, u32) {
+    let mut s = sim(&[tenant(ALPHA, 1, 64, 64)], 64, LIMITS);
+    let mut rx = s.submit(ALPHA, prompt, max_tokens);
+    s.run_to_idle();
+    let (text, end) = outcome(&mut rx);
+    let (reason, usage) = end.expect("finished");
+    (text, reason, usage.completion_tokens)
+}
+
+fn text_end(rx: &mut UnboundedReceiver<Event>) -> ((String, FinishReason, u32), Usage) {
+    let (text, end) = outcome(rx);
+    let (reason, usage) = end.expect("finished");
+    ((text, reason, usage.completion_tokens), usage)
+}
+
+/// The starvation case of the issue, scaled down: beta floods the burst region
+/// with requests that fit its maximum; alpha's full-context request, within
+/// its contract, must start within a bounded number of ticks.
+#[test]
+fn a_within_contract_request_reclaims_the_burst_region_from_a_flooding_tenant() {
+    // 64 pages of 4 tokens; alpha 4 reserved / 32 max, beta 4 / 60; 8 slots.
+    let mut s = sim(
+        &[tenant(ALPHA, 1, 4, 32), tenant(BETA, 1, 4, 60)],
+        64,
+        LIMITS,
+    );
+    // Beta: 7 pages each (16 + 12 tokens), far more than fit: it holds every slot
+    // and 56 pages, and takes each page as it frees.
+    let beta_prompt = |i: u32| prompt(100 + i, 16);
+    let mut beta: Vec<_> = (0..24)
+        .map(|i| s.submit(BETA, beta_prompt(i), 12))
+        .collect();
+    for _ in 0..3 {
+        s.tick();
+    }
+    assert_eq!(s.scheduler.running(BETA), 8, "beta holds every slot");
+    // Alpha: 40 + 24 tokens, 16 pages; its reservation is 4.
+    let alpha_prompt = prompt(7, 40);
+    let mut alpha = s.submit(ALPHA, alpha_prompt.clone(), 24);
+    let mut waited = 0;
+    let mut preempted = 0;
+    while s.scheduler.running(ALPHA) == 0 {
+        // Beta keeps flooding meanwhile.
+        beta.push(s.submit(BETA, beta_prompt(1000 + waited), 12));
+        s.now += Duration::from_millis(10);
+        preempted += s.scheduler.tick(s.now).preempted;
+        s.scheduler.pool().check_invariants().unwrap();
+        waited += 1;
+        assert!(
+            waited <= 2,
+            "alpha's request still waits after {waited} ticks"
+        );
+    }
+    assert!(preempted > 0, "beta's youngest sequences were preempted");
+    let beta_held = s
+        .scheduler
+        .pool()
+        .partition_stats(OwnerTag(BETA.0))
+        .unwrap();
+    assert!(
+        beta_held.pages_owned + beta_held.pages_shared >= 4,
+        "beta keeps at least its reservation"
+    );
+    s.run_to_idle();
+    // Alpha's output is what it is alone; every one of beta's requests (some of
+    // them preempted and recomputed) finishes with exactly its solo output.
+    let (alpha_out, _) = text_end(&mut alpha);
+    assert_eq!(alpha_out, solo(alpha_prompt, 24));
+    for (i, rx) in beta.iter_mut().enumerate().take(10) {
+        let i = i as u32;
+        let (out, _) = text_end(rx);
+        assert_eq!(out, solo(beta_prompt(i), 12), "beta request {i}");
+    }
+    for rx in beta.iter_mut().skip(10) {
+        let (_, end) = outcome(rx);
+        assert!(matches!(
+            end.map(|e| e.0),
+            Some(FinishReason::Length | FinishReason::Stop)
+        ));
+    }
+    s.assert_all_pages_free();
+}
+
+/// Preempted in the middle of its generation, a sequence resumes (its KV
+/// recomputed from its tokens) and produces exactly what it would have.
+#[test]
+fn a_preempted_sequence_resumes_with_exactly_its_unpreempted_tokens() {
+    let mut s = sim(
+        &[tenant(ALPHA, 1, 4, 32), tenant(BETA, 1, 4, 60)],
+        64,
+        LIMITS,
+    );
+    let prompts: Vec<Vec<u32>> = (0..8).map(|i| prompt(300 + i, 14)).collect();
+    let mut beta: Vec<_> = prompts
+        .iter()
+        .map(|p| s.submit(BETA, p.clone(), 40))
+        .collect();
+    // 14 + 40 tokens: 14 pages each; four run (56 pages), four wait.
+    for _ in 0..6 {
+        s.tick();
+    }
+    let mut alpha = s.submit(ALPHA, prompt(8, 30), 30);
+    s.now += Duration::from_millis(10);
+    let report = s.scheduler.tick(s.now);
+    s.scheduler.pool().check_invariants().unwrap();
+    assert!(report.preempted >= 1, "{report:?}");
+    assert_eq!(s.scheduler.running(ALPHA), 1);
+    s.run_to_idle();
+    for (p, rx) in prompts.into_iter().zip(&mut beta) {
+        let (out, _) = text_end(rx);
+        assert_eq!(out, solo(p, 40), "a preempted request's output changed");
+    }
+    assert_eq!(text_end(&mut alpha).0, solo(prompt(8, 30), 30));
+    s.assert_all_pages_free();
+}
+
+/// A tenant under its slot share starts at once when another holds every slot.
+#[test]
+fn each_tenant_is_guaranteed_its_share_of_sequence_slots() {
+    let mut s = sim(
+        &[tenant(ALPHA, 1, 16, 16), tenant(BETA, 1, 16, 48)],
+        64,
+        LIMITS,
+    );
+    let _beta: Vec<_> = (0..20).map(|i| s.submit(BETA, prompt(i, 5), 6)).collect();
+    s.tick();
+    assert_eq!(s.scheduler.running(BETA), 8, "beta took every slot");
+    let mut alpha: Vec<_> = (0..4)
+        .map(|i| s.submit(ALPHA, prompt(50 + i, 5), 6))
+        .collect();
+    s.tick();
+    // Two tenants, eight slots: four are alpha's whenever it wants them.
+    assert_eq!(s.scheduler.running(ALPHA), 4);
+    assert_eq!(s.scheduler.running(BETA), 4);
+    s.run_to_idle();
+    for (i, rx) in alpha.iter_mut().enumerate() {
+        assert_eq!(text_end(rx).0, solo(prompt(50 + i as u32, 5), 6));
+    }
+}
+
+/// Three sequences of one tenant share a cached prefix; it outlives any one of
+/// them, the pages are never written, and every output is what it is uncached.
+#[test]
+fn a_prefix_shared_by_three_sequences_survives_the_end_of_any_one() {
+    let mut s = sim(&[tenant(ALPHA, 1, 48, 64)], 64, LIMITS);
+    let system = prompt(1, 20); // five full pages
+    let with = |suffix: u32| {
+        let mut p = system.clone();
+        p.extend(prompt(suffix, 3));
+        p
+    };
+    let mut first = s.submit(ALPHA, with(11), 30);
+    for _ in 0..2 {
+        s.tick();
+    }
+    assert_eq!(
+        s.scheduler.cached_pages(ALPHA),
+        5,
+        "the prompt's full pages"
+    );
+    let mut second = s.submit(ALPHA, with(12), 6);
+    let mut third = s.submit(ALPHA, with(13), 30);
+    s.tick();
+    // The first goes away; the others keep reading the shared pages.
+    first.close();
+    let _ = outcome(&mut first);
+    drop(first);
+    for _ in 0..12 {
+        s.tick();
+    }
+    assert_eq!(s.scheduler.cached_pages(ALPHA), 5);
+    s.run_to_idle();
+    let (second_out, second_usage) = text_end(&mut second);
+    let (third_out, third_usage) = text_end(&mut third);
+    assert_eq!(second_usage.cached_tokens, 20);
+    assert_eq!(third_usage.cached_tokens, 20);
+    assert_eq!(second_out, solo(with(12), 6));
+    assert_eq!(third_out, solo(with(13), 30));
+    // All three are gone; the cache is idle within alpha's reservation, and a
+    // fourth request still finds it.
+    let mut fourth = s.submit(ALPHA, with(14), 4);
+    s.run_to_idle();
+    let (out, usage) = text_end(&mut fourth);
+    assert_eq!(usage.cached_tokens, 20);
+    assert_eq!(out, solo(with(14), 4));
+    let stats = s.scheduler.pool().stats();
+    assert_eq!((stats.pages_owned, stats.pages_released), (0, 0));
+    assert_eq!(stats.pages_shared, 5, "kept idle, within the reservation");
+}
+
+/// The cache is per tenant: the same prompt from another tenant finds nothing,
+/// and one tenant's pressure evicts only its own cached pages.
+#[test]
+fn a_cache_is_never_shared_across_tenants_and_eviction_stays_within_one() {
+    let mut s = sim(
+        &[tenant(ALPHA, 1, 16, 16), tenant(BETA, 1, 16, 48)],
+        64,
+        LIMITS,
+    );
+    let shared_prompt = prompt(5, 33); // eight full pages
+    let mut a = s.submit(ALPHA, shared_prompt.clone(), 4);
+    s.run_to_idle();
+    assert_eq!(text_end(&mut a).1.cached_tokens, 0);
+    assert_eq!(s.scheduler.cached_pages(ALPHA), 8);
+    let mut b = s.submit(BETA, shared_prompt.clone(), 4);
+    s.run_to_idle();
+    let (b_out, b_usage) = text_end(&mut b);
+    assert_eq!(b_usage.cached_tokens, 0, "beta never sees alpha's cache");
+    assert_eq!(b_out, solo(shared_prompt.clone(), 4));
+    // Beta fills its whole partition over and over with new prompts: its own
+    // idle cache goes, alpha's stays.
+    let mut flood: Vec<_> = (0..12)
+        .map(|i| s.submit(BETA, prompt(40 + i, 33), 12))
+        .collect();
+    s.run_to_idle();
+    for rx in &mut flood {
+        assert!(outcome(rx).1.is_some());
+    }
+    assert_eq!(
+        s.scheduler.cached_pages(ALPHA),
+        8,
+        "alpha's cache untouched"
+    );
+    let mut again = s.submit(ALPHA, shared_prompt.clone(), 4);
+    s.run_to_idle();
+    assert_eq!(text_end(&mut again).1.cached_tokens, 32);
+}
+
+/// Off for a tenant: nothing is kept, and nothing is found.
+#[test]
+fn a_tenant_with_the_cache_off_neither_keeps_nor_finds_pages() {
+    let mut off = tenant(ALPHA, 1, 32, 32);
+    off.prefix_cache = false;
+    let mut s = sim(&[off], 64, LIMITS);
+    for _ in 0..2 {
+        let mut rx = s.submit(ALPHA, prompt(2, 30), 4);
+        s.run_to_idle();
+        assert_eq!(text_end(&mut rx).1.cached_tokens, 0);
+        assert_eq!(s.scheduler.cached_pages(ALPHA), 0);
+    }
+    assert_eq!(s.scheduler.pool().stats().pages_shared, 0);
+}
+
+/// Idle cached pages never hold the burst region: a tenant without a
+/// reservation keeps none once its requests end.
+#[test]
+fn idle_cached_pages_stay_within_the_tenants_reservation() {
+    let mut s = sim(
+        &[tenant(ALPHA, 1, 0, 32), tenant(BETA, 1, 8, 32)],
+        64,
+        LIMITS,
+    );
+    let mut a = s.submit(ALPHA, prompt(3, 30), 4);
+    let mut b = s.submit(BETA, prompt(4, 60), 4);
+    s.run_to_idle();
+    assert!(outcome(&mut a).1.is_some() && outcome(&mut b).1.is_some());
+    assert_eq!(
+        s.scheduler.cached_pages(ALPHA),
+        0,
+        "no reservation: none kept"
+    );
+    assert_eq!(
+        s.scheduler.cached_pages(BETA),
+        8,
+        "up to its 8 reserved pages"
+    );
     s.assert_all_pages_free();
 }

@@ -164,6 +164,9 @@ pub struct CreateTenant {
     /// Most requests before admission at once (default 8).
     #[serde(default = "pending_default")]
     pub pending_max: u32,
+    /// Whether its repeated prompt prefixes are cached, for it alone (default true).
+    #[serde(default = "yes")]
+    pub prefix_cache: bool,
     /// The models it may use: `["*"]` (the default) for every model, else ids
     /// of models in the catalog.
     #[serde(default)]
@@ -173,6 +176,9 @@ pub struct CreateTenant {
 
 fn one() -> u32 {
     1
+}
+fn yes() -> bool {
+    true
 }
 fn queue_depth_default() -> u32 {
     64
@@ -193,6 +199,7 @@ impl CreateTenant {
             queue_depth_max: self.queue_depth_max,
             running_max: self.running_max,
             pending_max: self.pending_max,
+            prefix_cache: self.prefix_cache,
         }
     }
 }
@@ -227,6 +234,9 @@ pub struct PartitionView {
     pub pages_released: u32,
     /// Pages it could book now.
     pub pages_available: u32,
+    /// Pages of its prefix cache (in use by its sequences, or kept within its
+    /// reservation for its next requests).
+    pub pages_cached: u32,
     /// Its requests waiting.
     pub queued: u32,
     /// Its sequences running.
@@ -611,6 +621,7 @@ async fn partitions(State(app): State<Arc<App>>) -> Response<Body> {
                 pages_booked: t.pages_booked,
                 pages_released: t.pages_released,
                 pages_available: t.pages_available,
+                pages_cached: t.pages_shared,
                 queued: t.queued,
                 running: t.running,
             })

@@ -9,7 +9,9 @@
 //!    goes to the log (never to the client). Neither the log line nor the metric
 //!    carries the message of a 4xx, which may quote the client's input.
 
-use crate::capacity::{Capacity, CapacityViolation, MemoryViolation, RESERVATIONS_STAGE};
+use crate::capacity::{
+    Capacity, CapacityViolation, MemoryViolation, RESERVATIONS_STAGE, SLOTS_STAGE,
+};
 use crate::catalog::LoadError;
 use crate::engine::request::{Rejection, RequestId};
 use crate::engine::service::SubmitError;
@@ -519,6 +521,13 @@ impl ApiError {
             ApiError::Capacity(v) if v.stage == RESERVATIONS_STAGE => (
                 format!(
                     "The change would over-commit the KV pool of model {}: {}.",
+                    v.model, v.field
+                ),
+                Some(capacity_limits(&v.capacity)),
+            ),
+            ApiError::Capacity(v) if v.stage == SLOTS_STAGE => (
+                format!(
+                    "The change would leave a tenant of model {} without a guaranteed sequence slot: {}.",
                     v.model, v.field
                 ),
                 Some(capacity_limits(&v.capacity)),

@@ -416,6 +416,15 @@ pub struct UsageBody {
     pub completion_tokens: u32,
     /// Their sum.
     pub total_tokens: u32,
+    /// What the prompt's tokens cost.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details` as OpenAI reports it.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens served from the tenant's own prefix cache.
+    pub cached_tokens: u32,
 }
 
 impl From<Usage> for UsageBody {
@@ -424,6 +433,9 @@ impl From<Usage> for UsageBody {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,
             total_tokens: u.prompt_tokens + u.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: u.cached_tokens,
+            },
         }
     }
 }
@@ -681,8 +693,10 @@ mod tests {
         let usage = meta.usage_chunk(Usage {
             prompt_tokens: 3,
             completion_tokens: 4,
+            cached_tokens: 2,
         });
         assert_eq!(usage["usage"]["total_tokens"], 7);
+        assert_eq!(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
         assert_eq!(usage["choices"], serde_json::json!([]));
     }
 }

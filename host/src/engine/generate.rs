@@ -93,6 +93,7 @@ pub fn generate(
         running_max: 1,
         pages_reserved: pages,
         pages_max: pages,
+        prefix_cache: false,
     }];
     let mut scheduler = build::scheduler(&model, &tokenizer, &spec, tenants)?;
     let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();

@@ -6,6 +6,7 @@ pub mod admission;
 pub mod build;
 pub mod chat;
 pub mod generate;
+mod prefix;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;

@@ -56,6 +56,8 @@ pub struct Usage {
     pub prompt_tokens: u32,
     /// Generated tokens.
     pub completion_tokens: u32,
+    /// Prompt tokens whose KV came from the tenant's prefix cache.
+    pub cached_tokens: u32,
 }
 
 /// What the scheduler tells a request's client side.

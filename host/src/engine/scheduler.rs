@@ -6,32 +6,47 @@
 //!    result is an [`Admitted`] (the only way in) or a terminal [`Rejection`].
 //! 2. **Queue**: an `Admitted` waits in its tenant's bounded queue.
 //! 3. **Reserve**: when the tenant's turn comes, its partition books the
-//!    request's worst case (`prompt + max_tokens` tokens of pages); only then are
-//!    pages acquired, into the sequence's own page table. Worst-case booking means
-//!    a running sequence never runs out of pages, so no tenant is ever preempted
-//!    for another; a request that cannot be booked yet stays queued.
-//! 4. **Step**: every [`Scheduler::tick`] builds one batch — a decode token for
+//!    request's worst case (`prompt + max_tokens` tokens of pages, less the
+//!    prompt pages found in the tenant's own prefix cache, which are attached
+//!    read-only: [`super::prefix`]); only then are pages acquired, into the
+//!    sequence's own page table. Worst-case booking means a running sequence
+//!    never runs out of pages; a request that cannot be booked yet stays queued.
+//! 4. **Reclaim** (I8): pages above a tenant's reservation, and sequence slots
+//!    above its guaranteed share, are on loan. When a request cannot book because
+//!    others hold the burst region, or cannot start because others hold the
+//!    slots, the lenders' youngest sequences are preempted: their pages are
+//!    released and scrubbed, they wait at the head of their own tenant's queue,
+//!    and when they start again their KV is recomputed from their tokens (the
+//!    engine is batch-invariant, so the output is the same bits). Victims are
+//!    only ever tenants above their own reservation (or slot share), and only
+//!    while they hold more burst than the claimant would after its booking: the
+//!    sum of squared loans falls with every reclaim, so two tenants can never
+//!    take pages back and forth for ever.
+//! 5. **Step**: every [`Scheduler::tick`] builds one batch — a decode token for
 //!    each running sequence that has one, then prefill chunks — within
 //!    `step_tokens_max` tokens and `step_seqs_max` sequences, in weighted-fair
 //!    order of tenants (least virtual time first; a tenant's virtual time grows
 //!    by tokens processed divided by its weight).
-//! 5. **Finish** ([`Scheduler::finish`]): every exit — stop, length, cancel
-//!    (the client went away), timeout, engine error, the tenant's removal —
-//!    goes through this one function, which releases the pages; the pool
+//! 6. **Finish** ([`Scheduler::end`]): every exit of a started sequence,
+//!    running or preempted — stop, length, cancel (the client went away),
+//!    timeout, engine error, the tenant's removal — goes through this one
+//!    function, which releases the pages (cached ones stay cached); the pool
 //!    scrubs them before the next step. A step is synchronous, so no write into
 //!    those pages is in flight. A request that ends before it started holds no
 //!    page and ends in `finish_queued`.
-//! 6. **Tenants** come and go between steps ([`Scheduler::add_tenant`],
+//! 7. **Tenants** come and go between steps ([`Scheduler::add_tenant`],
 //!    [`Scheduler::update_tenant`], [`Scheduler::remove_tenant`]), keyed by
 //!    their registry id, never by a position in a list.
 //!
 //! ```text
 //!  NewRequest ──admit──► Admitted ──queue──► (reserve) ──► Sequence ──step*──► finish(reason)
-//!      │                    │                                   │                  │
-//!      └──► Rejection       └──► finish(timeout | cancelled)    └──────────────────┴─► pages released
+//!      │                    │                     ▲             │                  │
+//!      └──► Rejection       │                     └─ preempted ◄┘ (pages released) │
+//!                           └──► finish(timeout | cancelled)    └──────────────────┴─► pages released
 //! ```
 
 use super::admission::{Admission, Admitted};
+use super::prefix::PrefixCache;
 use super::request::{Event, FinishReason, Rejection, RequestId, Usage};
 use super::sampling::Sampler;
 use super::stats::{SchedulerStats, TenantCounts, TenantStats};
@@ -39,7 +54,8 @@ use super::stop::{Scan, StopMatcher};
 use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::{Backend, SeqStep};
 use bulkhead_kernels::kv::{
-    OwnerTag, PageTable, PartitionConfig, PartitionError, Pool, ReserveError, SeqId,
+    OwnerTag, PageHandle, PageTable, PartitionConfig, PartitionError, Pool, Reservation,
+    ReserveError, SeqId,
 };
 use bulkhead_kernels::tokenizer::{DecodeOptions, Detokenizer, Tokenizer};
 use std::collections::{BTreeMap, VecDeque};
@@ -64,6 +80,8 @@ pub struct TenantLimits {
     pub pages_reserved: u32,
     /// The most KV pages it may hold.
     pub pages_max: u32,
+    /// Whether its full prompt pages are cached for its later requests.
+    pub prefix_cache: bool,
 }
 
 impl TenantLimits {
@@ -111,6 +129,9 @@ pub struct BatchLimits {
 struct TenantState {
     limits: TenantLimits,
     queue: VecDeque<Admitted>,
+    /// Its sequences preempted to give pages or slots back, oldest first: they
+    /// start again before anything in `queue`.
+    preempted: VecDeque<Sequence>,
     running: u32,
     /// Tokens processed divided by weight: the fair-share clock.
     virtual_time: f64,
@@ -120,18 +141,36 @@ struct TenantState {
     counts: TenantCounts,
 }
 
-/// A running request: its pages and its progress.
+impl TenantState {
+    fn has_work(&self) -> bool {
+        !self.queue.is_empty() || !self.preempted.is_empty() || self.running > 0
+    }
+}
+
+/// A started request: its pages and its progress. A preempted one keeps
+/// everything but its pages.
 struct Sequence {
     id: RequestId,
     tenant: TenantId,
     table: PageTable,
-    prompt: Vec<u32>,
-    /// Prompt tokens already in KV.
-    prefilled: usize,
-    /// Generated tokens; all but the last are in KV.
+    /// The prompt, then every generated token that continues the sequence; the
+    /// last one sampled is not in KV yet.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Tokens of `tokens` whose K and V are in the pages.
+    kv_len: usize,
+    /// Generated tokens (an end-of-generation token is not counted).
     generated: u32,
-    /// The last sampled token, not yet fed back.
-    next: Option<u32>,
+    /// Pages its worst case needs.
+    pages_needed: u32,
+    /// When it first started (a scheduler counter): the youngest are preempted first.
+    started: u64,
+    /// Keys of the prompt's full pages; empty when its tenant's cache is off.
+    chain: Vec<u64>,
+    /// Prompt pages found in the cache or shared into it so far.
+    pages_published: usize,
+    /// Prompt tokens found in the cache at its first start.
+    cached_tokens: u32,
     max_tokens: u32,
     sampler: Sampler,
     detokenizer: Detokenizer<Arc<Tokenizer>>,
@@ -143,15 +182,11 @@ struct Sequence {
 }
 
 impl Sequence {
-    /// Tokens already written into the sequence's pages.
-    fn kv_len(&self) -> usize {
-        self.prefilled + self.generated.saturating_sub(1) as usize
-    }
-
     fn usage(&self) -> Usage {
         Usage {
-            prompt_tokens: self.prompt.len() as u32,
+            prompt_tokens: self.prompt_len as u32,
             completion_tokens: self.generated,
+            cached_tokens: self.cached_tokens,
         }
     }
 }
@@ -165,6 +200,8 @@ pub struct TickReport {
     pub seqs: u32,
     /// Requests that finished (any reason).
     pub finished: u32,
+    /// Sequences preempted to give pages or slots back.
+    pub preempted: u32,
 }
 
 /// The scheduler: owns the pool, the backend and every request in flight.
@@ -175,6 +212,11 @@ pub struct Scheduler<B: Backend> {
     limits: BatchLimits,
     tenants: BTreeMap<TenantId, TenantState>,
     running: Vec<Sequence>,
+    cache: PrefixCache,
+    /// Sequences started so far (their `started` order).
+    starts: u64,
+    /// Sequences preempted in the current tick.
+    preempted_in_tick: u32,
     tokens_generated: u64,
     /// Pages scrubbed so far (observability).
     pages_scrubbed: u64,
@@ -200,6 +242,7 @@ impl<B: Backend> Scheduler<B> {
         limits: BatchLimits,
         tenants: Vec<TenantLimits>,
     ) -> Result<Scheduler<B>, TenantChangeError> {
+        let cache = PrefixCache::new(pool.id(), pool.layout().geometry().page_tokens);
         let mut scheduler = Scheduler {
             backend,
             pool,
@@ -207,6 +250,9 @@ impl<B: Backend> Scheduler<B> {
             limits,
             tenants: BTreeMap::new(),
             running: Vec::new(),
+            cache,
+            starts: 0,
+            preempted_in_tick: 0,
             tokens_generated: 0,
             pages_scrubbed: 0,
             sink: None,
@@ -241,6 +287,7 @@ impl<B: Backend> Scheduler<B> {
             TenantState {
                 limits,
                 queue: VecDeque::new(),
+                preempted: VecDeque::new(),
                 running: 0,
                 virtual_time,
                 tokens_processed: 0,
@@ -253,9 +300,14 @@ impl<B: Backend> Scheduler<B> {
     /// Changes a tenant's limits and partition; the next admission and booking
     /// follow them (queued and running requests keep their places).
     pub fn update_tenant(&mut self, limits: TenantLimits) -> Result<(), TenantChangeError> {
-        let Some(tenant) = self.tenants.get_mut(&limits.id) else {
+        if !self.tenants.contains_key(&limits.id) {
             return Err(TenantChangeError::Unknown(limits.id));
-        };
+        }
+        // Its idle cache would count against a smaller maximum: let it go.
+        self.cache
+            .evict_idle(&mut self.pool, limits.id, usize::MAX, &[]);
+        self.pages_scrubbed += u64::from(self.pool.scrub_released());
+        let tenant = self.tenants.get_mut(&limits.id).expect("checked above");
         self.pool.set_partition(limits.partition())?;
         tracing::info!(tenant = %limits.name, tenant_id = limits.id.0, "tenant limits changed");
         tenant.limits = limits;
@@ -276,10 +328,16 @@ impl<B: Backend> Scheduler<B> {
             finish_queued(&self.sink, admitted, &tenant.limits.name, reason);
             ended += 1;
         }
+        for s in std::mem::take(&mut tenant.preempted) {
+            self.end(s, reason);
+            ended += 1;
+        }
         while let Some(index) = self.running.iter().rposition(|s| s.tenant == id) {
             self.finish(index, reason);
             ended += 1;
         }
+        // No sequence holds its cached pages any more: all of them go.
+        self.cache.evict_idle(&mut self.pool, id, usize::MAX, &[]);
         self.pages_scrubbed += u64::from(self.pool.scrub_released());
         // Every sequence of the tenant has finished and its pages are scrubbed;
         // bookings never outlive `try_start`: the partition holds no page.
@@ -308,12 +366,29 @@ impl<B: Backend> Scheduler<B> {
 
     /// Requests queued plus running.
     pub fn in_flight(&self) -> usize {
-        self.running.len() + self.tenants.values().map(|t| t.queue.len()).sum::<usize>()
+        self.running.len()
+            + self
+                .tenants
+                .values()
+                .map(|t| t.queue.len() + t.preempted.len())
+                .sum::<usize>()
     }
 
-    /// Queued requests of a tenant.
+    /// Queued requests of a tenant (preempted ones included).
     pub fn queued(&self, tenant: TenantId) -> usize {
-        self.tenants.get(&tenant).map_or(0, |t| t.queue.len())
+        self.tenants
+            .get(&tenant)
+            .map_or(0, |t| t.queue.len() + t.preempted.len())
+    }
+
+    /// Running sequences of a tenant.
+    pub fn running(&self, tenant: TenantId) -> u32 {
+        self.tenants.get(&tenant).map_or(0, |t| t.running)
+    }
+
+    /// Pages in a tenant's prefix cache (idle or in use).
+    pub fn cached_pages(&self, tenant: TenantId) -> usize {
+        self.cache.pages(tenant)
     }
 
     /// Tokens sampled so far, over all requests.
@@ -330,7 +405,7 @@ impl<B: Backend> Scheduler<B> {
     fn busy_virtual_time_min(&self) -> Option<f64> {
         self.tenants
             .values()
-            .filter(|t| !t.queue.is_empty() || t.running > 0)
+            .filter(|t| t.has_work())
             .map(|t| t.virtual_time)
             .min_by(f64::total_cmp)
     }
@@ -352,7 +427,7 @@ impl<B: Backend> Scheduler<B> {
         }
         // A tenant that was idle joins at the busy tenants' clock: time spent
         // idle is not credit to spend later at the others' expense.
-        if tenant.queue.is_empty() && tenant.running == 0 {
+        if !tenant.has_work() {
             if let Some(busy_min) = busy_min {
                 tenant.virtual_time = tenant.virtual_time.max(busy_min);
             }
@@ -371,6 +446,7 @@ impl<B: Backend> Scheduler<B> {
     /// One iteration: expire, start, step, apply. `now` is the clock (a
     /// parameter so simulations are deterministic).
     pub fn tick(&mut self, now: Instant) -> TickReport {
+        self.preempted_in_tick = 0;
         let mut report = TickReport {
             finished: self.expire_queued(now) + self.expire_running(now),
             ..TickReport::default()
@@ -382,7 +458,9 @@ impl<B: Backend> Scheduler<B> {
             report.seqs = plan.len() as u32;
             report.finished += self.run_batch(&plan);
         }
+        self.trim_caches();
         self.pages_scrubbed += u64::from(self.pool.scrub_released());
+        report.preempted = self.preempted_in_tick;
         report
     }
 
@@ -391,11 +469,17 @@ impl<B: Backend> Scheduler<B> {
     /// through [`Scheduler::finish`]. Returns how many it ended.
     pub fn finish_everything(&mut self, reason: FinishReason) -> u32 {
         let mut ended = 0u32;
+        let mut preempted = Vec::new();
         for tenant in self.tenants.values_mut() {
             for admitted in tenant.queue.drain(..) {
                 finish_queued(&self.sink, admitted, &tenant.limits.name, reason);
                 ended = ended.saturating_add(1);
             }
+            preempted.extend(tenant.preempted.drain(..));
+        }
+        for s in preempted {
+            self.end(s, reason);
+            ended = ended.saturating_add(1);
         }
         while !self.running.is_empty() {
             self.finish(self.running.len() - 1, reason);
@@ -405,9 +489,11 @@ impl<B: Backend> Scheduler<B> {
         ended
     }
 
-    /// Drops queued requests whose client left or whose deadline passed.
+    /// Drops queued requests (and preempted sequences) whose client left or
+    /// whose deadline passed.
     fn expire_queued(&mut self, now: Instant) -> u32 {
         let mut finished = 0;
+        let mut expired_preempted = Vec::new();
         for tenant in self.tenants.values_mut() {
             let (kept, expired): (VecDeque<Admitted>, VecDeque<Admitted>) =
                 std::mem::take(&mut tenant.queue)
@@ -423,6 +509,17 @@ impl<B: Backend> Scheduler<B> {
                 finish_queued(&self.sink, admitted, &tenant.limits.name, reason);
                 finished += 1;
             }
+            let (kept, expired): (VecDeque<Sequence>, VecDeque<Sequence>) =
+                std::mem::take(&mut tenant.preempted)
+                    .into_iter()
+                    .partition(|s| s.expiry(now).is_none());
+            tenant.preempted = kept;
+            expired_preempted.extend(expired);
+        }
+        for s in expired_preempted {
+            let reason = s.expiry(now).expect("partitioned as expired");
+            self.end(s, reason);
+            finished += 1;
         }
         finished
     }
@@ -432,15 +529,7 @@ impl<B: Backend> Scheduler<B> {
         let mut finished = 0;
         let mut i = 0;
         while i < self.running.len() {
-            let s = &self.running[i];
-            let reason = if s.events.is_closed() {
-                Some(FinishReason::Cancelled)
-            } else if now >= s.deadline {
-                Some(FinishReason::Timeout)
-            } else {
-                None
-            };
-            match reason {
+            match self.running[i].expiry(now) {
                 Some(reason) => {
                     self.finish(i, reason);
                     finished += 1;
@@ -462,18 +551,25 @@ impl<B: Backend> Scheduler<B> {
         order.into_iter().map(|(_, id)| id).collect()
     }
 
-    /// Moves queued requests to running, in fair order, while sequences and
-    /// pages allow: each start books its worst case in its tenant's partition.
+    /// The sequence slots tenant `id` is guaranteed: an equal share of
+    /// `step_seqs_max` (the capacity contract keeps it at least 1), at most its
+    /// `running_max`.
+    fn slots_guaranteed(&self, id: TenantId) -> u32 {
+        let share = self.limits.step_seqs_max / (self.tenants.len().max(1) as u32);
+        share.min(self.tenants[&id].limits.running_max)
+    }
+
+    /// Moves preempted and queued work to running, in fair order, while
+    /// sequences and pages allow: each start books its worst case in its
+    /// tenant's partition.
     fn start_sequences(&mut self) {
-        let seqs_max = self.limits.step_seqs_max as usize;
         loop {
             let mut started = false;
             for id in self.fair_order() {
-                if self.running.len() >= seqs_max {
-                    return;
-                }
                 let tenant = &self.tenants[&id];
-                if tenant.running >= tenant.limits.running_max || tenant.queue.is_empty() {
+                if tenant.running >= tenant.limits.running_max
+                    || (tenant.queue.is_empty() && tenant.preempted.is_empty())
+                {
                     continue;
                 }
                 started |= self.try_start(id);
@@ -484,78 +580,314 @@ impl<B: Backend> Scheduler<B> {
         }
     }
 
-    /// Books and acquires pages for the head of tenant `id`'s queue.
+    /// Starts the head of tenant `id`'s work (a preempted sequence, else its
+    /// queue's head): finds its prompt's cached pages, books the rest of its
+    /// worst case, and takes a slot, reclaiming loaned pages and slots when it
+    /// is owed them. Returns whether it started.
     fn try_start(&mut self, id: TenantId) -> bool {
-        let tenant = self.tenants.get_mut(&id).expect("in the fair order");
-        let pages = tenant
-            .queue
-            .front()
-            .expect("checked non-empty")
-            .pages_needed;
-        let owner = OwnerTag(tenant.limits.id.0);
-        let pages_max = self
-            .pool
-            .partition_stats(owner)
-            .map_or(0, |p| p.config.pages_max);
-        let mut reservation = match self.pool.reserve(owner, pages) {
-            Ok(reservation) => reservation,
-            // Not now: pages this tenant holds, or the burst region, are in use; it
-            // waits for its own sequences to finish.
-            Err(ReserveError::Exhausted { .. } | ReserveError::AboveMax { .. })
-                if pages <= pages_max =>
-            {
-                return false
+        let seqs_max = self.limits.step_seqs_max as usize;
+        let slots_full = self.running.len() >= seqs_max;
+        if slots_full && self.tenants[&id].running >= self.slots_guaranteed(id) {
+            return false;
+        }
+        let page_tokens = self.page_tokens();
+        let tenant = &self.tenants[&id];
+        let (pages_needed, tokens, prompt_len) = match tenant.preempted.front() {
+            Some(s) => (s.pages_needed, &s.tokens, s.prompt_len),
+            None => {
+                let admitted = tenant.queue.front().expect("has work");
+                let prompt = &admitted.request.prompt;
+                (admitted.pages_needed, prompt, prompt.len())
             }
-            Err(other) => {
+        };
+        let (chain, cached) = if tenant.limits.prefix_cache {
+            let chain = self.cache.chain(id, &tokens[..prompt_len]);
+            // At least one token is computed, for the logits of the next.
+            let pages_max = ((tokens.len() - 1) / page_tokens).min(chain.len());
+            let cached = self
+                .cache
+                .lookup(id, &chain, &tokens[..prompt_len], pages_max);
+            (chain, cached)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        // cached * page_tokens < tokens.len() <= pages_needed * page_tokens.
+        let pages = pages_needed - cached.len() as u32;
+        let mut reservation = match self.book(id, pages, &cached) {
+            Booking::Booked(reservation) => reservation,
+            Booking::Wait => return false,
+            Booking::Refused(error) => {
                 // The capacity contract (I2) makes this unreachable for admitted
                 // requests; fail the request rather than the process.
-                let admitted = tenant.queue.pop_front().expect("checked non-empty");
-                tracing::error!(request_id = admitted.id().0, error = %other, "reservation refused");
-                finish_queued(
-                    &self.sink,
-                    admitted,
-                    &tenant.limits.name,
-                    FinishReason::Error,
-                );
+                let tenant = self.tenants.get_mut(&id).expect("exists");
+                tracing::error!(tenant = %tenant.limits.name, %error, "reservation refused");
+                match tenant.preempted.pop_front() {
+                    Some(s) => self.end(s, FinishReason::Error),
+                    None => {
+                        let admitted = tenant.queue.pop_front().expect("has work");
+                        finish_queued(
+                            &self.sink,
+                            admitted,
+                            &tenant.limits.name,
+                            FinishReason::Error,
+                        );
+                    }
+                }
                 return false;
             }
         };
-        let admitted = tenant.queue.pop_front().expect("checked non-empty");
-        let request = admitted.request;
-        let mut table = self.pool.page_table(&reservation, SeqId(request.id.0));
+        if self.running.len() >= seqs_max && !self.reclaim_slot(id) {
+            self.pool.release_reservation(reservation);
+            return false;
+        }
+        self.starts += 1;
+        let starts = self.starts;
+        let tenant = self.tenants.get_mut(&id).expect("exists");
+        let mut s = match tenant.preempted.pop_front() {
+            Some(s) => s,
+            None => {
+                let admitted = tenant.queue.pop_front().expect("has work");
+                let pages_needed = admitted.pages_needed;
+                let request = admitted.request;
+                Sequence {
+                    id: request.id,
+                    tenant: id,
+                    table: self.pool.page_table(&reservation, SeqId(request.id.0)),
+                    prompt_len: request.prompt.len(),
+                    tokens: request.prompt,
+                    kv_len: 0,
+                    generated: 0,
+                    pages_needed,
+                    started: starts,
+                    chain: Vec::new(),
+                    pages_published: 0,
+                    cached_tokens: (cached.len() * page_tokens) as u32,
+                    max_tokens: request.max_tokens,
+                    sampler: Sampler::new(request.sampling),
+                    detokenizer: Detokenizer::new(
+                        Arc::clone(&self.tokenizer),
+                        DecodeOptions { skip_special: true },
+                    ),
+                    stop: StopMatcher::new(request.stop),
+                    text_closed: false,
+                    deadline: request.deadline,
+                    events: request.events,
+                }
+            }
+        };
+        debug_assert!(s.table.is_empty(), "a sequence starts without pages");
+        for &handle in &cached {
+            self.pool
+                .attach(&mut s.table, handle)
+                .expect("a page found in the cache this tick is shared and current");
+        }
         for _ in 0..pages {
             self.pool
-                .acquire(&mut reservation, &mut table)
+                .acquire(&mut reservation, &mut s.table)
                 .expect("a reservation of n pages acquires n pages");
         }
         self.pool.release_reservation(reservation);
+        s.kv_len = cached.len() * page_tokens;
+        s.pages_published = cached.len();
+        s.chain = chain;
         tenant.running += 1;
         tenant.counts.pages_acquired_total += u64::from(pages);
-        tracing::debug!(request_id = request.id.0, tenant = %tenant.limits.name, pages, "started");
-        self.running.push(Sequence {
-            id: request.id,
-            tenant: id,
-            table,
-            prompt: request.prompt,
-            prefilled: 0,
-            generated: 0,
-            next: None,
-            max_tokens: request.max_tokens,
-            sampler: Sampler::new(request.sampling),
-            detokenizer: Detokenizer::new(
-                Arc::clone(&self.tokenizer),
-                DecodeOptions { skip_special: true },
-            ),
-            stop: StopMatcher::new(request.stop),
-            text_closed: false,
-            deadline: request.deadline,
-            events: request.events,
-        });
+        tenant.counts.cached_tokens_total += s.kv_len as u64;
+        tracing::debug!(
+            request_id = s.id.0,
+            tenant = %tenant.limits.name,
+            pages,
+            pages_cached = cached.len(),
+            "started"
+        );
+        self.running.push(s);
         true
     }
 
-    /// Chooses this step's work: decode tokens first (each running sequence with
-    /// a pending token), then prefill chunks, tenants in fair order.
+    fn page_tokens(&self) -> usize {
+        self.pool.layout().geometry().page_tokens as usize
+    }
+
+    /// Books `pages` in tenant `id`'s partition. When they are not there, first
+    /// evicts the tenant's own idle cached pages (never those in `keep`), then
+    /// reclaims pages others borrowed from the burst region.
+    fn book(&mut self, id: TenantId, pages: u32, keep: &[PageHandle]) -> Booking {
+        let owner = OwnerTag(id.0);
+        let mut evicted = false;
+        let mut reclaimed = false;
+        loop {
+            let error = match self.pool.reserve(owner, pages) {
+                Ok(reservation) => return Booking::Booked(reservation),
+                Err(error) => error,
+            };
+            let shortfall = match error {
+                ReserveError::Exhausted {
+                    pages,
+                    pages_available,
+                    ..
+                } => pages - pages_available,
+                ReserveError::AboveMax {
+                    pages_wanted,
+                    pages_max,
+                    ..
+                } if u64::from(pages) <= u64::from(pages_max) => {
+                    (pages_wanted - u64::from(pages_max)) as u32
+                }
+                // Above its maximum on its own, or no partition: never bookable.
+                other => return Booking::Refused(other),
+            };
+            if !evicted {
+                evicted = true;
+                let count = shortfall as usize;
+                if self.cache.evict_idle(&mut self.pool, id, count, keep) > 0 {
+                    self.pages_scrubbed += u64::from(self.pool.scrub_released());
+                    continue;
+                }
+            }
+            let exhausted = matches!(error, ReserveError::Exhausted { .. });
+            if reclaimed || !exhausted || !self.reclaim_pages(id, pages) {
+                // Not now: pages this tenant holds, or pages others hold within
+                // what they may keep, are in use; it waits for them.
+                return Booking::Wait;
+            }
+            reclaimed = true;
+        }
+    }
+
+    /// Pages tenant `id` holds above its reservation after booking `pages` more.
+    fn loan_after(&self, id: TenantId, pages: u32) -> u32 {
+        let p = self
+            .pool
+            .partition_stats(OwnerTag(id.0))
+            .expect("a tenant has a partition");
+        (held(&p) + pages).saturating_sub(p.config.pages_reserved)
+    }
+
+    /// Preempts borrowers' youngest sequences until tenant `id` can book
+    /// `pages`: only tenants holding more above their reservation than `id`
+    /// would after the booking, the largest loan first. Returns false, changing
+    /// nothing, when even every such loan would not make room.
+    fn reclaim_pages(&mut self, id: TenantId, pages: u32) -> bool {
+        let claimant_loan = self.loan_after(id, pages);
+        let owner = OwnerTag(id.0);
+        let available = |pool: &Pool| {
+            pool.partition_stats(owner)
+                .expect("a tenant has a partition")
+                .pages_available
+        };
+        let reclaimable: u64 = self
+            .tenants
+            .keys()
+            .filter(|&&t| t != id)
+            .map(|&t| u64::from(self.loan_after(t, 0).saturating_sub(claimant_loan)))
+            .sum();
+        if u64::from(available(&self.pool)) + reclaimable < u64::from(pages) {
+            return false;
+        }
+        while available(&self.pool) < pages {
+            let victim = self
+                .tenants
+                .keys()
+                .filter(|&&t| t != id)
+                .map(|&t| (self.loan_after(t, 0), t))
+                .filter(|&(loan, _)| loan > claimant_loan)
+                .max();
+            let Some((_, victim)) = victim else {
+                return false;
+            };
+            let Some(index) = self.youngest(victim) else {
+                return false;
+            };
+            self.preempt(index, "pages");
+            self.pages_scrubbed += u64::from(self.pool.scrub_released());
+        }
+        true
+    }
+
+    /// Frees a slot for tenant `id`, below its guaranteed share while every slot
+    /// is taken: preempts the youngest sequence of the tenant furthest above its
+    /// own share. Returns whether it freed one.
+    fn reclaim_slot(&mut self, id: TenantId) -> bool {
+        let victim = self
+            .tenants
+            .iter()
+            .filter(|&(&t, _)| t != id)
+            .map(|(&t, state)| (state.running.saturating_sub(self.slots_guaranteed(t)), t))
+            .filter(|&(above, _)| above > 0)
+            .max();
+        let Some(index) = victim.and_then(|(_, t)| self.youngest(t)) else {
+            return false;
+        };
+        self.preempt(index, "slot");
+        true
+    }
+
+    /// The index of tenant `id`'s most recently first-started running sequence.
+    fn youngest(&self, id: TenantId) -> Option<usize> {
+        self.running
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.tenant == id)
+            .max_by_key(|(_, s)| s.started)
+            .map(|(index, _)| index)
+    }
+
+    /// Takes running sequence `index` off its pages (released: scrubbed before
+    /// the next step) and puts it at the head of its tenant's queue; it keeps
+    /// its tokens, sampler and stream, and recomputes its KV when it starts
+    /// again.
+    fn preempt(&mut self, index: usize, reason: &'static str) {
+        let mut s = self.running.swap_remove(index);
+        let pages = self.pool.release(&mut s.table);
+        s.kv_len = 0;
+        s.pages_published = 0;
+        let tenant = self
+            .tenants
+            .get_mut(&s.tenant)
+            .expect("a running sequence's tenant exists");
+        assert!(tenant.running > 0, "a running sequence is counted");
+        tenant.running -= 1;
+        tenant.counts.preempted_total += 1;
+        self.preempted_in_tick += 1;
+        tracing::info!(
+            request_id = s.id.0,
+            tenant = %tenant.limits.name,
+            pages,
+            tokens = s.tokens.len(),
+            reason,
+            "preempted"
+        );
+        tenant.preempted.push_front(s);
+    }
+
+    /// Keeps each tenant's idle cached pages within its own reservation (a
+    /// tenant's cache never holds the burst region another may need), and none
+    /// for a tenant whose cache is off: the least recently used go first.
+    fn trim_caches(&mut self) {
+        for (&id, tenant) in &self.tenants {
+            if self.cache.pages(id) == 0 {
+                continue;
+            }
+            let excess = if tenant.limits.prefix_cache {
+                let p = self
+                    .pool
+                    .partition_stats(OwnerTag(id.0))
+                    .expect("a tenant has a partition");
+                // Released pages are on their way out already.
+                (held(&p) - p.pages_released).saturating_sub(tenant.limits.pages_reserved)
+            } else {
+                u32::MAX
+            };
+            if excess > 0 {
+                self.cache
+                    .evict_idle(&mut self.pool, id, excess as usize, &[]);
+            }
+        }
+    }
+
+    /// Chooses this step's work: a decode token for each running sequence
+    /// that has one, then prefill chunks (prompts, and the tokens of a
+    /// preempted sequence being recomputed), tenants in fair order.
     fn plan_batch(&self) -> Vec<Planned> {
         let mut budget = self.limits.step_tokens_max as usize;
         let mut plan = Vec::new();
@@ -566,29 +898,21 @@ impl<B: Backend> Scheduler<B> {
                     if s.tenant != tenant
                         || budget == 0
                         || plan.len() >= self.limits.step_seqs_max as usize
+                        || (s.kv_len >= s.prompt_len) != decode
                     {
                         continue;
                     }
-                    let entry = match (decode, s.next) {
-                        (true, Some(token)) => Planned {
-                            seq_index,
-                            tokens: vec![token],
-                            pos_start: s.kv_len(),
-                            wants_logits: true,
-                        },
-                        (false, None) if s.prefilled < s.prompt.len() => {
-                            let n = (s.prompt.len() - s.prefilled).min(budget);
-                            Planned {
-                                seq_index,
-                                tokens: s.prompt[s.prefilled..s.prefilled + n].to_vec(),
-                                pos_start: s.prefilled,
-                                wants_logits: s.prefilled + n == s.prompt.len(),
-                            }
-                        }
-                        _ => continue,
-                    };
-                    budget -= entry.tokens.len();
-                    plan.push(entry);
+                    let n = (s.tokens.len() - s.kv_len).min(budget);
+                    if n == 0 {
+                        continue;
+                    }
+                    plan.push(Planned {
+                        seq_index,
+                        tokens: s.tokens[s.kv_len..s.kv_len + n].to_vec(),
+                        pos_start: s.kv_len,
+                        wants_logits: s.kv_len + n == s.tokens.len(),
+                    });
+                    budget -= n;
                 }
             }
         }
@@ -632,9 +956,8 @@ impl<B: Backend> Scheduler<B> {
                 .expect("a running sequence's tenant exists");
             tenant.virtual_time += p.tokens.len() as f64 / f64::from(tenant.limits.weight);
             tenant.tokens_processed += p.tokens.len() as u64;
-            if s.next.is_none() {
-                s.prefilled += p.tokens.len();
-            }
+            s.kv_len += p.tokens.len();
+            publish(&mut self.cache, &mut self.pool, s);
             if !p.wants_logits {
                 continue;
             }
@@ -686,7 +1009,7 @@ impl<B: Backend> Scheduler<B> {
         if s.generated >= s.max_tokens {
             return Some(FinishReason::Length);
         }
-        s.next = Some(token);
+        s.tokens.push(token);
         None
     }
 
@@ -700,17 +1023,27 @@ impl<B: Backend> Scheduler<B> {
         count
     }
 
-    /// The one exit (I6): releases the sequence's pages (scrubbed before the
-    /// next step), flushes held text, reports usage, logs without content.
+    /// Ends running sequence `seq_index` (see [`Scheduler::end`]).
     fn finish(&mut self, seq_index: usize, reason: FinishReason) {
-        let mut s = self.running.swap_remove(seq_index);
-        let pages = self.pool.release(&mut s.table);
+        let s = self.running.swap_remove(seq_index);
         let tenant = self
             .tenants
             .get_mut(&s.tenant)
             .expect("a running sequence's tenant exists");
         assert!(tenant.running > 0, "a running sequence is counted");
         tenant.running -= 1;
+        self.end(s, reason);
+    }
+
+    /// The one exit of a started sequence, running or preempted (I6): releases
+    /// its pages (scrubbed before the next step; cached ones stay with the
+    /// tenant's cache), flushes held text, reports usage, logs without content.
+    fn end(&mut self, mut s: Sequence, reason: FinishReason) {
+        let pages = self.pool.release(&mut s.table);
+        let tenant = self
+            .tenants
+            .get(&s.tenant)
+            .expect("a started sequence's tenant exists");
         let usage = s.usage();
         if !s.text_closed && matches!(reason, FinishReason::Stop | FinishReason::Length) {
             // Bytes of an incomplete character and text held for a possible stop
@@ -734,9 +1067,55 @@ impl<B: Backend> Scheduler<B> {
             reason = reason.as_str(),
             prompt_tokens = usage.prompt_tokens,
             completion_tokens = usage.completion_tokens,
+            cached_tokens = usage.cached_tokens,
             pages,
             "finished"
         );
+    }
+}
+
+/// What booking a start's pages came to.
+enum Booking {
+    Booked(Reservation),
+    /// Not now; it stays at the head of its queue.
+    Wait,
+    /// Never: the request fails.
+    Refused(ReserveError),
+}
+
+/// Pages an owner keeps from others (its reservation aside).
+fn held(p: &bulkhead_kernels::kv::PartitionStats) -> u32 {
+    p.pages_booked + p.pages_owned + p.pages_shared + p.pages_released
+}
+
+/// Shares `s`'s prompt pages that are now full and final into its tenant's
+/// cache (none when the tenant's cache is off). A page whose key another
+/// sequence cached first stays the sequence's own.
+fn publish(cache: &mut PrefixCache, pool: &mut Pool, s: &mut Sequence) {
+    let page_tokens = pool.layout().geometry().page_tokens as usize;
+    let full = s.kv_len.min(s.prompt_len) / page_tokens;
+    while s.pages_published < full.min(s.chain.len()) {
+        let index = s.pages_published;
+        s.pages_published += 1;
+        if cache.contains(s.tenant, s.chain[index]) {
+            continue;
+        }
+        let handle = pool.share(&s.table, index);
+        let tokens = &s.tokens[index * page_tokens..(index + 1) * page_tokens];
+        cache.insert(s.tenant, &s.chain, index, tokens, handle);
+    }
+}
+
+impl Sequence {
+    /// Why it must end now, if it must: its client left or its deadline passed.
+    fn expiry(&self, now: Instant) -> Option<FinishReason> {
+        if self.events.is_closed() {
+            Some(FinishReason::Cancelled)
+        } else if now >= self.deadline {
+            Some(FinishReason::Timeout)
+        } else {
+            None
+        }
     }
 }
 
@@ -747,7 +1126,7 @@ fn finish_queued(sink: &Sink, admitted: Admitted, tenant: &str, reason: FinishRe
     let request = admitted.request;
     let usage = Usage {
         prompt_tokens: request.prompt.len() as u32,
-        completion_tokens: 0,
+        ..Usage::default()
     };
     let _ = request.events.send(Event::Finished { reason, usage });
     if let Some(sink) = sink {
@@ -772,7 +1151,7 @@ impl<B: Backend> Scheduler<B> {
                 let p = self.pool.partition_stats(OwnerTag(t.limits.id.0));
                 TenantStats {
                     id: t.limits.id.0,
-                    queued: t.queue.len() as u32,
+                    queued: (t.queue.len() + t.preempted.len()) as u32,
                     running: t.running,
                     pages_reserved: t.limits.pages_reserved,
                     pages_max: t.limits.pages_max,
@@ -780,6 +1159,7 @@ impl<B: Backend> Scheduler<B> {
                     pages_released: p.map_or(0, |p| p.pages_released),
                     pages_booked: p.map_or(0, |p| p.pages_booked),
                     pages_available: p.map_or(0, |p| p.pages_available),
+                    pages_shared: p.map_or(0, |p| p.pages_shared),
                     counts: t.counts,
                 }
             })

@@ -8,6 +8,10 @@ pub struct TenantCounts {
     pub enqueued_total: u64,
     /// Pages acquired for the tenant's sequences.
     pub pages_acquired_total: u64,
+    /// Prompt tokens found in the tenant's prefix cache.
+    pub cached_tokens_total: u64,
+    /// Its sequences preempted to give pages or slots back.
+    pub preempted_total: u64,
 }
 
 /// One tenant's scheduler and KV partition counts.
@@ -31,6 +35,8 @@ pub struct TenantStats {
     pub pages_booked: u32,
     /// Pages a reservation could book now.
     pub pages_available: u32,
+    /// Pages of its prefix cache (in use or idle).
+    pub pages_shared: u32,
     /// Cumulative counts.
     pub counts: TenantCounts,
 }

@@ -879,7 +879,7 @@ impl PolicyRuntime {
             outcome: Outcome::Refused,
             usage: Usage {
                 prompt_tokens,
-                completion_tokens: 0,
+                ..Usage::default()
             },
         });
     }

@@ -30,6 +30,7 @@ fn tenant(id: u32, name: &str) -> TenantRecord {
             queue_depth_max: 4,
             running_max: 2,
             pending_max: 2,
+            prefix_cache: true,
         },
         models: ModelAccess::All,
         created_ms: 1,

@@ -250,6 +250,8 @@ pub struct TenantPatch {
     pub running_max: Option<u32>,
     /// Most requests before admission at once.
     pub pending_max: Option<u32>,
+    /// Whether its repeated prompt prefixes are cached.
+    pub prefix_cache: Option<bool>,
     /// The models it may use: `["*"]` for every model, else ids of models in
     /// the catalog.
     #[schema(value_type = Option<Vec<String>>)]
@@ -265,6 +267,7 @@ impl TenantPatch {
             queue_depth_max: self.queue_depth_max.unwrap_or(q.queue_depth_max),
             running_max: self.running_max.unwrap_or(q.running_max),
             pending_max: self.pending_max.unwrap_or(q.pending_max),
+            prefix_cache: self.prefix_cache.unwrap_or(q.prefix_cache),
         }
     }
 }

@@ -64,6 +64,14 @@ pub struct Quota {
     pub running_max: u32,
     /// Most requests being read, tokenized and submitted at once (before admission).
     pub pending_max: u32,
+    /// Whether full prompt pages are kept for its later requests (its own
+    /// prefix cache; never shared with another tenant). Default true.
+    #[serde(default = "prefix_cache_default")]
+    pub prefix_cache: bool,
+}
+
+fn prefix_cache_default() -> bool {
+    true
 }
 
 /// A quota field outside its bounds.
@@ -362,6 +370,7 @@ mod tests {
             queue_depth_max: 4,
             running_max: 2,
             pending_max: 2,
+            prefix_cache: true,
         }
     }
 
@@ -512,6 +521,7 @@ mod tests {
             (
                 Quota {
                     pending_max: PENDING_LIMIT + 1,
+                    prefix_cache: true,
                     ..quota()
                 },
                 "pending_max",
