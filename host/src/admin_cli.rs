@@ -136,6 +136,9 @@ struct QuotaArgs {
     /// The models it may use: comma-separated ids, `*` for every model, `""` for none.
     #[arg(long, value_delimiter = ',')]
     models: Option<Vec<String>>,
+    /// Whether its repeated prompt prefixes are cached (for it alone).
+    #[arg(long)]
+    prefix_cache: Option<bool>,
 }
 
 impl QuotaArgs {
@@ -152,6 +155,9 @@ impl QuotaArgs {
             if let Some(value) = value {
                 out.insert(field.into(), value.into());
             }
+        }
+        if let Some(on) = self.prefix_cache {
+            out.insert("prefix_cache".into(), on.into());
         }
         if let Some(models) = &self.models {
             // `--models ""` is the empty list: no model.

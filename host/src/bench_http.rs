@@ -54,8 +54,12 @@ pub struct HttpBenchArgs {
     pub headers: Vec<String>,
     /// Start every prompt with its request's number, so no two requests share a
     /// prefix (a server's prompt cache cannot skip their prefill).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "shared_prefix")]
     pub distinct_prompts: bool,
+    /// End every prompt with its request's number: all requests share the
+    /// prompt's sentences as a prefix (a system prompt), and differ after it.
+    #[arg(long)]
+    pub shared_prefix: bool,
 }
 
 const SENTENCE: &str = "The quick brown fox jumps over the lazy dog near the river. ";
@@ -66,6 +70,10 @@ struct Sample {
     chunks: u64,
     /// From the usage chunk, when the server sends one.
     prompt_tokens: Option<u64>,
+    /// Prompt tokens the server took from its cache, when it says
+    /// (`usage.prompt_tokens_details.cached_tokens`, or llama-server's
+    /// `timings.cache_n`).
+    cached_tokens: Option<u64>,
 }
 
 /// Runs the load generator and prints one line per level.
@@ -102,6 +110,8 @@ pub fn run(args: &HttpBenchArgs) -> Result<()> {
         args.prompt_sentences,
         if args.distinct_prompts {
             " (distinct)"
+        } else if args.shared_prefix {
+            " (shared prefix, distinct ends)"
         } else {
             ""
         },
@@ -120,6 +130,12 @@ pub fn run(args: &HttpBenchArgs) -> Result<()> {
                 if args.distinct_prompts {
                     body["prompt"] =
                         format!("Request {n}: {}", SENTENCE.repeat(args.prompt_sentences)).into();
+                } else if args.shared_prefix {
+                    body["prompt"] = format!(
+                        "{}Request {n}: tell me what happened next.",
+                        SENTENCE.repeat(args.prompt_sentences)
+                    )
+                    .into();
                 }
                 serde_json::to_vec(&body).map(Bytes::from)
             })
@@ -211,6 +227,7 @@ async fn one_request(
     let mut ttft = None;
     let mut chunks = 0u64;
     let mut prompt_tokens = None;
+    let mut cached_tokens = None;
     let mut pending = Vec::new();
     while let Some(frame) = response.body_mut().frame().await {
         let Ok(data) = frame?.into_data() else {
@@ -230,6 +247,9 @@ async fn one_request(
                 ttft.get_or_insert_with(|| started.elapsed());
             }
             prompt_tokens = prompt_tokens.or(value["usage"]["prompt_tokens"].as_u64());
+            cached_tokens = cached_tokens
+                .or(value["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64())
+                .or(value["timings"]["cache_n"].as_u64());
         }
     }
     Ok(Sample {
@@ -237,6 +257,7 @@ async fn one_request(
         latency: started.elapsed(),
         chunks,
         prompt_tokens,
+        cached_tokens,
     })
 }
 
@@ -279,12 +300,34 @@ fn report(
         .find_map(|s| s.prompt_tokens)
         .map_or(String::new(), |p| format!(", prompt {p} tokens"));
     let per_request = tokens as f64 / samples.len().max(1) as f64;
+    // Time to first token split by whether the server found the prompt (or
+    // part of it) in its cache, when it says.
+    let split = |hit: bool| {
+        let mut t: Vec<Duration> = samples
+            .iter()
+            .filter(|s| s.cached_tokens.is_some_and(|c| (c > 0) == hit))
+            .map(|s| s.ttft)
+            .collect();
+        t.sort();
+        (t.len(), percentile(&t, 0.5))
+    };
+    let cache = if samples.iter().any(|s| s.cached_tokens.is_some()) {
+        let ((hits, hit_p50), (misses, miss_p50)) = (split(true), split(false));
+        let cached: u64 = samples.iter().filter_map(|s| s.cached_tokens).sum();
+        let prompt: u64 = samples.iter().filter_map(|s| s.prompt_tokens).sum();
+        format!(
+            ", cache: {hits} hits ttft p50 {hit_p50:.3}s, {misses} misses ttft p50 {miss_p50:.3}s, {:.0} % of prompt tokens cached",
+            100.0 * cached as f64 / prompt.max(1) as f64
+        )
+    } else {
+        String::new()
+    };
     let rss = match (rss_before, rss_after) {
         (Some(a), Some(b)) => format!(", rss {} -> {} MiB", a / 1024, b / 1024),
         _ => String::new(),
     };
     println!(
-        "concurrency {concurrency:>3}: {:>6.1} tok/s aggregate, ttft p50 {:.3}s p99 {:.3}s, latency p50 {:.3}s p99 {:.3}s, {} ok ({per_request:.1} tokens each{prompt}), {} failed{rss}",
+        "concurrency {concurrency:>3}: {:>6.1} tok/s aggregate, ttft p50 {:.3}s p99 {:.3}s, latency p50 {:.3}s p99 {:.3}s, {} ok ({per_request:.1} tokens each{prompt}), {} failed{rss}{cache}",
         tokens as f64 / wall,
         percentile(&ttft, 0.5),
         percentile(&ttft, 0.99),

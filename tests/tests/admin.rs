@@ -977,7 +977,16 @@ fn bulkhead_admin_commands_do_the_everyday_tasks() {
     assert_eq!(chat(&server, &secret).status, 404);
     let all = ok(&["quota", "set", "zeta", "--models", "*"]);
     assert_eq!(all["models"], json!(["*"]));
-    assert_eq!(chat(&server, &secret).status, 200);
+    assert_eq!(all["quota"]["prefix_cache"], true, "on by default");
+    let off = ok(&["quota", "set", "zeta", "--prefix-cache", "false"]);
+    assert_eq!(off["quota"]["prefix_cache"], false);
+    assert_eq!(off["quota"]["pages_max"], 64, "other limits unchanged");
+    let reply = chat(&server, &secret);
+    assert_eq!(reply.status, 200);
+    assert_eq!(
+        reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        0
+    );
     let models = ok(&["model", "list"]);
     assert_eq!(models["data"][0]["spec"]["id"], MODEL_ID);
     let (code, _, stderr) = admin(&["model", "remove", "no-such-model"]);

@@ -8,7 +8,7 @@
 //! 3. **Reserve**: when the tenant's turn comes, its partition books the
 //!    request's worst case (`prompt + max_tokens` tokens of pages, less the
 //!    prompt pages found in the tenant's own prefix cache, which are attached
-//!    read-only: [`super::prefix`]); only then are pages acquired, into the
+//!    read-only: `engine::prefix`); only then are pages acquired, into the
 //!    sequence's own page table. Worst-case booking means a running sequence
 //!    never runs out of pages; a request that cannot be booked yet stays queued.
 //! 4. **Reclaim** (I8): pages above a tenant's reservation, and sequence slots
@@ -27,7 +27,7 @@
 //!    `step_tokens_max` tokens and `step_seqs_max` sequences, in weighted-fair
 //!    order of tenants (least virtual time first; a tenant's virtual time grows
 //!    by tokens processed divided by its weight).
-//! 6. **Finish** ([`Scheduler::end`]): every exit of a started sequence,
+//! 6. **Finish** (`Scheduler::end`): every exit of a started sequence,
 //!    running or preempted — stop, length, cancel (the client went away),
 //!    timeout, engine error, the tenant's removal — goes through this one
 //!    function, which releases the pages (cached ones stay cached); the pool

@@ -120,6 +120,9 @@ pub struct Policy {
     pub beta_models: Option<String>,
     /// More TOML at the end: more `[[models]]`, an `[engine]` section.
     pub extra_toml: String,
+    /// Tenant alpha's and beta's (pages_reserved, pages_max).
+    pub alpha_pages: (u32, u32),
+    pub beta_pages: (u32, u32),
 }
 
 impl Default for Policy {
@@ -141,6 +144,8 @@ impl Default for Policy {
             plugins_toml: String::new(),
             beta_models: None,
             extra_toml: String::new(),
+            alpha_pages: (64, 96),
+            beta_pages: (64, 96),
         }
     }
 }
@@ -184,14 +189,14 @@ step_tokens_max = 256
 step_seqs_max = 8
 
 [tenants.alpha]
-pages_reserved = 64
-pages_max = 96
+pages_reserved = {alpha_reserved}
+pages_max = {alpha_max}
 pending_max = {alpha_pending}
 key_env = "BULKHEAD_KEY_ALPHA"
 
 [tenants.beta]
-pages_reserved = 64
-pages_max = 96
+pages_reserved = {beta_reserved}
+pages_max = {beta_max}
 pending_max = {beta_pending}
 key_env = "BULKHEAD_KEY_BETA"
 {beta_models}
@@ -223,6 +228,10 @@ key_env = "BULKHEAD_KEY_GAMMA"
                 None => String::new(),
             },
             extra = self.extra_toml,
+            alpha_reserved = self.alpha_pages.0,
+            alpha_max = self.alpha_pages.1,
+            beta_reserved = self.beta_pages.0,
+            beta_max = self.beta_pages.1,
         )
     }
 }
