@@ -54,6 +54,7 @@ fn request(id: u64, max_tokens: u32) -> (NewRequest, tokio::sync::mpsc::Unbounde
         stop: Vec::new(),
         deadline: Instant::now() + Duration::from_secs(30),
         events,
+        cache_salt: None,
     };
     (request, rx)
 }

@@ -113,6 +113,7 @@ impl Sim {
             stop: Vec::new(),
             deadline: self.now + Duration::from_secs(60),
             events: tx,
+            cache_salt: None,
         };
         (request, rx)
     }
@@ -853,4 +854,28 @@ fn idle_cached_pages_stay_within_the_tenants_reservation() {
         "up to its 8 reserved pages"
     );
     s.assert_all_pages_free();
+}
+
+/// A request's cache salt keeps one tenant's users apart: only requests with
+/// the same salt (or both without one) share cached pages.
+#[test]
+fn a_cache_salt_shares_pages_only_between_equal_salts() {
+    let mut s = sim(&[tenant(ALPHA, 1, 48, 64)], 64, LIMITS);
+    let p = prompt(9, 21); // five full pages, all cacheable (21 > 20)
+    let mut run = |salt: Option<&str>| {
+        let (mut request, mut rx) = s.request(ALPHA, p.clone(), 3);
+        request.cache_salt = salt.map(str::to_string);
+        let admitted = s.admission.admit(request).unwrap();
+        s.scheduler.enqueue(admitted).unwrap();
+        s.run_to_idle();
+        text_end(&mut rx)
+    };
+    let (plain, usage) = run(None);
+    assert_eq!(usage.cached_tokens, 0);
+    let (salted, usage) = run(Some("user-1"));
+    assert_eq!(usage.cached_tokens, 0, "another salt finds nothing");
+    assert_eq!(salted, plain);
+    assert_eq!(run(Some("user-1")).1.cached_tokens, 20);
+    assert_eq!(run(None).1.cached_tokens, 20);
+    assert_eq!(run(Some("user-2")).1.cached_tokens, 0);
 }

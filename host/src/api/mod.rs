@@ -640,6 +640,7 @@ async fn run(
         stop: common.stop.clone(),
         deadline: arrived + app.serving.request_timeout,
         events,
+        cache_salt: common.cache_salt.clone(),
     };
     let mut admitted = model.admission.admit(request).map_err(rejected)?;
     if has_chain {

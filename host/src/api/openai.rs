@@ -17,6 +17,8 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::engine::stop::{STOPS_MAX, STOP_BYTES_MAX};
+/// Longest `cache_salt` accepted, in bytes.
+pub const CACHE_SALT_BYTES_MAX: usize = 256;
 /// Largest `top_k` accepted.
 pub const TOP_K_LIMIT: u64 = 1 << 16;
 /// Generated tokens when the client names no `max_tokens` (or fewer, if the
@@ -38,6 +40,9 @@ pub struct Common {
     pub stream: bool,
     /// Send a usage chunk at the end of a stream.
     pub include_usage: bool,
+    /// Separates this request's prefix cache from the tenant's requests with
+    /// another salt (or none): one tenant's users need not share a cache.
+    pub cache_salt: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -216,6 +221,16 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
             include.unwrap_or(false)
         }
     };
+    let cache_salt: Option<String> = f.take("cache_salt")?;
+    if cache_salt
+        .as_ref()
+        .is_some_and(|s| s.is_empty() || s.len() > CACHE_SALT_BYTES_MAX)
+    {
+        return Err(invalid(
+            "cache_salt",
+            format!("must have 1 to {CACHE_SALT_BYTES_MAX} bytes"),
+        ));
+    }
     f.allow_if("n", |v| v.as_u64() == Some(1))?;
     f.allow_if("presence_penalty", is_zero)?;
     f.allow_if("frequency_penalty", is_zero)?;
@@ -242,6 +257,7 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
         stop,
         stream,
         include_usage,
+        cache_salt,
     })
 }
 
@@ -602,6 +618,12 @@ mod tests {
         assert_eq!(r.common.sampling.seed, u64::MAX);
         assert_eq!(r.common.stop, vec!["x"]);
         assert!(r.common.stream && r.common.include_usage);
+        assert_eq!(r.common.cache_salt, None);
+        let salted = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"cache_salt":"user-42"}"#,
+        )
+        .unwrap();
+        assert_eq!(salted.common.cache_salt.as_deref(), Some("user-42"));
     }
 
     #[test]
@@ -622,6 +644,8 @@ mod tests {
             (r#""temperature":3"#, "temperature"),
             (r#""top_p":0"#, "top_p"),
             (r#""stop":["a","b","c","d","e"]"#, "stop"),
+            (r#""cache_salt":"""#, "cache_salt"),
+            (r#""cache_salt":7"#, "cache_salt"),
             (r#""stream":"yes""#, "stream"),
             (r#""bogus":1"#, "bogus"),
             (r#""stream_options":{"x":1}"#, "stream_options.x"),

@@ -107,6 +107,7 @@ pub fn generate(
         stop: Vec::new(),
         deadline: started + GENERATE_TIMEOUT,
         events,
+        cache_salt: None,
     };
     let admitted = scheduler.admission(context_tokens).admit(request)?;
     let backend_name = scheduler.backend().name();

@@ -6,7 +6,9 @@
 //!   chained over the page's token ids and its parent's key, rooted in the tenant's
 //!   id and the pool's id, with keys drawn at random when the engine starts
 //!   (`RandomState`). So a key never matches across tenants, and nothing outside
-//!   the engine ever sees one. A match is confirmed by comparing the page's tokens
+//!   the engine ever sees one. A request may add a salt (`cache_salt`): then it
+//!   shares pages only with its tenant's requests of the same salt, so a tenant
+//!   can keep its own users apart too. A match is confirmed by comparing the page's tokens
 //!   and its parent's key, so a hash collision cannot serve another prefix's page.
 //! - **Only full, final pages.** A page is shared once every position in it holds
 //!   a prompt token's K and V; the pool makes it read-only (`Owned → Shared`), and
@@ -19,7 +21,7 @@
 //!   cache. Eviction releases the page, and the pool scrubs it like any other.
 //!
 //! ```text
-//!  key(0) = H(seed, tenant, pool, tokens[0..P])
+//!  key(0) = H(seed, H(seed, tenant, pool, salt), tokens[0..P])
 //!  key(i) = H(seed, key(i-1),     tokens[iP..(i+1)P])
 //! ```
 
@@ -62,9 +64,10 @@ impl PrefixCache {
         }
     }
 
-    /// The chained keys of the full pages of `tenant`'s `prompt`.
-    pub(super) fn chain(&self, tenant: TenantId, prompt: &[u32]) -> Vec<u64> {
-        let mut parent = self.keys.hash_one((tenant.0, self.pool.0));
+    /// The chained keys of the full pages of `tenant`'s `prompt`, under the
+    /// request's cache `salt`.
+    pub(super) fn chain(&self, tenant: TenantId, salt: Option<&str>, prompt: &[u32]) -> Vec<u64> {
+        let mut parent = self.keys.hash_one((tenant.0, self.pool.0, salt));
         prompt
             .chunks_exact(self.page_tokens)
             .map(|page| {

@@ -92,6 +92,9 @@ pub struct NewRequest {
     pub deadline: Instant,
     /// Where its events go; a closed channel cancels the request.
     pub events: UnboundedSender<Event>,
+    /// Mixed into its prefix-cache keys: requests of one tenant share cached
+    /// pages only when their salts are equal (none is a salt too).
+    pub cache_salt: Option<String>,
 }
 
 /// A terminal refusal: it holds no page, queue slot or plugin state, and

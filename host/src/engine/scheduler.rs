@@ -167,6 +167,8 @@ struct Sequence {
     started: u64,
     /// Keys of the prompt's full pages; empty when its tenant's cache is off.
     chain: Vec<u64>,
+    /// Its request's cache salt.
+    cache_salt: Option<String>,
     /// Prompt pages found in the cache or shared into it so far.
     pages_published: usize,
     /// Prompt tokens found in the cache at its first start.
@@ -592,16 +594,22 @@ impl<B: Backend> Scheduler<B> {
         }
         let page_tokens = self.page_tokens();
         let tenant = &self.tenants[&id];
-        let (pages_needed, tokens, prompt_len) = match tenant.preempted.front() {
-            Some(s) => (s.pages_needed, &s.tokens, s.prompt_len),
+        let (pages_needed, tokens, prompt_len, salt) = match tenant.preempted.front() {
+            Some(s) => (s.pages_needed, &s.tokens, s.prompt_len, &s.cache_salt),
             None => {
                 let admitted = tenant.queue.front().expect("has work");
-                let prompt = &admitted.request.prompt;
-                (admitted.pages_needed, prompt, prompt.len())
+                let request = &admitted.request;
+                let prompt = &request.prompt;
+                (
+                    admitted.pages_needed,
+                    prompt,
+                    prompt.len(),
+                    &request.cache_salt,
+                )
             }
         };
         let (chain, cached) = if tenant.limits.prefix_cache {
-            let chain = self.cache.chain(id, &tokens[..prompt_len]);
+            let chain = self.cache.chain(id, salt.as_deref(), &tokens[..prompt_len]);
             // At least one token is computed, for the logits of the next.
             let pages_max = ((tokens.len() - 1) / page_tokens).min(chain.len());
             let cached = self
@@ -660,6 +668,7 @@ impl<B: Backend> Scheduler<B> {
                     pages_needed,
                     started: starts,
                     chain: Vec::new(),
+                    cache_salt: request.cache_salt,
                     pages_published: 0,
                     cached_tokens: (cached.len() * page_tokens) as u32,
                     max_tokens: request.max_tokens,
