@@ -134,9 +134,8 @@ impl Sim {
         self.now += Duration::from_millis(10);
         self.scheduler.tick(self.now);
         self.scheduler
-            .pool()
-            .check_invariants()
-            .expect("pool invariants after every tick");
+            .check()
+            .expect("pool, page-table and cache invariants after every tick");
     }
 
     fn run_to_idle(&mut self) {
@@ -431,7 +430,7 @@ fn shutdown_ends_queued_and_running_requests_and_frees_every_page() {
     );
     assert_eq!(s.scheduler.in_flight(), 0);
     s.assert_all_pages_free();
-    s.scheduler.pool().check_invariants().unwrap();
+    s.scheduler.check().unwrap();
 }
 
 #[test]
@@ -498,7 +497,7 @@ fn removing_a_tenant_ends_its_requests_frees_its_partition_and_spares_the_others
 
     let ended = s.scheduler.remove_tenant(ALPHA).unwrap();
     assert_eq!(ended, 3);
-    s.scheduler.pool().check_invariants().unwrap();
+    s.scheduler.check().unwrap();
     assert!(
         s.scheduler.pool().partition_stats(owner).is_none(),
         "the partition is gone"
@@ -633,7 +632,7 @@ fn a_within_contract_request_reclaims_the_burst_region_from_a_flooding_tenant() 
         beta.push(s.submit(BETA, beta_prompt(1000 + waited), 12));
         s.now += Duration::from_millis(10);
         preempted += s.scheduler.tick(s.now).preempted;
-        s.scheduler.pool().check_invariants().unwrap();
+        s.scheduler.check().unwrap();
         waited += 1;
         assert!(
             waited <= 2,
@@ -691,7 +690,7 @@ fn a_preempted_sequence_resumes_with_exactly_its_unpreempted_tokens() {
     let mut alpha = s.submit(ALPHA, prompt(8, 30), 30);
     s.now += Duration::from_millis(10);
     let report = s.scheduler.tick(s.now);
-    s.scheduler.pool().check_invariants().unwrap();
+    s.scheduler.check().unwrap();
     assert!(report.preempted >= 1, "{report:?}");
     assert_eq!(s.scheduler.running(ALPHA), 1);
     s.run_to_idle();
@@ -878,4 +877,73 @@ fn a_cache_salt_shares_pages_only_between_equal_salts() {
     assert_eq!(run(Some("user-1")).1.cached_tokens, 20);
     assert_eq!(run(None).1.cached_tokens, 20);
     assert_eq!(run(Some("user-2")).1.cached_tokens, 0);
+}
+
+/// Random traffic from three tenants whose prompts share prefixes within and
+/// across tenants, with clients that go away, against every check after every
+/// tick (no page in two tenants' tables, cached pages only ever their own
+/// tenant's, reference counts exact). Then alpha goes quiet: however the
+/// others press on the pool, its idle cache stays exactly as it was.
+#[test]
+fn random_traffic_keeps_every_cache_and_table_its_tenants_own() {
+    const GAMMA_ID: TenantId = TenantId(2);
+    let ids = [ALPHA, BETA, GAMMA_ID];
+    let mut s = sim(
+        &[
+            tenant(ALPHA, 1, 12, 40),
+            tenant(BETA, 2, 8, 48),
+            tenant(GAMMA_ID, 1, 0, 24),
+        ],
+        64,
+        LIMITS,
+    );
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    // Three shared prefixes, used by every tenant.
+    let prefixes: Vec<Vec<u32>> = (0..3).map(|i| prompt(60 + i, 8 + 4 * i as usize)).collect();
+    let mut live: Vec<UnboundedReceiver<Event>> = Vec::new();
+    let mut alpha_quiet: Option<usize> = None;
+    for round in 0..600 {
+        let senders: &[TenantId] = if round < 300 { &ids } else { &ids[1..] };
+        for _ in 0..next(3) {
+            let tenant = senders[next(senders.len() as u64) as usize];
+            let mut p = prefixes[next(3) as usize].clone();
+            p.extend(prompt(next(1000) as u32, 1 + next(9) as usize));
+            let (request, rx) = s.request(tenant, p, 1 + next(12) as u32);
+            let admitted = s.admission.admit(request).unwrap();
+            if s.scheduler.enqueue(admitted).is_ok() {
+                live.push(rx);
+            }
+        }
+        if !live.is_empty() && next(4) == 0 {
+            let gone = next(live.len() as u64) as usize;
+            live.swap_remove(gone);
+        }
+        s.tick();
+        live.retain_mut(|rx| outcome(rx).1.is_none());
+        let alpha_idle = s.scheduler.queued(ALPHA) == 0 && s.scheduler.running(ALPHA) == 0;
+        match alpha_quiet {
+            None if round >= 300 && alpha_idle => {
+                alpha_quiet = Some(s.scheduler.cached_pages(ALPHA));
+            }
+            Some(cached) => assert_eq!(
+                s.scheduler.cached_pages(ALPHA),
+                cached,
+                "alpha's idle cache changed under the others' load (round {round})"
+            ),
+            None => {}
+        }
+    }
+    let kept = alpha_quiet.expect("alpha went quiet");
+    assert!(
+        kept > 0 && kept <= 12,
+        "alpha kept {kept} pages, within its 12"
+    );
+    s.run_to_idle();
+    s.assert_all_pages_free();
 }

@@ -26,7 +26,7 @@
 //! ```
 
 use crate::tenancy::TenantId;
-use bulkhead_kernels::kv::{KvError, OwnerTag, PageHandle, Pool, PoolId};
+use bulkhead_kernels::kv::{KvError, OwnerTag, PageHandle, PageState, Pool, PoolId};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 
@@ -137,6 +137,26 @@ impl PrefixCache {
             .or_default()
             .insert(chain[index], entry);
         assert!(old.is_none(), "a cached key is shared once");
+    }
+
+    /// Checks that every cached page is a current shared page of its own
+    /// tenant, in this pool. Returns the first mismatch, described.
+    pub(super) fn check(&self, pool: &Pool) -> Result<(), String> {
+        for (&tenant, entries) in &self.tenants {
+            for entry in entries.values() {
+                let handle = entry.handle;
+                let meta = pool
+                    .page_meta(handle.page)
+                    .ok_or_else(|| format!("cached page {handle:?} is not in the pool"))?;
+                let ours = matches!(meta.state, PageState::Shared { owner, .. } if owner == OwnerTag(tenant.0));
+                if !ours || meta.generation != handle.generation || handle.pool != self.pool {
+                    return Err(format!(
+                        "tenant {tenant:?} caches {handle:?}, which is {meta:?}"
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Pages `tenant` has cached (idle or in use).

@@ -55,7 +55,7 @@ use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::{Backend, SeqStep};
 use bulkhead_kernels::kv::{
     OwnerTag, PageHandle, PageTable, PartitionConfig, PartitionError, Pool, Reservation,
-    ReserveError, SeqId,
+    ReserveError, SeqId, Violation,
 };
 use bulkhead_kernels::tokenizer::{DecodeOptions, Detokenizer, Tokenizer};
 use std::collections::{BTreeMap, VecDeque};
@@ -106,6 +106,17 @@ pub enum TenantChangeError {
     /// The pool refused the partition (see the message).
     #[error(transparent)]
     Partition(#[from] PartitionError),
+}
+
+/// What [`Scheduler::check`] found.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    /// The pool or a page table.
+    #[error(transparent)]
+    Pool(#[from] Violation),
+    /// The prefix cache disagrees with the pool.
+    #[error("prefix cache: {0}")]
+    Cache(String),
 }
 
 /// Where every request's end is reported, whatever the exit and whether or
@@ -388,6 +399,33 @@ impl<B: Backend> Scheduler<B> {
         self.tenants.get(&tenant).map_or(0, |t| t.running)
     }
 
+    /// Every check there is, for tests and a paranoid mode: the pool's
+    /// invariants, every sequence's page table against the pool (no page in two
+    /// tenants' tables, shared pages only of the table's own tenant, reference
+    /// counts exact), and the prefix cache against the pool.
+    pub fn check(&self) -> Result<(), CheckError> {
+        let tables: Vec<&PageTable> = self
+            .running
+            .iter()
+            .chain(self.tenants.values().flat_map(|t| t.preempted.iter()))
+            .map(|s| &s.table)
+            .collect();
+        self.pool.check_page_tables(&tables)?;
+        for &id in self.tenants.keys() {
+            let shared = self
+                .pool
+                .partition_stats(OwnerTag(id.0))
+                .map_or(0, |p| p.pages_shared);
+            if shared as usize != self.cache.pages(id) {
+                return Err(CheckError::Cache(format!(
+                    "tenant {id:?} has {shared} shared pages and {} cached",
+                    self.cache.pages(id)
+                )));
+            }
+        }
+        self.cache.check(&self.pool).map_err(CheckError::Cache)
+    }
+
     /// Pages in a tenant's prefix cache (idle or in use).
     pub fn cached_pages(&self, tenant: TenantId) -> usize {
         self.cache.pages(tenant)
@@ -565,6 +603,10 @@ impl<B: Backend> Scheduler<B> {
     /// sequences and pages allow: each start books its worst case in its
     /// tenant's partition.
     fn start_sequences(&mut self) {
+        // Sequences that ended since the last step may have left idle cached
+        // pages above their tenant's reservation: not a loan anyone reclaims.
+        self.trim_caches();
+        self.pages_scrubbed += u64::from(self.pool.scrub_released());
         loop {
             let mut started = false;
             for id in self.fair_order() {
@@ -796,15 +838,12 @@ impl<B: Backend> Scheduler<B> {
         while available(&self.pool) < pages {
             let victim = self
                 .tenants
-                .keys()
-                .filter(|&&t| t != id)
-                .map(|&t| (self.loan_after(t, 0), t))
+                .iter()
+                .filter(|&(&t, state)| t != id && state.running > 0)
+                .map(|(&t, _)| (self.loan_after(t, 0), t))
                 .filter(|&(loan, _)| loan > claimant_loan)
                 .max();
-            let Some((_, victim)) = victim else {
-                return false;
-            };
-            let Some(index) = self.youngest(victim) else {
+            let Some(index) = victim.and_then(|(_, t)| self.youngest(t)) else {
                 return false;
             };
             self.preempt(index, "pages");
