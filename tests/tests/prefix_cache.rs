@@ -143,14 +143,15 @@ fn a_preempted_stream_says_exactly_what_it_says_unpreempted() {
         ..Policy::default()
     };
     let server = start(&model, &policy);
-    // A counting prompt of ~300 tokens, which the model goes on counting.
+    // A counting prompt of ~245 tokens (digits are tokens of their own), which
+    // the model goes on counting.
     let completion = |start: u32| {
-        let numbers: Vec<String> = (start..start + 140).map(|n| n.to_string()).collect();
+        let numbers: Vec<String> = (start..start + 40).map(|n| n.to_string()).collect();
         json!({"model": MODEL_ID, "prompt": format!("Count with me: {},", numbers.join(", ")),
                "max_tokens": 100, "temperature": 0, "stream": true})
     };
-    // ~25 pages each (16 tokens a page): five run, holding ~125 of the 144
-    // pages beta can reach; the sixth waits.
+    // ~22 pages each (16 tokens a page): all six run, holding ~132 of the 144
+    // pages beta can reach (224 less alpha's and gamma's reservations).
     let (talking, started) = std::sync::mpsc::channel();
     let streams: Vec<_> = (0..6u32)
         .map(|i| {
@@ -186,7 +187,7 @@ fn a_preempted_stream_says_exactly_what_it_says_unpreempted() {
             .recv_timeout(Duration::from_secs(120))
             .expect("beta's streams start");
     }
-    // Alpha: ~700 prompt tokens + 100 = ~50 pages; 16 reserved, ~19 free burst.
+    // Alpha: ~710 prompt tokens + 100 = 51 pages; 16 reserved, ~12 free burst.
     let (ttft, _, usage) = timed(&server, KEY_ALPHA, &long_text(1, 600), 100);
     assert!(usage["prompt_tokens"].as_u64().unwrap() > 600, "{usage}");
     let preempted = server.metric(&format!(
