@@ -885,16 +885,11 @@ impl<B: Backend> Scheduler<B> {
     /// its tokens, sampler and stream, and recomputes its KV when it starts
     /// again.
     fn preempt(&mut self, index: usize, reason: &'static str) {
-        let mut s = self.running.swap_remove(index);
+        let mut s = self.take_running(index);
         let pages = self.pool.release(&mut s.table);
         s.kv_len = 0;
         s.pages_published = 0;
-        let tenant = self
-            .tenants
-            .get_mut(&s.tenant)
-            .expect("a running sequence's tenant exists");
-        assert!(tenant.running > 0, "a running sequence is counted");
-        tenant.running -= 1;
+        let tenant = self.tenants.get_mut(&s.tenant).expect("taken above");
         tenant.counts.preempted_total += 1;
         self.preempted_in_tick += 1;
         tracing::info!(
@@ -1073,14 +1068,21 @@ impl<B: Backend> Scheduler<B> {
 
     /// Ends running sequence `seq_index` (see [`Scheduler::end`]).
     fn finish(&mut self, seq_index: usize, reason: FinishReason) {
-        let s = self.running.swap_remove(seq_index);
+        let s = self.take_running(seq_index);
+        self.end(s, reason);
+    }
+
+    /// Takes running sequence `index` out of the running set (its pages stay
+    /// in its table).
+    fn take_running(&mut self, index: usize) -> Sequence {
+        let s = self.running.swap_remove(index);
         let tenant = self
             .tenants
             .get_mut(&s.tenant)
             .expect("a running sequence's tenant exists");
         assert!(tenant.running > 0, "a running sequence is counted");
         tenant.running -= 1;
-        self.end(s, reason);
+        s
     }
 
     /// The one exit of a started sequence, running or preempted (I6): releases
