@@ -39,12 +39,15 @@ serve() {
   echo "bulkhead did not start:"; cat "$log"; exit 1
 }
 stop() { kill "$1"; wait "$1" 2>/dev/null || true; }
-bench() { $B bench http --concurrency 1,4,8,32 --requests 32 --prompt-sentences 32 "$@"; }
+bench() { $B bench http --prompt-sentences 32 "$@"; }
 metric() { curl -s http://127.0.0.1:18081/metrics | grep "^$1" || true; }
 
 if [ -n "$LLAMA" ]; then
   serve policies/demo.toml demo
   bulkhead=$pid
+  # 32 clients at once: alpha's pending_max (8 in the demo, a limit on work
+  # before admission) would refuse most of them with 429 before they queue.
+  $B admin --url http://127.0.0.1:18081 quota set alpha --pending-max 64 >/dev/null
   "$LLAMA" -m "$MODEL" -t 2 --parallel 8 --port 18090 >"$work/llama.log" 2>&1 &
   llama=$!
   pids+=("$llama")
@@ -52,9 +55,11 @@ if [ -n "$LLAMA" ]; then
   for layout in identical shared-prefix; do
     flag=(); [ "$layout" = shared-prefix ] && flag=(--shared-prefix)
     echo "== $layout prompts: bulkhead"
-    bench --url http://127.0.0.1:18080 --key "$BULKHEAD_KEY_ALPHA" --pid "$bulkhead" "${flag[@]}"
+    bench --url http://127.0.0.1:18080 --key "$BULKHEAD_KEY_ALPHA" --pid "$bulkhead" "${flag[@]}" \
+        --concurrency 1,4,8,32 --requests 32
     echo "== $layout prompts: llama-server"
-    bench --url http://127.0.0.1:18090 --model smollm2 --pid "$llama" "${flag[@]}"
+    bench --url http://127.0.0.1:18090 --model smollm2 --pid "$llama" "${flag[@]}" \
+        --concurrency 1,4,8,32 --requests 32
   done
   echo "== cold reference (distinct prompts, no prefix in common): bulkhead"
   bench --url http://127.0.0.1:18080 --key "$BULKHEAD_KEY_ALPHA" --pid "$bulkhead" --distinct-prompts \

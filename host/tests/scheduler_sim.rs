@@ -947,3 +947,52 @@ fn random_traffic_keeps_every_cache_and_table_its_tenants_own() {
     s.run_to_idle();
     s.assert_all_pages_free();
 }
+
+/// Reclaiming from a tenant whose sequences' prompt pages are in its cache:
+/// a preempted sequence's shared prompt pages stay cached (idle), so they are
+/// trimmed to its reservation as part of the reclaim, and a sequence preempted
+/// in a tick does not start again in that tick. Before both, alpha took
+/// beta's sequences off and beta put them back (from its cache) for ever,
+/// inside one tick.
+#[test]
+fn reclaiming_from_cached_prompts_ends_and_alpha_starts() {
+    // A step takes every prompt whole.
+    let limits = BatchLimits {
+        step_tokens_max: 256,
+        step_seqs_max: 8,
+    };
+    let mut s = sim(
+        &[tenant(ALPHA, 1, 4, 60), tenant(BETA, 1, 4, 60)],
+        64,
+        limits,
+    );
+    // Beta: 28-token prompts (seven full pages, shared once prefilled) + 4
+    // tokens = 8 pages; seven run (56 pages, 49 of them shared), more wait.
+    let beta_prompt = |i: u32| prompt(500 + i, 28);
+    let mut beta: Vec<_> = (0..20).map(|i| s.submit(BETA, beta_prompt(i), 4)).collect();
+    s.tick();
+    // Alpha: 44 + 20 tokens = 16 pages, more than it can book now plus all of
+    // beta's unshared pages: some of beta's cached prompt pages must go.
+    let pool = s.scheduler.pool();
+    let available = pool
+        .partition_stats(OwnerTag(ALPHA.0))
+        .unwrap()
+        .pages_available;
+    let beta_stats = pool.partition_stats(OwnerTag(BETA.0)).unwrap();
+    assert!(
+        s.scheduler.running(BETA) >= 6,
+        "beta fills the burst region"
+    );
+    assert!(
+        available + beta_stats.pages_owned < 16,
+        "{available} available, {beta_stats:?}"
+    );
+    let mut alpha = s.submit(ALPHA, prompt(9, 44), 20);
+    s.tick();
+    assert_eq!(s.scheduler.running(ALPHA), 1, "alpha starts at once");
+    s.run_to_idle();
+    for (i, rx) in beta.iter_mut().enumerate() {
+        assert_eq!(text_end(rx).0, solo(beta_prompt(i as u32), 4), "beta {i}");
+    }
+    assert_eq!(text_end(&mut alpha).0, solo(prompt(9, 44), 20));
+}

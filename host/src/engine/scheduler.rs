@@ -176,6 +176,9 @@ struct Sequence {
     pages_needed: u32,
     /// When it first started (a scheduler counter): the youngest are preempted first.
     started: u64,
+    /// The tick it was last preempted in: it starts again in a later one, so
+    /// one tick's starts always end (a start never undoes one of its own tick).
+    preempted_in: Option<u64>,
     /// Keys of the prompt's full pages; empty when its tenant's cache is off.
     chain: Vec<u64>,
     /// Its request's cache salt.
@@ -230,6 +233,8 @@ pub struct Scheduler<B: Backend> {
     starts: u64,
     /// Sequences preempted in the current tick.
     preempted_in_tick: u32,
+    /// Ticks so far.
+    ticks: u64,
     tokens_generated: u64,
     /// Pages scrubbed so far (observability).
     pages_scrubbed: u64,
@@ -266,6 +271,7 @@ impl<B: Backend> Scheduler<B> {
             cache,
             starts: 0,
             preempted_in_tick: 0,
+            ticks: 0,
             tokens_generated: 0,
             pages_scrubbed: 0,
             sink: None,
@@ -487,6 +493,7 @@ impl<B: Backend> Scheduler<B> {
     /// parameter so simulations are deterministic).
     pub fn tick(&mut self, now: Instant) -> TickReport {
         self.preempted_in_tick = 0;
+        self.ticks += 1;
         let mut report = TickReport {
             finished: self.expire_queued(now) + self.expire_running(now),
             ..TickReport::default()
@@ -636,6 +643,9 @@ impl<B: Backend> Scheduler<B> {
         }
         let page_tokens = self.page_tokens();
         let tenant = &self.tenants[&id];
+        if tenant.preempted.front().and_then(|s| s.preempted_in) == Some(self.ticks) {
+            return false;
+        }
         let (pages_needed, tokens, prompt_len, salt) = match tenant.preempted.front() {
             Some(s) => (s.pages_needed, &s.tokens, s.prompt_len, &s.cache_salt),
             None => {
@@ -709,6 +719,7 @@ impl<B: Backend> Scheduler<B> {
                     generated: 0,
                     pages_needed,
                     started: starts,
+                    preempted_in: None,
                     chain: Vec::new(),
                     cache_salt: request.cache_salt,
                     pages_published: 0,
@@ -843,10 +854,16 @@ impl<B: Backend> Scheduler<B> {
                 .map(|(&t, _)| (self.loan_after(t, 0), t))
                 .filter(|&(loan, _)| loan > claimant_loan)
                 .max();
-            let Some(index) = victim.and_then(|(_, t)| self.youngest(t)) else {
+            let Some((_, victim)) = victim else {
                 return false;
             };
+            let index = self
+                .youngest(victim)
+                .expect("the victim has a running sequence");
             self.preempt(index, "pages");
+            // Its prompt pages stay in its cache, idle: above its reservation
+            // they are the loan itself, and go.
+            self.trim_cache(victim);
             self.pages_scrubbed += u64::from(self.pool.scrub_released());
         }
         true
@@ -889,6 +906,7 @@ impl<B: Backend> Scheduler<B> {
         let pages = self.pool.release(&mut s.table);
         s.kv_len = 0;
         s.pages_published = 0;
+        s.preempted_in = Some(self.ticks);
         let tenant = self.tenants.get_mut(&s.tenant).expect("taken above");
         tenant.counts.preempted_total += 1;
         self.preempted_in_tick += 1;
@@ -907,24 +925,31 @@ impl<B: Backend> Scheduler<B> {
     /// tenant's cache never holds the burst region another may need), and none
     /// for a tenant whose cache is off: the least recently used go first.
     fn trim_caches(&mut self) {
-        for (&id, tenant) in &self.tenants {
-            if self.cache.pages(id) == 0 {
-                continue;
-            }
-            let excess = if tenant.limits.prefix_cache {
-                let p = self
-                    .pool
-                    .partition_stats(OwnerTag(id.0))
-                    .expect("a tenant has a partition");
-                // Released pages are on their way out already.
-                (held(&p) - p.pages_released).saturating_sub(tenant.limits.pages_reserved)
-            } else {
-                u32::MAX
-            };
-            if excess > 0 {
-                self.cache
-                    .evict_idle(&mut self.pool, id, excess as usize, &[]);
-            }
+        let ids: Vec<TenantId> = self.tenants.keys().copied().collect();
+        for id in ids {
+            self.trim_cache(id);
+        }
+    }
+
+    /// [`Scheduler::trim_caches`] for one tenant.
+    fn trim_cache(&mut self, id: TenantId) {
+        if self.cache.pages(id) == 0 {
+            return;
+        }
+        let limits = &self.tenants[&id].limits;
+        let excess = if limits.prefix_cache {
+            let p = self
+                .pool
+                .partition_stats(OwnerTag(id.0))
+                .expect("a tenant has a partition");
+            // Released pages are on their way out already.
+            (held(&p) - p.pages_released).saturating_sub(limits.pages_reserved)
+        } else {
+            u32::MAX
+        };
+        if excess > 0 {
+            self.cache
+                .evict_idle(&mut self.pool, id, excess as usize, &[]);
         }
     }
 
