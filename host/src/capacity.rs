@@ -50,7 +50,7 @@ pub struct Capacity {
 
 /// A promise that some stage cannot keep.
 #[derive(Debug, thiserror::Error)]
-#[error("capacity contract of model {model} violated: the promised context of {promised} tokens exceeds {stage} ({tokens} tokens, set by {field})\n{table}")]
+#[error("capacity contract of model {model} violated: {}\n{table}", self.reason())]
 pub struct CapacityViolation {
     /// The model.
     pub model: String,
@@ -66,6 +66,21 @@ pub struct CapacityViolation {
     pub table: String,
     /// The whole contract.
     pub capacity: Box<Capacity>,
+}
+
+impl CapacityViolation {
+    /// What breaks, in a sentence: a stage that holds fewer tokens than
+    /// promised, or (the reservations and slot stages, which hold no tokens)
+    /// the count that does not fit.
+    pub fn reason(&self) -> String {
+        if self.stage == RESERVATIONS_STAGE || self.stage == SLOTS_STAGE {
+            return format!("{}: {}", self.stage, self.field);
+        }
+        format!(
+            "the promised context of {} tokens exceeds {} ({} tokens, set by {})",
+            self.promised, self.stage, self.tokens, self.field
+        )
+    }
 }
 
 impl Capacity {
@@ -436,6 +451,12 @@ mod tests {
         let three = [("a", 0, 512), ("b", 0, 512), ("c", 0, 512)];
         let v = violation(&two_slots, 8192, &three);
         assert_eq!(v.stage, SLOTS_STAGE);
+        assert!(
+            v.to_string().starts_with(
+                "capacity contract of model m violated: sequence slots: 3 tenants may use model m"
+            ),
+            "{v}"
+        );
         assert!(
             v.field.contains("models.m.step_seqs_max is 2"),
             "{}",
