@@ -140,3 +140,82 @@ fn shutdown_stops_accepting_and_ends_what_is_left_after_the_drain() {
         );
     });
 }
+
+/// A backend whose step never returns: an engine thread stuck by a bug.
+struct Stuck;
+
+impl bulkhead_kernels::backend::Backend for Stuck {
+    fn name(&self) -> String {
+        "stuck".into()
+    }
+
+    fn step_tokens_max(&self) -> usize {
+        64
+    }
+
+    fn step(
+        &mut self,
+        _steps: &[bulkhead_kernels::backend::SeqStep<'_>],
+        _pool: &mut bulkhead_kernels::kv::Pool,
+    ) -> Result<bulkhead_kernels::backend::Logits<'_>, bulkhead_kernels::backend::StepError> {
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+}
+
+/// A shutdown returns even when the engine thread never stops: it waits the
+/// drain deadline plus a grace, then leaves the thread behind (before, it
+/// joined for ever and the server never exited).
+#[test]
+fn shutdown_returns_even_when_the_engine_thread_is_stuck() {
+    use bulkhead::engine::scheduler::{BatchLimits, Scheduler};
+    use bulkhead::engine::service::ENGINE_STOP_GRACE;
+    let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap());
+    let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
+    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
+    let spec = EngineSpec {
+        pool_pages: 8,
+        page_tokens: 8,
+        threads: 1,
+        step_tokens_max: 64,
+        step_seqs_max: 4,
+        pool_options: PoolOptions::default(),
+    };
+    let pool = build::pool(&model, &spec).unwrap();
+    let limits = BatchLimits {
+        step_tokens_max: 64,
+        step_seqs_max: 4,
+    };
+    let tenant = TenantLimits {
+        id: TenantId(0),
+        name: "alpha".into(),
+        weight: 1,
+        queue_depth_max: 4,
+        running_max: 4,
+        pages_reserved: 8,
+        pages_max: 8,
+        prefix_cache: true,
+    };
+    let scheduler = Scheduler::new(Stuck, pool, tokenizer, limits, vec![tenant]).unwrap();
+    let admission = scheduler.admission(64);
+    let service = EngineService::start(scheduler).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (r, _rx) = request(1, 4);
+    runtime
+        .block_on(service.handle().submit(admission.admit(r).unwrap()))
+        .unwrap();
+    // Let the thread enter its step.
+    std::thread::sleep(Duration::from_millis(100));
+    let started = Instant::now();
+    service.shutdown(Duration::ZERO, FinishReason::Shutdown);
+    let took = started.elapsed();
+    assert!(
+        took >= ENGINE_STOP_GRACE,
+        "returned before the grace: {took:?}"
+    );
+    assert!(took < ENGINE_STOP_GRACE * 2, "took {took:?}");
+}

@@ -33,6 +33,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
+/// How long past its drain deadline a stopping engine thread may take.
+pub const ENGINE_STOP_GRACE: Duration = Duration::from_secs(10);
+/// How often a shutdown looks whether the engine thread has stopped.
+const ENGINE_STOP_POLL: Duration = Duration::from_millis(5);
 /// How long an idle engine thread sleeps before looking again.
 const IDLE_WAIT: Duration = Duration::from_millis(100);
 /// How long a stalled engine thread (work queued, none runnable) sleeps.
@@ -172,6 +176,10 @@ impl EngineService {
     /// the rest with `reason` and joins the thread. The scheduler — its pool,
     /// backend and model — is dropped with the thread. Returns how many
     /// requests were still in flight at the deadline.
+    ///
+    /// A thread that has not stopped [`ENGINE_STOP_GRACE`] after the deadline
+    /// (stuck in a step or a loop: a bug) is left behind with an error in the
+    /// log, so a shutdown or an unload always returns.
     pub fn shutdown(mut self, drain: Duration, reason: FinishReason) -> u32 {
         self.handle.accepting.store(false, Ordering::SeqCst);
         let drain_until = Instant::now() + drain;
@@ -179,11 +187,22 @@ impl EngineService {
             drain_until,
             reason,
         });
-        match self.thread.take() {
-            // A panicked engine thread ended everything it held by unwinding.
-            Some(thread) => thread.join().unwrap_or(0),
-            None => 0,
+        let Some(thread) = self.thread.take() else {
+            return 0;
+        };
+        let give_up = drain_until + ENGINE_STOP_GRACE;
+        while !thread.is_finished() {
+            if Instant::now() >= give_up {
+                tracing::error!(
+                    grace_ms = ENGINE_STOP_GRACE.as_millis() as u64,
+                    "the engine thread did not stop by its drain deadline; left behind"
+                );
+                return 0;
+            }
+            std::thread::sleep(ENGINE_STOP_POLL);
         }
+        // A panicked engine thread ended everything it held by unwinding.
+        thread.join().unwrap_or(0)
     }
 }
 
