@@ -141,6 +141,15 @@ impl EngineHandle {
     }
 }
 
+/// Clears `accepting` when dropped: held by the engine thread for its life.
+struct StopsAccepting(Arc<AtomicBool>);
+
+impl Drop for StopsAccepting {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
+
 /// The running engine thread.
 pub struct EngineService {
     handle: EngineHandle,
@@ -154,9 +163,15 @@ impl EngineService {
         let accepting = Arc::new(AtomicBool::new(true));
         let stats = Arc::new(Mutex::new(scheduler.stats()));
         let published = Arc::clone(&stats);
+        let stops_accepting = StopsAccepting(Arc::clone(&accepting));
         let thread = std::thread::Builder::new()
             .name("bulkhead-engine".into())
-            .spawn(move || engine_loop(scheduler, inbox, &published))?;
+            .spawn(move || {
+                // However the thread ends (a shutdown, or a panic unwinding),
+                // the engine stops taking requests and readiness says so.
+                let _stops_accepting = stops_accepting;
+                engine_loop(scheduler, inbox, &published)
+            })?;
         Ok(EngineService {
             handle: EngineHandle {
                 commands,
