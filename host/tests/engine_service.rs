@@ -141,12 +141,16 @@ fn shutdown_stops_accepting_and_ends_what_is_left_after_the_drain() {
     });
 }
 
-/// A backend whose step never returns: an engine thread stuck by a bug.
-struct Stuck;
+/// A backend with a planted fault in its step: an engine thread stuck in a
+/// loop, or one whose ownership check panics.
+enum Faulty {
+    Stuck,
+    Panics,
+}
 
-impl bulkhead_kernels::backend::Backend for Stuck {
+impl bulkhead_kernels::backend::Backend for Faulty {
     fn name(&self) -> String {
-        "stuck".into()
+        "faulty".into()
     }
 
     fn step_tokens_max(&self) -> usize {
@@ -158,19 +162,25 @@ impl bulkhead_kernels::backend::Backend for Stuck {
         _steps: &[bulkhead_kernels::backend::SeqStep<'_>],
         _pool: &mut bulkhead_kernels::kv::Pool,
     ) -> Result<bulkhead_kernels::backend::Logits<'_>, bulkhead_kernels::backend::StepError> {
-        loop {
-            std::thread::sleep(Duration::from_secs(3600));
+        match self {
+            Faulty::Stuck => loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            },
+            Faulty::Panics => panic!("planted: the step's ownership check failed"),
         }
     }
 }
 
-/// A shutdown returns even when the engine thread never stops: it waits the
-/// drain deadline plus a grace, then leaves the thread behind (before, it
-/// joined for ever and the server never exited).
-#[test]
-fn shutdown_returns_even_when_the_engine_thread_is_stuck() {
+/// An engine over the tiny model's pool with `backend`, one tenant, and one
+/// request submitted to it (so the thread enters a step).
+fn faulty_engine(
+    backend: Faulty,
+) -> (
+    EngineService,
+    Admission,
+    tokio::sync::mpsc::UnboundedReceiver<Event>,
+) {
     use bulkhead::engine::scheduler::{BatchLimits, Scheduler};
-    use bulkhead::engine::service::ENGINE_STOP_GRACE;
     let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap());
     let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
     let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
@@ -197,17 +207,31 @@ fn shutdown_returns_even_when_the_engine_thread_is_stuck() {
         pages_max: 8,
         prefix_cache: true,
     };
-    let scheduler = Scheduler::new(Stuck, pool, tokenizer, limits, vec![tenant]).unwrap();
+    let scheduler = Scheduler::new(backend, pool, tokenizer, limits, vec![tenant]).unwrap();
     let admission = scheduler.admission(64);
     let service = EngineService::start(scheduler).unwrap();
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let (r, _rx) = request(1, 4);
-    runtime
+    assert!(service.handle().is_accepting());
+    let (r, rx) = request(1, 4);
+    runtime()
         .block_on(service.handle().submit(admission.admit(r).unwrap()))
         .unwrap();
+    (service, admission, rx)
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A shutdown returns even when the engine thread never stops: it waits the
+/// drain deadline plus a grace, then leaves the thread behind (before, it
+/// joined for ever and the server never exited).
+#[test]
+fn shutdown_returns_even_when_the_engine_thread_is_stuck() {
+    use bulkhead::engine::service::ENGINE_STOP_GRACE;
+    let (service, _admission, _rx) = faulty_engine(Faulty::Stuck);
     // Let the thread enter its step.
     std::thread::sleep(Duration::from_millis(100));
     let started = Instant::now();
@@ -220,77 +244,23 @@ fn shutdown_returns_even_when_the_engine_thread_is_stuck() {
     assert!(took < ENGINE_STOP_GRACE * 2, "took {took:?}");
 }
 
-/// A backend whose step panics (an ownership assert firing, say).
-struct Panics;
-
-impl bulkhead_kernels::backend::Backend for Panics {
-    fn name(&self) -> String {
-        "panics".into()
-    }
-
-    fn step_tokens_max(&self) -> usize {
-        64
-    }
-
-    fn step(
-        &mut self,
-        _steps: &[bulkhead_kernels::backend::SeqStep<'_>],
-        _pool: &mut bulkhead_kernels::kv::Pool,
-    ) -> Result<bulkhead_kernels::backend::Logits<'_>, bulkhead_kernels::backend::StepError> {
-        panic!("planted: the step's ownership check failed");
-    }
-}
-
 /// An engine thread that panics stops accepting at once: readiness (which
 /// reads the same flag) turns false, and a submission is refused, where
 /// before the server kept answering ready.
 #[test]
 fn an_engine_thread_that_panics_stops_accepting() {
-    use bulkhead::engine::scheduler::{BatchLimits, Scheduler};
-    let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap());
-    let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
-    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
-    let spec = EngineSpec {
-        pool_pages: 8,
-        page_tokens: 8,
-        threads: 1,
-        step_tokens_max: 64,
-        step_seqs_max: 4,
-        pool_options: PoolOptions::default(),
-    };
-    let pool = build::pool(&model, &spec).unwrap();
-    let limits = BatchLimits {
-        step_tokens_max: 64,
-        step_seqs_max: 4,
-    };
-    let tenant = TenantLimits {
-        id: TenantId(0),
-        name: "alpha".into(),
-        weight: 1,
-        queue_depth_max: 4,
-        running_max: 4,
-        pages_reserved: 8,
-        pages_max: 8,
-        prefix_cache: true,
-    };
-    let scheduler = Scheduler::new(Panics, pool, tokenizer, limits, vec![tenant]).unwrap();
-    let admission = scheduler.admission(64);
-    let service = EngineService::start(scheduler).unwrap();
+    let (service, admission, mut rx) = faulty_engine(Faulty::Panics);
     let handle = service.handle();
-    assert!(handle.is_accepting());
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let (r, mut rx) = request(1, 4);
-    runtime
-        .block_on(handle.submit(admission.admit(r).unwrap()))
-        .unwrap();
+    let runtime = runtime();
     // The request's channel closes with the thread (its sender is dropped in
     // the unwind), and the engine says it is not accepting.
     runtime.block_on(async { while rx.recv().await.is_some() {} });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while handle.is_accepting() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
     assert!(
-        eventually_true(|| !handle.is_accepting()),
+        !handle.is_accepting(),
         "still accepting after the engine thread died"
     );
     let (r, _rx) = request(2, 4);
@@ -299,15 +269,4 @@ fn an_engine_thread_that_panics_stops_accepting() {
         Err(SubmitError::Unavailable)
     ));
     service.shutdown(Duration::ZERO, FinishReason::Shutdown);
-}
-
-fn eventually_true(check: impl Fn() -> bool) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < deadline {
-        if check() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    check()
 }
