@@ -14,6 +14,10 @@ default model):
   greedy:  {text, ids, continuation: [ids...]}
 
 Regenerate:  scripts/setup.sh --python && python3 scripts/golden_logits.py
+A long prompt (LONG_TOKENS tokens; logits at several depths and a greedy
+continuation through a KV cache), for long-context attention:
+  python3 scripts/golden_logits.py --long \
+      --out kernels/tests/fixtures/logits_smollm2_long.json
 The Q8_0 model that scripts/models.sh derives with `bulkhead quantize` (reading
 it here also proves, independently of our reader, that the file is valid GGUF):
   python3 scripts/golden_logits.py \
@@ -51,6 +55,21 @@ GREEDY_PROMPT = (
 )
 GREEDY_TOKENS = 24
 TOP = 10
+LONG_TOKENS = 4100
+LONG_GREEDY_TOKENS = 8
+
+
+def long_text():
+    """Varied, deterministic prose-like text: numbered facts, so no window of it
+    repeats and attention has something to find far back."""
+    colors = ["red", "green", "blue", "amber", "violet", "grey", "white", "black"]
+    things = ["lamp", "river", "ledger", "kettle", "bridge", "garden", "signal", "harbor", "window"]
+    lines = []
+    for i in range(1, 2000):
+        color = colors[(i * 7) % len(colors)]
+        thing = things[(i * 5) % len(things)]
+        lines.append(f"Note {i}: the {color} {thing} number {i * 37 % 1000} was checked on day {i % 31 + 1}.")
+    return "<|im_start|>user\n" + " ".join(lines)
 
 
 class Reference:
@@ -75,9 +94,9 @@ class Reference:
     def rmsnorm(self, x, g):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * g
 
-    def rope(self, x, n):
+    def rope(self, x, n, start=0):
         # x: [T][heads][hd]; llama.cpp "normal" RoPE rotates adjacent pairs.
-        pos = np.arange(n, dtype=np.float64)[:, None]
+        pos = np.arange(start, start + n, dtype=np.float64)[:, None]
         inv = self.base ** (-np.arange(0, self.hd, 2, dtype=np.float64) / self.hd)
         ang = pos * inv[None, :]
         cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
@@ -87,18 +106,28 @@ class Reference:
         out[..., 1::2] = a * sin + b * cos
         return out
 
-    def forward(self, ids):
+    def forward(self, ids, cache=None):
+        """Logits of `ids`, which follow the positions already in `cache` (a
+        list of per-layer (k, v) arrays, extended in place) when one is given."""
         n = len(ids)
+        start = 0 if cache is None or not cache else cache[0][0].shape[0]
         x = self.embd[ids].astype(np.float64)
         group = self.heads // self.kv_heads
-        mask = np.triu(np.full((n, n), -np.inf), k=1)
+        mask = np.triu(np.full((n, start + n), -np.inf), k=start + 1)
         for i in range(self.layers):
             w = lambda part: self.t[f"blk.{i}.{part}.weight"]  # noqa: E731
             xn = self.rmsnorm(x, w("attn_norm"))
             q = (xn @ w("attn_q").T).reshape(n, self.heads, self.hd)
             k = (xn @ w("attn_k").T).reshape(n, self.kv_heads, self.hd)
             v = (xn @ w("attn_v").T).reshape(n, self.kv_heads, self.hd)
-            q, k = self.rope(q, n), self.rope(k, n)
+            q, k = self.rope(q, n, start), self.rope(k, n, start)
+            if cache is not None:
+                if len(cache) <= i:
+                    cache.append((k, v))
+                else:
+                    k = np.concatenate([cache[i][0], k])
+                    v = np.concatenate([cache[i][1], v])
+                    cache[i] = (k, v)
             att = np.empty((n, self.heads, self.hd))
             for h in range(self.heads):
                 kh = h // group
@@ -131,9 +160,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--model", default=MODEL, help="GGUF model file (default: %(default)s)")
     parser.add_argument("--out", default=OUT, help="fixture to write (default: %(default)s)")
+    parser.add_argument("--long", action="store_true", help=f"one prompt of {LONG_TOKENS} tokens")
     args = parser.parse_args()
     tokenizer = build_tokenizer(args.model)
     ref = Reference(args.model)
+    if args.long:
+        write(args, long_fixture(tokenizer, ref))
+        return
     prompts = []
     for text in PROMPTS:
         ids = tokenizer.encode(text).ids
@@ -151,11 +184,42 @@ def main():
         continuation.append(best[0][0])
         margins.append(round(best[0][1] - best[1][1], 5))
     print("greedy:", repr(tokenizer.decode(continuation)), file=sys.stderr)
+    write(
+        args,
+        {
+            "prompts": prompts,
+            "greedy": {"text": GREEDY_PROMPT, "ids": ids, "continuation": continuation, "top2_margins": margins},
+        },
+    )
+
+
+def long_fixture(tokenizer, ref):
+    """One LONG_TOKENS prompt: top-10 logits at several depths, then a greedy
+    continuation decoded through the reference's KV cache."""
+    ids = tokenizer.encode(long_text()).ids[:LONG_TOKENS]
+    assert len(ids) == LONG_TOKENS, len(ids)
+    cache = []
+    logits = ref.forward(ids, cache)
+    positions = [511, 1023, 2047, 3071, LONG_TOKENS - 1]
+    continuation, margins = [], []
+    last = logits[-1]
+    for _ in range(LONG_GREEDY_TOKENS):
+        best = top(last, 2)
+        continuation.append(best[0][0])
+        margins.append(round(best[0][1] - best[1][1], 5))
+        last = ref.forward([best[0][0]], cache)[-1]
+    print(f"long: {len(ids)} tokens, greedy {tokenizer.decode(continuation)!r}", file=sys.stderr)
+    return {
+        "prompts": [{"ids": ids, "positions": [{"pos": p, "top": top(logits[p])} for p in positions]}],
+        "greedy": {"ids": ids, "continuation": continuation, "top2_margins": margins},
+    }
+
+
+def write(args, body):
     fixture = {
         "model_sha256": sha256(args.model),
         "reference": "NumPy f64 forward over gguf-dequantized tensors (scripts/golden_logits.py)",
-        "prompts": prompts,
-        "greedy": {"text": GREEDY_PROMPT, "ids": ids, "continuation": continuation, "top2_margins": margins},
+        **body,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -2,10 +2,15 @@
 //! with no HTTP in the way. Figures go to BENCHMARKS.md; they are measured, never
 //! asserted by tests.
 //!
-//! 1. Prefill: one sequence, a `prefill_tokens` prompt in one step; best of `repeats`.
-//! 2. Decode at batch B: B sequences, each prefilled with a short prompt, then
-//!    `decode_tokens` steps of B tokens each; aggregate tokens per second.
+//! 1. Prefill: one sequence, a `prefill_tokens` prompt (up to the model's
+//!    context) in steps of `chunk` tokens, as the server would; best of `repeats`.
+//! 2. Decode at batch B: B sequences, each prefilled with a `decode_context`
+//!    prompt (the depth), then `decode_tokens` steps of B tokens each; aggregate
+//!    tokens per second.
+//!
+//! It prints the KV bytes per position of the pool it measured (`--kv-type`).
 
+use crate::config::KvStorage;
 use crate::engine::build::{self, EngineSpec};
 use crate::engine::generate::{PAGE_TOKENS, PREFILL_CHUNK_TOKENS};
 use anyhow::{ensure, Result};
@@ -30,10 +35,14 @@ pub struct EngineBenchArgs {
     /// Compute threads.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
-    /// Prompt length of the prefill measurement.
+    /// Prompt length of the prefill measurement (up to the model's context).
     #[arg(long, default_value_t = 512)]
     pub prefill_tokens: usize,
-    /// Prompt length of each sequence before decode is measured.
+    /// Prefill chunk: most prompt tokens in one step (the server's
+    /// `step_tokens_max`).
+    #[arg(long, default_value_t = PREFILL_CHUNK_TOKENS as usize)]
+    pub chunk: usize,
+    /// Prompt length of each sequence before decode is measured: the depth.
     #[arg(long, default_value_t = 16)]
     pub decode_context: usize,
     /// Decode steps measured.
@@ -45,6 +54,9 @@ pub struct EngineBenchArgs {
     /// Repeats of each measurement (the best is reported).
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
+    /// How the KV pool stores values.
+    #[arg(long, value_enum, default_value_t = KvStorage::F16)]
+    pub kv_type: KvStorage,
 }
 
 const TEXT: &str = "The quick brown fox jumps over the lazy dog. Bulkhead keeps every tenant's \
@@ -58,10 +70,18 @@ fn prompt(tokenizer: &Tokenizer, len: usize) -> Result<Vec<u32>> {
 
 /// Runs the engine benchmark and prints one line per figure.
 pub fn engine(model: Arc<Model>, tokenizer: Tokenizer, args: &EngineBenchArgs) -> Result<()> {
-    let chunk = PREFILL_CHUNK_TOKENS as usize;
+    let context = model.config.context_len;
     ensure!(
-        args.prefill_tokens <= chunk,
-        "--prefill-tokens is at most {chunk}"
+        (1..=context).contains(&args.prefill_tokens),
+        "--prefill-tokens is 1..={context} (the model's context)"
+    );
+    ensure!(
+        args.decode_context + args.decode_tokens <= context,
+        "--decode-context plus --decode-tokens is at most {context} (the model's context)"
+    );
+    ensure!(
+        (1..=PREFILL_CHUNK_MAX).contains(&args.chunk),
+        "--chunk is 1..={PREFILL_CHUNK_MAX}"
     );
     let batch_max = args.batches.iter().copied().max().unwrap_or(1);
     ensure!(
@@ -71,8 +91,9 @@ pub fn engine(model: Arc<Model>, tokenizer: Tokenizer, args: &EngineBenchArgs) -
     let spec = EngineSpec {
         pool_pages: 0, // each measurement sizes its own pool
         page_tokens: PAGE_TOKENS,
+        kv_type: args.kv_type.into(),
         threads: args.threads,
-        step_tokens_max: chunk.max(batch_max) as u32,
+        step_tokens_max: args.chunk.max(batch_max) as u32,
         step_seqs_max: batch_max as u32,
         pool_options: PoolOptions::default(),
     };
@@ -82,28 +103,35 @@ pub fn engine(model: Arc<Model>, tokenizer: Tokenizer, args: &EngineBenchArgs) -
         tokenizer,
         spec,
     };
+    let layout = engine.pool(1)?.layout().to_owned();
     println!(
-        "bench engine: backend {}, threads {}, model {}",
+        "bench engine: backend {}, threads {}, kv {} ({} bytes per position), model {}",
         engine.backend.name(),
         args.threads,
+        args.kv_type.name(),
+        layout.position_bytes(),
         args.model.display()
     );
     let prefill = prefill(&mut engine, args)?;
     println!(
-        "prefill {} tokens: {:.1} tok/s",
-        args.prefill_tokens, prefill
+        "prefill {} tokens (chunks of {}): {:.1} tok/s",
+        args.prefill_tokens, args.chunk, prefill
     );
     let mut batch1 = None;
     for &batch in &args.batches {
         let rate = decode(&mut engine, args, batch)?;
         let base = *batch1.get_or_insert(rate);
         println!(
-            "decode batch {batch:>3}: {rate:.1} tok/s aggregate ({:.2}x batch 1)",
+            "decode batch {batch:>3} at depth {}: {rate:.1} tok/s aggregate ({:.2}x batch 1)",
+            args.decode_context,
             rate / base
         );
     }
     Ok(())
 }
+
+/// Largest `--chunk`: a step's scratch grows with it.
+const PREFILL_CHUNK_MAX: usize = 8192;
 
 struct Engine {
     model: Arc<Model>,
@@ -142,6 +170,29 @@ fn table(pool: &mut Pool, seq: u64, pages: u32) -> Result<PageTable> {
     Ok(table)
 }
 
+/// Feeds `ids` into `seq` from position 0 in steps of `chunk` tokens; logits
+/// for the last one only.
+fn feed(
+    engine: &mut Engine,
+    pool: &mut Pool,
+    seq: &PageTable,
+    ids: &[u32],
+    chunk: usize,
+) -> Result<()> {
+    let mut pos = 0;
+    for piece in ids.chunks(chunk) {
+        let step = SeqStep {
+            pages: seq,
+            pos_start: pos,
+            tokens: piece,
+            wants_logits: pos + piece.len() == ids.len(),
+        };
+        engine.backend.step(&[step], pool)?;
+        pos += piece.len();
+    }
+    Ok(())
+}
+
 fn prefill(engine: &mut Engine, args: &EngineBenchArgs) -> Result<f64> {
     let ids = prompt(&engine.tokenizer, args.prefill_tokens)?;
     let pages = ids.len().div_ceil(PAGE_TOKENS as usize) as u32;
@@ -150,13 +201,7 @@ fn prefill(engine: &mut Engine, args: &EngineBenchArgs) -> Result<f64> {
         let mut pool = engine.pool(pages)?;
         let mut seq = table(&mut pool, 0, pages)?;
         let started = Instant::now();
-        let step = SeqStep {
-            pages: &seq,
-            pos_start: 0,
-            tokens: &ids,
-            wants_logits: true,
-        };
-        engine.backend.step(&[step], &mut pool)?;
+        feed(engine, &mut pool, &seq, &ids, args.chunk)?;
         best = best.max(ids.len() as f64 / started.elapsed().as_secs_f64());
         pool.release(&mut seq);
     }
@@ -174,13 +219,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
             .map(|i| table(&mut pool, i as u64, pages_per_seq))
             .collect::<Result<Vec<_>>>()?;
         for seq in &seqs {
-            let step = SeqStep {
-                pages: seq,
-                pos_start: 0,
-                tokens: &context,
-                wants_logits: false,
-            };
-            engine.backend.step(&[step], &mut pool)?;
+            feed(engine, &mut pool, seq, &context, args.chunk)?;
         }
         // Decode feeds back a fixed token: sampling is not what is measured.
         let token = [context[0]];

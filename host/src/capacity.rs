@@ -349,6 +349,7 @@ mod tests {
             seq_pages_max: 256,
             step_tokens_max: 512,
             step_seqs_max: 32,
+            kv_type: Default::default(),
         }
     }
 

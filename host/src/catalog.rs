@@ -154,7 +154,7 @@ fn memory_of(
         .map(|t| gguf.tensor_bytes(t).len() as u64)
         .sum();
     let layout = config
-        .pool_geometry(spec.pool_pages, spec.page_tokens)
+        .pool_geometry(spec.pool_pages, spec.page_tokens, spec.kv_type.into())
         .layout()
         .map_err(|e| LoadError::Engine {
             id: spec.id.clone(),
@@ -163,7 +163,7 @@ fn memory_of(
     Ok(ModelMemory {
         model: spec.id.clone(),
         weights_bytes,
-        kv_bytes: layout.pool_floats() as u64 * std::mem::size_of::<f32>() as u64,
+        kv_bytes: layout.pool_bytes(),
     })
 }
 
@@ -210,6 +210,7 @@ pub fn engine_spec(spec: &ModelSpec) -> EngineSpec {
     EngineSpec {
         pool_pages: spec.pool_pages,
         page_tokens: spec.page_tokens,
+        kv_type: spec.kv_type.into(),
         threads: spec.threads as usize,
         step_tokens_max: spec.step_tokens_max,
         step_seqs_max: spec.step_seqs_max,

@@ -12,6 +12,7 @@
 //!    checked in [`crate::capacity`].
 
 use crate::tenancy::{valid_name, ModelAccess, Quota};
+use bulkhead_kernels::kv::KvType;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -273,6 +274,48 @@ pub struct ModelSpec {
     /// Most sequences in one step (default 32).
     #[serde(default = "default_step_seqs_max")]
     pub step_seqs_max: u32,
+    /// How its KV pool stores each value: `f16` (the default: half the memory
+    /// and half the bytes attention reads) or `f32` (the reference).
+    #[serde(default)]
+    pub kv_type: KvStorage,
+}
+
+/// How a KV pool stores each value.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum KvStorage {
+    /// IEEE half precision (2 bytes).
+    #[default]
+    F16,
+    /// IEEE single precision (4 bytes).
+    F32,
+}
+
+impl KvStorage {
+    /// "f16" or "f32".
+    pub fn name(self) -> &'static str {
+        KvType::from(self).name()
+    }
+}
+
+impl From<KvStorage> for KvType {
+    fn from(storage: KvStorage) -> KvType {
+        match storage {
+            KvStorage::F16 => KvType::F16,
+            KvStorage::F32 => KvType::F32,
+        }
+    }
 }
 
 fn default_threads() -> u32 {

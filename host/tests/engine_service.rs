@@ -9,7 +9,7 @@ use bulkhead::engine::scheduler::TenantLimits;
 use bulkhead::engine::service::{EngineService, SubmitError};
 use bulkhead::tenancy::TenantId;
 use bulkhead_kernels::gguf::Gguf;
-use bulkhead_kernels::kv::PoolOptions;
+use bulkhead_kernels::kv::{KvType, PoolOptions};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::testing::{tiny_llama, TinySpec};
 use bulkhead_kernels::tokenizer::Tokenizer;
@@ -23,6 +23,7 @@ fn service(queue_depth_max: u32, running_max: u32) -> (EngineService, Admission)
     let spec = EngineSpec {
         pool_pages: 8,
         page_tokens: 8,
+        kv_type: KvType::default(),
         threads: 2,
         step_tokens_max: 64,
         step_seqs_max: 4,
@@ -187,6 +188,7 @@ fn faulty_engine(
     let spec = EngineSpec {
         pool_pages: 8,
         page_tokens: 8,
+        kv_type: KvType::default(),
         threads: 1,
         step_tokens_max: 64,
         step_seqs_max: 4,

@@ -11,7 +11,7 @@ use bulkhead::engine::scheduler::{BatchLimits, Scheduler, TenantChangeError, Ten
 use bulkhead::tenancy::TenantId;
 use bulkhead_kernels::backend::cpu::CpuBackend;
 use bulkhead_kernels::gguf::Gguf;
-use bulkhead_kernels::kv::{OwnerTag, PoolOptions};
+use bulkhead_kernels::kv::{KvType, OwnerTag, PoolOptions};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::testing::{tiny_llama, TinySpec};
 use bulkhead_kernels::tokenizer::Tokenizer;
@@ -59,6 +59,7 @@ fn sim(tenants: &[Tenant], pool_pages: u32, limits: BatchLimits) -> Sim {
     let spec = EngineSpec {
         pool_pages,
         page_tokens: PAGE_TOKENS,
+        kv_type: KvType::default(),
         threads: 2,
         step_tokens_max: limits.step_tokens_max,
         step_seqs_max: limits.step_seqs_max,

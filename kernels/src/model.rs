@@ -10,7 +10,7 @@
 //! kernels do not use. Norm vectors are copied out as f32 (a few KiB).
 
 use crate::gguf::{metadata_error, Gguf, GgufError, TensorInfo};
-use crate::kv::PoolGeometry;
+use crate::kv::{KvType, PoolGeometry};
 use crate::quant::{self, GgmlType};
 use std::path::Path;
 use std::sync::Arc;
@@ -163,9 +163,15 @@ impl LlamaConfig {
     }
 
     /// The KV pool geometry for this model: `pages_count` pages of `page_tokens`
-    /// positions, each holding K and V of every layer and KV head.
-    pub fn pool_geometry(&self, pages_count: u32, page_tokens: u32) -> PoolGeometry {
+    /// positions, each holding K and V of every layer and KV head as `kv_type`.
+    pub fn pool_geometry(
+        &self,
+        pages_count: u32,
+        page_tokens: u32,
+        kv_type: KvType,
+    ) -> PoolGeometry {
         PoolGeometry {
+            kv_type,
             pages_count,
             page_tokens,
             // Bounded by LAYERS_MAX and DIM_MAX at load, so these fit in u32.

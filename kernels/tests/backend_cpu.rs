@@ -5,7 +5,9 @@
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::backend::{Backend, SeqStep, StepError};
 use bulkhead_kernels::gguf::Gguf;
-use bulkhead_kernels::kv::{OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId};
+use bulkhead_kernels::kv::{
+    KvType, OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId,
+};
 use bulkhead_kernels::model::{Model, ModelError};
 use bulkhead_kernels::quant::{GgmlType, Isa};
 use bulkhead_kernels::testing::{tiny_llama, TinySpec};
@@ -34,7 +36,7 @@ fn backend(model: &Arc<Model>, isa: Option<Isa>, threads: usize) -> CpuBackend {
 
 fn pool(model: &Model, pages: u32, options: PoolOptions) -> Pool {
     let c = &model.config;
-    let geometry = c.pool_geometry(pages, PAGE_TOKENS);
+    let geometry = c.pool_geometry(pages, PAGE_TOKENS, KvType::default());
     let half = pages / 2;
     let partitions = [
         PartitionConfig {

@@ -13,7 +13,7 @@ use bulkhead_kernels::gguf::{
     requantize_q8_0, Gguf, GgufWriter, RequantizeError, TensorInfo, Value, FILE_TYPE_KEY,
     FILE_TYPE_MOSTLY_Q8_0,
 };
-use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolOptions, SeqId};
+use bulkhead_kernels::kv::{KvType, OwnerTag, PartitionConfig, Pool, PoolOptions, SeqId};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::quant::{dequantize_row, quantize_row, GgmlType, Isa};
 use bulkhead_kernels::testing::{tiny_llama, TinySpec};
@@ -250,7 +250,9 @@ fn a_failing_sink_is_an_io_error_not_a_panic() {
 /// Logits of the last prompt token on the scalar path.
 fn last_logits(model: &Arc<Model>) -> Vec<f32> {
     let pages = (PROMPT.len() as u32).div_ceil(PAGE_TOKENS);
-    let geometry = model.config.pool_geometry(pages, PAGE_TOKENS);
+    let geometry = model
+        .config
+        .pool_geometry(pages, PAGE_TOKENS, KvType::default());
     let partition = PartitionConfig {
         owner: OWNER,
         pages_reserved: pages,

@@ -23,9 +23,9 @@
 //!   another tenant, are refused (panic); sequences of another tenant never read it.
 
 use bulkhead_kernels::kv::{
-    digest_page, AcquireError, Generation, KvError, Lease, OwnerTag, PageHandle, PageId, PageState,
-    PageTable, PartitionConfig, PartitionError, Pool, PoolGeometry, PoolOptions, Reservation,
-    ReserveError, SeqId,
+    digest_page, AcquireError, Generation, KvError, KvType, Lease, OwnerTag, PageHandle, PageId,
+    PageState, PageTable, PartitionConfig, PartitionError, Pool, PoolGeometry, PoolOptions,
+    Reservation, ReserveError, SeqId,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -155,13 +155,15 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn scenario() -> impl Strategy<Value = Scenario> {
-    let geometry = (8u32..=24, 1u32..=3, 1u32..=2, 1u32..=2, 1u32..=3).prop_map(
-        |(pages_count, page_tokens, layers, kv_heads, head_dim)| PoolGeometry {
+    let kv_type = prop_oneof![Just(KvType::F16), Just(KvType::F32)];
+    let geometry = (8u32..=24, 1u32..=3, 1u32..=2, 1u32..=2, 1u32..=3, kv_type).prop_map(
+        |(pages_count, page_tokens, layers, kv_heads, head_dim, kv_type)| PoolGeometry {
             pages_count,
             page_tokens,
             layers,
             kv_heads,
             head_dim,
+            kv_type,
         },
     );
     geometry.prop_flat_map(|geometry| {
@@ -256,7 +258,7 @@ impl Harness {
         let page = ModelPage {
             state: ModelState::Free,
             generation: 0,
-            floats: vec![0.0; pool.layout().page_floats()],
+            floats: vec![0.0; pool.layout().page_values()],
         };
         Harness {
             pool,
@@ -612,10 +614,7 @@ impl Harness {
             .unwrap();
         for layer in 0..self.pool.layout().geometry().layers {
             let (k, v) = self.pool.page_kv(lease, layer).unwrap();
-            assert!(
-                k.iter().chain(v).all(|f| f.to_bits() == 0),
-                "fresh page not zero"
-            );
+            assert!(k.is_zero() && v.is_zero(), "fresh page not zero");
         }
     }
 
@@ -643,11 +642,17 @@ impl Harness {
         }
         assert_eq!(self.pool.is_writable(lease), Ok(true));
         self.pool.write_kv(lease, layer, slot, &k, &v).unwrap();
+        // The model keeps what storage of this type gives back.
+        let kv_type = geometry.kv_type;
         let floats = &mut self.pages[lease.handle.page.0 as usize].floats;
         let k_at = layout.k_offset(layer) + layout.slot_offset(slot);
         let v_at = layout.v_offset(layer) + layout.slot_offset(slot);
-        floats[k_at..k_at + k.len()].copy_from_slice(&k);
-        floats[v_at..v_at + v.len()].copy_from_slice(&v);
+        for (dst, &x) in floats[k_at..k_at + k.len()].iter_mut().zip(&k) {
+            *dst = kv_type.round(x);
+        }
+        for (dst, &x) in floats[v_at..v_at + v.len()].iter_mut().zip(&v) {
+            *dst = kv_type.round(x);
+        }
     }
 
     fn read(&mut self, seq: Index, page: Index, layer: u32) {
@@ -660,8 +665,8 @@ impl Harness {
         let floats = &self.pages[lease.handle.page.0 as usize].floats;
         let k_at = layout.k_offset(layer);
         let v_at = layout.v_offset(layer);
-        assert_eq!(k, &floats[k_at..k_at + layout.slab_floats()]);
-        assert_eq!(v, &floats[v_at..v_at + layout.slab_floats()]);
+        assert_eq!(k.to_f32_vec(), &floats[k_at..k_at + layout.slab_values()]);
+        assert_eq!(v.to_f32_vec(), &floats[v_at..v_at + layout.slab_values()]);
     }
 
     fn digest(&mut self, seq: Index, page: Index, tokens: u32) {
@@ -670,11 +675,15 @@ impl Harness {
         };
         let layout = *self.pool.layout();
         let tokens = tokens.min(layout.geometry().page_tokens);
-        let expected = digest_page(
-            &layout,
-            &self.pages[lease.handle.page.0 as usize].floats,
-            tokens,
-        );
+        let floats = &self.pages[lease.handle.page.0 as usize].floats;
+        let expected = match layout.geometry().kv_type {
+            KvType::F32 => digest_page(&layout, floats, tokens),
+            KvType::F16 => {
+                let halves: Vec<half::f16> =
+                    floats.iter().map(|&x| half::f16::from_f32(x)).collect();
+                digest_page(&layout, &halves, tokens)
+            }
+        };
         assert_eq!(self.pool.digest(lease, tokens), Ok(expected));
     }
 

@@ -6,7 +6,7 @@
 
 use super::scheduler::{BatchLimits, Scheduler, TenantChangeError, TenantLimits};
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
-use bulkhead_kernels::kv::{Pool, PoolError, PoolOptions};
+use bulkhead_kernels::kv::{KvType, Pool, PoolError, PoolOptions};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::Tokenizer;
 use std::sync::Arc;
@@ -18,6 +18,8 @@ pub struct EngineSpec {
     pub pool_pages: u32,
     /// Token positions per page.
     pub page_tokens: u32,
+    /// How the pool stores each KV value.
+    pub kv_type: KvType,
     /// Compute threads.
     pub threads: usize,
     /// Most tokens in one step.
@@ -43,7 +45,7 @@ pub enum BuildError {
 pub fn pool(model: &Model, spec: &EngineSpec) -> Result<Pool, PoolError> {
     let geometry = model
         .config
-        .pool_geometry(spec.pool_pages, spec.page_tokens);
+        .pool_geometry(spec.pool_pages, spec.page_tokens, spec.kv_type);
     Pool::new(geometry, &[], spec.pool_options)
 }
 

@@ -8,7 +8,7 @@ use super::sampling::SamplingParams;
 use super::scheduler::TenantLimits;
 use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::Backend;
-use bulkhead_kernels::kv::PoolOptions;
+use bulkhead_kernels::kv::{KvType, PoolOptions};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::Tokenizer;
 use std::sync::Arc;
@@ -80,6 +80,7 @@ pub fn generate(
     let spec = EngineSpec {
         pool_pages: pages,
         page_tokens: PAGE_TOKENS,
+        kv_type: KvType::default(),
         threads: options.threads,
         step_tokens_max: PREFILL_CHUNK_TOKENS,
         step_seqs_max: 1,

@@ -128,6 +128,7 @@ fn model_records_round_trip_in_id_order() {
             seq_pages_max: 128,
             step_tokens_max: 256,
             step_seqs_max: 8,
+            kv_type: Default::default(),
         },
         added_ms: 7,
     };

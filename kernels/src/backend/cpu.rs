@@ -17,15 +17,20 @@
 //! for `step_tokens_max` tokens and `step_seqs_max` sequences.
 
 use super::{vector, Backend, Logits, SeqStep, StepError};
-use crate::kv::{PageTable, Pool};
+use crate::kv::{Pool, TableView};
 use crate::model::{Matrix, Model};
 use crate::quant::{self, Isa, QuantizedActivations};
 use crate::threads::Threads;
 use std::sync::{Arc, Mutex};
 
-/// Tokens per attention task: long enough to amortise the page walk, short
-/// enough to balance a prefill chunk across threads.
-const ATTENTION_TOKENS_PER_TASK: usize = 16;
+/// Prefill queries per attention task: a span's K and V are read once per
+/// block and stay in cache for its queries; short enough to balance a prefill
+/// chunk across threads.
+const QUERY_BLOCK_TOKENS: usize = 16;
+/// Positions per attention span (rounded to whole pages): the unit of the
+/// attention reduction, and of a decode token's split across threads. 128
+/// positions of one KV head are 16 KiB of f16 K: L1-sized.
+const SPAN_POSITIONS: usize = 128;
 /// Output rows per matrix-product task are rounded to this (the kernels' tile).
 const MATMUL_ROWS_ALIGN: usize = 16;
 /// Row chunks per thread in a matrix product: more than one, so that when a
@@ -64,6 +69,9 @@ struct Scratch {
     xq: QuantizedActivations,
     out_norm: Vec<f32>, // [seqs][d] last rows of the sequences that want logits
     logits: Vec<f32>,   // [seqs][vocab]
+    /// Decode tokens' attention partials: [decode][head][span][m, l, o[head_dim]];
+    /// grows to the largest step's need.
+    partials: Vec<f32>,
     /// Per worker: matrix-product output before it is scattered, and attention scores.
     workers: Vec<Mutex<WorkerScratch>>,
 }
@@ -71,8 +79,17 @@ struct Scratch {
 #[derive(Default)]
 struct WorkerScratch {
     rows_out: Vec<f32>, // [tokens][rows in task]
-    scores: Vec<f32>,   // [context]
-    acc: Vec<f32>,      // [head_dim]
+    scores: Vec<f32>,   // [span positions]
+    tile: Tile,
+    part: Vec<f32>,  // [group][m, l, o[head_dim]]: one span's partials
+    state: Vec<f32>, // [query block][group][m, l, o[head_dim]]: folded so far
+}
+
+/// One KV head's K and V over one span, widened to f32: `[positions][head_dim]` each.
+#[derive(Default)]
+struct Tile {
+    k: Vec<f32>,
+    v: Vec<f32>,
 }
 
 /// Where each token of the step comes from.
@@ -118,10 +135,16 @@ impl CpuBackend {
         let threads = Threads::new(options.threads_count);
         let workers = (0..threads.threads_count())
             .map(|_| {
+                let part_len = c.kv_group() * (c.head_dim + 2);
                 Mutex::new(WorkerScratch {
                     rows_out: Vec::new(),
-                    scores: vec![0.0; c.context_len * c.kv_group()],
-                    acc: vec![0.0; c.head_dim * c.kv_group()],
+                    scores: vec![0.0; SPAN_POSITIONS],
+                    tile: Tile {
+                        k: vec![0.0; SPAN_POSITIONS * c.head_dim],
+                        v: vec![0.0; SPAN_POSITIONS * c.head_dim],
+                    },
+                    part: vec![0.0; part_len],
+                    state: vec![0.0; QUERY_BLOCK_TOKENS * part_len],
                 })
             })
             .collect();
@@ -139,6 +162,7 @@ impl CpuBackend {
             xq: QuantizedActivations::new(),
             out_norm: vec![0.0; seqs * c.embedding_len],
             logits: vec![0.0; seqs * c.vocab_len],
+            partials: Vec::new(),
             workers,
         };
         CpuBackend {
@@ -171,6 +195,9 @@ impl CpuBackend {
         pool: &Pool,
     ) -> Result<usize, StepError> {
         let c = &self.model.config;
+        if !pool.is_host() {
+            return Err(StepError::DeviceStorage);
+        }
         if steps.len() > self.options.step_seqs_max {
             return Err(StepError::TooManySequences {
                 seqs: steps.len(),
@@ -423,23 +450,11 @@ impl CpuBackend {
         }
     }
 
+    /// Attention of every token of the step (see [`attention`](self) below for
+    /// the reduction and why it is the same for a prefill chunk and a decode token).
     fn attention(&mut self, layer: usize, steps: &[SeqStep<'_>], slots: &[TokenSlot], pool: &Pool) {
         let c = &self.model.config;
-        // Tasks: (sequence, kv head, chunk of that sequence's tokens).
-        let mut tasks: Vec<(usize, usize, usize, usize)> = Vec::new(); // (seq, kv_head, t0, t1)
-        let mut t0 = 0;
-        for (seq_index, step) in steps.iter().enumerate() {
-            let t_end = t0 + step.tokens.len();
-            for kv_head in 0..c.kv_heads_count {
-                let mut a = t0;
-                while a < t_end {
-                    let b = (a + ATTENTION_TOKENS_PER_TASK).min(t_end);
-                    tasks.push((seq_index, kv_head, a, b));
-                    a = b;
-                }
-            }
-            t0 = t_end;
-        }
+        let page_tokens = pool.layout().geometry().page_tokens as usize;
         let ctx = AttentionContext {
             layer: layer as u32,
             isa: self.isa,
@@ -447,20 +462,167 @@ impl CpuBackend {
             head_dim: c.head_dim,
             kv_group: c.kv_group(),
             kv_len: c.kv_len(),
-            page_tokens: pool.layout().geometry().page_tokens as usize,
+            page_tokens,
+            span_positions: span_pages(page_tokens) * page_tokens,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
         };
+        // Every lease of every table once per layer, not once per page and head.
+        let views: Vec<TableView<'_>> = steps
+            .iter()
+            .map(|step| {
+                pool.table_view(step.pages)
+                    .expect("validated: every lease of the step is live")
+            })
+            .collect();
+        // Decode tokens (a sequence with one new token) split their positions
+        // by span across tasks; prefill chunks split their queries in blocks.
+        let mut tasks: Vec<AttentionTask> = Vec::new();
+        let mut merges: Vec<(usize, usize)> = Vec::new(); // (decode index, kv head)
+        let mut decodes = 0usize;
+        let mut spans_max = 1usize;
+        let mut t0 = 0;
+        for (seq_index, step) in steps.iter().enumerate() {
+            let t_end = t0 + step.tokens.len();
+            if step.tokens.len() == 1 {
+                let spans = ctx.spans(slots[t0].pos);
+                spans_max = spans_max.max(spans);
+                for kv_head in 0..c.kv_heads_count {
+                    for span in 0..spans {
+                        tasks.push(AttentionTask::Span {
+                            seq_index,
+                            t: t0,
+                            decode: decodes,
+                            kv_head,
+                            span,
+                        });
+                    }
+                    if spans > 1 {
+                        merges.push((decodes, kv_head));
+                    }
+                }
+                decodes += 1;
+            } else {
+                for kv_head in 0..c.kv_heads_count {
+                    let mut a = t0;
+                    while a < t_end {
+                        let b = (a + QUERY_BLOCK_TOKENS).min(t_end);
+                        tasks.push(AttentionTask::Block {
+                            seq_index,
+                            kv_head,
+                            t0: a,
+                            t1: b,
+                        });
+                        a = b;
+                    }
+                }
+            }
+            t0 = t_end;
+        }
+        let part_len = ctx.head_dim + 2;
         let s = &mut self.scratch;
+        // [decode][head][span][m, l, o[head_dim]]
+        let partials_len = decodes * ctx.heads_count * spans_max * part_len;
+        if s.partials.len() < partials_len {
+            s.partials.resize(partials_len, 0.0);
+        }
         let q = &s.q;
         let out = SharedOut(s.attn.as_mut_ptr());
+        let partials = SharedOut(s.partials.as_mut_ptr());
         let workers = &s.workers;
+        let views = &views;
         self.threads.run(tasks.len(), &|i, worker| {
-            let (seq_index, kv_head, a, b) = tasks[i];
-            let table = steps[seq_index].pages;
             let mut scratch = workers[worker].lock().unwrap_or_else(|e| e.into_inner());
-            for (t, slot) in slots.iter().enumerate().take(b).skip(a) {
-                ctx.token(pool, table, kv_head, slot.pos, q, t, out, &mut scratch);
+            match tasks[i] {
+                AttentionTask::Span {
+                    seq_index,
+                    t,
+                    decode,
+                    kv_head,
+                    span,
+                } => {
+                    let pos = slots[t].pos;
+                    let mut part = std::mem::take(&mut scratch.part);
+                    part.resize(ctx.kv_group * part_len, 0.0);
+                    ctx.span_partial(
+                        &views[seq_index],
+                        kv_head,
+                        pos,
+                        q,
+                        t,
+                        span,
+                        &mut scratch,
+                        &mut part,
+                    );
+                    if ctx.spans(pos) == 1 {
+                        ctx.write_out(&part, t, kv_head, out);
+                    } else {
+                        for g in 0..ctx.kv_group {
+                            let h = kv_head * ctx.kv_group + g;
+                            let at = ((decode * ctx.heads_count + h) * spans_max + span) * part_len;
+                            // SAFETY: (decode, head, span) belongs to this task only,
+                            // and `partials` holds every index below partials_len.
+                            let dst = unsafe {
+                                std::slice::from_raw_parts_mut(partials.ptr().add(at), part_len)
+                            };
+                            dst.copy_from_slice(&part[g * part_len..(g + 1) * part_len]);
+                        }
+                    }
+                    scratch.part = part;
+                }
+                AttentionTask::Block {
+                    seq_index,
+                    kv_head,
+                    t0,
+                    t1,
+                } => ctx.block(
+                    &views[seq_index],
+                    kv_head,
+                    slots,
+                    q,
+                    t0,
+                    t1,
+                    out,
+                    &mut scratch,
+                ),
             }
+        });
+        if merges.is_empty() {
+            return;
+        }
+        // Decode tokens split over several spans: fold their partials in span
+        // order, exactly as a prefill block folds them as it goes.
+        let decode_tokens: Vec<usize> = {
+            let mut t0 = 0;
+            let mut tokens = Vec::with_capacity(decodes);
+            for step in steps {
+                if step.tokens.len() == 1 {
+                    tokens.push(t0);
+                }
+                t0 += step.tokens.len();
+            }
+            tokens
+        };
+        let s = &self.scratch;
+        let (partials, workers) = (&s.partials, &s.workers);
+        self.threads.run(merges.len(), &|i, worker| {
+            let (decode, kv_head) = merges[i];
+            let t = decode_tokens[decode];
+            let spans = ctx.spans(slots[t].pos);
+            let mut scratch = workers[worker].lock().unwrap_or_else(|e| e.into_inner());
+            let mut state = std::mem::take(&mut scratch.state);
+            state.resize(ctx.kv_group * part_len, 0.0);
+            for g in 0..ctx.kv_group {
+                let h = kv_head * ctx.kv_group + g;
+                let at =
+                    |span: usize| ((decode * ctx.heads_count + h) * spans_max + span) * part_len;
+                let state = &mut state[g * part_len..(g + 1) * part_len];
+                state.copy_from_slice(&partials[at(0)..at(0) + part_len]);
+                for span in 1..spans {
+                    merge_partial(state, &partials[at(span)..at(span) + part_len]);
+                }
+            }
+            ctx.write_out(&state, t, kv_head, out);
+            scratch.state = state;
         });
     }
 
@@ -562,7 +724,57 @@ impl Buf {
     }
 }
 
+/// One attention task.
+#[derive(Clone, Copy)]
+enum AttentionTask {
+    /// One span of a decode token's positions, for the query heads of one KV head.
+    Span {
+        seq_index: usize,
+        /// The token's row in the step.
+        t: usize,
+        /// Its index among the step's decode tokens.
+        decode: usize,
+        kv_head: usize,
+        span: usize,
+    },
+    /// Every span of a block of prefill queries `t0..t1` (step rows), for the
+    /// query heads of one KV head.
+    Block {
+        seq_index: usize,
+        kv_head: usize,
+        t0: usize,
+        t1: usize,
+    },
+}
+
+/// Pages per attention span: `SPAN_POSITIONS` rounded to whole pages, at
+/// least one.
+fn span_pages(page_tokens: usize) -> usize {
+    (SPAN_POSITIONS / page_tokens).max(1)
+}
+
 /// What every attention task needs to know about the layer.
+///
+/// # The reduction
+///
+/// A token at position `pos` attends to positions `0..=pos`, cut into spans of
+/// `span_positions` (whole pages). For each span and query head, one partial:
+/// the span's scores `s_j = scale · q·k_j`, `m = max s_j`, `p_j = e^(s_j - m)`,
+/// `l = Σ p_j`, `o = Σ p_j v_j`. Partials fold left to right, span 0 first:
+/// `m' = max(m_a, m_b)`, `l' = l_a e^(m_a - m') + l_b e^(m_b - m')`, the same
+/// for `o`; the output is `o / l`.
+///
+/// That order is fixed by the position alone, never by the batch, the chunk
+/// or the thread: a prefill block computes span partials query by query and
+/// folds them as it goes; a decode token's spans are separate tasks (so one
+/// long sequence uses every core), stored, and folded afterwards in the same
+/// order by the same function. So a token's attention output has the same bits
+/// whether it came in a prompt chunk, alone, or in any batch: what the prefix
+/// cache and preemption's recompute rely on.
+///
+/// A prefill block walks spans in the outer loop and its queries in the inner
+/// one, so a span's K and V are read from memory once per block of
+/// `QUERY_BLOCK_TOKENS` queries and stay in cache for the rest.
 struct AttentionContext {
     layer: u32,
     isa: Isa,
@@ -571,78 +783,204 @@ struct AttentionContext {
     kv_group: usize,
     kv_len: usize,
     page_tokens: usize,
+    span_positions: usize,
     scale: f32,
 }
 
 impl AttentionContext {
-    /// Attention of token `t` (at `pos`) for the query heads of `kv_head`, over
-    /// positions `0..=pos` of its sequence, read page by page through its table.
-    #[allow(clippy::too_many_arguments)]
-    fn token(
+    /// Spans a token at `pos` attends over.
+    fn spans(&self, pos: usize) -> usize {
+        (pos + 1).div_ceil(self.span_positions)
+    }
+
+    /// Loads K and V of `kv_head` at positions `span * span_positions..end`
+    /// into `tile`, as f32 rows of `head_dim` (exact: f16 widens without
+    /// rounding). The one place attention reads pages.
+    fn load_tile(
         &self,
-        pool: &Pool,
-        table: &PageTable,
+        view: &TableView<'_>,
+        kv_head: usize,
+        span: usize,
+        end: usize,
+        tile: &mut Tile,
+    ) {
+        let hd = self.head_dim;
+        let first = span * self.span_positions;
+        let len = (end - first) * hd;
+        if tile.k.len() < len {
+            tile.k.resize(len, 0.0);
+            tile.v.resize(len, 0.0);
+        }
+        for page in first / self.page_tokens..end.div_ceil(self.page_tokens) {
+            let (k, v) = view.page(page, self.layer);
+            let at = page * self.page_tokens;
+            let used = (end - at).min(self.page_tokens);
+            let rows = (at - first) * hd..(at - first + used) * hd;
+            let offset = kv_head * hd;
+            vector::widen_rows(
+                self.isa,
+                k,
+                self.kv_len,
+                offset,
+                hd,
+                &mut tile.k[rows.clone()],
+            );
+            vector::widen_rows(self.isa, v, self.kv_len, offset, hd, &mut tile.v[rows]);
+        }
+    }
+
+    /// The partials over the first `positions` rows of `tile` for the query
+    /// heads of `kv_head` of token `t`: `part` is `[group][m, l, o[head_dim]]`.
+    #[allow(clippy::too_many_arguments)]
+    fn tile_partial(
+        &self,
+        tile: &Tile,
+        positions: usize,
+        kv_head: usize,
+        q: &[f32],
+        t: usize,
+        scores: &mut Vec<f32>,
+        part: &mut [f32],
+    ) {
+        let (hd, d) = (self.head_dim, self.heads_count * self.head_dim);
+        if scores.len() < positions {
+            scores.resize(positions, 0.0);
+        }
+        let (k, v) = (&tile.k[..positions * hd], &tile.v[..positions * hd]);
+        let scores = &mut scores[..positions];
+        for g in 0..self.kv_group {
+            let h = kv_head * self.kv_group + g;
+            let q_row = &q[t * d + h * hd..t * d + (h + 1) * hd];
+            vector::dot_rows_f32(self.isa, q_row, k, hd, 0, self.scale, scores);
+            let (m, l) = vector::exp_shift(self.isa, scores);
+            let part = &mut part[g * (hd + 2)..(g + 1) * (hd + 2)];
+            part[0] = m;
+            part[1] = l;
+            part[2..].fill(0.0);
+            vector::axpy_rows_f32(self.isa, scores, v, hd, 0, &mut part[2..]);
+        }
+    }
+
+    /// The partials of one span of a decode token `t` at `pos`.
+    #[allow(clippy::too_many_arguments)]
+    fn span_partial(
+        &self,
+        view: &TableView<'_>,
         kv_head: usize,
         pos: usize,
         q: &[f32],
         t: usize,
+        span: usize,
+        scratch: &mut WorkerScratch,
+        part: &mut [f32],
+    ) {
+        let first = span * self.span_positions;
+        let end = (pos + 1).min(first + self.span_positions);
+        self.load_tile(view, kv_head, span, end, &mut scratch.tile);
+        self.tile_partial(
+            &scratch.tile,
+            end - first,
+            kv_head,
+            q,
+            t,
+            &mut scratch.scores,
+            part,
+        );
+    }
+
+    /// Attention of prefill queries `t0..t1` (consecutive positions of one
+    /// sequence) for the query heads of `kv_head`: spans outside, loaded once
+    /// into a tile; queries inside, each query's partials folded in span order.
+    #[allow(clippy::too_many_arguments)]
+    fn block(
+        &self,
+        view: &TableView<'_>,
+        kv_head: usize,
+        slots: &[TokenSlot],
+        q: &[f32],
+        t0: usize,
+        t1: usize,
         out: SharedOut,
         scratch: &mut WorkerScratch,
     ) {
+        let part_len = self.head_dim + 2;
+        let stride = self.kv_group * part_len;
+        let WorkerScratch {
+            scores,
+            part,
+            state,
+            tile,
+            ..
+        } = scratch;
+        part.resize(stride, 0.0);
+        state.resize((t1 - t0) * stride, 0.0);
+        let last = slots[t1 - 1].pos;
+        for span in 0..self.spans(last) {
+            let first = span * self.span_positions;
+            let span_end = first + self.span_positions;
+            self.load_tile(view, kv_head, span, (last + 1).min(span_end), tile);
+            for t in t0..t1 {
+                let pos = slots[t].pos;
+                if span >= self.spans(pos) {
+                    continue;
+                }
+                let positions = (pos + 1).min(span_end) - first;
+                let state = &mut state[(t - t0) * stride..(t - t0 + 1) * stride];
+                if span == 0 {
+                    self.tile_partial(tile, positions, kv_head, q, t, scores, state);
+                    continue;
+                }
+                self.tile_partial(tile, positions, kv_head, q, t, scores, part);
+                for g in 0..self.kv_group {
+                    let at = g * part_len..(g + 1) * part_len;
+                    merge_partial(&mut state[at.clone()], &part[at]);
+                }
+            }
+        }
+        for t in t0..t1 {
+            self.write_out(
+                &state[(t - t0) * stride..(t - t0 + 1) * stride],
+                t,
+                kv_head,
+                out,
+            );
+        }
+    }
+
+    /// Writes `o / l` of each folded partial in `state` (`[group][m, l,
+    /// o[head_dim]]`) as token `t`'s attention output for the heads of `kv_head`.
+    fn write_out(&self, state: &[f32], t: usize, kv_head: usize, out: SharedOut) {
         let (hd, d, group) = (
             self.head_dim,
             self.heads_count * self.head_dim,
             self.kv_group,
         );
-        let positions = pos + 1;
-        let pages = positions.div_ceil(self.page_tokens);
-        let kv_offset = kv_head * hd;
         let first_head = kv_head * group;
-        // [group][context]: one score row per query head sharing this KV head.
-        let context = scratch.scores.len() / group;
-        let (scores, acc) = (&mut scratch.scores, &mut scratch.acc);
-        // Each page is looked up (and its lease checked) once for the whole group.
-        for page in 0..pages {
-            let (k, _) = self.page(pool, table, page);
-            let first = page * self.page_tokens;
-            let used = (positions - first).min(self.page_tokens);
-            for g in 0..group {
-                let h = first_head + g;
-                let q_row = &q[t * d + h * hd..t * d + (h + 1) * hd];
-                let row = &mut scores[g * context + first..g * context + first + used];
-                vector::dot_rows(self.isa, q_row, k, self.kv_len, kv_offset, self.scale, row);
-            }
-        }
-        for g in 0..group {
-            vector::softmax(self.isa, &mut scores[g * context..g * context + positions]);
-        }
-        acc[..group * hd].fill(0.0);
-        for page in 0..pages {
-            let (_, v) = self.page(pool, table, page);
-            let first = page * self.page_tokens;
-            let used = (positions - first).min(self.page_tokens);
-            for g in 0..group {
-                let p = &scores[g * context + first..g * context + first + used];
-                let acc = &mut acc[g * hd..(g + 1) * hd];
-                vector::axpy_rows(self.isa, p, v, self.kv_len, kv_offset, acc);
-            }
-        }
         // SAFETY: token t's heads first_head..first_head + group belong to exactly
-        // one task (the one for this token's KV head).
+        // one task (the one that folds this token's partials for this KV head).
         let dst = unsafe {
             std::slice::from_raw_parts_mut(out.ptr().add(t * d + first_head * hd), group * hd)
         };
-        dst.copy_from_slice(&acc[..group * hd]);
+        for g in 0..group {
+            let part = &state[g * (hd + 2)..(g + 1) * (hd + 2)];
+            let inv = 1.0 / part[1];
+            for (o, &x) in dst[g * hd..(g + 1) * hd].iter_mut().zip(&part[2..]) {
+                *o = x * inv;
+            }
+        }
     }
+}
 
-    /// K and V (`[page_tokens][kv_len]` each) of this layer in the table's
-    /// `index`-th page; the pool asserts the lease's owner and generation.
-    fn page<'p>(&self, pool: &'p Pool, table: &PageTable, index: usize) -> (&'p [f32], &'p [f32]) {
-        let lease = table
-            .lease(index)
-            .expect("validated: position within the table");
-        pool.page_kv(lease, self.layer)
-            .expect("validated: every lease of the step is live")
+/// Folds partial `part` (`[m, l, o[..]]`) into `state`, the partial of the
+/// spans before it (see [`AttentionContext`]).
+fn merge_partial(state: &mut [f32], part: &[f32]) {
+    let m = state[0].max(part[0]);
+    let a = vector::exp(state[0] - m);
+    let b = vector::exp(part[0] - m);
+    state[0] = m;
+    state[1] = state[1] * a + part[1] * b;
+    for (s, &p) in state[2..].iter_mut().zip(&part[2..]) {
+        *s = *s * a + p * b;
     }
 }
 
@@ -678,4 +1016,213 @@ fn apply_rope(x: &mut [f32], rope: &[f32], heads: usize, head_dim: usize, rope_d
 
 fn add_into(x: &mut [f32], delta: &[f32]) {
     x.iter_mut().zip(delta).for_each(|(a, b)| *a += b);
+}
+
+#[cfg(test)]
+mod tests {
+    //! The attention kernels against a plain f64 softmax over the same (stored)
+    //! values, on random pages: partial last pages, page and span boundaries
+    //! inside a prefill chunk, every query-head grouping, both value types and
+    //! every instruction set; and a token's output is the same bits whether it
+    //! is a decode token (its spans split across tasks) or one query of a
+    //! prefill block (its spans folded as it goes).
+
+    use super::*;
+    use crate::gguf::Gguf;
+    use crate::kv::{KvType, OwnerTag, PageTable, PartitionConfig, SeqId};
+    use crate::rng::SplitMix64;
+
+    fn uniform(rng: &mut SplitMix64) -> f32 {
+        rng.next_f64() as f32
+    }
+    use crate::testing::{tiny_llama, TinySpec};
+
+    const OWNER: OwnerTag = OwnerTag(1);
+
+    struct Case {
+        heads: u32,
+        kv_heads: u32,
+        page_tokens: u32,
+        kv_type: KvType,
+    }
+
+    /// `len` positions of random K and V in layer 0 of a fresh table.
+    fn filled(model: &Model, case: &Case, len: usize, rng: &mut SplitMix64) -> (Pool, PageTable) {
+        let pages = (len as u32).div_ceil(case.page_tokens);
+        let geometry = model
+            .config
+            .pool_geometry(pages, case.page_tokens, case.kv_type);
+        let partition = PartitionConfig {
+            owner: OWNER,
+            pages_reserved: pages,
+            pages_max: pages,
+        };
+        let mut pool = Pool::new(geometry, &[partition], Default::default()).unwrap();
+        let mut reservation = pool.reserve(OWNER, pages).unwrap();
+        let mut table = pool.page_table(&reservation, SeqId(1));
+        for _ in 0..pages {
+            pool.acquire(&mut reservation, &mut table).unwrap();
+        }
+        pool.release_reservation(reservation);
+        let kv_len = model.config.kv_len();
+        let pt = case.page_tokens as usize;
+        for pos in 0..len {
+            let k: Vec<f32> = (0..kv_len).map(|_| uniform(rng) * 4.0 - 2.0).collect();
+            let v: Vec<f32> = (0..kv_len).map(|_| uniform(rng) * 2.0 - 1.0).collect();
+            let lease = table.lease(pos / pt).unwrap();
+            pool.write_kv(lease, 0, (pos % pt) as u32, &k, &v).unwrap();
+        }
+        (pool, table)
+    }
+
+    /// `softmax(q·K / sqrt(hd)) · V` in f64 over positions `0..=pos`, for head `h`.
+    fn reference(
+        model: &Model,
+        pool: &Pool,
+        table: &PageTable,
+        q: &[f32],
+        h: usize,
+        pos: usize,
+    ) -> Vec<f64> {
+        let c = &model.config;
+        let (hd, kv_len) = (c.head_dim, c.kv_len());
+        let offset = (h / c.kv_group()) * hd;
+        let pt = pool.layout().geometry().page_tokens as usize;
+        let row = |slab: usize, p: usize| {
+            let (k, v) = pool.page_kv(table.lease(p / pt).unwrap(), 0).unwrap();
+            let values = [k, v][slab].to_f32_vec();
+            let at = (p % pt) * kv_len + offset;
+            values[at..at + hd].to_vec()
+        };
+        let scale = 1.0 / (hd as f64).sqrt();
+        let scores: Vec<f64> = (0..=pos)
+            .map(|p| {
+                let k = row(0, p);
+                q.iter()
+                    .zip(&k)
+                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                    .sum::<f64>()
+                    * scale
+            })
+            .collect();
+        let max = scores.iter().copied().fold(f64::MIN, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let mut out = vec![0.0f64; hd];
+        for (p, w) in weights.iter().enumerate() {
+            for (o, &x) in out.iter_mut().zip(&row(1, p)) {
+                *o += w / total * f64::from(x);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn attention_matches_an_f64_softmax_and_is_the_same_bits_in_prefill_and_decode() {
+        let cases = [
+            (4, 4, 3, KvType::F16),  // group 1; spans of 126 positions (42 pages)
+            (4, 2, 16, KvType::F16), // group 2; spans of 128 (8 pages)
+            (4, 1, 16, KvType::F32), // group 4
+            (4, 1, 5, KvType::F32),
+        ];
+        // Positions 0..300 (context 320): spans end at 126/128 and 252/256.
+        let (len, chunk_start) = (300usize, 240usize);
+        for (heads, kv_heads, page_tokens, kv_type) in cases {
+            let case = Case {
+                heads,
+                kv_heads,
+                page_tokens,
+                kv_type,
+            };
+            let spec = TinySpec {
+                heads: case.heads,
+                kv_heads: case.kv_heads,
+                context_len: 320,
+                ..TinySpec::default()
+            };
+            let gguf = Gguf::from_bytes(tiny_llama(&spec)).unwrap();
+            let model = Arc::new(Model::load(Arc::new(gguf)).unwrap());
+            let c = model.config.clone();
+            let d = c.embedding_len;
+            let mut rng = SplitMix64(u64::from(page_tokens) * 7 + u64::from(kv_heads));
+            let (pool, table) = filled(&model, &case, len, &mut rng);
+            for isa in Isa::available() {
+                let mut backend = CpuBackend::new(
+                    Arc::clone(&model),
+                    CpuOptions {
+                        threads_count: 2,
+                        step_tokens_max: 128,
+                        step_seqs_max: 8,
+                        isa: Some(isa),
+                    },
+                );
+                // Step 1: one prefill chunk at chunk_start..len, and the same
+                // sequence's positions as decode tokens beside it.
+                let chunk = len - chunk_start;
+                let decodes = [0usize, 1, 125, 126, 127, 128, 251, 256, 299];
+                let tokens = vec![0u32; chunk];
+                let one = [0u32];
+                let mut steps = vec![SeqStep {
+                    pages: &table,
+                    pos_start: chunk_start,
+                    tokens: &tokens,
+                    wants_logits: false,
+                }];
+                let mut slots: Vec<TokenSlot> = (chunk_start..len)
+                    .map(|pos| TokenSlot { seq_index: 0, pos })
+                    .collect();
+                for &pos in &decodes {
+                    slots.push(TokenSlot {
+                        seq_index: steps.len(),
+                        pos,
+                    });
+                    steps.push(SeqStep {
+                        pages: &table,
+                        pos_start: pos,
+                        tokens: &one,
+                        wants_logits: false,
+                    });
+                }
+                let mut q: Vec<f32> = (0..slots.len() * d)
+                    .map(|_| uniform(&mut rng) * 2.0 - 1.0)
+                    .collect();
+                // A decode token's query is the prefill token's at the same position.
+                for (i, &pos) in decodes.iter().enumerate() {
+                    if pos >= chunk_start {
+                        let from = (pos - chunk_start) * d;
+                        q.copy_within(from..from + d, (chunk + i) * d);
+                    }
+                }
+                backend.scratch.q[..q.len()].copy_from_slice(&q);
+                backend.attention(0, &steps, &slots, &pool);
+                let attn = backend.scratch.attn.clone();
+                let mut worst = 0.0f64;
+                for (t, slot) in slots.iter().enumerate() {
+                    for h in 0..c.heads_count {
+                        let at = t * d + h * c.head_dim;
+                        let q_row = &backend.scratch.q[at..at + c.head_dim];
+                        let want = reference(&model, &pool, &table, q_row, h, slot.pos);
+                        for (&got, want) in attn[at..at + c.head_dim].iter().zip(&want) {
+                            worst = worst.max((f64::from(got) - want).abs());
+                        }
+                    }
+                }
+                assert!(
+                    worst < 1e-6,
+                    "{isa:?} {kv_type:?} pt {page_tokens} group {}: off by {worst}",
+                    c.kv_group()
+                );
+                for (i, &pos) in decodes.iter().enumerate() {
+                    if pos >= chunk_start {
+                        let (a, b) = ((pos - chunk_start) * d, (chunk + i) * d);
+                        assert_eq!(
+                            attn[a..a + d],
+                            attn[b..b + d],
+                            "{isa:?}: position {pos} as decode differs from prefill"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }

@@ -73,6 +73,9 @@ pub enum StepError {
         /// The page's index in the sequence's table.
         page: usize,
     },
+    /// The pool's pages are not in host memory (another backend's pool).
+    #[error("the KV pool's pages are not in host memory")]
+    DeviceStorage,
     /// Positions past the model's context or the sequence's pages.
     #[error("positions up to {end} exceed capacity {capacity} ({limit})")]
     PositionOutOfRange {

@@ -1,13 +1,20 @@
-//! f32 vector kernels of the forward pass that are not matrix products:
-//! attention scores and weighted sums over one KV page, softmax, SwiGLU.
+//! Vector kernels of the forward pass that are not matrix products: attention
+//! scores and weighted sums over one KV page (K and V in f16 or f32, queries
+//! and accumulators in f32), the shifted exponentials of an online softmax,
+//! SwiGLU.
 //!
-//! Each is written once as plain Rust with fixed-width accumulators and a
-//! branch-free `exp`, then compiled three times: for the baseline target, and
-//! inside `#[target_feature]` wrappers for AVX2+FMA and AVX-512, where LLVM
-//! vectorizes the inlined body with the wider registers (see `multiversion!`).
-//! [`Isa`] picks one at run time, once per call (per page, not per position).
+//! Each is written once as plain Rust with fixed-width accumulators, a
+//! branch-free `exp` and a branch-free f16 → f32 conversion, then compiled
+//! three times: for the baseline target, and inside `#[target_feature]`
+//! wrappers for AVX2+FMA and AVX-512, where LLVM vectorizes the inlined body
+//! with the wider registers (see `multiversion!`). [`Isa`] picks one at run
+//! time, once per call (per page, not per position). The f16 loads convert
+//! exactly, so an f16 page gives the same result as an f32 page holding the
+//! same (rounded) values.
 
+use crate::kv::{KvSlab, KvValue};
 use crate::quant::Isa;
+use half::f16;
 
 /// Accumulator lanes: one AVX-512 register of f32, or two AVX2 ones.
 const LANES: usize = 16;
@@ -17,13 +24,16 @@ const LANES: usize = 16;
 /// inlined into, and vectorized for, each `#[target_feature]` copy.
 macro_rules! multiversion {
     ($(#[$meta:meta])* pub fn $name:ident($($arg:ident: $ty:ty),*) => $body:ident) => {
+        multiversion! { $(#[$meta])* pub fn $name($($arg: $ty),*) -> () => $body }
+    };
+    ($(#[$meta:meta])* pub fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty => $body:ident) => {
         $(#[$meta])*
-        pub fn $name(isa: Isa, $($arg: $ty),*) {
+        pub fn $name(isa: Isa, $($arg: $ty),*) -> $ret {
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx512 => {
                     #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-                    unsafe fn wide($($arg: $ty),*) {
+                    unsafe fn wide($($arg: $ty),*) -> $ret {
                         $body($($arg),*)
                     }
                     assert!(isa.is_available());
@@ -33,7 +43,7 @@ macro_rules! multiversion {
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx2 => {
                     #[target_feature(enable = "avx2,fma")]
-                    unsafe fn wide($($arg: $ty),*) {
+                    unsafe fn wide($($arg: $ty),*) -> $ret {
                         $body($($arg),*)
                     }
                     assert!(isa.is_available());
@@ -47,19 +57,185 @@ macro_rules! multiversion {
 }
 
 multiversion! {
-    /// `scores[j] = scale * q · k[j][offset..offset + q.len()]` for `j < scores.len()`,
-    /// where `k` rows are `stride` floats apart.
-    pub fn dot_rows(q: &[f32], k: &[f32], stride: usize, offset: usize, scale: f32, scores: &mut [f32]) => dot_rows_body
+    /// [`dot_rows_f32`], compiled for `isa`.
+    pub fn dot_rows_f32_plain(q: &[f32], k: &[f32], stride: usize, offset: usize, scale: f32, scores: &mut [f32]) => dot_rows_body
+}
+
+/// `scores[j] = scale * q · k[j][offset..offset + q.len()]` for `j < scores.len()`,
+/// where `k` rows are `stride` values apart. On AVX-512 with a head width that
+/// is a whole number of registers, 16 rows at a time reduced together
+/// (`dot_rows_avx512`); elsewhere [`dot_rows_f32_plain`]. Either way a row's
+/// score is the same bits whatever rows come with it.
+pub fn dot_rows_f32(
+    isa: Isa,
+    q: &[f32],
+    k: &[f32],
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && !q.is_empty() && q.len().is_multiple_of(16) {
+        assert!(isa.is_available());
+        if let Some(last) = scores.len().checked_sub(1) {
+            assert!(
+                last * stride + offset + q.len() <= k.len(),
+                "rows out of range"
+            );
+        }
+        // SAFETY: AVX-512 is available (checked above), and every row read
+        // is inside `k` (checked above; the kernel reads only rows below
+        // scores.len()).
+        unsafe { dot_rows_avx512(q, k, stride, offset, scale, scores) };
+        return;
+    }
+    dot_rows_f32_plain(isa, q, k, stride, offset, scale, scores);
+}
+
+/// [`dot_rows_f32`] for `q.len()` a multiple of 16: 16 rows' products accumulate in
+/// 16 registers, then one transpose-and-add tree turns them into the 16 sums,
+/// about 3 instructions per row where a horizontal sum per row costs ~9. A
+/// last partial block repeats its last row in the missing slots and stores
+/// only the real ones, so every row's sum is the same expression whatever
+/// block it lands in (batch invariance: a row's bits never depend on how
+/// many rows came with it).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_rows_avx512(
+    q: &[f32],
+    k: &[f32],
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let rows = scores.len();
+    let chunks = q.len() / 16;
+    let mut j0 = 0;
+    while j0 < rows {
+        let mut acc = [_mm512_setzero_ps(); 16];
+        for c in 0..chunks {
+            // SAFETY: q holds chunks * 16 values.
+            let qv = unsafe { _mm512_loadu_ps(q.as_ptr().add(c * 16)) };
+            for (slot, acc) in acc.iter_mut().enumerate() {
+                // Slot 4p + l holds row 4l + p: the tree below transposes it back.
+                let row = (j0 + (slot % 4) * 4 + slot / 4).min(rows - 1);
+                // SAFETY: row < rows, and the caller checked that every such
+                // row's 16 * chunks values lie inside k.
+                let kv = unsafe { _mm512_loadu_ps(k.as_ptr().add(row * stride + offset + c * 16)) };
+                *acc = _mm512_fmadd_ps(qv, kv, *acc);
+            }
+        }
+        // Level 1: rows in pairs, 16 lanes → 8 (128-bit lanes 0-1: even row, 2-3: odd).
+        let mut s = [_mm512_setzero_ps(); 8];
+        for (i, s) in s.iter_mut().enumerate() {
+            let (a, b) = (acc[2 * i], acc[2 * i + 1]);
+            let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b);
+            let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b);
+            *s = _mm512_add_ps(lo, hi);
+        }
+        // Level 2: 8 → 4 partials; each 128-bit lane is one row.
+        let mut t = [_mm512_setzero_ps(); 4];
+        for (i, t) in t.iter_mut().enumerate() {
+            let (a, b) = (s[2 * i], s[2 * i + 1]);
+            let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b);
+            let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b);
+            *t = _mm512_add_ps(lo, hi);
+        }
+        // Level 3: 4 → 2 partials, two rows per 128-bit lane.
+        let mut u = [_mm512_setzero_ps(); 2];
+        for (i, u) in u.iter_mut().enumerate() {
+            let (a, b) = (t[2 * i], t[2 * i + 1]);
+            *u = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        }
+        // Level 4: 2 → 1; lane 4l + p holds slot 4p + l, which is row 4l + p.
+        let lo = _mm512_shuffle_ps::<0b01_00_01_00>(u[0], u[1]);
+        let hi = _mm512_shuffle_ps::<0b11_10_11_10>(u[0], u[1]);
+        let sums = _mm512_mul_ps(_mm512_add_ps(lo, hi), _mm512_set1_ps(scale));
+        let mut out = [0.0f32; 16];
+        // SAFETY: out holds 16 floats.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), sums) };
+        let n = (rows - j0).min(16);
+        scores[j0..j0 + n].copy_from_slice(&out[..n]);
+        j0 += 16;
+    }
 }
 
 multiversion! {
-    /// `acc += Σ_j p[j] * v[j][offset..offset + acc.len()]`, rows `stride` apart.
-    pub fn axpy_rows(p: &[f32], v: &[f32], stride: usize, offset: usize, acc: &mut [f32]) => axpy_rows_body
+    /// `acc += Σ_j p[j] * v[j][offset..offset + acc.len()]`, rows `stride` values apart.
+    pub fn axpy_rows_f32(p: &[f32], v: &[f32], stride: usize, offset: usize, acc: &mut [f32]) => axpy_rows_body
 }
 
 multiversion! {
-    /// In-place softmax.
-    pub fn softmax(x: &mut [f32]) => softmax_body
+    /// [`widen_rows`] from f32 rows: a copy.
+    pub fn widen_rows_f32(src: &[f32], stride: usize, offset: usize, width: usize, dst: &mut [f32]) => widen_rows_body
+}
+
+multiversion! {
+    /// [`widen_rows`] from f16 rows, converting in software.
+    pub fn widen_rows_f16(src: &[f16], stride: usize, offset: usize, width: usize, dst: &mut [f32]) => widen_rows_body
+}
+
+/// `dst[j] = src[j][offset..offset + width]` as exact f32 for each row `j` of
+/// `dst` (`[rows][width]`), where `src` rows (one page's K or V slab) are
+/// `stride` values apart: one KV head's rows, contiguous and widened.
+pub fn widen_rows(
+    isa: Isa,
+    src: KvSlab<'_>,
+    stride: usize,
+    offset: usize,
+    width: usize,
+    dst: &mut [f32],
+) {
+    match src {
+        #[cfg(target_arch = "x86_64")]
+        KvSlab::F16(src) if matches!(isa, Isa::Avx2 | Isa::Avx512) && width.is_multiple_of(8) => {
+            assert!(isa.is_available());
+            let rows = dst.len() / width;
+            if rows > 0 {
+                assert!(
+                    (rows - 1) * stride + offset + width <= src.len(),
+                    "rows out of range"
+                );
+            }
+            // SAFETY: AVX2 and AVX-512 imply F16C (see `Isa`), checked above.
+            unsafe { widen_rows_f16c(src, stride, offset, width, dst) }
+        }
+        KvSlab::F16(src) => widen_rows_f16(isa, src, stride, offset, width, dst),
+        KvSlab::F32(src) => widen_rows_f32(isa, src, stride, offset, width, dst),
+    }
+}
+
+/// [`widen_rows`] from f16 with the hardware conversion, 8 values at a time
+/// (the same exact values as `f16_to_f32`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn widen_rows_f16c(
+    src: &[f16],
+    stride: usize,
+    offset: usize,
+    width: usize,
+    dst: &mut [f32],
+) {
+    use std::arch::x86_64::{__m128i, _mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
+    for (j, row) in dst.chunks_exact_mut(width).enumerate() {
+        let from = &src[j * stride + offset..][..width];
+        for (d, h) in row.chunks_exact_mut(8).zip(from.chunks_exact(8)) {
+            // SAFETY: both chunks hold exactly 8 values; unaligned loads and stores.
+            unsafe {
+                let halves = _mm_loadu_si128(h.as_ptr().cast::<__m128i>());
+                _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(halves));
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// The unnormalised half of a softmax: `x[i] = e^(x[i] - max)` in place;
+    /// returns `(max, Σ x[i])` after. `x` is not empty.
+    pub fn exp_shift(x: &mut [f32]) -> (f32, f32) => exp_shift_body
 }
 
 multiversion! {
@@ -68,62 +244,163 @@ multiversion! {
 }
 
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<T: KvValue>(a: &[f32], b: &[T]) -> f32 {
     let mut acc = [0.0f32; LANES];
     let chunks = a.len() / LANES;
     for c in 0..chunks {
         let (a, b) = (&a[c * LANES..][..LANES], &b[c * LANES..][..LANES]);
         for i in 0..LANES {
-            acc[i] += a[i] * b[i];
+            acc[i] += a[i] * b[i].to_f32();
         }
     }
     let mut sum: f32 = acc.iter().sum();
     for i in chunks * LANES..a.len() {
-        sum += a[i] * b[i];
+        sum += a[i] * b[i].to_f32();
     }
     sum
 }
 
+/// Rows handled together by `dot_rows_body`: the query chunk is loaded once
+/// for all of them, and their accumulators are independent chains.
+const DOT_ROWS_BLOCK: usize = 4;
+
 #[inline(always)]
-fn dot_rows_body(
+fn dot_rows_body<T: KvValue>(
     q: &[f32],
-    k: &[f32],
+    k: &[T],
     stride: usize,
     offset: usize,
     scale: f32,
     scores: &mut [f32],
 ) {
     let width = q.len();
-    for (j, score) in scores.iter_mut().enumerate() {
+    let chunks = width / LANES;
+    let blocks = scores.len() / DOT_ROWS_BLOCK;
+    for b in 0..blocks {
+        let j0 = b * DOT_ROWS_BLOCK;
+        let mut acc = [[0.0f32; LANES]; DOT_ROWS_BLOCK];
+        for c in 0..chunks {
+            let q = &q[c * LANES..][..LANES];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let row = &k[(j0 + r) * stride + offset + c * LANES..][..LANES];
+                for i in 0..LANES {
+                    acc[i] += q[i] * row[i].to_f32();
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            // The same lane sum and tail as `dot`, so a row gives the same
+            // bits in a block as alone.
+            let mut sum: f32 = acc.iter().sum();
+            let row = &k[(j0 + r) * stride + offset..][..width];
+            for i in chunks * LANES..width {
+                sum += q[i] * row[i].to_f32();
+            }
+            scores[j0 + r] = sum * scale;
+        }
+    }
+    for j in blocks * DOT_ROWS_BLOCK..scores.len() {
         let row = &k[j * stride + offset..][..width];
-        *score = dot(q, row) * scale;
+        scores[j] = dot(q, row) * scale;
     }
 }
 
+/// Lanes of `acc` kept in registers across all rows by `axpy_rows_body`: 4
+/// AVX-512 or 8 AVX2 registers, a 64-wide head in one pass.
+const AXPY_BLOCK: usize = 64;
+
 #[inline(always)]
-fn axpy_rows_body(p: &[f32], v: &[f32], stride: usize, offset: usize, acc: &mut [f32]) {
+fn axpy_rows_body<T: KvValue>(p: &[f32], v: &[T], stride: usize, offset: usize, acc: &mut [f32]) {
     let width = acc.len();
     assert!(p.is_empty() || (p.len() - 1) * stride + offset + width <= v.len());
+    let mut c = 0;
+    while c + AXPY_BLOCK <= width {
+        axpy_block::<T, AXPY_BLOCK>(p, v, stride, offset + c, &mut acc[c..c + AXPY_BLOCK]);
+        c += AXPY_BLOCK;
+    }
+    while c + LANES <= width {
+        axpy_block::<T, LANES>(p, v, stride, offset + c, &mut acc[c..c + LANES]);
+        c += LANES;
+    }
+    if c < width {
+        let acc = &mut acc[c..];
+        for (j, &weight) in p.iter().enumerate() {
+            let row = &v[j * stride + offset + c..][..acc.len()];
+            for (a, &x) in acc.iter_mut().zip(row) {
+                *a += weight * x.to_f32();
+            }
+        }
+    }
+}
+
+/// `acc[..N] += Σ_j p[j] * v[j][offset..offset + N]` with the N sums held in
+/// registers over every row (one rounding per row and lane, in row order, as
+/// a plain loop would do).
+#[inline(always)]
+fn axpy_block<T: KvValue, const N: usize>(
+    p: &[f32],
+    v: &[T],
+    stride: usize,
+    offset: usize,
+    acc: &mut [f32],
+) {
+    let mut sums = [0.0f32; N];
+    sums.copy_from_slice(&acc[..N]);
     for (j, &weight) in p.iter().enumerate() {
-        let row = &v[j * stride + offset..][..width];
-        for (a, &x) in acc.iter_mut().zip(row) {
-            *a += weight * x;
+        let row = &v[j * stride + offset..][..N];
+        for i in 0..N {
+            sums[i] += weight * row[i].to_f32();
+        }
+    }
+    acc[..N].copy_from_slice(&sums);
+}
+
+#[inline(always)]
+fn widen_rows_body<T: KvValue>(
+    src: &[T],
+    stride: usize,
+    offset: usize,
+    width: usize,
+    dst: &mut [f32],
+) {
+    for (j, row) in dst.chunks_exact_mut(width).enumerate() {
+        let from = &src[j * stride + offset..][..width];
+        for (d, &x) in row.iter_mut().zip(from) {
+            *d = x.to_f32();
         }
     }
 }
 
 #[inline(always)]
-fn softmax_body(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for v in x.iter_mut() {
+fn exp_shift_body(x: &mut [f32]) -> (f32, f32) {
+    // Lane-wise max and sum (a plain fold is a serial chain the compiler may
+    // not reorder, so it would not vectorize), then the lanes in a fixed order.
+    let chunks = x.len() / LANES;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    for c in 0..chunks {
+        let x = &x[c * LANES..][..LANES];
+        for i in 0..LANES {
+            lanes[i] = if x[i] > lanes[i] { x[i] } else { lanes[i] };
+        }
+    }
+    let mut max = lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for &v in &x[chunks * LANES..] {
+        max = max.max(v);
+    }
+    let mut sums = [0.0f32; LANES];
+    for c in 0..chunks {
+        let x = &mut x[c * LANES..][..LANES];
+        for i in 0..LANES {
+            x[i] = exp(x[i] - max);
+            sums[i] += x[i];
+        }
+    }
+    let mut sum: f32 = sums.iter().sum();
+    for v in &mut x[chunks * LANES..] {
         *v = exp(*v - max);
         sum += *v;
     }
-    let inv = 1.0 / sum;
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
+    (max, sum)
 }
 
 #[inline(always)]
@@ -189,8 +466,8 @@ mod tests {
                 let q = &data[500..500 + width];
                 let mut want = vec![0.0; rows];
                 let mut got = vec![0.0; rows];
-                dot_rows(Isa::Scalar, q, k, stride, 3, 0.5, &mut want);
-                dot_rows(isa, q, k, stride, 3, 0.5, &mut got);
+                dot_rows_f32(Isa::Scalar, q, k, stride, 3, 0.5, &mut want);
+                dot_rows_f32(isa, q, k, stride, 3, 0.5, &mut got);
                 for (a, b) in want.iter().zip(&got) {
                     assert!(
                         (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
@@ -199,8 +476,8 @@ mod tests {
                 }
                 let mut acc_want = vec![0.25; width];
                 let mut acc_got = acc_want.clone();
-                axpy_rows(Isa::Scalar, &want, k, stride, 3, &mut acc_want);
-                axpy_rows(isa, &want, k, stride, 3, &mut acc_got);
+                axpy_rows_f32(Isa::Scalar, &want, k, stride, 3, &mut acc_want);
+                axpy_rows_f32(isa, &want, k, stride, 3, &mut acc_got);
                 for (a, b) in acc_want.iter().zip(&acc_got) {
                     assert!(
                         (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
@@ -209,13 +486,17 @@ mod tests {
                 }
             }
             let mut s = data[..77].to_vec();
-            softmax(isa, &mut s);
-            assert!((s.iter().sum::<f32>() - 1.0).abs() < 1e-5);
-            let mut reference: Vec<f32> = data[..77].iter().map(|v| v.exp()).collect();
+            let (max, sum) = exp_shift(isa, &mut s);
+            let want_max = data[..77].iter().copied().fold(f32::MIN, f32::max);
+            assert_eq!(max, want_max);
+            let reference: Vec<f32> = data[..77].iter().map(|v| (v - want_max).exp()).collect();
             let total: f32 = reference.iter().sum();
-            reference.iter_mut().for_each(|v| *v /= total);
+            assert!(
+                (sum - total).abs() < 1e-5 * total,
+                "{isa:?} sum {sum} vs {total}"
+            );
             for (a, b) in s.iter().zip(&reference) {
-                assert!((a - b).abs() < 1e-6, "{isa:?} softmax {a} vs {b}");
+                assert!((a - b).abs() < 1e-6, "{isa:?} exp_shift {a} vs {b}");
             }
             let mut g = data[..101].to_vec();
             swiglu(isa, &mut g, &data[200..301]);
@@ -225,6 +506,83 @@ mod tests {
                 assert!(
                     (v - want).abs() < 1e-5 * (1.0 + want.abs()),
                     "{isa:?} swiglu"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_rows_score_is_the_same_bits_whatever_rows_come_with_it() {
+        let data: Vec<f32> = (0..4000)
+            .map(|i| ((i * 29 % 97) as f32 - 48.0) / 13.0)
+            .collect();
+        for isa in Isa::available() {
+            for width in [16usize, 64, 67] {
+                let stride = width + 1;
+                let q = &data[3000..3000 + width];
+                let rows = 37;
+                let mut all = vec![0.0; rows];
+                dot_rows_f32(isa, q, &data, stride, 0, 0.125, &mut all);
+                for count in [1usize, 5, 16, 17, 33] {
+                    for first in [0usize, 3, 20] {
+                        let n = count.min(rows - first);
+                        let mut some = vec![0.0; n];
+                        let from = &data[first * stride..];
+                        dot_rows_f32(isa, q, from, stride, 0, 0.125, &mut some);
+                        assert_eq!(some, all[first..first + n], "{isa:?} width {width}");
+                    }
+                }
+                for (j, &got) in all.iter().enumerate() {
+                    let want: f32 = q
+                        .iter()
+                        .zip(&data[j * stride..])
+                        .map(|(a, b)| a * b)
+                        .sum::<f32>()
+                        * 0.125;
+                    assert!(
+                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "{isa:?} row {j}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn f16_rows_widen_to_exactly_their_values_on_every_isa() {
+        // What attention computes on is the widened tile, so an f16 page and
+        // an f32 page holding the same (rounded) values give the same bits.
+        let data: Vec<f32> = (0..997)
+            .map(|i| ((i * 53 % 89) as f32 - 44.0) / 7.0 + 1e-3)
+            .collect();
+        let halves: Vec<f16> = data.iter().map(|&x| f16::from_f32(x)).collect();
+        let rounded: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
+        for isa in Isa::available() {
+            for width in [1usize, 8, 16, 33, 64] {
+                let (rows, stride, offset) = (11, width + 3, 2);
+                let mut from_half = vec![0.0; rows * width];
+                let mut from_full = vec![-1.0; rows * width];
+                widen_rows(
+                    isa,
+                    KvSlab::F16(&halves),
+                    stride,
+                    offset,
+                    width,
+                    &mut from_half,
+                );
+                widen_rows(
+                    isa,
+                    KvSlab::F32(&rounded),
+                    stride,
+                    offset,
+                    width,
+                    &mut from_full,
+                );
+                assert_eq!(from_half, from_full, "{isa:?} width {width}");
+                assert_eq!(
+                    from_full[width],
+                    rounded[stride + offset],
+                    "row 1 starts at stride"
                 );
             }
         }

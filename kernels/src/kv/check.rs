@@ -1,7 +1,7 @@
 //! The invariant checker: recounts everything from the page array and compares.
 //!
 //! `check_invariants` sees the pool alone; `check_page_tables` adds the live page
-//! tables, which only the caller knows. Both are O(pages) (plus O(floats) for the
+//! tables, which only the caller knows. Both are O(pages) (plus O(values) for the
 //! zero check in paranoid mode) and meant for tests, simulation and a paranoid mode,
 //! not for every step of a production scheduler.
 

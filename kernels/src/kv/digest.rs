@@ -1,4 +1,4 @@
-//! Page content digests: FNV-1a-64 over the bits of the used KV floats.
+//! Page content digests: FNV-1a-64 over the bits of the used KV values.
 //!
 //! For integrity, not secrecy (I5): a transfer's receiver recomputes the digest of every
 //! page and compares before the first decode step; identity (owner, sequence, token and
@@ -10,8 +10,8 @@
 //! ```text
 //! tokens_used as u32 LE
 //! for layer in 0..layers:
-//!     K[layer][0..tokens_used][kv_dim]  as f32 bits, LE
-//!     V[layer][0..tokens_used][kv_dim]  as f32 bits, LE
+//!     K[layer][0..tokens_used][kv_dim]  as stored bits, LE (2 bytes f16, 4 f32)
+//!     V[layer][0..tokens_used][kv_dim]  as stored bits, LE
 //! ```
 //!
 //! Unused slots are not covered, so a page's digest does not depend on what the sender
@@ -19,6 +19,7 @@
 //! are compared by payload.
 
 use super::geometry::PageLayout;
+use super::storage::KvValue;
 
 const FNV_OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
@@ -71,24 +72,26 @@ impl Fnv1a64 {
 
 /// The digest of one page's used contents.
 ///
-/// `page` is one page's floats, `// [layer][k|v][page_tokens][kv_dim]`; the transfer
-/// receiver calls this on the bytes it received, the pool on the bytes it holds.
-pub fn digest_page(layout: &PageLayout, page: &[f32], tokens_used: u32) -> u64 {
-    assert_eq!(page.len(), layout.page_floats(), "not one page");
+/// `page` is one page's values, `// [layer][k|v][page_tokens][kv_dim]`; the transfer
+/// receiver calls this on the values it received, the pool on the values it holds.
+pub fn digest_page<T: KvValue>(layout: &PageLayout, page: &[T], tokens_used: u32) -> u64 {
+    assert_eq!(page.len(), layout.page_values(), "not one page");
+    assert_eq!(T::TYPE, layout.geometry().kv_type, "values of another type");
     let geometry = layout.geometry();
     assert!(
         tokens_used <= geometry.page_tokens,
         "tokens_used {tokens_used} above page_tokens {}",
         geometry.page_tokens
     );
-    let used_floats = tokens_used as usize * layout.kv_dim();
+    let used = tokens_used as usize * layout.kv_dim();
     let mut hasher = Fnv1a64::new();
     hasher.write_u32(tokens_used);
     for layer in 0..geometry.layers {
         let k = layout.k_offset(layer);
         let v = layout.v_offset(layer);
-        hasher.write_f32s(&page[k..k + used_floats]);
-        hasher.write_f32s(&page[v..v + used_floats]);
+        for value in page[k..k + used].iter().chain(&page[v..v + used]) {
+            value.hash_into(&mut hasher);
+        }
     }
     hasher.finish()
 }
@@ -96,7 +99,7 @@ pub fn digest_page(layout: &PageLayout, page: &[f32], tokens_used: u32) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::PoolGeometry;
+    use crate::kv::{KvType, PoolGeometry};
 
     fn fnv(bytes: &[u8]) -> u64 {
         let mut hasher = Fnv1a64::new();
@@ -119,6 +122,7 @@ mod tests {
             layers: 2,
             kv_heads: 1,
             head_dim: 2,
+            kv_type: KvType::F32,
         }
         .layout()
         .unwrap()
@@ -127,7 +131,7 @@ mod tests {
     #[test]
     fn digest_ignores_unused_slots() {
         let layout = layout();
-        let mut page = vec![0.0f32; layout.page_floats()];
+        let mut page = vec![0.0f32; layout.page_values()];
         page[layout.k_offset(1)] = 1.5; // slot 0 of layer 1's K
         let before = digest_page(&layout, &page, 1);
         page[layout.v_offset(1) + layout.slot_offset(3)] = 9.0; // slot 3, unused
@@ -137,7 +141,7 @@ mod tests {
     #[test]
     fn digest_changes_with_used_contents_and_token_count() {
         let layout = layout();
-        let mut page = vec![0.0f32; layout.page_floats()];
+        let mut page = vec![0.0f32; layout.page_values()];
         let zero_one = digest_page(&layout, &page, 1);
         assert_ne!(digest_page(&layout, &page, 2), zero_one);
         page[layout.v_offset(0) + 1] = -0.0;

@@ -49,11 +49,10 @@ impl Pool {
         meta.state = PageState::Owned { owner, seq };
     }
 
-    /// Writes one float into a free page, as a write through a stale pointer would.
+    /// Writes one value into a free page, as a write through a stale pointer would.
     #[doc(hidden)]
     pub fn plant_fault_dirty_free(&mut self, page: PageId) {
         assert_eq!(self.pages[page.index()].state, PageState::Free);
-        let at = self.layout.page_offset(page.index());
-        self.floats[at] = 1.0;
+        self.storage.write_token(page.index(), 0, 0, &[1.0], &[]);
     }
 }

@@ -1,6 +1,7 @@
-//! Pool geometry: how many pages, and how one page's floats are laid out.
+//! Pool geometry: how many pages, and how one page's values are laid out.
 //!
-//! A page holds K and V for `page_tokens` positions across every layer, as f32:
+//! A page holds K and V for `page_tokens` positions across every layer, each
+//! value a [`KvType`] (f16 by default, f32 as the reference):
 //!
 //! ```text
 //! page   // [layer][k|v][page_tokens][kv_heads * head_dim]
@@ -14,8 +15,10 @@
 //!
 //! K (and V) for one layer is contiguous `[page_tokens][kv_dim]`, so attention reads one
 //! slice per page and layer. [`PoolGeometry`] is the configuration; [`PageLayout`] is
-//! the validated form with every size precomputed, and is the only way to get offsets.
+//! the validated form with every size precomputed (in values, and in bytes where
+//! a name says so), and is the only way to get offsets.
 
+use super::storage::KvType;
 use thiserror::Error;
 
 /// Most pages in one pool. Leaves `PageId(u32)` headroom and bounds the page arrays.
@@ -26,15 +29,12 @@ pub const PAGE_TOKENS_MAX: u32 = 1024;
 pub const LAYERS_MAX: u32 = 256;
 /// Most KV heads per layer.
 pub const KV_HEADS_MAX: u32 = 256;
-/// Most floats per head.
+/// Most values per head.
 pub const HEAD_DIM_MAX: u32 = 1024;
 /// Most bytes of KV storage in one pool (host memory, allocated once at startup).
 pub const POOL_BYTES_MAX: u64 = 64 << 30;
-/// Most f32 values in one pool.
-pub const POOL_FLOATS_MAX: u64 = POOL_BYTES_MAX / FLOAT_BYTES;
-
-/// Bytes per stored KV value (f32).
-const FLOAT_BYTES: u64 = 4;
+/// The widest stored KV value, in bytes (f32).
+const VALUE_BYTES_MAX: u64 = KvType::F32.bytes();
 
 // The product of every per-field maximum (times 2 for K and V) fits in u64, so the
 // checked size computation below can only fail on the named limits.
@@ -45,10 +45,9 @@ const _: () = assert!(
         * (KV_HEADS_MAX as u128)
         * (HEAD_DIM_MAX as u128)
         * 2
-        * (FLOAT_BYTES as u128)
+        * (VALUE_BYTES_MAX as u128)
         <= u64::MAX as u128
 );
-const _: () = assert!(POOL_BYTES_MAX.is_multiple_of(FLOAT_BYTES));
 
 /// The shape of a pool, as configured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,8 +60,10 @@ pub struct PoolGeometry {
     pub layers: u32,
     /// KV heads per layer.
     pub kv_heads: u32,
-    /// Floats per head.
+    /// Values per head.
     pub head_dim: u32,
+    /// How each value is stored.
+    pub kv_type: KvType,
 }
 
 /// Why a geometry was refused.
@@ -120,11 +121,11 @@ impl PoolGeometry {
         }
         // Cannot overflow: every factor is at most its maximum (const assert above).
         let kv_dim = u64::from(self.kv_heads) * u64::from(self.head_dim);
-        let slab_floats = u64::from(self.page_tokens) * kv_dim;
-        let page_floats = u64::from(self.layers) * 2 * slab_floats;
-        let pool_floats = u64::from(self.pages_count) * page_floats;
-        let bytes = pool_floats * FLOAT_BYTES;
-        if pool_floats > POOL_FLOATS_MAX {
+        let slab_values = u64::from(self.page_tokens) * kv_dim;
+        let page_values = u64::from(self.layers) * 2 * slab_values;
+        let pool_values = u64::from(self.pages_count) * page_values;
+        let bytes = pool_values * self.kv_type.bytes();
+        if bytes > POOL_BYTES_MAX {
             return Err(GeometryError::PoolTooLarge {
                 bytes,
                 max: POOL_BYTES_MAX,
@@ -132,31 +133,30 @@ impl PoolGeometry {
         }
         let to_usize =
             |n: u64| usize::try_from(n).map_err(|_| GeometryError::AddressSpace { bytes });
-        // Every smaller size divides pool_floats, so converting that last is enough; the
-        // bytes themselves must be addressable too.
+        // Every other size divides the byte count, so converting that is enough.
         to_usize(bytes)?;
         Ok(PageLayout {
             geometry: *self,
             kv_dim: to_usize(kv_dim)?,
-            slab_floats: to_usize(slab_floats)?,
-            page_floats: to_usize(page_floats)?,
-            pool_floats: to_usize(pool_floats)?,
+            slab_values: to_usize(slab_values)?,
+            page_values: to_usize(page_values)?,
+            pool_values: to_usize(pool_values)?,
         })
     }
 }
 
-/// A validated geometry with every size in floats (`usize`, for indexing).
+/// A validated geometry with every size in values (`usize`, for indexing).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PageLayout {
     geometry: PoolGeometry,
-    /// `kv_heads * head_dim`: floats per token per K (or V) per layer.
+    /// `kv_heads * head_dim`: values per token per K (or V) per layer.
     kv_dim: usize,
     /// `page_tokens * kv_dim`: one layer's K (or V) in one page.
-    slab_floats: usize,
-    /// `layers * 2 * slab_floats`: one page.
-    page_floats: usize,
-    /// `pages_count * page_floats`: the pool.
-    pool_floats: usize,
+    slab_values: usize,
+    /// `layers * 2 * slab_values`: one page.
+    page_values: usize,
+    /// `pages_count * page_values`: the pool.
+    pool_values: usize,
 }
 
 impl PageLayout {
@@ -165,30 +165,41 @@ impl PageLayout {
         self.geometry
     }
 
-    /// Floats per token in one layer's K (or V): `kv_heads * head_dim`.
+    /// Values per token in one layer's K (or V): `kv_heads * head_dim`.
     pub fn kv_dim(&self) -> usize {
         self.kv_dim
     }
 
-    /// Floats in one layer's K (or V) within a page: `[page_tokens][kv_dim]`.
-    pub fn slab_floats(&self) -> usize {
-        self.slab_floats
+    /// Values in one layer's K (or V) within a page: `[page_tokens][kv_dim]`.
+    pub fn slab_values(&self) -> usize {
+        self.slab_values
     }
 
-    /// Floats in one page.
-    pub fn page_floats(&self) -> usize {
-        self.page_floats
+    /// Values in one page.
+    pub fn page_values(&self) -> usize {
+        self.page_values
     }
 
     /// Bytes in one page.
     pub fn page_bytes(&self) -> usize {
         // Cannot overflow: the pool's byte size was checked to fit usize.
-        self.page_floats * FLOAT_BYTES as usize
+        self.page_values * self.geometry.kv_type.bytes() as usize
     }
 
-    /// Floats in the whole pool.
-    pub fn pool_floats(&self) -> usize {
-        self.pool_floats
+    /// Values in the whole pool.
+    pub fn pool_values(&self) -> usize {
+        self.pool_values
+    }
+
+    /// Bytes in the whole pool.
+    pub fn pool_bytes(&self) -> u64 {
+        self.pool_values as u64 * self.geometry.kv_type.bytes()
+    }
+
+    /// KV bytes one token position takes, across every layer (K and V).
+    pub fn position_bytes(&self) -> u64 {
+        (self.page_values / self.geometry.page_tokens as usize) as u64
+            * self.geometry.kv_type.bytes()
     }
 
     /// Where a page starts in the pool's storage.
@@ -197,13 +208,13 @@ impl PageLayout {
             page < self.geometry.pages_count as usize,
             "page {page} out of range"
         );
-        page * self.page_floats
+        page * self.page_values
     }
 
     /// Where a layer's K starts within a page.
     pub fn layer_offset(&self, layer: u32) -> usize {
         assert!(layer < self.geometry.layers, "layer {layer} out of range");
-        layer as usize * 2 * self.slab_floats
+        layer as usize * 2 * self.slab_values
     }
 
     /// Where a layer's K starts within a page (same as `layer_offset`).
@@ -213,7 +224,7 @@ impl PageLayout {
 
     /// Where a layer's V starts within a page.
     pub fn v_offset(&self, layer: u32) -> usize {
-        self.layer_offset(layer) + self.slab_floats
+        self.layer_offset(layer) + self.slab_values
     }
 
     /// Where a token slot starts within one K (or V) slab.
@@ -234,6 +245,7 @@ mod tests {
             layers: 2,
             kv_heads: 2,
             head_dim: 5,
+            kv_type: KvType::F32,
         }
     }
 
@@ -241,17 +253,28 @@ mod tests {
     fn layout_sizes_follow_the_shape_comment() {
         let layout = small().layout().unwrap();
         assert_eq!(layout.kv_dim(), 10);
-        assert_eq!(layout.slab_floats(), 30);
-        assert_eq!(layout.page_floats(), 2 * 2 * 30);
+        assert_eq!(layout.slab_values(), 30);
+        assert_eq!(layout.page_values(), 2 * 2 * 30);
         assert_eq!(layout.page_bytes(), 120 * 4);
-        assert_eq!(layout.pool_floats(), 4 * 120);
+        assert_eq!(layout.pool_values(), 4 * 120);
+        assert_eq!(layout.pool_bytes(), 4 * 120 * 4);
+        assert_eq!(layout.position_bytes(), 40 * 4);
         assert_eq!(layout.page_offset(3), 360);
+        let half = PoolGeometry {
+            kv_type: KvType::F16,
+            ..small()
+        }
+        .layout()
+        .unwrap();
+        assert_eq!(half.page_values(), 120);
+        assert_eq!(half.page_bytes(), 120 * 2);
+        assert_eq!(half.pool_bytes(), 4 * 120 * 2);
     }
 
     #[test]
     fn layer_slabs_tile_the_page_without_overlap() {
         let layout = small().layout().unwrap();
-        let mut covered = vec![0u8; layout.page_floats()];
+        let mut covered = vec![0u8; layout.page_values()];
         for layer in 0..2 {
             for start in [layout.k_offset(layer), layout.v_offset(layer)] {
                 for slot in 0..3 {
@@ -300,6 +323,7 @@ mod tests {
             layers: LAYERS_MAX,
             kv_heads: KV_HEADS_MAX,
             head_dim: HEAD_DIM_MAX,
+            kv_type: KvType::F32,
         };
         assert!(matches!(
             geometry.layout(),

@@ -1,8 +1,13 @@
 //! Paged KV pool with tenant partitions: the one place KV memory lives.
 //!
-//! A [`Pool`] owns every KV float of one model, allocated once at startup and split in
+//! A [`Pool`] owns every KV value of one model, allocated once at startup and split in
 //! pages of `page_tokens` positions across all layers (layout in [`PageLayout`]). Owners
 //! are opaque [`OwnerTag`]s; the host's scheduler is the only caller.
+//!
+//! The pool is a page *book* (partitions, page states, generations, leases, and
+//! every check below) over a [`PageStorage`] that holds the values: f16 by
+//! default, f32 as the reference, in host memory ([`storage`]). Storage knows
+//! pages by index only; it is reached after the book has checked the lease.
 //!
 //! # Invariants
 //!
@@ -13,7 +18,8 @@
 //!   every KV access names a [`Lease`] that is checked on write *and* on read.
 //! - **I4 scrub before reuse**: released pages are dirty until `scrub_released` zeroes
 //!   them; only `Free` pages are handed out, asserted at acquire (and zero-checked in
-//!   paranoid mode). Poison mode fills released pages with [`POISON_BITS`].
+//!   paranoid mode). Poison mode fills released pages with a NaN ([`POISON_BITS`],
+//!   [`POISON_BITS_F16`]).
 //! - **I8 partitioned capacity**: Σ max(held, reserved) ≤ pages_count and held ≤
 //!   pages_max for every owner (arithmetic in [`partition`]), so no owner's load can
 //!   reduce what another can still get up to its reservation.
@@ -25,7 +31,8 @@
 //! 3. `page_table(&reservation, seq)` makes the sequence's empty [`PageTable`].
 //! 4. `acquire(&mut reservation, &mut table)`: `Free → Owned { owner, seq }`, the
 //!    generation increments, the handle is appended to the table.
-//! 5. `write_kv` / `page_kv` / `digest` take a [`Lease`] (`table.lease(i)`).
+//! 5. `write_kv` / `page_kv` / `digest` take a [`Lease`] (`table.lease(i)`);
+//!    `table_view(&table)` checks every lease of a table once, for one step's reads.
 //! 6. `release(&mut table)` / `release_last`: `Owned → Released` (dirty, poisoned in
 //!    poison mode, still charged to the owner).
 //! 7. `scrub_released()`, between scheduler steps: `Released → Scrubbed → Free`.
@@ -97,6 +104,7 @@ mod ids;
 mod page_table;
 pub mod partition;
 mod pool;
+pub mod storage;
 
 #[cfg(test)]
 mod tests;
@@ -105,12 +113,13 @@ pub use check::Violation;
 pub use digest::{digest_page, Fnv1a64};
 pub use geometry::{
     GeometryError, PageLayout, PoolGeometry, HEAD_DIM_MAX, KV_HEADS_MAX, LAYERS_MAX,
-    PAGES_COUNT_MAX, PAGE_TOKENS_MAX, POOL_BYTES_MAX, POOL_FLOATS_MAX,
+    PAGES_COUNT_MAX, PAGE_TOKENS_MAX, POOL_BYTES_MAX,
 };
 pub use ids::{Generation, Lease, OwnerTag, PageHandle, PageId, PoolId, SeqId};
 pub use page_table::PageTable;
 pub use partition::{PartitionConfig, PartitionError, PARTITIONS_MAX};
 pub use pool::{
     AcquireError, KvError, PageMeta, PageState, PartitionStats, Pool, PoolError, PoolOptions,
-    PoolStats, Reservation, ReserveError, POISON_BITS,
+    PoolStats, Reservation, ReserveError, TableView,
 };
+pub use storage::{KvSlab, KvType, KvValue, PageStorage, POISON_BITS, POISON_BITS_F16};

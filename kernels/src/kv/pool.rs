@@ -2,18 +2,14 @@
 //!
 //! See the module doc of [`crate::kv`] for the lifecycle and the error/assert policy.
 
-use super::digest::digest_page;
 use super::geometry::{GeometryError, PageLayout, PoolGeometry};
 use super::ids::{Generation, Lease, OwnerTag, PageHandle, PageId, PoolId, SeqId};
 use super::page_table::PageTable;
 use super::partition::{PartitionConfig, PartitionError, Partitions};
+use super::storage::{host_storage, KvSlab, PageStorage};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use thiserror::Error;
-
-/// The bit pattern written into released pages in poison mode: a quiet NaN whose
-/// payload reads "DEAD", so a read before a write shows up in any output it reaches.
-pub const POISON_BITS: u32 = 0x7FC0_DEAD;
 
 /// Gives each pool a distinct id, so a reservation or table from another pool is caught.
 static POOL_ID_NEXT: AtomicU32 = AtomicU32::new(1);
@@ -21,7 +17,8 @@ static POOL_ID_NEXT: AtomicU32 = AtomicU32::new(1);
 /// Test and debug switches, all off in production.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolOptions {
-    /// Fill released pages with [`POISON_BITS`] so that reads before writes are visible.
+    /// Fill released pages with the value type's poison (a NaN, see
+    /// [`super::KvValue::POISON`]) so that reads before writes are visible.
     pub poison_released: bool,
     /// Verify page contents: zero after scrub and at acquire (assert), and every free
     /// page zero in `check_invariants`. Costs a pass over the page each time.
@@ -273,8 +270,9 @@ pub struct Pool {
     pub(super) pool_id: PoolId,
     pub(super) layout: PageLayout,
     pub(super) options: PoolOptions,
-    /// `// [pages_count][layer][k|v][page_tokens][kv_dim]`, allocated once, zeroed.
-    pub(super) floats: Vec<f32>,
+    /// The values, `// [pages_count][layer][k|v][page_tokens][kv_dim]`, allocated
+    /// once, zeroed. Reached only after the book above has checked the lease.
+    pub(super) storage: Box<dyn PageStorage>,
     /// `// [pages_count]`
     pub(super) pages: Vec<PageMeta>,
     /// Every `Free` page, once; a stack, so recently scrubbed pages are reused first.
@@ -286,13 +284,31 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// Validates geometry and partitions and allocates every page, zeroed.
+    /// Validates geometry and partitions and allocates every page in host
+    /// memory, zeroed, values of the geometry's `kv_type`.
     pub fn new(
         geometry: PoolGeometry,
         partitions: &[PartitionConfig],
         options: PoolOptions,
     ) -> Result<Pool, PoolError> {
         let layout = geometry.layout()?;
+        Pool::with_storage(layout, partitions, options, host_storage(layout))
+    }
+
+    /// A pool over `storage`, which must hold `layout`'s pages, zeroed, in its
+    /// `kv_type` (a device backend's storage).
+    pub fn with_storage(
+        layout: PageLayout,
+        partitions: &[PartitionConfig],
+        options: PoolOptions,
+        storage: Box<dyn PageStorage>,
+    ) -> Result<Pool, PoolError> {
+        let geometry = layout.geometry();
+        assert_eq!(
+            storage.kv_type(),
+            geometry.kv_type,
+            "storage of another value type than the layout"
+        );
         let partitions = Partitions::new(partitions, geometry.pages_count)?;
         let pages_count = geometry.pages_count;
         let initial = PageMeta {
@@ -303,7 +319,7 @@ impl Pool {
             pool_id: PoolId(POOL_ID_NEXT.fetch_add(1, Ordering::Relaxed)),
             layout,
             options,
-            floats: vec![0.0; layout.pool_floats()],
+            storage,
             pages: vec![initial; pages_count as usize],
             // Reversed so that page 0 is handed out first.
             pages_free: (0..pages_count).rev().map(PageId).collect(),
@@ -563,8 +579,7 @@ impl Pool {
         );
         meta.state = PageState::Released { owner };
         if self.options.poison_released {
-            let bits = f32::from_bits(POISON_BITS);
-            self.page_floats_mut(handle.page).fill(bits);
+            self.storage.poison(handle.page.index());
         }
         self.pages_released.push(handle.page);
         let index = self.partition_index(owner);
@@ -651,8 +666,7 @@ impl Pool {
         }
         meta.state = PageState::Released { owner };
         if self.options.poison_released {
-            let bits = f32::from_bits(POISON_BITS);
-            self.page_floats_mut(page).fill(bits);
+            self.storage.poison(page.index());
         }
         self.pages_released.push(page);
         let at = self.partition_index(owner);
@@ -692,7 +706,7 @@ impl Pool {
         let PageState::Released { owner } = self.pages[page.index()].state else {
             panic!("scrub of page {page:?} that is not released");
         };
-        self.page_floats_mut(page).fill(0.0);
+        self.storage.scrub(page.index());
         self.pages[page.index()].state = PageState::Scrubbed { owner };
         if self.options.paranoid {
             assert!(
@@ -733,31 +747,53 @@ impl Pool {
         assert_eq!(v.len(), kv_dim, "v is not [kv_dim]");
         let k_at = layout.k_offset(layer) + layout.slot_offset(slot);
         let v_at = layout.v_offset(layer) + layout.slot_offset(slot);
-        let floats = self.page_floats_mut(page);
-        floats[k_at..k_at + kv_dim].copy_from_slice(k);
-        floats[v_at..v_at + kv_dim].copy_from_slice(v);
+        self.storage.write_token(page.index(), k_at, v_at, k, v);
         Ok(())
     }
 
-    /// One layer's K and V of a page, each `// [page_tokens][kv_dim]`, for building the
-    /// attention batch. Ownership is checked again here (I3).
-    pub fn page_kv(&self, lease: Lease, layer: u32) -> Result<(&[f32], &[f32]), KvError> {
+    /// One layer's K and V of a page, each `// [page_tokens][kv_dim]` in the
+    /// stored type, for attention. Ownership is checked here (I3). Asserts the
+    /// pool's storage is in host memory.
+    pub fn page_kv(&self, lease: Lease, layer: u32) -> Result<(KvSlab<'_>, KvSlab<'_>), KvError> {
         let page = self.check_lease(lease)?;
-        let slab = self.layout.slab_floats();
-        let k_at = self.layout.k_offset(layer);
-        let v_at = self.layout.v_offset(layer);
-        let floats = self.page_floats(page);
-        Ok((&floats[k_at..k_at + slab], &floats[v_at..v_at + slab]))
+        Ok(self.host_slabs(page, layer))
+    }
+
+    /// Checks every lease of `table` once, for reads of many layers, heads and
+    /// positions without a check each (attention of one step). The view
+    /// borrows the pool, so nothing can release those pages while it lives.
+    pub fn table_view(&self, table: &PageTable) -> Result<TableView<'_>, KvError> {
+        assert_eq!(table.pool_id, self.pool_id, "page table from another pool");
+        let pages = (0..table.pages_count())
+            .map(|i| self.check_lease(table.lease(i).expect("index below pages_count")))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(TableView { pool: self, pages })
+    }
+
+    fn host_slabs(&self, page: PageId, layer: u32) -> (KvSlab<'_>, KvSlab<'_>) {
+        assert!(
+            layer < self.layout.geometry().layers,
+            "layer {layer} out of range"
+        );
+        self.storage
+            .host(page.index(), layer)
+            .expect("the pool's storage is not in host memory")
+    }
+
+    /// Whether the pool's values are in host memory (the CPU backend needs them).
+    pub fn is_host(&self) -> bool {
+        self.storage.host(0, 0).is_some()
     }
 
     /// The digest of the page's first `tokens_used` slots (see [`super::digest`]).
     pub fn digest(&self, lease: Lease, tokens_used: u32) -> Result<u64, KvError> {
         let page = self.check_lease(lease)?;
-        Ok(digest_page(
-            &self.layout,
-            self.page_floats(page),
-            tokens_used,
-        ))
+        let page_tokens = self.layout.geometry().page_tokens;
+        assert!(
+            tokens_used <= page_tokens,
+            "tokens_used {tokens_used} above page_tokens {page_tokens}"
+        );
+        Ok(self.storage.digest(page.index(), tokens_used))
     }
 
     /// Checks a lease against the page: a typed error for another pool's handle or
@@ -826,20 +862,28 @@ impl Pool {
         }
     }
 
-    /// `// [layer][k|v][page_tokens][kv_dim]`
-    pub(super) fn page_floats(&self, page: PageId) -> &[f32] {
-        let at = self.layout.page_offset(page.index());
-        &self.floats[at..at + self.layout.page_floats()]
-    }
-
-    fn page_floats_mut(&mut self, page: PageId) -> &mut [f32] {
-        let at = self.layout.page_offset(page.index());
-        let end = at + self.layout.page_floats();
-        &mut self.floats[at..end]
-    }
-
-    /// Whether every float of the page is +0.0 (bits, so -0.0 and NaN count as dirty).
+    /// Whether every value of the page is +0.0 (bits, so -0.0 and NaN count as dirty).
     pub(super) fn page_is_zero(&self, page: PageId) -> bool {
-        self.page_floats(page).iter().all(|f| f.to_bits() == 0)
+        self.storage.is_zero(page.index())
+    }
+}
+
+/// Every page of one table, its leases checked once ([`Pool::table_view`]).
+#[derive(Debug)]
+pub struct TableView<'p> {
+    pool: &'p Pool,
+    pages: Vec<PageId>,
+}
+
+impl<'p> TableView<'p> {
+    /// Pages in the table.
+    pub fn pages_count(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// K and V of `layer` in the table's `index`-th page, each
+    /// `// [page_tokens][kv_dim]`. Panics past the table's end.
+    pub fn page(&self, index: usize, layer: u32) -> (KvSlab<'p>, KvSlab<'p>) {
+        self.pool.host_slabs(self.pages[index], layer)
     }
 }

@@ -15,6 +15,7 @@ fn geometry(pages_count: u32) -> PoolGeometry {
         layers: 2,
         kv_heads: 1,
         head_dim: 3,
+        kv_type: KvType::F32,
     }
 }
 
@@ -233,14 +234,87 @@ fn write_then_read_round_trips_per_layer_and_slot() {
     let lease = table.lease(1).unwrap();
     pool.write_kv(lease, 1, 2, &row(1.5), &row(-2.0)).unwrap();
     let (k, v) = pool.page_kv(lease, 1).unwrap();
+    let (k, v) = (k.to_f32_vec(), v.to_f32_vec());
     assert_eq!(k.len(), 4 * 3);
     assert_eq!(&k[6..9], &row(1.5)[..]);
     assert_eq!(&v[6..9], &row(-2.0)[..]);
     assert!(k[..6].iter().chain(&v[..6]).all(|&f| f == 0.0));
     let (k0, v0) = pool.page_kv(lease, 0).unwrap();
-    assert!(k0.iter().chain(v0).all(|&f| f == 0.0));
+    assert!(k0.is_zero() && v0.is_zero());
     let other = table.lease(0).unwrap();
-    assert!(pool.page_kv(other, 1).unwrap().0.iter().all(|&f| f == 0.0));
+    assert!(pool.page_kv(other, 1).unwrap().0.is_zero());
+    drop_table(&mut pool, table);
+}
+
+/// The pool of `pool_with`, its values stored as f16.
+fn pool_f16(options: PoolOptions) -> Pool {
+    let partitions = [PartitionConfig {
+        owner: A,
+        pages_reserved: 2,
+        pages_max: 6,
+    }];
+    let geometry = PoolGeometry {
+        kv_type: KvType::F16,
+        ..geometry(10)
+    };
+    Pool::new(geometry, &partitions, options).unwrap()
+}
+
+#[test]
+fn f16_storage_rounds_on_write_and_is_half_the_bytes() {
+    let mut pool = pool_f16(PoolOptions::default());
+    assert_eq!(
+        pool.layout().page_bytes() * 2,
+        pool_with(PoolOptions::default()).layout().page_bytes()
+    );
+    let table = lease_pages(&mut pool, A, 1, 1);
+    let lease = table.lease(0).unwrap();
+    let k = [0.1, -3.0, 70000.0];
+    let v = [1.0 / 3.0, 2049.0, -1e-8];
+    pool.write_kv(lease, 1, 3, &k, &v).unwrap();
+    let (k_read, v_read) = pool.page_kv(lease, 1).unwrap();
+    assert!(matches!(k_read, KvSlab::F16(_)));
+    let (k_read, v_read) = (k_read.to_f32_vec(), v_read.to_f32_vec());
+    let rounded = |x: &[f32]| x.iter().map(|&x| KvType::F16.round(x)).collect::<Vec<_>>();
+    assert_eq!(&k_read[9..12], &rounded(&k)[..]);
+    assert_eq!(&v_read[9..12], &rounded(&v)[..]);
+    assert_eq!(k_read[11], 65504.0, "saturates, never infinite");
+    assert!(k_read[..9].iter().all(|&x| x == 0.0));
+    drop_table(&mut pool, table);
+}
+
+#[test]
+fn f16_storage_poisons_scrubs_and_digests_its_own_bits() {
+    let options = PoolOptions {
+        poison_released: true,
+        paranoid: true,
+    };
+    let mut pool = pool_f16(options);
+    let mut table = lease_pages(&mut pool, A, 1, 1);
+    let lease = table.lease(0).unwrap();
+    let empty = pool.digest(lease, 1).unwrap();
+    pool.write_kv(lease, 0, 0, &row(0.5), &row(0.25)).unwrap();
+    assert_ne!(pool.digest(lease, 1).unwrap(), empty);
+    // The same values in an f32 pool digest differently: the digest covers
+    // the stored bits, so a receiver must know the sender's type.
+    let mut wide = pool_with(PoolOptions::default());
+    let wide_table = lease_pages(&mut wide, A, 1, 1);
+    wide.write_kv(wide_table.lease(0).unwrap(), 0, 0, &row(0.5), &row(0.25))
+        .unwrap();
+    assert_ne!(
+        wide.digest(wide_table.lease(0).unwrap(), 1).unwrap(),
+        pool.digest(lease, 1).unwrap()
+    );
+    drop_table(&mut wide, wide_table);
+    let page = table.handles()[0].page;
+    pool.release(&mut table);
+    assert!(!pool.page_is_zero(page), "released page is poisoned");
+    pool.scrub_released();
+    assert!(pool.page_is_zero(page));
+    let table = lease_pages(&mut pool, A, 1, 1);
+    assert_eq!(table.handles()[0].page, page);
+    let (k, v) = pool.page_kv(table.lease(0).unwrap(), 0).unwrap();
+    assert!(k.is_zero() && v.is_zero());
     drop_table(&mut pool, table);
 }
 
@@ -381,16 +455,18 @@ fn poison_fills_released_pages_and_scrub_clears_it() {
     let mut table = lease_pages(&mut pool, A, 1, 1);
     let page = table.handles()[0].page;
     pool.release(&mut table);
-    assert!(pool
-        .page_floats(page)
-        .iter()
-        .all(|f| f.to_bits() == POISON_BITS));
+    // A released page cannot be read through a lease; look at the storage.
+    let (k, v) = pool.storage.host(page.index(), 1).unwrap();
+    let (KvSlab::F32(k), KvSlab::F32(v)) = (k, v) else {
+        panic!("f32 pool")
+    };
+    assert!(k.iter().chain(v).all(|f| f.to_bits() == POISON_BITS));
     pool.scrub_released();
     assert!(pool.page_is_zero(page));
     let table = lease_pages(&mut pool, A, 1, 1);
     assert_eq!(table.handles()[0].page, page);
     let (k, v) = pool.page_kv(table.lease(0).unwrap(), 1).unwrap();
-    assert!(k.iter().chain(v).all(|f| f.to_bits() == 0));
+    assert!(k.is_zero() && v.is_zero());
     drop_table(&mut pool, table);
 }
 
@@ -403,8 +479,18 @@ fn digest_covers_used_slots_of_the_leased_page() {
     pool.write_kv(lease, 1, 1, &row(0.5), &row(0.25)).unwrap();
     let written = pool.digest(lease, 2).unwrap();
     assert_ne!(written, empty);
-    let page = pool.page_floats(lease.handle.page);
-    assert_eq!(written, digest_page(pool.layout(), page, 2));
+    let values = (0..pool.layout().page_values())
+        .map(|i| {
+            let (slab, at) = (
+                i / pool.layout().slab_values(),
+                i % pool.layout().slab_values(),
+            );
+            let (k, v) = pool.page_kv(lease, slab as u32 / 2).unwrap();
+            let half = if slab % 2 == 0 { k } else { v };
+            half.to_f32_vec()[at]
+        })
+        .collect::<Vec<f32>>();
+    assert_eq!(written, digest_page(pool.layout(), &values, 2));
     assert_eq!(
         pool.digest(lease, 1).unwrap(),
         pool.digest(lease, 1).unwrap()

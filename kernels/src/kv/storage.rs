@@ -1,0 +1,352 @@
+//! Page storage: the bytes of a pool's pages, apart from its page book.
+//!
+//! The [`Pool`](super::Pool) keeps the book: partitions, page states,
+//! generations, leases and every invariant check. Behind it a [`PageStorage`]
+//! holds the values and knows only pages by index, so it makes no isolation
+//! decision: the pool checks a lease before it asks storage for anything.
+//!
+//! Storage operations are the ones whose cost or encoding depends on where and
+//! how the values live: write one token's K and V, scrub (zero) a page, poison
+//! it, test it for zero, digest its used slots, and (host storage only) lend a
+//! page's slabs to the CPU kernels. Host storage comes in two value types:
+//!
+//! ```text
+//! KvType  bytes   what it is for
+//! F16     2       the default: half the memory and half the bytes attention reads;
+//!                 values round to nearest even (11 significant bits) and
+//!                 saturate at ±65504
+//! F32     4       the reference: exactly the activations the backend computed
+//! ```
+//!
+//! A CUDA backend adds device storage behind the same trait; it lends no host
+//! slabs ([`PageStorage::host`] is `None`), and the CPU backend refuses a pool
+//! without them.
+
+use super::digest::Fnv1a64;
+use super::geometry::PageLayout;
+use half::f16;
+
+/// How one KV value is stored.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvType {
+    /// IEEE half precision, round to nearest even: the default.
+    #[default]
+    F16,
+    /// IEEE single precision: the reference.
+    F32,
+}
+
+impl KvType {
+    /// Bytes per value.
+    pub const fn bytes(self) -> u64 {
+        match self {
+            KvType::F16 => 2,
+            KvType::F32 => 4,
+        }
+    }
+
+    /// "f16" or "f32".
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F16 => "f16",
+            KvType::F32 => "f32",
+        }
+    }
+
+    /// The value storage of this type returns for `x`: what a read gives back
+    /// after `x` is written.
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            KvType::F16 => <f16 as KvValue>::from_f32(x).to_f32(),
+            KvType::F32 => x,
+        }
+    }
+}
+
+/// A value type host storage can hold. Sealed: f32 and half's f16.
+pub trait KvValue: Copy + Send + Sync + std::fmt::Debug + sealed::Sealed + 'static {
+    /// Its [`KvType`].
+    const TYPE: KvType;
+    /// Zero (all bits clear).
+    const ZERO: Self;
+    /// What released pages are filled with in poison mode: a quiet NaN whose
+    /// payload reads "DEAD" (as much of it as fits), so a read before a write
+    /// shows up in any output it reaches.
+    const POISON: Self;
+    /// Rounds `x` to this type (nearest even; f16 saturates at ±65504).
+    fn from_f32(x: f32) -> Self;
+    /// The exact f32 value; branch-free, so loops over it vectorize.
+    fn to_f32(self) -> f32;
+    /// Whether every bit is clear (-0.0 and NaN count as set).
+    fn is_zero_bits(self) -> bool;
+    /// Feeds the value's bits, little-endian, to `hasher`.
+    fn hash_into(self, hasher: &mut Fnv1a64);
+    /// The slab view over a slice of this type.
+    fn slab(values: &[Self]) -> KvSlab<'_>;
+}
+
+/// The largest finite f16.
+const F16_MAX: f32 = 65504.0;
+
+/// The bit pattern of [`KvValue::POISON`] for f32.
+pub const POISON_BITS: u32 = 0x7FC0_DEAD;
+/// The bit pattern of [`KvValue::POISON`] for f16 (a quiet NaN, payload 0xAD).
+pub const POISON_BITS_F16: u16 = 0x7EAD;
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+}
+
+impl KvValue for f32 {
+    const TYPE: KvType = KvType::F32;
+    const ZERO: f32 = 0.0;
+    const POISON: f32 = f32::from_bits(POISON_BITS);
+    fn from_f32(x: f32) -> f32 {
+        x
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn is_zero_bits(self) -> bool {
+        self.to_bits() == 0
+    }
+    fn hash_into(self, hasher: &mut Fnv1a64) {
+        hasher.write_u32(self.to_bits());
+    }
+    fn slab(values: &[f32]) -> KvSlab<'_> {
+        KvSlab::F32(values)
+    }
+}
+
+impl KvValue for f16 {
+    const TYPE: KvType = KvType::F16;
+    const ZERO: f16 = f16::from_bits(0);
+    const POISON: f16 = f16::from_bits(POISON_BITS_F16);
+    fn from_f32(x: f32) -> f16 {
+        // Saturate rather than overflow: an infinite key would turn every
+        // score of its position into NaN. NaN stays NaN.
+        f16::from_f32(x.clamp(-F16_MAX, F16_MAX))
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16_to_f32(self.to_bits())
+    }
+    fn is_zero_bits(self) -> bool {
+        self.to_bits() == 0
+    }
+    fn hash_into(self, hasher: &mut Fnv1a64) {
+        hasher.write_bytes(&self.to_bits().to_le_bytes());
+    }
+    fn slab(values: &[f16]) -> KvSlab<'_> {
+        KvSlab::F16(values)
+    }
+}
+
+/// f16 bits to the exact f32, without branches (a select the compiler turns
+/// into a blend), so attention loops over f16 pages vectorize: shift exponent
+/// and mantissa into place and rescale by 2^112, which also turns f16
+/// subnormals into f32 normals exactly; infinities and NaNs keep an all-ones
+/// exponent.
+#[inline(always)]
+pub fn f16_to_f32(bits: u16) -> f32 {
+    const TWO_POW_112: f32 = f32::from_bits((127 + 112) << 23);
+    let bits = u32::from(bits);
+    let magnitude = (bits & 0x7FFF) << 13;
+    let finite = f32::from_bits(magnitude) * TWO_POW_112;
+    let special = f32::from_bits(magnitude | 0x7F80_0000);
+    let value = if bits & 0x7C00 == 0x7C00 {
+        special
+    } else {
+        finite
+    };
+    f32::from_bits(value.to_bits() | ((bits & 0x8000) << 16))
+}
+
+/// One layer's K (or V) of one page, `// [page_tokens][kv_dim]`, in its stored type.
+#[derive(Clone, Copy, Debug)]
+pub enum KvSlab<'a> {
+    /// f16 values.
+    F16(&'a [f16]),
+    /// f32 values.
+    F32(&'a [f32]),
+}
+
+impl KvSlab<'_> {
+    /// Values in the slab.
+    pub fn len(&self) -> usize {
+        match self {
+            KvSlab::F16(values) => values.len(),
+            KvSlab::F32(values) => values.len(),
+        }
+    }
+
+    /// Whether the slab is empty (never, for a real page).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every value as f32 (exact).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match self {
+            KvSlab::F16(values) => values.iter().map(|v| v.to_f32()).collect(),
+            KvSlab::F32(values) => values.to_vec(),
+        }
+    }
+
+    /// Whether every bit of every value is clear.
+    pub fn is_zero(&self) -> bool {
+        match self {
+            KvSlab::F16(values) => values.iter().all(|v| v.is_zero_bits()),
+            KvSlab::F32(values) => values.iter().all(|v| v.is_zero_bits()),
+        }
+    }
+}
+
+/// The bytes of a pool's pages, addressed by page index (`0..pages_count`)
+/// and value offsets from the pool's [`PageLayout`]. Makes no ownership
+/// decision: the pool checks every lease before it calls in.
+pub trait PageStorage: std::fmt::Debug + Send + Sync {
+    /// The value type.
+    fn kv_type(&self) -> KvType;
+
+    /// Writes one token's K and V (`[kv_dim]` each) at value offsets `k_at`
+    /// and `v_at` of `page`, rounding to the stored type.
+    fn write_token(&mut self, page: usize, k_at: usize, v_at: usize, k: &[f32], v: &[f32]);
+
+    /// Zeroes every value of `page`.
+    fn scrub(&mut self, page: usize);
+
+    /// Fills `page` with the type's poison.
+    fn poison(&mut self, page: usize);
+
+    /// Whether every value of `page` is zero, bit for bit.
+    fn is_zero(&self, page: usize) -> bool;
+
+    /// The digest of the first `tokens_used` slots of `page` (see
+    /// [`super::digest`]).
+    fn digest(&self, page: usize, tokens_used: u32) -> u64;
+
+    /// K and V of `layer` in `page`, if the values are in host memory.
+    fn host(&self, page: usize, layer: u32) -> Option<(KvSlab<'_>, KvSlab<'_>)>;
+}
+
+/// Pages in host memory, allocated once and zeroed.
+#[derive(Debug)]
+pub struct HostStorage<T: KvValue> {
+    layout: PageLayout,
+    /// `// [pages_count][layer][k|v][page_tokens][kv_dim]`
+    values: Vec<T>,
+}
+
+impl<T: KvValue> HostStorage<T> {
+    /// Every page of `layout`, zeroed.
+    pub fn new(layout: PageLayout) -> HostStorage<T> {
+        HostStorage {
+            layout,
+            values: vec![T::ZERO; layout.pool_values()],
+        }
+    }
+
+    /// `// [layer][k|v][page_tokens][kv_dim]`
+    pub fn page(&self, page: usize) -> &[T] {
+        let at = self.layout.page_offset(page);
+        &self.values[at..at + self.layout.page_values()]
+    }
+
+    fn page_mut(&mut self, page: usize) -> &mut [T] {
+        let at = self.layout.page_offset(page);
+        let end = at + self.layout.page_values();
+        &mut self.values[at..end]
+    }
+}
+
+impl<T: KvValue> PageStorage for HostStorage<T> {
+    fn kv_type(&self) -> KvType {
+        T::TYPE
+    }
+
+    fn write_token(&mut self, page: usize, k_at: usize, v_at: usize, k: &[f32], v: &[f32]) {
+        let values = self.page_mut(page);
+        for (dst, &x) in values[k_at..k_at + k.len()].iter_mut().zip(k) {
+            *dst = T::from_f32(x);
+        }
+        for (dst, &x) in values[v_at..v_at + v.len()].iter_mut().zip(v) {
+            *dst = T::from_f32(x);
+        }
+    }
+
+    fn scrub(&mut self, page: usize) {
+        self.page_mut(page).fill(T::ZERO);
+    }
+
+    fn poison(&mut self, page: usize) {
+        self.page_mut(page).fill(T::POISON);
+    }
+
+    fn is_zero(&self, page: usize) -> bool {
+        self.page(page).iter().all(|v| v.is_zero_bits())
+    }
+
+    fn digest(&self, page: usize, tokens_used: u32) -> u64 {
+        super::digest::digest_page(&self.layout, self.page(page), tokens_used)
+    }
+
+    fn host(&self, page: usize, layer: u32) -> Option<(KvSlab<'_>, KvSlab<'_>)> {
+        let slab = self.layout.slab_values();
+        let (k_at, v_at) = (self.layout.k_offset(layer), self.layout.v_offset(layer));
+        let values = self.page(page);
+        Some((
+            T::slab(&values[k_at..k_at + slab]),
+            T::slab(&values[v_at..v_at + slab]),
+        ))
+    }
+}
+
+/// Host storage of `layout`'s type, zeroed.
+pub fn host_storage(layout: PageLayout) -> Box<dyn PageStorage> {
+    match layout.geometry().kv_type {
+        KvType::F16 => Box::new(HostStorage::<f16>::new(layout)),
+        KvType::F32 => Box::new(HostStorage::<f32>::new(layout)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_to_f32_is_exact_for_every_bit_pattern() {
+        for bits in 0..=u16::MAX {
+            let ours = f16_to_f32(bits);
+            let theirs = f16::from_bits(bits).to_f32();
+            if theirs.is_nan() {
+                assert!(ours.is_nan(), "{bits:#06x}");
+                assert_eq!(ours.is_sign_negative(), theirs.is_sign_negative());
+            } else {
+                assert_eq!(ours.to_bits(), theirs.to_bits(), "{bits:#06x}");
+            }
+        }
+    }
+
+    #[test]
+    fn poison_is_a_quiet_nan_in_both_types() {
+        assert!(<f16 as KvValue>::POISON.to_f32().is_nan());
+        assert!(<f32 as KvValue>::POISON.is_nan());
+        assert_eq!(<f32 as KvValue>::POISON.to_bits(), POISON_BITS);
+    }
+
+    #[test]
+    fn round_is_what_a_read_gives_back() {
+        assert_eq!(KvType::F32.round(0.1), 0.1);
+        assert_eq!(KvType::F16.round(0.1), f16::from_f32(0.1).to_f32());
+        assert_ne!(KvType::F16.round(0.1), 0.1);
+        // Nearest even, and saturation (not infinity) past f16's range.
+        assert_eq!(KvType::F16.round(2049.0), 2048.0);
+        assert_eq!(KvType::F16.round(1e6), 65504.0);
+        assert_eq!(KvType::F16.round(-1e6), -65504.0);
+        assert!(KvType::F16.round(f32::NAN).is_nan());
+    }
+}
