@@ -76,8 +76,23 @@ impl Fnv1a64 {
 /// receiver calls this on the values it received, the pool on the values it holds.
 pub fn digest_page<T: KvValue>(layout: &PageLayout, page: &[T], tokens_used: u32) -> u64 {
     assert_eq!(page.len(), layout.page_values(), "not one page");
-    assert_eq!(T::TYPE, layout.geometry().kv_type, "values of another type");
+    let layers = (0..layout.geometry().layers).map(|layer| {
+        let (k, v) = (layout.k_offset(layer), layout.v_offset(layer));
+        let slab = layout.slab_values();
+        (&page[k..k + slab], &page[v..v + slab])
+    });
+    digest_slabs(layout, tokens_used, layers)
+}
+
+/// The same digest from each layer's K and V slabs (`// [page_tokens][kv_dim]`
+/// each, in layer order), wherever storage keeps them.
+pub fn digest_slabs<'a, T: KvValue>(
+    layout: &PageLayout,
+    tokens_used: u32,
+    layers: impl Iterator<Item = (&'a [T], &'a [T])>,
+) -> u64 {
     let geometry = layout.geometry();
+    assert_eq!(T::TYPE, geometry.kv_type, "values of another type");
     assert!(
         tokens_used <= geometry.page_tokens,
         "tokens_used {tokens_used} above page_tokens {}",
@@ -86,13 +101,14 @@ pub fn digest_page<T: KvValue>(layout: &PageLayout, page: &[T], tokens_used: u32
     let used = tokens_used as usize * layout.kv_dim();
     let mut hasher = Fnv1a64::new();
     hasher.write_u32(tokens_used);
-    for layer in 0..geometry.layers {
-        let k = layout.k_offset(layer);
-        let v = layout.v_offset(layer);
-        for value in page[k..k + used].iter().chain(&page[v..v + used]) {
+    let mut count = 0;
+    for (k, v) in layers {
+        for value in k[..used].iter().chain(&v[..used]) {
             value.hash_into(&mut hasher);
         }
+        count += 1;
     }
+    assert_eq!(count, geometry.layers, "one K and V slab per layer");
     hasher.finish()
 }
 

@@ -85,8 +85,9 @@
 //!
 //! The prefix cache's index (which token prefix is in which shared page, per tenant and
 //! model, I7) and its eviction policy live in the host's scheduler; this module only
-//! keeps shared pages read-only, counted and owner-bound. Device (CUDA) memory pools
-//! will reuse this state machine over a device allocation.
+//! keeps shared pages read-only, counted and owner-bound. A device (CUDA) pool will
+//! be this same book over a device [`PageStorage`] (`Pool::with_storage`): scrub,
+//! poison and digest are storage operations, every check stays here.
 //!
 //! ```compile_fail
 //! // A reservation is one booking: it cannot be cloned.
@@ -110,7 +111,7 @@ pub mod storage;
 mod tests;
 
 pub use check::Violation;
-pub use digest::{digest_page, Fnv1a64};
+pub use digest::{digest_page, digest_slabs, Fnv1a64};
 pub use geometry::{
     GeometryError, PageLayout, PoolGeometry, HEAD_DIM_MAX, KV_HEADS_MAX, LAYERS_MAX,
     PAGES_COUNT_MAX, PAGE_TOKENS_MAX, POOL_BYTES_MAX,
