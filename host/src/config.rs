@@ -268,7 +268,9 @@ pub struct ModelSpec {
     #[serde(default = "default_seq_pages_max")]
     pub seq_pages_max: u32,
     /// Most tokens in one step: the prefill chunk budget plus decode tokens
-    /// (default 512).
+    /// (default 256: prefill throughput is within a few percent of 512's,
+    /// and every running sequence waits half as long for its next token while
+    /// a prompt is prefilled; BENCHMARKS.md, "Long contexts").
     #[serde(default = "default_step_tokens_max")]
     pub step_tokens_max: u32,
     /// Most sequences in one step (default 32).
@@ -331,7 +333,7 @@ fn default_seq_pages_max() -> u32 {
     512
 }
 fn default_step_tokens_max() -> u32 {
-    512
+    256
 }
 fn default_step_seqs_max() -> u32 {
     32
