@@ -12,7 +12,11 @@
 #   scripts/setup.sh && cargo build --release -p bulkhead
 #   scripts/bench_prefix.sh /path/to/llama-server     # part 1 and 2
 #   scripts/bench_prefix.sh                           # part 2 only
+#   LEVELS=1 RECLAIM=0 scripts/bench_prefix.sh /path/to/llama-server
+#                                 # part 1 at concurrency 1 only, no part 2
 set -euo pipefail
+LEVELS=${LEVELS:-1,4,8,32}
+RECLAIM=${RECLAIM:-1}
 cd "$(dirname "$0")/.."
 B=target/release/bulkhead
 LLAMA=${1:-}
@@ -56,10 +60,10 @@ if [ -n "$LLAMA" ]; then
     flag=(); [ "$layout" = shared-prefix ] && flag=(--shared-prefix)
     echo "== $layout prompts: bulkhead"
     bench --url http://127.0.0.1:18080 --key "$BULKHEAD_KEY_ALPHA" --pid "$bulkhead" "${flag[@]}" \
-        --concurrency 1,4,8,32 --requests 32
+        --concurrency "$LEVELS" --requests 32
     echo "== $layout prompts: llama-server"
     bench --url http://127.0.0.1:18090 --model smollm2 --pid "$llama" "${flag[@]}" \
-        --concurrency 1,4,8,32 --requests 32
+        --concurrency "$LEVELS" --requests 32
   done
   echo "== cold reference (distinct prompts, no prefix in common): bulkhead"
   bench --url http://127.0.0.1:18080 --key "$BULKHEAD_KEY_ALPHA" --pid "$bulkhead" --distinct-prompts \
@@ -69,6 +73,8 @@ if [ -n "$LLAMA" ]; then
       --concurrency 1 --requests 8
   stop "$llama"; stop "$bulkhead"
 fi
+
+[ "$RECLAIM" = 1 ] || exit 0
 
 # Part 2: a 256-page pool; alpha reserves 64, beta 32, each may hold 192.
 cat >"$work/reclaim.toml" <<EOF

@@ -790,8 +790,19 @@ models = ["m"]
                 q8.step_tokens_max,
                 q8.step_seqs_max
             ),
-            (16, 1024, 512, 512, 32)
+            (16, 1024, 512, 256, 32)
         );
+        assert_eq!(
+            q8.kv_type,
+            KvStorage::F16,
+            "f16 KV unless the policy says f32"
+        );
+        let f32_kv = Config::parse(&BASE.replace(
+            "context_tokens = 4096",
+            "context_tokens = 4096\nkv_type = \"f32\"",
+        ))
+        .unwrap();
+        assert_eq!(f32_kv.models[0].kv_type, KvStorage::F32);
         assert!(config.tenants["alpha"].models.allows("m-q8"));
         assert!(config.tenants["beta"].models.allows("m"));
         assert!(!config.tenants["beta"].models.allows("m-q8"));
@@ -856,6 +867,13 @@ models = ["m"]
             (
                 BASE.replace("context_tokens = 4096", "context_tokens = \"big\""),
                 "context_tokens",
+            ),
+            (
+                BASE.replace(
+                    "context_tokens = 4096",
+                    "context_tokens = 4096\nkv_type = \"q8\"",
+                ),
+                "kv_type",
             ),
             (
                 BASE.replace(

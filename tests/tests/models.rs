@@ -422,11 +422,11 @@ fn a_memory_budget_that_cannot_hold_both_models_is_refused_naming_the_model() {
     let (Some(model), Some(q8)) = (smollm2(), smollm2_q8()) else {
         return;
     };
-    // Each model: its weights (~100-150 MB) and a 224-page pool (~165 MB).
-    // 400 MiB holds the first, not both.
+    // Each model: its weights (~100-150 MB) and a 224-page pool (~83 MB of
+    // f16 KV). 300 MiB holds either one, not both.
     let policy = Policy {
         extra_toml: format!(
-            "{}\n[engine]\nmemory_max = \"400 MiB\"\n",
+            "{}\n[engine]\nmemory_max = \"300 MiB\"\n",
             model_toml(Q8_ID, &q8, 224)
         ),
         ..Policy::default()
@@ -447,7 +447,7 @@ fn a_memory_budget_that_cannot_hold_both_models_is_refused_naming_the_model() {
     // The same budget with one model: it starts, and adding the second
     // through the admin API is refused the same way, until the first goes.
     let one = Policy {
-        extra_toml: "[engine]\nmemory_max = \"400 MiB\"\n".into(),
+        extra_toml: "[engine]\nmemory_max = \"300 MiB\"\n".into(),
         ..Policy::default()
     };
     let server = start(&model, &one);

@@ -15,7 +15,8 @@
 //!   `reserve` books counts without touching a page. A refused reserve books nothing.
 //! - **I3 ownership**: every page carries `(owner, seq, generation)`; a [`PageTable`]
 //!   holds only pages leased to its `(owner, seq)`, because only the pool edits tables;
-//!   every KV access names a [`Lease`] that is checked on write *and* on read.
+//!   every KV access names a [`Lease`] that is checked on write *and* on read (for
+//!   attention, every lease of a table once per layer: [`Pool::table_view`]).
 //! - **I4 scrub before reuse**: released pages are dirty until `scrub_released` zeroes
 //!   them; only `Free` pages are handed out, asserted at acquire (and zero-checked in
 //!   paranoid mode). Poison mode fills released pages with a NaN ([`POISON_BITS`],
