@@ -25,6 +25,7 @@
 use super::digest::Fnv1a64;
 use super::geometry::PageLayout;
 use half::f16;
+use half::vec::HalfBitsVecExt;
 
 /// How one KV value is stored.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -75,6 +76,9 @@ pub trait KvValue: Copy + Send + Sync + std::fmt::Debug + sealed::Sealed + 'stat
     const POISON: Self;
     /// Rounds `x` to this type (nearest even; f16 saturates at ±65504).
     fn from_f32(x: f32) -> Self;
+    /// `len` zeros, allocated zeroed (calloc), so pages never written take
+    /// no resident memory: a pool is sized for its whole promise, not its load.
+    fn zeroed(len: usize) -> Vec<Self>;
     /// The exact f32 value; branch-free, so loops over it vectorize.
     fn to_f32(self) -> f32;
     /// Whether every bit is clear (-0.0 and NaN count as set).
@@ -106,6 +110,9 @@ impl KvValue for f32 {
     fn from_f32(x: f32) -> f32 {
         x
     }
+    fn zeroed(len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -129,6 +136,11 @@ impl KvValue for f16 {
         // Saturate rather than overflow: an infinite key would turn every
         // score of its position into NaN. NaN stays NaN.
         f16::from_f32(x.clamp(-F16_MAX, F16_MAX))
+    }
+    fn zeroed(len: usize) -> Vec<f16> {
+        // `vec![f16::ZERO; len]` would write every element (the zeroed
+        // allocation is only taken for types std knows to be zero bits).
+        vec![0u16; len].reinterpret_into()
     }
     #[inline(always)]
     fn to_f32(self) -> f32 {
@@ -252,7 +264,7 @@ impl<T: KvValue> HostStorage<T> {
     pub fn new(layout: PageLayout) -> HostStorage<T> {
         HostStorage {
             layout,
-            values: vec![T::ZERO; layout.pool_values()],
+            values: T::zeroed(layout.pool_values()),
         }
     }
 
