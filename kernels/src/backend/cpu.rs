@@ -17,7 +17,7 @@
 //! for `step_tokens_max` tokens and `step_seqs_max` sequences.
 
 use super::{vector, Backend, Logits, SeqStep, StepError};
-use crate::kv::{Pool, TableView};
+use crate::kv::{PageTable, Pool, StepView};
 use crate::model::{Matrix, Model};
 use crate::quant::{self, Isa, QuantizedActivations};
 use crate::threads::Threads;
@@ -284,8 +284,13 @@ impl Backend for CpuBackend {
                 .embed(token, &mut self.scratch.x[t * d..(t + 1) * d]);
         }
         self.fill_rope(&slots);
+        // Every page lease of the step, checked once for all its layers.
+        let tables: Vec<&PageTable> = steps.iter().map(|s| s.pages).collect();
+        let mut view = pool
+            .step_view(&tables)
+            .expect("validated: every lease of the step is live");
         for layer in 0..self.model.config.layers_count {
-            self.attention_block(layer, steps, &slots, pool);
+            self.attention_block(layer, steps, &slots, &mut view);
             self.ffn_block(layer, tokens);
         }
         let wanted = self.output_logits(steps);
@@ -318,7 +323,7 @@ impl CpuBackend {
         layer: usize,
         steps: &[SeqStep<'_>],
         slots: &[TokenSlot],
-        pool: &mut Pool,
+        view: &mut StepView<'_>,
     ) {
         let model = Arc::clone(&self.model);
         let c = &model.config;
@@ -364,8 +369,8 @@ impl CpuBackend {
             c.head_dim,
             c.rope_dim,
         );
-        self.write_kv(layer, steps, slots, pool);
-        self.attention(layer, steps, slots, pool);
+        self.write_kv(layer, slots, view);
+        self.attention(layer, steps, slots, view);
         let s = &mut self.scratch;
         s.xq.quantize(w.wo.ty(), &s.attn[..tokens * d], tokens, d)
             .expect(WIDTHS_CHECKED);
@@ -423,38 +428,34 @@ impl CpuBackend {
     }
 
     /// Writes this layer's new K and V rows into each sequence's pages.
-    fn write_kv(
-        &mut self,
-        layer: usize,
-        steps: &[SeqStep<'_>],
-        slots: &[TokenSlot],
-        pool: &mut Pool,
-    ) {
+    fn write_kv(&mut self, layer: usize, slots: &[TokenSlot], view: &mut StepView<'_>) {
         let kv_len = self.model.config.kv_len();
-        let page_tokens = pool.layout().geometry().page_tokens as usize;
+        let page_tokens = view.layout().geometry().page_tokens as usize;
         for (t, slot) in slots.iter().enumerate() {
-            let table = steps[slot.seq_index].pages;
-            let lease = table
-                .lease(slot.pos / page_tokens)
-                .expect("validated: position within the table");
             let row = t * kv_len..(t + 1) * kv_len;
-            let slot_in_page = (slot.pos % page_tokens) as u32;
-            pool.write_kv(
-                lease,
+            // Validated: the position is within the table, and the page its own.
+            view.write_kv(
+                slot.seq_index,
+                slot.pos / page_tokens,
                 layer as u32,
-                slot_in_page,
+                (slot.pos % page_tokens) as u32,
                 &self.scratch.k[row.clone()],
                 &self.scratch.v[row],
-            )
-            .expect("validated: every lease of the step is live");
+            );
         }
     }
 
     /// Attention of every token of the step (see [`attention`](self) below for
     /// the reduction and why it is the same for a prefill chunk and a decode token).
-    fn attention(&mut self, layer: usize, steps: &[SeqStep<'_>], slots: &[TokenSlot], pool: &Pool) {
+    fn attention(
+        &mut self,
+        layer: usize,
+        steps: &[SeqStep<'_>],
+        slots: &[TokenSlot],
+        view: &StepView<'_>,
+    ) {
         let c = &self.model.config;
-        let page_tokens = pool.layout().geometry().page_tokens as usize;
+        let page_tokens = view.layout().geometry().page_tokens as usize;
         let ctx = AttentionContext {
             layer: layer as u32,
             isa: self.isa,
@@ -466,14 +467,6 @@ impl CpuBackend {
             span_positions: span_pages(page_tokens) * page_tokens,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
         };
-        // Every lease of every table once per layer, not once per page and head.
-        let views: Vec<TableView<'_>> = steps
-            .iter()
-            .map(|step| {
-                pool.table_view(step.pages)
-                    .expect("validated: every lease of the step is live")
-            })
-            .collect();
         // Decode tokens (a sequence with one new token) split their positions
         // by span across tasks; prefill chunks split their queries in blocks.
         let mut tasks: Vec<AttentionTask> = Vec::new();
@@ -529,7 +522,6 @@ impl CpuBackend {
         let out = SharedOut(s.attn.as_mut_ptr());
         let partials = SharedOut(s.partials.as_mut_ptr());
         let workers = &s.workers;
-        let views = &views;
         self.threads.run(tasks.len(), &|i, worker| {
             let mut scratch = workers[worker].lock().unwrap_or_else(|e| e.into_inner());
             match tasks[i] {
@@ -544,7 +536,8 @@ impl CpuBackend {
                     let mut part = std::mem::take(&mut scratch.part);
                     part.resize(ctx.kv_group * part_len, 0.0);
                     ctx.span_partial(
-                        &views[seq_index],
+                        view,
+                        seq_index,
                         kv_head,
                         pos,
                         q,
@@ -575,7 +568,8 @@ impl CpuBackend {
                     t0,
                     t1,
                 } => ctx.block(
-                    &views[seq_index],
+                    view,
+                    seq_index,
                     kv_head,
                     slots,
                     q,
@@ -798,7 +792,8 @@ impl AttentionContext {
     /// rounding). The one place attention reads pages.
     fn load_tile(
         &self,
-        view: &TableView<'_>,
+        view: &StepView<'_>,
+        table: usize,
         kv_head: usize,
         span: usize,
         end: usize,
@@ -812,7 +807,7 @@ impl AttentionContext {
             tile.v.resize(len, 0.0);
         }
         for page in first / self.page_tokens..end.div_ceil(self.page_tokens) {
-            let (k, v) = view.page(page, self.layer);
+            let (k, v) = view.page(table, page, self.layer);
             let at = page * self.page_tokens;
             let used = (end - at).min(self.page_tokens);
             let rows = (at - first) * hd..(at - first + used) * hd;
@@ -865,7 +860,8 @@ impl AttentionContext {
     #[allow(clippy::too_many_arguments)]
     fn span_partial(
         &self,
-        view: &TableView<'_>,
+        view: &StepView<'_>,
+        table: usize,
         kv_head: usize,
         pos: usize,
         q: &[f32],
@@ -876,7 +872,7 @@ impl AttentionContext {
     ) {
         let first = span * self.span_positions;
         let end = (pos + 1).min(first + self.span_positions);
-        self.load_tile(view, kv_head, span, end, &mut scratch.tile);
+        self.load_tile(view, table, kv_head, span, end, &mut scratch.tile);
         self.tile_partial(
             &scratch.tile,
             end - first,
@@ -894,7 +890,8 @@ impl AttentionContext {
     #[allow(clippy::too_many_arguments)]
     fn block(
         &self,
-        view: &TableView<'_>,
+        view: &StepView<'_>,
+        table: usize,
         kv_head: usize,
         slots: &[TokenSlot],
         q: &[f32],
@@ -918,7 +915,7 @@ impl AttentionContext {
         for span in 0..self.spans(last) {
             let first = span * self.span_positions;
             let span_end = first + self.span_positions;
-            self.load_tile(view, kv_head, span, (last + 1).min(span_end), tile);
+            self.load_tile(view, table, kv_head, span, (last + 1).min(span_end), tile);
             for t in t0..t1 {
                 let pos = slots[t].pos;
                 if span >= self.spans(pos) {
@@ -1145,7 +1142,7 @@ mod tests {
             let c = model.config.clone();
             let d = c.embedding_len;
             let mut rng = SplitMix64(u64::from(page_tokens) * 7 + u64::from(kv_heads));
-            let (pool, table) = filled(&model, &case, len, &mut rng);
+            let (mut pool, table) = filled(&model, &case, len, &mut rng);
             for isa in Isa::available() {
                 let mut backend = CpuBackend::new(
                     Arc::clone(&model),
@@ -1194,7 +1191,10 @@ mod tests {
                     }
                 }
                 backend.scratch.q[..q.len()].copy_from_slice(&q);
-                backend.attention(0, &steps, &slots, &pool);
+                let tables: Vec<&PageTable> = steps.iter().map(|s| s.pages).collect();
+                let view = pool.step_view(&tables).unwrap();
+                backend.attention(0, &steps, &slots, &view);
+                drop(view);
                 let attn = backend.scratch.attn.clone();
                 let mut worst = 0.0f64;
                 for (t, slot) in slots.iter().enumerate() {

@@ -15,8 +15,8 @@
 //!   `reserve` books counts without touching a page. A refused reserve books nothing.
 //! - **I3 ownership**: every page carries `(owner, seq, generation)`; a [`PageTable`]
 //!   holds only pages leased to its `(owner, seq)`, because only the pool edits tables;
-//!   every KV access names a [`Lease`] that is checked on write *and* on read (for
-//!   attention, every lease of a table once per layer: [`Pool::table_view`]).
+//!   every KV access names a [`Lease`] that is checked on write *and* on read (for a
+//!   forward pass, every lease of every table of the step once: [`Pool::step_view`]).
 //! - **I4 scrub before reuse**: released pages are dirty until `scrub_released` zeroes
 //!   them; only `Free` pages are handed out, asserted at acquire (and zero-checked in
 //!   paranoid mode). Poison mode fills released pages with a NaN ([`POISON_BITS`],
@@ -33,7 +33,8 @@
 //! 4. `acquire(&mut reservation, &mut table)`: `Free → Owned { owner, seq }`, the
 //!    generation increments, the handle is appended to the table.
 //! 5. `write_kv` / `page_kv` / `digest` take a [`Lease`] (`table.lease(i)`);
-//!    `table_view(&table)` checks every lease of a table once, for one step's reads.
+//!    `step_view(&tables)` checks every lease of a step's tables once, for its writes
+//!    and reads.
 //! 6. `release(&mut table)` / `release_last`: `Owned → Released` (dirty, poisoned in
 //!    poison mode, still charged to the owner).
 //! 7. `scrub_released()`, between scheduler steps: `Released → Scrubbed → Free`.
@@ -122,6 +123,6 @@ pub use page_table::PageTable;
 pub use partition::{PartitionConfig, PartitionError, PARTITIONS_MAX};
 pub use pool::{
     AcquireError, KvError, PageMeta, PageState, PartitionStats, Pool, PoolError, PoolOptions,
-    PoolStats, Reservation, ReserveError, TableView,
+    PoolStats, Reservation, ReserveError, StepView,
 };
 pub use storage::{KvSlab, KvType, KvValue, PageStorage, POISON_BITS, POISON_BITS_F16};

@@ -737,6 +737,12 @@ impl Pool {
         v: &[f32],
     ) -> Result<(), KvError> {
         let page = self.check_lease(lease)?;
+        self.write_leased(page, layer, slot, k, v);
+        Ok(())
+    }
+
+    /// `write_kv` to a page whose lease the caller has checked.
+    fn write_leased(&mut self, page: PageId, layer: u32, slot: u32, k: &[f32], v: &[f32]) {
         assert!(
             matches!(self.pages[page.index()].state, PageState::Owned { .. }),
             "write to shared page {page:?}"
@@ -748,7 +754,6 @@ impl Pool {
         let k_at = layout.k_offset(layer) + layout.slot_offset(slot);
         let v_at = layout.v_offset(layer) + layout.slot_offset(slot);
         self.storage.write_token(page.index(), k_at, v_at, k, v);
-        Ok(())
     }
 
     /// One layer's K and V of a page, each `// [page_tokens][kv_dim]` in the
@@ -759,15 +764,21 @@ impl Pool {
         Ok(self.host_slabs(page, layer))
     }
 
-    /// Checks every lease of `table` once, for reads of many layers, heads and
-    /// positions without a check each (attention of one step). The view
-    /// borrows the pool, so nothing can release those pages while it lives.
-    pub fn table_view(&self, table: &PageTable) -> Result<TableView<'_>, KvError> {
-        assert_eq!(table.pool_id, self.pool_id, "page table from another pool");
-        let pages = (0..table.pages_count())
-            .map(|i| self.check_lease(table.lease(i).expect("index below pages_count")))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(TableView { pool: self, pages })
+    /// Checks every lease of every table of one step once, for the step's
+    /// writes and reads of every layer, head and position (the CPU backend's
+    /// forward pass). The view borrows the pool mutably, so nothing can
+    /// release, share or re-lease those pages while it lives: each check holds
+    /// for the whole step. A stale handle is refused, changing nothing.
+    pub fn step_view(&mut self, tables: &[&PageTable]) -> Result<StepView<'_>, KvError> {
+        let mut pages = Vec::with_capacity(tables.len());
+        for table in tables {
+            assert_eq!(table.pool_id, self.pool_id, "page table from another pool");
+            let leased = (0..table.pages_count())
+                .map(|i| self.check_lease(table.lease(i).expect("index below pages_count")))
+                .collect::<Result<Vec<_>, _>>()?;
+            pages.push(leased);
+        }
+        Ok(StepView { pool: self, pages })
     }
 
     fn host_slabs(&self, page: PageId, layer: u32) -> (KvSlab<'_>, KvSlab<'_>) {
@@ -868,22 +879,41 @@ impl Pool {
     }
 }
 
-/// Every page of one table, its leases checked once ([`Pool::table_view`]).
+/// Every page of every table of one step, leases checked once
+/// ([`Pool::step_view`]). Tables and pages are named by their index in the
+/// step and in the table.
 #[derive(Debug)]
-pub struct TableView<'p> {
-    pool: &'p Pool,
-    pages: Vec<PageId>,
+pub struct StepView<'p> {
+    pool: &'p mut Pool,
+    /// `// [table][page index in the table]`
+    pages: Vec<Vec<PageId>>,
 }
 
-impl<'p> TableView<'p> {
-    /// Pages in the table.
-    pub fn pages_count(&self) -> usize {
-        self.pages.len()
+impl StepView<'_> {
+    /// The pool's page layout.
+    pub fn layout(&self) -> &PageLayout {
+        &self.pool.layout
     }
 
-    /// K and V of `layer` in the table's `index`-th page, each
-    /// `// [page_tokens][kv_dim]`. Panics past the table's end.
-    pub fn page(&self, index: usize, layer: u32) -> (KvSlab<'p>, KvSlab<'p>) {
-        self.pool.host_slabs(self.pages[index], layer)
+    /// Writes one token's K and V (`[kv_dim]` each) into `slot` of `layer` in
+    /// the `index`-th page of table `table`. Asserts the page is not shared
+    /// (the backend refuses such a step before it starts).
+    pub fn write_kv(
+        &mut self,
+        table: usize,
+        index: usize,
+        layer: u32,
+        slot: u32,
+        k: &[f32],
+        v: &[f32],
+    ) {
+        let page = self.pages[table][index];
+        self.pool.write_leased(page, layer, slot, k, v);
+    }
+
+    /// K and V of `layer` in the `index`-th page of table `table`, each
+    /// `// [page_tokens][kv_dim]`. Panics past a table's end.
+    pub fn page(&self, table: usize, index: usize, layer: u32) -> (KvSlab<'_>, KvSlab<'_>) {
+        self.pool.host_slabs(self.pages[table][index], layer)
     }
 }

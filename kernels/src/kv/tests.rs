@@ -319,6 +319,42 @@ fn f16_storage_poisons_scrubs_and_digests_its_own_bits() {
 }
 
 #[test]
+fn a_step_view_checks_every_lease_once_and_reads_what_it_wrote() {
+    let mut pool = pool();
+    let (a, b) = (
+        lease_pages(&mut pool, A, 1, 2),
+        lease_pages(&mut pool, B, 2, 1),
+    );
+    {
+        let mut view = pool.step_view(&[&a, &b]).unwrap();
+        view.write_kv(0, 1, 1, 2, &row(1.5), &row(-2.0));
+        view.write_kv(1, 0, 0, 0, &row(4.0), &row(4.0));
+        let (k, v) = view.page(0, 1, 1);
+        assert_eq!(&k.to_f32_vec()[6..9], &row(1.5)[..]);
+        assert_eq!(&v.to_f32_vec()[6..9], &row(-2.0)[..]);
+        assert!(view.page(0, 0, 1).0.is_zero(), "another page of the table");
+        assert_eq!(view.page(1, 0, 0).0.to_f32_vec()[..3], row(4.0)[..]);
+    }
+    // The same values through the per-lease path.
+    let (k, _) = pool.page_kv(a.lease(1).unwrap(), 1).unwrap();
+    assert_eq!(&k.to_f32_vec()[6..9], &row(1.5)[..]);
+    drop_table(&mut pool, b);
+    // A table holding a handle whose lease ended is refused as a whole.
+    let stale = lease_pages(&mut pool, A, 3, 1);
+    pool.plant_fault_stale_generation(stale.handles()[0].page);
+    assert!(matches!(
+        pool.step_view(&[&a, &stale]),
+        Err(KvError::StaleHandle { .. })
+    ));
+    // Another tenant's lease claimed by this table is a crash, never a read.
+    let theirs = lease_pages(&mut pool, B, 4, 1);
+    pool.plant_fault_owner(theirs.handles()[0].page, A);
+    assert!(panics(|| {
+        let _ = pool.step_view(&[&theirs]);
+    }));
+}
+
+#[test]
 fn stale_handle_is_refused_after_release() {
     let mut pool = pool();
     let mut table = lease_pages(&mut pool, A, 1, 1);
