@@ -272,3 +272,43 @@ fn an_engine_thread_that_panics_stops_accepting() {
     ));
     service.shutdown(Duration::ZERO, FinishReason::Shutdown);
 }
+
+#[test]
+fn an_engine_whose_tokenizer_and_embedding_disagree_is_refused_at_build() {
+    // Three tokens more than the embedding has rows: every step with one of
+    // them would fail, taking the rest of its batch with it. Refused before
+    // a pool is allocated or a thread started.
+    let spec = TinySpec {
+        extra_tokens: 3,
+        ..TinySpec::default()
+    };
+    let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&spec)).unwrap());
+    let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
+    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
+    let rows = model.config.vocab_len;
+    assert_eq!(tokenizer.vocab_len(), rows + 3);
+    let engine = EngineSpec {
+        pool_pages: 8,
+        page_tokens: 8,
+        kv_type: KvType::default(),
+        threads: 1,
+        step_tokens_max: 64,
+        step_seqs_max: 4,
+        pool_options: PoolOptions::default(),
+    };
+    let Err(error) = build::scheduler(&model, &tokenizer, &engine, Vec::new()) else {
+        panic!("an engine with a mismatched vocabulary was built");
+    };
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "model: the tokenizer has {} tokens but the embedding table has {rows} rows",
+            rows + 3
+        )
+    );
+    // The same file without the extra tokens builds.
+    let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap());
+    let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
+    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
+    assert!(build::scheduler(&model, &tokenizer, &engine, Vec::new()).is_ok());
+}

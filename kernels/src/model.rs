@@ -12,6 +12,7 @@
 use crate::gguf::{metadata_error, Gguf, GgufError, TensorInfo};
 use crate::kv::{KvType, PoolGeometry};
 use crate::quant::{self, GgmlType};
+use crate::tokenizer::Tokenizer;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -57,6 +58,15 @@ pub enum ModelError {
     /// The tokenizer metadata is unusable.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// The tokenizer and the embedding table disagree on the vocabulary: ids
+    /// with no embedding row, or rows (and logits) no token decodes to.
+    #[error("the tokenizer has {tokens} tokens but the embedding table has {rows} rows")]
+    Vocabulary {
+        /// Tokens in the tokenizer.
+        tokens: usize,
+        /// Rows of `token_embd.weight` (and of the output head).
+        rows: usize,
+    },
 }
 
 /// The blueprint: hyper-parameters of a Llama-architecture model.
@@ -307,6 +317,18 @@ impl Model {
     /// The bytes of a matrix.
     pub fn bytes(&self, matrix: &Matrix) -> &[u8] {
         self.gguf.tensor_bytes(&matrix.info)
+    }
+
+    /// Refuses `tokenizer` unless its vocabulary is exactly the embedding's
+    /// rows: a larger one hands out ids the model has no row for (every step
+    /// with one fails, whoever else is in the batch), a smaller one lets the
+    /// model sample ids no token decodes to.
+    pub fn check_tokenizer(&self, tokenizer: &Tokenizer) -> Result<(), ModelError> {
+        let (tokens, rows) = (tokenizer.vocab_len(), self.config.vocab_len);
+        if tokens != rows {
+            return Err(ModelError::Vocabulary { tokens, rows });
+        }
+        Ok(())
     }
 
     /// Writes the embedding of `token` into `out` (`[d]`).

@@ -32,6 +32,8 @@ pub struct TinySpec {
     pub embedding_type: GgmlType,
     /// Write a separate output head instead of tying it to the embedding.
     pub separate_output: bool,
+    /// Tokens the tokenizer has beyond the embedding's rows (0: they agree).
+    pub extra_tokens: u32,
 }
 
 impl Default for TinySpec {
@@ -47,6 +49,7 @@ impl Default for TinySpec {
             matrix_type: GgmlType::Q4_1,
             embedding_type: GgmlType::Q8_0,
             separate_output: false,
+            extra_tokens: 0,
         }
     }
 }
@@ -109,8 +112,12 @@ fn encode(ty: GgmlType, values: &[f32]) -> Vec<u8> {
 
 /// A tiny llama GGUF file, in memory.
 pub fn tiny_llama(spec: &TinySpec) -> Vec<u8> {
-    let (tokens, types, merges) = vocab();
+    let (mut tokens, mut types, merges) = vocab();
     let vocab_len = tokens.len() as u64;
+    for i in 0..spec.extra_tokens {
+        tokens.push(format!("<extra_{i}>"));
+        types.push(1);
+    }
     let d = u64::from(spec.embedding_len);
     let head_dim = d / u64::from(spec.heads);
     let kv = head_dim * u64::from(spec.kv_heads);

@@ -7,7 +7,7 @@
 use super::scheduler::{BatchLimits, Scheduler, TenantChangeError, TenantLimits};
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::kv::{KvType, Pool, PoolError, PoolOptions};
-use bulkhead_kernels::model::Model;
+use bulkhead_kernels::model::{Model, ModelError};
 use bulkhead_kernels::tokenizer::Tokenizer;
 use std::sync::Arc;
 
@@ -39,6 +39,9 @@ pub enum BuildError {
     /// A tenant's partition (see the message).
     #[error("tenant: {0}")]
     Tenant(#[from] TenantChangeError),
+    /// The model file's tokenizer and weights disagree.
+    #[error("model: {0}")]
+    Model(#[from] ModelError),
 }
 
 /// The KV pool for `model`, with no partitions yet.
@@ -69,6 +72,7 @@ pub fn scheduler(
     spec: &EngineSpec,
     tenants: Vec<TenantLimits>,
 ) -> Result<Scheduler<CpuBackend>, BuildError> {
+    model.check_tokenizer(tokenizer)?;
     let pool = pool(model, spec)?;
     let limits = BatchLimits {
         step_tokens_max: spec.step_tokens_max,
