@@ -270,8 +270,10 @@ pub struct Pool {
     pub(super) pool_id: PoolId,
     pub(super) layout: PageLayout,
     pub(super) options: PoolOptions,
-    /// The values, `// [pages_count][layer][k|v][page_tokens][kv_dim]`, allocated
-    /// once, zeroed. Reached only after the book above has checked the lease.
+    /// The values, allocated once, zeroed: each page logically
+    /// `// [layer][k|v][page_tokens][kv_dim]` (how they are laid out in memory
+    /// is storage's own; host storage is layer-major). Reached only after the
+    /// book above has checked the lease.
     pub(super) storage: Box<dyn PageStorage>,
     /// `// [pages_count]`
     pub(super) pages: Vec<PageMeta>,
