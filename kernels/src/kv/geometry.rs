@@ -16,7 +16,9 @@
 //! K (and V) for one layer is contiguous `[page_tokens][kv_dim]`, so attention reads one
 //! slice per page and layer. [`PoolGeometry`] is the configuration; [`PageLayout`] is
 //! the validated form with every size precomputed (in values, and in bytes where
-//! a name says so), and is the only way to get offsets.
+//! a name says so), and is the only way to get offsets. Offsets are in a page's
+//! logical view above; where the values sit in memory is the storage's choice
+//! (host storage is layer-major, see [`super::storage`]).
 
 use super::storage::KvType;
 use thiserror::Error;
