@@ -16,19 +16,30 @@ use bulkhead_kernels::tokenizer::Tokenizer;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-fn service(queue_depth_max: u32, running_max: u32) -> (EngineService, Admission) {
-    let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap());
+/// The tiny model of `spec` and its tokenizer.
+fn tiny(spec: &TinySpec) -> (Arc<Model>, Arc<Tokenizer>) {
+    let gguf = Arc::new(Gguf::from_bytes(tiny_llama(spec)).unwrap());
     let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
-    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
-    let spec = EngineSpec {
+    (model, Arc::new(Tokenizer::from_gguf(&gguf).unwrap()))
+}
+
+/// The tests' engine: 8 pages of 8 tokens, steps of up to 64 tokens and 4
+/// sequences, on `threads` threads.
+fn engine_spec(threads: usize) -> EngineSpec {
+    EngineSpec {
         pool_pages: 8,
         page_tokens: 8,
         kv_type: KvType::default(),
-        threads: 2,
+        threads,
         step_tokens_max: 64,
         step_seqs_max: 4,
         pool_options: PoolOptions::default(),
-    };
+    }
+}
+
+fn service(queue_depth_max: u32, running_max: u32) -> (EngineService, Admission) {
+    let (model, tokenizer) = tiny(&TinySpec::default());
+    let spec = engine_spec(2);
     let tenants = vec![TenantLimits {
         id: TenantId(0),
         name: "alpha".into(),
@@ -182,18 +193,8 @@ fn faulty_engine(
     tokio::sync::mpsc::UnboundedReceiver<Event>,
 ) {
     use bulkhead::engine::scheduler::{BatchLimits, Scheduler};
-    let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap());
-    let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
-    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
-    let spec = EngineSpec {
-        pool_pages: 8,
-        page_tokens: 8,
-        kv_type: KvType::default(),
-        threads: 1,
-        step_tokens_max: 64,
-        step_seqs_max: 4,
-        pool_options: PoolOptions::default(),
-    };
+    let (model, tokenizer) = tiny(&TinySpec::default());
+    let spec = engine_spec(1);
     let pool = build::pool(&model, &spec).unwrap();
     let limits = BatchLimits {
         step_tokens_max: 64,
@@ -282,20 +283,10 @@ fn an_engine_whose_tokenizer_and_embedding_disagree_is_refused_at_build() {
         extra_tokens: 3,
         ..TinySpec::default()
     };
-    let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&spec)).unwrap());
-    let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
-    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
+    let (model, tokenizer) = tiny(&spec);
     let rows = model.config.vocab_len;
     assert_eq!(tokenizer.vocab_len(), rows + 3);
-    let engine = EngineSpec {
-        pool_pages: 8,
-        page_tokens: 8,
-        kv_type: KvType::default(),
-        threads: 1,
-        step_tokens_max: 64,
-        step_seqs_max: 4,
-        pool_options: PoolOptions::default(),
-    };
+    let engine = engine_spec(1);
     let Err(error) = build::scheduler(&model, &tokenizer, &engine, Vec::new()) else {
         panic!("an engine with a mismatched vocabulary was built");
     };
@@ -307,8 +298,6 @@ fn an_engine_whose_tokenizer_and_embedding_disagree_is_refused_at_build() {
         )
     );
     // The same file without the extra tokens builds.
-    let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap());
-    let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
-    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
+    let (model, tokenizer) = tiny(&TinySpec::default());
     assert!(build::scheduler(&model, &tokenizer, &engine, Vec::new()).is_ok());
 }
