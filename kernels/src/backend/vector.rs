@@ -244,18 +244,18 @@ multiversion! {
 }
 
 #[inline(always)]
-fn dot<T: KvValue>(a: &[f32], b: &[T]) -> f32 {
+fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; LANES];
     let chunks = a.len() / LANES;
     for c in 0..chunks {
         let (a, b) = (&a[c * LANES..][..LANES], &b[c * LANES..][..LANES]);
         for i in 0..LANES {
-            acc[i] += a[i] * b[i].to_f32();
+            acc[i] += a[i] * b[i];
         }
     }
     let mut sum: f32 = acc.iter().sum();
     for i in chunks * LANES..a.len() {
-        sum += a[i] * b[i].to_f32();
+        sum += a[i] * b[i];
     }
     sum
 }
@@ -265,9 +265,9 @@ fn dot<T: KvValue>(a: &[f32], b: &[T]) -> f32 {
 const DOT_ROWS_BLOCK: usize = 4;
 
 #[inline(always)]
-fn dot_rows_body<T: KvValue>(
+fn dot_rows_body(
     q: &[f32],
-    k: &[T],
+    k: &[f32],
     stride: usize,
     offset: usize,
     scale: f32,
@@ -284,7 +284,7 @@ fn dot_rows_body<T: KvValue>(
             for (r, acc) in acc.iter_mut().enumerate() {
                 let row = &k[(j0 + r) * stride + offset + c * LANES..][..LANES];
                 for i in 0..LANES {
-                    acc[i] += q[i] * row[i].to_f32();
+                    acc[i] += q[i] * row[i];
                 }
             }
         }
@@ -294,7 +294,7 @@ fn dot_rows_body<T: KvValue>(
             let mut sum: f32 = acc.iter().sum();
             let row = &k[(j0 + r) * stride + offset..][..width];
             for i in chunks * LANES..width {
-                sum += q[i] * row[i].to_f32();
+                sum += q[i] * row[i];
             }
             scores[j0 + r] = sum * scale;
         }
@@ -310,16 +310,16 @@ fn dot_rows_body<T: KvValue>(
 const AXPY_BLOCK: usize = 64;
 
 #[inline(always)]
-fn axpy_rows_body<T: KvValue>(p: &[f32], v: &[T], stride: usize, offset: usize, acc: &mut [f32]) {
+fn axpy_rows_body(p: &[f32], v: &[f32], stride: usize, offset: usize, acc: &mut [f32]) {
     let width = acc.len();
     assert!(p.is_empty() || (p.len() - 1) * stride + offset + width <= v.len());
     let mut c = 0;
     while c + AXPY_BLOCK <= width {
-        axpy_block::<T, AXPY_BLOCK>(p, v, stride, offset + c, &mut acc[c..c + AXPY_BLOCK]);
+        axpy_block::<AXPY_BLOCK>(p, v, stride, offset + c, &mut acc[c..c + AXPY_BLOCK]);
         c += AXPY_BLOCK;
     }
     while c + LANES <= width {
-        axpy_block::<T, LANES>(p, v, stride, offset + c, &mut acc[c..c + LANES]);
+        axpy_block::<LANES>(p, v, stride, offset + c, &mut acc[c..c + LANES]);
         c += LANES;
     }
     if c < width {
@@ -327,7 +327,7 @@ fn axpy_rows_body<T: KvValue>(p: &[f32], v: &[T], stride: usize, offset: usize, 
         for (j, &weight) in p.iter().enumerate() {
             let row = &v[j * stride + offset + c..][..acc.len()];
             for (a, &x) in acc.iter_mut().zip(row) {
-                *a += weight * x.to_f32();
+                *a += weight * x;
             }
         }
     }
@@ -337,19 +337,13 @@ fn axpy_rows_body<T: KvValue>(p: &[f32], v: &[T], stride: usize, offset: usize, 
 /// registers over every row (one rounding per row and lane, in row order, as
 /// a plain loop would do).
 #[inline(always)]
-fn axpy_block<T: KvValue, const N: usize>(
-    p: &[f32],
-    v: &[T],
-    stride: usize,
-    offset: usize,
-    acc: &mut [f32],
-) {
+fn axpy_block<const N: usize>(p: &[f32], v: &[f32], stride: usize, offset: usize, acc: &mut [f32]) {
     let mut sums = [0.0f32; N];
     sums.copy_from_slice(&acc[..N]);
     for (j, &weight) in p.iter().enumerate() {
         let row = &v[j * stride + offset..][..N];
         for i in 0..N {
-            sums[i] += weight * row[i].to_f32();
+            sums[i] += weight * row[i];
         }
     }
     acc[..N].copy_from_slice(&sums);

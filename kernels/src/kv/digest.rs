@@ -57,13 +57,6 @@ impl Fnv1a64 {
         self.write_bytes(&value.to_le_bytes());
     }
 
-    /// Hashes each float's bits as 4 little-endian bytes.
-    pub fn write_f32s(&mut self, values: &[f32]) {
-        for value in values {
-            self.write_u32(value.to_bits());
-        }
-    }
-
     /// The digest so far.
     pub fn finish(&self) -> u64 {
         self.state
