@@ -21,6 +21,7 @@ use crate::kv::{PageTable, Pool, StepView};
 use crate::model::{Matrix, Model};
 use crate::quant::{self, Isa, QuantizedActivations};
 use crate::threads::Threads;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 /// Prefill queries per attention task: a span's K and V are read once per
@@ -80,9 +81,9 @@ struct Scratch {
 struct WorkerScratch {
     rows_out: Vec<f32>, // [tokens][rows in task]
     scores: Vec<f32>,   // [span positions]
-    tile: Tile,
-    part: Vec<f32>,  // [group][m, l, o[head_dim]]: one span's partials
-    state: Vec<f32>, // [query block][group][m, l, o[head_dim]]: folded so far
+    tiles: Vec<Tile>,   // one per KV head of a task
+    part: Vec<f32>,     // [group][m, l, o[head_dim]]: one span's partials
+    state: Vec<f32>,    // [query block][group][m, l, o[head_dim]]: folded so far
 }
 
 /// One KV head's K and V over one span, widened to f32: `[positions][head_dim]` each.
@@ -139,10 +140,12 @@ impl CpuBackend {
                 Mutex::new(WorkerScratch {
                     rows_out: Vec::new(),
                     scores: vec![0.0; SPAN_POSITIONS],
-                    tile: Tile {
-                        k: vec![0.0; SPAN_POSITIONS * c.head_dim],
-                        v: vec![0.0; SPAN_POSITIONS * c.head_dim],
-                    },
+                    tiles: (0..c.kv_heads_count)
+                        .map(|_| Tile {
+                            k: vec![0.0; SPAN_POSITIONS * c.head_dim],
+                            v: vec![0.0; SPAN_POSITIONS * c.head_dim],
+                        })
+                        .collect(),
                     part: vec![0.0; part_len],
                     state: vec![0.0; QUERY_BLOCK_TOKENS * part_len],
                 })
@@ -469,6 +472,7 @@ impl CpuBackend {
         };
         // Decode tokens (a sequence with one new token) split their positions
         // by span across tasks; prefill chunks split their queries in blocks.
+        let threads_count = self.threads.threads_count();
         let mut tasks: Vec<AttentionTask> = Vec::new();
         let mut merges: Vec<(usize, usize)> = Vec::new(); // (decode index, kv head)
         let mut decodes = 0usize;
@@ -479,19 +483,29 @@ impl CpuBackend {
             if step.tokens.len() == 1 {
                 let spans = ctx.spans(slots[t0].pos);
                 spans_max = spans_max.max(spans);
-                for kv_head in 0..c.kv_heads_count {
+                // A task reads whole pages (every KV head) where there are
+                // spans enough to keep the threads busy: the pages are read
+                // front to back, at twice the rate of one head's rows. Short
+                // contexts split by head instead.
+                let heads_per_task = if spans >= 2 * threads_count {
+                    c.kv_heads_count
+                } else {
+                    1
+                };
+                for first in (0..c.kv_heads_count).step_by(heads_per_task) {
+                    let kv_heads = first..(first + heads_per_task).min(c.kv_heads_count);
                     for span in 0..spans {
                         tasks.push(AttentionTask::Span {
                             seq_index,
                             t: t0,
                             decode: decodes,
-                            kv_head,
+                            kv_heads: kv_heads.clone(),
                             span,
                         });
                     }
-                    if spans > 1 {
-                        merges.push((decodes, kv_head));
-                    }
+                }
+                if spans > 1 {
+                    merges.extend((0..c.kv_heads_count).map(|kv_head| (decodes, kv_head)));
                 }
                 decodes += 1;
             } else {
@@ -524,31 +538,32 @@ impl CpuBackend {
         let workers = &s.workers;
         self.threads.run(tasks.len(), &|i, worker| {
             let mut scratch = workers[worker].lock().unwrap_or_else(|e| e.into_inner());
-            match tasks[i] {
+            match tasks[i].clone() {
                 AttentionTask::Span {
                     seq_index,
                     t,
                     decode,
-                    kv_head,
+                    kv_heads,
                     span,
                 } => {
                     let pos = slots[t].pos;
-                    let mut part = std::mem::take(&mut scratch.part);
+                    let first = span * ctx.span_positions;
+                    let end = (pos + 1).min(first + ctx.span_positions);
+                    let WorkerScratch {
+                        scores,
+                        tiles,
+                        part,
+                        ..
+                    } = &mut *scratch;
+                    let tiles = &mut tiles[..kv_heads.len()];
+                    ctx.load_tiles(view, seq_index, kv_heads.clone(), span, end, tiles);
                     part.resize(ctx.kv_group * part_len, 0.0);
-                    ctx.span_partial(
-                        view,
-                        seq_index,
-                        kv_head,
-                        pos,
-                        q,
-                        t,
-                        span,
-                        &mut scratch,
-                        &mut part,
-                    );
-                    if ctx.spans(pos) == 1 {
-                        ctx.write_out(&part, t, kv_head, out);
-                    } else {
+                    for (kv_head, tile) in kv_heads.zip(tiles.iter()) {
+                        ctx.tile_partial(tile, end - first, kv_head, q, t, scores, part);
+                        if ctx.spans(pos) == 1 {
+                            ctx.write_out(part, t, kv_head, out);
+                            continue;
+                        }
                         for g in 0..ctx.kv_group {
                             let h = kv_head * ctx.kv_group + g;
                             let at = ((decode * ctx.heads_count + h) * spans_max + span) * part_len;
@@ -560,7 +575,6 @@ impl CpuBackend {
                             dst.copy_from_slice(&part[g * part_len..(g + 1) * part_len]);
                         }
                     }
-                    scratch.part = part;
                 }
                 AttentionTask::Block {
                     seq_index,
@@ -719,16 +733,17 @@ impl Buf {
 }
 
 /// One attention task.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 enum AttentionTask {
-    /// One span of a decode token's positions, for the query heads of one KV head.
+    /// One span of a decode token's positions, for the query heads of KV
+    /// heads `kv_heads`.
     Span {
         seq_index: usize,
         /// The token's row in the step.
         t: usize,
         /// Its index among the step's decode tokens.
         decode: usize,
-        kv_head: usize,
+        kv_heads: Range<usize>,
         span: usize,
     },
     /// Every span of a block of prefill queries `t0..t1` (step rows), for the
@@ -787,40 +802,54 @@ impl AttentionContext {
         (pos + 1).div_ceil(self.span_positions)
     }
 
-    /// Loads K and V of `kv_head` at positions `span * span_positions..end`
-    /// into `tile`, as f32 rows of `head_dim` (exact: f16 widens without
-    /// rounding). The one place attention reads pages.
-    fn load_tile(
+    /// Loads K and V of each of `kv_heads` at positions `span *
+    /// span_positions..end` into its tile (`tiles[i]` for `kv_heads.start +
+    /// i`), as f32 rows of `head_dim` (exact: f16 widens without rounding).
+    /// Page by page, every head of a page before the next page, so that
+    /// several heads read memory front to back. The one place attention
+    /// reads pages.
+    fn load_tiles(
         &self,
         view: &StepView<'_>,
         table: usize,
-        kv_head: usize,
+        kv_heads: Range<usize>,
         span: usize,
         end: usize,
-        tile: &mut Tile,
+        tiles: &mut [Tile],
     ) {
         let hd = self.head_dim;
         let first = span * self.span_positions;
         let len = (end - first) * hd;
-        if tile.k.len() < len {
-            tile.k.resize(len, 0.0);
-            tile.v.resize(len, 0.0);
+        for tile in tiles.iter_mut() {
+            if tile.k.len() < len {
+                tile.k.resize(len, 0.0);
+                tile.v.resize(len, 0.0);
+            }
         }
         for page in first / self.page_tokens..end.div_ceil(self.page_tokens) {
             let (k, v) = view.page(table, page, self.layer);
             let at = page * self.page_tokens;
             let used = (end - at).min(self.page_tokens);
             let rows = (at - first) * hd..(at - first + used) * hd;
-            let offset = kv_head * hd;
-            vector::widen_rows(
-                self.isa,
-                k,
-                self.kv_len,
-                offset,
-                hd,
-                &mut tile.k[rows.clone()],
-            );
-            vector::widen_rows(self.isa, v, self.kv_len, offset, hd, &mut tile.v[rows]);
+            for (kv_head, tile) in kv_heads.clone().zip(tiles.iter_mut()) {
+                let offset = kv_head * hd;
+                vector::widen_rows(
+                    self.isa,
+                    k,
+                    self.kv_len,
+                    offset,
+                    hd,
+                    &mut tile.k[rows.clone()],
+                );
+                vector::widen_rows(
+                    self.isa,
+                    v,
+                    self.kv_len,
+                    offset,
+                    hd,
+                    &mut tile.v[rows.clone()],
+                );
+            }
         }
     }
 
@@ -856,34 +885,6 @@ impl AttentionContext {
         }
     }
 
-    /// The partials of one span of a decode token `t` at `pos`.
-    #[allow(clippy::too_many_arguments)]
-    fn span_partial(
-        &self,
-        view: &StepView<'_>,
-        table: usize,
-        kv_head: usize,
-        pos: usize,
-        q: &[f32],
-        t: usize,
-        span: usize,
-        scratch: &mut WorkerScratch,
-        part: &mut [f32],
-    ) {
-        let first = span * self.span_positions;
-        let end = (pos + 1).min(first + self.span_positions);
-        self.load_tile(view, table, kv_head, span, end, &mut scratch.tile);
-        self.tile_partial(
-            &scratch.tile,
-            end - first,
-            kv_head,
-            q,
-            t,
-            &mut scratch.scores,
-            part,
-        );
-    }
-
     /// Attention of prefill queries `t0..t1` (consecutive positions of one
     /// sequence) for the query heads of `kv_head`: spans outside, loaded once
     /// into a tile; queries inside, each query's partials folded in span order.
@@ -906,16 +907,25 @@ impl AttentionContext {
             scores,
             part,
             state,
-            tile,
+            tiles,
             ..
         } = scratch;
+        let tile = &mut tiles[0];
         part.resize(stride, 0.0);
         state.resize((t1 - t0) * stride, 0.0);
         let last = slots[t1 - 1].pos;
         for span in 0..self.spans(last) {
             let first = span * self.span_positions;
             let span_end = first + self.span_positions;
-            self.load_tile(view, table, kv_head, span, (last + 1).min(span_end), tile);
+            let end = (last + 1).min(span_end);
+            self.load_tiles(
+                view,
+                table,
+                kv_head..kv_head + 1,
+                span,
+                end,
+                std::slice::from_mut(tile),
+            );
             for t in t0..t1 {
                 let pos = slots[t].pos;
                 if span >= self.spans(pos) {
@@ -1122,8 +1132,10 @@ mod tests {
             (4, 1, 16, KvType::F32), // group 4
             (4, 1, 5, KvType::F32),
         ];
-        // Positions 0..300 (context 320): spans end at 126/128 and 252/256.
-        let (len, chunk_start) = (300usize, 240usize);
+        // Positions 0..600 (context 640): spans end at 126/128, 252/256 and so
+        // on. With two threads a decode token of 4 spans or more (from
+        // position 378/384) reads whole pages per task; fewer, one KV head.
+        let (len, chunk_start) = (600usize, 540usize);
         for (heads, kv_heads, page_tokens, kv_type) in cases {
             let case = Case {
                 heads,
@@ -1134,7 +1146,7 @@ mod tests {
             let spec = TinySpec {
                 heads: case.heads,
                 kv_heads: case.kv_heads,
-                context_len: 320,
+                context_len: 640,
                 ..TinySpec::default()
             };
             let gguf = Gguf::from_bytes(tiny_llama(&spec)).unwrap();
@@ -1156,7 +1168,9 @@ mod tests {
                 // Step 1: one prefill chunk at chunk_start..len, and the same
                 // sequence's positions as decode tokens beside it.
                 let chunk = len - chunk_start;
-                let decodes = [0usize, 1, 125, 126, 127, 128, 251, 256, 299];
+                let decodes = [
+                    0usize, 1, 125, 126, 127, 128, 251, 256, 377, 378, 383, 384, 512, 599,
+                ];
                 let tokens = vec![0u32; chunk];
                 let one = [0u32];
                 let mut steps = vec![SeqStep {
