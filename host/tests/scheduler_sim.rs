@@ -254,6 +254,39 @@ fn a_request_gets_the_same_tokens_alone_and_among_other_tenants() {
     s.assert_all_pages_free();
 }
 
+/// A step the backend refuses because of one sequence (a token id past the
+/// embedding, which start-up checks make unreachable from the API) fails that
+/// request alone: the other tenant's request in the same batch steps again
+/// and says exactly what it says alone. Before, the whole batch failed.
+#[test]
+fn a_step_error_fails_only_the_sequence_it_concerns() {
+    let solo = {
+        let mut s = sim(
+            &[tenant(ALPHA, 1, 32, 64), tenant(BETA, 1, 32, 64)],
+            64,
+            LIMITS,
+        );
+        let mut rx = s.submit(BETA, prompt(3, 13), 10);
+        s.run_to_idle();
+        drain(&mut rx)
+    };
+    let mut s = sim(
+        &[tenant(ALPHA, 1, 32, 64), tenant(BETA, 1, 32, 64)],
+        64,
+        LIMITS,
+    );
+    let mut bad_prompt = prompt(1, 6);
+    bad_prompt[4] = 999_999;
+    let mut bad = s.submit(ALPHA, bad_prompt, 6);
+    let mut good = s.submit(BETA, prompt(3, 13), 10);
+    s.tick();
+    let (text, end) = drain(&mut bad);
+    assert_eq!((text.as_str(), end), ("", Some((FinishReason::Error, 0))));
+    s.run_to_idle();
+    assert_eq!(drain(&mut good), solo);
+    s.assert_all_pages_free();
+}
+
 #[test]
 fn rejects_what_cannot_fit_before_touching_anything() {
     let mut s = sim(&[tenant(ALPHA, 1, 32, 64)], 64, LIMITS);

@@ -253,20 +253,28 @@ fn refuses_bad_steps_without_touching_the_pool() {
         wants_logits: true,
     };
     let vocab_len = m.config.vocab_len;
+    // Each refusal names the sequence at fault, so a scheduler can fail that
+    // one alone; a step too big as a whole names none.
+    let error = b
+        .step(&[step(&[1], 0), step(&[5, 999_999], 0)], &mut p)
+        .err();
     assert_eq!(
-        b.step(&[step(&[5, 999_999], 0)], &mut p).err(),
+        error,
         Some(StepError::TokenOutOfRange {
+            index: 1,
             token: 999_999,
             vocab_len
         })
     );
+    assert_eq!(error.unwrap().sequence(), Some(1));
     assert_eq!(
         b.step(&[step(&[], 0)], &mut p).err(),
         Some(StepError::EmptySequence { index: 0 })
     );
     assert!(matches!(
-        b.step(&[step(&[1, 2, 3], 6)], &mut p),
+        b.step(&[step(&[1], 0), step(&[1, 2, 3], 6)], &mut p),
         Err(StepError::PositionOutOfRange {
+            index: 1,
             limit: "page table",
             ..
         })
@@ -274,6 +282,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
     assert!(matches!(
         b.step(&[step(&[1], 300)], &mut p),
         Err(StepError::PositionOutOfRange {
+            index: 0,
             limit: "model context",
             ..
         })
@@ -287,10 +296,9 @@ fn refuses_bad_steps_without_touching_the_pool() {
         tokens: &long,
         wants_logits: true,
     };
-    assert!(matches!(
-        b.step(&[too_many], &mut big),
-        Err(StepError::TooManyTokens { .. })
-    ));
+    let error = b.step(&[too_many], &mut big).err().unwrap();
+    assert!(matches!(error, StepError::TooManyTokens { .. }));
+    assert_eq!(error.sequence(), None);
     assert_eq!(p.stats(), before, "refused steps leave the pool as it was");
 }
 

@@ -1006,12 +1006,19 @@ impl<B: Backend> Scheduler<B> {
                 }
                 out
             }
+            // A refused step changed nothing. When the backend names the
+            // sequence at fault, only that one fails: the others (any
+            // tenant's) step again next tick. Otherwise the whole batch fails.
             Err(error) => {
-                tracing::error!(%error, "step refused; failing its sequences");
-                return self.finish_all(
-                    plan.iter().map(|p| p.seq_index).collect(),
-                    FinishReason::Error,
-                );
+                let at_fault = error.sequence().and_then(|i| plan.get(i));
+                let failing: Vec<usize> = match at_fault {
+                    Some(p) => vec![p.seq_index],
+                    None => plan.iter().map(|p| p.seq_index).collect(),
+                };
+                for &i in &failing {
+                    tracing::error!(request_id = self.running[i].id.0, %error, "step refused; failing the request");
+                }
+                return self.finish_all(failing, FinishReason::Error);
             }
         };
         let mut finishing = Vec::new();

@@ -214,6 +214,7 @@ impl CpuBackend {
             }
             if let Some(&token) = step.tokens.iter().find(|&&t| t as usize >= c.vocab_len) {
                 return Err(StepError::TokenOutOfRange {
+                    index,
                     token,
                     vocab_len: c.vocab_len,
                 });
@@ -221,6 +222,7 @@ impl CpuBackend {
             let end = step.pos_start.saturating_add(step.tokens.len());
             if end > c.context_len {
                 return Err(StepError::PositionOutOfRange {
+                    index,
                     end,
                     capacity: c.context_len,
                     limit: "model context",
@@ -229,6 +231,7 @@ impl CpuBackend {
             let capacity = step.pages.pages_count() * page_tokens;
             if end > capacity {
                 return Err(StepError::PositionOutOfRange {
+                    index,
                     end,
                     capacity,
                     limit: "page table",

@@ -51,8 +51,12 @@ pub enum StepError {
         index: usize,
     },
     /// A token id outside the vocabulary.
-    #[error("token id {token} is outside the vocabulary of {vocab_len}")]
+    #[error(
+        "sequence {index} in the step has token id {token}, outside the vocabulary of {vocab_len}"
+    )]
     TokenOutOfRange {
+        /// Its sequence's index in the step.
+        index: usize,
         /// The id.
         token: u32,
         /// Vocabulary size.
@@ -77,8 +81,10 @@ pub enum StepError {
     #[error("the KV pool's pages are not in host memory")]
     DeviceStorage,
     /// Positions past the model's context or the sequence's pages.
-    #[error("positions up to {end} exceed capacity {capacity} ({limit})")]
+    #[error("sequence {index} in the step has positions up to {end}, past capacity {capacity} ({limit})")]
     PositionOutOfRange {
+        /// Its sequence's index in the step.
+        index: usize,
         /// One past the last position the step would write.
         end: usize,
         /// The capacity it broke.
@@ -86,6 +92,24 @@ pub enum StepError {
         /// Which capacity: "model context" or "page table".
         limit: &'static str,
     },
+}
+
+impl StepError {
+    /// The index in the step of the one sequence that caused the refusal, when
+    /// one did; `None` when the step as a whole was at fault (its size) or the
+    /// pool was. A scheduler fails only that sequence and steps the rest again.
+    pub fn sequence(&self) -> Option<usize> {
+        match *self {
+            StepError::EmptySequence { index }
+            | StepError::TokenOutOfRange { index, .. }
+            | StepError::StaleHandle { index }
+            | StepError::SharedPage { index, .. }
+            | StepError::PositionOutOfRange { index, .. } => Some(index),
+            StepError::TooManyTokens { .. }
+            | StepError::TooManySequences { .. }
+            | StepError::DeviceStorage => None,
+        }
+    }
 }
 
 /// Logits of one step: `[wanted][vocab]`, one row per sequence that asked, in
