@@ -99,6 +99,35 @@ pub fn init_tracing() {
         .try_init();
 }
 
+/// Replaces the standard panic hook, which prints a panic's message, with one
+/// that logs where it happened and nothing it says: a message can quote
+/// whatever value failed a check (an `expect` on a parse, a `{:?}` of a
+/// request's text), and a log never holds prompt or completion text. The
+/// record is an error event in the current span, so a panic while serving a
+/// request (its handler, or its job on the tokenization lane, which runs in
+/// the request's span) carries that request's id. `RUST_BACKTRACE=1` adds the
+/// backtrace (symbols and lines only).
+pub fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let location = info
+            .location()
+            .map(|l| format!("{}:{}:{}", l.file(), l.line(), l.column()))
+            .unwrap_or_default();
+        let thread = std::thread::current();
+        let thread = thread.name().unwrap_or("unnamed");
+        let backtrace = std::backtrace::Backtrace::capture();
+        if backtrace.status() == std::backtrace::BacktraceStatus::Captured {
+            tracing::error!(thread, location, %backtrace, "panicked (message withheld: it may quote request text)");
+        } else {
+            tracing::error!(
+                thread,
+                location,
+                "panicked (message withheld: it may quote request text)"
+            );
+        }
+    }));
+}
+
 /// Counts a refused request.
 pub fn count_rejection(tenant: &str, code: &'static str) {
     counter!(REJECTIONS_TOTAL, "tenant" => tenant.to_string(), "reason" => code).increment(1);

@@ -81,14 +81,17 @@ impl Lane {
         Ok(Lane { shared, threads })
     }
 
-    /// Runs `job` in `tenant`'s turn and returns its result.
+    /// Runs `job` in `tenant`'s turn and returns its result. The job runs in
+    /// the caller's tracing span (a request's, with its id).
     pub async fn run<T: Send + 'static>(
         &self,
         tenant: TenantId,
         job: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, LaneStopped> {
         let (reply, result) = oneshot::channel();
+        let span = tracing::Span::current();
         let job: Job = Box::new(move || {
+            let _entered = span.enter();
             let _ = reply.send(job());
         });
         {

@@ -128,6 +128,7 @@ impl From<ControlError> for ServeError {
 /// Runs the server until SIGINT/SIGTERM and a drain.
 pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     telemetry::init_tracing();
+    telemetry::install_panic_hook();
     let config = Arc::new(options.apply(Config::load(&options.config)?)?);
     let store = Arc::new(Store::open(&config.store_path())?);
     let seeded = store.meta()?.is_some();
