@@ -27,7 +27,7 @@ use crate::engine::admission::Admission;
 use crate::engine::build::{self, EngineSpec};
 use crate::engine::chat::ChatTemplate;
 use crate::engine::scheduler::{FinishSink, TenantLimits};
-use crate::engine::service::{EngineHandle, EngineService};
+use crate::engine::service::{EngineHandle, EngineService, RestartPolicy, Supervision};
 use crate::store::records::TenantRecord;
 use crate::tenancy::{Quota, TenantId};
 use bulkhead_kernels::gguf::Gguf;
@@ -237,12 +237,11 @@ pub fn load(
         .filter(|t| t.models.allows(&spec.id))
         .map(|t| tenant_limits(t, &spec))
         .collect();
+    let engine = engine_spec(&spec);
     let mut scheduler =
-        build::scheduler(&model, &tokenizer, &engine_spec(&spec), limits).map_err(|e| {
-            LoadError::Engine {
-                id: spec.id.clone(),
-                message: e.to_string(),
-            }
+        build::scheduler(&model, &tokenizer, &engine, limits).map_err(|e| LoadError::Engine {
+            id: spec.id.clone(),
+            message: e.to_string(),
         })?;
     scheduler.set_finish_sink(finishes);
     let admission = scheduler.admission(spec.context_tokens);
@@ -253,9 +252,24 @@ pub fn load(
             None
         }
     };
-    let service = EngineService::start(scheduler).map_err(|cause| LoadError::Thread {
-        id: spec.id.clone(),
-        cause,
+    // After a panic the engine is rebuilt the same way, for the tenants it
+    // then has (the supervisor sets the finish sink again).
+    let rebuild = {
+        let (model, tokenizer) = (Arc::clone(&model), Arc::clone(&tokenizer));
+        Box::new(move |tenants| {
+            build::scheduler(&model, &tokenizer, &engine, tenants).map_err(|e| e.to_string())
+        })
+    };
+    let supervision = Supervision {
+        model: spec.id.clone(),
+        policy: RestartPolicy::default(),
+        rebuild,
+    };
+    let service = EngineService::start_supervised(scheduler, supervision).map_err(|cause| {
+        LoadError::Thread {
+            id: spec.id.clone(),
+            cause,
+        }
     })?;
     let served = Served {
         text_bytes_per_token_max: tokenizer.text_bytes_per_token_max() as u64,

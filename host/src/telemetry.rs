@@ -55,6 +55,10 @@ pub const KV_PAGES_SCRUBBED_TOTAL: &str = "bulkhead_kv_pages_scrubbed_total";
 /// (`peer_limit`, `handshake_timeout`, `idle_timeout`).
 pub const CONNECTIONS_CLOSED_TOTAL: &str = "bulkhead_connections_closed_total";
 
+/// Panics of a model's engine (each ends its requests in flight), by model.
+pub const ENGINE_FAULTS_TOTAL: &str = "bulkhead_engine_faults_total";
+/// Restarts of a model's engine after a panic, by model.
+pub const ENGINE_RESTARTS_TOTAL: &str = "bulkhead_engine_restarts_total";
 /// Plugin calls, by outcome (`ok`, `fuel`, `deadline`, `memory`, `host_limit`, `trap`).
 pub const PLUGIN_CALLS_TOTAL: &str = "bulkhead_plugin_calls_total";
 /// Plugins disabled after repeated faults.
@@ -126,6 +130,16 @@ pub fn install_panic_hook() {
             );
         }
     }));
+}
+
+/// Counts a panic of `model`'s engine.
+pub fn count_engine_fault(model: &str) {
+    counter!(ENGINE_FAULTS_TOTAL, "model" => model.to_string()).increment(1);
+}
+
+/// Counts a restart of `model`'s engine after a panic.
+pub fn count_engine_restart(model: &str) {
+    counter!(ENGINE_RESTARTS_TOTAL, "model" => model.to_string()).increment(1);
 }
 
 /// Counts a refused request.

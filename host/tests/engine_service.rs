@@ -3,10 +3,11 @@
 
 use bulkhead::engine::admission::Admission;
 use bulkhead::engine::build::{self, EngineSpec};
+use bulkhead::engine::request::Usage;
 use bulkhead::engine::request::{Event, FinishReason, NewRequest, Rejection, RequestId};
 use bulkhead::engine::sampling::SamplingParams;
-use bulkhead::engine::scheduler::TenantLimits;
-use bulkhead::engine::service::{EngineService, SubmitError};
+use bulkhead::engine::scheduler::{BatchLimits, EngineFault, FinishSink, Scheduler, TenantLimits};
+use bulkhead::engine::service::{EngineService, RestartPolicy, SubmitError, Supervision};
 use bulkhead::tenancy::TenantId;
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::kv::{KvType, PoolOptions};
@@ -154,10 +155,14 @@ fn shutdown_stops_accepting_and_ends_what_is_left_after_the_drain() {
 }
 
 /// A backend with a planted fault in its step: an engine thread stuck in a
-/// loop, or one whose ownership check panics.
+/// loop, one whose ownership check panics, or one of whose compute tasks
+/// panics (re-raised on the engine thread).
 enum Faulty {
     Stuck,
     Panics,
+    PanicsInTask(bulkhead_kernels::threads::Threads),
+    /// No fault: the CPU backend (what a restart builds).
+    Works(Box<bulkhead_kernels::backend::cpu::CpuBackend>),
 }
 
 impl bulkhead_kernels::backend::Backend for Faulty {
@@ -171,16 +176,49 @@ impl bulkhead_kernels::backend::Backend for Faulty {
 
     fn step(
         &mut self,
-        _steps: &[bulkhead_kernels::backend::SeqStep<'_>],
-        _pool: &mut bulkhead_kernels::kv::Pool,
+        steps: &[bulkhead_kernels::backend::SeqStep<'_>],
+        pool: &mut bulkhead_kernels::kv::Pool,
     ) -> Result<bulkhead_kernels::backend::Logits<'_>, bulkhead_kernels::backend::StepError> {
         match self {
             Faulty::Stuck => loop {
                 std::thread::sleep(Duration::from_secs(3600));
             },
             Faulty::Panics => panic!("planted: the step's ownership check failed"),
+            Faulty::PanicsInTask(threads) => {
+                threads.run(4, &|task, _| {
+                    assert_ne!(task, 3, "planted: a compute task's check failed");
+                });
+                unreachable!("the task's panic is re-raised on the engine thread")
+            }
+            Faulty::Works(backend) => backend.step(steps, pool),
         }
     }
+}
+
+/// The tests' one tenant.
+fn alpha() -> TenantLimits {
+    TenantLimits {
+        id: TenantId(0),
+        name: "alpha".into(),
+        weight: 1,
+        queue_depth_max: 4,
+        running_max: 4,
+        pages_reserved: 8,
+        pages_max: 8,
+        prefix_cache: true,
+    }
+}
+
+/// A scheduler over the tiny model's pool with `backend` and `tenants`.
+fn faulty_scheduler(backend: Faulty, tenants: Vec<TenantLimits>) -> Scheduler<Faulty> {
+    let (model, tokenizer) = tiny(&TinySpec::default());
+    let spec = engine_spec(1);
+    let pool = build::pool(&model, &spec).unwrap();
+    let limits = BatchLimits {
+        step_tokens_max: 64,
+        step_seqs_max: 4,
+    };
+    Scheduler::new(backend, pool, tokenizer, limits, tenants).unwrap()
 }
 
 /// An engine over the tiny model's pool with `backend`, one tenant, and one
@@ -192,25 +230,7 @@ fn faulty_engine(
     Admission,
     tokio::sync::mpsc::UnboundedReceiver<Event>,
 ) {
-    use bulkhead::engine::scheduler::{BatchLimits, Scheduler};
-    let (model, tokenizer) = tiny(&TinySpec::default());
-    let spec = engine_spec(1);
-    let pool = build::pool(&model, &spec).unwrap();
-    let limits = BatchLimits {
-        step_tokens_max: 64,
-        step_seqs_max: 4,
-    };
-    let tenant = TenantLimits {
-        id: TenantId(0),
-        name: "alpha".into(),
-        weight: 1,
-        queue_depth_max: 4,
-        running_max: 4,
-        pages_reserved: 8,
-        pages_max: 8,
-        prefix_cache: true,
-    };
-    let scheduler = Scheduler::new(backend, pool, tokenizer, limits, vec![tenant]).unwrap();
+    let scheduler = faulty_scheduler(backend, vec![alpha()]);
     let admission = scheduler.admission(64);
     let service = EngineService::start(scheduler).unwrap();
     assert!(service.handle().is_accepting());
@@ -247,17 +267,19 @@ fn shutdown_returns_even_when_the_engine_thread_is_stuck() {
     assert!(took < ENGINE_STOP_GRACE * 2, "took {took:?}");
 }
 
-/// An engine thread that panics stops accepting at once: readiness (which
-/// reads the same flag) turns false, and a submission is refused, where
-/// before the server kept answering ready.
+/// An unsupervised engine thread that panics ends its requests with
+/// `engine_fault` and stops accepting: readiness (which reads the same flag)
+/// turns false, and a submission is refused, where before the server kept
+/// answering ready.
 #[test]
 fn an_engine_thread_that_panics_stops_accepting() {
     let (service, admission, mut rx) = faulty_engine(Faulty::Panics);
     let handle = service.handle();
     let runtime = runtime();
-    // The request's channel closes with the thread (its sender is dropped in
-    // the unwind), and the engine says it is not accepting.
-    runtime.block_on(async { while rx.recv().await.is_some() {} });
+    assert_eq!(
+        runtime.block_on(finished(&mut rx)),
+        FinishReason::EngineFault
+    );
     let deadline = Instant::now() + Duration::from_secs(5);
     while handle.is_accepting() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
@@ -300,4 +322,149 @@ fn an_engine_whose_tokenizer_and_embedding_disagree_is_refused_at_build() {
     // The same file without the extra tokens builds.
     let (model, tokenizer) = tiny(&TinySpec::default());
     assert!(build::scheduler(&model, &tokenizer, &engine, Vec::new()).is_ok());
+}
+
+/// What a finish sink heard of engine faults.
+#[derive(Default)]
+struct Faults(std::sync::Mutex<Vec<(u32, u32, Option<Duration>)>>);
+
+impl FinishSink for Faults {
+    fn finished(&self, _: RequestId, _: TenantId, _: FinishReason, _: Usage) {}
+
+    fn engine_fault(&self, fault: &EngineFault<'_>) {
+        assert_eq!(fault.model, "tiny");
+        self.0
+            .lock()
+            .unwrap()
+            .push((fault.requests_ended, fault.in_a_row, fault.restart_in));
+    }
+}
+
+/// Waits until the engine accepts (or not), for at most 5 s.
+fn await_accepting(handle: &bulkhead::engine::service::EngineHandle, want: bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while handle.is_accepting() != want && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(handle.is_accepting(), want);
+}
+
+/// A panic on the engine thread, or in one of its compute tasks, ends the
+/// request in flight through the finish path (`engine_fault`, a clear 5xx at
+/// the API), is reported, and the supervisor rebuilds the engine for the same
+/// tenants after its backoff: a request admitted as before is then served.
+#[test]
+fn a_supervised_engine_that_panics_ends_its_requests_and_restarts() {
+    let policy = RestartPolicy {
+        restarts_max: 3,
+        backoff_initial: Duration::from_millis(50),
+        backoff_max: Duration::from_secs(1),
+        stable_after: Duration::from_secs(60),
+    };
+    for planted in [
+        Faulty::Panics,
+        Faulty::PanicsInTask(bulkhead_kernels::threads::Threads::new(2)),
+    ] {
+        let faults = Arc::new(Faults::default());
+        let mut scheduler = faulty_scheduler(planted, vec![alpha()]);
+        scheduler.set_finish_sink(Arc::clone(&faults) as Arc<dyn FinishSink>);
+        let admission = scheduler.admission(64);
+        let rebuilt_for = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = Arc::clone(&rebuilt_for);
+        let rebuild = Box::new(move |tenants: Vec<TenantLimits>| {
+            seen.lock().unwrap().push(tenants.clone());
+            let (model, _) = tiny(&TinySpec::default());
+            let backend = Box::new(build::backend(&model, &engine_spec(1)));
+            Ok(faulty_scheduler(Faulty::Works(backend), tenants))
+        });
+        let supervision = Supervision {
+            model: "tiny".into(),
+            policy,
+            rebuild,
+        };
+        let service = EngineService::start_supervised(scheduler, supervision).unwrap();
+        let handle = service.handle();
+        let runtime = runtime();
+        let (r1, mut rx1) = request(1, 4);
+        runtime
+            .block_on(handle.submit(admission.admit(r1).unwrap()))
+            .unwrap();
+        assert_eq!(
+            runtime.block_on(finished(&mut rx1)),
+            FinishReason::EngineFault
+        );
+        await_accepting(&handle, true);
+        assert_eq!(*rebuilt_for.lock().unwrap(), vec![vec![alpha()]]);
+        assert_eq!(
+            *faults.0.lock().unwrap(),
+            vec![(1, 1, Some(Duration::from_millis(50)))]
+        );
+        // Admitted for the first engine's pool, as the API layer still does.
+        let (r2, mut rx2) = request(2, 4);
+        runtime
+            .block_on(handle.submit(admission.admit(r2).unwrap()))
+            .unwrap();
+        let reason = runtime.block_on(finished(&mut rx2));
+        assert!(
+            matches!(reason, FinishReason::Length | FinishReason::Stop),
+            "{reason:?}"
+        );
+        service.shutdown(Duration::ZERO, FinishReason::Shutdown);
+    }
+}
+
+/// An engine that panics again after every restart stays down after
+/// `restarts_max` restarts: not accepting, submissions refused, each fault
+/// reported with its count and the last with no restart; shutdown still
+/// returns at once.
+#[test]
+fn an_engine_that_keeps_panicking_stays_down() {
+    let policy = RestartPolicy {
+        restarts_max: 2,
+        backoff_initial: Duration::from_millis(10),
+        backoff_max: Duration::from_millis(15),
+        stable_after: Duration::from_secs(60),
+    };
+    let faults = Arc::new(Faults::default());
+    let mut scheduler = faulty_scheduler(Faulty::Panics, vec![alpha()]);
+    scheduler.set_finish_sink(Arc::clone(&faults) as Arc<dyn FinishSink>);
+    let admission = scheduler.admission(64);
+    let supervision = Supervision {
+        model: "tiny".into(),
+        policy,
+        rebuild: Box::new(|tenants| Ok(faulty_scheduler(Faulty::Panics, tenants))),
+    };
+    let service = EngineService::start_supervised(scheduler, supervision).unwrap();
+    let handle = service.handle();
+    let runtime = runtime();
+    for id in 1..=3 {
+        await_accepting(&handle, true);
+        let (r, mut rx) = request(id, 4);
+        runtime
+            .block_on(handle.submit(admission.admit(r).unwrap()))
+            .unwrap();
+        assert_eq!(
+            runtime.block_on(finished(&mut rx)),
+            FinishReason::EngineFault
+        );
+    }
+    assert!(!handle.is_accepting());
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(!handle.is_accepting(), "restarted past restarts_max");
+    let (r, _rx) = request(9, 4);
+    assert_eq!(
+        runtime.block_on(handle.submit(admission.admit(r).unwrap())),
+        Err(SubmitError::Unavailable)
+    );
+    assert_eq!(
+        *faults.0.lock().unwrap(),
+        vec![
+            (1, 1, Some(Duration::from_millis(10))),
+            (1, 2, Some(Duration::from_millis(15))),
+            (1, 3, None),
+        ]
+    );
+    let started = Instant::now();
+    service.shutdown(Duration::ZERO, FinishReason::Shutdown);
+    assert!(started.elapsed() < Duration::from_secs(2));
 }

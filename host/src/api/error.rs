@@ -118,6 +118,10 @@ pub enum ApiError {
     /// did not finish within the unload's drain.
     #[error("The model was removed from this server; the request was ended.")]
     ModelRemoved,
+    /// The engine failed (panicked) while the request was in flight; it is
+    /// restarted, so a retry may succeed.
+    #[error("The engine failed while serving this request and is being restarted; retry shortly.")]
+    EngineFault,
     /// No such route.
     #[error("Unknown request URL.")]
     NotFound,
@@ -410,6 +414,12 @@ impl ApiError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "server_error",
                 "model_removed",
+                None,
+            ),
+            E::EngineFault => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "engine_fault",
                 None,
             ),
             E::NotFound => (StatusCode::NOT_FOUND, INVALID, "unknown_url", None),

@@ -375,7 +375,7 @@ fn refused(app: &App, tenant: &Tenant, id: RequestId, error: &ApiError) {
     for (field, value) in error.sizes() {
         record.detail.insert(field.into(), value.into());
     }
-    book.refusal(record);
+    book.audit(record);
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {

@@ -113,6 +113,7 @@ pub fn finish_error(reason: FinishReason) -> Option<ApiError> {
         FinishReason::Shutdown => Some(ApiError::Shutdown),
         FinishReason::TenantRemoved => Some(ApiError::TenantRemoved),
         FinishReason::ModelRemoved => Some(ApiError::ModelRemoved),
+        FinishReason::EngineFault => Some(ApiError::EngineFault),
         FinishReason::Cancelled => Some(ApiError::Internal(
             "the engine cancelled a request whose client is still connected".into(),
         )),

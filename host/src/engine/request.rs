@@ -31,6 +31,9 @@ pub enum FinishReason {
     /// The operator removed the request's model (it was not done by the end
     /// of the unload's drain).
     ModelRemoved,
+    /// The engine panicked while the request was in flight; its pool was
+    /// dropped and the engine restarts (see [`super::service`]).
+    EngineFault,
 }
 
 impl FinishReason {
@@ -45,6 +48,7 @@ impl FinishReason {
             FinishReason::Shutdown => "shutdown",
             FinishReason::TenantRemoved => "tenant_removed",
             FinishReason::ModelRemoved => "model_removed",
+            FinishReason::EngineFault => "engine_fault",
         }
     }
 }

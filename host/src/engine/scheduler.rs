@@ -124,6 +124,27 @@ pub enum CheckError {
 pub trait FinishSink: Send + Sync {
     /// `tenant`'s request `request` ended with `reason`, having used `usage`.
     fn finished(&self, request: RequestId, tenant: TenantId, reason: FinishReason, usage: Usage);
+
+    /// The engine of `fault.model` panicked (see [`super::service`]): for the
+    /// audit log. Its requests' ends were reported one by one before.
+    fn engine_fault(&self, fault: &EngineFault<'_>) {
+        let _ = fault;
+    }
+}
+
+/// An engine panic, as reported to a [`FinishSink`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineFault<'a> {
+    /// The engine's model.
+    pub model: &'a str,
+    /// Requests in flight that ended with `engine_fault`.
+    pub requests_ended: u32,
+    /// Faults in a row, this one included (reset once an engine has run a
+    /// while without one).
+    pub in_a_row: u32,
+    /// When the engine restarts; `None`: it stays down (too many faults in a
+    /// row), not ready, until the model is unloaded and loaded again.
+    pub restart_in: Option<std::time::Duration>,
 }
 
 type Sink = Option<Arc<dyn FinishSink>>;
@@ -381,6 +402,16 @@ impl<B: Backend> Scheduler<B> {
     /// Reports every request's end to `sink` from now on.
     pub fn set_finish_sink(&mut self, sink: Arc<dyn FinishSink>) {
         self.sink = Some(sink);
+    }
+
+    /// Where request ends are reported, if anywhere.
+    pub fn finish_sink(&self) -> Option<Arc<dyn FinishSink>> {
+        self.sink.clone()
+    }
+
+    /// Every tenant's limits, in id order: what a rebuilt engine starts with.
+    pub fn tenant_limits(&self) -> Vec<TenantLimits> {
+        self.tenants.values().map(|t| t.limits.clone()).collect()
     }
 
     /// Requests queued plus running.

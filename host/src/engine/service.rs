@@ -19,13 +19,25 @@
 //! 5. [`EngineService::shutdown`] stops accepting, lets in-flight requests run
 //!    until the drain deadline, then finishes the rest (their pages released
 //!    through the scheduler's one finish path) and joins the thread.
+//! 6. **Supervision.** A panic on the engine thread, or in a compute task
+//!    (re-raised there), is caught: the engine stops accepting at once (so
+//!    readiness turns false), ends every request in flight through the one
+//!    finish path with `engine_fault`, and drops the scheduler with its pool
+//!    and backend (a new pool is allocated zeroed). With a [`Supervision`] it
+//!    then rebuilds them for the same tenants after a backoff and accepts
+//!    again; after [`RestartPolicy::restarts_max`] faults in a row it stays
+//!    down. Each fault is logged (never the panic's message), counted
+//!    (`bulkhead_engine_faults_total`, `bulkhead_engine_restarts_total`) and
+//!    reported to the finish sink for the audit log.
 
 use super::admission::Admitted;
 use super::request::{FinishReason, Rejection};
-use super::scheduler::{Scheduler, TenantChangeError, TenantLimits, TickReport};
+use super::scheduler::{EngineFault, Scheduler, TenantChangeError, TenantLimits, TickReport};
 use super::stats::SchedulerStats;
 use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::Backend;
+use bulkhead_kernels::kv::PoolId;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
@@ -87,6 +99,57 @@ pub enum SubmitError {
     Unavailable,
 }
 
+/// How a supervised engine restarts after a panic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RestartPolicy {
+    /// Faults in a row after which the engine stays down (not ready).
+    pub restarts_max: u32,
+    /// The wait before the first restart; it doubles for each fault in a row.
+    pub backoff_initial: Duration,
+    /// The longest wait.
+    pub backoff_max: Duration,
+    /// An engine that has run this long since its last restart starts a new
+    /// count of faults in a row.
+    pub stable_after: Duration,
+}
+
+impl Default for RestartPolicy {
+    fn default() -> RestartPolicy {
+        RestartPolicy {
+            restarts_max: 5,
+            backoff_initial: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(30),
+            stable_after: Duration::from_secs(300),
+        }
+    }
+}
+
+impl RestartPolicy {
+    /// The wait before restarting after the `in_a_row`-th fault in a row, or
+    /// `None` to stay down.
+    pub fn backoff(&self, in_a_row: u32) -> Option<Duration> {
+        if in_a_row > self.restarts_max {
+            return None;
+        }
+        let doublings = in_a_row.saturating_sub(1).min(16);
+        Some((self.backoff_initial * 2u32.pow(doublings)).min(self.backoff_max))
+    }
+}
+
+/// Builds a fresh scheduler (pool, backend) for the given tenants; the error
+/// is logged.
+pub type Rebuild<B> = Box<dyn FnMut(Vec<TenantLimits>) -> Result<Scheduler<B>, String> + Send>;
+
+/// What an engine needs to restart itself after a panic.
+pub struct Supervision<B: Backend> {
+    /// Its model's id (logs, metrics, audit).
+    pub model: String,
+    /// When and how often it restarts.
+    pub policy: RestartPolicy,
+    /// Builds its replacement.
+    pub rebuild: Rebuild<B>,
+}
+
 /// A cloneable handle for submitting requests.
 #[derive(Clone)]
 pub struct EngineHandle {
@@ -141,6 +204,14 @@ impl EngineHandle {
     }
 }
 
+/// The engine thread's view of its service's flags.
+struct Flags {
+    /// New requests are taken (readiness).
+    accepting: Arc<AtomicBool>,
+    /// A shutdown has begun.
+    stopping: Arc<AtomicBool>,
+}
+
 /// Clears `accepting` when dropped: held by the engine thread for its life.
 struct StopsAccepting(Arc<AtomicBool>);
 
@@ -153,24 +224,48 @@ impl Drop for StopsAccepting {
 /// The running engine thread.
 pub struct EngineService {
     handle: EngineHandle,
+    /// Set by [`EngineService::shutdown`]: a restart must not accept again.
+    stopping: Arc<AtomicBool>,
     thread: Option<JoinHandle<u32>>,
 }
 
 impl EngineService {
-    /// Starts the engine thread with `scheduler`.
+    /// Starts the engine thread with `scheduler`, unsupervised: a panic ends
+    /// the requests in flight and the engine stays down.
     pub fn start<B: Backend + 'static>(scheduler: Scheduler<B>) -> std::io::Result<EngineService> {
+        EngineService::start_with(scheduler, None)
+    }
+
+    /// Starts the engine thread with `scheduler`, restarted after a panic as
+    /// `supervision` says.
+    pub fn start_supervised<B: Backend + 'static>(
+        scheduler: Scheduler<B>,
+        supervision: Supervision<B>,
+    ) -> std::io::Result<EngineService> {
+        EngineService::start_with(scheduler, Some(supervision))
+    }
+
+    fn start_with<B: Backend + 'static>(
+        scheduler: Scheduler<B>,
+        supervision: Option<Supervision<B>>,
+    ) -> std::io::Result<EngineService> {
         let (commands, inbox) = mpsc::channel();
         let accepting = Arc::new(AtomicBool::new(true));
         let stats = Arc::new(Mutex::new(scheduler.stats()));
         let published = Arc::clone(&stats);
         let stops_accepting = StopsAccepting(Arc::clone(&accepting));
+        let stopping = Arc::new(AtomicBool::new(false));
+        let flags = Flags {
+            accepting: Arc::clone(&accepting),
+            stopping: Arc::clone(&stopping),
+        };
         let thread = std::thread::Builder::new()
             .name("bulkhead-engine".into())
             .spawn(move || {
                 // However the thread ends (a shutdown, or a panic unwinding),
                 // the engine stops taking requests and readiness says so.
                 let _stops_accepting = stops_accepting;
-                engine_loop(scheduler, inbox, &published)
+                supervise(scheduler, supervision, &inbox, &published, &flags)
             })?;
         Ok(EngineService {
             handle: EngineHandle {
@@ -178,6 +273,7 @@ impl EngineService {
                 accepting,
                 stats,
             },
+            stopping,
             thread: Some(thread),
         })
     }
@@ -196,6 +292,7 @@ impl EngineService {
     /// (stuck in a step or a loop: a bug) is left behind with an error in the
     /// log, so a shutdown or an unload always returns.
     pub fn shutdown(mut self, drain: Duration, reason: FinishReason) -> u32 {
+        self.stopping.store(true, Ordering::SeqCst);
         self.handle.accepting.store(false, Ordering::SeqCst);
         let drain_until = Instant::now() + drain;
         let _ = self.handle.commands.send(Command::Shutdown {
@@ -221,16 +318,153 @@ impl EngineService {
     }
 }
 
-/// Runs until shut down; returns how many requests the drain deadline ended.
-fn engine_loop<B: Backend>(
-    mut scheduler: Scheduler<B>,
-    inbox: mpsc::Receiver<Command>,
+/// Runs the engine, and after each panic ends its requests, drops it and
+/// (supervised) rebuilds it; returns how many requests the drain deadline
+/// ended.
+fn supervise<B: Backend>(
+    scheduler: Scheduler<B>,
+    mut supervision: Option<Supervision<B>>,
+    inbox: &mpsc::Receiver<Command>,
     stats: &Mutex<SchedulerStats>,
+    flags: &Flags,
 ) -> u32 {
+    // Requests are admitted for the pool the model's first engine had; a
+    // rebuilt engine has a new pool (a new id, fresh generations) and takes
+    // those, and only those, as its own.
+    let first_pool = scheduler.pool().id();
+    let model = supervision
+        .as_ref()
+        .map_or_else(|| "unsupervised".to_string(), |s| s.model.clone());
+    let mut scheduler = Some(scheduler);
     let mut drain_until: Option<(Instant, FinishReason)> = None;
+    let mut in_a_row = 0u32;
+    let mut started = Instant::now();
+    loop {
+        let Some(current) = scheduler.as_mut() else {
+            return 0;
+        };
+        let run = catch_unwind(AssertUnwindSafe(|| {
+            engine_loop(current, first_pool, inbox, stats, &mut drain_until)
+        }));
+        // The panic's payload is dropped unread: it may quote request text.
+        let Err(_payload) = run else {
+            return run.unwrap_or(0);
+        };
+        flags.accepting.store(false, Ordering::SeqCst);
+        let broken = scheduler.take().expect("it was running");
+        let sink = broken.finish_sink();
+        let tenants = broken.tenant_limits();
+        // The one finish path for everything in flight; if even that panics,
+        // dropping the scheduler closes the requests' channels (a 5xx too).
+        let ended = catch_unwind(AssertUnwindSafe(|| {
+            let mut broken = broken;
+            broken.finish_everything(FinishReason::EngineFault)
+        }))
+        .unwrap_or(0);
+        if started.elapsed()
+            >= supervision
+                .as_ref()
+                .map_or(Duration::MAX, |s| s.policy.stable_after)
+        {
+            in_a_row = 0;
+        }
+        in_a_row += 1;
+        let restart_in = match (&supervision, drain_until) {
+            (Some(s), None) => s.policy.backoff(in_a_row),
+            _ => None,
+        };
+        tracing::error!(
+            model = %model,
+            requests_ended = ended,
+            in_a_row,
+            restart_in_ms = restart_in.map(|d| d.as_millis() as u64),
+            "the engine panicked; its requests in flight ended with engine_fault and its KV pool was dropped"
+        );
+        crate::telemetry::count_engine_fault(&model);
+        if let Some(sink) = &sink {
+            sink.engine_fault(&EngineFault {
+                model: &model,
+                requests_ended: ended,
+                in_a_row,
+                restart_in,
+            });
+        }
+        let (Some(wait), Some(s)) = (restart_in, supervision.as_mut()) else {
+            // Unsupervised, shutting down, or too many faults in a row.
+            return idle_down(inbox, drain_until.is_some());
+        };
+        if !wait_down(inbox, wait) {
+            return 0;
+        }
+        match (s.rebuild)(tenants) {
+            Ok(mut rebuilt) => {
+                if let Some(sink) = sink {
+                    rebuilt.set_finish_sink(sink);
+                }
+                publish(&rebuilt, stats);
+                scheduler = Some(rebuilt);
+                started = Instant::now();
+                crate::telemetry::count_engine_restart(&model);
+                tracing::warn!(model = %model, in_a_row, "the engine restarted");
+                // Accepting again unless a shutdown began meanwhile (it sets
+                // `stopping` before clearing `accepting`, so one of the two
+                // stores below comes last either way).
+                flags.accepting.store(true, Ordering::SeqCst);
+                if flags.stopping.load(Ordering::SeqCst) {
+                    flags.accepting.store(false, Ordering::SeqCst);
+                }
+            }
+            Err(error) => {
+                tracing::error!(model = %model, %error, "the engine could not be rebuilt; it stays down");
+                return idle_down(inbox, false);
+            }
+        }
+    }
+}
+
+/// A stopped engine's thread: refuses every submission and tenant change (by
+/// dropping its reply: `Unavailable`) until a shutdown, or at once when one
+/// was already asked for.
+fn idle_down(inbox: &mpsc::Receiver<Command>, shutting_down: bool) -> u32 {
+    if shutting_down {
+        return 0;
+    }
+    while let Ok(command) = inbox.recv() {
+        if let Command::Shutdown { .. } = command {
+            return 0;
+        }
+    }
+    0
+}
+
+/// Waits `wait` before a restart, refusing commands as [`idle_down`] does;
+/// false when a shutdown came meanwhile.
+fn wait_down(inbox: &mpsc::Receiver<Command>, wait: Duration) -> bool {
+    let until = Instant::now() + wait;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return true;
+        }
+        match inbox.recv_timeout(left) {
+            Ok(Command::Shutdown { .. }) | Err(RecvTimeoutError::Disconnected) => return false,
+            Ok(_) | Err(RecvTimeoutError::Timeout) => {}
+        }
+    }
+}
+
+/// Runs until shut down; returns how many requests the drain deadline ended.
+/// `drain_until` outlives a panic, so a shutdown asked for before one holds.
+fn engine_loop<B: Backend>(
+    scheduler: &mut Scheduler<B>,
+    first_pool: PoolId,
+    inbox: &mpsc::Receiver<Command>,
+    stats: &Mutex<SchedulerStats>,
+    drain_until: &mut Option<(Instant, FinishReason)>,
+) -> u32 {
     let mut stalled = false;
     loop {
-        publish(&scheduler, stats);
+        publish(scheduler, stats);
         let empty = scheduler.in_flight() == 0;
         if empty && drain_until.is_some() {
             return 0;
@@ -259,7 +493,10 @@ fn engine_loop<B: Backend>(
             .chain(std::iter::from_fn(|| inbox.try_recv().ok()))
         {
             match command {
-                Command::Submit(admitted, reply) => {
+                Command::Submit(mut admitted, reply) => {
+                    if admitted.pool == first_pool {
+                        admitted.pool = scheduler.pool().id();
+                    }
                     let _ = reply.send(scheduler.enqueue(admitted));
                 }
                 Command::Tenant(change, reply) => {
@@ -273,14 +510,14 @@ fn engine_loop<B: Backend>(
                 Command::Shutdown {
                     drain_until: until,
                     reason,
-                } => drain_until = Some((until, reason)),
+                } => *drain_until = Some((until, reason)),
             }
         }
         let now = Instant::now();
-        if let Some((until, reason)) = drain_until {
+        if let Some((until, reason)) = *drain_until {
             if now >= until {
                 let ended = scheduler.finish_everything(reason);
-                publish(&scheduler, stats);
+                publish(scheduler, stats);
                 return ended;
             }
         }

@@ -31,7 +31,7 @@ use crate::capacity::{Capacity, CapacityViolation, MemoryBudget, MemoryViolation
 use crate::catalog::{self, Catalog, LoadError, Source};
 use crate::config::{Config, ConfigError, ModelSpec, TlsConfig, MODELS_MAX};
 use crate::engine::request::{FinishReason, RequestId, Usage};
-use crate::engine::scheduler::FinishSink;
+use crate::engine::scheduler::{EngineFault, FinishSink};
 use crate::policy::{PolicyError, PolicyRuntime, Trip};
 use crate::store::records::TenantRecord;
 use crate::store::usage::UsageBook;
@@ -311,6 +311,16 @@ impl FinishSink for Finishes {
         if let Some(policy) = self.policy.get() {
             policy.finished(request, reason, usage);
         }
+    }
+
+    fn engine_fault(&self, fault: &EngineFault<'_>) {
+        let mut record = control::audit(&Actor::System, "engine.fault", fault.model);
+        let detail = &mut record.detail;
+        detail.insert("requests_ended".into(), fault.requests_ended.into());
+        detail.insert("in_a_row".into(), fault.in_a_row.into());
+        let restart_in_ms = fault.restart_in.map(|d| d.as_millis() as u64);
+        detail.insert("restart_in_ms".into(), restart_in_ms.into());
+        self.usage.audit(record);
     }
 }
 

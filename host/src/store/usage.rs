@@ -77,9 +77,10 @@ impl UsageBook {
         *usage.outcomes.entry(outcome.to_string()).or_default() += 1;
     }
 
-    /// Keeps a refusal's audit record for the next flush (or counts it as
-    /// dropped past [`REFUSALS_PENDING_MAX`]).
-    pub fn refusal(&self, record: AuditRecord) {
+    /// Keeps an audit record of the request path (a refusal, an engine
+    /// fault) for the next flush, or counts it as dropped past
+    /// [`REFUSALS_PENDING_MAX`].
+    pub fn audit(&self, record: AuditRecord) {
         let mut pending = self.pending();
         if pending.refusals.len() < REFUSALS_PENDING_MAX {
             pending.refusals.push(record);
