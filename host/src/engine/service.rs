@@ -347,9 +347,9 @@ fn supervise<B: Backend>(
             engine_loop(current, first_pool, inbox, stats, &mut drain_until)
         }));
         // The panic's payload is dropped unread: it may quote request text.
-        let Err(_payload) = run else {
-            return run.unwrap_or(0);
-        };
+        if let Ok(ended) = run {
+            return ended;
+        }
         flags.accepting.store(false, Ordering::SeqCst);
         let broken = scheduler.take().expect("it was running");
         let sink = broken.finish_sink();
