@@ -61,6 +61,7 @@ pub fn run(args: &PluginBenchArgs) -> Result<()> {
             prefix_cache: true,
         },
         models: ModelAccess::All,
+        canaries: Vec::new(),
         created_ms: 0,
         updated_ms: 0,
     };

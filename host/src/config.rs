@@ -124,6 +124,9 @@ pub struct ServerConfig {
     pub request_timeout_ms: u64,
     /// How long a shutdown waits for in-flight requests.
     pub drain_timeout_ms: u64,
+    /// The runtime canary guard: scan every response for other tenants'
+    /// registered canaries and block it on a hit (see README, *Security*).
+    pub canary_guard: bool,
     /// TLS for both listeners, when present.
     pub tls: Option<TlsConfig>,
 }
@@ -141,6 +144,7 @@ impl Default for ServerConfig {
             tokenize_threads: (default_threads() / 2).max(1),
             request_timeout_ms: 300_000,
             drain_timeout_ms: 10_000,
+            canary_guard: false,
             tls: None,
         }
     }

@@ -59,6 +59,8 @@ pub const CONNECTIONS_CLOSED_TOTAL: &str = "bulkhead_connections_closed_total";
 pub const ENGINE_FAULTS_TOTAL: &str = "bulkhead_engine_faults_total";
 /// Restarts of a model's engine after a panic, by model.
 pub const ENGINE_RESTARTS_TOTAL: &str = "bulkhead_engine_restarts_total";
+/// Responses the canary guard blocked, by reading tenant and canary owner.
+pub const CANARY_HITS_TOTAL: &str = "bulkhead_canary_hits_total";
 /// Plugin calls, by outcome (`ok`, `fuel`, `deadline`, `memory`, `host_limit`, `trap`).
 pub const PLUGIN_CALLS_TOTAL: &str = "bulkhead_plugin_calls_total";
 /// Plugins disabled after repeated faults.
@@ -140,6 +142,13 @@ pub fn count_engine_fault(model: &str) {
 /// Counts a restart of `model`'s engine after a panic.
 pub fn count_engine_restart(model: &str) {
     counter!(ENGINE_RESTARTS_TOTAL, "model" => model.to_string()).increment(1);
+}
+
+/// Counts a response the canary guard blocked: `tenant` would have read a
+/// canary of `owner`.
+pub fn count_canary_hit(tenant: &str, owner: &str) {
+    counter!(CANARY_HITS_TOTAL, "tenant" => tenant.to_string(), "owner" => owner.to_string())
+        .increment(1);
 }
 
 /// Counts a refused request.

@@ -18,8 +18,8 @@ use crate::catalog::Source;
 use crate::config::ModelSpec;
 use crate::store::records::AuditRecord;
 use crate::tenancy::control::{
-    now_ms, Actor, Control, IssuedKey, KeyView, ModelRemoved, ModelView, PluginView, TenantPatch,
-    TenantRef, TenantView, UploadOptions, UsageView, PLUGIN_BYTES_MAX,
+    now_ms, Actor, Canaries, Control, IssuedKey, KeyView, ModelRemoved, ModelView, PluginView,
+    TenantPatch, TenantRef, TenantView, UploadOptions, UsageView, PLUGIN_BYTES_MAX,
 };
 use crate::tenancy::{ModelAccess, Quota, TenantId};
 use axum::body::Body;
@@ -54,6 +54,10 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
             get(list_keys).post(issue_key),
         )
         .route("/admin/v1/tenants/{tenant}/keys/{key}", delete(revoke_key))
+        .route(
+            "/admin/v1/tenants/{tenant}/canaries",
+            get(get_canaries).put(set_canaries),
+        )
         .route("/admin/v1/tenants/{tenant}/plugins", get(list_plugins))
         .route(
             "/admin/v1/tenants/{tenant}/plugins/{plugin}",
@@ -400,6 +404,42 @@ async fn delete_tenant(State(app): State<Arc<App>>, Path(tenant): Path<String>) 
                 requests_ended,
             },
         ))
+    };
+    respond(&app, answer.await)
+}
+
+#[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/canaries", tag = "tenants",
+    params(("tenant" = String, Path, description = "The tenant's name")),
+    responses((status = 200, body = Canaries), (status = 401, body = ErrorResponse),
+        (status = 404, body = ErrorResponse)))]
+async fn get_canaries(State(app): State<Arc<App>>, Path(tenant): Path<String>) -> Response<Body> {
+    respond(
+        &app,
+        app.control
+            .canaries(name(&tenant))
+            .map(|v| reply(StatusCode::OK, &v))
+            .map_err(Into::into),
+    )
+}
+
+#[utoipa::path(put, path = "/admin/v1/tenants/{tenant}/canaries", tag = "tenants", request_body = Canaries,
+    description = "Replaces the tenant's canaries. With `server.canary_guard` on, every other tenant's response carrying one is blocked (500 `output_blocked`), counted and audited.",
+    params(("tenant" = String, Path, description = "The tenant's name")),
+    responses((status = 200, body = Canaries), (status = 400, body = ErrorResponse),
+        (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
+async fn set_canaries(
+    State(app): State<Arc<App>>,
+    Path(tenant): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response<Body> {
+    let answer = async {
+        let canaries: Canaries = json_body(body, &headers).await?;
+        let view = app
+            .control
+            .set_canaries(&Actor::Admin, name(&tenant), canaries)
+            .await?;
+        Ok(reply(StatusCode::OK, &view))
     };
     respond(&app, answer.await)
 }
@@ -815,13 +855,14 @@ impl utoipa::Modify for AdminToken {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Bulkhead admin API", description = "Tenants, keys, quotas, plugins, models, capacity, usage and the audit log of a Bulkhead server. Every route needs `Authorization: Bearer <admin token>`."),
-    paths(list_tenants, create_tenant, get_tenant, update_tenant, delete_tenant, list_keys,
+    paths(list_tenants, create_tenant, get_tenant, update_tenant, delete_tenant, get_canaries,
+        set_canaries, list_keys,
         issue_key, revoke_key, list_plugins, get_plugin, upload_plugin, enable_plugin,
         disable_plugin, delete_plugin, list_models, add_model, get_model, remove_model,
         partitions, capacity, usage, audit_log),
     components(schemas(ErrorResponse, TenantView, KeyView, IssuedKey, PluginView, UsageView,
         AuditRecord, CapacityView, PartitionView, Deleted, AuditPage, CreateTenant, TenantPatch,
-        Quota, WasmComponent, ModelSpec, ModelView, ModelRemoved, Source)),
+        Quota, WasmComponent, ModelSpec, ModelView, ModelRemoved, Source, Canaries)),
     modifiers(&AdminToken)
 )]
 pub struct AdminApi;

@@ -122,6 +122,10 @@ pub enum ApiError {
     /// restarted, so a retry may succeed.
     #[error("The engine failed while serving this request and is being restarted; retry shortly.")]
     EngineFault,
+    /// The runtime canary guard found another tenant's canary in the
+    /// response's text; nothing of it was sent.
+    #[error("The response was withheld by the server's output guard.")]
+    OutputBlocked,
     /// No such route.
     #[error("Unknown request URL.")]
     NotFound,
@@ -420,6 +424,12 @@ impl ApiError {
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "server_error",
                 "engine_fault",
+                None,
+            ),
+            E::OutputBlocked => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "output_blocked",
                 None,
             ),
             E::NotFound => (StatusCode::NOT_FOUND, INVALID, "unknown_url", None),

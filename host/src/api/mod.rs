@@ -32,6 +32,7 @@
 
 pub mod admin;
 pub mod error;
+pub mod guard;
 pub mod ids;
 pub mod lane;
 pub mod openai;
@@ -53,6 +54,7 @@ use axum::Router;
 use bulkhead_kernels::tokenizer::{EncodeOptions, TokenizerError};
 use bytes::Bytes;
 use error::ApiError;
+use guard::OutputGuard;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use ids::RequestIds;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -88,6 +90,8 @@ pub struct Serving {
     pub body_bytes_max: u64,
     /// `server.request_timeout_ms`.
     pub request_timeout: Duration,
+    /// `server.canary_guard`.
+    pub canary_guard: bool,
 }
 
 /// Everything the handlers share, by plane.
@@ -683,8 +687,9 @@ async fn run(
         endpoint,
     };
     let tracker = Tracker::new(id, &tenant.name, &model.spec.id, arrived);
+    let guard = OutputGuard::new(app, tenant, id);
     if common.stream {
-        let body = SseBody::new(receiver, meta, common.include_usage, tracker);
+        let body = SseBody::new(receiver, meta, common.include_usage, tracker, guard);
         let mut response = Response::new(Body::new(body));
         let h = response.headers_mut();
         h.insert(
@@ -694,7 +699,7 @@ async fn run(
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         return Ok(response);
     }
-    collect(receiver, meta, tracker).await
+    collect(receiver, meta, tracker, guard).await
 }
 
 /// The prompt's tokens for `model`, tokenized in the tenant's turn on the
@@ -824,15 +829,24 @@ async fn collect(
     mut receiver: tokio::sync::mpsc::UnboundedReceiver<Event>,
     meta: ResponseMeta,
     mut tracker: Tracker,
+    mut guard: Option<OutputGuard>,
 ) -> Result<Response<Body>, ApiError> {
     let mut text = String::new();
     while let Some(event) = receiver.recv().await {
         tracker.observe(&event);
         match event {
-            Event::Text(piece) => text.push_str(&piece),
+            // A guard's error drops the receiver on return: the engine
+            // cancels the request.
+            Event::Text(piece) => match &mut guard {
+                Some(guard) => text.push_str(&guard.text(&piece)?),
+                None => text.push_str(&piece),
+            },
             Event::Finished { reason, usage } => {
                 if let Some(error) = finish_error(reason) {
                     return Err(error);
+                }
+                if let Some(guard) = &mut guard {
+                    text.push_str(&guard.finish()?);
                 }
                 return Ok(json(StatusCode::OK, &meta.response(text, reason, usage)));
             }

@@ -15,6 +15,7 @@
 //! ```
 
 use super::error::ApiError;
+use super::guard::OutputGuard;
 use super::openai::ResponseMeta;
 use crate::engine::request::{Event, FinishReason, RequestId, Usage};
 use crate::telemetry;
@@ -129,6 +130,8 @@ pub struct SseBody {
     meta: ResponseMeta,
     include_usage: bool,
     tracker: Tracker,
+    /// The canary guard, when the operator turned it on.
+    guard: Option<OutputGuard>,
     frames: VecDeque<Bytes>,
     done: bool,
 }
@@ -144,6 +147,7 @@ impl SseBody {
         meta: ResponseMeta,
         include_usage: bool,
         tracker: Tracker,
+        guard: Option<OutputGuard>,
     ) -> SseBody {
         let mut frames = VecDeque::new();
         if meta.endpoint == super::openai::Endpoint::Chat {
@@ -154,6 +158,7 @@ impl SseBody {
             meta,
             include_usage,
             tracker,
+            guard,
             frames,
             done: false,
         }
@@ -163,13 +168,31 @@ impl SseBody {
         self.tracker.observe(&event);
         match event {
             Event::Text(text) => {
-                let chunk = self
-                    .meta
-                    .chunk(false, Some(&text), None, self.include_usage);
-                self.frames.push_back(sse(&chunk));
+                let text = match self.guard.as_mut().map(|g| g.text(&text)) {
+                    None => text,
+                    Some(Ok(passed)) => passed,
+                    Some(Err(blocked)) => return self.block(blocked),
+                };
+                self.push_text(&text);
             }
             Event::Finished { reason, usage } => self.on_finished(reason, usage),
         }
+    }
+
+    fn push_text(&mut self, text: &str) {
+        if text.is_empty() {
+            return;
+        }
+        let chunk = self.meta.chunk(false, Some(text), None, self.include_usage);
+        self.frames.push_back(sse(&chunk));
+    }
+
+    /// Ends the stream with the guard's error and cancels the request (the
+    /// engine sees its channel closed).
+    fn block(&mut self, error: ApiError) {
+        self.done = true;
+        self.events.close();
+        self.push_error(error);
     }
 
     fn on_finished(&mut self, reason: FinishReason, usage: Usage) {
@@ -177,6 +200,12 @@ impl SseBody {
         if let Some(error) = finish_error(reason) {
             self.push_error(error);
             return;
+        }
+        if let Some(held) = self.guard.as_mut().map(OutputGuard::finish) {
+            match held {
+                Ok(held) => self.push_text(&held),
+                Err(blocked) => return self.block(blocked),
+            }
         }
         let last = self
             .meta

@@ -204,6 +204,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
             lane: Lane::new(config.server.tokenize_threads as usize)?,
             body_bytes_max: config.server.body_bytes_max,
             request_timeout: Duration::from_millis(config.server.request_timeout_ms),
+            canary_guard: config.server.canary_guard,
         },
         policy: Arc::clone(&policy),
         control: Arc::clone(&control),

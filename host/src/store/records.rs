@@ -54,6 +54,11 @@ pub struct TenantRecord {
     /// The models it may use (format 1 records have none: every model).
     #[serde(default)]
     pub models: ModelAccess,
+    /// Its canary strings for the runtime canary guard (see
+    /// [`crate::tenancy::canary`]); absent when none, so records without
+    /// canaries are as before.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub canaries: Vec<String>,
     /// Created, Unix milliseconds.
     pub created_ms: u64,
     /// Last changed, Unix milliseconds.

@@ -33,6 +33,7 @@ fn tenant(id: u32, name: &str) -> TenantRecord {
             prefix_cache: true,
         },
         models: ModelAccess::All,
+        canaries: Vec::new(),
         created_ms: 1,
         updated_ms: 2,
     }

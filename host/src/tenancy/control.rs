@@ -21,7 +21,7 @@
 //! ends its requests in the engine (`tenant_removed`), then commits.
 
 use super::{
-    hex, key_digest, valid_name, Directory, ModelAccess, Quota, Registry, Tenant, TenantId,
+    canary, hex, key_digest, valid_name, Directory, ModelAccess, Quota, Registry, Tenant, TenantId,
     KEY_BYTES_MAX,
 };
 use crate::capacity::{Capacity, CapacityViolation, MemoryViolation};
@@ -173,6 +173,16 @@ impl Actor {
             Actor::System => "system".into(),
         }
     }
+}
+
+/// A tenant's canary strings for the runtime canary guard (see
+/// [`canary`]): harmless unique markers the operator plants in its prompts;
+/// the guard blocks any other tenant's response that carries one.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Canaries {
+    /// The strings: at most 32, each 8-256 bytes, no repeats (`[]` for none).
+    pub canaries: Vec<String>,
 }
 
 /// A tenant as the admin API shows it.
@@ -778,6 +788,7 @@ impl Control {
             name: name.into(),
             quota,
             models,
+            canaries: Vec::new(),
             created_ms: now,
             updated_ms: now,
         };
@@ -845,6 +856,39 @@ impl Control {
         self.commit_or_undo(batch, &changes).await?;
         self.publish()?;
         Ok(TenantView::from(&record))
+    }
+
+    /// A tenant's canaries.
+    pub fn canaries(&self, tenant: TenantRef<'_>) -> Result<Canaries, ControlError> {
+        Ok(Canaries {
+            canaries: self.tenant_record(tenant)?.canaries,
+        })
+    }
+
+    /// Replaces a tenant's canaries; the guard scans for them from the next
+    /// response on. Audited with their count, never the strings.
+    pub async fn set_canaries(
+        &self,
+        actor: &Actor,
+        tenant: TenantRef<'_>,
+        canaries: Canaries,
+    ) -> Result<Canaries, ControlError> {
+        canary::validate(&canaries.canaries).map_err(|reason| invalid("canaries", reason))?;
+        let _write = self.writes.lock().await;
+        let mut record = self.tenant_record(tenant)?;
+        record.canaries = canaries.canaries.clone();
+        record.updated_ms = now_ms();
+        let mut batch = Batch::default();
+        batch.put_tenant(&record).audit(with_detail(
+            audit(actor, "tenant.canaries", &record.name),
+            [
+                ("tenant_id", record.id.into()),
+                ("count", record.canaries.len().into()),
+            ],
+        ));
+        blocking(|| self.store.commit(batch))?;
+        self.publish()?;
+        Ok(canaries)
     }
 
     /// Deletes a tenant: its keys stop working at once, its queued and

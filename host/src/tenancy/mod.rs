@@ -15,6 +15,7 @@
 //!    entirely or not at all: a new key works on the next request, a revoked
 //!    one fails on the next request.
 
+pub mod canary;
 pub mod control;
 pub mod seed;
 
@@ -240,6 +241,8 @@ pub struct Directory {
     by_name: BTreeMap<String, TenantId>,
     /// Digests of live (unrevoked) keys and their tenants.
     keys: Vec<([u8; 32], TenantId)>,
+    /// Every tenant's canaries, when any tenant has some.
+    canaries: Option<Arc<canary::CanaryGuard>>,
 }
 
 impl Directory {
@@ -273,6 +276,7 @@ impl Directory {
                 }),
             );
         }
+        directory.canaries = canary::CanaryGuard::build(tenants).map(Arc::new);
         for key in keys {
             let tenant = TenantId(key.tenant);
             let live = key.revoked_ms.is_none() && directory.tenants.contains_key(&tenant);
@@ -297,6 +301,11 @@ impl Directory {
             }
         }
         self.tenants.get(&found?)
+    }
+
+    /// Every tenant's canaries, compiled; `None` when no tenant has any.
+    pub fn canaries(&self) -> Option<&Arc<canary::CanaryGuard>> {
+        self.canaries.as_ref()
     }
 
     /// A tenant by id.
@@ -380,6 +389,7 @@ mod tests {
             name: name.into(),
             quota: quota(),
             models: ModelAccess::All,
+            canaries: Vec::new(),
             created_ms: 0,
             updated_ms: 0,
         }

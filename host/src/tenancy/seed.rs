@@ -96,6 +96,7 @@ pub fn policy_tenants(config: &Config) -> Vec<TenantRecord> {
             name: name.clone(),
             quota: tenant.quota(),
             models: tenant.models.clone(),
+            canaries: Vec::new(),
             created_ms: now,
             updated_ms: now,
         })

@@ -123,6 +123,8 @@ pub struct Policy {
     /// Tenant alpha's and beta's (pages_reserved, pages_max).
     pub alpha_pages: (u32, u32),
     pub beta_pages: (u32, u32),
+    /// `server.canary_guard`.
+    pub canary_guard: bool,
 }
 
 impl Default for Policy {
@@ -146,6 +148,7 @@ impl Default for Policy {
             extra_toml: String::new(),
             alpha_pages: (64, 96),
             beta_pages: (64, 96),
+            canary_guard: false,
         }
     }
 }
@@ -174,6 +177,7 @@ handshake_timeout_ms = {handshake}
 idle_timeout_ms = {idle}
 request_timeout_ms = 120000
 drain_timeout_ms = {drain}
+canary_guard = {canary_guard}
 {tls}
 {store}
 {plugins}
@@ -232,6 +236,7 @@ key_env = "BULKHEAD_KEY_GAMMA"
             alpha_max = self.alpha_pages.1,
             beta_reserved = self.beta_pages.0,
             beta_max = self.beta_pages.1,
+            canary_guard = self.canary_guard,
         )
     }
 }
