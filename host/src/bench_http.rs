@@ -6,8 +6,9 @@
 //! `POST /v1/completions` requests back to back (a ~100-token prompt, 64
 //! tokens, temperature 0) until the level's request count is done; per
 //! request it records the time to the first streamed text and to the end.
-//! Reported: aggregate generated tokens per second (streamed text chunks over
-//! wall time), time-to-first-token p50/p99, latency p50/p99, failures, and the
+//! Reported: aggregate generated tokens per second (the usage chunk's
+//! `completion_tokens`, or the streamed text chunks where a server sends no
+//! usage, over wall time), time-to-first-token p50/p99, latency p50/p99, failures, and the
 //! server's resident memory before and after the level when `--pid` is given.
 
 use anyhow::{bail, Context, Result};
@@ -68,6 +69,8 @@ struct Sample {
     ttft: Duration,
     latency: Duration,
     chunks: u64,
+    /// From the usage chunk, when the server sends one.
+    completion_tokens: Option<u64>,
     /// From the usage chunk, when the server sends one.
     prompt_tokens: Option<u64>,
     /// Prompt tokens the server took from its cache, when it says
@@ -226,6 +229,7 @@ async fn one_request(
     }
     let mut ttft = None;
     let mut chunks = 0u64;
+    let mut completion_tokens = None;
     let mut prompt_tokens = None;
     let mut cached_tokens = None;
     let mut pending = Vec::new();
@@ -246,6 +250,8 @@ async fn one_request(
                 chunks += 1;
                 ttft.get_or_insert_with(|| started.elapsed());
             }
+            completion_tokens =
+                completion_tokens.or(value["usage"]["completion_tokens"].as_u64());
             prompt_tokens = prompt_tokens.or(value["usage"]["prompt_tokens"].as_u64());
             cached_tokens = cached_tokens
                 .or(value["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64())
@@ -256,6 +262,7 @@ async fn one_request(
         ttft: ttft.context("no text was streamed")?,
         latency: started.elapsed(),
         chunks,
+        completion_tokens,
         prompt_tokens,
         cached_tokens,
     })
@@ -294,7 +301,12 @@ fn report(
     let mut latency: Vec<Duration> = samples.iter().map(|s| s.latency).collect();
     ttft.sort();
     latency.sort();
-    let tokens: u64 = samples.iter().map(|s| s.chunks).sum();
+    // A chunk is not always a token (a server may hold text back, as the
+    // canary guard does): the usage count where there is one.
+    let tokens: u64 = samples
+        .iter()
+        .map(|s| s.completion_tokens.unwrap_or(s.chunks))
+        .sum();
     let prompt = samples
         .iter()
         .find_map(|s| s.prompt_tokens)
