@@ -250,8 +250,7 @@ async fn one_request(
                 chunks += 1;
                 ttft.get_or_insert_with(|| started.elapsed());
             }
-            completion_tokens =
-                completion_tokens.or(value["usage"]["completion_tokens"].as_u64());
+            completion_tokens = completion_tokens.or(value["usage"]["completion_tokens"].as_u64());
             prompt_tokens = prompt_tokens.or(value["usage"]["prompt_tokens"].as_u64());
             cached_tokens = cached_tokens
                 .or(value["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64())
