@@ -394,6 +394,13 @@ impl<B: Backend> Scheduler<B> {
         &self.pool
     }
 
+    /// The pool, mutably: for planting faults the checkers must catch.
+    #[cfg(feature = "fault-injection")]
+    #[doc(hidden)]
+    pub fn pool_mut(&mut self) -> &mut Pool {
+        &mut self.pool
+    }
+
     /// The backend.
     pub fn backend(&self) -> &B {
         &self.backend
