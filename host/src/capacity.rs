@@ -21,7 +21,8 @@ use std::fmt::Write as _;
 pub const RESERVATIONS_STAGE: &str = "reservations";
 
 /// The stage that reports more tenants than sequence slots (each is
-/// guaranteed an equal share, at least one): a row only then, holding no tokens.
+/// guaranteed one, and a weighted share of the rest): a row only then,
+/// holding no tokens.
 pub const SLOTS_STAGE: &str = "sequence slots";
 
 /// One row of the capacity table: a stage and how many tokens it can hold.
@@ -126,8 +127,9 @@ impl Capacity {
             });
         }
         if tenants.len() as u64 > u64::from(spec.step_seqs_max) {
-            // Each tenant is guaranteed an equal share of the sequence slots, and
-            // a share of none would starve it as surely as a page limit.
+            // Each tenant is guaranteed one sequence slot and a weighted share
+            // of the rest; a guarantee of none would starve it as surely as a
+            // page limit.
             limits.push(Limit {
                 stage: SLOTS_STAGE.into(),
                 field: format!(

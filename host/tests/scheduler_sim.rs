@@ -760,6 +760,57 @@ fn each_tenant_is_guaranteed_its_share_of_sequence_slots() {
     }
 }
 
+/// Slot guarantees follow the weights: one slot each, the rest of
+/// `step_seqs_max` by weight. Alpha (weight 3) and beta (weight 1) both
+/// flooding eight slots: alpha is owed 1 + 6·3/4 = 5, beta 1 + 6/4 = 2, and
+/// the spare slot is lent; so alpha's share of the tokens follows its weight
+/// while both are saturated, not an equal split.
+#[test]
+fn under_contention_slots_and_tokens_follow_the_weights() {
+    let mut s = sim(
+        &[tenant(ALPHA, 3, 16, 32), tenant(BETA, 1, 16, 32)],
+        64,
+        LIMITS,
+    );
+    let mut beta: Vec<_> = (0..24).map(|i| s.submit(BETA, prompt(i, 5), 6)).collect();
+    s.tick();
+    assert_eq!(s.scheduler.running(BETA), 8, "beta took every slot");
+    let mut alpha: Vec<_> = (0..24)
+        .map(|i| s.submit(ALPHA, prompt(50 + i, 5), 12))
+        .collect();
+    s.tick();
+    assert_eq!(
+        s.scheduler.running(ALPHA),
+        5,
+        "alpha reclaims its weighted share"
+    );
+    assert_eq!(s.scheduler.running(BETA), 3);
+    // While both have queued work, alpha gets about 5/8 of the tokens (its
+    // five slots; a slot emptied by a finish refills at the next tick).
+    let (a0, b0) = (
+        s.scheduler.tokens_processed(ALPHA),
+        s.scheduler.tokens_processed(BETA),
+    );
+    while s.scheduler.queued(ALPHA) > 0 && s.scheduler.queued(BETA) > 0 {
+        s.tick();
+    }
+    let alpha_tokens = s.scheduler.tokens_processed(ALPHA) - a0;
+    let beta_tokens = s.scheduler.tokens_processed(BETA) - b0;
+    let share = alpha_tokens as f64 / (alpha_tokens + beta_tokens) as f64;
+    assert!(
+        share >= 0.6,
+        "alpha's share {share:.2} below its weight's 5/8"
+    );
+    s.run_to_idle();
+    for rx in alpha.iter_mut().chain(beta.iter_mut()) {
+        assert!(matches!(
+            drain(rx).1,
+            Some((FinishReason::Length | FinishReason::Stop, _))
+        ));
+    }
+    s.assert_all_pages_free();
+}
+
 /// Three sequences of one tenant share a cached prefix; it outlives any one of
 /// them, the pages are never written, and every output is what it is uncached.
 #[test]

@@ -12,7 +12,8 @@
 //!    sequence's own page table. Worst-case booking means a running sequence
 //!    never runs out of pages; a request that cannot be booked yet stays queued.
 //! 4. **Reclaim** (I8): pages above a tenant's reservation, and sequence slots
-//!    above its guaranteed share, are on loan. When a request cannot book because
+//!    above its guaranteed share (one each, the rest of `step_seqs_max` by
+//!    weight), are on loan. When a request cannot book because
 //!    others hold the burst region, or cannot start because others hold the
 //!    slots, the lenders' youngest sequences are preempted: their pages are
 //!    released and scrubbed, they wait at the head of their own tenant's queue,
@@ -636,12 +637,23 @@ impl<B: Backend> Scheduler<B> {
         order.into_iter().map(|(_, id)| id).collect()
     }
 
-    /// The sequence slots tenant `id` is guaranteed: an equal share of
-    /// `step_seqs_max` (the capacity contract keeps it at least 1), at most its
-    /// `running_max`.
+    /// The sequence slots tenant `id` is guaranteed, at most its
+    /// `running_max`: one each (the capacity contract keeps `step_seqs_max` at
+    /// least the tenant count), and the rest of `step_seqs_max` by weight,
+    /// rounded down (so the guarantees never add up to more than the slots).
+    /// Under contention each tenant's share of running sequences, and so of
+    /// decode tokens, follows its weight; slots nobody claims are lent.
     fn slots_guaranteed(&self, id: TenantId) -> u32 {
-        let share = self.limits.step_seqs_max / (self.tenants.len().max(1) as u32);
-        share.min(self.tenants[&id].limits.running_max)
+        let tenants = self.tenants.len().max(1) as u64;
+        let rest = u64::from(self.limits.step_seqs_max).saturating_sub(tenants);
+        let weights: u64 = self
+            .tenants
+            .values()
+            .map(|t| u64::from(t.limits.weight))
+            .sum();
+        let limits = &self.tenants[&id].limits;
+        let share = 1 + rest * u64::from(limits.weight) / weights.max(1);
+        (share as u32).min(limits.running_max)
     }
 
     /// Moves preempted and queued work to running, in fair order, while
