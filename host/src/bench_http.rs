@@ -65,6 +65,7 @@ pub struct HttpBenchArgs {
 
 const SENTENCE: &str = "The quick brown fox jumps over the lazy dog near the river. ";
 
+#[derive(Clone)]
 struct Sample {
     ttft: Duration,
     latency: Duration,
@@ -77,6 +78,8 @@ struct Sample {
     /// (`usage.prompt_tokens_details.cached_tokens`, or llama-server's
     /// `timings.cache_n`).
     cached_tokens: Option<u64>,
+    /// When each chunk of text arrived (for rates within a window).
+    text_at: Vec<Instant>,
 }
 
 /// Runs the load generator and prints one line per level.
@@ -232,6 +235,7 @@ async fn one_request(
     let mut completion_tokens = None;
     let mut prompt_tokens = None;
     let mut cached_tokens = None;
+    let mut text_at = Vec::new();
     let mut pending = Vec::new();
     while let Some(frame) = response.body_mut().frame().await {
         let Ok(data) = frame?.into_data() else {
@@ -248,6 +252,7 @@ async fn one_request(
                 .is_some_and(|t| !t.is_empty())
             {
                 chunks += 1;
+                text_at.push(Instant::now());
                 ttft.get_or_insert_with(|| started.elapsed());
             }
             completion_tokens = completion_tokens.or(value["usage"]["completion_tokens"].as_u64());
@@ -264,6 +269,7 @@ async fn one_request(
         completion_tokens,
         prompt_tokens,
         cached_tokens,
+        text_at,
     })
 }
 
@@ -302,10 +308,7 @@ fn report(
     latency.sort();
     // A chunk is not always a token (a server may hold text back, as the
     // canary guard does): the usage count where there is one.
-    let tokens: u64 = samples
-        .iter()
-        .map(|s| s.completion_tokens.unwrap_or(s.chunks))
-        .sum();
+    let tokens: u64 = samples.iter().map(|s| s.tokens()).sum();
     let prompt = samples
         .iter()
         .find_map(|s| s.prompt_tokens)
@@ -357,4 +360,224 @@ fn rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
     line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Arguments of `bulkhead bench noisy`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct NoisyBenchArgs {
+    /// Base URL of the server (plain http), e.g. http://127.0.0.1:8080.
+    #[arg(long)]
+    pub url: String,
+    /// Tenant alpha's API key (empty for a server without keys).
+    #[arg(long, default_value = "")]
+    pub alpha_key: String,
+    /// Tenant beta's API key.
+    #[arg(long, default_value = "")]
+    pub beta_key: String,
+    /// Model id to request.
+    #[arg(long, default_value = "smollm2-135m-instruct")]
+    pub model: String,
+    /// Alpha's clients in the first two phases.
+    #[arg(long, default_value_t = 1)]
+    pub alpha_concurrency: usize,
+    /// Beta's load in the flood phase, as a multiple of alpha's clients.
+    #[arg(long, default_value_t = 8)]
+    pub flood: usize,
+    /// Each tenant's clients in the saturated phase.
+    #[arg(long, default_value_t = 8)]
+    pub saturate: usize,
+    /// Alpha's and beta's scheduling weights (for their weighted shares).
+    #[arg(long, value_delimiter = ':', default_value = "1:1")]
+    pub weights: Vec<u32>,
+    /// Length of each phase, in seconds (clients start no request after it).
+    #[arg(long, default_value_t = 20)]
+    pub seconds: u64,
+    /// The first seconds of each phase are load only: requests sent in them
+    /// are not counted (every client starting at once is no steady state).
+    #[arg(long, default_value_t = 4)]
+    pub warmup: u64,
+    /// Tokens to generate per request.
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: u32,
+    /// Repeats of the ~12-token sentence that makes the prompt.
+    #[arg(long, default_value_t = 8)]
+    pub prompt_sentences: usize,
+    /// Extra JSON fields merged into each request (e.g. '{"cache_prompt":false}').
+    #[arg(long)]
+    pub extra: Option<String>,
+}
+
+/// One tenant's clients in a phase: its key, how many, and its prompts' tag.
+struct Group<'a> {
+    name: &'static str,
+    key: &'a str,
+    concurrency: usize,
+}
+
+/// `bulkhead bench noisy`: the noisy-neighbour benchmark. Three phases of
+/// `--seconds` each on distinct prompts (no cache can help), counting the
+/// requests that ended within the phase: alpha alone;
+/// alpha at the same load while beta floods at `--flood` times it; both
+/// saturated with `--saturate` clients each. Prints each tenant's rate and
+/// times to first token per phase, alpha's p99 under the flood over alone,
+/// and each tenant's share of the saturated phase's tokens against its
+/// weighted share.
+pub fn noisy(args: &NoisyBenchArgs) -> Result<()> {
+    let authority = args
+        .url
+        .strip_prefix("http://")
+        .context("--url must start with http://")?
+        .trim_end_matches('/')
+        .to_string();
+    let [alpha_weight, beta_weight] = args.weights[..] else {
+        bail!("--weights is ALPHA:BETA");
+    };
+    let mut body = serde_json::json!({
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    if let Some(extra) = &args.extra {
+        let extra: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(extra).context("--extra is not a JSON object")?;
+        body.as_object_mut()
+            .expect("built as an object")
+            .extend(extra);
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let alpha = |concurrency| Group {
+        name: "alpha",
+        key: &args.alpha_key,
+        concurrency,
+    };
+    let beta = |concurrency| Group {
+        name: "beta",
+        key: &args.beta_key,
+        concurrency,
+    };
+    let phase = |title: &str, groups: Vec<Group>| -> Vec<(f64, Vec<Sample>)> {
+        println!("{title}");
+        let counted_from = Instant::now() + Duration::from_secs(args.warmup);
+        let deadline = Instant::now() + Duration::from_secs(args.seconds);
+        let outcomes = runtime.block_on(async {
+            let mut tasks = Vec::new();
+            for group in &groups {
+                for client in 0..group.concurrency {
+                    let (authority, key) = (authority.clone(), group.key.to_string());
+                    let (mut body, name) = (body.clone(), group.name);
+                    let sentences = args.prompt_sentences;
+                    tasks.push(tokio::spawn(async move {
+                        let mut out = Vec::new();
+                        let mut n = 0;
+                        while Instant::now() < deadline {
+                            body["prompt"] = format!(
+                                "Tenant {name}, client {client}, request {n}: {}",
+                                SENTENCE.repeat(sentences)
+                            )
+                            .into();
+                            let bytes = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+                            let sent = Instant::now();
+                            let result = one_request(&authority, &key, &[], bytes).await;
+                            out.push((result, sent, Instant::now()));
+                            n += 1;
+                        }
+                        out
+                    }));
+                }
+            }
+            let mut all = Vec::new();
+            for task in tasks {
+                all.push(task.await.unwrap_or_default());
+            }
+            all
+        });
+        let mut at = 0;
+        let mut rows = Vec::new();
+        for group in &groups {
+            let clients = &outcomes[at..at + group.concurrency];
+            at += group.concurrency;
+            // Latencies: requests sent after the warm-up. Rates: text that
+            // arrived between the warm-up and the phase's end (a chunk is a
+            // token, as both servers stream), whatever request it belongs to;
+            // the tail after it runs on an engine the other group may have
+            // left.
+            let results: Vec<&(Result<Sample>, Instant, Instant)> = clients
+                .iter()
+                .flatten()
+                .filter(|(_, sent, _)| *sent >= counted_from)
+                .collect();
+            let window = counted_from..deadline;
+            let tokens = clients
+                .iter()
+                .flatten()
+                .filter_map(|(r, _, _)| r.as_ref().ok())
+                .flat_map(|s| &s.text_at)
+                .filter(|at| window.contains(at))
+                .count();
+            let wall = args.seconds.saturating_sub(args.warmup).max(1) as f64;
+            print!("  {:<5} {:>3} clients: ", group.name, group.concurrency);
+            let samples: Vec<Sample> = results
+                .iter()
+                .filter_map(|(r, _, _)| r.as_ref().ok().cloned())
+                .collect();
+            let failed = results.len() - samples.len();
+            let mut ttft: Vec<Duration> = samples.iter().map(|s| s.ttft).collect();
+            ttft.sort();
+            println!(
+                "{:>6.1} tok/s, ttft p50 {:.3}s p99 {:.3}s, {} ok, {} failed",
+                tokens as f64 / wall,
+                percentile(&ttft, 0.5),
+                percentile(&ttft, 0.99),
+                samples.len(),
+                failed
+            );
+            rows.push((tokens as f64 / wall, samples));
+        }
+        rows
+    };
+    let p99 = |samples: &[Sample]| {
+        let mut ttft: Vec<Duration> = samples.iter().map(|s| s.ttft).collect();
+        ttft.sort();
+        percentile(&ttft, 0.99)
+    };
+    let a = args.alpha_concurrency.max(1);
+    let alone = phase("alpha alone", vec![alpha(a)]);
+    let flood = phase(
+        &format!("alpha while beta floods at {}x", args.flood),
+        vec![alpha(a), beta(a * args.flood)],
+    );
+    let saturated = phase(
+        "both saturated",
+        vec![alpha(args.saturate), beta(args.saturate)],
+    );
+    let (alone_p99, flood_p99) = (p99(&alone[0].1), p99(&flood[0].1));
+    println!(
+        "alpha ttft p99: alone {alone_p99:.3}s, under the flood {flood_p99:.3}s ({:.2}x)",
+        flood_p99 / alone_p99
+    );
+    let total = saturated[0].0 + saturated[1].0;
+    let weights = f64::from(alpha_weight + beta_weight);
+    for (i, (name, weight)) in [("alpha", alpha_weight), ("beta", beta_weight)]
+        .into_iter()
+        .enumerate()
+    {
+        println!(
+            "{name} share while saturated: {:.1} % of {total:.1} tok/s (weighted share {:.1} %)",
+            100.0 * saturated[i].0 / total,
+            100.0 * f64::from(weight) / weights
+        );
+    }
+    Ok(())
+}
+
+impl Sample {
+    /// Generated tokens: the usage count where the server sent one.
+    fn tokens(&self) -> u64 {
+        self.completion_tokens.unwrap_or(self.chunks)
+    }
 }

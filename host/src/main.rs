@@ -118,6 +118,8 @@ enum BenchCommand {
     Engine(bench::EngineBenchArgs),
     /// Load on an OpenAI-compatible server: throughput and latency per concurrency level.
     Http(bulkhead::bench_http::HttpBenchArgs),
+    /// Noisy neighbours: alpha alone, alpha while beta floods, both saturated.
+    Noisy(bulkhead::bench_http::NoisyBenchArgs),
     /// Admin write latency against a running server (each write flushed before its answer).
     Admin(bulkhead::admin_cli::AdminBenchArgs),
     /// What the policy chain adds to admission, with 1 and with all given plugins.
@@ -322,6 +324,7 @@ fn run(cli: Cli) -> Result<()> {
                 bench::engine(model, tokenizer, &args)
             }
             BenchCommand::Http(args) => bulkhead::bench_http::run(&args),
+            BenchCommand::Noisy(args) => bulkhead::bench_http::noisy(&args),
             BenchCommand::Admin(args) => bulkhead::admin_cli::bench(&args),
             BenchCommand::Plugins(args) => bulkhead::bench_plugins::run(&args),
         },
