@@ -656,26 +656,36 @@ impl<B: Backend> Scheduler<B> {
         (share as u32).min(limits.running_max)
     }
 
-    /// Moves preempted and queued work to running, in fair order, while
-    /// sequences and pages allow: each start books its worst case in its
-    /// tenant's partition.
+    /// Moves preempted and queued work to running while sequences and pages
+    /// allow, one start at a time, each to the tenant with work that runs the
+    /// fewest sequences for its weight (ties: least virtual time, then id):
+    /// so slots nobody is guaranteed, lent ones included, are split by weight
+    /// too, not in turns. Each start books its worst case in its tenant's
+    /// partition.
     fn start_sequences(&mut self) {
         // Sequences that ended since the last step may have left idle cached
         // pages above their tenant's reservation: not a loan anyone reclaims.
         self.trim_caches();
         self.pages_scrubbed += u64::from(self.pool.scrub_released());
         loop {
-            let mut started = false;
-            for id in self.fair_order() {
-                let tenant = &self.tenants[&id];
-                if tenant.running >= tenant.limits.running_max
-                    || (tenant.queue.is_empty() && tenant.preempted.is_empty())
-                {
-                    continue;
-                }
-                started |= self.try_start(id);
-            }
-            if !started {
+            let mut order: Vec<(f64, f64, TenantId)> = self
+                .tenants
+                .values()
+                .filter(|t| {
+                    t.running < t.limits.running_max
+                        && !(t.queue.is_empty() && t.preempted.is_empty())
+                })
+                .map(|t| {
+                    let per_weight = f64::from(t.running) / f64::from(t.limits.weight.max(1));
+                    (per_weight, t.virtual_time, t.limits.id)
+                })
+                .collect();
+            order.sort_by(|a, b| {
+                a.0.total_cmp(&b.0)
+                    .then(a.1.total_cmp(&b.1))
+                    .then(a.2.cmp(&b.2))
+            });
+            if !order.into_iter().any(|(_, _, id)| self.try_start(id)) {
                 return;
             }
         }
