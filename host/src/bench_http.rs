@@ -84,27 +84,9 @@ struct Sample {
 
 /// Runs the load generator and prints one line per level.
 pub fn run(args: &HttpBenchArgs) -> Result<()> {
-    let authority = args
-        .url
-        .strip_prefix("http://")
-        .context("--url must start with http://")?
-        .trim_end_matches('/')
-        .to_string();
-    let mut body = serde_json::json!({
-        "model": args.model,
-        "prompt": SENTENCE.repeat(args.prompt_sentences),
-        "max_tokens": args.max_tokens,
-        "temperature": 0,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
-    if let Some(extra) = &args.extra {
-        let extra: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_str(extra).context("--extra is not a JSON object")?;
-        body.as_object_mut()
-            .expect("built as an object")
-            .extend(extra);
-    }
+    let authority = authority(&args.url)?;
+    let mut body = request_body(&args.model, args.max_tokens, args.extra.as_deref())?;
+    body["prompt"] = SENTENCE.repeat(args.prompt_sentences).into();
     let mut sent = 0usize;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -169,6 +151,35 @@ pub fn run(args: &HttpBenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `host:port` of a plain-http `url`.
+fn authority(url: &str) -> Result<String> {
+    Ok(url
+        .strip_prefix("http://")
+        .context("--url must start with http://")?
+        .trim_end_matches('/')
+        .to_string())
+}
+
+/// A streamed completion request for `model` (its prompt set by the caller),
+/// with `extra` (a JSON object) merged in.
+fn request_body(model: &str, max_tokens: u32, extra: Option<&str>) -> Result<serde_json::Value> {
+    let mut body = serde_json::json!({
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    if let Some(extra) = extra {
+        let extra: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(extra).context("--extra is not a JSON object")?;
+        body.as_object_mut()
+            .expect("built as an object")
+            .extend(extra);
+    }
+    Ok(body)
 }
 
 async fn level(
@@ -423,29 +434,11 @@ struct Group<'a> {
 /// and each tenant's share of the saturated phase's tokens against its
 /// weighted share.
 pub fn noisy(args: &NoisyBenchArgs) -> Result<()> {
-    let authority = args
-        .url
-        .strip_prefix("http://")
-        .context("--url must start with http://")?
-        .trim_end_matches('/')
-        .to_string();
+    let authority = authority(&args.url)?;
     let [alpha_weight, beta_weight] = args.weights[..] else {
         bail!("--weights is ALPHA:BETA");
     };
-    let mut body = serde_json::json!({
-        "model": args.model,
-        "max_tokens": args.max_tokens,
-        "temperature": 0,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
-    if let Some(extra) = &args.extra {
-        let extra: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_str(extra).context("--extra is not a JSON object")?;
-        body.as_object_mut()
-            .expect("built as an object")
-            .extend(extra);
-    }
+    let body = request_body(&args.model, args.max_tokens, args.extra.as_deref())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -483,6 +476,10 @@ pub fn noisy(args: &NoisyBenchArgs) -> Result<()> {
                             let bytes = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
                             let sent = Instant::now();
                             let result = one_request(&authority, &key, &[], bytes).await;
+                            if result.is_err() {
+                                // A refusal or a dead server: no busy loop.
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
                             out.push((result, sent, Instant::now()));
                             n += 1;
                         }

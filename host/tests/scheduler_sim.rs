@@ -221,23 +221,24 @@ fn serves_every_request_and_returns_every_page() {
     s.assert_all_pages_free();
 }
 
+/// Alpha and beta, alike: 32 pages reserved of 64 each, on a pool of 64.
+fn two_tenants() -> Sim {
+    sim(
+        &[tenant(ALPHA, 1, 32, 64), tenant(BETA, 1, 32, 64)],
+        64,
+        LIMITS,
+    )
+}
+
 #[test]
 fn a_request_gets_the_same_tokens_alone_and_among_other_tenants() {
     let solo = {
-        let mut s = sim(
-            &[tenant(ALPHA, 1, 32, 64), tenant(BETA, 1, 32, 64)],
-            64,
-            LIMITS,
-        );
+        let mut s = two_tenants();
         let mut rx = s.submit(BETA, prompt(3, 13), 10);
         s.run_to_idle();
         drain(&mut rx)
     };
-    let mut s = sim(
-        &[tenant(ALPHA, 1, 32, 64), tenant(BETA, 1, 32, 64)],
-        64,
-        LIMITS,
-    );
+    let mut s = two_tenants();
     let mut noise: Vec<_> = (0..4)
         .map(|i| s.submit(ALPHA, prompt(10 + i, 20), 12))
         .collect();
@@ -261,20 +262,12 @@ fn a_request_gets_the_same_tokens_alone_and_among_other_tenants() {
 #[test]
 fn a_step_error_fails_only_the_sequence_it_concerns() {
     let solo = {
-        let mut s = sim(
-            &[tenant(ALPHA, 1, 32, 64), tenant(BETA, 1, 32, 64)],
-            64,
-            LIMITS,
-        );
+        let mut s = two_tenants();
         let mut rx = s.submit(BETA, prompt(3, 13), 10);
         s.run_to_idle();
         drain(&mut rx)
     };
-    let mut s = sim(
-        &[tenant(ALPHA, 1, 32, 64), tenant(BETA, 1, 32, 64)],
-        64,
-        LIMITS,
-    );
+    let mut s = two_tenants();
     let mut bad_prompt = prompt(1, 6);
     bad_prompt[4] = 999_999;
     let mut bad = s.submit(ALPHA, bad_prompt, 6);
