@@ -15,8 +15,12 @@ scripts/plugins.sh
 cargo fmt --all -- --check
 (cd plugins && cargo fmt --all -- --check)
 cargo clippy --workspace --all-targets --locked -- -D warnings
-# End-to-end tests run the real binary; build it first.
-cargo build --locked -p bulkhead
+# End-to-end tests run the real binary; build it first, with the features
+# `cargo test --workspace` unifies for the host's own tests (the simulation's
+# fault-injection hooks: unreachable from any input), so the test run reuses
+# this build instead of compiling the engine a second time. Release builds
+# never have them.
+cargo build --locked -p bulkhead --features fault-injection
 # The Q8_0 model (model_golden.rs), derived by that binary; idempotent.
 scripts/models.sh "${CARGO_TARGET_DIR:-target}/debug/bulkhead"
 # Model-dependent tests fail (rather than skip) if the model is missing.

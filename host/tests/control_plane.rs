@@ -174,15 +174,27 @@ fn quota(pages_reserved: u32, pages_max: u32) -> Quota {
 /// Whether the engine serves tenant `id`, from the stats it publishes after
 /// every loop turn (polled: a change shows up within a turn or two).
 async fn engine_has(plane: &Plane, id: TenantId) -> bool {
+    engine_settles_on(plane, id, true).await
+}
+
+/// Whether the engine does not serve tenant `id` (polled likewise: stats
+/// published before an undo may still show it for a turn).
+async fn engine_lacks(plane: &Plane, id: TenantId) -> bool {
+    engine_settles_on(plane, id, false).await
+}
+
+/// Whether the engine's published stats show tenant `id` present as `want`
+/// within a second.
+async fn engine_settles_on(plane: &Plane, id: TenantId, want: bool) -> bool {
     let handle = plane.engine();
     let present = || handle.stats().tenants.iter().any(|t| t.id == id.0);
     for _ in 0..40 {
-        if present() {
+        if present() == want {
             return true;
         }
         tokio::time::sleep(std::time::Duration::from_millis(25)).await;
     }
-    present()
+    present() == want
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -203,7 +215,7 @@ async fn a_failed_commit_leaves_the_engine_and_the_registry_as_they_were() {
     );
     plane.fail.store(false, Ordering::SeqCst);
     assert!(
-        !engine_has(&plane, TenantId(next_id)).await,
+        engine_lacks(&plane, TenantId(next_id)).await,
         "the engine change was undone"
     );
     assert!(plane
@@ -304,7 +316,7 @@ async fn a_crash_between_engine_and_store_is_repaired_by_the_next_start() {
     // The next start builds the engine from the store: what was acknowledged.
     let plane = start(&dir);
     assert!(
-        !engine_has(&plane, TenantId(next_id)).await,
+        engine_lacks(&plane, TenantId(next_id)).await,
         "delta was never committed"
     );
     let gamma_now = plane.control.tenant(TenantRef::Name("gamma")).unwrap();
