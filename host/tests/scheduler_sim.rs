@@ -230,14 +230,17 @@ fn two_tenants() -> Sim {
     )
 }
 
+/// What beta's 13-token prompt with 10 tokens to generate says with no one else.
+fn beta_alone() -> (String, Option<(FinishReason, u32)>) {
+    let mut s = two_tenants();
+    let mut rx = s.submit(BETA, prompt(3, 13), 10);
+    s.run_to_idle();
+    drain(&mut rx)
+}
+
 #[test]
 fn a_request_gets_the_same_tokens_alone_and_among_other_tenants() {
-    let solo = {
-        let mut s = two_tenants();
-        let mut rx = s.submit(BETA, prompt(3, 13), 10);
-        s.run_to_idle();
-        drain(&mut rx)
-    };
+    let solo = beta_alone();
     let mut s = two_tenants();
     let mut noise: Vec<_> = (0..4)
         .map(|i| s.submit(ALPHA, prompt(10 + i, 20), 12))
@@ -261,12 +264,7 @@ fn a_request_gets_the_same_tokens_alone_and_among_other_tenants() {
 /// and says exactly what it says alone. Before, the whole batch failed.
 #[test]
 fn a_step_error_fails_only_the_sequence_it_concerns() {
-    let solo = {
-        let mut s = two_tenants();
-        let mut rx = s.submit(BETA, prompt(3, 13), 10);
-        s.run_to_idle();
-        drain(&mut rx)
-    };
+    let solo = beta_alone();
     let mut s = two_tenants();
     let mut bad_prompt = prompt(1, 6);
     bad_prompt[4] = 999_999;

@@ -42,6 +42,7 @@ use bulkhead_kernels::backend::{Backend, Logits, SeqStep, StepError};
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::kv::{KvType, OwnerTag, PageId, PageState, Pool, PoolOptions};
 use bulkhead_kernels::model::Model;
+use bulkhead_kernels::rng::SplitMix64;
 use bulkhead_kernels::testing::{tiny_llama, TinySpec};
 use bulkhead_kernels::tokenizer::Tokenizer;
 use std::collections::BTreeMap;
@@ -60,16 +61,16 @@ const POOL_PAGES: u32 = 64;
 const CONTEXT: u32 = 64;
 const TENANTS: [TenantId; 3] = [TenantId(0), TenantId(1), TenantId(2)];
 
-/// SplitMix64: the one source of randomness of a run.
-struct Rng(u64);
+/// The one source of randomness of a run (the project's SplitMix64).
+struct Rng(SplitMix64);
 
 impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(SplitMix64(seed))
+    }
+
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     fn below(&mut self, n: u64) -> u64 {
@@ -258,7 +259,7 @@ impl World {
         let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
         let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
         let ends = Arc::new(Ends::default());
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let scheduler = build_engine(&model, &tokenizer, &ends, &mut rng, tenants());
         World {
             seed,
@@ -536,7 +537,7 @@ fn build_engine(
     let pool = build::pool(model, &spec).unwrap();
     let backend = Flaky {
         inner: build::backend(model, &spec),
-        rng: Rng(rng.next()),
+        rng: Rng::new(rng.next()),
         step_errors: 0,
     };
     let limits = BatchLimits {
