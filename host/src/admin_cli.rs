@@ -261,6 +261,13 @@ enum ModelCommand {
         #[arg(long)]
         step_seqs_max: Option<u32>,
     },
+    /// Audits a model's KV pool: back at its baseline, every free page zero,
+    /// every invariant holding (stalls its engine for one pass over the free
+    /// pages: not for a scrape loop).
+    Pool {
+        /// Its id.
+        id: String,
+    },
     /// Unloads a model: new requests get 404, those in flight get the drain.
     Remove {
         /// Its id.
@@ -406,6 +413,9 @@ fn call_of(command: &AdminCommand) -> Result<Call> {
                 }
             }
             Call::with(Method::POST, "/admin/v1/models".into(), Some(body))
+        }
+        AdminCommand::Model(ModelCommand::Pool { id }) => {
+            Call::get(format!("/admin/v1/models/{}/pool", segment(id)))
         }
         AdminCommand::Model(ModelCommand::Remove { id, drain_ms }) => {
             let query = drain_ms.map_or_else(String::new, |ms| format!("?drain_ms={ms}"));

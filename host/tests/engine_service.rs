@@ -7,10 +7,12 @@ use bulkhead::engine::request::Usage;
 use bulkhead::engine::request::{Event, FinishReason, NewRequest, Rejection, RequestId};
 use bulkhead::engine::sampling::SamplingParams;
 use bulkhead::engine::scheduler::{BatchLimits, EngineFault, FinishSink, Scheduler, TenantLimits};
-use bulkhead::engine::service::{EngineService, RestartPolicy, SubmitError, Supervision};
+use bulkhead::engine::service::{
+    EngineService, EngineUnavailable, RestartPolicy, SubmitError, Supervision,
+};
 use bulkhead::tenancy::TenantId;
 use bulkhead_kernels::gguf::Gguf;
-use bulkhead_kernels::kv::{KvType, PoolOptions};
+use bulkhead_kernels::kv::{KvType, PageId, PoolOptions};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::testing::{tiny_llama, TinySpec};
 use bulkhead_kernels::tokenizer::Tokenizer;
@@ -104,6 +106,52 @@ fn streams_requests_to_completion() {
         ));
     });
     service.shutdown(Duration::from_secs(1), FinishReason::Shutdown);
+}
+
+/// The audit reads every free page's values whatever the pool's options: a
+/// planted dirty free page is reported (and the pool is then not at its
+/// baseline) where the invariant check, not paranoid, sees nothing.
+#[test]
+fn an_audit_reports_a_dirty_free_page_outside_paranoid_mode() {
+    let (model, tokenizer) = tiny(&TinySpec::default());
+    let spec = engine_spec(1);
+    assert!(!spec.pool_options.paranoid);
+    let mut scheduler = build::scheduler(&model, &tokenizer, &spec, vec![alpha()]).unwrap();
+    let audit = scheduler.audit();
+    assert!(audit.at_baseline(), "{audit:?}");
+    assert_eq!((audit.pages_count, audit.free_pages_checked), (8, 8));
+    scheduler.pool_mut().plant_fault_dirty_free(PageId(3));
+    let audit = scheduler.audit();
+    assert_eq!(audit.free_pages_dirty, vec![PageId(3)]);
+    assert_eq!(audit.invariants, Ok(()));
+    assert!(!audit.at_baseline());
+}
+
+/// An audit runs on the engine thread between steps: after a request ends,
+/// its pages are scrubbed and the pool is back at its baseline; a stopped
+/// engine answers `EngineUnavailable`.
+#[test]
+fn an_audit_through_the_engine_thread_finds_the_pool_back_at_baseline() {
+    let runtime = runtime();
+    let (service, admission) = service(4, 4);
+    let handle = service.handle();
+    runtime.block_on(async {
+        let fresh = handle.audit().await.unwrap();
+        assert!(fresh.at_baseline(), "{fresh:?}");
+        assert_eq!(fresh.pages_scrubbed_total, 0);
+        let (r, mut rx) = request(1, 20);
+        handle.submit(admission.admit(r).unwrap()).await.unwrap();
+        finished(&mut rx).await;
+        // The tick that ended it scrubbed its pages before the engine took
+        // the next command.
+        let after = handle.audit().await.unwrap();
+        assert!(after.at_baseline(), "{after:?}");
+        assert!(after.pages_scrubbed_total > 0, "{after:?}");
+        assert_eq!(after.pool_id, fresh.pool_id);
+        assert_eq!(after.tenants.len(), 1);
+    });
+    service.shutdown(Duration::from_secs(1), FinishReason::Shutdown);
+    assert_eq!(runtime.block_on(handle.audit()), Err(EngineUnavailable));
 }
 
 #[test]

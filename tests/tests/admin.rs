@@ -759,6 +759,70 @@ fn generated_secrets_go_to_the_terminal_never_to_the_log() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `GET /admin/v1/models/{MODEL_ID}/pool`, answered 200.
+fn pool_audit(server: &Server) -> Value {
+    let r = server.admin_call("GET", &format!("/admin/v1/models/{MODEL_ID}/pool"), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()
+}
+
+#[test]
+fn pool_audit_finds_the_pool_back_at_baseline_after_a_completion() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    assert_eq!(chat(&server, KEY_ALPHA).status, 200);
+    // The engine publishes the end before its last scrub: poll.
+    let mut audit = Value::Null;
+    let settled = eventually(Duration::from_secs(10), || {
+        audit = pool_audit(&server);
+        audit["at_baseline"] == true
+    });
+    assert!(settled, "{audit}");
+    assert_eq!(audit["model"], MODEL_ID);
+    assert!(audit["pool_id"].as_u64().unwrap() > 0, "{audit}");
+    assert_eq!(audit["in_flight"], 0);
+    let pages_count = audit["pages_count"].as_u64().unwrap();
+    assert!(pages_count > 0, "{audit}");
+    assert_eq!(
+        audit["free_pages_checked"], audit["pages_free"],
+        "every free page scanned"
+    );
+    assert_eq!(audit["free_pages_dirty"], 0);
+    assert_eq!(audit["invariants"], "ok");
+    assert_eq!(audit["pages_owned"], 0);
+    assert_eq!(audit["pages_released"], 0);
+    assert_eq!(audit["pages_booked"], 0);
+    assert!(
+        audit["pages_scrubbed_total"].as_u64().unwrap() > 0,
+        "the completion's unshared pages were scrubbed: {audit}"
+    );
+    // The per-tenant rows account for the prefix cache's pages.
+    let tenants = audit["tenants"].as_array().unwrap();
+    let shared: u64 = tenants
+        .iter()
+        .map(|t| t["pages_shared"].as_u64().unwrap())
+        .sum();
+    assert_eq!(audit["pages_shared"], shared, "{audit}");
+    let alpha = tenants.iter().find(|t| t["tenant"] == "alpha").unwrap();
+    assert!(alpha["tenant_id"].is_u64(), "{audit}");
+    assert_eq!(alpha["pages_owned"], 0);
+    assert!(
+        alpha["pages_shared"].as_u64().unwrap() > 0,
+        "alpha's prompt is cached: {audit}"
+    );
+
+    let r = server.admin_call("GET", "/admin/v1/models/no-such-model/pool", None);
+    assert_eq!((r.status, r.error().1), (404, json!("model_not_found")));
+    let r = server.call(
+        &server.admin,
+        "GET",
+        &format!("/admin/v1/models/{MODEL_ID}/pool"),
+        None,
+        None,
+    );
+    assert_eq!(r.status, 401);
+}
+
 /// One real response, for the OpenAPI check.
 fn sample(samples: &mut Vec<Value>, method: &str, template: &str, r: &Reply) {
     let body = if r.body.is_empty() {
@@ -902,6 +966,10 @@ fn real_responses_match_the_openapi_document() {
         let r = server.admin_call("GET", path, None);
         sample(&mut s, "get", path, &r);
     }
+    for model in [MODEL_ID, "no-such-model"] {
+        let r = server.admin_call("GET", &format!("/admin/v1/models/{model}/pool"), None);
+        sample(&mut s, "get", "/admin/v1/models/{model}/pool", &r);
+    }
     let r = server.admin_call("DELETE", "/admin/v1/tenants/zeta", None);
     sample(&mut s, "delete", one, &r);
     let statuses: BTreeSet<u64> = s.iter().map(|x| x["status"].as_u64().unwrap()).collect();
@@ -1003,6 +1071,9 @@ fn bulkhead_admin_commands_do_the_everyday_tasks() {
     let capacity = ok(&["capacity"]);
     assert_eq!(capacity["data"][0]["ok"], true);
     ok(&["partitions"]);
+    let pool = ok(&["model", "pool", MODEL_ID]);
+    assert_eq!(pool["model"], MODEL_ID);
+    assert_eq!(pool["invariants"], "ok");
     ok(&["usage", "alpha"]);
     let audit = ok(&["audit", "--limit", "1000"]);
     assert!(audit.to_string().contains("plugin.disable"));

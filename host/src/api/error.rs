@@ -14,7 +14,7 @@ use crate::capacity::{
 };
 use crate::catalog::LoadError;
 use crate::engine::request::{Rejection, RequestId};
-use crate::engine::service::SubmitError;
+use crate::engine::service::{EngineUnavailable, SubmitError};
 use crate::policy::{FaultKind, PluginRejection};
 use crate::telemetry;
 use crate::tenancy::control::ControlError;
@@ -203,6 +203,12 @@ impl From<ControlError> for ApiError {
             ControlError::Store(error) => ApiError::Internal(format!("store: {error}")),
             ControlError::Engine => ApiError::Unavailable,
         }
+    }
+}
+
+impl From<EngineUnavailable> for ApiError {
+    fn from(_: EngineUnavailable) -> ApiError {
+        ApiError::Unavailable
     }
 }
 

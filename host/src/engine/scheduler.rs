@@ -50,7 +50,7 @@ use super::admission::{Admission, Admitted};
 use super::prefix::PrefixCache;
 use super::request::{Event, FinishReason, Rejection, RequestId, Usage};
 use super::sampling::Sampler;
-use super::stats::{SchedulerStats, TenantCounts, TenantStats};
+use super::stats::{PoolAudit, SchedulerStats, TenantCounts, TenantPages, TenantStats};
 use super::stop::{Scan, StopMatcher};
 use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::{Backend, SeqStep};
@@ -1312,6 +1312,45 @@ impl<B: Backend> Scheduler<B> {
             pages_free: pool.pages_free,
             pages_scrubbed_total: self.pages_scrubbed,
             tokens_generated_total: self.tokens_generated,
+        }
+    }
+
+    /// Audits the pool between two steps: its counts, every free page's
+    /// values (zero, whatever the pool's options) and [`Scheduler::check`].
+    /// Not cheap: one pass over the free pages' bytes plus the checker's
+    /// recount, O(pages); for an operator's or a test's question, never per
+    /// step.
+    pub fn audit(&self) -> PoolAudit {
+        let pool = self.pool.stats();
+        let tenants = self
+            .tenants
+            .keys()
+            .map(|&id| {
+                let p = self.pool.partition_stats(OwnerTag(id.0));
+                TenantPages {
+                    id: id.0,
+                    pages_owned: p.map_or(0, |p| p.pages_owned),
+                    pages_released: p.map_or(0, |p| p.pages_released),
+                    pages_booked: p.map_or(0, |p| p.pages_booked),
+                    pages_shared: p.map_or(0, |p| p.pages_shared),
+                }
+            })
+            .collect();
+        PoolAudit {
+            pool_id: self.pool.id(),
+            // At most the tenants' queue and slot limits: far below u32::MAX.
+            in_flight: self.in_flight() as u32,
+            pages_count: pool.pages_count,
+            pages_free: pool.pages_free,
+            pages_owned: pool.pages_owned,
+            pages_released: pool.pages_released,
+            pages_shared: pool.pages_shared,
+            pages_booked: pool.pages_booked,
+            free_pages_checked: pool.pages_free,
+            free_pages_dirty: self.pool.free_pages_dirty(),
+            pages_scrubbed_total: self.pages_scrubbed,
+            invariants: self.check().map_err(|error| error.to_string()),
+            tenants,
         }
     }
 }

@@ -13,7 +13,9 @@
 //!    the answer, so the channel holds at most Σ `pending_max` submissions, and
 //!    one tenant's burst can never fill another's share.
 //! 3. [`EngineHandle::change_tenant`] adds, changes or removes a tenant between
-//!    two steps and answers once it is applied.
+//!    two steps and answers once it is applied; [`EngineHandle::audit`] audits
+//!    the KV pool between two steps (the pool lives on this thread) and
+//!    answers with what it found.
 //! 4. The thread ticks while anything is in flight and sleeps on its command
 //!    channel when idle (waking for new work or shutdown).
 //! 5. [`EngineService::shutdown`] stops accepting, lets in-flight requests run
@@ -33,7 +35,7 @@
 use super::admission::Admitted;
 use super::request::{FinishReason, Rejection};
 use super::scheduler::{EngineFault, Scheduler, TenantChangeError, TenantLimits, TickReport};
-use super::stats::SchedulerStats;
+use super::stats::{PoolAudit, SchedulerStats};
 use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::Backend;
 use bulkhead_kernels::kv::PoolId;
@@ -60,6 +62,7 @@ enum Command {
         TenantChange,
         oneshot::Sender<Result<u32, TenantChangeError>>,
     ),
+    Audit(oneshot::Sender<PoolAudit>),
     Shutdown {
         drain_until: Instant,
         reason: FinishReason,
@@ -98,6 +101,12 @@ pub enum SubmitError {
     #[error("the engine is not accepting requests")]
     Unavailable,
 }
+
+/// The engine is not running: shutting down, stopped, or between a panic and
+/// its restart.
+#[derive(Clone, Copy, Debug, thiserror::Error, PartialEq, Eq)]
+#[error("the engine is not running")]
+pub struct EngineUnavailable;
 
 /// How a supervised engine restarts after a panic.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -186,6 +195,18 @@ impl EngineHandle {
             Ok(result) => Ok(result?),
             Err(_) => Err(ChangeError::Unavailable),
         }
+    }
+
+    /// Audits the KV pool between two steps ([`Scheduler::audit`]) and waits
+    /// for the answer. The engine thread stalls for the scan, one pass over
+    /// the free pages' bytes: for operators and tests, not a scrape loop.
+    pub async fn audit(&self) -> Result<PoolAudit, EngineUnavailable> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Audit(reply))
+            .map_err(|_| EngineUnavailable)?;
+        // A stopped engine, or one waiting to restart, drops the reply.
+        answer.await.map_err(|_| EngineUnavailable)
     }
 
     /// Whether new requests are accepted (for readiness).
@@ -422,8 +443,8 @@ fn supervise<B: Backend>(
     }
 }
 
-/// A stopped engine's thread: refuses every submission and tenant change (by
-/// dropping its reply: `Unavailable`) until a shutdown, or at once when one
+/// A stopped engine's thread: refuses every submission, tenant change and
+/// audit (by dropping its reply: `Unavailable`) until a shutdown, or at once when one
 /// was already asked for.
 fn idle_down(inbox: &mpsc::Receiver<Command>, shutting_down: bool) -> u32 {
     if shutting_down {
@@ -506,6 +527,9 @@ fn engine_loop<B: Backend>(
                         TenantChange::Remove(id) => scheduler.remove_tenant(id),
                     };
                     let _ = reply.send(result);
+                }
+                Command::Audit(reply) => {
+                    let _ = reply.send(scheduler.audit());
                 }
                 Command::Shutdown {
                     drain_until: until,

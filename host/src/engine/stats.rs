@@ -1,5 +1,8 @@
 //! Observability: a snapshot of counts that the engine thread publishes after
-//! each tick, so the API layer can render gauges without touching the scheduler.
+//! each tick, so the API layer can render gauges without touching the scheduler;
+//! and a [`PoolAudit`], computed on the engine thread only when asked for.
+
+use bulkhead_kernels::kv::{PageId, PoolId};
 
 /// Cumulative per-tenant counts.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -54,4 +57,69 @@ pub struct SchedulerStats {
     pub pages_scrubbed_total: u64,
     /// Tokens sampled since start.
     pub tokens_generated_total: u64,
+}
+
+/// One tenant's pages, as an audit counts them (from its partition).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TenantPages {
+    /// The tenant.
+    pub id: u32,
+    /// Pages leased to its sequences.
+    pub pages_owned: u32,
+    /// Pages it released that await scrubbing.
+    pub pages_released: u32,
+    /// Pages booked by its live reservations, not yet leased.
+    pub pages_booked: u32,
+    /// Pages of its prefix cache (in use or idle).
+    pub pages_shared: u32,
+}
+
+/// What [`Scheduler::audit`](super::scheduler::Scheduler::audit) found,
+/// between two steps: the pool's counts, every free page's values, and every
+/// invariant check there is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolAudit {
+    /// The pool (a rebuilt engine has a new one).
+    pub pool_id: PoolId,
+    /// Requests queued plus running.
+    pub in_flight: u32,
+    /// Pages in the pool.
+    pub pages_count: u32,
+    /// Pages on the free list.
+    pub pages_free: u32,
+    /// Pages leased to a sequence.
+    pub pages_owned: u32,
+    /// Dirty pages waiting for scrub.
+    pub pages_released: u32,
+    /// Prefix-cache pages.
+    pub pages_shared: u32,
+    /// Pages booked by live reservations, not yet acquired.
+    pub pages_booked: u32,
+    /// Free pages whose values were scanned (all of them).
+    pub free_pages_checked: u32,
+    /// Of those, the pages not all zeros, in free-list order: a scrub missed
+    /// them, so the next sequence would read another's KV. Must be empty.
+    pub free_pages_dirty: Vec<PageId>,
+    /// Pages scrubbed since this engine (pool) started.
+    pub pages_scrubbed_total: u64,
+    /// `Scheduler::check`: the first broken invariant, as its message.
+    pub invariants: Result<(), String>,
+    /// Per tenant, in id order.
+    pub tenants: Vec<TenantPages>,
+}
+
+impl PoolAudit {
+    /// Whether the pool is as an idle engine leaves it: nothing in flight,
+    /// nothing leased, booked or waiting for scrub, every free page zero,
+    /// every invariant holding, and every page free or in a prefix cache.
+    pub fn at_baseline(&self) -> bool {
+        self.in_flight == 0
+            && self.pages_owned == 0
+            && self.pages_released == 0
+            && self.pages_booked == 0
+            && self.free_pages_dirty.is_empty()
+            && self.invariants.is_ok()
+            && u64::from(self.pages_free) + u64::from(self.pages_shared)
+                == u64::from(self.pages_count)
+    }
 }

@@ -3,7 +3,8 @@
 //! `check_invariants` sees the pool alone; `check_page_tables` adds the live page
 //! tables, which only the caller knows. Both are O(pages) (plus O(values) for the
 //! zero check in paranoid mode) and meant for tests, simulation and a paranoid mode,
-//! not for every step of a production scheduler.
+//! not for every step of a production scheduler. `free_pages_dirty` is the zero check
+//! alone, on demand in any mode: O(values of the free pages), for an audit.
 
 use super::ids::{Generation, OwnerTag, PageId, SeqId};
 use super::page_table::PageTable;
@@ -172,15 +173,28 @@ impl Pool {
             });
         }
         if self.options.paranoid {
-            if let Some(&page) = self
-                .pages_free
-                .iter()
-                .find(|&&page| !self.page_is_zero(page))
-            {
+            if let Some(page) = self.free_pages_unscrubbed().next() {
                 return Err(Violation::FreePageDirty { page });
             }
         }
         Ok(())
+    }
+
+    /// Every free page that is not all zeros, in free-list order: pages a
+    /// scrub missed, which would be handed out dirty. Scans every free page's
+    /// values whatever [`PoolOptions::paranoid`](super::PoolOptions::paranoid)
+    /// says — one pass over the free pages' bytes — so it answers an audit
+    /// (is every released page scrubbed?) in any build; not for every step.
+    pub fn free_pages_dirty(&self) -> Vec<PageId> {
+        self.free_pages_unscrubbed().collect()
+    }
+
+    /// The free pages that are not all zeros, scanned lazily.
+    fn free_pages_unscrubbed(&self) -> impl Iterator<Item = PageId> + '_ {
+        self.pages_free
+            .iter()
+            .copied()
+            .filter(|&page| !self.page_is_zero(page))
     }
 
     /// `check_invariants`, plus: `tables` (every live page table of this pool) hold

@@ -606,6 +606,42 @@ fn canary_dirty_free_page_is_caught() {
 }
 
 #[test]
+fn free_pages_dirty_scans_every_free_page_whatever_the_options() {
+    // Neither paranoid nor poisoning: the audit must not lean on either.
+    let mut pool = pool_with(PoolOptions::default());
+    assert_eq!(
+        pool.free_pages_dirty(),
+        Vec::<PageId>::new(),
+        "a fresh pool"
+    );
+    let mut table = lease_pages(&mut pool, A, 1, 2);
+    for index in 0..2 {
+        let lease = table.lease(index).unwrap();
+        pool.write_kv(lease, 1, 2, &row(3.0), &row(4.0)).unwrap();
+    }
+    pool.release(&mut table);
+    pool.scrub_released();
+    assert_eq!(pool.free_pages_dirty(), Vec::<PageId>::new(), "scrubbed");
+
+    // A scrub that forgot to zero: the free list holds a written page.
+    let mut table = lease_pages(&mut pool, A, 2, 1);
+    pool.write_kv(table.lease(0).unwrap(), 0, 0, &row(1.0), &row(1.0))
+        .unwrap();
+    pool.release(&mut table);
+    let unscrubbed = pool.plant_fault_unscrubbed_free().unwrap();
+    assert_eq!(pool.free_pages_dirty(), vec![unscrubbed]);
+    // Outside paranoid mode the invariant check does not read values: only
+    // the audit sees it.
+    pool.check_invariants().unwrap();
+    pool.plant_fault_dirty_free(PageId(9));
+    let mut dirty = pool.free_pages_dirty();
+    dirty.sort();
+    let mut want = vec![unscrubbed, PageId(9)];
+    want.sort();
+    assert_eq!(dirty, want);
+}
+
+#[test]
 fn canary_double_release_is_caught() {
     let mut pool = pool();
     let mut table = lease_pages(&mut pool, A, 1, 1);
