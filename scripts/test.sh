@@ -17,9 +17,10 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # End-to-end tests run the real binary; build it first, with the features
 # `cargo test --workspace` unifies for the host's own tests (the simulation's
-# fault-injection hooks: unreachable from any input), so the test run reuses
-# this build instead of compiling the engine a second time. Release builds
-# never have them.
+# fault-injection hooks, unreachable from any input, and the admin-token-only
+# route that panics an engine, which the end-to-end tests use), so the test
+# run reuses this build instead of compiling the engine a second time.
+# Release builds never have them.
 cargo build --locked -p bulkhead --features fault-injection
 # The Q8_0 model (model_golden.rs), derived by that binary; idempotent.
 scripts/models.sh "${CARGO_TARGET_DIR:-target}/debug/bulkhead"

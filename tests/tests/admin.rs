@@ -823,6 +823,61 @@ fn pool_audit_finds_the_pool_back_at_baseline_after_a_completion() {
     assert_eq!(r.status, 401);
 }
 
+/// A panic planted in the engine between steps (the test build's
+/// `fault/panic` route) ends a running stream with `engine_fault`; the
+/// supervisor rebuilds the engine with a new, clean pool and it serves again.
+#[test]
+fn an_injected_engine_panic_ends_the_stream_and_the_engine_comes_back() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let before = pool_audit(&server);
+    let panic = format!("/admin/v1/models/{MODEL_ID}/fault/panic");
+    let r = server.admin_call("POST", "/admin/v1/models/no-such-model/fault/panic", None);
+    if r.status == 404 && r.error().1 == "unknown_url" {
+        assert!(
+            std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_none(),
+            "BULKHEAD_REQUIRE_MODEL is set but the binary has no fault/panic route: \
+             build it with `cargo build -p bulkhead --features fault-injection`"
+        );
+        eprintln!("skipped: the binary was built without feature fault-injection");
+        return;
+    }
+    assert_eq!((r.status, r.error().1), (404, json!("model_not_found")));
+    let r = server.call(&server.admin, "POST", &panic, None, None);
+    assert_eq!(r.status, 401);
+
+    let mut long = chat_body("Write a long story about a dragon.", 400);
+    long["stream"] = json!(true);
+    let (status, mut running) = server.stream("/v1/chat/completions", KEY_ALPHA, &long);
+    assert_eq!(status, 200);
+    running.next_data().unwrap();
+    running.next_data().unwrap();
+    let r = server.admin_call("POST", &panic, None);
+    assert_eq!(r.status, 202, "{}", r.body);
+    assert_eq!(r.json(), json!({"model": MODEL_ID}));
+    let events = running.rest();
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "engine_fault", "{events:?}");
+
+    // Back after the supervisor's backoff: ready, serving, a new pool.
+    assert!(eventually(Duration::from_secs(30), || {
+        server.get(&server.inference, "/readyz", None).status == 200
+    }));
+    assert_eq!(chat(&server, KEY_ALPHA).status, 200);
+    let mut after = Value::Null;
+    let settled = eventually(Duration::from_secs(10), || {
+        after = pool_audit(&server);
+        after["at_baseline"] == true
+    });
+    assert!(settled, "{after}");
+    assert_ne!(after["pool_id"], before["pool_id"], "{after}");
+    assert_eq!(after["free_pages_dirty"], 0);
+    assert_eq!(
+        server.metric(r#"bulkhead_engine_faults_total{model="smollm2-test"}"#),
+        1.0
+    );
+}
+
 /// One real response, for the OpenAPI check.
 fn sample(samples: &mut Vec<Value>, method: &str, template: &str, r: &Reply) {
     let body = if r.body.is_empty() {

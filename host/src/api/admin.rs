@@ -10,7 +10,9 @@
 //!    [`PLUGIN_BYTES_MAX`] for a component) and read like inference bodies and JSON with unknown fields is
 //!    refused, so a typo is never silently a default.
 //! 4. **The OpenAPI 3.1 document** (`/admin/v1/openapi.json`) is generated from
-//!    these handlers' annotations and types ([`AdminApi`]).
+//!    these handlers' annotations and types ([`AdminApi`]). It leaves out the
+//!    one test-build route, `POST /admin/v1/models/{model}/fault/panic`
+//!    (feature `fault-injection`), which production builds do not have.
 
 use super::error::{capacity_limits, ApiError, CapacityLimit, ErrorResponse};
 use super::{read_body, App};
@@ -80,8 +82,13 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .route("/admin/v1/partitions", get(partitions))
         .route("/admin/v1/capacity", get(capacity))
         .route("/admin/v1/usage", get(usage))
-        .route("/admin/v1/audit", get(audit_log))
-        .route_layer(middleware::from_fn_with_state(app, require_admin));
+        .route("/admin/v1/audit", get(audit_log));
+    // Test builds only: a panic planted in a model's engine.
+    #[cfg(feature = "fault-injection")]
+    let protected = protected.route("/admin/v1/models/{model}/fault/panic", post(fault_panic));
+    // Every route above needs the admin token (`route_layer` covers only
+    // the routes added before it).
+    let protected = protected.route_layer(middleware::from_fn_with_state(app, require_admin));
     Router::new()
         .route("/admin/v1/openapi.json", get(openapi))
         .merge(protected)
@@ -863,6 +870,29 @@ async fn model_pool(State(app): State<Arc<App>>, Path(model): Path<String>) -> R
         Ok(reply(StatusCode::OK, &view))
     };
     respond(&app, answer.await)
+}
+
+/// Makes a model's engine thread panic between two steps, with whatever is
+/// in flight (202 `{"model": ID}` once the command is sent; 404 for an
+/// unknown model, 503 when the engine is down or restarting).
+///
+/// The supervisor then does what it does for any panic: ends the requests in
+/// flight with `engine_fault`, drops the pool, rebuilds after its backoff.
+/// It exists so the isolation suite can exercise that path through the real
+/// binary; it is compiled only with feature `fault-injection` (the test
+/// build), so a production build has no such back door, and it is not in the
+/// OpenAPI document, which describes production builds.
+#[cfg(feature = "fault-injection")]
+async fn fault_panic(State(app): State<Arc<App>>, Path(model): Path<String>) -> Response<Body> {
+    let answer = (|| {
+        served(&app, &model)?.engine.inject_panic()?;
+        tracing::warn!(model = %model, "fault injection: the engine will panic");
+        Ok(reply(
+            StatusCode::ACCEPTED,
+            &serde_json::json!({ "model": model }),
+        ))
+    })();
+    respond(&app, answer)
 }
 
 /// How a model is unloaded.

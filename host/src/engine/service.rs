@@ -30,7 +30,9 @@
 //!    again; after [`RestartPolicy::restarts_max`] faults in a row it stays
 //!    down. Each fault is logged (never the panic's message), counted
 //!    (`bulkhead_engine_faults_total`, `bulkhead_engine_restarts_total`) and
-//!    reported to the finish sink for the audit log.
+//!    reported to the finish sink for the audit log. Builds with feature
+//!    `fault-injection` (tests only, never a release) can plant such a panic
+//!    between two steps ([`EngineHandle::inject_panic`]).
 
 use super::admission::Admitted;
 use super::request::{FinishReason, Rejection};
@@ -63,6 +65,9 @@ enum Command {
         oneshot::Sender<Result<u32, TenantChangeError>>,
     ),
     Audit(oneshot::Sender<PoolAudit>),
+    /// Panics the engine thread when taken (tests: the fault path end to end).
+    #[cfg(feature = "fault-injection")]
+    Panic,
     Shutdown {
         drain_until: Instant,
         reason: FinishReason,
@@ -207,6 +212,22 @@ impl EngineHandle {
             .map_err(|_| EngineUnavailable)?;
         // A stopped engine, or one waiting to restart, drops the reply.
         answer.await.map_err(|_| EngineUnavailable)
+    }
+
+    /// Makes the engine thread panic ("injected engine fault") when it takes
+    /// this command, between two steps, with whatever is in flight: the
+    /// supervisor then ends those requests with `engine_fault`, drops the
+    /// pool and rebuilds, as for any panic. Refused while the engine does not
+    /// accept (down, or waiting to restart), where nothing would take it.
+    /// Only with feature `fault-injection`: never in a release build.
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_panic(&self) -> Result<(), EngineUnavailable> {
+        if !self.is_accepting() {
+            return Err(EngineUnavailable);
+        }
+        self.commands
+            .send(Command::Panic)
+            .map_err(|_| EngineUnavailable)
     }
 
     /// Whether new requests are accepted (for readiness).
@@ -531,6 +552,8 @@ fn engine_loop<B: Backend>(
                 Command::Audit(reply) => {
                     let _ = reply.send(scheduler.audit());
                 }
+                #[cfg(feature = "fault-injection")]
+                Command::Panic => panic!("injected engine fault"),
                 Command::Shutdown {
                     drain_until: until,
                     reason,
