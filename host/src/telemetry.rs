@@ -19,7 +19,8 @@ use std::time::Duration;
 /// The tenant label of requests that never authenticated.
 pub const TENANT_UNKNOWN: &str = "none";
 
-/// Requests that finished, by model, tenant and finish reason.
+/// Requests that finished, by model, tenant and finish reason (`cancelled`:
+/// the client went away first).
 pub const REQUESTS_TOTAL: &str = "bulkhead_requests_total";
 /// Requests refused with an error, by tenant and error code.
 pub const REJECTIONS_TOTAL: &str = "bulkhead_rejections_total";
@@ -186,6 +187,14 @@ pub fn count_finished(
         .increment(u64::from(prompt));
     counter!(GENERATED_TOKENS_TOTAL, "model" => model, "tenant" => tenant)
         .increment(u64::from(generated));
+}
+
+/// Counts a request whose client went away before its end (reason
+/// `cancelled`; its tokens are not counted).
+pub fn count_cancelled(model: &str, tenant: &str) {
+    let (model, tenant) = (model.to_string(), tenant.to_string());
+    counter!(REQUESTS_TOTAL, "model" => model, "tenant" => tenant, "reason" => "cancelled")
+        .increment(1);
 }
 
 /// Records time to first token.

@@ -96,7 +96,10 @@ impl Tracker {
 impl Drop for Tracker {
     fn drop(&mut self) {
         if !self.finished {
-            // The client went away (or the handler was dropped) first.
+            // The client went away (or the handler was dropped) first: the
+            // engine cancels it at its next step. Counted here, where it is
+            // seen; its tokens are not known here and are not counted.
+            telemetry::count_cancelled(&self.model, &self.tenant);
             tracing::info!(
                 request_id = self.request_id.0,
                 tenant = %self.tenant,
