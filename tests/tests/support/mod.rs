@@ -125,6 +125,8 @@ pub struct Policy {
     pub beta_pages: (u32, u32),
     /// `server.canary_guard`.
     pub canary_guard: bool,
+    /// `server.request_timeout_ms`.
+    pub request_timeout_ms: u64,
 }
 
 impl Default for Policy {
@@ -149,6 +151,7 @@ impl Default for Policy {
             alpha_pages: (64, 96),
             beta_pages: (64, 96),
             canary_guard: false,
+            request_timeout_ms: 120_000,
         }
     }
 }
@@ -175,7 +178,7 @@ connections_max = {connections_max}
 connections_per_peer_max = {per_peer}
 handshake_timeout_ms = {handshake}
 idle_timeout_ms = {idle}
-request_timeout_ms = 120000
+request_timeout_ms = {request_timeout}
 drain_timeout_ms = {drain}
 canary_guard = {canary_guard}
 {tls}
@@ -237,6 +240,7 @@ key_env = "BULKHEAD_KEY_GAMMA"
             beta_reserved = self.beta_pages.0,
             beta_max = self.beta_pages.1,
             canary_guard = self.canary_guard,
+            request_timeout = self.request_timeout_ms,
         )
     }
 }
