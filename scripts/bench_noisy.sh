@@ -9,13 +9,18 @@
 # demo's 16 + 16 would fit side by side and leave weights nothing to decide).
 #
 #   scripts/bench_noisy.sh [LLAMA_SERVER] [SECONDS]    (default: no llama-server, 30)
+#
+# BULKHEAD_BIN=path runs that binary instead of building target/release/bulkhead
+# (to compare two builds in one session).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 llama_server=${1:-}
 seconds=${2:-30}
-bulkhead="$root/target/release/bulkhead"
+bulkhead=${BULKHEAD_BIN:-$root/target/release/bulkhead}
 model="$root/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-(cd "$root" && cargo build --release --locked -p bulkhead 2>/dev/null)
+if [ -z "${BULKHEAD_BIN:-}" ]; then
+    (cd "$root" && cargo build --release --locked -p bulkhead 2>/dev/null)
+fi
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 export BULKHEAD_KEY_ALPHA=bench-noisy-alpha-0123456789abcdef

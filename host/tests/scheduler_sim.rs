@@ -458,6 +458,54 @@ fn shutdown_ends_queued_and_running_requests_and_frees_every_page() {
     s.scheduler.check().unwrap();
 }
 
+/// A flooding tenant's prompts fill whole steps only while it is the only
+/// active tenant; another tenant's first chunk gets a step without them, and
+/// while both are active the flooder takes its weighted share of each step.
+#[test]
+fn a_flooding_tenants_prompts_never_hold_anothers_first_token_for_long() {
+    let limits = BatchLimits {
+        step_tokens_max: 64,
+        step_seqs_max: 8,
+    };
+    let mut s = sim(
+        &[tenant(ALPHA, 2, 128, 256), tenant(BETA, 1, 128, 256)],
+        512,
+        limits,
+    );
+    let step = |s: &mut Sim| {
+        let (a, b) = (
+            s.scheduler.tokens_processed(ALPHA),
+            s.scheduler.tokens_processed(BETA),
+        );
+        s.tick();
+        (
+            s.scheduler.tokens_processed(ALPHA) - a,
+            s.scheduler.tokens_processed(BETA) - b,
+        )
+    };
+    // Beta alone: its prompts fill every step.
+    let _b: Vec<_> = (0..4)
+        .map(|i| s.submit(BETA, prompt(10 + i, 200), 4))
+        .collect();
+    assert_eq!(step(&mut s), (0, 64));
+    assert_eq!(step(&mut s), (0, 64));
+    // Alpha's prompt arrives: its first chunk's step carries none of beta's
+    // prompt tokens, and it has its first token after that one step.
+    let mut alpha = s.submit(ALPHA, prompt(1, 40), 8);
+    assert_eq!(step(&mut s), (40, 0));
+    assert!(
+        alpha.try_recv().is_ok(),
+        "alpha's first token comes from its first step"
+    );
+    // Both active: beta takes its third of a step (21 tokens) beside alpha's
+    // decode token, until alpha has been idle for a while.
+    for _ in 0..4 {
+        assert_eq!(step(&mut s), (1, 21));
+    }
+    s.run_to_idle();
+    assert_eq!(drain(&mut alpha).1.map(|e| e.1), Some(8));
+}
+
 #[test]
 fn a_tenant_back_from_idle_does_not_starve_the_busy_one() {
     let limits = BatchLimits {

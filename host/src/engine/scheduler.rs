@@ -61,7 +61,7 @@ use bulkhead_kernels::kv::{
 use bulkhead_kernels::tokenizer::{DecodeOptions, Detokenizer, Tokenizer};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 /// A tenant's scheduling parameters and KV partition.
@@ -172,7 +172,15 @@ struct TenantState {
     tokens_processed: u64,
     /// Requests ever queued, and pages ever acquired (observability).
     counts: TenantCounts,
+    /// The last tick at which it had work: a tenant between two requests
+    /// still counts as active for [`RECENTLY_ACTIVE`].
+    active_at: Option<Instant>,
 }
+
+/// How long after its last work a tenant still takes its weighted share of
+/// each step's prompt tokens: a client that sends its next request as soon as
+/// the last one ends is never idle to the scheduler.
+const RECENTLY_ACTIVE: Duration = Duration::from_secs(2);
 
 impl TenantState {
     fn has_work(&self) -> bool {
@@ -333,6 +341,7 @@ impl<B: Backend> Scheduler<B> {
                 virtual_time,
                 tokens_processed: 0,
                 counts: TenantCounts::default(),
+                active_at: None,
             },
         );
         Ok(())
@@ -538,7 +547,12 @@ impl<B: Backend> Scheduler<B> {
             ..TickReport::default()
         };
         self.start_sequences();
-        let plan = self.plan_batch();
+        for tenant in self.tenants.values_mut() {
+            if tenant.has_work() {
+                tenant.active_at = Some(now);
+            }
+        }
+        let plan = self.plan_batch(now);
         if !plan.is_empty() {
             report.tokens = plan.iter().map(|p| p.tokens.len() as u32).sum();
             report.seqs = plan.len() as u32;
@@ -1016,12 +1030,41 @@ impl<B: Backend> Scheduler<B> {
     /// Chooses this step's work: a decode token for each running sequence
     /// that has one, then prefill chunks (prompts, and the tokens of a
     /// preempted sequence being recomputed), tenants in fair order.
-    fn plan_batch(&self) -> Vec<Planned> {
+    ///
+    /// Two rules keep one tenant's prompts from holding another's first token
+    /// (a step cannot be interrupted, so its length is the wait of whoever
+    /// arrives during it):
+    /// - while more than one tenant is active (has work, or had some within
+    ///   [`RECENTLY_ACTIVE`]), each takes at most its weighted share of the
+    ///   step's prompt tokens, so a flooding tenant's steps stay short;
+    /// - a step that carries the first chunk (a prompt whose first token is
+    ///   still to come) of a tenant running fewer sequences than its
+    ///   guaranteed slots takes no other tenant's prompt tokens after it, so
+    ///   that chunk's step is about as short as it would be alone.
+    fn plan_batch(&self, now: Instant) -> Vec<Planned> {
         let mut budget = self.limits.step_tokens_max as usize;
         let mut plan = Vec::new();
         let order = self.fair_order();
+        let shares = self.prompt_shares(now);
+        // Tenants running fewer sequences than their guaranteed slots: their
+        // first chunks get a step of their own (under contention, when every
+        // tenant runs its share, steps stay full).
+        let light: Vec<TenantId> = if shares.is_empty() {
+            Vec::new()
+        } else {
+            order
+                .iter()
+                .copied()
+                .filter(|&id| self.tenants[&id].running < self.slots_guaranteed(id))
+                .collect()
+        };
+        let mut first_chunk_of = None;
         for decode in [true, false] {
             for &tenant in &order {
+                if !decode && first_chunk_of.is_some_and(|t| t != tenant) {
+                    continue;
+                }
+                let mut prompt_left = shares.get(&tenant).copied().unwrap_or(budget);
                 for (seq_index, s) in self.running.iter().enumerate() {
                     if s.tenant != tenant
                         || budget == 0
@@ -1030,9 +1073,16 @@ impl<B: Backend> Scheduler<B> {
                     {
                         continue;
                     }
-                    let n = (s.tokens.len() - s.kv_len).min(budget);
+                    let mut n = (s.tokens.len() - s.kv_len).min(budget);
+                    if !decode {
+                        n = n.min(prompt_left);
+                        prompt_left -= n;
+                    }
                     if n == 0 {
                         continue;
+                    }
+                    if !decode && s.tokens.len() == s.prompt_len && light.contains(&tenant) {
+                        first_chunk_of = Some(tenant);
                     }
                     plan.push(Planned {
                         seq_index,
@@ -1045,6 +1095,32 @@ impl<B: Backend> Scheduler<B> {
             }
         }
         plan
+    }
+
+    /// Each active tenant's share of a step's prompt tokens, by weight (at
+    /// least one page's worth); empty when at most one tenant is active.
+    fn prompt_shares(&self, now: Instant) -> BTreeMap<TenantId, usize> {
+        let active: Vec<&TenantState> = self
+            .tenants
+            .values()
+            .filter(|t| {
+                t.has_work()
+                    || t.active_at
+                        .is_some_and(|at| now.saturating_duration_since(at) < RECENTLY_ACTIVE)
+            })
+            .collect();
+        if active.len() < 2 {
+            return BTreeMap::new();
+        }
+        let weights: u64 = active.iter().map(|t| u64::from(t.limits.weight)).sum();
+        let step = u64::from(self.limits.step_tokens_max);
+        active
+            .iter()
+            .map(|t| {
+                let share = step * u64::from(t.limits.weight) / weights.max(1);
+                (t.limits.id, share.max(self.page_tokens() as u64) as usize)
+            })
+            .collect()
     }
 
     /// Runs one step and applies its outputs; returns how many finished.
