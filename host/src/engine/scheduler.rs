@@ -27,7 +27,11 @@
 //!    each running sequence that has one, then prefill chunks — within
 //!    `step_tokens_max` tokens and `step_seqs_max` sequences, in weighted-fair
 //!    order of tenants (least virtual time first; a tenant's virtual time grows
-//!    by tokens processed divided by its weight).
+//!    by tokens processed divided by its weight). While several tenants are
+//!    active each takes at most its weighted share of a step's prompt tokens,
+//!    and a lightly loaded tenant's first chunk gets a step without the
+//!    others' prompts (the rules of `plan_batch`): a step cannot be
+//!    interrupted, so its length bounds another tenant's time to first token.
 //! 6. **Finish** (`Scheduler::end`): every exit of a started sequence,
 //!    running or preempted — stop, length, cancel (the client went away),
 //!    timeout, engine error, the tenant's removal — goes through this one
