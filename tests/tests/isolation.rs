@@ -562,11 +562,11 @@ fn served(suite: &Suite, server: &Server, path: &'static str, tenant: &str, stre
 
 fn success(suite: &Suite, server: &Server) {
     const PATH: &str = "success";
-    for trial in 0..suite.trials(4, 2.0) {
+    for trial in 0..suite.trials(4, 1.0) {
         std::thread::scope(|s| {
             for (i, (tenant, _)) in TENANTS.iter().enumerate() {
-                // Gamma runs one at a time: one request; the others four.
-                let n = if *tenant == "gamma" { 1 } else { 4 };
+                // Gamma runs one at a time: one request; the others eight.
+                let n = if *tenant == "gamma" { 1 } else { 8 };
                 for j in 0..n {
                     let stream = (trial + i as u32 + j).is_multiple_of(2);
                     s.spawn(move || served(suite, server, PATH, tenant, stream));
@@ -655,7 +655,7 @@ fn oversized(suite: &Suite, server: &Server) {
 /// else's; the decoding stream is untouched.
 fn oversized_refused(suite: &Suite, server: &Server) {
     const PATH: &str = "oversized, refused while another decodes";
-    for trial in 0..suite.trials(2, 8.0) {
+    for trial in 0..suite.trials(2, 12.0) {
         let (decoding, refused) = [("alpha", "beta"), ("beta", "alpha")][trial as usize % 2];
         std::thread::scope(|s| {
             s.spawn(|| {
@@ -817,9 +817,12 @@ fn plugin_faults(suite: &Suite, server: &Server) {
         for _ in 0..suite.trials(base, per_scale) {
             std::thread::scope(|s| {
                 s.spawn(|| served(suite, server, path, "beta", false));
-                let body = chat(suite, "alpha", MODEL_ID, 8, 0);
-                let answer = suite.send(server, KEY_ALPHA, &[("x-probe", mode)], CHAT, &body, None);
-                suite.expect(path, "alpha", &answer, (503, Some("policy_unavailable")));
+                for _ in 0..4 {
+                    let body = chat(suite, "alpha", MODEL_ID, 8, 0);
+                    let answer =
+                        suite.send(server, KEY_ALPHA, &[("x-probe", mode)], CHAT, &body, None);
+                    suite.expect(path, "alpha", &answer, (503, Some("policy_unavailable")));
+                }
             });
             suite.trial_done(path, suite.baseline(path, server, MODEL_ID));
         }
