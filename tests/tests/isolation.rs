@@ -446,31 +446,8 @@ fn is_hex(b: u8) -> bool {
     b.is_ascii_digit() || (b'a'..=b'f').contains(&b)
 }
 
-fn sse_reader(response: ureq::Response) -> SseLines {
-    SseLines {
-        reader: std::io::BufReader::new(Box::new(response.into_reader())),
-    }
-}
-
-/// The `data:` payloads of an SSE body (tolerant: a body cut short ends it).
-struct SseLines {
-    reader: std::io::BufReader<Box<dyn std::io::Read + Send + Sync>>,
-}
-
-impl SseLines {
-    fn next_data(&mut self) -> Option<String> {
-        use std::io::BufRead;
-        let mut line = String::new();
-        loop {
-            line.clear();
-            if self.reader.read_line(&mut line).ok()? == 0 {
-                return None;
-            }
-            if let Some(data) = line.trim_end().strip_prefix("data: ") {
-                return Some(data.to_string());
-            }
-        }
-    }
+fn sse_reader(response: ureq::Response) -> SseReader {
+    SseReader::new(response.into_reader())
 }
 
 /// The tenants of the test policy and their keys.
@@ -686,61 +663,79 @@ fn oversized_refused(suite: &Suite, server: &Server) {
 }
 
 fn cancel_prefill(suite: &Suite, server: &Server) {
-    const PATH: &str = "cancel during prefill";
-    let cancelled =
-        r#"bulkhead_requests_total{model="smollm2-test",tenant="alpha",reason="cancelled"}"#;
+    // ~800 prompt tokens: seconds of prefill; the connection goes as soon as
+    // the stream's headers arrive.
+    let leave = Leave {
+        leaver: "alpha",
+        numbers: 130,
+        max_tokens: 60,
+        events: 0,
+    };
     for _ in 0..suite.trials(2, 0.5) {
-        let before = server.metric(cancelled);
-        std::thread::scope(|s| {
-            s.spawn(|| served(suite, server, PATH, "beta", true));
-            // ~800 prompt tokens: seconds of prefill; the connection goes as
-            // soon as the stream's headers arrive.
-            let body = counting(suite, "alpha", MODEL_ID, 130, 60);
-            let answer = suite.send(server, KEY_ALPHA, &[], COMPLETIONS, &body, Some(0));
-            let gone = Instant::now();
-            suite.check(PATH, "alpha", &answer.text);
-            if answer.status != 200 {
-                suite.fail(format!("{PATH}: stream refused: {}", answer.status));
-            }
-            if !eventually(Duration::from_secs(20), || {
-                server.metric(cancelled) > before
-            }) {
-                suite.fail(format!("{PATH}: the server never saw alpha leave"));
-            }
-            eprintln!(
-                "{PATH}: the cancel was counted {:?} after the client left",
-                gone.elapsed()
-            );
-        });
-        suite.trial_done(PATH, suite.baseline(PATH, server, MODEL_ID));
+        cancel(suite, server, "cancel during prefill", &leave, "beta");
     }
 }
 
 fn cancel_decode(suite: &Suite, server: &Server) {
-    const PATH: &str = "cancel during decode";
-    let cancelled =
-        r#"bulkhead_requests_total{model="smollm2-test",tenant="beta",reason="cancelled"}"#;
+    // A short prompt and a long answer: generating when it goes.
+    let leave = Leave {
+        leaver: "beta",
+        numbers: 20,
+        max_tokens: 400,
+        events: 4,
+    };
     for _ in 0..suite.trials(2, 1.0) {
-        let before = server.metric(cancelled);
-        std::thread::scope(|s| {
-            s.spawn(|| served(suite, server, PATH, "alpha", false));
-            let body = counting(suite, "beta", MODEL_ID, 20, 400);
-            // Role, then text: generating when it goes.
-            let answer = suite.send(server, KEY_BETA, &[], COMPLETIONS, &body, Some(4));
-            suite.check(PATH, "beta", &answer.text);
-            if answer.status != 200 || answer.text.is_empty() || answer.code.is_some() {
-                suite.fail(format!(
-                    "{PATH}: beta's stream did not generate: {answer:?}"
-                ));
-            }
-        });
-        if !eventually(Duration::from_secs(20), || {
-            server.metric(cancelled) > before
-        }) {
-            suite.fail(format!("{PATH}: the engine never cancelled beta's request"));
-        }
-        suite.trial_done(PATH, suite.baseline(PATH, server, MODEL_ID));
+        cancel(suite, server, "cancel during decode", &leave, "alpha");
     }
+}
+
+/// A client that leaves: after `events` stream events of a counting prompt.
+struct Leave {
+    leaver: &'static str,
+    numbers: u32,
+    max_tokens: u32,
+    events: u32,
+}
+
+/// One trial of a client leaving mid-request while `stayer` is served: the
+/// server sees it go (counted as `cancelled`) and the pool comes back.
+fn cancel(suite: &Suite, server: &Server, path: &'static str, leave: &Leave, stayer: &str) {
+    let cancelled = format!(
+        r#"bulkhead_requests_total{{model="{MODEL_ID}",tenant="{}",reason="cancelled"}}"#,
+        leave.leaver
+    );
+    let before = server.metric(&cancelled);
+    std::thread::scope(|s| {
+        s.spawn(|| served(suite, server, path, stayer, leave.events == 0));
+        let body = counting(
+            suite,
+            leave.leaver,
+            MODEL_ID,
+            leave.numbers,
+            leave.max_tokens,
+        );
+        let key = key_of(leave.leaver);
+        let answer = suite.send(server, key, &[], COMPLETIONS, &body, Some(leave.events));
+        let gone = Instant::now();
+        suite.check(path, leave.leaver, &answer.text);
+        let generating = leave.events == 0 || !answer.text.is_empty();
+        if answer.status != 200 || answer.code.is_some() || !generating {
+            suite.fail(format!("{path}: the stream did not run: {answer:?}"));
+        }
+        if !eventually(Duration::from_secs(20), || {
+            server.metric(&cancelled) > before
+        }) {
+            suite.fail(format!(
+                "{path}: the server never saw {} leave",
+                leave.leaver
+            ));
+        }
+        eprintln!(
+            "{path}: the cancel was counted {:?} after the client left",
+            gone.elapsed()
+        );
+    });
+    suite.trial_done(path, suite.baseline(path, server, MODEL_ID));
 }
 
 fn queue_full(suite: &Suite, server: &Server) {

@@ -490,12 +490,7 @@ impl Server {
             Err(e) => panic!("transport error: {e}"),
         };
         let status = response.status();
-        (
-            status,
-            SseReader {
-                reader: BufReader::new(Box::new(response.into_reader())),
-            },
-        )
+        (status, SseReader::new(Box::new(response.into_reader())))
     }
 
     /// `/metrics` from the admin listener.
@@ -623,6 +618,13 @@ pub struct SseReader {
 }
 
 impl SseReader {
+    /// Reads the SSE body `reader`.
+    pub fn new(reader: Box<dyn Read + Send + Sync>) -> SseReader {
+        SseReader {
+            reader: BufReader::new(reader),
+        }
+    }
+
     /// The next `data:` payload, or `None` at the end of the body.
     pub fn next_data(&mut self) -> Option<String> {
         let mut line = String::new();
