@@ -11,7 +11,8 @@
 #   scripts/bench_noisy.sh [LLAMA_SERVER] [SECONDS]    (default: no llama-server, 30)
 #
 # BULKHEAD_BIN=path runs that binary instead of building target/release/bulkhead
-# (to compare two builds in one session).
+# (to compare two builds in one session); NOISY_WEIGHTS=A:B sets alpha's and
+# beta's weights (default the demo's 2:1).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 llama_server=${1:-}
@@ -41,11 +42,15 @@ echo "== bulkhead (demo policy)"
     --listen 127.0.0.1:18280 --admin-listen 127.0.0.1:18281 2>"$work/bulkhead.log" &
 pid=$!
 wait_ready http://127.0.0.1:18281/readyz
+weights=${NOISY_WEIGHTS:-2:1}
 for tenant in alpha beta; do
-    "$bulkhead" admin --url http://127.0.0.1:18281 quota set "$tenant" --running-max 32 --pending-max 64 >/dev/null
+    weight=${weights%%:*}
+    [ "$tenant" = beta ] && weight=${weights##*:}
+    "$bulkhead" admin --url http://127.0.0.1:18281 quota set "$tenant" --running-max 32 --pending-max 64 \
+        --weight "$weight" >/dev/null
 done
 "$bulkhead" bench noisy --url http://127.0.0.1:18280 --alpha-key "$BULKHEAD_KEY_ALPHA" \
-    --beta-key "$BULKHEAD_KEY_BETA" --weights 2:1 --saturate 24 --seconds "$seconds"
+    --beta-key "$BULKHEAD_KEY_BETA" --weights "$weights" --saturate 24 --seconds "$seconds"
 kill "$pid"
 wait "$pid" 2>/dev/null || true
 
