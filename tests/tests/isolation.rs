@@ -5,7 +5,9 @@
 //! served, and for every response on every path:
 //!
 //! - no other tenant's canary appears in it (a *leak*);
-//! - it is the documented answer for that path, never a 200 for a failed one;
+//! - it is the documented answer for that path, never a 200 for a failed one
+//!   (a stream has said 200 before it fails: its last event is the error; the
+//!   interrupted paths send a whole request beside each stream for that);
 //! - afterwards the model's pool is back at baseline — nothing owned, booked
 //!   or dirty, every free page's bytes zero, the page book's invariants hold —
 //!   as `GET /admin/v1/models/{model}/pool` reports it (an operator route, not
@@ -837,19 +839,18 @@ fn tenant_deleted(suite: &Suite, server: &Server) {
         let key = r.json()["secret"].as_str().unwrap().to_string();
         std::thread::scope(|s| {
             s.spawn(|| served(suite, server, PATH, "beta", true));
-            let (talking, started) = std::sync::mpsc::channel::<()>();
-            let (name, key) = (&name, &key);
-            let streaming = s.spawn(move || {
-                let body = counting(suite, name, MODEL_ID, 20, 600);
-                stream(suite, server, key, &body, At::Text, || {
-                    let _ = talking.send(());
-                })
-            });
-            let _ = started.recv_timeout(Duration::from_secs(60));
-            let r = server.admin_call("DELETE", &format!("/admin/v1/tenants/{name}"), None);
-            assert_eq!(r.status, 200, "{}", r.body);
-            let answer = streaming.join().unwrap();
-            suite.expect(PATH, name, &answer, (200, Some("tenant_removed")));
+            interrupted(
+                suite,
+                server,
+                PATH,
+                MODEL_ID,
+                &[(&name, &key)],
+                || {
+                    let r = server.admin_call("DELETE", &format!("/admin/v1/tenants/{name}"), None);
+                    assert_eq!(r.status, 200, "{}", r.body);
+                },
+                (403, "tenant_removed"),
+            );
         });
         // Its key is dead.
         let body = chat(suite, &name, MODEL_ID, 4, 0);
@@ -870,36 +871,71 @@ fn model_unloaded(suite: &Suite, server: &Server) {
         assert_eq!(r.status, 201, "{}", r.body);
         std::thread::scope(|s| {
             s.spawn(|| served(suite, server, PATH, "gamma", true));
-            let (talking, started) = std::sync::mpsc::channel::<()>();
-            let streams: Vec<_> = ["alpha", "beta"]
-                .into_iter()
-                .map(|tenant| {
-                    let talking = talking.clone();
-                    let id = &id;
-                    s.spawn(move || {
-                        let body = counting(suite, tenant, id, 20, 600);
-                        let answer = stream(suite, server, key_of(tenant), &body, At::Text, || {
-                            let _ = talking.send(());
-                        });
-                        (tenant, answer)
-                    })
-                })
-                .collect();
-            for _ in 0..2 {
-                let _ = started.recv_timeout(Duration::from_secs(60));
-            }
-            let r = server.admin_call("DELETE", &format!("/admin/v1/models/{id}?drain_ms=0"), None);
-            assert_eq!(r.status, 200, "{}", r.body);
-            for handle in streams {
-                let (tenant, answer) = handle.join().unwrap();
-                suite.expect(PATH, tenant, &answer, (200, Some("model_removed")));
-            }
+            interrupted(
+                suite,
+                server,
+                PATH,
+                &id,
+                &[("alpha", KEY_ALPHA), ("beta", KEY_BETA)],
+                || {
+                    let unload = format!("/admin/v1/models/{id}?drain_ms=0");
+                    let r = server.admin_call("DELETE", &unload, None);
+                    assert_eq!(r.status, 200, "{}", r.body);
+                },
+                (503, "model_removed"),
+            );
         });
         let body = chat(suite, "alpha", &id, 4, 0);
         let answer = suite.send(server, KEY_ALPHA, &[], CHAT, &body, None);
         suite.expect(PATH, "alpha", &answer, (404, Some("model_not_found")));
         suite.trial_done(PATH, suite.baseline(PATH, server, MODEL_ID));
     }
+}
+
+/// A streamed and a whole request of each of `tenants` (name, key) on
+/// `model`, long enough to be in flight when `act` runs (once every stream
+/// has generated): each must end with `error` — a whole request with its
+/// status and code, a stream (already 200) with that code as its last event.
+/// (~430 tokens each, 27 pages: all four of two tenants fit the burst region
+/// at once; a request waiting for pages could finish before `act`.)
+fn interrupted(
+    suite: &Suite,
+    server: &Server,
+    path: &'static str,
+    model: &str,
+    tenants: &[(&str, &str)],
+    act: impl FnOnce(),
+    error: (u16, &str),
+) {
+    std::thread::scope(|s| {
+        let (talking, started) = std::sync::mpsc::channel::<()>();
+        let mut requests = Vec::new();
+        for &(tenant, key) in tenants {
+            let talking = talking.clone();
+            requests.push(s.spawn(move || {
+                let body = counting(suite, tenant, model, 20, 300);
+                let answer = stream(suite, server, key, &body, At::Text, || {
+                    let _ = talking.send(());
+                });
+                (tenant, answer, (200, error.1))
+            }));
+            requests.push(s.spawn(move || {
+                let mut body = counting(suite, tenant, model, 20, 300);
+                body["stream"] = json!(false);
+                let answer = suite.send(server, key, &[], COMPLETIONS, &body, None);
+                (tenant, answer, error)
+            }));
+        }
+        for _ in tenants {
+            let _ = started.recv_timeout(Duration::from_secs(60));
+        }
+        // The whole requests were sent with the streams: a step has run since.
+        act();
+        for request in requests {
+            let (tenant, answer, (status, code)) = request.join().unwrap();
+            suite.expect(path, tenant, &answer, (status, Some(code)));
+        }
+    });
 }
 
 /// When [`stream`] signals.
@@ -1008,33 +1044,18 @@ fn engine_fault(suite: &Suite, policy: &Policy) {
                 );
                 return;
             }
-            std::thread::scope(|s| {
-                let (talking, started) = std::sync::mpsc::channel::<()>();
-                let streams: Vec<_> = ["alpha", "beta"]
-                    .into_iter()
-                    .map(|tenant| {
-                        let talking = talking.clone();
-                        let server = &server;
-                        s.spawn(move || {
-                            let body = counting(suite, tenant, MODEL_ID, 20, 600);
-                            let answer =
-                                stream(suite, server, key_of(tenant), &body, At::Text, || {
-                                    let _ = talking.send(());
-                                });
-                            (tenant, answer)
-                        })
-                    })
-                    .collect();
-                for _ in 0..2 {
-                    let _ = started.recv_timeout(Duration::from_secs(60));
-                }
-                let r = server.admin_call("POST", &panic_route, None);
-                assert_eq!(r.status, 202, "{}", r.body);
-                for handle in streams {
-                    let (tenant, answer) = handle.join().unwrap();
-                    suite.expect(PATH, tenant, &answer, (200, Some("engine_fault")));
-                }
-            });
+            interrupted(
+                suite,
+                &server,
+                PATH,
+                MODEL_ID,
+                &[("alpha", KEY_ALPHA), ("beta", KEY_BETA)],
+                || {
+                    let r = server.admin_call("POST", &panic_route, None);
+                    assert_eq!(r.status, 202, "{}", r.body);
+                },
+                (500, "engine_fault"),
+            );
             let ready = eventually(Duration::from_secs(30), || {
                 server.get(&server.inference, "/readyz", None).status == 200
             });
