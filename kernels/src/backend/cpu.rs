@@ -139,7 +139,7 @@ impl CpuBackend {
                 let part_len = c.kv_group() * (c.head_dim + 2);
                 Mutex::new(WorkerScratch {
                     rows_out: Vec::new(),
-                    scores: vec![0.0; SPAN_POSITIONS],
+                    scores: vec![0.0; c.kv_group() * SPAN_POSITIONS],
                     tiles: (0..c.kv_heads_count)
                         .map(|_| Tile {
                             k: vec![0.0; SPAN_POSITIONS * c.head_dim],
@@ -869,23 +869,38 @@ impl AttentionContext {
         scores: &mut Vec<f32>,
         part: &mut [f32],
     ) {
-        let (hd, d) = (self.head_dim, self.heads_count * self.head_dim);
-        if scores.len() < positions {
-            scores.resize(positions, 0.0);
+        let (hd, d, group) = (
+            self.head_dim,
+            self.heads_count * self.head_dim,
+            self.kv_group,
+        );
+        if scores.len() < group * positions {
+            scores.resize(group * positions, 0.0);
         }
         let (k, v) = (&tile.k[..positions * hd], &tile.v[..positions * hd]);
-        let scores = &mut scores[..positions];
-        for g in 0..self.kv_group {
-            let h = kv_head * self.kv_group + g;
-            let q_row = &q[t * d + h * hd..t * d + (h + 1) * hd];
-            vector::dot_rows_f32(self.isa, q_row, k, hd, 0, self.scale, scores);
+        let scores = &mut scores[..group * positions];
+        // The group's query heads are consecutive: one K (and V) pass for all.
+        let first = t * d + kv_head * group * hd;
+        let q_rows = &q[first..first + group * hd];
+        vector::dot_rows_group_f32(self.isa, q_rows, group, k, hd, 0, self.scale, scores);
+        for (g, scores) in scores.chunks_exact_mut(positions).enumerate() {
             let (m, l) = vector::exp_shift(self.isa, scores);
             let part = &mut part[g * (hd + 2)..(g + 1) * (hd + 2)];
             part[0] = m;
             part[1] = l;
             part[2..].fill(0.0);
-            vector::axpy_rows_f32(self.isa, scores, v, hd, 0, &mut part[2..]);
         }
+        vector::axpy_rows_group_f32(
+            self.isa,
+            scores,
+            group,
+            v,
+            hd,
+            0,
+            hd,
+            &mut part[2..],
+            hd + 2,
+        );
     }
 
     /// Attention of prefill queries `t0..t1` (consecutive positions of one

@@ -64,7 +64,7 @@ multiversion! {
 /// `scores[j] = scale * q · k[j][offset..offset + q.len()]` for `j < scores.len()`,
 /// where `k` rows are `stride` values apart. On AVX-512 with a head width that
 /// is a whole number of registers, 16 rows at a time reduced together
-/// (`dot_rows_avx512`); elsewhere [`dot_rows_f32_plain`]. Either way a row's
+/// ([`dot_group_avx512`] with one query row); elsewhere [`dot_rows_f32_plain`]. Either way a row's
 /// score is the same bits whatever rows come with it.
 pub fn dot_rows_f32(
     isa: Isa,
@@ -87,48 +87,113 @@ pub fn dot_rows_f32(
         // SAFETY: AVX-512 is available (checked above), and every row read
         // is inside `k` (checked above; the kernel reads only rows below
         // scores.len()).
-        unsafe { dot_rows_avx512(q, k, stride, offset, scale, scores) };
+        unsafe { dot_group_avx512::<1>(q, k, stride, offset, scale, scores) };
         return;
     }
     dot_rows_f32_plain(isa, q, k, stride, offset, scale, scores);
 }
 
-/// [`dot_rows_f32`] for `q.len()` a multiple of 16: 16 rows' products accumulate in
-/// 16 registers, then one transpose-and-add tree turns them into the 16 sums,
-/// about 3 instructions per row where a horizontal sum per row costs ~9. A
-/// last partial block repeats its last row in the missing slots and stores
-/// only the real ones, so every row's sum is the same expression whatever
-/// block it lands in (batch invariance: a row's bits never depend on how
-/// many rows came with it).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dot_rows_avx512(
+/// `scores[g][j] = scale * q[g] · k[j][offset..offset + width]` for the `G`
+/// query rows of one KV head's group (`q` is `[G][width]`, `scores` is
+/// `[G][rows]`), where `k` rows are `stride` values apart. On AVX-512, with a
+/// width that is a whole number of registers and a group of 1, 2, 3, 4 or 8
+/// heads, each K row is loaded once for the whole group ([`dot_group_avx512`]);
+/// elsewhere row by row. Either way `scores[g][j]` is the same bits as
+/// [`dot_rows_f32`] of row `g` alone: grouping shares loads, not arithmetic.
+#[allow(clippy::too_many_arguments)]
+pub fn dot_rows_group_f32(
+    isa: Isa,
     q: &[f32],
+    group: usize,
     k: &[f32],
     stride: usize,
     offset: usize,
     scale: f32,
     scores: &mut [f32],
 ) {
+    assert!(group > 0 && q.len().is_multiple_of(group) && scores.len().is_multiple_of(group));
+    let (width, rows) = (q.len() / group, scores.len() / group);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && width > 0 && width.is_multiple_of(16) && rows > 0 {
+        assert!(isa.is_available());
+        assert!(
+            (rows - 1) * stride + offset + width <= k.len(),
+            "rows out of range"
+        );
+        // SAFETY: AVX-512 is available (checked above); every row read is
+        // inside `k` (checked above: the kernel reads rows below `rows`), q
+        // holds `G * width` values and scores `G * rows`.
+        let done = unsafe {
+            match group {
+                1 => dot_group_avx512::<1>(q, k, stride, offset, scale, scores),
+                2 => dot_group_avx512::<2>(q, k, stride, offset, scale, scores),
+                3 => dot_group_avx512::<3>(q, k, stride, offset, scale, scores),
+                4 => dot_group_avx512::<4>(q, k, stride, offset, scale, scores),
+                8 => dot_group_avx512::<8>(q, k, stride, offset, scale, scores),
+                _ => false,
+            }
+        };
+        if done {
+            return;
+        }
+    }
+    for (q, scores) in q.chunks_exact(width).zip(scores.chunks_exact_mut(rows)) {
+        dot_rows_f32(isa, q, k, stride, offset, scale, scores);
+    }
+}
+
+/// [`dot_rows_group_f32`] for `G` query rows of a width that is a multiple of
+/// 16. One round takes `16 / G` K rows and every query row: each K chunk is
+/// loaded once and multiplied into `G` of 16 register accumulators, one per
+/// (query row, K row) item; then one transpose-and-add tree turns the 16
+/// accumulators into their 16 sums, about 3 instructions per item where a
+/// horizontal sum per item costs ~9. An item's accumulator and its tree are
+/// the same whatever items share the round, and slots with no item stay zero,
+/// so every score is the same bits whatever rows, and whichever group, come
+/// with it (batch invariance, and [`dot_rows_f32`] is this kernel with
+/// `G = 1`). Returns true (false only if `G` does not divide into 16 items).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_group_avx512<const G: usize>(
+    q: &[f32],
+    k: &[f32],
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    scores: &mut [f32],
+) -> bool {
     use std::arch::x86_64::*;
-    let rows = scores.len();
-    let chunks = q.len() / 16;
+    if G == 0 || G > 16 {
+        return false;
+    }
+    let per = 16 / G;
+    let (width, rows) = (q.len() / G, scores.len() / G);
+    let chunks = width / 16;
+    // Item i (query row i / per, K row j0 + i % per) accumulates in slot
+    // 4 (i % 4) + i / 4: the tree below transposes it back to lane i.
+    let slot = |i: usize| (i % 4) * 4 + i / 4;
     let mut j0 = 0;
     while j0 < rows {
         let mut acc = [_mm512_setzero_ps(); 16];
         for c in 0..chunks {
-            // SAFETY: q holds chunks * 16 values.
-            let qv = unsafe { _mm512_loadu_ps(q.as_ptr().add(c * 16)) };
-            for (slot, acc) in acc.iter_mut().enumerate() {
-                // Slot 4p + l holds row 4l + p: the tree below transposes it back.
-                let row = (j0 + (slot % 4) * 4 + slot / 4).min(rows - 1);
+            let mut qv = [_mm512_setzero_ps(); G];
+            for (g, qv) in qv.iter_mut().enumerate() {
+                // SAFETY: q holds G rows of chunks * 16 values.
+                *qv = unsafe { _mm512_loadu_ps(q.as_ptr().add(g * width + c * 16)) };
+            }
+            for p in 0..per {
+                let row = (j0 + p).min(rows - 1);
                 // SAFETY: row < rows, and the caller checked that every such
                 // row's 16 * chunks values lie inside k.
                 let kv = unsafe { _mm512_loadu_ps(k.as_ptr().add(row * stride + offset + c * 16)) };
-                *acc = _mm512_fmadd_ps(qv, kv, *acc);
+                for (g, &qv) in qv.iter().enumerate() {
+                    let s = slot(g * per + p);
+                    acc[s] = _mm512_fmadd_ps(qv, kv, acc[s]);
+                }
             }
         }
-        // Level 1: rows in pairs, 16 lanes → 8 (128-bit lanes 0-1: even row, 2-3: odd).
+        // Level 1: accumulators in pairs, 16 lanes → 8 (128-bit lanes 0-1:
+        // even accumulator, 2-3: odd).
         let mut s = [_mm512_setzero_ps(); 8];
         for (i, s) in s.iter_mut().enumerate() {
             let (a, b) = (acc[2 * i], acc[2 * i + 1]);
@@ -136,7 +201,7 @@ unsafe fn dot_rows_avx512(
             let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b);
             *s = _mm512_add_ps(lo, hi);
         }
-        // Level 2: 8 → 4 partials; each 128-bit lane is one row.
+        // Level 2: 8 → 4 partials; each 128-bit lane is one accumulator.
         let mut t = [_mm512_setzero_ps(); 4];
         for (i, t) in t.iter_mut().enumerate() {
             let (a, b) = (s[2 * i], s[2 * i + 1]);
@@ -144,33 +209,157 @@ unsafe fn dot_rows_avx512(
             let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b);
             *t = _mm512_add_ps(lo, hi);
         }
-        // Level 3: 4 → 2 partials, two rows per 128-bit lane.
+        // Level 3: 4 → 2 partials, two accumulators per 128-bit lane.
         let mut u = [_mm512_setzero_ps(); 2];
         for (i, u) in u.iter_mut().enumerate() {
             let (a, b) = (t[2 * i], t[2 * i + 1]);
             *u = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
         }
-        // Level 4: 2 → 1; lane 4l + p holds slot 4p + l, which is row 4l + p.
+        // Level 4: 2 → 1; lane 4l + p holds slot 4p + l, which is item 4l + p.
         let lo = _mm512_shuffle_ps::<0b01_00_01_00>(u[0], u[1]);
         let hi = _mm512_shuffle_ps::<0b11_10_11_10>(u[0], u[1]);
         let sums = _mm512_mul_ps(_mm512_add_ps(lo, hi), _mm512_set1_ps(scale));
-        let n = (rows - j0).min(16);
-        if n == 16 {
-            // SAFETY: rows j0..j0 + 16 are inside `scores`.
-            unsafe { _mm512_storeu_ps(scores.as_mut_ptr().add(j0), sums) };
-        } else {
-            let mut out = [0.0f32; 16];
-            // SAFETY: out holds 16 floats.
-            unsafe { _mm512_storeu_ps(out.as_mut_ptr(), sums) };
-            scores[j0..j0 + n].copy_from_slice(&out[..n]);
+        // Query row g's items are lanes g * per.., stored as its scores j0..j0 + n.
+        let n = (rows - j0).min(per);
+        let mask: __mmask16 = if n == 16 { 0xFFFF } else { (1 << n) - 1 };
+        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for g in 0..G {
+            let row = _mm512_permutexvar_ps(
+                _mm512_add_epi32(lanes, _mm512_set1_epi32((g * per) as i32)),
+                sums,
+            );
+            // SAFETY: scores g * rows + j0..g * rows + j0 + n lie inside row g
+            // of `scores` (j0 + n <= rows); the masked-off lanes are not written.
+            unsafe { _mm512_mask_storeu_ps(scores.as_mut_ptr().add(g * rows + j0), mask, row) };
         }
-        j0 += 16;
+        j0 += per;
     }
+    true
 }
 
 multiversion! {
     /// `acc += Σ_j p[j] * v[j][offset..offset + acc.len()]`, rows `stride` values apart.
     pub fn axpy_rows_f32(p: &[f32], v: &[f32], stride: usize, offset: usize, acc: &mut [f32]) => axpy_rows_body
+}
+
+/// `acc[g] += Σ_j p[g][j] * v[j][offset..offset + width]` for the `G` rows of
+/// one KV head's group: `p` is `[G][rows]`, row `g` of `acc` starts at
+/// `g * acc_stride`, `v` rows are `stride` values apart. On AVX-512, with a
+/// width that is a whole number of registers, each V row is loaded once for
+/// up to 4 rows of the group and the sums are fused multiply-adds, in row
+/// order ([`axpy_group_avx512`]); elsewhere row by row with [`axpy_rows_f32`]. Either way a group row's sums do not depend on the
+/// rest of the group.
+#[allow(clippy::too_many_arguments)]
+pub fn axpy_rows_group_f32(
+    isa: Isa,
+    p: &[f32],
+    group: usize,
+    v: &[f32],
+    stride: usize,
+    offset: usize,
+    width: usize,
+    acc: &mut [f32],
+    acc_stride: usize,
+) {
+    assert!(group > 0 && p.len().is_multiple_of(group));
+    assert!(width <= acc_stride && (group - 1) * acc_stride + width <= acc.len());
+    let rows = p.len() / group;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && width.is_multiple_of(16) {
+        assert!(isa.is_available());
+        if rows == 0 {
+            return;
+        }
+        assert!(
+            (rows - 1) * stride + offset + width <= v.len(),
+            "rows out of range"
+        );
+        // Up to 4 rows at a time: 4 rows of 4 registers of sums, 4 of V.
+        for first in (0..group).step_by(4) {
+            let n = (group - first).min(4);
+            let p = &p[first * rows..(first + n) * rows];
+            let acc = &mut acc[first * acc_stride..];
+            let mut c = 0;
+            while c < width {
+                let wide = width - c >= 64;
+                let o = offset + c;
+                // SAFETY: AVX-512 is available (checked above); every V row
+                // read is inside `v` and every acc row inside `acc` (checked
+                // above), and p holds n rows of `rows` weights.
+                unsafe {
+                    match (n, wide) {
+                        (1, true) => axpy_group_avx512::<1, 4>(p, v, stride, o, acc, acc_stride, c),
+                        (2, true) => axpy_group_avx512::<2, 4>(p, v, stride, o, acc, acc_stride, c),
+                        (3, true) => axpy_group_avx512::<3, 4>(p, v, stride, o, acc, acc_stride, c),
+                        (_, true) => axpy_group_avx512::<4, 4>(p, v, stride, o, acc, acc_stride, c),
+                        (1, false) => {
+                            axpy_group_avx512::<1, 1>(p, v, stride, o, acc, acc_stride, c)
+                        }
+                        (2, false) => {
+                            axpy_group_avx512::<2, 1>(p, v, stride, o, acc, acc_stride, c)
+                        }
+                        (3, false) => {
+                            axpy_group_avx512::<3, 1>(p, v, stride, o, acc, acc_stride, c)
+                        }
+                        (_, false) => {
+                            axpy_group_avx512::<4, 1>(p, v, stride, o, acc, acc_stride, c)
+                        }
+                    }
+                }
+                c += if wide { 64 } else { 16 };
+            }
+        }
+        return;
+    }
+    for g in 0..group {
+        let acc = &mut acc[g * acc_stride..][..width];
+        axpy_rows_f32(isa, &p[g * rows..(g + 1) * rows], v, stride, offset, acc);
+    }
+}
+
+/// [`axpy_rows_group_f32`] for `C` registers of columns (`16 C` values from
+/// column `col` of each acc row, V columns from `offset`) and `G` rows: the
+/// `G * C` sums stay in registers over every V row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn axpy_group_avx512<const G: usize, const C: usize>(
+    p: &[f32],
+    v: &[f32],
+    stride: usize,
+    offset: usize,
+    acc: &mut [f32],
+    acc_stride: usize,
+    col: usize,
+) {
+    use std::arch::x86_64::*;
+    let rows = p.len() / G;
+    let mut sums = [[_mm512_setzero_ps(); C]; G];
+    for (g, sums) in sums.iter_mut().enumerate() {
+        for (c, sum) in sums.iter_mut().enumerate() {
+            // SAFETY: the caller checked that acc row g holds col + 16 C values.
+            *sum = unsafe { _mm512_loadu_ps(acc.as_ptr().add(g * acc_stride + col + c * 16)) };
+        }
+    }
+    for j in 0..rows {
+        let mut vv = [_mm512_setzero_ps(); C];
+        for (c, vv) in vv.iter_mut().enumerate() {
+            // SAFETY: the caller checked that V row j holds offset + 16 C values.
+            *vv = unsafe { _mm512_loadu_ps(v.as_ptr().add(j * stride + offset + c * 16)) };
+        }
+        for (g, sums) in sums.iter_mut().enumerate() {
+            let w = _mm512_set1_ps(p[g * rows + j]);
+            for (sum, &vv) in sums.iter_mut().zip(&vv) {
+                *sum = _mm512_fmadd_ps(w, vv, *sum);
+            }
+        }
+    }
+    for (g, sums) in sums.iter().enumerate() {
+        for (c, &sum) in sums.iter().enumerate() {
+            // SAFETY: as for the loads above.
+            unsafe { _mm512_storeu_ps(acc.as_mut_ptr().add(g * acc_stride + col + c * 16), sum) };
+        }
+    }
 }
 
 multiversion! {
@@ -557,6 +746,74 @@ mod tests {
                         (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
                         "{isa:?} row {j}: {got} vs {want}"
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_group_rows_scores_and_sums_are_the_bits_of_that_row_alone() {
+        // Grouping the query heads of a KV head shares K and V loads; it
+        // must not change a bit of any head's result, for any group size,
+        // width or row count (including rows that end a round early).
+        let data: Vec<f32> = (0..6000)
+            .map(|i| ((i * 31 % 103) as f32 - 51.0) / 11.0)
+            .collect();
+        for isa in Isa::available() {
+            for group in [1usize, 2, 3, 4, 5, 8] {
+                for width in [16usize, 48, 64, 80, 67] {
+                    for rows in [1usize, 4, 5, 6, 16, 17, 40] {
+                        let stride = width + 3;
+                        let q = &data[4000..4000 + group * width];
+                        let k = &data[..rows * stride + 2];
+                        let mut grouped = vec![0.0; group * rows];
+                        dot_rows_group_f32(isa, q, group, k, stride, 2, 0.125, &mut grouped);
+                        let mut acc = vec![0.5; group * (width + 2)];
+                        axpy_rows_group_f32(
+                            isa,
+                            &grouped,
+                            group,
+                            k,
+                            stride,
+                            2,
+                            width,
+                            &mut acc[2..],
+                            width + 2,
+                        );
+                        for g in 0..group {
+                            let q_row = &q[g * width..(g + 1) * width];
+                            let mut alone = vec![0.0; rows];
+                            dot_rows_f32(isa, q_row, k, stride, 2, 0.125, &mut alone);
+                            let want = &grouped[g * rows..(g + 1) * rows];
+                            assert_eq!(
+                                alone, want,
+                                "{isa:?} group {group} width {width} rows {rows}"
+                            );
+                            let mut acc_alone = vec![0.5; width];
+                            axpy_rows_group_f32(
+                                isa,
+                                want,
+                                1,
+                                k,
+                                stride,
+                                2,
+                                width,
+                                &mut acc_alone,
+                                width,
+                            );
+                            let got = &acc[2 + g * (width + 2)..][..width];
+                            assert_eq!(acc_alone, got, "{isa:?} group {group} width {width}");
+                            // And both are the plain sums, to rounding.
+                            let mut acc_plain = vec![0.5; width];
+                            axpy_rows_f32(Isa::Scalar, want, k, stride, 2, &mut acc_plain);
+                            for (a, b) in acc_plain.iter().zip(got) {
+                                assert!(
+                                    (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+                                    "{isa:?} {a} vs {b}"
+                                );
+                            }
+                        }
+                    }
                 }
             }
         }
