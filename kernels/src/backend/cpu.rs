@@ -17,10 +17,11 @@
 //! for `step_tokens_max` tokens and `step_seqs_max` sequences.
 
 use super::{vector, Backend, Logits, SeqStep, StepError};
-use crate::kv::{PageTable, Pool, StepView};
+use crate::kv::{KvSlab, KvValue, PageTable, Pool, StepView};
 use crate::model::{Matrix, Model};
 use crate::quant::{self, Isa, QuantizedActivations};
 use crate::threads::Threads;
+use half::f16;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
@@ -39,6 +40,7 @@ const MATMUL_ROWS_ALIGN: usize = 16;
 const MATMUL_TASKS_PER_THREAD: usize = 4;
 /// Why activation quantization cannot fail: every matrix's input width is its
 /// row length, which the GGUF reader checked is a whole number of blocks.
+const ONE_TYPE_PER_POOL: &str = "every page of a pool holds one value type";
 const WIDTHS_CHECKED: &str = "matrix input widths are whole blocks (checked at load)";
 
 /// Sizing of a CPU backend.
@@ -80,9 +82,9 @@ struct Scratch {
 #[derive(Default)]
 struct WorkerScratch {
     rows_out: Vec<f32>, // [tokens][rows in task]
-    scores: Vec<f32>,   // [span positions]
+    scores: Vec<f32>,   // [query heads of a task][span positions]
     tiles: Vec<Tile>,   // one per KV head of a task
-    part: Vec<f32>,     // [group][m, l, o[head_dim]]: one span's partials
+    part: Vec<f32>,     // [KV heads of a task][group][m, l, o[head_dim]]: one span's partials
     state: Vec<f32>,    // [query block][group][m, l, o[head_dim]]: folded so far
 }
 
@@ -139,7 +141,7 @@ impl CpuBackend {
                 let part_len = c.kv_group() * (c.head_dim + 2);
                 Mutex::new(WorkerScratch {
                     rows_out: Vec::new(),
-                    scores: vec![0.0; c.kv_group() * SPAN_POSITIONS],
+                    scores: vec![0.0; c.heads_count * SPAN_POSITIONS],
                     tiles: (0..c.kv_heads_count)
                         .map(|_| Tile {
                             k: vec![0.0; SPAN_POSITIONS * c.head_dim],
@@ -558,11 +560,29 @@ impl CpuBackend {
                         part,
                         ..
                     } = &mut *scratch;
-                    let tiles = &mut tiles[..kv_heads.len()];
-                    ctx.load_tiles(view, seq_index, kv_heads.clone(), span, end, tiles);
-                    part.resize(ctx.kv_group * part_len, 0.0);
-                    for (kv_head, tile) in kv_heads.zip(tiles.iter()) {
-                        ctx.tile_partial(tile, end - first, kv_head, q, t, scores, part);
+                    let stride = ctx.kv_group * part_len;
+                    part.resize(kv_heads.len() * stride, 0.0);
+                    if vector::paged(ctx.isa, ctx.head_dim) {
+                        ctx.paged_partials(
+                            view,
+                            seq_index,
+                            kv_heads.clone(),
+                            span,
+                            end,
+                            q,
+                            t,
+                            scores,
+                            part,
+                        );
+                    } else {
+                        let tiles = &mut tiles[..kv_heads.len()];
+                        ctx.load_tiles(view, seq_index, kv_heads.clone(), span, end, tiles);
+                        let heads = part.chunks_exact_mut(stride).zip(tiles.iter());
+                        for ((part, tile), kv_head) in heads.zip(kv_heads.clone()) {
+                            ctx.tile_partial(tile, end - first, kv_head, q, t, scores, part);
+                        }
+                    }
+                    for (kv_head, part) in kv_heads.zip(part.chunks_exact(stride)) {
                         if ctx.spans(pos) == 1 {
                             ctx.write_out(part, t, kv_head, out);
                             continue;
@@ -883,13 +903,7 @@ impl AttentionContext {
         let first = t * d + kv_head * group * hd;
         let q_rows = &q[first..first + group * hd];
         vector::dot_rows_group_f32(self.isa, q_rows, group, k, hd, 0, self.scale, scores);
-        for (g, scores) in scores.chunks_exact_mut(positions).enumerate() {
-            let (m, l) = vector::exp_shift(self.isa, scores);
-            let part = &mut part[g * (hd + 2)..(g + 1) * (hd + 2)];
-            part[0] = m;
-            part[1] = l;
-            part[2..].fill(0.0);
-        }
+        self.shift_scores(scores, positions, part);
         vector::axpy_rows_group_f32(
             self.isa,
             scores,
@@ -900,6 +914,113 @@ impl AttentionContext {
             hd,
             &mut part[2..],
             hd + 2,
+        );
+    }
+
+    /// The middle of a partial: each group row of `scores` (`[group][positions]`)
+    /// becomes `e^(s - m)`, and its `m`, `l` go to `part` with `o` zeroed.
+    fn shift_scores(&self, scores: &mut [f32], positions: usize, part: &mut [f32]) {
+        let part_len = self.head_dim + 2;
+        for (scores, part) in scores
+            .chunks_exact_mut(positions)
+            .zip(part.chunks_exact_mut(part_len))
+        {
+            let (m, l) = vector::exp_shift(self.isa, scores);
+            part[0] = m;
+            part[1] = l;
+            part[2..].fill(0.0);
+        }
+    }
+
+    /// [`Self::load_tiles`] and [`Self::tile_partial`] for token `t` over
+    /// span `span` (positions up to `end`) and each of `kv_heads`, without the
+    /// tile: K and V are read in place from the span's pages, fetched once for
+    /// every head (needs [`vector::paged`]). The same arithmetic on the same
+    /// values (f16 widens exactly), so the same bits as the tile path: a decode
+    /// token reads its pages once, and still matches its prefill. `parts` is
+    /// `[kv_heads][group][m, l, o[head_dim]]`.
+    #[allow(clippy::too_many_arguments)]
+    fn paged_partials(
+        &self,
+        view: &StepView<'_>,
+        table: usize,
+        kv_heads: Range<usize>,
+        span: usize,
+        end: usize,
+        q: &[f32],
+        t: usize,
+        scores: &mut Vec<f32>,
+        parts: &mut [f32],
+    ) {
+        let first_page = span * self.span_positions / self.page_tokens;
+        match view.page(table, first_page, self.layer).0 {
+            KvSlab::F16(_) => self
+                .paged_partials_typed::<f16>(view, table, kv_heads, span, end, q, t, scores, parts),
+            KvSlab::F32(_) => self
+                .paged_partials_typed::<f32>(view, table, kv_heads, span, end, q, t, scores, parts),
+        }
+    }
+
+    /// [`Self::paged_partials`] for pages of `T`.
+    #[allow(clippy::too_many_arguments)]
+    fn paged_partials_typed<T: KvValue>(
+        &self,
+        view: &StepView<'_>,
+        table: usize,
+        kv_heads: Range<usize>,
+        span: usize,
+        end: usize,
+        q: &[f32],
+        t: usize,
+        scores: &mut Vec<f32>,
+        parts: &mut [f32],
+    ) {
+        let (hd, d, group) = (
+            self.head_dim,
+            self.heads_count * self.head_dim,
+            self.kv_group,
+        );
+        let first = span * self.span_positions;
+        let first_page = first / self.page_tokens;
+        let pages = end.div_ceil(self.page_tokens) - first_page;
+        let mut ks: [&[T]; SPAN_POSITIONS] = [&[]; SPAN_POSITIONS];
+        let mut vs: [&[T]; SPAN_POSITIONS] = [&[]; SPAN_POSITIONS];
+        for (i, (k, v)) in ks.iter_mut().zip(vs.iter_mut()).take(pages).enumerate() {
+            let (k_slab, v_slab) = view.page(table, first_page + i, self.layer);
+            *k = T::values(k_slab).expect(ONE_TYPE_PER_POOL);
+            *v = T::values(v_slab).expect(ONE_TYPE_PER_POOL);
+        }
+        // Every head of the task in one pass over the pages: query heads,
+        // scores and partials of consecutive KV heads are consecutive.
+        let (positions, sets) = (end - first, kv_heads.len() * group);
+        if scores.len() < sets * positions {
+            scores.resize(sets * positions, 0.0);
+        }
+        let scores = &mut scores[..sets * positions];
+        let part_len = hd + 2;
+        let parts = &mut parts[..sets * part_len];
+        let rows = |pages| vector::HeadRows {
+            pages,
+            page_rows: self.page_tokens,
+            stride: self.kv_len,
+            offset: kv_heads.start * hd,
+        };
+        let first_q = t * d + kv_heads.start * group * hd;
+        let q_rows = &q[first_q..first_q + sets * hd];
+        let heads = kv_heads.len();
+        let k = rows(&ks[..pages]);
+        vector::dot_rows_paged(self.isa, q_rows, group, heads, k, self.scale, scores);
+        self.shift_scores(scores, positions, parts);
+        let v = rows(&vs[..pages]);
+        vector::axpy_rows_paged(
+            self.isa,
+            scores,
+            group,
+            heads,
+            v,
+            hd,
+            &mut parts[2..],
+            part_len,
         );
     }
 
@@ -1144,17 +1265,20 @@ mod tests {
 
     #[test]
     fn attention_matches_an_f64_softmax_and_is_the_same_bits_in_prefill_and_decode() {
+        // (heads, KV heads, page tokens, value type, embedding width)
         let cases = [
-            (4, 4, 3, KvType::F16),  // group 1; spans of 126 positions (42 pages)
-            (4, 2, 16, KvType::F16), // group 2; spans of 128 (8 pages)
-            (4, 1, 16, KvType::F32), // group 4
-            (4, 1, 5, KvType::F32),
+            (4, 4, 3, KvType::F16, 64),  // group 1; spans of 126 positions (42 pages)
+            (4, 2, 16, KvType::F16, 64), // group 2; spans of 128 (8 pages)
+            (4, 1, 16, KvType::F32, 64), // group 4
+            (4, 1, 5, KvType::F32, 64),
+            (3, 1, 16, KvType::F16, 96), // group 3, as SmolLM2; head width 32
+            (2, 1, 7, KvType::F16, 128), // group 2, head width 64
         ];
         // Positions 0..600 (context 640): spans end at 126/128, 252/256 and so
         // on. With two threads a decode token of 4 spans or more (from
         // position 378/384) reads whole pages per task; fewer, one KV head.
         let (len, chunk_start) = (600usize, 540usize);
-        for (heads, kv_heads, page_tokens, kv_type) in cases {
+        for (heads, kv_heads, page_tokens, kv_type, embedding_len) in cases {
             let case = Case {
                 heads,
                 kv_heads,
@@ -1164,6 +1288,7 @@ mod tests {
             let spec = TinySpec {
                 heads: case.heads,
                 kv_heads: case.kv_heads,
+                embedding_len,
                 context_len: 640,
                 ..TinySpec::default()
             };

@@ -12,7 +12,7 @@
 //! exactly, so an f16 page gives the same result as an f32 page holding the
 //! same (rounded) values.
 
-use crate::kv::{KvSlab, KvValue};
+use crate::kv::{KvSlab, KvType, KvValue};
 use crate::quant::Isa;
 use half::f16;
 
@@ -64,8 +64,9 @@ multiversion! {
 /// `scores[j] = scale * q · k[j][offset..offset + q.len()]` for `j < scores.len()`,
 /// where `k` rows are `stride` values apart. On AVX-512 with a head width that
 /// is a whole number of registers, 16 rows at a time reduced together
-/// ([`dot_group_avx512`] with one query row); elsewhere [`dot_rows_f32_plain`]. Either way a row's
-/// score is the same bits whatever rows come with it.
+/// ([`dot_group_avx512`] with one query row); elsewhere
+/// [`dot_rows_f32_plain`]. Either way a row's score is the same bits whatever
+/// rows come with it.
 pub fn dot_rows_f32(
     isa: Isa,
     q: &[f32],
@@ -75,29 +76,80 @@ pub fn dot_rows_f32(
     scale: f32,
     scores: &mut [f32],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && !q.is_empty() && q.len().is_multiple_of(16) {
-        assert!(isa.is_available());
-        if let Some(last) = scores.len().checked_sub(1) {
-            assert!(
-                last * stride + offset + q.len() <= k.len(),
-                "rows out of range"
-            );
-        }
-        // SAFETY: AVX-512 is available (checked above), and every row read
-        // is inside `k` (checked above; the kernel reads only rows below
-        // scores.len()).
-        unsafe { dot_group_avx512::<1>(q, k, stride, offset, scale, scores) };
+    if paged(isa, q.len()) {
+        let pages = [k];
+        let rows = HeadRows::one_page(&pages, stride, offset);
+        dot_rows_paged(isa, q, 1, 1, rows, scale, scores);
         return;
     }
     dot_rows_f32_plain(isa, q, k, stride, offset, scale, scores);
 }
 
+/// One KV head's K (or V) rows, read in place: row `j` is the head's values
+/// at `pages[j / page_rows][(j % page_rows) * stride + offset..]`, in the
+/// stored type. A span of pool pages (`page_rows` = the page's tokens,
+/// `stride` = the KV width, `offset` = the head's first value), or a widened
+/// tile as one page.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadRows<'a, T> {
+    /// The slabs rows come from, in row order.
+    pub pages: &'a [&'a [T]],
+    /// Rows per slab (every slab but the last is full).
+    pub page_rows: usize,
+    /// Values from one row to the next within a slab.
+    pub stride: usize,
+    /// The head's first value within a row.
+    pub offset: usize,
+}
+
+impl<'a, T> HeadRows<'a, T> {
+    /// Every row of one slab.
+    pub fn one_page(pages: &'a [&'a [T]; 1], stride: usize, offset: usize) -> HeadRows<'a, T> {
+        HeadRows {
+            pages,
+            page_rows: usize::MAX,
+            stride,
+            offset,
+        }
+    }
+
+    /// Panics unless rows `0..rows`, `width` values each, lie inside their slabs.
+    fn check(&self, rows: usize, width: usize) {
+        assert!(self.page_rows > 0, "pages of no rows");
+        let mut first = 0;
+        for page in self.pages {
+            if first >= rows {
+                return;
+            }
+            let last = (rows - first).min(self.page_rows) - 1;
+            assert!(
+                last * self.stride + self.offset + width <= page.len(),
+                "rows out of range"
+            );
+            first = first.saturating_add(self.page_rows);
+        }
+        assert!(first >= rows, "rows past the last slab");
+    }
+
+    /// Where row `j` starts (inside its slab for rows that [`Self::check`] passed).
+    #[inline(always)]
+    fn row(&self, j: usize) -> *const T {
+        let page = self.pages[j / self.page_rows];
+        page.as_ptr()
+            .wrapping_add((j % self.page_rows) * self.stride + self.offset)
+    }
+}
+
+/// Whether [`dot_rows_paged`] and [`axpy_rows_paged`] run for heads of
+/// `width` values on `isa`: AVX-512, and a whole number of its registers.
+pub fn paged(isa: Isa, width: usize) -> bool {
+    cfg!(target_arch = "x86_64") && isa == Isa::Avx512 && width > 0 && width.is_multiple_of(16)
+}
+
 /// `scores[g][j] = scale * q[g] · k[j][offset..offset + width]` for the `G`
 /// query rows of one KV head's group (`q` is `[G][width]`, `scores` is
-/// `[G][rows]`), where `k` rows are `stride` values apart. On AVX-512, with a
-/// width that is a whole number of registers and a group of 1, 2, 3, 4 or 8
-/// heads, each K row is loaded once for the whole group ([`dot_group_avx512`]);
+/// `[G][rows]`), where `k` rows are `stride` values apart. With [`paged`],
+/// each K row is loaded once for up to 4 query rows ([`dot_rows_paged`]);
 /// elsewhere row by row. Either way `scores[g][j]` is the same bits as
 /// [`dot_rows_f32`] of row `g` alone: grouping shares loads, not arithmetic.
 #[allow(clippy::too_many_arguments)]
@@ -113,128 +165,213 @@ pub fn dot_rows_group_f32(
 ) {
     assert!(group > 0 && q.len().is_multiple_of(group) && scores.len().is_multiple_of(group));
     let (width, rows) = (q.len() / group, scores.len() / group);
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && width > 0 && width.is_multiple_of(16) && rows > 0 {
-        assert!(isa.is_available());
-        assert!(
-            (rows - 1) * stride + offset + width <= k.len(),
-            "rows out of range"
-        );
-        // SAFETY: AVX-512 is available (checked above); every row read is
-        // inside `k` (checked above: the kernel reads rows below `rows`), q
-        // holds `G * width` values and scores `G * rows`.
-        let done = unsafe {
-            match group {
-                1 => dot_group_avx512::<1>(q, k, stride, offset, scale, scores),
-                2 => dot_group_avx512::<2>(q, k, stride, offset, scale, scores),
-                3 => dot_group_avx512::<3>(q, k, stride, offset, scale, scores),
-                4 => dot_group_avx512::<4>(q, k, stride, offset, scale, scores),
-                8 => dot_group_avx512::<8>(q, k, stride, offset, scale, scores),
-                _ => false,
-            }
-        };
-        if done {
-            return;
-        }
+    if paged(isa, width) {
+        let pages = [k];
+        let rows = HeadRows::one_page(&pages, stride, offset);
+        dot_rows_paged(isa, q, group, 1, rows, scale, scores);
+        return;
     }
     for (q, scores) in q.chunks_exact(width).zip(scores.chunks_exact_mut(rows)) {
         dot_rows_f32(isa, q, k, stride, offset, scale, scores);
     }
 }
 
-/// [`dot_rows_group_f32`] for `G` query rows of a width that is a multiple of
-/// 16. One round takes `16 / G` K rows and every query row: each K chunk is
-/// loaded once and multiplied into `G` of 16 register accumulators, one per
-/// (query row, K row) item; then one transpose-and-add tree turns the 16
-/// accumulators into their 16 sums, about 3 instructions per item where a
-/// horizontal sum per item costs ~9. An item's accumulator and its tree are
-/// the same whatever items share the round, and slots with no item stay zero,
-/// so every score is the same bits whatever rows, and whichever group, come
-/// with it (batch invariance, and [`dot_rows_f32`] is this kernel with
-/// `G = 1`). Returns true (false only if `G` does not divide into 16 items).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dot_group_avx512<const G: usize>(
+/// [`dot_rows_group_f32`] over rows read in place, f16 or f32 (f16 widens
+/// exactly on load, so an f16 row gives the bits of its widened copy), for
+/// `heads` KV heads side by side: `q` is `[heads][group][width]`, `scores`
+/// `[heads][group][rows]`, and KV head `h`'s values start `h * width` after
+/// `k.offset` in each row. Rows are taken a few at a time for every head
+/// before the next few, so a span's pages are read front to back once, not
+/// once per head. Needs [`paged`] (panics otherwise).
+pub fn dot_rows_paged<T: KvValue>(
+    isa: Isa,
     q: &[f32],
-    k: &[f32],
-    stride: usize,
-    offset: usize,
+    group: usize,
+    heads: usize,
+    k: HeadRows<'_, T>,
     scale: f32,
     scores: &mut [f32],
-) -> bool {
-    use std::arch::x86_64::*;
-    if G == 0 || G > 16 {
-        return false;
+) {
+    let sets = group * heads;
+    assert!(sets > 0 && q.len().is_multiple_of(sets) && scores.len().is_multiple_of(sets));
+    let (width, rows) = (q.len() / sets, scores.len() / sets);
+    assert!(
+        paged(isa, width) && isa.is_available(),
+        "no paged kernels on {isa:?}"
+    );
+    k.check(rows, heads * width);
+    let shape = Shape {
+        group,
+        heads,
+        width,
+        rows,
+    };
+    #[cfg(target_arch = "x86_64")]
+    for first in (0..group).step_by(4) {
+        // SAFETY: AVX-512 is available and every row below `rows` has
+        // `heads * width` values after k.offset (both checked above); q and
+        // scores hold `sets` rows of `width` and `rows` values.
+        unsafe {
+            match (group - first).min(4) {
+                1 => dot_group_avx512::<1, T>(q, &k, shape, first, scale, scores),
+                2 => dot_group_avx512::<2, T>(q, &k, shape, first, scale, scores),
+                3 => dot_group_avx512::<3, T>(q, &k, shape, first, scale, scores),
+                _ => dot_group_avx512::<4, T>(q, &k, shape, first, scale, scores),
+            }
+        }
     }
+}
+
+/// The shape of a paged kernel's call: `heads` KV heads of `group` query rows
+/// each, heads `width` values wide, over `rows` K (or V) rows.
+#[derive(Clone, Copy)]
+struct Shape {
+    group: usize,
+    heads: usize,
+    width: usize,
+    rows: usize,
+}
+
+/// How far ahead of the row they work on the paged kernels ask for rows:
+/// pages are in no particular order in memory, so the hardware's stream
+/// prefetch stops at each page's end.
+const PREFETCH_ROWS_AHEAD: usize = 32;
+
+/// Asks for the cache lines of `values` values from `start` (a hint: it
+/// reads nothing and cannot fault).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn prefetch_row<T>(start: *const T, values: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let bytes = values * std::mem::size_of::<T>();
+    for line in (0..bytes).step_by(64) {
+        // A prefetch is a hint: it never faults, whatever the address.
+        _mm_prefetch::<_MM_HINT_T0>(start.cast::<i8>().wrapping_add(line));
+    }
+}
+
+/// 16 values at `ptr` as f32 (f16 widens exactly).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load16<T: KvValue>(ptr: *const T) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller guarantees 16 readable values at ptr.
+    unsafe {
+        match T::TYPE {
+            KvType::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(ptr.cast())),
+            KvType::F32 => _mm512_loadu_ps(ptr.cast()),
+        }
+    }
+}
+
+/// [`dot_rows_paged`] for query rows `first..first + G` of each head's group
+/// (G at most 4). One round takes `16 / G` K rows and, for each head in turn,
+/// its G query rows: each K chunk is loaded once and multiplied into `G` of
+/// 16 register accumulators, one per (query row, K row) item; then one
+/// transpose-and-add tree turns the 16 accumulators into their 16 sums, about
+/// 3 instructions per item where a horizontal sum per item costs ~9. An
+/// item's accumulator and its tree are the same whatever items share the
+/// round, and slots with no item stay zero, so every score is the same bits
+/// whatever rows, heads and group rows come with it (batch invariance).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_group_avx512<const G: usize, T: KvValue>(
+    q: &[f32],
+    k: &HeadRows<'_, T>,
+    shape: Shape,
+    first: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    use std::arch::x86_64::*;
     let per = 16 / G;
-    let (width, rows) = (q.len() / G, scores.len() / G);
+    let Shape {
+        group,
+        heads,
+        width,
+        rows,
+    } = shape;
     let chunks = width / 16;
     // Item i (query row i / per, K row j0 + i % per) accumulates in slot
     // 4 (i % 4) + i / 4: the tree below transposes it back to lane i.
     let slot = |i: usize| (i % 4) * 4 + i / 4;
+    let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     let mut j0 = 0;
     while j0 < rows {
-        let mut acc = [_mm512_setzero_ps(); 16];
-        for c in 0..chunks {
-            let mut qv = [_mm512_setzero_ps(); G];
-            for (g, qv) in qv.iter_mut().enumerate() {
-                // SAFETY: q holds G rows of chunks * 16 values.
-                *qv = unsafe { _mm512_loadu_ps(q.as_ptr().add(g * width + c * 16)) };
+        let n = (rows - j0).min(per);
+        let mut starts = [std::ptr::null::<T>(); 16];
+        for (p, start) in starts[..per].iter_mut().enumerate() {
+            // A round past the last row repeats it (only its real items are stored).
+            *start = k.row((j0 + p).min(rows - 1));
+        }
+        for j in (j0 + PREFETCH_ROWS_AHEAD..rows).take(per) {
+            prefetch_row(k.row(j), heads * width);
+        }
+        for h in 0..heads {
+            let set = h * group + first;
+            let mut acc = [_mm512_setzero_ps(); 16];
+            for c in 0..chunks {
+                let mut qv = [_mm512_setzero_ps(); G];
+                for (g, qv) in qv.iter_mut().enumerate() {
+                    // SAFETY: q holds heads * group rows of chunks * 16 values.
+                    *qv = unsafe { _mm512_loadu_ps(q.as_ptr().add((set + g) * width + c * 16)) };
+                }
+                for (p, &start) in starts[..per].iter().enumerate() {
+                    // SAFETY: the caller checked that every row below `rows` has
+                    // `heads * width` values from its start.
+                    let kv = unsafe { load16(start.wrapping_add(h * width + c * 16)) };
+                    for (g, &qv) in qv.iter().enumerate() {
+                        let s = slot(g * per + p);
+                        acc[s] = _mm512_fmadd_ps(qv, kv, acc[s]);
+                    }
+                }
             }
-            for p in 0..per {
-                let row = (j0 + p).min(rows - 1);
-                // SAFETY: row < rows, and the caller checked that every such
-                // row's 16 * chunks values lie inside k.
-                let kv = unsafe { _mm512_loadu_ps(k.as_ptr().add(row * stride + offset + c * 16)) };
-                for (g, &qv) in qv.iter().enumerate() {
-                    let s = slot(g * per + p);
-                    acc[s] = _mm512_fmadd_ps(qv, kv, acc[s]);
+            // Level 1: accumulators in pairs, 16 lanes → 8 (128-bit lanes 0-1:
+            // even accumulator, 2-3: odd).
+            let mut s = [_mm512_setzero_ps(); 8];
+            for (i, s) in s.iter_mut().enumerate() {
+                let (a, b) = (acc[2 * i], acc[2 * i + 1]);
+                let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b);
+                let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b);
+                *s = _mm512_add_ps(lo, hi);
+            }
+            // Level 2: 8 → 4 partials; each 128-bit lane is one accumulator.
+            let mut t = [_mm512_setzero_ps(); 4];
+            for (i, t) in t.iter_mut().enumerate() {
+                let (a, b) = (s[2 * i], s[2 * i + 1]);
+                let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b);
+                let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b);
+                *t = _mm512_add_ps(lo, hi);
+            }
+            // Level 3: 4 → 2 partials, two accumulators per 128-bit lane.
+            let mut u = [_mm512_setzero_ps(); 2];
+            for (i, u) in u.iter_mut().enumerate() {
+                let (a, b) = (t[2 * i], t[2 * i + 1]);
+                *u = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+            }
+            // Level 4: 2 → 1; lane 4l + p holds slot 4p + l, which is item 4l + p.
+            let lo = _mm512_shuffle_ps::<0b01_00_01_00>(u[0], u[1]);
+            let hi = _mm512_shuffle_ps::<0b11_10_11_10>(u[0], u[1]);
+            let sums = _mm512_mul_ps(_mm512_add_ps(lo, hi), _mm512_set1_ps(scale));
+            // Query row g's items are lanes g * per.., stored as its scores j0..j0 + n.
+            let mask: __mmask16 = if n == 16 { 0xFFFF } else { (1 << n) - 1 };
+            for g in 0..G {
+                let row = _mm512_permutexvar_ps(
+                    _mm512_add_epi32(lanes, _mm512_set1_epi32((g * per) as i32)),
+                    sums,
+                );
+                // SAFETY: scores (set + g) * rows + j0.. + n lie inside that row
+                // of `scores` (j0 + n <= rows); the masked-off lanes are not written.
+                unsafe {
+                    let at = scores.as_mut_ptr().add((set + g) * rows + j0);
+                    _mm512_mask_storeu_ps(at, mask, row);
                 }
             }
         }
-        // Level 1: accumulators in pairs, 16 lanes → 8 (128-bit lanes 0-1:
-        // even accumulator, 2-3: odd).
-        let mut s = [_mm512_setzero_ps(); 8];
-        for (i, s) in s.iter_mut().enumerate() {
-            let (a, b) = (acc[2 * i], acc[2 * i + 1]);
-            let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b);
-            let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b);
-            *s = _mm512_add_ps(lo, hi);
-        }
-        // Level 2: 8 → 4 partials; each 128-bit lane is one accumulator.
-        let mut t = [_mm512_setzero_ps(); 4];
-        for (i, t) in t.iter_mut().enumerate() {
-            let (a, b) = (s[2 * i], s[2 * i + 1]);
-            let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b);
-            let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b);
-            *t = _mm512_add_ps(lo, hi);
-        }
-        // Level 3: 4 → 2 partials, two accumulators per 128-bit lane.
-        let mut u = [_mm512_setzero_ps(); 2];
-        for (i, u) in u.iter_mut().enumerate() {
-            let (a, b) = (t[2 * i], t[2 * i + 1]);
-            *u = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-        }
-        // Level 4: 2 → 1; lane 4l + p holds slot 4p + l, which is item 4l + p.
-        let lo = _mm512_shuffle_ps::<0b01_00_01_00>(u[0], u[1]);
-        let hi = _mm512_shuffle_ps::<0b11_10_11_10>(u[0], u[1]);
-        let sums = _mm512_mul_ps(_mm512_add_ps(lo, hi), _mm512_set1_ps(scale));
-        // Query row g's items are lanes g * per.., stored as its scores j0..j0 + n.
-        let n = (rows - j0).min(per);
-        let mask: __mmask16 = if n == 16 { 0xFFFF } else { (1 << n) - 1 };
-        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        for g in 0..G {
-            let row = _mm512_permutexvar_ps(
-                _mm512_add_epi32(lanes, _mm512_set1_epi32((g * per) as i32)),
-                sums,
-            );
-            // SAFETY: scores g * rows + j0..g * rows + j0 + n lie inside row g
-            // of `scores` (j0 + n <= rows); the masked-off lanes are not written.
-            unsafe { _mm512_mask_storeu_ps(scores.as_mut_ptr().add(g * rows + j0), mask, row) };
-        }
         j0 += per;
     }
-    true
 }
 
 multiversion! {
@@ -244,11 +381,9 @@ multiversion! {
 
 /// `acc[g] += Σ_j p[g][j] * v[j][offset..offset + width]` for the `G` rows of
 /// one KV head's group: `p` is `[G][rows]`, row `g` of `acc` starts at
-/// `g * acc_stride`, `v` rows are `stride` values apart. On AVX-512, with a
-/// width that is a whole number of registers, each V row is loaded once for
-/// up to 4 rows of the group and the sums are fused multiply-adds, in row
-/// order ([`axpy_group_avx512`]); elsewhere row by row with [`axpy_rows_f32`]. Either way a group row's sums do not depend on the
-/// rest of the group.
+/// `g * acc_stride`, `v` rows are `stride` values apart. With [`paged`],
+/// [`axpy_rows_paged`]; elsewhere row by row with [`axpy_rows_f32`]. Either
+/// way a group row's sums do not depend on the rest of the group.
 #[allow(clippy::too_many_arguments)]
 pub fn axpy_rows_group_f32(
     isa: Isa,
@@ -261,94 +396,161 @@ pub fn axpy_rows_group_f32(
     acc: &mut [f32],
     acc_stride: usize,
 ) {
+    if paged(isa, width) {
+        let pages = [v];
+        let rows = HeadRows::one_page(&pages, stride, offset);
+        axpy_rows_paged(isa, p, group, 1, rows, width, acc, acc_stride);
+        return;
+    }
     assert!(group > 0 && p.len().is_multiple_of(group));
     assert!(width <= acc_stride && (group - 1) * acc_stride + width <= acc.len());
     let rows = p.len() / group;
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && width.is_multiple_of(16) {
-        assert!(isa.is_available());
-        if rows == 0 {
-            return;
-        }
-        assert!(
-            (rows - 1) * stride + offset + width <= v.len(),
-            "rows out of range"
-        );
-        // Up to 4 rows at a time: 4 rows of 4 registers of sums, 4 of V.
-        for first in (0..group).step_by(4) {
-            let n = (group - first).min(4);
-            let p = &p[first * rows..(first + n) * rows];
-            let acc = &mut acc[first * acc_stride..];
-            let mut c = 0;
-            while c < width {
-                let wide = width - c >= 64;
-                let o = offset + c;
-                // SAFETY: AVX-512 is available (checked above); every V row
-                // read is inside `v` and every acc row inside `acc` (checked
-                // above), and p holds n rows of `rows` weights.
-                unsafe {
-                    match (n, wide) {
-                        (1, true) => axpy_group_avx512::<1, 4>(p, v, stride, o, acc, acc_stride, c),
-                        (2, true) => axpy_group_avx512::<2, 4>(p, v, stride, o, acc, acc_stride, c),
-                        (3, true) => axpy_group_avx512::<3, 4>(p, v, stride, o, acc, acc_stride, c),
-                        (_, true) => axpy_group_avx512::<4, 4>(p, v, stride, o, acc, acc_stride, c),
-                        (1, false) => {
-                            axpy_group_avx512::<1, 1>(p, v, stride, o, acc, acc_stride, c)
-                        }
-                        (2, false) => {
-                            axpy_group_avx512::<2, 1>(p, v, stride, o, acc, acc_stride, c)
-                        }
-                        (3, false) => {
-                            axpy_group_avx512::<3, 1>(p, v, stride, o, acc, acc_stride, c)
-                        }
-                        (_, false) => {
-                            axpy_group_avx512::<4, 1>(p, v, stride, o, acc, acc_stride, c)
-                        }
-                    }
-                }
-                c += if wide { 64 } else { 16 };
-            }
-        }
-        return;
-    }
     for g in 0..group {
         let acc = &mut acc[g * acc_stride..][..width];
         axpy_rows_f32(isa, &p[g * rows..(g + 1) * rows], v, stride, offset, acc);
     }
 }
 
-/// [`axpy_rows_group_f32`] for `C` registers of columns (`16 C` values from
-/// column `col` of each acc row, V columns from `offset`) and `G` rows: the
-/// `G * C` sums stay in registers over every V row.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+/// [`axpy_rows_group_f32`] over rows read in place, f16 or f32, for `heads`
+/// KV heads side by side: `p` is `[heads][group][rows]`, acc row `(h, g)`
+/// starts at `(h * group + g) * acc_stride`, and KV head `h`'s values start
+/// `h * width` after `v.offset` in each row. Each V row is loaded once for up
+/// to 4 rows of a group; rows are taken 16 at a time for every head before
+/// the next 16, so a span's pages are read front to back once. The sums are
+/// fused multiply-adds in row order, so a row's sums are the same bits
+/// whatever heads, group rows or slabs come with it. Needs [`paged`] (panics
+/// otherwise).
 #[allow(clippy::too_many_arguments)]
-unsafe fn axpy_group_avx512<const G: usize, const C: usize>(
+pub fn axpy_rows_paged<T: KvValue>(
+    isa: Isa,
     p: &[f32],
-    v: &[f32],
-    stride: usize,
-    offset: usize,
+    group: usize,
+    heads: usize,
+    v: HeadRows<'_, T>,
+    width: usize,
     acc: &mut [f32],
     acc_stride: usize,
+) {
+    let sets = group * heads;
+    assert!(sets > 0 && p.len().is_multiple_of(sets));
+    assert!(width <= acc_stride && (sets - 1) * acc_stride + width <= acc.len());
+    assert!(
+        paged(isa, width) && isa.is_available(),
+        "no paged kernels on {isa:?}"
+    );
+    let rows = p.len() / sets;
+    v.check(rows, heads * width);
+    let shape = Shape {
+        group,
+        heads,
+        width,
+        rows,
+    };
+    #[cfg(target_arch = "x86_64")]
+    for j0 in (0..rows).step_by(AXPY_PAGED_ROWS) {
+        let j1 = (j0 + AXPY_PAGED_ROWS).min(rows);
+        for h in 0..heads {
+            for first in (0..group).step_by(4) {
+                let set = h * group + first;
+                let mut c = 0;
+                while c < width {
+                    let wide = width - c >= 64;
+                    let at = Columns {
+                        set,
+                        col: c,
+                        j0,
+                        j1,
+                    };
+                    // SAFETY: AVX-512 is available and every V row below
+                    // `rows` has `heads * width` values after v.offset (both
+                    // checked above); acc holds `sets` rows of `acc_stride`
+                    // (the last one `width`) values, p `sets` rows of weights.
+                    unsafe {
+                        match ((group - first).min(4), wide) {
+                            (1, true) => {
+                                axpy_group_avx512::<1, 4, T>(p, &v, shape, at, acc, acc_stride)
+                            }
+                            (2, true) => {
+                                axpy_group_avx512::<2, 4, T>(p, &v, shape, at, acc, acc_stride)
+                            }
+                            (3, true) => {
+                                axpy_group_avx512::<3, 4, T>(p, &v, shape, at, acc, acc_stride)
+                            }
+                            (_, true) => {
+                                axpy_group_avx512::<4, 4, T>(p, &v, shape, at, acc, acc_stride)
+                            }
+                            (1, false) => {
+                                axpy_group_avx512::<1, 1, T>(p, &v, shape, at, acc, acc_stride)
+                            }
+                            (2, false) => {
+                                axpy_group_avx512::<2, 1, T>(p, &v, shape, at, acc, acc_stride)
+                            }
+                            (3, false) => {
+                                axpy_group_avx512::<3, 1, T>(p, &v, shape, at, acc, acc_stride)
+                            }
+                            (_, false) => {
+                                axpy_group_avx512::<4, 1, T>(p, &v, shape, at, acc, acc_stride)
+                            }
+                        }
+                    }
+                    c += if wide { 64 } else { 16 };
+                }
+            }
+        }
+    }
+}
+
+/// V rows [`axpy_rows_paged`] takes for every head before the next ones: one
+/// 16-token page, a few KiB, still in L1 when the next head reads it.
+const AXPY_PAGED_ROWS: usize = 16;
+
+/// Which sums one [`axpy_group_avx512`] call adds to: acc rows `set..set + G`,
+/// columns `col..col + 16 C`, over V rows `j0..j1`.
+#[derive(Clone, Copy)]
+struct Columns {
+    set: usize,
     col: usize,
+    j0: usize,
+    j1: usize,
+}
+
+/// [`axpy_rows_paged`] for `C` registers of columns and `G` rows of one
+/// head's group: the `G * C` sums stay in registers over rows `j0..j1` (and
+/// go back to `acc` between calls, which changes no bit).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn axpy_group_avx512<const G: usize, const C: usize, T: KvValue>(
+    p: &[f32],
+    v: &HeadRows<'_, T>,
+    shape: Shape,
+    at: Columns,
+    acc: &mut [f32],
+    acc_stride: usize,
 ) {
     use std::arch::x86_64::*;
-    let rows = p.len() / G;
+    let Columns { set, col, j0, j1 } = at;
+    let rows = shape.rows;
+    let head = set / shape.group;
     let mut sums = [[_mm512_setzero_ps(); C]; G];
     for (g, sums) in sums.iter_mut().enumerate() {
         for (c, sum) in sums.iter_mut().enumerate() {
-            // SAFETY: the caller checked that acc row g holds col + 16 C values.
-            *sum = unsafe { _mm512_loadu_ps(acc.as_ptr().add(g * acc_stride + col + c * 16)) };
+            // SAFETY: the caller checked that acc row set + g holds col + 16 C values.
+            *sum =
+                unsafe { _mm512_loadu_ps(acc.as_ptr().add((set + g) * acc_stride + col + c * 16)) };
         }
     }
-    for j in 0..rows {
+    for j in j0..j1 {
+        if set == 0 && col == 0 && j + PREFETCH_ROWS_AHEAD < rows {
+            prefetch_row(v.row(j + PREFETCH_ROWS_AHEAD), shape.heads * shape.width);
+        }
+        let start = v.row(j).wrapping_add(head * shape.width + col);
         let mut vv = [_mm512_setzero_ps(); C];
         for (c, vv) in vv.iter_mut().enumerate() {
-            // SAFETY: the caller checked that V row j holds offset + 16 C values.
-            *vv = unsafe { _mm512_loadu_ps(v.as_ptr().add(j * stride + offset + c * 16)) };
+            // SAFETY: the caller checked that V row j holds this head's values.
+            *vv = unsafe { load16(start.wrapping_add(c * 16)) };
         }
         for (g, sums) in sums.iter_mut().enumerate() {
-            let w = _mm512_set1_ps(p[g * rows + j]);
+            let w = _mm512_set1_ps(p[(set + g) * rows + j]);
             for (sum, &vv) in sums.iter_mut().zip(&vv) {
                 *sum = _mm512_fmadd_ps(w, vv, *sum);
             }
@@ -357,7 +559,12 @@ unsafe fn axpy_group_avx512<const G: usize, const C: usize>(
     for (g, sums) in sums.iter().enumerate() {
         for (c, &sum) in sums.iter().enumerate() {
             // SAFETY: as for the loads above.
-            unsafe { _mm512_storeu_ps(acc.as_mut_ptr().add(g * acc_stride + col + c * 16), sum) };
+            unsafe {
+                _mm512_storeu_ps(
+                    acc.as_mut_ptr().add((set + g) * acc_stride + col + c * 16),
+                    sum,
+                )
+            };
         }
     }
 }

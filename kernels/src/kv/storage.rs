@@ -87,6 +87,8 @@ pub trait KvValue: Copy + Send + Sync + std::fmt::Debug + sealed::Sealed + 'stat
     fn hash_into(self, hasher: &mut Fnv1a64);
     /// The slab view over a slice of this type.
     fn slab(values: &[Self]) -> KvSlab<'_>;
+    /// The values of a slab of this type (`None` for the other type).
+    fn values(slab: KvSlab<'_>) -> Option<&[Self]>;
 }
 
 /// The largest finite f16.
@@ -126,6 +128,12 @@ impl KvValue for f32 {
     fn slab(values: &[f32]) -> KvSlab<'_> {
         KvSlab::F32(values)
     }
+    fn values(slab: KvSlab<'_>) -> Option<&[f32]> {
+        match slab {
+            KvSlab::F32(values) => Some(values),
+            KvSlab::F16(_) => None,
+        }
+    }
 }
 
 impl KvValue for f16 {
@@ -154,6 +162,12 @@ impl KvValue for f16 {
     }
     fn slab(values: &[f16]) -> KvSlab<'_> {
         KvSlab::F16(values)
+    }
+    fn values(slab: KvSlab<'_>) -> Option<&[f16]> {
+        match slab {
+            KvSlab::F16(values) => Some(values),
+            KvSlab::F32(_) => None,
+        }
     }
 }
 
