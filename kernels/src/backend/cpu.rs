@@ -347,21 +347,18 @@ impl CpuBackend {
         );
         s.xq.quantize(w.wq.ty(), &s.xn[..tokens * d], tokens, d)
             .expect(WIDTHS_CHECKED);
-        self.matmul(&w.wq, tokens, Buf::Q);
-        // Wq, Wk and Wv share the input type in every file we know; quantize again
-        // only if they differ.
-        if w.wk.ty() != w.wq.ty() {
-            let s = &mut self.scratch;
-            s.xq.quantize(w.wk.ty(), &s.xn[..tokens * d], tokens, d)
-                .expect(WIDTHS_CHECKED);
+        // Wq, Wk and Wv share the input type in every file we know: then one
+        // pass of the pool for the three. Quantize again only if they differ.
+        if w.wk.ty() == w.wq.ty() && w.wv.ty() == w.wq.ty() {
+            self.matmuls(&[(&w.wq, Buf::Q), (&w.wk, Buf::K), (&w.wv, Buf::V)], tokens);
+        } else {
+            for (matrix, dst) in [(&w.wq, Buf::Q), (&w.wk, Buf::K), (&w.wv, Buf::V)] {
+                let s = &mut self.scratch;
+                s.xq.quantize(matrix.ty(), &s.xn[..tokens * d], tokens, d)
+                    .expect(WIDTHS_CHECKED);
+                self.matmuls(&[(matrix, dst)], tokens);
+            }
         }
-        self.matmul(&w.wk, tokens, Buf::K);
-        if w.wv.ty() != w.wk.ty() {
-            let s = &mut self.scratch;
-            s.xq.quantize(w.wv.ty(), &s.xn[..tokens * d], tokens, d)
-                .expect(WIDTHS_CHECKED);
-        }
-        self.matmul(&w.wv, tokens, Buf::V);
         let s = &mut self.scratch;
         apply_rope(
             &mut s.q[..tokens * d],
@@ -382,7 +379,7 @@ impl CpuBackend {
         let s = &mut self.scratch;
         s.xq.quantize(w.wo.ty(), &s.attn[..tokens * d], tokens, d)
             .expect(WIDTHS_CHECKED);
-        self.matmul(&w.wo, tokens, Buf::Delta);
+        self.matmuls(&[(&w.wo, Buf::Delta)], tokens);
         let s = &mut self.scratch;
         add_into(&mut s.x[..tokens * d], &s.delta[..tokens * d]);
     }
@@ -401,18 +398,20 @@ impl CpuBackend {
         );
         s.xq.quantize(w.w_gate.ty(), &s.xn[..tokens * d], tokens, d)
             .expect(WIDTHS_CHECKED);
-        self.matmul(&w.w_gate, tokens, Buf::Gate);
-        if w.w_up.ty() != w.w_gate.ty() {
+        if w.w_up.ty() == w.w_gate.ty() {
+            self.matmuls(&[(&w.w_gate, Buf::Gate), (&w.w_up, Buf::Up)], tokens);
+        } else {
+            self.matmuls(&[(&w.w_gate, Buf::Gate)], tokens);
             let s = &mut self.scratch;
             s.xq.quantize(w.w_up.ty(), &s.xn[..tokens * d], tokens, d)
                 .expect(WIDTHS_CHECKED);
+            self.matmuls(&[(&w.w_up, Buf::Up)], tokens);
         }
-        self.matmul(&w.w_up, tokens, Buf::Up);
         self.swiglu(tokens * ffn);
         let s = &mut self.scratch;
         s.xq.quantize(w.w_down.ty(), &s.gate[..tokens * ffn], tokens, ffn)
             .expect(WIDTHS_CHECKED);
-        self.matmul(&w.w_down, tokens, Buf::Delta);
+        self.matmuls(&[(&w.w_down, Buf::Delta)], tokens);
         let s = &mut self.scratch;
         add_into(&mut s.x[..tokens * d], &s.delta[..tokens * d]);
     }
@@ -685,29 +684,48 @@ impl CpuBackend {
         );
         s.xq.quantize(model.output.ty(), &s.out_norm[..wanted * d], wanted, d)
             .expect(WIDTHS_CHECKED);
-        self.matmul(&model.output, wanted, Buf::Logits);
+        self.matmuls(&[(&model.output, Buf::Logits)], wanted);
         wanted
     }
 
-    /// `dst[t][r] = W[r] · xq[t]`, output rows split across the pool.
-    fn matmul(&mut self, matrix: &Matrix, tokens: usize, dst: Buf) {
+    /// `dst[t][r] = W[r] · xq[t]` for each (matrix, destination) of
+    /// `products`, which share the quantized input `xq`: their output rows are
+    /// cut into tasks together, so the pool meets once for all of them, not
+    /// once per matrix (a decode step is dozens of small products, and each
+    /// meeting waits for the slowest thread). A row's value does not depend on
+    /// the task it lands in.
+    fn matmuls(&mut self, products: &[(&Matrix, Buf)], tokens: usize) {
         let model = Arc::clone(&self.model);
-        let w = model.bytes(matrix);
-        let rows = matrix.rows;
         let s = &mut self.scratch;
-        let out = SharedOut(dst.select(s).as_mut_ptr());
-        let tasks = self.threads.threads_count() * MATMUL_TASKS_PER_THREAD;
-        let chunk = rows.div_ceil(tasks).next_multiple_of(MATMUL_ROWS_ALIGN);
-        let tasks = rows.div_ceil(chunk);
-        let (isa, ty, cols) = (self.isa, matrix.ty(), matrix.cols);
+        let outs: Vec<SharedOut> = products
+            .iter()
+            .map(|&(_, dst)| SharedOut(dst.select(s).as_mut_ptr()))
+            .collect();
+        let total: usize = products.iter().map(|(m, _)| m.rows).sum();
+        let tasks_wanted = self.threads.threads_count() * MATMUL_TASKS_PER_THREAD;
+        let chunk = total
+            .div_ceil(tasks_wanted)
+            .next_multiple_of(MATMUL_ROWS_ALIGN);
+        // (product, its rows start..end)
+        let mut tasks: Vec<(usize, Range<usize>)> = Vec::new();
+        for (i, (matrix, _)) in products.iter().enumerate() {
+            let mut start = 0;
+            while start < matrix.rows {
+                let end = (start + chunk).min(matrix.rows);
+                tasks.push((i, start..end));
+                start = end;
+            }
+        }
+        let isa = self.isa;
         let xq = &s.xq;
         let workers = &s.workers;
-        self.threads.run(tasks, &|i, worker| {
-            let start = (i * chunk).min(rows);
-            let end = ((i + 1) * chunk).min(rows);
-            if start == end {
-                return;
-            }
+        let model = &model;
+        self.threads.run(tasks.len(), &|i, worker| {
+            let (product, ref rows_range) = tasks[i];
+            let matrix = products[product].0;
+            let (start, end) = (rows_range.start, rows_range.end);
+            let (w, rows, cols, ty) = (model.bytes(matrix), matrix.rows, matrix.cols, matrix.ty());
+            let out = outs[product];
             let n = end - start;
             if tokens == 1 {
                 // SAFETY: tasks own disjoint row ranges of the single output row.
