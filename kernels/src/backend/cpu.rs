@@ -701,14 +701,15 @@ impl CpuBackend {
             .iter()
             .map(|&(_, dst)| SharedOut(dst.select(s).as_mut_ptr()))
             .collect();
-        let total: usize = products.iter().map(|(m, _)| m.rows).sum();
+        // Each matrix cut as if it ran alone (so the tasks stay even), all
+        // tasks in one run.
         let tasks_wanted = self.threads.threads_count() * MATMUL_TASKS_PER_THREAD;
-        let chunk = total
-            .div_ceil(tasks_wanted)
-            .next_multiple_of(MATMUL_ROWS_ALIGN);
-        // (product, its rows start..end)
-        let mut tasks: Vec<(usize, Range<usize>)> = Vec::new();
+        let mut tasks: Vec<(usize, Range<usize>)> = Vec::new(); // (product, rows)
         for (i, (matrix, _)) in products.iter().enumerate() {
+            let chunk = matrix
+                .rows
+                .div_ceil(tasks_wanted)
+                .next_multiple_of(MATMUL_ROWS_ALIGN);
             let mut start = 0;
             while start < matrix.rows {
                 let end = (start + chunk).min(matrix.rows);

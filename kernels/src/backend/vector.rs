@@ -134,9 +134,19 @@ impl<'a, T> HeadRows<'a, T> {
     /// Where row `j` starts (inside its slab for rows that [`Self::check`] passed).
     #[inline(always)]
     fn row(&self, j: usize) -> *const T {
+        if let [page] = self.pages {
+            // One slab (a widened tile): no division per row.
+            return page.as_ptr().wrapping_add(j * self.stride + self.offset);
+        }
         let page = self.pages[j / self.page_rows];
         page.as_ptr()
             .wrapping_add((j % self.page_rows) * self.stride + self.offset)
+    }
+
+    /// Whether the rows span several slabs (pool pages, not a tile already
+    /// in cache): then the kernels prefetch ahead.
+    fn paged(&self) -> bool {
+        self.pages.len() > 1
     }
 }
 
@@ -306,8 +316,10 @@ unsafe fn dot_group_avx512<const G: usize, T: KvValue>(
             // A round past the last row repeats it (only its real items are stored).
             *start = k.row((j0 + p).min(rows - 1));
         }
-        for j in (j0 + PREFETCH_ROWS_AHEAD..rows).take(per) {
-            prefetch_row(k.row(j), heads * width);
+        if k.paged() {
+            for j in (j0 + PREFETCH_ROWS_AHEAD..rows).take(per) {
+                prefetch_row(k.row(j), heads * width);
+            }
         }
         for h in 0..heads {
             let set = h * group + first;
@@ -446,9 +458,15 @@ pub fn axpy_rows_paged<T: KvValue>(
         width,
         rows,
     };
+    // One head: every row in one sweep per column block.
+    let block = if heads == 1 {
+        rows.max(1)
+    } else {
+        AXPY_PAGED_ROWS
+    };
     #[cfg(target_arch = "x86_64")]
-    for j0 in (0..rows).step_by(AXPY_PAGED_ROWS) {
-        let j1 = (j0 + AXPY_PAGED_ROWS).min(rows);
+    for j0 in (0..rows).step_by(block) {
+        let j1 = (j0 + block).min(rows);
         for h in 0..heads {
             for first in (0..group).step_by(4) {
                 let set = h * group + first;
@@ -540,7 +558,7 @@ unsafe fn axpy_group_avx512<const G: usize, const C: usize, T: KvValue>(
         }
     }
     for j in j0..j1 {
-        if set == 0 && col == 0 && j + PREFETCH_ROWS_AHEAD < rows {
+        if set == 0 && col == 0 && j + PREFETCH_ROWS_AHEAD < rows && v.paged() {
             prefetch_row(v.row(j + PREFETCH_ROWS_AHEAD), shape.heads * shape.width);
         }
         let start = v.row(j).wrapping_add(head * shape.width + col);
