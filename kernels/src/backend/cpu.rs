@@ -25,10 +25,11 @@ use half::f16;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-/// Prefill queries per attention task: a span's K and V are read once per
+/// Prefill queries per attention task: a span's K and V are widened once per
 /// block and stay in cache for its queries; short enough to balance a prefill
-/// chunk across threads.
-const QUERY_BLOCK_TOKENS: usize = 16;
+/// chunk across threads (a 512-token chunk is 16 blocks per KV head). 32
+/// prefilled 4,096 tokens ~3 % faster than 16; 64 no faster than 32.
+const QUERY_BLOCK_TOKENS: usize = 32;
 /// Positions per attention span (rounded to whole pages): the unit of the
 /// attention reduction, and of a decode token's split across threads. 128
 /// positions of one KV head are 16 KiB of f16 K: L1-sized.
