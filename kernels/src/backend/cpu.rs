@@ -826,7 +826,10 @@ fn span_pages(page_tokens: usize) -> usize {
 ///
 /// A prefill block walks spans in the outer loop and its queries in the inner
 /// one, so a span's K and V are read from memory once per block of
-/// `QUERY_BLOCK_TOKENS` queries and stay in cache for the rest.
+/// `QUERY_BLOCK_TOKENS` queries (widened into a tile) and stay in cache for
+/// the rest. A decode token reads each span once: with AVX-512 in place from
+/// the pages ([`AttentionContext::paged_partials`], the same kernels as the
+/// tile), elsewhere through the tile.
 struct AttentionContext {
     layer: u32,
     isa: Isa,

@@ -1,6 +1,6 @@
 //! Vector kernels of the forward pass that are not matrix products: attention
-//! scores and weighted sums over one KV page (K and V in f16 or f32, queries
-//! and accumulators in f32), the shifted exponentials of an online softmax,
+//! scores and weighted sums over KV rows (K and V in f16 or f32, queries and
+//! accumulators in f32), the shifted exponentials of an online softmax,
 //! SwiGLU.
 //!
 //! Each is written once as plain Rust with fixed-width accumulators, a
@@ -11,6 +11,13 @@
 //! time, once per call (per page, not per position). The f16 loads convert
 //! exactly, so an f16 page gives the same result as an f32 page holding the
 //! same (rounded) values.
+//!
+//! On AVX-512 the attention scores and weighted sums are hand-written instead
+//! ([`dot_rows_paged`], [`axpy_rows_paged`]): the query heads that share a KV
+//! head share each K and V load, and rows come either from a widened tile or
+//! in place from a span's pool pages (f16 widened on load). Both sources run
+//! the same instructions per value, so a decode token that reads its pages
+//! gets the bits of the prefill query that read the tile.
 
 use crate::kv::{KvSlab, KvType, KvValue};
 use crate::quant::Isa;
@@ -145,7 +152,7 @@ impl<'a, T> HeadRows<'a, T> {
 
     /// Whether the rows span several slabs (pool pages, not a tile already
     /// in cache): then the kernels prefetch ahead.
-    fn paged(&self) -> bool {
+    fn several_slabs(&self) -> bool {
         self.pages.len() > 1
     }
 }
@@ -316,7 +323,7 @@ unsafe fn dot_group_avx512<const G: usize, T: KvValue>(
             // A round past the last row repeats it (only its real items are stored).
             *start = k.row((j0 + p).min(rows - 1));
         }
-        if k.paged() {
+        if k.several_slabs() {
             for j in (j0 + PREFETCH_ROWS_AHEAD..rows).take(per) {
                 prefetch_row(k.row(j), heads * width);
             }
@@ -558,7 +565,7 @@ unsafe fn axpy_group_avx512<const G: usize, const C: usize, T: KvValue>(
         }
     }
     for j in j0..j1 {
-        if set == 0 && col == 0 && j + PREFETCH_ROWS_AHEAD < rows && v.paged() {
+        if set == 0 && col == 0 && j + PREFETCH_ROWS_AHEAD < rows && v.several_slabs() {
             prefetch_row(v.row(j + PREFETCH_ROWS_AHEAD), shape.heads * shape.width);
         }
         let start = v.row(j).wrapping_add(head * shape.width + col);
