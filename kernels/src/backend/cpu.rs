@@ -17,7 +17,7 @@
 //! for `step_tokens_max` tokens and `step_seqs_max` sequences.
 
 use super::{vector, Backend, Logits, SeqStep, StepError};
-use crate::kv::{KvSlab, KvValue, PageTable, Pool, StepView};
+use crate::kv::{KvType, KvValue, PageTable, Pool, StepView};
 use crate::model::{Matrix, Model};
 use crate::quant::{self, Isa, QuantizedActivations};
 use crate::threads::Threads;
@@ -39,9 +39,10 @@ const MATMUL_ROWS_ALIGN: usize = 16;
 /// Row chunks per thread in a matrix product: more than one, so that when a
 /// thread is descheduled (a loaded machine) the others take over its share.
 const MATMUL_TASKS_PER_THREAD: usize = 4;
+/// Why a page's slab is of the pool's value type.
+const ONE_TYPE_PER_POOL: &str = "every page of a pool holds one value type";
 /// Why activation quantization cannot fail: every matrix's input width is its
 /// row length, which the GGUF reader checked is a whole number of blocks.
-const ONE_TYPE_PER_POOL: &str = "every page of a pool holds one value type";
 const WIDTHS_CHECKED: &str = "matrix input widths are whole blocks (checked at load)";
 
 /// Sizing of a CPU backend.
@@ -353,7 +354,8 @@ impl CpuBackend {
         if w.wk.ty() == w.wq.ty() && w.wv.ty() == w.wq.ty() {
             self.matmuls(&[(&w.wq, Buf::Q), (&w.wk, Buf::K), (&w.wv, Buf::V)], tokens);
         } else {
-            for (matrix, dst) in [(&w.wq, Buf::Q), (&w.wk, Buf::K), (&w.wv, Buf::V)] {
+            self.matmuls(&[(&w.wq, Buf::Q)], tokens);
+            for (matrix, dst) in [(&w.wk, Buf::K), (&w.wv, Buf::V)] {
                 let s = &mut self.scratch;
                 s.xq.quantize(matrix.ty(), &s.xn[..tokens * d], tokens, d)
                     .expect(WIDTHS_CHECKED);
@@ -975,11 +977,10 @@ impl AttentionContext {
         scores: &mut Vec<f32>,
         parts: &mut [f32],
     ) {
-        let first_page = span * self.span_positions / self.page_tokens;
-        match view.page(table, first_page, self.layer).0 {
-            KvSlab::F16(_) => self
+        match view.layout().geometry().kv_type {
+            KvType::F16 => self
                 .paged_partials_typed::<f16>(view, table, kv_heads, span, end, q, t, scores, parts),
-            KvSlab::F32(_) => self
+            KvType::F32 => self
                 .paged_partials_typed::<f32>(view, table, kv_heads, span, end, q, t, scores, parts),
         }
     }

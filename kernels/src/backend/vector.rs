@@ -71,7 +71,7 @@ multiversion! {
 /// `scores[j] = scale * q · k[j][offset..offset + q.len()]` for `j < scores.len()`,
 /// where `k` rows are `stride` values apart. On AVX-512 with a head width that
 /// is a whole number of registers, 16 rows at a time reduced together
-/// ([`dot_group_avx512`] with one query row); elsewhere
+/// (`dot_group_avx512` with one query row); elsewhere
 /// [`dot_rows_f32_plain`]. Either way a row's score is the same bits whatever
 /// rows come with it.
 pub fn dot_rows_f32(
@@ -1049,6 +1049,31 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn head_rows_refuse_rows_outside_their_slabs() {
+        // The paged kernels read through raw pointers; `check` is what keeps
+        // them inside the slabs.
+        let run = |rows: usize, width: usize, lens: &[usize]| {
+            let slabs: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0.0; n]).collect();
+            let pages: Vec<&[f32]> = slabs.iter().map(|v| v.as_slice()).collect();
+            let head = HeadRows {
+                pages: &pages,
+                page_rows: 4,
+                stride: 10,
+                offset: 2,
+            };
+            std::panic::catch_unwind(|| head.check(rows, width)).is_ok()
+        };
+        // Two full pages of 4 rows (last row ends at 3 * 10 + 2 + 8 = 40) and
+        // a partial third (row 8 is its row 0: 2 + 8 = 10).
+        assert!(run(9, 8, &[40, 40, 10]));
+        assert!(run(8, 8, &[40, 40]));
+        assert!(!run(9, 8, &[40, 40]), "a row past the last slab");
+        assert!(!run(9, 8, &[40, 39, 10]), "a short middle slab");
+        assert!(!run(9, 9, &[40, 40, 10]), "a head wider than the row holds");
+        assert!(run(0, 8, &[]), "no rows need no slab");
     }
 
     #[test]
