@@ -18,7 +18,7 @@
 //! the validated form with every size precomputed (in values, and in bytes where
 //! a name says so), and is the only way to get offsets. Offsets are in a page's
 //! logical view above; where the values sit in memory is the storage's choice
-//! (host storage is layer-major, see [`super::storage`]).
+//! (host storage is layer-major, K apart from V, see [`super::storage`]).
 
 use super::storage::KvType;
 use thiserror::Error;

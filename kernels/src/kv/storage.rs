@@ -261,12 +261,15 @@ pub trait PageStorage: std::fmt::Debug + Send + Sync {
 
 /// Pages in host memory, allocated once and zeroed.
 ///
-/// Laid out layer-major, not page-major: `// [layer][pages_count][k|v][page_tokens][kv_dim]`.
-/// A page is still `layers` pairs of K and V slabs, but one layer's slabs of
-/// every page sit together, so attention over a long sequence (one layer at a
-/// time) reads a few contiguous regions, not one slab every page size apart:
-/// at 8k positions that is the difference between streaming and a TLB miss
-/// per slab.
+/// Laid out layer-major, K apart from V, not page-major:
+/// `// [layer][k|v][pages_count][page_tokens][kv_dim]`. A page is still
+/// `layers` pairs of K and V slabs, but one layer's K slabs of every page sit
+/// together, and its V slabs likewise, so attention over a long sequence (one
+/// layer at a time, K for the scores then V for the weighted sums) reads two
+/// contiguous runs where a sequence's pages are in order, which the
+/// hardware's prefetch follows: at 8k positions, the difference between
+/// streaming and a TLB miss per slab (layer-major against page-major), and
+/// again between one run and slabs a slab apart (K apart from V).
 #[derive(Debug)]
 pub struct HostStorage<T: KvValue> {
     layout: PageLayout,
@@ -282,41 +285,42 @@ impl<T: KvValue> HostStorage<T> {
         }
     }
 
-    /// Where `page`'s K slab of `layer` starts; its V slab follows.
-    fn slabs_at(&self, page: usize, layer: u32) -> usize {
+    /// Where `page`'s K slab (`kv` 0) or V slab (`kv` 1) of `layer` starts.
+    fn slab_at(&self, page: usize, layer: u32, kv: usize) -> usize {
         let geometry = self.layout.geometry();
         assert!(
             page < geometry.pages_count as usize,
             "page {page} out of range"
         );
         assert!(layer < geometry.layers, "layer {layer} out of range");
-        (layer as usize * geometry.pages_count as usize + page) * 2 * self.layout.slab_values()
+        let pages_count = geometry.pages_count as usize;
+        ((layer as usize * 2 + kv) * pages_count + page) * self.layout.slab_values()
     }
 
-    /// K and V of `layer` in `page`, contiguous (`2 * slab_values`).
-    fn layer_mut(&mut self, page: usize, layer: u32) -> &mut [T] {
-        let at = self.slabs_at(page, layer);
-        &mut self.values[at..at + 2 * self.layout.slab_values()]
+    /// `page`'s K or V slab of `layer`.
+    fn slab_mut(&mut self, page: usize, layer: u32, kv: usize) -> &mut [T] {
+        let at = self.slab_at(page, layer, kv);
+        &mut self.values[at..at + self.layout.slab_values()]
+    }
+
+    /// `page`'s (K, V) slabs of `layer`.
+    fn slabs(&self, page: usize, layer: u32) -> (&[T], &[T]) {
+        let slab = self.layout.slab_values();
+        let (k, v) = (self.slab_at(page, layer, 0), self.slab_at(page, layer, 1));
+        (&self.values[k..k + slab], &self.values[v..v + slab])
     }
 
     /// `page`'s (K, V) slabs, layer by layer.
     fn layers(&self, page: usize) -> impl Iterator<Item = (&[T], &[T])> {
-        let slab = self.layout.slab_values();
-        (0..self.layout.geometry().layers).map(move |layer| {
-            let at = self.slabs_at(page, layer);
-            (
-                &self.values[at..at + slab],
-                &self.values[at + slab..at + 2 * slab],
-            )
-        })
+        (0..self.layout.geometry().layers).map(move |layer| self.slabs(page, layer))
     }
 
     /// Writes `x` at logical page offset `at` (a position in the page's
-    /// `// [layer][k|v][page_tokens][kv_dim]` view, never crossing a layer).
+    /// `// [layer][k|v][page_tokens][kv_dim]` view, never crossing a slab).
     fn write_row(&mut self, page: usize, at: usize, x: &[f32]) {
-        let layer_values = 2 * self.layout.slab_values();
-        let (layer, within) = (at / layer_values, at % layer_values);
-        let values = self.layer_mut(page, layer as u32);
+        let slab = self.layout.slab_values();
+        let (layer, kv, within) = (at / (2 * slab), at / slab % 2, at % slab);
+        let values = self.slab_mut(page, layer as u32, kv);
         for (dst, &x) in values[within..within + x.len()].iter_mut().zip(x) {
             *dst = T::from_f32(x);
         }
@@ -324,7 +328,9 @@ impl<T: KvValue> HostStorage<T> {
 
     fn fill(&mut self, page: usize, value: T) {
         for layer in 0..self.layout.geometry().layers {
-            self.layer_mut(page, layer).fill(value);
+            for kv in 0..2 {
+                self.slab_mut(page, layer, kv).fill(value);
+            }
         }
     }
 }
@@ -357,12 +363,8 @@ impl<T: KvValue> PageStorage for HostStorage<T> {
     }
 
     fn host(&self, page: usize, layer: u32) -> Option<(KvSlab<'_>, KvSlab<'_>)> {
-        let slab = self.layout.slab_values();
-        let at = self.slabs_at(page, layer);
-        Some((
-            T::slab(&self.values[at..at + slab]),
-            T::slab(&self.values[at + slab..at + 2 * slab]),
-        ))
+        let (k, v) = self.slabs(page, layer);
+        Some((T::slab(k), T::slab(v)))
     }
 }
 
@@ -388,6 +390,71 @@ mod tests {
                 assert_eq!(ours.is_sign_negative(), theirs.is_sign_negative());
             } else {
                 assert_eq!(ours.to_bits(), theirs.to_bits(), "{bits:#06x}");
+            }
+        }
+    }
+
+    /// Every value of every page, layer, K and V, and slot lands in a place
+    /// of its own: each reads back through `host` as written, and scrubbing
+    /// or poisoning one page changes no value of another, in both types.
+    #[test]
+    fn every_slab_of_every_page_has_storage_of_its_own() {
+        use super::super::geometry::PoolGeometry;
+        for kv_type in [KvType::F16, KvType::F32] {
+            let geometry = PoolGeometry {
+                pages_count: 3,
+                page_tokens: 2,
+                layers: 2,
+                kv_heads: 1,
+                head_dim: 3,
+                kv_type,
+            };
+            let layout = geometry.layout().unwrap();
+            let mut storage = host_storage(layout);
+            // A value no other (page, layer, k|v, slot, i) has, exact in f16.
+            let value = |page: usize, layer: u32, kv: usize, slot: u32, i: usize| {
+                (1 + page * 100 + layer as usize * 20 + kv * 10 + slot as usize * 3 + i) as f32
+            };
+            let row = |page, layer, kv, slot| -> Vec<f32> {
+                (0..3).map(|i| value(page, layer, kv, slot, i)).collect()
+            };
+            for page in 0..3 {
+                for layer in 0..2 {
+                    for slot in 0..2 {
+                        let (k_at, v_at) = (
+                            layout.k_offset(layer) + layout.slot_offset(slot),
+                            layout.v_offset(layer) + layout.slot_offset(slot),
+                        );
+                        let (k, v) = (row(page, layer, 0, slot), row(page, layer, 1, slot));
+                        storage.write_token(page, k_at, v_at, &k, &v);
+                    }
+                }
+            }
+            let expect = |storage: &dyn PageStorage, page: usize| {
+                for layer in 0..2 {
+                    let (k, v) = storage.host(page, layer).unwrap();
+                    for (kv, slab) in [k, v].iter().enumerate() {
+                        let want: Vec<f32> =
+                            (0..2).flat_map(|slot| row(page, layer, kv, slot)).collect();
+                        assert_eq!(
+                            slab.to_f32_vec(),
+                            want,
+                            "{kv_type:?} page {page} layer {layer} kv {kv}"
+                        );
+                    }
+                }
+            };
+            for page in 0..3 {
+                expect(&*storage, page);
+            }
+            storage.scrub(1);
+            assert!(storage.is_zero(1));
+            storage.poison(2);
+            assert!(!storage.is_zero(2));
+            expect(&*storage, 0);
+            for layer in 0..2 {
+                let (k, v) = storage.host(1, layer).unwrap();
+                assert!(k.is_zero() && v.is_zero());
             }
         }
     }
