@@ -5,8 +5,9 @@
 //! 1. Prefill: one sequence, a `prefill_tokens` prompt (up to the model's
 //!    context) in steps of `chunk` tokens, as the server would; best of `repeats`.
 //! 2. Decode at batch B: B sequences, each prefilled with a `decode_context`
-//!    prompt (the depth), then `decode_tokens` steps of B tokens each; aggregate
-//!    tokens per second.
+//!    prompt (the depth), then one untimed step (a warm-up, as llama-bench
+//!    does), then `decode_tokens` timed steps of B tokens each from the depth
+//!    on; aggregate tokens per second.
 //!
 //! It prints the KV bytes per position of the pool it measured (`--kv-type`).
 
@@ -223,6 +224,22 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
         }
         // Decode feeds back a fixed token: sampling is not what is measured.
         let token = [context[0]];
+        // One untimed decode step first, as llama-bench warms up with one
+        // generated token: the first decode step after a prefill pays for
+        // what a prefill does not touch (the decode path's scratch and code).
+        // The timed steps then rewrite its position, so the depth stays N.
+        let warm: Vec<SeqStep> = seqs
+            .iter()
+            .map(|table| SeqStep {
+                pages: table,
+                pos_start: context.len(),
+                tokens: &token,
+                wants_logits: true,
+            })
+            .collect();
+        if args.decode_tokens > 0 {
+            engine.backend.step(&warm, &mut pool)?;
+        }
         let started = Instant::now();
         for i in 0..args.decode_tokens {
             let steps: Vec<SeqStep> = seqs
