@@ -232,7 +232,7 @@ pub fn dot_rows_paged<T: KvValue>(
             // The common head widths get their chunk count as a constant, so
             // the chunk loop unrolls and every accumulator keeps its register
             // (with a run-time count the compiler rotated and spilled them:
-            // 40 % slower on pages in cache); others count at run time.
+            // 30-40 % slower on pages in cache); others count at run time.
             match ((group - first).min(4), width) {
                 (1, 64) => dot_group_avx512::<1, 4, T>(q, &k, shape, first, scale, scores),
                 (2, 64) => dot_group_avx512::<2, 4, T>(q, &k, shape, first, scale, scores),
@@ -265,7 +265,7 @@ struct Shape {
 /// pages need not be in order in memory, and the hardware's stream prefetch
 /// stops at a page's end. Measured at decode depth 8128 (one thread, rounds
 /// alternated in one process): 8 rows ahead ~33 tok/s, 4 or 12 within 3 %,
-/// 16 and 32 10-15 % slower (further ahead, the lines crowd out the rows
+/// 16 and 32 7-11 % slower (further ahead, the lines crowd out the rows
 /// in use); hinting L2 (T1) or non-temporal instead was slower still.
 const PREFETCH_ROWS_AHEAD: usize = 8;
 
