@@ -76,6 +76,7 @@ pub fn engine(model: Arc<Model>, tokenizer: Tokenizer, args: &EngineBenchArgs) -
         (1..=context).contains(&args.prefill_tokens),
         "--prefill-tokens is 1..={context} (the model's context)"
     );
+    ensure!(args.decode_tokens >= 1, "--decode-tokens is at least 1");
     ensure!(
         args.decode_context + args.decode_tokens <= context,
         "--decode-context plus --decode-tokens is at most {context} (the model's context)"
@@ -237,9 +238,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
                 wants_logits: true,
             })
             .collect();
-        if args.decode_tokens > 0 {
-            engine.backend.step(&warm, &mut pool)?;
-        }
+        engine.backend.step(&warm, &mut pool)?;
         let started = Instant::now();
         for i in 0..args.decode_tokens {
             let steps: Vec<SeqStep> = seqs
