@@ -1,6 +1,15 @@
 //! Admits only requests from allowed teams (the `x-team` header) within
 //! opening hours (UTC), and refuses the rest with 403 and a reason.
 
+#![no_std]
+
+extern crate alloc;
+
+use alloc::format;
+use alloc::string::String;
+use alloc::vec::Vec;
+use bulkhead_guest as _;
+
 wit_bindgen::generate!({ path: "../../wit", world: "tenant-policy" });
 
 use bulkhead::policy::host;

@@ -2,6 +2,14 @@
 //! interface the host does not offer (a network). The host refuses it at
 //! upload.
 
+#![no_std]
+
+extern crate alloc;
+
+use alloc::string::String;
+use alloc::vec::Vec;
+use bulkhead_guest as _;
+
 wit_bindgen::generate!({
     inline: r#"
         package fixture:bad-import;

@@ -7,7 +7,14 @@
 //! host forever: host calls cost no fuel), `memory` (grows without end),
 //! `trap` (panics), `handles` (hoards partition handles), `state-flood` (writes
 //! state until refused, then keeps going), `big` (answers with a huge code and
-//! message), `stderr` (writes 20 KB to stderr, past what the host keeps).
+//! message). `clock` makes one host call and admits (blocked, in the tests, by
+//! a stalled host call); `spin-under` spins until just under its deadline,
+//! then admits.
+//!
+//! The same behaviours in `route` come from `x-probe-route`; in `on-complete`
+//! from `x-probe-complete`, which `admit` keeps in state for every later
+//! `on-complete` of the tenant's requests (each reads it back: a host call)
+//! until a request sets it to `none`.
 //!
 //! Probes: `snoop-write` leaves `x-secret` in linear memory (a static buffer
 //! and a freed heap block); `snoop-read` rejects with whatever it finds there
@@ -17,8 +24,18 @@
 //! rejects with the last completion `on-complete` saw; `stats` rejects with its
 //! partition's counts; anything else admits.
 
+#![no_std]
+
+extern crate alloc;
+
+use alloc::format;
+use alloc::string::String;
+use alloc::vec::Vec;
+use bulkhead_guest as _;
+
 wit_bindgen::generate!({ path: "../../wit", world: "tenant-policy" });
 
+use alloc::vec;
 use bulkhead::policy::host;
 use bulkhead::policy::kv_pool::Partition;
 use bulkhead::policy::state;
@@ -61,7 +78,7 @@ fn snoop_write(secret: &str) {
     let n = bytes.len().min(SECRET_BYTES);
     // SAFETY: one call at a time per instance (the host runs no threads here).
     unsafe {
-        let buffer = &mut *std::ptr::addr_of_mut!(STATIC_SECRET);
+        let buffer = &mut *core::ptr::addr_of_mut!(STATIC_SECRET);
         buffer[..n].copy_from_slice(&bytes[..n]);
     }
     let mut block = vec![0u8; HEAP_BLOCK];
@@ -96,7 +113,7 @@ fn find_marker(bytes: &[u8]) -> Option<usize> {
 /// `x-secret`).
 fn snoop_read() -> Option<String> {
     // SAFETY: as above.
-    let stat = unsafe { *std::ptr::addr_of!(STATIC_SECRET) };
+    let stat = unsafe { *core::ptr::addr_of!(STATIC_SECRET) };
     if stat.iter().any(|&b| b != 0) {
         return Some(format!("static: {}", String::from_utf8_lossy(&stat)));
     }
@@ -116,32 +133,64 @@ fn snoop_read() -> Option<String> {
     let len = core::arch::wasm32::memory_size(0) * 65536;
     // SAFETY: addresses below the memory's size are valid to read in wasm32;
     // address 0 is skipped (Rust treats it as null).
-    let memory = unsafe { std::slice::from_raw_parts(1 as *const u8, len - 1) };
+    let memory = unsafe { core::slice::from_raw_parts(1 as *const u8, len - 1) };
     find_marker(memory).map(|at| {
         let end = (at + SECRET_BYTES).min(memory.len());
         format!("memory: {}", String::from_utf8_lossy(&memory[at..end]))
     })
 }
 
+/// The hostile behaviours every export can show; false for any other mode.
+fn act(mode: &str) -> bool {
+    match mode {
+        "loop" => {
+            let mut x: u64 = 1;
+            loop {
+                x = core::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+            }
+        }
+        "host-loop" => loop {
+            core::hint::black_box(host::now_ms());
+        },
+        "memory" => {
+            let mut hoard: Vec<Vec<u8>> = Vec::new();
+            loop {
+                hoard.push(vec![1u8; 1 << 20]);
+            }
+        }
+        "trap" => panic!("the probe traps on purpose"),
+        "clock" => {
+            core::hint::black_box(host::now_ms());
+            true
+        }
+        "spin-under" => {
+            // Spin in slices of work, checking the time left between them.
+            while host::remaining().time_ms > 2 {
+                let mut x: u64 = 1;
+                for _ in 0..20_000 {
+                    x = core::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                }
+            }
+            true
+        }
+        _ => false,
+    }
+}
+
+/// The state key of the `on-complete` behaviour.
+const COMPLETE_KEY: &str = "complete";
+
 impl Guest for Probe {
     fn admit(request: RequestView) -> Decision {
-        match header(&request, "x-probe") {
-            "loop" => {
-                let mut x: u64 = 1;
-                loop {
-                    x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
-                }
-            }
-            "host-loop" => loop {
-                std::hint::black_box(host::now_ms());
-            },
-            "memory" => {
-                let mut hoard: Vec<Vec<u8>> = Vec::new();
-                loop {
-                    hoard.push(vec![1u8; 1 << 20]);
-                }
-            }
-            "trap" => panic!("the probe traps on purpose"),
+        let later = header(&request, "x-probe-complete");
+        if !later.is_empty() {
+            let _ = state::set(COMPLETE_KEY, later.as_bytes(), None);
+        }
+        let mode = header(&request, "x-probe");
+        if act(mode) {
+            return admit();
+        }
+        match mode {
             "handles" => {
                 let mut held = Vec::new();
                 loop {
@@ -160,12 +209,6 @@ impl Guest for Probe {
                 message: "m".repeat(1 << 20),
                 retry_after_ms: Some(u32::MAX),
             }),
-            "stderr" => {
-                for _ in 0..200 {
-                    eprintln!("{}", "e".repeat(100));
-                }
-                admit()
-            }
             "snoop-write" => {
                 snoop_write(header(&request, "x-secret"));
                 admit()
@@ -176,7 +219,7 @@ impl Guest for Probe {
                 let secret = header(&request, "x-secret").as_bytes().to_vec();
                 let mut block = vec![0u8; HEAP_BLOCK];
                 block[1000..1000 + secret.len()].copy_from_slice(&secret);
-                drop(std::hint::black_box(block));
+                drop(core::hint::black_box(block));
                 match snoop_read() {
                     Some(found) => tell("leak", found),
                     None => admit(),
@@ -236,11 +279,15 @@ impl Guest for Probe {
         }
     }
 
-    fn route(_request: RequestView, _candidates: Vec<String>) -> Option<String> {
+    fn route(request: RequestView, _candidates: Vec<String>) -> Option<String> {
+        act(header(&request, "x-probe-route"));
         None
     }
 
     fn on_complete(completion: Completion) {
+        if let Some(mode) = state::get(COMPLETE_KEY) {
+            act(&String::from_utf8_lossy(&mode));
+        }
         let text = format!(
             "request={} outcome={:?} prompt_tokens={} completion_tokens={}",
             completion.request_id,

@@ -6,6 +6,15 @@
 //! interface: the host books atomically, so concurrent requests can never
 //! overrun them, and gives back the tokens a request did not use when it ends.
 
+#![no_std]
+
+extern crate alloc;
+
+use alloc::format;
+use alloc::string::String;
+use alloc::vec::Vec;
+use bulkhead_guest as _;
+
 wit_bindgen::generate!({ path: "../../wit", world: "tenant-policy" });
 
 use bulkhead::policy::budget::{self, BudgetError, Unit};

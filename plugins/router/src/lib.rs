@@ -3,6 +3,14 @@
 //! picks a model among those the tenant may use (`fast` → the first candidate
 //! whose id ends in `-q8`, `precise` → the first that does not).
 
+#![no_std]
+
+extern crate alloc;
+
+use alloc::string::String;
+use alloc::vec::Vec;
+use bulkhead_guest as _;
+
 wit_bindgen::generate!({ path: "../../wit", world: "tenant-policy" });
 
 use bulkhead::policy::types::{Adjustments, Completion, Decision, RequestView};

@@ -2,6 +2,15 @@
 //! a message that says what to do, and generations are cut to at most
 //! `MAX_TOKENS_CAP` tokens (an adjustment: it can only lower `max_tokens`).
 
+#![no_std]
+
+extern crate alloc;
+
+use alloc::format;
+use alloc::string::String;
+use alloc::vec::Vec;
+use bulkhead_guest as _;
+
 wit_bindgen::generate!({ path: "../../wit", world: "tenant-policy" });
 
 use bulkhead::policy::types::{Adjustments, Completion, Decision, Rejection, RequestView};
