@@ -9,6 +9,7 @@ use crate::config::Config;
 use crate::engine::build;
 use crate::engine::request::{FinishReason, RequestId};
 use crate::engine::service::{EngineHandle, EngineService};
+use crate::lane::Cancel;
 use crate::policy::{AdmitInput, PolicyRuntime, Verdict};
 use crate::store::records::{PluginLimitsRequest, PluginRecord};
 use crate::store::Store;
@@ -130,9 +131,10 @@ fn measure(runtime: &PolicyRuntime, engine: &EngineHandle, calls: u32) -> Result
             headers: vec![("x-user".into(), format!("user-{}", n % 16))],
             prompt_text: None,
             engine: engine.clone(),
+            budget: runtime.time_budget(),
         };
         let started = Instant::now();
-        let verdict = runtime.admit(input);
+        let verdict = runtime.admit(input, &Cancel::default());
         samples.push(started.elapsed());
         match verdict {
             Verdict::Admit { .. } => runtime.refused(RequestId(u64::from(n) + 1), 100),

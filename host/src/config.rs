@@ -117,6 +117,24 @@ pub struct ServerConfig {
     pub handshake_timeout_ms: u64,
     /// How long a connection may stay open with no request in flight.
     pub idle_timeout_ms: u64,
+    /// How long a response may wait for its client to take the bytes it was
+    /// handed (a zero flow-control window, a socket nobody reads) before the
+    /// connection closes; each byte the client does take earns it
+    /// 1/`send_rate_min_bytes_per_s` seconds more.
+    pub send_stall_timeout_ms: u64,
+    /// The slowest a client may take a response on average, after the stall
+    /// allowance (bytes per second).
+    pub send_rate_min_bytes_per_s: u64,
+    /// Most concurrent HTTP/2 streams (requests) on one connection.
+    pub h2_streams_max: u32,
+    /// Largest HTTP/2 header list a client may send, in bytes.
+    pub h2_header_list_bytes_max: u32,
+    /// HTTP/2 streams a client may reset before the server has taken them
+    /// (the "rapid reset" flood); past it, the connection closes.
+    pub h2_pending_resets_max: u32,
+    /// HTTP/2 streams the server may reset for a client's protocol errors
+    /// on one connection; past it, the connection closes.
+    pub h2_local_resets_max: u32,
     /// Threads that tokenize prompts, taking tenants in turn (their CPU is
     /// the engine's too on a CPU host).
     pub tokenize_threads: u32,
@@ -141,6 +159,12 @@ impl Default for ServerConfig {
             connections_per_peer_max: 256,
             handshake_timeout_ms: 10_000,
             idle_timeout_ms: 60_000,
+            send_stall_timeout_ms: 15_000,
+            send_rate_min_bytes_per_s: 1024,
+            h2_streams_max: 64,
+            h2_header_list_bytes_max: 32 << 10,
+            h2_pending_resets_max: 20,
+            h2_local_resets_max: 256,
             tokenize_threads: (default_threads() / 2).max(1),
             request_timeout_ms: 300_000,
             drain_timeout_ms: 10_000,
@@ -191,6 +215,17 @@ pub struct PluginsConfig {
     pub fault_window_ms: u64,
     /// Plugin calls that may run at once (the instance pool's size).
     pub instances_max: u32,
+    /// The time a tenant's own plugins may take together for one request
+    /// (milliseconds): once for `route` and `admit` together, once for
+    /// `on-complete`. Each call's deadline is its own or what is left of
+    /// this, whichever comes first.
+    pub request_budget_ms: u64,
+    /// Threads that run `on-complete` calls, tenants in turn.
+    pub complete_threads: u32,
+    /// Ended requests whose `on-complete` calls may wait per tenant; past
+    /// it, they are dropped (counted in
+    /// `bulkhead_plugin_completions_dropped_total`).
+    pub complete_queue_max: u32,
     /// Whether operator plugins may read the prompt text (`operator.prompt-text`).
     pub operator_prompt_text: bool,
     /// The operator's plugins, run before every tenant's own, in this order.
@@ -208,6 +243,9 @@ impl Default for PluginsConfig {
             faults_max: 5,
             fault_window_ms: 60_000,
             instances_max: 64,
+            request_budget_ms: 50,
+            complete_threads: 2,
+            complete_queue_max: 256,
             operator_prompt_text: false,
             operator: Vec::new(),
         }
@@ -588,6 +626,11 @@ impl Config {
             ),
             ("server.handshake_timeout_ms", s.handshake_timeout_ms),
             ("server.idle_timeout_ms", s.idle_timeout_ms),
+            ("server.send_stall_timeout_ms", s.send_stall_timeout_ms),
+            (
+                "server.send_rate_min_bytes_per_s",
+                s.send_rate_min_bytes_per_s,
+            ),
             ("server.request_timeout_ms", s.request_timeout_ms),
             ("server.drain_timeout_ms", s.drain_timeout_ms),
             ("server.tokenize_threads", u64::from(s.tokenize_threads)),
@@ -597,11 +640,29 @@ impl Config {
                 return Err(invalid(field, "must be at least 1"));
             }
         }
-        if s.tokenize_threads as usize > crate::api::lane::LANE_THREADS_MAX {
+        if s.tokenize_threads as usize > crate::lane::LANE_THREADS_MAX {
             return Err(invalid(
                 "server.tokenize_threads",
-                format!("at most {}", crate::api::lane::LANE_THREADS_MAX),
+                format!("at most {}", crate::lane::LANE_THREADS_MAX),
             ));
+        }
+        for (field, value, max) in [
+            ("server.h2_streams_max", s.h2_streams_max, 1024),
+            (
+                "server.h2_header_list_bytes_max",
+                s.h2_header_list_bytes_max,
+                1 << 20,
+            ),
+            (
+                "server.h2_pending_resets_max",
+                s.h2_pending_resets_max,
+                1024,
+            ),
+            ("server.h2_local_resets_max", s.h2_local_resets_max, 1 << 16),
+        ] {
+            if value == 0 || value > max {
+                return Err(invalid(field, format!("must be 1..={max}")));
+            }
         }
         if s.connections_per_peer_max > s.connections_max {
             return Err(invalid(
@@ -612,6 +673,7 @@ impl Config {
         for (field, value) in [
             ("server.handshake_timeout_ms", s.handshake_timeout_ms),
             ("server.idle_timeout_ms", s.idle_timeout_ms),
+            ("server.send_stall_timeout_ms", s.send_stall_timeout_ms),
             ("server.request_timeout_ms", s.request_timeout_ms),
             ("server.drain_timeout_ms", s.drain_timeout_ms),
             ("store.usage_flush_ms", self.store.usage_flush_ms),
@@ -674,6 +736,21 @@ impl Config {
                 "plugins.instances_max",
                 u64::from(p.instances_max),
                 u64::from(PLUGIN_INSTANCES_LIMIT),
+            ),
+            (
+                "plugins.request_budget_ms",
+                p.request_budget_ms,
+                PLUGIN_DEADLINE_MS_LIMIT,
+            ),
+            (
+                "plugins.complete_threads",
+                u64::from(p.complete_threads),
+                crate::lane::LANE_THREADS_MAX as u64,
+            ),
+            (
+                "plugins.complete_queue_max",
+                u64::from(p.complete_queue_max),
+                1 << 16,
             ),
         ] {
             if value == 0 || value > max {

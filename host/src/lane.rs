@@ -224,7 +224,11 @@ impl Lane {
 
     /// Queues `job` in `tenant`'s turn with nobody awaiting it; refused when
     /// the tenant already has `queue_per_tenant_max` jobs queued here.
-    pub fn spawn(&self, tenant: TenantId, job: impl FnOnce() + Send + 'static) -> Result<(), LaneFull> {
+    pub fn spawn(
+        &self,
+        tenant: TenantId,
+        job: impl FnOnce() + Send + 'static,
+    ) -> Result<(), LaneFull> {
         self.shared.push(tenant, Box::new(job)).map(drop)
     }
 }
@@ -291,7 +295,12 @@ mod tests {
     }
 
     /// Holds the lane's one worker until the returned flag is set.
-    fn hold(lane: &Arc<Lane>) -> (Arc<AtomicBool>, tokio::task::JoinHandle<Result<(), LaneStopped>>) {
+    fn hold(
+        lane: &Arc<Lane>,
+    ) -> (
+        Arc<AtomicBool>,
+        tokio::task::JoinHandle<Result<(), LaneStopped>>,
+    ) {
         let gate = Arc::new(AtomicBool::new(false));
         let held = {
             let gate = Arc::clone(&gate);
@@ -388,7 +397,10 @@ mod tests {
     #[test]
     fn a_running_job_sees_its_caller_leave_and_its_result_goes_to_unclaimed() {
         let lane = Arc::new(Lane::new("test-lane", 1, 64).unwrap());
-        let (started, seen) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let (started, seen) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+        );
         let (claimed_by_hook, hook) = std::sync::mpsc::channel();
         runtime().block_on(async {
             let job = {

@@ -12,6 +12,7 @@ pub mod capacity;
 pub mod catalog;
 pub mod config;
 pub mod engine;
+pub mod lane;
 pub mod policy;
 pub mod quantize_cli;
 pub mod server;

@@ -22,6 +22,9 @@ pub const TENANT_UNKNOWN: &str = "none";
 /// Requests that finished, by model, tenant and finish reason (`cancelled`:
 /// the client went away first).
 pub const REQUESTS_TOTAL: &str = "bulkhead_requests_total";
+/// Requests whose client left before they were submitted to an engine (while
+/// being read, tokenized or decided on by plugins), by tenant.
+pub const REQUESTS_ABANDONED_TOTAL: &str = "bulkhead_requests_abandoned_total";
 /// Requests refused with an error, by tenant and error code.
 pub const REJECTIONS_TOTAL: &str = "bulkhead_rejections_total";
 /// Prompt tokens of finished requests, by model and tenant.
@@ -62,8 +65,14 @@ pub const ENGINE_FAULTS_TOTAL: &str = "bulkhead_engine_faults_total";
 pub const ENGINE_RESTARTS_TOTAL: &str = "bulkhead_engine_restarts_total";
 /// Responses the canary guard blocked, by reading tenant and canary owner.
 pub const CANARY_HITS_TOTAL: &str = "bulkhead_canary_hits_total";
-/// Plugin calls, by outcome (`ok`, `fuel`, `deadline`, `memory`, `host_limit`, `trap`).
+/// Plugin calls, by outcome (`ok`, `fuel`, `deadline`, `memory`, `host_limit`,
+/// `trap`, `abandoned`, `budget`, `unavailable`).
 pub const PLUGIN_CALLS_TOTAL: &str = "bulkhead_plugin_calls_total";
+/// Plugin calls abandoned past their deadline whose worker is still stuck.
+pub const PLUGIN_WORKERS_STUCK: &str = "bulkhead_plugin_workers_stuck";
+/// Ended requests whose `on-complete` calls were dropped because the tenant's
+/// completion queue was full, by tenant.
+pub const PLUGIN_COMPLETIONS_DROPPED_TOTAL: &str = "bulkhead_plugin_completions_dropped_total";
 /// Plugins disabled after repeated faults.
 pub const PLUGINS_DISABLED_TOTAL: &str = "bulkhead_plugins_disabled_total";
 
@@ -167,6 +176,16 @@ pub fn count_plugin_call(outcome: &'static str) {
     counter!(PLUGIN_CALLS_TOTAL, "outcome" => outcome).increment(1);
 }
 
+/// Sets how many abandoned plugin calls are still stuck.
+pub fn set_plugin_workers_stuck(stuck: u32) {
+    gauge!(PLUGIN_WORKERS_STUCK).set(f64::from(stuck));
+}
+
+/// Counts an ended request whose `on-complete` calls were dropped.
+pub fn count_plugin_completion_dropped(tenant: &str) {
+    counter!(PLUGIN_COMPLETIONS_DROPPED_TOTAL, "tenant" => tenant.to_string()).increment(1);
+}
+
 /// Counts a plugin disabled after repeated faults.
 pub fn count_plugin_disabled() {
     counter!(PLUGINS_DISABLED_TOTAL).increment(1);
@@ -195,6 +214,11 @@ pub fn count_cancelled(model: &str, tenant: &str) {
     let (model, tenant) = (model.to_string(), tenant.to_string());
     counter!(REQUESTS_TOTAL, "model" => model, "tenant" => tenant, "reason" => "cancelled")
         .increment(1);
+}
+
+/// Counts a request whose client left before it reached an engine.
+pub fn count_abandoned(tenant: &str) {
+    counter!(REQUESTS_ABANDONED_TOTAL, "tenant" => tenant.to_string()).increment(1);
 }
 
 /// Records time to first token.

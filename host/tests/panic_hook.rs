@@ -2,7 +2,7 @@
 //! happened and which request it was serving, nothing it says. Its own test
 //! binary, since the hook and the log subscriber are process-wide.
 
-use bulkhead::api::lane::{Lane, LaneStopped};
+use bulkhead::lane::{Lane, LaneStopped};
 use bulkhead::telemetry;
 use bulkhead::tenancy::TenantId;
 use std::io::Write;
@@ -33,14 +33,14 @@ fn a_panic_logs_its_place_and_request_id_and_never_its_message() {
         .with_current_span(true)
         .init();
     telemetry::install_panic_hook();
-    let lane = Lane::new(1).unwrap();
+    let lane = Lane::new("bulkhead-lane", 1, 64).unwrap();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
     // A tokenization job that panics quoting its prompt, in its request's span
     // (as the API layer runs it).
     let failed = runtime.block_on(tracing::Instrument::instrument(
-        lane.run(TenantId(1), || -> u32 {
+        lane.run(TenantId(1), |_| -> u32 {
             panic!("CANARY-7f3e quoted from the prompt")
         }),
         tracing::info_span!("request", request_id = 4242u64),

@@ -241,6 +241,135 @@ fn many_peers_holding_every_slot_are_cleared_by_the_handshake_deadline() {
     );
 }
 
+/// A streamed chat completion asked for over HTTP/2 from `from`, with a
+/// stream window of zero that the client never opens: the response starts
+/// (its HEADERS need no window) and no byte of its body can be sent.
+fn zero_window_stream(server: &Server, from: Ipv4Addr) -> TcpStream {
+    let mut stream = connect_from(&server.inference, from);
+    stream
+        .write_all(&h2::open(&[(h2::INITIAL_WINDOW_SIZE, 0)]))
+        .unwrap();
+    let mut body = chat_body("Write a long story about a lighthouse.", 64);
+    body["stream"] = json!(true);
+    let post = h2::post(
+        1,
+        "/v1/chat/completions",
+        KEY_ALPHA,
+        &[],
+        body.to_string().as_bytes(),
+    );
+    stream.write_all(&post).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    // Acknowledge the server's SETTINGS; wait for the response to start.
+    loop {
+        let (kind, flags, id, _) = h2::read_frame(&mut stream).expect("the response starts");
+        if kind == h2::SETTINGS && flags & h2::ACK == 0 {
+            h2::ack_settings(&mut stream).unwrap();
+        }
+        if kind == h2::HEADERS && id == 1 {
+            return stream;
+        }
+    }
+}
+
+/// The send deadline under test: short, so the tests are.
+const SEND_STALL: Duration = Duration::from_millis(2000);
+
+fn stall_policy() -> Policy {
+    Policy {
+        connections_max: 16,
+        connections_per_peer_max: 4,
+        alpha_pending_max: 64,
+        server_toml: format!(
+            "send_stall_timeout_ms = {}\nsend_rate_min_bytes_per_s = 1024\n",
+            SEND_STALL.as_millis()
+        ),
+        ..Policy::default()
+    }
+}
+
+#[test]
+fn clients_that_never_open_their_http2_window_cannot_hold_the_listener() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &stall_policy());
+    // Four peers take all 16 slots with responses that cannot be sent.
+    let mut held: Vec<TcpStream> = (2..6)
+        .flat_map(|last| std::iter::repeat_n(last, 4))
+        .map(|last| zero_window_stream(&server, Ipv4Addr::new(127, 0, 0, last)))
+        .collect();
+    let held_at = Instant::now();
+    // The victim's connection waits for a slot; the send deadline frees them.
+    let (status, took) = timed_chat(&server, KEY_BETA);
+    assert_eq!(status, 200);
+    assert!(
+        took <= SEND_STALL + VICTIM_SLACK,
+        "the victim waited {took:?} behind the held responses"
+    );
+    for stream in &mut held {
+        let left = (SEND_STALL + VICTIM_SLACK).saturating_sub(held_at.elapsed());
+        assert!(
+            closed_within(stream, left + Duration::from_secs(2)).is_some(),
+            "a held connection is closed"
+        );
+    }
+    assert!(
+        server.metric(
+            r#"bulkhead_connections_closed_total{listener="inference",reason="send_stall"}"#
+        ) >= 16.0
+    );
+    // Their requests ended with their connections: the pool is back at baseline.
+    assert!(eventually(Duration::from_secs(10), || {
+        server
+            .admin_call("GET", &format!("/admin/v1/models/{MODEL_ID}/pool"), None)
+            .json()["at_baseline"]
+            == true
+    }));
+}
+
+#[test]
+fn a_slow_but_steady_http2_reader_is_not_cut() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &stall_policy());
+    // A client that opens its window a little at a time, but steadily, gets
+    // its whole answer, however long past the stall deadline it takes. (An
+    // HTTP/1 client that never reads is closed the same way: the unit tests
+    // of server/accept.rs show it over a small in-memory pipe, since over
+    // loopback the kernel buffers more than our model's longest stream.)
+    let mut stream = zero_window_stream(&server, Ipv4Addr::LOCALHOST);
+    let started = Instant::now();
+    let mut ended = false;
+    while !ended {
+        std::thread::sleep(Duration::from_millis(200));
+        let update = h2::frame(h2::WINDOW_UPDATE, 0, 1, &512u32.to_be_bytes());
+        stream.write_all(&update).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        while let Some((kind, flags, id, _)) = h2::read_frame(&mut stream) {
+            if kind == h2::SETTINGS && flags & h2::ACK == 0 {
+                h2::ack_settings(&mut stream).unwrap();
+            }
+            assert_ne!(kind, h2::GOAWAY, "cut after {:?}", started.elapsed());
+            assert_ne!(kind, h2::RST_STREAM, "cut after {:?}", started.elapsed());
+            ended |= id == 1 && flags & h2::END_STREAM != 0;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "no end");
+    }
+    eprintln!("the steady reader took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() > SEND_STALL,
+        "it was slower than the stall deadline"
+    );
+    assert_eq!(
+        server.metric(
+            r#"bulkhead_connections_closed_total{listener="inference",reason="send_stall"}"#
+        ),
+        0.0
+    );
+}
+
 /// Starts a chat request whose body never finishes arriving.
 fn slow_body(server: &Server, key: &str) -> TcpStream {
     let mut stream = connect_from(&server.inference, Ipv4Addr::LOCALHOST);
@@ -318,6 +447,117 @@ fn an_oversized_prompt_is_refused_by_its_size_before_it_is_tokenized() {
         "1024 - 4 + 1: {message}"
     );
     assert_eq!(timed_chat(&server, KEY_BETA).0, 200);
+}
+
+#[test]
+fn abandoned_requests_take_their_queued_work_and_their_permits_with_them() {
+    let Some(model) = smollm2() else { return };
+    // The most context the test pool can promise: a prompt's tokenization
+    // may run to 1,536 tokens of work.
+    let server = std::sync::Arc::new(start(
+        &model,
+        &Policy {
+            context_tokens: 1536,
+            seq_pages_max: 96,
+            body_bytes_max: 64 << 10,
+            alpha_pending_max: 64,
+            ..Policy::default()
+        },
+    ));
+    // Random letters (no word is one token): tokenized up to the context's
+    // budget, milliseconds of the one lane thread each.
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    let text: String = (0..25_000)
+        .map(|i| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            if i % 7 == 6 {
+                ' '
+            } else {
+                char::from(b'a' + (seed >> 59) as u8 % 26)
+            }
+        })
+        .collect();
+    let body = chat_body(&text, 4).to_string();
+    let one = Instant::now();
+    let r = server.post("/v1/chat/completions", Some(KEY_ALPHA), body.as_bytes());
+    assert_eq!(r.error().1, json!("context_length_exceeded"), "{}", r.body);
+    let one = one.elapsed();
+    // Over HTTP/2, each cancelled (RST_STREAM) 20 ms after it is sent, while
+    // it waits its turn on the lane: the server drops a cancelled stream's
+    // handler at once (an HTTP/1 handler runs on until it writes).
+    let request = [
+        h2::open(&[]),
+        h2::post(1, "/v1/chat/completions", KEY_ALPHA, &[], body.as_bytes()),
+    ]
+    .concat();
+    let cancel = h2::frame(h2::RST_STREAM, 0, 1, &h2::CANCEL.to_be_bytes());
+    let rss_before = server.rss_bytes();
+    let started = Instant::now();
+    let flood: Vec<_> = (0..32)
+        .map(|_| {
+            let (server, request, cancel) = (
+                std::sync::Arc::clone(&server),
+                request.clone(),
+                cancel.clone(),
+            );
+            std::thread::spawn(move || {
+                let mut sent = 0u32;
+                while started.elapsed() < Duration::from_secs(4) {
+                    let mut stream = TcpStream::connect(addr(&server.inference)).unwrap();
+                    if stream.write_all(&request).is_ok() {
+                        sent += 1;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                    let _ = stream.write_all(&cancel);
+                    // Dropped: the client leaves before any answer.
+                }
+                sent
+            })
+        })
+        .collect();
+    let sent: u32 = flood.into_iter().map(|h| h.join().unwrap()).sum();
+    // The queued work left with its requests: the server goes quiet at once,
+    // rather than tokenizing the abandoned prompts for a minute.
+    std::thread::sleep(Duration::from_millis(500));
+    let cpu_at_end = server.cpu_time();
+    std::thread::sleep(Duration::from_secs(3));
+    let cpu_after = server.cpu_time() - cpu_at_end;
+    let rss_after = server.rss_bytes();
+    let abandoned = server.metric(r#"bulkhead_requests_abandoned_total{tenant="alpha"}"#);
+    eprintln!(
+        "one such request: {one:?}; {sent} sent and cancelled, {abandoned} before an answer; \
+         server CPU in the 3 s after: {cpu_after:?}; RSS {} -> {} MiB",
+        rss_before >> 20,
+        rss_after >> 20
+    );
+    assert!(sent > 100, "the flood ran: {sent}");
+    assert!(cpu_after < Duration::from_millis(600), "{cpu_after:?}");
+    assert!(
+        rss_after < rss_before + (150 << 20),
+        "RSS {rss_before} -> {rss_after}"
+    );
+    // Counted, and in the tenant's usage as cancelled.
+    assert!(abandoned >= 1.0, "abandoned requests are counted");
+    assert!(eventually(Duration::from_secs(5), || {
+        server
+            .admin_call("GET", "/admin/v1/usage?tenant=alpha", None)
+            .json()["total"]["outcomes"]["cancelled"]
+            .as_f64()
+            .is_some_and(|n| n >= abandoned)
+    }));
+    // Every permit came back: alpha's pending_max (64) requests at once pass.
+    let statuses: Vec<u16> = (0..64)
+        .map(|_| {
+            let server = std::sync::Arc::clone(&server);
+            std::thread::spawn(move || timed_chat(&server, KEY_ALPHA).0)
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .collect();
+    assert_eq!(statuses, vec![200; 64]);
 }
 
 #[test]

@@ -13,76 +13,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::*;
 
-fn wasm(name: &str) -> Option<Vec<u8>> {
-    plugin_wasm(name).map(|p| std::fs::read(p).unwrap())
-}
-
-/// Uploads `bytes` as `tenant`'s plugin `name` through the admin API.
-fn upload(server: &Server, tenant: &str, name: &str, bytes: &[u8], query: &str) -> Reply {
-    server.call_raw(
-        &server.admin,
-        "PUT",
-        &format!("/admin/v1/tenants/{tenant}/plugins/{name}{query}"),
-        Some(ADMIN_TOKEN),
-        "application/wasm",
-        bytes,
-    )
-}
-
-fn uploaded(server: &Server, tenant: &str, name: &str, bytes: &[u8]) {
-    let r = upload(server, tenant, name, bytes, "");
-    assert_eq!(r.status, 200, "{}", r.body);
-}
-
-/// A small completion by `key` with extra headers.
-fn ask(server: &Server, key: &str, headers: &[(&str, &str)], max_tokens: u32) -> Reply {
-    ask_prompt(server, key, headers, "Hello there", max_tokens)
-}
-
-fn ask_prompt(
-    server: &Server,
-    key: &str,
-    headers: &[(&str, &str)],
-    prompt: &str,
-    max_tokens: u32,
-) -> Reply {
-    let agent = ureq::AgentBuilder::new()
-        .timeout(Duration::from_secs(120))
-        .build();
-    let mut request = agent
-        .post(&format!("{}/v1/completions", server.inference))
-        .set("authorization", &format!("Bearer {key}"))
-        .set("content-type", "application/json");
-    for (name, value) in headers {
-        request = request.set(name, value);
-    }
-    let body =
-        json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
-    let response = match request.send_string(&body.to_string()) {
-        Ok(r) => r,
-        Err(ureq::Error::Status(_, r)) => r,
-        Err(e) => panic!("transport error: {e}"),
-    };
-    Reply {
-        status: response.status(),
-        retry_after: response.header("retry-after").map(str::to_string),
-        content_type: response.header("content-type").map(str::to_string),
-        request_id: response.header("x-request-id").map(str::to_string),
-        body: response.into_string().unwrap(),
-    }
-}
-
-fn code(r: &Reply) -> String {
-    r.json()["error"]["code"].as_str().unwrap_or("").to_string()
-}
-
-fn message(r: &Reply) -> String {
-    r.json()["error"]["message"]
-        .as_str()
-        .unwrap_or("")
-        .to_string()
-}
-
 /// A policy whose plugins do not get disabled by the faults a test provokes.
 fn tolerant(extra: &str) -> Policy {
     Policy {
@@ -205,7 +135,6 @@ fn hostile_plugins_fail_closed_while_another_tenant_is_served() {
                     "trap",
                     "handles",
                     "state-flood",
-                    "stderr",
                 ] {
                     let r = ask(&server, KEY_ALPHA, &[("x-probe", mode)], 2);
                     seen.insert(mode.to_string(), (r.status, code(&r)));
@@ -231,7 +160,6 @@ fn hostile_plugins_fail_closed_while_another_tenant_is_served() {
             "{mode} fails closed"
         );
     }
-    assert_eq!(seen["stderr"].0, 200, "bounded stderr is not a fault");
     // The stated bound: beta's p99 under the attack stays within 3x its solo
     // p99 plus 1 s (2 cores shared by the server, the attack and the clients).
     eprintln!("beta p99 solo {solo:?}, during the hostile plugin {during:?}");
@@ -254,16 +182,6 @@ fn hostile_plugins_fail_closed_while_another_tenant_is_served() {
     assert_eq!(code(&r), "policy_rejected", "an invalid code is replaced");
     assert!(message(&r).len() <= 256, "{}", message(&r).len());
     assert!(r.retry_after.is_none());
-    // The server log keeps the plugin's stderr bounded.
-    let stderr_lines: Vec<String> = server
-        .stderr_lines()
-        .into_iter()
-        .filter(|l| l.contains("plugin stderr"))
-        .collect();
-    assert!(
-        stderr_lines.iter().all(|l| l.len() < 4096),
-        "bounded stderr"
-    );
 }
 
 #[test]
@@ -333,7 +251,11 @@ fn bad_uploads_are_refused_with_clear_errors_and_change_nothing() {
             "",
             "does not export bulkhead:policy/policy@0.1.0",
         ),
-        (&bad[..], "", "imports what the host does not offer"),
+        (
+            &bad[..],
+            "",
+            "imports fixture:bad-import/network, which the tenant-policy world",
+        ),
         (&good[..], "?fuel=999999999999999", "fuel is at most"),
         (
             &good[..],

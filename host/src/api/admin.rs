@@ -85,7 +85,12 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .route("/admin/v1/audit", get(audit_log));
     // Test builds only: a panic planted in a model's engine.
     #[cfg(feature = "fault-injection")]
-    let protected = protected.route("/admin/v1/models/{model}/fault/panic", post(fault_panic));
+    let protected = protected
+        .route("/admin/v1/models/{model}/fault/panic", post(fault_panic))
+        .route(
+            "/admin/v1/tenants/{tenant}/fault/plugin-stall",
+            post(fault_plugin_stall),
+        );
     // Every route above needs the admin token (`route_layer` covers only
     // the routes added before it).
     let protected = protected.route_layer(middleware::from_fn_with_state(app, require_admin));
@@ -892,6 +897,39 @@ async fn fault_panic(State(app): State<Arc<App>>, Path(model): Path<String>) -> 
             &serde_json::json!({ "model": model }),
         ))
     })();
+    respond(&app, answer)
+}
+
+/// `POST /admin/v1/tenants/{tenant}/fault/plugin-stall` `{"ms": N}` (test
+/// builds only): every host call of a plugin running for `tenant`'s requests
+/// blocks for the next N ms (0 ends it), as a host function stuck on a
+/// stalled disk would. 202 `{"tenant", "ms"}`; 404 for an unknown tenant.
+#[cfg(feature = "fault-injection")]
+async fn fault_plugin_stall(
+    State(app): State<Arc<App>>,
+    Path(tenant): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response<Body> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Stall {
+        ms: u64,
+    }
+    let answer = async {
+        let stall: Stall = json_body(body, &headers).await?;
+        let id = app.control.tenant(name(&tenant))?.id;
+        crate::policy::fault::stall_host_calls(
+            crate::tenancy::TenantId(id),
+            std::time::Duration::from_millis(stall.ms),
+        );
+        tracing::warn!(tenant = %tenant, ms = stall.ms, "fault injection: plugin host calls stall");
+        Ok(reply(
+            StatusCode::ACCEPTED,
+            &serde_json::json!({ "tenant": tenant, "ms": stall.ms }),
+        ))
+    }
+    .await;
     respond(&app, answer)
 }
 

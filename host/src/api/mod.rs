@@ -34,7 +34,6 @@ pub mod admin;
 pub mod error;
 pub mod guard;
 pub mod ids;
-pub mod lane;
 pub mod openai;
 pub mod stream;
 pub mod tenant;
@@ -85,7 +84,7 @@ pub const REFUSED_BODY_DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 /// catalog: [`Control::catalog`]).
 pub struct Serving {
     /// Where prompts are tokenized and plugins run, tenants in turn.
-    pub lane: lane::Lane,
+    pub lane: crate::lane::Lane,
     /// `server.body_bytes_max`.
     pub body_bytes_max: u64,
     /// `server.request_timeout_ms`.
@@ -341,11 +340,27 @@ async fn infer(
                 Ok(pending) => {
                     let span =
                         tracing::info_span!("request", request_id = id.0, tenant = %tenant.name);
-                    run(
-                        &app, &tenant, pending, id, arrived, &headers, body, endpoint,
+                    let mut unsent = Abandonment {
+                        app: &app,
+                        tenant: &tenant,
+                        id,
+                        armed: true,
+                    };
+                    let result = run(
+                        &app,
+                        &tenant,
+                        Arc::new(pending),
+                        id,
+                        arrived,
+                        &headers,
+                        body,
+                        endpoint,
+                        &mut unsent,
                     )
                     .instrument(span)
-                    .await
+                    .await;
+                    unsent.armed = false;
+                    result
                 }
             };
             result.unwrap_or_else(|error| {
@@ -358,6 +373,32 @@ async fn infer(
         response.headers_mut().insert("x-request-id", value);
     }
     response
+}
+
+/// A request of an authenticated tenant on its way to the engine: dropped
+/// armed — its client left before the request was submitted or answered —
+/// it is counted (`bulkhead_requests_abandoned_total`) and recorded in usage
+/// as `cancelled`. Whatever work it left queued goes with it (the lane
+/// withdraws it); what is running holds the request's permit until it ends.
+struct Abandonment<'a> {
+    app: &'a App,
+    tenant: &'a Tenant,
+    id: RequestId,
+    armed: bool,
+}
+
+impl Drop for Abandonment<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        telemetry::count_abandoned(&self.tenant.name);
+        self.app
+            .control
+            .usage_book()
+            .record(self.tenant.id, now_ms(), "cancelled", 0, 0);
+        tracing::info!(request_id = self.id.0, tenant = %self.tenant.name, "client left before the request was submitted");
+    }
 }
 
 /// Accounts a refused request of an authenticated tenant: its usage (by error
@@ -521,17 +562,20 @@ fn tokenize(model: &Served, source: Source, tokens_max: u64) -> Result<Option<Ve
     }
 }
 
-/// Steps 2–7 of the module doc; `pending` is the tenant's permit of step 1.
+/// Steps 2–7 of the module doc; `pending` is the tenant's permit of step 1,
+/// shared with the lane jobs the request queues (so it is held until they
+/// are gone, even when the request is dropped first).
 #[allow(clippy::too_many_arguments)]
 async fn run(
     app: &Arc<App>,
     tenant: &Tenant,
-    pending: OwnedSemaphorePermit,
+    pending: Arc<OwnedSemaphorePermit>,
     id: RequestId,
     arrived: Instant,
     headers: &HeaderMap,
     body: Body,
     endpoint: Endpoint,
+    unsent: &mut Abandonment<'_>,
 ) -> Result<Response<Body>, ApiError> {
     if app.shutting_down.load(Ordering::SeqCst) {
         return Err(ApiError::Unavailable);
@@ -575,7 +619,7 @@ async fn run(
     };
     // Kept for a second tokenization only if the chain may route elsewhere.
     let routable = (candidates.len() > 1).then(|| source.clone());
-    let mut prompt = tokenize_on_lane(app, tenant, &model, source, common.max_tokens)
+    let mut prompt = tokenize_on_lane(app, tenant, &model, source, common.max_tokens, &pending)
         .await?
         .map_err(rejected)?;
     let mut input = AdmitInput {
@@ -590,6 +634,7 @@ async fn run(
         headers: plugin_headers(headers),
         prompt_text,
         engine: model.engine.clone(),
+        budget: app.policy.time_budget(),
     };
     // Whatever the chain books or admits reaches the engine or is refused: if
     // this future ends first (an error, a refusal, the client gone), the guard
@@ -601,7 +646,7 @@ async fn run(
         armed: has_chain,
     };
     if let Some(source) = routable {
-        match run_route(app, tenant.id, &input, candidates).await? {
+        match run_route(app, tenant.id, &input, candidates, &pending).await? {
             Route::Unchanged => {}
             Route::Fault { plugin, kind } => {
                 return Err(ApiError::PolicyUnavailable { plugin, kind })
@@ -620,9 +665,10 @@ async fn run(
                         common.max_tokens,
                     )
                     .map_err(rejected)?;
-                prompt = tokenize_on_lane(app, tenant, &routed, source, common.max_tokens)
-                    .await?
-                    .map_err(rejected)?;
+                prompt =
+                    tokenize_on_lane(app, tenant, &routed, source, common.max_tokens, &pending)
+                        .await?
+                        .map_err(rejected)?;
                 model = routed;
                 input.model = model.spec.id.clone();
                 input.prompt_tokens = prompt_tokens_of(&prompt);
@@ -648,7 +694,7 @@ async fn run(
     };
     let mut admitted = model.admission.admit(request).map_err(rejected)?;
     if has_chain {
-        match run_chain(app, tenant.id, input, prompt_tokens).await? {
+        match run_chain(app, tenant.id, input, prompt_tokens, &pending).await? {
             Verdict::Admit {
                 max_tokens,
                 priority,
@@ -656,6 +702,11 @@ async fn run(
             Verdict::Reject(rejection) => return Err(ApiError::PolicyRejected(rejection)),
             Verdict::Fault { plugin, kind } => {
                 return Err(ApiError::PolicyUnavailable { plugin, kind })
+            }
+            Verdict::Cancelled => {
+                return Err(ApiError::Internal(
+                    "the policy chain saw its request cancelled".into(),
+                ))
             }
         }
     }
@@ -673,6 +724,8 @@ async fn run(
     // On an error the guard tells the plugins it was refused.
     model.engine.submit(admitted).await?;
     chain_guard.armed = false;
+    // The engine's from here: a client that leaves now cancels it there.
+    unsent.armed = false;
     // Queued: the tenant's queue limits govern it from here.
     drop(pending);
     let meta = ResponseMeta {
@@ -711,13 +764,18 @@ async fn tokenize_on_lane(
     model: &Arc<Served>,
     source: Source,
     max_tokens: Option<u32>,
+    pending: &Arc<OwnedSemaphorePermit>,
 ) -> Result<Result<Vec<u32>, crate::engine::request::Rejection>, ApiError> {
     let tokens_max = model.admission.prompt_tokens_max(max_tokens);
     let worker = Arc::clone(model);
+    let pending = Arc::clone(pending);
     let prompt = app
         .serving
         .lane
-        .run(tenant.id, move || tokenize(&worker, source, tokens_max))
+        .run(tenant.id, move |_| {
+            let _pending = pending;
+            tokenize(&worker, source, tokens_max)
+        })
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))??;
     Ok(prompt.ok_or_else(|| model.admission.too_long(tokens_max + 1, max_tokens)))
@@ -739,37 +797,36 @@ fn max_tokens_of(model: &Served, common: &Common, prompt: &[u32]) -> u32 {
     })
 }
 
-/// Runs the route chain in the tenant's turn on the lane. Like the admit
-/// chain, it runs to its end even if the request's future is dropped
-/// meanwhile; then whatever it booked is given back at once.
+/// Runs the route chain in the tenant's turn on the lane. If the request is
+/// dropped meanwhile, a queued job is withdrawn (nothing was asked); a running
+/// one stops asking at its next plugin, and whatever it booked is given back
+/// once it ends. The request's permit is held until then.
 async fn run_route(
     app: &Arc<App>,
     tenant: TenantId,
     input: &AdmitInput,
     candidates: Vec<String>,
+    pending: &Arc<OwnedSemaphorePermit>,
 ) -> Result<Route, ApiError> {
-    let (answer, route) = tokio::sync::oneshot::channel();
     let (request, prompt_tokens) = (input.request, input.prompt_tokens);
     let input = input.clone();
-    let app = Arc::clone(app);
-    tokio::spawn(async move {
-        let policy = Arc::clone(&app.policy);
-        let result = app
-            .serving
-            .lane
-            .run(tenant, move || policy.route(&input, &candidates))
-            .await;
-        if answer.send(result).is_err() {
-            app.policy.refused(request, prompt_tokens);
-        }
-    });
-    match route.await {
-        Ok(Ok(route)) => Ok(route),
-        Ok(Err(stopped)) => Err(ApiError::Internal(stopped.to_string())),
-        Err(_) => Err(ApiError::Internal(
-            "the policy task ended without a route".into(),
-        )),
-    }
+    let (policy, refuse, pending) = (
+        Arc::clone(&app.policy),
+        Arc::clone(&app.policy),
+        Arc::clone(pending),
+    );
+    app.serving
+        .lane
+        .run_or(
+            tenant,
+            move |cancel| policy.route(&input, &candidates, cancel),
+            move |_| {
+                refuse.refused(request, prompt_tokens);
+                drop(pending);
+            },
+        )
+        .await
+        .map_err(|stopped| ApiError::Internal(stopped.to_string()))
 }
 
 /// A request the policy chain may have booked budgets for (in `route` or
@@ -791,36 +848,37 @@ impl Drop for Unsubmitted<'_> {
     }
 }
 
-/// Runs the policy chain in the tenant's turn on the lane. The chain runs to
-/// its end even if the request's future is dropped meanwhile (the client went
-/// away): then nobody waits for an admit, and it is refused at once.
+/// Runs the policy chain in the tenant's turn on the lane. If the request is
+/// dropped meanwhile (its client left), a queued job is withdrawn; a running
+/// chain stops at its next plugin, and an admit nobody waits for any more is
+/// refused at once. The request's permit is held until then.
 async fn run_chain(
     app: &Arc<App>,
     tenant: TenantId,
     input: AdmitInput,
     prompt_tokens: u32,
+    pending: &Arc<OwnedSemaphorePermit>,
 ) -> Result<Verdict, ApiError> {
-    let (answer, verdict) = tokio::sync::oneshot::channel();
     let request = input.request;
-    let app = Arc::clone(app);
-    tokio::spawn(async move {
-        let policy = Arc::clone(&app.policy);
-        let result = app
-            .serving
-            .lane
-            .run(tenant, move || policy.admit(input))
-            .await;
-        if let Err(Ok(Verdict::Admit { .. })) = answer.send(result) {
-            app.policy.refused(request, prompt_tokens);
-        }
-    });
-    match verdict.await {
-        Ok(Ok(verdict)) => Ok(verdict),
-        Ok(Err(stopped)) => Err(ApiError::Internal(stopped.to_string())),
-        Err(_) => Err(ApiError::Internal(
-            "the policy task ended without a verdict".into(),
-        )),
-    }
+    let (policy, refuse, pending) = (
+        Arc::clone(&app.policy),
+        Arc::clone(&app.policy),
+        Arc::clone(pending),
+    );
+    app.serving
+        .lane
+        .run_or(
+            tenant,
+            move |cancel| policy.admit(input, cancel),
+            move |verdict| {
+                if let Verdict::Admit { .. } = verdict {
+                    refuse.refused(request, prompt_tokens);
+                }
+                drop(pending);
+            },
+        )
+        .await
+        .map_err(|stopped| ApiError::Internal(stopped.to_string()))
 }
 
 /// Waits for the whole completion (a dropped future drops the receiver,

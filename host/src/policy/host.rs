@@ -7,6 +7,11 @@
 //! (stopped by fuel and the epoch deadline). Imports return
 //! `Result<Result<T, GuestError>>`: the outer error traps (a broken limit, a
 //! bad handle), the inner one is the plugin's to handle.
+//!
+//! The linker holds exactly the interfaces `wit/policy.wit` names and nothing
+//! else: no WASI at all, so no clock to sleep on, no pollable to block on, no
+//! random bytes to ask for, no stream to write. A component that imports
+//! anything more is refused at upload ([`check_imports`]).
 
 use super::budget::{BudgetError as HostBudgetError, Budgets, Unit as HostUnit};
 use super::state::{PluginState, StateError as HostStateError};
@@ -18,7 +23,6 @@ use std::sync::Arc;
 use std::time::Instant;
 use wasmtime::component::{Linker, Resource, ResourceTable};
 use wasmtime::{StoreContextMut, StoreLimits};
-use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 /// Generated bindings of the operator world (a superset of the tenant world:
 /// the same exports, one more import).
@@ -40,8 +44,18 @@ use bindings::bulkhead::policy::state::StateError;
 pub const LOG_LINE_BYTES_MAX: usize = 256;
 /// Most log lines per call.
 pub const LOG_LINES_MAX: u32 = 16;
-/// Bytes of a call's stderr kept for the log.
-pub const STDERR_BYTES_MAX: usize = 1024;
+
+/// The package and version every import and the export must name exactly.
+pub const PACKAGE: &str = "bulkhead:policy";
+/// The contract's version.
+pub const VERSION: &str = "0.1.0";
+/// The interfaces a tenant plugin may import (`wit/policy.wit`'s
+/// `tenant-policy` world).
+pub const TENANT_IMPORTS: [&str; 5] = ["types", "kv-pool", "budget", "state", "host"];
+/// What an operator plugin may import besides (`operator-policy`).
+pub const OPERATOR_IMPORTS: [&str; 1] = ["operator"];
+/// The interface every plugin exports.
+pub const EXPORT: &str = "policy";
 
 /// A handle to the calling tenant's own partition: it carries nothing, so it
 /// can name nothing else; the host answers for the tenant of the call.
@@ -101,6 +115,8 @@ pub enum HostTrap {
 impl Call {
     /// Counts a host call; traps past the budget or the deadline.
     fn enter(&mut self) -> wasmtime::Result<()> {
+        #[cfg(feature = "fault-injection")]
+        super::fault::stall(self.tenant);
         if Instant::now() >= self.deadline {
             return Err(HostTrap::Deadline.into());
         }
@@ -114,24 +130,12 @@ impl Call {
 
 /// A call's store data.
 pub struct CallState {
-    /// WASI with nothing granted (no files, network, environment or arguments;
-    /// stderr into a bounded buffer).
-    pub wasi: WasiCtx,
-    /// Resources: WASI's and the partition handles.
+    /// Resources: the partition handles.
     pub table: ResourceTable,
     /// Memory, table and instance caps.
     pub limits: StoreLimits,
     /// The call.
     pub call: Call,
-}
-
-impl WasiView for CallState {
-    fn ctx(&mut self) -> WasiCtxView<'_> {
-        WasiCtxView {
-            ctx: &mut self.wasi,
-            table: &mut self.table,
-        }
-    }
 }
 
 impl bindings::bulkhead::policy::types::Host for CallState {}
@@ -348,14 +352,12 @@ fn add_host_interface(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
     Ok(())
 }
 
-/// A linker for tenant plugins (`operator`: false) or operator plugins: the
-/// policy imports, and WASI with nothing granted (a std Rust guest imports
-/// WASI interfaces even when it uses none of them).
+/// A linker for tenant plugins (`operator`: false) or operator plugins:
+/// the interfaces of their world, nothing else.
 pub fn linker(engine: &wasmtime::Engine, operator: bool) -> wasmtime::Result<Linker<CallState>> {
     use bindings::bulkhead::policy::{budget, kv_pool, operator as op, state, types};
     use wasmtime::component::HasSelf;
     let mut linker = Linker::new(engine);
-    wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
     types::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?;
     kv_pool::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?;
     budget::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?;
@@ -365,4 +367,58 @@ pub fn linker(engine: &wasmtime::Engine, operator: bool) -> wasmtime::Result<Lin
         op::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?;
     }
     Ok(linker)
+}
+
+/// The full name of interface `name` of the contract (`bulkhead:policy/name@0.1.0`).
+pub fn interface(name: &str) -> String {
+    format!("{PACKAGE}/{name}@{VERSION}")
+}
+
+/// Refuses a component that imports anything its world does not name, with
+/// the import's name, or that does not export `bulkhead:policy/policy@0.1.0`
+/// under exactly that name (another version of the contract is refused, not
+/// matched by semver).
+pub fn check_imports(
+    engine: &wasmtime::Engine,
+    component: &wasmtime::component::Component,
+    operator: bool,
+) -> Result<(), String> {
+    let ty = component.component_type();
+    let allowed: Vec<String> = TENANT_IMPORTS
+        .iter()
+        .chain(if operator { &OPERATOR_IMPORTS[..] } else { &[] })
+        .map(|name| interface(name))
+        .collect();
+    let world = if operator {
+        "operator-policy"
+    } else {
+        "tenant-policy"
+    };
+    for (name, _) in ty.imports(engine) {
+        if !allowed.iter().any(|a| a == name) {
+            let hint = if name.starts_with("wasi:") {
+                " (the host offers no WASI: a Rust plugin must be #![no_std], see docs/plugins.md)"
+            } else {
+                ""
+            };
+            return Err(format!(
+                "it imports {name}, which the {world} world of {PACKAGE}@{VERSION} does not name; \
+                 a plugin may import only {}{hint}",
+                allowed.join(", ")
+            ));
+        }
+    }
+    let export = interface(EXPORT);
+    if !ty.exports(engine).any(|(name, _)| name == export) {
+        let found: Vec<&str> = ty.exports(engine).map(|(name, _)| name).collect();
+        return Err(format!(
+            "it does not export {export} (admit, route, on-complete); it exports: {}",
+            if found.is_empty() {
+                "nothing".to_string()
+            } else {
+                found.join(", ")
+            }
+        ));
+    }
+    Ok(())
 }

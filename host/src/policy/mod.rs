@@ -22,26 +22,40 @@
 //!    window disable it (through the control plane: audited).
 //! 4. **Complete**: when an admitted request ends — any way, streamed or not —
 //!    its budget bookings are reconciled and each plugin of its chain gets
-//!    `on-complete` with the real counts, on a thread of its own.
+//!    `on-complete` with the real counts, on the completion lane: tenants in
+//!    turn, at most `plugins.complete_queue_max` ended requests queued per
+//!    tenant (past it, a tenant's `on-complete` calls are dropped and counted),
+//!    so one tenant's slow `on-complete` delays nobody else's.
 //!
-//! Plugin calls run on the tokenization lane's threads (tenants in turn),
-//! never on the engine thread or the async runtime's workers.
+//! A tenant's own plugins share one time budget per request
+//! (`plugins.request_budget_ms`), for `route` and `admit` together and again
+//! for `on-complete`: each call's deadline is its own or what is left of the
+//! budget, whichever comes first. Route and admit chains run in the tenant's
+//! turn on the request lane, never on the engine thread or the async
+//! runtime's workers, and every call itself runs on a plugin worker
+//! ([`calls`]) that its caller waits for with a bound: a call stuck in a host
+//! function past its deadline is abandoned, counted as a fault, and its
+//! worker replaced.
 
 pub mod artifact;
 pub mod budget;
+pub mod calls;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub mod host;
 pub mod state;
-pub mod stderr;
 
 use crate::config::{Config, PluginsConfig};
 use crate::engine::admission::PRIORITY_DEFAULT;
 use crate::engine::request::{FinishReason, RequestId, Usage};
 use crate::engine::service::EngineHandle;
+use crate::lane::{Cancel, Lane};
 use crate::store::records::{PluginLimitsRequest, PluginRecord};
 use crate::store::{Store, StoreError};
 use crate::tenancy::TenantId;
 use artifact::Sealer;
 use budget::Budgets;
+use calls::{CallLost, Calls};
 use host::bindings::bulkhead::policy::types::{
     Adjustments, Completion, Decision, Endpoint, Header, Outcome, RequestView,
 };
@@ -50,14 +64,16 @@ use host::{Call, CallState, HostTrap, Services};
 use state::PluginState;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex, RwLock};
+use std::sync::{mpsc, Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 use wasmtime::component::{Component, Linker, ResourceTable};
 use wasmtime::{Engine, Store as WasmStore, StoreLimitsBuilder};
-use wasmtime_wasi::WasiCtxBuilder;
 
 /// How often the epoch ticks (the unit of the epoch deadline).
 pub const EPOCH_TICK: Duration = Duration::from_millis(1);
+/// Less of a request's time budget than this left, and its tenant's next
+/// plugin is not called: the epoch could not give it even one whole tick.
+pub const BUDGET_CALL_MIN: Duration = Duration::from_millis(2);
 /// Most headers passed to a plugin.
 pub const HEADERS_MAX: usize = 64;
 /// Longest header value passed, in bytes (longer ones are left out).
@@ -164,6 +180,15 @@ pub enum FaultKind {
     HostLimit,
     /// Any other trap (unreachable, a panic, a bad instantiation).
     Trap,
+    /// Still running past its deadline, inside a host call: abandoned, its
+    /// worker replaced.
+    Abandoned,
+    /// The tenant's plugins used up the request's time budget before this
+    /// one was called (not counted against it).
+    Budget,
+    /// No worker could take the call in time, or the tenant already has the
+    /// most abandoned calls stuck (not counted against the plugin).
+    Unavailable,
 }
 
 impl FaultKind {
@@ -175,7 +200,15 @@ impl FaultKind {
             FaultKind::Memory => "memory",
             FaultKind::HostLimit => "host_limit",
             FaultKind::Trap => "trap",
+            FaultKind::Abandoned => "abandoned",
+            FaultKind::Budget => "budget",
+            FaultKind::Unavailable => "unavailable",
         }
+    }
+
+    /// Whether the fault is the plugin's own (and counts toward disabling it).
+    fn counts(self) -> bool {
+        !matches!(self, FaultKind::Budget | FaultKind::Unavailable)
     }
 
     fn of(error: &wasmtime::Error) -> FaultKind {
@@ -230,6 +263,9 @@ pub enum Verdict {
         /// How.
         kind: FaultKind,
     },
+    /// The request's caller left before the chain ended: the rest was not
+    /// asked, and its bookings are given back.
+    Cancelled,
 }
 
 /// A request as the chain sees it.
@@ -258,6 +294,31 @@ pub struct AdmitInput {
     /// The engine of the model it will run on (the kv-pool interface reports
     /// the tenant's partition there).
     pub engine: EngineHandle,
+    /// What is left of the time its tenant's own plugins may take
+    /// ([`PolicyRuntime::time_budget`]), shared by `route` and `admit`.
+    pub budget: TimeBudget,
+}
+
+/// What is left of the time a tenant's own plugins may take together for one
+/// request (`plugins.request_budget_ms`). Operator plugins have their own
+/// deadlines and do not spend it.
+#[derive(Clone, Debug)]
+pub struct TimeBudget(Arc<Mutex<Duration>>);
+
+impl TimeBudget {
+    /// A budget of `total`.
+    pub fn new(total: Duration) -> TimeBudget {
+        TimeBudget(Arc::new(Mutex::new(total)))
+    }
+
+    fn left(&self) -> Duration {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn spend(&self, spent: Duration) {
+        let mut left = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        *left = left.saturating_sub(spent);
+    }
 }
 
 /// What the route chain decided.
@@ -313,6 +374,8 @@ struct CallFor {
     tenant: TenantId,
     prompt_text: Option<Arc<str>>,
     engine: Option<EngineHandle>,
+    /// The request's budget, for a tenant plugin's call.
+    budget: Option<TimeBudget>,
 }
 
 /// A compiled plugin.
@@ -373,7 +436,14 @@ pub struct PolicyRuntime {
     inflight: Mutex<HashMap<RequestId, Inflight>>,
     sealer: Sealer,
     trips: Mutex<Option<mpsc::Sender<Trip>>>,
-    ended: Mutex<Option<mpsc::Sender<Ended>>>,
+    /// Where every call runs (its caller waits with a bound).
+    calls: Calls,
+    /// Where `on-complete` calls run: tenants in turn, bounded per tenant.
+    completions: Lane,
+    /// `plugins.request_budget_ms`.
+    request_budget: Duration,
+    /// This runtime, for the completion lane's jobs.
+    me: OnceLock<Weak<PolicyRuntime>>,
     ticker_stop: Arc<AtomicBool>,
 }
 
@@ -386,7 +456,6 @@ fn engine(config: &PluginsConfig) -> wasmtime::Result<Engine> {
         .total_core_instances(slots.saturating_mul(4))
         .total_memories(slots.saturating_mul(2))
         .total_tables(slots.saturating_mul(4))
-        .total_stacks(slots)
         .max_memory_size(config.memory_bytes as usize)
         .max_memories_per_component(2)
         .max_core_instances_per_component(16)
@@ -492,7 +561,15 @@ impl PolicyRuntime {
             inflight: Mutex::new(HashMap::new()),
             sealer,
             trips: Mutex::new(None),
-            ended: Mutex::new(None),
+            calls: Calls::new(plugins.instances_max as usize),
+            completions: Lane::new(
+                "bulkhead-plugin-complete",
+                plugins.complete_threads as usize,
+                plugins.complete_queue_max as usize,
+            )
+            .map_err(|e| PolicyError::Runtime(format!("the completion lane: {e}")))?,
+            request_budget: Duration::from_millis(plugins.request_budget_ms),
+            me: OnceLock::new(),
             ticker_stop: Arc::new(AtomicBool::new(false)),
         };
         for (order, operator) in plugins.operator.iter().enumerate() {
@@ -518,9 +595,19 @@ impl PolicyRuntime {
             runtime.operator.push(Arc::new(plugin));
         }
         let runtime = Arc::new(runtime);
+        let _ = runtime.me.set(Arc::downgrade(&runtime));
         runtime.start_ticker();
-        runtime.start_completions();
         Ok(runtime)
+    }
+
+    /// A fresh time budget for one request's tenant plugins.
+    pub fn time_budget(&self) -> TimeBudget {
+        TimeBudget::new(self.request_budget)
+    }
+
+    /// Plugin calls abandoned and still stuck in a host call.
+    pub fn calls_stuck(&self) -> u32 {
+        self.calls.stuck()
     }
 
     /// The deployment's call limits.
@@ -563,23 +650,6 @@ impl PolicyRuntime {
             });
     }
 
-    /// Runs `on-complete` calls on a thread of their own.
-    fn start_completions(self: &Arc<Self>) {
-        let (tx, rx) = mpsc::channel::<Ended>();
-        *self.ended.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
-        let runtime = Arc::downgrade(self);
-        let _ = std::thread::Builder::new()
-            .name("bulkhead-plugin-complete".into())
-            .spawn(move || {
-                for ended in rx {
-                    let Some(runtime) = runtime.upgrade() else {
-                        return;
-                    };
-                    runtime.complete(ended);
-                }
-            });
-    }
-
     /// Compiles and validates a component for the tenant world (or the
     /// operator world): refused with a message when it is not one.
     pub fn compile(&self, bytes: &[u8], operator: bool) -> Result<Component, InvalidPlugin> {
@@ -593,6 +663,7 @@ impl PolicyRuntime {
                 },
             )
         })?;
+        host::check_imports(&self.engine, &component, operator).map_err(InvalidPlugin)?;
         self.pre(&component, operator)?;
         Ok(component)
     }
@@ -657,6 +728,8 @@ impl PolicyRuntime {
         wasm: &[u8],
     ) -> Result<(Component, Option<Vec<u8>>), InvalidPlugin> {
         if let Some(component) = sealed.and_then(|s| self.sealer.open_sealed(&self.engine, s)) {
+            // Sealed by an older host, it may predate today's import rules.
+            host::check_imports(&self.engine, &component, false).map_err(InvalidPlugin)?;
             return Ok((component, None));
         }
         let component = self.compile(wasm, false)?;
@@ -723,8 +796,9 @@ impl PolicyRuntime {
 
     /// Runs the chain for a request (blocking: call it on the lane). Every
     /// plugin that admits holds its bookings until the request ends; a
-    /// reject or a fault gives them back at once.
-    pub fn admit(&self, input: AdmitInput) -> Verdict {
+    /// reject, a fault, or the request's caller gone (`cancel`, checked
+    /// between calls) gives them back at once.
+    pub fn admit(&self, input: AdmitInput, cancel: &Cancel) -> Verdict {
         let chain = self.chain_of(input.tenant);
         if chain.is_empty() {
             return Verdict::Admit {
@@ -735,19 +809,13 @@ impl PolicyRuntime {
         let mut view = view_of(&input);
         let (mut max_tokens, mut priority) = (None, None);
         for plugin in &chain {
-            let prompt = plugin
-                .tenant
-                .is_none()
-                .then(|| input.prompt_text.clone())
-                .flatten();
-            let call_for = CallFor {
-                request: input.request,
-                tenant: input.tenant,
-                prompt_text: prompt,
-                engine: Some(input.engine.clone()),
-            };
-            let decision = self.call(plugin, call_for, |p, store| {
-                p.bulkhead_policy_policy().call_admit(store, &view)
+            if cancel.is_cancelled() {
+                self.services.budgets.release(input.request, Instant::now());
+                return Verdict::Cancelled;
+            }
+            let asked = view.clone();
+            let decision = self.call(plugin, self.call_for(plugin, &input), move |p, store| {
+                p.bulkhead_policy_policy().call_admit(store, &asked)
             });
             match decision {
                 Err(kind) => {
@@ -811,25 +879,20 @@ impl PolicyRuntime {
     /// more than one) should serve the request: operator plugins first, then
     /// the tenant's; the first that names a candidate decides. A plugin that
     /// names anything else is ignored (logged); one that faults fails the
-    /// request closed, as in [`PolicyRuntime::admit`].
-    pub fn route(&self, input: &AdmitInput, candidates: &[String]) -> Route {
+    /// request closed, as in [`PolicyRuntime::admit`]. With the request's
+    /// caller gone (`cancel`), the rest of the chain is not asked.
+    pub fn route(&self, input: &AdmitInput, candidates: &[String], cancel: &Cancel) -> Route {
         let chain = self.chain_of(input.tenant);
-        let view = view_of(input);
+        let view = Arc::new(view_of(input));
+        let candidates: Arc<[String]> = candidates.into();
         for plugin in &chain {
-            let prompt = plugin
-                .tenant
-                .is_none()
-                .then(|| input.prompt_text.clone())
-                .flatten();
-            let call_for = CallFor {
-                request: input.request,
-                tenant: input.tenant,
-                prompt_text: prompt,
-                engine: Some(input.engine.clone()),
-            };
-            let picked = self.call(plugin, call_for, |p, store| {
+            if cancel.is_cancelled() {
+                return Route::Unchanged;
+            }
+            let (asked, offered) = (Arc::clone(&view), Arc::clone(&candidates));
+            let picked = self.call(plugin, self.call_for(plugin, input), move |p, store| {
                 p.bulkhead_policy_policy()
-                    .call_route(store, &view, candidates)
+                    .call_route(store, &asked, &offered)
             });
             match picked {
                 Err(kind) => {
@@ -858,6 +921,20 @@ impl PolicyRuntime {
         Route::Unchanged
     }
 
+    /// Who `plugin`'s call for `input` is for: the prompt text only for an
+    /// operator plugin (and only when captured), the request's time budget
+    /// only for a tenant plugin.
+    fn call_for(&self, plugin: &Plugin, input: &AdmitInput) -> CallFor {
+        let operator = plugin.tenant.is_none();
+        CallFor {
+            request: input.request,
+            tenant: input.tenant,
+            prompt_text: operator.then(|| input.prompt_text.clone()).flatten(),
+            engine: Some(input.engine.clone()),
+            budget: (!operator).then(|| input.budget.clone()),
+        }
+    }
+
     /// The plugins that run for `tenant`'s requests: the operator's, then its
     /// own enabled ones, in order.
     fn chain_of(&self, tenant: TenantId) -> Vec<Arc<Plugin>> {
@@ -871,7 +948,8 @@ impl PolicyRuntime {
     }
 
     /// The request the chain admitted was refused afterwards (a full queue,
-    /// the engine gone): its bookings come back, its plugins hear `refused`.
+    /// the engine gone, its client gone): its bookings come back, its plugins
+    /// hear `refused`.
     pub fn refused(&self, request: RequestId, prompt_tokens: u32) {
         self.services.budgets.release(request, Instant::now());
         self.send_ended(Ended {
@@ -899,29 +977,34 @@ impl PolicyRuntime {
         });
     }
 
+    /// Queues `on-complete` for an ended request the chain admitted, in its
+    /// tenant's turn on the completion lane; past the tenant's queue cap it is
+    /// dropped (counted), and nobody else waits for it.
     fn send_ended(&self, ended: Ended) {
-        let known = self
-            .inflight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains_key(&ended.request);
-        if known {
-            if let Some(tx) = &*self.ended.lock().unwrap_or_else(|p| p.into_inner()) {
-                let _ = tx.send(ended);
+        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(known) = inflight.remove(&ended.request) else {
+            return;
+        };
+        drop(inflight);
+        let Some(me) = self.me.get().cloned() else {
+            return;
+        };
+        let (tenant, tenant_name, request) =
+            (known.tenant, known.tenant_name.clone(), ended.request);
+        let queued = self.completions.spawn(tenant, move || {
+            if let Some(runtime) = me.upgrade() {
+                runtime.complete(ended, known);
             }
+        });
+        if queued.is_err() {
+            crate::telemetry::count_plugin_completion_dropped(&tenant_name);
+            tracing::warn!(request_id = request.0, tenant = %tenant_name, "on-complete dropped: the tenant's completion queue is full");
         }
     }
 
-    /// `on-complete` for every plugin of an ended request's chain.
-    fn complete(&self, ended: Ended) {
-        let Some(inflight) = self
-            .inflight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&ended.request)
-        else {
-            return;
-        };
+    /// `on-complete` for every plugin of an ended request's chain; the
+    /// tenant's own plugins share one time budget.
+    fn complete(&self, ended: Ended, inflight: Inflight) {
         let completion = Completion {
             request_id: ended.request.0,
             outcome: ended.outcome,
@@ -933,14 +1016,16 @@ impl PolicyRuntime {
                 .as_millis()
                 .min(u128::from(u32::MAX)) as u32,
         };
+        let budget = self.time_budget();
         for plugin in &inflight.chain {
             let call_for = CallFor {
                 request: ended.request,
                 tenant: inflight.tenant,
                 prompt_text: None,
                 engine: Some(inflight.engine.clone()),
+                budget: plugin.tenant.is_some().then(|| budget.clone()),
             };
-            let result = self.call(plugin, call_for, |p, store| {
+            let result = self.call(plugin, call_for, move |p, store| {
                 p.bulkhead_policy_policy()
                     .call_on_complete(store, completion)
             });
@@ -956,75 +1041,126 @@ impl PolicyRuntime {
         }
     }
 
-    /// One call in a fresh instance, with every limit set; a fault is
-    /// counted against the plugin.
-    fn call<R>(
+    /// One call in a fresh instance, with every limit set, on a plugin worker
+    /// this thread waits for with a bound ([`calls`]); a fault is counted
+    /// against the plugin.
+    fn call<R: Send + 'static>(
         &self,
         plugin: &Arc<Plugin>,
         call_for: CallFor,
         f: impl FnOnce(
-            &host::bindings::OperatorPolicy,
-            &mut WasmStore<CallState>,
-        ) -> wasmtime::Result<R>,
+                &host::bindings::OperatorPolicy,
+                &mut WasmStore<CallState>,
+            ) -> wasmtime::Result<R>
+            + Send
+            + 'static,
     ) -> Result<R, FaultKind> {
         let started = Instant::now();
-        let request = call_for.request;
-        let limits = plugin.limits;
-        let stderr = stderr::CappedStderr::new(host::STDERR_BYTES_MAX);
-        let wasi = WasiCtxBuilder::new().stderr(stderr.clone()).build();
-        let state = CallState {
-            wasi,
-            table: ResourceTable::new(),
-            limits: StoreLimitsBuilder::new()
-                .memory_size(limits.memory_bytes as usize)
-                .instances(16)
-                .tables(8)
-                .memories(2)
-                .trap_on_grow_failure(true)
-                .build(),
-            call: Call {
-                request: call_for.request,
-                tenant: call_for.tenant,
-                plugin: Arc::clone(&plugin.name),
-                deadline: started + limits.deadline,
-                host_calls_left: limits.host_calls,
-                handles_left: limits.handles,
-                log_lines_left: host::LOG_LINES_MAX,
-                memory_max: limits.memory_bytes,
-                prompt_text: call_for.prompt_text,
-                engine: call_for.engine,
-                services: Arc::clone(&self.services),
-            },
+        let (request, tenant) = (call_for.request, call_for.tenant);
+        let budget = call_for.budget.clone();
+        let (time, spent) = match &budget {
+            Some(budget) => {
+                let left = budget.left();
+                (plugin.limits.deadline.min(left), left < BUDGET_CALL_MIN)
+            }
+            None => (plugin.limits.deadline, false),
         };
-        let mut store = WasmStore::new(&self.engine, state);
-        store.limiter(|s| &mut s.limits);
-        let ticks = (limits.deadline.as_millis() as u64 / EPOCH_TICK.as_millis() as u64).max(1);
-        store.set_epoch_deadline(ticks);
-        store.epoch_deadline_trap();
-        let result = store
-            .set_fuel(limits.fuel)
-            .and_then(|()| plugin.pre.instantiate(&mut store))
-            .and_then(|instance| f(&instance, &mut store));
-        let written = stderr.contents();
-        if !written.is_empty() {
-            // The plugin's own output, cut: a tenant plugin never sees request
-            // text, so it cannot write it here.
-            let text = String::from_utf8_lossy(&written);
-            tracing::info!(request_id = request.0, plugin = %plugin.name, stderr = %text.trim_end(), "plugin stderr");
+        let result = if spent {
+            Err((
+                FaultKind::Budget,
+                "the request's plugin time budget is spent".into(),
+            ))
+        } else {
+            let job = self.call_job(plugin, call_for, started + time, f);
+            match self.calls.run(tenant, started + time, job) {
+                Ok(result) => result,
+                Err(CallLost::Abandoned) => Err((
+                    FaultKind::Abandoned,
+                    "still running past its deadline (in a host call); abandoned".into(),
+                )),
+                Err(CallLost::TenantStuck) => Err((
+                    FaultKind::Unavailable,
+                    "the tenant has the most abandoned plugin calls still stuck".into(),
+                )),
+                Err(CallLost::NoWorker) => Err((
+                    FaultKind::Unavailable,
+                    "no plugin worker took the call before its deadline".into(),
+                )),
+                Err(CallLost::Panicked) => Err((FaultKind::Trap, "the host panicked".into())),
+            }
+        };
+        if let Some(budget) = &budget {
+            budget.spend(started.elapsed());
         }
         let outcome = match &result {
             Ok(_) => "ok",
-            Err(e) => FaultKind::of(e).as_str(),
+            Err((kind, _)) => kind.as_str(),
         };
         crate::telemetry::count_plugin_call(outcome);
-        match result {
-            Ok(value) => Ok(value),
-            Err(error) => {
-                let kind = FaultKind::of(&error);
-                tracing::warn!(request_id = request.0, plugin = %plugin.name, fault = kind.as_str(), error = %format!("{error:#}"), "plugin call failed");
+        result.map_err(|(kind, error)| {
+            tracing::warn!(request_id = request.0, plugin = %plugin.name, fault = kind.as_str(), error = %error, "plugin call failed");
+            if kind.counts() {
                 self.fault(plugin, kind);
-                Err(kind)
             }
+            kind
+        })
+    }
+
+    /// The work of one call, for a plugin worker: a store with every limit,
+    /// a fresh instance, the export.
+    fn call_job<R: Send + 'static>(
+        &self,
+        plugin: &Arc<Plugin>,
+        call_for: CallFor,
+        deadline: Instant,
+        f: impl FnOnce(
+                &host::bindings::OperatorPolicy,
+                &mut WasmStore<CallState>,
+            ) -> wasmtime::Result<R>
+            + Send
+            + 'static,
+    ) -> impl FnOnce() -> Result<R, (FaultKind, String)> + Send + 'static {
+        let (engine, services, plugin) = (
+            self.engine.clone(),
+            Arc::clone(&self.services),
+            Arc::clone(plugin),
+        );
+        move || {
+            let limits = plugin.limits;
+            let state = CallState {
+                table: ResourceTable::new(),
+                limits: StoreLimitsBuilder::new()
+                    .memory_size(limits.memory_bytes as usize)
+                    .instances(16)
+                    .tables(8)
+                    .memories(2)
+                    .trap_on_grow_failure(true)
+                    .build(),
+                call: Call {
+                    request: call_for.request,
+                    tenant: call_for.tenant,
+                    plugin: Arc::clone(&plugin.name),
+                    deadline,
+                    host_calls_left: limits.host_calls,
+                    handles_left: limits.handles,
+                    log_lines_left: host::LOG_LINES_MAX,
+                    memory_max: limits.memory_bytes,
+                    prompt_text: call_for.prompt_text,
+                    engine: call_for.engine,
+                    services,
+                },
+            };
+            let mut store = WasmStore::new(&engine, state);
+            store.limiter(|s| &mut s.limits);
+            let left = deadline.saturating_duration_since(Instant::now());
+            let ticks = (left.as_millis() as u64 / EPOCH_TICK.as_millis() as u64).max(1);
+            store.set_epoch_deadline(ticks);
+            store.epoch_deadline_trap();
+            store
+                .set_fuel(limits.fuel)
+                .and_then(|()| plugin.pre.instantiate(&mut store))
+                .and_then(|instance| f(&instance, &mut store))
+                .map_err(|error| (FaultKind::of(&error), format!("{error:#}")))
         }
     }
 

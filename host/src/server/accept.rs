@@ -16,12 +16,27 @@
 //!    in flight from its headers until its response body ends, so a long
 //!    stream is never idle; a slow request body is bounded by the handler's
 //!    own read deadline.
-//! 5. **Drain**: on stop, every connection is asked to close gracefully, and
+//! 5. **Send deadline**: a response whose client does not take what it was
+//!    handed — an HTTP/2 flow-control window that never opens, an HTTP/1
+//!    socket nobody reads, so that the connection stops asking the response
+//!    for more — closes its whole connection (`send_stall`) once it has
+//!    waited out its allowance: a bucket of `server.send_stall_timeout_ms`
+//!    that each wait for the client drains and each byte the client took
+//!    refills by 1/`server.send_rate_min_bytes_per_s` seconds, never above
+//!    the full bucket. So a client that stops reading goes within one stall
+//!    timeout (once the buffers between are full), and one that reads but
+//!    slower than the minimum rate soon after; time the response spends
+//!    waiting for its own next bytes (the engine) is not counted.
+//! 6. **Drain**: on stop, every connection is asked to close gracefully, and
 //!    the loop waits for them until the drain deadline.
+//!
+//! HTTP/2's own limits are `[server]` fields too: concurrent streams, the
+//! header list size, and the streams a client may reset (pending) or make
+//! the server reset, per connection.
 //!
 //! ```text
 //!  accept ─► peer cap ─► [TLS] ─► detect ─► headers ─► request … response end ─► idle ─► close
-//!    └───────────── handshake_timeout ────────────┘                      └─ idle_timeout ─┘
+//!    └───────────── handshake_timeout ────────────┘    └─ send stall ─┘    └─ idle_timeout ─┘
 //! ```
 
 use crate::telemetry;
@@ -33,7 +48,7 @@ use hyper::body::Incoming;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -47,10 +62,6 @@ use tokio_rustls::TlsAcceptor;
 /// How long a connection asked to close (idle, or draining after its last
 /// request) may take before it is dropped.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
-/// Most concurrent HTTP/2 streams (requests) on one connection.
-pub const H2_STREAMS_MAX: u32 = 64;
-/// Largest HTTP/2 header list a client may send, in bytes.
-pub const H2_HEADER_LIST_BYTES_MAX: u32 = 32 << 10;
 /// Largest HTTP/1 read buffer (request line and headers), in bytes.
 pub const H1_BUFFER_BYTES_MAX: usize = 64 << 10;
 /// How long the loop backs off after a failed `accept` (out of descriptors).
@@ -67,6 +78,18 @@ pub struct ConnectionLimits {
     pub handshake: Duration,
     /// `server.idle_timeout_ms`.
     pub idle: Duration,
+    /// `server.send_stall_timeout_ms`.
+    pub send_stall: Duration,
+    /// `server.send_rate_min_bytes_per_s`.
+    pub send_rate_min_bytes_per_s: u64,
+    /// `server.h2_streams_max`.
+    pub h2_streams_max: u32,
+    /// `server.h2_header_list_bytes_max`.
+    pub h2_header_list_bytes_max: u32,
+    /// `server.h2_pending_resets_max`.
+    pub h2_pending_resets_max: u32,
+    /// `server.h2_local_resets_max`.
+    pub h2_local_resets_max: u32,
 }
 
 /// Why the listener closed a connection itself (a metric label).
@@ -75,6 +98,7 @@ enum Closed {
     PeerLimit,
     Handshake,
     Idle,
+    SendStall,
 }
 
 impl Closed {
@@ -83,6 +107,7 @@ impl Closed {
             Closed::PeerLimit => "peer_limit",
             Closed::Handshake => "handshake_timeout",
             Closed::Idle => "idle_timeout",
+            Closed::SendStall => "send_stall",
         }
     }
 }
@@ -106,7 +131,7 @@ impl Accept {
     pub async fn run(self, mut stop: watch::Receiver<bool>, drain: Duration) {
         let slots = Arc::new(Semaphore::new(self.limits.connections_max as usize));
         let peers = Arc::new(Peers::default());
-        let builder = self.builder();
+        let builder = builder(&self.limits);
         loop {
             // Hold a slot before accepting: past the cap, connections wait in
             // the kernel's backlog instead of being served.
@@ -152,23 +177,26 @@ impl Accept {
         drop(self);
         drain_connections(name, &slots, connections_max, drain).await;
     }
+}
 
-    fn builder(&self) -> auto::Builder<TokioExecutor> {
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder
-            .http1()
-            .timer(TokioTimer::new())
-            // Headers are bounded by `expired`, the same way for HTTP/1 and
-            // HTTP/2: the handshake deadline, then the idle one.
-            .header_read_timeout(None)
-            .max_buf_size(H1_BUFFER_BYTES_MAX);
-        builder
-            .http2()
-            .timer(TokioTimer::new())
-            .max_concurrent_streams(H2_STREAMS_MAX)
-            .max_header_list_size(H2_HEADER_LIST_BYTES_MAX);
-        builder
-    }
+/// The HTTP/1 and HTTP/2 settings of a listener's connections.
+fn builder(limits: &ConnectionLimits) -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        // Headers are bounded by `expired`, the same way for HTTP/1 and
+        // HTTP/2: the handshake deadline, then the idle one.
+        .header_read_timeout(None)
+        .max_buf_size(H1_BUFFER_BYTES_MAX);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(limits.h2_streams_max)
+        .max_header_list_size(limits.h2_header_list_bytes_max)
+        .max_pending_accept_reset_streams(limits.h2_pending_resets_max as usize)
+        .max_local_error_reset_streams(limits.h2_local_resets_max as usize);
+    builder
 }
 
 /// Waits until every connection has given its slot back, at most `drain`
@@ -241,8 +269,16 @@ impl Connection {
             in_flight: 0,
             requests: 0,
             idle_since: self.accepted,
+            stall_at: None,
         });
-        let requests = Requests(Arc::new(activity));
+        let requests = Requests(Arc::new(Shared {
+            activity,
+            waiting: Mutex::new(Waiting::default()),
+            allowance: Allowance {
+                stall: self.limits.send_stall,
+                rate_min_bytes_per_s: self.limits.send_rate_min_bytes_per_s,
+            },
+        }));
         let service = TrackedService {
             router: self.router.clone(),
             requests: requests.clone(),
@@ -277,26 +313,88 @@ async fn stopped(mut stop: watch::Receiver<bool>) {
     let _ = stop.wait_for(|stop| *stop).await.is_ok();
 }
 
-/// A connection's requests: how many are in flight, how many there were, and
-/// since when none has been.
+/// A connection's requests: how many are in flight, how many there were,
+/// since when none has been, and when the response waiting longest for its
+/// client runs out of time.
 #[derive(Clone, Copy, Debug)]
 struct Activity {
     in_flight: u32,
     requests: u64,
     idle_since: Instant,
+    stall_at: Option<Instant>,
+}
+
+/// How long a response may wait for its client: a bucket of `stall` that
+/// waiting drains and bytes taken refill at `rate_min_bytes_per_s`.
+#[derive(Clone, Copy, Debug)]
+struct Allowance {
+    stall: Duration,
+    rate_min_bytes_per_s: u64,
+}
+
+impl Allowance {
+    /// What is left of `left` after a wait of `waited` that ended with the
+    /// client taking `bytes`.
+    fn after(&self, left: Duration, waited: Duration, bytes: u64) -> Duration {
+        let earned = Duration::from_secs_f64(bytes as f64 / self.rate_min_bytes_per_s as f64);
+        left.saturating_sub(waited)
+            .saturating_add(earned)
+            .min(self.stall)
+    }
+}
+
+/// The responses waiting for their client to take a frame: body serial →
+/// when it runs out of time.
+#[derive(Default)]
+struct Waiting {
+    deadlines: BTreeMap<u64, Instant>,
+    serial_next: u64,
+}
+
+struct Shared {
+    activity: watch::Sender<Activity>,
+    waiting: Mutex<Waiting>,
+    allowance: Allowance,
 }
 
 /// The writing side of a connection's [`Activity`], shared by its service.
 #[derive(Clone)]
-struct Requests(Arc<watch::Sender<Activity>>);
+struct Requests(Arc<Shared>);
 
 impl Requests {
     fn begin(&self) -> InFlight {
-        self.0.send_modify(|a| {
+        self.0.activity.send_modify(|a| {
             a.in_flight += 1;
             a.requests += 1;
         });
         InFlight(self.clone())
+    }
+
+    fn serial(&self) -> u64 {
+        let mut waiting = self.0.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        waiting.serial_next += 1;
+        waiting.serial_next
+    }
+
+    /// Response `serial` waits for its client until `deadline` (None: it
+    /// does not wait any more). Wakes the connection's watcher only when the
+    /// earliest deadline comes sooner: a later one it finds when it wakes.
+    fn wait(&self, serial: u64, deadline: Option<Instant>) {
+        let mut waiting = self.0.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        match deadline {
+            Some(at) => waiting.deadlines.insert(serial, at),
+            None => waiting.deadlines.remove(&serial),
+        };
+        let earliest = waiting.deadlines.values().min().copied();
+        self.0.activity.send_if_modified(|a| {
+            let sooner = match (earliest, a.stall_at) {
+                (Some(new), Some(old)) => new < old,
+                (Some(_), None) => true,
+                _ => false,
+            };
+            a.stall_at = earliest;
+            sooner
+        });
     }
 }
 
@@ -305,7 +403,7 @@ struct InFlight(Requests);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0 .0.send_modify(|a| {
+        self.0 .0.activity.send_modify(|a| {
             assert!(a.in_flight > 0, "every request in flight began");
             a.in_flight -= 1;
             if a.in_flight == 0 {
@@ -316,7 +414,8 @@ impl Drop for InFlight {
 }
 
 /// Resolves once the connection must close: no first request within the
-/// handshake deadline, or no request in flight for the idle deadline.
+/// handshake deadline, no request in flight for the idle deadline, or a
+/// response its client has not taken past its send deadline.
 async fn expired(
     mut activity: watch::Receiver<Activity>,
     accepted: Instant,
@@ -327,12 +426,20 @@ async fn expired(
         let deadline = match (a.in_flight, a.requests) {
             (0, 0) => Some((accepted + limits.handshake, Closed::Handshake)),
             (0, _) => Some((a.idle_since + limits.idle, Closed::Idle)),
-            _ => None,
+            _ => a.stall_at.map(|at| (at, Closed::SendStall)),
         };
         let changed = match deadline {
             None => activity.changed().await,
             Some((at, closed)) => tokio::select! {
-                _ = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => return closed,
+                _ = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => {
+                    // A send deadline may have moved later meanwhile (the
+                    // client took its frame): look again before closing.
+                    let now = *activity.borrow();
+                    if closed != Closed::SendStall || now.stall_at.is_some_and(|s| s <= Instant::now()) {
+                        return closed;
+                    }
+                    continue;
+                }
                 changed = activity.changed() => changed,
             },
         };
@@ -361,11 +468,17 @@ impl hyper::service::Service<Request<Incoming>> for TrackedService {
         let mut router = self.router.clone();
         // A Router is always ready (its `poll_ready` returns Ready).
         let future = tower_service::Service::call(&mut router, request);
+        let requests = self.requests.clone();
         Box::pin(async move {
             let response = future.await?;
             Ok(response.map(|body| {
                 Body::new(TrackedBody {
                     body,
+                    serial: requests.serial(),
+                    allowance_left: requests.0.allowance.stall,
+                    requests,
+                    handed_bytes: 0,
+                    waiting_since: None,
                     _in_flight: in_flight,
                 })
             }))
@@ -373,9 +486,19 @@ impl hyper::service::Service<Request<Incoming>> for TrackedService {
     }
 }
 
-/// A response body that keeps its request in flight until it ends.
+/// A response body that keeps its request in flight until it ends, and
+/// tells its connection how long it has waited for its client: from handing
+/// out a frame until the connection asks for the next one.
 struct TrackedBody {
     body: Body,
+    requests: Requests,
+    serial: u64,
+    /// What is left of its send allowance ([`Allowance`]).
+    allowance_left: Duration,
+    /// Bytes of the frame last handed to the connection.
+    handed_bytes: u64,
+    /// Since when that frame has not been followed by a poll.
+    waiting_since: Option<Instant>,
     _in_flight: InFlight,
 }
 
@@ -387,7 +510,22 @@ impl http_body::Body for TrackedBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        // Asked again: the client took what it was handed.
+        if let Some(since) = self.waiting_since.take() {
+            let allowance = self.requests.0.allowance;
+            self.allowance_left =
+                allowance.after(self.allowance_left, since.elapsed(), self.handed_bytes);
+            self.requests.wait(self.serial, None);
+        }
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            self.handed_bytes = frame.data_ref().map_or(0, |d| d.len() as u64);
+            let now = Instant::now();
+            self.waiting_since = Some(now);
+            self.requests
+                .wait(self.serial, Some(now + self.allowance_left));
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -396,6 +534,14 @@ impl http_body::Body for TrackedBody {
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+impl Drop for TrackedBody {
+    fn drop(&mut self) {
+        if self.waiting_since.is_some() {
+            self.requests.wait(self.serial, None);
+        }
     }
 }
 
@@ -465,6 +611,141 @@ impl Drop for PeerSlot {
 mod tests {
     use super::*;
     use std::net::{Ipv4Addr, Ipv6Addr};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A response body that never ends: 16 KiB frames, as fast as asked.
+    struct Endless;
+
+    impl http_body::Body for Endless {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'x'; 16 << 10])))))
+        }
+    }
+
+    fn limits(send_stall: Duration, rate: u64) -> ConnectionLimits {
+        ConnectionLimits {
+            connections_max: 4,
+            per_peer_max: 4,
+            handshake: Duration::from_secs(10),
+            idle: Duration::from_secs(10),
+            send_stall,
+            send_rate_min_bytes_per_s: rate,
+            h2_streams_max: 8,
+            h2_header_list_bytes_max: 16 << 10,
+            h2_pending_resets_max: 4,
+            h2_local_resets_max: 4,
+        }
+    }
+
+    /// One connection served over an in-memory pipe of `pipe_bytes`, answering
+    /// every request with [`Endless`]; the client's end of the pipe.
+    fn serve_endless(
+        limits: ConnectionLimits,
+        pipe_bytes: usize,
+    ) -> (tokio::io::DuplexStream, tokio::task::JoinHandle<()>) {
+        let router = Router::new().route("/", axum::routing::get(|| async { Body::new(Endless) }));
+        let (client, server) = tokio::io::duplex(pipe_bytes);
+        let (_stop, stop) = watch::channel(false);
+        let slots = Arc::new(Semaphore::new(1));
+        let peers = Arc::new(Peers::default());
+        let peer = SocketAddr::from((Ipv4Addr::LOCALHOST, 1));
+        let connection = Connection {
+            listener: "test",
+            peer,
+            accepted: Instant::now(),
+            limits,
+            router,
+            builder: builder(&limits),
+            tls: None,
+            stop,
+            _slots: (
+                slots.try_acquire_owned().unwrap(),
+                peers.enter(peer.ip(), 4).unwrap(),
+            ),
+        };
+        let served = tokio::spawn(async move {
+            connection.serve_io(TokioIo::new(server)).await;
+            drop(_stop);
+        });
+        (client, served)
+    }
+
+    #[tokio::test]
+    async fn an_http1_client_that_never_reads_is_closed_by_the_send_deadline() {
+        let stall = Duration::from_millis(300);
+        let (mut client, served) = serve_endless(limits(stall, 1024), 8 << 10);
+        let started = Instant::now();
+        client
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        // Never read: the pipe and hyper's buffer fill, the body is not asked
+        // for more, and the stall deadline (plus the close grace) ends it.
+        tokio::time::timeout(Duration::from_secs(5), served)
+            .await
+            .expect("the connection closed")
+            .unwrap();
+        let took = started.elapsed();
+        assert!(took >= stall, "not before the deadline: {took:?}");
+        assert!(
+            took < stall + CLOSE_GRACE + Duration::from_secs(2),
+            "{took:?}"
+        );
+        // What was buffered can still be read, then the end.
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.unwrap();
+        assert!(!rest.is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_http1_client_that_reads_steadily_is_not_cut() {
+        // 64 KiB/s at least after a 300 ms allowance; this client takes
+        // 16 KiB every 50 ms (320 KiB/s) for two seconds, far past 300 ms.
+        let (mut client, served) =
+            serve_endless(limits(Duration::from_millis(300), 64 << 10), 8 << 10);
+        client
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; 16 << 10];
+        let started = Instant::now();
+        let mut read = 0usize;
+        while started.elapsed() < Duration::from_secs(2) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let n = client.read(&mut buf).await.unwrap();
+            assert!(n > 0, "cut after {:?} and {read} bytes", started.elapsed());
+            read += n;
+        }
+        assert!(!served.is_finished(), "the connection is still open");
+        // Then it stops reading: closed like any other.
+        tokio::time::timeout(Duration::from_secs(5), served)
+            .await
+            .expect("closed once it stopped reading")
+            .unwrap();
+    }
+
+    #[test]
+    fn the_send_allowance_drains_by_waiting_and_refills_by_bytes_taken_up_to_the_stall() {
+        let a = Allowance {
+            stall: Duration::from_secs(10),
+            rate_min_bytes_per_s: 1000,
+        };
+        let s = Duration::from_secs;
+        assert_eq!(a.after(s(10), s(4), 0), s(6));
+        assert_eq!(a.after(s(6), s(1), 3000), s(8));
+        assert_eq!(
+            a.after(s(8), s(0), 1_000_000),
+            s(10),
+            "never above the stall"
+        );
+        assert_eq!(a.after(s(2), s(5), 1000), s(1), "drained, then refilled");
+    }
 
     #[test]
     fn peers_are_capped_and_slots_come_back() {

@@ -25,13 +25,13 @@
 mod accept;
 
 use crate::api::ids::RequestIds;
-use crate::api::lane::Lane;
 use crate::api::{self, App, Serving};
 use crate::capacity::{Capacity, CapacityViolation, MemoryBudget, MemoryViolation};
 use crate::catalog::{self, Catalog, LoadError, Source};
 use crate::config::{Config, ConfigError, ModelSpec, TlsConfig, MODELS_MAX};
 use crate::engine::request::{FinishReason, RequestId, Usage};
 use crate::engine::scheduler::{EngineFault, FinishSink};
+use crate::lane::Lane;
 use crate::policy::{PolicyError, PolicyRuntime, Trip};
 use crate::store::records::TenantRecord;
 use crate::store::usage::UsageBook;
@@ -201,7 +201,11 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         .map_err(|e| ServeError::Io(std::io::Error::other(format!("randomness: {e}"))))?;
     let app = Arc::new(App {
         serving: Serving {
-            lane: Lane::new(config.server.tokenize_threads as usize)?,
+            lane: Lane::new(
+                "bulkhead-lane",
+                config.server.tokenize_threads as usize,
+                crate::tenancy::PENDING_LIMIT as usize,
+            )?,
             body_bytes_max: config.server.body_bytes_max,
             request_timeout: Duration::from_millis(config.server.request_timeout_ms),
             canary_guard: config.server.canary_guard,
@@ -443,6 +447,12 @@ async fn run_listeners(config: &Config, app: Arc<App>, drain: Duration) -> Resul
         per_peer_max: s.connections_per_peer_max,
         handshake: Duration::from_millis(s.handshake_timeout_ms),
         idle: Duration::from_millis(s.idle_timeout_ms),
+        send_stall: Duration::from_millis(s.send_stall_timeout_ms),
+        send_rate_min_bytes_per_s: s.send_rate_min_bytes_per_s,
+        h2_streams_max: s.h2_streams_max,
+        h2_header_list_bytes_max: s.h2_header_list_bytes_max,
+        h2_pending_resets_max: s.h2_pending_resets_max,
+        h2_local_resets_max: s.h2_local_resets_max,
     };
     let mut tasks = Vec::new();
     for (name, listener, router) in listeners {

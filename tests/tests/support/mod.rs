@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod h2;
+
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -127,6 +129,8 @@ pub struct Policy {
     pub canary_guard: bool,
     /// `server.request_timeout_ms`.
     pub request_timeout_ms: u64,
+    /// More `[server]` fields (TOML lines).
+    pub server_toml: String,
 }
 
 impl Default for Policy {
@@ -152,6 +156,7 @@ impl Default for Policy {
             beta_pages: (64, 96),
             canary_guard: false,
             request_timeout_ms: 120_000,
+            server_toml: String::new(),
         }
     }
 }
@@ -181,6 +186,7 @@ idle_timeout_ms = {idle}
 request_timeout_ms = {request_timeout}
 drain_timeout_ms = {drain}
 canary_guard = {canary_guard}
+{server_extra}
 {tls}
 {store}
 {plugins}
@@ -241,6 +247,7 @@ key_env = "BULKHEAD_KEY_GAMMA"
             beta_max = self.beta_pages.1,
             canary_guard = self.canary_guard,
             request_timeout = self.request_timeout_ms,
+            server_extra = self.server_toml,
         )
     }
 }
@@ -570,6 +577,35 @@ impl Server {
         reply(request.send_bytes(body))
     }
 
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// CPU time the server has used so far, user and system.
+    pub fn cpu_time(&self) -> Duration {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap();
+        // Fields after the command's closing parenthesis; utime and stime
+        // are the 14th and 15th of the line.
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+        // SAFETY: sysconf reads a constant of the system.
+        let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+        Duration::from_millis(ticks * 1000 / per_second)
+    }
+
+    /// The server's resident memory, in bytes.
+    pub fn rss_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .unwrap()
+            * 1024
+    }
+
     /// Sends SIGTERM.
     pub fn terminate(&self) {
         // SAFETY: kill(2) with a child pid we own; no memory is shared.
@@ -685,4 +721,76 @@ pub fn plugin_wasm(name: &str) -> Option<PathBuf> {
         path.display()
     );
     None
+}
+
+// Plugins: uploads through the admin API, and small completions with headers.
+
+/// A plugin component's bytes (see [`plugin_wasm`]).
+pub fn wasm(name: &str) -> Option<Vec<u8>> {
+    plugin_wasm(name).map(|p| std::fs::read(p).unwrap())
+}
+
+/// Uploads `bytes` as `tenant`'s plugin `name` through the admin API.
+pub fn upload(server: &Server, tenant: &str, name: &str, bytes: &[u8], query: &str) -> Reply {
+    server.call_raw(
+        &server.admin,
+        "PUT",
+        &format!("/admin/v1/tenants/{tenant}/plugins/{name}{query}"),
+        Some(ADMIN_TOKEN),
+        "application/wasm",
+        bytes,
+    )
+}
+
+pub fn uploaded(server: &Server, tenant: &str, name: &str, bytes: &[u8]) {
+    let r = upload(server, tenant, name, bytes, "");
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// A small completion by `key` with extra headers.
+pub fn ask(server: &Server, key: &str, headers: &[(&str, &str)], max_tokens: u32) -> Reply {
+    ask_prompt(server, key, headers, "Hello there", max_tokens)
+}
+
+pub fn ask_prompt(
+    server: &Server,
+    key: &str,
+    headers: &[(&str, &str)],
+    prompt: &str,
+    max_tokens: u32,
+) -> Reply {
+    let agent = ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(120))
+        .build();
+    let mut request = agent
+        .post(&format!("{}/v1/completions", server.inference))
+        .set("authorization", &format!("Bearer {key}"))
+        .set("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.set(name, value);
+    }
+    let body = serde_json::json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    let response = match request.send_string(&body.to_string()) {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("transport error: {e}"),
+    };
+    Reply {
+        status: response.status(),
+        retry_after: response.header("retry-after").map(str::to_string),
+        content_type: response.header("content-type").map(str::to_string),
+        request_id: response.header("x-request-id").map(str::to_string),
+        body: response.into_string().unwrap(),
+    }
+}
+
+pub fn code(r: &Reply) -> String {
+    r.json()["error"]["code"].as_str().unwrap_or("").to_string()
+}
+
+pub fn message(r: &Reply) -> String {
+    r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .to_string()
 }
