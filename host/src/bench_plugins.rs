@@ -89,6 +89,7 @@ pub fn run(args: &PluginBenchArgs) -> Result<()> {
                 .compile(&bytes, false)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
             let record = PluginRecord {
+                id: installed as u64 + 1,
                 tenant: 1,
                 name: format!("p{installed}"),
                 version: 1,

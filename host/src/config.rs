@@ -226,6 +226,14 @@ pub struct PluginsConfig {
     /// it, they are dropped (counted in
     /// `bulkhead_plugin_completions_dropped_total`).
     pub complete_queue_max: u32,
+    /// Plugin uploads a tenant may make per minute (each is compiled).
+    pub uploads_per_minute: u32,
+    /// How long compiling one upload may take (milliseconds); uploads
+    /// compile one at a time.
+    pub compile_timeout_ms: u64,
+    /// Bytes of plugin code a tenant may keep: its components and their
+    /// compiled forms together.
+    pub tenant_code_bytes_max: u64,
     /// Whether operator plugins may read the prompt text (`operator.prompt-text`).
     pub operator_prompt_text: bool,
     /// The operator's plugins, run before every tenant's own, in this order.
@@ -246,6 +254,9 @@ impl Default for PluginsConfig {
             request_budget_ms: 50,
             complete_threads: 2,
             complete_queue_max: 256,
+            uploads_per_minute: 20,
+            compile_timeout_ms: 10_000,
+            tenant_code_bytes_max: 64 << 20,
             operator_prompt_text: false,
             operator: Vec::new(),
         }
@@ -256,10 +267,38 @@ impl Default for PluginsConfig {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OperatorPlugin {
-    /// Its name (logs, metrics, audit).
+    /// Its name (logs, metrics, audit); reserved: no tenant plugin may take it.
     pub name: String,
     /// The component (relative to the policy file's folder).
     pub path: PathBuf,
+    /// What it does for a tenant whose requests made it fault `faults_max`
+    /// times in the window, until the window has passed.
+    #[serde(default)]
+    pub on_trip: OnTrip,
+}
+
+/// What a tripped operator plugin does for the tenant it tripped for (every
+/// other tenant's requests still run it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnTrip {
+    /// That tenant's requests fail closed (503 `policy_unavailable`): a
+    /// tenant cannot switch a policy off by making it fault.
+    #[default]
+    FailClosed,
+    /// That tenant's requests run without it (for a plugin that only
+    /// observes).
+    Skip,
+}
+
+impl OnTrip {
+    /// The audit label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnTrip::FailClosed => "fail_closed",
+            OnTrip::Skip => "skip",
+        }
+    }
 }
 
 /// Highest `plugins.deadline_ms`.
@@ -751,6 +790,21 @@ impl Config {
                 "plugins.complete_queue_max",
                 u64::from(p.complete_queue_max),
                 1 << 16,
+            ),
+            (
+                "plugins.uploads_per_minute",
+                u64::from(p.uploads_per_minute),
+                1 << 16,
+            ),
+            (
+                "plugins.compile_timeout_ms",
+                p.compile_timeout_ms,
+                TIMEOUT_MS_LIMIT,
+            ),
+            (
+                "plugins.tenant_code_bytes_max",
+                p.tenant_code_bytes_max,
+                1 << 40,
             ),
         ] {
             if value == 0 || value > max {

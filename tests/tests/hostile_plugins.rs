@@ -330,3 +330,346 @@ fn one_tenants_slow_on_complete_delays_nobody_elses_and_its_queue_is_bounded() {
         0.0
     );
 }
+
+/// The files of the store's plugin code (`<store>/plugin-code`).
+fn code_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files: Vec<_> = std::fs::read_dir(dir.join("bulkhead-state/plugin-code"))
+        .map(|entries| entries.map(|e| e.unwrap().path()).collect())
+        .unwrap_or_default();
+    files.sort();
+    files
+}
+
+/// Bytes of every file under `dir`.
+fn tree_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .map(|e| {
+                    let e = e.unwrap();
+                    let meta = e.metadata().unwrap();
+                    if meta.is_dir() {
+                        tree_bytes(&e.path())
+                    } else {
+                        meta.len()
+                    }
+                })
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+fn audited(server: &Server, action: &str) -> Vec<serde_json::Value> {
+    server
+        .admin_call("GET", "/admin/v1/audit?limit=1000", None)
+        .json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["action"] == action)
+        .cloned()
+        .collect()
+}
+
+#[test]
+fn plugin_code_belongs_to_its_tenant_and_code_that_cannot_load_fails_closed() {
+    let Some(model) = smollm2() else { return };
+    let Some(cap) = wasm("size_cap") else { return };
+    let policy = Policy::default();
+    let long = "word ".repeat(300);
+    let capped = |server: &Server| code(&ask_prompt(server, KEY_ALPHA, &[], &long, 4));
+    let server = start(&model, &policy);
+    // The same bytes, two tenants: two owners.
+    uploaded(&server, "alpha", "gate", &cap);
+    uploaded(&server, "beta", "gate", &cap);
+    assert_eq!(
+        code_files(&server.dir).len(),
+        4,
+        "two components, two compiled forms"
+    );
+    let r = server.admin_call("DELETE", "/admin/v1/tenants/beta/plugins/gate", None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    // Beta's delete took nothing of alpha's: alpha disables and enables its own.
+    for action in ["disable", "enable"] {
+        let r = server.admin_call(
+            "POST",
+            &format!("/admin/v1/tenants/alpha/plugins/gate/{action}"),
+            None,
+        );
+        assert_eq!(r.status, 200, "{action}: {}", r.body);
+    }
+    assert_eq!(capped(&server), "prompt_too_large");
+    // And after a restart, alpha's plugin still applies.
+    let dir = server.kill();
+    let server = launch(Launch::new(&model, &policy).dir(&dir));
+    assert_eq!(capped(&server), "prompt_too_large");
+    assert_eq!(code_files(&dir).len(), 2);
+    // Its code gone (a broken disk, a bad restore): alpha fails closed, and
+    // says why; beta is served.
+    let dir = server.kill();
+    for file in code_files(&dir) {
+        std::fs::remove_file(file).unwrap();
+    }
+    let server = launch(Launch::new(&model, &policy).dir(&dir));
+    let r = ask_prompt(&server, KEY_ALPHA, &[], "Hello", 4);
+    assert_eq!(
+        (r.status, code(&r).as_str()),
+        (503, "policy_unavailable"),
+        "{}",
+        r.body
+    );
+    assert_eq!(ask(&server, KEY_BETA, &[], 4).status, 200);
+    let view = server
+        .admin_call("GET", "/admin/v1/tenants/alpha/plugins/gate", None)
+        .json();
+    assert_eq!(view["enabled"], true);
+    assert!(
+        view["unloadable"]
+            .as_str()
+            .unwrap_or("")
+            .contains("missing"),
+        "{view}"
+    );
+    let unavailable = audited(&server, "plugin.unavailable");
+    assert_eq!(unavailable.len(), 1, "{unavailable:?}");
+    assert_eq!(unavailable[0]["actor"], "system");
+    assert_eq!(unavailable[0]["target"], "alpha");
+    // Enabling it again cannot bring it back; uploading it can.
+    let r = server.admin_call("POST", "/admin/v1/tenants/alpha/plugins/gate/enable", None);
+    assert_eq!(r.status, 400, "{}", r.body);
+    uploaded(&server, "alpha", "gate", &cap);
+    assert_eq!(capped(&server), "prompt_too_large");
+    drop(server);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A component holding one core module of `functions` empty functions.
+fn component_of_empty_functions(functions: u64) -> Vec<u8> {
+    fn leb(mut n: u64, out: &mut Vec<u8>) {
+        loop {
+            let byte = (n & 0x7f) as u8;
+            n >>= 7;
+            if n == 0 {
+                out.push(byte);
+                return;
+            }
+            out.push(byte | 0x80);
+        }
+    }
+    fn section(id: u8, body: &[u8], out: &mut Vec<u8>) {
+        out.push(id);
+        leb(body.len() as u64, out);
+        out.extend_from_slice(body);
+    }
+    let mut module = b"\0asm\x01\0\0\0".to_vec();
+    section(1, &[1, 0x60, 0, 0], &mut module);
+    let mut funcs = Vec::new();
+    leb(functions, &mut funcs);
+    funcs.extend(std::iter::repeat_n(0u8, functions as usize));
+    section(3, &funcs, &mut module);
+    let mut code = Vec::new();
+    leb(functions, &mut code);
+    for _ in 0..functions {
+        code.extend_from_slice(&[2, 0, 0x0b]);
+    }
+    section(10, &code, &mut module);
+    let mut component = b"\0asm\x0d\0\x01\0".to_vec();
+    section(1, &module, &mut component);
+    component
+}
+
+#[test]
+fn uploads_are_bounded_before_compiling_and_hold_no_one_elses_writes() {
+    let Some(model) = smollm2() else { return };
+    let (Some(probe), Some(cap)) = (wasm("probe"), wasm("size_cap")) else {
+        return;
+    };
+    let server = Arc::new(start(
+        &model,
+        &Policy {
+            plugins_toml: "[plugins]\nuploads_per_minute = 1000\ntenant_code_bytes_max = 1000000\n"
+                .into(),
+            ..Policy::default()
+        },
+    ));
+    // 200,000 empty functions (1.2 MB): refused by its shape, at once.
+    let started = Instant::now();
+    let r = upload(
+        &server,
+        "alpha",
+        "huge",
+        &component_of_empty_functions(200_000),
+        "",
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(
+        message(&r).contains("more functions than a plugin may"),
+        "{}",
+        r.body
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    // A big component within the limits compiles outside the write lock:
+    // beta's own writes meanwhile are not held.
+    let big = component_of_empty_functions(9_000);
+    let uploading = {
+        let (server, big) = (Arc::clone(&server), big.clone());
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let r = upload(&server, "alpha", "big", &big, "");
+            (r.status, started.elapsed())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(30));
+    let issued = Instant::now();
+    let r = server.post("/v1/tenant/keys", Some(KEY_BETA), b"");
+    let beta_took = issued.elapsed();
+    let (status, compile_took) = uploading.join().unwrap();
+    eprintln!("the big upload took {compile_took:?}; beta's key meanwhile {beta_took:?}");
+    assert_eq!(r.status, 201, "{}", r.body);
+    assert!(
+        beta_took < Duration::from_millis(500) || beta_took * 2 < compile_took,
+        "beta's write waited {beta_took:?} (the upload took {compile_took:?})"
+    );
+    // (Not a policy: it exports nothing. Refused after compiling.)
+    assert_eq!(status, 400);
+    // Sixty uploads to one name: the store keeps one version's code.
+    let before = tree_bytes(&server.dir);
+    for i in 0..60 {
+        uploaded(
+            &server,
+            "alpha",
+            "swap",
+            if i % 2 == 0 { &probe } else { &cap },
+        );
+    }
+    let after = tree_bytes(&server.dir);
+    eprintln!("the store before {before} bytes, after 60 uploads {after}");
+    assert_eq!(
+        code_files(&server.dir).len(),
+        2,
+        "{:?}",
+        code_files(&server.dir)
+    );
+    assert!(after < before + (16 << 20), "{before} -> {after}");
+    // The tenant's code quota (1 MB here): more plugins are refused, naming it.
+    let mut refused = None;
+    for i in 0..16 {
+        let r = upload(&server, "alpha", &format!("p{i}"), &probe, "");
+        if r.status != 200 {
+            refused = Some(r);
+            break;
+        }
+    }
+    let r = refused.expect("the quota binds");
+    assert_eq!(
+        (r.status, code(&r).as_str()),
+        (409, "quota_exceeded"),
+        "{}",
+        r.body
+    );
+    assert!(message(&r).contains("1000000"), "{}", r.body);
+}
+
+#[test]
+fn uploads_per_tenant_are_rate_limited() {
+    let Some(model) = smollm2() else { return };
+    let Some(cap) = wasm("size_cap") else { return };
+    let server = start(
+        &model,
+        &Policy {
+            plugins_toml: "[plugins]\nuploads_per_minute = 3\n".into(),
+            ..Policy::default()
+        },
+    );
+    for _ in 0..3 {
+        uploaded(&server, "alpha", "gate", &cap);
+    }
+    let r = upload(&server, "alpha", "gate", &cap, "");
+    assert_eq!(
+        (r.status, code(&r).as_str()),
+        (429, "rate_limited"),
+        "{}",
+        r.body
+    );
+    assert!(r.retry_after.is_some());
+    // Another tenant's uploads are its own.
+    uploaded(&server, "beta", "gate", &cap);
+}
+
+#[test]
+fn a_tenant_cannot_take_or_reset_an_operator_plugins_name() {
+    let Some(model) = smollm2() else { return };
+    let (Some(rate_path), Some(probe)) = (plugin_wasm("rate_limit"), wasm("probe")) else {
+        return;
+    };
+    let server = start(
+        &model,
+        &Policy {
+            alpha_pending_max: 64,
+            plugins_toml: format!(
+                "[[plugins.operator]]\nname = \"limits\"\npath = \"{}\"\n",
+                rate_path.display()
+            ),
+            ..Policy::default()
+        },
+    );
+    // The operator's limit: 20 requests a minute per user.
+    for _ in 0..20 {
+        assert_eq!(ask(&server, KEY_ALPHA, &[("x-user", "bob")], 1).status, 200);
+    }
+    let limited = || code(&ask(&server, KEY_ALPHA, &[("x-user", "bob")], 1));
+    assert_eq!(limited(), "rate_limited");
+    // Its name is the operator's.
+    let r = upload(&server, "alpha", "limits", &probe, "");
+    assert_eq!(
+        (r.status, code(&r).as_str()),
+        (409, "name_reserved"),
+        "{}",
+        r.body
+    );
+    // A plugin of alpha's own, uploaded and deleted, resets nothing of it.
+    uploaded(&server, "alpha", "mine", &probe);
+    let r = server.admin_call("DELETE", "/admin/v1/tenants/alpha/plugins/mine", None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert_eq!(limited(), "rate_limited");
+}
+
+#[test]
+fn an_operator_plugin_trips_only_for_the_tenant_whose_requests_make_it_fault() {
+    let Some(model) = smollm2() else { return };
+    let Some(probe_path) = plugin_wasm("probe") else {
+        return;
+    };
+    for (on_trip, alpha_after) in [("fail_closed", 503), ("skip", 200)] {
+        let server = start(
+            &model,
+            &Policy {
+                plugins_toml: format!(
+                    "[plugins]\nfaults_max = 3\n[[plugins.operator]]\nname = \"probe\"\n\
+                     path = \"{}\"\non_trip = \"{on_trip}\"\n",
+                    probe_path.display()
+                ),
+                ..Policy::default()
+            },
+        );
+        for _ in 0..3 {
+            let r = ask(&server, KEY_ALPHA, &[("x-probe", "trap")], 1);
+            assert_eq!(code(&r), "policy_unavailable");
+        }
+        // Tripped for alpha: it fails closed (or is skipped) for alpha alone.
+        let r = ask(&server, KEY_ALPHA, &[("x-probe", "stats")], 1);
+        assert_eq!(r.status, alpha_after, "{on_trip}: {}", r.body);
+        // Beta still runs it: its answer is the probe's own.
+        let r = ask(&server, KEY_BETA, &[("x-probe", "stats")], 1);
+        assert_eq!(code(&r), "stats", "{on_trip}: {}", r.body);
+        let trips = audited(&server, "plugin.trip");
+        assert_eq!(trips.len(), 1, "{trips:?}");
+        assert_eq!(trips[0]["target"], "alpha");
+        assert_eq!(trips[0]["detail"]["on_trip"], on_trip);
+        assert_eq!(trips[0]["detail"]["plugin"], "probe");
+    }
+}

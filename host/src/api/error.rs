@@ -177,6 +177,36 @@ pub enum ApiError {
         /// The limit.
         max: usize,
     },
+    /// A name kept for someone else.
+    #[error("The {what} name {name:?} is reserved for the operator's plugin of that name; choose another.")]
+    NameReserved {
+        /// "plugin".
+        what: &'static str,
+        /// The name.
+        name: String,
+    },
+    /// Too many of some write for now (`Retry-After`).
+    #[error("Too many {what} for now; retry after {retry_after_secs} s.")]
+    RateLimited {
+        /// What is limited.
+        what: &'static str,
+        /// When to retry.
+        retry_after_secs: u32,
+    },
+    /// Over a quota of bytes.
+    #[error("The {what} would take {needed} bytes, over this tenant's quota of {max}; delete or shrink a plugin first.")]
+    QuotaExceeded {
+        /// What is counted.
+        what: &'static str,
+        /// What the change would need in all.
+        needed: u64,
+        /// The quota.
+        max: u64,
+    },
+    /// The server cannot do this now; retry shortly (the message is the
+    /// server's own).
+    #[error("{0}")]
+    ServerBusy(String),
     /// A server-side failure; the cause is logged, never sent.
     #[error("internal error")]
     Internal(String),
@@ -202,6 +232,18 @@ impl From<ControlError> for ApiError {
             ControlError::TooMany { what, max } => ApiError::TooMany { what, max },
             ControlError::Store(error) => ApiError::Internal(format!("store: {error}")),
             ControlError::Engine => ApiError::Unavailable,
+            ControlError::Reserved { what, name } => ApiError::NameReserved { what, name },
+            ControlError::RateLimited {
+                what,
+                retry_after_secs,
+            } => ApiError::RateLimited {
+                what,
+                retry_after_secs,
+            },
+            ControlError::Quota { what, needed, max } => {
+                ApiError::QuotaExceeded { what, needed, max }
+            }
+            ControlError::Busy(message) => ApiError::ServerBusy(message),
         }
     }
 }
@@ -470,6 +512,20 @@ impl ApiError {
             ),
             E::PoolConflict(_) => (StatusCode::CONFLICT, INVALID, "pool_conflict", None),
             E::TooMany { .. } => (StatusCode::CONFLICT, INVALID, "limit_reached", None),
+            E::NameReserved { .. } => (StatusCode::CONFLICT, INVALID, "name_reserved", None),
+            E::RateLimited { .. } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "rate_limited",
+                None,
+            ),
+            E::QuotaExceeded { .. } => (StatusCode::CONFLICT, INVALID, "quota_exceeded", None),
+            E::ServerBusy(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "server_busy",
+                None,
+            ),
             E::PolicyRejected(r) => match r.status {
                 400 => (StatusCode::BAD_REQUEST, INVALID, "policy_rejected", None),
                 429 => (
@@ -603,6 +659,9 @@ impl ApiError {
         if status == StatusCode::TOO_MANY_REQUESTS {
             let secs = match &self {
                 ApiError::PolicyRejected(r) => r.retry_after_secs.unwrap_or(RETRY_AFTER_SECS),
+                ApiError::RateLimited {
+                    retry_after_secs, ..
+                } => *retry_after_secs,
                 _ => RETRY_AFTER_SECS,
             };
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));

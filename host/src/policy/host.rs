@@ -75,8 +75,12 @@ pub struct Call {
     pub request: RequestId,
     /// The tenant the request (and, for a tenant plugin, the plugin) belongs to.
     pub tenant: TenantId,
-    /// The plugin's name.
+    /// The plugin's name (logs).
     pub plugin: Arc<str>,
+    /// The plugin's identity, which its budgets and state are keyed by:
+    /// `#<id>` for a tenant's plugin, `@<name>` for the operator's; never
+    /// a name a tenant chooses.
+    pub identity: Arc<str>,
     /// When the call must have ended.
     pub deadline: Instant,
     /// Host calls left.
@@ -208,7 +212,7 @@ impl bindings::bulkhead::policy::budget::Host for CallState {
             .reserve(
                 c.request,
                 c.tenant,
-                &c.plugin,
+                &c.identity,
                 &key,
                 limit,
                 window_ms,
@@ -229,7 +233,14 @@ impl bindings::bulkhead::policy::budget::Host for CallState {
         let c = &self.call;
         Ok(c.services
             .budgets
-            .available(c.tenant, &c.plugin, &key, limit, window_ms, Instant::now())
+            .available(
+                c.tenant,
+                &c.identity,
+                &key,
+                limit,
+                window_ms,
+                Instant::now(),
+            )
             .map_err(budget_error))
     }
 }
@@ -246,7 +257,7 @@ impl bindings::bulkhead::policy::state::Host for CallState {
     fn get(&mut self, key: String) -> wasmtime::Result<Option<Vec<u8>>> {
         self.call.enter()?;
         let c = &self.call;
-        match c.services.state.get(c.tenant, &c.plugin, &key, now_ms()) {
+        match c.services.state.get(c.tenant, &c.identity, &key, now_ms()) {
             Ok(value) => Ok(value),
             Err(error) => {
                 tracing::warn!(%error, plugin = %c.plugin, "plugin state read");
@@ -265,7 +276,7 @@ impl bindings::bulkhead::policy::state::Host for CallState {
         let c = &self.call;
         Ok(c.services
             .state
-            .set(c.tenant, &c.plugin, &key, &value, ttl_ms, now_ms())
+            .set(c.tenant, &c.identity, &key, &value, ttl_ms, now_ms())
             .map_err(|e| match e {
                 HostStateError::TooLarge => StateError::TooLarge,
                 HostStateError::TooManyKeys => StateError::TooManyKeys,
@@ -276,7 +287,7 @@ impl bindings::bulkhead::policy::state::Host for CallState {
     fn delete(&mut self, key: String) -> wasmtime::Result<()> {
         self.call.enter()?;
         let c = &self.call;
-        if let Err(error) = c.services.state.delete(c.tenant, &c.plugin, &key) {
+        if let Err(error) = c.services.state.delete(c.tenant, &c.identity, &key) {
             tracing::warn!(%error, plugin = %c.plugin, "plugin state delete");
         }
         Ok(())

@@ -43,15 +43,17 @@ pub mod calls;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub mod host;
+pub mod shape;
 pub mod state;
 
-use crate::config::{Config, PluginsConfig};
+use crate::config::{Config, OnTrip, PluginsConfig};
 use crate::engine::admission::PRIORITY_DEFAULT;
 use crate::engine::request::{FinishReason, RequestId, Usage};
 use crate::engine::service::EngineHandle;
 use crate::lane::{Cancel, Lane};
 use crate::store::records::{PluginLimitsRequest, PluginRecord};
 use crate::store::{Store, StoreError};
+use crate::tenancy::control::now_ms;
 use crate::tenancy::TenantId;
 use artifact::Sealer;
 use budget::Budgets;
@@ -146,6 +148,18 @@ impl CallLimits {
 #[error("{0}")]
 pub struct InvalidPlugin(pub String);
 
+/// Why an upload was not compiled.
+#[derive(Debug, thiserror::Error)]
+pub enum CompileError {
+    /// It is not a plugin this host runs, or over a limit (400).
+    #[error("{0}")]
+    Invalid(String),
+    /// Another upload's compilation held the compiler for the whole timeout
+    /// (503: retry).
+    #[error("the plugin compiler is busy")]
+    Busy,
+}
+
 /// Why the runtime could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
@@ -186,6 +200,12 @@ pub enum FaultKind {
     /// The tenant's plugins used up the request's time budget before this
     /// one was called (not counted against it).
     Budget,
+    /// Its code could not be loaded (at start, or when enabled): it fails
+    /// closed until it is uploaded again, disabled or deleted.
+    Unloadable,
+    /// An operator plugin tripped for this tenant (its own faults, in the
+    /// window) and set to fail closed while tripped.
+    Tripped,
     /// No worker could take the call in time, or the tenant already has the
     /// most abandoned calls stuck (not counted against the plugin).
     Unavailable,
@@ -202,13 +222,18 @@ impl FaultKind {
             FaultKind::Trap => "trap",
             FaultKind::Abandoned => "abandoned",
             FaultKind::Budget => "budget",
+            FaultKind::Unloadable => "unloadable",
+            FaultKind::Tripped => "tripped",
             FaultKind::Unavailable => "unavailable",
         }
     }
 
     /// Whether the fault is the plugin's own (and counts toward disabling it).
     fn counts(self) -> bool {
-        !matches!(self, FaultKind::Budget | FaultKind::Unavailable)
+        !matches!(
+            self,
+            FaultKind::Budget | FaultKind::Unavailable | FaultKind::Unloadable | FaultKind::Tripped
+        )
     }
 
     fn of(error: &wasmtime::Error) -> FaultKind {
@@ -382,27 +407,51 @@ struct CallFor {
 pub struct Plugin {
     /// Its name.
     pub name: Arc<str>,
+    /// What its budgets, state and faults are keyed by ([`tenant_identity`],
+    /// [`operator_identity`]): never a name a tenant chooses.
+    pub identity: Arc<str>,
     /// Its tenant; None for an operator plugin.
     pub tenant: Option<TenantId>,
     /// Its version (uploads under its name).
     pub version: u32,
     /// Its place in the chain.
     pub order: u32,
-    pre: OperatorPolicyPre<CallState>,
+    /// None when its code could not be loaded: every call fails closed.
+    pre: Option<OperatorPolicyPre<CallState>>,
+    /// Why its code could not be loaded.
+    pub unloadable: Option<String>,
     limits: CallLimits,
-    faults: Mutex<VecDeque<Instant>>,
+    /// What an operator plugin does for a tenant it tripped for.
+    on_trip: OnTrip,
+    /// A tenant plugin past `faults_max`, reported to the control plane.
     tripped: AtomicBool,
 }
 
-/// A plugin to disable: repeated faults.
+/// The identity of a tenant's plugin: its id, which the tenant cannot choose.
+pub fn tenant_identity(id: u64) -> String {
+    format!("#{id}")
+}
+
+/// The identity of an operator plugin: its name in the policy file.
+pub fn operator_identity(name: &str) -> String {
+    format!("@{name}")
+}
+
+/// A plugin past `faults_max` faults in the window for a tenant: a tenant's
+/// own plugin is to be disabled; an operator plugin trips for that tenant
+/// alone (failing closed or skipped, as `on_trip` says) until the window
+/// has passed.
 #[derive(Clone, Debug)]
 pub struct Trip {
-    /// Its tenant (never an operator plugin: those are the deployment's).
+    /// The tenant whose requests it faulted on.
     pub tenant: TenantId,
     /// Its name.
     pub plugin: String,
     /// Faults in the window.
     pub faults: u32,
+    /// For an operator plugin: what it does meanwhile, and until when (Unix
+    /// milliseconds). None for a tenant's plugin.
+    pub operator: Option<(OnTrip, u64)>,
 }
 
 /// A request past the chain, until it ends.
@@ -430,6 +479,13 @@ pub struct PolicyRuntime {
     limits: CallLimits,
     faults_max: u32,
     fault_window: Duration,
+    /// Faults in the window, by (calling tenant, plugin identity): kept apart
+    /// from the plugin, so enabling or re-installing it resets nothing, and
+    /// an operator plugin's faults on one tenant's requests count for that
+    /// tenant alone.
+    faults: Mutex<HashMap<(TenantId, Arc<str>), VecDeque<Instant>>>,
+    /// Operator plugins tripped for a tenant, until when.
+    operator_trips: Mutex<HashMap<(TenantId, Arc<str>), Instant>>,
     operator_prompt_text: bool,
     operator: Vec<Arc<Plugin>>,
     tenants: RwLock<HashMap<TenantId, Vec<Arc<Plugin>>>>,
@@ -444,6 +500,11 @@ pub struct PolicyRuntime {
     request_budget: Duration,
     /// This runtime, for the completion lane's jobs.
     me: OnceLock<Weak<PolicyRuntime>>,
+    /// Whether an upload is being compiled: one at a time, and a compile
+    /// abandoned at its timeout holds this until it really ends.
+    compiling: Arc<(Mutex<bool>, std::sync::Condvar)>,
+    /// `plugins.compile_timeout_ms`.
+    compile_timeout: Duration,
     ticker_stop: Arc<AtomicBool>,
 }
 
@@ -475,6 +536,16 @@ fn engine(config: &PluginsConfig) -> wasmtime::Result<Engine> {
         .memory_guard_size(64 << 10)
         .allocation_strategy(wasmtime::InstanceAllocationStrategy::Pooling(pooling));
     Engine::new(&wasm)
+}
+
+/// What a failed compilation says about the component.
+fn describe_compile(error: &wasmtime::Error) -> String {
+    let text = format!("{error:#}");
+    if text.contains("core module") || text.contains("component") {
+        format!("not a WebAssembly component for wasm32-wasip2: {text}")
+    } else {
+        format!("not a valid WebAssembly component: {text}")
+    }
 }
 
 fn clean_code(code: &str) -> String {
@@ -555,6 +626,8 @@ impl PolicyRuntime {
             limits: CallLimits::of(plugins),
             faults_max: plugins.faults_max,
             fault_window: Duration::from_millis(plugins.fault_window_ms),
+            faults: Mutex::new(HashMap::new()),
+            operator_trips: Mutex::new(HashMap::new()),
             operator_prompt_text: plugins.operator_prompt_text,
             operator: Vec::new(),
             tenants: RwLock::new(HashMap::new()),
@@ -570,6 +643,8 @@ impl PolicyRuntime {
             .map_err(|e| PolicyError::Runtime(format!("the completion lane: {e}")))?,
             request_budget: Duration::from_millis(plugins.request_budget_ms),
             me: OnceLock::new(),
+            compiling: Arc::new((Mutex::new(false), std::sync::Condvar::new())),
+            compile_timeout: Duration::from_millis(plugins.compile_timeout_ms),
             ticker_stop: Arc::new(AtomicBool::new(false)),
         };
         for (order, operator) in plugins.operator.iter().enumerate() {
@@ -581,17 +656,18 @@ impl PolicyRuntime {
             };
             let bytes = std::fs::read(&path).map_err(|e| error(e.to_string()))?;
             let component = runtime.compile(&bytes, true).map_err(|e| error(e.0))?;
-            let plugin = runtime
+            let mut plugin = runtime
                 .plugin(
-                    &component,
+                    Some(&component),
                     &operator.name,
+                    &operator_identity(&operator.name),
                     None,
                     1,
                     order as u32,
                     runtime.limits,
-                    true,
                 )
                 .map_err(|e| error(e.0))?;
+            plugin.on_trip = operator.on_trip;
             runtime.operator.push(Arc::new(plugin));
         }
         let runtime = Arc::new(runtime);
@@ -650,19 +726,69 @@ impl PolicyRuntime {
             });
     }
 
+    /// [`PolicyRuntime::compile`] for an upload: its shape checked first
+    /// ([`shape::check`]), then compiled on a thread of its own, one upload at
+    /// a time, within `plugins.compile_timeout_ms` (a compile past it is
+    /// refused; its thread ends on its own, holding the compiler until then).
+    pub fn compile_bounded(&self, bytes: &[u8], operator: bool) -> Result<Component, CompileError> {
+        shape::check(bytes).map_err(CompileError::Invalid)?;
+        let started = Instant::now();
+        {
+            let (busy, freed) = &*self.compiling;
+            let guard = busy.lock().unwrap_or_else(|p| p.into_inner());
+            let (mut guard, waited) = freed
+                .wait_timeout_while(guard, self.compile_timeout, |busy| *busy)
+                .unwrap_or_else(|p| p.into_inner());
+            if waited.timed_out() && *guard {
+                return Err(CompileError::Busy);
+            }
+            *guard = true;
+        }
+        let (done, compiled) = mpsc::channel();
+        let (engine, bytes, compiling) = (
+            self.engine.clone(),
+            bytes.to_vec(),
+            Arc::clone(&self.compiling),
+        );
+        let spawned = std::thread::Builder::new()
+            .name("bulkhead-compile".into())
+            .spawn(move || {
+                let component = Component::new(&engine, &bytes);
+                let (busy, freed) = &*compiling;
+                *busy.lock().unwrap_or_else(|p| p.into_inner()) = false;
+                freed.notify_one();
+                let _ = done.send(component);
+            });
+        if let Err(error) = spawned {
+            let (busy, freed) = &*self.compiling;
+            *busy.lock().unwrap_or_else(|p| p.into_inner()) = false;
+            freed.notify_one();
+            return Err(CompileError::Invalid(format!(
+                "could not start compiling: {error}"
+            )));
+        }
+        let left = self.compile_timeout.saturating_sub(started.elapsed());
+        let component = match compiled.recv_timeout(left) {
+            Ok(compiled) => compiled.map_err(|e| CompileError::Invalid(describe_compile(&e)))?,
+            Err(_) => {
+                return Err(CompileError::Invalid(format!(
+                    "it took longer than {} ms to compile",
+                    self.compile_timeout.as_millis()
+                )))
+            }
+        };
+        host::check_imports(&self.engine, &component, operator).map_err(CompileError::Invalid)?;
+        self.pre(&component, operator)
+            .map_err(|e| CompileError::Invalid(e.0))?;
+        Ok(component)
+    }
+
     /// Compiles and validates a component for the tenant world (or the
     /// operator world): refused with a message when it is not one.
     pub fn compile(&self, bytes: &[u8], operator: bool) -> Result<Component, InvalidPlugin> {
-        let component = Component::new(&self.engine, bytes).map_err(|e| {
-            let text = format!("{e:#}");
-            InvalidPlugin(
-                if text.contains("core module") || text.contains("component") {
-                    format!("not a WebAssembly component for wasm32-wasip2: {text}")
-                } else {
-                    format!("not a valid WebAssembly component: {text}")
-                },
-            )
-        })?;
+        shape::check(bytes).map_err(InvalidPlugin)?;
+        let component =
+            Component::new(&self.engine, bytes).map_err(|e| InvalidPlugin(describe_compile(&e)))?;
         host::check_imports(&self.engine, &component, operator).map_err(InvalidPlugin)?;
         self.pre(&component, operator)?;
         Ok(component)
@@ -691,25 +817,31 @@ impl PolicyRuntime {
         })
     }
 
+    /// A plugin of `component` (None: its code could not be loaded, and
+    /// every call fails closed).
     #[allow(clippy::too_many_arguments)]
     fn plugin(
         &self,
-        component: &Component,
+        component: Option<&Component>,
         name: &str,
+        identity: &str,
         tenant: Option<TenantId>,
         version: u32,
         order: u32,
         limits: CallLimits,
-        operator: bool,
     ) -> Result<Plugin, InvalidPlugin> {
         Ok(Plugin {
             name: Arc::from(name),
+            identity: Arc::from(identity),
             tenant,
             version,
             order,
-            pre: self.pre(component, operator)?,
+            pre: component
+                .map(|c| self.pre(c, tenant.is_none()))
+                .transpose()?,
+            unloadable: None,
             limits,
-            faults: Mutex::new(VecDeque::new()),
+            on_trip: OnTrip::default(),
             tripped: AtomicBool::new(false),
         })
     }
@@ -744,21 +876,43 @@ impl PolicyRuntime {
         record: &PluginRecord,
         component: &Component,
     ) -> Result<(), InvalidPlugin> {
+        self.install_as(record, Ok(component))
+    }
+
+    /// Puts `record`'s plugin in its tenant's chain although its code could
+    /// not be loaded (`why`): every call fails closed (503
+    /// `policy_unavailable`) until it is uploaded again, disabled or deleted.
+    /// A plugin the tenant enabled never silently stops applying.
+    pub fn install_unloadable(&self, record: &PluginRecord, why: &str) {
+        // The limits were valid when stored; a failure here leaves the
+        // plugin out of the chain, which the caller logs.
+        if let Err(error) = self.install_as(record, Err(why)) {
+            tracing::error!(plugin = %record.name, %error, "an unloadable plugin could not be installed");
+        }
+    }
+
+    fn install_as(
+        &self,
+        record: &PluginRecord,
+        component: Result<&Component, &str>,
+    ) -> Result<(), InvalidPlugin> {
         let tenant = TenantId(record.tenant);
         self.remove(tenant, &record.name);
         if !record.enabled {
             return Ok(());
         }
         let limits = self.limits.lowered(&record.limits).map_err(InvalidPlugin)?;
-        let plugin = Arc::new(self.plugin(
-            component,
+        let mut plugin = self.plugin(
+            component.ok(),
             &record.name,
+            &tenant_identity(record.id),
             Some(tenant),
             record.version,
             record.order,
             limits,
-            false,
-        )?);
+        )?;
+        plugin.unloadable = component.err().map(str::to_string);
+        let plugin = Arc::new(plugin);
         let mut tenants = self.tenants.write().unwrap_or_else(|p| p.into_inner());
         let chain = tenants.entry(tenant).or_default();
         chain.push(plugin);
@@ -775,10 +929,11 @@ impl PolicyRuntime {
         }
     }
 
-    /// Forgets everything of a deleted plugin (or all of a deleted tenant's).
-    pub fn forget(&self, tenant: TenantId, name: Option<&str>) {
-        match name {
-            Some(name) => self.remove(tenant, name),
+    /// Forgets everything of a deleted plugin (`name`, `identity`), or all
+    /// of a deleted tenant's (None).
+    pub fn forget(&self, tenant: TenantId, plugin: Option<(&str, &str)>) {
+        match plugin {
+            Some((name, _)) => self.remove(tenant, name),
             None => {
                 self.tenants
                     .write()
@@ -786,7 +941,37 @@ impl PolicyRuntime {
                     .remove(&tenant);
             }
         }
-        self.services.budgets.forget(tenant, name);
+        let identity = plugin.map(|(_, identity)| identity);
+        self.services.budgets.forget(tenant, identity);
+        let forgotten =
+            |(t, i): &(TenantId, Arc<str>)| *t == tenant && identity.is_none_or(|id| &**i == id);
+        self.faults
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|k, _| !forgotten(k));
+        self.operator_trips
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|k, _| !forgotten(k));
+    }
+
+    /// The names of the operator's plugins (reserved: no tenant plugin may
+    /// take one).
+    pub fn operator_names(&self) -> Vec<String> {
+        self.operator.iter().map(|p| p.name.to_string()).collect()
+    }
+
+    /// Why `tenant`'s plugin `name` is in its chain but fails closed (its
+    /// code could not be loaded), if it is.
+    pub fn unloadable(&self, tenant: TenantId, name: &str) -> Option<String> {
+        self.tenants
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&tenant)?
+            .iter()
+            .find(|p| &*p.name == name)?
+            .unloadable
+            .clone()
     }
 
     /// The plugin state store (the control plane deletes a plugin's state).
@@ -935,16 +1120,41 @@ impl PolicyRuntime {
         }
     }
 
-    /// The plugins that run for `tenant`'s requests: the operator's, then its
-    /// own enabled ones, in order.
+    /// The plugins that run for `tenant`'s requests: the operator's (but
+    /// one tripped for this tenant with `on_trip = "skip"`), then its own
+    /// enabled ones, in order.
     fn chain_of(&self, tenant: TenantId) -> Vec<Arc<Plugin>> {
         let tenants = self.tenants.read().unwrap_or_else(|p| p.into_inner());
         self.operator
             .iter()
-            .chain(tenants.get(&tenant).into_iter().flatten())
-            .filter(|p| !p.tripped.load(Ordering::Relaxed))
+            .filter(|p| p.on_trip != OnTrip::Skip || !self.tripped_for(p, tenant))
+            .chain(
+                tenants
+                    .get(&tenant)
+                    .into_iter()
+                    .flatten()
+                    .filter(|p| !p.tripped.load(Ordering::Relaxed)),
+            )
             .cloned()
             .collect()
+    }
+
+    /// Whether operator plugin `plugin` is tripped for `tenant` now.
+    fn tripped_for(&self, plugin: &Plugin, tenant: TenantId) -> bool {
+        let key = (tenant, Arc::clone(&plugin.identity));
+        let mut trips = self
+            .operator_trips
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match trips.get(&key) {
+            Some(&until) if until > Instant::now() => true,
+            Some(_) => {
+                // The window passed: it runs again for this tenant.
+                trips.remove(&key);
+                false
+            }
+            None => false,
+        }
     }
 
     /// The request the chain admitted was refused afterwards (a full queue,
@@ -1065,7 +1275,20 @@ impl PolicyRuntime {
             }
             None => (plugin.limits.deadline, false),
         };
-        let result = if spent {
+        let result = if plugin.pre.is_none() {
+            Err((
+                FaultKind::Unloadable,
+                format!(
+                    "its code could not be loaded: {}",
+                    plugin.unloadable.as_deref().unwrap_or("unknown")
+                ),
+            ))
+        } else if plugin.tenant.is_none() && self.tripped_for(plugin, tenant) {
+            Err((
+                FaultKind::Tripped,
+                "tripped for this tenant by its own faults".into(),
+            ))
+        } else if spent {
             Err((
                 FaultKind::Budget,
                 "the request's plugin time budget is spent".into(),
@@ -1100,7 +1323,7 @@ impl PolicyRuntime {
         result.map_err(|(kind, error)| {
             tracing::warn!(request_id = request.0, plugin = %plugin.name, fault = kind.as_str(), error = %error, "plugin call failed");
             if kind.counts() {
-                self.fault(plugin, kind);
+                self.fault(plugin, tenant, kind);
             }
             kind
         })
@@ -1126,6 +1349,9 @@ impl PolicyRuntime {
             Arc::clone(plugin),
         );
         move || {
+            let Some(pre) = &plugin.pre else {
+                return Err((FaultKind::Unloadable, "no code".into()));
+            };
             let limits = plugin.limits;
             let state = CallState {
                 table: ResourceTable::new(),
@@ -1140,6 +1366,7 @@ impl PolicyRuntime {
                     request: call_for.request,
                     tenant: call_for.tenant,
                     plugin: Arc::clone(&plugin.name),
+                    identity: Arc::clone(&plugin.identity),
                     deadline,
                     host_calls_left: limits.host_calls,
                     handles_left: limits.handles,
@@ -1158,39 +1385,63 @@ impl PolicyRuntime {
             store.epoch_deadline_trap();
             store
                 .set_fuel(limits.fuel)
-                .and_then(|()| plugin.pre.instantiate(&mut store))
+                .and_then(|()| pre.instantiate(&mut store))
                 .and_then(|instance| f(&instance, &mut store))
                 .map_err(|error| (FaultKind::of(&error), format!("{error:#}")))
         }
     }
 
-    /// Counts a fault; past `faults_max` in the window, the plugin is
-    /// disabled (tenant plugins: reported for the control plane to record).
-    fn fault(&self, plugin: &Arc<Plugin>, kind: FaultKind) {
+    /// Counts a fault of `plugin` on `tenant`'s request; past `faults_max`
+    /// in the window, a tenant's plugin is reported to be disabled, and an
+    /// operator plugin trips for that tenant alone.
+    fn fault(&self, plugin: &Arc<Plugin>, tenant: TenantId, kind: FaultKind) {
         let now = Instant::now();
-        let mut faults = plugin.faults.lock().unwrap_or_else(|p| p.into_inner());
-        faults.push_back(now);
-        while faults
-            .front()
-            .is_some_and(|&at| now.duration_since(at) > self.fault_window)
-        {
-            faults.pop_front();
-        }
-        let count = faults.len() as u32;
-        drop(faults);
-        if count < self.faults_max || plugin.tripped.swap(true, Ordering::SeqCst) {
+        let key = (tenant, Arc::clone(&plugin.identity));
+        let count = {
+            let mut ledger = self.faults.lock().unwrap_or_else(|p| p.into_inner());
+            let faults = ledger.entry(key.clone()).or_default();
+            faults.push_back(now);
+            while faults
+                .front()
+                .is_some_and(|&at| now.duration_since(at) > self.fault_window)
+            {
+                faults.pop_front();
+            }
+            let count = faults.len() as u32;
+            if count >= self.faults_max && plugin.tenant.is_none() {
+                // A trip starts the count afresh for when it ends.
+                ledger.remove(&key);
+            }
+            count
+        };
+        if count < self.faults_max {
             return;
         }
+        let operator = match plugin.tenant {
+            Some(_) => {
+                if plugin.tripped.swap(true, Ordering::SeqCst) {
+                    return;
+                }
+                None
+            }
+            None => {
+                let until = now + self.fault_window;
+                self.operator_trips
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(key, until);
+                let until_ms = now_ms() + self.fault_window.as_millis() as u64;
+                Some((plugin.on_trip, until_ms))
+            }
+        };
         crate::telemetry::count_plugin_disabled();
-        tracing::warn!(plugin = %plugin.name, faults = count, last = kind.as_str(), "plugin disabled after repeated faults");
-        if let (Some(tenant), Some(tx)) = (
-            plugin.tenant,
-            &*self.trips.lock().unwrap_or_else(|p| p.into_inner()),
-        ) {
+        tracing::warn!(plugin = %plugin.name, tenant = tenant.0, faults = count, last = kind.as_str(), operator = operator.is_some(), "plugin tripped after repeated faults");
+        if let Some(tx) = &*self.trips.lock().unwrap_or_else(|p| p.into_inner()) {
             let _ = tx.send(Trip {
                 tenant,
                 plugin: plugin.name.to_string(),
                 faults: count,
+                operator,
             });
         }
     }

@@ -336,6 +336,12 @@ fn disable_tripped(control: &Control, tripped: std::sync::mpsc::Receiver<Trip>) 
         return;
     };
     for trip in tripped {
+        if trip.operator.is_some() {
+            if let Err(error) = control.record_operator_trip(&trip) {
+                tracing::warn!(plugin = %trip.plugin, %error, "auditing an operator plugin's trip");
+            }
+            continue;
+        }
         let result = handle.block_on(control.set_plugin_enabled(
             &Actor::System,
             TenantRef::Id(trip.tenant),

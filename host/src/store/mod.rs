@@ -18,22 +18,29 @@
 //!   meta/format                      format version and creation time
 //!   meta/tenant_id_next              the next tenant id (ids are never reused)
 //!   meta/admin_token                 SHA-256 of a generated admin token
+//!   meta/plugin_id_next              the next plugin id (ids are never reused)
 //!   tenant/<id u32>                  TenantRecord
 //!   tenant_name/<name>               <id u32>: one live tenant per name
 //!   model/<id>                       ModelRecord: a model added through the admin API
 //!   key/<key id>                     KeyRecord (tenant, SHA-256, revoked?)
-//!   plugin/<tenant u32>/<name>       PluginRecord (metadata)
-//!   plugin_wasm/<sha256 hex>         the component's bytes
-//!   plugin_compiled/<sha256 hex>     its compiled form, sealed (see policy::artifact)
-//!   pstate/<tenant u32>/<plugin>/<k> PluginStateRecord: a plugin's own key-value state
+//!   plugin/<tenant u32>/<name>       PluginRecord (metadata; its code is in files, see [`code`])
+//!   pstate/<tenant u32>/<plugin>/<k> PluginStateRecord: a plugin's own key-value state,
+//!                                    <plugin> its identity: #<id> (a tenant's), @<name> (the operator's)
 //!   usage/<tenant u32>/<minute u64>  UsageRecord: one minute's counters
 //!   audit/<seq u64>                  AuditRecord
 //! ```
+//!
+//! Format 2 kept plugin code here too, keyed by its digest alone
+//! (`plugin_wasm/<sha256>`, `plugin_compiled/<sha256>`), shared by every
+//! tenant that uploaded the same bytes; [`Store::migrate_plugins`] moves it
+//! to its owners' files.
 
+pub mod code;
 pub mod records;
 pub mod sled_storage;
 pub mod usage;
 
+use code::{CodeKind, CodeOwner, PluginCode};
 use records::{
     AuditRecord, KeyRecord, Meta, ModelRecord, PluginRecord, PluginStateRecord, TenantRecord,
     UsageRecord, Versioned, FORMAT_VERSION, FORMAT_VERSION_READ_MIN,
@@ -148,13 +155,9 @@ fn plugin_key(tenant: u32, name: &str) -> Vec<u8> {
     [plugin_prefix(tenant).as_slice(), name.as_bytes()].concat()
 }
 
-fn plugin_wasm_key(sha256_hex: &str) -> Vec<u8> {
-    format!("plugin_wasm/{sha256_hex}").into_bytes()
-}
-
-fn plugin_compiled_key(sha256_hex: &str) -> Vec<u8> {
-    format!("plugin_compiled/{sha256_hex}").into_bytes()
-}
+/// Format 2's plugin code, keyed by digest (read only to migrate it).
+const LEGACY_WASM_PREFIX: &[u8] = b"plugin_wasm/";
+const LEGACY_COMPILED_PREFIX: &[u8] = b"plugin_compiled/";
 
 fn plugin_state_prefix(tenant: u32, plugin: &str) -> Vec<u8> {
     [
@@ -191,6 +194,7 @@ fn audit_key(seq: u64) -> Vec<u8> {
 const META_FORMAT: &[u8] = b"meta/format";
 const META_TENANT_ID_NEXT: &[u8] = b"meta/tenant_id_next";
 const META_ADMIN_TOKEN: &[u8] = b"meta/admin_token";
+const META_PLUGIN_ID_NEXT: &[u8] = b"meta/plugin_id_next";
 
 fn printable(key: &[u8]) -> String {
     key.iter()
@@ -301,37 +305,20 @@ impl Batch {
         self.put(plugin_key(plugin.tenant, &plugin.name), plugin)
     }
 
-    /// Stores a component's bytes under their SHA-256.
-    pub fn put_plugin_wasm(&mut self, sha256_hex: &str, bytes: &[u8]) -> &mut Self {
-        self.writes.push(Write::Put {
-            key: plugin_wasm_key(sha256_hex),
-            value: bytes.to_vec(),
-        });
-        self
-    }
-
     /// Removes a plugin's metadata.
     pub fn delete_plugin(&mut self, tenant: u32, name: &str) -> &mut Self {
         self.delete(plugin_key(tenant, name))
     }
 
-    /// Removes a component's bytes.
-    pub fn delete_plugin_wasm(&mut self, sha256_hex: &str) -> &mut Self {
-        self.delete(plugin_wasm_key(sha256_hex))
+    /// Sets the next plugin id.
+    pub fn put_plugin_id_next(&mut self, next: u64) -> &mut Self {
+        self.put(META_PLUGIN_ID_NEXT.to_vec(), &next)
     }
 
-    /// Stores a component's compiled form.
-    pub fn put_plugin_compiled(&mut self, sha256_hex: &str, sealed: Vec<u8>) -> &mut Self {
-        self.writes.push(Write::Put {
-            key: plugin_compiled_key(sha256_hex),
-            value: sealed,
-        });
-        self
-    }
-
-    /// Removes a component's compiled form.
-    pub fn delete_plugin_compiled(&mut self, sha256_hex: &str) -> &mut Self {
-        self.delete(plugin_compiled_key(sha256_hex))
+    /// Removes format 2's copy of the code with digest `sha256_hex`.
+    fn delete_legacy_code(&mut self, sha256_hex: &str) -> &mut Self {
+        self.delete([LEGACY_WASM_PREFIX, sha256_hex.as_bytes()].concat())
+            .delete([LEGACY_COMPILED_PREFIX, sha256_hex.as_bytes()].concat())
     }
 
     /// Sets an entry of a plugin's own state.
@@ -381,6 +368,9 @@ impl Batch {
 pub struct Store {
     storage: Box<dyn Storage>,
     path: String,
+    /// Plugin code, beside the database (none for a store over storage
+    /// with no folder).
+    code: Option<PluginCode>,
     /// Most audit records kept ([`AUDIT_RECORDS_MAX`] unless changed).
     audit_max: u64,
     /// Serializes commits, so audit sequence numbers follow commit order.
@@ -398,7 +388,9 @@ impl Store {
     /// Opens (or creates) the sled store in `dir`.
     pub fn open(dir: &Path) -> Result<Store, StoreError> {
         let storage = sled_storage::SledStorage::open(dir)?;
-        Store::with_storage(Box::new(storage), dir.display().to_string())
+        let mut store = Store::with_storage(Box::new(storage), dir.display().to_string())?;
+        store.code = Some(PluginCode::open(dir)?);
+        Ok(store)
     }
 
     /// A store over any storage engine.
@@ -414,6 +406,7 @@ impl Store {
         let store = Store {
             storage,
             path,
+            code: None,
             audit_max: AUDIT_RECORDS_MAX,
             audit: Mutex::new(AuditCursor { next, oldest }),
         };
@@ -504,14 +497,127 @@ impl Store {
             .collect())
     }
 
-    /// A component's bytes.
-    pub fn plugin_wasm(&self, sha256_hex: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        self.storage.get(&plugin_wasm_key(sha256_hex))
+    /// The next plugin id to hand out.
+    pub fn plugin_id_next(&self) -> Result<u64, StoreError> {
+        Ok(self.get(META_PLUGIN_ID_NEXT)?.unwrap_or(1))
     }
 
-    /// A component's sealed compiled form.
-    pub fn plugin_compiled(&self, sha256_hex: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        self.storage.get(&plugin_compiled_key(sha256_hex))
+    /// The plugin code folder.
+    pub fn code(&self) -> Result<&PluginCode, StoreError> {
+        self.code.as_ref().ok_or_else(|| {
+            StoreError::Io(format!(
+                "the store at {} has no folder for plugin code",
+                self.path
+            ))
+        })
+    }
+
+    /// Moves format 2's plugins to format 3 (a no-op on a store already
+    /// there): every plugin record without an id gets one; its code, kept
+    /// by digest and shared by whoever uploaded the same bytes, gets files
+    /// of its owner's ([`code`]); its state moves from its name to its
+    /// identity, and state kept under an operator plugin's name (in
+    /// `operator_names`) to that plugin's. Then the shared copies go. A
+    /// record whose code is gone keeps its id and no files: it fails closed
+    /// at load. One commit: all of it or nothing.
+    pub fn migrate_plugins(&self, operator_names: &[String]) -> Result<u32, StoreError> {
+        let mut batch = Batch::default();
+        let mut next = self.plugin_id_next()?;
+        let mut migrated = 0;
+        for tenant in self.tenants()? {
+            let mut moved_names = Vec::new();
+            for mut plugin in self.plugins(tenant.id)? {
+                if plugin.id != 0 {
+                    continue;
+                }
+                plugin.id = next;
+                next += 1;
+                migrated += 1;
+                let owner = CodeOwner {
+                    tenant: tenant.id,
+                    plugin: plugin.id,
+                    version: plugin.version,
+                };
+                let digest = plugin.sha256.as_bytes();
+                for (prefix, kind) in [
+                    (LEGACY_WASM_PREFIX, CodeKind::Wasm),
+                    (LEGACY_COMPILED_PREFIX, CodeKind::Sealed),
+                ] {
+                    if let Some(bytes) = self.storage.get(&[prefix, digest].concat())? {
+                        self.code()?.put(owner, kind, &bytes)?;
+                    }
+                }
+                self.move_state(
+                    &mut batch,
+                    tenant.id,
+                    &plugin.name,
+                    &format!("#{}", plugin.id),
+                )?;
+                moved_names.push(plugin.name.clone());
+                batch.put_plugin(&plugin);
+            }
+            for name in operator_names.iter().filter(|n| !moved_names.contains(n)) {
+                self.move_state(&mut batch, tenant.id, name, &format!("@{name}"))?;
+            }
+        }
+        for prefix in [LEGACY_WASM_PREFIX, LEGACY_COMPILED_PREFIX] {
+            for digest in self.keys_after(prefix)? {
+                batch.delete_legacy_code(&digest);
+            }
+        }
+        if batch.is_empty() {
+            return Ok(0);
+        }
+        batch.put_plugin_id_next(next);
+        self.commit(batch)?;
+        Ok(migrated)
+    }
+
+    /// Moves every state entry of (`tenant`, `from`) to (`tenant`, `to`).
+    fn move_state(
+        &self,
+        batch: &mut Batch,
+        tenant: u32,
+        from: &str,
+        to: &str,
+    ) -> Result<(), StoreError> {
+        let prefix = plugin_state_prefix(tenant, from);
+        let mut after: Option<Vec<u8>> = None;
+        loop {
+            let entries = self
+                .storage
+                .scan(&prefix, after.as_deref(), SCAN_RECORDS_MAX)?;
+            let Some((last, _)) = entries.last() else {
+                return Ok(());
+            };
+            after = Some(last.clone());
+            for (key, value) in entries {
+                let record: PluginStateRecord = decode(&key, &value)?;
+                let k = String::from_utf8_lossy(&key[prefix.len()..]).into_owned();
+                batch.delete(key);
+                batch.put_plugin_state(tenant, to, &k, &record);
+            }
+        }
+    }
+
+    /// The rest of every key under `prefix`, all of them (scanned page by page).
+    fn keys_after(&self, prefix: &[u8]) -> Result<Vec<String>, StoreError> {
+        let mut out = Vec::new();
+        let mut after: Option<Vec<u8>> = None;
+        loop {
+            let entries = self
+                .storage
+                .scan(prefix, after.as_deref(), SCAN_RECORDS_MAX)?;
+            let Some((last, _)) = entries.last() else {
+                return Ok(out);
+            };
+            after = Some(last.clone());
+            out.extend(
+                entries
+                    .iter()
+                    .map(|(key, _)| String::from_utf8_lossy(&key[prefix.len()..]).into_owned()),
+            );
+        }
     }
 
     /// An entry of a plugin's own state.

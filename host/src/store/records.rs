@@ -16,7 +16,10 @@ use std::collections::BTreeMap;
 /// - 1: tenants, keys, plugins, usage, audit.
 /// - 2: adds `TenantRecord::models` (absent in format 1: every model) and
 ///   [`ModelRecord`].
-pub const FORMAT_VERSION: u32 = 2;
+/// - 3: adds `PluginRecord::id` (0 in older records until
+///   `Store::migrate_plugins` gives them one); plugin code moves out of the
+///   database into its owners' files, and plugin state is keyed by identity.
+pub const FORMAT_VERSION: u32 = 3;
 /// The oldest format this build reads (every change since is additive, with a
 /// default for what older records lack).
 pub const FORMAT_VERSION_READ_MIN: u32 = 1;
@@ -117,6 +120,11 @@ pub struct KeyRecord {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PluginRecord {
+    /// Its id: never reused, the same across its versions, a new one after
+    /// a delete; what its budgets, state and code files are keyed by (a name
+    /// is the tenant's to choose, an id is not).
+    #[serde(default)]
+    pub id: u64,
     /// Its tenant.
     pub tenant: u32,
     /// Its name, unique per tenant.

@@ -158,7 +158,7 @@ fn a_record_of_another_version_or_broken_is_an_error_naming_its_key() {
         .commit(vec![
             Write::Put {
                 key: tenant_key(1),
-                value: br#"{"v": 3, "record": {}}"#.to_vec(),
+                value: br#"{"v": 99, "record": {}}"#.to_vec(),
             },
             Write::Put {
                 key: tenant_key(2),
@@ -169,7 +169,7 @@ fn a_record_of_another_version_or_broken_is_an_error_naming_its_key() {
     let store = Store::with_storage(Box::new(storage), "test".into()).unwrap();
     match store.get::<TenantRecord>(&tenant_key(1)) {
         Err(StoreError::Version { key, version }) => {
-            assert_eq!(version, 3);
+            assert_eq!(version, 99);
             assert!(key.starts_with("tenant/"), "{key}");
         }
         other => panic!("{other:?}"),
@@ -325,5 +325,87 @@ fn a_database_that_lost_acknowledged_commits_refuses_to_open() {
     // A database ahead of the file (a crash between the two) opens.
     std::fs::write(&count, "2\n").unwrap();
     assert_eq!(Store::open(&dir).unwrap().tenants().unwrap().len(), 3);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn format_2_plugins_move_to_their_owners_code_and_identities_once() {
+    use super::records::{PluginRecord, PluginStateRecord};
+    let dir = temp_dir("migrate");
+    let store = Store::open(&dir).unwrap();
+    let plugin = |tenant: u32, name: &str| PluginRecord {
+        id: 0,
+        tenant,
+        name: name.into(),
+        version: 2,
+        sha256: "ab".repeat(32),
+        size_bytes: 4,
+        enabled: true,
+        uploaded_ms: 1,
+        order: 0,
+        limits: Default::default(),
+    };
+    let state = |v: &str| PluginStateRecord {
+        value_hex: v.into(),
+        expires_ms: None,
+    };
+    // Format 2: alpha and beta uploaded the same bytes (one shared copy);
+    // alpha's plugin has state under its name, and the operator plugin
+    // "limits" under its name in beta's space.
+    let mut batch = Batch::default();
+    batch
+        .put_tenant(&tenant(1, "alpha"))
+        .put_tenant(&tenant(2, "beta"))
+        .put_plugin(&plugin(1, "gate"))
+        .put_plugin(&plugin(2, "gate"))
+        .put_plugin_state(1, "gate", "k", &state("01"))
+        .put_plugin_state(2, "limits", "bucket", &state("02"));
+    let digest = "ab".repeat(32);
+    batch.writes.push(Write::Put {
+        key: [LEGACY_WASM_PREFIX, digest.as_bytes()].concat(),
+        value: b"wasm".to_vec(),
+    });
+    batch.writes.push(Write::Put {
+        key: [LEGACY_COMPILED_PREFIX, digest.as_bytes()].concat(),
+        value: b"sealed".to_vec(),
+    });
+    store.commit(batch).unwrap();
+
+    assert_eq!(store.migrate_plugins(&["limits".to_string()]).unwrap(), 2);
+    let (alpha, beta) = (&store.plugins(1).unwrap()[0], &store.plugins(2).unwrap()[0]);
+    assert!(alpha.id != 0 && beta.id != 0 && alpha.id != beta.id);
+    let code = store.code().unwrap();
+    for p in [alpha, beta] {
+        let owner = CodeOwner {
+            tenant: p.tenant,
+            plugin: p.id,
+            version: p.version,
+        };
+        assert_eq!(
+            code.get(owner, CodeKind::Wasm).unwrap().as_deref(),
+            Some(&b"wasm"[..])
+        );
+        assert_eq!(
+            code.get(owner, CodeKind::Sealed).unwrap().as_deref(),
+            Some(&b"sealed"[..])
+        );
+    }
+    let alpha_identity = format!("#{}", alpha.id);
+    assert!(store
+        .plugin_state(1, &alpha_identity, "k")
+        .unwrap()
+        .is_some());
+    assert!(store.plugin_state(1, "gate", "k").unwrap().is_none());
+    assert!(store
+        .plugin_state(2, "@limits", "bucket")
+        .unwrap()
+        .is_some());
+    assert!(store.plugin_state(2, "limits", "bucket").unwrap().is_none());
+    assert!(store.keys_after(LEGACY_WASM_PREFIX).unwrap().is_empty());
+    assert!(store.keys_after(LEGACY_COMPILED_PREFIX).unwrap().is_empty());
+    assert!(store.plugin_id_next().unwrap() > alpha.id.max(beta.id));
+    // Once: a second start moves nothing.
+    assert_eq!(store.migrate_plugins(&["limits".to_string()]).unwrap(), 0);
+    drop(store);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -120,6 +120,38 @@ pub enum ControlError {
     /// The engine is not running.
     #[error("the engine is not running")]
     Engine,
+    /// A name kept for someone else (a tenant plugin may not take an
+    /// operator plugin's name).
+    #[error(
+        "{what} name {name:?} is reserved for the operator's plugin of that name; choose another"
+    )]
+    Reserved {
+        /// "plugin".
+        what: &'static str,
+        /// The name.
+        name: String,
+    },
+    /// Too many of these for now.
+    #[error("too many {what} for now; retry after {retry_after_secs} s")]
+    RateLimited {
+        /// What is limited.
+        what: &'static str,
+        /// When to retry.
+        retry_after_secs: u32,
+    },
+    /// Over a quota of bytes.
+    #[error("{what} would take {needed} bytes, over this tenant's quota of {max}; delete or shrink a plugin first")]
+    Quota {
+        /// What is counted.
+        what: &'static str,
+        /// What the change would need in all.
+        needed: u64,
+        /// The quota.
+        max: u64,
+    },
+    /// The server cannot do this now (try again shortly).
+    #[error("{0}")]
+    Busy(String),
 }
 
 fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ControlError {
@@ -509,6 +541,8 @@ pub struct Control {
     config: Arc<Config>,
     finishes: Arc<dyn FinishSink>,
     writes: tokio::sync::Mutex<()>,
+    /// Plugin uploads per tenant (`plugins.uploads_per_minute`).
+    uploads: plugins::UploadRate,
 }
 
 /// Runs `f` on the current thread, telling the runtime it blocks (store
@@ -553,6 +587,7 @@ impl Control {
             config: parts.config,
             finishes: parts.finishes,
             writes: tokio::sync::Mutex::new(()),
+            uploads: plugins::UploadRate::default(),
         }
     }
 
@@ -870,15 +905,26 @@ impl Control {
         for key in keys.iter().filter(|k| k.tenant == record.id) {
             batch.delete_key(&key.id);
         }
+        // Its plugins' state and the operator plugins' state for it; their
+        // code files go after the commit.
+        let identities: Vec<String> = plugins
+            .iter()
+            .map(|p| crate::policy::tenant_identity(p.id))
+            .chain(
+                self.policy
+                    .operator_names()
+                    .iter()
+                    .map(|n| crate::policy::operator_identity(n)),
+            )
+            .collect();
         for plugin in &plugins {
-            batch
-                .delete_plugin(record.id, &plugin.name)
-                .delete_plugin_wasm(&plugin.sha256)
-                .delete_plugin_compiled(&plugin.sha256);
+            batch.delete_plugin(record.id, &plugin.name);
+        }
+        for identity in &identities {
             blocking(|| {
                 self.policy
                     .state()
-                    .forget(&mut batch, TenantId(record.id), &plugin.name)
+                    .forget(&mut batch, TenantId(record.id), identity)
             })?;
         }
         batch.audit(with_detail(
@@ -891,6 +937,16 @@ impl Control {
         let committed = self.commit_or_undo(batch, &changes).await;
         self.publish()?;
         committed?;
+        for plugin in &plugins {
+            let owner = crate::store::code::CodeOwner {
+                tenant: plugin.tenant,
+                plugin: plugin.id,
+                version: plugin.version,
+            };
+            if let Err(error) = blocking(|| self.store.code().and_then(|c| c.delete(owner))) {
+                tracing::warn!(plugin = %plugin.name, %error, "a deleted tenant's plugin code stays until the next start");
+            }
+        }
         self.policy.forget(TenantId(record.id), None);
         Ok(ended)
     }

@@ -1,8 +1,22 @@
 //! The control plane's plugin writes: upload, enable and disable, delete, and
 //! loading every tenant's plugins at start, each through the one write path
 //! (check → store → apply → audit).
+//!
+//! Every plugin has one owner: its record (tenant, name, and an id the host
+//! gives it), which alone owns its code files (`store::code`), its state and
+//! its budgets. An upload is checked and compiled before the write lock is
+//! taken — its shape first (functions, code, locals, data), then compiling,
+//! one at a time and within `plugins.compile_timeout_ms`, at most
+//! `plugins.uploads_per_minute` per tenant — so one tenant's uploads never
+//! hold another's writes; the tenant's code (components and compiled forms)
+//! is at most `plugins.tenant_code_bytes_max`.
 
 use super::*;
+use crate::policy::{tenant_identity, CompileError};
+use crate::store::code::{CodeKind, CodeOwner};
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use std::time::Instant;
 
 /// How a plugin is uploaded: its place in the chain and the limits it asks
 /// for (query parameters of the upload).
@@ -48,6 +62,10 @@ pub struct PluginView {
     pub enabled: bool,
     /// Last uploaded, Unix milliseconds.
     pub uploaded_ms: u64,
+    /// Why it is enabled but fails closed (503 `policy_unavailable`), if it
+    /// does: its code could not be loaded. Upload it again, or disable or
+    /// delete it.
+    pub unloadable: Option<String>,
 }
 
 impl From<&PluginRecord> for PluginView {
@@ -60,6 +78,48 @@ impl From<&PluginRecord> for PluginView {
             size_bytes: p.size_bytes,
             enabled: p.enabled,
             uploaded_ms: p.uploaded_ms,
+            unloadable: None,
+        }
+    }
+}
+
+/// Uploads per tenant: a bucket of `per_minute` that refills over a minute.
+#[derive(Default)]
+pub struct UploadRate {
+    buckets: Mutex<HashMap<u32, (f64, Instant)>>,
+}
+
+impl UploadRate {
+    /// Takes one upload of `tenant`'s, or says in how many seconds one is back.
+    fn take(&self, tenant: u32, per_minute: u32, now: Instant) -> Result<(), u32> {
+        let per_minute = f64::from(per_minute.max(1));
+        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        let (left, at) = buckets.entry(tenant).or_insert((per_minute, now));
+        let refilled = now.duration_since(*at).as_secs_f64() * per_minute / 60.0;
+        *left = (*left + refilled).min(per_minute);
+        *at = now;
+        if *left >= 1.0 {
+            *left -= 1.0;
+            return Ok(());
+        }
+        Err(((1.0 - *left) * 60.0 / per_minute).ceil().max(1.0) as u32)
+    }
+}
+
+/// The owner of `plugin`'s current code files.
+fn owner_of(plugin: &PluginRecord) -> CodeOwner {
+    CodeOwner {
+        tenant: plugin.tenant,
+        plugin: plugin.id,
+        version: plugin.version,
+    }
+}
+
+fn compile_error(error: CompileError) -> ControlError {
+    match error {
+        CompileError::Invalid(reason) => invalid("body", reason),
+        CompileError::Busy => {
+            ControlError::Busy("the plugin compiler is busy; retry in a few seconds".into())
         }
     }
 }
@@ -70,7 +130,11 @@ impl Control {
         let record = self.tenant_record(tenant)?;
         Ok(blocking(|| self.store.plugins(record.id))?
             .iter()
-            .map(PluginView::from)
+            .map(|p| {
+                let mut view = PluginView::from(p);
+                view.unloadable = self.policy.unloadable(TenantId(p.tenant), &p.name);
+                view
+            })
             .collect())
     }
 
@@ -89,7 +153,9 @@ impl Control {
     /// the name exists) and swaps it into the tenant's chain for the next
     /// request. It is refused, with nothing written and the old version left
     /// serving, when it is not a component of the tenant world within the
-    /// limits, or asks for more than the deployment's limits.
+    /// limits, asks for more than the deployment's limits, takes an operator
+    /// plugin's name, or would put the tenant over its upload rate or its
+    /// code quota.
     pub async fn upload_plugin(
         &self,
         actor: &Actor,
@@ -98,18 +164,40 @@ impl Control {
         bytes: &[u8],
         options: UploadOptions,
     ) -> Result<PluginView, ControlError> {
-        let _write = self.writes.lock().await;
         if !valid_name(name) || name.len() > PLUGIN_NAME_BYTES_MAX {
             return Err(invalid(
                 "name",
                 "1-64 of [A-Za-z0-9_-], starting with a letter",
             ));
         }
+        if self.policy.operator_names().iter().any(|n| n == name) {
+            return Err(ControlError::Reserved {
+                what: "plugin",
+                name: name.into(),
+            });
+        }
         check_component(bytes)?;
         self.policy
             .limits()
             .lowered(&options.limits())
             .map_err(|reason| invalid("limits", reason))?;
+        let tenant_id = self.tenant_record(tenant)?.id;
+        let plugins = &self.config.plugins;
+        self.uploads
+            .take(tenant_id, plugins.uploads_per_minute, Instant::now())
+            .map_err(|retry_after_secs| ControlError::RateLimited {
+                what: "plugin uploads",
+                retry_after_secs,
+            })?;
+        // Checked and compiled before the write lock: nobody else's writes
+        // wait for this one's compiler.
+        let component =
+            blocking(|| self.policy.compile_bounded(bytes, false)).map_err(compile_error)?;
+        let sealed = self
+            .policy
+            .seal(&component)
+            .map_err(|e| ControlError::Store(StoreError::Io(format!("sealing a plugin: {e}"))))?;
+        let _write = self.writes.lock().await;
         let record = self.tenant_record(tenant)?;
         let existing = blocking(|| self.store.plugins(record.id))?;
         let previous = existing.iter().find(|p| p.name == name);
@@ -119,15 +207,23 @@ impl Control {
                 max: PLUGINS_PER_TENANT_MAX,
             });
         }
-        // Compile and check the world before anything is written.
-        let component =
-            blocking(|| self.policy.compile(bytes, false)).map_err(|e| invalid("body", e.0))?;
-        let sealed = self
-            .policy
-            .seal(&component)
-            .map_err(|e| ControlError::Store(StoreError::Io(format!("sealing a plugin: {e}"))))?;
+        let code = self.store.code()?;
+        let others = blocking(|| code.bytes_of(record.id, previous.map(|p| p.id)))?;
+        let needed = others + bytes.len() as u64 + sealed.len() as u64;
+        if needed > plugins.tenant_code_bytes_max {
+            return Err(ControlError::Quota {
+                what: "plugin code (components and their compiled forms)",
+                needed,
+                max: plugins.tenant_code_bytes_max,
+            });
+        }
+        let id = match previous {
+            Some(p) => p.id,
+            None => blocking(|| self.store.plugin_id_next())?,
+        };
         let sha256 = hex(&Sha256::digest(bytes));
         let plugin = PluginRecord {
+            id,
             tenant: record.id,
             name: name.into(),
             version: previous.map_or(1, |p| p.version + 1),
@@ -140,15 +236,18 @@ impl Control {
                 .unwrap_or_else(|| previous.map_or(existing.len() as u32, |p| p.order)),
             limits: options.limits(),
         };
+        // The new version's files first, then the record naming them, then
+        // the old version's files go: a crash between leaves only files no
+        // record names, which the next start reclaims.
+        let owner = owner_of(&plugin);
+        let written = blocking(|| {
+            code.put(owner, CodeKind::Wasm, bytes)?;
+            code.put(owner, CodeKind::Sealed, &sealed)
+        });
         let mut batch = Batch::default();
-        batch
-            .put_plugin_wasm(&sha256, bytes)
-            .put_plugin_compiled(&sha256, sealed)
-            .put_plugin(&plugin);
-        if let Some(old) = previous.filter(|p| p.sha256 != sha256) {
-            batch
-                .delete_plugin_wasm(&old.sha256)
-                .delete_plugin_compiled(&old.sha256);
+        batch.put_plugin(&plugin);
+        if previous.is_none() {
+            batch.put_plugin_id_next(id + 1);
         }
         batch.audit(with_detail(
             audit(actor, "plugin.upload", &record.name),
@@ -159,61 +258,114 @@ impl Control {
                 ("sha256", sha256.into()),
             ],
         ));
-        self.commit_or_undo(batch, &[]).await?;
+        if let Err(error) = written.map_err(ControlError::from) {
+            let _ = blocking(|| code.delete(owner));
+            return Err(error);
+        }
+        if let Err(error) = self.commit_or_undo(batch, &[]).await {
+            let _ = blocking(|| code.delete(owner));
+            return Err(error);
+        }
+        if let Some(old) = previous {
+            if let Err(error) = blocking(|| code.delete(owner_of(old))) {
+                tracing::warn!(plugin = %name, %error, "an old version's code stays until the next start");
+            }
+        }
         self.policy
             .install(&plugin, &component)
             .map_err(|e| invalid("limits", e.0))?;
         Ok(PluginView::from(&plugin))
     }
 
-    /// Installs every enabled plugin of every tenant (start-up): from its
-    /// sealed compiled form when this host sealed it, else compiled again
-    /// (and the new form stored). A plugin that no longer loads is disabled,
-    /// audited, and the server starts without it.
+    /// The component of `plugin`, from its own files: the sealed compiled
+    /// form when this host sealed it, else compiled again (and the new sealed
+    /// form stored), and whether it was compiled. Why not, when it cannot be
+    /// loaded.
+    fn load_code(
+        &self,
+        plugin: &PluginRecord,
+    ) -> Result<(wasmtime::component::Component, bool), String> {
+        let code = self.store.code().map_err(|e| e.to_string())?;
+        let owner = owner_of(plugin);
+        let wasm = code
+            .get(owner, CodeKind::Wasm)
+            .map_err(|e| e.to_string())?
+            .ok_or("its component is missing from the store")?;
+        if hex(&Sha256::digest(&wasm)) != plugin.sha256 {
+            return Err("its stored component does not match its digest".into());
+        }
+        let sealed = code
+            .get(owner, CodeKind::Sealed)
+            .map_err(|e| e.to_string())?;
+        let (component, resealed) = self
+            .policy
+            .load(sealed.as_deref(), &wasm)
+            .map_err(|e| e.0)?;
+        let compiled = resealed.is_some();
+        if let Some(resealed) = resealed {
+            if let Err(error) = code.put(owner, CodeKind::Sealed, &resealed) {
+                tracing::warn!(plugin = %plugin.name, %error, "could not store a compiled plugin");
+            }
+        }
+        Ok((component, compiled))
+    }
+
+    /// Installs every enabled plugin of every tenant (start-up), after moving
+    /// a format-2 store's plugins to their owners ([`Store::migrate_plugins`]).
+    /// A plugin that no longer loads fails closed for its tenant (503
+    /// `policy_unavailable`, and `plugin.unavailable` audited), never open:
+    /// its tenant enabled it. Then every code file no record names is
+    /// deleted.
     pub fn load_plugins(&self) -> Result<(), ControlError> {
+        let migrated = self.store.migrate_plugins(&self.policy.operator_names())?;
+        if migrated > 0 {
+            tracing::info!(
+                plugins = migrated,
+                "plugins moved to format 3 (their own code files)"
+            );
+        }
+        let mut live = HashSet::new();
         for tenant in self.store.tenants()? {
-            for mut plugin in self.store.plugins(tenant.id)? {
+            for plugin in self.store.plugins(tenant.id)? {
+                live.insert(owner_of(&plugin));
                 if !plugin.enabled {
                     continue;
                 }
-                let wasm = self.store.plugin_wasm(&plugin.sha256)?.unwrap_or_default();
-                let sealed = self.store.plugin_compiled(&plugin.sha256)?;
-                let loaded =
+                let loaded = self.load_code(&plugin).and_then(|(component, compiled)| {
                     self.policy
-                        .load(sealed.as_deref(), &wasm)
-                        .and_then(|(component, resealed)| {
-                            self.policy.install(&plugin, &component)?;
-                            Ok(resealed)
-                        });
-                let mut batch = Batch::default();
+                        .install(&plugin, &component)
+                        .map(|()| compiled)
+                        .map_err(|e| e.0)
+                });
                 match loaded {
-                    Ok(None) => {
-                        tracing::info!(tenant = %tenant.name, plugin = %plugin.name, compiled = false, "plugin loaded");
-                        continue;
+                    Ok(compiled) => {
+                        tracing::info!(tenant = %tenant.name, plugin = %plugin.name, compiled, "plugin loaded");
                     }
-                    Ok(Some(resealed)) => {
-                        tracing::info!(tenant = %tenant.name, plugin = %plugin.name, compiled = true, "plugin loaded");
-                        batch.put_plugin_compiled(&plugin.sha256, resealed);
-                    }
-                    Err(error) => {
-                        tracing::error!(tenant = %tenant.name, plugin = %plugin.name, %error, "plugin does not load; disabled");
-                        plugin.enabled = false;
-                        batch.put_plugin(&plugin).audit(with_detail(
-                            audit(&Actor::System, "plugin.disable", &tenant.name),
+                    Err(why) => {
+                        tracing::error!(tenant = %tenant.name, plugin = %plugin.name, error = %why, "plugin does not load; it fails closed");
+                        self.policy.install_unloadable(&plugin, &why);
+                        let mut batch = Batch::default();
+                        batch.audit(with_detail(
+                            audit(&Actor::System, "plugin.unavailable", &tenant.name),
                             [
                                 ("plugin", plugin.name.clone().into()),
-                                ("reason", "load".into()),
+                                ("reason", why.into()),
                             ],
                         ));
+                        self.store.commit(batch)?;
                     }
                 }
-                self.store.commit(batch)?;
             }
+        }
+        let (files, bytes) = self.store.code()?.reclaim(&live)?;
+        if files > 0 {
+            tracing::info!(files, bytes, "plugin code no record names was deleted");
         }
         Ok(())
     }
 
-    /// Enables or disables a plugin; the next request follows.
+    /// Enables or disables a plugin; the next request follows. Enabling one
+    /// whose code does not load is refused (400), and changes nothing.
     pub async fn set_plugin_enabled(
         &self,
         actor: &Actor,
@@ -225,11 +377,11 @@ impl Control {
         let (owner, mut plugin) = self.plugin_record(tenant, name)?;
         plugin.enabled = enabled;
         let component = if enabled {
-            let wasm = blocking(|| self.store.plugin_wasm(&plugin.sha256))?.unwrap_or_default();
-            let sealed = blocking(|| self.store.plugin_compiled(&plugin.sha256))?;
-            let (component, _) = blocking(|| self.policy.load(sealed.as_deref(), &wasm))
-                .map_err(|e| invalid("plugin", e.0))?;
-            Some(component)
+            Some(
+                blocking(|| self.load_code(&plugin))
+                    .map_err(|why| invalid("plugin", why))?
+                    .0,
+            )
         } else {
             None
         };
@@ -257,7 +409,7 @@ impl Control {
         Ok(PluginView::from(&plugin))
     }
 
-    /// Deletes a plugin and its bytes.
+    /// Deletes a plugin, its code and its state.
     pub async fn delete_plugin(
         &self,
         actor: &Actor,
@@ -266,22 +418,46 @@ impl Control {
     ) -> Result<(), ControlError> {
         let _write = self.writes.lock().await;
         let (owner, plugin) = self.plugin_record(tenant, name)?;
+        let identity = tenant_identity(plugin.id);
         let mut batch = Batch::default();
-        batch
-            .delete_plugin(plugin.tenant, name)
-            .delete_plugin_wasm(&plugin.sha256)
-            .delete_plugin_compiled(&plugin.sha256);
+        batch.delete_plugin(plugin.tenant, name);
         blocking(|| {
             self.policy
                 .state()
-                .forget(&mut batch, TenantId(plugin.tenant), name)
+                .forget(&mut batch, TenantId(plugin.tenant), &identity)
         })?;
         batch.audit(with_detail(
             audit(actor, "plugin.delete", &owner),
             [("plugin", name.into())],
         ));
         self.commit_or_undo(batch, &[]).await?;
-        self.policy.forget(TenantId(plugin.tenant), Some(name));
+        if let Err(error) = blocking(|| self.store.code().and_then(|c| c.delete(owner_of(&plugin))))
+        {
+            tracing::warn!(plugin = %name, %error, "a deleted plugin's code stays until the next start");
+        }
+        self.policy
+            .forget(TenantId(plugin.tenant), Some((name, &identity)));
+        Ok(())
+    }
+
+    /// Records that an operator plugin tripped for a tenant (audited; it
+    /// fails closed or is skipped for that tenant until `until_ms`).
+    pub fn record_operator_trip(&self, trip: &crate::policy::Trip) -> Result<(), ControlError> {
+        let Some((on_trip, until_ms)) = trip.operator else {
+            return Ok(());
+        };
+        let tenant = self.tenant_record(TenantRef::Id(trip.tenant))?;
+        let mut batch = Batch::default();
+        batch.audit(with_detail(
+            audit(&Actor::System, "plugin.trip", &tenant.name),
+            [
+                ("plugin", trip.plugin.clone().into()),
+                ("faults", trip.faults.into()),
+                ("on_trip", on_trip.as_str().into()),
+                ("until_ms", until_ms.into()),
+            ],
+        ));
+        blocking(|| self.store.commit(batch))?;
         Ok(())
     }
 
