@@ -183,6 +183,16 @@ pub struct StoreConfig {
     /// How often usage counters and refusal records are written: what a
     /// crash can lose.
     pub usage_flush_ms: u64,
+    /// How long audit records are kept, in days.
+    pub audit_retention_days: u64,
+    /// Most audit records kept in all; the oldest go first.
+    pub audit_records_max: u64,
+    /// Most refusal records kept per tenant; its oldest go first (never
+    /// anyone's security events or admin changes).
+    pub audit_refusals_per_tenant_max: u64,
+    /// Refusals listed one record each per tenant per flush interval; past
+    /// it they are counted by code in one summary record.
+    pub audit_refusals_listed_per_interval: u32,
 }
 
 impl Default for StoreConfig {
@@ -190,6 +200,10 @@ impl Default for StoreConfig {
         StoreConfig {
             path: PathBuf::from("bulkhead-state"),
             usage_flush_ms: 1000,
+            audit_retention_days: 90,
+            audit_records_max: crate::store::AUDIT_RECORDS_MAX,
+            audit_refusals_per_tenant_max: crate::store::AUDIT_REFUSALS_PER_TENANT_MAX,
+            audit_refusals_listed_per_interval: crate::store::usage::REFUSALS_LISTED_PER_INTERVAL,
         }
     }
 }
@@ -698,6 +712,29 @@ impl Config {
                 1024,
             ),
             ("server.h2_local_resets_max", s.h2_local_resets_max, 1 << 16),
+        ] {
+            if value == 0 || value > max {
+                return Err(invalid(field, format!("must be 1..={max}")));
+            }
+        }
+        let st = &self.store;
+        for (field, value, max) in [
+            (
+                "store.audit_retention_days",
+                st.audit_retention_days,
+                36_500,
+            ),
+            ("store.audit_records_max", st.audit_records_max, 1 << 32),
+            (
+                "store.audit_refusals_per_tenant_max",
+                st.audit_refusals_per_tenant_max,
+                1 << 32,
+            ),
+            (
+                "store.audit_refusals_listed_per_interval",
+                u64::from(st.audit_refusals_listed_per_interval),
+                1 << 16,
+            ),
         ] {
             if value == 0 || value > max {
                 return Err(invalid(field, format!("must be 1..={max}")));

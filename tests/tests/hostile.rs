@@ -616,3 +616,106 @@ fn a_flooding_tenant_cannot_503_or_starve_another() {
     );
     assert!(beta.contains(&200), "beta is served too");
 }
+
+#[test]
+fn a_refusal_flood_cannot_hide_a_security_event_or_another_tenants_history() {
+    let Some(model) = smollm2() else { return };
+    let server = std::sync::Arc::new(start(
+        &model,
+        &Policy {
+            alpha_pending_max: 64,
+            store_toml: "audit_refusals_per_tenant_max = 200\n".into(),
+            ..Policy::default()
+        },
+    ));
+    // Beta's history: three refusals, and an admin change about it.
+    for _ in 0..3 {
+        assert_eq!(
+            server.post("/v1/completions", Some(KEY_BETA), b"{").status,
+            400
+        );
+    }
+    let r = server.admin_call(
+        "PATCH",
+        "/admin/v1/tenants/beta",
+        Some(&json!({"weight": 2})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    // Alpha floods cheap refusals (a broken body each) from eight clients;
+    // meanwhile an engine faults, a security event.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood: Vec<_> = (0..8)
+        .map(|_| {
+            let (server, stop) = (std::sync::Arc::clone(&server), std::sync::Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut sent = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    assert_eq!(
+                        server.post("/v1/completions", Some(KEY_ALPHA), b"{").status,
+                        400
+                    );
+                    sent += 1;
+                }
+                sent
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    let r = server.admin_call(
+        "POST",
+        &format!("/admin/v1/models/{MODEL_ID}/fault/panic"),
+        None,
+    );
+    assert_eq!(r.status, 202, "{}", r.body);
+    std::thread::sleep(Duration::from_millis(2500));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent: u64 = flood.into_iter().map(|h| h.join().unwrap()).sum();
+    let log = || {
+        server
+            .admin_call("GET", "/admin/v1/audit?limit=1000", None)
+            .json()["data"]
+            .as_array()
+            .unwrap()
+            .clone()
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || log()
+            .iter()
+            .any(|r| r["action"] == "engine.fault")),
+        "the engine fault is in the audit log after {sent} refusals"
+    );
+    let log = log();
+    let listed = |tenant: u64| {
+        log.iter()
+            .filter(|r| r["action"] == "request.refused" && r["detail"]["tenant_id"] == tenant)
+            .count()
+    };
+    let summarized: u64 = log
+        .iter()
+        .filter(|r| r["action"] == "request.refused_summary" && r["target"] == "alpha")
+        .map(|r| r["detail"]["refused"].as_u64().unwrap())
+        .sum();
+    eprintln!(
+        "{sent} refusals of alpha's: {} listed, {summarized} in summaries, {} records in all",
+        listed(1),
+        log.len()
+    );
+    assert!(sent > 1000, "the flood ran: {sent}");
+    let alpha_records = log.iter().filter(|r| r["detail"]["tenant_id"] == 1).count();
+    assert!(
+        alpha_records <= 200,
+        "alpha's refusals are capped: {alpha_records}"
+    );
+    assert_eq!(listed(2), 3, "beta's refusals are all there");
+    assert!(log
+        .iter()
+        .any(|r| r["action"] == "tenant.update" && r["target"] == "beta"));
+    // Usage still counts every refusal.
+    assert!(eventually(Duration::from_secs(5), || {
+        server
+            .admin_call("GET", "/admin/v1/usage?tenant=alpha", None)
+            .json()["total"]["outcomes"]["invalid_json"]
+            .as_u64()
+            == Some(sent)
+    }));
+}

@@ -72,7 +72,7 @@ impl OutputGuard {
         record
             .detail
             .insert("canary_owner_id".into(), hit.owner.0.into());
-        self.control.usage_book().audit(record);
+        self.control.usage_book().security(record);
         ApiError::OutputBlocked
     }
 }

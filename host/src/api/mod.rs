@@ -420,7 +420,7 @@ fn refused(app: &App, tenant: &Tenant, id: RequestId, error: &ApiError) {
     for (field, value) in error.sizes() {
         record.detail.insert(field.into(), value.into());
     }
-    book.audit(record);
+    book.refused(tenant.id, &tenant.name, error.code(), record);
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {

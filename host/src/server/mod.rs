@@ -130,7 +130,11 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     telemetry::init_tracing();
     telemetry::install_panic_hook();
     let config = Arc::new(options.apply(Config::load(&options.config)?)?);
-    let store = Arc::new(Store::open(&config.store_path())?);
+    let store = Arc::new(
+        Store::open(&config.store_path())?
+            .with_audit_max(config.store.audit_records_max)
+            .with_refusals_per_tenant_max(config.store.audit_refusals_per_tenant_max),
+    );
     let seeded = store.meta()?.is_some();
     let specs = catalog_of(&config, &store)?;
     let inspected = specs
@@ -166,7 +170,9 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         println!("{line}");
     }
     let registry = Arc::new(Registry::new(Directory::build(&tenants, &keys, None)));
-    let usage = Arc::new(UsageBook::default());
+    let usage = Arc::new(UsageBook::new(
+        config.store.audit_refusals_listed_per_interval,
+    ));
     let finishes = Arc::new(Finishes {
         usage: Arc::clone(&usage),
         policy: OnceLock::new(),
@@ -232,6 +238,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         Arc::clone(&usage),
         Arc::clone(&store),
         flush_every,
+        Duration::from_secs(config.store.audit_retention_days * 86_400),
     ));
     let (trips, tripped) = std::sync::mpsc::channel();
     policy.on_trip(trips);
@@ -325,7 +332,7 @@ impl FinishSink for Finishes {
         detail.insert("in_a_row".into(), fault.in_a_row.into());
         let restart_in_ms = fault.restart_in.map(|d| d.as_millis() as u64);
         detail.insert("restart_in_ms".into(), restart_in_ms.into());
-        self.usage.audit(record);
+        self.usage.security(record);
     }
 }
 
@@ -356,12 +363,20 @@ fn disable_tripped(control: &Control, tripped: std::sync::mpsc::Receiver<Trip>) 
 
 /// Writes usage counters every `every`, and deletes those past retention every
 /// hour, until aborted.
-async fn flush_usage(usage: Arc<UsageBook>, store: Arc<Store>, every: Duration) {
+async fn flush_usage(
+    usage: Arc<UsageBook>,
+    store: Arc<Store>,
+    every: Duration,
+    audit_retention: Duration,
+) {
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut purged_at: Option<tokio::time::Instant> = None;
     loop {
-        ticks.tick().await;
+        tokio::select! {
+            _ = ticks.tick() => {}
+            () = usage.flush_asked() => {}
+        }
         let purge = purged_at.is_none_or(|at| at.elapsed() >= USAGE_PURGE_EVERY);
         if purge {
             purged_at = Some(tokio::time::Instant::now());
@@ -376,6 +391,12 @@ async fn flush_usage(usage: Arc<UsageBook>, store: Arc<Store>, every: Duration) 
                     Ok(purged) => tracing::info!(purged, "usage minutes past retention deleted"),
                     Err(error) => tracing::warn!(%error, "usage retention"),
                 }
+                let cutoff_ms = now_ms().saturating_sub(audit_retention.as_millis() as u64);
+                match store.purge_audit_before(cutoff_ms) {
+                    Ok(0) => {}
+                    Ok(purged) => tracing::info!(purged, "audit records past retention deleted"),
+                    Err(error) => tracing::warn!(%error, "audit retention"),
+                }
             }
         })
         .await;
@@ -385,10 +406,10 @@ async fn flush_usage(usage: Arc<UsageBook>, store: Arc<Store>, every: Duration) 
 fn flush_once(usage: &UsageBook, store: &Store) {
     match usage.flush(store) {
         Ok(0) => {}
-        Ok(dropped) => {
-            tracing::warn!(
-                dropped,
-                "refusal audit records over the per-interval cap were counted, not kept"
+        Ok(summarized) => {
+            tracing::info!(
+                summarized,
+                "refusals past the listed ones per tenant were counted in summary records"
             );
         }
         Err(error) => {

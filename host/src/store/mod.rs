@@ -28,7 +28,15 @@
 //!                                    <plugin> its identity: #<id> (a tenant's), @<name> (the operator's)
 //!   usage/<tenant u32>/<minute u64>  UsageRecord: one minute's counters
 //!   audit/<seq u64>                  AuditRecord
+//!   audit_refused/<tenant u32>/<seq> (empty): the refusal records of a tenant, oldest first
 //! ```
+//!
+//! The audit log is bounded three ways: every record by age
+//! ([`Store::purge_audit_before`], hourly), the whole log by count
+//! (`store.audit_records_max`, oldest first), and each tenant's refusal
+//! records by count (`store.audit_refusals_per_tenant_max`, its oldest
+//! refusals first), so one tenant's refused requests can push out only its
+//! own refusals, never anyone's security events or admin changes.
 //!
 //! Format 2 kept plugin code here too, keyed by its digest alone
 //! (`plugin_wasm/<sha256>`, `plugin_compiled/<sha256>`), shared by every
@@ -50,8 +58,12 @@ use serde::Serialize;
 use std::path::Path;
 use std::sync::Mutex;
 
-/// Most audit records kept; the oldest go first.
-pub const AUDIT_RECORDS_MAX: u64 = 100_000;
+/// Most audit records kept by default; the oldest go first.
+pub const AUDIT_RECORDS_MAX: u64 = 1_000_000;
+/// Most refusal records kept per tenant by default; its oldest go first.
+pub const AUDIT_REFUSALS_PER_TENANT_MAX: u64 = 10_000;
+/// The actions of refusal records (capped per tenant).
+pub const REFUSAL_ACTIONS: [&str; 2] = ["request.refused", "request.refused_summary"];
 /// Most records one scan returns.
 pub const SCAN_RECORDS_MAX: usize = 10_000;
 
@@ -189,6 +201,22 @@ const AUDIT_PREFIX: &[u8] = b"audit/";
 
 fn audit_key(seq: u64) -> Vec<u8> {
     [AUDIT_PREFIX, &seq.to_be_bytes()].concat()
+}
+
+fn audit_refused_prefix(tenant: u32) -> Vec<u8> {
+    [key_u32("audit_refused/", tenant).as_slice(), b"/"].concat()
+}
+
+/// The tenant a refusal record counts against (`detail.tenant_id`), if it is one.
+fn refusal_tenant(record: &AuditRecord) -> Option<u32> {
+    if !REFUSAL_ACTIONS.contains(&record.action.as_str()) {
+        return None;
+    }
+    record
+        .detail
+        .get("tenant_id")
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|id| u32::try_from(id).ok())
 }
 
 const META_FORMAT: &[u8] = b"meta/format";
@@ -373,6 +401,8 @@ pub struct Store {
     code: Option<PluginCode>,
     /// Most audit records kept ([`AUDIT_RECORDS_MAX`] unless changed).
     audit_max: u64,
+    /// Most refusal records kept per tenant.
+    refusals_per_tenant_max: u64,
     /// Serializes commits, so audit sequence numbers follow commit order.
     audit: Mutex<AuditCursor>,
 }
@@ -382,6 +412,8 @@ struct AuditCursor {
     next: u64,
     /// The oldest kept.
     oldest: u64,
+    /// Refusal records kept, by tenant (counted from the index when first needed).
+    refusals: std::collections::HashMap<u32, u64>,
 }
 
 impl Store {
@@ -408,7 +440,12 @@ impl Store {
             path,
             code: None,
             audit_max: AUDIT_RECORDS_MAX,
-            audit: Mutex::new(AuditCursor { next, oldest }),
+            refusals_per_tenant_max: AUDIT_REFUSALS_PER_TENANT_MAX,
+            audit: Mutex::new(AuditCursor {
+                next,
+                oldest,
+                refusals: std::collections::HashMap::new(),
+            }),
         };
         // A store of another format fails here, before anything reads it.
         store.meta()?;
@@ -419,6 +456,86 @@ impl Store {
     pub fn with_audit_max(mut self, audit_max: u64) -> Store {
         self.audit_max = audit_max.max(1);
         self
+    }
+
+    /// Keeps at most `max` refusal records per tenant (at least one).
+    pub fn with_refusals_per_tenant_max(mut self, max: u64) -> Store {
+        self.refusals_per_tenant_max = max.max(1);
+        self
+    }
+
+    /// Deletes every audit record older than `cutoff_ms` (the log is in
+    /// time order: it stops at the first newer one); how many.
+    pub fn purge_audit_before(&self, cutoff_ms: u64) -> Result<u64, StoreError> {
+        let mut cursor = self.audit.lock().unwrap_or_else(|p| p.into_inner());
+        let mut purged = 0;
+        loop {
+            let page = self.scan::<AuditRecord>(AUDIT_PREFIX, None, 1000)?;
+            let old: Vec<&AuditRecord> = page
+                .iter()
+                .map(|(_, r)| r)
+                .take_while(|r| r.at_ms < cutoff_ms)
+                .collect();
+            if old.is_empty() {
+                return Ok(purged);
+            }
+            let mut writes = Vec::new();
+            for record in &old {
+                writes.push(Write::Delete {
+                    key: audit_key(record.seq),
+                });
+                if let Some(tenant) = refusal_tenant(record) {
+                    writes.push(Write::Delete {
+                        key: [
+                            audit_refused_prefix(tenant),
+                            record.seq.to_be_bytes().to_vec(),
+                        ]
+                        .concat(),
+                    });
+                    if let Some(count) = cursor.refusals.get_mut(&tenant) {
+                        *count = count.saturating_sub(1);
+                    }
+                }
+            }
+            let last = old.last().map_or(cursor.oldest, |r| r.seq);
+            let done = old.len() < page.len();
+            purged += old.len() as u64;
+            self.storage.commit(writes)?;
+            cursor.oldest = cursor.oldest.max(last + 1);
+            if done {
+                return Ok(purged);
+            }
+        }
+    }
+
+    /// Writes that keep `tenant`'s refusal records within their cap once
+    /// `adding` more are committed: the index entries and records of its
+    /// oldest.
+    fn trim_refusals(
+        &self,
+        cursor: &mut AuditCursor,
+        tenant: u32,
+        adding: u64,
+    ) -> Result<Vec<Write>, StoreError> {
+        let prefix = audit_refused_prefix(tenant);
+        let count = match cursor.refusals.get(&tenant) {
+            Some(&count) => count,
+            None => self.keys_after(&prefix)?.len() as u64,
+        };
+        let over = (count + adding).saturating_sub(self.refusals_per_tenant_max);
+        let mut writes = Vec::new();
+        if over > 0 {
+            for (key, _) in self.storage.scan(&prefix, None, over as usize)? {
+                let seq = u64_suffix(&key)?;
+                writes.push(Write::Delete { key });
+                writes.push(Write::Delete {
+                    key: audit_key(seq),
+                });
+            }
+        }
+        let trimmed = writes.len() as u64 / 2;
+        cursor.refusals.insert(tenant, count + adding - trimmed);
+        Ok(writes)
     }
 
     /// Where the store lives (for messages).
@@ -725,7 +842,8 @@ impl Store {
 
     /// Commits `batch` atomically and durably; its audit records get their
     /// sequence numbers here, in commit order. The oldest audit records past
-    /// the cap ([`AUDIT_RECORDS_MAX`]) go in the same batch.
+    /// the cap ([`AUDIT_RECORDS_MAX`]), and a tenant's oldest refusal records
+    /// past its cap, go in the same batch.
     pub fn commit(&self, batch: Batch) -> Result<(), StoreError> {
         if batch.is_empty() {
             return Ok(());
@@ -733,13 +851,31 @@ impl Store {
         let mut cursor = self.audit.lock().unwrap_or_else(|p| p.into_inner());
         let Batch { mut writes, audit } = batch;
         let mut next = cursor.next;
+        let mut refusals: std::collections::BTreeMap<u32, u64> = Default::default();
         for mut record in audit {
             record.seq = next;
+            if let Some(tenant) = refusal_tenant(&record) {
+                writes.push(Write::Put {
+                    key: [audit_refused_prefix(tenant), next.to_be_bytes().to_vec()].concat(),
+                    value: Vec::new(),
+                });
+                *refusals.entry(tenant).or_default() += 1;
+            }
             writes.push(Write::Put {
                 key: audit_key(next),
                 value: encode(&record),
             });
             next += 1;
+        }
+        let before = cursor.refusals.clone();
+        for (&tenant, &adding) in &refusals {
+            match self.trim_refusals(&mut cursor, tenant, adding) {
+                Ok(trims) => writes.extend(trims),
+                Err(error) => {
+                    cursor.refusals = before;
+                    return Err(error);
+                }
+            }
         }
         let mut oldest = cursor.oldest;
         while next - oldest > self.audit_max {
@@ -748,7 +884,10 @@ impl Store {
             });
             oldest += 1;
         }
-        self.storage.commit(writes)?;
+        if let Err(error) = self.storage.commit(writes) {
+            cursor.refusals = before;
+            return Err(error);
+        }
         cursor.next = next;
         cursor.oldest = oldest;
         Ok(())

@@ -409,3 +409,141 @@ fn format_2_plugins_move_to_their_owners_code_and_identities_once() {
     drop(store);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+fn refusal(at_ms: u64, code: &str) -> AuditRecord {
+    let mut record = audit("request.refused");
+    record.at_ms = at_ms;
+    record.detail.insert("code".into(), code.into());
+    record
+}
+
+#[test]
+fn a_tenants_refusal_flood_is_summarized_and_security_events_are_all_kept() {
+    let dir = temp_dir("flood");
+    let store = Store::open(&dir).unwrap();
+    let book = UsageBook::new(4);
+    for i in 0..1000 {
+        let code = if i % 2 == 0 {
+            "invalid_value"
+        } else {
+            "queue_full"
+        };
+        book.refused(TenantId(1), "alpha", code, refusal(10 + i, code));
+    }
+    book.refused(TenantId(2), "beta", "queue_full", refusal(50, "queue_full"));
+    for _ in 0..3000 {
+        book.security(audit("engine.fault"));
+    }
+    assert_eq!(book.flush(&store).unwrap(), 996, "summarized, not listed");
+    let log = store.audit(0, 10_000).unwrap();
+    let count = |action: &str| log.iter().filter(|r| r.action == action).count();
+    assert_eq!(count("engine.fault"), 3000, "no security event dropped");
+    assert_eq!(count("request.refused"), 5, "four of alpha's, beta's one");
+    let summary = log
+        .iter()
+        .find(|r| r.action == "request.refused_summary")
+        .expect("alpha's summary");
+    assert_eq!(summary.target, "alpha");
+    assert_eq!(summary.detail["refused"], 996);
+    assert_eq!(summary.detail["codes"]["invalid_value"], 498);
+    assert_eq!(summary.detail["codes"]["queue_full"], 498);
+    assert_eq!(
+        (
+            summary.detail["from_ms"].as_u64(),
+            summary.detail["to_ms"].as_u64()
+        ),
+        (Some(14), Some(1009))
+    );
+    // The next interval lists again.
+    book.refused(
+        TenantId(1),
+        "alpha",
+        "queue_full",
+        refusal(2000, "queue_full"),
+    );
+    assert_eq!(book.flush(&store).unwrap(), 0);
+    drop(store);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_tenants_refusals_past_its_cap_push_out_its_own_oldest_refusals_only() {
+    let dir = temp_dir("refusal-cap");
+    let store = Store::open(&dir).unwrap().with_refusals_per_tenant_max(10);
+    let book = UsageBook::new(1000);
+    book.refused(TenantId(2), "beta", "queue_full", refusal(1, "queue_full"));
+    let mut batch = Batch::default();
+    batch.audit(audit("tenant.update"));
+    store.commit(batch).unwrap();
+    book.security(audit("request.output_blocked"));
+    book.flush(&store).unwrap();
+    for round in 0..5 {
+        for i in 0..7 {
+            book.refused(
+                TenantId(1),
+                "alpha",
+                "queue_full",
+                refusal(100 * round + i, "queue_full"),
+            );
+        }
+        book.flush(&store).unwrap();
+    }
+    let log = store.audit(0, 10_000).unwrap();
+    let of = |tenant: u64| {
+        log.iter()
+            .filter(|r| r.action == "request.refused" && r.detail["tenant_id"] == tenant)
+            .count()
+    };
+    assert_eq!(of(1), 10, "alpha's newest ten of 35");
+    assert_eq!(of(2), 1, "beta's own is kept");
+    assert!(log.iter().any(|r| r.action == "tenant.update"));
+    assert!(log.iter().any(|r| r.action == "request.output_blocked"));
+    let oldest_alpha = log
+        .iter()
+        .filter(|r| r.detail.get("tenant_id") == Some(&1.into()))
+        .map(|r| r.at_ms)
+        .min();
+    assert_eq!(oldest_alpha, Some(304), "the oldest went first");
+    // And a reopen counts the same.
+    drop(store);
+    let store = Store::open(&dir).unwrap().with_refusals_per_tenant_max(10);
+    let book = UsageBook::new(1000);
+    book.refused(
+        TenantId(1),
+        "alpha",
+        "queue_full",
+        refusal(900, "queue_full"),
+    );
+    book.flush(&store).unwrap();
+    let log = store.audit(0, 10_000).unwrap();
+    assert_eq!(
+        log.iter()
+            .filter(|r| r.detail.get("tenant_id") == Some(&1.into()))
+            .count(),
+        10
+    );
+    drop(store);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn audit_records_past_retention_go_and_newer_ones_stay() {
+    let dir = temp_dir("retention");
+    let store = Store::open(&dir).unwrap();
+    let book = UsageBook::new(1000);
+    for at_ms in [10, 20, 30, 40] {
+        book.refused(
+            TenantId(1),
+            "alpha",
+            "queue_full",
+            refusal(at_ms, "queue_full"),
+        );
+    }
+    book.flush(&store).unwrap();
+    assert_eq!(store.purge_audit_before(35).unwrap(), 3);
+    let log = store.audit(0, 100).unwrap();
+    assert_eq!(log.iter().map(|r| r.at_ms).collect::<Vec<_>>(), vec![40]);
+    assert_eq!(store.purge_audit_before(35).unwrap(), 0);
+    drop(store);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,12 +1,21 @@
-//! Usage counters and refusal audit records, batched in memory and written to
-//! the store every `store.usage_flush_ms`.
+//! Usage counters and the request path's audit records, batched in memory and
+//! written to the store every `store.usage_flush_ms`.
 //!
 //! Requests finish far more often than an admin writes, and each durable
 //! commit costs an fsync, so the request path only adds to counters here.
 //! What a crash can lose is bounded and documented: the usage and refusal
-//! records of at most the last flush interval. Refusal records beyond
-//! [`REFUSALS_PENDING_MAX`] per interval are counted, not kept (a flood of
-//! refused requests must not become a flood of disk writes).
+//! records of at most the last flush interval.
+//!
+//! 1. **Refusals** are listed one record each, up to
+//!    `store.audit_refusals_listed_per_interval` per tenant per interval;
+//!    past that they are counted by code, and the interval's counts become
+//!    one `request.refused_summary` record of that tenant. A flood of refused
+//!    requests costs its own tenant a record or two a second, never a flood
+//!    of disk writes, and never another tenant's records.
+//! 2. **Security events** (`request.output_blocked`, `engine.fault`) are
+//!    never dropped: kept apart from refusals, with no cap (each is a blocked
+//!    response or an engine restart, bounded by the events themselves), kept
+//!    across a failed flush, and they ask for a flush at once.
 
 use super::records::{AuditRecord, UsageRecord};
 use super::{Batch, Store, StoreError};
@@ -17,21 +26,41 @@ use crate::tenancy::TenantId;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-/// Most refusal audit records kept per flush interval.
-pub const REFUSALS_PENDING_MAX: usize = 1024;
+/// Refusals listed one record each per tenant per interval, by default.
+pub const REFUSALS_LISTED_PER_INTERVAL: u32 = 16;
+
+/// One tenant's refusals in the current interval.
+#[derive(Default)]
+struct Tally {
+    name: String,
+    listed: u32,
+    /// Refusals past the listed ones, by code.
+    counted: BTreeMap<String, u64>,
+    from_ms: u64,
+    to_ms: u64,
+}
 
 /// Counters not yet in the store.
 #[derive(Default)]
 struct Pending {
     usage: BTreeMap<(TenantId, u64), UsageRecord>,
     refusals: Vec<AuditRecord>,
-    refusals_dropped: u64,
+    tallies: BTreeMap<TenantId, Tally>,
+    security: Vec<AuditRecord>,
 }
 
 /// The in-memory side of usage accounting.
-#[derive(Default)]
 pub struct UsageBook {
     pending: Mutex<Pending>,
+    listed_per_interval: u32,
+    /// Wakes the flusher early (a security event is pending).
+    flush_now: tokio::sync::Notify,
+}
+
+impl Default for UsageBook {
+    fn default() -> Self {
+        UsageBook::new(REFUSALS_LISTED_PER_INTERVAL)
+    }
 }
 
 impl FinishSink for UsageBook {
@@ -52,6 +81,21 @@ pub fn minute_of(unix_ms: u64) -> u64 {
 }
 
 impl UsageBook {
+    /// A book listing at most `listed_per_interval` refusals per tenant per
+    /// interval.
+    pub fn new(listed_per_interval: u32) -> UsageBook {
+        UsageBook {
+            pending: Mutex::new(Pending::default()),
+            listed_per_interval,
+            flush_now: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Resolves when a security event asks for a flush before the next tick.
+    pub async fn flush_asked(&self) {
+        self.flush_now.notified().await;
+    }
+
     fn pending(&self) -> std::sync::MutexGuard<'_, Pending> {
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -77,49 +121,110 @@ impl UsageBook {
         *usage.outcomes.entry(outcome.to_string()).or_default() += 1;
     }
 
-    /// Keeps an audit record of the request path (a refusal, an engine
-    /// fault) for the next flush, or counts it as dropped past
-    /// [`REFUSALS_PENDING_MAX`].
-    pub fn audit(&self, record: AuditRecord) {
+    /// Keeps the record of a refused request of `tenant` (named
+    /// `tenant_name`) for the next flush: listed, or past the tenant's listed
+    /// ones, counted by its `code`.
+    pub fn refused(
+        &self,
+        tenant: TenantId,
+        tenant_name: &str,
+        code: &str,
+        mut record: AuditRecord,
+    ) {
+        record.detail.insert("tenant_id".into(), tenant.0.into());
         let mut pending = self.pending();
-        if pending.refusals.len() < REFUSALS_PENDING_MAX {
+        let tally = pending.tallies.entry(tenant).or_default();
+        if tally.listed < self.listed_per_interval {
+            tally.listed += 1;
             pending.refusals.push(record);
-        } else {
-            pending.refusals_dropped += 1;
+            return;
         }
+        if tally.counted.is_empty() {
+            tally.name = tenant_name.to_string();
+            tally.from_ms = record.at_ms;
+        }
+        tally.to_ms = record.at_ms;
+        *tally.counted.entry(code.to_string()).or_default() += 1;
+    }
+
+    /// Keeps a security event's record for a flush at once; never dropped.
+    pub fn security(&self, record: AuditRecord) {
+        self.pending().security.push(record);
+        self.flush_now.notify_one();
     }
 
     /// Writes everything pending in one durable commit; on failure it stays
-    /// pending for the next try. Returns how many refusal records were dropped
-    /// since the last flush.
+    /// pending for the next try. Returns how many refusals were counted in
+    /// summaries rather than listed since the last flush.
     pub fn flush(&self, store: &Store) -> Result<u64, StoreError> {
         let taken = std::mem::take(&mut *self.pending());
         let mut batch = Batch::default();
+        let mut summarized = 0;
         let result = (|| {
             for ((tenant, minute), delta) in &taken.usage {
                 let mut total = store.usage_minute(tenant.0, *minute)?;
                 total.add(delta);
                 batch.put_usage(tenant.0, *minute, &total);
             }
-            for record in &taken.refusals {
+            for record in taken.security.iter().chain(&taken.refusals) {
                 batch.audit(record.clone());
+            }
+            for (tenant, tally) in &taken.tallies {
+                if tally.counted.is_empty() {
+                    continue;
+                }
+                let count: u64 = tally.counted.values().sum();
+                summarized += count;
+                batch.audit(summary(*tenant, tally, count));
             }
             store.commit(batch)
         })();
         match result {
-            Ok(()) => Ok(taken.refusals_dropped),
+            Ok(()) => Ok(summarized),
             Err(error) => {
                 // Put it back in front of whatever arrived meanwhile.
                 let mut pending = self.pending();
                 for (key, delta) in taken.usage {
                     pending.usage.entry(key).or_default().add(&delta);
                 }
-                let room = REFUSALS_PENDING_MAX.saturating_sub(pending.refusals.len());
-                let kept: Vec<AuditRecord> = taken.refusals.into_iter().take(room).collect();
-                pending.refusals.splice(0..0, kept);
-                pending.refusals_dropped += taken.refusals_dropped;
+                pending.security.splice(0..0, taken.security);
+                pending.refusals.splice(0..0, taken.refusals);
+                for (tenant, tally) in taken.tallies {
+                    let now = pending.tallies.entry(tenant).or_default();
+                    now.listed = now.listed.max(tally.listed);
+                    if now.counted.is_empty() {
+                        now.name = tally.name.clone();
+                        now.from_ms = tally.from_ms;
+                        now.to_ms = tally.to_ms;
+                    }
+                    now.from_ms = now.from_ms.min(tally.from_ms);
+                    for (code, n) in tally.counted {
+                        *now.counted.entry(code).or_default() += n;
+                    }
+                }
                 Err(error)
             }
         }
+    }
+}
+
+/// The record of a tenant's refusals past its listed ones in an interval.
+fn summary(tenant: TenantId, tally: &Tally, count: u64) -> AuditRecord {
+    let mut detail = BTreeMap::new();
+    detail.insert("tenant_id".into(), tenant.0.into());
+    detail.insert("refused".into(), count.into());
+    detail.insert(
+        "codes".into(),
+        serde_json::to_value(&tally.counted).unwrap_or_default(),
+    );
+    detail.insert("from_ms".into(), tally.from_ms.into());
+    detail.insert("to_ms".into(), tally.to_ms.into());
+    AuditRecord {
+        seq: 0,
+        at_ms: tally.to_ms,
+        actor: "system".into(),
+        action: "request.refused_summary".into(),
+        target: tally.name.clone(),
+        detail,
     }
 }

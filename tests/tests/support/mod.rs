@@ -131,6 +131,8 @@ pub struct Policy {
     pub request_timeout_ms: u64,
     /// More `[server]` fields (TOML lines).
     pub server_toml: String,
+    /// More `[store]` fields (TOML lines).
+    pub store_toml: String,
 }
 
 impl Default for Policy {
@@ -157,6 +159,7 @@ impl Default for Policy {
             canary_guard: false,
             request_timeout_ms: 120_000,
             server_toml: String::new(),
+            store_toml: String::new(),
         }
     }
 }
@@ -172,8 +175,13 @@ impl Policy {
             None => String::new(),
         };
         let store = match &self.store_path {
-            Some(path) => format!("[store]\npath = \"{}\"\n", path.display()),
-            None => String::new(),
+            Some(path) => format!(
+                "[store]\npath = \"{}\"\n{}",
+                path.display(),
+                self.store_toml
+            ),
+            None if self.store_toml.is_empty() => String::new(),
+            None => format!("[store]\n{}", self.store_toml),
         };
         format!(
             r#"
