@@ -673,3 +673,106 @@ fn an_operator_plugin_trips_only_for_the_tenant_whose_requests_make_it_fault() {
         assert_eq!(trips[0]["detail"]["plugin"], "probe");
     }
 }
+
+#[test]
+fn a_plugins_memory_cap_holds_and_credentials_never_reach_it() {
+    let Some(model) = smollm2() else { return };
+    let Some(probe) = wasm("probe") else { return };
+    let server = start(
+        &model,
+        &Policy {
+            plugins_toml: "[plugins]\nfaults_max = 1000\nmemory_bytes = 8388608\n".into(),
+            ..Policy::default()
+        },
+    );
+    // The deployment's cap (8 MiB): 4 MiB fits, 12 MiB does not.
+    uploaded(&server, "alpha", "probe", &probe);
+    let alloc = |key: &str, mib: &str| {
+        ask(
+            server_ref(&server),
+            key,
+            &[("x-probe", "alloc"), ("x-probe-mib", mib)],
+            1,
+        )
+    };
+    assert_eq!(alloc(KEY_ALPHA, "4").status, 200);
+    let r = alloc(KEY_ALPHA, "12");
+    assert_eq!(
+        (r.status, code(&r).as_str()),
+        (503, "policy_unavailable"),
+        "{}",
+        r.body
+    );
+    // A plugin's own lower cap (2 MiB, asked at upload) holds below it.
+    let r = upload(&server, "beta", "probe", &probe, "?memory_bytes=2097152");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(code(&alloc(KEY_BETA, "4")), "policy_unavailable");
+    assert!(server.metric(r#"bulkhead_plugin_calls_total{outcome="memory"}"#) >= 2.0);
+    // Less than its own instance needs is refused at upload, naming the limit.
+    let r = upload(&server, "beta", "tiny", &probe, "?memory_bytes=65536");
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(message(&r).contains("memory_bytes"), "{}", r.body);
+    // Credentials are never passed; other headers are.
+    let r = ask(
+        &server,
+        KEY_ALPHA,
+        &[
+            ("x-probe", "headers"),
+            ("cookie", "session=secret"),
+            ("proxy-authorization", "Basic c2VjcmV0"),
+            ("x-api-key", "secret"),
+            ("x-team", "red"),
+        ],
+        1,
+    );
+    assert_eq!(code(&r), "headers", "{}", r.body);
+    let names: Vec<String> = message(&r).split(',').map(str::to_string).collect();
+    assert!(names.contains(&"x-team".to_string()), "{names:?}");
+    for credential in [
+        "authorization",
+        "cookie",
+        "proxy-authorization",
+        "x-api-key",
+    ] {
+        assert!(
+            !names.contains(&credential.to_string()),
+            "{credential} reached the plugin: {names:?}"
+        );
+    }
+}
+
+fn server_ref(server: &Server) -> &Server {
+    server
+}
+
+#[test]
+fn other_versions_of_the_contract_and_invisible_characters_are_refused() {
+    let Some(model) = smollm2() else { return };
+    let (Some(skew), Some(probe)) = (wasm("version_skew"), wasm("probe")) else {
+        return;
+    };
+    let server = start(&model, &tolerant_two_models("").unwrap_or_default());
+    // 0.1.1 is semver-compatible with 0.1.0, and still not this contract.
+    let r = upload(&server, "alpha", "skew", &skew, "");
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(
+        message(&r).contains("@0.1.1, which the tenant-policy world"),
+        "{}",
+        r.body
+    );
+    // A rejection message loses control and invisible format characters
+    // (bidirectional overrides, zero-width ones) on its way to the client.
+    uploaded(&server, "alpha", "probe", &probe);
+    let r = ask(&server, KEY_ALPHA, &[("x-probe", "bidi")], 1);
+    assert_eq!(code(&r), "bidi", "{}", r.body);
+    assert_eq!(message(&r), "okgnp.exe!", "{}", r.body);
+    // A request that static admission refuses never reaches route (I1):
+    // an empty prompt is refused with nothing of the plugin asked.
+    let before = server.metric(r#"bulkhead_plugin_calls_total{outcome="ok"}"#);
+    let r = ask_prompt(&server, KEY_ALPHA, &[("x-probe-route", "clock")], "", 4);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(
+        server.metric(r#"bulkhead_plugin_calls_total{outcome="ok"}"#),
+        before
+    );
+}

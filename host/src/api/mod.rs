@@ -622,6 +622,12 @@ async fn run(
     let mut prompt = tokenize_on_lane(app, tenant, &model, source, common.max_tokens, &pending)
         .await?
         .map_err(rejected)?;
+    // The static contract before any plugin sees the request (I1): a request
+    // admission would refuse never reaches `route` or a plugin's state.
+    model
+        .admission
+        .check(prompt.len(), max_tokens_of(&model, &common, &prompt))
+        .map_err(rejected)?;
     let mut input = AdmitInput {
         request: id,
         tenant: tenant.id,

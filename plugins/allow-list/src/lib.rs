@@ -1,4 +1,5 @@
-//! Admits only requests from allowed teams (the `x-team` header) within
+//! Admits only requests from allowed teams (the `x-team` header, trusted as
+//! sent: set it at an authenticating gateway, never from clients) within
 //! opening hours (UTC), and refuses the rest with 403 and a reason.
 
 #![no_std]

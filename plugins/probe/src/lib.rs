@@ -22,7 +22,9 @@
 //! looks for it in the same call (it must find it: the checker's canary); `state-set` stores `x-value` under
 //! the key `shared`, `state-get` rejects with what `shared` holds; `report`
 //! rejects with the last completion `on-complete` saw; `stats` rejects with its
-//! partition's counts; anything else admits.
+//! partition's counts; `alloc` takes `x-probe-mib` MiB of memory and admits;
+//! `headers` rejects with the names of the headers it was shown; `bidi`
+//! rejects with a message full of invisible characters; anything else admits.
 
 #![no_std]
 
@@ -249,6 +251,22 @@ impl Guest for Probe {
                     |v| String::from_utf8_lossy(&v).into_owned(),
                 );
                 tell("report", last)
+            }
+            "alloc" => {
+                let mib: usize = header(&request, "x-probe-mib").parse().unwrap_or(1);
+                let mut block = vec![0u8; mib << 20];
+                for page in block.chunks_mut(4096) {
+                    page[0] = 1;
+                }
+                core::hint::black_box(&block);
+                admit()
+            }
+            // A message with a bidirectional override, a zero-width space
+            // and a bell: the host must show none of them.
+            "bidi" => tell("bidi", "ok\u{202e}gnp.exe\u{200b}!\u{7}".into()),
+            "headers" => {
+                let names: Vec<&str> = request.headers.iter().map(|h| h.name.as_str()).collect();
+                tell("headers", names.join(","))
             }
             "stats" => {
                 let s = Partition::mine().stats();

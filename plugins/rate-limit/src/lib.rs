@@ -2,6 +2,10 @@
 //! `TOKENS_PER_MINUTE` tokens (prompt plus completion) per minute for each
 //! value of the `x-user` header (requests without it share one bucket).
 //!
+//! It trusts `x-user` as the client sent it: deploy it behind a gateway that
+//! authenticates end users and sets the header itself (stripping client
+//! copies), or any client can claim any user.
+//!
 //! Both budgets are booked at admission through the host's `budget`
 //! interface: the host books atomically, so concurrent requests can never
 //! overrun them, and gives back the tokens a request did not use when it ends.

@@ -193,9 +193,14 @@ impl Control {
         // wait for this one's compiler.
         let component =
             blocking(|| self.policy.compile_bounded(bytes, false)).map_err(compile_error)?;
+        blocking(|| {
+            self.policy
+                .check_instantiates(&component, &options.limits(), TenantId(tenant_id))
+        })
+        .map_err(|reason| invalid("limits", reason))?;
         let sealed = self
             .policy
-            .seal(&component)
+            .seal(&component, bytes)
             .map_err(|e| ControlError::Store(StoreError::Io(format!("sealing a plugin: {e}"))))?;
         let _write = self.writes.lock().await;
         let record = self.tenant_record(tenant)?;
