@@ -470,6 +470,9 @@ struct Ended {
     usage: Usage,
 }
 
+/// A plugin's identity as it runs on one tenant's requests.
+type PluginOnTenant = (TenantId, Arc<str>);
+
 /// The plugin host.
 pub struct PolicyRuntime {
     engine: Engine,
@@ -483,9 +486,9 @@ pub struct PolicyRuntime {
     /// from the plugin, so enabling or re-installing it resets nothing, and
     /// an operator plugin's faults on one tenant's requests count for that
     /// tenant alone.
-    faults: Mutex<HashMap<(TenantId, Arc<str>), VecDeque<Instant>>>,
+    faults: Mutex<HashMap<PluginOnTenant, VecDeque<Instant>>>,
     /// Operator plugins tripped for a tenant, until when.
-    operator_trips: Mutex<HashMap<(TenantId, Arc<str>), Instant>>,
+    operator_trips: Mutex<HashMap<PluginOnTenant, Instant>>,
     operator_prompt_text: bool,
     operator: Vec<Arc<Plugin>>,
     tenants: RwLock<HashMap<TenantId, Vec<Arc<Plugin>>>>,

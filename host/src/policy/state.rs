@@ -36,10 +36,11 @@ pub struct PluginState {
     /// commit, not a scan of every entry (2 -> 10 ms at 1,020 keys). Each
     /// plugin's count has a lock of its own, held from the check to the
     /// commit, so two new keys at once cannot both take the last place.
-    counts: std::sync::Mutex<
-        std::collections::HashMap<(TenantId, String), Arc<std::sync::Mutex<Option<usize>>>>,
-    >,
+    counts: std::sync::Mutex<std::collections::HashMap<(TenantId, String), KeyCount>>,
 }
+
+/// One plugin's stored key count, `None` until counted from the store.
+type KeyCount = Arc<std::sync::Mutex<Option<usize>>>;
 
 fn unhex(text: &str) -> Option<Vec<u8>> {
     if !text.len().is_multiple_of(2) {
