@@ -826,6 +826,157 @@ fn plugin_faults(suite: &Suite, server: &Server) {
     }
 }
 
+/// A plugin call stuck inside a host function (the test build stalls
+/// alpha's host calls): abandoned at its deadline, its request 503, beta
+/// served meanwhile; the stuck workers return when the stall ends.
+fn plugin_stuck(suite: &Suite, server: &Server) {
+    const PATH: &str = "plugin stuck in a host call";
+    for _ in 0..suite.trials(2, 2.0) {
+        let r = server.admin_call(
+            "POST",
+            "/admin/v1/tenants/alpha/fault/plugin-stall",
+            Some(&json!({ "ms": 1500 })),
+        );
+        assert_eq!(r.status, 202, "{}", r.body);
+        std::thread::scope(|s| {
+            s.spawn(|| served(suite, server, PATH, "beta", false));
+            for _ in 0..2 {
+                let body = chat(suite, "alpha", MODEL_ID, 8, 0);
+                let answer = suite.send(
+                    server,
+                    KEY_ALPHA,
+                    &[("x-probe", "clock")],
+                    CHAT,
+                    &body,
+                    None,
+                );
+                suite.expect(PATH, "alpha", &answer, (503, Some("policy_unavailable")));
+            }
+        });
+        let stuck = "bulkhead_plugin_workers_stuck";
+        if !eventually(Duration::from_secs(10), || server.metric(stuck) == 0.0) {
+            suite.fail(format!("{PATH}: stuck plugin workers did not return"));
+        }
+        suite.trial_done(PATH, suite.baseline(PATH, server, MODEL_ID));
+    }
+}
+
+/// Alpha's streams to HTTP/2 clients that never open their window (their
+/// responses start and cannot be sent): closed at the send deadline, their
+/// requests cancelled, beta served meanwhile.
+fn window_held(suite: &Suite, server: &Server) {
+    const PATH: &str = "client holding its window";
+    for _ in 0..suite.trials(2, 2.0) {
+        std::thread::scope(|s| {
+            s.spawn(|| served(suite, server, PATH, "beta", true));
+            let held: Vec<std::net::TcpStream> = (0..2)
+                .map(|_| {
+                    let mut body = chat(suite, "alpha", MODEL_ID, 64, 0);
+                    body["stream"] = json!(true);
+                    held_stream(server, &body)
+                })
+                .collect();
+            for mut stream in held {
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(20)))
+                    .unwrap();
+                let mut closed = false;
+                while let Some((kind, _, id, payload)) = h2::read_frame(&mut stream) {
+                    if kind == h2::DATA && id == 1 && !payload.is_empty() {
+                        suite.fail(format!("{PATH}: data past a zero window"));
+                    }
+                    closed |= kind == h2::GOAWAY;
+                }
+                if !closed {
+                    suite.fail(format!("{PATH}: a held connection was not closed"));
+                }
+            }
+        });
+        suite.trial_done(PATH, suite.baseline(PATH, server, MODEL_ID));
+    }
+}
+
+/// A streamed chat of alpha's over HTTP/2 with a zero stream window, once its
+/// response has started.
+fn held_stream(server: &Server, body: &Value) -> std::net::TcpStream {
+    let addr = server.inference.trim_start_matches("http://").to_string();
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    use std::io::Write as _;
+    stream
+        .write_all(&h2::open(&[(h2::INITIAL_WINDOW_SIZE, 0)]))
+        .unwrap();
+    stream
+        .write_all(&h2::post(
+            1,
+            CHAT,
+            KEY_ALPHA,
+            &[],
+            body.to_string().as_bytes(),
+        ))
+        .unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    while let Some((kind, flags, id, _)) = h2::read_frame(&mut stream) {
+        if kind == h2::SETTINGS && flags & h2::ACK == 0 {
+            h2::ack_settings(&mut stream).unwrap();
+        }
+        if kind == h2::HEADERS && id == 1 {
+            break;
+        }
+    }
+    stream
+}
+
+/// Alpha's requests cancelled (RST_STREAM) while they wait behind its
+/// spinning plugin on the lane: withdrawn, counted, nothing left running;
+/// beta served meanwhile.
+fn abandoned(suite: &Suite, server: &Server) {
+    const PATH: &str = "abandoned before submission";
+    let counted = r#"bulkhead_requests_abandoned_total{tenant="alpha"}"#;
+    for _ in 0..suite.trials(2, 2.0) {
+        let before = server.metric(counted);
+        std::thread::scope(|s| {
+            s.spawn(|| served(suite, server, PATH, "beta", false));
+            // Two requests whose plugin spins to its deadline hold the lane.
+            let spinners: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        let body = chat(suite, "alpha", MODEL_ID, 8, 0);
+                        suite.send(server, KEY_ALPHA, &[("x-probe", "loop")], CHAT, &body, None)
+                    })
+                })
+                .collect();
+            std::thread::sleep(Duration::from_millis(5));
+            let addr = server.inference.trim_start_matches("http://").to_string();
+            for _ in 0..6 {
+                let body = chat(suite, "alpha", MODEL_ID, 8, 0);
+                let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+                use std::io::Write as _;
+                let request = [
+                    h2::open(&[]),
+                    h2::post(1, CHAT, KEY_ALPHA, &[], body.to_string().as_bytes()),
+                ]
+                .concat();
+                stream.write_all(&request).unwrap();
+                std::thread::sleep(Duration::from_millis(15));
+                let _ =
+                    stream.write_all(&h2::frame(h2::RST_STREAM, 0, 1, &h2::CANCEL.to_be_bytes()));
+            }
+            for spinner in spinners {
+                let answer = spinner.join().unwrap();
+                suite.expect(PATH, "alpha", &answer, (503, Some("policy_unavailable")));
+            }
+        });
+        if !eventually(Duration::from_secs(5), || server.metric(counted) > before) {
+            suite.fail(format!(
+                "{PATH}: no request was abandoned (the path did not run)"
+            ));
+        }
+        suite.trial_done(PATH, suite.baseline(PATH, server, MODEL_ID));
+    }
+}
+
 fn tenant_deleted(suite: &Suite, server: &Server) {
     const PATH: &str = "tenant deleted mid-request";
     for trial in 0..suite.trials(2, 0.5) {
@@ -1087,6 +1238,8 @@ fn no_tenant_sees_another_tenants_data_on_any_path() {
         // stopped by its 50 ms deadline, not its fuel.
         plugins_toml: "[plugins]\nfaults_max = 1000000\nfuel = 1000000000000\ndeadline_ms = 50\n"
             .into(),
+        // A held response is closed after a second without progress.
+        server_toml: "send_stall_timeout_ms = 1000\n".into(),
         ..Policy::default()
     };
     let started = Instant::now();
@@ -1103,7 +1256,7 @@ fn no_tenant_sees_another_tenants_data_on_any_path() {
         );
         assert_eq!(r.status, 200, "{}", r.body);
         type Path = fn(&Suite, &Server);
-        let paths: [(&str, Path); 11] = [
+        let paths: [(&str, Path); 14] = [
             ("success", success),
             ("prefix_cache", prefix_cache),
             ("oversized", oversized),
@@ -1113,6 +1266,9 @@ fn no_tenant_sees_another_tenants_data_on_any_path() {
             ("queue_full", queue_full),
             ("preemption", preemption),
             ("plugin_faults", plugin_faults),
+            ("plugin_stuck", plugin_stuck),
+            ("window_held", window_held),
+            ("abandoned", abandoned),
             ("tenant_deleted", tenant_deleted),
             ("model_unloaded", model_unloaded),
         ];
