@@ -14,8 +14,11 @@
 //! Invariants this reader keeps, so that no later stage has to:
 //!
 //! 1. Every length and count is checked against the bytes that remain *before*
-//!    anything is allocated from it; an absurd header gives [`GgufError`], never
-//!    an allocation sized by an unchecked field, and never a panic.
+//!    anything is allocated from it, and everything the header decodes to is
+//!    charged to a memory budget proportional to the file's size
+//!    ([`DECODED_BYTES_PER_FILE_BYTE_MAX`], [`decoded_bytes_max`]); an absurd
+//!    header gives [`GgufError`], never an allocation sized by an unchecked
+//!    field or larger than the file can pay for, and never a panic.
 //! 2. Every tensor has a supported type, at most [`TENSOR_DIMS_MAX`] non-zero
 //!    dimensions whose product does not overflow, a whole number of blocks, an
 //!    aligned offset, and bytes that lie inside the file.
@@ -32,6 +35,7 @@ mod writer;
 use std::collections::HashMap;
 use std::path::Path;
 
+pub use reader::decoded_bytes_max;
 pub use requantize::{
     requantize_q8_0, RequantizeError, RequantizeReport, FILE_TYPE_KEY, FILE_TYPE_MOSTLY_Q8_0,
     Q8_0_ABS_MAX, ROW_LEN_MAX,
@@ -56,6 +60,16 @@ pub const ARRAY_DEPTH_MAX: u32 = 2;
 pub const ALIGNMENT_MAX: u64 = 1 << 16;
 /// Alignment when `general.alignment` is absent.
 pub const ALIGNMENT_DEFAULT: u64 = 32;
+/// Most bytes of memory the header (metadata, tensor table and their indexes)
+/// may decode to per byte of file. The densest legitimate arrays, per-token
+/// i32 types and f32 scores, take 32 bytes of memory (one [`Value`]) per 4
+/// bytes of file: 8 accepts any file of them, and refuses a file that is one
+/// long array of 1- or 2-byte items, which would otherwise decode to up to
+/// 32 times its size.
+pub const DECODED_BYTES_PER_FILE_BYTE_MAX: u64 = 8;
+/// The memory budget of the smallest files, so that a hand-made test file of a
+/// few hundred bytes is never refused for its fixed per-entry costs.
+pub const DECODED_BYTES_MIN: u64 = 64 << 10;
 
 /// Why a file was refused. Each variant names the problem and where it was found.
 #[derive(Debug, thiserror::Error)]
@@ -359,6 +373,12 @@ impl Gguf {
     /// A tensor's header.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// Where the data section starts in the file: every tensor's bytes are at
+    /// `data_start() + offset`, within the file (validated at parse time).
+    pub fn data_start(&self) -> u64 {
+        self.data_start
     }
 
     /// A tensor's bytes. The range was validated at parse time.

@@ -1,11 +1,27 @@
 //! The bounds-checked parser behind [`super::Gguf`].
+//!
+//! Two budgets bound what a file can make this parser allocate, and both are
+//! checked before the allocation they pay for:
+//!
+//! 1. **Bytes of file.** A count or length must fit in the bytes that remain
+//!    (an array of `n` u32 needs `4 n` more bytes), so nothing is sized by a
+//!    field the file cannot back.
+//! 2. **Bytes of memory.** What the header decodes to is charged to a budget
+//!    of [`DECODED_BYTES_PER_FILE_BYTE_MAX`] bytes per byte of file (at least
+//!    [`DECODED_BYTES_MIN`]). The first budget alone is not enough: every
+//!    array item is a 32-byte [`Value`], so a file that is one long array of
+//!    u8 decoded to 32 times its size (a 10 MB file raised RSS by 320 MB).
+//!    The charges ([`heap_bytes`], [`hash_slot_bytes`]) are what the
+//!    allocator hands out, not what is asked for, so the budget bounds RSS.
 
 use super::{
-    GgufError, TensorInfo, Value, ALIGNMENT_DEFAULT, ALIGNMENT_MAX, ARRAY_DEPTH_MAX, KV_COUNT_MAX,
-    NAME_BYTES_MAX, STRING_BYTES_MAX, TENSORS_COUNT_MAX, TENSOR_DIMS_MAX,
+    GgufError, TensorInfo, Value, ALIGNMENT_DEFAULT, ALIGNMENT_MAX, ARRAY_DEPTH_MAX,
+    DECODED_BYTES_MIN, DECODED_BYTES_PER_FILE_BYTE_MAX, KV_COUNT_MAX, NAME_BYTES_MAX,
+    STRING_BYTES_MAX, TENSORS_COUNT_MAX, TENSOR_DIMS_MAX,
 };
 use crate::quant::GgmlType;
 use std::collections::HashSet;
+use std::mem::size_of;
 
 const MAGIC: [u8; 4] = *b"GGUF";
 
@@ -24,9 +40,60 @@ pub struct Parsed {
 struct Cursor<'a> {
     bytes: &'a [u8],
     offset: usize,
+    /// Bytes of memory the rest of the header may still decode to (budget 2
+    /// of the module doc).
+    decoded_bytes_left: u64,
 }
 
+/// What the allocator really takes for a heap block of `len` bytes: glibc
+/// rounds a request plus its 8-byte header up to 16 bytes, and hands out 32
+/// at least. Charging this rather than `len` makes a file of many one-byte
+/// strings pay for the memory it really costs.
+fn heap_bytes(len: u64) -> u64 {
+    if len == 0 {
+        return 0;
+    }
+    len.saturating_add(8).next_multiple_of(16).max(32)
+}
+
+/// Memory per entry of a hash table whose slots are `slot` bytes: the slot
+/// and its control byte, times the worst load (a power-of-two table at most
+/// 7/8 full holds up to 16/7 slots per entry, and growing it briefly holds
+/// the old table too): 3 is a round upper bound.
+const fn hash_slot_bytes(slot: usize) -> u64 {
+    3 * (slot as u64 + 1)
+}
+
+/// Memory of one metadata entry besides its key's and value's heap blocks:
+/// its `(String, Value)`, its slot in the duplicate check while parsing, and
+/// its slot in [`super::Gguf`]'s index.
+const ENTRY_BYTES: u64 = size_of::<(String, Value)>() as u64
+    + hash_slot_bytes(size_of::<&str>())
+    + hash_slot_bytes(size_of::<(String, usize)>());
+
+/// Memory of one tensor header besides its name's and dimensions' heap
+/// blocks: the [`TensorInfo`], its slots in the duplicate check and the
+/// index, and its place in the overlap check's sorted order.
+const TENSOR_BYTES: u64 = size_of::<TensorInfo>() as u64
+    + hash_slot_bytes(size_of::<&str>())
+    + hash_slot_bytes(size_of::<(String, usize)>())
+    + size_of::<&TensorInfo>() as u64;
+
 impl<'a> Cursor<'a> {
+    /// Charges `bytes` of memory to the budget before they are allocated.
+    fn charge(&mut self, bytes: u64) -> Result<(), GgufError> {
+        let budget = decoded_bytes_max(self.bytes.len());
+        if bytes > self.decoded_bytes_left {
+            return Err(GgufError::Absurd {
+                what: "decoded header bytes",
+                value: (budget - self.decoded_bytes_left).saturating_add(bytes),
+                limit: budget,
+            });
+        }
+        self.decoded_bytes_left -= bytes;
+        Ok(())
+    }
+
     fn take(&mut self, needed: u64, what: &'static str) -> Result<&'a [u8], GgufError> {
         let remaining = (self.bytes.len() - self.offset) as u64;
         if needed > remaining {
@@ -62,7 +129,8 @@ impl<'a> Cursor<'a> {
         Ok(u64::from_le_bytes(self.array(what)?))
     }
 
-    fn string(&mut self, what: &'static str, bytes_max: u64) -> Result<String, GgufError> {
+    /// A string borrowed from the file (nothing allocated, nothing charged).
+    fn str(&mut self, what: &'static str, bytes_max: u64) -> Result<&'a str, GgufError> {
         let len = self.u64(what)?;
         if len > bytes_max {
             return Err(GgufError::Absurd {
@@ -73,13 +141,37 @@ impl<'a> Cursor<'a> {
         }
         let offset = self.offset as u64;
         let raw = self.take(len, what)?;
-        String::from_utf8(raw.to_vec()).map_err(|_| GgufError::BadUtf8 { what, offset })
+        std::str::from_utf8(raw).map_err(|_| GgufError::BadUtf8 { what, offset })
     }
+
+    /// A string of its own, charged `copies` heap blocks: a name is kept
+    /// twice (in its entry and in the index), a value once.
+    fn string(
+        &mut self,
+        what: &'static str,
+        bytes_max: u64,
+        copies: u64,
+    ) -> Result<String, GgufError> {
+        let text = self.str(what, bytes_max)?;
+        self.charge(copies * heap_bytes(text.len() as u64))?;
+        Ok(text.to_owned())
+    }
+}
+
+/// The memory budget of a file of `file_len` bytes (budget 2 of the module doc).
+pub fn decoded_bytes_max(file_len: usize) -> u64 {
+    (file_len as u64)
+        .saturating_mul(DECODED_BYTES_PER_FILE_BYTE_MAX)
+        .max(DECODED_BYTES_MIN)
 }
 
 /// Parses and validates the header, metadata and tensor table of `bytes`.
 pub fn parse(bytes: &[u8]) -> Result<Parsed, GgufError> {
-    let mut cursor = Cursor { bytes, offset: 0 };
+    let mut cursor = Cursor {
+        bytes,
+        offset: 0,
+        decoded_bytes_left: decoded_bytes_max(bytes.len()),
+    };
     let magic = cursor.array::<4>("magic")?;
     if magic != MAGIC {
         return Err(GgufError::BadMagic(magic));
@@ -129,16 +221,19 @@ fn parse_metadata(cursor: &mut Cursor, kv_count: u64) -> Result<Vec<(String, Val
         "metadata count",
         cursor.remaining() / entry_bytes_min,
     )?;
+    // `kv_count` is at most KV_COUNT_MAX, so the product cannot overflow.
+    cursor.charge(kv_count * ENTRY_BYTES)?;
     let mut metadata = Vec::with_capacity(kv_count as usize);
     let mut seen = HashSet::new();
     for _ in 0..kv_count {
-        let key = cursor.string("metadata key", NAME_BYTES_MAX)?;
-        if !seen.insert(key.clone()) {
-            return Err(GgufError::DuplicateKey(key));
+        let key = cursor.str("metadata key", NAME_BYTES_MAX)?;
+        if !seen.insert(key) {
+            return Err(GgufError::DuplicateKey(key.to_owned()));
         }
+        cursor.charge(2 * heap_bytes(key.len() as u64))?;
         let value_type = cursor.u32("metadata value type")?;
-        let value = parse_value(cursor, &key, value_type, 0)?;
-        metadata.push((key, value));
+        let value = parse_value(cursor, key, value_type, 0)?;
+        metadata.push((key.to_owned(), value));
     }
     Ok(metadata)
 }
@@ -181,7 +276,7 @@ fn parse_value(
                 ))
             }
         },
-        8 => Value::String(cursor.string("metadata string", STRING_BYTES_MAX)?),
+        8 => Value::String(cursor.string("metadata string", STRING_BYTES_MAX, 1)?),
         9 => parse_array(cursor, key, depth)?,
         10 => Value::U64(u64::from_le_bytes(cursor.array(what)?)),
         11 => Value::I64(i64::from_le_bytes(cursor.array(what)?)),
@@ -217,6 +312,10 @@ fn parse_array(cursor: &mut Cursor, key: &str, depth: u32) -> Result<Value, Gguf
         "metadata array length",
         cursor.remaining() / item_bytes_min,
     )?;
+    // Each item of any type is a whole `Value` in memory, 32 bytes however
+    // few it takes in the file: charged before the vector is allocated.
+    // `count` is at most the file's length, so the product cannot overflow.
+    cursor.charge(heap_bytes(count * size_of::<Value>() as u64))?;
     let mut items = Vec::with_capacity(count as usize);
     for _ in 0..count {
         items.push(parse_value(cursor, key, item_type, depth + 1)?);
@@ -241,13 +340,17 @@ fn parse_tensor_infos(cursor: &mut Cursor, count: u64) -> Result<Vec<TensorInfo>
     // name length + n_dims + one dim + type + offset.
     let info_bytes_min = 8 + 4 + 8 + 4 + 8;
     bounded(count, "tensor count", cursor.remaining() / info_bytes_min)?;
+    // `count` is at most TENSORS_COUNT_MAX, so the product cannot overflow.
+    cursor.charge(count * TENSOR_BYTES)?;
     let mut tensors = Vec::with_capacity(count as usize);
     let mut seen = HashSet::new();
     for _ in 0..count {
-        let name = cursor.string("tensor name", NAME_BYTES_MAX)?;
-        if !seen.insert(name.clone()) {
-            return Err(GgufError::DuplicateTensor(name));
+        let name = cursor.str("tensor name", NAME_BYTES_MAX)?;
+        if !seen.insert(name) {
+            return Err(GgufError::DuplicateTensor(name.to_owned()));
         }
+        cursor.charge(2 * heap_bytes(name.len() as u64))?;
+        let name = name.to_owned();
         let dims_count = cursor.u32("tensor dimension count")?;
         if dims_count == 0 || dims_count > TENSOR_DIMS_MAX {
             return Err(GgufError::BadShape {
@@ -256,6 +359,7 @@ fn parse_tensor_infos(cursor: &mut Cursor, count: u64) -> Result<Vec<TensorInfo>
                 reason: "dimension count must be 1..=4",
             });
         }
+        cursor.charge(heap_bytes(u64::from(dims_count) * 8))?;
         let mut dims = Vec::with_capacity(dims_count as usize);
         for _ in 0..dims_count {
             dims.push(cursor.u64("tensor dimension")?);

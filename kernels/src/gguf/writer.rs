@@ -26,6 +26,10 @@ use crate::quant::GgmlType;
 const VERSION: u32 = 3;
 
 /// Builds a GGUF (version 3) file in memory.
+///
+/// # Panics
+/// [`GgufWriter::to_bytes`] panics on an array whose items are not all of
+/// one type (the format cannot hold one).
 #[derive(Default)]
 pub struct GgufWriter {
     metadata: Vec<(String, Value)>,
@@ -93,8 +97,9 @@ pub struct TensorEntry {
 /// 2. [`GgufStreamWriter::tensor`] is called once per declared tensor, in order.
 /// 3. [`GgufStreamWriter::finish`] checks every tensor was written and returns `W`.
 ///
-/// Handing it bytes of the wrong length, too many tensors or too few is a
-/// programmer error and panics; only I/O errors are returned.
+/// Handing it bytes of the wrong length, too many tensors or too few, or an
+/// array of mixed item types, is a programmer error and panics; only I/O
+/// errors are returned.
 pub struct GgufStreamWriter<W: Write> {
     out: W,
     /// `[tensor]`: start of each tensor, relative to the data section.
@@ -248,6 +253,12 @@ fn put_value(out: &mut Vec<u8>, value: &Value) {
         Value::Array(items) => {
             // An empty array is written as an array of u8.
             let item_type = items.first().map_or(0, value_type);
+            // The format has one item type per array: a mixed one would be
+            // written as bytes no reader can parse.
+            assert!(
+                items.iter().all(|item| value_type(item) == item_type),
+                "a GGUF array holds items of one type"
+            );
             out.extend_from_slice(&item_type.to_le_bytes());
             out.extend_from_slice(&(items.len() as u64).to_le_bytes());
             for item in items {
