@@ -100,6 +100,28 @@ fn splits_specials_leftmost_longest() {
 }
 
 #[test]
+fn encode_into_stops_at_its_budget_even_when_the_bos_alone_exceeds_it() {
+    // Found by fuzzing (fuzz/regressions/tokenizer/bos-alone-over-budget): an
+    // empty text has no fragment, so the per-fragment check never ran and the
+    // BOS went over a budget of 0 unrefused.
+    let mut spec = bpe(&[], &["<s>"], &[]);
+    spec.bos = Some(256);
+    let tokenizer = Tokenizer::new(spec).unwrap();
+    let with_bos = EncodeOptions {
+        add_bos: true,
+        parse_special: false,
+    };
+    let mut out = Vec::new();
+    assert_eq!(
+        tokenizer.encode_into("", with_bos, 0, &mut out),
+        Err(TokenizerError::TooManyTokens { max: 0 })
+    );
+    let mut out = Vec::new();
+    assert_eq!(tokenizer.encode_into("", with_bos, 1, &mut out), Ok(()));
+    assert_eq!(out, [256]);
+}
+
+#[test]
 fn rejects_an_empty_vocabulary() {
     let spec = VocabSpec {
         model: "gpt2".into(),

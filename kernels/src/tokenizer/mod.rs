@@ -444,7 +444,8 @@ impl Tokenizer {
     /// Appends the tokens of `text` to `out`, and stops with
     /// [`TokenizerError::TooManyTokens`] as soon as `out` holds more than
     /// `tokens_max` (checked after each pre-tokenized word, so the work done on
-    /// a text too long for its budget is bounded by the budget, not the text).
+    /// a text too long for its budget is bounded by the budget, not the text,
+    /// and after the BOS, which a text with no fragment at all still adds).
     pub fn encode_into(
         &self,
         text: &str,
@@ -460,6 +461,12 @@ impl Tokenizer {
         }
         if options.add_bos {
             out.push(self.bos.ok_or(TokenizerError::MissingBos)?);
+            // An empty text has no fragment, so the loop below would never
+            // look: the BOS alone can be over the budget (found by fuzzing,
+            // fuzz/regressions/tokenizer/).
+            if out.len() > tokens_max {
+                return Err(TokenizerError::TooManyTokens { max: tokens_max });
+            }
         }
         let mut after_special = true;
         for fragment in self.fragments(text, options.parse_special) {
