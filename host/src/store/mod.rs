@@ -580,8 +580,16 @@ impl Store {
 
     /// Every record under `prefix`, page by page: never cut at a page's
     /// size (a key record missed at start would let a revoked environment
-    /// key come back).
-    fn scan_all<T: DeserializeOwned>(&self, prefix: &[u8]) -> Result<Vec<T>, StoreError> {
+    /// key come back). Each record must be its key's (`key_of` is where
+    /// the store writes it): one under another's key — a tenant's plugin
+    /// record naming another tenant, found by fuzzing (`fuzz/regressions/
+    /// store_records/`) — is refused as corrupt, never read as whichever
+    /// of the two a caller happens to look at.
+    fn scan_all<T: DeserializeOwned>(
+        &self,
+        prefix: &[u8],
+        key_of: fn(&T) -> Vec<u8>,
+    ) -> Result<Vec<T>, StoreError> {
         let mut out = Vec::new();
         let mut after: Option<Vec<u8>> = None;
         loop {
@@ -593,29 +601,39 @@ impl Store {
             };
             after = Some(last.clone());
             for (key, value) in &page {
-                out.push(decode(key, value)?);
+                let record = decode(key, value)?;
+                let own = key_of(&record);
+                if own != *key {
+                    return Err(StoreError::Corrupt {
+                        key: printable(key),
+                        cause: format!("the record is {}'s", printable(&own)),
+                    });
+                }
+                out.push(record);
             }
         }
     }
 
     /// Every tenant, in id order.
     pub fn tenants(&self) -> Result<Vec<TenantRecord>, StoreError> {
-        self.scan_all(b"tenant/")
+        self.scan_all(b"tenant/", |t: &TenantRecord| tenant_key(t.id))
     }
 
     /// Every admin-added model, in id order.
     pub fn models(&self) -> Result<Vec<ModelRecord>, StoreError> {
-        self.scan_all(b"model/")
+        self.scan_all(b"model/", |m: &ModelRecord| model_key(&m.spec.id))
     }
 
     /// Every key record (revoked ones too), however many.
     pub fn keys(&self) -> Result<Vec<KeyRecord>, StoreError> {
-        self.scan_all(b"key/")
+        self.scan_all(b"key/", |k: &KeyRecord| key_record_key(&k.id))
     }
 
     /// A tenant's plugins, by name.
     pub fn plugins(&self, tenant: u32) -> Result<Vec<PluginRecord>, StoreError> {
-        self.scan_all(&plugin_prefix(tenant))
+        self.scan_all(&plugin_prefix(tenant), |p: &PluginRecord| {
+            plugin_key(p.tenant, &p.name)
+        })
     }
 
     /// The next plugin id to hand out.

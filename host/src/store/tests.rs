@@ -184,6 +184,36 @@ fn a_record_of_another_version_or_broken_is_an_error_naming_its_key() {
 }
 
 #[test]
+fn a_record_under_another_records_key_is_refused_as_corrupt() {
+    // Found by fuzzing (fuzz/regressions/store_records/): tenant 4's plugin
+    // key holding a record of tenant 8's plugin was listed as tenant 4's,
+    // and written back it moved to tenant 8. A record is its key's.
+    let dir = temp_dir("misfiled");
+    let storage = SledStorage::open(&dir).unwrap();
+    let store = Store::with_storage(Box::new(storage), "test".into()).unwrap();
+    let mut batch = Batch::default();
+    batch.put_tenant(&tenant(1, "alpha"));
+    store.commit(batch).unwrap();
+    let misfiled = tenant(2, "beta");
+    store
+        .storage
+        .commit(vec![Write::Put {
+            key: tenant_key(3),
+            value: encode(&misfiled),
+        }])
+        .unwrap();
+    match store.tenants() {
+        Err(StoreError::Corrupt { key, cause }) => {
+            assert_eq!(key, printable(&tenant_key(3)));
+            assert!(cause.contains(&printable(&tenant_key(2))), "{cause}");
+        }
+        other => panic!("{other:?}"),
+    }
+    drop(store);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn a_store_of_another_format_refuses_to_open() {
     let dir = temp_dir("format");
     let storage = SledStorage::open(&dir).unwrap();
