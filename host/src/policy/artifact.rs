@@ -126,3 +126,33 @@ impl Mode0600 for std::fs::OpenOptions {
         self.mode(0o600)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sealed_form_opens_only_for_its_own_source_and_this_hosts_secret() {
+        let dir = std::env::temp_dir().join(format!("bulkhead-seal-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let engine = Engine::default();
+        // The smallest component: no imports, no exports.
+        let component = Component::new(&engine, b"\0asm\x0d\0\x01\0").unwrap();
+        let sealer = Sealer::open(&dir, &engine).unwrap();
+        let (mine, other) = ([1u8; 32], [2u8; 32]);
+        let sealed = sealer.seal(&component, &mine).unwrap();
+        assert!(sealer.open_sealed(&engine, &sealed, &mine).is_some());
+        assert!(
+            sealer.open_sealed(&engine, &sealed, &other).is_none(),
+            "another component's compiled form"
+        );
+        let mut flipped = sealed.clone();
+        *flipped.last_mut().unwrap() ^= 1;
+        assert!(sealer.open_sealed(&engine, &flipped, &mine).is_none());
+        std::fs::remove_file(dir.join(SECRET_FILE)).unwrap();
+        let another_host = Sealer::open(&dir, &engine).unwrap();
+        assert!(another_host.open_sealed(&engine, &sealed, &mine).is_none());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
