@@ -239,8 +239,14 @@ impl Drop for Lane {
     fn drop(&mut self) {
         self.shared.lock().stopping = true;
         self.shared.ready.notify_all();
+        // The last owner of a lane can be one of its own jobs (the
+        // completion lane's jobs hold the plugin runtime, which owns the
+        // lane): that worker is not joined, it returns when its job ends.
+        let current = std::thread::current().id();
         for thread in self.threads.drain(..) {
-            let _ = thread.join();
+            if thread.thread().id() != current {
+                let _ = thread.join();
+            }
         }
     }
 }
@@ -317,6 +323,28 @@ mod tests {
             })
         };
         (gate, held)
+    }
+
+    #[test]
+    fn a_lane_whose_last_owner_is_one_of_its_jobs_stops_without_joining_itself() {
+        // Seen at the end of `bulkhead bench plugins`: the completion lane's
+        // last owner was one of its own jobs, whose worker then tried to
+        // join itself ("failed to join thread: Resource deadlock avoided").
+        let lane = Arc::new(Lane::new("test-lane", 2, 64).unwrap());
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let (done, finished) = std::sync::mpsc::channel();
+        let owner = Arc::clone(&lane);
+        lane.spawn(TenantId(1), move || {
+            wait.recv().unwrap();
+            drop(owner);
+            done.send(()).unwrap();
+        })
+        .unwrap();
+        drop(lane);
+        go.send(()).unwrap();
+        finished
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the job dropped the lane and went on");
     }
 
     #[test]
