@@ -12,6 +12,8 @@ pub mod capacity;
 pub mod catalog;
 pub mod config;
 pub mod engine;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod lane;
 pub mod policy;
 pub mod quantize_cli;

@@ -11,10 +11,15 @@
 //! 5. [`model`] checks the weights against the architecture; [`backend`] runs
 //!    the batched forward pass over page tables on [`threads`].
 //! 6. [`testing`] generates tiny models for fast tests.
+//!
+//! The `fuzzing` module (hidden from the docs) holds the bodies of the fuzz
+//! targets in `fuzz/`, so the corpus replay tests can call them too.
 
 #![deny(missing_docs)]
 
 pub mod backend;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod gguf;
 pub mod kv;
 pub mod model;

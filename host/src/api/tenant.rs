@@ -88,10 +88,11 @@ async fn me(State(app): State<Arc<App>>, Extension(tenant): Caller) -> Response<
     )
 }
 
-/// The caller's usage window.
+/// The caller's usage window (crate-visible for the query fuzz target,
+/// `crate::fuzzing::admin`).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct UsageQuery {
+pub(crate) struct UsageQuery {
     from_ms: Option<u64>,
     to_ms: Option<u64>,
 }
