@@ -20,9 +20,8 @@
 //! 4. Work goes with its request: dropping the future of [`Lane::run`] takes a
 //!    queued job out of its queue at once (dropping what it holds, its
 //!    request's permit among them), and sets the [`Cancel`] flag a running job
-//!    checks at its next step (the plugin chain between plugins; tokenizing
-//!    is not cut short: it stops at the prompt's token budget, over a body of
-//!    at most `body_bytes_max`, and its result is dropped). A job that ran to its end while nobody waited
+//!    checks at its next step (the plugin chain between plugins, tokenizing
+//!    after each word). A job that ran to its end while nobody waited
 //!    hands its result to its `unclaimed` hook.
 //! 5. A job that panics fails only its own request; the worker lives on, and
 //!    the panic's message (which may quote the request's text) is not logged.

@@ -122,6 +122,49 @@ fn encode_into_stops_at_its_budget_even_when_the_bos_alone_exceeds_it() {
 }
 
 #[test]
+fn encode_into_until_stops_after_the_word_where_it_was_asked_to() {
+    // A server stops tokenizing the prompt of a request whose client left.
+    let tokenizer = Tokenizer::new(bpe(&[], &[], &[])).unwrap();
+    let plain = EncodeOptions {
+        add_bos: false,
+        parse_special: false,
+    };
+    let text = "one two three four five six seven eight";
+    let whole = tokenizer.encode(text, plain).unwrap();
+    let asked = Cell::new(0);
+    let stop_at_third = || {
+        asked.set(asked.get() + 1);
+        asked.get() >= 3
+    };
+    let mut out = Vec::new();
+    assert_eq!(
+        tokenizer.encode_into_until(text, plain, usize::MAX, &mut out, &stop_at_third),
+        Err(TokenizerError::Stopped)
+    );
+    assert_eq!(
+        asked.get(),
+        3,
+        "asked once per word, and not after it said stop"
+    );
+    assert_eq!(
+        out,
+        whole[..out.len()],
+        "what it did encode is the text's start"
+    );
+    assert_eq!(
+        out.len(),
+        "one two three".len(),
+        "three words, one token per byte"
+    );
+    let mut out = Vec::new();
+    assert_eq!(
+        tokenizer.encode_into_until(text, plain, usize::MAX, &mut out, &|| false),
+        Ok(())
+    );
+    assert_eq!(out, whole);
+}
+
+#[test]
 fn rejects_an_empty_vocabulary() {
     let spec = VocabSpec {
         model: "gpt2".into(),

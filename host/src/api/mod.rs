@@ -507,8 +507,17 @@ impl Source {
 
 /// The prompt's tokens; `Ok(None)` when it has more than `tokens_max` (the
 /// tokenizer stopped there).
-fn tokenize(model: &Served, source: Source, tokens_max: u64) -> Result<Option<Vec<u32>>, ApiError> {
+///
+/// Tokenizing stops once `cancel` is set (its client left); the error then
+/// goes to nobody.
+fn tokenize(
+    model: &Served,
+    source: Source,
+    tokens_max: u64,
+    cancel: &crate::lane::Cancel,
+) -> Result<Option<Vec<u32>>, ApiError> {
     let tokens_max = usize::try_from(tokens_max).unwrap_or(usize::MAX);
+    let stopped = || cancel.is_cancelled();
     let too_many = |e: &TokenizerError| matches!(e, TokenizerError::TooManyTokens { .. });
     match source {
         Source::Chat(messages) => {
@@ -520,7 +529,7 @@ fn tokenize(model: &Served, source: Source, tokens_max: u64) -> Result<Option<Ve
                     reason: "cannot be used: the model has no chat template; use /v1/completions"
                         .into(),
                 })?;
-            match template.tokens_max(&model.tokenizer, &messages, tokens_max) {
+            match template.tokens_max(&model.tokenizer, &messages, tokens_max, &stopped) {
                 Ok(ids) => Ok(Some(ids)),
                 Err(ChatError::Tokenizer(e)) if too_many(&e) => Ok(None),
                 Err(e) => Err(match e {
@@ -542,7 +551,7 @@ fn tokenize(model: &Served, source: Source, tokens_max: u64) -> Result<Option<Ve
             let mut ids = Vec::new();
             match model
                 .tokenizer
-                .encode_into(&text, options, tokens_max, &mut ids)
+                .encode_into_until(&text, options, tokens_max, &mut ids, &stopped)
             {
                 Ok(()) => Ok(Some(ids)),
                 Err(e) if too_many(&e) => Ok(None),
@@ -778,9 +787,9 @@ async fn tokenize_on_lane(
     let prompt = app
         .serving
         .lane
-        .run(tenant.id, move |_| {
+        .run(tenant.id, move |cancel| {
             let _pending = pending;
-            tokenize(&worker, source, tokens_max)
+            tokenize(&worker, source, tokens_max, cancel)
         })
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))??;

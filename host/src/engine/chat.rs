@@ -118,16 +118,18 @@ impl ChatTemplate {
         tokenizer: &Tokenizer,
         messages: &[Message],
     ) -> Result<Vec<u32>, ChatError> {
-        self.tokens_max(tokenizer, messages, usize::MAX)
+        self.tokens_max(tokenizer, messages, usize::MAX, &|| false)
     }
 
     /// [`ChatTemplate::tokens`], stopping with `TokenizerError::TooManyTokens`
-    /// once the conversation has more than `tokens_max` tokens.
+    /// once the conversation has more than `tokens_max` tokens, and with
+    /// `TokenizerError::Stopped` once `stopped` says so.
     pub fn tokens_max(
         &self,
         tokenizer: &Tokenizer,
         messages: &[Message],
         tokens_max: usize,
+        stopped: &dyn Fn() -> bool,
     ) -> Result<Vec<u32>, ChatError> {
         if messages.len() > MESSAGES_MAX {
             return Err(ChatError::TooManyMessages(messages.len()));
@@ -146,14 +148,26 @@ impl ChatTemplate {
         for (i, message) in messages.iter().enumerate() {
             let marker = sentinel(i);
             let at = rest.find(&marker).ok_or(ChatError::ContentNotPlaced)?;
-            tokenizer.encode_into(&rest[..at], template_text, tokens_max, &mut ids)?;
-            tokenizer.encode_into(&message.content, user_text, tokens_max, &mut ids)?;
+            tokenizer.encode_into_until(
+                &rest[..at],
+                template_text,
+                tokens_max,
+                &mut ids,
+                stopped,
+            )?;
+            tokenizer.encode_into_until(
+                &message.content,
+                user_text,
+                tokens_max,
+                &mut ids,
+                stopped,
+            )?;
             rest = &rest[at + marker.len()..];
         }
         if rest.contains('\u{E000}') {
             return Err(ChatError::ContentNotPlaced);
         }
-        tokenizer.encode_into(rest, template_text, tokens_max, &mut ids)?;
+        tokenizer.encode_into_until(rest, template_text, tokens_max, &mut ids, stopped)?;
         Ok(ids)
     }
 }

@@ -285,6 +285,9 @@ pub enum TokenizerError {
         /// The budget.
         max: usize,
     },
+    /// The caller asked to stop (`encode_into_until`).
+    #[error("tokenizing was stopped by its caller")]
+    Stopped,
     /// SentencePiece text with a byte that has neither a byte token nor UNK.
     #[error("no token for byte {byte:#04x} and no unknown token")]
     UnencodableByte {
@@ -453,6 +456,21 @@ impl Tokenizer {
         tokens_max: usize,
         out: &mut Vec<u32>,
     ) -> Result<(), TokenizerError> {
+        self.encode_into_until(text, options, tokens_max, out, &|| false)
+    }
+
+    /// [`Tokenizer::encode_into`], which also stops with
+    /// [`TokenizerError::Stopped`] once `stopped` says so (asked where the
+    /// budget is checked: after each pre-tokenized word): a server stops
+    /// tokenizing the prompt of a request whose client has left.
+    pub fn encode_into_until(
+        &self,
+        text: &str,
+        options: EncodeOptions,
+        tokens_max: usize,
+        out: &mut Vec<u32>,
+        stopped: &dyn Fn() -> bool,
+    ) -> Result<(), TokenizerError> {
         if text.len() > TEXT_BYTES_MAX {
             return Err(TokenizerError::TextTooLong {
                 bytes: text.len(),
@@ -476,12 +494,15 @@ impl Tokenizer {
                     after_special = true;
                 }
                 Fragment::Text(part) => {
-                    self.encode_fragment(part, after_special, tokens_max, out)?;
+                    self.encode_fragment(part, after_special, tokens_max, out, stopped)?;
                     after_special = false;
                 }
             }
             if out.len() > tokens_max {
                 return Err(TokenizerError::TooManyTokens { max: tokens_max });
+            }
+            if stopped() {
+                return Err(TokenizerError::Stopped);
             }
         }
         Ok(())
@@ -628,6 +649,7 @@ impl Tokenizer {
         after_special: bool,
         tokens_max: usize,
         out: &mut Vec<u32>,
+        stopped: &dyn Fn() -> bool,
     ) -> Result<(), TokenizerError> {
         match &self.model {
             Model::BytePairs { bpe, pre } => {
@@ -639,6 +661,9 @@ impl Tokenizer {
                     bpe.encode_word(word, whole_word, &mut scratch, out);
                     if out.len() > tokens_max {
                         return Err(TokenizerError::TooManyTokens { max: tokens_max });
+                    }
+                    if stopped() {
+                        return Err(TokenizerError::Stopped);
                     }
                 }
                 Ok(())
