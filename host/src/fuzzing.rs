@@ -403,10 +403,12 @@ pub fn policy_toml(data: &[u8]) {
 // ---------------------------------------------------------------------------
 // Store records.
 
-/// Ordered keys in memory: the store's storage trait, for the fuzzer.
-#[derive(Default)]
+/// Ordered keys in memory: the store's storage trait, for the fuzzer. Its
+/// clones share their entries, so a caller can write through a [`Store`] and
+/// then corrupt what it wrote behind the store's back.
+#[derive(Clone, Default)]
 pub struct MemoryStorage {
-    entries: Mutex<BTreeMap<Vec<u8>, Vec<u8>>>,
+    entries: Arc<Mutex<BTreeMap<Vec<u8>, Vec<u8>>>>,
 }
 
 impl MemoryStorage {
@@ -460,31 +462,6 @@ impl Storage for MemoryStorage {
             }
         }
         Ok(())
-    }
-}
-
-/// A storage that shares its entries with the caller, so one can be written
-/// through a [`Store`] and then corrupted behind its back.
-#[derive(Clone, Default)]
-struct Shared(Arc<MemoryStorage>);
-
-impl Storage for Shared {
-    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        self.0.get(key)
-    }
-    fn scan(
-        &self,
-        prefix: &[u8],
-        after: Option<&[u8]>,
-        limit: usize,
-    ) -> Result<Vec<Entry>, StoreError> {
-        self.0.scan(prefix, after, limit)
-    }
-    fn last(&self, prefix: &[u8]) -> Result<Option<Entry>, StoreError> {
-        self.0.last(prefix)
-    }
-    fn commit(&self, writes: Vec<Write>) -> Result<(), StoreError> {
-        self.0.commit(writes)
     }
 }
 
@@ -584,14 +561,14 @@ fn corrupted_store<T>(
     template: &T,
     put: impl for<'b> Fn(&'b mut Batch, &T) -> &'b mut Batch,
 ) -> Option<Store> {
-    let storage = Shared::default();
+    let storage = MemoryStorage::default();
     let store = Store::with_storage(Box::new(storage.clone()), "memory".into()).ok()?;
     let mut batch = Batch::default();
     put(&mut batch, template);
     store.commit(batch).expect("memory commits");
-    let keys: Vec<Vec<u8>> = storage.0.entries().keys().cloned().collect();
+    let keys: Vec<Vec<u8>> = storage.entries().keys().cloned().collect();
     {
-        let mut entries = storage.0.entries();
+        let mut entries = storage.entries();
         for key in keys {
             entries.insert(key, value.to_vec());
         }
@@ -818,14 +795,13 @@ key_env = "KEY_B"
 pub fn store_records_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let mut seeds = Vec::new();
     let mut seed = |name: &'static str, kind: u8, write: &dyn Fn(&mut Batch)| {
-        let storage = Shared::default();
+        let storage = MemoryStorage::default();
         let store = Store::with_storage(Box::new(storage.clone()), "memory".into())
             .expect("an empty store opens");
         let mut batch = Batch::default();
         write(&mut batch);
         store.commit(batch).expect("memory commits");
         let value = storage
-            .0
             .entries()
             .values()
             .next()
