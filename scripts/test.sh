@@ -10,6 +10,10 @@ scripts/setup.sh
 # jsonschema (the admin API's OpenAPI check, tests/tests/admin.rs).
 python3 -m pip install --quiet --disable-pip-version-check \
     "$(grep '^openai==' scripts/requirements.txt)" "$(grep '^jsonschema==' scripts/requirements.txt)"
+# curl: tests/tests/readme.rs runs the README's examples as written.
+if ! command -v curl >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then apt-get install -y -q curl >/dev/null; else sudo apt-get install -y -q curl >/dev/null; fi
+fi
 # The policy plugins the end-to-end tests upload (tests/tests/plugins.rs).
 scripts/plugins.sh
 cargo fmt --all -- --check

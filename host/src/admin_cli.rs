@@ -56,6 +56,9 @@ enum AdminCommand {
     /// The catalog: load and unload models without a restart.
     #[command(subcommand)]
     Model(ModelCommand),
+    /// A tenant's canaries (the runtime canary guard, README "Security").
+    #[command(subcommand)]
+    Canary(CanaryCommand),
     /// Each model's capacity contract with the live tenant set.
     Capacity,
     /// Every tenant's live KV partition and queues, per model.
@@ -186,6 +189,23 @@ enum KeyCommand {
         tenant: String,
         /// The key's id (`key_…`).
         key: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum CanaryCommand {
+    /// A tenant's canaries, and whether the guard scans for them.
+    List {
+        /// The tenant.
+        tenant: String,
+    },
+    /// Replaces a tenant's canaries (none given: clears them).
+    Set {
+        /// The tenant.
+        tenant: String,
+        /// The strings: at most 32, each 8-256 bytes (16+ random characters,
+        /// which no tenant can guess).
+        canaries: Vec<String>,
     },
 }
 
@@ -425,6 +445,14 @@ fn call_of(command: &AdminCommand) -> Result<Call> {
                 None,
             )
         }
+        AdminCommand::Canary(CanaryCommand::List { tenant }) => {
+            Call::get(format!("{tenants}/{}/canaries", segment(tenant)))
+        }
+        AdminCommand::Canary(CanaryCommand::Set { tenant, canaries }) => Call::with(
+            Method::PUT,
+            format!("{tenants}/{}/canaries", segment(tenant)),
+            Some(json!({ "canaries": canaries })),
+        ),
         AdminCommand::Capacity => Call::get("/admin/v1/capacity".into()),
         AdminCommand::Partitions => Call::get("/admin/v1/partitions".into()),
         AdminCommand::Usage { tenant, minutes } => {

@@ -47,11 +47,25 @@ pub struct Capacity {
     pub limits: Vec<Limit>,
     /// Tokens per step, for the table (chunked prefill takes any prompt length).
     pub step_tokens_max: u64,
+    /// What the limits were computed from, for [`Capacity::fits_with`].
+    pub sizes: Sizes,
+}
+
+/// The settings a model's contract is computed from: what a change to make it
+/// hold would change.
+#[derive(Clone, Debug, Default)]
+pub struct Sizes {
+    pub page_tokens: u64,
+    pub pool_pages: u64,
+    pub seq_pages_max: u64,
+    pub step_seqs_max: u64,
+    /// Each tenant that may use the model: its name, pages_reserved, pages_max.
+    pub tenants: Vec<(String, u64, u64)>,
 }
 
 /// A promise that some stage cannot keep.
 #[derive(Debug, thiserror::Error)]
-#[error("capacity contract of model {model} violated: {}\n{table}", self.reason())]
+#[error("capacity contract of model {model} violated: {}\n{}", self.reason(), self.capacity.table())]
 pub struct CapacityViolation {
     /// The model.
     pub model: String,
@@ -63,10 +77,11 @@ pub struct CapacityViolation {
     pub field: String,
     /// What that stage holds.
     pub tokens: u64,
-    /// The whole table.
-    pub table: String,
     /// The whole contract.
     pub capacity: Box<Capacity>,
+    /// The smallest changes that would make it hold, as sentences: each is
+    /// enough on its own ([`Capacity::fits_with`]).
+    pub fits_with: Vec<String>,
 }
 
 impl CapacityViolation {
@@ -74,13 +89,29 @@ impl CapacityViolation {
     /// promised, or (the reservations and slot stages, which hold no tokens)
     /// the count that does not fit.
     pub fn reason(&self) -> String {
-        if self.stage == RESERVATIONS_STAGE || self.stage == SLOTS_STAGE {
-            return format!("{}: {}", self.stage, self.field);
+        let what = if self.stage == RESERVATIONS_STAGE || self.stage == SLOTS_STAGE {
+            format!("{}: {}", self.stage, self.field)
+        } else {
+            format!(
+                "the promised context of {} tokens exceeds {} ({} tokens, set by {})",
+                self.promised, self.stage, self.tokens, self.field
+            )
+        };
+        match self.remedy() {
+            Some(remedy) => format!("{what}; {remedy}"),
+            None => what,
         }
-        format!(
-            "the promised context of {} tokens exceeds {} ({} tokens, set by {})",
-            self.promised, self.stage, self.tokens, self.field
-        )
+    }
+
+    /// "it holds with A, or with B": the smallest changes, each enough alone.
+    pub fn remedy(&self) -> Option<String> {
+        if self.fits_with.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "it holds with {}",
+            self.fits_with.join(", or with ")
+        ))
     }
 }
 
@@ -167,7 +198,95 @@ impl Capacity {
             promised_tokens: u64::from(spec.context_tokens),
             limits,
             step_tokens_max: u64::from(spec.step_tokens_max),
+            sizes: Sizes {
+                page_tokens,
+                pool_pages,
+                seq_pages_max: u64::from(spec.seq_pages_max),
+                step_seqs_max: u64::from(spec.step_seqs_max),
+                tenants: tenants
+                    .iter()
+                    .map(|(name, q)| {
+                        (
+                            name.clone(),
+                            u64::from(q.pages_reserved),
+                            u64::from(q.pages_max),
+                        )
+                    })
+                    .collect(),
+            },
         }
+    }
+
+    /// The smallest changes that would make the contract hold, each enough
+    /// on its own: a promise lowered to what every stage holds, or every
+    /// setting that falls short raised just far enough (the pool to the
+    /// reservations plus one promised window for each tenant, each short
+    /// `pages_max` and the per-sequence limit to one window, the slots to
+    /// the tenants). Empty when it holds.
+    pub fn fits_with(&self) -> Vec<String> {
+        if self.limits.iter().all(|l| l.tokens >= self.promised_tokens) {
+            return Vec::new();
+        }
+        let (id, sizes) = (&self.model, &self.sizes);
+        let mut fits = Vec::new();
+        let counts_only = self
+            .limits
+            .iter()
+            .any(|l| l.stage == RESERVATIONS_STAGE || l.stage == SLOTS_STAGE);
+        let held = self.limits.iter().map(|l| l.tokens).min().unwrap_or(0);
+        if !counts_only && held > 0 {
+            fits.push(format!(
+                "models.{id}.context_tokens at most {held} (now {})",
+                self.promised_tokens
+            ));
+        }
+        let window = self.promised_tokens.div_ceil(sizes.page_tokens.max(1));
+        let model_holds = self
+            .limits
+            .iter()
+            .find(|l| l.stage == "model context")
+            .is_none_or(|l| l.tokens >= self.promised_tokens);
+        if !model_holds {
+            // The file's own context cannot be raised by a setting.
+            return fits;
+        }
+        let mut raise = Vec::new();
+        if sizes.seq_pages_max < window {
+            raise.push(format!(
+                "models.{id}.seq_pages_max at least {window} (now {})",
+                sizes.seq_pages_max
+            ));
+        }
+        let reserved: u64 = sizes.tenants.iter().map(|t| t.1).sum();
+        let pool_min = sizes
+            .tenants
+            .iter()
+            .map(|(_, own, _)| window + reserved - own)
+            .fold(window.max(reserved), u64::max);
+        if pool_min > sizes.pool_pages {
+            raise.push(format!(
+                "models.{id}.pool_pages at least {pool_min} (now {})",
+                sizes.pool_pages
+            ));
+        }
+        for (name, _, max) in &sizes.tenants {
+            if *max < window {
+                raise.push(format!(
+                    "tenant {name}'s pages_max at least {window} (now {max})"
+                ));
+            }
+        }
+        if sizes.tenants.len() as u64 > sizes.step_seqs_max {
+            raise.push(format!(
+                "models.{id}.step_seqs_max at least {} (now {})",
+                sizes.tenants.len(),
+                sizes.step_seqs_max
+            ));
+        }
+        if !raise.is_empty() {
+            fits.push(raise.join(" and "));
+        }
+        fits
     }
 
     /// Ok when every stage holds the promised window; otherwise the first stage
@@ -181,8 +300,8 @@ impl Capacity {
                 stage: l.stage.clone(),
                 field: l.field.clone(),
                 tokens: l.tokens,
-                table: self.table(),
                 capacity: Box::new(self.clone()),
+                fits_with: self.fits_with(),
             }),
         }
     }
@@ -467,6 +586,58 @@ mod tests {
         );
         let ok = Capacity::of_model(&two_slots, 8192, &tenants(&three[..2]));
         assert!(ok.check().is_ok());
+    }
+
+    #[test]
+    fn a_refusal_names_the_smallest_changes_that_would_fit_and_each_does() {
+        // The README's case: a fourth tenant on a pool alpha mostly reserves.
+        let mut m = spec();
+        (m.context_tokens, m.pool_pages, m.seq_pages_max) = (8192, 1280, 512);
+        let t = [
+            ("alpha", 768, 1280),
+            ("gamma", 128, 640),
+            ("delta", 128, 640),
+        ];
+        let v = violation(&m, 8192, &t);
+        assert_eq!(
+            v.fits_with,
+            [
+                "models.m.context_tokens at most 6144 (now 8192)",
+                "models.m.pool_pages at least 1408 (now 1280)",
+            ]
+        );
+        assert!(v.reason().ends_with(
+            "; it holds with models.m.context_tokens at most 6144 (now 8192), or with models.m.pool_pages at least 1408 (now 1280)"
+        ), "{}", v.reason());
+        // Each suggestion is enough, and none asks for more than needed.
+        let holds = |m: &ModelSpec| Capacity::of_model(m, 8192, &tenants(&t)).check().is_ok();
+        let (mut lower, mut bigger) = (m.clone(), m.clone());
+        (lower.context_tokens, bigger.pool_pages) = (6144, 1408);
+        assert!(holds(&lower) && holds(&bigger));
+        (lower.context_tokens, bigger.pool_pages) = (6145, 1407);
+        assert!(!holds(&lower) && !holds(&bigger));
+
+        // Reservations above the pool: no lower promise helps, only the pool.
+        let mut small = spec();
+        (small.context_tokens, small.pool_pages) = (2048, 256);
+        let v = violation(&small, 8192, &[("alpha", 768, 1280), ("delta", 128, 640)]);
+        assert_eq!(v.fits_with, ["models.m.pool_pages at least 896 (now 256)"]);
+
+        // Several settings short at once are named together, as one change.
+        let mut short = spec();
+        (short.seq_pages_max, short.step_seqs_max) = (64, 1);
+        let v = violation(&short, 8192, &[("alpha", 0, 128), ("beta", 0, 512)]);
+        assert_eq!(
+            v.fits_with,
+            ["models.m.seq_pages_max at least 256 (now 64) and tenant alpha's pages_max at least 256 (now 128) and models.m.step_seqs_max at least 2 (now 1)"]
+        );
+
+        // The file's own context: only a lower promise.
+        let v = violation(&spec(), 2048, &[("alpha", 0, 512)]);
+        assert_eq!(
+            v.fits_with,
+            ["models.m.context_tokens at most 2048 (now 4096)"]
+        );
     }
 
     #[test]

@@ -138,6 +138,10 @@ fn regular_file(spec: &ModelSpec) -> Result<(), LoadError> {
     match std::fs::metadata(&spec.path) {
         Ok(meta) if meta.is_file() => Ok(()),
         Ok(_) => Err(file_error(spec, "not a regular file")),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(file_error(
+            spec,
+            "no such file: fix the model's `path` (a relative one resolves against the policy file's folder) or put the file there (the demo's two models: scripts/setup.sh, then scripts/models.sh)",
+        )),
         Err(e) => Err(file_error(spec, e)),
     }
 }

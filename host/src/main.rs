@@ -55,9 +55,9 @@ enum Command {
         /// Nucleus sampling mass (1 = all).
         #[arg(long, default_value_t = 1.0)]
         top_p: f32,
-        /// Seed of the sampler.
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
+        /// Seed of the sampler (default: a fresh one, as the server draws).
+        #[arg(long)]
+        seed: Option<u64>,
         /// Compute threads (default: all cores).
         #[arg(long)]
         threads: Option<usize>,
@@ -94,6 +94,17 @@ enum Command {
     /// the admin API, with the store's tenants (or, for a store not yet seeded,
     /// the policy's); exit non-zero on a violation.
     Check {
+        /// The policy file (e.g. policies/demo.toml).
+        #[arg(long)]
+        config: PathBuf,
+        /// The control-plane store's folder (overrides `store.path`).
+        #[arg(long)]
+        store: Option<PathBuf>,
+    },
+    /// Replace a lost admin token, offline (the server stopped): a new one is
+    /// generated, stored as a digest (the old one stops working), audited
+    /// (`admin_token.reset`) and printed once to stdout.
+    ResetAdminToken {
         /// The policy file (e.g. policies/demo.toml).
         #[arg(long)]
         config: PathBuf,
@@ -181,6 +192,32 @@ fn generate(
         report.finish,
         report.backend,
     );
+    Ok(())
+}
+
+fn reset_admin_token(path: &Path, store: Option<PathBuf>) -> Result<()> {
+    let mut config = Config::load(path)?;
+    if let Some(store) = store {
+        config.store.path = std::path::absolute(store)?;
+    }
+    let store_path = config.store_path();
+    if !store_path.exists() {
+        bail!(
+            "no store at {}: the first start of the server generates the admin token",
+            store_path.display()
+        );
+    }
+    let store = Store::open(&store_path)?;
+    let token = seed::reset_admin_token(&store)?;
+    println!(
+        "admin token (new; shown once, stored as a digest; the old one no longer works): {token}"
+    );
+    if std::env::var_os(seed::ADMIN_TOKEN_ENV).is_some() {
+        eprintln!(
+            "note: {} is set here; a server started with it set to another token rotates to that one",
+            seed::ADMIN_TOKEN_ENV
+        );
+    }
     Ok(())
 }
 
@@ -283,7 +320,7 @@ fn run(cli: Cli) -> Result<()> {
                     temperature,
                     top_k,
                     top_p,
-                    seed,
+                    seed: seed.unwrap_or_else(|| getrandom::u64().unwrap_or(0)),
                 },
             };
             generate(&model, prompt, chat, options)
@@ -316,6 +353,7 @@ fn run(cli: Cli) -> Result<()> {
             store,
         })?),
         Command::Check { config, store } => check(&config, store),
+        Command::ResetAdminToken { config, store } => reset_admin_token(&config, store),
         Command::Admin(args) => bulkhead::admin_cli::run(args),
         Command::Quantize(args) => bulkhead::quantize_cli::run(&args),
         Command::Bench { which } => match which {

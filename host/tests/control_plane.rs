@@ -133,7 +133,11 @@ fn start(dir: &Path) -> Plane {
         "BULKHEAD_ADMIN_TOKEN" => Some("admin-token-0123456789abcdef0123456789".to_string()),
         _ => None,
     };
-    seed::prepare(&config, &store, env).unwrap();
+    seed::seed_if_empty(&config, &store).unwrap();
+    seed::plan(&config, &store, env)
+        .unwrap()
+        .commit(&store)
+        .unwrap();
     let tenants = store.tenants().unwrap();
     let catalog = Arc::new(Catalog::default());
     let sink: Arc<dyn FinishSink> = Arc::new(NoSink);

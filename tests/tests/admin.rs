@@ -83,6 +83,15 @@ fn changes_apply_on_the_next_request_without_a_restart() {
         broken.iter().any(|l| l["stage"] == "tenant delta maximum"),
         "{limits:?}"
     );
+    // The refusal names the smallest changes that would fit.
+    let message = r.json()["error"]["message"].as_str().unwrap().to_string();
+    for fix in [
+        "Nothing was changed; it holds with ",
+        &format!("models.{MODEL_ID}.pool_pages at least "),
+        &format!("or with tenant delta's models not including {MODEL_ID}"),
+    ] {
+        assert!(message.contains(fix), "{fix:?} not in {message}");
+    }
     assert!(!tenant_names(&server).contains("delta"));
 
     // Reservations beyond the pool (I8): refused, the row says so.
@@ -1185,4 +1194,257 @@ fn bulkhead_check_reads_the_store_the_server_uses() {
         .find(|l| l.trim_start().starts_with("tenant beta maximum"))
         .unwrap_or_else(|| panic!("{stdout}"));
     assert!(beta.contains(" 1120 "), "{beta}");
+}
+
+/// The lines of stdout that carry a secret, and each secret.
+fn shown_secrets(server: &Server) -> Vec<(String, String)> {
+    server
+        .stdout_lines()
+        .into_iter()
+        .filter_map(|line| {
+            let (label, secret) = line.rsplit_once(": ")?;
+            Some((label.to_string(), secret.to_string()))
+        })
+        .collect()
+}
+
+fn secret(shown: &[(String, String)], prefix: &str) -> String {
+    shown
+        .iter()
+        .find(|(label, _)| label.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no {prefix} in {shown:?}"))
+        .1
+        .clone()
+}
+
+fn admin_get(server: &Server, token: &str) -> u16 {
+    server
+        .call(&server.admin, "GET", "/admin/v1/tenants", Some(token), None)
+        .status
+}
+
+#[test]
+fn a_start_that_fails_generates_no_secret_and_the_next_one_shows_them() {
+    let Some(model) = smollm2() else { return };
+    let policy = Policy::default();
+    let dir = temp_dir("failed-starts");
+    let plain = || {
+        Launch::new(&model, &policy)
+            .dir(&dir)
+            .env("BULKHEAD_ADMIN_TOKEN", None)
+            .env("BULKHEAD_KEY_GAMMA", None)
+    };
+    // A port in use, then a too-short admin token: both refuse to start,
+    // and neither shows nor stores a secret.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().to_string();
+    let Err((status, stderr)) = try_launch(plain().listen(&port)) else {
+        panic!("started on a port in use")
+    };
+    assert!(!status.success() && stderr.contains(&port), "{stderr}");
+    let Err((_, stderr)) =
+        try_launch(plain().env("BULKHEAD_ADMIN_TOKEN", Some("short-token-0123456789")))
+    else {
+        panic!("started with a short admin token")
+    };
+    assert!(stderr.contains("at least 32"), "{stderr}");
+    drop(taken);
+    // So the next start still has everything to show, and it works.
+    let server = launch(plain());
+    assert!(eventually(Duration::from_secs(5), || shown_secrets(
+        &server
+    )
+    .len()
+        >= 2));
+    let shown = shown_secrets(&server);
+    let (gamma, admin) = (
+        secret(&shown, "key for tenant gamma"),
+        secret(&shown, "admin token"),
+    );
+    assert_eq!(chat(&server, &gamma).status, 200);
+    assert_eq!(admin_get(&server, &admin), 200);
+    let audit = server.call(
+        &server.admin,
+        "GET",
+        "/admin/v1/audit?limit=1000",
+        Some(&admin),
+        None,
+    );
+    let generated = audit.json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["action"] == "key.generate")
+        .count();
+    assert_eq!(generated, 1, "one key generated in three starts");
+    drop(server);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_tenant_whose_keys_were_all_revoked_gets_no_new_one_at_the_next_start() {
+    let Some(model) = smollm2() else { return };
+    let policy = Policy::default();
+    let no_gamma_env = |dir: Option<&std::path::Path>| {
+        let l = Launch::new(&model, &policy).env("BULKHEAD_KEY_GAMMA", None);
+        launch(match dir {
+            Some(dir) => l.dir(dir),
+            None => l,
+        })
+    };
+    let server = no_gamma_env(None);
+    assert!(eventually(Duration::from_secs(5), || !shown_secrets(
+        &server
+    )
+    .is_empty()));
+    let gamma = secret(&shown_secrets(&server), "key for tenant gamma");
+    let keys = server.admin_call("GET", "/admin/v1/tenants/gamma/keys", None);
+    let id = keys.json()["data"][0]["id"].as_str().unwrap().to_string();
+    let r = server.admin_call(
+        "DELETE",
+        &format!("/admin/v1/tenants/gamma/keys/{id}"),
+        None,
+    );
+    assert!(r.status < 300, "{}", r.body);
+    assert_eq!(chat(&server, &gamma).status, 401);
+    let dir = server.kill();
+    let server = no_gamma_env(Some(&dir));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        shown_secrets(&server).is_empty(),
+        "{:?}",
+        server.stdout_lines()
+    );
+    assert_eq!(chat(&server, &gamma).status, 401);
+    let keys = server.admin_call("GET", "/admin/v1/tenants/gamma/keys", None);
+    assert_eq!(
+        keys.json()["data"].as_array().unwrap().len(),
+        1,
+        "{}",
+        keys.body
+    );
+    drop(server);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_admin_token_rotates_through_the_environment_and_resets_offline() {
+    let Some(model) = smollm2() else { return };
+    let policy = Policy::default();
+    let (first, second) = (ADMIN_TOKEN, "rotated-admin-token-0123456789abcdef-2");
+    let server = launch(Launch::new(&model, &policy));
+    assert_eq!(admin_get(&server, first), 200);
+    // A different token in the variable is a rotation: the old one is gone,
+    // also once the variable is unset again.
+    let dir = server.kill();
+    let with = |token: Option<&str>| {
+        launch(
+            Launch::new(&model, &policy)
+                .dir(&dir)
+                .env("BULKHEAD_ADMIN_TOKEN", token),
+        )
+    };
+    let server = with(Some(second));
+    assert_eq!(admin_get(&server, second), 200);
+    assert_eq!(admin_get(&server, first), 401);
+    let dir = server.kill();
+    let server = with(None);
+    assert!(server.stdout_lines().is_empty(), "nothing generated");
+    assert_eq!(admin_get(&server, second), 200);
+    assert_eq!(admin_get(&server, first), 401);
+    // A lost token is replaced offline; not while a server holds the store.
+    let reset = || {
+        Command::new(bulkhead_exe())
+            .args(["reset-admin-token", "--config"])
+            .arg(dir.join("policy.toml"))
+            .env_remove("BULKHEAD_ADMIN_TOKEN")
+            .output()
+            .unwrap()
+    };
+    let held = reset();
+    assert!(!held.status.success());
+    let stderr = String::from_utf8_lossy(&held.stderr);
+    assert!(
+        !stderr.contains("panicked") && held.stdout.is_empty(),
+        "{stderr}"
+    );
+    let dir = server.kill();
+    let out = reset();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let third = stdout.trim().rsplit(' ').next().unwrap().to_string();
+    assert!(third.starts_with("bk-admin-"), "{stdout}");
+    let server = with(None);
+    assert_eq!(admin_get(&server, third.as_str()), 200);
+    assert_eq!(admin_get(&server, second), 401);
+    let audit = server.call(
+        &server.admin,
+        "GET",
+        "/admin/v1/audit?limit=1000",
+        Some(&third),
+        None,
+    );
+    let kinds: Vec<String> = audit.json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["action"].as_str().unwrap().to_string())
+        .collect();
+    for kind in ["admin_token.env", "admin_token.rotate", "admin_token.reset"] {
+        assert!(kinds.iter().any(|k| k == kind), "{kind} not in {kinds:?}");
+    }
+    for record in audit.json()["data"].as_array().unwrap() {
+        let text = record.to_string();
+        assert!(!text.contains(second) && !text.contains(&third), "{text}");
+    }
+    drop(server);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_usage_window_defaults_its_missing_end_and_blames_the_parameter_at_fault() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let usage = |query: &str| {
+        server.admin_call("GET", &format!("/admin/v1/usage?tenant=alpha{query}"), None)
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    // A start alone: up to now, at most the 31 days kept.
+    let r = usage("&from_ms=0");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let (from, to) = (
+        r.json()["from_ms"].as_u64().unwrap(),
+        r.json()["to_ms"].as_u64().unwrap(),
+    );
+    assert!(to > now && to <= now + 120_000, "{}", r.body);
+    assert_eq!((to - from) / 60_000, 31 * 24 * 60, "{}", r.body);
+    // An end alone: the hour before it.
+    let r = usage(&format!("&to_ms={now}"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["to_ms"].as_u64().unwrap() / 60_000, now / 60_000);
+    // A start in the future is the start's fault; a window too wide too.
+    let r = usage(&format!("&from_ms={}", now + 3_600_000));
+    assert_eq!(
+        (r.status, r.error().0),
+        (400, json!("from_ms")),
+        "{}",
+        r.body
+    );
+    let r = usage(&format!("&from_ms=0&to_ms={now}"));
+    assert_eq!(
+        (r.status, r.error().0),
+        (400, json!("from_ms")),
+        "{}",
+        r.body
+    );
+    // An end before the start is the end's.
+    let r = usage(&format!("&from_ms={now}&to_ms={}", now - 3_600_000));
+    assert_eq!((r.status, r.error().0), (400, json!("to_ms")), "{}", r.body);
 }

@@ -86,7 +86,24 @@ fn the_guard_blocks_another_tenants_canary_and_lets_a_tenant_read_its_own() {
     assert_eq!(set.status, 200, "{}", set.body);
     assert_eq!(
         server.admin_call("GET", path, None).json(),
-        json!({ "canaries": [canary] })
+        json!({ "canaries": [canary], "guard": true })
+    );
+    // The tenant reads its own, and only its own.
+    let own = server.get(&server.inference, "/v1/tenant/canaries", Some(KEY_ALPHA));
+    assert_eq!(own.json(), json!({ "canaries": [canary], "guard": true }));
+    let other = server.get(&server.inference, "/v1/tenant/canaries", Some(KEY_BETA));
+    assert_eq!(other.json(), json!({ "canaries": [], "guard": true }));
+    let put = server.call(
+        &server.inference,
+        "PUT",
+        "/v1/tenant/canaries",
+        Some(KEY_BETA),
+        Some(&json!({ "canaries": ["Sure, here is"] })),
+    );
+    assert_eq!(
+        put.status, 405,
+        "registering is the operator's: {}",
+        put.body
     );
     let short = server.admin_call("PUT", path, Some(&json!({"canaries": ["short"]})));
     assert_eq!(short.status, 400, "{}", short.body);
@@ -158,6 +175,16 @@ fn with_the_guard_off_registered_canaries_block_nothing() {
     let canaries = json!({ "canaries": [marker_in(&full)] });
     let set = server.admin_call("PUT", "/admin/v1/tenants/alpha/canaries", Some(&canaries));
     assert_eq!(set.status, 200, "{}", set.body);
+    // The answer says nothing scans for them.
+    assert_eq!(set.json()["guard"], false);
+    assert!(
+        set.json()["note"]
+            .as_str()
+            .unwrap()
+            .contains("canary guard is off"),
+        "{}",
+        set.body
+    );
     let after = server.post_json("/v1/chat/completions", Some(KEY_BETA), &body(false));
     assert_eq!(text_of(&after), full);
     assert_eq!(streamed(&server, KEY_BETA), (full, None));

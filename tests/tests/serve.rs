@@ -4,6 +4,7 @@
 mod support;
 
 use serde_json::{json, Value};
+use std::collections::BTreeSet;
 use std::process::Command;
 use std::time::Duration;
 use support::*;
@@ -167,6 +168,39 @@ fn streams_follow_openai_sse_and_match_the_whole_answer() {
         "length"
     );
     assert!(chunks.iter().all(|c| c.get("usage").is_none()));
+}
+
+#[test]
+fn sampling_draws_a_fresh_seed_per_request_unless_one_is_given() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let text = |extra: Value| {
+        let mut body = json!({
+            "model": MODEL_ID,
+            "prompt": "Once upon a time",
+            "max_tokens": 24,
+        });
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = server.post_json("/v1/completions", Some(KEY_ALPHA), &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    // The default temperature (1) with no seed: retries are new samples.
+    // Four 24-token samples at temperature 1 all equal would be a repeat,
+    // not chance.
+    let free: BTreeSet<String> = (0..4).map(|_| text(json!({}))).collect();
+    assert!(
+        free.len() > 1,
+        "four unseeded samples were one text: {free:?}"
+    );
+    // A given seed reproduces its text; so does temperature 0.
+    assert_eq!(text(json!({"seed": 7})), text(json!({"seed": 7})));
+    assert_eq!(
+        text(json!({"temperature": 0})),
+        text(json!({"temperature": 0}))
+    );
 }
 
 #[test]

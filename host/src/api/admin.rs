@@ -22,6 +22,7 @@ use crate::store::records::AuditRecord;
 use crate::tenancy::control::{
     now_ms, Actor, Canaries, Control, IssuedKey, KeyView, ModelRemoved, ModelView, PluginView,
     TenantPatch, TenantRef, TenantView, UploadOptions, UsageView, PLUGIN_BYTES_MAX,
+    USAGE_MINUTES_MAX,
 };
 use crate::tenancy::{ModelAccess, Quota, TenantId};
 use axum::body::Body;
@@ -340,21 +341,62 @@ pub struct UsageQuery {
     pub tenant: Option<String>,
     /// A tenant's id, also of a deleted one.
     pub tenant_id: Option<u32>,
-    /// Start, Unix milliseconds (default: an hour ago).
+    /// Start, Unix milliseconds (default: an hour before the end; with no
+    /// `to_ms`, a start further back than 31 days starts 31 days ago).
     pub from_ms: Option<u64>,
     /// End, Unix milliseconds, exclusive (default: the end of this minute).
     pub to_ms: Option<u64>,
 }
 
 impl UsageQuery {
-    /// The window, defaults applied.
-    pub fn window(&self) -> (u64, u64) {
+    /// The window, defaults applied, or a 400 naming the parameter at fault.
+    /// A window is at most [`USAGE_MINUTES_MAX`] minutes (what the store
+    /// keeps): `from_ms=0` alone asks for everything kept.
+    pub fn window(&self) -> Result<(u64, u64), ApiError> {
+        let wrong = |param: &str, message: String| ApiError::InvalidValue {
+            param: param.into(),
+            message,
+        };
+        let widest = USAGE_MINUTES_MAX * 60_000;
         let now = now_ms();
-        let to = self.to_ms.unwrap_or(now + 60_000);
-        let from = self
-            .from_ms
-            .unwrap_or_else(|| to.saturating_sub(USAGE_WINDOW_DEFAULT_MS));
-        (from, to)
+        match (self.from_ms, self.to_ms) {
+            (None, to) => {
+                let to = to.unwrap_or(now + 60_000);
+                let from = to.saturating_sub(USAGE_WINDOW_DEFAULT_MS);
+                if to / 60_000 <= from / 60_000 {
+                    return Err(wrong(
+                        "to_ms",
+                        "must be at least a minute after the Unix epoch".into(),
+                    ));
+                }
+                Ok((from, to))
+            }
+            (Some(from), None) => {
+                let to = now + 60_000;
+                if to / 60_000 <= from / 60_000 {
+                    return Err(wrong(
+                        "from_ms",
+                        "is after this minute (give a start in the past)".into(),
+                    ));
+                }
+                Ok((from.max(to.saturating_sub(widest)), to))
+            }
+            (Some(from), Some(to)) => {
+                if to / 60_000 <= from / 60_000 {
+                    return Err(wrong(
+                        "to_ms",
+                        "must be at least a minute after from_ms".into(),
+                    ));
+                }
+                if to / 60_000 - from / 60_000 > USAGE_MINUTES_MAX {
+                    return Err(wrong(
+                        "from_ms",
+                        format!("is more than {USAGE_MINUTES_MAX} minutes (31 days, what is kept) before to_ms; leave out to_ms for the latest 31 days"),
+                    ));
+                }
+                Ok((from, to))
+            }
+        }
     }
 }
 
@@ -477,24 +519,50 @@ async fn delete_tenant(State(app): State<Arc<App>>, Path(tenant): Path<String>) 
     respond(&app, answer.await)
 }
 
+/// A tenant's canaries, and whether anything scans for them.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct CanariesView {
+    /// The strings.
+    pub canaries: Vec<String>,
+    /// Whether the runtime canary guard is on (`server.canary_guard`).
+    pub guard: bool,
+    /// Said when the guard is off: registered canaries are kept, but no
+    /// response is scanned for them until it is turned on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+impl CanariesView {
+    pub fn of(app: &App, canaries: Canaries) -> CanariesView {
+        let guard = app.serving.canary_guard;
+        CanariesView {
+            canaries: canaries.canaries,
+            guard,
+            note: (!guard).then(|| {
+                "the canary guard is off (server.canary_guard = false): nothing scans responses for these until it is turned on".into()
+            }),
+        }
+    }
+}
+
 #[utoipa::path(get, path = "/admin/v1/tenants/{tenant}/canaries", tag = "tenants",
     params(("tenant" = String, Path, description = "The tenant's name")),
-    responses((status = 200, body = Canaries), (status = 401, body = ErrorResponse),
+    responses((status = 200, body = CanariesView), (status = 401, body = ErrorResponse),
         (status = 404, body = ErrorResponse)))]
 async fn get_canaries(State(app): State<Arc<App>>, Path(tenant): Path<String>) -> Response<Body> {
     respond(
         &app,
         app.control
             .canaries(name(&tenant))
-            .map(|v| reply(StatusCode::OK, &v))
+            .map(|v| reply(StatusCode::OK, &CanariesView::of(&app, v)))
             .map_err(Into::into),
     )
 }
 
 #[utoipa::path(put, path = "/admin/v1/tenants/{tenant}/canaries", tag = "tenants", request_body = Canaries,
-    description = "Replaces the tenant's canaries. With `server.canary_guard` on, every other tenant's response carrying one is blocked (500 `output_blocked`), counted and audited.",
+    description = "Replaces the tenant's canaries. With `server.canary_guard` on, every other tenant's response carrying one is blocked (500 `output_blocked`), counted and audited; with it off, the answer's `note` says nothing scans for them.",
     params(("tenant" = String, Path, description = "The tenant's name")),
-    responses((status = 200, body = Canaries), (status = 400, body = ErrorResponse),
+    responses((status = 200, body = CanariesView), (status = 400, body = ErrorResponse),
         (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
 async fn set_canaries(
     State(app): State<Arc<App>>,
@@ -508,7 +576,7 @@ async fn set_canaries(
             .control
             .set_canaries(&Actor::Admin, name(&tenant), canaries)
             .await?;
-        Ok(reply(StatusCode::OK, &view))
+        Ok(reply(StatusCode::OK, &CanariesView::of(&app, view)))
     };
     respond(&app, answer.await)
 }
@@ -984,7 +1052,7 @@ async fn usage(
 ) -> Response<Body> {
     let answer = (|| {
         let q = query(q)?;
-        let (from, to) = q.window();
+        let (from, to) = q.window()?;
         let view = match (&q.tenant, q.tenant_id) {
             (Some(tenant), None) => app.control.usage(name(tenant), from, to)?,
             (None, Some(id)) => app.control.usage_of(id, from, to)?,
@@ -1066,7 +1134,7 @@ impl utoipa::Modify for AdminToken {
         model_pool, partitions, capacity, usage, audit_log),
     components(schemas(ErrorResponse, TenantView, KeyView, IssuedKey, PluginView, UsageView,
         AuditRecord, CapacityView, PartitionView, PoolAuditView, TenantPagesView, Deleted, AuditPage, CreateTenant, TenantPatch,
-        Quota, WasmComponent, ModelSpec, ModelView, ModelRemoved, Source, Canaries)),
+        Quota, WasmComponent, ModelSpec, ModelView, ModelRemoved, Source, Canaries, CanariesView)),
     modifiers(&AdminToken)
 )]
 pub struct AdminApi;

@@ -600,27 +600,29 @@ impl ApiError {
         let (_, kind, code, param) = self.parts();
         let (message, limits) = match self {
             // The table goes as rows, not as text in the message.
-            ApiError::Capacity(v) if v.stage == RESERVATIONS_STAGE => (
-                format!(
-                    "The change would over-commit the KV pool of model {}: {}.",
-                    v.model, v.field
-                ),
-                Some(capacity_limits(&v.capacity)),
-            ),
-            ApiError::Capacity(v) if v.stage == SLOTS_STAGE => (
-                format!(
-                    "The change would leave a tenant of model {} without a guaranteed sequence slot: {}.",
-                    v.model, v.field
-                ),
-                Some(capacity_limits(&v.capacity)),
-            ),
-            ApiError::Capacity(v) => (
-                format!(
-                    "The change would break the capacity contract of model {}: the promised context of {} tokens exceeds {} ({} tokens, set by {}).",
-                    v.model, v.promised, v.stage, v.tokens, v.field
-                ),
-                Some(capacity_limits(&v.capacity)),
-            ),
+            ApiError::Capacity(v) => {
+                let what = if v.stage == RESERVATIONS_STAGE {
+                    format!(
+                        "The change would over-commit the KV pool of model {}: {}.",
+                        v.model, v.field
+                    )
+                } else if v.stage == SLOTS_STAGE {
+                    format!(
+                        "The change would leave a tenant of model {} without a guaranteed sequence slot: {}.",
+                        v.model, v.field
+                    )
+                } else {
+                    format!(
+                        "The change would break the capacity contract of model {}: the promised context of {} tokens exceeds {} ({} tokens, set by {}).",
+                        v.model, v.promised, v.stage, v.tokens, v.field
+                    )
+                };
+                let message = match v.remedy() {
+                    Some(remedy) => format!("{what} Nothing was changed; {remedy}."),
+                    None => format!("{what} Nothing was changed."),
+                };
+                (message, Some(capacity_limits(&v.capacity)))
+            }
             // `Internal` displays as "internal error": its cause is never sent.
             _ => (self.to_string(), None),
         };

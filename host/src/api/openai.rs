@@ -152,6 +152,16 @@ fn is_empty(v: &Value) -> bool {
 }
 
 /// Parameters both endpoints share, plus the ones both ignore or refuse.
+/// A seed for a request that gave none: from the system's randomness, or
+/// (should that ever fail) the clock's nanoseconds.
+fn fresh_seed() -> u64 {
+    getrandom::u64().unwrap_or_else(|_| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    })
+}
+
 fn common(f: &mut Fields) -> Result<Common, ApiError> {
     let model: String = f
         .take("model")?
@@ -175,7 +185,9 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
         return Err(invalid("top_k", format!("must be at most {TOP_K_LIMIT}")));
     }
     let seed = match f.take::<serde_json::Number>("seed")? {
-        None => 0,
+        // A fresh seed per request, as OpenAI, vLLM and llama.cpp draw one: a
+        // retry at a temperature above 0 is another sample, not a repeat.
+        None => fresh_seed(),
         Some(n) => n
             .as_u64()
             .or_else(|| n.as_i64().map(|i| i as u64))

@@ -29,6 +29,7 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
     Router::new()
         .route("/v1/tenant", get(me))
         .route("/v1/tenant/usage", get(usage))
+        .route("/v1/tenant/canaries", get(canaries))
         .route("/v1/tenant/keys", get(list_keys).post(issue_key))
         .route("/v1/tenant/keys/{key}", delete(revoke_key))
         .route("/v1/tenant/plugins", get(list_plugins))
@@ -88,6 +89,19 @@ async fn me(State(app): State<Arc<App>>, Extension(tenant): Caller) -> Response<
     )
 }
 
+/// The caller's own canaries (reading them is free; registering them is
+/// the operator's: a canary blocks other tenants' answers that carry it, so a
+/// tenant that could register "Sure, here is" would block everyone else).
+async fn canaries(State(app): State<Arc<App>>, Extension(tenant): Caller) -> Response<Body> {
+    let answer = app.control.canaries(own(&tenant));
+    respond(
+        &app,
+        answer
+            .map(|c| reply(StatusCode::OK, &admin::CanariesView::of(&app, c)))
+            .map_err(Into::into),
+    )
+}
+
 /// The caller's usage window (crate-visible for the query fuzz target,
 /// `crate::fuzzing::admin`).
 #[derive(Deserialize)]
@@ -110,7 +124,7 @@ async fn usage(
             from_ms: q.from_ms,
             to_ms: q.to_ms,
         };
-        let (from, to) = window.window();
+        let (from, to) = window.window()?;
         let view = app.control.usage(own(&tenant), from, to)?;
         Ok(reply(StatusCode::OK, &view))
     })();

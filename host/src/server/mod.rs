@@ -150,8 +150,11 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
             Capacity::of_model(spec, file.file_context_tokens, &quotas).check()?;
         }
     }
-    let prepared = seed::prepare(&config, &store, |var| std::env::var(var).ok())?;
-    let (tenants, keys) = (store.tenants()?, store.keys()?);
+    // Every check comes before any secret is written (seed module doc): a
+    // start that fails leaves no key it did not show.
+    seed::seed_if_empty(&config, &store)?;
+    let plan = seed::plan(&config, &store, |var| std::env::var(var).ok())?;
+    let (tenants, keys) = (store.tenants()?, plan.keys_after(store.keys()?));
     for ((spec, _), file) in specs.iter().zip(&inspected) {
         let quotas = catalog::quotas_for(spec, &tenants);
         let capacity = Capacity::of_model(spec, file.file_context_tokens, &quotas);
@@ -164,11 +167,11 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     };
     eprint!("{}", memory.table());
     memory.check()?;
-    // Secrets generated now go to the terminal that started the server, not
-    // to the log stream (stderr).
-    for line in &prepared.shown {
-        println!("{line}");
-    }
+    let tls = match &config.server.tls {
+        Some(tls) => Some(tls_acceptor(tls, &config)?),
+        None => None,
+    };
+    let bound = bind_listeners(&config)?;
     let registry = Arc::new(Registry::new(Directory::build(&tenants, &keys, None)));
     let usage = Arc::new(UsageBook::new(
         config.store.audit_refusals_listed_per_interval,
@@ -202,6 +205,13 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         finishes: Arc::clone(&finishes) as Arc<dyn FinishSink>,
     }));
     control.load_plugins()?;
+    // Everything that could refuse the start has run: the secrets are
+    // written, then shown, to the terminal that started the server, not to
+    // the log stream (stderr).
+    let admin_token_sha256 = plan.admin_token_sha256;
+    for line in plan.commit(&store)? {
+        println!("{line}");
+    }
     let mut nonce = [0u8; 8];
     getrandom::fill(&mut nonce)
         .map_err(|e| ServeError::Io(std::io::Error::other(format!("randomness: {e}"))))?;
@@ -218,7 +228,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         },
         policy: Arc::clone(&policy),
         control: Arc::clone(&control),
-        admin_token_sha256: prepared.admin_token_sha256,
+        admin_token_sha256,
         metrics,
         shutting_down: AtomicBool::new(false),
         ids: RequestIds::random()?,
@@ -243,7 +253,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     let (trips, tripped) = std::sync::mpsc::channel();
     policy.on_trip(trips);
     runtime.spawn_blocking(move || disable_tripped(&control, tripped));
-    let result = runtime.block_on(run_listeners(&config, Arc::clone(&app), drain));
+    let result = runtime.block_on(run_listeners(&config, Arc::clone(&app), drain, bound, tls));
     // Whatever did not finish within the drain ends now (reason `shutdown`).
     stop_engines(&catalog, FinishReason::Shutdown);
     // Streams still open (past the drain deadline) get their error event out.
@@ -439,29 +449,41 @@ fn tls_acceptor(tls: &TlsConfig, config: &Config) -> Result<TlsAcceptor, ServeEr
 }
 
 /// Binds both listeners, serves until a signal, then drains.
-async fn run_listeners(config: &Config, app: Arc<App>, drain: Duration) -> Result<(), ServeError> {
+/// Binds both listeners (before any secret is written: a port in use stops
+/// the start with nothing generated).
+fn bind_listeners(
+    config: &Config,
+) -> Result<Vec<(&'static str, std::net::TcpListener)>, ServeError> {
+    [
+        ("inference", config.server.listen),
+        ("admin", config.server.admin_listen),
+    ]
+    .into_iter()
+    .map(|(name, addr)| {
+        let listener = std::net::TcpListener::bind(addr)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .map_err(|cause| ServeError::Bind { addr, cause })?;
+        Ok((name, listener))
+    })
+    .collect()
+}
+
+async fn run_listeners(
+    config: &Config,
+    app: Arc<App>,
+    drain: Duration,
+    bound: Vec<(&'static str, std::net::TcpListener)>,
+    tls: Option<TlsAcceptor>,
+) -> Result<(), ServeError> {
     let signals = Signals::install()?;
-    let tls = match &config.server.tls {
-        Some(tls) => Some(tls_acceptor(tls, config)?),
-        None => None,
-    };
     let scheme = if tls.is_some() { "https" } else { "http" };
     let mut listeners = Vec::new();
-    for (name, addr, router) in [
-        (
-            "inference",
-            config.server.listen,
-            api::inference_router(Arc::clone(&app)),
-        ),
-        (
-            "admin",
-            config.server.admin_listen,
-            api::admin_router(Arc::clone(&app)),
-        ),
-    ] {
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|cause| ServeError::Bind { addr, cause })?;
+    for (name, listener) in bound {
+        let router = match name {
+            "inference" => api::inference_router(Arc::clone(&app)),
+            _ => api::admin_router(Arc::clone(&app)),
+        };
+        let listener = TcpListener::from_std(listener)?;
         let bound = listener.local_addr()?;
         eprintln!("listening: {name} {scheme}://{bound}");
         tracing::info!(listener = name, addr = %bound, "listening");

@@ -626,10 +626,35 @@ impl Control {
             .collect()
     }
 
-    /// Ok when every model's contract holds with `tenants`.
-    fn check_capacity(&self, tenants: &[TenantRecord]) -> Result<(), ControlError> {
-        for capacity in self.capacities_of(tenants) {
-            capacity.check()?;
+    /// Ok when every model's contract holds with `tenants`. A refusal of a
+    /// change to tenant `subject` also says when that tenant, left out of the
+    /// model's users, would let it hold.
+    fn check_capacity(&self, tenants: &[TenantRecord], subject: &str) -> Result<(), ControlError> {
+        for model in self.catalog.snapshot().all() {
+            let capacity = Capacity::of_model(
+                &model.spec,
+                model.file_context_tokens,
+                &catalog::quotas_for(&model.spec, tenants),
+            );
+            let Err(mut violation) = capacity.check() else {
+                continue;
+            };
+            let others = tenants.iter().filter(|t| t.name != subject);
+            let allowed = tenants
+                .iter()
+                .any(|t| t.name == subject && t.models.allows(&model.spec.id));
+            let without = Capacity::of_model(
+                &model.spec,
+                model.file_context_tokens,
+                &catalog::quotas_for(&model.spec, others),
+            );
+            if allowed && without.check().is_ok() {
+                violation.fits_with.push(format!(
+                    "tenant {subject}'s models not including {}",
+                    model.spec.id
+                ));
+            }
+            return Err(violation.into());
         }
         Ok(())
     }
@@ -772,7 +797,7 @@ impl Control {
             updated_ms: now,
         };
         tenants.push(record.clone());
-        self.check_capacity(&tenants)?;
+        self.check_capacity(&tenants, name)?;
         let changes = tenant_changes(self.catalog.snapshot().all(), None, Some(&record));
         self.apply(&changes).await?;
         let mut batch = Batch::default();
@@ -818,7 +843,7 @@ impl Control {
         tenants[at].quota = quota;
         tenants[at].updated_ms = now_ms();
         let record = tenants[at].clone();
-        self.check_capacity(&tenants)?;
+        self.check_capacity(&tenants, &name)?;
         let changes = tenant_changes(self.catalog.snapshot().all(), Some(&old), Some(&record));
         self.apply(&changes).await?;
         let mut batch = Batch::default();

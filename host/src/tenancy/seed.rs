@@ -9,16 +9,28 @@
 //!    policy with a `key_env` variable that is set gets that key (its digest,
 //!    source `env`) unless the store knows it already. A key revoked in the
 //!    store stays revoked, whatever the environment says (a warning is logged).
-//! 3. **Generated keys**: a tenant with no live key gets one, stored as a digest
-//!    and shown once to the terminal (stdout), never to the log stream.
-//! 4. **The admin token**: `BULKHEAD_ADMIN_TOKEN` (at least 32 bytes), or the
-//!    token generated at an earlier start (its digest is stored), or a new one,
-//!    generated, stored and shown once. It must differ from every tenant key.
+//! 3. **Generated keys**: a tenant of the policy that never had a key (no key
+//!    record at all, live or revoked) gets one, stored as a digest and shown
+//!    once to the terminal (stdout), never to the log stream. A tenant whose
+//!    keys were all revoked gets none: revoking is the operator's word.
+//! 4. **The admin token**: `BULKHEAD_ADMIN_TOKEN` (at least 32 bytes) when
+//!    set — a token unlike the stored one *rotates* it (the old digest is
+//!    replaced, audited `admin_token.rotate`), so unsetting the variable later
+//!    does not bring the old token back — else the stored digest, else a new
+//!    token, generated, stored and shown once. It must differ from every
+//!    tenant key. `bulkhead reset-admin-token` replaces a lost one offline
+//!    ([`reset_admin_token`]).
+//!
+//! Start-up is in two steps so that a start that fails writes no secret it
+//! did not show: [`plan`] checks every variable and decides every secret
+//! without writing anything; the server then binds its listeners and loads
+//! its models and plugins, and only then [`Plan::commit`]s (one batch) and
+//! prints what it generated.
 
 use super::control::{audit, key_record, new_key, now_ms, random_hex, Actor, SECRET_BYTES};
 use super::{hex, key_digest, parse_digest, KEY_BYTES_MIN};
 use crate::config::Config;
-use crate::store::records::{KeySource, Meta, TenantRecord};
+use crate::store::records::{AuditRecord, KeyRecord, KeySource, Meta, TenantRecord};
 use crate::store::{Batch, Store, StoreError};
 
 /// Shortest admin token accepted.
@@ -55,32 +67,72 @@ pub enum SeedError {
     AdminToken(String),
 }
 
-/// What start-up decided.
-pub struct Prepared {
+/// What start-up decided, not yet written ([`plan`]).
+pub struct Plan {
     /// SHA-256 of the admin token.
     pub admin_token_sha256: [u8; 32],
-    /// Secrets generated now, one line each, for the terminal (never the log).
-    pub shown: Vec<String>,
+    /// Key records to add (environment and generated keys).
+    keys: Vec<KeyRecord>,
+    /// The admin token's digest to store, when it changes.
+    admin_token: Option<String>,
+    /// The audit records of all that.
+    audit: Vec<AuditRecord>,
+    /// Secrets generated, one line each, for the terminal (never the log).
+    shown: Vec<String>,
 }
 
-/// Seeds an empty store, adds environment and generated keys, settles the
-/// admin token (module doc). `env` reads environment variables.
-pub fn prepare(
-    config: &Config,
-    store: &Store,
-    env: impl Fn(&str) -> Option<String>,
-) -> Result<Prepared, SeedError> {
+impl Plan {
+    /// The store's keys as they will be once this plan is committed.
+    pub fn keys_after(&self, mut stored: Vec<KeyRecord>) -> Vec<KeyRecord> {
+        stored.extend(self.keys.iter().cloned());
+        stored
+    }
+
+    /// Writes the plan in one batch, and only then returns the lines to show.
+    pub fn commit(self, store: &Store) -> Result<Vec<String>, SeedError> {
+        let mut batch = Batch::default();
+        for key in &self.keys {
+            batch.put_key(key);
+        }
+        if let Some(digest) = &self.admin_token {
+            batch.put_admin_token(digest);
+        }
+        for record in self.audit {
+            batch.audit(record);
+        }
+        store.commit(batch)?;
+        Ok(self.shown)
+    }
+}
+
+/// Seeds an empty store from the policy (module doc, 1). Tenants and policy
+/// digests only: no secret is generated here.
+pub fn seed_if_empty(config: &Config, store: &Store) -> Result<(), SeedError> {
     if store.meta()?.is_none() {
         seed(config, store)?;
     }
-    let mut shown = Vec::new();
-    env_keys(config, store, &env)?;
-    generated_keys(store, &mut shown)?;
-    let admin_token_sha256 = admin_token(store, &env, &mut shown)?;
-    Ok(Prepared {
-        admin_token_sha256,
-        shown,
-    })
+    Ok(())
+}
+
+/// Decides the environment keys, generated keys and the admin token (module
+/// doc, 2-4) and checks them, writing nothing. `env` reads environment
+/// variables.
+pub fn plan(
+    config: &Config,
+    store: &Store,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Plan, SeedError> {
+    let mut plan = Plan {
+        admin_token_sha256: [0; 32],
+        keys: Vec::new(),
+        admin_token: None,
+        audit: Vec::new(),
+        shown: Vec::new(),
+    };
+    env_keys(config, store, &env, &mut plan)?;
+    generated_keys(config, store, &mut plan)?;
+    admin_token(store, &env, &mut plan)?;
+    Ok(plan)
 }
 
 /// The records the policy's tenants become when they seed a store: ids from
@@ -146,10 +198,10 @@ fn env_keys(
     config: &Config,
     store: &Store,
     env: &impl Fn(&str) -> Option<String>,
+    plan: &mut Plan,
 ) -> Result<(), SeedError> {
     let tenants = store.tenants()?;
     let mut keys = store.keys()?;
-    let mut batch = Batch::default();
     for (name, policy) in &config.tenants {
         let (Some(var), Some(tenant)) = (
             policy.key_env.as_ref(),
@@ -186,72 +238,112 @@ fn env_keys(
                 let mut record = audit(&Actor::System, "key.env", name);
                 record.detail.insert("key_id".into(), key.id.clone().into());
                 record.detail.insert("var".into(), var.clone().into());
-                batch.put_key(&key).audit(record);
+                plan.keys.push(key.clone());
+                plan.audit.push(record);
                 keys.push(key);
             }
         }
     }
-    Ok(store.commit(batch)?)
+    Ok(())
 }
 
-fn generated_keys(store: &Store, shown: &mut Vec<String>) -> Result<(), SeedError> {
-    let keys = store.keys()?;
-    let mut batch = Batch::default();
+fn generated_keys(config: &Config, store: &Store, plan: &mut Plan) -> Result<(), SeedError> {
+    let keys = plan.keys_after(store.keys()?);
     for tenant in store.tenants()? {
-        let has_live = keys
-            .iter()
-            .any(|k| k.tenant == tenant.id && k.revoked_ms.is_none());
-        if has_live {
+        let never_had_one = !keys.iter().any(|k| k.tenant == tenant.id);
+        if !never_had_one || !config.tenants.contains_key(&tenant.name) {
             continue;
         }
         let (key, secret) = new_key(&tenant, KeySource::Generated)?;
         let mut record = audit(&Actor::System, "key.generate", &tenant.name);
         record.detail.insert("key_id".into(), key.id.clone().into());
-        batch.put_key(&key).audit(record);
-        shown.push(format!(
+        plan.keys.push(key);
+        plan.audit.push(record);
+        plan.shown.push(format!(
             "key for tenant {} (generated; shown once, stored as a digest): {secret}",
             tenant.name
         ));
     }
-    Ok(store.commit(batch)?)
+    Ok(())
 }
 
 fn admin_token(
     store: &Store,
     env: &impl Fn(&str) -> Option<String>,
-    shown: &mut Vec<String>,
-) -> Result<[u8; 32], SeedError> {
+    plan: &mut Plan,
+) -> Result<(), SeedError> {
+    let stored = store.admin_token()?.as_deref().and_then(parse_digest);
     let digest = match env(ADMIN_TOKEN_ENV).filter(|t| !t.is_empty()) {
         Some(token) => {
             if token.len() < ADMIN_TOKEN_BYTES_MIN {
                 return Err(SeedError::AdminToken(format!(
-                    "the token has {} bytes; it needs at least {ADMIN_TOKEN_BYTES_MIN}",
+                    "the token has {} bytes; it needs at least {ADMIN_TOKEN_BYTES_MIN} (e.g. $(openssl rand -hex 24))",
                     token.len()
                 )));
             }
-            key_digest(&token)
+            let digest = key_digest(&token);
+            if stored != Some(digest) {
+                // A rotation: the old token stops working, for good.
+                let kind = if stored.is_some() {
+                    "admin_token.rotate"
+                } else {
+                    "admin_token.env"
+                };
+                let mut record = audit(&Actor::System, kind, "admin");
+                record
+                    .detail
+                    .insert("source".into(), ADMIN_TOKEN_ENV.into());
+                plan.admin_token = Some(hex(&digest));
+                plan.audit.push(record);
+            }
+            digest
         }
-        None => match store.admin_token()?.as_deref().and_then(parse_digest) {
+        None => match stored {
             Some(stored) => stored,
             None => {
                 let token = format!("bk-admin-{}", random_hex(SECRET_BYTES)?);
-                let mut batch = Batch::default();
-                batch
-                    .put_admin_token(&hex(&key_digest(&token)))
-                    .audit(audit(&Actor::System, "admin_token.generate", "admin"));
-                store.commit(batch)?;
-                shown.push(format!(
-                    "admin token (generated; shown once, stored as a digest; set {ADMIN_TOKEN_ENV} to replace it): {token}"
+                plan.admin_token = Some(hex(&key_digest(&token)));
+                plan.audit
+                    .push(audit(&Actor::System, "admin_token.generate", "admin"));
+                plan.shown.push(format!(
+                    "admin token (generated; shown once, stored as a digest; set {ADMIN_TOKEN_ENV} to rotate it): {token}"
                 ));
                 key_digest(&token)
             }
         },
     };
     let hex_digest = hex(&digest);
-    if store.keys()?.iter().any(|k| k.sha256 == hex_digest) {
+    if plan
+        .keys_after(store.keys()?)
+        .iter()
+        .any(|k| k.sha256 == hex_digest)
+    {
         return Err(SeedError::AdminToken(
             "the admin token is also a tenant's API key; they must differ".into(),
         ));
     }
-    Ok(digest)
+    plan.admin_token_sha256 = digest;
+    Ok(())
+}
+
+/// Replaces the admin token of a store no server holds with a new one,
+/// generated, stored as a digest (the old one stops working) and audited
+/// (`admin_token.reset`); the token is returned to be shown once.
+pub fn reset_admin_token(store: &Store) -> Result<String, SeedError> {
+    if store.meta()?.is_none() {
+        return Err(SeedError::AdminToken(
+            "this store was never seeded: start the server once first".into(),
+        ));
+    }
+    let token = format!("bk-admin-{}", random_hex(SECRET_BYTES)?);
+    let mut batch = Batch::default();
+    let mut record = audit(&Actor::System, "admin_token.reset", "admin");
+    record
+        .detail
+        .insert("by".into(), "bulkhead reset-admin-token".into());
+    batch
+        .put_admin_token(&hex(&key_digest(&token)))
+        .audit(record);
+    store.commit(batch)?;
+    Ok(token)
 }

@@ -273,7 +273,7 @@ pub struct Server {
     agent: ureq::Agent,
 }
 
-fn temp_dir(tag: &str) -> PathBuf {
+pub fn temp_dir(tag: &str) -> PathBuf {
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("bulkhead-{tag}-{}-{n}", std::process::id()));
@@ -289,6 +289,8 @@ pub struct Launch<'a> {
     pub dir: Option<PathBuf>,
     /// Environment variables to set (value Some) or remove (None).
     pub env: Vec<(&'static str, Option<String>)>,
+    /// The inference listener's address (default 127.0.0.1:0).
+    pub listen: Option<String>,
 }
 
 impl<'a> Launch<'a> {
@@ -298,7 +300,13 @@ impl<'a> Launch<'a> {
             policy,
             dir: None,
             env: Vec::new(),
+            listen: None,
         }
+    }
+
+    pub fn listen(mut self, addr: &str) -> Launch<'a> {
+        self.listen = Some(addr.to_string());
+        self
     }
 
     pub fn env(mut self, var: &'static str, value: Option<&str>) -> Launch<'a> {
@@ -345,7 +353,11 @@ pub fn try_launch(launch: Launch) -> Result<Server, (ExitStatus, String)> {
         .arg("serve")
         .arg("--config")
         .arg(&config)
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args([
+            "--listen",
+            launch.listen.as_deref().unwrap_or("127.0.0.1:0"),
+        ])
+        .args(["--admin-listen", "127.0.0.1:0"])
         .env("BULKHEAD_KEY_ALPHA", KEY_ALPHA)
         .env("BULKHEAD_KEY_BETA", KEY_BETA)
         .env("BULKHEAD_KEY_GAMMA", KEY_GAMMA)
