@@ -370,7 +370,7 @@ pub struct MemoryBudget {
 
 /// A catalog that does not fit the memory budget.
 #[derive(Debug, thiserror::Error)]
-#[error("memory budget exceeded: model {model} needs {needed} bytes (weights {weights_bytes}, KV pool {kv_bytes}); with the models before it that is {total} bytes, above engine.memory_max ({max_bytes} bytes)\n{table}")]
+#[error("memory budget exceeded: model {model} needs {} (weights {}, KV pool {}); with the models before it that is {}, above engine.memory_max ({}): lower its pool_pages, or raise engine.memory_max\n{table}", human_bytes(*.needed), human_bytes(*.weights_bytes), human_bytes(*.kv_bytes), human_bytes(*.total), human_bytes(*.max_bytes))]
 pub struct MemoryViolation {
     /// The first model that does not fit.
     pub model: String,
@@ -434,24 +434,44 @@ impl MemoryBudget {
                 out,
                 "  {:<32} {:>14} {:>14} {:>14}",
                 m.model,
-                m.weights_bytes,
-                m.kv_bytes,
-                m.total()
+                human_bytes(m.weights_bytes),
+                human_bytes(m.kv_bytes),
+                human_bytes(m.total())
             );
         }
         let budget = match self.max_bytes {
-            Some(max) => format!("{max} ({})", if self.total() <= max { "ok" } else { "NO" }),
+            Some(max) => format!(
+                "{} ({})",
+                human_bytes(max),
+                if self.total() <= max { "ok" } else { "NO" }
+            ),
             None => "not set (engine.memory_max)".into(),
         };
         let _ = writeln!(
             out,
             "  {:<32} {:>44}\n  {:<32} {:>44}",
             "all models",
-            self.total(),
+            human_bytes(self.total()),
             "budget",
             budget
         );
         out
+    }
+}
+
+/// `bytes` in the largest binary unit that keeps it at least 1 (`1.5 GiB`).
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
     }
 }
 
@@ -638,6 +658,13 @@ mod tests {
             v.fits_with,
             ["models.m.context_tokens at most 2048 (now 4096)"]
         );
+    }
+
+    #[test]
+    fn sizes_read_as_a_person_would_write_them() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(3 << 30), "3.0 GiB");
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod lane;
 pub mod policy;
 pub mod quantize_cli;
 pub mod server;
+pub mod single;
 pub mod store;
 pub mod telemetry;
 pub mod tenancy;

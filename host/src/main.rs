@@ -9,6 +9,7 @@ use bulkhead::engine::chat::{ChatTemplate, Message};
 use bulkhead::engine::generate::{self, GenerateOptions};
 use bulkhead::engine::sampling::SamplingParams;
 use bulkhead::server::{self, ServeOptions};
+use bulkhead::single::{self, Single};
 use bulkhead::store::Store;
 use bulkhead::tenancy::seed;
 use bulkhead_kernels::model::Model;
@@ -74,11 +75,24 @@ enum Command {
         #[arg(long)]
         parse_special: bool,
     },
-    /// Serve the OpenAI-compatible API and the admin API until SIGINT/SIGTERM.
+    /// Serve the OpenAI-compatible API and the admin API until SIGINT/SIGTERM:
+    /// a policy file's deployment, or one GGUF file to one tenant (`--model`).
     Serve {
         /// The policy file (e.g. policies/demo.toml).
+        #[arg(long, required_unless_present = "model", conflicts_with = "model")]
+        config: Option<PathBuf>,
+        /// One GGUF file, served to one tenant with a policy derived from the
+        /// file (`bulkhead check --model FILE` prints it).
         #[arg(long)]
-        config: PathBuf,
+        model: Option<PathBuf>,
+        /// With --model: the tenant's API key (default: generated at the first
+        /// start and shown once).
+        #[arg(long, requires = "model")]
+        api_key: Option<String>,
+        /// With --model: the memory budget of weights and KV pool, e.g. "4 GiB"
+        /// (default: half of this machine's memory).
+        #[arg(long, requires = "model")]
+        memory_max: Option<String>,
         /// Inference listener address (overrides `server.listen`).
         #[arg(long)]
         listen: Option<SocketAddr>,
@@ -95,8 +109,14 @@ enum Command {
     /// the policy's); exit non-zero on a violation.
     Check {
         /// The policy file (e.g. policies/demo.toml).
+        #[arg(long, required_unless_present = "model", conflicts_with = "model")]
+        config: Option<PathBuf>,
+        /// One GGUF file: print the policy `serve --model` would derive, then check it.
         #[arg(long)]
-        config: PathBuf,
+        model: Option<PathBuf>,
+        /// With --model: the memory budget, as for `serve --model`.
+        #[arg(long, requires = "model")]
+        memory_max: Option<String>,
         /// The control-plane store's folder (overrides `store.path`).
         #[arg(long)]
         store: Option<PathBuf>,
@@ -221,8 +241,13 @@ fn reset_admin_token(path: &Path, store: Option<PathBuf>) -> Result<()> {
     Ok(())
 }
 
-fn check(path: &Path, store: Option<PathBuf>) -> Result<()> {
-    let mut config = Config::load(path)?;
+/// A byte count argument: `6442450944` or `"6 GiB"`.
+fn bytes_arg(text: &str) -> Result<u64> {
+    bulkhead::config::parse_bytes(text)
+        .with_context(|| format!("{text:?} is not a byte count such as 6442450944 or \"6 GiB\""))
+}
+
+fn check(mut config: Config, store: Option<PathBuf>) -> Result<()> {
     if let Some(store) = store {
         config.store.path = std::path::absolute(store)?;
     }
@@ -343,16 +368,56 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Serve {
             config,
+            model,
+            api_key,
+            memory_max,
             listen,
             admin_listen,
             store,
-        } => Ok(server::serve(ServeOptions {
+        } => {
+            let policy = match &model {
+                Some(model) => {
+                    if let Some(key) = api_key {
+                        // Read by the start-up as the tenant's key_env, like
+                        // any policy tenant's key.
+                        std::env::set_var(single::API_KEY_ENV, key);
+                    }
+                    let single = Single {
+                        model,
+                        memory_max: memory_max.as_deref().map(bytes_arg).transpose()?,
+                        store: store.clone(),
+                    };
+                    Some(single::derive(&single)?.1)
+                }
+                None => None,
+            };
+            Ok(server::serve(ServeOptions {
+                config: config.unwrap_or_default(),
+                policy,
+                listen,
+                admin_listen,
+                store,
+            })?)
+        }
+        Command::Check {
             config,
-            listen,
-            admin_listen,
+            model,
+            memory_max,
             store,
-        })?),
-        Command::Check { config, store } => check(&config, store),
+        } => match (config, model) {
+            (Some(config), _) => check(Config::load(&config)?, store),
+            (None, Some(model)) => {
+                let single = Single {
+                    model: &model,
+                    memory_max: memory_max.as_deref().map(bytes_arg).transpose()?,
+                    store,
+                };
+                let (toml, config) = single::derive(&single)?;
+                println!("{toml}");
+                check(config, None)
+            }
+            (None, None) => bail!("give --config or --model"),
+        },
         Command::ResetAdminToken { config, store } => reset_admin_token(&config, store),
         Command::Admin(args) => bulkhead::admin_cli::run(args),
         Command::Quantize(args) => bulkhead::quantize_cli::run(&args),

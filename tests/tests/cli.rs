@@ -402,3 +402,83 @@ fn gguf_with_one_f32_matrix(first: f32) -> Vec<u8> {
     }
     bytes
 }
+
+#[test]
+fn serve_model_serves_one_file_to_one_tenant_with_a_policy_derived_from_it() {
+    let Some(model) = smollm2() else { return };
+    let store = temp_dir("single-model");
+    // `check --model` prints the derived policy and checks it.
+    let out = run(bulkhead()
+        .args(["check", "--model"])
+        .arg(&model)
+        .args(["--memory-max", "1 GiB", "--store"])
+        .arg(&store));
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    for line in [
+        "id = \"smollm2-135m-instruct.q4_1\"",
+        "context_tokens = 8192  # the file holds 8192",
+        "[tenants.default]",
+        "ok: 1 models",
+    ] {
+        assert!(text.contains(line), "{line:?} missing from\n{text}");
+    }
+    // A budget that cannot hold the weights: refused, saying what to give.
+    let out = run(bulkhead()
+        .args(["check", "--model"])
+        .arg(&model)
+        .args(["--memory-max", "64 MiB"]));
+    assert_clean_failure(&out, "give --memory-max more");
+
+    // `serve --model --api-key`: that key works at once.
+    let key = "single-model-key-0123456789abcdef";
+    let mut child = bulkhead()
+        .args(["serve", "--model"])
+        .arg(&model)
+        .args(["--api-key", key, "--memory-max", "1 GiB", "--store"])
+        .arg(&store)
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .env_remove("BULKHEAD_ADMIN_TOKEN")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read stderr to its end (a closed pipe would fail the server's writes).
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr_pipe = std::io::BufReader::new(child.stderr.take().unwrap());
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(stderr_pipe).map_while(Result::ok) {
+            if let Some(url) = line.strip_prefix("listening: inference ") {
+                let _ = tx.send(url.to_string());
+            }
+        }
+    });
+    let inference = rx.recv_timeout(std::time::Duration::from_secs(120)).ok();
+    let inference = inference.expect("the server listens");
+    let agent = ureq::AgentBuilder::new()
+        .timeout(std::time::Duration::from_secs(120))
+        .build();
+    let answer = agent
+        .post(&format!("{inference}/v1/chat/completions"))
+        .set("Authorization", &format!("Bearer {key}"))
+        .send_string(
+            r#"{"model":"smollm2-135m-instruct.q4_1","messages":[{"role":"user","content":"Hi"}],"max_tokens":4}"#,
+        )
+        .unwrap()
+        .into_string()
+        .unwrap();
+    assert!(answer.contains("\"completion_tokens\":"), "{answer}");
+    let wrong = agent
+        .get(&format!("{inference}/v1/models"))
+        .set("Authorization", "Bearer not-the-key-0123456789abcdef")
+        .call();
+    assert!(matches!(wrong, Err(ureq::Error::Status(401, _))));
+    let _ = child.kill();
+    let _ = child.wait();
+    // The admin token was generated and shown once, on stdout.
+    let mut shown = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut shown).unwrap();
+    assert!(shown.contains("admin token (generated"), "{shown}");
+    assert!(!shown.contains(key), "{shown}");
+    std::fs::remove_dir_all(&store).unwrap();
+}

@@ -10,7 +10,7 @@
 //!    carries the message of a 4xx, which may quote the client's input.
 
 use crate::capacity::{
-    Capacity, CapacityViolation, MemoryViolation, RESERVATIONS_STAGE, SLOTS_STAGE,
+    human_bytes, Capacity, CapacityViolation, MemoryViolation, RESERVATIONS_STAGE, SLOTS_STAGE,
 };
 use crate::catalog::LoadError;
 use crate::engine::request::{Rejection, RequestId};
@@ -149,7 +149,7 @@ pub enum ApiError {
     #[error("{0}")]
     Capacity(CapacityViolation),
     /// A model the memory budget (`engine.memory_max`) cannot hold.
-    #[error("The catalog would exceed the memory budget: model {} needs {} bytes; with the models before it that is {} bytes, above engine.memory_max ({} bytes).", .0.model, .0.needed, .0.total, .0.max_bytes)]
+    #[error("The catalog would exceed the memory budget: model {} needs {} bytes ({}); with the models before it that is {} bytes ({}), above engine.memory_max ({} bytes, {}). Nothing was changed; it fits with a smaller pool_pages, or with models removed.", .0.model, .0.needed, human_bytes(.0.needed), .0.total, human_bytes(.0.total), .0.max_bytes, human_bytes(.0.max_bytes))]
     Memory(MemoryViolation),
     /// A model file that cannot be served (missing, unreadable, hostile, or
     /// not a model this engine runs).

@@ -62,6 +62,9 @@ pub const RUNTIME_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(2);
 pub struct ServeOptions {
     /// The policy file.
     pub config: PathBuf,
+    /// A policy already read (`serve --model`, [`crate::single`]): used
+    /// instead of reading `config`.
+    pub policy: Option<Config>,
     /// Overrides `server.listen`.
     pub listen: Option<SocketAddr>,
     /// Overrides `server.admin_listen`.
@@ -129,7 +132,11 @@ impl From<ControlError> for ServeError {
 pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     telemetry::init_tracing();
     telemetry::install_panic_hook();
-    let config = Arc::new(options.apply(Config::load(&options.config)?)?);
+    let policy = match options.policy.clone() {
+        Some(policy) => policy,
+        None => Config::load(&options.config)?,
+    };
+    let config = Arc::new(options.apply(policy)?);
     let store = Arc::new(
         Store::open(&config.store_path())?
             .with_audit_max(config.store.audit_records_max)
