@@ -1,5 +1,6 @@
 //! `bulkhead admin …`: the everyday admin tasks as commands that call the
-//! admin API (HTTP or HTTPS) and print its JSON answer.
+//! admin API (HTTP or HTTPS) and print its answer: as tables and lines, or
+//! as the JSON itself with `--json`.
 //!
 //! The token comes from `--token` or `BULKHEAD_ADMIN_TOKEN`; the server from
 //! `--url` or `BULKHEAD_ADMIN_URL` (default `http://127.0.0.1:8081`). A secret
@@ -35,6 +36,9 @@ pub struct AdminArgs {
     /// A PEM certificate to trust for HTTPS (e.g. a self-signed server certificate).
     #[arg(long)]
     cacert: Option<PathBuf>,
+    /// Print the API's JSON answer as it came (default: tables and lines).
+    #[arg(long, global = true)]
+    json: bool,
     #[command(subcommand)]
     command: AdminCommand,
 }
@@ -71,11 +75,14 @@ enum AdminCommand {
         #[arg(long, default_value_t = 60)]
         minutes: u64,
     },
-    /// The audit log.
+    /// The audit log, newest first (or, with --after, oldest first from there).
     Audit {
-        /// Records after this sequence number.
-        #[arg(long, default_value_t = 0)]
-        after: u64,
+        /// Records after this sequence number, oldest first.
+        #[arg(long)]
+        after: Option<u64>,
+        /// Records before this sequence number, newest first.
+        #[arg(long, conflicts_with = "after")]
+        before: Option<u64>,
         /// Most records.
         #[arg(long, default_value_t = 100)]
         limit: u32,
@@ -464,9 +471,17 @@ fn call_of(command: &AdminCommand) -> Result<Call> {
                 now + 60_000
             ))
         }
-        AdminCommand::Audit { after, limit } => {
-            Call::get(format!("/admin/v1/audit?after={after}&limit={limit}"))
-        }
+        AdminCommand::Audit {
+            after,
+            before,
+            limit,
+        } => match after {
+            Some(after) => Call::get(format!("/admin/v1/audit?after={after}&limit={limit}")),
+            None => Call::get(format!(
+                "/admin/v1/audit?before={}&limit={limit}",
+                before.unwrap_or(u64::MAX)
+            )),
+        },
     })
 }
 
@@ -514,10 +529,160 @@ pub fn run(args: AdminArgs) -> Result<()> {
         }
         bail!("{status}: {message}");
     }
-    if !body.is_empty() {
+    if body.is_empty() {
+        return Ok(());
+    }
+    if args.json {
         println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        print!("{}", render(&value));
     }
     Ok(())
+}
+
+/// An answer for a person: an object as `field: value` lines (nested
+/// objects as `a.b`), a list of objects as a table with a header, nested
+/// lists under their field's name. `--json` prints the answer itself.
+pub fn render(value: &Value) -> String {
+    let mut out = String::new();
+    // A list answer (`{"data": [...], ...}`): the table, then the rest.
+    if let Some(Value::Array(data)) = value.get("data") {
+        match rows_of(&value["data"]) {
+            Some(rows) => table(&mut out, rows, ""),
+            None if data.is_empty() => out.push_str("(none)\n"),
+            None => out.push_str(&format!("{}\n", text_of(&value["data"]))),
+        }
+        let mut rest = value.clone();
+        if let Some(fields) = rest.as_object_mut() {
+            fields.remove("data");
+        }
+        render_into(&mut out, &rest, "");
+        return out;
+    }
+    render_into(&mut out, value, "");
+    out
+}
+
+fn render_into(out: &mut String, value: &Value, indent: &str) {
+    match value {
+        Value::Object(fields) => {
+            let mut scalars = Vec::new();
+            flatten(&mut scalars, "", value);
+            for (name, text) in &scalars {
+                out.push_str(&format!("{indent}{name}: {text}\n"));
+            }
+            for (name, nested) in fields {
+                if let Some(rows) = rows_of(nested) {
+                    out.push_str(&format!("{indent}{name}:\n"));
+                    table(out, rows, &format!("{indent}  "));
+                }
+            }
+        }
+        Value::Array(_) => match rows_of(value) {
+            Some(rows) => table(out, rows, indent),
+            None => out.push_str(&format!("{indent}{}\n", text_of(value))),
+        },
+        other => out.push_str(&format!("{indent}{}\n", text_of(other))),
+    }
+}
+
+/// A list whose items are all objects (and not empty).
+fn rows_of(value: &Value) -> Option<&Vec<Value>> {
+    match value {
+        Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_object) => {
+            Some(items)
+        }
+        _ => None,
+    }
+}
+
+/// Every field of `value` that is not a list of objects, nested objects
+/// as `a.b`.
+fn flatten(out: &mut Vec<(String, String)>, prefix: &str, value: &Value) {
+    let Value::Object(fields) = value else {
+        return;
+    };
+    for (name, field) in fields {
+        let name = if prefix.is_empty() {
+            name.clone()
+        } else {
+            format!("{prefix}.{name}")
+        };
+        match field {
+            Value::Object(inner) if !inner.is_empty() => flatten(out, &name, field),
+            _ if rows_of(field).is_some() => {}
+            _ => out.push((name, text_of(field))),
+        }
+    }
+}
+
+fn text_of(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        Value::Object(fields) if fields.is_empty() => "-".into(),
+        Value::Array(items) => items.iter().map(text_of).collect::<Vec<_>>().join(","),
+        other => other.to_string(),
+    }
+}
+
+/// Rows as a table: one column per field any row has, in first-seen order;
+/// rows that hold lists of objects print as blocks instead.
+fn table(out: &mut String, rows: &[Value], indent: &str) {
+    if rows.iter().any(|r| {
+        r.as_object()
+            .is_some_and(|o| o.values().any(|v| rows_of(v).is_some()))
+    }) {
+        for (i, row) in rows.iter().enumerate() {
+            if i > 0 {
+                out.push('\n');
+            }
+            render_into(out, row, indent);
+        }
+        return;
+    }
+    let cells: Vec<Vec<(String, String)>> = rows
+        .iter()
+        .map(|row| {
+            let mut cells = Vec::new();
+            flatten(&mut cells, "", row);
+            cells
+        })
+        .collect();
+    let mut columns: Vec<String> = Vec::new();
+    for row in &cells {
+        for (name, _) in row {
+            if !columns.contains(name) {
+                columns.push(name.clone());
+            }
+        }
+    }
+    let text = |row: &[(String, String)], column: &str| {
+        row.iter()
+            .find(|(name, _)| name == column)
+            .map_or_else(|| "-".to_string(), |(_, text)| text.clone())
+    };
+    let widths: Vec<usize> = columns
+        .iter()
+        .map(|c| {
+            cells
+                .iter()
+                .map(|row| text(row, c).chars().count())
+                .fold(c.chars().count(), usize::max)
+        })
+        .collect();
+    let line = |values: Vec<String>| {
+        let padded: Vec<String> = values
+            .iter()
+            .zip(&widths)
+            .map(|(v, w)| format!("{v:<w$}"))
+            .collect();
+        format!("{indent}{}\n", padded.join("  ").trim_end())
+    };
+    out.push_str(&line(columns.iter().map(|c| c.to_uppercase()).collect()));
+    for row in &cells {
+        out.push_str(&line(columns.iter().map(|c| text(row, c)).collect()));
+    }
 }
 
 /// Sends one call over HTTP/1.1, with TLS for `https://`.

@@ -698,7 +698,7 @@ mod tests {
             models: models.clone(),
         };
         fits.check().unwrap();
-        assert!(fits.table().contains("450 (ok)"), "{}", fits.table());
+        assert!(fits.table().contains("450 B (ok)"), "{}", fits.table());
         let tight = MemoryBudget {
             max_bytes: Some(449),
             models: models.clone(),

@@ -122,6 +122,8 @@ pub struct ServerConfig {
     /// connection closes; each byte the client does take earns it
     /// 1/`send_rate_min_bytes_per_s` seconds more.
     pub send_stall_timeout_ms: u64,
+    /// How often each busy model logs its one-line summary (0: never).
+    pub summary_interval_ms: u64,
     /// The slowest a client may take a response on average, after the stall
     /// allowance (bytes per second).
     pub send_rate_min_bytes_per_s: u64,
@@ -160,6 +162,7 @@ impl Default for ServerConfig {
             handshake_timeout_ms: 10_000,
             idle_timeout_ms: 60_000,
             send_stall_timeout_ms: 15_000,
+            summary_interval_ms: 10_000,
             send_rate_min_bytes_per_s: 1024,
             h2_streams_max: 64,
             h2_header_list_bytes_max: 32 << 10,
@@ -750,6 +753,7 @@ impl Config {
             ("server.handshake_timeout_ms", s.handshake_timeout_ms),
             ("server.idle_timeout_ms", s.idle_timeout_ms),
             ("server.send_stall_timeout_ms", s.send_stall_timeout_ms),
+            ("server.summary_interval_ms", s.summary_interval_ms),
             ("server.request_timeout_ms", s.request_timeout_ms),
             ("server.drain_timeout_ms", s.drain_timeout_ms),
             ("store.usage_flush_ms", self.store.usage_flush_ms),

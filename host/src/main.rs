@@ -11,6 +11,7 @@ use bulkhead::engine::sampling::SamplingParams;
 use bulkhead::server::{self, ServeOptions};
 use bulkhead::single::{self, Single};
 use bulkhead::store::Store;
+use bulkhead::telemetry::LogFormat;
 use bulkhead::tenancy::seed;
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer};
@@ -93,6 +94,10 @@ enum Command {
         /// (default: half of this machine's memory).
         #[arg(long, requires = "model")]
         memory_max: Option<String>,
+        /// Log lines as `text` (for a person) or `json` (for a collector);
+        /// default: text on a terminal, JSON otherwise.
+        #[arg(long, value_parser = ["text", "json"])]
+        log_format: Option<String>,
         /// Inference listener address (overrides `server.listen`).
         #[arg(long)]
         listen: Option<SocketAddr>,
@@ -371,6 +376,7 @@ fn run(cli: Cli) -> Result<()> {
             model,
             api_key,
             memory_max,
+            log_format,
             listen,
             admin_listen,
             store,
@@ -397,6 +403,10 @@ fn run(cli: Cli) -> Result<()> {
                 listen,
                 admin_listen,
                 store,
+                log_format: log_format.map(|f| match f.as_str() {
+                    "text" => LogFormat::Text,
+                    _ => LogFormat::Json,
+                }),
             })?)
         }
         Command::Check {

@@ -98,8 +98,29 @@ pub fn install_metrics() -> Result<PrometheusHandle, BuildError> {
         .install_recorder()
 }
 
-/// JSON lines to stderr; `RUST_LOG` filters (default `info`).
-pub fn init_tracing() {
+/// Log lines to stderr, as `format` says; `RUST_LOG` filters (default `info`).
+/// How log lines look on stderr.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    /// One line a person reads: time, level, message, then `field=value`s.
+    Text,
+    /// One JSON object a line, for collectors.
+    Json,
+}
+
+impl LogFormat {
+    /// Text on a terminal, JSON otherwise (a pipe, a file, a collector).
+    pub fn for_stderr() -> LogFormat {
+        use std::io::IsTerminal;
+        if std::io::stderr().is_terminal() {
+            LogFormat::Text
+        } else {
+            LogFormat::Json
+        }
+    }
+}
+
+pub fn init_tracing(format: LogFormat) {
     let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     for cap in DEPENDENCY_LOG_CAPS {
@@ -107,12 +128,19 @@ pub fn init_tracing() {
             filter = filter.add_directive(directive);
         }
     }
-    let _ = tracing_subscriber::fmt()
-        .json()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_current_span(true)
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => {
+            use std::io::IsTerminal;
+            // Colours only where a terminal shows them.
+            builder
+                .with_ansi(std::io::stderr().is_terminal())
+                .try_init()
+        }
+        LogFormat::Json => builder.json().with_current_span(true).try_init(),
+    };
 }
 
 /// Replaces the standard panic hook, which prints a panic's message, with one

@@ -1080,10 +1080,32 @@ fn bulkhead_admin_commands_do_the_everyday_tasks() {
         )
     };
     let ok = |args: &[&str]| {
-        let (code, stdout, stderr) = admin(args);
+        let args: Vec<&str> = std::iter::once("--json")
+            .chain(args.iter().copied())
+            .collect();
+        let (code, stdout, stderr) = admin(&args);
         assert_eq!(code, Some(0), "{args:?}: {stderr}");
         serde_json::from_str::<Value>(&stdout).unwrap_or(Value::Null)
     };
+    // Without --json: tables and lines for a person.
+    let table = |args: &[&str]| {
+        let (code, stdout, stderr) = admin(args);
+        assert_eq!(code, Some(0), "{args:?}: {stderr}");
+        assert!(serde_json::from_str::<Value>(&stdout).is_err(), "{stdout}");
+        stdout
+    };
+    let tenants = table(&["tenant", "list"]);
+    let header = tenants.lines().next().unwrap();
+    assert!(
+        header.starts_with("CREATED_MS") && header.contains("NAME"),
+        "{tenants}"
+    );
+    for name in ["alpha", "beta", "gamma"] {
+        assert!(
+            tenants.lines().any(|l| l.contains(&format!(" {name} "))),
+            "{tenants}"
+        );
+    }
     ok(&["quota", "set", "gamma", "--pages-reserved", "0"]);
     let created = ok(&[
         "tenant",
@@ -1107,6 +1129,17 @@ fn bulkhead_admin_commands_do_the_everyday_tasks() {
     let none = ok(&["quota", "set", "zeta", "--models", ""]);
     assert_eq!(none["models"], json!([]));
     assert_eq!(chat(&server, &secret).status, 404);
+    // The log says what happened: a partition went, not the tenant.
+    let log = server.stderr_lines();
+    assert!(
+        log.iter()
+            .any(|l| l.contains("partition removed from this model") && l.contains("zeta")),
+        "{log:?}"
+    );
+    assert!(
+        !log.iter().any(|l| l.contains("\"tenant removed\"")),
+        "{log:?}"
+    );
     let all = ok(&["quota", "set", "zeta", "--models", "*"]);
     assert_eq!(all["models"], json!(["*"]));
     assert_eq!(all["quota"]["prefix_cache"], true, "on by default");
@@ -1141,6 +1174,17 @@ fn bulkhead_admin_commands_do_the_everyday_tasks() {
     ok(&["usage", "alpha"]);
     let audit = ok(&["audit", "--limit", "1000"]);
     assert!(audit.to_string().contains("plugin.disable"));
+    // Newest first: the latest change (the disable) heads the page.
+    let seqs: Vec<u64> = audit["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["seq"].as_u64().unwrap())
+        .collect();
+    assert!(seqs.windows(2).all(|w| w[0] > w[1]), "{seqs:?}");
+    assert_eq!(audit["data"][0]["action"], "plugin.disable", "{audit}");
+    let oldest_first = ok(&["audit", "--after", "0", "--limit", "2"]);
+    assert_eq!(oldest_first["data"][0]["seq"], 1);
     // A refusal: exit 1 and the server's message, and the table for a 409.
     let (code, _, stderr) = admin(&[
         "tenant",

@@ -127,6 +127,17 @@ fn the_guard_blocks_another_tenants_canary_and_lets_a_tenant_read_its_own() {
     assert_eq!(text_of(&own), full);
     assert_eq!(streamed(&server, KEY_ALPHA), (full.clone(), None));
 
+    // Logged as what it was, not as a client that left.
+    let log = server.stderr_lines();
+    assert!(
+        log.iter()
+            .any(|l| l.contains(&blocked_id) && l.contains("blocked by the canary guard")),
+        "{log:?}"
+    );
+    assert!(
+        !log.iter().any(|l| l.contains("client disconnected")),
+        "{log:?}"
+    );
     // Counted and audited with the request id; the canary nowhere.
     let hits = r#"bulkhead_canary_hits_total{tenant="beta",owner="alpha"}"#;
     assert_eq!(server.metric(hits), 2.0);

@@ -25,7 +25,16 @@ fn chat_and_completions_answer_in_openai_shape_with_usage() {
     );
     assert_eq!(r.status, 200, "{}", r.body);
     let v = r.json();
-    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"), "{v}");
+    // One id everywhere: the response's is the header's (and the log's).
+    let id = r.request_id.clone().unwrap();
+    assert_eq!(v["id"], format!("chatcmpl-{id}"), "{v}");
+    assert!(
+        server
+            .stderr_lines()
+            .iter()
+            .any(|l| l.contains(&format!("\"request_id\":{id}"))),
+        "request {id} not in the log"
+    );
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["model"], MODEL_ID);
     assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
@@ -200,6 +209,58 @@ fn sampling_draws_a_fresh_seed_per_request_unless_one_is_given() {
     assert_eq!(
         text(json!({"temperature": 0})),
         text(json!({"temperature": 0}))
+    );
+}
+
+#[test]
+fn logs_are_text_for_a_person_or_json_and_busy_models_log_a_summary() {
+    let Some(model) = smollm2() else { return };
+    let policy = Policy {
+        server_toml: "summary_interval_ms = 200\n".into(),
+        ..Policy::default()
+    };
+    let request = |server: &Server| {
+        let r = server.post_json(
+            "/v1/chat/completions",
+            Some(KEY_ALPHA),
+            &chat_body("Hi", 48),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+    };
+    // JSON (stderr is a pipe here), with the summary line of a busy model.
+    let server = start(&model, &policy);
+    request(&server);
+    let summary = |server: &Server| {
+        server
+            .stderr_lines()
+            .into_iter()
+            .find(|l| l.contains("kv_pages_used") && l.contains("generation_tokens_per_s"))
+    };
+    assert!(eventually(Duration::from_secs(5), || summary(&server).is_some()));
+    let line = summary(&server).unwrap();
+    let v: Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(v["fields"]["message"], "engine", "{line}");
+    assert_eq!(v["fields"]["model"], MODEL_ID, "{line}");
+    drop(server);
+    // Text when asked: no JSON lines, the same facts.
+    let server = launch(Launch::new(&model, &policy).arg("--log-format").arg("text"));
+    request(&server);
+    assert!(eventually(Duration::from_secs(5), || summary(&server).is_some()));
+    assert!(eventually(Duration::from_secs(5), || server
+        .stderr_lines()
+        .iter()
+        .any(|l| l.contains("request finished"))));
+    let lines = server.stderr_lines();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains(" INFO ") && l.contains("request finished")),
+        "{lines:?}"
+    );
+    assert!(!lines.iter().any(|l| l.starts_with('{')), "{lines:?}");
+    assert!(
+        !lines.iter().any(|l| l.contains('\u{1b}')),
+        "no colours into a pipe"
     );
 }
 
@@ -448,6 +509,10 @@ fn sigterm_lets_in_flight_requests_finish_and_exits_zero() {
     );
     let status = server.wait(Duration::from_secs(30));
     assert!(status.success(), "{status}");
+    assert!(eventually(Duration::from_secs(5), || server
+        .stderr_lines()
+        .iter()
+        .any(|l| l.contains("request finished"))));
     let lines = server.stderr_lines();
     assert!(lines.iter().any(|l| l.contains("drained")), "{lines:#?}");
 }
@@ -539,6 +604,10 @@ fn a_canary_prompt_never_reaches_logs_or_metrics() {
     assert!(!metrics.contains(&canary), "metrics carry the canary");
     server.terminate();
     assert!(server.wait(Duration::from_secs(30)).success());
+    assert!(eventually(Duration::from_secs(5), || server
+        .stderr_lines()
+        .iter()
+        .any(|l| l.contains("request finished"))));
     let lines = server.stderr_lines();
     assert!(
         lines

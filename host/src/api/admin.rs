@@ -405,8 +405,12 @@ impl UsageQuery {
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub struct AuditQuery {
-    /// Records after this sequence number (default 0: from the oldest kept).
+    /// Records after this sequence number, oldest first (default 0: from the
+    /// oldest kept).
     pub after: Option<u64>,
+    /// Instead of `after`: records before this sequence number, newest first
+    /// (a number past the last, such as 18446744073709551615, for the newest).
+    pub before: Option<u64>,
     /// Most records (default 100, at most 1000).
     pub limit: Option<usize>,
 }
@@ -414,10 +418,13 @@ pub struct AuditQuery {
 /// A page of audit records.
 #[derive(Serialize, utoipa::ToSchema)]
 pub struct AuditPage {
-    /// The records, oldest first.
+    /// The records: oldest first, or newest first when asked with `before`.
     pub data: Vec<AuditRecord>,
-    /// The `after` of the next page (the last record's sequence number).
+    /// The `after` of the next (newer) page: the newest record's number.
     pub next_after: u64,
+    /// With `before`: the `before` of the next (older) page.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_before: Option<u64>,
 }
 
 /// A WebAssembly component's bytes.
@@ -1085,9 +1092,32 @@ async fn audit_log(
                 message: format!("must be 1..={AUDIT_PAGE_MAX}"),
             });
         }
-        let data = app.control.audit_log(after, limit)?;
-        let next_after = data.last().map_or(after, |r| r.seq);
-        Ok(reply(StatusCode::OK, &AuditPage { data, next_after }))
+        let page = match q.before {
+            Some(_) if q.after.is_some() => {
+                return Err(ApiError::InvalidValue {
+                    param: "before".into(),
+                    message: "give after (oldest first) or before (newest first), not both".into(),
+                })
+            }
+            Some(before) => {
+                let data = app.control.audit_log_before(before, limit)?;
+                let next_before = data.last().map(|r| r.seq);
+                AuditPage {
+                    next_after: data.first().map_or(0, |r| r.seq),
+                    next_before,
+                    data,
+                }
+            }
+            None => {
+                let data = app.control.audit_log(after, limit)?;
+                AuditPage {
+                    next_after: data.last().map_or(after, |r| r.seq),
+                    next_before: None,
+                    data,
+                }
+            }
+        };
+        Ok(reply(StatusCode::OK, &page))
     })();
     respond(&app, answer)
 }

@@ -109,8 +109,6 @@ pub struct App {
     pub shutting_down: AtomicBool,
     /// Request ids (a keyed permutation: unique, and their gaps say nothing).
     pub ids: RequestIds,
-    /// Random per process, so response ids differ across restarts.
-    pub id_nonce: u64,
 }
 
 impl App {
@@ -744,12 +742,9 @@ async fn run(
     // Queued: the tenant's queue limits govern it from here.
     drop(pending);
     let meta = ResponseMeta {
-        id: format!(
-            "{}{:08x}{:016x}",
-            endpoint.id_prefix(),
-            app.id_nonce as u32,
-            id.0
-        ),
+        // The same number as the log's request_id, x-request-id and the
+        // audit log's target: one id to search for everywhere.
+        id: format!("{}{}", endpoint.id_prefix(), id.0),
         created: unix_now(),
         model: model.spec.id.clone(),
         endpoint,
@@ -911,7 +906,13 @@ async fn collect(
             // A guard's error drops the receiver on return: the engine
             // cancels the request.
             Event::Text(piece) => match &mut guard {
-                Some(guard) => text.push_str(&guard.text(&piece)?),
+                Some(guard) => match guard.text(&piece) {
+                    Ok(passed) => text.push_str(&passed),
+                    Err(blocked) => {
+                        tracker.blocked();
+                        return Err(blocked);
+                    }
+                },
                 None => text.push_str(&piece),
             },
             Event::Finished { reason, usage } => {

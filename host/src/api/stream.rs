@@ -93,6 +93,22 @@ impl Tracker {
     }
 }
 
+impl Tracker {
+    /// The canary guard ended the response: the engine cancels the request
+    /// (counted as the guard's hit, not as a client that left).
+    pub fn blocked(&mut self) {
+        if !self.finished {
+            self.finished = true;
+            tracing::warn!(
+                request_id = self.request_id.0,
+                tenant = %self.tenant,
+                model = %self.model,
+                "response blocked by the canary guard; request cancelled"
+            );
+        }
+    }
+}
+
 impl Drop for Tracker {
     fn drop(&mut self) {
         if !self.finished {
@@ -193,6 +209,7 @@ impl SseBody {
     /// Ends the stream with the guard's error and cancels the request (the
     /// engine sees its channel closed).
     fn block(&mut self, error: ApiError) {
+        self.tracker.blocked();
         self.done = true;
         self.events.close();
         self.push_error(error);

@@ -399,7 +399,7 @@ impl<B: Backend> Scheduler<B> {
             .remove_partition(OwnerTag(id.0))
             .expect("a tenant without sequences or dirty pages holds no page");
         let tenant = self.tenants.remove(&id).expect("looked up above");
-        tracing::info!(tenant = %tenant.limits.name, tenant_id = id.0, requests_ended = ended, "tenant removed");
+        tracing::info!(tenant = %tenant.limits.name, tenant_id = id.0, requests_ended = ended, "tenant's partition removed from this model");
         Ok(ended)
     }
 

@@ -71,6 +71,8 @@ pub struct ServeOptions {
     pub admin_listen: Option<SocketAddr>,
     /// Overrides `store.path` (relative to the working directory).
     pub store: Option<PathBuf>,
+    /// The log's format (default: text on a terminal, JSON otherwise).
+    pub log_format: Option<telemetry::LogFormat>,
 }
 
 /// Why the server could not start (or stopped with an error).
@@ -130,7 +132,11 @@ impl From<ControlError> for ServeError {
 
 /// Runs the server until SIGINT/SIGTERM and a drain.
 pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
-    telemetry::init_tracing();
+    telemetry::init_tracing(
+        options
+            .log_format
+            .unwrap_or_else(telemetry::LogFormat::for_stderr),
+    );
     telemetry::install_panic_hook();
     let policy = match options.policy.clone() {
         Some(policy) => policy,
@@ -219,9 +225,6 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     for line in plan.commit(&store)? {
         println!("{line}");
     }
-    let mut nonce = [0u8; 8];
-    getrandom::fill(&mut nonce)
-        .map_err(|e| ServeError::Io(std::io::Error::other(format!("randomness: {e}"))))?;
     let app = Arc::new(App {
         serving: Serving {
             lane: Lane::new(
@@ -239,7 +242,6 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         metrics,
         shutting_down: AtomicBool::new(false),
         ids: RequestIds::random()?,
-        id_nonce: u64::from_le_bytes(nonce),
     });
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
@@ -257,6 +259,13 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         flush_every,
         Duration::from_secs(config.store.audit_retention_days * 86_400),
     ));
+    let summaries = match config.server.summary_interval_ms {
+        0 => None,
+        ms => Some(runtime.spawn(log_summaries(
+            Arc::clone(&catalog),
+            Duration::from_millis(ms),
+        ))),
+    };
     let (trips, tripped) = std::sync::mpsc::channel();
     policy.on_trip(trips);
     runtime.spawn_blocking(move || disable_tripped(&control, tripped));
@@ -266,6 +275,9 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     // Streams still open (past the drain deadline) get their error event out.
     runtime.block_on(async { tokio::time::sleep(FINAL_EVENTS_FLUSH).await });
     flusher.abort();
+    if let Some(summaries) = summaries {
+        summaries.abort();
+    }
     runtime.shutdown_timeout(RUNTIME_SHUTDOWN_TIMEOUT);
     flush_once(&usage, &store);
     tracing::info!("stopped");
@@ -380,6 +392,44 @@ fn disable_tripped(control: &Control, tripped: std::sync::mpsc::Receiver<Trip>) 
 
 /// Writes usage counters every `every`, and deletes those past retention every
 /// hour, until aborted.
+/// Every `every`, one line per model that had work since the last (as vLLM
+/// prints): requests running and waiting, tokens generated per second, KV
+/// pages in use. Idle models stay quiet.
+async fn log_summaries(catalog: Arc<Catalog>, every: Duration) {
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut generated: std::collections::HashMap<String, (u64, tokio::time::Instant)> =
+        std::collections::HashMap::new();
+    loop {
+        ticks.tick().await;
+        let now = tokio::time::Instant::now();
+        for model in catalog.snapshot().all() {
+            let stats = model.engine.stats();
+            let running: u32 = stats.tenants.iter().map(|t| t.running).sum();
+            let waiting: u32 = stats.tenants.iter().map(|t| t.queued).sum();
+            let (before, at) = generated
+                .insert(model.spec.id.clone(), (stats.tokens_generated_total, now))
+                .unwrap_or((stats.tokens_generated_total, now));
+            let tokens = stats.tokens_generated_total.saturating_sub(before);
+            if running == 0 && waiting == 0 && tokens == 0 {
+                continue;
+            }
+            let secs = now.duration_since(at).as_secs_f64().max(1e-3);
+            let used = stats.pages_count.saturating_sub(stats.pages_free);
+            tracing::info!(
+                model = %model.spec.id,
+                running,
+                waiting,
+                generation_tokens_per_s = %format!("{:.1}", tokens as f64 / secs),
+                kv_pages_used = used,
+                kv_pages = stats.pages_count,
+                kv_used_pct = %format!("{:.1}", 100.0 * f64::from(used) / f64::from(stats.pages_count.max(1))),
+                "engine"
+            );
+        }
+    }
+}
+
 async fn flush_usage(
     usage: Arc<UsageBook>,
     store: Arc<Store>,

@@ -862,6 +862,33 @@ impl Store {
             .collect())
     }
 
+    /// Up to `limit` audit records numbered below `before`, newest first (the
+    /// log's last page first, as an operator reads it). Windows below
+    /// `before` widen until they hold `limit` records or reach the oldest:
+    /// records dropped by the caps leave gaps.
+    pub fn audit_before(&self, before: u64, limit: usize) -> Result<Vec<AuditRecord>, StoreError> {
+        let next = self.audit.lock().unwrap_or_else(|p| p.into_inner()).next;
+        let end = before.min(next);
+        let limit = limit.min(SCAN_RECORDS_MAX);
+        let mut window = limit as u64 + 1;
+        loop {
+            let start = end.saturating_sub(window);
+            let mut found: Vec<AuditRecord> = self
+                .scan(AUDIT_PREFIX, Some(&audit_key(start)), window as usize)?
+                .into_iter()
+                .map(|(_, record): (_, AuditRecord)| record)
+                .filter(|r| r.seq < end)
+                .collect();
+            let widest = window as usize >= SCAN_RECORDS_MAX;
+            if found.len() >= limit || start == 0 || widest {
+                found.reverse();
+                found.truncate(limit);
+                return Ok(found);
+            }
+            window = (window * 4).min(SCAN_RECORDS_MAX as u64);
+        }
+    }
+
     /// Commits `batch` atomically and durably; its audit records get their
     /// sequence numbers here, in commit order. The oldest audit records past
     /// the cap ([`AUDIT_RECORDS_MAX`]), and a tenant's oldest refusal records

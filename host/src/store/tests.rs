@@ -246,6 +246,14 @@ fn audit_numbers_follow_commits_and_the_oldest_go_first() {
     // Paging.
     let page = store.audit(5, 2).unwrap();
     assert_eq!(page.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![6, 7]);
+    // Newest first, below a number; the oldest kept is where it ends.
+    let seqs = |records: Vec<AuditRecord>| records.iter().map(|r| r.seq).collect::<Vec<_>>();
+    assert_eq!(
+        seqs(store.audit_before(u64::MAX, 3).unwrap()),
+        vec![8, 7, 6]
+    );
+    assert_eq!(seqs(store.audit_before(6, 3).unwrap()), vec![5, 4]);
+    assert_eq!(seqs(store.audit_before(4, 3).unwrap()), Vec::<u64>::new());
     // Numbering continues after a reopen.
     drop(store);
     let store = Store::open(&dir).unwrap().with_audit_max(5);

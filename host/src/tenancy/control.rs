@@ -1267,6 +1267,15 @@ impl Control {
         Ok(blocking(|| self.store.audit(after, limit))?)
     }
 
+    /// The audit log below `before`, newest first.
+    pub fn audit_log_before(
+        &self,
+        before: u64,
+        limit: usize,
+    ) -> Result<Vec<AuditRecord>, ControlError> {
+        Ok(blocking(|| self.store.audit_before(before, limit))?)
+    }
+
     /// The tenant with this id right now, if any.
     pub fn live(&self, id: TenantId) -> Option<Arc<Tenant>> {
         self.registry.snapshot().tenant(id).cloned()

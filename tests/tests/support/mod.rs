@@ -291,6 +291,8 @@ pub struct Launch<'a> {
     pub env: Vec<(&'static str, Option<String>)>,
     /// The inference listener's address (default 127.0.0.1:0).
     pub listen: Option<String>,
+    /// More arguments of `serve`.
+    pub args: Vec<String>,
 }
 
 impl<'a> Launch<'a> {
@@ -301,7 +303,13 @@ impl<'a> Launch<'a> {
             dir: None,
             env: Vec::new(),
             listen: None,
+            args: Vec::new(),
         }
+    }
+
+    pub fn arg(mut self, arg: &str) -> Launch<'a> {
+        self.args.push(arg.to_string());
+        self
     }
 
     pub fn listen(mut self, addr: &str) -> Launch<'a> {
@@ -358,6 +366,7 @@ pub fn try_launch(launch: Launch) -> Result<Server, (ExitStatus, String)> {
             launch.listen.as_deref().unwrap_or("127.0.0.1:0"),
         ])
         .args(["--admin-listen", "127.0.0.1:0"])
+        .args(&launch.args)
         .env("BULKHEAD_KEY_ALPHA", KEY_ALPHA)
         .env("BULKHEAD_KEY_BETA", KEY_BETA)
         .env("BULKHEAD_KEY_GAMMA", KEY_GAMMA)
