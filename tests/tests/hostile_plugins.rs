@@ -683,6 +683,12 @@ fn an_operator_plugin_trips_only_for_the_tenant_whose_requests_make_it_fault() {
         // Beta still runs it: its answer is the probe's own.
         let r = ask(&server, KEY_BETA, &[("x-probe", "stats")], 1);
         assert_eq!(code(&r), "stats", "{on_trip}: {}", r.body);
+        // Audited by the control plane's trip thread, soon after.
+        assert!(eventually(Duration::from_secs(5), || !audited(
+            &server,
+            "plugin.trip"
+        )
+        .is_empty()));
         let trips = audited(&server, "plugin.trip");
         assert_eq!(trips.len(), 1, "{trips:?}");
         assert_eq!(trips[0]["target"], "alpha");

@@ -246,10 +246,7 @@ fn logs_are_text_for_a_person_or_json_and_busy_models_log_a_summary() {
     let server = launch(Launch::new(&model, &policy).arg("--log-format").arg("text"));
     request(&server);
     assert!(eventually(Duration::from_secs(5), || summary(&server).is_some()));
-    assert!(eventually(Duration::from_secs(5), || server
-        .stderr_lines()
-        .iter()
-        .any(|l| l.contains("request finished"))));
+    assert!(server.logged("request finished"));
     let lines = server.stderr_lines();
     assert!(
         lines
@@ -509,10 +506,7 @@ fn sigterm_lets_in_flight_requests_finish_and_exits_zero() {
     );
     let status = server.wait(Duration::from_secs(30));
     assert!(status.success(), "{status}");
-    assert!(eventually(Duration::from_secs(5), || server
-        .stderr_lines()
-        .iter()
-        .any(|l| l.contains("request finished"))));
+    assert!(server.logged("request finished"));
     let lines = server.stderr_lines();
     assert!(lines.iter().any(|l| l.contains("drained")), "{lines:#?}");
 }
@@ -604,10 +598,7 @@ fn a_canary_prompt_never_reaches_logs_or_metrics() {
     assert!(!metrics.contains(&canary), "metrics carry the canary");
     server.terminate();
     assert!(server.wait(Duration::from_secs(30)).success());
-    assert!(eventually(Duration::from_secs(5), || server
-        .stderr_lines()
-        .iter()
-        .any(|l| l.contains("request finished"))));
+    assert!(server.logged("request finished"));
     let lines = server.stderr_lines();
     assert!(
         lines

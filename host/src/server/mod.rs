@@ -390,8 +390,6 @@ fn disable_tripped(control: &Control, tripped: std::sync::mpsc::Receiver<Trip>) 
     }
 }
 
-/// Writes usage counters every `every`, and deletes those past retention every
-/// hour, until aborted.
 /// Every `every`, one line per model that had work since the last (as vLLM
 /// prints): requests running and waiting, tokens generated per second, KV
 /// pages in use. Idle models stay quiet.
@@ -430,6 +428,8 @@ async fn log_summaries(catalog: Arc<Catalog>, every: Duration) {
     }
 }
 
+/// Writes usage counters every `every`, and deletes those past retention every
+/// hour, until aborted.
 async fn flush_usage(
     usage: Arc<UsageBook>,
     store: Arc<Store>,

@@ -546,6 +546,13 @@ impl Server {
         self.lines.lock().unwrap().clone()
     }
 
+    /// Whether a stderr line containing `needle` appears within 5 s.
+    pub fn logged(&self, needle: &str) -> bool {
+        eventually(Duration::from_secs(5), || {
+            self.stderr_lines().iter().any(|l| l.contains(needle))
+        })
+    }
+
     /// Every stdout line so far (secrets generated at start-up).
     pub fn stdout_lines(&self) -> Vec<String> {
         self.stdout.lock().unwrap().clone()
