@@ -260,3 +260,130 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
     }
     Ok(best)
 }
+
+/// `bulkhead bench digest`.
+#[derive(clap::Args, Debug)]
+pub struct DigestBenchArgs {
+    /// Transfers of an 8k-token prompt's pages to hash, per measurement.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+}
+
+/// Page digests of a transfer-sized run of pages: XXH64 (the page book's),
+/// FNV-1a (the one it replaced) and a plain copy of the same bytes (what
+/// any transfer does at least once), with SmolLM2-135M's page geometry
+/// (30 layers, 3 KV heads of 64, 16 tokens, f16: 360 KiB a page) and an
+/// 8k-token prompt (512 pages, 180 MiB).
+pub fn digest(args: &DigestBenchArgs) -> Result<()> {
+    use bulkhead_kernels::kv::{digest_page, fnv1a64, KvType, PoolGeometry};
+    let layout = PoolGeometry {
+        pages_count: 1,
+        page_tokens: 16,
+        layers: 30,
+        kv_heads: 3,
+        head_dim: 64,
+        kv_type: KvType::F16,
+    }
+    .layout()?;
+    const PAGES: usize = 512;
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let pages: Vec<Vec<half::f16>> = (0..PAGES)
+        .map(|_| {
+            (0..layout.page_values())
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    half::f16::from_bits(state as u16 & 0x7bff)
+                })
+                .collect()
+        })
+        .collect();
+    let bytes: Vec<Vec<u8>> = pages
+        .iter()
+        .map(|p| p.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect())
+        .collect();
+    let total = (bytes[0].len() * PAGES) as f64;
+    let time = |f: &mut dyn FnMut() -> u64| {
+        let mut best = f64::INFINITY;
+        let mut sink = 0u64;
+        for _ in 0..args.rounds.max(1) {
+            let started = Instant::now();
+            sink ^= f();
+            best = best.min(started.elapsed().as_secs_f64());
+        }
+        std::hint::black_box(sink);
+        best
+    };
+    let xxh = time(&mut || {
+        pages
+            .iter()
+            .map(|p| digest_page(&layout, p, 16))
+            .fold(0, |a, d| a ^ d)
+    });
+    let fnv = time(&mut || bytes.iter().map(|b| fnv1a64(b)).fold(0, |a, d| a ^ d));
+    let mut copy_to = vec![0u8; bytes[0].len()];
+    let copy = time(&mut || {
+        bytes.iter().fold(0, |a, b| {
+            copy_to.copy_from_slice(std::hint::black_box(b));
+            a ^ u64::from(copy_to[7])
+        })
+    });
+    // The same bytes through a loopback TCP socket, page by page: the least
+    // a transfer between two processes on one machine costs.
+    let tcp = {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        let (page_bytes, rounds) = (bytes[0].len(), args.rounds.max(1));
+        let reader = std::thread::spawn(move || -> std::io::Result<()> {
+            let (mut socket, _) = listener.accept()?;
+            let mut page = vec![0u8; page_bytes];
+            for _ in 0..rounds * PAGES {
+                socket.read_exact(&mut page)?;
+            }
+            socket.write_all(b"k")
+        });
+        let mut socket = std::net::TcpStream::connect(addr)?;
+        socket.set_nodelay(true)?;
+        let mut best = f64::INFINITY;
+        for _ in 0..rounds {
+            let started = Instant::now();
+            for page in &bytes {
+                socket.write_all(page)?;
+            }
+            socket.flush()?;
+            best = best.min(started.elapsed().as_secs_f64());
+        }
+        let mut ack = [0u8; 1];
+        socket.read_exact(&mut ack)?;
+        reader
+            .join()
+            .map_err(|_| anyhow::anyhow!("the reader panicked"))??;
+        best
+    };
+    println!(
+        "{PAGES} pages of {} KiB ({:.0} MiB, an 8k-token prompt), best of {}:",
+        bytes[0].len() / 1024,
+        total / f64::from(1 << 20),
+        args.rounds.max(1)
+    );
+    for (name, secs) in [
+        ("xxh64 digest_page", xxh),
+        ("fnv1a64", fnv),
+        ("copy", copy),
+        ("loopback tcp send", tcp),
+    ] {
+        println!(
+            "  {name:<18} {:>8.1} ms  {:>6.2} GB/s",
+            secs * 1e3,
+            total / secs / 1e9
+        );
+    }
+    println!(
+        "  hashing once on a side against the loopback send: xxh64 {:.0} %, fnv1a64 {:.0} %",
+        100.0 * xxh / tcp,
+        100.0 * fnv / tcp
+    );
+    Ok(())
+}

@@ -152,6 +152,8 @@ enum Command {
 enum BenchCommand {
     /// Engine throughput: prefill, decode at batch 1, aggregate decode at larger batches.
     Engine(bench::EngineBenchArgs),
+    /// Page digests of a transfer's pages: XXH64 against FNV-1a and a copy.
+    Digest(bench::DigestBenchArgs),
     /// Load on an OpenAI-compatible server: throughput and latency per concurrency level.
     Http(bulkhead::bench_http::HttpBenchArgs),
     /// Noisy neighbours: alpha alone, alpha while beta floods, both saturated.
@@ -436,6 +438,7 @@ fn run(cli: Cli) -> Result<()> {
                 let (model, tokenizer) = load(&args.model)?;
                 bench::engine(model, tokenizer, &args)
             }
+            BenchCommand::Digest(args) => bench::digest(&args),
             BenchCommand::Http(args) => bulkhead::bench_http::run(&args),
             BenchCommand::Noisy(args) => bulkhead::bench_http::noisy(&args),
             BenchCommand::Admin(args) => bulkhead::admin_cli::bench(&args),

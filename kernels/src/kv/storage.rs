@@ -22,7 +22,7 @@
 //! slabs ([`PageStorage::host`] is `None`), and the CPU backend refuses a pool
 //! without them.
 
-use super::digest::Fnv1a64;
+use super::digest::Xxh64;
 use super::geometry::PageLayout;
 use half::f16;
 use half::vec::HalfBitsVecExt;
@@ -83,8 +83,8 @@ pub trait KvValue: Copy + Send + Sync + std::fmt::Debug + sealed::Sealed + 'stat
     fn to_f32(self) -> f32;
     /// Whether every bit is clear (-0.0 and NaN count as set).
     fn is_zero_bits(self) -> bool;
-    /// Feeds the value's bits, little-endian, to `hasher`.
-    fn hash_into(self, hasher: &mut Fnv1a64);
+    /// Feeds the values' bits, little-endian, in order, to `hasher`.
+    fn hash_into(values: &[Self], hasher: &mut Xxh64);
     /// The slab view over a slice of this type.
     fn slab(values: &[Self]) -> KvSlab<'_>;
     /// The values of a slab of this type (`None` for the other type).
@@ -122,8 +122,14 @@ impl KvValue for f32 {
     fn is_zero_bits(self) -> bool {
         self.to_bits() == 0
     }
-    fn hash_into(self, hasher: &mut Fnv1a64) {
-        hasher.write_u32(self.to_bits());
+    fn hash_into(values: &[f32], hasher: &mut Xxh64) {
+        let mut bytes = [0u8; 1024];
+        for chunk in values.chunks(256) {
+            for (out, value) in bytes.chunks_exact_mut(4).zip(chunk) {
+                out.copy_from_slice(&value.to_bits().to_le_bytes());
+            }
+            hasher.write(&bytes[..chunk.len() * 4]);
+        }
     }
     fn slab(values: &[f32]) -> KvSlab<'_> {
         KvSlab::F32(values)
@@ -157,8 +163,9 @@ impl KvValue for f16 {
     fn is_zero_bits(self) -> bool {
         self.to_bits() == 0
     }
-    fn hash_into(self, hasher: &mut Fnv1a64) {
-        hasher.write_bytes(&self.to_bits().to_le_bytes());
+    fn hash_into(values: &[f16], hasher: &mut Xxh64) {
+        use half::slice::HalfFloatSliceExt;
+        hasher.write_u16s(values.reinterpret_cast());
     }
     fn slab(values: &[f16]) -> KvSlab<'_> {
         KvSlab::F16(values)
