@@ -12,7 +12,8 @@ python3 -m pip install --quiet --disable-pip-version-check \
     "$(grep '^openai==' scripts/requirements.txt)" "$(grep '^jsonschema==' scripts/requirements.txt)"
 # curl: tests/tests/readme.rs runs the README's examples as written.
 if ! command -v curl >/dev/null; then
-    if [ "$(id -u)" = 0 ]; then apt-get install -y -q curl >/dev/null; else sudo apt-get install -y -q curl >/dev/null; fi
+    sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+    $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q curl >/dev/null
 fi
 # The policy plugins the end-to-end tests upload (tests/tests/plugins.rs).
 scripts/plugins.sh
