@@ -657,6 +657,11 @@ fn table(out: &mut String, rows: &[Value], indent: &str) {
             }
         }
     }
+    // Identity first (what a reader scans a table by), the rest as they came.
+    const FIRST: [&str; 8] = [
+        "seq", "id", "name", "model", "stage", "action", "actor", "target",
+    ];
+    columns.sort_by_key(|c| FIRST.iter().position(|f| f == c).unwrap_or(FIRST.len()));
     let text = |row: &[(String, String)], column: &str| {
         row.iter()
             .find(|(name, _)| name == column)
