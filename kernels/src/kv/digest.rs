@@ -6,8 +6,9 @@
 //! verification is the product's core): sixty lines, checked against the reference
 //! implementation's outputs, and 11-13 times the speed of the byte-at-a-time FNV-1a it
 //! replaced: an 8k-token prompt's 180 MiB of SmolLM2 pages hash in ~17 ms instead of
-//! ~210 ms (`bulkhead bench digest`, BENCHMARKS.md "Page digests"). That is still a
-//! third to a half of a loopback send of the same bytes, far from issue 23's 5 %.
+//! ~210 ms (`bulkhead bench digest`, BENCHMARKS.md "Page digests"). Alone that is a
+//! third to a half of a loopback transfer of the same bytes; hashed by the receiver as
+//! each page arrives it adds nothing measurable, so a sender should hash as it sends.
 //!
 //! What is hashed for a page with `tokens_used` filled slots:
 //!
