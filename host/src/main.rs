@@ -386,6 +386,13 @@ fn run(cli: Cli) -> Result<()> {
             let policy = match &model {
                 Some(model) => {
                     if let Some(key) = api_key {
+                        let min = bulkhead::tenancy::KEY_BYTES_MIN;
+                        if key.len() < min {
+                            bail!(
+                                "--api-key has {} bytes; a key needs at least {min}",
+                                key.len()
+                            );
+                        }
                         // Read by the start-up as the tenant's key_env, like
                         // any policy tenant's key.
                         std::env::set_var(single::API_KEY_ENV, key);

@@ -430,6 +430,13 @@ fn serve_model_serves_one_file_to_one_tenant_with_a_policy_derived_from_it() {
         .args(["--memory-max", "64 MiB"]));
     assert_clean_failure(&out, "give --memory-max more");
 
+    // A key too short to be a secret is refused by the flag's own name.
+    let out = run(bulkhead()
+        .args(["serve", "--model"])
+        .arg(&model)
+        .args(["--api-key", "short", "--store"])
+        .arg(&store));
+    assert_clean_failure(&out, "--api-key has 5 bytes");
     // `serve --model --api-key`: that key works at once.
     let key = "single-model-key-0123456789abcdef";
     let mut child = bulkhead()
