@@ -108,6 +108,7 @@ mod page_table;
 pub mod partition;
 mod pool;
 pub mod storage;
+pub mod transfer;
 
 #[cfg(test)]
 mod tests;
@@ -124,5 +125,9 @@ pub use partition::{PartitionConfig, PartitionError, PARTITIONS_MAX};
 pub use pool::{
     AcquireError, KvError, PageMeta, PageState, PartitionStats, Pool, PoolError, PoolOptions,
     PoolStats, Reservation, ReserveError, StepView,
+};
+pub use transfer::{
+    page_digest, tokens_digest, transfer_digest, Export, Import, ImportError, ImportRefused, PageShape,
+    Received, ReceivedPage, TransferHeader, TransferIdentity,
 };
 pub use storage::{KvSlab, KvType, KvValue, PageStorage, POISON_BITS, POISON_BITS_F16};

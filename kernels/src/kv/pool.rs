@@ -813,7 +813,7 @@ impl Pool {
     /// an ended lease (a caller can plausibly hold one), an assert for a current
     /// lease claimed by someone else (a handle reached the wrong sequence: crash
     /// rather than serve it, I3).
-    fn check_lease(&self, lease: Lease) -> Result<PageId, KvError> {
+    pub(super) fn check_lease(&self, lease: Lease) -> Result<PageId, KvError> {
         let page = self.check_handle(lease.handle)?;
         match self.pages[page.index()].state {
             PageState::Owned { owner, seq } => {

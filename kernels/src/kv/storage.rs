@@ -85,6 +85,11 @@ pub trait KvValue: Copy + Send + Sync + std::fmt::Debug + sealed::Sealed + 'stat
     fn is_zero_bits(self) -> bool;
     /// Feeds the values' bits, little-endian, in order, to `hasher`.
     fn hash_into(values: &[Self], hasher: &mut Xxh64);
+    /// Appends the values' stored bits, little-endian (a transfer's page bytes).
+    fn put_bits(values: &[Self], out: &mut Vec<u8>);
+    /// Sets `values` from little-endian stored bits (`bytes` is exactly
+    /// `values.len()` values long).
+    fn set_bits(values: &mut [Self], bytes: &[u8]);
     /// The slab view over a slice of this type.
     fn slab(values: &[Self]) -> KvSlab<'_>;
     /// The values of a slab of this type (`None` for the other type).
@@ -131,6 +136,18 @@ impl KvValue for f32 {
             hasher.write(&bytes[..chunk.len() * 4]);
         }
     }
+    fn put_bits(values: &[f32], out: &mut Vec<u8>) {
+        out.reserve(values.len() * 4);
+        for x in values {
+            out.extend_from_slice(&x.to_bits().to_le_bytes());
+        }
+    }
+    fn set_bits(values: &mut [f32], bytes: &[u8]) {
+        assert_eq!(bytes.len(), values.len() * 4, "bytes of another length");
+        for (x, b) in values.iter_mut().zip(bytes.chunks_exact(4)) {
+            *x = f32::from_bits(u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        }
+    }
     fn slab(values: &[f32]) -> KvSlab<'_> {
         KvSlab::F32(values)
     }
@@ -166,6 +183,18 @@ impl KvValue for f16 {
     fn hash_into(values: &[f16], hasher: &mut Xxh64) {
         use half::slice::HalfFloatSliceExt;
         hasher.write_u16s(values.reinterpret_cast());
+    }
+    fn put_bits(values: &[f16], out: &mut Vec<u8>) {
+        out.reserve(values.len() * 2);
+        for x in values {
+            out.extend_from_slice(&x.to_bits().to_le_bytes());
+        }
+    }
+    fn set_bits(values: &mut [f16], bytes: &[u8]) {
+        assert_eq!(bytes.len(), values.len() * 2, "bytes of another length");
+        for (x, b) in values.iter_mut().zip(bytes.chunks_exact(2)) {
+            *x = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+        }
     }
     fn slab(values: &[f16]) -> KvSlab<'_> {
         KvSlab::F16(values)
@@ -264,6 +293,15 @@ pub trait PageStorage: std::fmt::Debug + Send + Sync {
 
     /// K and V of `layer` in `page`, if the values are in host memory.
     fn host(&self, page: usize, layer: u32) -> Option<(KvSlab<'_>, KvSlab<'_>)>;
+
+    /// Appends the first `tokens_used` slots of `page` as a transfer carries
+    /// them: the digest's order without its length prefix (see
+    /// [`super::transfer`]).
+    fn read_rows(&self, page: usize, tokens_used: u32, out: &mut Vec<u8>);
+
+    /// Sets the first `tokens_used` slots of `page` from `bytes`, laid out as
+    /// [`PageStorage::read_rows`] writes them (the pool checks the length).
+    fn write_rows(&mut self, page: usize, tokens_used: u32, bytes: &[u8]);
 }
 
 /// Pages in host memory, allocated once and zeroed.
@@ -372,6 +410,28 @@ impl<T: KvValue> PageStorage for HostStorage<T> {
     fn host(&self, page: usize, layer: u32) -> Option<(KvSlab<'_>, KvSlab<'_>)> {
         let (k, v) = self.slabs(page, layer);
         Some((T::slab(k), T::slab(v)))
+    }
+
+    fn read_rows(&self, page: usize, tokens_used: u32, out: &mut Vec<u8>) {
+        let used = tokens_used as usize * self.layout.kv_dim();
+        for (k, v) in self.layers(page) {
+            T::put_bits(&k[..used], out);
+            T::put_bits(&v[..used], out);
+        }
+    }
+
+    fn write_rows(&mut self, page: usize, tokens_used: u32, bytes: &[u8]) {
+        let used = tokens_used as usize * self.layout.kv_dim();
+        let slab_bytes = used * T::TYPE.bytes() as usize;
+        let mut rest = bytes;
+        for layer in 0..self.layout.geometry().layers {
+            for kv in 0..2 {
+                let (these, after) = rest.split_at(slab_bytes);
+                T::set_bits(&mut self.slab_mut(page, layer, kv)[..used], these);
+                rest = after;
+            }
+        }
+        assert!(rest.is_empty(), "rows of another length");
     }
 }
 
