@@ -105,6 +105,21 @@ pub struct Served {
     pub memory: ModelMemory,
     /// Unix seconds when it was loaded (the `created` of `/v1/models`).
     pub created: u64,
+    /// Its part in disaggregation (none with role `both`).
+    pub transfer: Option<ModelTransfer>,
+}
+
+/// A model's transfer state with role `prefill` or `decode`.
+pub struct ModelTransfer {
+    /// What it pairs as (fingerprint, page shape, context, tenants at load).
+    pub pairing: Arc<crate::transfer::wire::Pairing>,
+    /// Decode role: the scheduler's prefill jobs, until the link takes them.
+    pub jobs:
+        Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<crate::engine::handoff::PrefillRequest>>>,
+    /// Decode role: whether a prefill peer pairs.
+    pub link: Arc<crate::transfer::DecodeLink>,
+    /// Whether this is the decode side.
+    pub decode: bool,
 }
 
 /// A model loaded, its engine running, not yet in a catalog.
@@ -229,6 +244,7 @@ pub fn load(
     source: Source,
     tenants: &[TenantRecord],
     finishes: Arc<dyn FinishSink>,
+    role: crate::transfer::Role,
 ) -> Result<Loaded, LoadError> {
     regular_file(&spec)?;
     let model = Arc::new(Model::open(&spec.path).map_err(|e| file_error(&spec, e))?);
@@ -249,6 +265,10 @@ pub fn load(
         })?;
     scheduler.set_finish_sink(finishes);
     let admission = scheduler.admission(spec.context_tokens);
+    let (transfer, remote) = transfer_of(&spec, &model, &scheduler, role);
+    if let Some(remote) = &remote {
+        scheduler.set_remote_prefill(remote.clone());
+    }
     let template = match ChatTemplate::from_model(&model.gguf, &tokenizer) {
         Ok(template) => template,
         Err(error) => {
@@ -261,7 +281,12 @@ pub fn load(
     let rebuild = {
         let (model, tokenizer) = (Arc::clone(&model), Arc::clone(&tokenizer));
         Box::new(move |tenants| {
-            build::scheduler(&model, &tokenizer, &engine, tenants).map_err(|e| e.to_string())
+            let mut scheduler = build::scheduler(&model, &tokenizer, &engine, tenants)
+                .map_err(|e| e.to_string())?;
+            if let Some(remote) = &remote {
+                scheduler.set_remote_prefill(remote.clone());
+            }
+            Ok(scheduler)
         })
     };
     let supervision = Supervision {
@@ -286,11 +311,60 @@ pub fn load(
         created: crate::tenancy::control::now_ms() / 1000,
         spec,
         source,
+        transfer,
     };
     Ok(Loaded {
         served: Arc::new(served),
         service,
     })
+}
+
+/// With role `prefill` or `decode`: the model's pairing (its file's
+/// fingerprint, hashed here: ~10 ms per 100 MB) and, for `decode`, the job
+/// queue its scheduler sends to.
+fn transfer_of<B: bulkhead_kernels::backend::Backend>(
+    spec: &ModelSpec,
+    model: &Model,
+    scheduler: &crate::engine::scheduler::Scheduler<B>,
+    role: crate::transfer::Role,
+) -> (
+    Option<ModelTransfer>,
+    Option<crate::engine::handoff::RemotePrefill>,
+) {
+    use crate::transfer::Role;
+    if role == Role::Both {
+        return (None, None);
+    }
+    let fingerprint = model.gguf.fingerprint();
+    let pairing = crate::transfer::link::pairing_of(
+        &spec.id,
+        fingerprint,
+        scheduler.pool().page_shape(),
+        spec.context_tokens,
+        scheduler
+            .tenant_limits()
+            .into_iter()
+            .map(|t| (t.id.0, t.name)),
+    );
+    let (jobs, remote) = if role == Role::Decode {
+        let (jobs, queue) = tokio::sync::mpsc::unbounded_channel();
+        (
+            Some(queue),
+            Some(crate::engine::handoff::RemotePrefill {
+                model: fingerprint,
+                jobs,
+            }),
+        )
+    } else {
+        (None, None)
+    };
+    let transfer = ModelTransfer {
+        pairing: Arc::new(pairing),
+        decode: jobs.is_some(),
+        jobs: Mutex::new(jobs),
+        link: Arc::default(),
+    };
+    (Some(transfer), remote)
 }
 
 /// The models loaded at one moment, in catalog order.

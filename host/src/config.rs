@@ -149,6 +149,15 @@ pub struct ServerConfig {
     pub canary_guard: bool,
     /// TLS for both listeners, when present.
     pub tls: Option<TlsConfig>,
+    /// This process's part in prefill/decode disaggregation (`both`,
+    /// `prefill`, `decode`; see `crate::transfer`).
+    pub role: crate::transfer::Role,
+    /// Role `prefill`: where decode peers connect (`HOST:PORT` or `unix:PATH`).
+    pub transfer_listen: Option<String>,
+    /// Role `decode`: the prefill peers, tried in turn.
+    pub prefill_peers: Vec<String>,
+    /// Deadline of each transfer frame (and of the handshake's), once due.
+    pub transfer_frame_timeout_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -173,6 +182,10 @@ impl Default for ServerConfig {
             drain_timeout_ms: 10_000,
             canary_guard: false,
             tls: None,
+            role: crate::transfer::Role::Both,
+            transfer_listen: None,
+            prefill_peers: Vec::new(),
+            transfer_frame_timeout_ms: 10_000,
         }
     }
 }
@@ -743,6 +756,7 @@ impl Config {
                 return Err(invalid(field, format!("must be 1..={max}")));
             }
         }
+        self.validate_role()?;
         if s.connections_per_peer_max > s.connections_max {
             return Err(invalid(
                 "server.connections_per_peer_max",
@@ -768,6 +782,52 @@ impl Config {
         self.validate_plugins()?;
         self.validate_models()?;
         self.validate_tenants()
+    }
+
+    /// A prefill process needs a transfer listener and no peers, a decode
+    /// process peers and no listener, `both` neither.
+    pub fn validate_role(&self) -> Result<(), ConfigError> {
+        use crate::transfer::{PeerAddr, Role};
+        let s = &self.server;
+        if let Some(addr) = &s.transfer_listen {
+            addr.parse::<PeerAddr>()
+                .map_err(|e| invalid("server.transfer_listen", e))?;
+        }
+        for addr in &s.prefill_peers {
+            addr.parse::<PeerAddr>()
+                .map_err(|e| invalid("server.prefill_peers", e))?;
+        }
+        match (s.role, &s.transfer_listen, s.prefill_peers.is_empty()) {
+            (Role::Prefill, None, _) => Err(invalid(
+                "server.transfer_listen",
+                "role prefill needs an address for decode peers (--transfer-listen ADDR)",
+            )),
+            (Role::Prefill, _, false) => Err(invalid(
+                "server.prefill_peers",
+                "only a decode process has prefill peers",
+            )),
+            (Role::Decode, _, true) => Err(invalid(
+                "server.prefill_peers",
+                "role decode needs at least one prefill peer (--prefill-peer ADDR)",
+            )),
+            (Role::Decode | Role::Both, Some(_), _) => Err(invalid(
+                "server.transfer_listen",
+                "only a prefill process listens for decode peers",
+            )),
+            (Role::Both, None, false) => Err(invalid(
+                "server.prefill_peers",
+                "only a decode process has prefill peers (set server.role = \"decode\")",
+            )),
+            _ if s.transfer_frame_timeout_ms == 0
+                || s.transfer_frame_timeout_ms > TIMEOUT_MS_LIMIT =>
+            {
+                Err(invalid(
+                    "server.transfer_frame_timeout_ms",
+                    format!("must be 1..={TIMEOUT_MS_LIMIT}"),
+                ))
+            }
+            _ => Ok(()),
+        }
     }
 
     fn validate_models(&self) -> Result<(), ConfigError> {

@@ -866,3 +866,173 @@ pub fn store_records_seeds() -> Vec<(&'static str, Vec<u8>)> {
     });
     seeds
 }
+
+// ---------------------------------------------------------------------------
+// Transfer frames (issue 23): what a prefill peer sends a decode process.
+
+/// Decodes arbitrary bytes as a stream of transfer frames; each message
+/// decoded encodes back to the same message; and the stream's header, pages
+/// and trailer, taken as a transfer into a small pool, are imported or
+/// refused, never a panic, with the pool back at its baseline afterwards.
+/// The first byte's low bit makes the header's page shape and owner this
+/// pool's (so the later checks are reached, not only the first).
+pub fn transfer_frames(data: &[u8]) {
+    use crate::transfer::wire::{decode_stream, Message};
+    use bulkhead_kernels::kv::{
+        OwnerTag, PartitionConfig, Pool, PoolGeometry, PoolOptions, Received, ReceivedPage, SeqId,
+    };
+    let Some((&flags, stream)) = data.split_first() else {
+        return;
+    };
+    let Ok(messages) = decode_stream(stream) else {
+        return;
+    };
+    for message in &messages {
+        let bytes = message.encode();
+        assert_eq!(
+            Message::decode(bytes[4], &bytes[5..]).as_ref(),
+            Ok(message),
+            "{} encodes back",
+            message.name()
+        );
+    }
+    let mut header = None;
+    let mut pages = Vec::new();
+    let mut digest = None;
+    for message in messages {
+        match message {
+            Message::Header(h) => header = Some(h),
+            Message::Page {
+                index,
+                digest,
+                bytes,
+            } => pages.push(ReceivedPage {
+                index,
+                digest,
+                bytes,
+            }),
+            Message::Trailer(d) => digest = Some(d),
+            _ => {}
+        }
+    }
+    let (Some(mut header), Some(digest)) = (header, digest) else {
+        return;
+    };
+    let geometry = PoolGeometry {
+        pages_count: 16,
+        page_tokens: 4,
+        layers: 2,
+        kv_heads: 1,
+        head_dim: 4,
+        kv_type: bulkhead_kernels::kv::KvType::F16,
+    };
+    let owner = OwnerTag(1);
+    let partition = PartitionConfig {
+        owner,
+        pages_reserved: 8,
+        pages_max: 16,
+    };
+    let options = PoolOptions {
+        poison_released: true,
+        paranoid: true,
+    };
+    let mut pool = Pool::new(geometry, &[partition], options).expect("a valid pool");
+    if flags & 1 == 1 {
+        header.shape = pool.page_shape();
+        header.identity.owner = owner;
+    }
+    let mut expect = header.identity;
+    expect.owner = owner;
+    let reserve = pool.page_shape().pages_for(expect.tokens).clamp(1, 8);
+    let mut reservation = pool.reserve(owner, reserve).expect("within the partition");
+    let mut table = pool.page_table(&reservation, SeqId(1));
+    for _ in 0..reserve {
+        pool.acquire(&mut reservation, &mut table).expect("booked");
+    }
+    pool.release_reservation(reservation);
+    let import = pool.begin_import(table, expect);
+    let received = Received {
+        header,
+        pages,
+        digest,
+    };
+    let mut table = match pool.import(import, &received) {
+        Ok(table) => table,
+        Err(refused) => refused.table,
+    };
+    pool.release(&mut table);
+    pool.scrub_released();
+    pool.check_invariants()
+        .expect("the pool is back at its baseline");
+    assert_eq!(pool.stats().pages_free, 16);
+}
+
+/// Seed streams for [`transfer_frames`]: a real sender's transfer into the
+/// target's pool shape (imports), and the same with a byte flipped.
+pub fn transfer_frames_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use crate::transfer::wire::Message;
+    use bulkhead_kernels::kv::{
+        page_digest, tokens_digest, transfer_digest, OwnerTag, PartitionConfig, Pool, PoolGeometry,
+        PoolOptions, SeqId, TransferIdentity,
+    };
+    let geometry = PoolGeometry {
+        pages_count: 16,
+        page_tokens: 4,
+        layers: 2,
+        kv_heads: 1,
+        head_dim: 4,
+        kv_type: bulkhead_kernels::kv::KvType::F16,
+    };
+    let partition = PartitionConfig {
+        owner: OwnerTag(1),
+        pages_reserved: 8,
+        pages_max: 16,
+    };
+    let mut pool = Pool::new(geometry, &[partition], PoolOptions::default()).expect("valid");
+    let mut reservation = pool.reserve(OwnerTag(1), 2).expect("fits");
+    let mut table = pool.page_table(&reservation, SeqId(9));
+    for _ in 0..2 {
+        pool.acquire(&mut reservation, &mut table).expect("booked");
+    }
+    pool.release_reservation(reservation);
+    for t in 0..6u32 {
+        let lease = table.lease((t / 4) as usize).expect("page");
+        let k: Vec<f32> = (0..4).map(|i| (t * 4 + i) as f32 / 8.0).collect();
+        for layer in 0..2 {
+            pool.write_kv(lease, layer, t % 4, &k, &k).expect("owned");
+        }
+    }
+    let tokens: Vec<u32> = (40..46).collect();
+    let identity = TransferIdentity {
+        request: 5,
+        job: 6,
+        owner: OwnerTag(1),
+        model: 7,
+        tokens: 6,
+        tokens_digest: tokens_digest(&tokens),
+    };
+    let export = pool.export(&table, identity).expect("leased");
+    let mut stream = vec![1u8];
+    stream.extend(Message::Header(export.header).encode());
+    let mut digests = Vec::new();
+    for (i, bytes) in export.pages.iter().enumerate() {
+        let digest = page_digest(export.tokens_in_page(i as u32), bytes);
+        digests.push(digest);
+        stream.extend(
+            Message::Page {
+                index: i as u32,
+                digest,
+                bytes: bytes.clone(),
+            }
+            .encode(),
+        );
+    }
+    stream.extend(Message::Trailer(transfer_digest(&export.header, digests.into_iter())).encode());
+    let mut flipped = stream.clone();
+    let at = flipped.len() - 20;
+    flipped[at] ^= 0x40;
+    vec![
+        ("seed-transfer", stream),
+        ("seed-transfer-flipped", flipped),
+    ]
+}

@@ -22,3 +22,4 @@ pub mod single;
 pub mod store;
 pub mod telemetry;
 pub mod tenancy;
+pub mod transfer;

@@ -107,6 +107,20 @@ enum Command {
         /// The control-plane store's folder (overrides `store.path`).
         #[arg(long)]
         store: Option<PathBuf>,
+        /// This process's part in prefill/decode disaggregation: `both`
+        /// (default), `prefill` (jobs for decode peers only) or `decode`
+        /// (clients, with prompts' KV from prefill peers); overrides
+        /// `server.role`. Both sides need BULKHEAD_TRANSFER_SECRET.
+        #[arg(long, value_parser = ["both", "prefill", "decode"])]
+        role: Option<String>,
+        /// With --role prefill: where decode peers connect, `HOST:PORT` or
+        /// `unix:PATH` (overrides `server.transfer_listen`).
+        #[arg(long)]
+        transfer_listen: Option<String>,
+        /// With --role decode: a prefill peer, `HOST:PORT` or `unix:PATH`;
+        /// repeat for several (replaces `server.prefill_peers`).
+        #[arg(long = "prefill-peer")]
+        prefill_peers: Vec<String>,
     },
     /// Print each model's capacity table and the memory budget of a deployment,
     /// as `serve` would check them: the policy's models and those added through
@@ -382,6 +396,9 @@ fn run(cli: Cli) -> Result<()> {
             listen,
             admin_listen,
             store,
+            role,
+            transfer_listen,
+            prefill_peers,
         } => {
             let policy = match &model {
                 Some(model) => {
@@ -416,6 +433,12 @@ fn run(cli: Cli) -> Result<()> {
                     "text" => LogFormat::Text,
                     _ => LogFormat::Json,
                 }),
+                role: role
+                    .map(|r| r.parse())
+                    .transpose()
+                    .map_err(anyhow::Error::msg)?,
+                transfer_listen,
+                prefill_peers,
             })?)
         }
         Command::Check {

@@ -142,7 +142,14 @@ fn start(dir: &Path) -> Plane {
     let catalog = Arc::new(Catalog::default());
     let sink: Arc<dyn FinishSink> = Arc::new(NoSink);
     for spec in config.model_specs() {
-        let loaded = catalog::load(spec, Source::Policy, &tenants, Arc::clone(&sink)).unwrap();
+        let loaded = catalog::load(
+            spec,
+            Source::Policy,
+            &tenants,
+            Arc::clone(&sink),
+            bulkhead::transfer::Role::Both,
+        )
+        .unwrap();
         catalog.insert(loaded);
     }
     let registry = Arc::new(Registry::new(Directory::build(

@@ -31,12 +31,18 @@ fn every_store_corpus_record_decodes_or_is_refused_without_panicking() {
 }
 
 #[test]
+fn every_transfer_corpus_stream_imports_or_is_refused_without_panicking() {
+    assert!(fuzzing::replay("transfer_frames", fuzzing::transfer_frames, &[]) > 0);
+}
+
+#[test]
 fn the_seed_inputs_pass_their_targets() {
     // The seeds are regenerated from code, so they are checked even when the
     // minimized corpus no longer keeps them.
     type Seeds = fn() -> Vec<(&'static str, Vec<u8>)>;
     type Body = fn(&[u8]);
-    let targets: [(Seeds, Body); 4] = [
+    let targets: [(Seeds, Body); 5] = [
+        (fuzzing::transfer_frames_seeds, fuzzing::transfer_frames),
         (fuzzing::openai_seeds, fuzzing::openai),
         (fuzzing::admin_seeds, fuzzing::admin),
         (fuzzing::policy_toml_seeds, fuzzing::policy_toml),
@@ -59,4 +65,6 @@ fn writes_the_seed_corpora() {
     fuzzing::write_seeds("admin", &fuzzing::admin_seeds()).expect("admin seeds");
     fuzzing::write_seeds("policy_toml", &fuzzing::policy_toml_seeds()).expect("policy seeds");
     fuzzing::write_seeds("store_records", &fuzzing::store_records_seeds()).expect("store seeds");
+    fuzzing::write_seeds("transfer_frames", &fuzzing::transfer_frames_seeds())
+        .expect("transfer seeds");
 }

@@ -122,6 +122,13 @@ pub enum ApiError {
     /// restarted, so a retry may succeed.
     #[error("The engine failed while serving this request and is being restarted; retry shortly.")]
     EngineFault,
+    /// Decode role: the prompt's KV from the prefill peer failed its check,
+    /// was cut off or timed out; nothing was generated from it.
+    #[error("The prompt's KV transfer from the prefill server failed its checks or did not complete; nothing was generated. Retry; if it persists, the operator should look at the transfer log lines with this request id.")]
+    TransferFailed,
+    /// Decode role: the prefill peer refused the job.
+    #[error("{}", prefill_refusal_message(*.0))]
+    PrefillRefused(crate::engine::handoff::PrefillRefusal),
     /// The runtime canary guard found another tenant's canary in the
     /// response's text; nothing of it was sent.
     #[error("The response was withheld by the server's output guard.")]
@@ -129,6 +136,9 @@ pub enum ApiError {
     /// No such route.
     #[error("Unknown request URL.")]
     NotFound,
+    /// Role `prefill`: this process serves decode peers only.
+    #[error("This server computes prompts for decode servers only; send requests to a decode (or a `both`) server.")]
+    PrefillOnly,
     /// A control-plane object that does not exist (or is another tenant's).
     #[error("{what} {name:?} does not exist.")]
     ObjectNotFound {
@@ -474,6 +484,42 @@ impl ApiError {
                 "engine_fault",
                 None,
             ),
+            E::TransferFailed => (
+                StatusCode::BAD_GATEWAY,
+                "server_error",
+                "kv_transfer_failed",
+                None,
+            ),
+            E::PrefillRefused(refusal) => {
+                use crate::engine::handoff::PrefillRefusal as R;
+                // The status and code a single process gives the same refusal.
+                match refusal {
+                    R::QueueFull => (
+                        StatusCode::TOO_MANY_REQUESTS,
+                        "rate_limit_error",
+                        "queue_full",
+                        None,
+                    ),
+                    R::ContextLength => (
+                        StatusCode::BAD_REQUEST,
+                        INVALID,
+                        "context_length_exceeded",
+                        None,
+                    ),
+                    R::TenantUnknown => (
+                        StatusCode::FORBIDDEN,
+                        "permission_error",
+                        "tenant_removed",
+                        None,
+                    ),
+                    R::Unavailable => (
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "server_error",
+                        "prefill_unavailable",
+                        None,
+                    ),
+                }
+            }
             E::OutputBlocked => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "server_error",
@@ -481,6 +527,12 @@ impl ApiError {
                 None,
             ),
             E::NotFound => (StatusCode::NOT_FOUND, INVALID, "unknown_url", None),
+            E::PrefillOnly => (
+                StatusCode::MISDIRECTED_REQUEST,
+                INVALID,
+                "prefill_only",
+                None,
+            ),
             E::ObjectNotFound { what, .. } => {
                 let code = match *what {
                     "tenant" => "tenant_not_found",
@@ -704,5 +756,15 @@ impl ApiError {
                 );
             }
         }
+    }
+}
+
+fn prefill_refusal_message(refusal: crate::engine::handoff::PrefillRefusal) -> &'static str {
+    use crate::engine::handoff::PrefillRefusal as R;
+    match refusal {
+        R::QueueFull => "Too many requests of this tenant are queued; retry shortly.",
+        R::ContextLength => "The prompt does not fit this model's context on the prefill server.",
+        R::TenantUnknown => "The prefill server does not know this tenant; the request was ended.",
+        R::Unavailable => "No prefill server could take the request right now; retry shortly.",
     }
 }

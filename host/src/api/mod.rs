@@ -91,6 +91,8 @@ pub struct Serving {
     pub request_timeout: Duration,
     /// `server.canary_guard`.
     pub canary_guard: bool,
+    /// Role `prefill`: no inference for clients (421 `prefill_only`).
+    pub prefill_only: bool,
 }
 
 /// Everything the handlers share, by plane.
@@ -204,7 +206,12 @@ fn readiness(app: &App) -> (bool, serde_json::Map<String, serde_json::Value>) {
     let mut models = serde_json::Map::new();
     let mut ready = !app.shutting_down.load(Ordering::SeqCst);
     for model in app.control.catalog().snapshot().all() {
-        let accepting = model.engine.is_accepting();
+        // Role decode: a model is ready once a prefill peer pairs for it.
+        let paired = model
+            .transfer
+            .as_ref()
+            .is_none_or(|t| !t.decode || t.link.paired.load(Ordering::Relaxed));
+        let accepting = model.engine.is_accepting() && paired;
         ready &= accepting;
         let state = if accepting { "ready" } else { "not ready" };
         models.insert(model.spec.id.clone(), state.into());
@@ -325,6 +332,10 @@ async fn infer(
     let arrived = Instant::now();
     let id = app.request_id();
     let mut response = match app.tenant(&headers) {
+        _ if app.serving.prefill_only => {
+            drain_refused(body, &headers).await;
+            ApiError::PrefillOnly.into_response(id, None)
+        }
         None => {
             drain_refused(body, &headers).await;
             ApiError::Unauthenticated.into_response(id, None)

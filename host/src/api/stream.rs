@@ -134,6 +134,11 @@ pub fn finish_error(reason: FinishReason) -> Option<ApiError> {
         FinishReason::TenantRemoved => Some(ApiError::TenantRemoved),
         FinishReason::ModelRemoved => Some(ApiError::ModelRemoved),
         FinishReason::EngineFault => Some(ApiError::EngineFault),
+        FinishReason::TransferFailed => Some(ApiError::TransferFailed),
+        FinishReason::PrefillRefused(refusal) => Some(ApiError::PrefillRefused(refusal)),
+        FinishReason::Exported => Some(ApiError::Internal(
+            "a prefill job's end reached a client".into(),
+        )),
         FinishReason::Cancelled => Some(ApiError::Internal(
             "the engine cancelled a request whose client is still connected".into(),
         )),

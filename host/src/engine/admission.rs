@@ -3,6 +3,7 @@
 //! make an [`Admitted`], and only an `Admitted` can be queued and booked; a
 //! refusal is a terminal [`Rejection`].
 
+use super::handoff::ExportTo;
 use super::request::{NewRequest, Rejection, RequestId};
 use crate::tenancy::TenantId;
 use bulkhead_kernels::kv::PoolId;
@@ -18,6 +19,9 @@ pub struct Admitted {
     /// The pool whose page geometry `pages_needed` counts in: only that pool's
     /// scheduler takes it.
     pub(super) pool: PoolId,
+    /// A prefill job for a decode peer: its prompt's KV goes there, nothing
+    /// is generated (see [`super::handoff`]).
+    pub(super) export: Option<ExportTo>,
 }
 
 /// The priority of a request nothing lowered.
@@ -155,6 +159,30 @@ impl Admission {
             priority: PRIORITY_DEFAULT,
             page_tokens: self.page_tokens,
             pool: self.pool,
+            export: None,
+        })
+    }
+
+    /// Checks a prefill job of a decode peer: the same contract as the
+    /// request it is for (its prompt, its `max_tokens`), so the refusal is
+    /// the one the client would get from a single process; it books only
+    /// the prompt's pages, generates nothing, and hands its KV to `export`.
+    pub fn admit_prefill(
+        &self,
+        request: NewRequest,
+        export: ExportTo,
+    ) -> Result<Admitted, Rejection> {
+        self.check(request.prompt.len(), request.max_tokens)?;
+        // prompt < context_tokens <= u32::MAX, so this fits.
+        let pages_needed =
+            (request.prompt.len() as u64).div_ceil(u64::from(self.page_tokens)) as u32;
+        Ok(Admitted {
+            request,
+            pages_needed,
+            priority: PRIORITY_DEFAULT,
+            page_tokens: self.page_tokens,
+            pool: self.pool,
+            export: Some(export),
         })
     }
 }

@@ -6,6 +6,7 @@ pub mod admission;
 pub mod build;
 pub mod chat;
 pub mod generate;
+pub mod handoff;
 mod prefix;
 pub mod request;
 pub mod sampling;

@@ -2,6 +2,7 @@
 //! what it asks for, the events it receives, how it ends, and the terminal
 //! refusals static admission can give it.
 
+use super::handoff::PrefillRefusal;
 use super::sampling::SamplingParams;
 use crate::tenancy::TenantId;
 use std::time::Instant;
@@ -34,6 +35,15 @@ pub enum FinishReason {
     /// The engine panicked while the request was in flight; its pool was
     /// dropped and the engine restarts (see [`super::service`]).
     EngineFault,
+    /// Decode role: the prompt's KV transfer failed — cut off, timed out,
+    /// out of protocol, or refused by the page book's check (I5).
+    TransferFailed,
+    /// Decode role: the prefill peer refused the job (as a single process
+    /// would have refused the request).
+    PrefillRefused(PrefillRefusal),
+    /// Prefill role: the prompt's KV reached the decode peer and its verdict
+    /// is in; the pages are released.
+    Exported,
 }
 
 impl FinishReason {
@@ -49,6 +59,9 @@ impl FinishReason {
             FinishReason::TenantRemoved => "tenant_removed",
             FinishReason::ModelRemoved => "model_removed",
             FinishReason::EngineFault => "engine_fault",
+            FinishReason::TransferFailed => "transfer_failed",
+            FinishReason::PrefillRefused(_) => "prefill_refused",
+            FinishReason::Exported => "exported",
         }
     }
 }

@@ -51,6 +51,7 @@
 //! ```
 
 use super::admission::{Admission, Admitted};
+use super::handoff::{ExportTo, PrefillRequest, RemotePrefill, Transferred};
 use super::prefix::PrefixCache;
 use super::request::{Event, FinishReason, Rejection, RequestId, Usage};
 use super::sampling::Sampler;
@@ -59,8 +60,8 @@ use super::stop::{Scan, StopMatcher};
 use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::{Backend, SeqStep};
 use bulkhead_kernels::kv::{
-    OwnerTag, PageHandle, PageTable, PartitionConfig, PartitionError, Pool, Reservation,
-    ReserveError, SeqId, Violation,
+    tokens_digest, OwnerTag, PageHandle, PageTable, PartitionConfig, PartitionError, Pool,
+    Reservation, ReserveError, SeqId, TransferIdentity, Violation,
 };
 use bulkhead_kernels::tokenizer::{DecodeOptions, Detokenizer, Tokenizer};
 use std::collections::{BTreeMap, VecDeque};
@@ -192,11 +193,45 @@ impl TenantState {
     }
 }
 
+/// Where a started sequence is (see [`super::handoff`] for the diagram). Its
+/// KV state is `table` (or, in `Transfer`, the import that holds it); the
+/// client-output state (sampler, detokenizer, stop matcher) is apart.
+enum Phase {
+    /// Its prompt's KV is computed here (after an import: its last token).
+    Prefill,
+    /// Waiting for a prefill peer's KV: its pages are reserved and held by
+    /// the import, which nothing can step; only the page book's check turns
+    /// it back into a table. Dropping `abandon` stops the job.
+    Transfer {
+        import: bulkhead_kernels::kv::Import,
+        abandon: tokio::sync::oneshot::Sender<()>,
+    },
+    /// Its prompt is in KV; one token per step.
+    Decode,
+    /// Prefill role: its prompt's KV was exported; its pages are held until
+    /// the link drops `held` (the peer's verdict is in, or the link failed).
+    Exported {
+        held: tokio::sync::oneshot::Sender<()>,
+    },
+}
+
+impl Phase {
+    fn steps(&self) -> bool {
+        matches!(self, Phase::Prefill | Phase::Decode)
+    }
+}
+
 /// A started request: its pages and its progress. A preempted one keeps
 /// everything but its pages.
 struct Sequence {
     id: RequestId,
     tenant: TenantId,
+    phase: Phase,
+    /// Decode role: its prompt's KV is to come from a prefill peer (cleared
+    /// once preempted: a restart recomputes here).
+    remote: bool,
+    /// Prefill role: where its prompt's KV goes.
+    export: Option<ExportTo>,
     table: PageTable,
     /// The prompt, then every generated token that continues the sequence; the
     /// last one sampled is not in KV yet.
@@ -274,6 +309,8 @@ pub struct Scheduler<B: Backend> {
     pages_scrubbed: u64,
     /// Where ends are reported.
     sink: Sink,
+    /// Decode role: where prompts' KV comes from.
+    remote: Option<RemotePrefill>,
 }
 
 /// How one batch entry maps back to its sequence.
@@ -309,11 +346,18 @@ impl<B: Backend> Scheduler<B> {
             tokens_generated: 0,
             pages_scrubbed: 0,
             sink: None,
+            remote: None,
         };
         for tenant in tenants {
             scheduler.add_tenant(tenant)?;
         }
         Ok(scheduler)
+    }
+
+    /// Decode role: every prompt of two tokens or more gets its KV (all but
+    /// its last token) from a prefill peer through `remote`.
+    pub fn set_remote_prefill(&mut self, remote: RemotePrefill) {
+        self.remote = Some(remote);
     }
 
     /// The static admission check of this scheduler's model, promising
@@ -462,13 +506,19 @@ impl<B: Backend> Scheduler<B> {
     /// tenants' tables, shared pages only of the table's own tenant, reference
     /// counts exact), and the prefix cache against the pool.
     pub fn check(&self) -> Result<(), CheckError> {
-        let tables: Vec<&PageTable> = self
-            .running
-            .iter()
-            .chain(self.tenants.values().flat_map(|t| t.preempted.iter()))
-            .map(|s| &s.table)
+        let sequences = || {
+            self.running
+                .iter()
+                .chain(self.tenants.values().flat_map(|t| t.preempted.iter()))
+        };
+        let tables: Vec<&PageTable> = sequences().map(|s| &s.table).collect();
+        let imports: Vec<&bulkhead_kernels::kv::Import> = sequences()
+            .filter_map(|s| match &s.phase {
+                Phase::Transfer { import, .. } => Some(import),
+                _ => None,
+            })
             .collect();
-        self.pool.check_page_tables(&tables)?;
+        self.pool.check_page_tables_with(&tables, &imports)?;
         for &id in self.tenants.keys() {
             let shared = self
                 .pool
@@ -724,8 +774,14 @@ impl<B: Backend> Scheduler<B> {
         if tenant.preempted.front().and_then(|s| s.preempted_in) == Some(self.ticks) {
             return false;
         }
-        let (pages_needed, tokens, prompt_len, salt) = match tenant.preempted.front() {
-            Some(s) => (s.pages_needed, &s.tokens, s.prompt_len, &s.cache_salt),
+        let (pages_needed, tokens, prompt_len, salt, remote) = match tenant.preempted.front() {
+            Some(s) => (
+                s.pages_needed,
+                &s.tokens,
+                s.prompt_len,
+                &s.cache_salt,
+                false,
+            ),
             None => {
                 let admitted = tenant.queue.front().expect("has work");
                 let request = &admitted.request;
@@ -735,10 +791,13 @@ impl<B: Backend> Scheduler<B> {
                     prompt,
                     prompt.len(),
                     &request.cache_salt,
+                    self.remote.is_some() && admitted.export.is_none() && prompt.len() >= 2,
                 )
             }
         };
-        let (chain, cached) = if tenant.limits.prefix_cache {
+        // A prompt from a peer arrives whole into pages of its own: no cached
+        // page is attached under it (its full pages are published as usual).
+        let (chain, cached) = if tenant.limits.prefix_cache && !remote {
             let chain = self.cache.chain(id, salt.as_deref(), &tokens[..prompt_len]);
             // At least one token is computed, for the logits of the next.
             let pages_max = ((tokens.len() - 1) / page_tokens).min(chain.len());
@@ -786,10 +845,14 @@ impl<B: Backend> Scheduler<B> {
             None => {
                 let admitted = tenant.queue.pop_front().expect("has work");
                 let pages_needed = admitted.pages_needed;
+                let export = admitted.export;
                 let request = admitted.request;
                 Sequence {
                     id: request.id,
                     tenant: id,
+                    phase: Phase::Prefill,
+                    remote,
+                    export,
                     table: self.pool.page_table(&reservation, SeqId(request.id.0)),
                     prompt_len: request.prompt.len(),
                     tokens: request.prompt,
@@ -826,6 +889,10 @@ impl<B: Backend> Scheduler<B> {
                 .acquire(&mut reservation, &mut s.table)
                 .expect("a reservation of n pages acquires n pages");
         }
+        if s.remote {
+            let remote = self.remote.as_ref().expect("remote sequences need a peer");
+            ask_peer(&self.pool, remote, &mut s, &reservation);
+        }
         self.pool.release_reservation(reservation);
         s.kv_len = cached.len() * page_tokens;
         s.pages_published = cached.len();
@@ -842,6 +909,69 @@ impl<B: Backend> Scheduler<B> {
         );
         self.running.push(s);
         true
+    }
+
+    /// Decode role: a transfer this scheduler asked for came back (or
+    /// failed). A verified import makes the sequence decodable — its last
+    /// prompt token is computed here, for the logits of the first new one —
+    /// and anything else ends it, its pages released and scrubbed. Returns
+    /// the verdict for the peer; a transfer nobody waits for (the request
+    /// ended, or another job of it) is refused as `abandoned`.
+    pub fn transferred(
+        &mut self,
+        request: RequestId,
+        job: u64,
+        result: Transferred,
+    ) -> Result<(), &'static str> {
+        let Some(index) = self.running.iter().position(|s| {
+            s.id == request
+                && matches!(&s.phase, Phase::Transfer { import, .. } if import.expect().job == job)
+        }) else {
+            return Err("abandoned");
+        };
+        let s = &mut self.running[index];
+        let Phase::Transfer { import, .. } = std::mem::replace(&mut s.phase, Phase::Prefill) else {
+            unreachable!("matched above");
+        };
+        let tokens = import.expect().tokens as usize;
+        let (finish, reason): (FinishReason, &'static str) = match result {
+            Transferred::Received(received) => {
+                match timed(|| self.pool.import(import, &received)) {
+                    (Ok(table), took) => {
+                        s.table = table;
+                        s.kv_len = tokens;
+                        // Writing the pages and hashing each as stored, on the
+                        // engine thread between two steps.
+                        tracing::info!(
+                            request_id = s.id.0,
+                            tokens,
+                            verify_us = took.as_micros() as u64,
+                            "transfer verified"
+                        );
+                        return Ok(());
+                    }
+                    (Err(refused), _) => {
+                        s.table = refused.table;
+                        tracing::warn!(request_id = s.id.0, reason = refused.error.reason(), error = %refused.error, "transfer refused by the page book");
+                        (FinishReason::TransferFailed, refused.error.reason())
+                    }
+                }
+            }
+            Transferred::Refused(refusal) => {
+                s.table = import.abandon();
+                (FinishReason::PrefillRefused(refusal), refusal.code())
+            }
+            Transferred::Failed(reason) => {
+                s.table = import.abandon();
+                tracing::warn!(request_id = s.id.0, reason, "transfer failed");
+                (FinishReason::TransferFailed, reason)
+            }
+        };
+        self.finish(index, finish);
+        // Between steps, and maybe with nothing else in flight to tick for:
+        // scrub now, so the pool is at its baseline as soon as this returns.
+        self.pages_scrubbed += u64::from(self.pool.scrub_released());
+        Err(reason)
     }
 
     fn page_tokens(&self) -> usize {
@@ -981,7 +1111,15 @@ impl<B: Backend> Scheduler<B> {
     /// again.
     fn preempt(&mut self, index: usize, reason: &'static str) {
         let mut s = self.take_running(index);
-        let pages = self.pool.release(&mut s.table);
+        if matches!(s.phase, Phase::Exported { .. }) {
+            // Computed and sent: nothing to recompute; its pages go early.
+            self.end(s, FinishReason::Exported);
+            return;
+        }
+        // A transfer in flight is abandoned; the restart computes here.
+        s.remote = false;
+        let pages = self.release_kv(&mut s);
+        s.phase = Phase::Prefill;
         s.kv_len = 0;
         s.pages_published = 0;
         s.preempted_in = Some(self.ticks);
@@ -1071,6 +1209,7 @@ impl<B: Backend> Scheduler<B> {
                 let mut prompt_left = shares.get(&tenant).copied().unwrap_or(budget);
                 for (seq_index, s) in self.running.iter().enumerate() {
                     if s.tenant != tenant
+                        || !s.phase.steps()
                         || budget == 0
                         || plan.len() >= self.limits.step_seqs_max as usize
                         || (s.kv_len >= s.prompt_len) != decode
@@ -1092,7 +1231,7 @@ impl<B: Backend> Scheduler<B> {
                         seq_index,
                         tokens: s.tokens[s.kv_len..s.kv_len + n].to_vec(),
                         pos_start: s.kv_len,
-                        wants_logits: s.kv_len + n == s.tokens.len(),
+                        wants_logits: s.kv_len + n == s.tokens.len() && s.export.is_none(),
                     });
                     budget -= n;
                 }
@@ -1173,6 +1312,15 @@ impl<B: Backend> Scheduler<B> {
             tenant.tokens_processed += p.tokens.len() as u64;
             s.kv_len += p.tokens.len();
             publish(&mut self.cache, &mut self.pool, s);
+            if s.kv_len >= s.prompt_len {
+                if let Some(to) = s.export.take() {
+                    if let Some(reason) = export(&self.pool, s, to) {
+                        finishing.push((p.seq_index, reason));
+                    }
+                    continue;
+                }
+                s.phase = Phase::Decode;
+            }
             if !p.wants_logits {
                 continue;
             }
@@ -1261,7 +1409,7 @@ impl<B: Backend> Scheduler<B> {
     /// its pages (scrubbed before the next step; cached ones stay with the
     /// tenant's cache), flushes held text, reports usage, logs without content.
     fn end(&mut self, mut s: Sequence, reason: FinishReason) {
-        let pages = self.pool.release(&mut s.table);
+        let pages = self.release_kv(&mut s);
         let tenant = self
             .tenants
             .get(&s.tenant)
@@ -1293,6 +1441,84 @@ impl<B: Backend> Scheduler<B> {
             pages,
             "finished"
         );
+    }
+}
+
+impl<B: Backend> Scheduler<B> {
+    /// Releases `s`'s pages, an import's too (dropping its `abandon` stops
+    /// the job); the pool scrubs them before the next step.
+    fn release_kv(&mut self, s: &mut Sequence) -> u32 {
+        let mut pages = 0;
+        if let Phase::Transfer { import, .. } = std::mem::replace(&mut s.phase, Phase::Prefill) {
+            pages += self.pool.release(&mut import.abandon());
+        }
+        pages + self.pool.release(&mut s.table)
+    }
+}
+
+/// `f`'s value and how long it took.
+fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
+    let started = Instant::now();
+    let value = f();
+    (value, started.elapsed())
+}
+
+/// Decode role: moves `s`'s freshly acquired pages into an import for
+/// the KV of its prompt but the last token, and sends the job to the
+/// link. The sequence is in `Transfer` until `Scheduler::transferred`.
+fn ask_peer(pool: &Pool, remote: &RemotePrefill, s: &mut Sequence, reservation: &Reservation) {
+    let kv_tokens = &s.tokens[..s.prompt_len - 1];
+    let job = getrandom::u64().expect("the OS's random source");
+    let identity = TransferIdentity {
+        request: s.id.0,
+        job,
+        owner: OwnerTag(s.tenant.0),
+        model: remote.model,
+        tokens: kv_tokens.len() as u32,
+        tokens_digest: tokens_digest(kv_tokens),
+    };
+    let (abandon, abandoned) = tokio::sync::oneshot::channel();
+    let sent = remote.jobs.send(PrefillRequest {
+        identity,
+        tokens: kv_tokens.to_vec(),
+        max_tokens: s.max_tokens,
+        deadline: s.deadline,
+        abandoned,
+    });
+    let empty = pool.page_table(reservation, SeqId(s.id.0));
+    let table = std::mem::replace(&mut s.table, empty);
+    let import = pool.begin_import(table, identity);
+    s.phase = Phase::Transfer { import, abandon };
+    if sent.is_err() {
+        // The link is gone (shutting down): the job fails at once; the
+        // next tick finds it abandoned.
+        tracing::warn!(request_id = s.id.0, "the transfer link is closed");
+    }
+}
+
+/// Prefill role: copies `s`'s prompt KV out to its decode peer and holds the
+/// pages until the link lets them go; a reason to end it now otherwise.
+fn export(pool: &Pool, s: &mut Sequence, to: ExportTo) -> Option<FinishReason> {
+    let identity = TransferIdentity {
+        request: to.request,
+        job: to.job,
+        owner: OwnerTag(s.tenant.0),
+        model: to.model,
+        tokens: s.prompt_len as u32,
+        tokens_digest: tokens_digest(&s.tokens[..s.prompt_len]),
+    };
+    match pool.export(&s.table, identity) {
+        Ok(export) => {
+            if to.export.send(export).is_err() {
+                return Some(FinishReason::Cancelled);
+            }
+            s.phase = Phase::Exported { held: to.held };
+            None
+        }
+        Err(error) => {
+            tracing::error!(request_id = s.id.0, %error, "export refused");
+            Some(FinishReason::Error)
+        }
     }
 }
 
@@ -1331,6 +1557,17 @@ fn publish(cache: &mut PrefixCache, pool: &mut Pool, s: &mut Sequence) {
 impl Sequence {
     /// Why it must end now, if it must: its client left or its deadline passed.
     fn expiry(&self, now: Instant) -> Option<FinishReason> {
+        if let Phase::Exported { held } = &self.phase {
+            if held.is_closed() {
+                return Some(FinishReason::Exported);
+            }
+        }
+        if let Phase::Transfer { abandon, .. } = &self.phase {
+            // The link dropped its end without delivering: it is gone.
+            if abandon.is_closed() {
+                return Some(FinishReason::TransferFailed);
+            }
+        }
         if self.events.is_closed() {
             Some(FinishReason::Cancelled)
         } else if now >= self.deadline {

@@ -35,7 +35,8 @@
 //!    between two steps ([`EngineHandle::inject_panic`]).
 
 use super::admission::Admitted;
-use super::request::{FinishReason, Rejection};
+use super::handoff::Transferred;
+use super::request::{FinishReason, Rejection, RequestId};
 use super::scheduler::{EngineFault, Scheduler, TenantChangeError, TenantLimits, TickReport};
 use super::stats::{PoolAudit, SchedulerStats};
 use crate::tenancy::TenantId;
@@ -65,6 +66,13 @@ enum Command {
         oneshot::Sender<Result<u32, TenantChangeError>>,
     ),
     Audit(oneshot::Sender<PoolAudit>),
+    /// Decode role: a transfer came back; the verdict goes to the link.
+    Transferred {
+        request: RequestId,
+        job: u64,
+        result: Transferred,
+        verdict: oneshot::Sender<Result<(), &'static str>>,
+    },
     /// Panics the engine thread when taken (tests: the fault path end to end).
     #[cfg(feature = "fault-injection")]
     Panic,
@@ -200,6 +208,27 @@ impl EngineHandle {
             Ok(result) => Ok(result?),
             Err(_) => Err(ChangeError::Unavailable),
         }
+    }
+
+    /// Decode role: hands a transfer (or its failure) to the sequence that
+    /// asked for it, between two steps, and answers the page book's verdict
+    /// (`Err` with a reason label when refused or nobody waits for it).
+    pub async fn transferred(
+        &self,
+        request: RequestId,
+        job: u64,
+        result: Transferred,
+    ) -> Result<(), &'static str> {
+        let (verdict, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Transferred {
+                request,
+                job,
+                result,
+                verdict,
+            })
+            .map_err(|_| "engine_unavailable")?;
+        answer.await.unwrap_or(Err("engine_unavailable"))
     }
 
     /// Audits the KV pool between two steps ([`Scheduler::audit`]) and waits
@@ -551,6 +580,14 @@ fn engine_loop<B: Backend>(
                 }
                 Command::Audit(reply) => {
                     let _ = reply.send(scheduler.audit());
+                }
+                Command::Transferred {
+                    request,
+                    job,
+                    result,
+                    verdict,
+                } => {
+                    let _ = verdict.send(scheduler.transferred(request, job, result));
                 }
                 #[cfg(feature = "fault-injection")]
                 Command::Panic => panic!("injected engine fault"),

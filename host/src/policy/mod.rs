@@ -618,7 +618,11 @@ fn outcome_of(reason: FinishReason) -> Outcome {
         FinishReason::Length => Outcome::Length,
         FinishReason::Cancelled => Outcome::Cancelled,
         FinishReason::Timeout => Outcome::Timeout,
-        FinishReason::Error | FinishReason::EngineFault => Outcome::Error,
+        FinishReason::Error
+        | FinishReason::EngineFault
+        | FinishReason::TransferFailed
+        | FinishReason::PrefillRefused(_)
+        | FinishReason::Exported => Outcome::Error,
         FinishReason::Shutdown => Outcome::Shutdown,
         FinishReason::TenantRemoved => Outcome::TenantRemoved,
         // The contract (0.1.0) has no outcome of its own for this: the engine

@@ -73,6 +73,12 @@ pub struct ServeOptions {
     pub store: Option<PathBuf>,
     /// The log's format (default: text on a terminal, JSON otherwise).
     pub log_format: Option<telemetry::LogFormat>,
+    /// Overrides `server.role`.
+    pub role: Option<crate::transfer::Role>,
+    /// Overrides `server.transfer_listen`.
+    pub transfer_listen: Option<String>,
+    /// Replaces `server.prefill_peers` when not empty.
+    pub prefill_peers: Vec<String>,
 }
 
 /// Why the server could not start (or stopped with an error).
@@ -119,6 +125,9 @@ pub enum ServeError {
     /// Metrics set-up.
     #[error("metrics: {0}")]
     Metrics(String),
+    /// Disaggregation set-up (the secret, the transfer listener).
+    #[error("transfer: {0}")]
+    Transfer(String),
     /// Threads, the runtime, signals, randomness.
     #[error("{0}")]
     Io(#[from] std::io::Error),
@@ -143,6 +152,11 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         None => Config::load(&options.config)?,
     };
     let config = Arc::new(options.apply(policy)?);
+    let role = config.server.role;
+    let transfer_secret = match role {
+        crate::transfer::Role::Both => None,
+        _ => Some(crate::transfer::secret_from_env().map_err(ServeError::Transfer)?),
+    };
     let store = Arc::new(
         Store::open(&config.store_path())?
             .with_audit_max(config.store.audit_records_max)
@@ -185,6 +199,15 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         None => None,
     };
     let bound = bind_listeners(&config)?;
+    let transfer_listener = match &config.server.transfer_listen {
+        Some(addr) => {
+            let parsed: crate::transfer::PeerAddr = addr.parse().map_err(ServeError::Transfer)?;
+            Some(crate::transfer::bind(&parsed).map_err(|e| {
+                ServeError::Transfer(format!("cannot listen for decode peers on {addr}: {e}"))
+            })?)
+        }
+        None => None,
+    };
     let registry = Arc::new(Registry::new(Directory::build(&tenants, &keys, None)));
     let usage = Arc::new(UsageBook::new(
         config.store.audit_refusals_listed_per_interval,
@@ -196,7 +219,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     let catalog = Arc::new(Catalog::default());
     for (spec, source) in specs {
         let sink = Arc::clone(&finishes) as Arc<dyn FinishSink>;
-        let loaded = match catalog::load(spec, source, &tenants, sink) {
+        let loaded = match catalog::load(spec, source, &tenants, sink, config.server.role) {
             Ok(loaded) => loaded,
             Err(error) => {
                 stop_engines(&catalog, FinishReason::Shutdown);
@@ -235,6 +258,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
             body_bytes_max: config.server.body_bytes_max,
             request_timeout: Duration::from_millis(config.server.request_timeout_ms),
             canary_guard: config.server.canary_guard,
+            prefill_only: config.server.role == crate::transfer::Role::Prefill,
         },
         policy: Arc::clone(&policy),
         control: Arc::clone(&control),
@@ -251,6 +275,9 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         .thread_name("bulkhead-http")
         .enable_all()
         .build()?;
+    if let Some(secret) = transfer_secret {
+        start_transfer(&config, &catalog, &runtime, secret, transfer_listener)?;
+    }
     let drain = Duration::from_millis(config.server.drain_timeout_ms);
     let flush_every = Duration::from_millis(config.store.usage_flush_ms);
     let flusher = runtime.spawn(flush_usage(
@@ -282,6 +309,61 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     flush_once(&usage, &store);
     tracing::info!("stopped");
     result
+}
+
+/// Role `decode`: every model's job dispatcher and pairing probe; role
+/// `prefill`: the listener for decode peers.
+fn start_transfer(
+    config: &Config,
+    catalog: &Arc<Catalog>,
+    runtime: &tokio::runtime::Runtime,
+    secret: crate::transfer::link::Secret,
+    listener: Option<crate::transfer::Listener>,
+) -> Result<(), ServeError> {
+    use crate::transfer::{self, Role};
+    let timeouts = transfer::link::Timeouts {
+        connect: Duration::from_secs(2),
+        frame: Duration::from_millis(config.server.transfer_frame_timeout_ms),
+    };
+    match config.server.role {
+        Role::Both => {}
+        Role::Decode => {
+            let addrs = config
+                .server
+                .prefill_peers
+                .iter()
+                .map(|a| a.parse())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(ServeError::Transfer)?;
+            let peers = Arc::new(transfer::Peers::new(addrs, secret.clone(), timeouts));
+            transfer::set_decode(transfer::DecodeSetup {
+                connector: transfer::peer_connector(peers),
+                secret,
+                timeouts,
+            });
+            let _runtime = runtime.enter();
+            for model in catalog.snapshot().all() {
+                transfer::start_model(model);
+            }
+            tracing::info!(peers = ?config.server.prefill_peers, "role decode: prompts' KV from prefill peers");
+        }
+        Role::Prefill => {
+            let listener = listener.expect("role prefill binds its transfer listener");
+            let models = Arc::new(transfer::CatalogModels {
+                catalog: Arc::clone(catalog),
+                ids: Arc::new(RequestIds::random()?),
+            });
+            let _runtime = runtime.enter();
+            runtime.spawn(async move {
+                if let Err(error) = transfer::serve_peers(listener, secret, timeouts, models).await
+                {
+                    tracing::error!(%error, "the transfer listener stopped");
+                }
+            });
+            tracing::info!(listen = ?config.server.transfer_listen, "role prefill: serving decode peers");
+        }
+    }
+    Ok(())
 }
 
 /// The catalog a start loads: the policy's models (paths resolved), then the
@@ -330,6 +412,16 @@ impl ServeOptions {
         if let Some(path) = &self.store {
             config.store.path = std::path::absolute(path)?;
         }
+        if let Some(role) = self.role {
+            config.server.role = role;
+        }
+        if let Some(addr) = &self.transfer_listen {
+            config.server.transfer_listen = Some(addr.clone());
+        }
+        if !self.prefill_peers.is_empty() {
+            config.server.prefill_peers = self.prefill_peers.clone();
+        }
+        config.validate_role()?;
         Ok(config)
     }
 }

@@ -1044,8 +1044,9 @@ impl Control {
             .check()?;
         let tenants = blocking(|| self.store.tenants())?;
         let (to_load, finishes) = (spec.clone(), Arc::clone(&self.finishes));
+        let role = self.config.server.role;
         let loaded =
-            run_blocking(move || catalog::load(to_load, Source::Admin, &tenants, finishes))
+            run_blocking(move || catalog::load(to_load, Source::Admin, &tenants, finishes, role))
                 .await?
                 .map_err(|e| match e {
                     LoadError::Capacity(v) => ControlError::Capacity(v),
@@ -1075,7 +1076,9 @@ impl Control {
             return Err(error.into());
         }
         let view = ModelView::from(loaded.served.as_ref());
+        let served = Arc::clone(&loaded.served);
         self.catalog.insert(loaded);
+        crate::transfer::start_model(&served);
         tracing::info!(model = %spec.id, "model added");
         Ok(view)
     }

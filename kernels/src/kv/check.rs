@@ -203,6 +203,19 @@ impl Pool {
     /// one table only and in one of them, and each shared page in exactly as
     /// many tables as it counts references.
     pub fn check_page_tables(&self, tables: &[&PageTable]) -> Result<(), Violation> {
+        self.check_page_tables_with(tables, &[])
+    }
+
+    /// [`Pool::check_page_tables`] with the tables that imports waiting for a
+    /// transfer hold (their pages are leased like any table's).
+    pub fn check_page_tables_with(
+        &self,
+        tables: &[&PageTable],
+        imports: &[&super::transfer::Import],
+    ) -> Result<(), Violation> {
+        let held: Vec<&PageTable> = imports.iter().map(|i| i.table()).collect();
+        let tables: Vec<&PageTable> = tables.iter().copied().chain(held).collect();
+        let tables = &tables[..];
         self.check_invariants()?;
         // How many tables hold each page.
         let mut holders = vec![0u32; self.pages.len()];

@@ -231,6 +231,12 @@ impl Import {
         &self.expect
     }
 
+    /// The table it holds, for the pool's own audits only (nothing outside
+    /// the page book can read it, let alone step it).
+    pub(super) fn table(&self) -> &PageTable {
+        &self.table
+    }
+
     /// Gives the table back without importing anything (the transfer was
     /// abandoned: the client left, the peer failed): release it as any other.
     /// Its pages hold nothing a sender wrote.
@@ -389,7 +395,11 @@ impl Pool {
     /// Checks `transfer` against what `import` asked for, writes its pages
     /// into the reserved ones, and checks each as stored (the module doc's
     /// order). The table comes back decodable, or refused with the reason.
-    pub fn import(&mut self, import: Import, transfer: &Received) -> Result<PageTable, ImportRefused> {
+    pub fn import(
+        &mut self,
+        import: Import,
+        transfer: &Received,
+    ) -> Result<PageTable, ImportRefused> {
         let Import { table, expect } = import;
         match self.check_and_write(&table, &expect, transfer) {
             Ok(()) => Ok(table),
@@ -473,7 +483,8 @@ impl Pool {
                 "an import into a page that is not the sequence's own"
             );
             let tokens_used = want.tokens_in_page(asked.tokens, page.index);
-            self.storage.write_rows(id.index(), tokens_used, &page.bytes);
+            self.storage
+                .write_rows(id.index(), tokens_used, &page.bytes);
             if self.storage.digest(id.index(), tokens_used) != page.digest {
                 return Err(ImportError::PageDigest { index: page.index });
             }
@@ -534,7 +545,8 @@ mod tests {
                     .map(|i| seed + (t * 100 + layer * 10) as f32 + i as f32 / 8.0)
                     .collect();
                 let v: Vec<f32> = k.iter().map(|x| -x).collect();
-                pool.write_kv(lease, layer, t % PAGE_TOKENS, &k, &v).unwrap();
+                pool.write_kv(lease, layer, t % PAGE_TOKENS, &k, &v)
+                    .unwrap();
             }
         }
     }
@@ -615,7 +627,9 @@ mod tests {
         // The one release path: dirty, then scrubbed, then free again.
         pair.receiver.release(&mut table);
         pair.receiver.scrub_released();
-        pair.receiver.check_invariants().expect("pool back to baseline");
+        pair.receiver
+            .check_invariants()
+            .expect("pool back to baseline");
         assert_eq!(pair.receiver.stats().pages_free, 32, "every page free");
         error
     }
@@ -695,7 +709,10 @@ mod tests {
         let error = refused(&mut p, |t| {
             t.pages[2].bytes.truncate(8);
         });
-        assert!(matches!(error, ImportError::Length { index: 2, .. }), "{error}");
+        assert!(
+            matches!(error, ImportError::Length { index: 2, .. }),
+            "{error}"
+        );
         let error = refused(&mut p, |t| {
             t.pages.pop();
         });
@@ -743,7 +760,9 @@ mod tests {
         // A header that claims the whole prompt and carries one token of KV.
         let error = refused(&mut p, |t| {
             t.pages.truncate(1);
-            t.pages[0].bytes.truncate(t.header.shape.page_bytes(1) as usize);
+            t.pages[0]
+                .bytes
+                .truncate(t.header.shape.page_bytes(1) as usize);
             t.header.pages = 1;
             reseal(t);
         });
@@ -769,7 +788,8 @@ mod tests {
     #[test]
     fn replayed_swapped_and_unasked_for_transfers_are_refused_by_identity() {
         let mut p = pair(KvType::F16);
-        let cases: [(&str, fn(&mut TransferIdentity)); 5] = [
+        type Change = fn(&mut TransferIdentity);
+        let cases: [(&str, Change); 5] = [
             ("request", |id| id.request += 1),
             ("job", |id| id.job ^= 1),
             ("owner", |id| id.owner = OwnerTag(2)),
