@@ -82,7 +82,7 @@ enum Fault {
     /// Send the previous transfer (another request's, maybe another
     /// tenant's) instead of this one.
     Replay,
-    /// Hold the header past the link's frame deadline.
+    /// Send the header, then hold the pages past the link's frame deadline.
     Delay,
     /// Close both ways after `n` frames from the prefill side (a process
     /// killed at that step of the protocol).
@@ -343,6 +343,14 @@ async fn middle(
                 break;
             }
         }
+        if matches!(fault, Fault::Delay) && matches!(message, Message::Header(_)) {
+            // The header on time, then nothing past the frame deadline.
+            if d_write.write_all(&message.encode()).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(timeouts().frame * 3).await;
+            continue;
+        }
         match message {
             Message::Header(_) | Message::Page { .. } => {
                 transfer.push(message);
@@ -438,9 +446,7 @@ async fn apply(fault: &Fault, frames: &mut Vec<Message>, recorded: &Mutex<Vec<Me
             assert!(!earlier.is_empty(), "a transfer to replay");
             *frames = earlier;
         }
-        Fault::Delay => {
-            tokio::time::sleep(timeouts().frame * 3).await;
-        }
+        Fault::Delay => unreachable!("delayed in middle()"),
     }
 }
 

@@ -142,7 +142,18 @@ pub struct Framed<S> {
     timeouts: Timeouts,
     /// Largest page message accepted (the paired shape's full page).
     page_bytes_max: u32,
+    /// Whether the peer proved the secret: until then every frame is
+    /// bounded by [`HANDSHAKE_BYTES_MAX`].
+    authenticated: bool,
 }
+
+/// Most payload bytes of a frame before the handshake is done (a hello is
+/// 39, a proof 32): an unauthenticated peer makes nothing larger allocated.
+pub const HANDSHAKE_BYTES_MAX: u32 = 64;
+
+/// How long a prefill job may take on the prefill side, queued and computed
+/// (the decode side's own deadline ends it sooner by closing the link).
+pub const PREFILL_JOB_TIMEOUT: Duration = Duration::from_secs(300);
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Framed<S> {
     /// Frames over `stream`; pages up to [`PAGE_BYTES_MAX`] until paired.
@@ -151,6 +162,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Framed<S> {
             stream,
             timeouts,
             page_bytes_max: PAGE_BYTES_MAX,
+            authenticated: false,
         }
     }
 
@@ -187,7 +199,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Framed<S> {
         self.stream.read_exact(&mut head).await?;
         let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
         let kind = head[4];
-        let bound = frame_bound(kind, self.page_bytes_max);
+        let bound = if self.authenticated {
+            frame_bound(kind, self.page_bytes_max)
+        } else {
+            HANDSHAKE_BYTES_MAX
+        };
         if len == 0 || len - 1 > bound {
             return Err(WireError::TooLong {
                 what: "frame",
@@ -260,6 +276,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Framed<S> {
             Message::Proof(mac) => {
                 let want = secret.proof(&transcript, other);
                 if bool::from(mac.ct_eq(&want)) {
+                    self.authenticated = true;
                     Ok(())
                 } else {
                     Err(LinkError::Unauthenticated)
@@ -418,7 +435,7 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
         max_tokens: job.max_tokens,
         sampling: SamplingParams::default(),
         stop: Vec::new(),
-        deadline: started + link.timeouts.frame * 6,
+        deadline: started + PREFILL_JOB_TIMEOUT,
         events,
         cache_salt: None,
     };
@@ -590,7 +607,9 @@ async fn fetch_on<S: AsyncRead + AsyncWrite + Unpin>(
         .pages_for(job.tokens.len().min(u32::MAX as usize) as u32);
     link.send(&Message::Job(job)).await?;
     link.flush().await?;
-    let header = match link.recv("header").await? {
+    // The header waits for the prompt's prefill there (queued and computed):
+    // bounded by the request's deadline (the caller's), not a frame's.
+    let header = match link.recv_unbounded().await? {
         Message::Header(header) => header,
         Message::Refused { code, .. } => {
             return Ok(Transferred::Refused(PrefillRefusal::from_code(&code)))
