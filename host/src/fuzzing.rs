@@ -878,9 +878,7 @@ pub fn store_records_seeds() -> Vec<(&'static str, Vec<u8>)> {
 /// pool's (so the later checks are reached, not only the first).
 pub fn transfer_frames(data: &[u8]) {
     use crate::transfer::wire::{decode_stream, Message};
-    use bulkhead_kernels::kv::{
-        OwnerTag, PartitionConfig, Pool, PoolGeometry, PoolOptions, Received, ReceivedPage, SeqId,
-    };
+    use bulkhead_kernels::kv::{OwnerTag, Received, ReceivedPage, SeqId};
     let Some((&flags, stream)) = data.split_first() else {
         return;
     };
@@ -918,25 +916,8 @@ pub fn transfer_frames(data: &[u8]) {
     let (Some(mut header), Some(digest)) = (header, digest) else {
         return;
     };
-    let geometry = PoolGeometry {
-        pages_count: 16,
-        page_tokens: 4,
-        layers: 2,
-        kv_heads: 1,
-        head_dim: 4,
-        kv_type: bulkhead_kernels::kv::KvType::F16,
-    };
     let owner = OwnerTag(1);
-    let partition = PartitionConfig {
-        owner,
-        pages_reserved: 8,
-        pages_max: 16,
-    };
-    let options = PoolOptions {
-        poison_released: true,
-        paranoid: true,
-    };
-    let mut pool = Pool::new(geometry, &[partition], options).expect("a valid pool");
+    let mut pool = transfer_pool();
     if flags & 1 == 1 {
         header.shape = pool.page_shape();
         header.identity.owner = owner;
@@ -967,14 +948,10 @@ pub fn transfer_frames(data: &[u8]) {
     assert_eq!(pool.stats().pages_free, 16);
 }
 
-/// Seed streams for [`transfer_frames`]: a real sender's transfer into the
-/// target's pool shape (imports), and the same with a byte flipped.
-pub fn transfer_frames_seeds() -> Vec<(&'static str, Vec<u8>)> {
-    use crate::transfer::wire::Message;
-    use bulkhead_kernels::kv::{
-        page_digest, tokens_digest, transfer_digest, OwnerTag, PartitionConfig, Pool, PoolGeometry,
-        PoolOptions, SeqId, TransferIdentity,
-    };
+/// The transfer targets' pool: 16 pages of 4 tokens, one owner (1),
+/// poisoned and paranoid.
+fn transfer_pool() -> bulkhead_kernels::kv::Pool {
+    use bulkhead_kernels::kv::{OwnerTag, PartitionConfig, Pool, PoolGeometry, PoolOptions};
     let geometry = PoolGeometry {
         pages_count: 16,
         page_tokens: 4,
@@ -988,7 +965,21 @@ pub fn transfer_frames_seeds() -> Vec<(&'static str, Vec<u8>)> {
         pages_reserved: 8,
         pages_max: 16,
     };
-    let mut pool = Pool::new(geometry, &[partition], PoolOptions::default()).expect("valid");
+    let options = PoolOptions {
+        poison_released: true,
+        paranoid: true,
+    };
+    Pool::new(geometry, &[partition], options).expect("a valid pool")
+}
+
+/// Seed streams for [`transfer_frames`]: a real sender's transfer into the
+/// target's pool shape (imports), and the same with a byte flipped.
+pub fn transfer_frames_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use crate::transfer::wire::Message;
+    use bulkhead_kernels::kv::{
+        page_digest, tokens_digest, transfer_digest, OwnerTag, SeqId, TransferIdentity,
+    };
+    let mut pool = transfer_pool();
     let mut reservation = pool.reserve(OwnerTag(1), 2).expect("fits");
     let mut table = pool.page_table(&reservation, SeqId(9));
     for _ in 0..2 {
