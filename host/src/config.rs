@@ -158,6 +158,8 @@ pub struct ServerConfig {
     pub prefill_peers: Vec<String>,
     /// Deadline of each transfer frame (and of the handshake's), once due.
     pub transfer_frame_timeout_ms: u64,
+    /// Mutual TLS on the transfer link, when present.
+    pub transfer_tls: Option<TransferTlsConfig>,
 }
 
 impl Default for ServerConfig {
@@ -186,6 +188,7 @@ impl Default for ServerConfig {
             transfer_listen: None,
             prefill_peers: Vec::new(),
             transfer_frame_timeout_ms: 10_000,
+            transfer_tls: None,
         }
     }
 }
@@ -348,6 +351,24 @@ pub struct TlsConfig {
     pub cert_pem: PathBuf,
     /// Private key.
     pub key_pem: PathBuf,
+}
+
+/// Mutual TLS on the transfer link: this process's certificate and key,
+/// and the CA every peer's certificate must chain to (see
+/// `crate::transfer::tls`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransferTlsConfig {
+    /// This process's certificate chain.
+    pub cert_pem: PathBuf,
+    /// Its private key.
+    pub key_pem: PathBuf,
+    /// The CA certificates a peer's certificate must chain to.
+    pub ca_pem: PathBuf,
+    /// Decode side: the name a prefill peer's certificate must carry
+    /// (default: each peer address's host; a `unix:` peer needs it).
+    #[serde(default)]
+    pub server_name: Option<String>,
 }
 
 /// One model of the catalog: what clients call it, its file, its promise, and
@@ -818,6 +839,17 @@ impl Config {
                 "server.prefill_peers",
                 "only a decode process has prefill peers (set server.role = \"decode\")",
             )),
+            (Role::Decode, _, _)
+                if s.transfer_tls
+                    .as_ref()
+                    .is_some_and(|t| t.server_name.is_none())
+                    && s.prefill_peers.iter().any(|p| p.starts_with("unix:")) =>
+            {
+                Err(invalid(
+                    "server.transfer_tls.server_name",
+                    "a unix: prefill peer has no host name: name the one its certificate carries",
+                ))
+            }
             _ if s.transfer_frame_timeout_ms == 0
                 || s.transfer_frame_timeout_ms > TIMEOUT_MS_LIMIT =>
             {

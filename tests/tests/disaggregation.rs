@@ -214,3 +214,189 @@ fn a_role_without_its_peer_or_secret_refuses_to_start() {
     );
     assert!(err.contains("at least 32"), "{err}");
 }
+
+/// Runs `openssl` with `args`; panics with its stderr if it fails.
+fn openssl(dir: &std::path::Path, args: &[&str]) {
+    let out = std::process::Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("openssl runs");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A CA (`{ca}.pem`, `{ca}-key.pem`) in `dir`.
+fn make_ca(dir: &std::path::Path, ca: &str) {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            &format!("/CN={ca}"),
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+            "-keyout",
+            &format!("{ca}-key.pem"),
+            "-out",
+            &format!("{ca}.pem"),
+        ],
+    );
+}
+
+/// A leaf certificate `{name}.pem` (key `{name}-key.pem`) signed by `ca`,
+/// for 127.0.0.1, usable as a TLS server and client.
+fn make_leaf(dir: &std::path::Path, ca: &str, name: &str) {
+    let ext = dir.join(format!("{name}.ext"));
+    std::fs::write(
+        &ext,
+        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n",
+    )
+    .unwrap();
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-subj",
+            &format!("/CN={name}"),
+            "-keyout",
+            &format!("{name}-key.pem"),
+            "-out",
+            &format!("{name}.csr"),
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &format!("{name}.csr"),
+            "-CA",
+            &format!("{ca}.pem"),
+            "-CAkey",
+            &format!("{ca}-key.pem"),
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            &format!("{name}.ext"),
+            "-out",
+            &format!("{name}.pem"),
+        ],
+    );
+}
+
+/// The `[server]` line that gives a process `name`'s certificate and `ca`.
+fn transfer_tls(dir: &std::path::Path, name: &str, ca: &str) -> String {
+    format!(
+        "transfer_tls = {{ cert_pem = \"{0}/{name}.pem\", key_pem = \"{0}/{name}-key.pem\", ca_pem = \"{0}/{ca}.pem\" }}\n",
+        dir.display()
+    )
+}
+
+#[test]
+fn with_mutual_tls_only_a_peer_with_a_certificate_of_the_ca_pairs() {
+    let Some(model) = smollm2() else { return };
+    let has_openssl = std::process::Command::new("openssl")
+        .arg("version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_openssl {
+        eprintln!("skipped: the openssl command-line tool makes the certificates");
+        return;
+    }
+    let dir = temp_dir("disagg-mtls");
+    make_ca(&dir, "ca");
+    make_ca(&dir, "rogue-ca");
+    make_leaf(&dir, "ca", "prefill");
+    make_leaf(&dir, "ca", "decode");
+    make_leaf(&dir, "rogue-ca", "intruder");
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let peer = format!("127.0.0.1:{port}");
+    let with = |name: &str, ca: &str| Policy {
+        server_toml: transfer_tls(&dir, name, ca),
+        ..Policy::default()
+    };
+    let prefill_policy = with("prefill", "ca");
+    let prefill = launch(
+        Launch::new(&model, &prefill_policy)
+            .arg("--role")
+            .arg("prefill")
+            .arg("--transfer-listen")
+            .arg(&peer)
+            .env("BULKHEAD_TRANSFER_SECRET", Some(SECRET)),
+    );
+    let decode_as = |policy: &Policy| {
+        launch(
+            Launch::new(&model, policy)
+                .arg("--role")
+                .arg("decode")
+                .arg("--prefill-peer")
+                .arg(&peer)
+                .env("BULKHEAD_TRANSFER_SECRET", Some(SECRET)),
+        )
+    };
+    // A decode process with the CA's certificate pairs and answers.
+    let decode_policy = with("decode", "ca");
+    let decode = decode_as(&decode_policy);
+    assert!(
+        eventually(Duration::from_secs(10), || ready(&decode)),
+        "paired over mutual TLS"
+    );
+    let (status, body) = answer(&decode, "Name three primary colors.");
+    assert_eq!(status, 200, "{body}");
+    assert!(decode.logged("transfer received"));
+    drop(decode);
+    // One whose certificate another CA signed, and one without TLS, never
+    // pair, even with the right secret; the prefill side says why.
+    let intruder_policy = with("intruder", "ca");
+    let plain = Policy::default();
+    for policy in [&intruder_policy, &plain] {
+        let decode = decode_as(policy);
+        std::thread::sleep(Duration::from_secs(2));
+        assert!(!ready(&decode), "never paired");
+        let r = decode.post_json(
+            "/v1/chat/completions",
+            Some(KEY_ALPHA),
+            &chat_body("Name three primary colors.", 8),
+        );
+        assert_eq!(r.status, 502, "{}", r.body);
+        pool_at_baseline(&decode);
+    }
+    assert!(prefill.logged("TLS handshake failed"));
+    pool_at_baseline(&prefill);
+    // A unix: peer has no host name for the certificate: the start says
+    // which setting names it.
+    let err = refused(
+        Launch::new(&model, &decode_policy)
+            .arg("--role")
+            .arg("decode")
+            .arg("--prefill-peer")
+            .arg("unix:/nonexistent/transfer.sock")
+            .env("BULKHEAD_TRANSFER_SECRET", Some(SECRET)),
+    );
+    assert!(err.contains("server.transfer_tls.server_name"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -335,7 +335,14 @@ fn start_transfer(
                 .map(|a| a.parse())
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(ServeError::Transfer)?;
-            let peers = Arc::new(transfer::Peers::new(addrs, secret.clone(), timeouts));
+            let tls = match &config.server.transfer_tls {
+                Some(tls) => Some(
+                    transfer::tls::ClientTls::load(tls, |p| config.resolve(p))
+                        .map_err(ServeError::Transfer)?,
+                ),
+                None => None,
+            };
+            let peers = Arc::new(transfer::Peers::new(addrs, secret.clone(), timeouts, tls));
             transfer::set_decode(transfer::DecodeSetup {
                 connector: transfer::peer_connector(peers),
                 secret,
@@ -349,13 +356,21 @@ fn start_transfer(
         }
         Role::Prefill => {
             let listener = listener.expect("role prefill binds its transfer listener");
+            let tls = match &config.server.transfer_tls {
+                Some(tls) => Some(
+                    transfer::tls::ServerTls::load(tls, |p| config.resolve(p))
+                        .map_err(ServeError::Transfer)?,
+                ),
+                None => None,
+            };
             let models = Arc::new(transfer::CatalogModels {
                 catalog: Arc::clone(catalog),
                 ids: Arc::new(RequestIds::random()?),
             });
             let _runtime = runtime.enter();
             runtime.spawn(async move {
-                if let Err(error) = transfer::serve_peers(listener, secret, timeouts, models).await
+                if let Err(error) =
+                    transfer::serve_peers(listener, secret, timeouts, tls, models).await
                 {
                     tracing::error!(%error, "the transfer listener stopped");
                 }

@@ -15,6 +15,7 @@
 //! protocol ([`link`]) runs over both, and over an in-memory pipe in tests.
 
 pub mod link;
+pub mod tls;
 pub mod wire;
 
 use crate::engine::handoff::{PrefillRequest, Transferred};
@@ -109,16 +110,24 @@ pub trait Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
 impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Stream for T {}
 
 /// Connects to `addr` within `timeouts.connect`.
-pub async fn connect(addr: &PeerAddr, timeouts: Timeouts) -> std::io::Result<Box<dyn Stream>> {
+pub async fn connect(
+    addr: &PeerAddr,
+    timeouts: Timeouts,
+    tls: Option<&tls::ClientTls>,
+) -> std::io::Result<Box<dyn Stream>> {
     let connecting = async {
-        Ok::<Box<dyn Stream>, std::io::Error>(match addr {
+        let (stream, host): (Box<dyn Stream>, _) = match addr {
             PeerAddr::Tcp(addr) => {
                 let stream = tokio::net::TcpStream::connect(addr).await?;
                 stream.set_nodelay(true)?;
-                Box::new(stream)
+                (Box::new(stream), Some(tls::host_of(addr)))
             }
-            PeerAddr::Unix(path) => Box::new(tokio::net::UnixStream::connect(path).await?),
-        })
+            PeerAddr::Unix(path) => (Box::new(tokio::net::UnixStream::connect(path).await?), None),
+        };
+        match tls {
+            Some(tls) => tls.connect(host, stream).await,
+            None => Ok(stream),
+        }
     };
     tokio::time::timeout(timeouts.connect, connecting)
         .await
@@ -133,16 +142,24 @@ pub struct Peers {
     pub secret: Secret,
     /// Deadlines.
     pub timeouts: Timeouts,
+    /// Mutual TLS, when the policy names certificates.
+    pub tls: Option<tls::ClientTls>,
     next: AtomicUsize,
 }
 
 impl Peers {
     /// Peers at `addrs`.
-    pub fn new(addrs: Vec<PeerAddr>, secret: Secret, timeouts: Timeouts) -> Peers {
+    pub fn new(
+        addrs: Vec<PeerAddr>,
+        secret: Secret,
+        timeouts: Timeouts,
+        tls: Option<tls::ClientTls>,
+    ) -> Peers {
         Peers {
             addrs,
             secret,
             timeouts,
+            tls,
             next: AtomicUsize::new(0),
         }
     }
@@ -173,7 +190,7 @@ pub fn peer_connector(peers: Arc<Peers>) -> Connector {
             let Some(addr) = peers.pick().cloned() else {
                 return Err(std::io::Error::other("no prefill peer"));
             };
-            connect(&addr, peers.timeouts).await
+            connect(&addr, peers.timeouts, peers.tls.as_ref()).await
         })
     })
 }
@@ -285,9 +302,13 @@ async fn run_job(request: PrefillRequest, context: JobContext) {
         Transferred::Refused(refusal) => (Some(refusal.code()), 0),
         Transferred::Failed(reason) => (Some(*reason), 0),
     };
+    // The page book's check on the engine thread (the scheduler logs its
+    // own time as `transfer verified`), with the wait for the engine's turn.
+    let judging = Instant::now();
     let verdict = engine
         .transferred(RequestId(identity.request), identity.job, result)
         .await;
+    let judged = judging.elapsed();
     if let Some(mut link) = link {
         if label.is_none() {
             if let Err(error) = link::send_verdict(&mut link, verdict).await {
@@ -315,6 +336,7 @@ async fn run_job(request: PrefillRequest, context: JobContext) {
         result,
         ms = (seconds * 1000.0) as u64,
         wire_us = wire.as_micros() as u64,
+        verdict_us = judged.as_micros() as u64,
         "transfer received"
     );
 }
@@ -497,6 +519,7 @@ pub async fn serve_peers(
     listener: Listener,
     secret: Secret,
     timeouts: Timeouts,
+    tls: Option<tls::ServerTls>,
     models: Arc<dyn link::PrefillModels>,
 ) -> std::io::Result<()> {
     let slots = Arc::new(tokio::sync::Semaphore::new(CONNECTIONS_MAX));
@@ -534,13 +557,144 @@ pub async fn serve_peers(
             metrics::counter!("bulkhead_transfer_connections_refused_total").increment(1);
             continue;
         };
-        let (secret, models) = (secret.clone(), Arc::clone(&models));
+        let (secret, models, tls) = (secret.clone(), Arc::clone(&models), tls.clone());
         tokio::spawn(async move {
             let _slot = slot;
+            let stream = match tls {
+                None => stream,
+                // The TLS handshake is due like a frame.
+                Some(tls) => {
+                    match tokio::time::timeout(timeouts.frame, tls.accept(stream)).await {
+                        Ok(Ok(stream)) => stream,
+                        Ok(Err(error)) => {
+                            metrics::counter!("bulkhead_transfer_link_errors_total", "reason" => "tls").increment(1);
+                            tracing::warn!(%error, "decode peer's TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            metrics::counter!("bulkhead_transfer_link_errors_total", "reason" => "tls").increment(1);
+                            tracing::warn!("decode peer's TLS handshake timed out");
+                            return;
+                        }
+                    }
+                }
+            };
             if let Err(error) = link::serve_prefill(stream, &secret, timeouts, &*models).await {
                 metrics::counter!("bulkhead_transfer_link_errors_total", "reason" => error.reason()).increment(1);
                 tracing::warn!(%error, "decode peer's connection ended");
             }
         });
+    }
+}
+
+/// What `bulkhead check --role` prints for one model: the request's chain
+/// through the processes (front, prefill, transfer, decode), each with what
+/// it must hold and where that is checked.
+pub struct Chain<'a> {
+    /// This process's role.
+    pub role: Role,
+    /// The model's id.
+    pub model: &'a str,
+    /// The context the model promises (prompt and completion).
+    pub context_tokens: u32,
+    /// Its pool's page shape.
+    pub shape: bulkhead_kernels::kv::PageShape,
+    /// Its file's fingerprint.
+    pub fingerprint: u64,
+    /// The tenants that may use it (stable id, name): both sides must agree.
+    pub tenants: Vec<(u32, String)>,
+    /// Whether this process's capacity table holds the promise.
+    pub holds: bool,
+    /// The policy's server section (peers, listener, frame deadline).
+    pub server: &'a crate::config::ServerConfig,
+}
+
+impl Chain<'_> {
+    /// The chain as lines of text.
+    pub fn text(&self) -> String {
+        use crate::capacity::human_bytes;
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "chain of model {} as role {}",
+            self.model,
+            self.role.as_str()
+        );
+        if self.role == Role::Both {
+            let _ = writeln!(
+                out,
+                "  one process: front, prefill and decode share one engine and one pool; nothing is transferred"
+            );
+            return out;
+        }
+        let holds = if self.holds { "ok" } else { "NO" };
+        // A prompt may take the whole context but the one token it asks for;
+        // all of it but its last token travels.
+        let prompt = self.context_tokens.saturating_sub(1);
+        let pages = self.shape.pages_for(prompt.saturating_sub(1));
+        let page = self.shape.page_bytes(self.shape.page_tokens);
+        let shape = format!(
+            "{} tokens x {} layers x {} KV heads x {} ({:?}), {} a page",
+            self.shape.page_tokens,
+            self.shape.layers,
+            self.shape.kv_heads,
+            self.shape.head_dim,
+            self.shape.kv_type,
+            human_bytes(page)
+        );
+        let tenants = self
+            .tenants
+            .iter()
+            .map(|(id, name)| format!("{name}={id}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let peers = match self.server.prefill_peers.is_empty() {
+            true => "none named yet: --prefill-peer ADDR".to_string(),
+            false => self.server.prefill_peers.join(", "),
+        };
+        let listen = self
+            .server
+            .transfer_listen
+            .as_deref()
+            .unwrap_or("none named yet: --transfer-listen ADDR");
+        let (front, prefill, decode) = match self.role {
+            Role::Decode => (
+                format!(
+                    "this process: authenticates the tenant, admits against the capacity table above ({holds}), runs plugins, tokenizes; a prompt of up to {prompt} tokens sends all but its last token to a peer"
+                ),
+                format!(
+                    "a peer ({peers}) that pairs: the same file (fingerprint {:016x}), page shape, a context of at least {}, tenants {tenants}; its own table must hold that context (`check --role prefill` on its policy)",
+                    self.fingerprint, self.context_tokens
+                ),
+                format!(
+                    "this process: books the worst case's pages for the tenant before it asks, computes the last prompt token itself once the page book passes the import, then generates ({holds})"
+                ),
+            ),
+            _ => (
+                "a decode peer (this process answers clients 421 prefill_only)".to_string(),
+                format!(
+                    "this process, for decode peers at {listen}: computes a prompt of up to {prompt} tokens against the capacity table above ({holds}); refuses a job as one process would refuse the request"
+                ),
+                format!(
+                    "a peer that pairs: the same file (fingerprint {:016x}), page shape, a context of at most {}, tenants {tenants}",
+                    self.fingerprint, self.context_tokens
+                ),
+            ),
+        };
+        let transfer = format!(
+            "pages of {shape}; at most {pages} pages = {} a prompt; the sender keeps its pages until the verdict; the receiver checks identity, token count against its own tokenization, order, lengths, each page's XXH64 and the whole transfer's digest before anything decodes; a frame is due within {} ms, the link proves BULKHEAD_TRANSFER_SECRET both ways",
+            human_bytes(page * u64::from(pages)),
+            self.server.transfer_frame_timeout_ms
+        );
+        for (stage, text) in [
+            ("front", front),
+            ("prefill", prefill),
+            ("transfer", transfer),
+            ("decode", decode),
+        ] {
+            let _ = writeln!(out, "  {stage:<9} {text}");
+        }
+        out
     }
 }
