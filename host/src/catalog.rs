@@ -137,6 +137,8 @@ pub struct Inspected {
     pub file_context_tokens: u64,
     /// Its weights and KV pool.
     pub memory: ModelMemory,
+    /// Its pool's page shape (what a transfer's pages are).
+    pub shape: bulkhead_kernels::kv::PageShape,
 }
 
 fn file_error(spec: &ModelSpec, message: impl ToString) -> LoadError {
@@ -191,9 +193,11 @@ pub fn inspect(spec: &ModelSpec) -> Result<Inspected, LoadError> {
     regular_file(spec)?;
     let gguf = Gguf::open(&spec.path).map_err(|e| file_error(spec, e))?;
     let config = LlamaConfig::from_gguf(&gguf).map_err(|e| file_error(spec, e))?;
+    let geometry = config.pool_geometry(spec.pool_pages, spec.page_tokens, spec.kv_type.into());
     Ok(Inspected {
         file_context_tokens: config.context_len as u64,
         memory: memory_of(spec, &gguf, &config)?,
+        shape: bulkhead_kernels::kv::PageShape::of(&geometry),
     })
 }
 

@@ -139,6 +139,11 @@ enum Command {
         /// The control-plane store's folder (overrides `store.path`).
         #[arg(long)]
         store: Option<PathBuf>,
+        /// Check as this role would serve (overrides `server.role`): for
+        /// `prefill` and `decode`, also print each model's chain — front,
+        /// prefill, transfer, decode — with what each part must hold.
+        #[arg(long)]
+        role: Option<bulkhead::transfer::Role>,
     },
     /// Replace a lost admin token, offline (the server stopped): a new one is
     /// generated, stored as a digest (the old one stops working), audited
@@ -262,15 +267,34 @@ fn reset_admin_token(path: &Path, store: Option<PathBuf>) -> Result<()> {
     Ok(())
 }
 
+/// The (id, name) of the tenants that may use `spec`, as a pairing names them.
+fn quotas_ids(
+    tenants: &[bulkhead::store::records::TenantRecord],
+    spec: &bulkhead::config::ModelSpec,
+) -> Vec<(u32, String)> {
+    tenants
+        .iter()
+        .filter(|t| t.models.allows(&spec.id))
+        .map(|t| (t.id, t.name.clone()))
+        .collect()
+}
+
 /// A byte count argument: `6442450944` or `"6 GiB"`.
 fn bytes_arg(text: &str) -> Result<u64> {
     bulkhead::config::parse_bytes(text)
         .with_context(|| format!("{text:?} is not a byte count such as 6442450944 or \"6 GiB\""))
 }
 
-fn check(mut config: Config, store: Option<PathBuf>) -> Result<()> {
+fn check(
+    mut config: Config,
+    store: Option<PathBuf>,
+    role: Option<bulkhead::transfer::Role>,
+) -> Result<()> {
     if let Some(store) = store {
         config.store.path = std::path::absolute(store)?;
+    }
+    if let Some(role) = role {
+        config.server.role = role;
     }
     // The state the server would use: a seeded store's tenants win over the
     // policy's, and its models join the policy's. Opening the store creates
@@ -311,7 +335,24 @@ fn check(mut config: Config, store: Option<PathBuf>) -> Result<()> {
         let quotas = catalog::quotas_for(spec, &tenants);
         let capacity = Capacity::of_model(spec, inspected.file_context_tokens, &quotas);
         print!("{}", capacity.table());
-        if let Err(v) = capacity.check() {
+        let holds = capacity.check();
+        if config.server.role != bulkhead::transfer::Role::Both {
+            let fingerprint = bulkhead_kernels::gguf::Gguf::open(&spec.path)
+                .with_context(|| format!("{}", spec.path.display()))?
+                .fingerprint();
+            let chain = bulkhead::transfer::Chain {
+                role: config.server.role,
+                model: &spec.id,
+                context_tokens: spec.context_tokens,
+                shape: inspected.shape,
+                fingerprint,
+                tenants: quotas_ids(&tenants, spec),
+                holds: holds.is_ok(),
+                server: &config.server,
+            };
+            print!("{}", chain.text());
+        }
+        if let Err(v) = holds {
             violation.get_or_insert_with(|| anyhow::Error::from(v));
         }
         memory.models.push(inspected.memory);
@@ -446,8 +487,9 @@ fn run(cli: Cli) -> Result<()> {
             model,
             memory_max,
             store,
+            role,
         } => match (config, model) {
-            (Some(config), _) => check(Config::load(&config)?, store),
+            (Some(config), _) => check(Config::load(&config)?, store, role),
             (None, Some(model)) => {
                 let single = Single {
                     model: &model,
@@ -456,7 +498,7 @@ fn run(cli: Cli) -> Result<()> {
                 };
                 let (toml, config) = single::derive(&single)?;
                 println!("{toml}");
-                check(config, None)
+                check(config, None, None)
             }
             (None, None) => bail!("give --config or --model"),
         },

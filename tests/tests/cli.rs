@@ -241,6 +241,56 @@ fn check_prints_the_capacity_table_and_refuses_a_broken_promise() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[test]
+fn check_with_a_role_prints_the_chain_through_both_processes() {
+    let Some(model) = smollm2() else { return };
+    let demo = repo_root().join("policies/demo.toml");
+    let fingerprint = format!(
+        "{:016x}",
+        bulkhead_kernels::gguf::Gguf::open(&model)
+            .unwrap()
+            .fingerprint()
+    );
+    let out = run(bulkhead()
+        .args(["check", "--role", "decode", "--config"])
+        .arg(&demo));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let chain = text
+        .split("chain of model smollm2-135m-instruct as role decode\n")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no chain for the model: {text}"));
+    let lines: Vec<&str> = chain.lines().take(4).collect();
+    for (line, stage) in lines.iter().zip(["front", "prefill", "transfer", "decode"]) {
+        assert!(line.trim_start().starts_with(stage), "{stage}: {line}");
+    }
+    // What a peer must pair with, what travels, who the tenants are.
+    assert!(lines[1].contains(&fingerprint), "{}", lines[1]);
+    assert!(lines[1].contains("alpha=1"), "{}", lines[1]);
+    assert!(
+        lines[2].contains("512 pages"),
+        "8191 tokens of 16: {}",
+        lines[2]
+    );
+    assert!(lines[2].contains("360.0 KiB a page"), "{}", lines[2]);
+    let out = run(bulkhead()
+        .args(["check", "--role", "prefill", "--config"])
+        .arg(&demo));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("421 prefill_only"),
+        "{}",
+        stdout(&out)
+    );
+    // One process: no chain.
+    let out = run(bulkhead().args(["check", "--config"]).arg(&demo));
+    assert!(!stdout(&out).contains("chain of model"), "{}", stdout(&out));
+    let out = run(bulkhead()
+        .args(["check", "--role", "sideways", "--config"])
+        .arg(&demo));
+    assert_eq!(out.status.code(), Some(2), "clap refuses an unknown role");
+}
+
 /// A fresh temporary folder for one test.
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("bulkhead-{name}-{}", std::process::id()));
