@@ -7,13 +7,16 @@
 # cores, so this measures the protocol's cost (copying the pages out,
 # framing, hashing, the page book's checks), not disaggregation's gain.
 #
-#   scripts/bench_disagg.sh [ROUNDS] [REQUESTS]     (default 2 rounds, 8 requests a level)
+#   scripts/bench_disagg.sh [ROUNDS] [REQUESTS]     (default 1 round; 3 requests one at
+#                                                    a time, then 8 at once, a level)
+#
+# An 8k-token prompt takes 30-90 s to prefill on 2 cores: one round is ~30 min.
 #
 # BULKHEAD_BIN=path runs that binary instead of building target/release/bulkhead.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-rounds=${1:-2}
-requests=${2:-8}
+rounds=${1:-1}
+requests=${2:-3}
 bulkhead=${BULKHEAD_BIN:-$root/target/release/bulkhead}
 if [ -z "${BULKHEAD_BIN:-}" ]; then
     (cd "$root" && cargo build --release --locked -p bulkhead 2>/dev/null)
@@ -50,39 +53,60 @@ wait_ready http://127.0.0.1:18394/readyz
 wait_ready http://127.0.0.1:18391/readyz
 
 # ~12 tokens a sentence: ~512, ~2k and ~8k-token prompts (8k fits the demo's
-# 8,192-token context with the 32 generated).
+# 8,192-token context with the 32 generated). Every prompt in the run is
+# distinct (numbered from `first`): no prefix cache helps either setup.
+first=0
 for round in $(seq "$rounds"); do
-    for sentences in 41 168 670; do
+    for sentences in 41 168 610; do
         for setup in both split; do
             port=18380
             [ "$setup" = split ] && port=18390
             echo "== round $round, $setup, $sentences sentences"
-            "$bulkhead" bench http --url "http://127.0.0.1:$port" --key "$BULKHEAD_KEY_ALPHA" \
-                --concurrency 1,8 --requests "$requests" --max-tokens 32 \
-                --prompt-sentences "$sentences" --distinct-prompts
+            for concurrency in 1 8; do
+                n=$requests
+                [ "$concurrency" = 8 ] && n=8
+                "$bulkhead" bench http --url "http://127.0.0.1:$port" --key "$BULKHEAD_KEY_ALPHA" \
+                    --concurrency "$concurrency" --requests "$n" --max-tokens 32 \
+                    --prompt-sentences "$sentences" --distinct-prompts --first-request "$first"
+                first=$((first + n))
+            done
         done
     done
 done
 
-# What the transfers cost, from the decode side's log: milliseconds and bytes
-# per transfer (received and verified, handed to the engine).
-python3 - "$work/decode.log" <<'EOF'
+# What the transfers cost, from both sides' logs, per prompt size: bytes;
+# the sender's time from header to trailer and its hashing of every page
+# (`transfer sent`); the pages on the wire at the receiver, header to
+# trailer (`transfer received`), and the page book's import there — the
+# copy into the reserved pages and every page's digest as stored, on the
+# engine thread (`transfer verified`).
+python3 - "$work/decode.log" "$work/prefill.log" <<'EOF'
 import json, sys, statistics
-rows = []
-for line in open(sys.argv[1]):
-    try:
-        event = json.loads(line)
-    except ValueError:
-        continue
-    fields = event.get("fields", event)
-    if fields.get("message") == "transfer received" and fields.get("result") == "ok":
-        rows.append((int(fields["tokens"]), int(fields["bytes"]), int(fields["ms"])))
+def events(path, message):
+    for line in open(path):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        fields = event.get("fields", event)
+        if fields.get("message") == message:
+            yield fields
+received = [f for f in events(sys.argv[1], "transfer received") if f.get("result") == "ok"]
+verified = {int(f["request_id"]): int(f["verify_us"]) / 1000 for f in events(sys.argv[1], "transfer verified")}
+sent = [f for f in events(sys.argv[2], "transfer sent") if f.get("ok") in (True, "true")]
 for lo, hi in [(0, 1024), (1024, 4096), (4096, 1 << 20)]:
-    sel = [r for r in rows if lo <= r[0] < hi]
-    if not sel:
+    r = [f for f in received if lo <= int(f["tokens"]) < hi]
+    s = [f for f in sent if lo <= int(f["tokens"]) < hi]
+    if not r or not s:
         continue
-    tokens = statistics.median(r[0] for r in sel)
-    ms = statistics.median(r[2] for r in sel)
-    per_token = statistics.median(r[1] / r[0] for r in sel)
-    print(f"transfers of ~{tokens:.0f} tokens: {len(sel)}, median {ms:.0f} ms from job to verified, {per_token / 1024:.1f} KiB per prompt token")
+    med = lambda rows, key, scale=1: statistics.median(int(f[key]) / scale for f in rows)
+    imports = [verified[int(f["request_id"])] for f in r if int(f["request_id"]) in verified]
+    send_ms, hash_ms = med(s, "send_us", 1000), med(s, "hash_us", 1000)
+    wire_ms, import_ms = med(r, "wire_us", 1000), statistics.median(imports)
+    print(f"~{med(r, 'tokens'):.0f} tokens, {med(r, 'bytes', 2**20):.1f} MiB "
+          f"({med(r, 'bytes') / med(r, 'tokens') / 1024:.1f} KiB a prompt token), {len(r)} transfers, medians: "
+          f"sender {send_ms:.1f} ms header to trailer, {hash_ms:.1f} ms of it hashing ({100 * hash_ms / send_ms:.1f} %); "
+          f"receiver {wire_ms:.1f} ms on the wire, import {import_ms:.1f} ms (copy and digest)")
 EOF
+# XXH64's and a copy's speed here: the digest's part of the import above.
+"$bulkhead" bench digest --rounds 3

@@ -61,6 +61,10 @@ pub struct HttpBenchArgs {
     /// prompt's sentences as a prefix (a system prompt), and differ after it.
     #[arg(long)]
     pub shared_prefix: bool,
+    /// The first request's number (prompts are numbered from it): runs
+    /// against one server that must not share prompts start apart.
+    #[arg(long, default_value_t = 0)]
+    pub first_request: usize,
 }
 
 const SENTENCE: &str = "The quick brown fox jumps over the lazy dog near the river. ";
@@ -87,7 +91,7 @@ pub fn run(args: &HttpBenchArgs) -> Result<()> {
     let authority = authority(&args.url)?;
     let mut body = request_body(&args.model, args.max_tokens, args.extra.as_deref())?;
     body["prompt"] = SENTENCE.repeat(args.prompt_sentences).into();
-    let mut sent = 0usize;
+    let mut sent = args.first_request;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

@@ -489,6 +489,8 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
         return link.flush().await;
     };
     let bytes = export.bytes();
+    let sending = Instant::now();
+    let mut hashing = Duration::ZERO;
     link.send(&Message::Header(export.header)).await?;
     let mut digests = Vec::with_capacity(export.pages.len());
     for (index, page) in export.pages.into_iter().enumerate() {
@@ -498,7 +500,9 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
             .header
             .shape
             .tokens_in_page(export.header.identity.tokens, index);
+        let hashed = Instant::now();
         let digest = page_digest(used, &page);
+        hashing += hashed.elapsed();
         digests.push(digest);
         link.send(&Message::Page {
             index,
@@ -513,6 +517,7 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
     )))
     .await?;
     link.flush().await?;
+    let sent = sending.elapsed();
     let verdict = link.recv("verdict").await;
     // The pages go now, whatever the verdict: the receiver has them, or
     // refused them, or is gone.
@@ -531,6 +536,8 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
                 ok,
                 reason = %reason,
                 ms = started.elapsed().as_millis() as u64,
+                send_us = sent.as_micros() as u64,
+                hash_us = hashing.as_micros() as u64,
                 "transfer sent"
             );
             Ok(())
