@@ -25,6 +25,8 @@
 //! the README's security section quotes.
 
 mod support;
+#[path = "support/transfer_proxy.rs"]
+mod transfer_proxy;
 
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -32,6 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use support::*;
+use transfer_proxy::{Fault, TransferProxy};
 
 /// Canaries are this many lowercase hex digits.
 const CANARY_LEN: usize = 12;
@@ -1221,6 +1224,424 @@ fn engine_fault(suite: &Suite, policy: &Policy) {
     }
 }
 
+// ------------------------------------------------- the transfer paths (I5)
+
+/// The secret both processes of the transfer paths prove.
+const TRANSFER_SECRET: &str = "isolation-transfer-secret-0123456789abcdef";
+/// How long the decode side waits for a transfer's next page.
+const TRANSFER_FRAME_TIMEOUT_MS: u64 = 1000;
+
+/// A prefill and a decode process of the suite's policy (each its own sled
+/// store, seeded alike): the decode side's peer is a man in the middle
+/// ([`TransferProxy`]) in front of the prefill side's transfer listener,
+/// which injects each fault into one transfer of one tenant.
+struct Split<'a> {
+    model: &'a std::path::Path,
+    /// The decode side's policy: the suite's, with a short frame deadline.
+    policy: Policy,
+    /// The prefill side's: the suite's (its wait for the verdict is the
+    /// default frame deadline, longer than a test's act on a held transfer).
+    prefill_policy: Policy,
+    prefill: Option<Server>,
+    decode: Option<Server>,
+    proxy: TransferProxy,
+    /// The prefill side's transfer port (kept across its restarts).
+    port: u16,
+    /// Tenant name → stable id (the same on both sides).
+    ids: HashMap<String, u32>,
+    /// Folders of killed processes, removed at the end.
+    dirs: Vec<std::path::PathBuf>,
+}
+
+impl<'a> Split<'a> {
+    fn start(model: &'a std::path::Path, policy: &Policy) -> Split<'a> {
+        let prefill_policy = policy.clone();
+        let policy = Policy {
+            server_toml: format!(
+                "{}transfer_frame_timeout_ms = {TRANSFER_FRAME_TIMEOUT_MS}\n",
+                policy.server_toml
+            ),
+            ..policy.clone()
+        };
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let proxy = TransferProxy::start(&format!("127.0.0.1:{port}"));
+        let mut split = Split {
+            model,
+            policy,
+            prefill_policy,
+            prefill: None,
+            decode: None,
+            proxy,
+            port,
+            ids: HashMap::new(),
+            dirs: Vec::new(),
+        };
+        split.prefill = Some(split.launch_prefill(None));
+        split.decode = Some(split.launch_decode(None));
+        split.wait_ready("start");
+        let r = split
+            .decode()
+            .admin_call("GET", "/admin/v1/partitions", None);
+        for row in r.json()["data"].as_array().unwrap() {
+            split.ids.insert(
+                row["tenant"].as_str().unwrap().to_string(),
+                row["tenant_id"].as_u64().unwrap() as u32,
+            );
+        }
+        split
+    }
+
+    fn launch_prefill(&self, dir: Option<&std::path::Path>) -> Server {
+        let mut l = Launch::new(self.model, &self.prefill_policy)
+            .arg("--role")
+            .arg("prefill")
+            .arg("--transfer-listen")
+            .arg(&format!("127.0.0.1:{}", self.port))
+            .env("BULKHEAD_TRANSFER_SECRET", Some(TRANSFER_SECRET));
+        if let Some(dir) = dir {
+            l = l.dir(dir);
+        }
+        launch(l)
+    }
+
+    fn launch_decode(&self, dir: Option<&std::path::Path>) -> Server {
+        let mut l = Launch::new(self.model, &self.policy)
+            .arg("--role")
+            .arg("decode")
+            .arg("--prefill-peer")
+            .arg(&self.proxy.addr)
+            .env("BULKHEAD_TRANSFER_SECRET", Some(TRANSFER_SECRET));
+        if let Some(dir) = dir {
+            l = l.dir(dir);
+        }
+        launch(l)
+    }
+
+    fn prefill(&self) -> &Server {
+        self.prefill.as_ref().unwrap()
+    }
+
+    fn decode(&self) -> &Server {
+        self.decode.as_ref().unwrap()
+    }
+
+    fn id(&self, tenant: &str) -> u32 {
+        self.ids[tenant]
+    }
+
+    /// Waits for the decode side to pair (its `/readyz`).
+    fn wait_ready(&self, what: &str) {
+        let ready = eventually(Duration::from_secs(30), || {
+            self.decode()
+                .get(&self.decode().inference, "/readyz", None)
+                .status
+                == 200
+        });
+        assert!(ready, "the decode side did not pair ({what})");
+    }
+
+    /// Both pools at baseline (both processes' pool audit routes).
+    fn baseline(&self, suite: &Suite, path: &'static str) -> bool {
+        // Not `&&`: both are checked (and named in the failure) every time.
+        suite.baseline(path, self.decode(), MODEL_ID)
+            & suite.baseline(path, self.prefill(), MODEL_ID)
+    }
+
+    fn scan_records(&self, suite: &Suite) {
+        suite.scan_records(self.decode());
+        suite.scan_records(self.prefill());
+    }
+}
+
+impl Drop for Split<'_> {
+    fn drop(&mut self) {
+        self.decode = None;
+        self.prefill = None;
+        for dir in &self.dirs {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// Both tenants served through the link, streamed and whole, at once.
+fn transfer_success(suite: &Suite, split: &Split) {
+    const PATH: &str = "transfer: success (two processes)";
+    for trial in 0..suite.trials(2, 1.0) {
+        std::thread::scope(|s| {
+            for tenant in ["alpha", "beta"] {
+                for j in 0..3 {
+                    let stream = (trial + j).is_multiple_of(2);
+                    s.spawn(move || served(suite, split.decode(), PATH, tenant, stream));
+                }
+            }
+        });
+        suite.trial_done(PATH, split.baseline(suite, PATH));
+    }
+}
+
+/// One of alpha's transfers changed by `fault` while beta is served: alpha
+/// gets `expected`, beta its answer, nobody another's canary, both pools
+/// back at baseline.
+fn transfer_fault(
+    suite: &Suite,
+    split: &Split,
+    path: &'static str,
+    fault: Fault,
+    expected: (u16, Option<&str>),
+) {
+    // Beta first: the transfer a replay sends is another tenant's.
+    served(suite, split.decode(), path, "beta", false);
+    split.proxy.arm(split.id("alpha"), fault.clone());
+    std::thread::scope(|s| {
+        s.spawn(|| served(suite, split.decode(), path, "beta", true));
+        // ~70 prompt tokens: five pages, so every page a fault names exists.
+        let body = chat(suite, "alpha", MODEL_ID, 16, 20);
+        let answer = suite.send(split.decode(), KEY_ALPHA, &[], CHAT, &body, None);
+        suite.expect(path, "alpha", &answer, expected);
+    });
+    if !split.proxy.fired() {
+        split.proxy.disarm();
+        suite.fail(format!(
+            "{path}: {fault:?} was never applied (no transfer of alpha's)"
+        ));
+    }
+    suite.trial_done(path, split.baseline(suite, path));
+}
+
+fn transfer_corrupted(suite: &Suite, split: &Split) {
+    const PATH: &str = "transfer: corrupted, rearranged, replayed, the placeholder";
+    let faults = [
+        Fault::Corrupt(1),
+        Fault::WrongDigest(0),
+        Fault::Drop(1),
+        Fault::Duplicate(0),
+        Fault::Reorder,
+        Fault::Truncate(2),
+        Fault::Placeholder,
+        Fault::Replay,
+    ];
+    for round in 0..suite.trials(1, 0.5) {
+        for fault in &faults {
+            // At scale 1 each fault once; later rounds rotate which page.
+            let fault = match (fault, round) {
+                (Fault::Corrupt(n), r) => Fault::Corrupt((n + r) % 4),
+                (f, _) => f.clone(),
+            };
+            transfer_fault(suite, split, PATH, fault, (502, Some("kv_transfer_failed")));
+        }
+    }
+}
+
+fn transfer_cut(suite: &Suite, split: &Split) {
+    const PATH: &str = "transfer: cut off at each step, or late";
+    let late = Duration::from_millis(3 * TRANSFER_FRAME_TIMEOUT_MS);
+    for _ in 0..suite.trials(1, 0.5) {
+        for fault in [
+            Fault::Kill(0),
+            Fault::Kill(1),
+            Fault::Kill(3),
+            Fault::Delay(late),
+        ] {
+            transfer_fault(suite, split, PATH, fault, (502, Some("kv_transfer_failed")));
+        }
+    }
+}
+
+/// A stream of `tenant`'s whose transfer the man in the middle holds: it
+/// returns once the transfer is mid-way (the decode side's pages reserved
+/// in its import, the prefill side's exported and held), with the response
+/// (already 200: its headers went at admission).
+/// (`pad` words make the prompt longer: 850 is ~900 tokens, 57 pages, 20 MiB
+/// of KV — more than loopback's socket buffers hold, so a prefill process
+/// killed while held has not written the whole transfer.)
+fn held_transfer(
+    suite: &Suite,
+    split: &Split,
+    path: &str,
+    tenant: &str,
+    pad: usize,
+) -> ureq::Response {
+    split
+        .proxy
+        .arm(split.id(tenant), Fault::Hold(Duration::from_secs(60)));
+    let mut body = chat(suite, tenant, MODEL_ID, 16, pad);
+    body["stream"] = json!(true);
+    let response = suite
+        .agent
+        .post(&format!("{}{CHAT}", split.decode().inference))
+        .set("authorization", &format!("Bearer {}", key_of(tenant)))
+        .set("content-type", "application/json")
+        .send_string(&body.to_string())
+        .unwrap_or_else(|e| panic!("{path}: {e}"));
+    assert!(
+        split.proxy.wait_holding(Duration::from_secs(60)),
+        "{path}: the transfer was never held"
+    );
+    response
+}
+
+/// A stream's error code (its last error event) and everything it said.
+fn stream_end(response: ureq::Response) -> (Option<String>, String) {
+    let mut sse = sse_reader(response);
+    let (mut code, mut text) = (None, String::new());
+    while let Some(data) = sse.next_data() {
+        let chunk: Value = serde_json::from_str(&data).unwrap_or(Value::Null);
+        if let Some(c) = chunk["error"]["code"].as_str() {
+            code = Some(c.to_string());
+        }
+        text.push_str(&data);
+    }
+    (code, text)
+}
+
+/// After a held transfer's end: the man in the middle holds nothing (the
+/// link was closed, or the hold released).
+fn hold_over(suite: &Suite, split: &Split, path: &str) {
+    split.proxy.release();
+    if !eventually(Duration::from_secs(30), || !split.proxy.holding()) {
+        suite.fail(format!("{path}: the held link never closed"));
+    }
+}
+
+/// The client leaves mid-transfer: the decode side sees it go, drops the
+/// link, and both sides release.
+fn transfer_client_leaves(suite: &Suite, split: &Split) {
+    const PATH: &str = "transfer: client leaves mid-transfer";
+    let cancelled = format!(
+        r#"bulkhead_requests_total{{model="{MODEL_ID}",tenant="alpha",reason="cancelled"}}"#
+    );
+    for _ in 0..suite.trials(1, 0.5) {
+        let before = split.decode().metric(&cancelled);
+        std::thread::scope(|s| {
+            s.spawn(|| served(suite, split.decode(), PATH, "beta", true));
+            drop(held_transfer(suite, split, PATH, "alpha", 20));
+        });
+        if !eventually(Duration::from_secs(20), || {
+            split.decode().metric(&cancelled) > before
+        }) {
+            suite.fail(format!("{PATH}: the decode side never saw alpha leave"));
+        }
+        hold_over(suite, split, PATH);
+        suite.trial_done(PATH, split.baseline(suite, PATH));
+    }
+}
+
+/// Gamma deleted (on both sides, as an operator of two sled stores does)
+/// mid-transfer: its stream ends `tenant_removed`, both sides release. The
+/// last transfer path: gamma is gone after it.
+fn transfer_tenant_deleted(suite: &Suite, split: &Split) {
+    const PATH: &str = "transfer: tenant deleted mid-transfer";
+    std::thread::scope(|s| {
+        s.spawn(|| served(suite, split.decode(), PATH, "beta", true));
+        let response = held_transfer(suite, split, PATH, "gamma", 20);
+        let reader = s.spawn(move || stream_end(response));
+        for server in [split.decode(), split.prefill()] {
+            let r = server.admin_call("DELETE", "/admin/v1/tenants/gamma", None);
+            assert_eq!(r.status, 200, "{}", r.body);
+        }
+        let (code, text) = reader.join().unwrap();
+        suite.check(PATH, "gamma", &text);
+        if code.as_deref() != Some("tenant_removed") {
+            suite.fail(format!(
+                "{PATH}: gamma's stream ended with {code:?}, documented tenant_removed"
+            ));
+        }
+    });
+    hold_over(suite, split, PATH);
+    suite.trial_done(PATH, split.baseline(suite, PATH));
+}
+
+/// The prefill process killed mid-transfer: the request fails with
+/// `kv_transfer_failed`, the decode side keeps no partial page; a new
+/// prefill process on the same port pairs again and serves.
+fn transfer_prefill_restart(suite: &Suite, split: &mut Split) {
+    const PATH: &str = "transfer: prefill process killed mid-transfer, restarted";
+    for _ in 0..suite.trials(1, 0.25) {
+        let response = held_transfer(suite, split, PATH, "alpha", 850);
+        let dir = split.prefill.take().unwrap().kill();
+        // What the dead process had written still arrives; then the end.
+        split.proxy.release();
+        let (code, text) = stream_end(response);
+        suite.check(PATH, "alpha", &text);
+        if code.as_deref() != Some("kv_transfer_failed") {
+            suite.fail(format!(
+                "{PATH}: alpha's stream ended with {code:?}, documented kv_transfer_failed"
+            ));
+        }
+        let baseline = suite.baseline(PATH, split.decode(), MODEL_ID);
+        split.prefill = Some(split.launch_prefill(Some(&dir)));
+        split.dirs.push(dir);
+        split.wait_ready("after the prefill process's restart");
+        served(suite, split.decode(), PATH, "alpha", false);
+        served(suite, split.decode(), PATH, "beta", true);
+        suite.trial_done(PATH, baseline & split.baseline(suite, PATH));
+    }
+}
+
+/// The decode process killed mid-transfer: the prefill side sees the link
+/// close and releases its exported pages; a new decode process on the same
+/// store pairs again and serves.
+fn transfer_decode_restart(suite: &Suite, split: &mut Split) {
+    const PATH: &str = "transfer: decode process killed mid-transfer, restarted";
+    for _ in 0..suite.trials(1, 0.25) {
+        let response = held_transfer(suite, split, PATH, "alpha", 20);
+        let decode = split.decode.take().unwrap();
+        suite.scan_records(&decode);
+        let dir = decode.kill();
+        drop(response);
+        let baseline = suite.baseline(PATH, split.prefill(), MODEL_ID);
+        hold_over(suite, split, PATH);
+        split.decode = Some(split.launch_decode(Some(&dir)));
+        split.dirs.push(dir);
+        split.wait_ready("after the decode process's restart");
+        served(suite, split.decode(), PATH, "alpha", true);
+        served(suite, split.decode(), PATH, "beta", false);
+        suite.trial_done(PATH, baseline & split.baseline(suite, PATH));
+    }
+}
+
+/// The transfer paths' names (for `BULKHEAD_ISOLATION_ONLY`).
+const TRANSFER_PATHS: [&str; 7] = [
+    "transfer_success",
+    "transfer_corrupted",
+    "transfer_cut",
+    "transfer_client_leaves",
+    "transfer_prefill_restart",
+    "transfer_decode_restart",
+    "transfer_tenant_deleted",
+];
+
+/// Every transfer path, on one pair of processes.
+fn transfer_paths(suite: &Suite, model: &std::path::Path, policy: &Policy) {
+    let mut split = Split::start(model, policy);
+    type Path = fn(&Suite, &Split);
+    let paths: [(&str, Path); 4] = [
+        ("transfer_success", transfer_success),
+        ("transfer_corrupted", transfer_corrupted),
+        ("transfer_cut", transfer_cut),
+        ("transfer_client_leaves", transfer_client_leaves),
+    ];
+    for (name, path) in paths {
+        if suite.runs(name) {
+            path(suite, &split);
+        }
+    }
+    if suite.runs("transfer_prefill_restart") {
+        transfer_prefill_restart(suite, &mut split);
+    }
+    if suite.runs("transfer_decode_restart") {
+        transfer_decode_restart(suite, &mut split);
+    }
+    if suite.runs("transfer_tenant_deleted") {
+        transfer_tenant_deleted(suite, &split);
+    }
+    split.scan_records(suite);
+}
+
 #[test]
 fn no_tenant_sees_another_tenants_data_on_any_path() {
     let Some(model) = smollm2() else { return };
@@ -1290,6 +1711,9 @@ fn no_tenant_sees_another_tenants_data_on_any_path() {
     }
     if suite.runs("engine_fault") {
         engine_fault(&suite, &policy);
+    }
+    if TRANSFER_PATHS.iter().any(|name| suite.runs(name)) {
+        transfer_paths(&suite, &model, &policy);
     }
 
     let table = suite.table();
