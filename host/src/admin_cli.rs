@@ -463,7 +463,7 @@ fn call_of(command: &AdminCommand) -> Result<Call> {
         AdminCommand::Capacity => Call::get("/admin/v1/capacity".into()),
         AdminCommand::Partitions => Call::get("/admin/v1/partitions".into()),
         AdminCommand::Usage { tenant, minutes } => {
-            let now = crate::tenancy::control::now_ms();
+            let now = crate::clock::now_ms();
             let from = now.saturating_sub(minutes.saturating_mul(60_000));
             Call::get(format!(
                 "/admin/v1/usage?tenant={}&from_ms={from}&to_ms={}",

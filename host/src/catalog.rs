@@ -312,7 +312,7 @@ pub fn load(
         engine: service.handle(),
         file_context_tokens,
         memory,
-        created: crate::tenancy::control::now_ms() / 1000,
+        created: crate::clock::now_ms() / 1000,
         spec,
         source,
         transfer,

@@ -10,6 +10,7 @@ pub mod bench_http;
 pub mod bench_plugins;
 pub mod capacity;
 pub mod catalog;
+pub mod clock;
 pub mod config;
 pub mod engine;
 #[doc(hidden)]

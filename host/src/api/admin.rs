@@ -17,12 +17,12 @@
 use super::error::{capacity_limits, ApiError, CapacityLimit, ErrorResponse};
 use super::{read_body, App};
 use crate::catalog::{Served, Source};
+use crate::clock::now_ms;
 use crate::config::ModelSpec;
 use crate::store::records::AuditRecord;
 use crate::tenancy::control::{
-    now_ms, Actor, Canaries, Control, IssuedKey, KeyView, ModelRemoved, ModelView, PluginView,
-    TenantPatch, TenantRef, TenantView, UploadOptions, UsageView, PLUGIN_BYTES_MAX,
-    USAGE_MINUTES_MAX,
+    Actor, Canaries, Control, IssuedKey, KeyView, ModelRemoved, ModelView, PluginView, TenantPatch,
+    TenantRef, TenantView, UploadOptions, UsageView, PLUGIN_BYTES_MAX, USAGE_MINUTES_MAX,
 };
 use crate::tenancy::{ModelAccess, Quota, TenantId};
 use axum::body::Body;

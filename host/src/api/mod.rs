@@ -39,11 +39,12 @@ pub mod stream;
 pub mod tenant;
 
 use crate::catalog::Served;
+use crate::clock::now_ms;
 use crate::engine::chat::ChatError;
 use crate::engine::request::{Event, NewRequest, RequestId};
 use crate::policy::{plugin_headers, AdmitInput, PolicyRuntime, Route, Verdict};
 use crate::telemetry;
-use crate::tenancy::control::{self, now_ms, Control};
+use crate::tenancy::control::{self, Control};
 use crate::tenancy::{Tenant, TenantId};
 use axum::body::Body;
 use axum::extract::{Path, State};

@@ -15,9 +15,9 @@
 
 use super::budget::{BudgetError as HostBudgetError, Budgets, Unit as HostUnit};
 use super::state::{PluginState, StateError as HostStateError};
+use crate::clock::now_ms;
 use crate::engine::request::RequestId;
 use crate::engine::service::EngineHandle;
-use crate::tenancy::control::now_ms;
 use crate::tenancy::TenantId;
 use std::sync::Arc;
 use std::time::Instant;

@@ -46,6 +46,7 @@ pub mod host;
 pub mod shape;
 pub mod state;
 
+use crate::clock::now_ms;
 use crate::config::{Config, OnTrip, PluginsConfig};
 use crate::engine::admission::PRIORITY_DEFAULT;
 use crate::engine::request::{FinishReason, RequestId, Usage};
@@ -53,7 +54,6 @@ use crate::engine::service::EngineHandle;
 use crate::lane::{Cancel, Lane};
 use crate::store::records::{PluginLimitsRequest, PluginRecord};
 use crate::store::{Store, StoreError};
-use crate::tenancy::control::now_ms;
 use crate::tenancy::TenantId;
 use artifact::Sealer;
 use budget::Budgets;

@@ -19,9 +19,9 @@
 
 use super::records::{AuditRecord, UsageRecord};
 use super::{Batch, Store, StoreError};
+use crate::clock::now_ms;
 use crate::engine::request::{FinishReason, RequestId, Usage};
 use crate::engine::scheduler::FinishSink;
-use crate::tenancy::control::now_ms;
 use crate::tenancy::TenantId;
 use std::collections::BTreeMap;
 use std::sync::Mutex;

@@ -26,6 +26,7 @@ use super::{
 };
 use crate::capacity::{Capacity, CapacityViolation, MemoryViolation};
 use crate::catalog::{self, Catalog, LoadError, Served, Source};
+use crate::clock::now_ms;
 use crate::config::{Config, ModelSpec, MODELS_MAX};
 use crate::engine::request::FinishReason;
 use crate::engine::scheduler::FinishSink;
@@ -381,13 +382,6 @@ pub struct UsageMinute {
     /// Its counts.
     #[serde(flatten)]
     pub counts: UsageCounts,
-}
-
-/// The current time, Unix milliseconds.
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// A random hex string of `bytes` random bytes.

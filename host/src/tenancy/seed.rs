@@ -27,8 +27,9 @@
 //! its models and plugins, and only then [`Plan::commit`]s (one batch) and
 //! prints what it generated.
 
-use super::control::{audit, key_record, new_key, now_ms, random_hex, Actor, SECRET_BYTES};
+use super::control::{audit, key_record, new_key, random_hex, Actor, SECRET_BYTES};
 use super::{hex, key_digest, parse_digest, KEY_BYTES_MIN};
+use crate::clock::now_ms;
 use crate::config::Config;
 use crate::store::records::{AuditRecord, KeyRecord, KeySource, Meta, TenantRecord};
 use crate::store::{Batch, Store, StoreError};
