@@ -11,9 +11,11 @@
 //! 3. The capacity contract and the memory budget these numbers must keep are
 //!    checked in [`crate::capacity`].
 
-use crate::tenancy::{valid_name, ModelAccess, Quota};
-use bulkhead_kernels::kv::KvType;
-use serde::{Deserialize, Serialize};
+// A model's spec is what the store records for an admin-added model, so it
+// is defined with the records (below this module and the tenancy types).
+use crate::store::records::{default_threads, valid_name, ModelAccess, Quota};
+pub use crate::store::records::{valid_model_id, KvStorage, ModelSpec, MODEL_ID_BYTES_MAX};
+use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -28,8 +30,6 @@ pub const POOL_PAGES_LIMIT: u32 = 1 << 22;
 pub const TIMEOUT_MS_LIMIT: u64 = 24 * 3600 * 1000;
 /// Most models one catalog may hold (policy and admin-added together).
 pub const MODELS_MAX: usize = 16;
-/// Longest model id.
-pub const MODEL_ID_BYTES_MAX: usize = 128;
 /// Most compute threads one model may have.
 pub const MODEL_THREADS_MAX: u32 = 256;
 
@@ -369,117 +369,6 @@ pub struct TransferTlsConfig {
     /// (default: each peer address's host; a `unix:` peer needs it).
     #[serde(default)]
     pub server_name: Option<String>,
-}
-
-/// One model of the catalog: what clients call it, its file, its promise, and
-/// its own engine (KV pool, page geometry, batching, threads). The same shape
-/// is a `[[models]]` entry of the policy, the body of `POST /admin/v1/models`,
-/// and the store's record of an admin-added model.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ModelSpec {
-    /// The id clients send as `model` (1-128 of `[A-Za-z0-9._:-]`, starting
-    /// with a letter or digit).
-    pub id: String,
-    /// The GGUF file (in a policy, relative to the policy file's folder; through
-    /// the admin API, an absolute path on the server).
-    #[schema(value_type = String)]
-    pub path: PathBuf,
-    /// The context window promised to clients (prompt + completion tokens).
-    pub context_tokens: u32,
-    /// Compute threads (default: every core).
-    #[serde(default = "default_threads")]
-    pub threads: u32,
-    /// Token positions per KV page (default 16).
-    #[serde(default = "default_page_tokens")]
-    pub page_tokens: u32,
-    /// Pages in its KV pool, allocated whole at load (default 1024).
-    #[serde(default = "default_pool_pages")]
-    pub pool_pages: u32,
-    /// Most pages one sequence may hold (default 512).
-    #[serde(default = "default_seq_pages_max")]
-    pub seq_pages_max: u32,
-    /// Most tokens in one step: the prefill chunk budget plus decode tokens
-    /// (default 256: prefill throughput is within a few percent of 512's,
-    /// and every running sequence waits half as long for its next token while
-    /// a prompt is prefilled; BENCHMARKS.md, "Long contexts").
-    #[serde(default = "default_step_tokens_max")]
-    pub step_tokens_max: u32,
-    /// Most sequences in one step (default 32).
-    #[serde(default = "default_step_seqs_max")]
-    pub step_seqs_max: u32,
-    /// How its KV pool stores each value: `f16` (the default: half the memory
-    /// and half the bytes attention reads) or `f32` (the reference).
-    #[serde(default)]
-    pub kv_type: KvStorage,
-}
-
-/// How a KV pool stores each value.
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    Default,
-    PartialEq,
-    Eq,
-    Serialize,
-    Deserialize,
-    utoipa::ToSchema,
-    clap::ValueEnum,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum KvStorage {
-    /// IEEE half precision (2 bytes).
-    #[default]
-    F16,
-    /// IEEE single precision (4 bytes).
-    F32,
-}
-
-impl KvStorage {
-    /// "f16" or "f32".
-    pub fn name(self) -> &'static str {
-        KvType::from(self).name()
-    }
-}
-
-impl From<KvStorage> for KvType {
-    fn from(storage: KvStorage) -> KvType {
-        match storage {
-            KvStorage::F16 => KvType::F16,
-            KvStorage::F32 => KvType::F32,
-        }
-    }
-}
-
-fn default_threads() -> u32 {
-    std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
-}
-fn default_page_tokens() -> u32 {
-    16
-}
-fn default_pool_pages() -> u32 {
-    1024
-}
-fn default_seq_pages_max() -> u32 {
-    512
-}
-fn default_step_tokens_max() -> u32 {
-    256
-}
-fn default_step_seqs_max() -> u32 {
-    32
-}
-
-/// Whether `id` may name a model: 1-128 of `[A-Za-z0-9._:-]`, starting with a
-/// letter or digit (it is a URL path segment and a metric label).
-pub fn valid_model_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= MODEL_ID_BYTES_MAX
-        && id.as_bytes()[0].is_ascii_alphanumeric()
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
 }
 
 impl ModelSpec {

@@ -22,7 +22,7 @@ use super::{Batch, Store, StoreError};
 use crate::clock::now_ms;
 use crate::engine::request::{FinishReason, RequestId, Usage};
 use crate::engine::scheduler::FinishSink;
-use crate::tenancy::TenantId;
+use crate::store::records::TenantId;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 

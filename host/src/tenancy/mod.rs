@@ -19,11 +19,15 @@ pub mod canary;
 pub mod control;
 pub mod seed;
 
-use crate::config::valid_model_id;
 use crate::store::records::{KeyRecord, TenantRecord};
-use serde::{Deserialize, Serialize};
+// A tenant's limits and model access are what the store records, so they
+// are defined with the records (below this module and the config).
+pub use crate::store::records::{
+    valid_name, ModelAccess, Quota, QuotaError, TenantId, ACCESS_IDS_MAX, EVERY_MODEL,
+    NAME_BYTES_MAX, PENDING_LIMIT, QUEUE_DEPTH_LIMIT, RUNNING_LIMIT, WEIGHT_MAX,
+};
 use sha2::{Digest, Sha256};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 use subtle::ConstantTimeEq;
 use tokio::sync::Semaphore;
@@ -32,169 +36,6 @@ use tokio::sync::Semaphore;
 pub const KEY_BYTES_MIN: usize = 16;
 /// Longest key accepted in a request header.
 pub const KEY_BYTES_MAX: usize = 256;
-/// Longest tenant name.
-pub const NAME_BYTES_MAX: usize = 64;
-/// Highest fair-share weight.
-pub const WEIGHT_MAX: u32 = 1000;
-/// Most queued requests per tenant.
-pub const QUEUE_DEPTH_LIMIT: u32 = 1 << 16;
-/// Most requests of one tenant before admission at once.
-pub const PENDING_LIMIT: u32 = 1024;
-/// Most running sequences per tenant.
-pub const RUNNING_LIMIT: u32 = 1 << 16;
-
-/// A tenant's identity inside the process and in the store; also its KV
-/// owner tag.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct TenantId(pub u32);
-
-/// A tenant's limits: its share of the engine, its KV partition and its
-/// queues.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct Quota {
-    /// Share of the engine under contention, relative to other tenants (1..=1000).
-    pub weight: u32,
-    /// KV pages only this tenant may use.
-    pub pages_reserved: u32,
-    /// The most KV pages it may hold at once (at least `pages_reserved`).
-    pub pages_max: u32,
-    /// Most requests waiting for pages.
-    pub queue_depth_max: u32,
-    /// Most sequences running at once.
-    pub running_max: u32,
-    /// Most requests being read, tokenized and submitted at once (before admission).
-    pub pending_max: u32,
-    /// Whether full prompt pages are kept for its later requests (its own
-    /// prefix cache; never shared with another tenant). Default true.
-    #[serde(default = "prefix_cache_default")]
-    pub prefix_cache: bool,
-}
-
-fn prefix_cache_default() -> bool {
-    true
-}
-
-/// A quota field outside its bounds.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {reason}")]
-pub struct QuotaError {
-    /// The field.
-    pub field: &'static str,
-    /// What is wrong.
-    pub reason: String,
-}
-
-impl Quota {
-    /// Checks every field against its bounds (the pool and the capacity
-    /// contract are checked elsewhere, against the whole tenant set).
-    pub fn validate(&self) -> Result<(), QuotaError> {
-        let error = |field, reason: String| Err(QuotaError { field, reason });
-        if !(1..=WEIGHT_MAX).contains(&self.weight) {
-            return error("weight", format!("must be 1..={WEIGHT_MAX}"));
-        }
-        if self.pages_max == 0 || self.pages_max < self.pages_reserved {
-            return error(
-                "pages_max",
-                "must be at least 1 and at least pages_reserved".into(),
-            );
-        }
-        if !(1..=QUEUE_DEPTH_LIMIT).contains(&self.queue_depth_max) {
-            return error(
-                "queue_depth_max",
-                format!("must be 1..={QUEUE_DEPTH_LIMIT}"),
-            );
-        }
-        if !(1..=RUNNING_LIMIT).contains(&self.running_max) {
-            return error("running_max", format!("must be 1..={RUNNING_LIMIT}"));
-        }
-        if !(1..=PENDING_LIMIT).contains(&self.pending_max) {
-            return error("pending_max", format!("must be 1..={PENDING_LIMIT}"));
-        }
-        Ok(())
-    }
-}
-
-/// Most model ids one tenant's access list may name.
-pub const ACCESS_IDS_MAX: usize = 64;
-/// The access list entry that means every model.
-pub const EVERY_MODEL: &str = "*";
-
-/// The models a tenant may use. Written as a list: `["*"]` (the default) for
-/// every model in the catalog, now and later; otherwise the ids it may use
-/// (`[]`: none). An id of a model not in the catalog grants nothing until a
-/// model of that id is added.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "Vec<String>", into = "Vec<String>")]
-pub enum ModelAccess {
-    /// Every model.
-    #[default]
-    All,
-    /// These models only.
-    Only(BTreeSet<String>),
-}
-
-impl ModelAccess {
-    /// Whether the tenant may use model `id`.
-    pub fn allows(&self, id: &str) -> bool {
-        match self {
-            ModelAccess::All => true,
-            ModelAccess::Only(ids) => ids.contains(id),
-        }
-    }
-
-    /// The ids listed (none for every model).
-    pub fn ids(&self) -> impl Iterator<Item = &String> {
-        match self {
-            ModelAccess::All => None,
-            ModelAccess::Only(ids) => Some(ids.iter()),
-        }
-        .into_iter()
-        .flatten()
-    }
-}
-
-impl TryFrom<Vec<String>> for ModelAccess {
-    type Error = String;
-
-    fn try_from(list: Vec<String>) -> Result<ModelAccess, String> {
-        if list.iter().any(|id| id == EVERY_MODEL) {
-            return match list.len() {
-                1 => Ok(ModelAccess::All),
-                _ => Err(format!(
-                    "models: {EVERY_MODEL:?} (every model) must be alone"
-                )),
-            };
-        }
-        if list.len() > ACCESS_IDS_MAX {
-            return Err(format!("models: at most {ACCESS_IDS_MAX} ids"));
-        }
-        if let Some(bad) = list.iter().find(|id| !valid_model_id(id)) {
-            return Err(format!("models: {bad:?} is not a model id"));
-        }
-        Ok(ModelAccess::Only(list.into_iter().collect()))
-    }
-}
-
-impl From<ModelAccess> for Vec<String> {
-    fn from(access: ModelAccess) -> Vec<String> {
-        match access {
-            ModelAccess::All => vec![EVERY_MODEL.to_string()],
-            ModelAccess::Only(ids) => ids.into_iter().collect(),
-        }
-    }
-}
-
-/// Whether `name` may name a tenant: 1–64 of `[A-Za-z0-9_-]`, starting with a
-/// letter (so it cannot be mistaken for an id, a path or a flag).
-pub fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= NAME_BYTES_MAX
-        && name.as_bytes()[0].is_ascii_alphabetic()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-}
 
 /// One tenant as the request path sees it.
 #[derive(Debug)]
