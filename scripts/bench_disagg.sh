@@ -11,6 +11,8 @@
 #                                                    a time, then 8 at once, a level)
 #
 # An 8k-token prompt takes 30-90 s to prefill on 2 cores: one round is ~30 min.
+# BENCH_SETUPS="split" BENCH_CONCURRENCY="1" measures only the transfers
+# (their table below; ~6 min).
 #
 # BULKHEAD_BIN=path runs that binary instead of building target/release/bulkhead.
 set -euo pipefail
@@ -58,11 +60,11 @@ wait_ready http://127.0.0.1:18391/readyz
 first=0
 for round in $(seq "$rounds"); do
     for sentences in 41 168 610; do
-        for setup in both split; do
+        for setup in ${BENCH_SETUPS:-both split}; do
             port=18380
             [ "$setup" = split ] && port=18390
             echo "== round $round, $setup, $sentences sentences"
-            for concurrency in 1 8; do
+            for concurrency in ${BENCH_CONCURRENCY:-1 8}; do
                 n=$requests
                 [ "$concurrency" = 8 ] && n=8
                 "$bulkhead" bench http --url "http://127.0.0.1:$port" --key "$BULKHEAD_KEY_ALPHA" \
@@ -75,11 +77,13 @@ for round in $(seq "$rounds"); do
 done
 
 # What the transfers cost, from both sides' logs, per prompt size: bytes;
-# the sender's time from header to trailer and its hashing of every page
+# the sender's time from header to trailer, its helper thread's hashing of
+# every page, and how long the socket writes waited for that hashing
 # (`transfer sent`); the pages on the wire at the receiver, header to
-# trailer (`transfer received`), and the page book's import there — the
-# copy into the reserved pages and every page's digest as stored, on the
-# engine thread (`transfer verified`).
+# trailer, and its hashing of each page as it arrived (`transfer
+# received`); and the page book's import there — the copy into the
+# reserved pages and the comparison of every page as stored with the bytes
+# that hashed to its digest, on the engine thread (`transfer verified`).
 python3 - "$work/decode.log" "$work/prefill.log" <<'EOF'
 import json, sys, statistics
 def events(path, message):
@@ -102,11 +106,16 @@ for lo, hi in [(0, 1024), (1024, 4096), (4096, 1 << 20)]:
     med = lambda rows, key, scale=1: statistics.median(int(f[key]) / scale for f in rows)
     imports = [verified[int(f["request_id"])] for f in r if int(f["request_id"]) in verified]
     send_ms, hash_ms = med(s, "send_us", 1000), med(s, "hash_us", 1000)
+    wait_ms = med(s, "hash_wait_us", 1000)
     wire_ms, import_ms = med(r, "wire_us", 1000), statistics.median(imports)
+    arrive_ms = med(r, "hash_us", 1000)
     print(f"~{med(r, 'tokens'):.0f} tokens, {med(r, 'bytes', 2**20):.1f} MiB "
           f"({med(r, 'bytes') / med(r, 'tokens') / 1024:.1f} KiB a prompt token), {len(r)} transfers, medians: "
-          f"sender {send_ms:.1f} ms header to trailer, {hash_ms:.1f} ms of it hashing ({100 * hash_ms / send_ms:.1f} %); "
-          f"receiver {wire_ms:.1f} ms on the wire, import {import_ms:.1f} ms (copy and digest)")
+          f"sender {send_ms:.1f} ms header to trailer, hashing {hash_ms:.1f} ms on its helper, "
+          f"{wait_ms:.1f} ms waited for ({100 * wait_ms / send_ms:.1f} %); "
+          f"receiver {wire_ms:.1f} ms on the wire, {arrive_ms:.1f} ms of it hashing on arrival "
+          f"({100 * arrive_ms / wire_ms:.1f} %), import {import_ms:.1f} ms (copy and compare); "
+          f"transfer header to decodable {wire_ms + import_ms:.1f} ms")
 EOF
 # XXH64's and a copy's speed here: the digest's part of the import above.
 "$bulkhead" bench digest --rounds 3

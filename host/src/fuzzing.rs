@@ -904,11 +904,7 @@ pub fn transfer_frames(data: &[u8]) {
                 index,
                 digest,
                 bytes,
-            } => pages.push(ReceivedPage {
-                index,
-                digest,
-                bytes,
-            }),
+            } => pages.push((index, digest, bytes)),
             Message::Trailer(d) => digest = Some(d),
             _ => {}
         }
@@ -932,6 +928,11 @@ pub fn transfer_frames(data: &[u8]) {
     }
     pool.release_reservation(reservation);
     let import = pool.begin_import(table, expect);
+    // Hashed as the link hashes them, for the header as it now stands.
+    let pages = pages
+        .into_iter()
+        .map(|(index, digest, bytes)| ReceivedPage::arrived(&header, index, digest, bytes))
+        .collect();
     let received = Received {
         header,
         pages,

@@ -940,8 +940,9 @@ impl<B: Backend> Scheduler<B> {
                     (Ok(table), took) => {
                         s.table = table;
                         s.kv_len = tokens;
-                        // Writing the pages and hashing each as stored, on the
-                        // engine thread between two steps.
+                        // Writing the pages and comparing each as stored with
+                        // the bytes hashed on arrival, on the engine thread
+                        // between two steps.
                         tracing::info!(
                             request_id = s.id.0,
                             tokens,

@@ -489,20 +489,38 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
         return link.flush().await;
     };
     let bytes = export.bytes();
+    let header = export.header;
     let sending = Instant::now();
-    let mut hashing = Duration::ZERO;
-    link.send(&Message::Header(export.header)).await?;
-    let mut digests = Vec::with_capacity(export.pages.len());
-    for (index, page) in export.pages.into_iter().enumerate() {
-        let index = index as u32;
-        // Hashed as it is sent (BENCHMARKS.md "Page digests").
-        let used = export
-            .header
-            .shape
-            .tokens_in_page(export.header.identity.tokens, index);
-        let hashed = Instant::now();
-        let digest = page_digest(used, &page);
-        hashing += hashed.elapsed();
+    // A helper thread hashes the pages ahead of the socket writes (at most
+    // HASHED_AHEAD pages ahead), so the link waits on hashing only for the
+    // first page (BENCHMARKS.md "Disaggregation"). If the link fails, the
+    // channel closes and the helper stops at its next page.
+    let (hashed_to, mut hashed) = tokio::sync::mpsc::channel(HASHED_AHEAD);
+    let pages = export.pages;
+    tokio::task::spawn_blocking(move || {
+        for (index, page) in pages.into_iter().enumerate() {
+            let index = index as u32;
+            let started = Instant::now();
+            let used = header.shape.tokens_in_page(header.identity.tokens, index);
+            let digest = page_digest(used, &page);
+            if hashed_to
+                .blocking_send((index, digest, page, started.elapsed()))
+                .is_err()
+            {
+                return;
+            }
+        }
+    });
+    let (mut hashing, mut waiting) = (Duration::ZERO, Duration::ZERO);
+    link.send(&Message::Header(header)).await?;
+    let mut digests = Vec::with_capacity(header.pages as usize);
+    loop {
+        let wait = Instant::now();
+        let Some((index, digest, page, took)) = hashed.recv().await else {
+            break;
+        };
+        waiting += wait.elapsed();
+        hashing += took;
         digests.push(digest);
         link.send(&Message::Page {
             index,
@@ -511,8 +529,12 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
         })
         .await?;
     }
+    if digests.len() != header.pages as usize {
+        // The helper stopped early (it panicked): never a short transfer.
+        return Err(LinkError::Io(std::io::Error::other("page hashing stopped")));
+    }
     link.send(&Message::Trailer(transfer_digest(
-        &export.header,
+        &header,
         digests.into_iter(),
     )))
     .await?;
@@ -531,13 +553,14 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
                 request_id = id.0,
                 peer_request = job.request,
                 tenant_id = job.owner,
-                tokens = export.header.identity.tokens,
+                tokens = header.identity.tokens,
                 bytes,
                 ok,
                 reason = %reason,
                 ms = started.elapsed().as_millis() as u64,
                 send_us = sent.as_micros() as u64,
                 hash_us = hashing.as_micros() as u64,
+                hash_wait_us = waiting.as_micros() as u64,
                 "transfer sent"
             );
             Ok(())
@@ -549,15 +572,27 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
+/// Pages a sender's helper thread hashes ahead of its socket writes.
+const HASHED_AHEAD: usize = 4;
+
 /// What a fetch came to: the transfer (or why none), the connection for
-/// the verdict, and how long the pages took from header to trailer.
+/// the verdict, and how long its pages took.
 pub struct Fetched<S> {
     /// The transfer, a refusal, or the failure.
     pub result: Transferred,
     /// The connection, open for the verdict (none after a failure).
     pub link: Option<Framed<S>>,
+    /// How long the pages took.
+    pub times: FetchTimes,
+}
+
+/// How long a fetch's pages took.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FetchTimes {
     /// From the header's arrival to the trailer's.
     pub wire: Duration,
+    /// Of it, hashing each page as it arrived.
+    pub hashing: Duration,
 }
 
 /// Decode side: pairs over a fresh connection and runs one job, returning
@@ -570,19 +605,19 @@ pub async fn fetch<S: AsyncRead + AsyncWrite + Unpin>(
     job: Job,
 ) -> Fetched<S> {
     let mut link = Framed::new(stream, timeouts);
-    let mut wire = Duration::ZERO;
-    match fetch_on(&mut link, secret, pairing, job, &mut wire).await {
+    let mut times = FetchTimes::default();
+    match fetch_on(&mut link, secret, pairing, job, &mut times).await {
         Ok(result) => Fetched {
             result,
             link: Some(link),
-            wire,
+            times,
         },
         Err(error) => {
             tracing::warn!(%error, "transfer link failed");
             Fetched {
                 result: Transferred::Failed(error.reason()),
                 link: None,
-                wire,
+                times,
             }
         }
     }
@@ -593,7 +628,7 @@ async fn fetch_on<S: AsyncRead + AsyncWrite + Unpin>(
     secret: &Secret,
     pairing: &Pairing,
     job: Job,
-    wire: &mut Duration,
+    times: &mut FetchTimes,
 ) -> Result<Transferred, LinkError> {
     link.handshake(Side::Decode, secret).await?;
     link.send(&Message::Pair(pairing.clone())).await?;
@@ -645,14 +680,14 @@ async fn fetch_on<S: AsyncRead + AsyncWrite + Unpin>(
                         got: "page",
                     });
                 }
-                pages.push(ReceivedPage {
-                    index,
-                    digest,
-                    bytes,
-                });
+                // Hashed as it arrives, here rather than on the engine
+                // thread: the import only compares what it stored.
+                let hashing = Instant::now();
+                pages.push(ReceivedPage::arrived(&header, index, digest, bytes));
+                times.hashing += hashing.elapsed();
             }
             Message::Trailer(digest) => {
-                *wire = header_at.elapsed();
+                times.wire = header_at.elapsed();
                 return Ok(Transferred::Received(Received {
                     header,
                     pages,

@@ -265,7 +265,7 @@ async fn run_job(request: PrefillRequest, context: JobContext) {
                 link::Fetched {
                     result: Transferred::Failed("connect"),
                     link: None,
-                    wire: std::time::Duration::ZERO,
+                    times: link::FetchTimes::default(),
                 }
             }
         }
@@ -282,10 +282,14 @@ async fn run_job(request: PrefillRequest, context: JobContext) {
         _ = tokio::time::sleep_until(left) => link::Fetched {
             result: Transferred::Failed("deadline"),
             link: None,
-            wire: std::time::Duration::ZERO,
+            times: link::FetchTimes::default(),
         },
     };
-    let link::Fetched { result, link, wire } = fetched;
+    let link::Fetched {
+        result,
+        link,
+        times,
+    } = fetched;
     match &result {
         // No peer there, or none that pairs: not ready until a probe pairs.
         Transferred::Failed("pairing" | "connect") => state.paired.store(false, Ordering::Relaxed),
@@ -297,7 +301,7 @@ async fn run_job(request: PrefillRequest, context: JobContext) {
     let (label, bytes) = match &result {
         Transferred::Received(r) => (
             None,
-            r.pages.iter().map(|p| p.bytes.len() as u64).sum::<u64>(),
+            r.pages.iter().map(|p| p.bytes().len() as u64).sum::<u64>(),
         ),
         Transferred::Refused(refusal) => (Some(refusal.code()), 0),
         Transferred::Failed(reason) => (Some(*reason), 0),
@@ -335,7 +339,8 @@ async fn run_job(request: PrefillRequest, context: JobContext) {
         bytes,
         result,
         ms = (seconds * 1000.0) as u64,
-        wire_us = wire.as_micros() as u64,
+        wire_us = times.wire.as_micros() as u64,
+        hash_us = times.hashing.as_micros() as u64,
         verdict_us = judged.as_micros() as u64,
         "transfer received"
     );

@@ -90,6 +90,9 @@ pub trait KvValue: Copy + Send + Sync + std::fmt::Debug + sealed::Sealed + 'stat
     /// Sets `values` from little-endian stored bits (`bytes` is exactly
     /// `values.len()` values long).
     fn set_bits(values: &mut [Self], bytes: &[u8]);
+    /// Whether `values` are exactly the little-endian stored bits `bytes`
+    /// (false for another length).
+    fn same_bits(values: &[Self], bytes: &[u8]) -> bool;
     /// The slab view over a slice of this type.
     fn slab(values: &[Self]) -> KvSlab<'_>;
     /// The values of a slab of this type (`None` for the other type).
@@ -148,6 +151,17 @@ impl KvValue for f32 {
             *x = f32::from_bits(u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
         }
     }
+    fn same_bits(values: &[f32], bytes: &[u8]) -> bool {
+        // Differences folded, not a short-circuit: the loop vectorizes.
+        bytes.len() == values.len() * 4
+            && values
+                .iter()
+                .zip(bytes.chunks_exact(4))
+                .fold(0u32, |diff, (x, b)| {
+                    diff | (x.to_bits() ^ u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                })
+                == 0
+    }
     fn slab(values: &[f32]) -> KvSlab<'_> {
         KvSlab::F32(values)
     }
@@ -195,6 +209,16 @@ impl KvValue for f16 {
         for (x, b) in values.iter_mut().zip(bytes.chunks_exact(2)) {
             *x = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
         }
+    }
+    fn same_bits(values: &[f16], bytes: &[u8]) -> bool {
+        bytes.len() == values.len() * 2
+            && values
+                .iter()
+                .zip(bytes.chunks_exact(2))
+                .fold(0u16, |diff, (x, b)| {
+                    diff | (x.to_bits() ^ u16::from_le_bytes([b[0], b[1]]))
+                })
+                == 0
     }
     fn slab(values: &[f16]) -> KvSlab<'_> {
         KvSlab::F16(values)
@@ -302,6 +326,14 @@ pub trait PageStorage: std::fmt::Debug + Send + Sync {
     /// Sets the first `tokens_used` slots of `page` from `bytes`, laid out as
     /// [`PageStorage::read_rows`] writes them (the pool checks the length).
     fn write_rows(&mut self, page: usize, tokens_used: u32, bytes: &[u8]);
+
+    /// Whether the first `tokens_used` slots of `page` hold exactly `bytes`
+    /// (laid out as [`PageStorage::read_rows`] writes them), whose digest is
+    /// `digest`. Host storage compares the stored bits with the bytes, which
+    /// the receiver already hashed to `digest` as they arrived; storage whose
+    /// values are not in host memory may hash them where they are instead.
+    /// Either way the answer is about what is stored, not what was sent.
+    fn holds_rows(&self, page: usize, tokens_used: u32, bytes: &[u8], digest: u64) -> bool;
 }
 
 /// Pages in host memory, allocated once and zeroed.
@@ -433,6 +465,24 @@ impl<T: KvValue> PageStorage for HostStorage<T> {
         }
         assert!(rest.is_empty(), "rows of another length");
     }
+
+    fn holds_rows(&self, page: usize, tokens_used: u32, bytes: &[u8], _digest: u64) -> bool {
+        let used = tokens_used as usize * self.layout.kv_dim();
+        if used == 0 {
+            return bytes.is_empty();
+        }
+        let slab_bytes = used * T::TYPE.bytes() as usize;
+        if bytes.len() != 2 * slab_bytes * self.layout.geometry().layers as usize {
+            return false;
+        }
+        let mut rows = bytes.chunks_exact(slab_bytes);
+        self.layers(page).all(|(k, v)| {
+            [k, v].into_iter().all(|slab| {
+                rows.next()
+                    .is_some_and(|these| T::same_bits(&slab[..used], these))
+            })
+        })
+    }
 }
 
 /// Host storage of `layout`'s type, zeroed.
@@ -523,6 +573,49 @@ mod tests {
                 let (k, v) = storage.host(1, layer).unwrap();
                 assert!(k.is_zero() && v.is_zero());
             }
+        }
+    }
+
+    /// `holds_rows` is true only for exactly the stored bits: after
+    /// `write_rows` of any bytes (NaN payloads and signed zeros included), not
+    /// for another page, one flipped bit, another length, or a value written
+    /// over afterwards.
+    #[test]
+    fn holds_rows_answers_for_the_stored_bits_only() {
+        use super::super::geometry::PoolGeometry;
+        for kv_type in [KvType::F16, KvType::F32] {
+            let geometry = PoolGeometry {
+                pages_count: 3,
+                page_tokens: 2,
+                layers: 2,
+                kv_heads: 1,
+                head_dim: 3,
+                kv_type,
+            };
+            let layout = geometry.layout().unwrap();
+            let mut storage = host_storage(layout);
+            let length = 2 * 2 * 2 * 3 * kv_type.bytes() as usize;
+            // Every byte value, NaN and negative-zero patterns among them.
+            let bytes: Vec<u8> = (0..length).map(|i| (i * 37 + 11) as u8).collect();
+            storage.write_rows(1, 2, &bytes);
+            let mut read = Vec::new();
+            storage.read_rows(1, 2, &mut read);
+            assert_eq!(read, bytes, "{kv_type:?}");
+            assert!(storage.holds_rows(1, 2, &bytes, 0), "{kv_type:?}");
+            assert!(!storage.holds_rows(0, 2, &bytes, 0), "another page");
+            assert!(!storage.holds_rows(1, 2, &bytes[..length - 1], 0));
+            assert!(!storage.holds_rows(1, 1, &bytes, 0), "another length");
+            assert!(storage.holds_rows(1, 0, &[], 0), "no slots, no bytes");
+            for at in [0, length / 2, length - 1] {
+                let mut flipped = bytes.clone();
+                flipped[at] ^= 0x01;
+                assert!(!storage.holds_rows(1, 2, &flipped, 0), "bit at {at}");
+            }
+            // A later write into a used slot: what is stored changed.
+            let k_at = layout.k_offset(1) + layout.slot_offset(1);
+            let v_at = layout.v_offset(1) + layout.slot_offset(1);
+            storage.write_token(1, k_at, v_at, &[0.5; 3], &[0.25; 3]);
+            assert!(!storage.holds_rows(1, 2, &bytes, 0), "{kv_type:?}");
         }
     }
 

@@ -20,8 +20,14 @@
 //! 3. the header's page count is what `tokens` needs, and is what arrived:
 //!    each page once, in order, each exactly as long as its used slots;
 //! 4. the digest over the header and the page digests is the sender's;
-//! 5. each page, written into its reserved page, hashes from *storage* to the
-//!    digest its frame claimed.
+//! 5. each page's bytes hashed, as they arrived, to the digest its frame
+//!    claimed ([`ReceivedPage::arrived`] hashes them, and nothing changes
+//!    them after), and, written into its reserved page, read back from
+//!    *storage* bit for bit as those bytes: what is stored hashes to the
+//!    sender's digest.
+//!
+//! Hashing as each page arrives, off the engine thread, keeps the digest
+//! out of the import's time: the engine thread only copies and compares.
 //!
 //! Anything else refuses the import ([`ImportRefused`]) and hands the table
 //! back to be released: the pages, possibly half-written, go through the one
@@ -124,15 +130,48 @@ pub struct TransferHeader {
 }
 
 /// One page as received: its index in the transfer, the digest the sender
-/// claims for it, and its bytes.
+/// claims for it, its bytes, and what they hashed to as they arrived. Made
+/// only by [`ReceivedPage::arrived`], and read-only after: the hash is of
+/// these bytes and no others.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReceivedPage {
+    index: u32,
+    digest: u64,
+    bytes: Vec<u8>,
+    /// The used slots the bytes were hashed for, and their digest.
+    hashed: (u32, u64),
+}
+
+impl ReceivedPage {
+    /// Page `index` of the transfer `header` announces, as it arrived:
+    /// hashes `bytes` for the slots that page of `header` uses (an import
+    /// whose header differs from what the receiver asked for is refused
+    /// before this matters).
+    pub fn arrived(header: &TransferHeader, index: u32, digest: u64, bytes: Vec<u8>) -> Self {
+        let tokens_used = header.shape.tokens_in_page(header.identity.tokens, index);
+        let hashed = (tokens_used, page_digest(tokens_used, &bytes));
+        ReceivedPage {
+            index,
+            digest,
+            bytes,
+            hashed,
+        }
+    }
+
     /// Position in the transfer (0-based).
-    pub index: u32,
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
     /// The sender's digest of it.
-    pub digest: u64,
+    pub fn digest(&self) -> u64 {
+        self.digest
+    }
+
     /// Its used slots, in the wire order of the module doc.
-    pub bytes: Vec<u8>,
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
 }
 
 /// A whole transfer as received, not yet checked.
@@ -393,7 +432,8 @@ impl Pool {
     }
 
     /// Checks `transfer` against what `import` asked for, writes its pages
-    /// into the reserved ones, and checks each as stored (the module doc's
+    /// into the reserved ones, and checks each as stored against the bytes
+    /// that hashed to its digest on arrival (the module doc's
     /// order). The table comes back decodable, or refused with the reason.
     pub fn import(
         &mut self,
@@ -483,9 +523,15 @@ impl Pool {
                 "an import into a page that is not the sequence's own"
             );
             let tokens_used = want.tokens_in_page(asked.tokens, page.index);
+            if page.hashed != (tokens_used, page.digest) {
+                return Err(ImportError::PageDigest { index: page.index });
+            }
             self.storage
                 .write_rows(id.index(), tokens_used, &page.bytes);
-            if self.storage.digest(id.index(), tokens_used) != page.digest {
+            if !self
+                .storage
+                .holds_rows(id.index(), tokens_used, &page.bytes, page.digest)
+            {
                 return Err(ImportError::PageDigest { index: page.index });
             }
         }
@@ -496,11 +542,20 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv::storage::{host_storage, KvSlab, PageStorage};
     use crate::kv::{PartitionConfig, PoolOptions, SeqId};
 
     const PAGE_TOKENS: u32 = 4;
 
     fn pool(kv_type: KvType) -> Pool {
+        pool_over(kv_type, |storage| storage)
+    }
+
+    /// A test pool whose host storage `wrap` may put behind another.
+    fn pool_over(
+        kv_type: KvType,
+        wrap: impl FnOnce(Box<dyn PageStorage>) -> Box<dyn PageStorage>,
+    ) -> Pool {
         let geometry = PoolGeometry {
             pages_count: 32,
             page_tokens: PAGE_TOKENS,
@@ -514,15 +569,63 @@ mod tests {
             pages_reserved: 8,
             pages_max: 16,
         });
-        Pool::new(
-            geometry,
+        let layout = geometry.layout().expect("valid geometry");
+        Pool::with_storage(
+            layout,
             &partitions,
             PoolOptions {
                 poison_released: false,
                 paranoid: true,
             },
+            wrap(host_storage(layout)),
         )
         .expect("valid pool")
+    }
+
+    /// Host storage whose second row write tears: its last byte lands
+    /// flipped, as a faulty copy (or device) would store it.
+    #[derive(Debug)]
+    struct TornWrites {
+        inner: Box<dyn PageStorage>,
+        writes: usize,
+    }
+
+    impl PageStorage for TornWrites {
+        fn kv_type(&self) -> KvType {
+            self.inner.kv_type()
+        }
+        fn write_token(&mut self, page: usize, k_at: usize, v_at: usize, k: &[f32], v: &[f32]) {
+            self.inner.write_token(page, k_at, v_at, k, v)
+        }
+        fn scrub(&mut self, page: usize) {
+            self.inner.scrub(page)
+        }
+        fn poison(&mut self, page: usize) {
+            self.inner.poison(page)
+        }
+        fn is_zero(&self, page: usize) -> bool {
+            self.inner.is_zero(page)
+        }
+        fn digest(&self, page: usize, tokens_used: u32) -> u64 {
+            self.inner.digest(page, tokens_used)
+        }
+        fn host(&self, page: usize, layer: u32) -> Option<(KvSlab<'_>, KvSlab<'_>)> {
+            self.inner.host(page, layer)
+        }
+        fn read_rows(&self, page: usize, tokens_used: u32, out: &mut Vec<u8>) {
+            self.inner.read_rows(page, tokens_used, out)
+        }
+        fn write_rows(&mut self, page: usize, tokens_used: u32, bytes: &[u8]) {
+            self.writes += 1;
+            let mut bytes = bytes.to_vec();
+            if self.writes == 2 {
+                *bytes.last_mut().expect("a page has bytes") ^= 0x01;
+            }
+            self.inner.write_rows(page, tokens_used, &bytes)
+        }
+        fn holds_rows(&self, page: usize, tokens_used: u32, bytes: &[u8], digest: u64) -> bool {
+            self.inner.holds_rows(page, tokens_used, bytes, digest)
+        }
     }
 
     fn table(pool: &mut Pool, owner: u32, seq: u64, pages: u32) -> PageTable {
@@ -568,10 +671,13 @@ mod tests {
             .pages
             .iter()
             .enumerate()
-            .map(|(i, bytes)| ReceivedPage {
-                index: i as u32,
-                digest: page_digest(export.tokens_in_page(i as u32), bytes),
-                bytes: bytes.clone(),
+            .map(|(i, bytes)| {
+                ReceivedPage::arrived(
+                    &export.header,
+                    i as u32,
+                    page_digest(export.tokens_in_page(i as u32), bytes),
+                    bytes.clone(),
+                )
             })
             .collect();
         Received {
@@ -616,6 +722,16 @@ mod tests {
             .unwrap();
         let mut transfer = send(&export);
         fault(&mut transfer);
+        // The fault happened on the wire: the receiver hashes what arrives.
+        let header = transfer.header;
+        for page in &mut transfer.pages {
+            *page = ReceivedPage::arrived(
+                &header,
+                page.index,
+                page.digest,
+                std::mem::take(&mut page.bytes),
+            );
+        }
         let target = table(&mut pair.receiver, 1, 7, 4);
         let import = pair
             .receiver
@@ -684,10 +800,23 @@ mod tests {
     }
 
     #[test]
-    fn one_corrupted_byte_of_one_page_is_caught_as_stored() {
+    fn one_corrupted_byte_of_one_page_is_caught_as_it_arrives() {
         let mut p = pair(KvType::F16);
         let error = refused(&mut p, |t| t.pages[1].bytes[17] ^= 0x40);
         assert_eq!(error, ImportError::PageDigest { index: 1 });
+    }
+
+    /// An intact transfer whose page is not stored as it arrived (one byte
+    /// of the second page's write torn) is refused: the check reads what is
+    /// stored, not only what came over the wire.
+    #[test]
+    fn a_page_not_stored_as_it_arrived_is_caught_as_stored() {
+        for kv_type in [KvType::F16, KvType::F32] {
+            let mut p = pair(kv_type);
+            p.receiver = pool_over(kv_type, |inner| Box::new(TornWrites { inner, writes: 0 }));
+            let error = refused(&mut p, |_| {});
+            assert_eq!(error, ImportError::PageDigest { index: 1 }, "{kv_type:?}");
+        }
     }
 
     #[test]
