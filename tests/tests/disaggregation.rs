@@ -134,6 +134,71 @@ fn a_decode_process_answers_what_one_process_answers_with_kv_from_its_peer() {
     assert_eq!(code(&r), "prefill_only");
 }
 
+/// A client that leaves while its prompt is being prefilled on the peer:
+/// the decode side drops the job's connection, and the prefill process
+/// cancels the job rather than compute a prompt nobody waits for (before
+/// this, it ran to the end, up to 300 s, holding its pages); both pools
+/// return to baseline and no transfer is sent.
+#[test]
+fn a_client_leaving_mid_prefill_cancels_the_job_on_the_prefill_side() {
+    let Some(model) = smollm2() else { return };
+    // Room for a ~1,300-token prompt: seconds of prefill on one thread
+    // (every tenant of the test policy can hold 1,536 tokens).
+    let policy = Policy {
+        context_tokens: 1536,
+        seq_pages_max: 96,
+        ..Policy::default()
+    };
+    let dir = temp_dir("disagg-leave");
+    let socket = format!("unix:{}", dir.join("transfer.sock").display());
+    let p = pair(&model, &policy, &socket, SECRET);
+    assert!(
+        eventually(Duration::from_secs(10), || ready(&p.decode)),
+        "the decode side pairs and becomes ready"
+    );
+    let prompt = "The quick brown fox jumps over the lazy dog near the river bank. ".repeat(90);
+    let body = chat_body(&prompt, 4).to_string();
+    let addr = p.decode.inference.trim_start_matches("http://").to_string();
+    let mut client = std::net::TcpStream::connect(addr).unwrap();
+    use std::io::Write as _;
+    write!(
+        client,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: bulkhead\r\nAuthorization: Bearer {KEY_ALPHA}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // The prefill side is computing the prompt: its pool holds pages.
+    let prefilling = eventually(Duration::from_secs(30), || {
+        let r = p
+            .prefill
+            .admin_call("GET", &format!("/admin/v1/models/{MODEL_ID}/pool"), None);
+        r.json()["at_baseline"] == false
+    });
+    assert!(prefilling, "the prefill side never started the prompt");
+    drop(client);
+    assert!(
+        eventually(Duration::from_secs(15), || p
+            .prefill
+            .logged("prefill job cancelled: the decode peer left")),
+        "the prefill side kept computing: {:?}",
+        p.prefill.stderr_lines()
+    );
+    pool_at_baseline(&p.prefill);
+    pool_at_baseline(&p.decode);
+    assert!(!p.prefill.logged("transfer sent"), "nothing was sent");
+    assert_eq!(
+        metric_value(
+            &p.prefill.metrics(),
+            "bulkhead_prefill_jobs_abandoned_total"
+        ),
+        1.0
+    );
+    // The pair still serves the next request.
+    let (status, reply) = answer(&p.decode, "Name three primary colors.");
+    assert_eq!(status, 200, "{reply}");
+}
+
 #[test]
 fn a_dead_prefill_peer_fails_requests_with_a_5xx_and_unreadies_the_decode_side() {
     let Some(model) = smollm2() else { return };

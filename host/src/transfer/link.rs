@@ -217,6 +217,22 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Framed<S> {
         Ok(Message::decode(kind, &payload)?)
     }
 
+    /// Resolves when the peer closes the connection, or sends anything at a
+    /// time it must be waiting (the prefill side's, while a job is computed):
+    /// either way the job is over. Cancel-safe: dropped before it resolves,
+    /// it has consumed nothing.
+    pub async fn peer_gone(&mut self) -> LinkError {
+        let mut byte = [0u8; 1];
+        match self.stream.read(&mut byte).await {
+            Ok(0) => LinkError::Io(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(_) => LinkError::Unexpected {
+                expected: "nothing while the prefill runs",
+                got: "bytes",
+            },
+            Err(error) => LinkError::Io(error),
+        }
+    }
+
     /// Bounds page messages to one full page of `shape`.
     pub fn set_shape(&mut self, shape: &PageShape) {
         self.page_bytes_max = shape
@@ -483,6 +499,24 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
         // The job ended before its export (its deadline, its tenant removed,
         // a shutdown): the receiver hears it as a refusal.
         _ = async { while let Some(event) = receiver.recv().await { if matches!(event, Event::Finished { .. }) { break; } } } => None,
+        // The decode side left (its client did, or it stopped): dropping
+        // the job's events cancels it at the engine's next step, as a client
+        // leaving does in one process, instead of computing a prompt nobody
+        // waits for (up to PREFILL_JOB_TIMEOUT).
+        gone = link.peer_gone() => {
+            metrics::counter!("bulkhead_prefill_jobs_abandoned_total").increment(1);
+            tracing::info!(
+                request_id = id.0,
+                peer_request = job.request,
+                tenant_id = job.owner,
+                ms = started.elapsed().as_millis() as u64,
+                "prefill job cancelled: the decode peer left"
+            );
+            return match gone {
+                LinkError::Io(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(()),
+                other => Err(other),
+            };
+        }
     };
     let Some(export) = export else {
         link.send(&refuse(PrefillRefusal::Unavailable)).await?;
