@@ -55,6 +55,21 @@ pub const KV_POOL_PAGES: &str = "bulkhead_kv_pool_pages";
 /// KV pages a model's pool scrubbed since it was loaded.
 pub const KV_PAGES_SCRUBBED_TOTAL: &str = "bulkhead_kv_pages_scrubbed_total";
 
+/// The gauges a Gateway API Inference Extension endpoint picker (llm-d's
+/// router) scrapes from a vLLM server, under vLLM's own names and meanings,
+/// one series per model (`model_name`, the model id), so the picker's
+/// defaults work without an `engineConfigs` entry: requests waiting in any
+/// tenant's queue of the model (preempted ones included)...
+pub const VLLM_WAITING: &str = "vllm:num_requests_waiting";
+/// ... sequences running in it ...
+pub const VLLM_RUNNING: &str = "vllm:num_requests_running";
+/// ... the fraction (0 to 1, despite the name) of its pool's pages not on
+/// the free list (leased, cached, awaiting their scrub) ...
+pub const VLLM_KV_USAGE: &str = "vllm:kv_cache_usage_perc";
+/// ... and its pool's shape, as labels of a gauge that is 1:
+/// `block_size` (tokens a page holds) and `num_gpu_blocks` (pages).
+pub const VLLM_CACHE_CONFIG: &str = "vllm:cache_config_info";
+
 /// Connections a listener closed itself, by listener and reason
 /// (`peer_limit`, `handshake_timeout`, `idle_timeout`).
 pub const CONNECTIONS_CLOSED_TOTAL: &str = "bulkhead_connections_closed_total";
@@ -267,6 +282,8 @@ struct Published {
     pairs: Vec<(String, String)>,
     /// Models.
     models: Vec<String>,
+    /// Each model's pool shape as `vllm:cache_config_info` labelled it.
+    configs: Vec<(String, u32, u32)>,
 }
 
 /// What the last scrape published: a (model, tenant) pair or a model that is
@@ -274,6 +291,7 @@ struct Published {
 static PUBLISHED: std::sync::Mutex<Published> = std::sync::Mutex::new(Published {
     pairs: Vec::new(),
     models: Vec::new(),
+    configs: Vec::new(),
 });
 
 /// The per-tenant gauges of one model.
@@ -296,6 +314,40 @@ fn set_tenant_gauges(model: &str, tenant: &str, queued: u32, running: u32, pages
     {
         gauge!(KV_PAGES, labels(Some(state))).set(f64::from(count));
     }
+}
+
+/// The endpoint picker's gauges of `model` (see [`VLLM_WAITING`]) from its
+/// snapshot, or zeroed for a model that is gone (its pool's shape is zeroed
+/// by [`publish_engine_stats`], which knows the labels it had).
+fn set_picker_gauges(model: &str, stats: Option<&SchedulerStats>) {
+    let zero = SchedulerStats::default();
+    let s = stats.unwrap_or(&zero);
+    let waiting: u32 = s.tenants.iter().map(|t| t.queued).sum();
+    let running: u32 = s.tenants.iter().map(|t| t.running).sum();
+    let usage = if s.pages_count == 0 {
+        0.0
+    } else {
+        f64::from(s.pages_count.saturating_sub(s.pages_free)) / f64::from(s.pages_count)
+    };
+    let name = || metrics::Label::new("model_name", model.to_string());
+    gauge!(VLLM_WAITING, vec![name()]).set(f64::from(waiting));
+    gauge!(VLLM_RUNNING, vec![name()]).set(f64::from(running));
+    gauge!(VLLM_KV_USAGE, vec![name()]).set(usage);
+    if let Some(stats) = stats {
+        set_cache_config(model, stats.page_tokens, stats.pages_count, 1.0);
+    }
+}
+
+fn set_cache_config(model: &str, page_tokens: u32, pages: u32, value: f64) {
+    gauge!(
+        VLLM_CACHE_CONFIG,
+        vec![
+            metrics::Label::new("model_name", model.to_string()),
+            metrics::Label::new("block_size", page_tokens.to_string()),
+            metrics::Label::new("num_gpu_blocks", pages.to_string()),
+        ]
+    )
+    .set(value);
 }
 
 /// Sets the engine gauges from each model's snapshot; `name_of(id)` is tenant
@@ -328,6 +380,7 @@ pub fn publish_engine_stats(
                 .absolute(t.counts.preempted_total);
             pairs.push((model.clone(), name));
         }
+        set_picker_gauges(model, Some(stats));
         gauge!(KV_POOL_PAGES, "model" => model.clone(), "state" => "total")
             .set(f64::from(stats.pages_count));
         gauge!(KV_POOL_PAGES, "model" => model.clone(), "state" => "free")
@@ -336,6 +389,10 @@ pub fn publish_engine_stats(
             .absolute(stats.pages_scrubbed_total);
     }
     let ids: Vec<String> = models.iter().map(|(m, _)| m.clone()).collect();
+    let configs: Vec<(String, u32, u32)> = models
+        .iter()
+        .map(|(m, s)| (m.clone(), s.page_tokens, s.pages_count))
+        .collect();
     let mut last = PUBLISHED.lock().unwrap_or_else(|p| p.into_inner());
     for (model, tenant) in last.pairs.iter().filter(|p| !pairs.contains(p)) {
         set_tenant_gauges(model, tenant, 0, 0, [0; 5]);
@@ -344,6 +401,16 @@ pub fn publish_engine_stats(
         for state in ["total", "free"] {
             gauge!(KV_POOL_PAGES, "model" => gone.clone(), "state" => state).set(0.0);
         }
+        set_picker_gauges(gone, None);
     }
-    *last = Published { pairs, models: ids };
+    // A model gone, or loaded again with another pool: its old shape is
+    // no longer what is served.
+    for (model, page_tokens, pages) in last.configs.iter().filter(|c| !configs.contains(c)) {
+        set_cache_config(model, *page_tokens, *pages, 0.0);
+    }
+    *last = Published {
+        pairs,
+        models: ids,
+        configs,
+    };
 }

@@ -305,8 +305,34 @@ fn a_model_added_and_removed_under_load_leaves_the_other_model_untouched() {
             .status,
         201
     );
+    // The endpoint picker's view (vLLM's gauge names): served, then not.
+    let picker = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| {
+                l.starts_with("vllm:cache_config_info{") && l.contains("model_name=\"hot-q8\"")
+            })
+            .map(str::to_string)
+            .collect()
+    };
+    let served_now = picker(&server.metrics());
+    assert!(
+        served_now.len() == 1 && served_now[0].ends_with(" 1"),
+        "{served_now:?}"
+    );
     let r = server.admin_call("DELETE", "/admin/v1/models/hot-q8", None);
     assert_eq!(r.json()["requests_ended"], 0, "{}", r.body);
+    let text = server.metrics();
+    let gone = picker(&text);
+    assert!(
+        gone.len() == 1 && gone[0].ends_with(" 0"),
+        "no longer the served shape: {gone:?}"
+    );
+    for name in ["vllm:num_requests_running", "vllm:kv_cache_usage_perc"] {
+        assert_eq!(
+            metric_value(&text, &format!(r#"{name}{{model_name="hot-q8"}}"#)),
+            0.0
+        );
+    }
 
     stop.store(true, Ordering::SeqCst);
     for worker in load {

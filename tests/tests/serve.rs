@@ -721,3 +721,87 @@ fn serves_over_tls_with_http2_and_http1() {
     drop(server);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The one sample of `name` whose labels are exactly `labels` (any order),
+/// with its value; panics if there is none or more than one.
+fn picker_sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let found: Vec<f64> = text
+        .lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix(name)?.strip_prefix('{')?;
+            let (inside, value) = rest.split_once("} ")?;
+            let mut got: Vec<(String, String)> = inside
+                .split("\",")
+                .map(|pair| {
+                    let (k, v) = pair.split_once("=\"").expect("label=\"value\"");
+                    (k.to_string(), v.trim_end_matches('"').to_string())
+                })
+                .collect();
+            got.sort();
+            let mut want: Vec<(String, String)> = labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            want.sort();
+            (got == want).then(|| value.trim().parse().expect("a number"))
+        })
+        .collect();
+    assert_eq!(found.len(), 1, "{name}{labels:?} in:\n{text}");
+    found[0]
+}
+
+/// The gauges the Gateway API Inference Extension's endpoint picker (llm-d's
+/// router) scrapes, under vLLM's exact names, as gauges, one series per model
+/// labelled `model_name`: waiting and running requests, the KV pool's use as
+/// a 0-1 fraction, and the pool's shape as `cache_config_info`'s labels.
+#[test]
+fn the_endpoint_pickers_gauges_have_vllms_names_and_meanings() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let m = [("model_name", MODEL_ID)];
+    let text = server.metrics();
+    for name in [
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:cache_config_info",
+    ] {
+        assert!(
+            text.lines().any(|l| l == format!("# TYPE {name} gauge")),
+            "{name} is a gauge:\n{text}"
+        );
+    }
+    assert_eq!(picker_sample(&text, "vllm:num_requests_waiting", &m), 0.0);
+    assert_eq!(picker_sample(&text, "vllm:num_requests_running", &m), 0.0);
+    assert_eq!(picker_sample(&text, "vllm:kv_cache_usage_perc", &m), 0.0);
+    // The test policy's pool: 224 pages of 16 tokens.
+    let config = [
+        ("model_name", MODEL_ID),
+        ("block_size", "16"),
+        ("num_gpu_blocks", "224"),
+    ];
+    assert_eq!(picker_sample(&text, "vllm:cache_config_info", &config), 1.0);
+    // gamma runs one request and queues one (running_max 1).
+    let mut long = chat_body("Write a long story about a dragon.", 400);
+    long["stream"] = json!(true);
+    let (status, mut running) = server.stream("/v1/chat/completions", KEY_GAMMA, &long);
+    assert_eq!(status, 200);
+    running.next_data().unwrap(); // role chunk
+    running.next_data().unwrap(); // first text: it runs
+    let (status, _queued) = server.stream("/v1/chat/completions", KEY_GAMMA, &long);
+    assert_eq!(status, 200);
+    let mut text = String::new();
+    let busy = eventually(Duration::from_secs(10), || {
+        text = server.metrics();
+        picker_sample(&text, "vllm:num_requests_waiting", &m) == 1.0
+            && picker_sample(&text, "vllm:num_requests_running", &m) == 1.0
+    });
+    assert!(busy, "one waiting, one running:\n{text}");
+    let usage = picker_sample(&text, "vllm:kv_cache_usage_perc", &m);
+    assert!(
+        usage > 0.0 && usage <= 1.0,
+        "a fraction of the pool: {usage}"
+    );
+    // The pages of one running sequence, at most its whole context.
+    assert!(usage <= 64.0 / 224.0 + 1e-9, "{usage}");
+}

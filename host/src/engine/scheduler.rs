@@ -1627,6 +1627,7 @@ impl<B: Backend> Scheduler<B> {
         SchedulerStats {
             tenants,
             pages_count: pool.pages_count,
+            page_tokens: self.pool.layout().geometry().page_tokens,
             pages_free: pool.pages_free,
             pages_scrubbed_total: self.pages_scrubbed,
             tokens_generated_total: self.tokens_generated,

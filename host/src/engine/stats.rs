@@ -51,6 +51,8 @@ pub struct SchedulerStats {
     pub tenants: Vec<TenantStats>,
     /// Pages in the pool.
     pub pages_count: u32,
+    /// Token positions a page holds.
+    pub page_tokens: u32,
     /// Clean pages on the free list.
     pub pages_free: u32,
     /// Pages scrubbed since start.
