@@ -805,3 +805,101 @@ fn the_endpoint_pickers_gauges_have_vllms_names_and_meanings() {
     // The pages of one running sequence, at most its whole context.
     assert!(usage <= 64.0 / 224.0 + 1e-9, "{usage}");
 }
+
+/// Envoy's `ext_authz` HTTP protocol under `/ext-authz/`: a valid key gets
+/// 200 with the picker's fairness id set to its tenant's registry id
+/// (whatever the client sent) and the other client-settable picker headers
+/// listed for removal; a missing, wrong or revoked key gets 401 and no
+/// fairness id; a pod itself ignores a client's copies of those headers.
+#[test]
+fn ext_authz_gives_the_gateway_the_tenants_id_never_the_clients() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let agent = ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(30))
+        .build();
+    let check = |method: &str, path: &str, key: Option<&str>| -> ureq::Response {
+        let mut request = agent
+            .request(method, &format!("{}/ext-authz{path}", server.inference))
+            .set("x-llm-d-inference-fairness-id", "999")
+            .set("x-llm-d-inference-objective", "critical");
+        if let Some(key) = key {
+            request = request.set("authorization", &format!("Bearer {key}"));
+        }
+        match request.call() {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("transport error: {e}"),
+        }
+    };
+    let id_of = |key: &str| {
+        server
+            .get(&server.inference, "/v1/tenant", Some(key))
+            .json()["id"]
+            .clone()
+    };
+    let (alpha, beta) = (id_of(KEY_ALPHA), id_of(KEY_BETA));
+    assert!(
+        alpha.is_u64() && beta.is_u64() && alpha != beta,
+        "{alpha} {beta}"
+    );
+    for (method, path, key, id) in [
+        ("POST", "/v1/chat/completions", KEY_ALPHA, &alpha),
+        ("POST", "/v1/completions", KEY_BETA, &beta),
+        ("GET", "/v1/models", KEY_ALPHA, &alpha),
+        ("GET", "", KEY_BETA, &beta),
+    ] {
+        let r = check(method, path, Some(key));
+        assert_eq!(r.status(), 200, "{method} {path}");
+        assert_eq!(
+            r.header("x-llm-d-inference-fairness-id"),
+            Some(id.to_string().as_str()),
+            "the tenant's id, not the client's 999"
+        );
+        let removed: Vec<&str> = r
+            .header("x-envoy-auth-headers-to-remove")
+            .expect("the removal list")
+            .split(", ")
+            .collect();
+        for name in [
+            "x-llm-d-inference-objective",
+            "x-gateway-inference-fairness-id",
+            "x-gateway-inference-objective",
+            "x-prefiller-host-port",
+        ] {
+            assert!(removed.contains(&name), "{name} in {removed:?}");
+        }
+        assert!(!removed.contains(&"x-llm-d-inference-fairness-id"));
+    }
+    for key in [None, Some("not-a-key-of-anyone-0123456789abcdef")] {
+        let r = check("POST", "/v1/chat/completions", key);
+        assert_eq!(r.status(), 401, "{key:?}");
+        assert_eq!(r.header("x-llm-d-inference-fairness-id"), None);
+        let body: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
+        assert_eq!(body["error"]["code"], "invalid_api_key", "{body}");
+    }
+    // A key issued and revoked through the admin API: 200, then 401.
+    let issued = server
+        .admin_call("POST", "/admin/v1/tenants/alpha/keys", Some(&json!({})))
+        .json();
+    let secret = issued["secret"]
+        .as_str()
+        .expect("the secret, once")
+        .to_string();
+    assert_eq!(check("GET", "/v1/models", Some(&secret)).status(), 200);
+    let key_id = issued["key"]["id"].as_str().unwrap();
+    let r = server.admin_call(
+        "DELETE",
+        &format!("/admin/v1/tenants/alpha/keys/{key_id}"),
+        None,
+    );
+    assert!(r.status == 200 || r.status == 204, "{}", r.body);
+    assert_eq!(check("GET", "/v1/models", Some(&secret)).status(), 401);
+    // Sent straight to the pod, the headers change nothing.
+    let spoofed = [
+        ("x-llm-d-inference-fairness-id", "999"),
+        ("x-prefiller-host-port", "127.0.0.1:1"),
+    ];
+    let r = ask(&server, KEY_ALPHA, &spoofed, 2);
+    assert_eq!(r.status, 200, "{}", r.body);
+}

@@ -32,6 +32,7 @@
 
 pub mod admin;
 pub mod error;
+pub mod gateway;
 pub mod guard;
 pub mod ids;
 pub mod openai;
@@ -168,6 +169,7 @@ pub fn inference_router(app: Arc<App>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .merge(tenant::router(Arc::clone(&app)))
+        .merge(gateway::router())
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .fallback(not_found)
