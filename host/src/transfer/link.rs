@@ -531,6 +531,7 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
     // channel closes and the helper stops at its next page.
     let (hashed_to, mut hashed) = tokio::sync::mpsc::channel(HASHED_AHEAD);
     let pages = export.pages;
+    let count = pages.len();
     tokio::task::spawn_blocking(move || {
         for (index, page) in pages.into_iter().enumerate() {
             let index = index as u32;
@@ -547,7 +548,7 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
     });
     let (mut hashing, mut waiting) = (Duration::ZERO, Duration::ZERO);
     link.send(&Message::Header(header)).await?;
-    let mut digests = Vec::with_capacity(header.pages as usize);
+    let mut digests = Vec::with_capacity(count);
     loop {
         let wait = Instant::now();
         let Some((index, digest, page, took)) = hashed.recv().await else {
@@ -563,7 +564,7 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
         })
         .await?;
     }
-    if digests.len() != header.pages as usize {
+    if digests.len() != count {
         // The helper stopped early (it panicked): never a short transfer.
         return Err(LinkError::Io(std::io::Error::other("page hashing stopped")));
     }
