@@ -171,7 +171,7 @@ enum Command {
 enum BenchCommand {
     /// Engine throughput: prefill, decode at batch 1, aggregate decode at larger batches.
     Engine(bench::EngineBenchArgs),
-    /// Page digests of a transfer's pages: XXH64 against FNV-1a and a copy.
+    /// Page digests of a transfer's pages: XXH3 against XXH64, FNV-1a and a copy.
     Digest(bench::DigestBenchArgs),
     /// Load on an OpenAI-compatible server: throughput and latency per concurrency level.
     Http(bulkhead::bench_http::HttpBenchArgs),

@@ -525,13 +525,14 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
     let bytes = export.bytes();
     let header = export.header;
     let sending = Instant::now();
-    // A helper thread hashes the pages ahead of the socket writes (at most
-    // HASHED_AHEAD pages ahead), so the link waits on hashing only for the
-    // first page (BENCHMARKS.md "Disaggregation"). If the link fails, the
-    // channel closes and the helper stops at its next page.
-    let (hashed_to, mut hashed) = tokio::sync::mpsc::channel(HASHED_AHEAD);
+    // A helper thread hashes the pages ahead of the socket writes, as far
+    // ahead as it gets (the pages are in memory already: the channel holds
+    // them, nothing more), so the link waits on hashing only for the first
+    // page (BENCHMARKS.md "Disaggregation"). If the link fails, the channel
+    // closes and the helper stops at its next page.
     let pages = export.pages;
     let count = pages.len();
+    let (hashed_to, mut hashed) = tokio::sync::mpsc::channel(count.max(1));
     tokio::task::spawn_blocking(move || {
         for (index, page) in pages.into_iter().enumerate() {
             let index = index as u32;
@@ -606,9 +607,6 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
         }),
     }
 }
-
-/// Pages a sender's helper thread hashes ahead of its socket writes.
-const HASHED_AHEAD: usize = 4;
 
 /// What a fetch came to: the transfer (or why none), the connection for
 /// the verdict, and how long its pages took.

@@ -688,7 +688,7 @@ impl Chain<'_> {
             ),
         };
         let transfer = format!(
-            "pages of {shape}; at most {pages} pages = {} a prompt; the sender keeps its pages until the verdict; the receiver checks identity, token count against its own tokenization, order, lengths, each page's XXH64 and the whole transfer's digest before anything decodes; a frame is due within {} ms, the link proves BULKHEAD_TRANSFER_SECRET both ways",
+            "pages of {shape}; at most {pages} pages = {} a prompt; the sender keeps its pages until the verdict; the receiver checks identity, token count against its own tokenization, order, lengths, each page's XXH3 digest and the whole transfer's digest before anything decodes; a frame is due within {} ms, the link proves BULKHEAD_TRANSFER_SECRET both ways",
             human_bytes(page * u64::from(pages)),
             self.server.transfer_frame_timeout_ms
         );

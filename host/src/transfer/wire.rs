@@ -8,7 +8,9 @@ use bulkhead_kernels::kv::{KvType, OwnerTag, PageShape, TransferHeader, Transfer
 use thiserror::Error;
 
 /// The protocol version; a peer with another is refused at the handshake.
-pub const VERSION: u16 = 1;
+/// 2: page digests are XXH3-64 seeded with the used slot count (1: XXH64
+/// of the count and the bytes).
+pub const VERSION: u16 = 2;
 /// The first bytes of every hello.
 pub const MAGIC: [u8; 4] = *b"BKHT";
 /// Most bytes of any message other than a page (hello, pairing, job with its

@@ -114,7 +114,7 @@ pub mod transfer;
 mod tests;
 
 pub use check::Violation;
-pub use digest::{digest_page, digest_slabs, fnv1a64, Xxh64};
+pub use digest::{digest_page, digest_slabs, fnv1a64, xxh3_64, Xxh64};
 pub use geometry::{
     GeometryError, PageLayout, PoolGeometry, HEAD_DIM_MAX, KV_HEADS_MAX, LAYERS_MAX,
     PAGES_COUNT_MAX, PAGE_TOKENS_MAX, POOL_BYTES_MAX,

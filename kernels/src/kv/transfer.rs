@@ -33,8 +33,8 @@
 //! back to be released: the pages, possibly half-written, go through the one
 //! release path and are scrubbed before reuse (I4), like any other.
 //!
-//! A page's bytes on the wire are the digest's order without its length
-//! prefix, so its digest is `XXH64(tokens_used as u32 LE ‖ bytes)`:
+//! A page's bytes on the wire are the digest's order, so its digest is
+//! `XXH3-64(bytes, seed = tokens_used)`:
 //!
 //! ```text
 //! for layer in 0..layers:
@@ -198,10 +198,7 @@ pub fn tokens_digest(tokens: &[u32]) -> u64 {
 /// The digest of one page's wire bytes (equal to the pool's page digest of
 /// the same values).
 pub fn page_digest(tokens_used: u32, bytes: &[u8]) -> u64 {
-    let mut hasher = Xxh64::new();
-    hasher.write_u32(tokens_used);
-    hasher.write(bytes);
-    hasher.finish()
+    super::digest::xxh3_64(bytes, u64::from(tokens_used))
 }
 
 /// The digest over a transfer: its header's fields and its page digests in
