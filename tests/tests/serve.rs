@@ -431,19 +431,25 @@ fn context_length_exceeded_is_refused_before_any_queue_or_page_is_touched() {
     assert_eq!(metric_value(&after, rejected), 4.0);
 }
 
-#[test]
-fn a_full_queue_answers_429_with_retry_after() {
-    let Some(model) = smollm2() else { return };
-    let server = start(&model, &Policy::default());
+/// Gamma (running_max 1, queue_depth_max 1) with one long stream running
+/// (its first text has come) and a second one waiting in its queue.
+fn gamma_running_and_queued(server: &Server) -> (SseReader, SseReader) {
     let mut long = chat_body("Write a long story about a dragon.", 400);
     long["stream"] = json!(true);
-    // gamma: running_max 1, queue_depth_max 1.
     let (status, mut running) = server.stream("/v1/chat/completions", KEY_GAMMA, &long);
     assert_eq!(status, 200);
     running.next_data().unwrap(); // role chunk
     running.next_data().unwrap(); // first text: it runs
-    let (status, _queued) = server.stream("/v1/chat/completions", KEY_GAMMA, &long);
+    let (status, queued) = server.stream("/v1/chat/completions", KEY_GAMMA, &long);
     assert_eq!(status, 200, "the second waits in the queue");
+    (running, queued)
+}
+
+#[test]
+fn a_full_queue_answers_429_with_retry_after() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let (_running, _queued) = gamma_running_and_queued(&server);
     let r = server.post_json("/v1/chat/completions", Some(KEY_GAMMA), &chat_body("hi", 4));
     assert_eq!(r.status, 429, "{}", r.body);
     assert_eq!(r.error().1, json!("queue_full"));
@@ -781,15 +787,7 @@ fn the_endpoint_pickers_gauges_have_vllms_names_and_meanings() {
         ("num_gpu_blocks", "224"),
     ];
     assert_eq!(picker_sample(&text, "vllm:cache_config_info", &config), 1.0);
-    // gamma runs one request and queues one (running_max 1).
-    let mut long = chat_body("Write a long story about a dragon.", 400);
-    long["stream"] = json!(true);
-    let (status, mut running) = server.stream("/v1/chat/completions", KEY_GAMMA, &long);
-    assert_eq!(status, 200);
-    running.next_data().unwrap(); // role chunk
-    running.next_data().unwrap(); // first text: it runs
-    let (status, _queued) = server.stream("/v1/chat/completions", KEY_GAMMA, &long);
-    assert_eq!(status, 200);
+    let (_running, _queued) = gamma_running_and_queued(&server);
     let mut text = String::new();
     let busy = eventually(Duration::from_secs(10), || {
         text = server.metrics();

@@ -511,22 +511,27 @@ mod tests {
         }
     }
 
+    /// Three pages of 2 slots, 2 layers of one 3-wide head.
+    fn small_layout(kv_type: KvType) -> PageLayout {
+        super::super::geometry::PoolGeometry {
+            pages_count: 3,
+            page_tokens: 2,
+            layers: 2,
+            kv_heads: 1,
+            head_dim: 3,
+            kv_type,
+        }
+        .layout()
+        .unwrap()
+    }
+
     /// Every value of every page, layer, K and V, and slot lands in a place
     /// of its own: each reads back through `host` as written, and scrubbing
     /// or poisoning one page changes no value of another, in both types.
     #[test]
     fn every_slab_of_every_page_has_storage_of_its_own() {
-        use super::super::geometry::PoolGeometry;
         for kv_type in [KvType::F16, KvType::F32] {
-            let geometry = PoolGeometry {
-                pages_count: 3,
-                page_tokens: 2,
-                layers: 2,
-                kv_heads: 1,
-                head_dim: 3,
-                kv_type,
-            };
-            let layout = geometry.layout().unwrap();
+            let layout = small_layout(kv_type);
             let mut storage = host_storage(layout);
             // A value no other (page, layer, k|v, slot, i) has, exact in f16.
             let value = |page: usize, layer: u32, kv: usize, slot: u32, i: usize| {
@@ -582,17 +587,8 @@ mod tests {
     /// over afterwards.
     #[test]
     fn holds_rows_answers_for_the_stored_bits_only() {
-        use super::super::geometry::PoolGeometry;
         for kv_type in [KvType::F16, KvType::F32] {
-            let geometry = PoolGeometry {
-                pages_count: 3,
-                page_tokens: 2,
-                layers: 2,
-                kv_heads: 1,
-                head_dim: 3,
-                kv_type,
-            };
-            let layout = geometry.layout().unwrap();
+            let layout = small_layout(kv_type);
             let mut storage = host_storage(layout);
             let length = 2 * 2 * 2 * 3 * kv_type.bytes() as usize;
             // Every byte value, NaN and negative-zero patterns among them.
