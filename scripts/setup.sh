@@ -43,6 +43,20 @@ PY
     echo "setup: model installed: $model"
 fi
 
+# Debian packages: protoc builds the etcd client's protocol (etcd-client's
+# build script), etcd-server runs the many-pod tests' etcd on loopback.
+debs=()
+command -v protoc >/dev/null 2>&1 || debs+=(protobuf-compiler)
+command -v etcd >/dev/null 2>&1 || debs+=(etcd-server)
+if [ ${#debs[@]} -gt 0 ]; then
+    as_root=()
+    [ "$(id -u)" -eq 0 ] || as_root=(sudo)
+    echo "setup: installing ${debs[*]} (Debian packages)"
+    export DEBIAN_FRONTEND=noninteractive
+    "${as_root[@]}" apt-get update -qq >/dev/null || true
+    "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${debs[@]}" >/dev/null
+fi
+
 # Policy plugins are WebAssembly components (plugins/, scripts/plugins.sh).
 rustup target add wasm32-wasip2 >/dev/null 2>&1 || echo "setup: could not add the wasm32-wasip2 target (rustup)" >&2
 

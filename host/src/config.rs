@@ -197,7 +197,16 @@ impl Default for ServerConfig {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
-    /// Its folder (relative to the policy file's folder).
+    /// Where the control plane's records live: `sled` (a folder on this
+    /// machine, the default) or `etcd` (shared by many servers).
+    pub backend: StoreBackend,
+    /// The etcd cluster, for `backend = "etcd"`.
+    pub etcd: crate::store::etcd_storage::EtcdOptions,
+    /// What inference does while a shared store is away: `serve-known`
+    /// (the default: the last state seen) or `refuse` (503).
+    pub offline: OfflineMode,
+    /// Its folder (relative to the policy file's folder): the sled database,
+    /// and on every backend this server's plugin code.
     pub path: PathBuf,
     /// How often usage counters and refusal records are written: what a
     /// crash can lose.
@@ -217,6 +226,9 @@ pub struct StoreConfig {
 impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
+            backend: StoreBackend::Sled,
+            etcd: Default::default(),
+            offline: OfflineMode::ServeKnown,
             path: PathBuf::from("bulkhead-state"),
             usage_flush_ms: 1000,
             audit_retention_days: 90,
@@ -225,6 +237,29 @@ impl Default for StoreConfig {
             audit_refusals_listed_per_interval: crate::store::usage::REFUSALS_LISTED_PER_INTERVAL,
         }
     }
+}
+
+/// The store's backend (`[store] backend`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreBackend {
+    /// sled, in `[store] path`: one server.
+    #[default]
+    Sled,
+    /// etcd v3 (`[store.etcd]`): many servers on one control plane.
+    Etcd,
+}
+
+/// What inference does while a shared store is away (`[store] offline`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OfflineMode {
+    /// Serve with the tenants and keys last seen: a key revoked elsewhere
+    /// meanwhile keeps working here until the store is back.
+    #[default]
+    ServeKnown,
+    /// Refuse new requests (503 `store_unavailable`) until the store is back.
+    Refuse,
 }
 
 /// Policy plugins (`[plugins]`). Each limit is both the default of every

@@ -29,7 +29,7 @@ use crate::store::records::{
     AuditRecord, KeyRecord, KeySource, Meta, ModelRecord, PluginLimitsRequest, PluginRecord,
     PluginStateRecord, TenantRecord, UsageRecord,
 };
-use crate::store::{Batch, Entry, Storage, Store, StoreError, Write};
+use crate::store::{Batch, Entry, Expect, Storage, Store, StoreError, Write};
 use crate::tenancy::canary::{self, CanaryGuard, Hit};
 use crate::tenancy::control::{Canaries, TenantPatch, UploadOptions};
 use crate::tenancy::{valid_name, ModelAccess, Quota, TenantId};
@@ -448,8 +448,14 @@ impl Storage for MemoryStorage {
             .map(|(k, v)| (k.clone(), v.clone())))
     }
 
-    fn commit(&self, writes: Vec<Write>) -> Result<(), StoreError> {
+    fn commit_if(&self, expect: &[Expect], writes: Vec<Write>) -> Result<(), StoreError> {
         let mut entries = self.entries();
+        if expect
+            .iter()
+            .any(|e| entries.get(&e.key) != e.value.as_ref())
+        {
+            return Err(StoreError::Conflict);
+        }
         for write in writes {
             match write {
                 Write::Put { key, value } => {

@@ -247,13 +247,14 @@ fn reset_admin_token(path: &Path, store: Option<PathBuf>) -> Result<()> {
         config.store.path = std::path::absolute(store)?;
     }
     let store_path = config.store_path();
-    if !store_path.exists() {
+    let sled = config.store.backend == bulkhead::config::StoreBackend::Sled;
+    if sled && !store_path.exists() {
         bail!(
             "no store at {}: the first start of the server generates the admin token",
             store_path.display()
         );
     }
-    let store = Store::open(&store_path)?;
+    let store = server::open_store(&config)?;
     let token = seed::reset_admin_token(&store)?;
     println!(
         "admin token (new; shown once, stored as a digest; the old one no longer works): {token}"

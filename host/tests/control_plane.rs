@@ -12,7 +12,7 @@ use bulkhead::engine::service::{EngineHandle, TenantChange};
 use bulkhead::policy::PolicyRuntime;
 use bulkhead::store::sled_storage::SledStorage;
 use bulkhead::store::usage::UsageBook;
-use bulkhead::store::{Entry, Storage, Store, StoreError, Write};
+use bulkhead::store::{Entry, Expect, Storage, Store, StoreError, Write};
 use bulkhead::tenancy::control::{
     self, Actor, Control, ControlError, Parts, TenantPatch, TenantRef,
 };
@@ -44,11 +44,11 @@ impl Storage for Flaky {
     fn last(&self, prefix: &[u8]) -> Result<Option<Entry>, StoreError> {
         self.inner.last(prefix)
     }
-    fn commit(&self, writes: Vec<Write>) -> Result<(), StoreError> {
+    fn commit_if(&self, expect: &[Expect], writes: Vec<Write>) -> Result<(), StoreError> {
         if self.fail.load(Ordering::SeqCst) {
             return Err(StoreError::Io("no space left on device (planted)".into()));
         }
-        self.inner.commit(writes)
+        self.inner.commit_if(expect, writes)
     }
 }
 
@@ -166,6 +166,7 @@ fn start(dir: &Path) -> Plane {
         usage: Arc::new(UsageBook::default()),
         config,
         finishes: sink,
+        tenants,
     });
     Plane { control, fail }
 }

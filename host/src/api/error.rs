@@ -16,6 +16,7 @@ use crate::catalog::LoadError;
 use crate::engine::request::{Rejection, RequestId};
 use crate::engine::service::{EngineUnavailable, SubmitError};
 use crate::policy::{FaultKind, PluginRejection};
+use crate::store::StoreError;
 use crate::telemetry;
 use crate::tenancy::control::ControlError;
 use axum::body::Body;
@@ -217,6 +218,12 @@ pub enum ApiError {
     /// server's own).
     #[error("{0}")]
     ServerBusy(String),
+    /// Another server changed the shared store since this change read it.
+    #[error("Another server changed the control plane while this change was made; nothing was changed. Read the object again and retry.")]
+    StoreConflict,
+    /// The shared store cannot be reached; nothing was changed.
+    #[error("The control-plane store cannot be reached now; nothing was changed. Retry once it is back (/readyz says when).")]
+    StoreUnavailable(String),
     /// A server-side failure; the cause is logged, never sent.
     #[error("internal error")]
     Internal(String),
@@ -240,6 +247,10 @@ impl From<ControlError> for ApiError {
             },
             ControlError::Pool(message) => ApiError::PoolConflict(message),
             ControlError::TooMany { what, max } => ApiError::TooMany { what, max },
+            ControlError::Store(StoreError::Conflict) => ApiError::StoreConflict,
+            ControlError::Store(StoreError::Unavailable(cause)) => {
+                ApiError::StoreUnavailable(cause)
+            }
             ControlError::Store(error) => ApiError::Internal(format!("store: {error}")),
             ControlError::Engine => ApiError::Unavailable,
             ControlError::Reserved { what, name } => ApiError::NameReserved { what, name },
@@ -599,6 +610,13 @@ impl ApiError {
                 "policy_unavailable",
                 None,
             ),
+            E::StoreConflict => (StatusCode::CONFLICT, INVALID, "conflict", None),
+            E::StoreUnavailable(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "store_unavailable",
+                None,
+            ),
             E::Internal(_) => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "server_error",
@@ -736,6 +754,9 @@ impl ApiError {
             }
             ApiError::Internal(cause) => {
                 tracing::error!(request_id = request_id.0, tenant, status, code, cause = %cause, "request failed");
+            }
+            ApiError::StoreUnavailable(cause) => {
+                tracing::warn!(request_id = request_id.0, tenant, status, code, cause = %cause, "request failed");
             }
             _ if self.status().is_server_error() => {
                 tracing::warn!(

@@ -62,6 +62,10 @@ async fn check(State(app): State<Arc<App>>, request: Request) -> Response<Body> 
     let Some(tenant) = tenant else {
         return ApiError::Unauthenticated.into_response(app.request_id(), None);
     };
+    if app.control.refusing() {
+        return ApiError::StoreUnavailable("[store] offline = \"refuse\"".into())
+            .into_response(app.request_id(), Some(&tenant.name));
+    }
     let mut response = Response::new(Body::empty());
     *response.status_mut() = StatusCode::OK;
     let headers = response.headers_mut();

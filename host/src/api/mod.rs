@@ -207,7 +207,7 @@ async fn healthz() -> Response<Body> {
 /// learn the catalog); the admin listener lists every model.
 fn readiness(app: &App) -> (bool, serde_json::Map<String, serde_json::Value>) {
     let mut models = serde_json::Map::new();
-    let mut ready = !app.shutting_down.load(Ordering::SeqCst);
+    let mut ready = !app.shutting_down.load(Ordering::SeqCst) && !app.control.refusing();
     for model in app.control.catalog().snapshot().all() {
         // Role decode: a model is ready once a prefill peer pairs for it.
         let paired = model
@@ -222,14 +222,30 @@ fn readiness(app: &App) -> (bool, serde_json::Map<String, serde_json::Value>) {
     (ready, models)
 }
 
+/// The store's state as `/readyz` shows it: `away` while a shared store
+/// cannot be reached (ready or not as `[store] offline` says).
+fn store_state(app: &App) -> &'static str {
+    if app.control.store_connected() {
+        "connected"
+    } else if app.control.refusing() {
+        "away (refusing requests)"
+    } else {
+        "away (serving with the last state seen)"
+    }
+}
+
 async fn readyz(State(app): State<Arc<App>>) -> Response<Body> {
     let (ready, _) = readiness(&app);
+    let store = store_state(&app);
     if ready {
-        json(StatusCode::OK, &serde_json::json!({"status": "ready"}))
+        json(
+            StatusCode::OK,
+            &serde_json::json!({"status": "ready", "store": store}),
+        )
     } else {
         json(
             StatusCode::SERVICE_UNAVAILABLE,
-            &serde_json::json!({"status": "not ready"}),
+            &serde_json::json!({"status": "not ready", "store": store}),
         )
     }
 }
@@ -243,7 +259,7 @@ async fn admin_readyz(State(app): State<Arc<App>>) -> Response<Body> {
     };
     json(
         status,
-        &serde_json::json!({"status": word, "models": models}),
+        &serde_json::json!({"status": word, "models": models, "store": store_state(&app)}),
     )
 }
 
@@ -338,6 +354,11 @@ async fn infer(
         _ if app.serving.prefill_only => {
             drain_refused(body, &headers).await;
             ApiError::PrefillOnly.into_response(id, None)
+        }
+        _ if app.control.refusing() => {
+            drain_refused(body, &headers).await;
+            ApiError::StoreUnavailable("[store] offline = \"refuse\"".into())
+                .into_response(id, None)
         }
         None => {
             drain_refused(body, &headers).await;

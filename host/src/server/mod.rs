@@ -140,6 +140,16 @@ impl From<ControlError> for ServeError {
     }
 }
 
+/// The store of `config`'s backend.
+pub fn open_store(config: &Config) -> Result<Store, crate::store::StoreError> {
+    match config.store.backend {
+        crate::config::StoreBackend::Sled => Store::open(&config.store_path()),
+        crate::config::StoreBackend::Etcd => {
+            Store::open_etcd(&config.store.etcd, &config.store_path())
+        }
+    }
+}
+
 /// Runs the server until SIGINT/SIGTERM and a drain.
 pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     telemetry::init_tracing(
@@ -159,7 +169,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         _ => Some(crate::transfer::secret_from_env().map_err(ServeError::Transfer)?),
     };
     let store = Arc::new(
-        Store::open(&config.store_path())?
+        open_store(&config)?
             .with_audit_max(config.store.audit_records_max)
             .with_refusals_per_tenant_max(config.store.audit_refusals_per_tenant_max),
     );
@@ -240,6 +250,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         usage: Arc::clone(&usage),
         config: Arc::clone(&config),
         finishes: Arc::clone(&finishes) as Arc<dyn FinishSink>,
+        tenants: tenants.clone(),
     }));
     control.load_plugins()?;
     // Everything that could refuse the start has run: the secrets are
@@ -281,6 +292,8 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     }
     let drain = Duration::from_millis(config.server.drain_timeout_ms);
     let flush_every = Duration::from_millis(config.store.usage_flush_ms);
+    // A shared store: follow the other servers' changes.
+    let follower = runtime.spawn(Arc::clone(&control).follow());
     let flusher = runtime.spawn(flush_usage(
         Arc::clone(&usage),
         Arc::clone(&store),
@@ -303,6 +316,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     // Streams still open (past the drain deadline) get their error event out.
     runtime.block_on(async { tokio::time::sleep(FINAL_EVENTS_FLUSH).await });
     flusher.abort();
+    follower.abort();
     if let Some(summaries) = summaries {
         summaries.abort();
     }

@@ -19,6 +19,9 @@
 //!   meta/tenant_id_next              the next tenant id (ids are never reused)
 //!   meta/admin_token                 SHA-256 of a generated admin token
 //!   meta/plugin_id_next              the next plugin id (ids are never reused)
+//!   meta/control                     counts control-plane changes (the fence, see below)
+//!   meta/audit_next                  the next audit sequence number (shared storage only)
+//!   servers/<name>                   a live server's catalog (shared storage only, under a lease)
 //!   tenant/<id u32>                  TenantRecord
 //!   tenant_name/<name>               <id u32>: one live tenant per name
 //!   model/<id>                       ModelRecord: a model added through the admin API
@@ -38,12 +41,23 @@
 //! refusals first), so one tenant's refused requests can push out only its
 //! own refusals, never anyone's security events or admin changes.
 //!
+//! **Many servers on one store** (etcd, [`etcd_storage`]): every change of
+//! the control plane (tenants, keys, models, plugins, the admin token) is
+//! *fenced*: it reads `meta/control` before it reads what it is based on
+//! ([`Store::fence`]) and commits only if `meta/control` still holds that
+//! value, bumping it ([`Batch::fenced`]). A change based on a stale read is
+//! refused ([`StoreError::Conflict`]), never lost; the other servers watch
+//! `meta/control` and reload what changed. Audit sequence numbers come from
+//! `meta/audit_next` inside the same commit, so they stay unique across
+//! servers.
+//!
 //! Format 2 kept plugin code here too, keyed by its digest alone
 //! (`plugin_wasm/<sha256>`, `plugin_compiled/<sha256>`), shared by every
 //! tenant that uploaded the same bytes; [`Store::migrate_plugins`] moves it
 //! to its owners' files.
 
 pub mod code;
+pub mod etcd_storage;
 pub mod records;
 pub mod sled_storage;
 pub mod usage;
@@ -97,6 +111,13 @@ pub enum StoreError {
         /// The parser's message.
         cause: String,
     },
+    /// What the change was based on changed meanwhile (another server wrote
+    /// the shared store): read again and retry.
+    #[error("the store changed meanwhile (another server wrote it); read it again and retry")]
+    Conflict,
+    /// A shared store that cannot be reached now (the message names it).
+    #[error("the store is unavailable: {0}")]
+    Unavailable(String),
 }
 
 /// One write of an atomic batch.
@@ -133,8 +154,53 @@ pub trait Storage: Send + Sync {
     ) -> Result<Vec<Entry>, StoreError>;
     /// The entry with the greatest key starting with `prefix`.
     fn last(&self, prefix: &[u8]) -> Result<Option<Entry>, StoreError>;
-    /// Applies every write atomically; durable (on disk) when it returns Ok.
-    fn commit(&self, writes: Vec<Write>) -> Result<(), StoreError>;
+    /// Applies every write atomically if every key of `expect` holds what it
+    /// says (None: absent); [`StoreError::Conflict`] and nothing written
+    /// otherwise. Durable (on disk, or on a quorum of a shared store's
+    /// members) when it returns Ok.
+    fn commit_if(&self, expect: &[Expect], writes: Vec<Write>) -> Result<(), StoreError>;
+    /// Applies every write atomically and durably.
+    fn commit(&self, writes: Vec<Write>) -> Result<(), StoreError> {
+        self.commit_if(&[], writes)
+    }
+    /// Most writes one commit may hold.
+    fn writes_max(&self) -> usize {
+        usize::MAX
+    }
+    /// Whether other processes write this storage too: then audit sequence
+    /// numbers are handed out by the storage, not by this process.
+    fn shared(&self) -> bool {
+        false
+    }
+    /// For a shared storage, what other processes did: a receiver that
+    /// changes whenever `key` may have changed, or the connection to the
+    /// storage was lost or regained. None where only this process writes.
+    fn watch(&self, _key: &[u8]) -> Option<tokio::sync::watch::Receiver<Watched>> {
+        None
+    }
+    /// On a shared storage, keeps `key` holding the latest value sent on
+    /// `value` for as long as this process lives and answers (an etcd
+    /// lease): gone soon after it stops. Nothing where only this process
+    /// reads.
+    fn announce(&self, _key: &[u8], _value: tokio::sync::watch::Receiver<Vec<u8>>) {}
+}
+
+/// What a conditional commit expects a key to hold.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Expect {
+    /// The key.
+    pub key: Vec<u8>,
+    /// Its value; None: absent.
+    pub value: Option<Vec<u8>>,
+}
+
+/// The state of a shared storage's watch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Watched {
+    /// Counts the times the watched key may have changed (reconnects included).
+    pub changes: u64,
+    /// Whether the storage answers now.
+    pub connected: bool,
 }
 
 /// Key of `prefix` followed by big-endian `id`.
@@ -223,6 +289,14 @@ const META_FORMAT: &[u8] = b"meta/format";
 const META_TENANT_ID_NEXT: &[u8] = b"meta/tenant_id_next";
 const META_ADMIN_TOKEN: &[u8] = b"meta/admin_token";
 const META_PLUGIN_ID_NEXT: &[u8] = b"meta/plugin_id_next";
+/// The control-plane fence: bumped by every control change.
+pub const META_CONTROL: &[u8] = b"meta/control";
+const META_AUDIT_NEXT: &[u8] = b"meta/audit_next";
+/// Live servers' announcements (shared storage only, under leases).
+const SERVERS_PREFIX: &str = "servers/";
+/// Times a commit on shared storage retries when only the audit sequence
+/// moved under it (another server's audit records).
+const AUDIT_RETRIES: u32 = 32;
 
 fn printable(key: &[u8]) -> String {
     key.iter()
@@ -236,7 +310,8 @@ fn printable(key: &[u8]) -> String {
         .collect()
 }
 
-fn encode<T: Serialize>(record: &T) -> Vec<u8> {
+/// A record in its version envelope, as the store writes it.
+pub fn encode<T: Serialize>(record: &T) -> Vec<u8> {
     // Records are plain structs of strings, numbers and maps: serializing
     // them cannot fail.
     serde_json::to_vec(&Versioned {
@@ -274,9 +349,35 @@ fn decode<T: DeserializeOwned>(key: &[u8], bytes: &[u8]) -> Result<T, StoreError
 pub struct Batch {
     writes: Vec<Write>,
     audit: Vec<AuditRecord>,
+    /// What the change was based on ([`Batch::fenced`]).
+    expect: Vec<Expect>,
+}
+
+/// The control-plane fence as a change read it ([`Store::fence`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fence {
+    seen: Option<Vec<u8>>,
+    count: u64,
+}
+
+impl Fence {
+    /// Control changes committed so far (as read).
+    pub fn count(&self) -> u64 {
+        self.count
+    }
 }
 
 impl Batch {
+    /// Commits only if no control change landed since `fence` was read, and
+    /// counts this one.
+    pub fn fenced(&mut self, fence: &Fence) -> &mut Self {
+        self.expect.push(Expect {
+            key: META_CONTROL.to_vec(),
+            value: fence.seen.clone(),
+        });
+        self.put(META_CONTROL.to_vec(), &(fence.count + 1))
+    }
+
     fn put<T: Serialize>(&mut self, key: Vec<u8>, record: &T) -> &mut Self {
         self.writes.push(Write::Put {
             key,
@@ -425,6 +526,16 @@ impl Store {
         Ok(store)
     }
 
+    /// Opens the shared store on etcd; plugin code stays in `dir`, this
+    /// server's own folder.
+    pub fn open_etcd(options: &etcd_storage::EtcdOptions, dir: &Path) -> Result<Store, StoreError> {
+        let storage = etcd_storage::EtcdStorage::connect(options)?;
+        let where_ = format!("etcd {}", options.endpoints.join(","));
+        let mut store = Store::with_storage(Box::new(storage), where_)?;
+        store.code = Some(PluginCode::open(dir)?);
+        Ok(store)
+    }
+
     /// A store over any storage engine.
     pub fn with_storage(storage: Box<dyn Storage>, path: String) -> Result<Store, StoreError> {
         let next = match storage.last(AUDIT_PREFIX)? {
@@ -469,8 +580,10 @@ impl Store {
     pub fn purge_audit_before(&self, cutoff_ms: u64) -> Result<u64, StoreError> {
         let mut cursor = self.audit.lock().unwrap_or_else(|p| p.into_inner());
         let mut purged = 0;
+        // Each old record takes up to two deletes (its refusal index too).
+        let page_max = (self.storage.writes_max() / 2).clamp(1, 1000);
         loop {
-            let page = self.scan::<AuditRecord>(AUDIT_PREFIX, None, 1000)?;
+            let page = self.scan::<AuditRecord>(AUDIT_PREFIX, None, page_max)?;
             let old: Vec<&AuditRecord> = page
                 .iter()
                 .map(|(_, r)| r)
@@ -566,6 +679,53 @@ impl Store {
     /// The format record; None in a store nothing was written to yet.
     pub fn meta(&self) -> Result<Option<Meta>, StoreError> {
         self.get(META_FORMAT)
+    }
+
+    /// The control-plane fence now: read it before what a change is based
+    /// on, and commit the change [`Batch::fenced`] with it.
+    pub fn fence(&self) -> Result<Fence, StoreError> {
+        let seen = self.storage.get(META_CONTROL)?;
+        let count = match &seen {
+            Some(bytes) => decode(META_CONTROL, bytes)?,
+            None => 0,
+        };
+        Ok(Fence { seen, count })
+    }
+
+    /// Whether other servers share this store.
+    pub fn shared(&self) -> bool {
+        self.storage.shared()
+    }
+
+    /// For a shared store, a receiver that changes when another server may
+    /// have changed the control plane (or the store was lost or regained).
+    pub fn watch_control(&self) -> Option<tokio::sync::watch::Receiver<Watched>> {
+        self.storage.watch(META_CONTROL)
+    }
+
+    /// Keeps this server's announcement (`servers/<name>`) holding the
+    /// latest value of `value` while it lives ([`Storage::announce`]).
+    pub fn announce_server(&self, name: &str, value: tokio::sync::watch::Receiver<Vec<u8>>) {
+        self.storage
+            .announce(format!("{SERVERS_PREFIX}{name}").as_bytes(), value);
+    }
+
+    /// The announcements of the live servers sharing this store (none for a
+    /// store only this server uses), by name; one that does not parse is
+    /// skipped with a log line naming its key.
+    pub fn servers<T: DeserializeOwned>(&self) -> Result<Vec<(String, T)>, StoreError> {
+        let prefix = SERVERS_PREFIX.as_bytes();
+        let mut out = Vec::new();
+        for (key, value) in self.storage.scan(prefix, None, SCAN_RECORDS_MAX)? {
+            let name = String::from_utf8_lossy(&key[prefix.len()..]).into_owned();
+            match decode(&key, &value) {
+                Ok(record) => out.push((name, record)),
+                Err(error) => {
+                    tracing::warn!(%error, "a server's announcement is unreadable; skipped")
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// The next tenant id to hand out.
@@ -819,6 +979,31 @@ impl Store {
         Ok(out)
     }
 
+    /// Adds `delta` to one minute's usage counters of a tenant, in `batch`:
+    /// its commit is refused ([`StoreError::Conflict`]) if another server
+    /// changed that minute meanwhile, so neither server's counts are lost.
+    pub fn add_usage(
+        &self,
+        batch: &mut Batch,
+        tenant: u32,
+        minute: u64,
+        delta: &UsageRecord,
+    ) -> Result<(), StoreError> {
+        let key = usage_key(tenant, minute);
+        let seen = self.storage.get(&key)?;
+        let mut total: UsageRecord = match &seen {
+            Some(bytes) => decode(&key, bytes)?,
+            None => UsageRecord::default(),
+        };
+        total.add(delta);
+        batch.expect.push(Expect {
+            key: key.clone(),
+            value: seen,
+        });
+        batch.put(key, &total);
+        Ok(())
+    }
+
     /// One minute's usage counters of a tenant (for read-modify-write).
     pub fn usage_minute(&self, tenant: u32, minute: u64) -> Result<UsageRecord, StoreError> {
         Ok(self.get(&usage_key(tenant, minute))?.unwrap_or_default())
@@ -829,10 +1014,11 @@ impl Store {
     /// one is looked at, deleted tenants' included.
     pub fn purge_usage_before(&self, minute: u64) -> Result<u64, StoreError> {
         let mut purged = 0;
+        let page_max = self.storage.writes_max().clamp(1, 1024);
         for tenant in 0..self.tenant_id_next()? {
             let prefix = usage_prefix(tenant);
             loop {
-                let page = self.storage.scan(&prefix, None, 1024)?;
+                let page = self.storage.scan(&prefix, None, page_max)?;
                 let old: Vec<Write> = page
                     .iter()
                     .take_while(|(key, _)| u64_suffix(key).is_ok_and(|m| m < minute))
@@ -841,7 +1027,7 @@ impl Store {
                 if old.is_empty() {
                     break;
                 }
-                let done = old.len() < page.len() || page.len() < 1024;
+                let done = old.len() < page.len() || page.len() < page_max;
                 purged += old.len() as u64;
                 self.storage.commit(old)?;
                 if done {
@@ -892,54 +1078,121 @@ impl Store {
     /// Commits `batch` atomically and durably; its audit records get their
     /// sequence numbers here, in commit order. The oldest audit records past
     /// the cap ([`AUDIT_RECORDS_MAX`]), and a tenant's oldest refusal records
-    /// past its cap, go in the same batch.
+    /// past its cap, go in the same batch. A fenced batch whose fence moved
+    /// is refused with [`StoreError::Conflict`]; on shared storage, one whose
+    /// audit numbers were taken by another server meanwhile is numbered again.
     pub fn commit(&self, batch: Batch) -> Result<(), StoreError> {
         if batch.is_empty() {
             return Ok(());
         }
         let mut cursor = self.audit.lock().unwrap_or_else(|p| p.into_inner());
-        let Batch { mut writes, audit } = batch;
-        let mut next = cursor.next;
-        let mut refusals: std::collections::BTreeMap<u32, u64> = Default::default();
-        for mut record in audit {
-            record.seq = next;
-            if let Some(tenant) = refusal_tenant(&record) {
+        let Batch {
+            writes: base,
+            audit,
+            expect,
+        } = batch;
+        let shared = self.storage.shared() && !audit.is_empty();
+        let mut attempt = 0;
+        loop {
+            let (first, seen) = if shared {
+                self.shared_audit_next()?
+            } else {
+                (cursor.next, None)
+            };
+            let mut writes = base.clone();
+            let mut expected = expect.clone();
+            let mut next = first;
+            let mut refusals: std::collections::BTreeMap<u32, u64> = Default::default();
+            for record in &audit {
+                let mut record = record.clone();
+                record.seq = next;
+                if let Some(tenant) = refusal_tenant(&record) {
+                    writes.push(Write::Put {
+                        key: [audit_refused_prefix(tenant), next.to_be_bytes().to_vec()].concat(),
+                        value: Vec::new(),
+                    });
+                    *refusals.entry(tenant).or_default() += 1;
+                }
                 writes.push(Write::Put {
-                    key: [audit_refused_prefix(tenant), next.to_be_bytes().to_vec()].concat(),
-                    value: Vec::new(),
+                    key: audit_key(next),
+                    value: encode(&record),
                 });
-                *refusals.entry(tenant).or_default() += 1;
+                next += 1;
             }
-            writes.push(Write::Put {
-                key: audit_key(next),
-                value: encode(&record),
-            });
-            next += 1;
-        }
-        let before = cursor.refusals.clone();
-        for (&tenant, &adding) in &refusals {
-            match self.trim_refusals(&mut cursor, tenant, adding) {
-                Ok(trims) => writes.extend(trims),
+            if shared {
+                expected.push(Expect {
+                    key: META_AUDIT_NEXT.to_vec(),
+                    value: seen,
+                });
+                writes.push(Write::Put {
+                    key: META_AUDIT_NEXT.to_vec(),
+                    value: encode(&next),
+                });
+            }
+            let before = cursor.refusals.clone();
+            for (&tenant, &adding) in &refusals {
+                match self.trim_refusals(&mut cursor, tenant, adding) {
+                    Ok(trims) => writes.extend(trims),
+                    Err(error) => {
+                        cursor.refusals = before;
+                        return Err(error);
+                    }
+                }
+            }
+            // On shared storage the other servers trim too: a few deletes a
+            // commit keep every commit small.
+            let mut deletes_left = if shared { 64 } else { u64::MAX };
+            let mut oldest = cursor.oldest;
+            while next - oldest > self.audit_max && deletes_left > 0 {
+                writes.push(Write::Delete {
+                    key: audit_key(oldest),
+                });
+                oldest += 1;
+                deletes_left -= 1;
+            }
+            match self.storage.commit_if(&expected, writes) {
+                Ok(()) => {
+                    cursor.next = next;
+                    cursor.oldest = oldest;
+                    return Ok(());
+                }
+                Err(StoreError::Conflict)
+                    if shared && attempt < AUDIT_RETRIES && self.holds(&expect)? =>
+                {
+                    cursor.refusals = before;
+                    attempt += 1;
+                }
                 Err(error) => {
                     cursor.refusals = before;
                     return Err(error);
                 }
             }
         }
-        let mut oldest = cursor.oldest;
-        while next - oldest > self.audit_max {
-            writes.push(Write::Delete {
-                key: audit_key(oldest),
-            });
-            oldest += 1;
+    }
+
+    /// The next audit sequence number of a shared store and the counter's
+    /// value as read (None: never written: after the last record).
+    fn shared_audit_next(&self) -> Result<(u64, Option<Vec<u8>>), StoreError> {
+        match self.storage.get(META_AUDIT_NEXT)? {
+            Some(bytes) => Ok((decode(META_AUDIT_NEXT, &bytes)?, Some(bytes))),
+            None => {
+                let next = match self.storage.last(AUDIT_PREFIX)? {
+                    Some((key, _)) => seq_of(&key)? + 1,
+                    None => 1,
+                };
+                Ok((next, None))
+            }
         }
-        if let Err(error) = self.storage.commit(writes) {
-            cursor.refusals = before;
-            return Err(error);
+    }
+
+    /// Whether every key of `expect` still holds what it says.
+    fn holds(&self, expect: &[Expect]) -> Result<bool, StoreError> {
+        for e in expect {
+            if self.storage.get(&e.key)? != e.value {
+                return Ok(false);
+            }
         }
-        cursor.next = next;
-        cursor.oldest = oldest;
-        Ok(())
+        Ok(true)
     }
 }
 

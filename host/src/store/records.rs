@@ -501,3 +501,21 @@ pub fn valid_model_id(id: &str) -> bool {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
 }
+
+/// What a live server announces on a shared store (`servers/<name>`): its
+/// catalog, so a change made through any server is checked against every
+/// server's capacity contract.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerRecord {
+    /// The models it serves.
+    pub models: Vec<AnnouncedModel>,
+}
+
+/// One model of a [`ServerRecord`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AnnouncedModel {
+    /// Its policy.
+    pub spec: ModelSpec,
+    /// The context its file holds.
+    pub file_context_tokens: u64,
+}

@@ -16,7 +16,7 @@
 //! and the cause (sled can panic on some corrupt files; that panic is caught
 //! here and reported the same way).
 
-use super::{Entry, Storage, StoreError, Write};
+use super::{Entry, Expect, Storage, StoreError, Write};
 use std::path::Path;
 
 /// sled's page cache, in bytes: the control plane's data is small.
@@ -181,8 +181,16 @@ impl Storage for SledStorage {
         }
     }
 
-    fn commit(&self, writes: Vec<Write>) -> Result<(), StoreError> {
+    fn commit_if(&self, expect: &[Expect], writes: Vec<Write>) -> Result<(), StoreError> {
+        // The lock orders commits, and sled's own lock keeps every other
+        // process out: nothing changes between the check and the batch.
         let mut commits = self.commits.lock().unwrap_or_else(|p| p.into_inner());
+        for e in expect {
+            let now = self.db.get(&e.key).map_err(io)?;
+            if now.as_deref() != e.value.as_deref() {
+                return Err(StoreError::Conflict);
+            }
+        }
         let next = *commits + 1;
         let mut batch = sled::Batch::default();
         for write in writes {

@@ -162,9 +162,7 @@ impl UsageBook {
         let mut summarized = 0;
         let result = (|| {
             for ((tenant, minute), delta) in &taken.usage {
-                let mut total = store.usage_minute(tenant.0, *minute)?;
-                total.add(delta);
-                batch.put_usage(tenant.0, *minute, &total);
+                store.add_usage(&mut batch, tenant.0, *minute, delta)?;
             }
             for record in taken.security.iter().chain(&taken.refusals) {
                 batch.audit(record.clone());

@@ -33,11 +33,11 @@ use crate::engine::scheduler::FinishSink;
 use crate::engine::service::{ChangeError, TenantChange};
 use crate::policy::PolicyRuntime;
 use crate::store::records::{
-    AuditRecord, KeyRecord, KeySource, ModelRecord, PluginLimitsRequest, PluginRecord,
-    TenantRecord, UsageRecord,
+    AnnouncedModel, AuditRecord, KeyRecord, KeySource, ModelRecord, PluginLimitsRequest,
+    PluginRecord, ServerRecord, TenantRecord, UsageRecord,
 };
 use crate::store::usage::{minute_of, UsageBook};
-use crate::store::{Batch, Store, StoreError};
+use crate::store::{Batch, Fence, Store, StoreError};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -535,8 +535,73 @@ pub struct Control {
     config: Arc<Config>,
     finishes: Arc<dyn FinishSink>,
     writes: tokio::sync::Mutex<()>,
+    /// The tenants as the engines and the registry have them, by id: what a
+    /// reload after another server's change compares the store with.
+    applied: std::sync::Mutex<BTreeMap<u32, TenantRecord>>,
+    /// Whether a shared store answers (always true for one on this machine).
+    store_connected: std::sync::atomic::AtomicBool,
+    /// This server's name among the servers of a shared store.
+    server_name: String,
+    /// Its announcement's next value (set once it announces).
+    announcement: std::sync::OnceLock<tokio::sync::watch::Sender<Vec<u8>>>,
     /// Plugin uploads per tenant (`plugins.uploads_per_minute`).
     uploads: plugins::UploadRate,
+}
+
+/// A change in progress: the write lock, and the control-plane fence read
+/// before anything the change is based on.
+struct Writing<'a> {
+    _lock: tokio::sync::MutexGuard<'a, ()>,
+    fence: Fence,
+}
+
+impl Writing<'_> {
+    /// A batch that commits only if no other change landed since the fence
+    /// was read (on a store shared with other servers).
+    fn batch(&self) -> Batch {
+        let mut batch = Batch::default();
+        batch.fenced(&self.fence);
+        batch
+    }
+}
+
+/// What a reload changed on this server.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reloaded {
+    /// Tenants new here.
+    pub added: u32,
+    /// Tenants whose record changed.
+    pub updated: u32,
+    /// Tenants gone.
+    pub removed: u32,
+    /// Tenant changes an engine refused (kept as they were; logged).
+    pub refused: u32,
+}
+
+/// This server's name among the servers of a shared store:
+/// `BULKHEAD_SERVER_NAME` (in Kubernetes, the pod's name), or the host name
+/// and process id.
+fn server_name() -> String {
+    if let Some(name) = std::env::var("BULKHEAD_SERVER_NAME")
+        .ok()
+        .filter(|n| valid_server_name(n))
+    {
+        return name;
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| valid_server_name(h))
+        .unwrap_or_else(|| "server".into());
+    format!("{host}-{}", std::process::id())
+}
+
+/// 1-128 of `[A-Za-z0-9._-]`: a key segment and a log value, nothing else.
+fn valid_server_name(name: &str) -> bool {
+    (1..=128).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
 /// Runs `f` on the current thread, telling the runtime it blocks (store
@@ -566,6 +631,8 @@ pub struct Parts {
     pub config: Arc<Config>,
     /// Where the engines of models loaded later report each request's end.
     pub finishes: Arc<dyn FinishSink>,
+    /// The tenants the engines and the registry were built with.
+    pub tenants: Vec<TenantRecord>,
 }
 
 impl Control {
@@ -581,6 +648,10 @@ impl Control {
             config: parts.config,
             finishes: parts.finishes,
             writes: tokio::sync::Mutex::new(()),
+            applied: std::sync::Mutex::new(parts.tenants.into_iter().map(|t| (t.id, t)).collect()),
+            store_connected: std::sync::atomic::AtomicBool::new(true),
+            server_name: server_name(),
+            announcement: std::sync::OnceLock::new(),
             uploads: plugins::UploadRate::default(),
         }
     }
@@ -650,6 +721,31 @@ impl Control {
             }
             return Err(violation.into());
         }
+        self.check_other_servers(tenants)
+    }
+
+    /// On a shared store, every other live server's contract with
+    /// `tenants`: a violation names the server.
+    fn check_other_servers(&self, tenants: &[TenantRecord]) -> Result<(), ControlError> {
+        if !self.store.shared() {
+            return Ok(());
+        }
+        for (name, server) in blocking(|| self.store.servers::<ServerRecord>())? {
+            if name == self.server_name {
+                continue;
+            }
+            for model in server.models {
+                let capacity = Capacity::of_model(
+                    &model.spec,
+                    model.file_context_tokens,
+                    &catalog::quotas_for(&model.spec, tenants),
+                );
+                if let Err(mut violation) = capacity.check() {
+                    violation.model = format!("{} on server {name}", violation.model);
+                    return Err(violation.into());
+                }
+            }
+        }
         Ok(())
     }
 
@@ -659,14 +755,173 @@ impl Control {
         Ok(self.capacities_of(&tenants))
     }
 
-    /// Publishes the store's tenants and keys.
+    /// Takes the write lock and reads the fence (first: before anything the
+    /// change reads).
+    async fn begin_write(&self) -> Result<Writing<'_>, ControlError> {
+        let lock = self.writes.lock().await;
+        let fence = blocking(|| self.store.fence())?;
+        Ok(Writing { _lock: lock, fence })
+    }
+
+    fn applied(&self) -> std::sync::MutexGuard<'_, BTreeMap<u32, TenantRecord>> {
+        self.applied.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records that the engines now hold tenant `id` as `record` (None: not at all).
+    fn set_applied(&self, id: u32, record: Option<&TenantRecord>) {
+        match record {
+            Some(record) => self.applied().insert(id, record.clone()),
+            None => self.applied().remove(&id),
+        };
+    }
+
+    /// Publishes the tenants as the engines hold them and the store's keys:
+    /// a tenant another server created is published once this server's
+    /// engines have its partitions ([`Control::reload`]).
     fn publish(&self) -> Result<(), ControlError> {
-        let (tenants, keys) =
-            blocking(|| Ok::<_, StoreError>((self.store.tenants()?, self.store.keys()?)))?;
+        let keys = blocking(|| self.store.keys())?;
+        let tenants: Vec<TenantRecord> = self.applied().values().cloned().collect();
         let previous = self.registry.snapshot();
         self.registry
             .replace(Directory::build(&tenants, &keys, Some(&previous)));
         Ok(())
+    }
+
+    /// Whether the store answers: false while a shared store is away (this
+    /// server then serves with the last state it saw).
+    pub fn store_connected(&self) -> bool {
+        self.store_connected
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// This server's catalog as it announces it.
+    fn announcement_bytes(&self) -> Vec<u8> {
+        let models = self
+            .catalog
+            .snapshot()
+            .all()
+            .map(|m| AnnouncedModel {
+                spec: m.spec.clone(),
+                file_context_tokens: m.file_context_tokens,
+            })
+            .collect();
+        crate::store::encode(&ServerRecord { models })
+    }
+
+    /// Announces the catalog again (a model came or went).
+    fn reannounce(&self) {
+        if let Some(announcement) = self.announcement.get() {
+            announcement.send_replace(self.announcement_bytes());
+        }
+    }
+
+    /// Whether new inference requests are refused now: the shared store is
+    /// away and the policy says `[store] offline = "refuse"`.
+    pub fn refusing(&self) -> bool {
+        !self.store_connected() && self.config.store.offline == crate::config::OfflineMode::Refuse
+    }
+
+    /// Follows a shared store until the server stops: reloads whenever
+    /// another server may have changed the control plane, and after every
+    /// reconnect. Returns at once for a store only this server writes.
+    pub async fn follow(self: Arc<Control>) {
+        let Some(mut watched) = self.store.watch_control() else {
+            return;
+        };
+        let (announce, announced) = tokio::sync::watch::channel(self.announcement_bytes());
+        self.store.announce_server(&self.server_name, announced);
+        let _ = self.announcement.set(announce);
+        tracing::info!(server = %self.server_name, "following the shared store");
+        loop {
+            let state = *watched.borrow_and_update();
+            self.store_connected
+                .store(state.connected, std::sync::atomic::Ordering::Relaxed);
+            metrics::gauge!("bulkhead_store_connected").set(if state.connected {
+                1.0
+            } else {
+                0.0
+            });
+            if state.connected {
+                let started = std::time::Instant::now();
+                match self.reload().await {
+                    Ok(done) if done != Reloaded::default() => {
+                        let ms = started.elapsed().as_millis() as u64;
+                        tracing::info!(
+                            added = done.added,
+                            updated = done.updated,
+                            removed = done.removed,
+                            refused = done.refused,
+                            ms,
+                            "control plane reloaded from the shared store"
+                        );
+                    }
+                    Ok(_) => {}
+                    Err(error) => {
+                        tracing::warn!(%error, "reloading from the shared store failed; serving with the last state seen");
+                    }
+                }
+            } else {
+                tracing::warn!("the shared store is away; serving with the last state seen");
+            }
+            if watched.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Brings this server in step with the store after another server
+    /// changed it: the engines get each tenant change they have not seen
+    /// (added and changed tenants first), then the registry publishes the
+    /// tenants and keys, then gone tenants' requests end and their
+    /// partitions go. Under the write lock: never between the steps of one
+    /// of this server's own changes. A change an engine refuses (its pool
+    /// cannot grant it) is logged and counted, and that tenant stays as it
+    /// was here until the next reload.
+    pub async fn reload(&self) -> Result<Reloaded, ControlError> {
+        let _write = self.writes.lock().await;
+        let stored = blocking(|| self.store.tenants())?;
+        let before = self.applied().clone();
+        let models: Vec<Arc<Served>> = self.catalog.snapshot().all().cloned().collect();
+        let mut done = Reloaded::default();
+        for record in &stored {
+            let old = before.get(&record.id);
+            if old == Some(record) {
+                continue;
+            }
+            let changes = tenant_changes(&models, old, Some(record));
+            match self.apply(&changes).await {
+                Ok(_) => {
+                    self.set_applied(record.id, Some(record));
+                    match old {
+                        Some(_) => done.updated += 1,
+                        None => done.added += 1,
+                    }
+                }
+                Err(error) => {
+                    tracing::error!(tenant_id = record.id, %error, "a tenant change from the shared store was refused here; kept as it was");
+                    metrics::counter!("bulkhead_store_reload_refused_total").increment(1);
+                    done.refused += 1;
+                }
+            }
+        }
+        let gone: Vec<TenantRecord> = before
+            .values()
+            .filter(|t| !stored.iter().any(|s| s.id == t.id))
+            .cloned()
+            .collect();
+        for record in &gone {
+            self.set_applied(record.id, None);
+        }
+        self.publish()?;
+        for record in &gone {
+            let changes = tenant_changes(&models, Some(record), None);
+            if let Err(error) = self.apply(&changes).await {
+                tracing::error!(tenant_id = record.id, %error, "ending a removed tenant's partitions");
+            }
+            self.policy.forget(TenantId(record.id), None);
+            done.removed += 1;
+        }
+        Ok(done)
     }
 
     fn tenant_record(&self, tenant: TenantRef<'_>) -> Result<TenantRecord, ControlError> {
@@ -757,7 +1012,7 @@ impl Control {
         quota: Quota,
         models: ModelAccess,
     ) -> Result<TenantView, ControlError> {
-        let _write = self.writes.lock().await;
+        let write = self.begin_write().await?;
         if !valid_name(name) {
             return Err(invalid(
                 "name",
@@ -794,7 +1049,7 @@ impl Control {
         self.check_capacity(&tenants, name)?;
         let changes = tenant_changes(self.catalog.snapshot().all(), None, Some(&record));
         self.apply(&changes).await?;
-        let mut batch = Batch::default();
+        let mut batch = write.batch();
         batch
             .put_tenant(&record)
             .put_tenant_id_next(id + 1)
@@ -807,6 +1062,7 @@ impl Control {
                 ],
             ));
         self.commit_or_undo(batch, &changes).await?;
+        self.set_applied(id, Some(&record));
         self.publish()?;
         Ok(TenantView::from(&record))
     }
@@ -820,7 +1076,7 @@ impl Control {
         tenant: TenantRef<'_>,
         patch: TenantPatch,
     ) -> Result<TenantView, ControlError> {
-        let _write = self.writes.lock().await;
+        let write = self.begin_write().await?;
         let mut tenants = blocking(|| self.store.tenants())?;
         let at = tenants
             .iter()
@@ -840,7 +1096,7 @@ impl Control {
         self.check_capacity(&tenants, &name)?;
         let changes = tenant_changes(self.catalog.snapshot().all(), Some(&old), Some(&record));
         self.apply(&changes).await?;
-        let mut batch = Batch::default();
+        let mut batch = write.batch();
         batch.put_tenant(&record).audit(with_detail(
             audit(actor, "tenant.update", &name),
             [
@@ -852,6 +1108,7 @@ impl Control {
             ],
         ));
         self.commit_or_undo(batch, &changes).await?;
+        self.set_applied(record.id, Some(&record));
         self.publish()?;
         Ok(TenantView::from(&record))
     }
@@ -872,11 +1129,11 @@ impl Control {
         canaries: Canaries,
     ) -> Result<Canaries, ControlError> {
         canary::validate(&canaries.canaries).map_err(|reason| invalid("canaries", reason))?;
-        let _write = self.writes.lock().await;
+        let write = self.begin_write().await?;
         let mut record = self.tenant_record(tenant)?;
         record.canaries = canaries.canaries.clone();
         record.updated_ms = now_ms();
-        let mut batch = Batch::default();
+        let mut batch = write.batch();
         batch.put_tenant(&record).audit(with_detail(
             audit(actor, "tenant.canaries", &record.name),
             [
@@ -885,6 +1142,7 @@ impl Control {
             ],
         ));
         blocking(|| self.store.commit(batch))?;
+        self.set_applied(record.id, Some(&record));
         self.publish()?;
         Ok(canaries)
     }
@@ -898,16 +1156,18 @@ impl Control {
         actor: &Actor,
         tenant: TenantRef<'_>,
     ) -> Result<u32, ControlError> {
-        let _write = self.writes.lock().await;
+        let write = self.begin_write().await?;
         let record = self.tenant_record(tenant)?;
         let name = record.name.as_str();
         let (keys, plugins) =
             blocking(|| Ok::<_, StoreError>((self.store.keys()?, self.store.plugins(record.id)?)))?;
         // Unpublish first: no new request of this tenant gets past authentication.
         let before = self.registry.snapshot();
-        let remaining: Vec<TenantRecord> = blocking(|| self.store.tenants())?
-            .into_iter()
+        let remaining: Vec<TenantRecord> = self
+            .applied()
+            .values()
             .filter(|t| t.id != record.id)
+            .cloned()
             .collect();
         self.registry
             .replace(Directory::build(&remaining, &keys, Some(&before)));
@@ -919,7 +1179,7 @@ impl Control {
                 return Err(error);
             }
         };
-        let mut batch = Batch::default();
+        let mut batch = write.batch();
         batch.delete_tenant(&record);
         for key in keys.iter().filter(|k| k.tenant == record.id) {
             batch.delete_key(&key.id);
@@ -954,6 +1214,9 @@ impl Control {
             ],
         ));
         let committed = self.commit_or_undo(batch, &changes).await;
+        if committed.is_ok() {
+            self.set_applied(record.id, None);
+        }
         self.publish()?;
         committed?;
         for plugin in &plugins {
@@ -1006,7 +1269,7 @@ impl Control {
         actor: &Actor,
         spec: ModelSpec,
     ) -> Result<ModelView, ControlError> {
-        let _write = self.writes.lock().await;
+        let write = self.begin_write().await?;
         spec.validate(|f| f.to_string()).map_err(|e| match e {
             crate::config::ConfigError::Invalid { field, reason } => invalid(field, reason),
             other => invalid("model", other.to_string()),
@@ -1050,7 +1313,7 @@ impl Control {
             spec: spec.clone(),
             added_ms: now_ms(),
         };
-        let mut batch = Batch::default();
+        let mut batch = write.batch();
         batch.put_model(&record).audit(with_detail(
             audit(actor, "model.add", &spec.id),
             [
@@ -1072,6 +1335,7 @@ impl Control {
         let view = ModelView::from(loaded.served.as_ref());
         let served = Arc::clone(&loaded.served);
         self.catalog.insert(loaded);
+        self.reannounce();
         crate::transfer::start_model(&served);
         tracing::info!(model = %spec.id, "model added");
         Ok(view)
@@ -1100,10 +1364,14 @@ impl Control {
         let ended =
             run_blocking(move || service.shutdown(drain, FinishReason::ModelRemoved)).await?;
         let drain_ms = started.elapsed().as_millis() as u64;
+        self.reannounce();
         // Committed after the drain: a crash during it leaves the record, and
         // the model loads again at the next start (the removal was never
         // acknowledged).
+        // Fenced now, not at the start: the drain may take long, and the
+        // record's removal depends on nothing read before it.
         let mut batch = Batch::default();
+        batch.fenced(&blocking(|| self.store.fence())?);
         if source == Source::Admin {
             batch.delete_model(id);
         }
@@ -1140,7 +1408,7 @@ impl Control {
         actor: &Actor,
         tenant: TenantRef<'_>,
     ) -> Result<IssuedKey, ControlError> {
-        let _write = self.writes.lock().await;
+        let write = self.begin_write().await?;
         let record = self.tenant_record(tenant)?;
         let keys = blocking(|| self.store.keys())?;
         let own: Vec<&KeyRecord> = keys.iter().filter(|k| k.tenant == record.id).collect();
@@ -1151,7 +1419,7 @@ impl Control {
                 max: KEYS_PER_TENANT_MAX,
             });
         }
-        let mut batch = Batch::default();
+        let mut batch = write.batch();
         let mut forgettable: Vec<&&KeyRecord> = own
             .iter()
             .filter(|k| k.revoked_ms.is_some() && !matches!(k.source, KeySource::Env { .. }))
@@ -1189,7 +1457,7 @@ impl Control {
         tenant: TenantRef<'_>,
         key_id: &str,
     ) -> Result<KeyView, ControlError> {
-        let _write = self.writes.lock().await;
+        let write = self.begin_write().await?;
         let record = self.tenant_record(tenant)?;
         let mut key = blocking(|| self.store.keys())?
             .into_iter()
@@ -1200,7 +1468,7 @@ impl Control {
             })?;
         if key.revoked_ms.is_none() {
             key.revoked_ms = Some(now_ms());
-            let mut batch = Batch::default();
+            let mut batch = write.batch();
             batch.put_key(&key).audit(with_detail(
                 audit(actor, "key.revoke", &record.name),
                 [("key_id", key.id.clone().into())],

@@ -32,7 +32,7 @@ use super::{hex, key_digest, parse_digest, KEY_BYTES_MIN};
 use crate::clock::now_ms;
 use crate::config::Config;
 use crate::store::records::{AuditRecord, KeyRecord, KeySource, Meta, TenantRecord};
-use crate::store::{Batch, Store, StoreError};
+use crate::store::{Batch, Fence, Store, StoreError};
 
 /// Shortest admin token accepted.
 pub const ADMIN_TOKEN_BYTES_MIN: usize = 32;
@@ -80,6 +80,9 @@ pub struct Plan {
     audit: Vec<AuditRecord>,
     /// Secrets generated, one line each, for the terminal (never the log).
     shown: Vec<String>,
+    /// The control-plane fence, read before the plan read anything: on a
+    /// shared store, a plan another server's change made stale is refused.
+    fence: Fence,
 }
 
 impl Plan {
@@ -91,7 +94,11 @@ impl Plan {
 
     /// Writes the plan in one batch, and only then returns the lines to show.
     pub fn commit(self, store: &Store) -> Result<Vec<String>, SeedError> {
+        if self.keys.is_empty() && self.admin_token.is_none() && self.audit.is_empty() {
+            return Ok(self.shown);
+        }
         let mut batch = Batch::default();
+        batch.fenced(&self.fence);
         for key in &self.keys {
             batch.put_key(key);
         }
@@ -108,9 +115,18 @@ impl Plan {
 
 /// Seeds an empty store from the policy (module doc, 1). Tenants and policy
 /// digests only: no secret is generated here.
+/// On a shared store, two servers may find it empty at once: one seeds it,
+/// the other's seed is refused by the fence and it goes on with the store
+/// as seeded.
 pub fn seed_if_empty(config: &Config, store: &Store) -> Result<(), SeedError> {
+    let fence = store.fence()?;
     if store.meta()?.is_none() {
-        seed(config, store)?;
+        match seed(config, store, &fence) {
+            Err(SeedError::Store(StoreError::Conflict)) if store.meta()?.is_some() => {
+                tracing::info!(path = store.path(), "another server seeded the store first");
+            }
+            other => other?,
+        }
     }
     Ok(())
 }
@@ -124,6 +140,7 @@ pub fn plan(
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<Plan, SeedError> {
     let mut plan = Plan {
+        fence: store.fence()?,
         admin_token_sha256: [0; 32],
         keys: Vec::new(),
         admin_token: None,
@@ -157,8 +174,9 @@ pub fn policy_tenants(config: &Config) -> Vec<TenantRecord> {
 }
 
 /// First start: the policy's tenants and stored key digests.
-fn seed(config: &Config, store: &Store) -> Result<(), SeedError> {
+fn seed(config: &Config, store: &Store, fence: &Fence) -> Result<(), SeedError> {
     let mut batch = Batch::default();
+    batch.fenced(fence);
     let now = now_ms();
     let records = policy_tenants(config);
     for (record, tenant) in records.iter().zip(config.tenants.values()) {

@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod etcd;
 pub mod h2;
 
 use std::io::{BufRead, BufReader, Read};

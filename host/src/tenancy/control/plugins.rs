@@ -202,7 +202,7 @@ impl Control {
             .policy
             .seal(&component, bytes)
             .map_err(|e| ControlError::Store(StoreError::Io(format!("sealing a plugin: {e}"))))?;
-        let _write = self.writes.lock().await;
+        let write = self.begin_write().await?;
         let record = self.tenant_record(tenant)?;
         let existing = blocking(|| self.store.plugins(record.id))?;
         let previous = existing.iter().find(|p| p.name == name);
@@ -249,7 +249,7 @@ impl Control {
             code.put(owner, CodeKind::Wasm, bytes)?;
             code.put(owner, CodeKind::Sealed, &sealed)
         });
-        let mut batch = Batch::default();
+        let mut batch = write.batch();
         batch.put_plugin(&plugin);
         if previous.is_none() {
             batch.put_plugin_id_next(id + 1);
@@ -378,7 +378,7 @@ impl Control {
         name: &str,
         enabled: bool,
     ) -> Result<PluginView, ControlError> {
-        let _write = self.writes.lock().await;
+        let write = self.begin_write().await?;
         let (owner, mut plugin) = self.plugin_record(tenant, name)?;
         plugin.enabled = enabled;
         let component = if enabled {
@@ -399,7 +399,7 @@ impl Control {
         if matches!(actor, Actor::System) {
             detail.push(("reason", "faults".into()));
         }
-        let mut batch = Batch::default();
+        let mut batch = write.batch();
         batch
             .put_plugin(&plugin)
             .audit(with_detail(audit(actor, action, &owner), detail));
@@ -421,10 +421,10 @@ impl Control {
         tenant: TenantRef<'_>,
         name: &str,
     ) -> Result<(), ControlError> {
-        let _write = self.writes.lock().await;
+        let write = self.begin_write().await?;
         let (owner, plugin) = self.plugin_record(tenant, name)?;
         let identity = tenant_identity(plugin.id);
-        let mut batch = Batch::default();
+        let mut batch = write.batch();
         batch.delete_plugin(plugin.tenant, name);
         blocking(|| {
             self.policy

@@ -1,0 +1,580 @@
+//! Many servers on one control plane: a real etcd (Debian's `etcd-server`)
+//! on loopback, and the store over it as a library and as three `bulkhead
+//! serve` processes. Without etcd installed each test says "skipped".
+
+mod support;
+
+use bulkhead::store::etcd_storage::EtcdStorage;
+use bulkhead::store::records::{AuditRecord, UsageRecord};
+use bulkhead::store::sled_storage::SledStorage;
+use bulkhead::store::{Batch, Expect, Storage, Store, StoreError, Write};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+use support::etcd::Etcd;
+use support::*;
+
+fn skipped(test: &str) {
+    eprintln!("skipped: {test}: etcd is not installed (scripts/setup.sh installs etcd-server)");
+}
+
+fn put(key: &str, value: &str) -> Write {
+    Write::Put {
+        key: key.as_bytes().to_vec(),
+        value: value.as_bytes().to_vec(),
+    }
+}
+
+/// What every storage backend must do, checked on one.
+fn storage_conformance(storage: &dyn Storage) {
+    storage
+        .commit(vec![
+            put("t/a", "1"),
+            put("t/b", "2"),
+            put("t/c", "3"),
+            put("u/a", "x"),
+        ])
+        .unwrap();
+    assert_eq!(storage.get(b"t/b").unwrap(), Some(b"2".to_vec()));
+    assert_eq!(storage.get(b"t/z").unwrap(), None);
+    let keys = |entries: Vec<(Vec<u8>, Vec<u8>)>| -> Vec<String> {
+        entries
+            .into_iter()
+            .map(|(k, _)| String::from_utf8(k).unwrap())
+            .collect()
+    };
+    assert_eq!(
+        keys(storage.scan(b"t/", None, 10).unwrap()),
+        ["t/a", "t/b", "t/c"]
+    );
+    assert_eq!(
+        keys(storage.scan(b"t/", Some(b"t/a"), 10).unwrap()),
+        ["t/b", "t/c"]
+    );
+    assert_eq!(keys(storage.scan(b"t/", Some(b"t/a"), 1).unwrap()), ["t/b"]);
+    assert_eq!(
+        keys(storage.scan(b"t/", Some(b"a"), 10).unwrap()),
+        ["t/a", "t/b", "t/c"]
+    );
+    assert!(storage.scan(b"t/", Some(b"t/c"), 10).unwrap().is_empty());
+    assert_eq!(
+        storage.last(b"t/").unwrap().map(|(k, _)| k),
+        Some(b"t/c".to_vec())
+    );
+    assert_eq!(storage.last(b"v/").unwrap(), None);
+
+    // A commit whose expectations hold lands whole.
+    let expect = [
+        Expect {
+            key: b"t/a".to_vec(),
+            value: Some(b"1".to_vec()),
+        },
+        Expect {
+            key: b"t/new".to_vec(),
+            value: None,
+        },
+    ];
+    storage
+        .commit_if(
+            &expect,
+            vec![
+                put("t/a", "10"),
+                Write::Delete {
+                    key: b"t/b".to_vec(),
+                },
+                put("t/new", "n"),
+            ],
+        )
+        .unwrap();
+    assert_eq!(storage.get(b"t/a").unwrap(), Some(b"10".to_vec()));
+    assert_eq!(storage.get(b"t/b").unwrap(), None);
+    // One that does not hold (a value changed, a key that exists expected
+    // absent) writes nothing.
+    for stale in [
+        Expect {
+            key: b"t/a".to_vec(),
+            value: Some(b"1".to_vec()),
+        },
+        Expect {
+            key: b"t/new".to_vec(),
+            value: None,
+        },
+    ] {
+        let refused = storage.commit_if(&[stale], vec![put("t/a", "99"), put("t/d", "4")]);
+        assert!(matches!(refused, Err(StoreError::Conflict)), "{refused:?}");
+        assert_eq!(storage.get(b"t/a").unwrap(), Some(b"10".to_vec()));
+        assert_eq!(storage.get(b"t/d").unwrap(), None);
+    }
+    // The last write of a key in one commit wins.
+    storage
+        .commit(vec![put("t/e", "first"), put("t/e", "second")])
+        .unwrap();
+    assert_eq!(storage.get(b"t/e").unwrap(), Some(b"second".to_vec()));
+}
+
+#[test]
+fn sled_and_etcd_storage_keep_the_same_contract() {
+    let dir = temp_dir("conformance-sled");
+    storage_conformance(&SledStorage::open(&dir.join("db")).unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+    let Some(etcd) = Etcd::start("conformance") else {
+        return skipped("sled_and_etcd_storage_keep_the_same_contract (etcd half)");
+    };
+    let storage = EtcdStorage::connect(&etcd.options("one/")).unwrap();
+    storage_conformance(&storage);
+    // Another prefix on the same etcd sees none of it.
+    let other = EtcdStorage::connect(&etcd.options("two/")).unwrap();
+    assert!(other.scan(b"t/", None, 10).unwrap().is_empty());
+    assert_eq!(other.get(b"t/a").unwrap(), None);
+    // Over its transaction limit: refused whole, named.
+    let small = EtcdStorage::connect(&bulkhead::store::etcd_storage::EtcdOptions {
+        txn_ops_max: 4,
+        ..etcd.options("one/")
+    })
+    .unwrap();
+    let many: Vec<Write> = (0..5).map(|i| put(&format!("t/m{i}"), "m")).collect();
+    let refused = small.commit(many).unwrap_err().to_string();
+    assert!(refused.contains("max-txn-ops"), "{refused}");
+    assert_eq!(storage.get(b"t/m0").unwrap(), None);
+}
+
+#[test]
+fn an_etcd_that_is_away_is_a_clear_error_within_the_timeout() {
+    // A port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let started = Instant::now();
+    let error = EtcdStorage::connect(&bulkhead::store::etcd_storage::EtcdOptions {
+        endpoints: vec![format!("http://127.0.0.1:{port}")],
+        timeout_ms: 500,
+        ..Default::default()
+    })
+    .err()
+    .expect("nothing answers there");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let text = error.to_string();
+    assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
+}
+
+fn audit(action: &str) -> AuditRecord {
+    AuditRecord {
+        seq: 0,
+        at_ms: bulkhead::clock::now_ms(),
+        actor: "admin".into(),
+        action: action.into(),
+        target: "t".into(),
+        detail: Default::default(),
+    }
+}
+
+#[test]
+fn two_stores_on_one_etcd_number_audits_apart_refuse_stale_changes_and_add_usage() {
+    let Some(etcd) = Etcd::start("two-stores") else {
+        return skipped(
+            "two_stores_on_one_etcd_number_audits_apart_refuse_stale_changes_and_add_usage",
+        );
+    };
+    let dirs = [temp_dir("two-stores-a"), temp_dir("two-stores-b")];
+    let a = Store::open_etcd(&etcd.options("c/"), &dirs[0]).unwrap();
+    let b = Store::open_etcd(&etcd.options("c/"), &dirs[1]).unwrap();
+    assert!(a.shared());
+
+    // Audit records from both, interleaved and at once: every number once.
+    std::thread::scope(|s| {
+        for store in [&a, &b] {
+            s.spawn(move || {
+                for _ in 0..40 {
+                    let mut batch = Batch::default();
+                    batch.audit(audit("x.one")).audit(audit("x.two"));
+                    store.commit(batch).unwrap();
+                }
+            });
+        }
+    });
+    let seqs: Vec<u64> = a.audit(0, 1000).unwrap().iter().map(|r| r.seq).collect();
+    assert_eq!(seqs.len(), 160, "no record lost or overwritten");
+    assert_eq!(seqs, (1..=160).collect::<Vec<u64>>());
+
+    // A change based on a stale read is refused; nothing of it lands.
+    let fence_a = a.fence().unwrap();
+    let fence_b = b.fence().unwrap();
+    assert_eq!(fence_a, fence_b);
+    let mut first = Batch::default();
+    first.fenced(&fence_b).put_tenant_id_next(7);
+    b.commit(first).unwrap();
+    let mut stale = Batch::default();
+    stale
+        .fenced(&fence_a)
+        .put_tenant_id_next(9)
+        .audit(audit("stale"));
+    assert!(matches!(a.commit(stale), Err(StoreError::Conflict)));
+    assert_eq!(a.tenant_id_next().unwrap(), 7);
+    assert!(
+        a.audit(160, 10).unwrap().is_empty(),
+        "its audit record neither"
+    );
+    assert_eq!(a.fence().unwrap().count(), fence_a.count() + 1);
+
+    // Usage flushed by both for the same tenant and minute: both counted
+    // (a flush that lost the race is retried, never dropped).
+    let delta = UsageRecord {
+        requests: 1,
+        prompt_tokens: 3,
+        ..Default::default()
+    };
+    std::thread::scope(|s| {
+        for store in [&a, &b] {
+            let delta = delta.clone();
+            s.spawn(move || {
+                let mut done = 0;
+                while done < 25 {
+                    let mut batch = Batch::default();
+                    store.add_usage(&mut batch, 4, 99, &delta).unwrap();
+                    match store.commit(batch) {
+                        Ok(()) => done += 1,
+                        Err(StoreError::Conflict) => {}
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            });
+        }
+    });
+    let total = b.usage_minute(4, 99).unwrap();
+    assert_eq!((total.requests, total.prompt_tokens), (50, 150));
+    for dir in dirs {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Three servers.
+
+/// A test policy whose store is `etcd` under `prefix`.
+fn cluster_policy(etcd: &Etcd, prefix: &str) -> Policy {
+    Policy {
+        store_toml: etcd.store_toml(prefix),
+        ..Policy::default()
+    }
+}
+
+fn pods(model: &std::path::Path, policy: &Policy, n: usize) -> Vec<Server> {
+    // One after another: the first seeds the store.
+    (0..n).map(|_| start(model, policy)).collect()
+}
+
+fn chat(server: &Server, key: &str) -> Reply {
+    server.post_json("/v1/chat/completions", Some(key), &chat_body("Say hi.", 2))
+}
+
+/// Polls `check` every 5 ms for up to 10 s; how long it took to hold.
+fn time_until(mut check: impl FnMut() -> bool) -> Option<Duration> {
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(10) {
+        if check() {
+            return Some(started.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    None
+}
+
+fn quota(server: &Server, tenant: &str) -> Value {
+    let r = server.admin_call("GET", &format!("/admin/v1/tenants/{tenant}"), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["quota"].clone()
+}
+
+#[test]
+fn three_servers_on_one_etcd_share_tenants_keys_and_quotas() {
+    let Some(model) = smollm2() else { return };
+    let Some(etcd) = Etcd::start("three") else {
+        return skipped("three_servers_on_one_etcd_share_tenants_keys_and_quotas");
+    };
+    let policy = cluster_policy(&etcd, "three/");
+    let pods = pods(&model, &policy, 3);
+    let (a, b, c) = (&pods[0], &pods[1], &pods[2]);
+
+    // A tenant created on A serves on B and C, with a key issued on A.
+    let r = a.admin_call(
+        "PATCH",
+        "/admin/v1/tenants/gamma",
+        Some(&json!({"pages_reserved": 0})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let delta = json!({"name": "delta", "pages_reserved": 16, "pages_max": 64,
+                       "queue_depth_max": 4, "running_max": 4});
+    let r = a.admin_call("POST", "/admin/v1/tenants", Some(&delta));
+    assert_eq!(r.status, 201, "{}", r.body);
+    let delta_id = r.json()["id"].as_u64().unwrap();
+    let r = a.admin_call("POST", "/admin/v1/tenants/delta/keys", None);
+    assert_eq!(r.status, 201, "{}", r.body);
+    let secret = r.json()["secret"].as_str().unwrap().to_string();
+    let key_id = r.json()["key"]["id"].as_str().unwrap().to_string();
+    for pod in [b, c] {
+        assert!(
+            time_until(|| chat(pod, &secret).status == 200).is_some(),
+            "delta's key works on every pod"
+        );
+        let tenant = pod
+            .admin_call("GET", "/admin/v1/tenants/delta", None)
+            .json();
+        assert_eq!(tenant["id"].as_u64(), Some(delta_id), "one id cluster-wide");
+    }
+    // Ids are never reused: a tenant made on C after one deleted on B.
+    let r = b.admin_call("DELETE", "/admin/v1/tenants/delta", None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(time_until(|| chat(a, &secret).status == 401).is_some());
+    let r = c.admin_call("POST", "/admin/v1/tenants", Some(&delta));
+    assert_eq!(r.status, 201, "{}", r.body);
+    assert!(r.json()["id"].as_u64().unwrap() > delta_id);
+
+    // A key revoked on A is refused on B and C within a second.
+    let r = a.admin_call("POST", "/admin/v1/tenants/delta/keys", None);
+    let secret = r.json()["secret"].as_str().unwrap().to_string();
+    let key_id_2 = r.json()["key"]["id"].as_str().unwrap().to_string();
+    assert_ne!(key_id, key_id_2);
+    for pod in [b, c] {
+        assert!(time_until(|| chat(pod, &secret).status == 200).is_some());
+    }
+    let r = a.admin_call(
+        "DELETE",
+        &format!("/admin/v1/tenants/delta/keys/{key_id_2}"),
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    for pod in [b, c] {
+        let took = time_until(|| chat(pod, &secret).status == 401).expect("refused");
+        assert!(took < Duration::from_secs(1), "revocation took {took:?}");
+    }
+
+    // A quota change on B is enforced on A: delta may use no model there.
+    let r = a.admin_call("POST", "/admin/v1/tenants/delta/keys", None);
+    let secret = r.json()["secret"].as_str().unwrap().to_string();
+    assert!(time_until(|| chat(a, &secret).status == 200).is_some());
+    let r = b.admin_call(
+        "PATCH",
+        "/admin/v1/tenants/delta",
+        Some(&json!({"running_max": 3, "models": []})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        time_until(|| chat(a, &secret).status == 404).is_some(),
+        "A no longer serves delta the model"
+    );
+    assert_eq!(quota(a, "delta")["running_max"], 3);
+    assert_eq!(quota(c, "delta")["running_max"], 3);
+
+    // Two pods writing the same tenant at once: each write lands or is
+    // refused whole (409 conflict), and the tenant ends as one of them.
+    let mut conflicts = 0;
+    for round in 0..5u32 {
+        let (x, y) = (10 + round * 2, 11 + round * 2);
+        let (rx, ry) = std::thread::scope(|s| {
+            let hx = s.spawn(|| {
+                a.admin_call(
+                    "PATCH",
+                    "/admin/v1/tenants/delta",
+                    Some(&json!({"weight": x})),
+                )
+            });
+            let hy = s.spawn(|| {
+                b.admin_call(
+                    "PATCH",
+                    "/admin/v1/tenants/delta",
+                    Some(&json!({"weight": y})),
+                )
+            });
+            (hx.join().unwrap(), hy.join().unwrap())
+        });
+        for r in [&rx, &ry] {
+            assert!(
+                r.status == 200 || r.status == 409,
+                "{} {}",
+                r.status,
+                r.body
+            );
+            if r.status == 409 {
+                assert_eq!(r.error().1, json!("conflict"), "{}", r.body);
+                conflicts += 1;
+            }
+        }
+        assert!(rx.status == 200 || ry.status == 200, "one of them lands");
+        let weight = quota(c, "delta")["weight"].as_u64().unwrap() as u32;
+        let landed: Vec<u32> = [(rx.status, x), (ry.status, y)]
+            .iter()
+            .filter(|(s, _)| *s == 200)
+            .map(|(_, w)| *w)
+            .collect();
+        assert!(
+            landed.contains(&weight),
+            "weight {weight} is one that landed: {landed:?}"
+        );
+    }
+    eprintln!("concurrent writes: {conflicts} of 10 refused as conflicts");
+    // Every acknowledged change is in the one audit log, readable from any pod.
+    let audit = c
+        .admin_call("GET", "/admin/v1/audit?limit=1000", None)
+        .json();
+    let creates = audit["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["action"] == "tenant.create")
+        .count();
+    assert_eq!(creates, 2, "delta twice, whichever pod made it");
+}
+
+#[test]
+fn a_pod_keeps_serving_through_an_etcd_restart_and_loses_nothing_acknowledged() {
+    let Some(model) = smollm2() else { return };
+    let Some(mut etcd) = Etcd::start("restart") else {
+        return skipped(
+            "a_pod_keeps_serving_through_an_etcd_restart_and_loses_nothing_acknowledged",
+        );
+    };
+    let policy = cluster_policy(&etcd, "restart/");
+    let mut pods = pods(&model, &policy, 2);
+    // A third that refuses requests while the store is away.
+    let refusing = start(
+        &model,
+        &Policy {
+            store_toml: format!("offline = \"refuse\"\n{}", etcd.store_toml("restart/")),
+            ..Policy::default()
+        },
+    );
+    let readyz = |server: &Server| {
+        let r = server.get(&server.inference, "/readyz", None);
+        (
+            r.status,
+            r.json()["store"].as_str().unwrap_or_default().to_string(),
+        )
+    };
+    assert_eq!(readyz(&refusing), (200, "connected".to_string()));
+    // Load runs on A throughout; admin writes go to B while etcd comes and goes.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (acknowledged, served) = std::thread::scope(|s| {
+        let load = s.spawn(|| {
+            let mut ok = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if chat(&pods[0], KEY_ALPHA).status == 200 {
+                    ok += 1;
+                }
+            }
+            ok
+        });
+        let mut acknowledged = Vec::new();
+        let mut refused = 0;
+        for i in 0..30u32 {
+            if i == 10 {
+                etcd.kill();
+            }
+            if i == 15 {
+                // Away: the default pod serves and says so, the other refuses.
+                assert_eq!(
+                    readyz(&pods[0]),
+                    (200, "away (serving with the last state seen)".to_string())
+                );
+                assert_eq!(
+                    readyz(&refusing),
+                    (503, "away (refusing requests)".to_string())
+                );
+                let r = chat(&refusing, KEY_ALPHA);
+                assert_eq!(r.status, 503, "{}", r.body);
+                assert_eq!(r.error().1, json!("store_unavailable"));
+            }
+            if i == 20 {
+                etcd.run();
+            }
+            let r = pods[1].admin_call(
+                "PATCH",
+                "/admin/v1/tenants/beta",
+                Some(&json!({"weight": 100 + i})),
+            );
+            match r.status {
+                200 => acknowledged.push(100 + i),
+                503 => {
+                    assert_eq!(r.error().1, json!("store_unavailable"), "{}", r.body);
+                    refused += 1;
+                }
+                other => panic!("{other}: {}", r.body),
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(refused > 0, "writes while etcd was away were refused");
+        (acknowledged, load.join().unwrap())
+    });
+    assert!(served > 0, "A served throughout");
+    let last = *acknowledged
+        .last()
+        .expect("writes before and after the outage landed");
+    assert!(acknowledged.iter().any(|w| *w >= 120), "{acknowledged:?}");
+    // Both pods back in step, with the last acknowledged write.
+    for pod in &pods {
+        assert!(
+            time_until(|| quota(pod, "beta")["weight"] == last).is_some(),
+            "weight {last}"
+        );
+    }
+    assert!(time_until(|| chat(&refusing, KEY_ALPHA).status == 200).is_some());
+    assert_eq!(readyz(&refusing), (200, "connected".to_string()));
+    // A pod restarted comes up with the cluster's state.
+    let r = pods[0].admin_call(
+        "PATCH",
+        "/admin/v1/tenants/gamma",
+        Some(&json!({"weight": 77})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    pods[1].terminate();
+    pods[1].wait(Duration::from_secs(30));
+    let restarted = launch(Launch::new(&model, &policy).dir(&pods[1].dir));
+    assert_eq!(quota(&restarted, "gamma")["weight"], 77);
+    assert_eq!(quota(&restarted, "beta")["weight"], last);
+    pods.push(restarted);
+}
+
+#[test]
+fn a_change_that_breaks_another_servers_contract_is_refused_with_that_server_named() {
+    let Some(model) = smollm2() else { return };
+    let Some(etcd) = Etcd::start("contracts") else {
+        return skipped(
+            "a_change_that_breaks_another_servers_contract_is_refused_with_that_server_named",
+        );
+    };
+    // A promises 1024 tokens of context, B only 512.
+    let wide = cluster_policy(&etcd, "contracts/");
+    let narrow = Policy {
+        context_tokens: 512,
+        ..cluster_policy(&etcd, "contracts/")
+    };
+    let a = launch(Launch::new(&model, &wide).env("BULKHEAD_SERVER_NAME", Some("pod-a")));
+    let b = launch(Launch::new(&model, &narrow).env("BULKHEAD_SERVER_NAME", Some("pod-b")));
+    // 40 pages of 16 tokens hold B's 512 but not A's 1024: refused through
+    // B, with A's contract.
+    let shrink = json!({"pages_reserved": 8, "pages_max": 40});
+    let r = b.admin_call("PATCH", "/admin/v1/tenants/beta", Some(&shrink));
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert_eq!(r.error().1, json!("capacity_contract_violated"));
+    let message = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(message.contains("on server pod-a"), "{message}");
+    assert_eq!(
+        quota(&a, "beta")["pages_max"],
+        quota(&b, "beta")["pages_max"]
+    );
+    assert_ne!(quota(&b, "beta")["pages_max"], 40, "nothing written");
+    // Once A is gone (its announcement's lease ends), B alone decides.
+    drop(a);
+    assert!(
+        eventually(Duration::from_secs(20), || b
+            .admin_call("PATCH", "/admin/v1/tenants/beta", Some(&shrink))
+            .status
+            == 200),
+        "A's announcement outlived its lease"
+    );
+}
