@@ -63,6 +63,7 @@ pub fn run(args: &PluginBenchArgs) -> Result<()> {
         },
         models: ModelAccess::All,
         canaries: Vec::new(),
+        objective: None,
         created_ms: 0,
         updated_ms: 0,
     };

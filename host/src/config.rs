@@ -539,6 +539,22 @@ pub struct TenantConfig {
     /// the policy's `[[models]]`.
     #[serde(default)]
     pub models: ModelAccess,
+    /// The Gateway API Inference Extension objective (an InferenceObjective's
+    /// name) the gateway sets on its requests, if any.
+    #[serde(default)]
+    pub objective: Option<String>,
+}
+
+/// Whether `name` can be an objective: a Kubernetes object name (1-253 of
+/// `[a-z0-9.-]`, starting and ending with a letter or digit).
+pub fn valid_objective(name: &str) -> bool {
+    let ends = |b: Option<&u8>| b.is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+    (1..=253).contains(&name.len())
+        && ends(name.as_bytes().first())
+        && ends(name.as_bytes().last())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-')
 }
 
 impl TenantConfig {
@@ -907,6 +923,12 @@ impl Config {
             t.quota()
                 .validate()
                 .map_err(|e| invalid(field(e.field), e.reason))?;
+            if let Some(objective) = t.objective.as_deref().filter(|o| !valid_objective(o)) {
+                return Err(invalid(
+                    field("objective"),
+                    format!("{objective:?} is not a Kubernetes object name (1-253 of [a-z0-9.-], starting and ending with a letter or digit)"),
+                ));
+            }
             for (i, digest) in t.keys_sha256.iter().enumerate() {
                 let hex = digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit());
                 if !hex {

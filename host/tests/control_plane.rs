@@ -219,7 +219,7 @@ async fn a_failed_commit_leaves_the_engine_and_the_registry_as_they_were() {
     plane.fail.store(true, Ordering::SeqCst);
     let created = plane
         .control
-        .create_tenant(&actor, "gamma", quota(4, 8), ModelAccess::All)
+        .create_tenant(&actor, "gamma", quota(4, 8), ModelAccess::All, None)
         .await;
     assert!(
         matches!(created, Err(ControlError::Store(_))),
@@ -275,7 +275,7 @@ async fn a_failed_commit_leaves_the_engine_and_the_registry_as_they_were() {
     // And with the disk back, the same changes go through.
     plane
         .control
-        .create_tenant(&actor, "gamma", quota(4, 8), ModelAccess::All)
+        .create_tenant(&actor, "gamma", quota(4, 8), ModelAccess::All, None)
         .await
         .unwrap();
     assert!(engine_has(&plane, TenantId(next_id)).await);
@@ -290,7 +290,7 @@ async fn a_crash_between_engine_and_store_is_repaired_by_the_next_start() {
     let actor = Actor::Admin;
     plane
         .control
-        .create_tenant(&actor, "gamma", quota(4, 8), ModelAccess::All)
+        .create_tenant(&actor, "gamma", quota(4, 8), ModelAccess::All, None)
         .await
         .unwrap();
     let gamma = plane
@@ -345,7 +345,7 @@ async fn a_crash_between_engine_and_store_is_repaired_by_the_next_start() {
     // The id the lost change used is handed out again: it never left the process.
     let delta = plane
         .control
-        .create_tenant(&actor, "delta", quota(0, 8), ModelAccess::All)
+        .create_tenant(&actor, "delta", quota(0, 8), ModelAccess::All, None)
         .await
         .unwrap();
     assert_eq!(delta.id, next_id);

@@ -893,6 +893,45 @@ fn ext_authz_gives_the_gateway_the_tenants_id_never_the_clients() {
     );
     assert!(r.status == 200 || r.status == 204, "{}", r.body);
     assert_eq!(check("GET", "/v1/models", Some(&secret)).status(), 401);
+    // The objective comes from the tenant's record, never from the client:
+    // set, it replaces the client's copy (and is not removed); cleared, the
+    // client's copy is removed again.
+    let objective = |value: &str| {
+        server.admin_call(
+            "PATCH",
+            "/admin/v1/tenants/alpha",
+            Some(&json!({ "objective": value })),
+        )
+    };
+    let r = objective("Not_A_Name");
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.error().1, json!("invalid_value"));
+    let r = objective("premium-tier");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["objective"], "premium-tier");
+    let removed = |r: &ureq::Response| -> Vec<String> {
+        r.header("x-envoy-auth-headers-to-remove")
+            .unwrap()
+            .split(", ")
+            .map(str::to_string)
+            .collect()
+    };
+    let r = check("POST", "/v1/chat/completions", Some(KEY_ALPHA));
+    assert_eq!(
+        r.header("x-llm-d-inference-objective"),
+        Some("premium-tier")
+    );
+    assert!(!removed(&r).contains(&"x-llm-d-inference-objective".to_string()));
+    let r = check("POST", "/v1/chat/completions", Some(KEY_BETA));
+    assert_eq!(
+        r.header("x-llm-d-inference-objective"),
+        None,
+        "beta has none"
+    );
+    assert!(removed(&r).contains(&"x-llm-d-inference-objective".to_string()));
+    assert_eq!(objective("").status, 200);
+    let r = check("POST", "/v1/chat/completions", Some(KEY_ALPHA));
+    assert_eq!(r.header("x-llm-d-inference-objective"), None, "cleared");
     // Sent straight to the pod, the headers change nothing.
     let spoofed = [
         ("x-llm-d-inference-fairness-id", "999"),

@@ -190,6 +190,10 @@ pub struct CreateTenant {
     #[serde(default)]
     #[schema(value_type = Vec<String>)]
     pub models: ModelAccess,
+    /// The inference objective (an InferenceObjective's name) the gateway's
+    /// external authorization sets on its requests; none by default.
+    #[serde(default)]
+    pub objective: Option<String>,
 }
 
 fn one() -> u32 {
@@ -462,7 +466,13 @@ async fn create_tenant(
         let new: CreateTenant = json_body(body, &headers).await?;
         let view = app
             .control
-            .create_tenant(&Actor::Admin, &new.name, new.quota(), new.models.clone())
+            .create_tenant(
+                &Actor::Admin,
+                &new.name,
+                new.quota(),
+                new.models.clone(),
+                new.objective.as_deref(),
+            )
             .await?;
         Ok(reply(StatusCode::CREATED, &view))
     };

@@ -10,12 +10,13 @@
 //! checks the request's API key and answers:
 //!
 //! - `200` with `x-llm-d-inference-fairness-id: <the tenant's id>` (the stable
-//!   registry id, never its name) for the gateway to set upstream (list it in
-//!   `allowed_upstream_headers`: Envoy then replaces a client's copy), and
-//!   `x-envoy-auth-headers-to-remove` naming every other header the picker
-//!   would take from the client (the objective, the older `x-gateway-*`
-//!   names, a preset destination or prefill pod), so the picker's fairness
-//!   sees real tenants;
+//!   registry id, never its name) and, when the tenant's record names one,
+//!   `x-llm-d-inference-objective: <its objective>`, for the gateway to set
+//!   upstream (list them in `allowed_upstream_headers`: Envoy then replaces a
+//!   client's copy), and `x-envoy-auth-headers-to-remove` naming every other
+//!   header the picker would take from the client (the objective when the
+//!   tenant has none, the older `x-gateway-*` names, a preset destination or
+//!   prefill pod), so the picker's fairness and priorities see real tenants;
 //! - `401`, OpenAI-shaped, for a missing, unknown or revoked key.
 //!
 //! Pods authenticate every request themselves whatever the gateway did, and
@@ -37,10 +38,14 @@ pub const PATH_PREFIX: &str = "/ext-authz";
 /// The header the picker's fairness reads: set to the tenant's id.
 pub const FAIRNESS_ID: &str = "x-llm-d-inference-fairness-id";
 
+/// The header the picker's priorities read: the tenant's objective, if any.
+pub const OBJECTIVE: &str = "x-llm-d-inference-objective";
+
 /// Headers the picker or the gateway would take from a client, removed from
-/// the upstream request (the objective: no tenant policy sets one yet).
+/// the upstream request (the objective only when the tenant has none: set,
+/// it replaces the client's).
 pub const CLIENT_SET_HEADERS: [&str; 5] = [
-    "x-llm-d-inference-objective",
+    OBJECTIVE,
     "x-gateway-inference-fairness-id",
     "x-gateway-inference-objective",
     "x-gateway-destination-endpoint",
@@ -70,7 +75,21 @@ async fn check(State(app): State<Arc<App>>, request: Request) -> Response<Body> 
     *response.status_mut() = StatusCode::OK;
     let headers = response.headers_mut();
     headers.insert(FAIRNESS_ID, HeaderValue::from(tenant.id.0));
-    let remove = CLIENT_SET_HEADERS.join(", ");
+    // Checked a Kubernetes object name when stored: a header value.
+    let objective = tenant
+        .objective
+        .as_deref()
+        .and_then(|o| HeaderValue::from_str(o).ok());
+    let set_objective = objective.is_some();
+    if let Some(objective) = objective {
+        headers.insert(OBJECTIVE, objective);
+    }
+    let remove = CLIENT_SET_HEADERS
+        .iter()
+        .filter(|&&name| !(set_objective && name == OBJECTIVE))
+        .copied()
+        .collect::<Vec<_>>()
+        .join(", ");
     headers.insert(
         "x-envoy-auth-headers-to-remove",
         HeaderValue::from_str(&remove).expect("header names are header values"),

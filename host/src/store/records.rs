@@ -72,6 +72,11 @@ pub struct TenantRecord {
     /// canaries are as before.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub canaries: Vec<String>,
+    /// The Gateway API Inference Extension objective its requests carry
+    /// (`x-llm-d-inference-objective`, set by the gateway's external
+    /// authorization, never by a client); absent when none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub objective: Option<String>,
     /// Created, Unix milliseconds.
     pub created_ms: u64,
     /// Last changed, Unix milliseconds.

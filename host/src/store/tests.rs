@@ -34,6 +34,7 @@ fn tenant(id: u32, name: &str) -> TenantRecord {
         },
         models: ModelAccess::All,
         canaries: Vec::new(),
+        objective: None,
         created_ms: 1,
         updated_ms: 2,
     }

@@ -165,6 +165,7 @@ mod tests {
             },
             models: ModelAccess::All,
             canaries: canaries.iter().map(|c| c.to_string()).collect(),
+            objective: None,
             created_ms: 0,
             updated_ms: 0,
         }

@@ -234,6 +234,9 @@ pub struct TenantView {
     /// The models it may use: `["*"]` for every model, else their ids.
     #[schema(value_type = Vec<String>)]
     pub models: ModelAccess,
+    /// The inference objective the gateway sets on its requests, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub objective: Option<String>,
     /// Created, Unix milliseconds.
     pub created_ms: u64,
     /// Last changed, Unix milliseconds.
@@ -247,6 +250,7 @@ impl From<&TenantRecord> for TenantView {
             name: t.name.clone(),
             quota: t.quota,
             models: t.models.clone(),
+            objective: t.objective.clone(),
             created_ms: t.created_ms,
             updated_ms: t.updated_ms,
         }
@@ -276,6 +280,21 @@ pub struct TenantPatch {
     /// the catalog.
     #[schema(value_type = Option<Vec<String>>)]
     pub models: Option<ModelAccess>,
+    /// The inference objective the gateway sets on its requests (an
+    /// InferenceObjective's name); `""` clears it.
+    pub objective: Option<String>,
+}
+
+/// Checks an objective from the API: None and `""` mean none.
+fn objective_of(objective: Option<&str>) -> Result<Option<String>, ControlError> {
+    match objective {
+        None | Some("") => Ok(None),
+        Some(name) if crate::config::valid_objective(name) => Ok(Some(name.to_string())),
+        Some(_) => Err(invalid(
+            "objective",
+            "a Kubernetes object name: 1-253 of [a-z0-9.-], starting and ending with a letter or digit",
+        )),
+    }
 }
 
 impl TenantPatch {
@@ -1011,6 +1030,7 @@ impl Control {
         name: &str,
         quota: Quota,
         models: ModelAccess,
+        objective: Option<&str>,
     ) -> Result<TenantView, ControlError> {
         let write = self.begin_write().await?;
         if !valid_name(name) {
@@ -1021,6 +1041,7 @@ impl Control {
         }
         quota.validate().map_err(|e| invalid(e.field, e.reason))?;
         self.check_access(&models)?;
+        let objective = objective_of(objective)?;
         let mut tenants = blocking(|| self.store.tenants())?;
         if tenants.iter().any(|t| t.name == name) {
             return Err(ControlError::Exists {
@@ -1042,6 +1063,7 @@ impl Control {
             quota,
             models,
             canaries: Vec::new(),
+            objective,
             created_ms: now,
             updated_ms: now,
         };
@@ -1090,6 +1112,9 @@ impl Control {
             self.check_access(models)?;
             tenants[at].models = models.clone();
         }
+        if let Some(objective) = &patch.objective {
+            tenants[at].objective = objective_of(Some(objective))?;
+        }
         tenants[at].quota = quota;
         tenants[at].updated_ms = now_ms();
         let record = tenants[at].clone();
@@ -1105,6 +1130,7 @@ impl Control {
                 ("after", quota_json(&quota)),
                 ("models_before", access_json(&old.models)),
                 ("models_after", access_json(&record.models)),
+                ("objective_after", record.objective.clone().into()),
             ],
         ));
         self.commit_or_undo(batch, &changes).await?;

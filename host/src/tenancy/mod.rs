@@ -48,6 +48,8 @@ pub struct Tenant {
     pub quota: Quota,
     /// The models it may use.
     pub models: ModelAccess,
+    /// Its inference objective for the gateway's endpoint picker, if any.
+    pub objective: Option<String>,
     /// Its requests before admission (`pending_max` permits): a request holds
     /// one from authentication until the engine has queued or refused it.
     pub pending: Arc<Semaphore>,
@@ -113,6 +115,7 @@ impl Directory {
                     name: record.name.clone(),
                     quota: record.quota,
                     models: record.models.clone(),
+                    objective: record.objective.clone(),
                     pending,
                 }),
             );
@@ -231,6 +234,7 @@ mod tests {
             quota: quota(),
             models: ModelAccess::All,
             canaries: Vec::new(),
+            objective: None,
             created_ms: 0,
             updated_ms: 0,
         }

@@ -167,6 +167,7 @@ pub fn policy_tenants(config: &Config) -> Vec<TenantRecord> {
             quota: tenant.quota(),
             models: tenant.models.clone(),
             canaries: Vec::new(),
+            objective: tenant.objective.clone(),
             created_ms: now,
             updated_ms: now,
         })
