@@ -173,7 +173,7 @@ impl Rig {
                 Arc::clone(&fault),
                 Arc::clone(&recorded),
             );
-            Arc::new(move || {
+            Arc::new(move |_hint: Option<String>| {
                 let (offered, fault, recorded) = (
                     Arc::clone(&offered),
                     fault.lock().unwrap().clone(),
@@ -242,6 +242,7 @@ impl Rig {
             deadline: Instant::now() + Duration::from_secs(20),
             events,
             cache_salt: None,
+            prefill_hint: None,
         };
         let (admission, handle) = if both {
             (&self.both_admission, self.both.as_ref().unwrap().handle())

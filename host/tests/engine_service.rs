@@ -70,6 +70,7 @@ fn request(id: u64, max_tokens: u32) -> (NewRequest, tokio::sync::mpsc::Unbounde
         deadline: Instant::now() + Duration::from_secs(30),
         events,
         cache_salt: None,
+        prefill_hint: None,
     };
     (request, rx)
 }

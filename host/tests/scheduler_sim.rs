@@ -115,6 +115,7 @@ impl Sim {
             deadline: self.now + Duration::from_secs(60),
             events: tx,
             cache_salt: None,
+            prefill_hint: None,
         };
         (request, rx)
     }

@@ -322,6 +322,7 @@ impl World {
                 deadline,
                 events,
                 cache_salt: None,
+                prefill_hint: None,
             };
             let admitted = match self.admission.admit(request) {
                 Ok(admitted) if !oversized => admitted,

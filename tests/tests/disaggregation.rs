@@ -465,3 +465,89 @@ fn with_mutual_tls_only_a_peer_with_a_certificate_of_the_ca_pairs() {
     assert!(err.contains("server.transfer_tls.server_name"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// llm-d's prefill/decode routing: the picker names the prefill pod in
+/// `x-prefiller-host-port`. A decode process asks that peer only when it is
+/// one of its own (configured, and authenticated on every connection);
+/// anything else is ignored, counted, and never connected to.
+#[test]
+fn a_decode_process_takes_the_pickers_prefill_choice_only_among_its_own_peers() {
+    let Some(model) = smollm2() else { return };
+    let policy = Policy::default();
+    let free = || {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        format!("127.0.0.1:{port}")
+    };
+    let (first, second) = (free(), free());
+    let prefill = |addr: &str| {
+        launch(
+            Launch::new(&model, &policy)
+                .arg("--role")
+                .arg("prefill")
+                .arg("--transfer-listen")
+                .arg(addr)
+                .env("BULKHEAD_TRANSFER_SECRET", Some(SECRET)),
+        )
+    };
+    let (p1, p2) = (prefill(&first), prefill(&second));
+    let decode = launch(
+        Launch::new(&model, &policy)
+            .arg("--role")
+            .arg("decode")
+            .arg("--prefill-peer")
+            .arg(&first)
+            .arg("--prefill-peer")
+            .arg(&second)
+            .env("BULKHEAD_TRANSFER_SECRET", Some(SECRET)),
+    );
+    assert!(eventually(Duration::from_secs(10), || ready(&decode)));
+    let sent = |p: &Server| -> f64 {
+        p.metrics()
+            .lines()
+            .filter(|l| l.starts_with("bulkhead_transfers_sent_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let hints = |result: &str| {
+        metric_value(
+            &decode.metrics(),
+            &format!("bulkhead_prefiller_hints_total{{result=\"{result}\"}}"),
+        )
+    };
+    // Named, the second peer gets every job.
+    let before = (sent(&p1), sent(&p2));
+    for _ in 0..3 {
+        let r = ask(&decode, KEY_ALPHA, &[("x-prefiller-host-port", &second)], 4);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    assert_eq!(sent(&p2) - before.1, 3.0, "the picker's choice");
+    assert_eq!(sent(&p1), before.0, "and no other");
+    assert_eq!(hints("taken"), 3.0);
+    // An address of the client's choosing: ignored (served by a peer in
+    // turn), counted, and never connected to.
+    let bait = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    bait.set_nonblocking(true).unwrap();
+    let bait_addr = bait.local_addr().unwrap().to_string();
+    for hint in [bait_addr.as_str(), "evil.example:9090"] {
+        let r = ask(&decode, KEY_ALPHA, &[("x-prefiller-host-port", hint)], 4);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    assert!(
+        matches!(bait.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "nothing connected to the client's address"
+    );
+    assert_eq!(hints("not_a_peer"), 2.0);
+    let r = ask(
+        &decode,
+        KEY_ALPHA,
+        &[("x-prefiller-host-port", "not an address")],
+        4,
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(hints("unparsable"), 1.0);
+    assert!(decode.logged("x-prefiller-host-port names none of this process's prefill peers"));
+}

@@ -20,8 +20,11 @@
 //! - `401`, OpenAI-shaped, for a missing, unknown or revoked key.
 //!
 //! Pods authenticate every request themselves whatever the gateway did, and
-//! never read these headers: a request that reaches a pod directly gains
-//! nothing by sending them.
+//! never read the fairness or objective headers: a request that reaches a
+//! pod directly gains nothing by sending them. A decode pod reads
+//! `x-prefiller-host-port` (the picker sets it after this check) only to
+//! choose among its own configured prefill peers (`transfer::Peers`); a value
+//! naming anything else is ignored and counted, never connected to.
 
 use super::error::ApiError;
 use super::{bearer, drain_refused, App};
@@ -38,6 +41,9 @@ pub const PATH_PREFIX: &str = "/ext-authz";
 /// The header the picker's fairness reads: set to the tenant's id.
 pub const FAIRNESS_ID: &str = "x-llm-d-inference-fairness-id";
 
+/// The prefill pod the picker chose for a decode pod (llm-d's P/D routing).
+pub const PREFILLER_HOST_PORT: &str = "x-prefiller-host-port";
+
 /// The header the picker's priorities read: the tenant's objective, if any.
 pub const OBJECTIVE: &str = "x-llm-d-inference-objective";
 
@@ -49,7 +55,7 @@ pub const CLIENT_SET_HEADERS: [&str; 5] = [
     "x-gateway-inference-fairness-id",
     "x-gateway-inference-objective",
     "x-gateway-destination-endpoint",
-    "x-prefiller-host-port",
+    PREFILLER_HOST_PORT,
 ];
 
 /// The `ext_authz` routes: any method, the prefix alone or any path below.

@@ -739,6 +739,15 @@ async fn run(
         deadline: arrived + app.serving.request_timeout,
         events,
         cache_salt: common.cache_salt.clone(),
+        // Only a decode process asks a peer; the link checks the name.
+        prefill_hint: match &model.transfer {
+            Some(t) if t.decode => headers
+                .get(crate::api::gateway::PREFILLER_HOST_PORT)
+                .and_then(|v| v.to_str().ok())
+                .filter(|v| v.len() <= crate::transfer::PEER_ADDR_BYTES_MAX)
+                .map(str::to_string),
+            _ => None,
+        },
     };
     let mut admitted = model.admission.admit(request).map_err(rejected)?;
     if has_chain {

@@ -109,6 +109,7 @@ pub fn generate(
         deadline: started + GENERATE_TIMEOUT,
         events,
         cache_salt: None,
+        prefill_hint: None,
     };
     let admitted = scheduler.admission(context_tokens).admit(request)?;
     let backend_name = scheduler.backend().name();

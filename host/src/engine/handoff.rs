@@ -42,6 +42,8 @@ pub struct PrefillRequest {
     pub max_tokens: u32,
     /// The request's deadline.
     pub deadline: Instant,
+    /// The prefill peer a gateway chose for it, unchecked (the link checks it).
+    pub prefill_hint: Option<String>,
     /// Resolves (with an error) when the sequence stops waiting — it ended or
     /// was preempted: the job stops and the link closes.
     pub abandoned: oneshot::Receiver<()>,

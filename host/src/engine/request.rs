@@ -112,6 +112,10 @@ pub struct NewRequest {
     /// Mixed into its prefix-cache keys: requests of one tenant share cached
     /// pages only when their salts are equal (none is a salt too).
     pub cache_salt: Option<String>,
+    /// Decode role: the prefill peer a gateway's endpoint picker chose
+    /// (`x-prefiller-host-port`), as sent; the link takes it only when it
+    /// names one of this process's own peers.
+    pub prefill_hint: Option<String>,
 }
 
 /// A terminal refusal: it holds no page, queue slot or plugin state, and

@@ -252,6 +252,8 @@ struct Sequence {
     chain: Vec<u64>,
     /// Its request's cache salt.
     cache_salt: Option<String>,
+    /// The prefill peer a gateway chose for it (decode role).
+    prefill_hint: Option<String>,
     /// Prompt pages found in the cache or shared into it so far.
     pages_published: usize,
     /// Prompt tokens found in the cache at its first start.
@@ -863,6 +865,7 @@ impl<B: Backend> Scheduler<B> {
                     preempted_in: None,
                     chain: Vec::new(),
                     cache_salt: request.cache_salt,
+                    prefill_hint: request.prefill_hint,
                     pages_published: 0,
                     cached_tokens: (cached.len() * page_tokens) as u32,
                     max_tokens: request.max_tokens,
@@ -1484,6 +1487,7 @@ fn ask_peer(pool: &Pool, remote: &RemotePrefill, s: &mut Sequence, reservation: 
         tokens: kv_tokens.to_vec(),
         max_tokens: s.max_tokens,
         deadline: s.deadline,
+        prefill_hint: s.prefill_hint.clone(),
         abandoned,
     });
     let empty = pool.page_table(reservation, SeqId(s.id.0));

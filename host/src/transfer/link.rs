@@ -454,6 +454,7 @@ async fn prefill_job<S: AsyncRead + AsyncWrite + Unpin>(
         deadline: started + PREFILL_JOB_TIMEOUT,
         events,
         cache_salt: None,
+        prefill_hint: None,
     };
     let to = ExportTo {
         request: job.request,

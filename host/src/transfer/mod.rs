@@ -175,24 +175,130 @@ impl Peers {
 }
 
 /// How a job's stream is opened: a peer's socket, or (tests) anything else.
+/// The argument is the peer a gateway chose for the job, unchecked.
 pub type Connector = Arc<
-    dyn Fn() -> std::pin::Pin<
+    dyn Fn(
+            Option<String>,
+        ) -> std::pin::Pin<
             Box<dyn std::future::Future<Output = std::io::Result<Box<dyn Stream>>> + Send>,
         > + Send
         + Sync,
 >;
 
-/// A connector to `peers` in turn.
+/// The longest `x-prefiller-host-port` value looked at.
+pub const PEER_ADDR_BYTES_MAX: usize = 256;
+
+/// What became of a gateway's choice of prefill peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hint {
+    /// It names one of this process's peers: that one is asked.
+    Taken,
+    /// Not `HOST:PORT`.
+    Unparsable,
+    /// A well-formed address that is none of this process's peers (nor an
+    /// address one of their names resolves to): ignored, never connected to.
+    NotAPeer,
+}
+
+impl Hint {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Hint::Taken => "taken",
+            Hint::Unparsable => "unparsable",
+            Hint::NotAPeer => "not_a_peer",
+        }
+    }
+}
+
+impl Peers {
+    /// The configured peer `hint` names, and where to connect: the peer
+    /// itself when the hint is its own address; the resolved socket address
+    /// when the hint is an address the peer's name resolves to (llm-d's
+    /// picker names pods by IP), still verified under the peer's own name
+    /// with TLS. Anything else is no peer of ours.
+    async fn resolve_hint(&self, hint: &str) -> (Hint, Option<(PeerAddr, String)>) {
+        let Ok(socket) = hint.parse::<std::net::SocketAddr>() else {
+            if let Some(peer) = self.addrs.iter().find(|a| a.to_string() == hint) {
+                return (Hint::Taken, Some((peer.clone(), hint.to_string())));
+            }
+            return match hint.parse::<PeerAddr>() {
+                Ok(_) => (Hint::NotAPeer, None),
+                Err(_) => (Hint::Unparsable, None),
+            };
+        };
+        for peer in &self.addrs {
+            let PeerAddr::Tcp(name) = peer else { continue };
+            let resolved =
+                tokio::time::timeout(self.timeouts.connect, tokio::net::lookup_host(name)).await;
+            if let Ok(Ok(mut addrs)) = resolved {
+                if addrs.any(|a| a == socket) {
+                    return (Hint::Taken, Some((peer.clone(), socket.to_string())));
+                }
+            }
+        }
+        (Hint::NotAPeer, None)
+    }
+}
+
+/// A connector to `peers`: the one a gateway chose when it is one of them,
+/// else the next in turn.
 pub fn peer_connector(peers: Arc<Peers>) -> Connector {
-    Arc::new(move || {
+    Arc::new(move |hint: Option<String>| {
         let peers = Arc::clone(&peers);
         Box::pin(async move {
+            if let Some(hint) = hint {
+                let (outcome, chosen) = peers.resolve_hint(&hint).await;
+                metrics::counter!("bulkhead_prefiller_hints_total", "result" => outcome.as_str())
+                    .increment(1);
+                if let Some((peer, socket)) = chosen {
+                    let addr = match &peer {
+                        PeerAddr::Tcp(name) if *name != socket => {
+                            return connect_as(
+                                &socket,
+                                tls::host_of(name),
+                                peers.timeouts,
+                                peers.tls.as_ref(),
+                            )
+                            .await;
+                        }
+                        _ => peer,
+                    };
+                    return connect(&addr, peers.timeouts, peers.tls.as_ref()).await;
+                }
+                tracing::warn!(
+                    result = outcome.as_str(),
+                    "x-prefiller-host-port names none of this process's prefill peers; ignored"
+                );
+            }
             let Some(addr) = peers.pick().cloned() else {
                 return Err(std::io::Error::other("no prefill peer"));
             };
             connect(&addr, peers.timeouts, peers.tls.as_ref()).await
         })
     })
+}
+
+/// Connects to the socket address `socket` of a peer whose certificate must
+/// carry `host` (its configured name).
+async fn connect_as(
+    socket: &str,
+    host: &str,
+    timeouts: Timeouts,
+    tls: Option<&tls::ClientTls>,
+) -> std::io::Result<Box<dyn Stream>> {
+    let connecting = async {
+        let stream = tokio::net::TcpStream::connect(socket).await?;
+        stream.set_nodelay(true)?;
+        let stream: Box<dyn Stream> = Box::new(stream);
+        match tls {
+            Some(tls) => tls.connect(Some(host), stream).await,
+            None => Ok(stream),
+        }
+    };
+    tokio::time::timeout(timeouts.connect, connecting)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))?
 }
 
 /// One decode-side model's transfer state, for readiness and metrics.
@@ -247,6 +353,7 @@ async fn run_job(request: PrefillRequest, context: JobContext) {
         tokens,
         max_tokens,
         deadline,
+        prefill_hint,
         mut abandoned,
     } = request;
     let job = Job {
@@ -258,7 +365,7 @@ async fn run_job(request: PrefillRequest, context: JobContext) {
     };
     let tenant = identity.owner.0.to_string();
     let fetching = async {
-        match connector().await {
+        match connector(prefill_hint).await {
             Ok(stream) => link::fetch(stream, &secret, timeouts, &pairing, job).await,
             Err(error) => {
                 tracing::warn!(request_id = identity.request, %error, "no prefill peer reachable");
@@ -438,7 +545,7 @@ async fn probe_loop(
         }
         first = false;
         probed = tokio::time::Instant::now();
-        let result = match connector().await {
+        let result = match connector(None).await {
             Ok(stream) => link::probe(stream, &secret, timeouts, &pairing)
                 .await
                 .map_err(|e| e.to_string()),
