@@ -527,9 +527,19 @@ fn a_decode_process_takes_the_pickers_prefill_choice_only_among_its_own_peers() 
     assert_eq!(sent(&p2) - before.1, 3.0, "the picker's choice");
     assert_eq!(sent(&p1), before.0, "and no other");
     assert_eq!(hints("taken"), 3.0);
+    // The picker names a pod by its IP and serving port: the peer at that IP,
+    // on its own transfer port.
+    let r = ask(
+        &decode,
+        KEY_ALPHA,
+        &[("x-prefiller-host-port", "127.0.0.1:1")],
+        4,
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(hints("taken"), 4.0);
     // An address of the client's choosing: ignored (served by a peer in
     // turn), counted, and never connected to.
-    let bait = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let bait = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
     bait.set_nonblocking(true).unwrap();
     let bait_addr = bait.local_addr().unwrap().to_string();
     for hint in [bait_addr.as_str(), "evil.example:9090"] {

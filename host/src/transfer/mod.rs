@@ -213,10 +213,11 @@ impl Hint {
 
 impl Peers {
     /// The configured peer `hint` names, and where to connect: the peer
-    /// itself when the hint is its own address; the resolved socket address
-    /// when the hint is an address the peer's name resolves to (llm-d's
-    /// picker names pods by IP), still verified under the peer's own name
-    /// with TLS. Anything else is no peer of ours.
+    /// itself when the hint is its own address; an address the peer's name
+    /// resolves to when the hint is that address, or (llm-d's picker names a
+    /// prefill pod by its IP and serving port, not its transfer port) that
+    /// address's IP with another port. Still verified under the peer's own
+    /// name with TLS. Anything else is no peer of ours.
     async fn resolve_hint(&self, hint: &str) -> (Hint, Option<(PeerAddr, String)>) {
         let Ok(socket) = hint.parse::<std::net::SocketAddr>() else {
             if let Some(peer) = self.addrs.iter().find(|a| a.to_string() == hint) {
@@ -227,17 +228,25 @@ impl Peers {
                 Err(_) => (Hint::Unparsable, None),
             };
         };
+        let mut same_ip = None;
         for peer in &self.addrs {
             let PeerAddr::Tcp(name) = peer else { continue };
             let resolved =
                 tokio::time::timeout(self.timeouts.connect, tokio::net::lookup_host(name)).await;
-            if let Ok(Ok(mut addrs)) = resolved {
-                if addrs.any(|a| a == socket) {
-                    return (Hint::Taken, Some((peer.clone(), socket.to_string())));
+            let Ok(Ok(addrs)) = resolved else { continue };
+            for addr in addrs {
+                if addr == socket {
+                    return (Hint::Taken, Some((peer.clone(), addr.to_string())));
+                }
+                if addr.ip() == socket.ip() && same_ip.is_none() {
+                    same_ip = Some((peer.clone(), addr.to_string()));
                 }
             }
         }
-        (Hint::NotAPeer, None)
+        match same_ip {
+            Some(chosen) => (Hint::Taken, Some(chosen)),
+            None => (Hint::NotAPeer, None),
+        }
     }
 }
 
