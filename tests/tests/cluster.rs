@@ -162,6 +162,46 @@ fn an_etcd_that_is_away_is_a_clear_error_within_the_timeout() {
     assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
 }
 
+#[test]
+fn an_endpoint_that_is_not_etcd_or_never_answers_fails_within_the_timeout() {
+    // Accepts connections and never says a word.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    // Speaks HTTP/1.1, not gRPC.
+    let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let http_addr = http.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in http.incoming().flatten() {
+            let mut stream = stream;
+            let _ = std::io::Write::write_all(
+                &mut stream,
+                b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nno",
+            );
+        }
+    });
+    let _keep = std::thread::spawn(move || {
+        let held: Vec<_> = silent.incoming().take(8).collect();
+        std::thread::sleep(Duration::from_secs(30));
+        drop(held);
+    });
+    for addr in [silent_addr, http_addr] {
+        let started = Instant::now();
+        let error = EtcdStorage::connect(&bulkhead::store::etcd_storage::EtcdOptions {
+            endpoints: vec![format!("http://{addr}")],
+            timeout_ms: 500,
+            ..Default::default()
+        })
+        .err()
+        .expect("no etcd there");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{addr}: {:?}",
+            started.elapsed()
+        );
+        assert!(error.to_string().contains(&addr.to_string()), "{error}");
+    }
+}
+
 fn audit(action: &str) -> AuditRecord {
     AuditRecord {
         seq: 0,
@@ -577,4 +617,68 @@ fn a_change_that_breaks_another_servers_contract_is_refused_with_that_server_nam
             == 200),
         "A's announcement outlived its lease"
     );
+}
+
+#[test]
+fn a_damaged_or_foreign_etcd_entry_is_skipped_by_the_servers_following_it() {
+    let Some(model) = smollm2() else { return };
+    let Some(etcd) = Etcd::start("hostile") else {
+        return skipped("a_damaged_or_foreign_etcd_entry_is_skipped_by_the_servers_following_it");
+    };
+    let policy = cluster_policy(&etcd, "hostile/");
+    let pods = pods(&model, &policy, 2);
+    let beta_id = quota_id(&pods[0], "beta");
+    // Another writer of the same prefix: beta's record damaged, a record
+    // under a key no tenant has, and the fence bumped so every server reloads.
+    let raw = EtcdStorage::connect(&etcd.options("hostile/")).unwrap();
+    let fence: u64 = {
+        let bytes = raw
+            .get(b"meta/control")
+            .unwrap()
+            .expect("fenced writes happened");
+        let value: Value = serde_json::from_slice(&bytes).unwrap();
+        value["record"].as_u64().unwrap()
+    };
+    raw.commit(vec![
+        Write::Put {
+            key: [b"tenant/".as_slice(), &beta_id.to_be_bytes()].concat(),
+            value: b"{\"v\": 3, \"record\": {\"id\": \"not a number\"}}".to_vec(),
+        },
+        Write::Put {
+            key: b"tenant/\xff\xff".to_vec(),
+            value: b"\x00\x01 not json".to_vec(),
+        },
+        Write::Put {
+            key: b"meta/control".to_vec(),
+            value: bulkhead::store::encode(&(fence + 1)),
+        },
+    ])
+    .unwrap();
+    for pod in &pods {
+        assert!(
+            eventually(Duration::from_secs(5), || pod
+                .logged("a store record is refused and skipped")),
+            "the damaged records are named in the log"
+        );
+        // Beta is not taken for deleted: it keeps being served as it was.
+        assert_eq!(chat(pod, KEY_BETA).status, 200);
+        assert_eq!(chat(pod, KEY_ALPHA).status, 200);
+    }
+    let logged = pods[1].stderr_lines().join("\n");
+    assert!(logged.contains("tenant/"), "the key is named");
+    // Admin changes, which read what they are based on, refuse to build on a
+    // store they cannot read whole.
+    let r = pods[0].admin_call(
+        "PATCH",
+        "/admin/v1/tenants/alpha",
+        Some(&json!({"weight": 3})),
+    );
+    assert_eq!(r.status, 500, "{}", r.body);
+}
+
+/// A tenant's id as the admin API shows it.
+fn quota_id(server: &Server, tenant: &str) -> u32 {
+    let r = server.admin_call("GET", &format!("/admin/v1/tenants/{tenant}"), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["id"].as_u64().unwrap() as u32
 }

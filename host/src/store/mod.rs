@@ -774,6 +774,69 @@ impl Store {
         }
     }
 
+    /// Like [`Store::scan_all`], but a record that is unreadable or not its
+    /// key's (another writer's, or damaged) is skipped with a log line naming
+    /// its key, and its key is returned beside the records: for following a
+    /// shared store, where one bad entry must not stop every other change.
+    fn scan_all_skipping<T: DeserializeOwned>(
+        &self,
+        prefix: &[u8],
+        key_of: fn(&T) -> Vec<u8>,
+    ) -> Result<(Vec<T>, Vec<Vec<u8>>), StoreError> {
+        let (mut out, mut skipped) = (Vec::new(), Vec::new());
+        let mut after: Option<Vec<u8>> = None;
+        loop {
+            let page = self
+                .storage
+                .scan(prefix, after.as_deref(), SCAN_RECORDS_MAX)?;
+            let Some((last, _)) = page.last() else {
+                return Ok((out, skipped));
+            };
+            after = Some(last.clone());
+            for (key, value) in page {
+                let record = decode::<T>(&key, &value).and_then(|record| {
+                    let own = key_of(&record);
+                    match own == key {
+                        true => Ok(record),
+                        false => Err(StoreError::Corrupt {
+                            key: printable(&key),
+                            cause: format!("the record is {}'s", printable(&own)),
+                        }),
+                    }
+                });
+                match record {
+                    Ok(record) => out.push(record),
+                    Err(error) => {
+                        tracing::error!(%error, "a store record is refused and skipped");
+                        metrics::counter!("bulkhead_store_records_skipped_total").increment(1);
+                        skipped.push(key);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every readable tenant, and the ids of those whose records are not
+    /// (skipped, logged): what a server following a shared store applies.
+    pub fn tenants_skipping(&self) -> Result<(Vec<TenantRecord>, Vec<u32>), StoreError> {
+        let (tenants, skipped) =
+            self.scan_all_skipping(b"tenant/", |t: &TenantRecord| tenant_key(t.id))?;
+        let ids = skipped
+            .iter()
+            .filter_map(|key| <[u8; 4]>::try_from(key.strip_prefix(b"tenant/")?).ok())
+            .map(u32::from_be_bytes)
+            .collect();
+        Ok((tenants, ids))
+    }
+
+    /// Every readable key record; unreadable ones are skipped and logged
+    /// (a key whose record cannot be read does not authenticate).
+    pub fn keys_skipping(&self) -> Result<Vec<KeyRecord>, StoreError> {
+        Ok(self
+            .scan_all_skipping(b"key/", |k: &KeyRecord| key_record_key(&k.id))?
+            .0)
+    }
+
     /// Every tenant, in id order.
     pub fn tenants(&self) -> Result<Vec<TenantRecord>, StoreError> {
         self.scan_all(b"tenant/", |t: &TenantRecord| tenant_key(t.id))

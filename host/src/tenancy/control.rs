@@ -798,7 +798,7 @@ impl Control {
     /// a tenant another server created is published once this server's
     /// engines have its partitions ([`Control::reload`]).
     fn publish(&self) -> Result<(), ControlError> {
-        let keys = blocking(|| self.store.keys())?;
+        let keys = blocking(|| self.store.keys_skipping())?;
         let tenants: Vec<TenantRecord> = self.applied().values().cloned().collect();
         let previous = self.registry.snapshot();
         self.registry
@@ -898,7 +898,10 @@ impl Control {
     /// was here until the next reload.
     pub async fn reload(&self) -> Result<Reloaded, ControlError> {
         let _write = self.writes.lock().await;
-        let stored = blocking(|| self.store.tenants())?;
+        // A record another writer damaged is skipped (logged with its key),
+        // and its tenant stays here as it was: never applied half, never
+        // taken for deleted.
+        let (stored, unreadable) = blocking(|| self.store.tenants_skipping())?;
         let before = self.applied().clone();
         let models: Vec<Arc<Served>> = self.catalog.snapshot().all().cloned().collect();
         let mut done = Reloaded::default();
@@ -925,7 +928,7 @@ impl Control {
         }
         let gone: Vec<TenantRecord> = before
             .values()
-            .filter(|t| !stored.iter().any(|s| s.id == t.id))
+            .filter(|t| !stored.iter().any(|s| s.id == t.id) && !unreadable.contains(&t.id))
             .cloned()
             .collect();
         for record in &gone {
