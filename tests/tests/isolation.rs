@@ -1604,6 +1604,96 @@ fn transfer_decode_restart(suite: &Suite, split: &mut Split) {
     }
 }
 
+// ------------------------------------------------- two servers on one etcd
+
+/// The paths across two servers on one etcd (for `BULKHEAD_ISOLATION_ONLY`).
+const CLUSTER_PATHS: [&str; 2] = ["cluster_success", "cluster_tenant_deleted"];
+
+/// Success on both servers at once: each answer its own tenant's, both
+/// pools at baseline after every trial.
+fn cluster_success(suite: &Suite, a: &Server, b: &Server) {
+    const PATH: &str = "success on two servers";
+    for _ in 0..suite.trials(2, 0.5) {
+        std::thread::scope(|s| {
+            for (server, stream) in [(a, true), (b, false)] {
+                for (tenant, _) in TENANTS.iter() {
+                    let n = if *tenant == "gamma" { 1 } else { 4 };
+                    for _ in 0..n {
+                        s.spawn(move || served(suite, server, PATH, tenant, stream));
+                    }
+                }
+            }
+        });
+        let at_baseline = suite.baseline(PATH, a, MODEL_ID) & suite.baseline(PATH, b, MODEL_ID);
+        suite.trial_done(PATH, at_baseline);
+    }
+}
+
+/// A tenant created through A and served on B, deleted through A while its
+/// requests run on B: B ends them (`tenant_removed`), its key is dead on
+/// both, and B's pool is back at baseline.
+fn cluster_tenant_deleted(suite: &Suite, a: &Server, b: &Server) {
+    const PATH: &str = "tenant deleted through another server";
+    for trial in 0..suite.trials(2, 0.5) {
+        let name = format!("remote{trial}");
+        let create = json!({"name": name, "pages_reserved": 16, "pages_max": 64,
+                            "queue_depth_max": 4, "running_max": 4});
+        let r = a.admin_call("POST", "/admin/v1/tenants", Some(&create));
+        assert_eq!(r.status, 201, "{}", r.body);
+        let r = a.admin_call("POST", &format!("/admin/v1/tenants/{name}/keys"), None);
+        assert_eq!(r.status, 201, "{}", r.body);
+        let key = r.json()["secret"].as_str().unwrap().to_string();
+        let live = eventually(Duration::from_secs(5), || {
+            b.get(&b.inference, "/v1/tenant", Some(&key)).status == 200
+        });
+        assert!(live, "the tenant reached B");
+        std::thread::scope(|s| {
+            s.spawn(|| served(suite, b, PATH, "beta", true));
+            interrupted(
+                suite,
+                b,
+                PATH,
+                MODEL_ID,
+                &[(&name, &key)],
+                || {
+                    let r = a.admin_call("DELETE", &format!("/admin/v1/tenants/{name}"), None);
+                    assert_eq!(r.status, 200, "{}", r.body);
+                },
+                (403, "tenant_removed"),
+            );
+        });
+        for server in [a, b] {
+            let body = chat(suite, &name, MODEL_ID, 4, 0);
+            let answer = suite.send(server, &key, &[], CHAT, &body, None);
+            suite.expect(PATH, &name, &answer, (401, Some("invalid_api_key")));
+        }
+        let at_baseline = suite.baseline(PATH, a, MODEL_ID) & suite.baseline(PATH, b, MODEL_ID);
+        suite.trial_done(PATH, at_baseline);
+    }
+}
+
+/// Two servers of `policy` on a fresh etcd; skipped (said) without etcd.
+fn cluster_paths(suite: &Suite, model: &std::path::Path, policy: &Policy) {
+    let Some(etcd) = support::etcd::Etcd::start("isolation") else {
+        eprintln!("skipped: the isolation suite's two-server paths: etcd is not installed");
+        return;
+    };
+    let policy = Policy {
+        store_toml: etcd.store_toml("isolation/"),
+        ..policy.clone()
+    };
+    let a = start(model, &policy);
+    let b = start(model, &policy);
+    if suite.runs("cluster_success") {
+        cluster_success(suite, &a, &b);
+    }
+    if suite.runs("cluster_tenant_deleted") {
+        cluster_tenant_deleted(suite, &a, &b);
+    }
+    suite.scan_records(&a);
+    suite.scan_records(&b);
+}
+
 /// The transfer paths' names (for `BULKHEAD_ISOLATION_ONLY`).
 const TRANSFER_PATHS: [&str; 7] = [
     "transfer_success",
@@ -1714,6 +1804,9 @@ fn no_tenant_sees_another_tenants_data_on_any_path() {
     }
     if TRANSFER_PATHS.iter().any(|name| suite.runs(name)) {
         transfer_paths(&suite, &model, &policy);
+    }
+    if CLUSTER_PATHS.iter().any(|name| suite.runs(name)) {
+        cluster_paths(&suite, &model, &policy);
     }
 
     let table = suite.table();
