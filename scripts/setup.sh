@@ -48,6 +48,8 @@ fi
 debs=()
 command -v protoc >/dev/null 2>&1 || debs+=(protobuf-compiler)
 command -v etcd >/dev/null 2>&1 || debs+=(etcd-server)
+# scripts/validate_deploy.sh keeps its pinned packages in a virtual environment.
+python3 -c 'import ensurepip' >/dev/null 2>&1 || debs+=(python3-venv)
 if [ ${#debs[@]} -gt 0 ]; then
     as_root=()
     [ "$(id -u)" -eq 0 ] || as_root=(sudo)

@@ -29,5 +29,8 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo build --locked -p bulkhead --features fault-injection
 # The Q8_0 model (model_golden.rs), derived by that binary; idempotent.
 scripts/models.sh "${CARGO_TARGET_DIR:-target}/debug/bulkhead"
+# The Kubernetes manifests (deploy/) against the Kubernetes and CRD schemas,
+# each role's policy through `bulkhead check`, and the validator's self-test.
+BULKHEAD_BIN="${CARGO_TARGET_DIR:-target}/debug/bulkhead" scripts/validate_deploy.sh
 # Model-dependent tests fail (rather than skip) if the model is missing.
 BULKHEAD_REQUIRE_MODEL=1 cargo test --workspace --locked "$@"
