@@ -167,6 +167,7 @@ fn start(dir: &Path) -> Plane {
         config,
         finishes: sink,
         tenants,
+        admin_token_sha256: [7; 32],
     });
     Plane { control, fail }
 }

@@ -676,6 +676,38 @@ fn a_damaged_or_foreign_etcd_entry_is_skipped_by_the_servers_following_it() {
     assert_eq!(r.status, 500, "{}", r.body);
 }
 
+#[test]
+fn an_admin_token_rotated_through_one_server_is_the_only_one_on_every_server() {
+    let Some(model) = smollm2() else { return };
+    let Some(etcd) = Etcd::start("token") else {
+        return skipped(
+            "an_admin_token_rotated_through_one_server_is_the_only_one_on_every_server",
+        );
+    };
+    let policy = cluster_policy(&etcd, "token/");
+    let pods = pods(&model, &policy, 2);
+    let rotated = "rotated-admin-token-0123456789abcdef";
+    // A third server started with another token rotates the cluster's.
+    let c = launch(Launch::new(&model, &policy).env("BULKHEAD_ADMIN_TOKEN", Some(rotated)));
+    for pod in pods.iter().chain([&c]) {
+        let took = time_until(|| {
+            pod.call(
+                &pod.admin,
+                "GET",
+                "/admin/v1/tenants",
+                Some(ADMIN_TOKEN),
+                None,
+            )
+            .status
+                == 401
+        })
+        .expect("the old token is refused");
+        assert!(took < Duration::from_secs(1), "{took:?}");
+        let r = pod.call(&pod.admin, "GET", "/admin/v1/tenants", Some(rotated), None);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+}
+
 /// A tenant's id as the admin API shows it.
 fn quota_id(server: &Server, tenant: &str) -> u32 {
     let r = server.admin_call("GET", &format!("/admin/v1/tenants/{tenant}"), None);

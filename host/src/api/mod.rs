@@ -65,7 +65,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use stream::{finish_error, SseBody, Tracker};
-use subtle::ConstantTimeEq;
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
@@ -105,8 +104,6 @@ pub struct App {
     pub control: Arc<Control>,
     /// The policy plugins.
     pub policy: Arc<PolicyRuntime>,
-    /// SHA-256 of the admin token.
-    pub admin_token_sha256: [u8; 32],
     /// The Prometheus recorder.
     pub metrics: PrometheusHandle,
     /// Set once a shutdown began: new requests get 503, `/readyz` fails.
@@ -147,7 +144,7 @@ impl App {
     fn is_admin(&self, headers: &HeaderMap) -> bool {
         bearer(headers).is_some_and(|token| {
             let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-            bool::from(digest.ct_eq(&self.admin_token_sha256))
+            self.control.is_admin_token(&digest)
         })
     }
 }

@@ -251,12 +251,12 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         config: Arc::clone(&config),
         finishes: Arc::clone(&finishes) as Arc<dyn FinishSink>,
         tenants: tenants.clone(),
+        admin_token_sha256: plan.admin_token_sha256,
     }));
     control.load_plugins()?;
     // Everything that could refuse the start has run: the secrets are
     // written, then shown, to the terminal that started the server, not to
     // the log stream (stderr).
-    let admin_token_sha256 = plan.admin_token_sha256;
     for line in plan.commit(&store)? {
         println!("{line}");
     }
@@ -274,7 +274,6 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         },
         policy: Arc::clone(&policy),
         control: Arc::clone(&control),
-        admin_token_sha256,
         metrics,
         shutting_down: AtomicBool::new(false),
         ids: RequestIds::random()?,

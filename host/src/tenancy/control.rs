@@ -561,6 +561,9 @@ pub struct Control {
     store_connected: std::sync::atomic::AtomicBool,
     /// This server's name among the servers of a shared store.
     server_name: String,
+    /// SHA-256 of the admin token (on a shared store, the one any server
+    /// last stored: a rotation through one applies on all).
+    admin_token: std::sync::RwLock<[u8; 32]>,
     /// Its announcement's next value (set once it announces).
     announcement: std::sync::OnceLock<tokio::sync::watch::Sender<Vec<u8>>>,
     /// Plugin uploads per tenant (`plugins.uploads_per_minute`).
@@ -652,6 +655,8 @@ pub struct Parts {
     pub finishes: Arc<dyn FinishSink>,
     /// The tenants the engines and the registry were built with.
     pub tenants: Vec<TenantRecord>,
+    /// SHA-256 of the admin token.
+    pub admin_token_sha256: [u8; 32],
 }
 
 impl Control {
@@ -670,6 +675,7 @@ impl Control {
             applied: std::sync::Mutex::new(parts.tenants.into_iter().map(|t| (t.id, t)).collect()),
             store_connected: std::sync::atomic::AtomicBool::new(true),
             server_name: server_name(),
+            admin_token: std::sync::RwLock::new(parts.admin_token_sha256),
             announcement: std::sync::OnceLock::new(),
             uploads: plugins::UploadRate::default(),
         }
@@ -834,6 +840,15 @@ impl Control {
         }
     }
 
+    /// Whether `digest` is the admin token's, compared in constant time.
+    pub fn is_admin_token(&self, digest: &[u8; 32]) -> bool {
+        let current = *self.admin_token.read().unwrap_or_else(|p| p.into_inner());
+        bool::from(subtle::ConstantTimeEq::ct_eq(
+            digest.as_slice(),
+            current.as_slice(),
+        ))
+    }
+
     /// Whether new inference requests are refused now: the shared store is
     /// away and the policy says `[store] offline = "refuse"`.
     pub fn refusing(&self) -> bool {
@@ -935,6 +950,15 @@ impl Control {
             self.set_applied(record.id, None);
         }
         self.publish()?;
+        // An admin token rotated or reset through another server.
+        let stored = blocking(|| self.store.admin_token())?;
+        if let Some(digest) = stored.as_deref().and_then(super::parse_digest) {
+            let mut current = self.admin_token.write().unwrap_or_else(|p| p.into_inner());
+            if *current != digest {
+                *current = digest;
+                tracing::warn!("the admin token was changed through another server; the old one no longer works here");
+            }
+        }
         for record in &gone {
             let changes = tenant_changes(&models, Some(record), None);
             if let Err(error) = self.apply(&changes).await {

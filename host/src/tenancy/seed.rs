@@ -357,6 +357,8 @@ pub fn reset_admin_token(store: &Store) -> Result<String, SeedError> {
     }
     let token = format!("bk-admin-{}", random_hex(SECRET_BYTES)?);
     let mut batch = Batch::default();
+    // Fenced: the servers sharing a store see the change and take it.
+    batch.fenced(&store.fence()?);
     let mut record = audit(&Actor::System, "admin_token.reset", "admin");
     record
         .detail
