@@ -10,7 +10,6 @@ use bulkhead::engine::generate::{self, GenerateOptions};
 use bulkhead::engine::sampling::SamplingParams;
 use bulkhead::server::{self, ServeOptions};
 use bulkhead::single::{self, Single};
-use bulkhead::store::Store;
 use bulkhead::telemetry::LogFormat;
 use bulkhead::tenancy::seed;
 use bulkhead_kernels::model::Model;
@@ -301,13 +300,15 @@ fn check(
     // policy's, and its models join the policy's. Opening the store creates
     // nothing when there is none yet.
     let store_path = config.store_path();
-    let (specs, tenants) = match store_path.exists() {
+    // A shared store (etcd) is read as it is, a running cluster's included.
+    let shared = config.store.backend != bulkhead::config::StoreBackend::Sled;
+    let (specs, tenants) = match shared || store_path.exists() {
         true => {
-            let store = Store::open(&store_path)?;
+            let store = server::open_store(&config)?;
             let specs = server::catalog_of(&config, &store)?;
             match store.meta()? {
                 Some(_) => {
-                    println!("tenants: the store at {}", store_path.display());
+                    println!("tenants: the store at {}", store.path());
                     (specs, store.tenants()?)
                 }
                 None => (specs, seed::policy_tenants(&config)),

@@ -457,6 +457,25 @@ fn three_servers_on_one_etcd_share_tenants_keys_and_quotas() {
         );
     }
     eprintln!("concurrent writes: {conflicts} of 10 refused as conflicts");
+    // `bulkhead check` reads the cluster's store as it is: delta, which B's
+    // change left no model, is in no model's table.
+    let out = std::process::Command::new(bulkhead_exe())
+        .args(["check", "--config"])
+        .arg(a.dir.join("policy.toml"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains(&format!("tenants: the store at etcd {}", etcd.client_url)),
+        "{text}"
+    );
+    assert!(text.contains("tenant gamma maximum"), "{text}");
+    assert!(!text.contains("tenant delta"), "{text}");
     // Every acknowledged change is in the one audit log, readable from any pod.
     let audit = c
         .admin_call("GET", "/admin/v1/audit?limit=1000", None)
