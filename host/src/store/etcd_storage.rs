@@ -389,9 +389,9 @@ async fn follow(
             set_connected(true);
         }
         loop {
-            // A silent stream is checked every few seconds: a member that
-            // went away without closing its connection must not leave the
-            // server believing it is connected.
+            // A member that goes away without closing its connection is
+            // noticed by the channel's keep-alive (5 s, then `timeout_ms`),
+            // which ends this stream with an error.
             let message = tokio::select! {
                 message = stream.message() => message,
                 () = tx.closed() => return,
