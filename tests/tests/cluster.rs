@@ -292,6 +292,64 @@ fn two_stores_on_one_etcd_number_audits_apart_refuse_stale_changes_and_add_usage
     }
 }
 
+#[test]
+fn a_usage_flush_larger_than_one_etcd_transaction_lands_whole_in_several() {
+    let Some(etcd) = Etcd::start("flush") else {
+        return skipped("a_usage_flush_larger_than_one_etcd_transaction_lands_whole_in_several");
+    };
+    let dir = temp_dir("flush");
+    // Nine operations a transaction: two records a commit.
+    let store = Store::open_etcd(
+        &bulkhead::store::etcd_storage::EtcdOptions {
+            txn_ops_max: 9,
+            ..etcd.options("flush/")
+        },
+        &dir,
+    )
+    .unwrap();
+    assert_eq!(store.records_per_commit(), 2);
+    let book = bulkhead::store::usage::UsageBook::new(2);
+    let now = bulkhead::clock::now_ms();
+    for tenant in 1..=12u32 {
+        book.record(
+            bulkhead::store::records::TenantId(tenant),
+            now,
+            "stop",
+            5,
+            7,
+        );
+        for _ in 0..3 {
+            book.refused(
+                bulkhead::store::records::TenantId(tenant),
+                &format!("t{tenant}"),
+                "queue_full",
+                audit("request.refused"),
+            );
+        }
+    }
+    // 12 usage minutes, 24 listed refusals, 12 summaries: 24 commits.
+    assert_eq!(
+        book.flush(&store).unwrap(),
+        12,
+        "one refusal a tenant summarized"
+    );
+    let minute = now / 60_000;
+    for tenant in 1..=12u32 {
+        let usage = store.usage_minute(tenant, minute).unwrap();
+        assert_eq!(
+            (usage.requests, usage.prompt_tokens, usage.completion_tokens),
+            (1, 5, 7)
+        );
+    }
+    let records = store.audit(0, 1000).unwrap();
+    let count = |action: &str| records.iter().filter(|r| r.action == action).count();
+    assert_eq!(count("request.refused"), 24);
+    assert_eq!(count("request.refused_summary"), 12);
+    let seqs: Vec<u64> = records.iter().map(|r| r.seq).collect();
+    assert_eq!(seqs, (1..=36).collect::<Vec<u64>>());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 // ---------------------------------------------------------------------------
 // Three servers.
 

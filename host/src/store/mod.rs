@@ -692,6 +692,14 @@ impl Store {
         Ok(Fence { seen, count })
     }
 
+    /// How many records (usage minutes or audit records) one commit may
+    /// carry within the storage's transaction limit: each may take up to
+    /// four writes (a record, its refusal index, two trims), plus the audit
+    /// counter.
+    pub fn records_per_commit(&self) -> usize {
+        (self.storage.writes_max().saturating_sub(1) / 4).clamp(1, 1 << 20)
+    }
+
     /// Whether other servers share this store.
     pub fn shared(&self) -> bool {
         self.storage.shared()
@@ -1204,7 +1212,8 @@ impl Store {
             }
             // On shared storage the other servers trim too: a few deletes a
             // commit keep every commit small.
-            let mut deletes_left = if shared { 64 } else { u64::MAX };
+            let room = self.storage.writes_max().saturating_sub(writes.len()) as u64;
+            let mut deletes_left = if shared { room.min(64) } else { u64::MAX };
             let mut oldest = cursor.oldest;
             while next - oldest > self.audit_max && deletes_left > 0 {
                 writes.push(Write::Delete {

@@ -319,6 +319,105 @@ fn usage_counters_add_up_across_flushes_and_windows() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// sled with a small transaction limit, whose commits fail once `fail_after`
+/// more have landed.
+struct Limited {
+    inner: SledStorage,
+    fail_after: std::sync::Arc<std::sync::Mutex<Option<u32>>>,
+}
+
+impl Storage for Limited {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.get(key)
+    }
+    fn scan(
+        &self,
+        prefix: &[u8],
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Vec<Entry>, StoreError> {
+        self.inner.scan(prefix, after, limit)
+    }
+    fn last(&self, prefix: &[u8]) -> Result<Option<Entry>, StoreError> {
+        self.inner.last(prefix)
+    }
+    fn commit_if(&self, expect: &[Expect], writes: Vec<Write>) -> Result<(), StoreError> {
+        assert!(
+            writes.len() <= 9,
+            "a commit over the limit: {}",
+            writes.len()
+        );
+        let mut left = self.fail_after.lock().unwrap();
+        match &mut *left {
+            Some(0) => return Err(StoreError::Io("planted".into())),
+            Some(n) => *n -= 1,
+            None => {}
+        }
+        self.inner.commit_if(expect, writes)
+    }
+    fn writes_max(&self) -> usize {
+        9
+    }
+}
+
+#[test]
+fn a_flush_in_several_commits_that_fails_midway_writes_the_rest_once_later() {
+    let dir = temp_dir("flush-chunks");
+    let fail_after = std::sync::Arc::new(std::sync::Mutex::new(Some(3)));
+    let storage = Limited {
+        inner: SledStorage::open(&dir).unwrap(),
+        fail_after: std::sync::Arc::clone(&fail_after),
+    };
+    let store = Store::with_storage(Box::new(storage), "limited".into()).unwrap();
+    assert_eq!(store.records_per_commit(), 2);
+    let book = UsageBook::new(1);
+    for tenant in 1..=4 {
+        book.record(TenantId(tenant), 60_000, "stop", 10, 1);
+        for _ in 0..3 {
+            book.refused(
+                TenantId(tenant),
+                &format!("t{tenant}"),
+                "queue_full",
+                audit("request.refused"),
+            );
+        }
+    }
+    book.security(audit("request.output_blocked"));
+    // 4 usage minutes, 1 security record, 4 listed refusals, 4 summaries:
+    // 7 commits; the fourth fails.
+    assert!(book.flush(&store).is_err());
+    assert_eq!(
+        store.audit(0, 100).unwrap().len(),
+        2,
+        "the three commits that landed"
+    );
+    // The rest, once: nothing counted twice, nothing lost.
+    *fail_after.lock().unwrap() = None;
+    book.record(TenantId(1), 60_000, "stop", 10, 1);
+    assert_eq!(book.flush(&store).unwrap(), 8);
+    for tenant in 1..=4u32 {
+        let expected = if tenant == 1 { 2 } else { 1 };
+        assert_eq!(
+            store.usage_minute(tenant, 1).unwrap().requests,
+            expected,
+            "tenant {tenant}"
+        );
+    }
+    let records = store.audit(0, 100).unwrap();
+    let count = |action: &str| records.iter().filter(|r| r.action == action).count();
+    assert_eq!(count("request.output_blocked"), 1);
+    assert_eq!(count("request.refused"), 4);
+    assert_eq!(count("request.refused_summary"), 4);
+    let summarized: u64 = records
+        .iter()
+        .filter(|r| r.action == "request.refused_summary")
+        .map(|r| r.detail["refused"].as_u64().unwrap())
+        .sum();
+    assert_eq!(summarized, 8, "each tenant's two counted refusals, once");
+    drop(store);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn opening_fails_cleanly_on_a_held_lock_or_a_path_below_a_file() {
     let dir = temp_dir("open");

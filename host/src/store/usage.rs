@@ -153,57 +153,104 @@ impl UsageBook {
         self.flush_now.notify_one();
     }
 
-    /// Writes everything pending in one durable commit; on failure it stays
-    /// pending for the next try. Returns how many refusals were counted in
-    /// summaries rather than listed since the last flush.
+    /// Writes everything pending, durably, in as few commits as the store
+    /// takes ([`Store::records_per_commit`]: one on sled; on etcd, as many as
+    /// its transaction limit needs). What a failed commit did not write stays
+    /// pending for the next try, in front of what arrived meanwhile. Returns
+    /// how many refusals were counted in summaries rather than listed since
+    /// the last flush.
     pub fn flush(&self, store: &Store) -> Result<u64, StoreError> {
         let taken = std::mem::take(&mut *self.pending());
-        let mut batch = Batch::default();
+        let mut items: Vec<Item> = Vec::new();
+        items.extend(
+            taken
+                .usage
+                .into_iter()
+                .map(|(key, delta)| Item::Usage(key, delta)),
+        );
+        items.extend(taken.security.into_iter().map(Item::Security));
+        items.extend(taken.refusals.into_iter().map(Item::Refusal));
         let mut summarized = 0;
-        let result = (|| {
-            for ((tenant, minute), delta) in &taken.usage {
-                store.add_usage(&mut batch, tenant.0, *minute, delta)?;
+        for (tenant, tally) in &taken.tallies {
+            if tally.counted.is_empty() {
+                continue;
             }
-            for record in taken.security.iter().chain(&taken.refusals) {
-                batch.audit(record.clone());
-            }
-            for (tenant, tally) in &taken.tallies {
-                if tally.counted.is_empty() {
-                    continue;
-                }
-                let count: u64 = tally.counted.values().sum();
-                summarized += count;
-                batch.audit(summary(*tenant, tally, count));
-            }
-            store.commit(batch)
-        })();
-        match result {
-            Ok(()) => Ok(summarized),
-            Err(error) => {
-                // Put it back in front of whatever arrived meanwhile.
-                let mut pending = self.pending();
-                for (key, delta) in taken.usage {
-                    pending.usage.entry(key).or_default().add(&delta);
-                }
-                pending.security.splice(0..0, taken.security);
-                pending.refusals.splice(0..0, taken.refusals);
-                for (tenant, tally) in taken.tallies {
-                    let now = pending.tallies.entry(tenant).or_default();
-                    now.listed = now.listed.max(tally.listed);
-                    if now.counted.is_empty() {
-                        now.name = tally.name.clone();
-                        now.from_ms = tally.from_ms;
-                        now.to_ms = tally.to_ms;
-                    }
-                    now.from_ms = now.from_ms.min(tally.from_ms);
-                    for (code, n) in tally.counted {
-                        *now.counted.entry(code).or_default() += n;
+            let count: u64 = tally.counted.values().sum();
+            summarized += count;
+            items.push(Item::Summary(*tenant, summary(*tenant, tally, count)));
+        }
+        let per_commit = store.records_per_commit().max(1);
+        let mut written = 0;
+        for chunk in items.chunks(per_commit) {
+            let mut batch = Batch::default();
+            let committed = (|| {
+                for item in chunk {
+                    match item {
+                        Item::Usage((tenant, minute), delta) => {
+                            store.add_usage(&mut batch, tenant.0, *minute, delta)?;
+                        }
+                        Item::Security(record)
+                        | Item::Refusal(record)
+                        | Item::Summary(_, record) => {
+                            batch.audit(record.clone());
+                        }
                     }
                 }
-                Err(error)
+                store.commit(batch)
+            })();
+            if let Err(error) = committed {
+                self.put_back(items.split_off(written), taken.tallies);
+                return Err(error);
+            }
+            written += chunk.len();
+        }
+        Ok(summarized)
+    }
+
+    /// Puts `unwritten` back in front of what arrived meanwhile; the
+    /// interval's listed counts stay (so a failing store does not list
+    /// more), and a summary not written goes back to its tally.
+    fn put_back(&self, unwritten: Vec<Item>, tallies: BTreeMap<TenantId, Tally>) {
+        let mut pending = self.pending();
+        let (mut security, mut refusals) = (Vec::new(), Vec::new());
+        let mut unsummarized = std::collections::BTreeSet::new();
+        for item in unwritten {
+            match item {
+                Item::Usage(key, delta) => pending.usage.entry(key).or_default().add(&delta),
+                Item::Security(record) => security.push(record),
+                Item::Refusal(record) => refusals.push(record),
+                Item::Summary(tenant, _) => {
+                    unsummarized.insert(tenant);
+                }
+            }
+        }
+        pending.security.splice(0..0, security);
+        pending.refusals.splice(0..0, refusals);
+        for (tenant, tally) in tallies {
+            let now = pending.tallies.entry(tenant).or_default();
+            now.listed = now.listed.max(tally.listed);
+            if !unsummarized.contains(&tenant) {
+                continue;
+            }
+            if now.counted.is_empty() {
+                now.name = tally.name.clone();
+                now.from_ms = tally.from_ms;
+                now.to_ms = tally.to_ms;
+            }
+            now.from_ms = now.from_ms.min(tally.from_ms);
+            for (code, n) in tally.counted {
+                *now.counted.entry(code).or_default() += n;
             }
         }
     }
+}
+
+/// One thing a flush writes.
+enum Item {
+    Usage((TenantId, u64), UsageRecord),
+    Security(AuditRecord),
+    Refusal(AuditRecord),
+    Summary(TenantId, AuditRecord),
 }
 
 /// The record of a tenant's refusals past its listed ones in an interval.
