@@ -240,6 +240,16 @@ fn two_stores_on_one_etcd_number_audits_apart_refuse_stale_changes_and_add_usage
     let seqs: Vec<u64> = a.audit(0, 1000).unwrap().iter().map(|r| r.seq).collect();
     assert_eq!(seqs.len(), 160, "no record lost or overwritten");
     assert_eq!(seqs, (1..=160).collect::<Vec<u64>>());
+    // Newest first, from either: the other's records too.
+    for store in [&a, &b] {
+        let newest: Vec<u64> = store
+            .audit_before(u64::MAX, 3)
+            .unwrap()
+            .iter()
+            .map(|r| r.seq)
+            .collect();
+        assert_eq!(newest, [160, 159, 158]);
+    }
 
     // A change based on a stale read is refused; nothing of it lands.
     let fence_a = a.fence().unwrap();

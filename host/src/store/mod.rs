@@ -1124,7 +1124,12 @@ impl Store {
     /// `before` widen until they hold `limit` records or reach the oldest:
     /// records dropped by the caps leave gaps.
     pub fn audit_before(&self, before: u64, limit: usize) -> Result<Vec<AuditRecord>, StoreError> {
-        let next = self.audit.lock().unwrap_or_else(|p| p.into_inner()).next;
+        // On a shared store the other servers' records may be newer than
+        // any this one wrote.
+        let next = match self.storage.shared() {
+            true => self.shared_audit_next()?.0,
+            false => self.audit.lock().unwrap_or_else(|p| p.into_inner()).next,
+        };
         let end = before.min(next);
         let limit = limit.min(SCAN_RECORDS_MAX);
         let mut window = limit as u64 + 1;
