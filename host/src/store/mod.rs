@@ -759,27 +759,11 @@ impl Store {
         key_of: fn(&T) -> Vec<u8>,
     ) -> Result<Vec<T>, StoreError> {
         let mut out = Vec::new();
-        let mut after: Option<Vec<u8>> = None;
-        loop {
-            let page = self
-                .storage
-                .scan(prefix, after.as_deref(), SCAN_RECORDS_MAX)?;
-            let Some((last, _)) = page.last() else {
-                return Ok(out);
-            };
-            after = Some(last.clone());
-            for (key, value) in &page {
-                let record = decode(key, value)?;
-                let own = key_of(&record);
-                if own != *key {
-                    return Err(StoreError::Corrupt {
-                        key: printable(key),
-                        cause: format!("the record is {}'s", printable(&own)),
-                    });
-                }
-                out.push(record);
-            }
-        }
+        self.scan_each(prefix, key_of, |_, record| {
+            out.push(record?);
+            Ok(())
+        })?;
+        Ok(out)
     }
 
     /// Like [`Store::scan_all`], but a record that is unreadable or not its
@@ -792,13 +776,36 @@ impl Store {
         key_of: fn(&T) -> Vec<u8>,
     ) -> Result<(Vec<T>, Vec<Vec<u8>>), StoreError> {
         let (mut out, mut skipped) = (Vec::new(), Vec::new());
+        self.scan_each(prefix, key_of, |key, record| {
+            match record {
+                Ok(record) => out.push(record),
+                Err(error) => {
+                    tracing::error!(%error, "a store record is refused and skipped");
+                    metrics::counter!("bulkhead_store_records_skipped_total").increment(1);
+                    skipped.push(key);
+                }
+            }
+            Ok(())
+        })?;
+        Ok((out, skipped))
+    }
+
+    /// Hands `visit` every entry under `prefix`, page by page, as its key and
+    /// its record, or the error naming the key when it is unreadable or not
+    /// its key's (`key_of`); an error `visit` returns ends the scan.
+    fn scan_each<T: DeserializeOwned>(
+        &self,
+        prefix: &[u8],
+        key_of: fn(&T) -> Vec<u8>,
+        mut visit: impl FnMut(Vec<u8>, Result<T, StoreError>) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
         let mut after: Option<Vec<u8>> = None;
         loop {
             let page = self
                 .storage
                 .scan(prefix, after.as_deref(), SCAN_RECORDS_MAX)?;
             let Some((last, _)) = page.last() else {
-                return Ok((out, skipped));
+                return Ok(());
             };
             after = Some(last.clone());
             for (key, value) in page {
@@ -812,14 +819,7 @@ impl Store {
                         }),
                     }
                 });
-                match record {
-                    Ok(record) => out.push(record),
-                    Err(error) => {
-                        tracing::error!(%error, "a store record is refused and skipped");
-                        metrics::counter!("bulkhead_store_records_skipped_total").increment(1);
-                        skipped.push(key);
-                    }
-                }
+                visit(key, record)?;
             }
         }
     }
