@@ -135,6 +135,29 @@ fn sled_and_etcd_storage_keep_the_same_contract() {
     let refused = small.commit(many).unwrap_err().to_string();
     assert!(refused.contains("max-txn-ops"), "{refused}");
     assert_eq!(storage.get(b"t/m0").unwrap(), None);
+    // Over its request size: refused whole, named, before etcd sees it; and
+    // etcd itself takes a value just under its own default limit.
+    let narrow = EtcdStorage::connect(&bulkhead::store::etcd_storage::EtcdOptions {
+        request_bytes_max: 32 << 10,
+        ..etcd.options("one/")
+    })
+    .unwrap();
+    let big = |key: &str, bytes: usize| Write::Put {
+        key: key.as_bytes().to_vec(),
+        value: vec![7; bytes],
+    };
+    let refused = narrow
+        .commit(vec![put("t/n0", "n"), big("t/n1", 20 << 10)])
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("max-request-bytes"), "{refused}");
+    assert_eq!(narrow.get(b"t/n0").unwrap(), None);
+    let room = storage.commit_bytes_max() - 64;
+    storage.commit(vec![big("t/large", room)]).unwrap();
+    assert_eq!(
+        storage.get(b"t/large").unwrap().map(|v| v.len()),
+        Some(room)
+    );
 }
 
 /// Connecting to `addr` fails within the timeout (500 ms; 5 s allowed on a
@@ -783,4 +806,155 @@ fn quota_id(server: &Server, tenant: &str) -> u32 {
     let r = server.admin_call("GET", &format!("/admin/v1/tenants/{tenant}"), None);
     assert_eq!(r.status, 200, "{}", r.body);
     r.json()["id"].as_u64().unwrap() as u32
+}
+
+/// `wasm` with a custom section of `pad` bytes appended: the same component,
+/// `pad` bytes larger.
+fn padded(wasm: &[u8], pad: usize) -> Vec<u8> {
+    let name = b"bulkhead-test-padding";
+    let mut body = vec![name.len() as u8];
+    body.extend_from_slice(name);
+    body.resize(body.len() + pad, 0);
+    let mut out = wasm.to_vec();
+    out.push(0); // custom section
+    let mut size = body.len();
+    loop {
+        let byte = (size & 0x7f) as u8;
+        size >>= 7;
+        out.push(if size == 0 { byte } else { byte | 0x80 });
+        if size == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&body);
+    out
+}
+
+/// A prompt over size-cap's 200 tokens: 400 `prompt_too_large` while beta's
+/// plugin runs, 200 while it does not.
+fn capped(server: &Server) -> u16 {
+    ask_prompt(server, KEY_BETA, &[], &"word ".repeat(300), 2).status
+}
+
+fn plugin_versions(server: &Server, tenant: &str) -> Vec<(String, u64, bool)> {
+    let r = server.admin_call("GET", &format!("/admin/v1/tenants/{tenant}/plugins"), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap().to_string(),
+                p["version"].as_u64().unwrap(),
+                p["enabled"].as_bool().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn plugins_and_models_changed_through_one_server_apply_on_every_server_and_a_new_one() {
+    let Some(model) = smollm2() else { return };
+    let Some(cap) = wasm("size_cap") else { return };
+    let Some(etcd) = Etcd::start("plugins") else {
+        return skipped(
+            "plugins_and_models_changed_through_one_server_apply_on_every_server_and_a_new_one",
+        );
+    };
+    let policy = cluster_policy(&etcd, "plugins/");
+    let pods = pods(&model, &policy, 3);
+    let (a, b, c) = (&pods[0], &pods[1], &pods[2]);
+    for pod in &pods {
+        assert_eq!(capped(pod), 200, "no plugin yet");
+    }
+
+    // Uploaded through A: it runs on B and C, compiled there from the
+    // component in the store.
+    uploaded(a, "beta", "cap", &cap);
+    assert_eq!(capped(a), 400);
+    for pod in [b, c] {
+        let took = time_until(|| capped(pod) == 400).expect("the plugin runs on every pod");
+        eprintln!("plugin upload applied on another pod in {took:?}");
+        assert_eq!(plugin_versions(pod, "beta"), [("cap".into(), 1, true)]);
+    }
+    // Disabled through B: out of every pod's chain; enabled through C: back.
+    let r = b.admin_call("POST", "/admin/v1/tenants/beta/plugins/cap/disable", None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    for pod in [a, c] {
+        assert!(time_until(|| capped(pod) == 200).is_some(), "disabled");
+    }
+    let r = c.admin_call("POST", "/admin/v1/tenants/beta/plugins/cap/enable", None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    for pod in [a, b] {
+        assert!(time_until(|| capped(pod) == 400).is_some(), "enabled");
+    }
+    // A second version through C replaces the first everywhere; a pod that
+    // starts now, with a folder of its own, runs it from the store.
+    uploaded(c, "beta", "cap", &cap);
+    assert!(time_until(|| plugin_versions(a, "beta") == [("cap".into(), 2, true)]).is_some());
+    let d = start(&model, &policy);
+    assert_eq!(capped(&d), 400, "the new pod runs beta's plugin");
+    assert_eq!(plugin_versions(&d, "beta"), [("cap".into(), 2, true)]);
+
+    // A component etcd cannot take in one request is refused whole, in
+    // words; one just under the limit goes through.
+    let r = upload(a, "beta", "big", &padded(&cap, 2 << 20), "");
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("request_bytes_max"), "{}", r.body);
+    let fits = padded(&cap, 1_400_000);
+    let r = upload(a, "beta", "big", &fits, "");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(time_until(|| plugin_versions(&d, "beta").len() == 2).is_some());
+
+    // Deleted through A: gone from every pod, and its code from the store.
+    for name in ["cap", "big"] {
+        let r = a.admin_call(
+            "DELETE",
+            &format!("/admin/v1/tenants/beta/plugins/{name}"),
+            None,
+        );
+        assert_eq!(r.status, 204, "{}", r.body);
+    }
+    for pod in [b, c, &d] {
+        assert!(time_until(|| capped(pod) == 200).is_some(), "deleted");
+        assert!(plugin_versions(pod, "beta").is_empty());
+    }
+    let store = EtcdStorage::connect(&etcd.options("plugins/")).unwrap();
+    let code = store.scan(b"code/", None, 10).unwrap();
+    assert!(code.is_empty(), "no component outlives its plugin");
+
+    // A model added through B is served by every pod (the file is at the
+    // same path on each); removed through C, it drains and goes everywhere.
+    let add = json!({"id": "second", "path": model, "context_tokens": 1024, "threads": 1,
+                     "page_tokens": 16, "pool_pages": 224, "seq_pages_max": 64,
+                     "step_tokens_max": 256, "step_seqs_max": 8});
+    let r = b.admin_call("POST", "/admin/v1/models", Some(&add));
+    assert_eq!(r.status, 201, "{}", r.body);
+    let second = |pod: &Server| {
+        pod.post_json(
+            "/v1/completions",
+            Some(KEY_ALPHA),
+            &json!({"model": "second", "prompt": "Hi", "max_tokens": 2}),
+        )
+        .status
+    };
+    for pod in [a, c, &d] {
+        let took = time_until(|| second(pod) == 200).expect("every pod serves the new model");
+        eprintln!("model add applied on another pod in {took:?}");
+    }
+    let r = c.admin_call("DELETE", "/admin/v1/models/second", None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    for pod in [a, b, &d] {
+        assert!(time_until(|| second(pod) == 404).is_some(), "removed");
+    }
+    // No pod failed to load any plugin version.
+    let audit = a
+        .admin_call("GET", "/admin/v1/audit?limit=1000", None)
+        .json();
+    assert!(!audit["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|r| r["action"] == "plugin.unavailable"));
 }

@@ -15,6 +15,11 @@
 //! 3. At start, [`PluginCode::reclaim`] deletes every file no record names
 //!    (what a crash between the steps of 1 left behind).
 //!
+//! On a store shared by many servers (etcd), the component is in the store
+//! instead, committed with its record (`Batch::put_plugin_code`), and this
+//! folder holds only this server's compiled forms: what each server compiles
+//! for itself, under its own secret.
+//!
 //! ```text
 //!   plugin-code/<tenant u32 hex>-<plugin id u64 hex>-v<version>.wasm     the component
 //!   plugin-code/<tenant u32 hex>-<plugin id u64 hex>-v<version>.sealed   its compiled form
@@ -58,14 +63,13 @@ impl CodeKind {
 }
 
 impl CodeOwner {
+    /// Its name, unique per owner: `<tenant u32 hex>-<plugin id u64 hex>-v<version>`.
+    pub fn stem(&self) -> String {
+        format!("{:08x}-{:016x}-v{}", self.tenant, self.plugin, self.version)
+    }
+
     fn file_name(&self, kind: CodeKind) -> String {
-        format!(
-            "{:08x}-{:016x}-v{}.{}",
-            self.tenant,
-            self.plugin,
-            self.version,
-            kind.extension()
-        )
+        format!("{}.{}", self.stem(), kind.extension())
     }
 
     /// The owner a file name belongs to, if it is one of ours.

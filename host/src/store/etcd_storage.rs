@@ -34,6 +34,11 @@ use std::time::Duration;
 
 /// etcd's own default for `--max-txn-ops`.
 pub const TXN_OPS_MAX: usize = 128;
+/// etcd's own default for `--max-request-bytes` (1.5 MiB).
+pub const REQUEST_BYTES_MAX: usize = 1_572_864;
+/// What a transaction's request carries besides its keys and values
+/// (framing, the compares): kept free below `request_bytes_max`.
+const REQUEST_OVERHEAD_BYTES: usize = 16 << 10;
 /// How long a server's announcement outlives its last keep-alive, seconds.
 const ANNOUNCE_TTL_S: i64 = 10;
 /// How often an announcement's lease is kept alive.
@@ -53,6 +58,10 @@ pub struct EtcdOptions {
     pub timeout_ms: u64,
     /// Most operations one transaction may hold: etcd's `--max-txn-ops`.
     pub txn_ops_max: usize,
+    /// Largest request etcd takes: its `--max-request-bytes`. A plugin's
+    /// component is stored in one commit with its record, so this bounds
+    /// the components the cluster takes.
+    pub request_bytes_max: usize,
     /// The CA that signed the members' certificates (TLS when set).
     pub ca_file: Option<PathBuf>,
     /// This server's client certificate and key, for etcd's client
@@ -69,6 +78,7 @@ impl Default for EtcdOptions {
             prefix: "bulkhead/".into(),
             timeout_ms: 2000,
             txn_ops_max: TXN_OPS_MAX,
+            request_bytes_max: REQUEST_BYTES_MAX,
             ca_file: None,
             cert_file: None,
             key_file: None,
@@ -85,6 +95,7 @@ pub struct EtcdStorage {
     prefix: Vec<u8>,
     timeout: Duration,
     txn_ops_max: usize,
+    request_bytes_max: usize,
     /// For messages.
     endpoints: String,
 }
@@ -149,6 +160,7 @@ impl EtcdStorage {
             prefix: options.prefix.as_bytes().to_vec(),
             timeout,
             txn_ops_max: options.txn_ops_max.max(2),
+            request_bytes_max: options.request_bytes_max,
             endpoints: endpoints.clone(),
         };
         // Connecting is lazy: one read proves an etcd answers there.
@@ -274,6 +286,18 @@ impl Storage for EtcdStorage {
                 self.txn_ops_max
             )));
         }
+        let bytes: usize = writes.iter().map(Write::bytes).sum::<usize>()
+            + expect
+                .iter()
+                .map(|e| e.key.len() + e.value.as_ref().map_or(0, Vec::len))
+                .sum::<usize>()
+            + (writes.len() + expect.len()) * self.prefix.len();
+        if bytes > self.commit_bytes_max() {
+            return Err(StoreError::Io(format!(
+                "a commit of {bytes} bytes is over what etcd takes in one request ({} bytes, etcd's --max-request-bytes, [store.etcd] request_bytes_max, less {REQUEST_OVERHEAD_BYTES} for framing)",
+                self.request_bytes_max
+            )));
+        }
         let compares: Vec<Compare> = expect
             .iter()
             .map(|e| match &e.value {
@@ -309,6 +333,11 @@ impl Storage for EtcdStorage {
 
     fn writes_max(&self) -> usize {
         self.txn_ops_max
+    }
+
+    fn commit_bytes_max(&self) -> usize {
+        self.request_bytes_max
+            .saturating_sub(REQUEST_OVERHEAD_BYTES)
     }
 
     fn shared(&self) -> bool {

@@ -137,6 +137,16 @@ pub enum Write {
     },
 }
 
+impl Write {
+    /// Bytes of its key and value.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Write::Put { key, value } => key.len() + value.len(),
+            Write::Delete { key } => key.len(),
+        }
+    }
+}
+
 /// A key and its value.
 pub type Entry = (Vec<u8>, Vec<u8>);
 
@@ -165,6 +175,10 @@ pub trait Storage: Send + Sync {
     }
     /// Most writes one commit may hold.
     fn writes_max(&self) -> usize {
+        usize::MAX
+    }
+    /// Most bytes (keys and values) one commit may hold.
+    fn commit_bytes_max(&self) -> usize {
         usize::MAX
     }
     /// Whether other processes write this storage too: then audit sequence
@@ -234,6 +248,14 @@ fn plugin_key(tenant: u32, name: &str) -> Vec<u8> {
 }
 
 /// Format 2's plugin code, keyed by digest (read only to migrate it).
+/// On a shared store, each plugin version's component, committed with the
+/// record that names it ([`Batch::put_plugin_code`]).
+const CODE_PREFIX: &[u8] = b"code/";
+
+fn code_key(owner: CodeOwner) -> Vec<u8> {
+    [CODE_PREFIX, owner.stem().as_bytes()].concat()
+}
+
 const LEGACY_WASM_PREFIX: &[u8] = b"plugin_wasm/";
 const LEGACY_COMPILED_PREFIX: &[u8] = b"plugin_compiled/";
 
@@ -437,6 +459,23 @@ impl Batch {
     /// Removes a plugin's metadata.
     pub fn delete_plugin(&mut self, tenant: u32, name: &str) -> &mut Self {
         self.delete(plugin_key(tenant, name))
+    }
+
+    /// Stores a plugin version's component in the store itself: a shared
+    /// store's servers each load it from there, and it lands in the same
+    /// commit as the record naming it (a local store keeps it in files,
+    /// [`code`]).
+    pub fn put_plugin_code(&mut self, owner: CodeOwner, wasm: &[u8]) -> &mut Self {
+        self.writes.push(Write::Put {
+            key: code_key(owner),
+            value: wasm.to_vec(),
+        });
+        self
+    }
+
+    /// Removes a plugin version's component from the store.
+    pub fn delete_plugin_code(&mut self, owner: CodeOwner) -> &mut Self {
+        self.delete(code_key(owner))
     }
 
     /// Sets the next plugin id.
@@ -870,6 +909,17 @@ impl Store {
     /// The next plugin id to hand out.
     pub fn plugin_id_next(&self) -> Result<u64, StoreError> {
         Ok(self.get(META_PLUGIN_ID_NEXT)?.unwrap_or(1))
+    }
+
+    /// A plugin version's component kept in the store
+    /// ([`Batch::put_plugin_code`]).
+    pub fn plugin_code(&self, owner: CodeOwner) -> Result<Option<Vec<u8>>, StoreError> {
+        self.storage.get(&code_key(owner))
+    }
+
+    /// Most bytes one commit may hold (keys and values).
+    pub fn commit_bytes_max(&self) -> usize {
+        self.storage.commit_bytes_max()
     }
 
     /// The plugin code folder.

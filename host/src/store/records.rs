@@ -131,7 +131,8 @@ pub struct KeyRecord {
     pub revoked_ms: Option<u64>,
 }
 
-/// A plugin's metadata (its bytes are stored under their digest).
+/// A plugin's metadata (its component is in files of its own, `store::code`,
+/// or on a shared store in the store, committed with this record).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PluginRecord {

@@ -568,6 +568,13 @@ pub struct Control {
     announcement: std::sync::OnceLock<tokio::sync::watch::Sender<Vec<u8>>>,
     /// Plugin uploads per tenant (`plugins.uploads_per_minute`).
     uploads: plugins::UploadRate,
+    /// Every tenant plugin's record as this server installed it, by tenant
+    /// and name: what a reload compares the store with.
+    plugins_applied: std::sync::Mutex<std::collections::HashMap<(u32, String), PluginRecord>>,
+    /// Admin-added models another server stored that this one could not
+    /// load, by id, with the record's time: not tried again until the record
+    /// changes.
+    models_refused: std::sync::Mutex<std::collections::HashMap<String, u64>>,
 }
 
 /// A change in progress: the write lock, and the control-plane fence read
@@ -598,6 +605,10 @@ pub struct Reloaded {
     pub removed: u32,
     /// Tenant changes an engine refused (kept as they were; logged).
     pub refused: u32,
+    /// Plugins loaded, swapped, taken out or forgotten.
+    pub plugins: u32,
+    /// Admin-added models loaded here or removed (drained) here.
+    pub models: u32,
 }
 
 /// This server's name among the servers of a shared store:
@@ -678,6 +689,8 @@ impl Control {
             admin_token: std::sync::RwLock::new(parts.admin_token_sha256),
             announcement: std::sync::OnceLock::new(),
             uploads: plugins::UploadRate::default(),
+            plugins_applied: Default::default(),
+            models_refused: Default::default(),
         }
     }
 
@@ -885,6 +898,8 @@ impl Control {
                             updated = done.updated,
                             removed = done.removed,
                             refused = done.refused,
+                            plugins = done.plugins,
+                            models = done.models,
                             ms,
                             "control plane reloaded from the shared store"
                         );
@@ -951,8 +966,8 @@ impl Control {
         }
         self.publish()?;
         // An admin token rotated or reset through another server.
-        let stored = blocking(|| self.store.admin_token())?;
-        if let Some(digest) = stored.as_deref().and_then(super::parse_digest) {
+        let token = blocking(|| self.store.admin_token())?;
+        if let Some(digest) = token.as_deref().and_then(super::parse_digest) {
             let mut current = self.admin_token.write().unwrap_or_else(|p| p.into_inner());
             if *current != digest {
                 *current = digest;
@@ -965,9 +980,123 @@ impl Control {
                 tracing::error!(tenant_id = record.id, %error, "ending a removed tenant's partitions");
             }
             self.policy.forget(TenantId(record.id), None);
+            self.forget_plugins_applied(record.id);
             done.removed += 1;
         }
+        done.plugins = self.reload_plugins(&stored)?;
+        done.models = self.reload_models().await?;
         Ok(done)
+    }
+
+    /// Brings this server's admin-added models in step with the store after
+    /// another server added or removed one: an added one is loaded here from
+    /// its path (which must hold the same file on every server), with this
+    /// server's tenants, under the same memory budget and capacity contract
+    /// as an add through this server; a removed one drains here for the
+    /// policy's `server.drain_timeout_ms`, then goes. One that does not load
+    /// here is logged, counted and not tried again until its record changes.
+    async fn reload_models(&self) -> Result<u32, ControlError> {
+        let stored = blocking(|| self.store.models())?;
+        let snapshot = self.catalog.snapshot();
+        let mut changed = 0;
+        for record in &stored {
+            let id = &record.spec.id;
+            if snapshot.get(id).is_some() {
+                continue;
+            }
+            if self.config.models.iter().any(|m| &m.id == id) {
+                continue; // this server's policy has its own model of that id
+            }
+            let refused = self
+                .models_refused
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(id)
+                .copied();
+            if refused == Some(record.added_ms) {
+                continue;
+            }
+            match self.load_stored_model(record).await {
+                Ok(()) => {
+                    tracing::info!(model = %id, "model added through another server loaded here");
+                    changed += 1;
+                }
+                Err(error) => {
+                    tracing::error!(model = %id, %error, "a model added through another server does not load here");
+                    metrics::counter!("bulkhead_store_reload_refused_total").increment(1);
+                    self.models_refused
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(id.clone(), record.added_ms);
+                }
+            }
+        }
+        let gone: Vec<String> = snapshot
+            .all()
+            .filter(|m| m.source == Source::Admin)
+            .filter(|m| !stored.iter().any(|r| r.spec.id == m.spec.id))
+            .map(|m| m.spec.id.clone())
+            .collect();
+        drop(snapshot);
+        for id in gone {
+            let Some((served, service)) = self.catalog.take(&id) else {
+                continue;
+            };
+            drop(served);
+            let drain = std::time::Duration::from_millis(self.config.server.drain_timeout_ms);
+            let ended =
+                run_blocking(move || service.shutdown(drain, FinishReason::ModelRemoved)).await?;
+            self.reannounce();
+            tracing::info!(model = %id, requests_ended = ended, "model removed through another server; removed here");
+            changed += 1;
+        }
+        self.models_refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|id, _| stored.iter().any(|r| &r.spec.id == id));
+        Ok(changed)
+    }
+
+    /// Loads an admin-added model another server stored.
+    async fn load_stored_model(&self, record: &ModelRecord) -> Result<(), ControlError> {
+        let tenants: Vec<TenantRecord> = self.applied().values().cloned().collect();
+        let loaded = self.load_admin_model(&record.spec, tenants).await?;
+        self.serve_model(loaded);
+        Ok(())
+    }
+
+    /// Loads an admin model's file with partitions for `tenants`, if it fits
+    /// the memory budget and keeps the capacity contract (not served yet).
+    async fn load_admin_model(
+        &self,
+        spec: &ModelSpec,
+        tenants: Vec<TenantRecord>,
+    ) -> Result<catalog::Loaded, ControlError> {
+        let probe = spec.clone();
+        let inspected = run_blocking(move || catalog::inspect(&probe))
+            .await?
+            .map_err(ControlError::Load)?;
+        self.catalog
+            .snapshot()
+            .memory(self.config.engine.memory_max, Some(inspected.memory))
+            .check()?;
+        let (to_load, finishes) = (spec.clone(), Arc::clone(&self.finishes));
+        let role = self.config.server.role;
+        run_blocking(move || catalog::load(to_load, Source::Admin, &tenants, finishes, role))
+            .await?
+            .map_err(|e| match e {
+                LoadError::Capacity(v) => ControlError::Capacity(v),
+                other => ControlError::Load(other),
+            })
+    }
+
+    /// Puts a loaded model in the catalog, announces it and starts its
+    /// transfer side.
+    fn serve_model(&self, loaded: catalog::Loaded) {
+        let served = Arc::clone(&loaded.served);
+        self.catalog.insert(loaded);
+        self.reannounce();
+        crate::transfer::start_model(&served);
     }
 
     fn tenant_record(&self, tenant: TenantRef<'_>) -> Result<TenantRecord, ControlError> {
@@ -1251,6 +1380,9 @@ impl Control {
             .collect();
         for plugin in &plugins {
             batch.delete_plugin(record.id, &plugin.name);
+            if self.store.shared() {
+                batch.delete_plugin_code(plugins::owner_of(plugin));
+            }
         }
         for identity in &identities {
             blocking(|| {
@@ -1273,16 +1405,13 @@ impl Control {
         self.publish()?;
         committed?;
         for plugin in &plugins {
-            let owner = crate::store::code::CodeOwner {
-                tenant: plugin.tenant,
-                plugin: plugin.id,
-                version: plugin.version,
-            };
+            let owner = plugins::owner_of(plugin);
             if let Err(error) = blocking(|| self.store.code().and_then(|c| c.delete(owner))) {
                 tracing::warn!(plugin = %plugin.name, %error, "a deleted tenant's plugin code stays until the next start");
             }
         }
         self.policy.forget(TenantId(record.id), None);
+        self.forget_plugins_applied(record.id);
         Ok(ended)
     }
 
@@ -1345,23 +1474,9 @@ impl Control {
                 max: MODELS_MAX,
             });
         }
-        let probe = spec.clone();
-        let inspected = run_blocking(move || catalog::inspect(&probe))
-            .await?
-            .map_err(ControlError::Load)?;
-        snapshot
-            .memory(self.config.engine.memory_max, Some(inspected.memory))
-            .check()?;
+        drop(snapshot);
         let tenants = blocking(|| self.store.tenants())?;
-        let (to_load, finishes) = (spec.clone(), Arc::clone(&self.finishes));
-        let role = self.config.server.role;
-        let loaded =
-            run_blocking(move || catalog::load(to_load, Source::Admin, &tenants, finishes, role))
-                .await?
-                .map_err(|e| match e {
-                    LoadError::Capacity(v) => ControlError::Capacity(v),
-                    other => ControlError::Load(other),
-                })?;
+        let loaded = self.load_admin_model(&spec, tenants).await?;
         let record = ModelRecord {
             spec: spec.clone(),
             added_ms: now_ms(),
@@ -1386,10 +1501,7 @@ impl Control {
             return Err(error.into());
         }
         let view = ModelView::from(loaded.served.as_ref());
-        let served = Arc::clone(&loaded.served);
-        self.catalog.insert(loaded);
-        self.reannounce();
-        crate::transfer::start_model(&served);
+        self.serve_model(loaded);
         tracing::info!(model = %spec.id, "model added");
         Ok(view)
     }

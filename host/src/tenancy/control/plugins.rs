@@ -10,6 +10,13 @@
 //! `plugins.uploads_per_minute` per tenant — so one tenant's uploads never
 //! hold another's writes; the tenant's code (components and compiled forms)
 //! is at most `plugins.tenant_code_bytes_max`.
+//!
+//! On a store shared by many servers (etcd) the component is kept in the
+//! store itself, in the commit of the record naming it, so a plugin written
+//! through one server is the same plugin, with the same code, on every
+//! server: each follows the change ([`Control::reload_plugins`]) and compiles
+//! the component for itself. A compiled form is this server's alone (sealed
+//! under its own secret) and stays in its own folder.
 
 use super::*;
 use crate::policy::{tenant_identity, CompileError};
@@ -106,8 +113,12 @@ impl UploadRate {
     }
 }
 
+/// Bytes a plugin upload's commit holds besides the component (its record,
+/// audit record and fence), on a store that bounds a commit's size.
+const UPLOAD_COMMIT_OTHER_BYTES: usize = 8 << 10;
+
 /// The owner of `plugin`'s current code files.
-fn owner_of(plugin: &PluginRecord) -> CodeOwner {
+pub(super) fn owner_of(plugin: &PluginRecord) -> CodeOwner {
     CodeOwner {
         tenant: plugin.tenant,
         plugin: plugin.id,
@@ -177,6 +188,19 @@ impl Control {
             });
         }
         check_component(bytes)?;
+        let shared = self.store.shared();
+        let room = self
+            .store
+            .commit_bytes_max()
+            .saturating_sub(UPLOAD_COMMIT_OTHER_BYTES);
+        if shared && bytes.len() > room {
+            return Err(invalid(
+                "body",
+                format!(
+                    "a component is at most {room} bytes on this cluster: it is stored in one etcd request with its record (etcd's --max-request-bytes, [store.etcd] request_bytes_max)"
+                ),
+            ));
+        }
         self.policy
             .limits()
             .lowered(&options.limits())
@@ -213,7 +237,17 @@ impl Control {
             });
         }
         let code = self.store.code()?;
-        let others = blocking(|| code.bytes_of(record.id, previous.map(|p| p.id)))?;
+        // What the tenant's other plugins take: their components and
+        // compiled forms (on a shared store, the components are in the store
+        // and the compiled forms in each server's folder).
+        let mut others = blocking(|| code.bytes_of(record.id, previous.map(|p| p.id)))?;
+        if shared {
+            others += existing
+                .iter()
+                .filter(|p| Some(p.id) != previous.map(|p| p.id))
+                .map(|p| p.size_bytes)
+                .sum::<u64>();
+        }
         let needed = others + bytes.len() as u64 + sealed.len() as u64;
         if needed > plugins.tenant_code_bytes_max {
             return Err(ControlError::Quota {
@@ -246,11 +280,19 @@ impl Control {
         // record names, which the next start reclaims.
         let owner = owner_of(&plugin);
         let written = blocking(|| {
-            code.put(owner, CodeKind::Wasm, bytes)?;
+            if !shared {
+                code.put(owner, CodeKind::Wasm, bytes)?;
+            }
             code.put(owner, CodeKind::Sealed, &sealed)
         });
         let mut batch = write.batch();
         batch.put_plugin(&plugin);
+        if shared {
+            batch.put_plugin_code(owner, bytes);
+            if let Some(old) = previous {
+                batch.delete_plugin_code(owner_of(old));
+            }
+        }
         if previous.is_none() {
             batch.put_plugin_id_next(id + 1);
         }
@@ -276,6 +318,7 @@ impl Control {
                 tracing::warn!(plugin = %name, %error, "an old version's code stays until the next start");
             }
         }
+        self.set_plugin_applied(&plugin);
         self.policy
             .install(&plugin, &component)
             .map_err(|e| invalid("limits", e.0))?;
@@ -292,8 +335,12 @@ impl Control {
     ) -> Result<(wasmtime::component::Component, bool), String> {
         let code = self.store.code().map_err(|e| e.to_string())?;
         let owner = owner_of(plugin);
-        let wasm = code
-            .get(owner, CodeKind::Wasm)
+        let wasm = if self.store.shared() {
+            self.store.plugin_code(owner)
+        } else {
+            code.get(owner, CodeKind::Wasm)
+        };
+        let wasm = wasm
             .map_err(|e| e.to_string())?
             .ok_or("its component is missing from the store")?;
         if hex(&Sha256::digest(&wasm)) != plugin.sha256 {
@@ -333,33 +380,7 @@ impl Control {
         for tenant in self.store.tenants()? {
             for plugin in self.store.plugins(tenant.id)? {
                 live.insert(owner_of(&plugin));
-                if !plugin.enabled {
-                    continue;
-                }
-                let loaded = self.load_code(&plugin).and_then(|(component, compiled)| {
-                    self.policy
-                        .install(&plugin, &component)
-                        .map(|()| compiled)
-                        .map_err(|e| e.0)
-                });
-                match loaded {
-                    Ok(compiled) => {
-                        tracing::info!(tenant = %tenant.name, plugin = %plugin.name, compiled, "plugin loaded");
-                    }
-                    Err(why) => {
-                        tracing::error!(tenant = %tenant.name, plugin = %plugin.name, error = %why, "plugin does not load; it fails closed");
-                        self.policy.install_unloadable(&plugin, &why);
-                        let mut batch = Batch::default();
-                        batch.audit(with_detail(
-                            audit(&Actor::System, "plugin.unavailable", &tenant.name),
-                            [
-                                ("plugin", plugin.name.clone().into()),
-                                ("reason", why.into()),
-                            ],
-                        ));
-                        self.store.commit(batch)?;
-                    }
-                }
+                self.install_stored(&tenant.name, &plugin)?;
             }
         }
         let (files, bytes) = self.store.code()?.reclaim(&live)?;
@@ -367,6 +388,120 @@ impl Control {
             tracing::info!(files, bytes, "plugin code no record names was deleted");
         }
         Ok(())
+    }
+
+    /// Puts a stored plugin in its tenant's chain as its record says (out of
+    /// it when disabled). One whose code does not load fails closed and is
+    /// audited (`plugin.unavailable`, with this server's name).
+    fn install_stored(&self, tenant: &str, plugin: &PluginRecord) -> Result<(), ControlError> {
+        self.set_plugin_applied(plugin);
+        if !plugin.enabled {
+            self.policy.remove(TenantId(plugin.tenant), &plugin.name);
+            return Ok(());
+        }
+        let loaded = blocking(|| self.load_code(plugin)).and_then(|(component, compiled)| {
+            self.policy
+                .install(plugin, &component)
+                .map(|()| compiled)
+                .map_err(|e| e.0)
+        });
+        match loaded {
+            Ok(compiled) => {
+                tracing::info!(%tenant, plugin = %plugin.name, version = plugin.version, compiled, "plugin loaded");
+            }
+            Err(why) => {
+                tracing::error!(%tenant, plugin = %plugin.name, error = %why, "plugin does not load; it fails closed");
+                self.policy.install_unloadable(plugin, &why);
+                let mut batch = Batch::default();
+                batch.audit(with_detail(
+                    audit(&Actor::System, "plugin.unavailable", tenant),
+                    [
+                        ("plugin", plugin.name.clone().into()),
+                        ("reason", why.into()),
+                        ("server", self.server_name.clone().into()),
+                    ],
+                ));
+                blocking(|| self.store.commit(batch))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Brings this server's plugins in step with the store's records of
+    /// `tenants` after another server changed them: each changed plugin is
+    /// loaded (its component from the store, compiled here unless this
+    /// server's sealed form of it is in its folder) and swapped in, each
+    /// disabled one taken out, and each deleted one forgotten with its
+    /// budgets. A plugin whose code does not load fails closed, as at start.
+    /// How many plugins changed here.
+    pub(super) fn reload_plugins(&self, tenants: &[TenantRecord]) -> Result<u32, ControlError> {
+        let mut stored = Vec::new();
+        for tenant in tenants {
+            let plugins = blocking(|| self.store.plugins(tenant.id))?;
+            stored.extend(plugins.into_iter().map(|p| (tenant.name.clone(), p)));
+        }
+        let before = self
+            .plugins_applied
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let mut changed = 0;
+        for (tenant, plugin) in &stored {
+            let old = before.get(&(plugin.tenant, plugin.name.clone()));
+            if old == Some(plugin) {
+                continue;
+            }
+            if let Some(old) = old.filter(|old| old.id != plugin.id) {
+                // Deleted and uploaded again: a new plugin, nothing of the old.
+                self.forget_plugin(old);
+            }
+            self.install_stored(tenant, plugin)?;
+            changed += 1;
+        }
+        for old in before.values() {
+            let present = stored
+                .iter()
+                .any(|(_, p)| p.tenant == old.tenant && p.name == old.name);
+            let tenant_present = tenants.iter().any(|t| t.id == old.tenant);
+            if !present && tenant_present {
+                self.forget_plugin(old);
+                changed += 1;
+            }
+        }
+        Ok(changed)
+    }
+
+    /// Forgets a deleted plugin (through this server or another): out of
+    /// the chain, its budgets and faults gone, its files here deleted.
+    fn forget_plugin(&self, plugin: &PluginRecord) {
+        self.plugins_applied
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&(plugin.tenant, plugin.name.clone()));
+        self.policy.forget(
+            TenantId(plugin.tenant),
+            Some((&plugin.name, &tenant_identity(plugin.id))),
+        );
+        if let Err(error) = blocking(|| self.store.code().and_then(|c| c.delete(owner_of(plugin))))
+        {
+            tracing::warn!(plugin = %plugin.name, %error, "a deleted plugin's code files stay until the next start");
+        }
+    }
+
+    /// Notes `plugin` as this server has it now.
+    fn set_plugin_applied(&self, plugin: &PluginRecord) {
+        self.plugins_applied
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((plugin.tenant, plugin.name.clone()), plugin.clone());
+    }
+
+    /// Forgets what this server had of a deleted tenant's plugins.
+    pub(super) fn forget_plugins_applied(&self, tenant: u32) {
+        self.plugins_applied
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(t, _), _| *t != tenant);
     }
 
     /// Enables or disables a plugin; the next request follows. Enabling one
@@ -404,6 +539,7 @@ impl Control {
             .put_plugin(&plugin)
             .audit(with_detail(audit(actor, action, &owner), detail));
         self.commit_or_undo(batch, &[]).await?;
+        self.set_plugin_applied(&plugin);
         match component {
             Some(component) => self
                 .policy
@@ -426,6 +562,9 @@ impl Control {
         let identity = tenant_identity(plugin.id);
         let mut batch = write.batch();
         batch.delete_plugin(plugin.tenant, name);
+        if self.store.shared() {
+            batch.delete_plugin_code(owner_of(&plugin));
+        }
         blocking(|| {
             self.policy
                 .state()
@@ -436,12 +575,7 @@ impl Control {
             [("plugin", name.into())],
         ));
         self.commit_or_undo(batch, &[]).await?;
-        if let Err(error) = blocking(|| self.store.code().and_then(|c| c.delete(owner_of(&plugin))))
-        {
-            tracing::warn!(plugin = %name, %error, "a deleted plugin's code stays until the next start");
-        }
-        self.policy
-            .forget(TenantId(plugin.tenant), Some((name, &identity)));
+        self.forget_plugin(&plugin);
         Ok(())
     }
 
