@@ -9,8 +9,14 @@ the demo policy, then measures, in one run:
 2. change propagation: a write through server A, polled on B and C until they
    show it: p50/p99/max from the write's 2xx (and from its start) over N
    changes;
-3. inference throughput on A (chat completions, CLIENTS at once) with no
+3. plugin propagation: a plugin uploaded through A (alternately size-cap and
+   allow-list under one name), probed on B and C by a request only the
+   version installed there refuses as it does (400 or 403): p50/max from the
+   upload's 2xx over PLUGIN_UPLOADS uploads, each server compiling it itself;
+4. inference throughput on A (chat completions, CLIENTS at once) with no
    changes against 10 changes a second made through B, alternated.
+
+Needs the plugins (scripts/plugins.sh) for 3.
 
     scripts/bench_cluster.py BULKHEAD_BIN [CHANGES] [PHASE_SECONDS] [PHASES]
 
@@ -34,6 +40,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADMIN = "bench-cluster-admin-0123456789abcdef"
 KEY_ALPHA = "bench-cluster-alpha-0123456789abcdef"
 CLIENTS = 4
+# At most the default plugins.uploads_per_minute: none waits for the limit.
+PLUGIN_UPLOADS = 20
+PLUGINS = os.path.join(ROOT, "plugins", "target", "wasm32-wasip2", "release")
 
 
 def free_port():
@@ -180,6 +189,42 @@ def propagation(writer, readers, n):
     return after_ack, after_start
 
 
+def refusal(inference):
+    """The status a long prompt without x-team gets: 400 from size-cap, 403
+    from allow-list."""
+    body = {"model": "smollm2-135m-instruct", "prompt": "word " * 300, "max_tokens": 1}
+    status, _ = call("POST", f"{inference}/v1/completions", body, token=KEY_ALPHA)
+    return status
+
+
+def plugin_propagation(writer, readers):
+    codes = {}
+    for name, status in (("size_cap", 400), ("allow_list", 403)):
+        with open(os.path.join(PLUGINS, f"{name}.wasm"), "rb") as f:
+            codes[status] = f.read()
+    after_ack = []
+    for i in range(PLUGIN_UPLOADS):
+        expect = 400 if i % 2 == 0 else 403
+        request = urllib.request.Request(f"{writer}/admin/v1/tenants/alpha/plugins/probe",
+                                         data=codes[expect], method="PUT")
+        request.add_header("authorization", f"Bearer {ADMIN}")
+        request.add_header("content-type", "application/wasm")
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.status == 200
+        acked = time.perf_counter()
+        pending = set(readers)
+        while pending:
+            for reader in list(pending):
+                if refusal(reader) == expect:
+                    pending.discard(reader)
+                    after_ack.append((time.perf_counter() - acked) * 1000)
+            if time.perf_counter() - acked > 10:
+                raise SystemExit(f"upload {i} did not apply in 10 s")
+    status, body = call("DELETE", f"{writer}/admin/v1/tenants/alpha/plugins/probe")
+    assert status == 204, body
+    return after_ack
+
+
 def throughput(inference, seconds, changer=None):
     done = [0]
     tokens = [0]
@@ -247,6 +292,13 @@ def main():
               f" from 2xx p50 {pct(ack, 50):.1f} ms p99 {pct(ack, 99):.1f} ms max {max(ack):.1f} ms;"
               f" from the write's start p50 {pct(start, 50):.1f} ms p99 {pct(start, 99):.1f} ms"
               f" max {max(start):.1f} ms")
+        if os.path.exists(os.path.join(PLUGINS, "size_cap.wasm")):
+            up = plugin_propagation(a[1], [b[0], c[0]])
+            print(f"plugin upload A -> B, C over {PLUGIN_UPLOADS} uploads ({len(up)} observations):"
+                  f" from 2xx p50 {pct(up, 50):.1f} ms p90 {pct(up, 90):.1f} ms max {max(up):.1f} ms;"
+                  f" in order: {' '.join(f'{x:.0f}' for x in up)}")
+        else:
+            print("plugin propagation: skipped (run scripts/plugins.sh)")
         throughput(a[0], 5)  # warm
         for i in range(phases):
             changing = i % 2 == 1
