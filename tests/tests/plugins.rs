@@ -618,3 +618,44 @@ fn compiled_plugins_are_reused_across_a_restart_only_when_sealed_by_this_host() 
     drop(server);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A new version is built before the old one leaves the chain: requests sent
+/// while a plugin is uploaded again and again all find one version of it,
+/// never none (a request in that gap would run without the tenant's policy).
+#[test]
+fn a_plugin_swapped_under_load_leaves_no_request_without_it() {
+    let Some(model) = smollm2() else { return };
+    let Some(cap) = wasm("size_cap") else { return };
+    let server = Arc::new(start(&model, &tolerant("uploads_per_minute = 1000\n")));
+    uploaded(&server, "beta", "cap", &cap);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let probes: Vec<_> = (0..2)
+        .map(|_| {
+            let (server, done) = (Arc::clone(&server), Arc::clone(&done));
+            std::thread::spawn(move || {
+                let (mut refused, mut through) = (0u32, 0u32);
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let r = ask_prompt(&server, KEY_BETA, &[], &"word ".repeat(300), 1);
+                    match r.status {
+                        400 => refused += 1,
+                        _ => through += 1,
+                    }
+                }
+                (refused, through)
+            })
+        })
+        .collect();
+    for _ in 0..40 {
+        uploaded(&server, "beta", "cap", &cap);
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (mut refused, mut through) = (0, 0);
+    for probe in probes {
+        let (r, t) = probe.join().unwrap();
+        refused += r;
+        through += t;
+    }
+    eprintln!("{refused} requests refused by one version or another, {through} not");
+    assert!(refused > 40, "the probes ran during the swaps: {refused}");
+    assert_eq!(through, 0, "requests ran without the tenant's plugin");
+}

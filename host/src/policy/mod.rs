@@ -975,24 +975,39 @@ impl PolicyRuntime {
         component: Result<&Component, &str>,
     ) -> Result<(), InvalidPlugin> {
         let tenant = TenantId(record.tenant);
-        self.remove(tenant, &record.name);
         if !record.enabled {
+            self.remove(tenant, &record.name);
             return Ok(());
         }
-        let limits = self.limits.lowered(&record.limits).map_err(InvalidPlugin)?;
-        let mut plugin = self.plugin(
-            component.ok(),
-            &record.name,
-            &tenant_identity(record.id),
-            Some(tenant),
-            record.version,
-            record.order,
-            limits,
-        )?;
+        // The new version is built before the old one goes, and swapped in
+        // under one lock: no request ever finds the chain without it.
+        let built = self
+            .limits
+            .lowered(&record.limits)
+            .map_err(InvalidPlugin)
+            .and_then(|limits| {
+                self.plugin(
+                    component.ok(),
+                    &record.name,
+                    &tenant_identity(record.id),
+                    Some(tenant),
+                    record.version,
+                    record.order,
+                    limits,
+                )
+            });
+        let mut plugin = match built {
+            Ok(plugin) => plugin,
+            Err(error) => {
+                self.remove(tenant, &record.name);
+                return Err(error);
+            }
+        };
         plugin.unloadable = component.err().map(str::to_string);
         let plugin = Arc::new(plugin);
         let mut tenants = self.tenants.write().unwrap_or_else(|p| p.into_inner());
         let chain = tenants.entry(tenant).or_default();
+        chain.retain(|p| *p.name != *record.name);
         chain.push(plugin);
         chain.sort_by(|a, b| a.order.cmp(&b.order).then_with(|| a.name.cmp(&b.name)));
         Ok(())
