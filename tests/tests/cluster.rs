@@ -929,6 +929,12 @@ fn plugins_and_models_changed_through_one_server_apply_on_every_server_and_a_new
     let add = json!({"id": "second", "path": model, "context_tokens": 1024, "threads": 1,
                      "page_tokens": 16, "pool_pages": 224, "seq_pages_max": 64,
                      "step_tokens_max": 256, "step_seqs_max": 8});
+    // E's memory budget holds one model, not two.
+    let small = Policy {
+        extra_toml: "[engine]\nmemory_max = \"300 MiB\"\n".into(),
+        ..cluster_policy(&etcd, "plugins/")
+    };
+    let e = start(&model, &small);
     let r = b.admin_call("POST", "/admin/v1/models", Some(&add));
     assert_eq!(r.status, 201, "{}", r.body);
     let second = |pod: &Server| {
@@ -943,6 +949,12 @@ fn plugins_and_models_changed_through_one_server_apply_on_every_server_and_a_new
         let took = time_until(|| second(pod) == 200).expect("every pod serves the new model");
         eprintln!("model add applied on another pod in {took:?}");
     }
+    // E does not load it: logged and counted, and E serves on as it was.
+    assert!(e.logged("a model added through another server does not load here"));
+    assert!(e.stderr_lines().iter().any(|l| l.contains("memory budget")));
+    assert_eq!(e.metric("bulkhead_store_reload_refused_total"), 1.0);
+    assert_eq!(second(&e), 404);
+    assert_eq!(chat(&e, KEY_ALPHA).status, 200);
     let r = c.admin_call("DELETE", "/admin/v1/models/second", None);
     assert_eq!(r.status, 200, "{}", r.body);
     for pod in [a, b, &d] {
