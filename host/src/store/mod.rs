@@ -247,7 +247,6 @@ fn plugin_key(tenant: u32, name: &str) -> Vec<u8> {
     [plugin_prefix(tenant).as_slice(), name.as_bytes()].concat()
 }
 
-/// Format 2's plugin code, keyed by digest (read only to migrate it).
 /// On a shared store, each plugin version's component, committed with the
 /// record that names it ([`Batch::put_plugin_code`]).
 const CODE_PREFIX: &[u8] = b"code/";
@@ -256,6 +255,7 @@ fn code_key(owner: CodeOwner) -> Vec<u8> {
     [CODE_PREFIX, owner.stem().as_bytes()].concat()
 }
 
+/// Format 2's plugin code, keyed by digest (read only to migrate it).
 const LEGACY_WASM_PREFIX: &[u8] = b"plugin_wasm/";
 const LEGACY_COMPILED_PREFIX: &[u8] = b"plugin_compiled/";
 
@@ -904,6 +904,11 @@ impl Store {
         self.scan_all(&plugin_prefix(tenant), |p: &PluginRecord| {
             plugin_key(p.tenant, &p.name)
         })
+    }
+
+    /// Every tenant's plugins, by tenant and name, in one scan.
+    pub fn all_plugins(&self) -> Result<Vec<PluginRecord>, StoreError> {
+        self.scan_all(b"plugin/", |p: &PluginRecord| plugin_key(p.tenant, &p.name))
     }
 
     /// The next plugin id to hand out.

@@ -435,11 +435,12 @@ impl Control {
     /// budgets. A plugin whose code does not load fails closed, as at start.
     /// How many plugins changed here.
     pub(super) fn reload_plugins(&self, tenants: &[TenantRecord]) -> Result<u32, ControlError> {
-        let mut stored = Vec::new();
-        for tenant in tenants {
-            let plugins = blocking(|| self.store.plugins(tenant.id))?;
-            stored.extend(plugins.into_iter().map(|p| (tenant.name.clone(), p)));
-        }
+        // One scan, not one per tenant: this runs at every change.
+        let names: HashMap<u32, &str> = tenants.iter().map(|t| (t.id, t.name.as_str())).collect();
+        let stored: Vec<(String, PluginRecord)> = blocking(|| self.store.all_plugins())?
+            .into_iter()
+            .filter_map(|p| Some((names.get(&p.tenant)?.to_string(), p)))
+            .collect();
         let before = self
             .plugins_applied
             .lock()
@@ -458,11 +459,13 @@ impl Control {
             self.install_stored(tenant, plugin)?;
             changed += 1;
         }
+        let kept: HashSet<(u32, &str)> = stored
+            .iter()
+            .map(|(_, p)| (p.tenant, p.name.as_str()))
+            .collect();
         for old in before.values() {
-            let present = stored
-                .iter()
-                .any(|(_, p)| p.tenant == old.tenant && p.name == old.name);
-            let tenant_present = tenants.iter().any(|t| t.id == old.tenant);
+            let present = kept.contains(&(old.tenant, old.name.as_str()));
+            let tenant_present = names.contains_key(&old.tenant);
             if !present && tenant_present {
                 self.forget_plugin(old);
                 changed += 1;
