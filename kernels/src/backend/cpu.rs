@@ -16,7 +16,7 @@
 //! (sequence, kv head, token chunk) tasks. Scratch is sized once, at creation,
 //! for `step_tokens_max` tokens and `step_seqs_max` sequences.
 
-use super::{vector, Backend, Logits, SeqStep, StepError};
+use super::{vector, Backend, Logits, SeqStep, StepError, StepLimits};
 use crate::kv::{KvType, KvValue, PageTable, Pool, StepView};
 use crate::model::{Matrix, Model};
 use crate::quant::{self, Isa, QuantizedActivations};
@@ -207,68 +207,23 @@ impl CpuBackend {
         page_tokens: usize,
         pool: &Pool,
     ) -> Result<usize, StepError> {
-        let c = &self.model.config;
         if !pool.is_host() {
             return Err(StepError::DeviceStorage);
         }
-        if steps.len() > self.options.step_seqs_max {
-            return Err(StepError::TooManySequences {
-                seqs: steps.len(),
-                seqs_max: self.options.step_seqs_max,
-            });
+        super::validate_step(
+            &self.model.config,
+            &self.options_limits(),
+            steps,
+            page_tokens,
+            pool,
+        )
+    }
+
+    fn options_limits(&self) -> StepLimits {
+        StepLimits {
+            step_tokens_max: self.options.step_tokens_max,
+            step_seqs_max: self.options.step_seqs_max,
         }
-        let mut tokens = 0usize;
-        for (index, step) in steps.iter().enumerate() {
-            if step.tokens.is_empty() {
-                return Err(StepError::EmptySequence { index });
-            }
-            if let Some(&token) = step.tokens.iter().find(|&&t| t as usize >= c.vocab_len) {
-                return Err(StepError::TokenOutOfRange {
-                    index,
-                    token,
-                    vocab_len: c.vocab_len,
-                });
-            }
-            let end = step.pos_start.saturating_add(step.tokens.len());
-            if end > c.context_len {
-                return Err(StepError::PositionOutOfRange {
-                    index,
-                    end,
-                    capacity: c.context_len,
-                    limit: "model context",
-                });
-            }
-            let capacity = step.pages.pages_count() * page_tokens;
-            if end > capacity {
-                return Err(StepError::PositionOutOfRange {
-                    index,
-                    end,
-                    capacity,
-                    limit: "page table",
-                });
-            }
-            // Every page the step touches must be a live lease, and every page
-            // it writes its own, not shared; the pool stays borrowed for the
-            // whole step, so this holds until it ends.
-            let first_written = step.pos_start / page_tokens;
-            for page in 0..end.div_ceil(page_tokens) {
-                let lease = step.pages.lease(page).expect("page count checked above");
-                let writable = pool
-                    .is_writable(lease)
-                    .map_err(|_| StepError::StaleHandle { index })?;
-                if page >= first_written && !writable {
-                    return Err(StepError::SharedPage { index, page });
-                }
-            }
-            tokens += step.tokens.len();
-        }
-        if tokens > self.options.step_tokens_max {
-            return Err(StepError::TooManyTokens {
-                tokens,
-                tokens_max: self.options.step_tokens_max,
-            });
-        }
-        Ok(tokens)
     }
 }
 

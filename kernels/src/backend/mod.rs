@@ -7,9 +7,11 @@
 //! changing.
 
 pub mod cpu;
+pub mod cuda;
 pub mod vector;
 
 use crate::kv::{PageTable, Pool};
+use crate::model::LlamaConfig;
 
 /// One sequence's share of a step.
 pub struct SeqStep<'a> {
@@ -77,9 +79,14 @@ pub enum StepError {
         /// The page's index in the sequence's table.
         page: usize,
     },
-    /// The pool's pages are not in host memory (another backend's pool).
-    #[error("the KV pool's pages are not in host memory")]
+    /// The pool's pages are not where this backend computes (host memory
+    /// for the CPU backend, this device's memory for the CUDA backend).
+    #[error("the KV pool's pages are not where this backend computes")]
     DeviceStorage,
+    /// The device failed during the step (a launch or a copy); the step's
+    /// pages may hold partial writes, and its sequences fail.
+    #[error("device: {0}")]
+    Device(String),
     /// Positions past the model's context or the sequence's pages.
     #[error("sequence {index} in the step has positions up to {end}, past capacity {capacity} ({limit})")]
     PositionOutOfRange {
@@ -107,7 +114,8 @@ impl StepError {
             | StepError::PositionOutOfRange { index, .. } => Some(index),
             StepError::TooManyTokens { .. }
             | StepError::TooManySequences { .. }
-            | StepError::DeviceStorage => None,
+            | StepError::DeviceStorage
+            | StepError::Device(_) => None,
         }
     }
 }
@@ -144,4 +152,85 @@ pub trait Backend: Send {
     /// Runs one step: writes the new tokens' K/V into their pages and returns
     /// logits for the sequences that asked.
     fn step(&mut self, steps: &[SeqStep<'_>], pool: &mut Pool) -> Result<Logits<'_>, StepError>;
+}
+
+/// The size of the largest step a backend's scratch holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepLimits {
+    /// Most tokens in one step.
+    pub step_tokens_max: usize,
+    /// Most sequences in one step.
+    pub step_seqs_max: usize,
+}
+
+/// The checks every backend makes before a step touches anything: its
+/// size, each sequence's tokens and positions against the model and its
+/// page table, and every page it touches a live lease of the sequence, the
+/// pages it writes its own (not shared). Returns the step's token count.
+/// The pool stays borrowed by the caller for the whole step, so the checks
+/// hold until it ends.
+pub fn validate_step(
+    c: &LlamaConfig,
+    limits: &StepLimits,
+    steps: &[SeqStep<'_>],
+    page_tokens: usize,
+    pool: &Pool,
+) -> Result<usize, StepError> {
+    if steps.len() > limits.step_seqs_max {
+        return Err(StepError::TooManySequences {
+            seqs: steps.len(),
+            seqs_max: limits.step_seqs_max,
+        });
+    }
+    let mut tokens = 0usize;
+    for (index, step) in steps.iter().enumerate() {
+        if step.tokens.is_empty() {
+            return Err(StepError::EmptySequence { index });
+        }
+        if let Some(&token) = step.tokens.iter().find(|&&t| t as usize >= c.vocab_len) {
+            return Err(StepError::TokenOutOfRange {
+                index,
+                token,
+                vocab_len: c.vocab_len,
+            });
+        }
+        let end = step.pos_start.saturating_add(step.tokens.len());
+        if end > c.context_len {
+            return Err(StepError::PositionOutOfRange {
+                index,
+                end,
+                capacity: c.context_len,
+                limit: "model context",
+            });
+        }
+        let capacity = step.pages.pages_count() * page_tokens;
+        if end > capacity {
+            return Err(StepError::PositionOutOfRange {
+                index,
+                end,
+                capacity,
+                limit: "page table",
+            });
+        }
+        // Every page the step touches must be a live lease, and every page
+        // it writes its own, not shared.
+        let first_written = step.pos_start / page_tokens;
+        for page in 0..end.div_ceil(page_tokens) {
+            let lease = step.pages.lease(page).expect("page count checked above");
+            let writable = pool
+                .is_writable(lease)
+                .map_err(|_| StepError::StaleHandle { index })?;
+            if page >= first_written && !writable {
+                return Err(StepError::SharedPage { index, page });
+            }
+        }
+        tokens += step.tokens.len();
+    }
+    if tokens > limits.step_tokens_max {
+        return Err(StepError::TooManyTokens {
+            tokens,
+            tokens_max: limits.step_tokens_max,
+        });
+    }
+    Ok(tokens)
 }

@@ -126,7 +126,9 @@ pub use pool::{
     AcquireError, KvError, PageMeta, PageState, PartitionStats, Pool, PoolError, PoolOptions,
     PoolStats, Reservation, ReserveError, StepView,
 };
-pub use storage::{KvSlab, KvType, KvValue, PageStorage, POISON_BITS, POISON_BITS_F16};
+pub use storage::{
+    DeviceValues, KvSlab, KvType, KvValue, PageStorage, POISON_BITS, POISON_BITS_F16,
+};
 pub use transfer::{
     page_digest, tokens_digest, transfer_digest, Export, Import, ImportError, ImportRefused,
     PageShape, Received, ReceivedPage, TransferHeader, TransferIdentity,

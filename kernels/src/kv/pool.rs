@@ -6,7 +6,7 @@ use super::geometry::{GeometryError, PageLayout, PoolGeometry};
 use super::ids::{Generation, Lease, OwnerTag, PageHandle, PageId, PoolId, SeqId};
 use super::page_table::PageTable;
 use super::partition::{PartitionConfig, PartitionError, Partitions};
-use super::storage::{host_storage, KvSlab, PageStorage};
+use super::storage::{host_storage, DeviceValues, KvSlab, PageStorage};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use thiserror::Error;
@@ -798,6 +798,11 @@ impl Pool {
         self.storage.host(0, 0).is_some()
     }
 
+    /// Where the pool's values live on a device, if they do (the CUDA backend needs them).
+    pub fn device_values(&self) -> Option<DeviceValues> {
+        self.storage.device()
+    }
+
     /// The digest of the page's first `tokens_used` slots (see [`super::digest`]).
     pub fn digest(&self, lease: Lease, tokens_used: u32) -> Result<u64, KvError> {
         let page = self.check_lease(lease)?;
@@ -917,5 +922,16 @@ impl StepView<'_> {
     /// `// [page_tokens][kv_dim]`. Panics past a table's end.
     pub fn page(&self, table: usize, index: usize, layer: u32) -> (KvSlab<'_>, KvSlab<'_>) {
         self.pool.host_slabs(self.pages[table][index], layer)
+    }
+
+    /// The pages of table `table`, each lease checked when the view was made:
+    /// what a device backend packs into the page tables its kernels read.
+    pub fn page_ids(&self, table: usize) -> &[PageId] {
+        &self.pages[table]
+    }
+
+    /// Where the pool's values live on a device, if they do.
+    pub fn device_values(&self) -> Option<DeviceValues> {
+        self.pool.storage.device()
     }
 }

@@ -18,9 +18,10 @@
 //! F32     4       the reference: exactly the activations the backend computed
 //! ```
 //!
-//! A CUDA backend adds device storage behind the same trait; it lends no host
-//! slabs ([`PageStorage::host`] is `None`), and the CPU backend refuses a pool
-//! without them.
+//! The CUDA backend's device storage (`backend::cuda::DeviceStorage`) sits
+//! behind the same trait: it lends no host slabs ([`PageStorage::host`] is
+//! `None`, and the CPU backend refuses such a pool) but names its device
+//! memory ([`PageStorage::device`]) for the kernels.
 
 use super::digest::Xxh64;
 use super::geometry::PageLayout;
@@ -291,6 +292,17 @@ impl KvSlab<'_> {
     }
 }
 
+/// Where device storage keeps a pool's values, for the backend running on
+/// that device: kernels address pages from `at` in the layer-major layout
+/// `// [layer][k|v][pages_count][page_tokens][kv_dim]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceValues {
+    /// The device's identity (the backend compares it with its own).
+    pub device: u64,
+    /// Device address of the pool's first value.
+    pub at: u64,
+}
+
 /// The bytes of a pool's pages, addressed by page index (`0..pages_count`)
 /// and value offsets from the pool's [`PageLayout`]. Makes no ownership
 /// decision: the pool checks every lease before it calls in.
@@ -317,6 +329,12 @@ pub trait PageStorage: std::fmt::Debug + Send + Sync {
 
     /// K and V of `layer` in `page`, if the values are in host memory.
     fn host(&self, page: usize, layer: u32) -> Option<(KvSlab<'_>, KvSlab<'_>)>;
+
+    /// Where the values live on a device, if they do (device storage only):
+    /// the pool's first value, in the layer-major layout of [`HostStorage`].
+    fn device(&self) -> Option<DeviceValues> {
+        None
+    }
 
     /// Appends the first `tokens_used` slots of `page` as a transfer carries
     /// them: the digest's order without its length prefix (see

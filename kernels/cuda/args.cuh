@@ -1,0 +1,181 @@
+// Each kernel's one argument, by value: device addresses as 64-bit integers,
+// then 32-bit sizes. The same structs are declared in Rust
+// (kernels/src/backend/cuda/launch.rs) with the sizes asserted on both sides;
+// no struct has padding, so its bytes are exactly its fields.
+//
+// Shapes of the buffers they name are written as // [outer][inner].
+
+#pragma once
+
+// ggml type numbers (GGUF).
+#define TYPE_F32 0u
+#define TYPE_F16 1u
+#define TYPE_Q4_0 2u
+#define TYPE_Q4_1 3u
+#define TYPE_Q8_0 8u
+#define TYPE_Q4_K 12u
+#define TYPE_Q6_K 14u
+
+// Rows of embedding: out[t] = dequantize(table[tokens[t]]).
+// Grid (tokens), block 128.
+struct EmbedArgs {
+    uint64_t table;   // [rows][row_bytes] in `type` blocks
+    uint64_t tokens;  // u32 [tokens]
+    uint64_t out;     // f32 [tokens][width]
+    uint32_t type;
+    uint32_t width;
+    uint32_t row_bytes;
+    uint32_t rows;  // a token at or past this writes zeros (the host refuses such a step first)
+};
+
+// RMSNorm of rows and their quantization for a matrix product:
+//   out[r]  = x[src] / rms(x[src]) * gain       (src = gather[r], or r without gather;
+//                                                x[src] itself when gain is 0)
+//   qs[r], d[r], sums[r] = out[r] as Q8 blocks of `block_len` (when qs is not 0):
+//     d = amax / 127, q = round_ties_even(x / d) in -127..=127, sums of 16 quants.
+// Grid (rows), block 256.
+struct NormArgs {
+    uint64_t x;       // f32 [..][width]
+    uint64_t gather;  // u32 [rows], or 0
+    uint64_t gain;    // f32 [width], or 0
+    uint64_t out;     // f32 [rows][width]
+    uint64_t qs;      // i8 [rows][width], or 0
+    uint64_t d;       // f32 [rows][width / block_len]
+    uint64_t sums;    // i32 [rows][width / 16]
+    uint32_t width;
+    uint32_t block_len;  // 32 (Q8_1, for Q4_0, Q4_1, Q8_0 weights) or 256 (Q8_K, for K-quants)
+    float eps;
+    uint32_t unused;
+};
+
+// One weight matrix of a product, and where its outputs go.
+struct MatSeg {
+    uint64_t w;    // [rows][row_bytes] in `type` blocks
+    uint64_t out;  // f32 [tokens][out_stride]; this matrix's rows at columns 0..rows
+    uint32_t type;
+    uint32_t rows;
+    uint32_t row_bytes;
+    uint32_t out_stride;
+};
+
+#define MATMUL_SEGS_MAX 3
+#define MATMUL_STORE 0u
+#define MATMUL_ADD 1u
+#define MATMUL_SWIGLU 2u
+
+// out[t][r] = W[r] . x[t] for up to three matrices sharing one input (Q, K
+// and V), or, in SWIGLU mode, seg[0].out[t][r] = silu(G[r] . x[t]) * (U[r] . x[t])
+// with G = seg[0], U = seg[1]. Quantized weights take x as Q8 (qs, d, sums;
+// NormArgs), F16 and F32 weights take it as f32 (x). ADD accumulates into out
+// (the residual stream). One warp a row: grid (ceil(rows / 4)), block 128.
+struct MatmulArgs {
+    MatSeg seg[MATMUL_SEGS_MAX];
+    uint64_t x;     // f32 [tokens][k]
+    uint64_t qs;    // i8 [tokens][k]
+    uint64_t d;     // f32 [tokens][k / block_len]
+    uint64_t sums;  // i32 [tokens][k / 16]
+    uint32_t segs;
+    uint32_t k;
+    uint32_t tokens;
+    uint32_t mode;
+};
+
+// RoPE on every token's Q and K heads (adjacent pairs of the first rope_dim
+// dimensions, the GGUF llama layout), then K and V stored at the token's
+// position in its sequence's pages. A token whose sequence is NO_SEQ (the
+// padding of a captured step) is left alone and stores nothing.
+// Grid (tokens), block 128.
+struct RopeKvArgs {
+    uint64_t q;          // f32 [tokens][heads * head_dim]
+    uint64_t k;          // f32 [tokens][kv_heads * head_dim]
+    uint64_t v;          // f32 [tokens][kv_heads * head_dim]
+    uint64_t kv;         // the pool: [layer][k|v][pages_count][page_tokens][kv_heads * head_dim]
+    uint64_t token_seq;  // u32 [tokens]: the token's sequence, or NO_SEQ
+    uint64_t positions;  // u32 [tokens]
+    uint64_t seq_pages;  // u32 [seqs]: where each sequence's page ids start in `pages`
+    uint64_t pages;      // u32 [..]: page ids, checked by the page book before the launch
+    uint32_t heads;
+    uint32_t kv_heads;
+    uint32_t head_dim;
+    uint32_t rope_dim;
+    uint32_t layer;
+    uint32_t pages_count;
+    uint32_t page_tokens;
+    uint32_t kv_f16;  // 1: values stored as f16 bits, 0: as f32
+    float rope_base;
+    uint32_t unused;
+};
+
+// A unit of attention work: queries t0..t1 (consecutive tokens of one
+// sequence, the first at position pos0) of one KV head's group of query
+// heads, over KV positions p0..p1 (each query sees at most its own position).
+// `partial` is NO_SEQ to write the normalised output, else the slot of
+// `partials` where (m, l, o) go for a merge (such an item has one query).
+struct AttnItem {
+    uint32_t seq;
+    uint32_t kv_head;
+    uint32_t t0;
+    uint32_t t1;
+    uint32_t pos0;
+    uint32_t p0;
+    uint32_t p1;
+    uint32_t partial;
+};
+
+// Paged attention through page tables, an online softmax over tiles of
+// `tile` positions. An item with t0 == t1 is padding and does nothing.
+// Grid (items), block 128, dynamic shared memory attention_shared_bytes().
+struct AttentionArgs {
+    uint64_t q;          // f32 [tokens][heads * head_dim]
+    uint64_t kv;         // the pool, as in RopeKvArgs
+    uint64_t items;      // AttnItem [grid]
+    uint64_t seq_pages;  // as in RopeKvArgs
+    uint64_t pages;
+    uint64_t out;       // f32 [tokens][heads * head_dim]
+    uint64_t partials;  // f32 [slots][group][2 + head_dim]: m, l, o of one query
+    uint32_t heads;
+    uint32_t kv_heads;
+    uint32_t head_dim;
+    uint32_t layer;
+    uint32_t pages_count;
+    uint32_t page_tokens;
+    uint32_t kv_f16;
+    uint32_t rows_max;  // query rows (queries times group) one item may hold
+    uint32_t tile;      // KV positions per tile
+    float scale;        // 1 / sqrt(head_dim)
+};
+
+// Folds the partials of one decode token's KV head, in slot order, into its
+// normalised output.
+struct MergeItem {
+    uint32_t token;
+    uint32_t kv_head;
+    uint32_t first;  // first partial slot
+    uint32_t count;  // slots, in position order; 0: padding, does nothing
+};
+
+// Grid (merges), block 128.
+struct MergeArgs {
+    uint64_t partials;  // as in AttentionArgs, one query per slot
+    uint64_t merges;    // MergeItem [grid]
+    uint64_t out;       // f32 [tokens][heads * head_dim]
+    uint32_t heads;
+    uint32_t kv_heads;
+    uint32_t head_dim;
+    uint32_t unused;
+};
+
+// XXH3-64 of pages' used slots in the transfer's order (kv/digest.rs):
+// for layer: K[0..used][kv_dim], V[0..used][kv_dim] as stored bits, seeded
+// with `used`. One warp a page: grid (pages), block 32.
+struct DigestArgs {
+    uint64_t kv;     // the pool, as in RopeKvArgs
+    uint64_t pages;  // u32 [grid][2]: page id, used slots
+    uint64_t out;    // u64 [grid]
+    uint32_t layers;
+    uint32_t pages_count;
+    uint32_t page_tokens;
+    uint32_t kv_dim;
+    uint32_t value_bytes;  // 2 (f16) or 4 (f32)
+    uint32_t unused;
+};

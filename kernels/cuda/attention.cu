@@ -1,0 +1,208 @@
+// RoPE and the KV write, paged attention and the merge of split decode
+// attention: the device side of the CPU backend's attention block.
+//
+// KV is read and written only through page tables: a token's position p
+// lives in page pages[seq_pages[seq] + p / page_tokens], slot p % page_tokens.
+// The backend packs those tables after the page book checked every lease of
+// the step (kv::Pool::step_view), so a launch touches only pages the step's
+// sequences own; the kernels trust the tables and nothing else.
+//
+// Attention is an online softmax over tiles of positions, for a block of
+// query rows (queries times the query heads of one KV head): each tile's K
+// and V are read from their pages once for all those rows.
+
+#include "common.cuh"
+#include "args.cuh"
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+#ifdef BULKHEAD_EMU
+inline float __int_as_float(int bits) {
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+#endif
+
+// Where value i of K (kv 0) or V (kv 1) of `layer` at `slot` of `page` lives.
+__device__ __forceinline__ uint64_t kv_index(uint32_t layer, uint32_t kv, uint32_t page,
+                                             uint32_t slot, uint32_t i, uint32_t pages_count,
+                                             uint32_t page_tokens, uint32_t kv_dim) {
+    uint64_t slab = uint64_t(page_tokens) * kv_dim;
+    return ((uint64_t(layer) * 2 + kv) * pages_count + page) * slab + uint64_t(slot) * kv_dim + i;
+}
+
+__device__ __forceinline__ float kv_load(uint64_t kv, uint64_t index, uint32_t kv_f16) {
+    return kv_f16 ? f16_to_f32(reinterpret_cast<const uint16_t*>(kv)[index])
+                  : reinterpret_cast<const float*>(kv)[index];
+}
+
+__device__ __forceinline__ void kv_store(uint64_t kv, uint64_t index, uint32_t kv_f16, float value) {
+    if (kv_f16) {
+        reinterpret_cast<uint16_t*>(kv)[index] = f32_to_f16(value);
+    } else {
+        reinterpret_cast<float*>(kv)[index] = value;
+    }
+}
+
+KERNEL(rope_kv, RopeKvArgs) {
+    uint32_t t = blockIdx.x;
+    uint32_t seq = reinterpret_cast<const uint32_t*>(a.token_seq)[t];
+    if (seq == NO_SEQ) return;  // the whole block
+    uint32_t pos = reinterpret_cast<const uint32_t*>(a.positions)[t];
+    uint32_t kv_dim = a.kv_heads * a.head_dim, pairs = a.rope_dim / 2;
+    float* q = reinterpret_cast<float*>(a.q) + uint64_t(t) * a.heads * a.head_dim;
+    float* k = reinterpret_cast<float*>(a.k) + uint64_t(t) * kv_dim;
+    const float* v = reinterpret_cast<const float*>(a.v) + uint64_t(t) * kv_dim;
+    for (uint32_t e = threadIdx.x; e < (a.heads + a.kv_heads) * pairs; e += blockDim.x) {
+        uint32_t head = e / pairs, i = e % pairs;
+        float freq = powf(a.rope_base, -float(2 * i) / float(a.rope_dim));
+        float theta = float(pos) * freq;
+        float sin_theta, cos_theta;
+        sincosf(theta, &sin_theta, &cos_theta);
+        float* pair = head < a.heads ? q + head * a.head_dim : k + (head - a.heads) * a.head_dim;
+        float x0 = pair[2 * i], x1 = pair[2 * i + 1];
+        pair[2 * i] = mul_rn(x0, cos_theta) - mul_rn(x1, sin_theta);
+        pair[2 * i + 1] = mul_rn(x0, sin_theta) + mul_rn(x1, cos_theta);
+    }
+    __syncthreads();
+    const uint32_t* pages = reinterpret_cast<const uint32_t*>(a.pages);
+    uint32_t page = pages[reinterpret_cast<const uint32_t*>(a.seq_pages)[seq] + pos / a.page_tokens];
+    uint32_t slot = pos % a.page_tokens;
+    for (uint32_t i = threadIdx.x; i < kv_dim; i += blockDim.x) {
+        uint64_t k_at = kv_index(a.layer, 0, page, slot, i, a.pages_count, a.page_tokens, kv_dim);
+        uint64_t v_at = kv_index(a.layer, 1, page, slot, i, a.pages_count, a.page_tokens, kv_dim);
+        kv_store(a.kv, k_at, a.kv_f16, k[i]);
+        kv_store(a.kv, v_at, a.kv_f16, v[i]);
+    }
+}
+
+KERNEL(attention, AttentionArgs) {
+    AttnItem item = reinterpret_cast<const AttnItem*>(a.items)[blockIdx.x];
+    if (item.t0 >= item.t1) return;  // padding
+    uint32_t hd = a.head_dim, group = a.heads / a.kv_heads, kv_dim = a.kv_heads * hd;
+    uint32_t rows = (item.t1 - item.t0) * group, tile = a.tile;
+    uint32_t warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    uint32_t warps = blockDim.x / WARP_SIZE;
+    // Shared memory: q[rows_max][hd], o[rows_max][hd], k[tile][hd], v[tile][hd],
+    // p[rows_max][tile], m[rows_max], l[rows_max], alpha[rows_max].
+    DYNAMIC_SHARED(float, shared);
+    float* qs = shared;
+    float* os = qs + a.rows_max * hd;
+    float* ks = os + a.rows_max * hd;
+    float* vs = ks + tile * hd;
+    float* ps = vs + tile * hd;
+    float* ms = ps + a.rows_max * tile;
+    float* ls = ms + a.rows_max;
+    float* alphas = ls + a.rows_max;
+    // Row r: query r / group (token t0 + r / group), head kv_head * group + r % group.
+    const float* q = reinterpret_cast<const float*>(a.q);
+    for (uint32_t e = threadIdx.x; e < rows * hd; e += blockDim.x) {
+        uint32_t r = e / hd, i = e % hd;
+        uint32_t t = item.t0 + r / group, head = item.kv_head * group + r % group;
+        qs[e] = q[uint64_t(t) * a.heads * hd + head * hd + i];
+        os[e] = 0.0f;
+    }
+    for (uint32_t r = threadIdx.x; r < rows; r += blockDim.x) {
+        ms[r] = NEG_INF;
+        ls[r] = 0.0f;
+    }
+    const uint32_t* table = reinterpret_cast<const uint32_t*>(a.pages) +
+                            reinterpret_cast<const uint32_t*>(a.seq_pages)[item.seq];
+    // Positions the last query may see: up to its own.
+    uint32_t end = umin32(item.p1, item.pos0 + (item.t1 - item.t0));
+    for (uint32_t first = item.p0; first < end; first += tile) {
+        uint32_t n = umin32(tile, end - first);
+        __syncthreads();  // the previous tile's k, v and p are no longer read
+        for (uint32_t e = threadIdx.x; e < n * hd; e += blockDim.x) {
+            uint32_t j = e / hd, i = e % hd, p = first + j;
+            uint32_t page = table[p / a.page_tokens], slot = p % a.page_tokens;
+            uint32_t at = item.kv_head * hd + i;
+            ks[e] = kv_load(a.kv, kv_index(a.layer, 0, page, slot, at, a.pages_count, a.page_tokens, kv_dim), a.kv_f16);
+            vs[e] = kv_load(a.kv, kv_index(a.layer, 1, page, slot, at, a.pages_count, a.page_tokens, kv_dim), a.kv_f16);
+        }
+        __syncthreads();
+        for (uint32_t e = threadIdx.x; e < rows * tile; e += blockDim.x) {
+            uint32_t r = e / tile, j = e % tile;
+            uint32_t query_pos = item.pos0 + r / group;
+            float score = NEG_INF;
+            if (j < n && first + j <= query_pos) {
+                float dot = 0.0f;
+                for (uint32_t i = 0; i < hd; i++) dot += qs[r * hd + i] * ks[j * hd + i];
+                score = dot * a.scale;
+            }
+            ps[e] = score;
+        }
+        __syncthreads();
+        // The online softmax: one warp a row.
+        for (uint32_t r = warp; r < rows; r += warps) {
+            float best = NEG_INF;
+            for (uint32_t j = lane; j < tile; j += WARP_SIZE) best = fmaxf(best, ps[r * tile + j]);
+            best = warp_max(best);
+            float m_old = ms[r], m_new = fmaxf(m_old, best);
+            float sum = 0.0f;
+            for (uint32_t j = lane; j < tile; j += WARP_SIZE) {
+                float s = ps[r * tile + j];
+                float p = s == NEG_INF ? 0.0f : expf(s - m_new);
+                ps[r * tile + j] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                float alpha = m_old == NEG_INF ? 0.0f : expf(m_old - m_new);
+                alphas[r] = alpha;
+                ls[r] = ls[r] * alpha + sum;
+                ms[r] = m_new;
+            }
+        }
+        __syncthreads();
+        for (uint32_t e = threadIdx.x; e < rows * hd; e += blockDim.x) {
+            uint32_t r = e / hd, i = e % hd;
+            float acc = os[e] * alphas[r];
+            for (uint32_t j = 0; j < n; j++) acc += ps[r * tile + j] * vs[j * hd + i];
+            os[e] = acc;
+        }
+    }
+    __syncthreads();
+    float* out = reinterpret_cast<float*>(a.out);
+    float* partials = reinterpret_cast<float*>(a.partials);
+    for (uint32_t e = threadIdx.x; e < rows * hd; e += blockDim.x) {
+        uint32_t r = e / hd, i = e % hd;
+        uint32_t t = item.t0 + r / group, head = item.kv_head * group + r % group;
+        if (item.partial == NO_SEQ) {
+            float l = ls[r];
+            out[uint64_t(t) * a.heads * hd + head * hd + i] = l > 0.0f ? os[e] / l : 0.0f;
+        } else {
+            float* part = partials + (uint64_t(item.partial) * group + r) * (2 + hd);
+            if (i == 0) {
+                part[0] = ms[r];
+                part[1] = ls[r];
+            }
+            part[2 + i] = os[e];
+        }
+    }
+}
+
+KERNEL(attention_merge, MergeArgs) {
+    MergeItem merge = reinterpret_cast<const MergeItem*>(a.merges)[blockIdx.x];
+    if (merge.count == 0) return;  // padding of a captured step
+    uint32_t hd = a.head_dim, group = a.heads / a.kv_heads;
+    const float* partials = reinterpret_cast<const float*>(a.partials);
+    float* out = reinterpret_cast<float*>(a.out);
+    for (uint32_t e = threadIdx.x; e < group * hd; e += blockDim.x) {
+        uint32_t g = e / hd, i = e % hd;
+        float best = NEG_INF;
+        for (uint32_t s = 0; s < merge.count; s++) {
+            best = fmaxf(best, partials[(uint64_t(merge.first + s) * group + g) * (2 + hd)]);
+        }
+        float l = 0.0f, o = 0.0f;
+        for (uint32_t s = 0; s < merge.count; s++) {
+            const float* part = partials + (uint64_t(merge.first + s) * group + g) * (2 + hd);
+            float weight = part[0] == NEG_INF ? 0.0f : expf(part[0] - best);
+            l += part[1] * weight;
+            o += part[2 + i] * weight;
+        }
+        uint32_t head = merge.kv_head * group + g;
+        out[uint64_t(merge.token) * a.heads * hd + head * hd + i] = l > 0.0f ? o / l : 0.0f;
+    }
+}

@@ -1,0 +1,191 @@
+// What every kernel file shares: fixed-width types, the KERNEL macro, f16
+// conversions, warp and block reductions. Compiled two ways:
+//   - by NVRTC for the device present (backend/cuda/nvrtc.rs), with no system
+//     headers: NVRTC has none, so the fixed-width types are defined here;
+//   - by the host C++ compiler after emu/emu.h (BULKHEAD_EMU), for the
+//     emulator that runs these sources in tests without a GPU.
+// Kernels use only what this file and emu.h both provide.
+
+#pragma once
+
+#ifndef BULKHEAD_EMU
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+
+// A kernel takes one argument: its struct of device addresses and sizes
+// (args.cuh), passed by value.
+#define KERNEL(name, Args) extern "C" __global__ void name(const Args a)
+#define DYNAMIC_SHARED(type, name)                         \
+    extern __shared__ __align__(16) unsigned char name##_bytes[]; \
+    type* name = reinterpret_cast<type*>(name##_bytes)
+#endif
+
+#define WARP_SIZE 32
+#define FULL_MASK 0xffffffffu
+// A sequence index meaning "no sequence": a padding token of a captured step.
+#define NO_SEQ 0xffffffffu
+
+// f16 bits to the exact f32 value.
+__device__ __forceinline__ float f16_to_f32(uint16_t bits) {
+#ifdef BULKHEAD_EMU
+    uint32_t sign = uint32_t(bits & 0x8000) << 16;
+    uint32_t exponent = (bits >> 10) & 0x1f;
+    uint32_t mantissa = bits & 0x3ff;
+    uint32_t out;
+    if (exponent == 0x1f) {
+        out = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        out = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        out = sign;
+    } else {
+        // Subnormal: normalise.
+        int shift = 0;
+        while ((mantissa & 0x400) == 0) {
+            mantissa <<= 1;
+            shift++;
+        }
+        out = sign | uint32_t(113 - shift) << 23 | ((mantissa & 0x3ff) << 13);
+    }
+    float value;
+    memcpy(&value, &out, 4);
+    return value;
+#else
+    float value;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(bits));
+    return value;
+#endif
+}
+
+// f32 to f16 bits, rounding to nearest even, as the host storage does:
+// finite values beyond f16's range saturate at ±65504 rather than become
+// infinite (an infinite key would make every score of its position NaN).
+__device__ __forceinline__ uint16_t f32_to_f16(float value) {
+    // Comparisons are false for NaN, which passes through unchanged.
+    value = value > 65504.0f ? 65504.0f : value;
+    value = value < -65504.0f ? -65504.0f : value;
+#ifdef BULKHEAD_EMU
+    uint32_t x;
+    memcpy(&x, &value, 4);
+    uint16_t sign = uint16_t((x >> 16) & 0x8000);
+    uint32_t magnitude = x & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) {
+        // NaN: keep the top payload bits, quiet.
+        return uint16_t(sign | 0x7e00 | ((magnitude >> 13) & 0x3ff));
+    }
+    if (magnitude >= 0x38800000u) {
+        // Normal in f16: drop 13 mantissa bits, ties to even.
+        uint32_t rounded = magnitude - 0x38000000u;
+        rounded += 0x0fff + ((rounded >> 13) & 1);
+        return uint16_t(sign | (rounded >> 13));
+    }
+    if (magnitude < 0x33000000u) {
+        return sign;  // Below half the smallest subnormal: zero.
+    }
+    // Subnormal in f16.
+    uint32_t exponent = magnitude >> 23;
+    uint32_t mantissa = (magnitude & 0x7fffff) | 0x800000;
+    uint32_t shift = 126 - exponent;  // 14..24
+    uint32_t half_bits = mantissa >> shift;
+    uint32_t rest = mantissa & ((1u << shift) - 1);
+    uint32_t halfway = 1u << (shift - 1);
+    if (rest > halfway || (rest == halfway && (half_bits & 1))) half_bits++;
+    return uint16_t(sign | half_bits);
+#else
+    uint16_t bits;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+    return bits;
+#endif
+}
+
+// Rounds to the nearest integer, ties to even (the CPU quantizer's rounding).
+__device__ __forceinline__ int round_to_int(float x) {
+#ifdef BULKHEAD_EMU
+    return int(nearbyintf(x));
+#else
+    return __float2int_rn(x);
+#endif
+}
+
+__device__ __forceinline__ float warp_sum(float value) {
+    for (int mask = WARP_SIZE / 2; mask > 0; mask /= 2) {
+        value += __shfl_xor_sync(FULL_MASK, value, mask);
+    }
+    return value;
+}
+
+__device__ __forceinline__ int warp_sum_int(int value) {
+    for (int mask = WARP_SIZE / 2; mask > 0; mask /= 2) {
+        value += __shfl_xor_sync(FULL_MASK, value, mask);
+    }
+    return value;
+}
+
+__device__ __forceinline__ float warp_max(float value) {
+    for (int mask = WARP_SIZE / 2; mask > 0; mask /= 2) {
+        float other = __shfl_xor_sync(FULL_MASK, value, mask);
+        value = other > value ? other : value;
+    }
+    return value;
+}
+
+// The sum over the block of every thread's `value`, returned to every
+// thread. `scratch` is shared memory of at least one float per warp; the
+// block is a whole number of warps.
+__device__ __forceinline__ float block_sum(float value, float* scratch) {
+    unsigned lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    unsigned warps = blockDim.x / WARP_SIZE;
+    value = warp_sum(value);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = value;
+    __syncthreads();
+    float total = 0.0f;
+    for (unsigned w = 0; w < warps; w++) total += scratch[w];
+    return total;
+}
+
+__device__ __forceinline__ float block_max(float value, float* scratch) {
+    unsigned lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    unsigned warps = blockDim.x / WARP_SIZE;
+    value = warp_max(value);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = value;
+    __syncthreads();
+    float best = scratch[0];
+    for (unsigned w = 1; w < warps; w++) best = scratch[w] > best ? scratch[w] : best;
+    return best;
+}
+
+// a * b rounded once, never fused with a following add: where the CPU
+// computes a product and then a sum, the device gives the same bits.
+__device__ __forceinline__ float mul_rn(float a, float b) {
+#ifdef BULKHEAD_EMU
+    return a * b;  // the emulator is compiled with -ffp-contract=off
+#else
+    return __fmul_rn(a, b);
+#endif
+}
+
+// 16 aligned bytes, loaded at once.
+struct __align__(16) Int4 {
+    int x, y, z, w;
+};
+
+__device__ __forceinline__ uint32_t umin32(uint32_t a, uint32_t b) { return a < b ? a : b; }
+
+// Little-endian loads from byte addresses of any alignment.
+__device__ __forceinline__ uint32_t load_u16(const uint8_t* p) {
+    return uint32_t(p[0]) | uint32_t(p[1]) << 8;
+}
+
+__device__ __forceinline__ uint32_t load_u32(const uint8_t* p) {
+    return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
+}
+
+__device__ __forceinline__ float load_f16(const uint8_t* p) { return f16_to_f32(uint16_t(load_u16(p))); }

@@ -1,0 +1,326 @@
+// Embedding rows, RMSNorm with activation quantization, and the quantized
+// matrix products: the device side of kernels/src/quant/ and the CPU
+// backend's norm and matmul steps.
+//
+// Activations are quantized exactly as the CPU quantizes them (Q8 blocks:
+// d = amax / 127, quants rounded ties-to-even, clamped to -127..=127), and
+// weight blocks are read in their GGUF layout, unrepacked. A product is then
+// integer dot products (dp4a) per 32 weights, scaled in f32: the CPU's
+// result up to the order of f32 sums.
+//
+// Unsigned quants (the nibbles of Q4_0, the 6-bit codes of Q6_K) enter the
+// dot product as they are, and their offset (8, 32) comes off afterwards
+// through the activations' sums of 16 quants: (q - o) . x = q . x - o * sum(x).
+
+#include "common.cuh"
+#include "args.cuh"
+
+#define QK 32u
+#define QK_K 256u
+#define MATMUL_WARPS 4u
+// Tokens whose accumulators one warp keeps at once: each weight unit is
+// decoded once for this many tokens.
+#define MATMUL_TOKENS 8u
+
+// The CPU's scale_min_k4: sub-block j's 6-bit scale and min of a Q4_K block.
+__device__ __forceinline__ void scale_min_k4(uint32_t j, const uint8_t* scales, int* scale,
+                                             int* min) {
+    if (j < 4) {
+        *scale = scales[j] & 63;
+        *min = scales[j + 4] & 63;
+    } else {
+        *scale = (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4);
+        *min = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
+    }
+}
+
+// Weight `i` of a row of `type` blocks, as the CPU's dequantize_row gives it.
+__device__ float dequantize_one(uint32_t type, const uint8_t* row, uint32_t i) {
+    switch (type) {
+        case TYPE_F32: {
+            uint32_t bits = load_u32(row + 4 * i);
+            float value;
+            memcpy(&value, &bits, 4);
+            return value;
+        }
+        case TYPE_F16:
+            return load_f16(row + 2 * i);
+        case TYPE_Q4_0: {
+            const uint8_t* block = row + (i / QK) * 18;
+            uint32_t j = i % QK, q = block[2 + j % 16];
+            int nibble = int(j < 16 ? q & 0xF : q >> 4);
+            return load_f16(block) * float(nibble - 8);
+        }
+        case TYPE_Q4_1: {
+            const uint8_t* block = row + (i / QK) * 20;
+            uint32_t j = i % QK, q = block[4 + j % 16];
+            float nibble = float(j < 16 ? q & 0xF : q >> 4);
+            return mul_rn(load_f16(block), nibble) + load_f16(block + 2);
+        }
+        case TYPE_Q8_0: {
+            const uint8_t* block = row + (i / QK) * 34;
+            return load_f16(block) * float(int8_t(block[2 + i % QK]));
+        }
+        case TYPE_Q4_K: {
+            const uint8_t* block = row + (i / QK_K) * 144;
+            uint32_t j = i % QK_K, sub = j / QK;
+            uint8_t q = block[16 + (j / 64) * 32 + j % 32];
+            int scale, min;
+            scale_min_k4(sub, block + 4, &scale, &min);
+            float nibble = float(sub % 2 == 0 ? q & 0xF : q >> 4);
+            return mul_rn(mul_rn(load_f16(block), float(scale)), nibble) -
+                   mul_rn(load_f16(block + 2), float(min));
+        }
+        case TYPE_Q6_K: {
+            const uint8_t* block = row + (i / QK_K) * 210;
+            uint32_t j = i % QK_K, half = j / 128, quarter = j % 128 / 32, l = j % 32;
+            const uint8_t* ql = block + half * 64 + (quarter % 2) * 32;
+            uint32_t low = quarter < 2 ? ql[l] & 0xF : ql[l] >> 4;
+            uint32_t high = (block[128 + half * 32 + l] >> (2 * quarter)) & 3;
+            int q = int(low | high << 4) - 32;
+            float scale = float(int8_t(block[192 + j / 16]));
+            return mul_rn(load_f16(block + 208), scale) * float(q);
+        }
+        default:
+            return 0.0f;
+    }
+}
+
+KERNEL(embed, EmbedArgs) {
+    uint32_t token = reinterpret_cast<const uint32_t*>(a.tokens)[blockIdx.x];
+    float* out = reinterpret_cast<float*>(a.out) + uint64_t(blockIdx.x) * a.width;
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(a.table) + uint64_t(token) * a.row_bytes;
+    for (uint32_t i = threadIdx.x; i < a.width; i += blockDim.x) {
+        out[i] = token < a.rows ? dequantize_one(a.type, row, i) : 0.0f;
+    }
+}
+
+// Sum of `value` over each half-warp (lanes 0..16 and 16..32), to every lane.
+__device__ __forceinline__ int half_warp_sum(int value) {
+    for (int mask = 8; mask > 0; mask /= 2) value += __shfl_xor_sync(FULL_MASK, value, mask);
+    return value;
+}
+
+KERNEL(rms_norm, NormArgs) {
+    __shared__ float scratch[32];
+    uint32_t r = blockIdx.x;
+    uint32_t src = a.gather ? reinterpret_cast<const uint32_t*>(a.gather)[r] : r;
+    const float* x = reinterpret_cast<const float*>(a.x) + uint64_t(src) * a.width;
+    float* out = reinterpret_cast<float*>(a.out) + uint64_t(r) * a.width;
+    const float* gain = reinterpret_cast<const float*>(a.gain);
+    float inv = 1.0f;
+    if (gain) {
+        float squares = 0.0f;
+        for (uint32_t i = threadIdx.x; i < a.width; i += blockDim.x) squares += x[i] * x[i];
+        float mean_square = block_sum(squares, scratch) / float(a.width);
+        inv = 1.0f / sqrtf(mean_square + a.eps);
+    }
+    // One chunk of the block's width at a time; every thread takes part in
+    // every chunk's reductions, in range or not.
+    for (uint32_t chunk = 0; chunk < a.width; chunk += blockDim.x) {
+        uint32_t i = chunk + threadIdx.x;
+        bool in_range = i < a.width;
+        float value = in_range ? x[i] : 0.0f;
+        if (gain && in_range) value = mul_rn(value, inv) * gain[i];
+        if (in_range) out[i] = value;
+        if (!a.qs) continue;
+        // A Q8 block is a warp (32) or the whole 256-thread block (256).
+        float amax = fabsf(value);
+        amax = a.block_len == QK ? warp_max(amax) : block_max(amax, scratch);
+        float d = amax / 127.0f;
+        float id = d > 0.0f ? 1.0f / d : 0.0f;
+        int q = round_to_int(value * id);
+        q = q > 127 ? 127 : (q < -127 ? -127 : q);
+        int sum16 = half_warp_sum(q);
+        if (!in_range) continue;
+        uint64_t row_at = uint64_t(r) * a.width;
+        reinterpret_cast<int8_t*>(a.qs)[row_at + i] = int8_t(q);
+        if (i % 16 == 0) reinterpret_cast<int32_t*>(a.sums)[row_at / 16 + i / 16] = sum16;
+        if (i % a.block_len == 0) {
+            reinterpret_cast<float*>(a.d)[row_at / a.block_len + i / a.block_len] = d;
+        }
+    }
+}
+
+// One unit of 32 weights, decoded once for several tokens: the quants as 32
+// int8 (packed four to an int), and how a token's integer sums scale.
+struct Unit {
+    int q[8];
+    float scale_lo;  // multiplies the dot of weights 0..16
+    float scale_hi;  // multiplies the dot of weights 16..32
+    int offset;      // subtracted from every quant (through the activation sums)
+    float min;       // multiplies the activations' sum (dx * sum of quants)
+    bool per_256;    // the activation scale is per 256 (Q8_K) rather than per 32
+};
+
+// Four unsigned nibbles per int: the low (shift 0) or high (shift 4) ones.
+__device__ __forceinline__ int nibbles(uint32_t bytes, int shift) {
+    return int((bytes >> shift) & 0x0F0F0F0Fu);
+}
+
+__device__ __forceinline__ uint32_t load_u32_aligned2(const uint8_t* p) {
+    const uint16_t* half = reinterpret_cast<const uint16_t*>(p);
+    return uint32_t(half[0]) | uint32_t(half[1]) << 16;
+}
+
+// Unit `u` (weights 32u..32u+32) of a row of quantized `type` blocks.
+__device__ __forceinline__ Unit decode_unit(uint32_t type, const uint8_t* row, uint32_t u) {
+    Unit unit;
+    unit.offset = 0;
+    unit.min = 0.0f;
+    unit.per_256 = false;
+    switch (type) {
+        case TYPE_Q4_0:
+        case TYPE_Q4_1: {
+            bool q4_0 = type == TYPE_Q4_0;
+            const uint8_t* block = row + u * (q4_0 ? 18 : 20);
+            const uint8_t* qs = block + (q4_0 ? 2 : 4);
+            for (int i = 0; i < 4; i++) {
+                uint32_t bytes = load_u32_aligned2(qs + 4 * i);
+                unit.q[i] = nibbles(bytes, 0);
+                unit.q[i + 4] = nibbles(bytes, 4);
+            }
+            unit.scale_lo = unit.scale_hi = load_f16(block);
+            if (q4_0) {
+                unit.offset = 8;
+            } else {
+                unit.min = load_f16(block + 2);
+            }
+            break;
+        }
+        case TYPE_Q8_0: {
+            const uint8_t* block = row + u * 34;
+            for (int i = 0; i < 8; i++) unit.q[i] = int(load_u32_aligned2(block + 2 + 4 * i));
+            unit.scale_lo = unit.scale_hi = load_f16(block);
+            break;
+        }
+        case TYPE_Q4_K: {
+            const uint8_t* block = row + (u / 8) * 144;
+            uint32_t j = u % 8;
+            const uint8_t* qs = block + 16 + (j / 2) * 32;
+            for (int i = 0; i < 8; i++) {
+                unit.q[i] = nibbles(load_u32_aligned2(qs + 4 * i), 4 * int(j % 2));
+            }
+            int scale, min;
+            scale_min_k4(j, block + 4, &scale, &min);
+            unit.scale_lo = unit.scale_hi = load_f16(block) * float(scale);
+            unit.min = -(load_f16(block + 2) * float(min));
+            unit.per_256 = true;
+            break;
+        }
+        case TYPE_Q6_K: {
+            const uint8_t* block = row + (u / 8) * 210;
+            uint32_t j = u % 8, half = j / 4, quarter = j % 4;
+            const uint8_t* ql = block + half * 64 + (quarter % 2) * 32;
+            const uint8_t* qh = block + 128 + half * 32;
+            for (int i = 0; i < 8; i++) {
+                uint32_t low = load_u32_aligned2(ql + 4 * i);
+                low = quarter < 2 ? low & 0x0F0F0F0Fu : (low >> 4) & 0x0F0F0F0Fu;
+                uint32_t high = (load_u32_aligned2(qh + 4 * i) >> (2 * quarter)) & 0x03030303u;
+                unit.q[i] = int(low | high << 4);
+            }
+            float d = load_f16(block + 208);
+            unit.scale_lo = d * float(int8_t(block[192 + 2 * j]));
+            unit.scale_hi = d * float(int8_t(block[192 + 2 * j + 1]));
+            unit.offset = 32;
+            unit.per_256 = true;
+            break;
+        }
+        default:
+            break;
+    }
+    return unit;
+}
+
+// The unit's dot with token t's Q8 activations.
+__device__ __forceinline__ float unit_dot(const Unit& unit, const MatmulArgs& a, uint32_t t,
+                                          uint32_t u) {
+    uint64_t at = uint64_t(t) * a.k + uint64_t(u) * QK;
+    const Int4* xq = reinterpret_cast<const Int4*>(reinterpret_cast<const int8_t*>(a.qs) + at);
+    Int4 x0 = xq[0], x1 = xq[1];
+    int lo = 0, hi = 0;
+    lo = __dp4a(unit.q[0], x0.x, lo);
+    lo = __dp4a(unit.q[1], x0.y, lo);
+    lo = __dp4a(unit.q[2], x0.z, lo);
+    lo = __dp4a(unit.q[3], x0.w, lo);
+    hi = __dp4a(unit.q[4], x1.x, hi);
+    hi = __dp4a(unit.q[5], x1.y, hi);
+    hi = __dp4a(unit.q[6], x1.z, hi);
+    hi = __dp4a(unit.q[7], x1.w, hi);
+    const int32_t* sums = reinterpret_cast<const int32_t*>(a.sums) + at / 16;
+    int sum_lo = sums[0], sum_hi = sums[1];
+    lo -= unit.offset * sum_lo;
+    hi -= unit.offset * sum_hi;
+    uint32_t blocks = unit.per_256 ? a.k / QK_K : a.k / QK;
+    float dx = reinterpret_cast<const float*>(a.d)[uint64_t(t) * blocks + (unit.per_256 ? u / 8 : u)];
+    float scaled = unit.scale_lo * float(lo) + unit.scale_hi * float(hi);
+    return dx * scaled + unit.min * (dx * float(sum_lo + sum_hi));
+}
+
+// Unit u of an f16 or f32 row with token t's f32 activations.
+__device__ __forceinline__ float float_unit_dot(uint32_t type, const uint8_t* row,
+                                                const MatmulArgs& a, uint32_t t, uint32_t u) {
+    const float* x = reinterpret_cast<const float*>(a.x) + uint64_t(t) * a.k + u * QK;
+    float sum = 0.0f;
+    for (uint32_t i = 0; i < QK; i++) {
+        float w = type == TYPE_F32 ? reinterpret_cast<const float*>(row)[u * QK + i]
+                                   : f16_to_f32(reinterpret_cast<const uint16_t*>(row)[u * QK + i]);
+        sum += w * x[i];
+    }
+    return sum;
+}
+
+// Accumulates row `row` of `seg` against tokens t0..t0+n into acc (per lane).
+__device__ __forceinline__ void row_products(const MatSeg& seg, uint32_t row, const MatmulArgs& a,
+                                             uint32_t t0, uint32_t n, float* acc) {
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(seg.w) + uint64_t(row) * seg.row_bytes;
+    uint32_t units = a.k / QK, lane = threadIdx.x % WARP_SIZE;
+    bool quantized = seg.type != TYPE_F32 && seg.type != TYPE_F16;
+    for (uint32_t u = lane; u < units; u += WARP_SIZE) {
+        if (quantized) {
+            Unit unit = decode_unit(seg.type, w, u);
+            for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {
+                if (j < n) acc[j] += unit_dot(unit, a, t0 + j, u);
+            }
+        } else {
+            for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {
+                if (j < n) acc[j] += float_unit_dot(seg.type, w, a, t0 + j, u);
+            }
+        }
+    }
+}
+
+KERNEL(matmul, MatmulArgs) {
+    uint32_t lane = threadIdx.x % WARP_SIZE;
+    uint32_t row = blockIdx.x * MATMUL_WARPS + threadIdx.x / WARP_SIZE;
+    bool swiglu = a.mode == MATMUL_SWIGLU;
+    // The segment holding this warp's row (SWIGLU: a row of the gate and the same row of up).
+    uint32_t s = 0;
+    if (!swiglu) {
+        while (s + 1 < a.segs && row >= a.seg[s].rows) {
+            row -= a.seg[s].rows;
+            s++;
+        }
+    }
+    if (row >= a.seg[s].rows) return;  // the whole warp: rows are per warp
+    const MatSeg& seg = a.seg[s];
+    float* out = reinterpret_cast<float*>(seg.out);
+    for (uint32_t t0 = 0; t0 < a.tokens; t0 += MATMUL_TOKENS) {
+        uint32_t n = umin32(MATMUL_TOKENS, a.tokens - t0);
+        float acc[MATMUL_TOKENS], up[MATMUL_TOKENS];
+        for (uint32_t j = 0; j < MATMUL_TOKENS; j++) acc[j] = up[j] = 0.0f;
+        row_products(seg, row, a, t0, n, acc);
+        if (swiglu) row_products(a.seg[1], row, a, t0, n, up);
+        for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {
+            if (j >= n) break;
+            float value = warp_sum(acc[j]);
+            if (swiglu) {
+                float u = warp_sum(up[j]);
+                value = value / (1.0f + expf(-value)) * u;
+            }
+            if (lane != 0) continue;
+            float* dst = out + uint64_t(t0 + j) * seg.out_stride + row;
+            *dst = a.mode == MATMUL_ADD ? *dst + value : value;
+        }
+    }
+}

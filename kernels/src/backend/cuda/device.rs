@@ -1,0 +1,344 @@
+//! The device the CUDA backend runs on, behind one trait: an NVIDIA GPU
+//! through the CUDA driver ([`super::driver`]), or the emulator that runs the
+//! same kernel sources on the CPU in tests ([`super::emulator`]).
+//!
+//! The trait is deliberately raw: device memory is addressed by 64-bit
+//! device addresses, and kernels take their one argument struct as bytes.
+//! [`DeviceBuffer`] is the owned, bounds-checked allocation everything else
+//! uses; the raw methods are `unsafe` because a wrong address is a wild write
+//! into device memory (and, on the emulator, into this process).
+//!
+//! One device has one stream: every operation is ordered after the previous
+//! one, `read` waits for everything before it, and a captured graph replays
+//! its launches in the order they were captured.
+
+use std::fmt;
+use std::sync::Arc;
+
+/// Why a device operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceError {
+    /// The CUDA driver answered with an error.
+    #[error("CUDA driver: {call}: {message}")]
+    Driver {
+        /// The call that failed.
+        call: &'static str,
+        /// The driver's name and description of the error.
+        message: String,
+    },
+    /// The device has no memory left for an allocation.
+    #[error("device memory: {bytes} bytes could not be allocated ({message})")]
+    OutOfMemory {
+        /// Bytes asked for.
+        bytes: u64,
+        /// What the device said.
+        message: String,
+    },
+    /// A kernel launch was refused or failed.
+    #[error("kernel {kernel}: {message}")]
+    Launch {
+        /// The kernel.
+        kernel: &'static str,
+        /// Why.
+        message: String,
+    },
+    /// An access outside a buffer (a programming error caught before it reached the device).
+    #[error("device buffer access [{offset}, +{len}) outside its {bytes} bytes")]
+    OutOfBounds {
+        /// Offset of the access.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The buffer's size.
+        bytes: u64,
+    },
+}
+
+/// A value a 2D fill writes into every element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fill {
+    /// All bits clear.
+    Zero,
+    /// This 16-bit pattern (width must be whole u16s).
+    U16(u16),
+    /// This 32-bit pattern (width must be whole u32s).
+    U32(u32),
+}
+
+/// A rectangle of device memory: `rows` rows of `width` bytes, `pitch`
+/// bytes apart, from `at`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rect {
+    /// Device address of the first row.
+    pub at: u64,
+    /// Bytes from one row to the next.
+    pub pitch: u64,
+    /// Bytes of each row.
+    pub width: u64,
+    /// Rows.
+    pub rows: u64,
+}
+
+/// Grid, block and dynamic shared memory of a launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// Blocks, x.
+    pub grid: u32,
+    /// Threads per block, x.
+    pub block: u32,
+    /// Dynamic shared memory per block.
+    pub shared_bytes: u32,
+}
+
+/// A captured sequence of launches, replayed as one (a CUDA graph).
+pub trait DeviceGraph: Send {
+    /// Runs the captured launches again, in order, with the arguments they
+    /// were captured with (so what changes from one replay to the next must
+    /// live in device memory the launches read).
+    fn replay(&self) -> Result<(), DeviceError>;
+}
+
+/// A device: memory, copies, fills and kernel launches on one stream.
+pub trait Device: Send + Sync + fmt::Debug {
+    /// What the device is, for logs and `/readyz` ("NVIDIA H200, sm_90").
+    fn describe(&self) -> String;
+
+    /// Total device memory in bytes.
+    fn memory_bytes(&self) -> u64;
+
+    /// Largest dynamic shared memory one block may use.
+    fn shared_bytes_max(&self) -> u32;
+
+    /// Allocates `bytes` of zeroed device memory (never managed memory).
+    fn alloc(&self, bytes: u64) -> Result<u64, DeviceError>;
+
+    /// Frees an allocation.
+    ///
+    /// # Safety
+    /// `at` and `bytes` are exactly one earlier `alloc`'s, not yet freed,
+    /// and no queued or captured work uses it any more.
+    unsafe fn free(&self, at: u64, bytes: u64);
+
+    /// Copies `src` to device address `at`.
+    ///
+    /// # Safety
+    /// `at..at + src.len()` lies within one live allocation.
+    unsafe fn write(&self, at: u64, src: &[u8]) -> Result<(), DeviceError>;
+
+    /// Waits for all queued work, then copies from device address `at` into `dst`.
+    ///
+    /// # Safety
+    /// `at..at + dst.len()` lies within one live allocation.
+    unsafe fn read(&self, at: u64, dst: &mut [u8]) -> Result<(), DeviceError>;
+
+    /// Fills every row of `rect` with `fill` (a device memset).
+    ///
+    /// # Safety
+    /// Every row of `rect` lies within one live allocation.
+    unsafe fn fill(&self, rect: Rect, fill: Fill) -> Result<(), DeviceError>;
+
+    /// Waits for queued work, then copies the rows of `rect` into `dst`
+    /// (`rect.rows * rect.width` bytes, rows packed).
+    ///
+    /// # Safety
+    /// Every row of `rect` lies within one live allocation.
+    unsafe fn read_rect(&self, rect: Rect, dst: &mut [u8]) -> Result<(), DeviceError>;
+
+    /// Copies `src` (rows packed) into the rows of `rect`.
+    ///
+    /// # Safety
+    /// Every row of `rect` lies within one live allocation.
+    unsafe fn write_rect(&self, rect: Rect, src: &[u8]) -> Result<(), DeviceError>;
+
+    /// Queues kernel `kernel` with its argument struct's bytes.
+    ///
+    /// # Safety
+    /// Every device address in `args`, and every address the kernel derives
+    /// from them for this geometry, lies within live allocations.
+    unsafe fn launch(
+        &self,
+        kernel: &'static str,
+        geometry: Geometry,
+        args: &[u8],
+    ) -> Result<(), DeviceError>;
+
+    /// Waits for all queued work.
+    fn synchronize(&self) -> Result<(), DeviceError>;
+
+    /// Captures the launches `record` queues into a graph instead of running
+    /// them. Nothing else may use the device meanwhile.
+    fn capture(
+        &self,
+        record: &mut dyn FnMut() -> Result<(), DeviceError>,
+    ) -> Result<Box<dyn DeviceGraph>, DeviceError>;
+
+    /// Counts launches queued so far (graph replays count their launches):
+    /// tests use it to show that a refused step launched nothing.
+    fn launches(&self) -> u64;
+}
+
+/// An owned device allocation; every access is checked against its size.
+pub struct DeviceBuffer {
+    device: Arc<dyn Device>,
+    at: u64,
+    bytes: u64,
+}
+
+impl fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DeviceBuffer({:#x}, {} bytes)", self.at, self.bytes)
+    }
+}
+
+impl DeviceBuffer {
+    /// `bytes` of zeroed memory on `device`.
+    pub fn zeroed(device: &Arc<dyn Device>, bytes: u64) -> Result<DeviceBuffer, DeviceError> {
+        let at = device.alloc(bytes.max(1))?;
+        Ok(DeviceBuffer {
+            device: Arc::clone(device),
+            at,
+            bytes: bytes.max(1),
+        })
+    }
+
+    /// A buffer holding `data`.
+    pub fn from_bytes(device: &Arc<dyn Device>, data: &[u8]) -> Result<DeviceBuffer, DeviceError> {
+        let buffer = DeviceBuffer::zeroed(device, data.len() as u64)?;
+        buffer.write(0, data)?;
+        Ok(buffer)
+    }
+
+    /// The device address of byte `offset` (for kernel arguments).
+    pub fn at(&self, offset: u64) -> u64 {
+        assert!(
+            offset <= self.bytes,
+            "offset {offset} past {} bytes",
+            self.bytes
+        );
+        self.at + offset
+    }
+
+    /// Size in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The device it lives on.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.bytes => Ok(()),
+            _ => Err(DeviceError::OutOfBounds {
+                offset,
+                len,
+                bytes: self.bytes,
+            }),
+        }
+    }
+
+    /// Copies `data` to `offset`.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        self.check(offset, data.len() as u64)?;
+        // SAFETY: the range was checked to lie within this live allocation.
+        unsafe { self.device.write(self.at + offset, data) }
+    }
+
+    /// Copies from `offset` into `out`, after all queued work.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        self.check(offset, out.len() as u64)?;
+        // SAFETY: as above.
+        unsafe { self.device.read(self.at + offset, out) }
+    }
+
+    /// Checks that every row of a rectangle at `offset` lies in the buffer.
+    fn check_rect(
+        &self,
+        offset: u64,
+        pitch: u64,
+        width: u64,
+        rows: u64,
+    ) -> Result<Rect, DeviceError> {
+        if rows > 0 {
+            let last = (rows - 1)
+                .checked_mul(pitch)
+                .and_then(|r| r.checked_add(offset))
+                .ok_or(DeviceError::OutOfBounds {
+                    offset,
+                    len: u64::MAX,
+                    bytes: self.bytes,
+                })?;
+            self.check(offset, width)?;
+            self.check(last, width)?;
+        }
+        Ok(Rect {
+            at: self.at + offset,
+            pitch,
+            width,
+            rows,
+        })
+    }
+
+    /// Fills `rows` rows of `width` bytes, `pitch` apart, from `offset`.
+    pub fn fill(
+        &self,
+        offset: u64,
+        pitch: u64,
+        width: u64,
+        rows: u64,
+        fill: Fill,
+    ) -> Result<(), DeviceError> {
+        let rect = self.check_rect(offset, pitch, width, rows)?;
+        // SAFETY: every row was checked to lie within this live allocation.
+        unsafe { self.device.fill(rect, fill) }
+    }
+
+    /// Reads `rows` rows of `width` bytes, `pitch` apart, from `offset` into `out`.
+    pub fn read_rect(
+        &self,
+        offset: u64,
+        pitch: u64,
+        width: u64,
+        rows: u64,
+        out: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        assert_eq!(
+            out.len() as u64,
+            width * rows,
+            "out is not rows * width bytes"
+        );
+        let rect = self.check_rect(offset, pitch, width, rows)?;
+        // SAFETY: as above.
+        unsafe { self.device.read_rect(rect, out) }
+    }
+
+    /// Writes `data` (rows packed) into `rows` rows of `width` bytes, `pitch` apart, from `offset`.
+    pub fn write_rect(
+        &self,
+        offset: u64,
+        pitch: u64,
+        width: u64,
+        rows: u64,
+        data: &[u8],
+    ) -> Result<(), DeviceError> {
+        assert_eq!(
+            data.len() as u64,
+            width * rows,
+            "data is not rows * width bytes"
+        );
+        let rect = self.check_rect(offset, pitch, width, rows)?;
+        // SAFETY: as above.
+        unsafe { self.device.write_rect(rect, data) }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // Work queued on the buffer ends before it is freed.
+        let _ = self.device.synchronize();
+        // SAFETY: this buffer owns the allocation, and nothing queued uses it now.
+        unsafe { self.device.free(self.at, self.bytes) };
+    }
+}

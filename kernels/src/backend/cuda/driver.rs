@@ -1,0 +1,507 @@
+//! An NVIDIA GPU through the CUDA driver API (cudarc's raw bindings, loaded
+//! dynamically: nothing of CUDA is needed to build, and a machine without a
+//! driver gets an error naming what is missing, never a panic).
+//!
+//! Opening a device:
+//! 1. libcuda is looked up by name on the loader path ([`probe`]);
+//! 2. the driver is initialised and device `ordinal` is asked for its name,
+//!    compute capability, memory and shared-memory limit;
+//! 3. its primary context is retained and one non-blocking stream created;
+//! 4. the kernel sources are compiled by NVRTC for its architecture
+//!    ([`super::nvrtc`]) and loaded as modules, each kernel looked up by name.
+//!
+//! Every call binds the context to the calling thread first (the engine
+//! thread is not the one that opened the device).
+
+use super::device::{Device, DeviceError, DeviceGraph, Fill, Geometry, Rect};
+use super::launch::{attention_shared_bytes, ATTENTION_TILE};
+use super::nvrtc::{self, NvrtcError};
+use cudarc::driver::result;
+use cudarc::driver::sys;
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Why no CUDA device could be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CudaUnavailable {
+    /// libcuda is not on the loader path.
+    #[error(
+        "no NVIDIA driver: libcuda.so.1 was not found on the loader path (install the NVIDIA \
+         driver, or run on a machine with one)"
+    )]
+    NoDriver,
+    /// The driver is there but found no device.
+    #[error("no CUDA device: {0}")]
+    NoDevice(String),
+    /// The device asked for does not exist.
+    #[error("no CUDA device {ordinal}: the driver sees {count}")]
+    Ordinal {
+        /// The device asked for.
+        ordinal: u32,
+        /// Devices present.
+        count: u32,
+    },
+    /// NVRTC is missing or failed.
+    #[error(transparent)]
+    Nvrtc(#[from] NvrtcError),
+    /// A driver call failed while opening the device.
+    #[error(transparent)]
+    Driver(#[from] DeviceError),
+}
+
+/// What [`probe`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Probe {
+    /// Devices the driver sees.
+    pub devices: u32,
+    /// The first device's name and architecture, if any.
+    pub first: Option<String>,
+}
+
+fn driver_error(call: &'static str, error: result::DriverError) -> DeviceError {
+    let name = error
+        .error_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{:?}", error.0));
+    let text = error
+        .error_string()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    DeviceError::Driver {
+        call,
+        message: format!("{name}: {text}"),
+    }
+}
+
+/// Whether a driver and a device are present, without opening a context.
+pub fn probe() -> Result<Probe, CudaUnavailable> {
+    // SAFETY: only tries to load the library by its candidate names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(CudaUnavailable::NoDriver);
+    }
+    result::init().map_err(|e| CudaUnavailable::NoDevice(driver_error("cuInit", e).to_string()))?;
+    let count = result::device::get_count()
+        .map_err(|e| CudaUnavailable::NoDevice(driver_error("cuDeviceGetCount", e).to_string()))?;
+    if count <= 0 {
+        return Err(CudaUnavailable::NoDevice(
+            "the driver reports no devices".to_string(),
+        ));
+    }
+    let first = result::device::get(0)
+        .ok()
+        .and_then(|device| result::device::get_name(device).ok());
+    Ok(Probe {
+        devices: count as u32,
+        first,
+    })
+}
+
+/// An opened GPU: its context, one stream, and the kernels loaded for it.
+pub struct CudaDevice {
+    context: sys::CUcontext,
+    device: sys::CUdevice,
+    stream: sys::CUstream,
+    modules: Vec<sys::CUmodule>,
+    functions: HashMap<&'static str, sys::CUfunction>,
+    name: String,
+    arch: String,
+    memory_bytes: u64,
+    shared_bytes_max: u32,
+    launches: AtomicU64,
+}
+
+// SAFETY: CUDA driver handles may be used from any thread once the context is
+// made current there, which every method does first. Each engine opens its
+// own `CudaDevice` (its own stream), and one thread at a time drives it.
+unsafe impl Send for CudaDevice {}
+// SAFETY: as above.
+unsafe impl Sync for CudaDevice {}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaDevice({}, {})", self.name, self.arch)
+    }
+}
+
+/// Kernels the backend launches (every `KERNEL` in the sources).
+const KERNELS: [&str; 7] = [
+    "embed",
+    "rms_norm",
+    "matmul",
+    "rope_kv",
+    "attention",
+    "attention_merge",
+    "page_digest",
+];
+
+impl CudaDevice {
+    /// Opens device `ordinal` and loads the kernels for it.
+    pub fn open(ordinal: u32) -> Result<Arc<CudaDevice>, CudaUnavailable> {
+        let probe = probe()?;
+        if ordinal >= probe.devices {
+            return Err(CudaUnavailable::Ordinal {
+                ordinal,
+                count: probe.devices,
+            });
+        }
+        let call = |name: &'static str| move |e| driver_error(name, e);
+        let device = result::device::get(ordinal as i32).map_err(call("cuDeviceGet"))?;
+        let name = result::device::get_name(device).map_err(call("cuDeviceGetName"))?;
+        let attribute = |attribute| {
+            // SAFETY: `device` came from cuDeviceGet.
+            unsafe { result::device::get_attribute(device, attribute) }
+                .map_err(call("cuDeviceGetAttribute"))
+        };
+        use sys::CUdevice_attribute::*;
+        let major = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let shared_bytes_max = attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        // SAFETY: as above.
+        let memory_bytes =
+            unsafe { result::device::total_mem(device) }.map_err(call("cuDeviceTotalMem"))? as u64;
+        let arch = format!("sm_{major}{minor}");
+        let images = nvrtc::modules(&arch)?;
+        // SAFETY: `device` came from cuDeviceGet; released in Drop.
+        let context = unsafe { result::primary_ctx::retain(device) }
+            .map_err(call("cuDevicePrimaryCtxRetain"))?;
+        // SAFETY: a retained context.
+        unsafe { result::ctx::set_current(context) }.map_err(call("cuCtxSetCurrent"))?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(call("cuStreamCreate"))?;
+        let mut opened = CudaDevice {
+            context,
+            device,
+            stream,
+            modules: Vec::new(),
+            functions: HashMap::new(),
+            name,
+            arch,
+            memory_bytes,
+            shared_bytes_max: shared_bytes_max.max(0) as u32,
+            launches: AtomicU64::new(0),
+        };
+        for image in images.iter() {
+            // SAFETY: a CUBIN image NVRTC produced for this architecture.
+            let module = unsafe { result::module::load_data(image.as_ptr().cast::<c_void>()) }
+                .map_err(call("cuModuleLoadData"))?;
+            opened.modules.push(module);
+        }
+        for kernel in KERNELS {
+            let name = CString::new(kernel).expect("kernel names have no NUL");
+            let function = opened
+                .modules
+                .iter()
+                // SAFETY: live modules.
+                .find_map(|&module| {
+                    unsafe { result::module::get_function(module, name.clone()) }.ok()
+                })
+                .ok_or_else(|| {
+                    CudaUnavailable::Driver(DeviceError::Launch {
+                        kernel,
+                        message: "not found in the compiled modules".to_string(),
+                    })
+                })?;
+            opened.functions.insert(kernel, function);
+        }
+        // Attention's tiles may need more than the default 48 KiB of shared memory.
+        let attention = opened.functions["attention"];
+        let wanted = attention_shared_bytes(256, 32, ATTENTION_TILE).min(opened.shared_bytes_max);
+        // SAFETY: a live function.
+        unsafe {
+            result::function::set_function_attribute(
+                attention,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                wanted as i32,
+            )
+        }
+        .map_err(call("cuFuncSetAttribute"))?;
+        opened.shared_bytes_max = opened.shared_bytes_max.min(wanted);
+        Ok(Arc::new(opened))
+    }
+
+    /// The device's architecture ("sm_90").
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    fn bind(&self) -> Result<(), DeviceError> {
+        // SAFETY: the context is retained for the device's life.
+        unsafe { result::ctx::set_current(self.context) }
+            .map_err(|e| driver_error("cuCtxSetCurrent", e))
+    }
+
+    fn check(call: &'static str, result: sys::CUresult) -> Result<(), DeviceError> {
+        result.result().map_err(|e| driver_error(call, e))
+    }
+
+    fn copy_2d(&self, copy: &sys::CUDA_MEMCPY2D) -> Result<(), DeviceError> {
+        // SAFETY: the caller built `copy` from ranges it vouched for.
+        Self::check("cuMemcpy2DAsync", unsafe {
+            sys::cuMemcpy2DAsync_v2(copy, self.stream)
+        })
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if self.bind().is_err() {
+            return;
+        }
+        // SAFETY: handles created in `open`, destroyed once, after the stream drained.
+        unsafe {
+            let _ = result::stream::synchronize(self.stream);
+            for &module in &self.modules {
+                let _ = result::module::unload(module);
+            }
+            let _ = result::stream::destroy(self.stream);
+            let _ = result::primary_ctx::release(self.device);
+        }
+    }
+}
+
+/// A 2D copy description with every field zero (offsets, arrays unused).
+fn memcpy_2d() -> sys::CUDA_MEMCPY2D {
+    // SAFETY: a plain C struct of integers, pointers and enums whose zero
+    // value (CU_MEMORYTYPE 0 is not a valid type, but every copy sets both
+    // types) is a valid bit pattern for each field.
+    unsafe { std::mem::zeroed() }
+}
+
+struct CudaGraph {
+    device: Arc<CudaDevice>,
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    launches: u64,
+}
+
+// SAFETY: graph handles are used from one thread at a time, as the device is.
+unsafe impl Send for CudaGraph {}
+
+impl DeviceGraph for CudaGraph {
+    fn replay(&self) -> Result<(), DeviceError> {
+        self.device.bind()?;
+        self.device
+            .launches
+            .fetch_add(self.launches, Ordering::Relaxed);
+        // SAFETY: a live executable graph on this device's stream.
+        unsafe { result::graph::launch(self.exec, self.device.stream) }
+            .map_err(|e| driver_error("cuGraphLaunch", e))
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: created by `capture`, destroyed once.
+            unsafe {
+                let _ = result::stream::synchronize(self.device.stream);
+                let _ = result::graph::exec_destroy(self.exec);
+                let _ = result::graph::destroy(self.graph);
+            }
+        }
+    }
+}
+
+/// The device behind an `Arc`, so captured graphs can hold it.
+#[derive(Debug, Clone)]
+pub struct Cuda(pub Arc<CudaDevice>);
+
+impl Device for Cuda {
+    fn describe(&self) -> String {
+        format!("{}, {}", self.0.name, self.0.arch)
+    }
+
+    fn memory_bytes(&self) -> u64 {
+        self.0.memory_bytes
+    }
+
+    fn shared_bytes_max(&self) -> u32 {
+        self.0.shared_bytes_max
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<u64, DeviceError> {
+        self.0.bind()?;
+        // SAFETY: a plain device allocation, zeroed below before use.
+        let at = unsafe { result::malloc_sync(bytes as usize) }.map_err(|e| {
+            DeviceError::OutOfMemory {
+                bytes,
+                message: driver_error("cuMemAlloc", e).to_string(),
+            }
+        })?;
+        // SAFETY: the allocation just made.
+        unsafe { result::memset_d8_sync(at, 0, bytes as usize) }
+            .map_err(|e| driver_error("cuMemsetD8", e))?;
+        Ok(at)
+    }
+
+    unsafe fn free(&self, at: u64, _bytes: u64) {
+        if self.0.bind().is_ok() {
+            // SAFETY: the caller passes one earlier allocation, unused now.
+            let _ = unsafe { result::free_sync(at) };
+        }
+    }
+
+    unsafe fn write(&self, at: u64, src: &[u8]) -> Result<(), DeviceError> {
+        self.0.bind()?;
+        // SAFETY: the caller vouched for the range. A pageable source is
+        // staged before the call returns, so `src` may go away after it.
+        unsafe { result::memcpy_htod_async(at, src, self.0.stream) }
+            .map_err(|e| driver_error("cuMemcpyHtoDAsync", e))
+    }
+
+    unsafe fn read(&self, at: u64, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.0.bind()?;
+        // SAFETY: the caller vouched for the range; synchronised before returning.
+        unsafe {
+            result::memcpy_dtoh_async(dst, at, self.0.stream)
+                .map_err(|e| driver_error("cuMemcpyDtoHAsync", e))?;
+            result::stream::synchronize(self.0.stream)
+                .map_err(|e| driver_error("cuStreamSynchronize", e))
+        }
+    }
+
+    unsafe fn fill(&self, rect: Rect, fill: Fill) -> Result<(), DeviceError> {
+        self.0.bind()?;
+        let (at, pitch, rows, stream) = (
+            rect.at,
+            rect.pitch as usize,
+            rect.rows as usize,
+            self.0.stream,
+        );
+        // SAFETY: the caller vouched every row lies in a live allocation.
+        let result = unsafe {
+            match fill {
+                Fill::Zero => {
+                    sys::cuMemsetD2D8Async(at, pitch, 0, rect.width as usize, rows, stream)
+                }
+                Fill::U16(value) => {
+                    sys::cuMemsetD2D16Async(at, pitch, value, rect.width as usize / 2, rows, stream)
+                }
+                Fill::U32(value) => {
+                    sys::cuMemsetD2D32Async(at, pitch, value, rect.width as usize / 4, rows, stream)
+                }
+            }
+        };
+        CudaDevice::check("cuMemsetD2DAsync", result)
+    }
+
+    unsafe fn read_rect(&self, rect: Rect, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.0.bind()?;
+        let mut copy = memcpy_2d();
+        copy.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        copy.srcDevice = rect.at;
+        copy.srcPitch = rect.pitch as usize;
+        copy.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
+        copy.dstHost = dst.as_mut_ptr().cast::<c_void>();
+        copy.dstPitch = rect.width as usize;
+        copy.WidthInBytes = rect.width as usize;
+        copy.Height = rect.rows as usize;
+        self.0.copy_2d(&copy)?;
+        // SAFETY: the stream is live; `dst` is written by the time it returns.
+        unsafe { result::stream::synchronize(self.0.stream) }
+            .map_err(|e| driver_error("cuStreamSynchronize", e))
+    }
+
+    unsafe fn write_rect(&self, rect: Rect, src: &[u8]) -> Result<(), DeviceError> {
+        self.0.bind()?;
+        let mut copy = memcpy_2d();
+        copy.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
+        copy.srcHost = src.as_ptr().cast::<c_void>();
+        copy.srcPitch = rect.width as usize;
+        copy.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        copy.dstDevice = rect.at;
+        copy.dstPitch = rect.pitch as usize;
+        copy.WidthInBytes = rect.width as usize;
+        copy.Height = rect.rows as usize;
+        self.0.copy_2d(&copy)?;
+        // A pageable source may be read after the call returns: wait for it.
+        // SAFETY: the stream is live.
+        unsafe { result::stream::synchronize(self.0.stream) }
+            .map_err(|e| driver_error("cuStreamSynchronize", e))
+    }
+
+    unsafe fn launch(
+        &self,
+        kernel: &'static str,
+        geometry: Geometry,
+        args: &[u8],
+    ) -> Result<(), DeviceError> {
+        let function = *self.0.functions.get(kernel).ok_or(DeviceError::Launch {
+            kernel,
+            message: "no such kernel".to_string(),
+        })?;
+        self.0.bind()?;
+        // The kernel's one parameter is its argument struct, by value.
+        let mut params = [args.as_ptr() as *mut c_void];
+        self.0.launches.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller vouched for the device addresses inside `args`;
+        // the driver copies the parameter bytes before returning.
+        unsafe {
+            result::launch_kernel(
+                function,
+                (geometry.grid, 1, 1),
+                (geometry.block, 1, 1),
+                geometry.shared_bytes,
+                self.0.stream,
+                &mut params,
+            )
+        }
+        .map_err(|e| DeviceError::Launch {
+            kernel,
+            message: driver_error("cuLaunchKernel", e).to_string(),
+        })
+    }
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        self.0.bind()?;
+        // SAFETY: a live stream.
+        unsafe { result::stream::synchronize(self.0.stream) }
+            .map_err(|e| driver_error("cuStreamSynchronize", e))
+    }
+
+    fn capture(
+        &self,
+        record: &mut dyn FnMut() -> Result<(), DeviceError>,
+    ) -> Result<Box<dyn DeviceGraph>, DeviceError> {
+        self.0.bind()?;
+        let before = self.0.launches.load(Ordering::Relaxed);
+        // SAFETY: a live stream; capture is ended on every path below.
+        unsafe {
+            result::stream::begin_capture(
+                self.0.stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+        .map_err(|e| driver_error("cuStreamBeginCapture", e))?;
+        let recorded = record();
+        // SAFETY: capture was begun above.
+        let graph = unsafe { result::stream::end_capture(self.0.stream) }
+            .map_err(|e| driver_error("cuStreamEndCapture", e));
+        let launches = self.0.launches.load(Ordering::Relaxed) - before;
+        // Captured launches did not run.
+        self.0.launches.fetch_sub(launches, Ordering::Relaxed);
+        recorded?;
+        let graph = graph?;
+        // SAFETY: a graph just captured.
+        let exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
+            .map_err(|e| {
+            // SAFETY: the graph is not used again.
+            unsafe {
+                let _ = result::graph::destroy(graph);
+            }
+            driver_error("cuGraphInstantiate", e)
+        })?;
+        Ok(Box::new(CudaGraph {
+            device: Arc::clone(&self.0),
+            graph,
+            exec,
+            launches,
+        }))
+    }
+
+    fn launches(&self) -> u64 {
+        self.0.launches.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,286 @@
+//! The emulated device: the kernels of `kernels/cuda/` compiled for this CPU
+//! (`kernels/cuda/emu/`, built by `build.rs` with the `emulator` feature)
+//! and run one block at a time, each block's threads as fibers switched at
+//! barriers, in an order drawn afresh from a seed at every round.
+//!
+//! Device memory is host memory, each allocation ending just before an
+//! inaccessible page (an access past its end faults). Graphs record their
+//! launches, arguments by value, and replay them: what a captured launch
+//! reads must come from device memory, as on a GPU.
+//!
+//! It runs the kernels' arithmetic, indexing and barriers; it cannot show
+//! races between blocks, the GPU's memory model or its speed. Tests only.
+
+use super::device::{Device, DeviceError, DeviceGraph, Fill, Geometry, Rect};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+extern "C" {
+    fn bulkhead_emu_alloc(bytes: usize) -> *mut c_void;
+    fn bulkhead_emu_free(ptr: *mut c_void, bytes: usize);
+    fn bulkhead_emu_args_bytes(name: *const c_char) -> usize;
+    fn bulkhead_emu_kernels_linked() -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn bulkhead_emu_launch(
+        name: *const c_char,
+        grid: *const u32,
+        block: *const u32,
+        shared_bytes: u32,
+        args: *const c_void,
+        args_bytes: usize,
+        seed: u64,
+        error: *mut c_char,
+        error_len: usize,
+    ) -> c_int;
+}
+
+/// Device memory the emulator offers (a cap on tests, not a real size).
+const MEMORY_BYTES: u64 = 4 << 30;
+/// Dynamic shared memory per block, as on an H100/H200 with the opt-in limit.
+const SHARED_BYTES_MAX: u32 = 227 * 1024;
+
+/// One recorded launch of a captured graph: its arguments by value.
+struct Recorded {
+    kernel: &'static str,
+    geometry: Geometry,
+    args: Vec<u8>,
+}
+
+/// The emulated device.
+pub struct Emulator {
+    /// Launches so far; also the seed of each launch's schedule.
+    launches: AtomicU64,
+    /// Set while a graph is being captured: launches are recorded, not run.
+    capturing: Mutex<Option<Vec<Recorded>>>,
+    /// One launch runs at a time (the runtime keeps one launch's state).
+    running: Mutex<()>,
+    seed: u64,
+    /// Itself, for the graphs it captures.
+    this: Weak<Emulator>,
+}
+
+impl std::fmt::Debug for Emulator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Emulator(seed {})", self.seed)
+    }
+}
+
+impl Emulator {
+    /// An emulated device whose launches' schedules derive from `seed`.
+    pub fn new(seed: u64) -> Arc<Emulator> {
+        // SAFETY: a function without arguments; referencing it links the kernels in.
+        let linked = unsafe { bulkhead_emu_kernels_linked() };
+        assert_eq!(linked, 1, "the emulator's kernels are linked");
+        Arc::new_cyclic(|this| Emulator {
+            launches: AtomicU64::new(0),
+            capturing: Mutex::new(None),
+            running: Mutex::new(()),
+            seed,
+            this: this.clone(),
+        })
+    }
+
+    /// Bytes of `kernel`'s argument struct as the compiled sources declare
+    /// it, or `None` if no kernel has that name.
+    pub fn args_bytes(kernel: &str) -> Option<usize> {
+        let name = CString::new(kernel).ok()?;
+        // SAFETY: `name` is a valid C string for the duration of the call.
+        let bytes = unsafe { bulkhead_emu_args_bytes(name.as_ptr()) };
+        (bytes > 0).then_some(bytes)
+    }
+
+    fn run(
+        &self,
+        kernel: &'static str,
+        geometry: Geometry,
+        args: &[u8],
+    ) -> Result<(), DeviceError> {
+        let _running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let launch = self.launches.fetch_add(1, Ordering::Relaxed);
+        let name = CString::new(kernel).expect("kernel names have no NUL");
+        let grid = [geometry.grid, 1, 1];
+        let block = [geometry.block, 1, 1];
+        let mut error = [0 as c_char; 512];
+        // SAFETY: pointers are valid for the call; the caller of `launch`
+        // vouched for the device addresses inside `args`.
+        let failed = unsafe {
+            bulkhead_emu_launch(
+                name.as_ptr(),
+                grid.as_ptr(),
+                block.as_ptr(),
+                geometry.shared_bytes,
+                args.as_ptr().cast(),
+                args.len(),
+                self.seed ^ launch,
+                error.as_mut_ptr(),
+                error.len(),
+            )
+        };
+        if failed != 0 {
+            // SAFETY: the runtime wrote a NUL-terminated message into `error`.
+            let message = unsafe { CStr::from_ptr(error.as_ptr()) };
+            return Err(DeviceError::Launch {
+                kernel,
+                message: message.to_string_lossy().into_owned(),
+            });
+        }
+        Ok(())
+    }
+}
+
+struct EmulatedGraph {
+    device: Arc<Emulator>,
+    launches: Vec<Recorded>,
+}
+
+impl DeviceGraph for EmulatedGraph {
+    fn replay(&self) -> Result<(), DeviceError> {
+        for launch in &self.launches {
+            self.device
+                .run(launch.kernel, launch.geometry, &launch.args)?;
+        }
+        Ok(())
+    }
+}
+
+/// Rows of a rectangle as host slices.
+///
+/// # Safety
+/// Every row lies within one live allocation (host memory on the emulator).
+unsafe fn rows(rect: Rect) -> impl Iterator<Item = *mut u8> {
+    (0..rect.rows).map(move |row| (rect.at + row * rect.pitch) as *mut u8)
+}
+
+impl Device for Emulator {
+    fn describe(&self) -> String {
+        "CUDA emulator (CPU)".to_string()
+    }
+
+    fn memory_bytes(&self) -> u64 {
+        MEMORY_BYTES
+    }
+
+    fn shared_bytes_max(&self) -> u32 {
+        SHARED_BYTES_MAX
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<u64, DeviceError> {
+        let out_of_memory = || DeviceError::OutOfMemory {
+            bytes,
+            message: "emulator".to_string(),
+        };
+        let len = usize::try_from(bytes).map_err(|_| out_of_memory())?;
+        // SAFETY: allocates zeroed pages; a null result is handled.
+        let ptr = unsafe { bulkhead_emu_alloc(len) };
+        if ptr.is_null() {
+            return Err(out_of_memory());
+        }
+        Ok(ptr as u64)
+    }
+
+    unsafe fn free(&self, at: u64, bytes: u64) {
+        // SAFETY: the caller passes one earlier allocation, unused now.
+        unsafe { bulkhead_emu_free(at as *mut c_void, bytes as usize) }
+    }
+
+    unsafe fn write(&self, at: u64, src: &[u8]) -> Result<(), DeviceError> {
+        // SAFETY: the caller vouched the range is one live allocation.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), at as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    unsafe fn read(&self, at: u64, dst: &mut [u8]) -> Result<(), DeviceError> {
+        // SAFETY: as above.
+        unsafe { std::ptr::copy_nonoverlapping(at as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    unsafe fn fill(&self, rect: Rect, fill: Fill) -> Result<(), DeviceError> {
+        // SAFETY: the caller vouched every row is within one live allocation.
+        for row in unsafe { rows(rect) } {
+            // SAFETY: as above; rows of u16/u32 fills are whole values.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(row, rect.width as usize) };
+            match fill {
+                Fill::Zero => bytes.fill(0),
+                Fill::U16(value) => {
+                    for chunk in bytes.chunks_exact_mut(2) {
+                        chunk.copy_from_slice(&value.to_le_bytes());
+                    }
+                }
+                Fill::U32(value) => {
+                    for chunk in bytes.chunks_exact_mut(4) {
+                        chunk.copy_from_slice(&value.to_le_bytes());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    unsafe fn read_rect(&self, rect: Rect, dst: &mut [u8]) -> Result<(), DeviceError> {
+        let width = rect.width as usize;
+        // SAFETY: the caller vouched every row is within one live allocation.
+        for (row, out) in unsafe { rows(rect) }.zip(dst.chunks_exact_mut(width.max(1))) {
+            // SAFETY: as above.
+            unsafe { std::ptr::copy_nonoverlapping(row, out.as_mut_ptr(), width) };
+        }
+        Ok(())
+    }
+
+    unsafe fn write_rect(&self, rect: Rect, src: &[u8]) -> Result<(), DeviceError> {
+        let width = rect.width as usize;
+        // SAFETY: as above.
+        for (row, data) in unsafe { rows(rect) }.zip(src.chunks_exact(width.max(1))) {
+            // SAFETY: as above.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), row, width) };
+        }
+        Ok(())
+    }
+
+    unsafe fn launch(
+        &self,
+        kernel: &'static str,
+        geometry: Geometry,
+        args: &[u8],
+    ) -> Result<(), DeviceError> {
+        let mut capturing = self.capturing.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(recorded) = capturing.as_mut() {
+            recorded.push(Recorded {
+                kernel,
+                geometry,
+                args: args.to_vec(),
+            });
+            return Ok(());
+        }
+        drop(capturing);
+        self.run(kernel, geometry, args)
+    }
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        Ok(())
+    }
+
+    fn capture(
+        &self,
+        record: &mut dyn FnMut() -> Result<(), DeviceError>,
+    ) -> Result<Box<dyn DeviceGraph>, DeviceError> {
+        *self.capturing.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+        let result = record();
+        let launches = self
+            .capturing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_default();
+        result?;
+        Ok(Box::new(EmulatedGraph {
+            device: self.this.upgrade().expect("a device outlives its calls"),
+            launches,
+        }))
+    }
+
+    fn launches(&self) -> u64 {
+        self.launches.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,934 @@
+//! The CUDA backend: the CPU backend's batched Llama forward pass, as
+//! kernels on a device, over KV pages in device memory.
+//!
+//! A step, in order:
+//!
+//! 1. **Validate** exactly as the CPU backend does ([`super::validate_step`]):
+//!    sizes, tokens, positions, and every page the step touches a live lease
+//!    of its sequence, the pages it writes its own. Then the pool's page
+//!    book checks every lease once more and lends the step its page ids
+//!    ([`crate::kv::Pool::step_view`]); the view borrows the pool until the
+//!    step's last kernel has finished, so nothing can release or re-lease a
+//!    page under a running kernel.
+//! 2. **Pack** the step's inputs into one host buffer: token ids, positions,
+//!    each token's sequence, the page tables (only the checked page ids:
+//!    the device never sees a table the book has not checked), the attention
+//!    work items and the logit rows; copy it to the device in one write.
+//! 3. **Launch**: embedding rows; per layer RMSNorm and quantization, Q/K/V
+//!    in one matmul, RoPE and the KV store into pages, paged attention (and
+//!    the merge of split decode attention), Wo added into the residual
+//!    stream, RMSNorm and quantization, gate and up with SwiGLU in one
+//!    matmul, down added into the residual stream; then the final norm of
+//!    the rows that want logits and the output head.
+//! 4. **Read** the logits back.
+//!
+//! A step of decode tokens only (each sequence one token) of up to
+//! `step_seqs_max` sequences can run as a captured CUDA graph: the launches
+//! of step 3 for a bucket of sequences (1, 2, 4, ... rounded up), padded
+//! with tokens of no sequence that store nothing. Everything that changes
+//! from step to step is in the packed buffer, so one capture per bucket
+//! replays for every later step of that size.
+//!
+//! The arithmetic is the CPU's: activations quantized to the same Q8 blocks,
+//! integer dot products per block, f32 elsewhere; results differ from the
+//! CPU backend's by the order of f32 sums (measured by the conformance test
+//! and `scripts/gpu-check.sh`).
+
+pub mod device;
+pub mod driver;
+#[cfg(feature = "emulator")]
+pub mod emulator;
+pub mod launch;
+pub mod nvrtc;
+pub mod storage;
+#[cfg(all(test, feature = "emulator"))]
+mod tests;
+
+pub use device::{Device, DeviceBuffer, DeviceError, DeviceGraph};
+pub use driver::{probe, Cuda, CudaDevice, CudaUnavailable, Probe};
+pub use storage::{device_identity, DeviceStorage};
+
+use super::{validate_step, Backend, Logits, SeqStep, StepError, StepLimits};
+use crate::kv::{PageLayout, Pool, StepView};
+use crate::model::{Matrix, Model};
+use crate::quant::{ActivationFormat, GgmlType};
+use device::Geometry;
+use launch::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// KV positions per split of a decode token's attention: a decode token at
+/// depth p is split into ceil((p + 1) / 256) work items per KV head, merged
+/// after (more blocks in flight for a long context at a small batch).
+pub const SPLIT_POSITIONS: u32 = 256;
+/// Bytes per step-buffer word.
+const WORD: u64 = 4;
+
+/// Sizing of a CUDA backend.
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    /// Most tokens in one step.
+    pub step_tokens_max: usize,
+    /// Most sequences in one step.
+    pub step_seqs_max: usize,
+    /// Whether decode-only steps run as captured graphs.
+    pub graphs: bool,
+}
+
+/// Why a CUDA backend could not be built for a model.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// The device failed (allocation, copy).
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// The model needs something these kernels do not run.
+    #[error("the CUDA backend does not run this model: {0}")]
+    Unsupported(String),
+}
+
+/// A weight matrix on the device.
+struct DeviceMatrix {
+    buffer: DeviceBuffer,
+    ty: GgmlType,
+    rows: u32,
+    row_bytes: u32,
+}
+
+impl DeviceMatrix {
+    fn upload(
+        device: &Arc<dyn Device>,
+        model: &Model,
+        matrix: &Matrix,
+    ) -> Result<Self, DeviceError> {
+        Ok(DeviceMatrix {
+            buffer: DeviceBuffer::from_bytes(device, model.bytes(matrix))?,
+            ty: matrix.ty(),
+            rows: matrix.rows as u32,
+            row_bytes: matrix.row_bytes() as u32,
+        })
+    }
+
+    fn format(&self) -> ActivationFormat {
+        ActivationFormat::for_weights(self.ty)
+    }
+
+    /// This matrix as a matmul segment writing `[tokens][out_stride]` at `out`.
+    fn seg(&self, out: u64, out_stride: u32) -> MatSeg {
+        MatSeg {
+            w: self.buffer.at(0),
+            out,
+            ty: self.ty as u32,
+            rows: self.rows,
+            row_bytes: self.row_bytes,
+            out_stride,
+        }
+    }
+}
+
+fn floats(device: &Arc<dyn Device>, values: &[f32]) -> Result<DeviceBuffer, DeviceError> {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    DeviceBuffer::from_bytes(device, &bytes)
+}
+
+struct DeviceLayer {
+    attn_norm: DeviceBuffer,
+    wq: DeviceMatrix,
+    wk: DeviceMatrix,
+    wv: DeviceMatrix,
+    wo: DeviceMatrix,
+    ffn_norm: DeviceBuffer,
+    w_gate: DeviceMatrix,
+    w_up: DeviceMatrix,
+    w_down: DeviceMatrix,
+}
+
+struct Weights {
+    embed: DeviceMatrix,
+    output_norm: DeviceBuffer,
+    output: DeviceMatrix,
+    layers: Vec<DeviceLayer>,
+}
+
+/// Per-step device buffers, allocated once for the largest step.
+struct Scratch {
+    x: DeviceBuffer,      // f32 [tokens][d] residual stream
+    xn: DeviceBuffer,     // f32 [tokens][max(d, ffn)] normalised (or copied) input of a product
+    q: DeviceBuffer,      // f32 [tokens][d]
+    k: DeviceBuffer,      // f32 [tokens][kv_len]
+    v: DeviceBuffer,      // f32 [tokens][kv_len]
+    attn: DeviceBuffer,   // f32 [tokens][d]
+    ffn: DeviceBuffer,    // f32 [tokens][ffn] silu(gate) * up
+    qs: DeviceBuffer,     // i8 [tokens][max(d, ffn)]
+    qd: DeviceBuffer,     // f32 [tokens][max(d, ffn) / 32]
+    sums: DeviceBuffer,   // i32 [tokens][max(d, ffn) / 16]
+    logits: DeviceBuffer, // f32 [seqs][vocab]
+}
+
+/// Where each region of the packed step buffer starts, in words, for the
+/// largest step: the same addresses for every step, so captured graphs stay valid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct StepLayout {
+    tokens: u64,
+    positions: u64,
+    token_seq: u64,
+    seq_pages: u64,
+    gather: u64,
+    pages: u64,
+    items: u64,
+    merges: u64,
+    words: u64,
+    /// Capacities.
+    pages_max: u64,
+    items_max: u64,
+    merges_max: u64,
+    slots_max: u64,
+    /// The pool geometry the page capacity was sized for.
+    page_tokens: u32,
+}
+
+impl StepLayout {
+    fn new(
+        options: &CudaOptions,
+        model: &Model,
+        page_tokens: u32,
+        queries_per_item: u32,
+    ) -> StepLayout {
+        let c = &model.config;
+        let (t, s) = (options.step_tokens_max as u64, options.step_seqs_max as u64);
+        let kv_heads = c.kv_heads_count as u64;
+        let splits_max = (c.context_len as u64).div_ceil(u64::from(SPLIT_POSITIONS));
+        // Each sequence's table as far as its last position: at most the context.
+        let pages_max = s * (c.context_len as u64).div_ceil(u64::from(page_tokens));
+        // Prefill chunks in items of `queries_per_item` (one partial item per
+        // sequence at most), decode tokens in up to `splits_max` items.
+        let items_max = kv_heads * (t.div_ceil(u64::from(queries_per_item)) + s + s * splits_max);
+        let merges_max = s * kv_heads;
+        let mut at = 0u64;
+        let mut region = |words: u64| {
+            let start = at;
+            at += words.div_ceil(4) * 4; // 16-byte aligned regions
+            start
+        };
+        let tokens = region(t);
+        let positions = region(t);
+        let token_seq = region(t);
+        let seq_pages = region(s);
+        let gather = region(s);
+        let pages = region(pages_max);
+        let items = region(items_max * 8);
+        let merges = region(merges_max * 4);
+        StepLayout {
+            tokens,
+            positions,
+            token_seq,
+            seq_pages,
+            gather,
+            pages,
+            items,
+            merges,
+            words: at,
+            pages_max,
+            items_max,
+            merges_max,
+            slots_max: s * kv_heads * splits_max,
+            page_tokens,
+        }
+    }
+}
+
+/// What one step launches over: the sizes of its grids (for a graph, its bucket's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Counts {
+    tokens: u32,
+    items: u32,
+    merges: u32,
+    wanted: u32,
+}
+
+/// The device side of the step buffer and its layout, made at the first step.
+struct StepBuffer {
+    layout: StepLayout,
+    buffer: DeviceBuffer,
+    partials: DeviceBuffer,
+}
+
+/// The CUDA backend.
+pub struct CudaBackend {
+    /// Captured decode steps by bucket size. First field: dropped before the
+    /// buffers their launches use.
+    graphs: HashMap<u32, Box<dyn DeviceGraph>>,
+    step: Option<StepBuffer>,
+    scratch: Scratch,
+    weights: Weights,
+    device: Arc<dyn Device>,
+    model: Arc<Model>,
+    options: CudaOptions,
+    /// Query rows per attention item (a multiple of the KV group).
+    attention_rows: u32,
+    /// Host staging for the packed step buffer, words.
+    staging: Vec<u32>,
+    /// Host copy of the logits of the last step.
+    logits: Vec<f32>,
+}
+
+/// The largest number of query rows (a multiple of `group`, at most
+/// [`ATTENTION_ROWS_MAX`]) whose attention block fits `shared_max` bytes.
+pub fn attention_rows(head_dim: u32, group: u32, shared_max: u32) -> Option<u32> {
+    let mut rows = (ATTENTION_ROWS_MAX / group) * group;
+    while rows >= group && rows > 0 {
+        if attention_shared_bytes(head_dim, rows, ATTENTION_TILE) <= shared_max {
+            return Some(rows);
+        }
+        rows -= group;
+    }
+    None
+}
+
+impl CudaBackend {
+    /// A backend for `model` on `device`, its weights uploaded and its
+    /// scratch allocated now.
+    pub fn new(
+        model: Arc<Model>,
+        device: Arc<dyn Device>,
+        options: CudaOptions,
+    ) -> Result<CudaBackend, CudaError> {
+        let c = &model.config;
+        let unsupported = |what: String| Err(CudaError::Unsupported(what));
+        let group = c.kv_group() as u32;
+        let Some(attention_rows) =
+            attention_rows(c.head_dim as u32, group, device.shared_bytes_max())
+        else {
+            return unsupported(format!(
+                "attention with head_dim {} and {} query heads per KV head needs more shared memory \
+                 than the device's {} bytes",
+                c.head_dim, group, device.shared_bytes_max()
+            ));
+        };
+        for (i, layer) in model.layers.iter().enumerate() {
+            let (gate, up) = (layer.w_gate.ty(), layer.w_up.ty());
+            if ActivationFormat::for_weights(gate) != ActivationFormat::for_weights(up) {
+                return unsupported(format!(
+                    "layer {i}: ffn_gate ({}) and ffn_up ({}) take activations in different formats",
+                    gate.name(),
+                    up.name()
+                ));
+            }
+        }
+        if !c.embedding_len.is_multiple_of(32) || !c.ffn_len.is_multiple_of(32) {
+            return unsupported("widths that are not whole 32-blocks".to_string());
+        }
+        let weights = Weights {
+            embed: DeviceMatrix::upload(&device, &model, &model.token_embd)?,
+            output_norm: floats(&device, &model.output_norm)?,
+            output: DeviceMatrix::upload(&device, &model, &model.output)?,
+            layers: model
+                .layers
+                .iter()
+                .map(|w| {
+                    Ok(DeviceLayer {
+                        attn_norm: floats(&device, &w.attn_norm)?,
+                        wq: DeviceMatrix::upload(&device, &model, &w.wq)?,
+                        wk: DeviceMatrix::upload(&device, &model, &w.wk)?,
+                        wv: DeviceMatrix::upload(&device, &model, &w.wv)?,
+                        wo: DeviceMatrix::upload(&device, &model, &w.wo)?,
+                        ffn_norm: floats(&device, &w.ffn_norm)?,
+                        w_gate: DeviceMatrix::upload(&device, &model, &w.w_gate)?,
+                        w_up: DeviceMatrix::upload(&device, &model, &w.w_up)?,
+                        w_down: DeviceMatrix::upload(&device, &model, &w.w_down)?,
+                    })
+                })
+                .collect::<Result<Vec<_>, DeviceError>>()?,
+        };
+        let (t, s) = (
+            options.step_tokens_max.max(1) as u64,
+            options.step_seqs_max.max(1) as u64,
+        );
+        let (d, kv, ffn, vocab) = (
+            c.embedding_len as u64,
+            c.kv_len() as u64,
+            c.ffn_len as u64,
+            c.vocab_len as u64,
+        );
+        let wide = d.max(ffn);
+        let zeroed = |bytes: u64| DeviceBuffer::zeroed(&device, bytes);
+        let scratch = Scratch {
+            x: zeroed(4 * t * d)?,
+            xn: zeroed(4 * t * wide)?,
+            q: zeroed(4 * t * d)?,
+            k: zeroed(4 * t * kv)?,
+            v: zeroed(4 * t * kv)?,
+            attn: zeroed(4 * t * d)?,
+            ffn: zeroed(4 * t * ffn)?,
+            qs: zeroed(t * wide)?,
+            qd: zeroed(4 * t * wide / 32)?,
+            sums: zeroed(4 * t * wide / 16)?,
+            logits: zeroed(4 * s * vocab)?,
+        };
+        Ok(CudaBackend {
+            graphs: HashMap::new(),
+            step: None,
+            scratch,
+            weights,
+            device,
+            model,
+            options: CudaOptions {
+                step_tokens_max: t as usize,
+                step_seqs_max: s as usize,
+                ..options
+            },
+            attention_rows,
+            staging: Vec::new(),
+            logits: Vec::new(),
+        })
+    }
+
+    /// The model this backend runs.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// The device it runs on.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    /// Device memory the backend's weights and scratch take (the pool's is the pool's).
+    pub fn device_bytes(&self) -> u64 {
+        let w = &self.weights;
+        let matrices = |l: &DeviceLayer| {
+            [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                .iter()
+                .map(|m| m.buffer.bytes())
+                .sum::<u64>()
+                + l.attn_norm.bytes()
+                + l.ffn_norm.bytes()
+        };
+        let s = &self.scratch;
+        w.embed.buffer.bytes()
+            + w.output.buffer.bytes()
+            + w.output_norm.bytes()
+            + w.layers.iter().map(matrices).sum::<u64>()
+            + [
+                &s.x, &s.xn, &s.q, &s.k, &s.v, &s.attn, &s.ffn, &s.qs, &s.qd, &s.sums, &s.logits,
+            ]
+            .iter()
+            .map(|b| b.bytes())
+            .sum::<u64>()
+            + self
+                .step
+                .as_ref()
+                .map_or(0, |b| b.buffer.bytes() + b.partials.bytes())
+    }
+
+    /// Makes the step buffer for `layout`'s page size (once, or again for another pool).
+    fn ensure_step_buffer(&mut self, layout: &PageLayout) -> Result<(), DeviceError> {
+        let page_tokens = layout.geometry().page_tokens;
+        if self
+            .step
+            .as_ref()
+            .is_some_and(|s| s.layout.page_tokens == page_tokens)
+        {
+            return Ok(());
+        }
+        self.graphs.clear();
+        let c = &self.model.config;
+        let group = c.kv_group() as u32;
+        let step_layout = StepLayout::new(
+            &self.options,
+            &self.model,
+            page_tokens,
+            self.attention_rows / group,
+        );
+        let partial_floats = step_layout.slots_max * u64::from(group) * (2 + c.head_dim as u64);
+        self.step = Some(StepBuffer {
+            buffer: DeviceBuffer::zeroed(&self.device, step_layout.words * WORD)?,
+            partials: DeviceBuffer::zeroed(&self.device, partial_floats.max(1) * 4)?,
+            layout: step_layout,
+        });
+        Ok(())
+    }
+
+    /// The graph bucket of a decode-only step of `seqs` sequences, if it can run as one.
+    fn graph_bucket(&self, steps: &[SeqStep<'_>]) -> Option<u32> {
+        if !self.options.graphs || steps.iter().any(|s| s.tokens.len() != 1) {
+            return None;
+        }
+        let bucket = (steps.len() as u32).next_power_of_two();
+        (bucket as usize <= self.options.step_seqs_max).then_some(bucket)
+    }
+
+    /// Packs the step into `staging` (see the module doc); returns the
+    /// launch counts. With a bucket, pads to it: tokens of no sequence,
+    /// empty attention items and merges, logit rows of token 0.
+    fn pack(&mut self, steps: &[SeqStep<'_>], view: &StepView<'_>, bucket: Option<u32>) -> Counts {
+        let layout = self.step.as_ref().expect("made before packing").layout;
+        let c = &self.model.config;
+        let (kv_heads, group) = (c.kv_heads_count as u32, c.kv_group() as u32);
+        let queries_per_item = self.attention_rows / group;
+        let page_tokens = layout.page_tokens as usize;
+        self.staging.clear();
+        self.staging.resize(layout.words as usize, 0);
+        let w = &mut self.staging;
+        let (mut t, mut pages_at, mut items, mut merges, mut slots, mut wanted) =
+            (0u32, 0u32, 0u32, 0u32, 0u32, 0u32);
+        let item = |w: &mut Vec<u32>, n: u32, it: AttnItem| {
+            let at = (layout.items + 8 * u64::from(n)) as usize;
+            w[at..at + 8].copy_from_slice(&[
+                it.seq, it.kv_head, it.t0, it.t1, it.pos0, it.p0, it.p1, it.partial,
+            ]);
+        };
+        for (seq, step) in steps.iter().enumerate() {
+            let seq = seq as u32;
+            let t0 = t;
+            for (i, &token) in step.tokens.iter().enumerate() {
+                w[(layout.tokens + u64::from(t)) as usize] = token;
+                w[(layout.positions + u64::from(t)) as usize] = (step.pos_start + i) as u32;
+                w[(layout.token_seq + u64::from(t)) as usize] = seq;
+                t += 1;
+            }
+            // The page ids the view checked, as far as the step reaches.
+            let end = step.pos_start + step.tokens.len();
+            let touched = &view.page_ids(seq as usize)[..end.div_ceil(page_tokens)];
+            w[(layout.seq_pages + u64::from(seq)) as usize] = pages_at;
+            for page in touched {
+                w[(layout.pages + u64::from(pages_at)) as usize] = page.index() as u32;
+                pages_at += 1;
+            }
+            if step.wants_logits {
+                w[(layout.gather + u64::from(wanted)) as usize] = t - 1;
+                wanted += 1;
+            }
+            let pos0 = step.pos_start as u32;
+            if step.tokens.len() == 1 {
+                let positions = pos0 + 1;
+                let splits = positions.div_ceil(SPLIT_POSITIONS);
+                for kv_head in 0..kv_heads {
+                    if splits == 1 {
+                        item(
+                            w,
+                            items,
+                            AttnItem {
+                                seq,
+                                kv_head,
+                                t0,
+                                t1: t,
+                                pos0,
+                                p0: 0,
+                                p1: positions,
+                                partial: NO_SEQ,
+                            },
+                        );
+                        items += 1;
+                        continue;
+                    }
+                    let at = (layout.merges + 4 * u64::from(merges)) as usize;
+                    w[at..at + 4].copy_from_slice(&[t0, kv_head, slots, splits]);
+                    merges += 1;
+                    for split in 0..splits {
+                        let p0 = split * SPLIT_POSITIONS;
+                        let p1 = (p0 + SPLIT_POSITIONS).min(positions);
+                        item(
+                            w,
+                            items,
+                            AttnItem {
+                                seq,
+                                kv_head,
+                                t0,
+                                t1: t,
+                                pos0,
+                                p0,
+                                p1,
+                                partial: slots,
+                            },
+                        );
+                        items += 1;
+                        slots += 1;
+                    }
+                }
+            } else {
+                for kv_head in 0..kv_heads {
+                    let mut a = t0;
+                    while a < t {
+                        let b = (a + queries_per_item).min(t);
+                        let pos_a = pos0 + (a - t0);
+                        item(
+                            w,
+                            items,
+                            AttnItem {
+                                seq,
+                                kv_head,
+                                t0: a,
+                                t1: b,
+                                pos0: pos_a,
+                                p0: 0,
+                                p1: pos_a + (b - a),
+                                partial: NO_SEQ,
+                            },
+                        );
+                        items += 1;
+                        a = b;
+                    }
+                }
+            }
+        }
+        debug_assert!(
+            u64::from(items) <= layout.items_max && u64::from(pages_at) <= layout.pages_max
+        );
+        debug_assert!(
+            u64::from(slots) <= layout.slots_max && u64::from(merges) <= layout.merges_max
+        );
+        let Some(bucket) = bucket else {
+            return Counts {
+                tokens: t,
+                items,
+                merges,
+                wanted,
+            };
+        };
+        // Padding to the bucket: tokens of no sequence, items and merges that do nothing.
+        for pad in t..bucket {
+            w[(layout.token_seq + u64::from(pad)) as usize] = NO_SEQ;
+        }
+        let splits_max = (c.context_len as u32).div_ceil(SPLIT_POSITIONS);
+        let items_cap = bucket * kv_heads * splits_max;
+        let merges_cap = bucket * kv_heads;
+        // Items and merges past the real ones are already zero: t0 == t1 and count 0.
+        debug_assert!(u64::from(items_cap) <= layout.items_max);
+        Counts {
+            tokens: bucket,
+            items: items_cap,
+            merges: merges_cap,
+            wanted: bucket,
+        }
+    }
+
+    fn launch<A: KernelArgs>(
+        &self,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        args: &A,
+    ) -> Result<(), DeviceError> {
+        if grid == 0 {
+            return Ok(());
+        }
+        let geometry = Geometry {
+            grid,
+            block,
+            shared_bytes,
+        };
+        // SAFETY: every address in `args` is one of this backend's buffers or
+        // the pool's values, each sized for the largest step (`new`,
+        // `ensure_step_buffer`); indices into them come from the packed
+        // step, whose page ids the page book checked and whose counts
+        // validation bounded.
+        unsafe { self.device.launch(A::KERNEL, geometry, args.bytes()) }
+    }
+
+    /// `out[r] = rmsnorm(x[src]) * gain` (or `x[src]` without a gain) and its
+    /// quantization for weights taking `format`.
+    fn norm(
+        &self,
+        x: u64,
+        rows: u32,
+        width: u32,
+        gain: Option<&DeviceBuffer>,
+        gather: u64,
+        format: ActivationFormat,
+    ) -> Result<(), DeviceError> {
+        let s = &self.scratch;
+        let block_len = match format {
+            ActivationFormat::F32 => 0,
+            ActivationFormat::Q8_1 => 32,
+            ActivationFormat::Q8_K => 256,
+        };
+        let args = NormArgs {
+            x,
+            gather,
+            gain: gain.map_or(0, |g| g.at(0)),
+            out: s.xn.at(0),
+            qs: if block_len == 0 { 0 } else { s.qs.at(0) },
+            d: s.qd.at(0),
+            sums: s.sums.at(0),
+            width,
+            block_len: block_len.max(32),
+            eps: self.model.config.rms_eps,
+            unused: 0,
+        };
+        self.launch(rows, NORM_BLOCK, 0, &args)
+    }
+
+    fn matmul(&self, segs: &[MatSeg], k: u32, tokens: u32, mode: u32) -> Result<(), DeviceError> {
+        let s = &self.scratch;
+        let mut seg = [MatSeg::default(); MATMUL_SEGS_MAX];
+        seg[..segs.len()].copy_from_slice(segs);
+        let rows: u32 = if mode == mode::SWIGLU {
+            segs[0].rows
+        } else {
+            segs.iter().map(|s| s.rows).sum()
+        };
+        let args = MatmulArgs {
+            seg,
+            x: s.xn.at(0),
+            qs: s.qs.at(0),
+            d: s.qd.at(0),
+            sums: s.sums.at(0),
+            segs: segs.len() as u32,
+            k,
+            tokens,
+            mode,
+        };
+        self.launch(matmul_blocks(rows), MATMUL_WARPS * 32, 0, &args)
+    }
+
+    /// Products of one input with several matrices: one launch per
+    /// activation format among them, each after its own quantization.
+    fn products(
+        &self,
+        input: u64,
+        gain: Option<&DeviceBuffer>,
+        matrices: &[(&DeviceMatrix, u64, u32)],
+        k: u32,
+        tokens: u32,
+        mode: u32,
+    ) -> Result<(), DeviceError> {
+        let mut done = [false; MATMUL_SEGS_MAX];
+        for first in 0..matrices.len() {
+            if done[first] {
+                continue;
+            }
+            let format = matrices[first].0.format();
+            let mut segs = Vec::with_capacity(MATMUL_SEGS_MAX);
+            for (i, (matrix, out, stride)) in matrices.iter().enumerate() {
+                if !done[i] && matrix.format() == format {
+                    done[i] = true;
+                    segs.push(matrix.seg(*out, *stride));
+                }
+            }
+            self.norm(input, tokens, k, gain, 0, format)?;
+            self.matmul(&segs, k, tokens, mode)?;
+        }
+        Ok(())
+    }
+
+    /// Every launch of a step (step 3 of the module doc), for `counts`.
+    fn forward(&self, counts: Counts, kv_at: u64, layout: &PageLayout) -> Result<(), DeviceError> {
+        let c = &self.model.config;
+        let s = &self.scratch;
+        let step = self.step.as_ref().expect("made before the forward pass");
+        let word = |at: u64| step.buffer.at(at * WORD);
+        let sl = &step.layout;
+        let (d, kv, ffn) = (c.embedding_len as u32, c.kv_len() as u32, c.ffn_len as u32);
+        let t = counts.tokens;
+        let geometry = layout.geometry();
+        let kv_f16 = u32::from(geometry.kv_type == crate::kv::KvType::F16);
+        let w = &self.weights;
+        self.launch(
+            t,
+            ROW_BLOCK,
+            0,
+            &EmbedArgs {
+                table: w.embed.buffer.at(0),
+                tokens: word(sl.tokens),
+                out: s.x.at(0),
+                ty: w.embed.ty as u32,
+                width: d,
+                row_bytes: w.embed.row_bytes,
+                rows: w.embed.rows,
+            },
+        )?;
+        for (layer, lw) in w.layers.iter().enumerate() {
+            self.products(
+                s.x.at(0),
+                Some(&lw.attn_norm),
+                &[
+                    (&lw.wq, s.q.at(0), d),
+                    (&lw.wk, s.k.at(0), kv),
+                    (&lw.wv, s.v.at(0), kv),
+                ],
+                d,
+                t,
+                mode::STORE,
+            )?;
+            self.launch(
+                t,
+                ROW_BLOCK,
+                0,
+                &RopeKvArgs {
+                    q: s.q.at(0),
+                    k: s.k.at(0),
+                    v: s.v.at(0),
+                    kv: kv_at,
+                    token_seq: word(sl.token_seq),
+                    positions: word(sl.positions),
+                    seq_pages: word(sl.seq_pages),
+                    pages: word(sl.pages),
+                    heads: c.heads_count as u32,
+                    kv_heads: c.kv_heads_count as u32,
+                    head_dim: c.head_dim as u32,
+                    rope_dim: c.rope_dim as u32,
+                    layer: layer as u32,
+                    pages_count: geometry.pages_count,
+                    page_tokens: geometry.page_tokens,
+                    kv_f16,
+                    rope_base: c.rope_base,
+                    unused: 0,
+                },
+            )?;
+            let rows_max = self.attention_rows;
+            self.launch(
+                counts.items,
+                ATTENTION_BLOCK,
+                attention_shared_bytes(c.head_dim as u32, rows_max, ATTENTION_TILE),
+                &AttentionArgs {
+                    q: s.q.at(0),
+                    kv: kv_at,
+                    items: word(sl.items),
+                    seq_pages: word(sl.seq_pages),
+                    pages: word(sl.pages),
+                    out: s.attn.at(0),
+                    partials: step.partials.at(0),
+                    heads: c.heads_count as u32,
+                    kv_heads: c.kv_heads_count as u32,
+                    head_dim: c.head_dim as u32,
+                    layer: layer as u32,
+                    pages_count: geometry.pages_count,
+                    page_tokens: geometry.page_tokens,
+                    kv_f16,
+                    rows_max,
+                    tile: ATTENTION_TILE,
+                    scale: 1.0 / (c.head_dim as f32).sqrt(),
+                },
+            )?;
+            self.launch(
+                counts.merges,
+                ATTENTION_BLOCK,
+                0,
+                &MergeArgs {
+                    partials: step.partials.at(0),
+                    merges: word(sl.merges),
+                    out: s.attn.at(0),
+                    heads: c.heads_count as u32,
+                    kv_heads: c.kv_heads_count as u32,
+                    head_dim: c.head_dim as u32,
+                    unused: 0,
+                },
+            )?;
+            self.products(
+                s.attn.at(0),
+                None,
+                &[(&lw.wo, s.x.at(0), d)],
+                d,
+                t,
+                mode::ADD,
+            )?;
+            self.products(
+                s.x.at(0),
+                Some(&lw.ffn_norm),
+                &[(&lw.w_gate, s.ffn.at(0), ffn), (&lw.w_up, 0, ffn)],
+                d,
+                t,
+                mode::SWIGLU,
+            )?;
+            self.products(
+                s.ffn.at(0),
+                None,
+                &[(&lw.w_down, s.x.at(0), d)],
+                ffn,
+                t,
+                mode::ADD,
+            )?;
+        }
+        let vocab = c.vocab_len as u32;
+        self.norm(
+            s.x.at(0),
+            counts.wanted,
+            d,
+            Some(&w.output_norm),
+            word(sl.gather),
+            w.output.format(),
+        )?;
+        self.matmul(
+            &[w.output.seg(s.logits.at(0), vocab)],
+            d,
+            counts.wanted,
+            mode::STORE,
+        )
+    }
+
+    fn device_error(error: DeviceError) -> StepError {
+        StepError::Device(error.to_string())
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> String {
+        "cuda".to_string()
+    }
+
+    fn step_tokens_max(&self) -> usize {
+        self.options.step_tokens_max
+    }
+
+    fn step(&mut self, steps: &[SeqStep<'_>], pool: &mut Pool) -> Result<Logits<'_>, StepError> {
+        let identity = device_identity(&self.device);
+        let values = match pool.device_values() {
+            Some(values) if values.device == identity => values,
+            _ => return Err(StepError::DeviceStorage),
+        };
+        let layout = *pool.layout();
+        let page_tokens = layout.geometry().page_tokens as usize;
+        let limits = StepLimits {
+            step_tokens_max: self.options.step_tokens_max,
+            step_seqs_max: self.options.step_seqs_max,
+        };
+        validate_step(&self.model.config, &limits, steps, page_tokens, pool)?;
+        self.ensure_step_buffer(&layout)
+            .map_err(Self::device_error)?;
+        // Every lease checked once more, for the whole step: the view holds
+        // the pool until the logits are read (the kernels have finished).
+        let tables: Vec<&crate::kv::PageTable> = steps.iter().map(|s| s.pages).collect();
+        let view = pool
+            .step_view(&tables)
+            .expect("validated: every lease of the step is live");
+        let bucket = self.graph_bucket(steps);
+        let counts = self.pack(steps, &view, bucket);
+        let step = self.step.as_ref().expect("made above");
+        let words: Vec<u8> = self.staging.iter().flat_map(|w| w.to_le_bytes()).collect();
+        step.buffer.write(0, &words).map_err(Self::device_error)?;
+        match bucket {
+            Some(bucket) => {
+                if !self.graphs.contains_key(&bucket) {
+                    let this = &*self;
+                    let graph = this
+                        .device
+                        .capture(&mut || this.forward(counts, values.at, &layout))
+                        .map_err(Self::device_error)?;
+                    self.graphs.insert(bucket, graph);
+                }
+                self.graphs[&bucket].replay().map_err(Self::device_error)?;
+            }
+            None => self
+                .forward(counts, values.at, &layout)
+                .map_err(Self::device_error)?,
+        }
+        let vocab = self.model.config.vocab_len;
+        let wanted = steps.iter().filter(|s| s.wants_logits).count();
+        let mut bytes = vec![0u8; wanted * vocab * 4];
+        self.scratch
+            .logits
+            .read(0, &mut bytes)
+            .map_err(Self::device_error)?;
+        drop(view);
+        self.logits.clear();
+        self.logits.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        );
+        Ok(Logits {
+            values: &self.logits,
+            vocab_len: vocab,
+        })
+    }
+}

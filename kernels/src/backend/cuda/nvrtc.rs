@@ -1,0 +1,284 @@
+//! The kernel sources, compiled at start-up through NVRTC to machine code
+//! (CUBIN) for the device present, and cached per architecture.
+//!
+//! CUBIN rather than PTX: the driver loads machine code for its own device
+//! as it is, where PTX from an NVRTC newer than the driver would be refused.
+//! NVRTC needs no GPU, so CI compiles every source for `sm_90` on a machine
+//! without one (`every_source_compiles_for_sm_90`), with the library from
+//! PyPI's `nvidia-cuda-nvrtc` wheel that `scripts/setup.sh` installs.
+//!
+//! NVRTC is loaded dynamically (cudarc's `dynamic-loading`): it is looked up
+//! by name through the loader path when first needed, and its absence is an
+//! error here, never a panic.
+
+use cudarc::nvrtc::sys;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// A kernel source file and its name for NVRTC's messages.
+pub struct Source {
+    /// The file name (as in `kernels/cuda/`).
+    pub name: &'static str,
+    /// Its text.
+    pub text: &'static str,
+}
+
+/// Headers every source includes, by the name it includes them as.
+const HEADERS: [Source; 2] = [
+    Source {
+        name: "common.cuh",
+        text: include_str!("../../../cuda/common.cuh"),
+    },
+    Source {
+        name: "args.cuh",
+        text: include_str!("../../../cuda/args.cuh"),
+    },
+];
+
+/// Every kernel source, one module each.
+pub const SOURCES: [Source; 3] = [
+    Source {
+        name: "attention.cu",
+        text: include_str!("../../../cuda/attention.cu"),
+    },
+    Source {
+        name: "pages.cu",
+        text: include_str!("../../../cuda/pages.cu"),
+    },
+    Source {
+        name: "quant.cu",
+        text: include_str!("../../../cuda/quant.cu"),
+    },
+];
+
+/// Why the kernels could not be compiled.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NvrtcError {
+    /// libnvrtc is not on the loader path.
+    #[error(
+        "NVRTC (libnvrtc.so.13) was not found on the loader path: install CUDA 13's NVRTC \
+         (the CUDA toolkit, or PyPI's nvidia-cuda-nvrtc 13.0 wheel) and add its lib folder \
+         to LD_LIBRARY_PATH"
+    )]
+    Missing,
+    /// An NVRTC call failed.
+    #[error("NVRTC {call}: {message}")]
+    Call {
+        /// The call.
+        call: &'static str,
+        /// NVRTC's error string.
+        message: String,
+    },
+    /// A source did not compile.
+    #[error("NVRTC could not compile {source_name} for {arch}:\n{log}")]
+    Compile {
+        /// The file.
+        source_name: &'static str,
+        /// The target architecture.
+        arch: String,
+        /// The compiler's log.
+        log: String,
+    },
+}
+
+/// Whether libnvrtc can be loaded.
+pub fn is_present() -> bool {
+    // SAFETY: only tries to load the library by its candidate names.
+    unsafe { sys::is_culib_present() }
+}
+
+/// NVRTC's version (major, minor).
+pub fn version() -> Result<(i32, i32), NvrtcError> {
+    if !is_present() {
+        return Err(NvrtcError::Missing);
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: the library is present; the out-pointers are valid.
+    check("nvrtcVersion", unsafe {
+        sys::nvrtcVersion(&mut major, &mut minor)
+    })?;
+    Ok((major, minor))
+}
+
+fn check(call: &'static str, result: sys::nvrtcResult) -> Result<(), NvrtcError> {
+    if result == sys::nvrtcResult::NVRTC_SUCCESS {
+        return Ok(());
+    }
+    // SAFETY: nvrtcGetErrorString returns a static string for any result.
+    let message = unsafe { CStr::from_ptr(sys::nvrtcGetErrorString(result)) };
+    Err(NvrtcError::Call {
+        call,
+        message: message.to_string_lossy().into_owned(),
+    })
+}
+
+/// A created NVRTC program, destroyed on drop.
+struct Program(sys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: the program was created and is destroyed once.
+        unsafe {
+            sys::nvrtcDestroyProgram(&mut self.0);
+        }
+    }
+}
+
+impl Program {
+    fn log(&self) -> String {
+        let mut len = 0usize;
+        // SAFETY: a live program; the out-pointer is valid.
+        if unsafe { sys::nvrtcGetProgramLogSize(self.0, &mut len) }
+            != sys::nvrtcResult::NVRTC_SUCCESS
+        {
+            return String::new();
+        }
+        let mut log = vec![0u8; len.max(1)];
+        // SAFETY: `log` holds the size NVRTC reported.
+        unsafe { sys::nvrtcGetProgramLog(self.0, log.as_mut_ptr().cast::<c_char>()) };
+        CStr::from_bytes_until_nul(&log)
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    }
+}
+
+/// Compiles `source` to CUBIN for `arch` (e.g. "sm_90").
+pub fn compile(source: &Source, arch: &str) -> Result<Vec<u8>, NvrtcError> {
+    if !is_present() {
+        return Err(NvrtcError::Missing);
+    }
+    let text = CString::new(source.text).expect("sources have no NUL");
+    let name = CString::new(source.name).expect("names have no NUL");
+    let header_texts: Vec<CString> = HEADERS
+        .iter()
+        .map(|h| CString::new(h.text).expect("headers have no NUL"))
+        .collect();
+    let header_names: Vec<CString> = HEADERS
+        .iter()
+        .map(|h| CString::new(h.name).expect("names have no NUL"))
+        .collect();
+    let texts: Vec<*const c_char> = header_texts.iter().map(|h| h.as_ptr()).collect();
+    let names: Vec<*const c_char> = header_names.iter().map(|h| h.as_ptr()).collect();
+    let mut raw = std::ptr::null_mut();
+    // SAFETY: every pointer is a live C string for the call; NVRTC copies them.
+    check("nvrtcCreateProgram", unsafe {
+        sys::nvrtcCreateProgram(
+            &mut raw,
+            text.as_ptr(),
+            name.as_ptr(),
+            HEADERS.len() as c_int,
+            texts.as_ptr(),
+            names.as_ptr(),
+        )
+    })?;
+    let program = Program(raw);
+    // Precise division and square roots (the CPU's arithmetic), no fast math.
+    let options = [
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "--extra-device-vectorization".to_string(),
+    ];
+    let options: Vec<CString> = options
+        .iter()
+        .map(|o| CString::new(o.as_str()).expect("options have no NUL"))
+        .collect();
+    let pointers: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
+    // SAFETY: a live program and live option strings.
+    let compiled =
+        unsafe { sys::nvrtcCompileProgram(program.0, pointers.len() as c_int, pointers.as_ptr()) };
+    if compiled != sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(NvrtcError::Compile {
+            source_name: source.name,
+            arch: arch.to_string(),
+            log: program.log(),
+        });
+    }
+    let mut len = 0usize;
+    // SAFETY: a compiled program; the out-pointer is valid.
+    check("nvrtcGetCUBINSize", unsafe {
+        sys::nvrtcGetCUBINSize(program.0, &mut len)
+    })?;
+    let mut cubin = vec![0u8; len];
+    // SAFETY: `cubin` holds the size NVRTC reported.
+    check("nvrtcGetCUBIN", unsafe {
+        sys::nvrtcGetCUBIN(program.0, cubin.as_mut_ptr().cast::<c_char>())
+    })?;
+    Ok(cubin)
+}
+
+/// The CUBIN image of every source, in [`SOURCES`] order.
+pub type Modules = Arc<Vec<Vec<u8>>>;
+
+/// Every source compiled for `arch`, compiled once per process and architecture.
+pub fn modules(arch: &str) -> Result<Modules, NvrtcError> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Modules>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(modules) = cache.get(arch) {
+        return Ok(Arc::clone(modules));
+    }
+    let modules = Arc::new(
+        SOURCES
+            .iter()
+            .map(|source| compile(source, arch))
+            .collect::<Result<Vec<_>, _>>()?,
+    );
+    cache.insert(arch.to_string(), Arc::clone(&modules));
+    Ok(modules)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether a missing NVRTC fails the test (CI sets this) or skips it.
+    fn nvrtc_required() -> bool {
+        std::env::var_os("BULKHEAD_REQUIRE_NVRTC").is_some()
+    }
+
+    #[test]
+    fn every_source_compiles_for_sm_90() {
+        if !is_present() {
+            assert!(
+                !nvrtc_required(),
+                "BULKHEAD_REQUIRE_NVRTC is set but NVRTC is not on the loader path"
+            );
+            eprintln!("skipped: NVRTC is not on the loader path (scripts/setup.sh installs it)");
+            return;
+        }
+        let (major, minor) = version().unwrap();
+        for source in &SOURCES {
+            let cubin =
+                compile(source, "sm_90").unwrap_or_else(|e| panic!("NVRTC {major}.{minor}: {e}"));
+            // An ELF image.
+            assert_eq!(&cubin[..4], b"\x7fELF", "{}", source.name);
+        }
+    }
+
+    #[test]
+    fn a_source_with_an_error_is_refused_with_the_compilers_log() {
+        if !is_present() {
+            assert!(
+                !nvrtc_required(),
+                "BULKHEAD_REQUIRE_NVRTC is set but NVRTC is missing"
+            );
+            eprintln!("skipped: NVRTC is not on the loader path");
+            return;
+        }
+        let broken = Source {
+            name: "broken.cu",
+            text: "#include \"common.cuh\"\nextern \"C\" __global__ void k(float* x) { x[0] = undefined_name; }\n",
+        };
+        let error = compile(&broken, "sm_90").unwrap_err();
+        match error {
+            NvrtcError::Compile {
+                source_name, log, ..
+            } => {
+                assert_eq!(source_name, "broken.cu");
+                assert!(log.contains("undefined_name"), "{log}");
+            }
+            other => panic!("{other}"),
+        }
+    }
+}

@@ -1,0 +1,1069 @@
+//! The CUDA kernels and backend, run on the emulator (the same sources,
+//! compiled for this CPU), against the CPU's reference code:
+//!
+//! - the emulator's own canaries: a reduction it must get right, barrier
+//!   misuse it must report, and a schedule that changes with the seed;
+//! - every argument struct the size the sources declare;
+//! - page digests bit for bit the host's, at every XXH3 length class;
+//! - the storage conformance suite on device storage, as on host storage;
+//! - embedding rows, RMSNorm and quantization, and matrix products of every
+//!   weight type against the scalar references;
+//! - the whole backend against the CPU backend on tiny models (prefill
+//!   chunks, decode tokens split and merged, several sequences at once), with
+//!   and without graphs;
+//! - hostile page tables refused before any launch.
+//!
+//! Tests that need a real GPU run where one is present and print "skipped"
+//! elsewhere.
+
+use super::device::{Device, DeviceBuffer, Geometry};
+use super::emulator::Emulator;
+use super::launch::*;
+use super::storage::DeviceStorage;
+use super::{attention_rows, CudaBackend, CudaOptions, SPLIT_POSITIONS};
+use crate::backend::cpu::{CpuBackend, CpuOptions};
+use crate::backend::{Backend, SeqStep, StepError};
+use crate::gguf::Gguf;
+use crate::kv::storage::host_storage;
+use crate::kv::{
+    KvType, OwnerTag, PageId, PageLayout, PageStorage, PageTable, PartitionConfig, Pool,
+    PoolGeometry, PoolOptions, SeqId,
+};
+use crate::model::Model;
+use crate::quant::{self, GgmlType, Isa, QuantizedActivations};
+use crate::rng::SplitMix64;
+use crate::testing::{tiny_llama, TinySpec};
+use std::sync::Arc;
+
+fn emulator(seed: u64) -> Arc<dyn Device> {
+    Emulator::new(seed)
+}
+
+fn uniform(rng: &mut SplitMix64) -> f32 {
+    rng.next_f64() as f32 * 2.0 - 1.0
+}
+
+fn to_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn read_floats(buffer: &DeviceBuffer, count: usize) -> Vec<f32> {
+    let mut bytes = vec![0u8; count * 4];
+    buffer.read(0, &mut bytes).unwrap();
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+fn launch<A: KernelArgs>(device: &Arc<dyn Device>, grid: u32, block: u32, shared: u32, args: &A) {
+    let geometry = Geometry {
+        grid,
+        block,
+        shared_bytes: shared,
+    };
+    // SAFETY: each test sizes its buffers for the launch it makes.
+    unsafe { device.launch(A::KERNEL, geometry, args.bytes()) }.unwrap();
+}
+
+// ---------------------------------------------------------------- emulator
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SelfTestArgs {
+    out: u64,
+    mode: u32,
+    unused: u32,
+}
+impl KernelArgs for SelfTestArgs {
+    const KERNEL: &'static str = "emu_selftest";
+}
+
+fn selftest(
+    device: &Arc<dyn Device>,
+    mode: u32,
+    grid: u32,
+    block: u32,
+) -> Result<Vec<f32>, String> {
+    let out = DeviceBuffer::zeroed(device, 4 * 1024).unwrap();
+    let args = SelfTestArgs {
+        out: out.at(0),
+        mode,
+        unused: 0,
+    };
+    let geometry = Geometry {
+        grid,
+        block,
+        shared_bytes: 0,
+    };
+    // SAFETY: the kernel writes at most 1024 floats of `out`.
+    unsafe { device.launch(SelfTestArgs::KERNEL, geometry, args.bytes()) }
+        .map_err(|e| e.to_string())?;
+    Ok(read_floats(&out, 1024))
+}
+
+#[test]
+fn the_emulator_reduces_across_warps_and_blocks() {
+    let device = emulator(1);
+    let out = selftest(&device, 0, 3, 256).unwrap();
+    let want = (0..256).sum::<u32>() as f32;
+    assert_eq!(&out[..3], &[want, want, want]);
+}
+
+#[test]
+fn the_emulator_reports_a_barrier_half_the_block_never_reaches() {
+    let error = selftest(&emulator(1), 1, 1, 64).unwrap_err();
+    assert!(error.contains("exited"), "{error}");
+}
+
+#[test]
+fn the_emulator_reports_a_shuffle_with_lanes_that_returned() {
+    let error = selftest(&emulator(1), 2, 1, 64).unwrap_err();
+    assert!(error.contains("lanes that exited"), "{error}");
+}
+
+#[test]
+fn the_emulators_schedule_changes_with_the_seed_so_a_race_shows() {
+    let outcomes: std::collections::HashSet<u32> = (0..32)
+        .map(|seed| selftest(&emulator(seed), 3, 1, 64).unwrap()[0].to_bits())
+        .collect();
+    assert_eq!(
+        outcomes.len(),
+        2,
+        "the unsynchronised read saw only one order"
+    );
+}
+
+#[test]
+fn argument_structs_are_the_size_the_kernel_sources_declare() {
+    let sizes = [
+        (EmbedArgs::KERNEL, std::mem::size_of::<EmbedArgs>()),
+        (NormArgs::KERNEL, std::mem::size_of::<NormArgs>()),
+        (MatmulArgs::KERNEL, std::mem::size_of::<MatmulArgs>()),
+        (RopeKvArgs::KERNEL, std::mem::size_of::<RopeKvArgs>()),
+        (AttentionArgs::KERNEL, std::mem::size_of::<AttentionArgs>()),
+        (MergeArgs::KERNEL, std::mem::size_of::<MergeArgs>()),
+        (DigestArgs::KERNEL, std::mem::size_of::<DigestArgs>()),
+    ];
+    for (kernel, size) in sizes {
+        assert_eq!(Emulator::args_bytes(kernel), Some(size), "{kernel}");
+    }
+    assert_eq!(Emulator::args_bytes("no_such_kernel"), None);
+}
+
+#[test]
+fn attention_rows_are_whole_groups_within_the_shared_memory() {
+    // head_dim 64, group 3 (SmolLM2): 30 rows, 10 queries an item.
+    assert_eq!(attention_rows(64, 3, 48 * 1024), Some(30));
+    // head_dim 256 at H100/H200's 227 KiB: all 32 rows; at 99 KiB fewer.
+    assert_eq!(attention_rows(256, 4, 227 * 1024), Some(32));
+    let rows = attention_rows(256, 4, 99 * 1024).unwrap();
+    assert!(rows.is_multiple_of(4) && rows < 32);
+    assert!(attention_shared_bytes(256, rows, ATTENTION_TILE) <= 99 * 1024);
+    assert!(attention_shared_bytes(256, rows + 4, ATTENTION_TILE) > 99 * 1024);
+    // A group wider than what fits: refused, not mis-run.
+    assert_eq!(attention_rows(256, 16, 16 * 1024), None);
+}
+
+// ---------------------------------------------------------------- storage
+
+fn layout(
+    pages: u32,
+    page_tokens: u32,
+    layers: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    kv_type: KvType,
+) -> PageLayout {
+    PoolGeometry {
+        pages_count: pages,
+        page_tokens,
+        layers,
+        kv_heads,
+        head_dim,
+        kv_type,
+    }
+    .layout()
+    .unwrap()
+}
+
+/// Fills every slot of every page of both storages with the same random values.
+fn fill_both(
+    layout: &PageLayout,
+    a: &mut dyn PageStorage,
+    b: &mut dyn PageStorage,
+    rng: &mut SplitMix64,
+) {
+    let g = layout.geometry();
+    let kv_dim = layout.kv_dim();
+    for page in 0..g.pages_count as usize {
+        for layer in 0..g.layers {
+            for slot in 0..g.page_tokens {
+                let k: Vec<f32> = (0..kv_dim).map(|_| uniform(rng) * 3.0).collect();
+                let v: Vec<f32> = (0..kv_dim).map(|_| uniform(rng)).collect();
+                let (k_at, v_at) = (
+                    layout.k_offset(layer) + layout.slot_offset(slot),
+                    layout.v_offset(layer) + layout.slot_offset(slot),
+                );
+                a.write_token(page, k_at, v_at, &k, &v);
+                b.write_token(page, k_at, v_at, &k, &v);
+            }
+        }
+    }
+}
+
+#[test]
+fn device_digests_are_the_hosts_bit_for_bit_at_every_length_class() {
+    let device = emulator(7);
+    let mut rng = SplitMix64(11);
+    // Wire bytes per used slot: 2 * layers * kv_dim * value bytes. These cover
+    // 0 bytes, 1..=16, 17..=128, 129..=240, one XXH3 block and several.
+    let shapes = [
+        (1, 1, 1, KvType::F16, 4),  // 4 bytes a slot
+        (1, 1, 3, KvType::F16, 8),  // 12 bytes a slot, 8 slots: up to 96
+        (2, 1, 5, KvType::F32, 6),  // 80 a slot: 160, 240, 320, 400, 480
+        (3, 2, 8, KvType::F16, 16), // 192 a slot, up to 3 KiB
+        (2, 3, 6, KvType::F16, 5),  // odd slab widths: reads straddle slabs
+    ];
+    for (layers, kv_heads, head_dim, kv_type, page_tokens) in shapes {
+        let layout = layout(3, page_tokens, layers, kv_heads, head_dim, kv_type);
+        let mut host = host_storage(layout);
+        let mut dev = DeviceStorage::new(&device, layout).unwrap();
+        fill_both(&layout, &mut *host, &mut dev, &mut rng);
+        for page in 0..3 {
+            for used in 0..=page_tokens {
+                assert_eq!(
+                    dev.digest(page, used),
+                    host.digest(page, used),
+                    "{layers} layers, {kv_heads}x{head_dim} {kv_type:?}, page {page}, {used} used"
+                );
+            }
+        }
+    }
+}
+
+/// The storage trait's behaviour, for any storage: every value of every
+/// slab has a place of its own, scrub and poison touch one page only, reads
+/// give back what was written, and `holds_rows` answers for the stored bits.
+fn storage_conformance(make: &dyn Fn(PageLayout) -> Box<dyn PageStorage>) {
+    for kv_type in [KvType::F16, KvType::F32] {
+        let layout = layout(3, 2, 2, 1, 3, kv_type);
+        let mut storage = make(layout);
+        let mut reference = host_storage(layout);
+        let mut rng = SplitMix64(5);
+        fill_both(&layout, &mut *storage, &mut *reference, &mut rng);
+        let rows = |s: &dyn PageStorage, page, used| {
+            let mut out = Vec::new();
+            s.read_rows(page, used, &mut out);
+            out
+        };
+        for page in 0..3 {
+            assert_eq!(
+                rows(&*storage, page, 2),
+                rows(&*reference, page, 2),
+                "{kv_type:?}"
+            );
+            assert!(!storage.is_zero(page));
+        }
+        storage.scrub(1);
+        assert!(storage.is_zero(1), "{kv_type:?}: scrubbed");
+        assert_eq!(
+            rows(&*storage, 0, 2),
+            rows(&*reference, 0, 2),
+            "scrub touched page 0"
+        );
+        assert_eq!(
+            rows(&*storage, 2, 2),
+            rows(&*reference, 2, 2),
+            "scrub touched page 2"
+        );
+        storage.poison(2);
+        let poisoned = rows(&*storage, 2, 2);
+        let poison_value = match kv_type {
+            KvType::F16 => crate::kv::POISON_BITS_F16.to_le_bytes().to_vec(),
+            KvType::F32 => crate::kv::POISON_BITS.to_le_bytes().to_vec(),
+        };
+        assert!(poisoned
+            .chunks(poison_value.len())
+            .all(|c| c == poison_value));
+        assert_eq!(
+            rows(&*storage, 0, 2),
+            rows(&*reference, 0, 2),
+            "poison touched page 0"
+        );
+        // write_rows then holds_rows, for exactly those bits.
+        let length = 2 * 2 * 2 * 3 * kv_type.bytes() as usize;
+        let bytes: Vec<u8> = (0..length).map(|i| (i * 37 + 11) as u8).collect();
+        storage.write_rows(1, 2, &bytes);
+        assert_eq!(rows(&*storage, 1, 2), bytes);
+        let digest = crate::kv::xxh3_64(&bytes, 2);
+        assert!(storage.holds_rows(1, 2, &bytes, digest), "{kv_type:?}");
+        let mut flipped = bytes.clone();
+        flipped[length / 2] ^= 1;
+        let flipped_digest = crate::kv::xxh3_64(&flipped, 2);
+        assert!(
+            !storage.holds_rows(1, 2, &flipped, flipped_digest),
+            "a flipped bit"
+        );
+        assert!(
+            !storage.holds_rows(1, 2, &bytes[..length - 1], digest),
+            "another length"
+        );
+        assert!(!storage.holds_rows(0, 2, &bytes, digest), "another page");
+    }
+}
+
+#[test]
+fn host_storage_passes_the_storage_conformance_suite() {
+    storage_conformance(&|layout| host_storage(layout));
+}
+
+#[test]
+fn emulated_device_storage_passes_the_storage_conformance_suite() {
+    let device = emulator(3);
+    storage_conformance(&|layout| Box::new(DeviceStorage::new(&device, layout).unwrap()));
+}
+
+/// A real GPU, when this machine has one and its driver.
+fn gpu() -> Option<Arc<dyn Device>> {
+    match super::CudaDevice::open(0) {
+        Ok(device) => Some(Arc::new(super::Cuda(device))),
+        Err(why) => {
+            eprintln!("skipped: no CUDA device here ({why})");
+            None
+        }
+    }
+}
+
+#[test]
+fn gpu_device_storage_passes_the_storage_conformance_suite() {
+    let Some(device) = gpu() else { return };
+    storage_conformance(&|layout| Box::new(DeviceStorage::new(&device, layout).unwrap()));
+}
+
+// ---------------------------------------------------------------- kernels
+
+const TYPES: [GgmlType; 7] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+];
+
+/// `rows` random rows of `k` weights in `ty` blocks.
+fn random_matrix(ty: GgmlType, rows: usize, k: usize, rng: &mut SplitMix64) -> Vec<u8> {
+    let row_bytes = k / ty.block_len() * ty.block_bytes();
+    let mut bytes = vec![0u8; rows * row_bytes];
+    for row in bytes.chunks_exact_mut(row_bytes) {
+        let values: Vec<f32> = (0..k).map(|_| uniform(rng)).collect();
+        quant::quantize_row(ty, &values, row).unwrap();
+    }
+    bytes
+}
+
+#[test]
+fn embedding_rows_are_the_hosts_dequantization_bit_for_bit() {
+    let device = emulator(2);
+    let mut rng = SplitMix64(3);
+    let (rows, width) = (5usize, 512usize);
+    for ty in TYPES {
+        let table = random_matrix(ty, rows, width, &mut rng);
+        let row_bytes = table.len() / rows;
+        let tokens: [u32; 4] = [4, 0, 2, 99]; // 99: past the table, zeros
+        let table_dev = DeviceBuffer::from_bytes(&device, &table).unwrap();
+        let token_bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let tokens_dev = DeviceBuffer::from_bytes(&device, &token_bytes).unwrap();
+        let out = DeviceBuffer::zeroed(&device, (4 * tokens.len() * width) as u64).unwrap();
+        launch(
+            &device,
+            tokens.len() as u32,
+            ROW_BLOCK,
+            0,
+            &EmbedArgs {
+                table: table_dev.at(0),
+                tokens: tokens_dev.at(0),
+                out: out.at(0),
+                ty: ty as u32,
+                width: width as u32,
+                row_bytes: row_bytes as u32,
+                rows: rows as u32,
+            },
+        );
+        let got = read_floats(&out, tokens.len() * width);
+        for (i, &token) in tokens.iter().enumerate() {
+            let mut want = vec![0.0f32; width];
+            if (token as usize) < rows {
+                let row = &table[token as usize * row_bytes..][..row_bytes];
+                quant::dequantize_row(ty, row, &mut want).unwrap();
+            }
+            let got = &got[i * width..(i + 1) * width];
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{}: token {token}", ty.name());
+        }
+    }
+}
+
+/// Runs rms_norm (quantize only, no gain) on `x` and returns the device's
+/// quants, scales and sums alongside the buffers for a matmul.
+struct DeviceActivations {
+    xn: DeviceBuffer,
+    qs: DeviceBuffer,
+    d: DeviceBuffer,
+    sums: DeviceBuffer,
+}
+
+fn quantize_on_device(
+    device: &Arc<dyn Device>,
+    x: &[f32],
+    tokens: usize,
+    k: usize,
+    block_len: u32,
+    gain: Option<&[f32]>,
+) -> DeviceActivations {
+    let x_dev = DeviceBuffer::from_bytes(device, &to_bytes(x)).unwrap();
+    let gain_dev = gain.map(|g| DeviceBuffer::from_bytes(device, &to_bytes(g)).unwrap());
+    let acts = DeviceActivations {
+        xn: DeviceBuffer::zeroed(device, (4 * tokens * k) as u64).unwrap(),
+        qs: DeviceBuffer::zeroed(device, (tokens * k) as u64).unwrap(),
+        d: DeviceBuffer::zeroed(device, (4 * tokens * k / 32) as u64).unwrap(),
+        sums: DeviceBuffer::zeroed(device, (4 * tokens * k / 16) as u64).unwrap(),
+    };
+    launch(
+        device,
+        tokens as u32,
+        NORM_BLOCK,
+        0,
+        &NormArgs {
+            x: x_dev.at(0),
+            gather: 0,
+            gain: gain_dev.as_ref().map_or(0, |g| g.at(0)),
+            out: acts.xn.at(0),
+            qs: acts.qs.at(0),
+            d: acts.d.at(0),
+            sums: acts.sums.at(0),
+            width: k as u32,
+            block_len,
+            eps: 1e-5,
+            unused: 0,
+        },
+    );
+    acts
+}
+
+#[test]
+fn rms_norm_matches_the_cpu_and_quantizes_as_the_cpu_does() {
+    let device = emulator(4);
+    let mut rng = SplitMix64(8);
+    let (tokens, k) = (3usize, 768usize);
+    let x: Vec<f32> = (0..tokens * k).map(|_| uniform(&mut rng) * 4.0).collect();
+    let gain: Vec<f32> = (0..k).map(|_| 0.5 + uniform(&mut rng)).collect();
+    for block_len in [32u32, 256] {
+        let acts = quantize_on_device(&device, &x, tokens, k, block_len, Some(&gain));
+        let xn = read_floats(&acts.xn, tokens * k);
+        // The CPU's rmsnorm: a sequential sum of squares; the device's is a
+        // tree, so the values agree to rounding, not bits.
+        for t in 0..tokens {
+            let row = &x[t * k..(t + 1) * k];
+            let mean_square = row.iter().map(|v| v * v).sum::<f32>() / k as f32;
+            let inv = 1.0 / (mean_square + 1e-5).sqrt();
+            for i in 0..k {
+                let want = row[i] * inv * gain[i];
+                let got = xn[t * k + i];
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "{got} vs {want}"
+                );
+            }
+        }
+        // Quantizing the device's normalised values on the CPU gives the device's quants.
+        let ty = if block_len == 32 {
+            GgmlType::Q8_0
+        } else {
+            GgmlType::Q4_K
+        };
+        let mut cpu = QuantizedActivations::new();
+        cpu.quantize(ty, &xn, tokens, k).unwrap();
+        let mut qs = vec![0u8; tokens * k];
+        acts.qs.read(0, &mut qs).unwrap();
+        let d = read_floats(&acts.d, tokens * k / block_len as usize);
+        let mut sums_bytes = vec![0u8; 4 * tokens * k / 16];
+        acts.sums.read(0, &mut sums_bytes).unwrap();
+        let sums: Vec<i32> = sums_bytes
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        for t in 0..tokens {
+            for b in 0..k / block_len as usize {
+                let (quants, scale): (Vec<i8>, f32) = if block_len == 32 {
+                    let (quants, d, _) = cpu.q8_1_block(t, b);
+                    (quants.to_vec(), d)
+                } else {
+                    let (qs, d) = cpu.q8_k_row(t);
+                    (qs[b * 256..(b + 1) * 256].to_vec(), d[b])
+                };
+                let got: Vec<i8> = qs[t * k + b * block_len as usize..][..block_len as usize]
+                    .iter()
+                    .map(|&q| q as i8)
+                    .collect();
+                assert_eq!(got, quants, "block_len {block_len} token {t} block {b}");
+                assert_eq!(d[t * k / block_len as usize + b].to_bits(), scale.to_bits());
+            }
+            for g in 0..k / 16 {
+                let want: i32 = qs[t * k + g * 16..][..16]
+                    .iter()
+                    .map(|&q| i32::from(q as i8))
+                    .sum();
+                assert_eq!(sums[t * k / 16 + g], want);
+            }
+        }
+    }
+}
+
+#[test]
+fn matrix_products_of_every_weight_type_match_the_scalar_reference() {
+    let device = emulator(5);
+    let mut rng = SplitMix64(9);
+    let (rows, k) = (37usize, 512usize);
+    for tokens in [1usize, 3, 11] {
+        let x: Vec<f32> = (0..tokens * k).map(|_| uniform(&mut rng) * 2.0).collect();
+        for ty in TYPES {
+            let w = random_matrix(ty, rows, k, &mut rng);
+            let row_bytes = w.len() / rows;
+            let block_len = match quant::ActivationFormat::for_weights(ty) {
+                quant::ActivationFormat::Q8_K => 256,
+                _ => 32,
+            };
+            let acts = quantize_on_device(&device, &x, tokens, k, block_len, None);
+            let w_dev = DeviceBuffer::from_bytes(&device, &w).unwrap();
+            let out = DeviceBuffer::zeroed(&device, (4 * tokens * rows) as u64).unwrap();
+            let mut seg = [MatSeg::default(); MATMUL_SEGS_MAX];
+            seg[0] = MatSeg {
+                w: w_dev.at(0),
+                out: out.at(0),
+                ty: ty as u32,
+                rows: rows as u32,
+                row_bytes: row_bytes as u32,
+                out_stride: rows as u32,
+            };
+            launch(
+                &device,
+                matmul_blocks(rows as u32),
+                MATMUL_WARPS * 32,
+                0,
+                &MatmulArgs {
+                    seg,
+                    x: acts.xn.at(0),
+                    qs: acts.qs.at(0),
+                    d: acts.d.at(0),
+                    sums: acts.sums.at(0),
+                    segs: 1,
+                    k: k as u32,
+                    tokens: tokens as u32,
+                    mode: mode::STORE,
+                },
+            );
+            let got = read_floats(&out, tokens * rows);
+            let mut xq = QuantizedActivations::new();
+            xq.quantize(ty, &x, tokens, k).unwrap();
+            let mut want = vec![0.0f32; tokens * rows];
+            quant::matmul(Isa::Scalar, ty, &w, k, 0..rows, &xq, &mut want);
+            let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 2e-5 * scale,
+                    "{} tokens {tokens} output {i}: {g} vs {w}",
+                    ty.name()
+                );
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- the backend
+
+const OWNER: OwnerTag = OwnerTag(1);
+
+fn tiny_model(spec: &TinySpec) -> Arc<Model> {
+    let gguf = Gguf::from_bytes(tiny_llama(spec)).unwrap();
+    Arc::new(Model::load(Arc::new(gguf)).unwrap())
+}
+
+/// A pool of `pages` for `model` on `storage`, one partition, and `seqs` tables of `per_seq` pages.
+fn pool_with_tables(
+    model: &Model,
+    kv_type: KvType,
+    page_tokens: u32,
+    seqs: u32,
+    per_seq: u32,
+    device: Option<&Arc<dyn Device>>,
+) -> (Pool, Vec<PageTable>) {
+    let pages = seqs * per_seq + 2;
+    let geometry = model.config.pool_geometry(pages, page_tokens, kv_type);
+    let layout = geometry.layout().unwrap();
+    let partition = PartitionConfig {
+        owner: OWNER,
+        pages_reserved: pages,
+        pages_max: pages,
+    };
+    // Released pages poisoned, and checked zero after every scrub and at acquire.
+    let options = PoolOptions {
+        poison_released: true,
+        paranoid: true,
+    };
+    let mut pool = match device {
+        Some(device) => Pool::with_storage(
+            layout,
+            &[partition],
+            options,
+            Box::new(DeviceStorage::new(device, layout).unwrap()),
+        )
+        .unwrap(),
+        None => Pool::new(geometry, &[partition], options).unwrap(),
+    };
+    let mut tables = Vec::new();
+    for seq in 0..seqs {
+        let mut reservation = pool.reserve(OWNER, per_seq).unwrap();
+        let mut table = pool.page_table(&reservation, SeqId(u64::from(seq) + 1));
+        for _ in 0..per_seq {
+            pool.acquire(&mut reservation, &mut table).unwrap();
+        }
+        pool.release_reservation(reservation);
+        tables.push(table);
+    }
+    (pool, tables)
+}
+
+/// Prompts of several sequences, then greedy decode steps of all of them
+/// together, on the CPU backend and on the CUDA backend: the logits of every
+/// step agree to `tolerance` (relative to the row's largest magnitude) and
+/// the greedy tokens agree. Returns the worst relative error.
+fn compare_with_cpu(
+    spec: &TinySpec,
+    kv_type: KvType,
+    page_tokens: u32,
+    prompts: &[usize],
+    decode_steps: usize,
+    graphs: bool,
+    tolerance: f32,
+) -> f32 {
+    let model = tiny_model(spec);
+    let device = emulator(spec.seed);
+    let seqs = prompts.len() as u32;
+    let per_seq = (spec.context_len).div_ceil(page_tokens);
+    let (mut cpu_pool, cpu_tables) =
+        pool_with_tables(&model, kv_type, page_tokens, seqs, per_seq, None);
+    let (mut dev_pool, dev_tables) =
+        pool_with_tables(&model, kv_type, page_tokens, seqs, per_seq, Some(&device));
+    let mut cpu = CpuBackend::new(
+        Arc::clone(&model),
+        CpuOptions {
+            threads_count: 1,
+            step_tokens_max: 1024,
+            step_seqs_max: 8,
+            isa: Some(Isa::Scalar),
+        },
+    );
+    let mut cuda = CudaBackend::new(
+        Arc::clone(&model),
+        Arc::clone(&device),
+        CudaOptions {
+            step_tokens_max: 1024,
+            step_seqs_max: 8,
+            graphs,
+        },
+    )
+    .unwrap();
+    let vocab = model.config.vocab_len as u32;
+    let mut rng = SplitMix64(spec.seed ^ 77);
+    let mut tokens: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|&len| {
+            (0..len)
+                .map(|_| (rng.next_u64() % u64::from(vocab)) as u32)
+                .collect()
+        })
+        .collect();
+    let mut worst = 0.0f32;
+    let mut compare = |a: &[f32], b: &[f32], what: &str| {
+        let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        for (&x, &y) in a.iter().zip(b) {
+            assert!(x.is_finite() && y.is_finite(), "{what}: not finite");
+            worst = worst.max((x - y).abs() / scale);
+        }
+        let argmax = |v: &[f32]| {
+            v.iter()
+                .enumerate()
+                .fold(0, |best, (i, &x)| if x > v[best] { i } else { best })
+        };
+        let (i, j) = (argmax(a), argmax(b));
+        // Greedy agreement, unless the top two are within the tolerance.
+        assert!(
+            i == j || (a[i] - a[j]).abs() <= tolerance * scale,
+            "{what}: greedy {i} vs {j}"
+        );
+        i as u32
+    };
+    // Prefill: every prompt in one step, in chunks the CPU and device both run.
+    let mut positions = vec![0usize; prompts.len()];
+    let steps: Vec<SeqStep> = (0..prompts.len())
+        .map(|i| SeqStep {
+            pages: &cpu_tables[i],
+            pos_start: 0,
+            tokens: &tokens[i],
+            wants_logits: true,
+        })
+        .collect();
+    let cpu_logits = cpu.step(&steps, &mut cpu_pool).unwrap().values.to_vec();
+    let steps: Vec<SeqStep> = (0..prompts.len())
+        .map(|i| SeqStep {
+            pages: &dev_tables[i],
+            pos_start: 0,
+            tokens: &tokens[i],
+            wants_logits: true,
+        })
+        .collect();
+    let dev_logits = cuda.step(&steps, &mut dev_pool).unwrap().values.to_vec();
+    let v = vocab as usize;
+    let mut next: Vec<u32> = (0..prompts.len())
+        .map(|i| {
+            compare(
+                &cpu_logits[i * v..(i + 1) * v],
+                &dev_logits[i * v..(i + 1) * v],
+                "prefill",
+            )
+        })
+        .collect();
+    for (i, &len) in prompts.iter().enumerate() {
+        positions[i] = len;
+    }
+    for step in 0..decode_steps {
+        let one: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let cpu_steps: Vec<SeqStep> = (0..prompts.len())
+            .map(|i| SeqStep {
+                pages: &cpu_tables[i],
+                pos_start: positions[i],
+                tokens: &one[i],
+                wants_logits: true,
+            })
+            .collect();
+        let cpu_logits = cpu.step(&cpu_steps, &mut cpu_pool).unwrap().values.to_vec();
+        let dev_steps: Vec<SeqStep> = (0..prompts.len())
+            .map(|i| SeqStep {
+                pages: &dev_tables[i],
+                pos_start: positions[i],
+                tokens: &one[i],
+                wants_logits: true,
+            })
+            .collect();
+        let dev_logits = cuda
+            .step(&dev_steps, &mut dev_pool)
+            .unwrap()
+            .values
+            .to_vec();
+        for i in 0..prompts.len() {
+            next[i] = compare(
+                &cpu_logits[i * v..(i + 1) * v],
+                &dev_logits[i * v..(i + 1) * v],
+                &format!("decode {step} seq {i}"),
+            );
+            tokens[i].push(next[i]);
+            positions[i] += 1;
+        }
+    }
+    assert!(worst <= tolerance, "worst relative error {worst}");
+    eprintln!("worst relative error of the logits: {worst:.2e}");
+    worst
+}
+
+#[test]
+fn the_backend_matches_the_cpu_backend_on_a_tiny_q4_1_model() {
+    let spec = TinySpec::default();
+    compare_with_cpu(&spec, KvType::F16, 16, &[5, 17, 1], 6, false, 2e-3);
+}
+
+#[test]
+fn the_backend_matches_the_cpu_backend_with_f32_pages_and_q8_0_weights() {
+    let spec = TinySpec {
+        seed: 3,
+        matrix_type: GgmlType::Q8_0,
+        embedding_type: GgmlType::F16,
+        separate_output: true,
+        ..TinySpec::default()
+    };
+    compare_with_cpu(&spec, KvType::F32, 4, &[9, 2], 5, false, 2e-3);
+}
+
+#[test]
+fn the_backend_matches_the_cpu_backend_on_k_quants() {
+    let spec = TinySpec {
+        seed: 5,
+        embedding_len: 256,
+        heads: 4,
+        kv_heads: 1,
+        ffn_len: 512,
+        matrix_type: GgmlType::Q4_K,
+        embedding_type: GgmlType::Q6_K,
+        ..TinySpec::default()
+    };
+    compare_with_cpu(&spec, KvType::F16, 8, &[12, 3], 3, false, 2e-3);
+}
+
+#[test]
+fn decode_attention_split_over_many_spans_is_merged_as_the_cpu_computes_it() {
+    // A prompt past two splits, so every decode token's attention is split
+    // into three or more items and merged.
+    let spec = TinySpec {
+        seed: 9,
+        layers: 1,
+        context_len: 1024,
+        ..TinySpec::default()
+    };
+    let prompt = 2 * SPLIT_POSITIONS as usize + 30;
+    compare_with_cpu(&spec, KvType::F16, 16, &[prompt, 4], 3, false, 2e-3);
+}
+
+#[test]
+fn graphs_replay_decode_steps_with_the_same_results_as_launches() {
+    let spec = TinySpec {
+        seed: 13,
+        ..TinySpec::default()
+    };
+    // Three sequences: a bucket of four with one padding sequence.
+    let with = compare_with_cpu(&spec, KvType::F16, 16, &[5, 9, 2], 6, true, 2e-3);
+    let without = compare_with_cpu(&spec, KvType::F16, 16, &[5, 9, 2], 6, false, 2e-3);
+    assert_eq!(
+        with.to_bits(),
+        without.to_bits(),
+        "graphs change no arithmetic"
+    );
+}
+
+// ---------------------------------------------------------------- hostile tables
+
+#[test]
+fn a_stale_page_handle_is_refused_before_any_launch() {
+    let model = tiny_model(&TinySpec::default());
+    let device = emulator(1);
+    let (mut pool, mut tables) = pool_with_tables(&model, KvType::F16, 16, 2, 2, Some(&device));
+    let mut cuda = CudaBackend::new(
+        Arc::clone(&model),
+        Arc::clone(&device),
+        CudaOptions {
+            step_tokens_max: 64,
+            step_seqs_max: 4,
+            graphs: false,
+        },
+    )
+    .unwrap();
+    // Sequence 0's handles outlive its lease: the pages are released,
+    // scrubbed and leased again (a new generation); a table still naming
+    // the old generation is stale.
+    let old: Vec<_> = tables[0].handles().to_vec();
+    pool.release(&mut tables[0]);
+    pool.scrub_released();
+    let mut reservation = pool.reserve(OWNER, 2).unwrap();
+    let mut fresh = pool.page_table(&reservation, SeqId(9));
+    pool.acquire(&mut reservation, &mut fresh).unwrap();
+    pool.acquire(&mut reservation, &mut fresh).unwrap();
+    let mut stale = pool.page_table(&reservation, SeqId(1));
+    pool.release_reservation(reservation);
+    for handle in old {
+        stale.plant_fault_push(handle);
+    }
+    let before = device.launches();
+    let tokens = [1u32, 2, 3];
+    let step = SeqStep {
+        pages: &stale,
+        pos_start: 0,
+        tokens: &tokens,
+        wants_logits: true,
+    };
+    let error = cuda.step(&[step], &mut pool).err().unwrap();
+    assert_eq!(error, StepError::StaleHandle { index: 0 });
+    assert_eq!(device.launches(), before, "nothing was launched");
+}
+
+#[test]
+fn a_page_table_of_another_pool_is_refused_before_any_launch() {
+    let model = tiny_model(&TinySpec::default());
+    let device = emulator(1);
+    let (mut pool, _) = pool_with_tables(&model, KvType::F16, 16, 1, 2, Some(&device));
+    let (_other_pool, other_tables) =
+        pool_with_tables(&model, KvType::F16, 16, 1, 2, Some(&device));
+    let mut cuda = CudaBackend::new(
+        Arc::clone(&model),
+        Arc::clone(&device),
+        CudaOptions {
+            step_tokens_max: 64,
+            step_seqs_max: 4,
+            graphs: false,
+        },
+    )
+    .unwrap();
+    let before = device.launches();
+    let tokens = [1u32, 2];
+    let step = SeqStep {
+        pages: &other_tables[0],
+        pos_start: 0,
+        tokens: &tokens,
+        wants_logits: true,
+    };
+    let error = cuda.step(&[step], &mut pool).err().unwrap();
+    assert_eq!(error, StepError::StaleHandle { index: 0 });
+    assert_eq!(device.launches(), before, "nothing was launched");
+}
+
+#[test]
+fn another_tenants_page_in_a_table_stops_the_engine_before_any_launch() {
+    // A table that names a page leased to another owner: the page book
+    // crashes rather than serve it (I3), before the device sees the table.
+    let model = tiny_model(&TinySpec::default());
+    let device = emulator(1);
+    let pages = 6;
+    let geometry = model.config.pool_geometry(pages, 16, KvType::F16);
+    let layout = geometry.layout().unwrap();
+    let partitions = [
+        PartitionConfig {
+            owner: OwnerTag(1),
+            pages_reserved: 3,
+            pages_max: 3,
+        },
+        PartitionConfig {
+            owner: OwnerTag(2),
+            pages_reserved: 3,
+            pages_max: 3,
+        },
+    ];
+    let mut pool = Pool::with_storage(
+        layout,
+        &partitions,
+        PoolOptions::default(),
+        Box::new(DeviceStorage::new(&device, layout).unwrap()),
+    )
+    .unwrap();
+    let mut mine = pool.reserve(OwnerTag(1), 1).unwrap();
+    let mut table = pool.page_table(&mine, SeqId(1));
+    pool.acquire(&mut mine, &mut table).unwrap();
+    let mut theirs = pool.reserve(OwnerTag(2), 1).unwrap();
+    let mut their_table = pool.page_table(&theirs, SeqId(2));
+    pool.acquire(&mut theirs, &mut their_table).unwrap();
+    table.plant_fault_push(their_table.handles()[0]);
+    let mut cuda = CudaBackend::new(
+        Arc::clone(&model),
+        Arc::clone(&device),
+        CudaOptions {
+            step_tokens_max: 64,
+            step_seqs_max: 4,
+            graphs: false,
+        },
+    )
+    .unwrap();
+    let before = device.launches();
+    let tokens: Vec<u32> = (0..20).collect(); // reaches the second page
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let step = SeqStep {
+            pages: &table,
+            pos_start: 0,
+            tokens: &tokens,
+            wants_logits: true,
+        };
+        let _ = cuda.step(&[step], &mut pool);
+    }));
+    let message = outcome
+        .err()
+        .and_then(|e| e.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    assert!(message.contains("cross-tenant"), "{message}");
+    assert_eq!(device.launches(), before, "nothing was launched");
+}
+
+#[test]
+fn a_host_pool_is_refused_by_the_cuda_backend() {
+    let model = tiny_model(&TinySpec::default());
+    let device = emulator(1);
+    let (mut pool, tables) = pool_with_tables(&model, KvType::F16, 16, 1, 2, None);
+    let mut cuda = CudaBackend::new(
+        Arc::clone(&model),
+        device,
+        CudaOptions {
+            step_tokens_max: 64,
+            step_seqs_max: 4,
+            graphs: false,
+        },
+    )
+    .unwrap();
+    let tokens = [1u32];
+    let step = SeqStep {
+        pages: &tables[0],
+        pos_start: 0,
+        tokens: &tokens,
+        wants_logits: true,
+    };
+    assert_eq!(
+        cuda.step(&[step], &mut pool).err().unwrap(),
+        StepError::DeviceStorage
+    );
+}
+
+#[test]
+fn released_device_pages_read_back_scrubbed() {
+    let model = tiny_model(&TinySpec::default());
+    let device = emulator(1);
+    let (mut pool, mut tables) = pool_with_tables(&model, KvType::F16, 16, 1, 2, Some(&device));
+    let mut cuda = CudaBackend::new(
+        Arc::clone(&model),
+        Arc::clone(&device),
+        CudaOptions {
+            step_tokens_max: 64,
+            step_seqs_max: 4,
+            graphs: false,
+        },
+    )
+    .unwrap();
+    let tokens: Vec<u32> = (0..20).collect();
+    let step = SeqStep {
+        pages: &tables[0],
+        pos_start: 0,
+        tokens: &tokens,
+        wants_logits: true,
+    };
+    cuda.step(&[step], &mut pool).unwrap();
+    let pages: Vec<PageId> = tables[0].handles().iter().map(|h| h.page).collect();
+    for &page in &pages {
+        assert!(
+            !device_page_is_zero(&device, &pool, page),
+            "the step wrote KV into {page:?}"
+        );
+    }
+    pool.release(&mut tables[0]);
+    pool.scrub_released();
+    for &page in &pages {
+        assert!(
+            device_page_is_zero(&device, &pool, page),
+            "{page:?} reads back scrubbed"
+        );
+    }
+}
+
+/// Reads a page's slabs straight from device memory.
+fn device_page_is_zero(device: &Arc<dyn Device>, pool: &Pool, page: PageId) -> bool {
+    let layout = pool.layout();
+    let g = layout.geometry();
+    let slab = layout.slab_values() as u64 * g.kv_type.bytes();
+    let rect = super::device::Rect {
+        at: pool.device_values().unwrap().at + u64::from(page.0) * slab,
+        pitch: u64::from(g.pages_count) * slab,
+        width: slab,
+        rows: 2 * u64::from(g.layers),
+    };
+    let mut bytes = vec![0u8; (slab * rect.rows) as usize];
+    // SAFETY: every row is one slab of the pool's one allocation.
+    unsafe { device.read_rect(rect, &mut bytes) }.unwrap();
+    bytes.iter().all(|&b| b == 0)
+}
