@@ -43,6 +43,39 @@ PY
     echo "setup: model installed: $model"
 fi
 
+# NVRTC, CUDA's run-time compiler, from PyPI's wheel: the CUDA backend's
+# kernels compile through it at start-up, and the tests compile every kernel
+# for sm_90 with it on machines without a GPU (it needs none). Pinned to CUDA
+# 13.0, the driver version the GPU check is run against; the scripts put
+# .cache/cuda/lib on the loader path.
+nvrtc_wheel="nvidia-cuda-nvrtc==13.0.88"
+nvrtc_sha256="ad9b6d2ead2435f11cbb6868809d2adeeee302e9bb94bcf0539c7a40d80e8575"
+cuda_lib="$cache/cuda/lib"
+if [ -f "$cuda_lib/libnvrtc.so.13" ] && [ -f "$cuda_lib/libnvrtc-builtins.so.13.0" ]; then
+    echo "setup: NVRTC present: $cuda_lib"
+else
+    tmp_nvrtc=$(mktemp -d)
+    echo "setup: fetching $nvrtc_wheel from PyPI"
+    python3 -m pip download --quiet --no-deps --only-binary=:all: \
+        --platform manylinux_2_12_x86_64 --platform manylinux2010_x86_64 --dest "$tmp_nvrtc" "$nvrtc_wheel"
+    wheel=$(ls "$tmp_nvrtc"/*.whl)
+    if ! echo "$nvrtc_sha256  $wheel" | sha256sum --check --status; then
+        echo "setup: sha256 mismatch for $wheel; refusing to install it" >&2
+        exit 1
+    fi
+    python3 - "$wheel" "$tmp_nvrtc" <<'PY'
+import sys, zipfile
+wheel, dest = sys.argv[1:3]
+with zipfile.ZipFile(wheel) as z:
+    for member in ("nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cu13/lib/libnvrtc-builtins.so.13.0"):
+        z.extract(member, dest)
+PY
+    mkdir -p "$cuda_lib"
+    mv "$tmp_nvrtc"/nvidia/cu13/lib/* "$cuda_lib/"
+    rm -rf "$tmp_nvrtc"
+    echo "setup: NVRTC installed: $cuda_lib"
+fi
+
 # Debian packages: protoc builds the etcd client's protocol (etcd-client's
 # build script), etcd-server runs the many-pod tests' etcd on loopback.
 debs=()

@@ -6,6 +6,10 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 scripts/setup.sh
+# NVRTC from setup.sh: every CUDA kernel compiles for sm_90 in the tests, and
+# a missing NVRTC fails them rather than skip.
+export LD_LIBRARY_PATH="$root/.cache/cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export BULKHEAD_REQUIRE_NVRTC=1
 # The official OpenAI Python client (tests/tests/openai_client.rs) and
 # jsonschema (the admin API's OpenAPI check, tests/tests/admin.rs).
 python3 -m pip install --quiet --disable-pip-version-check \

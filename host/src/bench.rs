@@ -98,6 +98,7 @@ pub fn engine(model: Arc<Model>, tokenizer: Tokenizer, args: &EngineBenchArgs) -
         step_tokens_max: args.chunk.max(batch_max) as u32,
         step_seqs_max: batch_max as u32,
         pool_options: PoolOptions::default(),
+        placement: crate::engine::placement::Placement::Cpu,
     };
     let mut engine = Engine {
         backend: build::backend(&model, &spec),
@@ -149,7 +150,7 @@ impl Engine {
     fn pool(&self, pages: u32) -> Result<Pool> {
         let spec = EngineSpec {
             pool_pages: pages,
-            ..self.spec
+            ..self.spec.clone()
         };
         let mut pool = build::pool(&self.model, &spec)?;
         pool.add_partition(PartitionConfig {

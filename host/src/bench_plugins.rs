@@ -68,7 +68,12 @@ pub fn run(args: &PluginBenchArgs) -> Result<()> {
         updated_ms: 0,
     };
     let limits = vec![catalog::tenant_limits(&tenant, &spec)];
-    let scheduler = build::scheduler(&model, &tokenizer, &catalog::engine_spec(&spec), limits)?;
+    let scheduler = build::scheduler(
+        &model,
+        &tokenizer,
+        &catalog::engine_spec(&spec, crate::engine::placement::Placement::Cpu),
+        limits,
+    )?;
     let engine = EngineService::start(scheduler)?;
     let runtime = PolicyRuntime::new(&config, Arc::clone(&store), &dir)?;
     println!(

@@ -350,6 +350,8 @@ pub struct ModelMemory {
     pub weights_bytes: u64,
     /// Its KV pool (allocated whole at load).
     pub kv_bytes: u64,
+    /// The GPU holding weights and pool (the CUDA backend), or `None` for host memory.
+    pub device: Option<String>,
 }
 
 impl ModelMemory {
@@ -359,21 +361,26 @@ impl ModelMemory {
     }
 }
 
-/// The memory of every model against the operator's budget.
+/// The memory of every model against the operator's budget: host memory
+/// for CPU models, device memory for CUDA models.
 #[derive(Clone, Debug)]
 pub struct MemoryBudget {
     /// `engine.memory_max`: None when the operator set no budget.
     pub max_bytes: Option<u64>,
+    /// `engine.device_memory_max`, else 90 % of the GPU's memory; None without a GPU.
+    pub device_max_bytes: Option<u64>,
     /// Every model, in catalog order.
     pub models: Vec<ModelMemory>,
 }
 
 /// A catalog that does not fit the memory budget.
 #[derive(Debug, thiserror::Error)]
-#[error("memory budget exceeded: model {model} needs {} (weights {}, KV pool {}); with the models before it that is {}, above engine.memory_max ({}): lower its pool_pages, or raise engine.memory_max\n{table}", human_bytes(*.needed), human_bytes(*.weights_bytes), human_bytes(*.kv_bytes), human_bytes(*.total), human_bytes(*.max_bytes))]
+#[error("memory budget exceeded: model {model} needs {} (weights {}, KV pool {}){}; with the models before it that is {}, above {} ({}): lower its pool_pages, or raise {}\n{table}", human_bytes(*.needed), human_bytes(*.weights_bytes), human_bytes(*.kv_bytes), .budget.place(), human_bytes(*.total), .budget.setting(), human_bytes(*.max_bytes), .budget.setting())]
 pub struct MemoryViolation {
     /// The first model that does not fit.
     pub model: String,
+    /// The budget it breaks.
+    pub budget: Budget,
     /// Its weights.
     pub weights_bytes: u64,
     /// Its KV pool.
@@ -388,26 +395,71 @@ pub struct MemoryViolation {
     pub table: String,
 }
 
+/// Which memory a budget is of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Budget {
+    /// Host memory: CPU models (`engine.memory_max`).
+    Host,
+    /// Device memory: CUDA models (`engine.device_memory_max`).
+    Device,
+}
+
+impl Budget {
+    /// The setting that holds it.
+    pub fn setting(self) -> &'static str {
+        match self {
+            Budget::Host => "engine.memory_max",
+            Budget::Device => "engine.device_memory_max",
+        }
+    }
+
+    /// Where the bytes are, for a message.
+    fn place(self) -> &'static str {
+        match self {
+            Budget::Host => "",
+            Budget::Device => " in device memory",
+        }
+    }
+}
+
 impl MemoryBudget {
-    /// Every model's bytes together.
-    pub fn total(&self) -> u64 {
+    /// Every host (`on_device` false) or device model's bytes together.
+    pub fn total(&self, on_device: bool) -> u64 {
         self.models
             .iter()
+            .filter(|m| m.device.is_some() == on_device)
             .fold(0u64, |sum, m| sum.saturating_add(m.total()))
     }
 
-    /// Ok when every model fits; otherwise the first one (in catalog order)
-    /// that takes the sum over the budget.
+    /// Ok when every model fits its memory; otherwise the first one (in
+    /// catalog order) that takes the sum over its budget, host or device.
     pub fn check(&self) -> Result<(), MemoryViolation> {
-        let Some(max_bytes) = self.max_bytes else {
-            return Ok(());
-        };
+        for budget in [Budget::Host, Budget::Device] {
+            let max_bytes = match budget {
+                Budget::Host => self.max_bytes,
+                Budget::Device => self.device_max_bytes,
+            };
+            let Some(max_bytes) = max_bytes else {
+                continue;
+            };
+            self.check_one(budget, max_bytes)?;
+        }
+        Ok(())
+    }
+
+    fn check_one(&self, budget: Budget, max_bytes: u64) -> Result<(), MemoryViolation> {
+        let on_device = budget == Budget::Device;
         let mut total = 0u64;
-        for m in &self.models {
+        for m in self
+            .models
+            .iter()
+            .filter(|m| m.device.is_some() == on_device)
+        {
             total = total.saturating_add(m.total());
             if total > max_bytes {
                 return Err(MemoryViolation {
                     model: m.model.clone(),
+                    budget,
                     weights_bytes: m.weights_bytes,
                     kv_bytes: m.kv_bytes,
                     needed: m.total(),
@@ -423,13 +475,41 @@ impl MemoryBudget {
     /// One line per model, then the sum against the budget.
     pub fn table(&self) -> String {
         let mut out = String::new();
-        let _ = writeln!(out, "memory");
+        self.section(&mut out, false);
+        if self.models.iter().any(|m| m.device.is_some()) {
+            self.section(&mut out, true);
+        }
+        out
+    }
+
+    /// The host memory table, or the device memory table.
+    fn section(&self, out: &mut String, on_device: bool) {
+        let models = self
+            .models
+            .iter()
+            .filter(|m| m.device.is_some() == on_device);
+        let (title, max_bytes, setting) = match on_device {
+            false => ("memory".to_string(), self.max_bytes, "engine.memory_max"),
+            true => {
+                let gpu = self
+                    .models
+                    .iter()
+                    .find_map(|m| m.device.clone())
+                    .unwrap_or_default();
+                (
+                    format!("device memory ({gpu})"),
+                    self.device_max_bytes,
+                    "engine.device_memory_max",
+                )
+            }
+        };
+        let _ = writeln!(out, "{title}");
         let _ = writeln!(
             out,
             "  {:<32} {:>14} {:>14} {:>14}",
             "model", "weights", "KV pool", "total"
         );
-        for m in &self.models {
+        for m in models {
             let _ = writeln!(
                 out,
                 "  {:<32} {:>14} {:>14} {:>14}",
@@ -439,23 +519,23 @@ impl MemoryBudget {
                 human_bytes(m.total())
             );
         }
-        let budget = match self.max_bytes {
+        let total = self.total(on_device);
+        let budget = match max_bytes {
             Some(max) => format!(
                 "{} ({})",
                 human_bytes(max),
-                if self.total() <= max { "ok" } else { "NO" }
+                if total <= max { "ok" } else { "NO" }
             ),
-            None => "not set (engine.memory_max)".into(),
+            None => format!("not set ({setting})"),
         };
         let _ = writeln!(
             out,
             "  {:<32} {:>44}\n  {:<32} {:>44}",
             "all models",
-            human_bytes(self.total()),
+            human_bytes(total),
             "budget",
             budget
         );
-        out
     }
 }
 
@@ -491,6 +571,7 @@ mod tests {
             step_tokens_max: 512,
             step_seqs_max: 32,
             kv_type: Default::default(),
+            backend: None,
         }
     }
 
@@ -686,21 +767,25 @@ mod tests {
                 model: "small".into(),
                 weights_bytes: 100,
                 kv_bytes: 50,
+                device: None,
             },
             ModelMemory {
                 model: "large".into(),
                 weights_bytes: 200,
                 kv_bytes: 100,
+                device: None,
             },
         ];
         let fits = MemoryBudget {
             max_bytes: Some(450),
+            device_max_bytes: None,
             models: models.clone(),
         };
         fits.check().unwrap();
         assert!(fits.table().contains("450 B (ok)"), "{}", fits.table());
         let tight = MemoryBudget {
             max_bytes: Some(449),
+            device_max_bytes: None,
             models: models.clone(),
         };
         let v = tight.check().unwrap_err();
@@ -708,9 +793,73 @@ mod tests {
         assert!(v.to_string().contains("model large") && v.table.contains("NO"));
         let unset = MemoryBudget {
             max_bytes: None,
+            device_max_bytes: None,
             models,
         };
         unset.check().unwrap();
         assert!(unset.table().contains("not set"));
+    }
+
+    #[test]
+    fn a_models_own_backend_wins_over_the_servers_default() {
+        use crate::engine::placement::{BackendChoice, Placement};
+        let own_cpu = ModelSpec {
+            backend: Some(BackendChoice::Cpu),
+            ..spec()
+        };
+        // Even with `--backend cuda` (which this machine may not run), the
+        // model that names the CPU computes there.
+        let (placement, _) = crate::catalog::placement_of(&own_cpu, BackendChoice::Cuda).unwrap();
+        assert_eq!(placement, Placement::Cpu);
+        let (default, _) = crate::catalog::placement_of(&spec(), BackendChoice::Cpu).unwrap();
+        assert_eq!(default, Placement::Cpu);
+    }
+
+    #[test]
+    fn device_models_count_against_device_memory_and_not_the_hosts() {
+        let model = |name: &str, bytes: u64, device: bool| ModelMemory {
+            model: name.into(),
+            weights_bytes: bytes,
+            kv_bytes: bytes,
+            device: device.then(|| "NVIDIA H200, sm_90".to_string()),
+        };
+        let budget = MemoryBudget {
+            max_bytes: Some(300),
+            device_max_bytes: Some(1000),
+            models: vec![
+                model("cpu", 100, false),
+                model("gpu-a", 400, true),
+                model("gpu-b", 100, true),
+            ],
+        };
+        // Host: 200 of 300; device: 1000 of 1000.
+        budget.check().unwrap();
+        let table = budget.table();
+        assert!(
+            table.contains("device memory (NVIDIA H200, sm_90)"),
+            "{table}"
+        );
+        assert!(
+            table.contains("300 B (ok)") && table.contains("1000 B (ok)"),
+            "{table}"
+        );
+        let full = MemoryBudget {
+            device_max_bytes: Some(999),
+            ..budget.clone()
+        };
+        let v = full.check().unwrap_err();
+        assert_eq!((v.model.as_str(), v.budget), ("gpu-b", Budget::Device));
+        let message = v.to_string();
+        assert!(
+            message.contains("in device memory") && message.contains("engine.device_memory_max"),
+            "{message}"
+        );
+        // The host budget alone is not broken by device bytes.
+        let host_tight = MemoryBudget {
+            max_bytes: Some(200),
+            device_max_bytes: None,
+            ..budget
+        };
+        host_tight.check().unwrap();
     }
 }

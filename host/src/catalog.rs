@@ -26,6 +26,7 @@ use crate::config::ModelSpec;
 use crate::engine::admission::Admission;
 use crate::engine::build::{self, EngineSpec};
 use crate::engine::chat::ChatTemplate;
+use crate::engine::placement::{self, BackendChoice, Placement, PlacementError};
 use crate::engine::scheduler::{FinishSink, TenantLimits};
 use crate::engine::service::{EngineHandle, EngineService, RestartPolicy, Supervision};
 use crate::store::records::TenantRecord;
@@ -72,6 +73,14 @@ pub enum LoadError {
         /// What went wrong.
         message: String,
     },
+    /// Its backend cannot run here (`cuda` without a driver, a device or NVRTC).
+    #[error("model {id}: {error}")]
+    Backend {
+        /// The model's id.
+        id: String,
+        /// What is missing.
+        error: PlacementError,
+    },
     /// The engine thread could not start.
     #[error("model {id}: {cause}")]
     Thread {
@@ -107,6 +116,8 @@ pub struct Served {
     pub created: u64,
     /// Its part in disaggregation (none with role `both`).
     pub transfer: Option<ModelTransfer>,
+    /// Where it computes ("cpu", "cuda (NVIDIA H200, sm_90)").
+    pub backend: String,
 }
 
 /// A model's transfer state with role `prefill` or `decode`.
@@ -139,6 +150,8 @@ pub struct Inspected {
     pub memory: ModelMemory,
     /// Its pool's page shape (what a transfer's pages are).
     pub shape: bulkhead_kernels::kv::PageShape,
+    /// Where it would compute.
+    pub placement: Placement,
 }
 
 fn file_error(spec: &ModelSpec, message: impl ToString) -> LoadError {
@@ -163,11 +176,23 @@ fn regular_file(spec: &ModelSpec) -> Result<(), LoadError> {
     }
 }
 
-/// The memory of `spec` given its parsed file.
+/// Where `spec` computes on this machine, its own `backend` first, else `default`.
+pub fn placement_of(
+    spec: &ModelSpec,
+    default: BackendChoice,
+) -> Result<(Placement, String), LoadError> {
+    placement::resolve(spec.backend.unwrap_or(default)).map_err(|error| LoadError::Backend {
+        id: spec.id.clone(),
+        error,
+    })
+}
+
+/// The memory of `spec` given its parsed file: on the device where it computes there.
 fn memory_of(
     spec: &ModelSpec,
     gguf: &Gguf,
     config: &LlamaConfig,
+    placement: &Placement,
 ) -> Result<ModelMemory, LoadError> {
     let weights_bytes = gguf
         .tensors()
@@ -185,19 +210,26 @@ fn memory_of(
         model: spec.id.clone(),
         weights_bytes,
         kv_bytes: layout.pool_bytes(),
+        device: match placement {
+            Placement::Cpu => None,
+            Placement::Cuda(gpu) => Some(gpu.name.clone()),
+        },
     })
 }
 
-/// Reads `spec`'s file header: its context and memory, nothing allocated.
-pub fn inspect(spec: &ModelSpec) -> Result<Inspected, LoadError> {
+/// Reads `spec`'s file header: its context and memory, nothing allocated;
+/// `default` is the backend of a model that names none.
+pub fn inspect(spec: &ModelSpec, default: BackendChoice) -> Result<Inspected, LoadError> {
     regular_file(spec)?;
+    let (placement, _) = placement_of(spec, default)?;
     let gguf = Gguf::open(&spec.path).map_err(|e| file_error(spec, e))?;
     let config = LlamaConfig::from_gguf(&gguf).map_err(|e| file_error(spec, e))?;
     let geometry = config.pool_geometry(spec.pool_pages, spec.page_tokens, spec.kv_type.into());
     Ok(Inspected {
         file_context_tokens: config.context_len as u64,
-        memory: memory_of(spec, &gguf, &config)?,
+        memory: memory_of(spec, &gguf, &config, &placement)?,
         shape: bulkhead_kernels::kv::PageShape::of(&geometry),
+        placement,
     })
 }
 
@@ -228,8 +260,8 @@ pub fn tenant_limits(tenant: &TenantRecord, spec: &ModelSpec) -> TenantLimits {
     }
 }
 
-/// The engine of `spec`.
-pub fn engine_spec(spec: &ModelSpec) -> EngineSpec {
+/// The engine of `spec`, computing on `placement`.
+pub fn engine_spec(spec: &ModelSpec, placement: Placement) -> EngineSpec {
     EngineSpec {
         pool_pages: spec.pool_pages,
         page_tokens: spec.page_tokens,
@@ -238,30 +270,36 @@ pub fn engine_spec(spec: &ModelSpec) -> EngineSpec {
         step_tokens_max: spec.step_tokens_max,
         step_seqs_max: spec.step_seqs_max,
         pool_options: PoolOptions::default(),
+        placement,
     }
 }
 
 /// Loads `spec` and starts its engine, with a partition for each of `tenants`
-/// that may use it; every request's end goes to `finishes`.
+/// that may use it; every request's end goes to `finishes`. `default` is the
+/// backend of a model that names none.
 pub fn load(
     spec: ModelSpec,
     source: Source,
     tenants: &[TenantRecord],
     finishes: Arc<dyn FinishSink>,
     role: crate::transfer::Role,
+    default: BackendChoice,
 ) -> Result<Loaded, LoadError> {
     regular_file(&spec)?;
+    let (placement, why) = placement_of(&spec, default)?;
+    tracing::info!(model = %spec.id, backend = %placement, "{why}");
     let model = Arc::new(Model::open(&spec.path).map_err(|e| file_error(&spec, e))?);
     let tokenizer = Arc::new(Tokenizer::from_gguf(&model.gguf).map_err(|e| file_error(&spec, e))?);
     let file_context_tokens = model.config.context_len as u64;
     Capacity::of_model(&spec, file_context_tokens, &quotas_for(&spec, tenants)).check()?;
-    let memory = memory_of(&spec, &model.gguf, &model.config)?;
+    let memory = memory_of(&spec, &model.gguf, &model.config, &placement)?;
+    let backend = placement.to_string();
     let limits = tenants
         .iter()
         .filter(|t| t.models.allows(&spec.id))
         .map(|t| tenant_limits(t, &spec))
         .collect();
-    let engine = engine_spec(&spec);
+    let engine = engine_spec(&spec, placement);
     let mut scheduler =
         build::scheduler(&model, &tokenizer, &engine, limits).map_err(|e| LoadError::Engine {
             id: spec.id.clone(),
@@ -316,6 +354,7 @@ pub fn load(
         spec,
         source,
         transfer,
+        backend,
     };
     Ok(Loaded {
         served: Arc::new(served),
@@ -398,11 +437,16 @@ impl Snapshot {
         self.models.is_empty()
     }
 
-    /// Every model's memory against `max_bytes`, with `extra` (a model about to
-    /// be added) last.
-    pub fn memory(&self, max_bytes: Option<u64>, extra: Option<ModelMemory>) -> MemoryBudget {
+    /// Every model's memory against the budgets of `engine`, with `extra`
+    /// (a model about to be added) last.
+    pub fn memory(
+        &self,
+        engine: &crate::config::EngineConfig,
+        extra: Option<ModelMemory>,
+    ) -> MemoryBudget {
         MemoryBudget {
-            max_bytes,
+            max_bytes: engine.memory_max,
+            device_max_bytes: placement::device_memory_max(engine.device_memory_max),
             models: self
                 .models
                 .iter()

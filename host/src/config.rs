@@ -458,12 +458,21 @@ impl ModelSpec {
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineConfig {
-    /// The memory every model's weights and KV pool may take together, in bytes
-    /// or with a unit (`"6 GiB"`); unset, nothing is checked (the sum is still
-    /// printed). Start-up, `bulkhead check` and adding a model refuse a catalog
-    /// above it.
+    /// The memory every CPU model's weights and KV pool may take together, in
+    /// bytes or with a unit (`"6 GiB"`); unset, nothing is checked (the sum is
+    /// still printed). Start-up, `bulkhead check` and adding a model refuse a
+    /// catalog above it.
     #[serde(deserialize_with = "bytes_with_unit")]
     pub memory_max: Option<u64>,
+    /// The device memory every CUDA model's weights and KV pool may take
+    /// together (default: 90 % of the GPU's, the rest left to the CUDA
+    /// context, the kernels' scratch and captured graphs).
+    #[serde(deserialize_with = "bytes_with_unit")]
+    pub device_memory_max: Option<u64>,
+    /// Where models compute unless their own `backend` says: `auto` (the
+    /// default: CUDA where a driver, a device and NVRTC are present), `cpu`
+    /// or `cuda`. `--backend` overrides it.
+    pub backend: crate::engine::placement::BackendChoice,
 }
 
 /// A byte count: an integer, or a string of a number and a unit (`B`, `KiB`,

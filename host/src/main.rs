@@ -7,6 +7,7 @@ use bulkhead::catalog;
 use bulkhead::config::Config;
 use bulkhead::engine::chat::{ChatTemplate, Message};
 use bulkhead::engine::generate::{self, GenerateOptions};
+use bulkhead::engine::placement::{self, BackendChoice};
 use bulkhead::engine::sampling::SamplingParams;
 use bulkhead::server::{self, ServeOptions};
 use bulkhead::single::{self, Single};
@@ -120,6 +121,12 @@ enum Command {
         /// repeat for several (replaces `server.prefill_peers`).
         #[arg(long = "prefill-peer")]
         prefill_peers: Vec<String>,
+        /// Where models compute unless their policy entry says (`backend`):
+        /// `auto` (CUDA where a driver, a device and NVRTC are present, else
+        /// the CPU), `cpu` or `cuda` (refused where it cannot run); overrides
+        /// `engine.backend`.
+        #[arg(long)]
+        backend: Option<BackendChoice>,
     },
     /// Print each model's capacity table and the memory budget of a deployment,
     /// as `serve` would check them: the policy's models and those added through
@@ -143,6 +150,12 @@ enum Command {
         /// prefill, transfer, decode — with what each part must hold.
         #[arg(long)]
         role: Option<bulkhead::transfer::Role>,
+        /// Where models compute unless their policy entry says (`backend`):
+        /// `auto` (CUDA where a driver, a device and NVRTC are present, else
+        /// the CPU), `cpu` or `cuda` (refused where it cannot run); overrides
+        /// `engine.backend`.
+        #[arg(long)]
+        backend: Option<BackendChoice>,
     },
     /// Replace a lost admin token, offline (the server stopped): a new one is
     /// generated, stored as a digest (the old one stops working), audited
@@ -289,7 +302,11 @@ fn check(
     mut config: Config,
     store: Option<PathBuf>,
     role: Option<bulkhead::transfer::Role>,
+    backend: Option<BackendChoice>,
 ) -> Result<()> {
+    if let Some(backend) = backend {
+        config.engine.backend = backend;
+    }
     if let Some(store) = store {
         config.store.path = std::path::absolute(store)?;
     }
@@ -329,11 +346,13 @@ fn check(
     };
     let mut memory = MemoryBudget {
         max_bytes: config.engine.memory_max,
+        device_max_bytes: placement::device_memory_max(config.engine.device_memory_max),
         models: Vec::new(),
     };
     let mut violation = None;
     for (spec, _) in &specs {
-        let inspected = catalog::inspect(spec)?;
+        let inspected = catalog::inspect(spec, config.engine.backend)?;
+        println!("model {}: backend {}", spec.id, inspected.placement);
         let quotas = catalog::quotas_for(spec, &tenants);
         let capacity = Capacity::of_model(spec, inspected.file_context_tokens, &quotas);
         print!("{}", capacity.table());
@@ -442,6 +461,7 @@ fn run(cli: Cli) -> Result<()> {
             role,
             transfer_listen,
             prefill_peers,
+            backend,
         } => {
             let policy = match &model {
                 Some(model) => {
@@ -482,6 +502,7 @@ fn run(cli: Cli) -> Result<()> {
                     .map_err(anyhow::Error::msg)?,
                 transfer_listen,
                 prefill_peers,
+                backend,
             })?)
         }
         Command::Check {
@@ -490,8 +511,9 @@ fn run(cli: Cli) -> Result<()> {
             memory_max,
             store,
             role,
+            backend,
         } => match (config, model) {
-            (Some(config), _) => check(Config::load(&config)?, store, role),
+            (Some(config), _) => check(Config::load(&config)?, store, role, backend),
             (None, Some(model)) => {
                 let single = Single {
                     model: &model,
@@ -500,7 +522,7 @@ fn run(cli: Cli) -> Result<()> {
                 };
                 let (toml, config) = single::derive(&single)?;
                 println!("{toml}");
-                check(config, None, None)
+                check(config, None, None, backend)
             }
             (None, None) => bail!("give --config or --model"),
         },

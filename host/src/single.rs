@@ -21,6 +21,7 @@
 use crate::capacity::human_bytes;
 use crate::catalog;
 use crate::config::{Config, ModelSpec};
+use crate::engine::placement::BackendChoice;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 
@@ -65,8 +66,10 @@ pub fn derive(single: &Single) -> Result<(String, Config)> {
         step_tokens_max: 256,
         step_seqs_max: 32,
         kv_type: Default::default(),
+        backend: None,
     };
-    let inspected = catalog::inspect(&probe(PAGE_TOKENS, 1))?;
+    // Sizes only: the same bytes wherever the model will compute.
+    let inspected = catalog::inspect(&probe(PAGE_TOKENS, 1), BackendChoice::Cpu)?;
     let weights = inspected.memory.weights_bytes;
     let page_bytes = inspected.memory.kv_bytes.max(1);
     let file_context = inspected.file_context_tokens;

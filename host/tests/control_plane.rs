@@ -148,6 +148,7 @@ fn start(dir: &Path) -> Plane {
             &tenants,
             Arc::clone(&sink),
             bulkhead::transfer::Role::Both,
+            bulkhead::engine::placement::BackendChoice::Cpu,
         )
         .unwrap();
         catalog.insert(loaded);

@@ -58,6 +58,7 @@ fn spec() -> EngineSpec {
             poison_released: true,
             paranoid: true,
         },
+        placement: bulkhead::engine::placement::Placement::Cpu,
     }
 }
 

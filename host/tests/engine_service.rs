@@ -37,6 +37,7 @@ fn engine_spec(threads: usize) -> EngineSpec {
         step_tokens_max: 64,
         step_seqs_max: 4,
         pool_options: PoolOptions::default(),
+        placement: bulkhead::engine::placement::Placement::Cpu,
     }
 }
 

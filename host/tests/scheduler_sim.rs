@@ -9,7 +9,6 @@ use bulkhead::engine::request::{Event, FinishReason, NewRequest, Rejection, Requ
 use bulkhead::engine::sampling::SamplingParams;
 use bulkhead::engine::scheduler::{BatchLimits, Scheduler, TenantChangeError, TenantLimits};
 use bulkhead::tenancy::TenantId;
-use bulkhead_kernels::backend::cpu::CpuBackend;
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::kv::{KvType, OwnerTag, PoolOptions};
 use bulkhead_kernels::model::Model;
@@ -24,7 +23,7 @@ const ALPHA: TenantId = TenantId(0);
 const BETA: TenantId = TenantId(1);
 
 struct Sim {
-    scheduler: Scheduler<CpuBackend>,
+    scheduler: Scheduler<bulkhead::engine::build::EngineBackend>,
     admission: Admission,
     now: Instant,
     next_id: u64,
@@ -67,6 +66,7 @@ fn sim(tenants: &[Tenant], pool_pages: u32, limits: BatchLimits) -> Sim {
             poison_released: true,
             paranoid: true,
         },
+        placement: bulkhead::engine::placement::Placement::Cpu,
     };
     let tenant_limits = tenants
         .iter()

@@ -250,6 +250,7 @@ fn spec() -> EngineSpec {
             poison_released: true,
             paranoid: true,
         },
+        placement: bulkhead::engine::placement::Placement::Cpu,
     }
 }
 

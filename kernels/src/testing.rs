@@ -34,6 +34,9 @@ pub struct TinySpec {
     pub separate_output: bool,
     /// Tokens the tokenizer has beyond the embedding's rows (0: they agree).
     pub extra_tokens: u32,
+    /// Ordinary tokens added to the vocabulary, with embedding rows (a real
+    /// model's vocabulary size for a random-weight model of its shape).
+    pub filler_tokens: u32,
 }
 
 impl Default for TinySpec {
@@ -50,6 +53,7 @@ impl Default for TinySpec {
             embedding_type: GgmlType::Q8_0,
             separate_output: false,
             extra_tokens: 0,
+            filler_tokens: 0,
         }
     }
 }
@@ -113,6 +117,10 @@ fn encode(ty: GgmlType, values: &[f32]) -> Vec<u8> {
 /// A tiny llama GGUF file, in memory.
 pub fn tiny_llama(spec: &TinySpec) -> Vec<u8> {
     let (mut tokens, mut types, merges) = vocab();
+    for i in 0..spec.filler_tokens {
+        tokens.push(format!("<filler_{i}>"));
+        types.push(1);
+    }
     let vocab_len = tokens.len() as u64;
     for i in 0..spec.extra_tokens {
         tokens.push(format!("<extra_{i}>"));

@@ -201,6 +201,49 @@ fn refuses_prompts_that_cannot_fit_and_bad_arguments() {
     assert_eq!(both.status.code(), Some(2), "clap usage error");
 }
 
+/// `check` says where each model computes, and with `--backend cuda` on a
+/// machine without a GPU refuses, naming what is missing (exit 1, no panic).
+#[test]
+fn check_names_each_models_backend_and_refuses_cuda_without_a_gpu() {
+    let Some(_model) = smollm2() else { return };
+    let demo = repo_root().join("policies/demo.toml");
+    let out = run(bulkhead()
+        .arg("check")
+        .arg("--config")
+        .arg(&demo)
+        .args(["--backend", "cpu"]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("model smollm2-135m-instruct: backend cpu"),
+        "{}",
+        stdout(&out)
+    );
+    let out = run(bulkhead()
+        .arg("check")
+        .arg("--config")
+        .arg(&demo)
+        .args(["--backend", "cuda"]));
+    if out.status.success() {
+        eprintln!("skipped: this machine can run the CUDA backend");
+        return;
+    }
+    assert_clean_failure(
+        &out,
+        "backend cuda: no NVIDIA driver: libcuda.so.1 was not found",
+    );
+    let out = run(bulkhead()
+        .arg("check")
+        .arg("--config")
+        .arg(&demo)
+        .args(["--backend", "gpu"]));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a value clap refuses: {}",
+        stderr(&out)
+    );
+}
+
 #[test]
 fn check_prints_the_capacity_table_and_refuses_a_broken_promise() {
     let Some(_model) = smollm2() else { return };

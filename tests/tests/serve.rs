@@ -940,3 +940,68 @@ fn ext_authz_gives_the_gateway_the_tenants_id_never_the_clients() {
     let r = ask(&server, KEY_ALPHA, &spoofed, 2);
     assert_eq!(r.status, 200, "{}", r.body);
 }
+
+/// Whether this machine has an NVIDIA driver (libcuda loads).
+fn nvidia_driver_present() -> bool {
+    let name = std::ffi::CString::new("libcuda.so.1").unwrap();
+    // SAFETY: dlopen with a valid C string; the handle is closed at once.
+    unsafe {
+        let handle = libc::dlopen(name.as_ptr(), libc::RTLD_LAZY);
+        if handle.is_null() {
+            return false;
+        }
+        libc::dlclose(handle);
+    }
+    true
+}
+
+/// `--backend cuda` on a machine without a GPU refuses to start, naming what
+/// is missing, before it listens or writes a secret; `--backend auto` serves
+/// on the CPU, says so in the log, and the admin `/readyz` names each
+/// model's backend.
+#[test]
+fn backend_cuda_without_a_gpu_is_refused_and_auto_serves_on_the_cpu() {
+    let Some(model) = smollm2() else { return };
+    if nvidia_driver_present() {
+        eprintln!(
+            "skipped: this machine has an NVIDIA driver (the refusal is for machines without)"
+        );
+        return;
+    }
+    let policy = Policy::default();
+    let (status, stderr) =
+        match try_launch(Launch::new(&model, &policy).arg("--backend").arg("cuda")) {
+            Ok(server) => panic!(
+                "served with --backend cuda:\n{}",
+                server.stderr_lines().join("\n")
+            ),
+            Err(refused) => refused,
+        };
+    assert!(!status.success());
+    assert!(
+        stderr.contains(
+            "backend cuda: no NVIDIA driver: libcuda.so.1 was not found on the loader path"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("listening:") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+
+    let server = launch(Launch::new(&model, &policy).arg("--backend").arg("auto"));
+    assert!(
+        server.logged("backend auto chose cpu: no NVIDIA driver"),
+        "{:?}",
+        server.stderr_lines()
+    );
+    let ready = server.get(&server.admin, "/readyz", None);
+    assert_eq!(ready.status, 200, "{}", ready.body);
+    assert_eq!(ready.json()["backends"][MODEL_ID], "cpu", "{}", ready.body);
+    let r = server.post_json(
+        "/v1/completions",
+        Some(KEY_ALPHA),
+        &json!({"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+}

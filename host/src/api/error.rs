@@ -159,8 +159,9 @@ pub enum ApiError {
     /// A change the capacity contract (I2) or the reservations (I8) cannot hold.
     #[error("{0}")]
     Capacity(CapacityViolation),
-    /// A model the memory budget (`engine.memory_max`) cannot hold.
-    #[error("The catalog would exceed the memory budget: model {} needs {} bytes ({}); with the models before it that is {} bytes ({}), above engine.memory_max ({} bytes, {}). Nothing was changed; it fits with a smaller pool_pages, or with models removed.", .0.model, .0.needed, human_bytes(.0.needed), .0.total, human_bytes(.0.total), .0.max_bytes, human_bytes(.0.max_bytes))]
+    /// A model the memory budget (`engine.memory_max`, or
+    /// `engine.device_memory_max` for a GPU) cannot hold.
+    #[error("The catalog would exceed the memory budget: model {} needs {} bytes ({}); with the models before it that is {} bytes ({}), above {} ({} bytes, {}). Nothing was changed; it fits with a smaller pool_pages, or with models removed.", .0.model, .0.needed, human_bytes(.0.needed), .0.total, human_bytes(.0.total), .0.budget.setting(), .0.max_bytes, human_bytes(.0.max_bytes))]
     Memory(MemoryViolation),
     /// A model file that cannot be served (missing, unreadable, hostile, or
     /// not a model this engine runs).

@@ -254,9 +254,17 @@ async fn admin_readyz(State(app): State<Arc<App>>) -> Response<Body> {
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready")
     };
+    // Where each model computes: "cpu", or "cuda (NVIDIA H200, sm_90)".
+    let backends: serde_json::Map<String, serde_json::Value> = app
+        .control
+        .catalog()
+        .snapshot()
+        .all()
+        .map(|m| (m.spec.id.clone(), m.backend.clone().into()))
+        .collect();
     json(
         status,
-        &serde_json::json!({"status": word, "models": models, "store": store_state(&app)}),
+        &serde_json::json!({"status": word, "models": models, "backends": backends, "store": store_state(&app)}),
     )
 }
 

@@ -1,18 +1,26 @@
 //! The one place an engine stack is assembled: a model's weights → its KV pool
-//! (the model's page geometry) → the CPU backend → the scheduler with its
-//! tenants' partitions. The catalog (every served model), `bulkhead generate`,
-//! the benchmarks and the tests all build through here, so they run the same
-//! stack.
+//! (the model's page geometry) → the backend (CPU, or CUDA with the pool in
+//! device memory) → the scheduler with its tenants' partitions. The catalog
+//! (every served model), `bulkhead generate`, the benchmarks and the tests
+//! all build through here, so they run the same stack.
 
+use super::placement::{Gpu, Placement};
 use super::scheduler::{BatchLimits, Scheduler, TenantChangeError, TenantLimits};
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
+use bulkhead_kernels::backend::cuda::{
+    Cuda, CudaBackend, CudaDevice, CudaOptions, Device, DeviceStorage,
+};
+use bulkhead_kernels::backend::Backend;
 use bulkhead_kernels::kv::{KvType, Pool, PoolError, PoolOptions};
 use bulkhead_kernels::model::{Model, ModelError};
 use bulkhead_kernels::tokenizer::Tokenizer;
 use std::sync::Arc;
 
+/// The backend an engine runs, whichever it is.
+pub type EngineBackend = Box<dyn Backend>;
+
 /// What an engine is made of, besides the model and its tenants.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct EngineSpec {
     /// Pages in the KV pool (allocated once, here).
     pub pool_pages: u32,
@@ -28,6 +36,8 @@ pub struct EngineSpec {
     pub step_seqs_max: u32,
     /// Pool test switches (poison, paranoid); off when serving.
     pub pool_options: PoolOptions,
+    /// Where it computes.
+    pub placement: Placement,
 }
 
 /// Why an engine could not be built.
@@ -42,9 +52,12 @@ pub enum BuildError {
     /// The model file's tokenizer and weights disagree.
     #[error("model: {0}")]
     Model(#[from] ModelError),
+    /// The CUDA backend could not be set up (the device, NVRTC, the model).
+    #[error("cuda: {0}")]
+    Cuda(String),
 }
 
-/// The KV pool for `model`, with no partitions yet.
+/// The KV pool for `model` in host memory, with no partitions yet.
 pub fn pool(model: &Model, spec: &EngineSpec) -> Result<Pool, PoolError> {
     let geometry = model
         .config
@@ -52,7 +65,7 @@ pub fn pool(model: &Model, spec: &EngineSpec) -> Result<Pool, PoolError> {
     Pool::new(geometry, &[], spec.pool_options)
 }
 
-/// The CPU backend for `model`.
+/// The CPU backend for `model` (the pool in host memory).
 pub fn backend(model: &Arc<Model>, spec: &EngineSpec) -> CpuBackend {
     CpuBackend::new(
         Arc::clone(model),
@@ -65,21 +78,50 @@ pub fn backend(model: &Arc<Model>, spec: &EngineSpec) -> CpuBackend {
     )
 }
 
+/// The CUDA backend for `model` on `gpu`, and its pool in that device's
+/// memory: the engine's own stream on the device, one allocation for the pool.
+fn cuda_parts(
+    model: &Arc<Model>,
+    spec: &EngineSpec,
+    gpu: &Gpu,
+) -> Result<(EngineBackend, Pool), BuildError> {
+    let cuda = |e: &dyn std::fmt::Display| BuildError::Cuda(e.to_string());
+    let device: Arc<dyn Device> =
+        Arc::new(Cuda(CudaDevice::open(gpu.ordinal).map_err(|e| cuda(&e))?));
+    let layout = model
+        .config
+        .pool_geometry(spec.pool_pages, spec.page_tokens, spec.kv_type)
+        .layout()
+        .map_err(PoolError::from)?;
+    let storage = DeviceStorage::new(&device, layout).map_err(|e| cuda(&e))?;
+    let pool = Pool::with_storage(layout, &[], spec.pool_options, Box::new(storage))?;
+    let options = CudaOptions {
+        step_tokens_max: spec.step_tokens_max as usize,
+        step_seqs_max: spec.step_seqs_max as usize,
+        graphs: true,
+    };
+    let backend = CudaBackend::new(Arc::clone(model), device, options).map_err(|e| cuda(&e))?;
+    Ok((Box::new(backend), pool))
+}
+
 /// The whole stack: pool, backend, and a scheduler with a partition per tenant.
 pub fn scheduler(
     model: &Arc<Model>,
     tokenizer: &Arc<Tokenizer>,
     spec: &EngineSpec,
     tenants: Vec<TenantLimits>,
-) -> Result<Scheduler<CpuBackend>, BuildError> {
+) -> Result<Scheduler<EngineBackend>, BuildError> {
     model.check_tokenizer(tokenizer)?;
-    let pool = pool(model, spec)?;
+    let (backend, pool): (EngineBackend, Pool) = match &spec.placement {
+        Placement::Cpu => (Box::new(backend(model, spec)), pool(model, spec)?),
+        Placement::Cuda(gpu) => cuda_parts(model, spec, gpu)?,
+    };
     let limits = BatchLimits {
         step_tokens_max: spec.step_tokens_max,
         step_seqs_max: spec.step_seqs_max,
     };
     Ok(Scheduler::new(
-        backend(model, spec),
+        backend,
         pool,
         Arc::clone(tokenizer),
         limits,

@@ -85,6 +85,7 @@ pub fn generate(
         step_tokens_max: PREFILL_CHUNK_TOKENS,
         step_seqs_max: 1,
         pool_options: PoolOptions::default(),
+        placement: crate::engine::placement::Placement::Cpu,
     };
     let tenants = vec![TenantLimits {
         id: tenant,

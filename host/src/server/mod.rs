@@ -80,6 +80,8 @@ pub struct ServeOptions {
     pub transfer_listen: Option<String>,
     /// Replaces `server.prefill_peers` when not empty.
     pub prefill_peers: Vec<String>,
+    /// Overrides `engine.backend` (models that name their own keep it).
+    pub backend: Option<crate::engine::placement::BackendChoice>,
 }
 
 /// Why the server could not start (or stopped with an error).
@@ -177,7 +179,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     let specs = catalog_of(&config, &store)?;
     let inspected = specs
         .iter()
-        .map(|(spec, _)| catalog::inspect(spec))
+        .map(|(spec, _)| catalog::inspect(spec, config.engine.backend))
         .collect::<Result<Vec<_>, _>>()?;
     if !seeded {
         // A policy that breaks the contract must not seed the store first:
@@ -201,6 +203,9 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     }
     let memory = MemoryBudget {
         max_bytes: config.engine.memory_max,
+        device_max_bytes: crate::engine::placement::device_memory_max(
+            config.engine.device_memory_max,
+        ),
         models: inspected.iter().map(|i| i.memory.clone()).collect(),
     };
     eprint!("{}", memory.table());
@@ -230,7 +235,14 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
     let catalog = Arc::new(Catalog::default());
     for (spec, source) in specs {
         let sink = Arc::clone(&finishes) as Arc<dyn FinishSink>;
-        let loaded = match catalog::load(spec, source, &tenants, sink, config.server.role) {
+        let loaded = match catalog::load(
+            spec,
+            source,
+            &tenants,
+            sink,
+            config.server.role,
+            config.engine.backend,
+        ) {
             Ok(loaded) => loaded,
             Err(error) => {
                 stop_engines(&catalog, FinishReason::Shutdown);
@@ -449,6 +461,9 @@ impl ServeOptions {
         }
         if !self.prefill_peers.is_empty() {
             config.server.prefill_peers = self.prefill_peers.clone();
+        }
+        if let Some(backend) = self.backend {
+            config.engine.backend = backend;
         }
         config.validate_role()?;
         Ok(config)

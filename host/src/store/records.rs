@@ -438,6 +438,10 @@ pub struct ModelSpec {
     /// and half the bytes attention reads) or `f32` (the reference).
     #[serde(default)]
     pub kv_type: KvStorage,
+    /// Where it computes: `auto`, `cpu` or `cuda` (default: the server's
+    /// `--backend`, else `[engine] backend`, else `auto`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<crate::engine::placement::BackendChoice>,
 }
 
 /// How a KV pool stores each value.

@@ -131,6 +131,7 @@ fn model_records_round_trip_in_id_order() {
             step_tokens_max: 256,
             step_seqs_max: 8,
             kv_type: Default::default(),
+            backend: None,
         },
         added_ms: 7,
     };

@@ -1072,22 +1072,24 @@ impl Control {
         spec: &ModelSpec,
         tenants: Vec<TenantRecord>,
     ) -> Result<catalog::Loaded, ControlError> {
-        let probe = spec.clone();
-        let inspected = run_blocking(move || catalog::inspect(&probe))
+        let (probe, backend) = (spec.clone(), self.config.engine.backend);
+        let inspected = run_blocking(move || catalog::inspect(&probe, backend))
             .await?
             .map_err(ControlError::Load)?;
         self.catalog
             .snapshot()
-            .memory(self.config.engine.memory_max, Some(inspected.memory))
+            .memory(&self.config.engine, Some(inspected.memory))
             .check()?;
         let (to_load, finishes) = (spec.clone(), Arc::clone(&self.finishes));
         let role = self.config.server.role;
-        run_blocking(move || catalog::load(to_load, Source::Admin, &tenants, finishes, role))
-            .await?
-            .map_err(|e| match e {
-                LoadError::Capacity(v) => ControlError::Capacity(v),
-                other => ControlError::Load(other),
-            })
+        run_blocking(move || {
+            catalog::load(to_load, Source::Admin, &tenants, finishes, role, backend)
+        })
+        .await?
+        .map_err(|e| match e {
+            LoadError::Capacity(v) => ControlError::Capacity(v),
+            other => ControlError::Load(other),
+        })
     }
 
     /// Puts a loaded model in the catalog, announces it and starts its

@@ -234,3 +234,17 @@ pub fn validate_step(
     }
     Ok(tokens)
 }
+
+impl Backend for Box<dyn Backend> {
+    fn name(&self) -> String {
+        (**self).name()
+    }
+
+    fn step_tokens_max(&self) -> usize {
+        (**self).step_tokens_max()
+    }
+
+    fn step(&mut self, steps: &[SeqStep<'_>], pool: &mut Pool) -> Result<Logits<'_>, StepError> {
+        (**self).step(steps, pool)
+    }
+}

@@ -131,6 +131,12 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// `at..at + dst.len()` lies within one live allocation.
     unsafe fn read(&self, at: u64, dst: &mut [u8]) -> Result<(), DeviceError>;
 
+    /// Queues a copy of `bytes` from device address `src` to `dst`.
+    ///
+    /// # Safety
+    /// Both ranges lie within live allocations and do not overlap.
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: u64) -> Result<(), DeviceError>;
+
     /// Fills every row of `rect` with `fill` (a device memset).
     ///
     /// # Safety
@@ -251,6 +257,15 @@ impl DeviceBuffer {
         self.check(offset, out.len() as u64)?;
         // SAFETY: as above.
         unsafe { self.device.read(self.at + offset, out) }
+    }
+
+    /// Copies the first `bytes` of `src` to the start of this buffer (queued).
+    pub fn copy_from(&self, src: &DeviceBuffer, bytes: u64) -> Result<(), DeviceError> {
+        self.check(0, bytes)?;
+        src.check(0, bytes)?;
+        assert!(!std::ptr::eq(self, src), "a copy onto itself");
+        // SAFETY: both ranges were checked; two live buffers never overlap.
+        unsafe { self.device.copy(self.at, src.at, bytes) }
     }
 
     /// Checks that every row of a rectangle at `offset` lies in the buffer.

@@ -56,8 +56,40 @@ pub enum CudaUnavailable {
 pub struct Probe {
     /// Devices the driver sees.
     pub devices: u32,
-    /// The first device's name and architecture, if any.
-    pub first: Option<String>,
+    /// The first device, if the driver could describe it.
+    pub first: Option<ProbedDevice>,
+}
+
+/// A device as the driver describes it, without a context.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbedDevice {
+    /// Its name ("NVIDIA H200").
+    pub name: String,
+    /// Its architecture ("sm_90").
+    pub arch: String,
+    /// Its memory in bytes.
+    pub memory_bytes: u64,
+}
+
+fn describe_device(device: sys::CUdevice) -> Result<ProbedDevice, DeviceError> {
+    let call = |name: &'static str| move |e| driver_error(name, e);
+    let name = result::device::get_name(device).map_err(call("cuDeviceGetName"))?;
+    let attribute = |attribute| {
+        // SAFETY: `device` came from cuDeviceGet.
+        unsafe { result::device::get_attribute(device, attribute) }
+            .map_err(call("cuDeviceGetAttribute"))
+    };
+    use sys::CUdevice_attribute::*;
+    let major = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    // SAFETY: as above.
+    let memory_bytes =
+        unsafe { result::device::total_mem(device) }.map_err(call("cuDeviceTotalMem"))? as u64;
+    Ok(ProbedDevice {
+        name,
+        arch: format!("sm_{major}{minor}"),
+        memory_bytes,
+    })
 }
 
 fn driver_error(call: &'static str, error: result::DriverError) -> DeviceError {
@@ -91,7 +123,7 @@ pub fn probe() -> Result<Probe, CudaUnavailable> {
     }
     let first = result::device::get(0)
         .ok()
-        .and_then(|device| result::device::get_name(device).ok());
+        .and_then(|device| describe_device(device).ok());
     Ok(Probe {
         devices: count as u32,
         first,
@@ -109,6 +141,9 @@ pub struct CudaDevice {
     arch: String,
     memory_bytes: u64,
     shared_bytes_max: u32,
+    /// The largest pitch a 2D copy or memset takes; a pool's slab stride can
+    /// be larger (pages times slab bytes), and then its rows go one by one.
+    max_pitch: u64,
     launches: AtomicU64,
 }
 
@@ -148,20 +183,27 @@ impl CudaDevice {
         }
         let call = |name: &'static str| move |e| driver_error(name, e);
         let device = result::device::get(ordinal as i32).map_err(call("cuDeviceGet"))?;
-        let name = result::device::get_name(device).map_err(call("cuDeviceGetName"))?;
-        let attribute = |attribute| {
-            // SAFETY: `device` came from cuDeviceGet.
-            unsafe { result::device::get_attribute(device, attribute) }
-                .map_err(call("cuDeviceGetAttribute"))
-        };
-        use sys::CUdevice_attribute::*;
-        let major = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let shared_bytes_max = attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        let ProbedDevice {
+            name,
+            arch,
+            memory_bytes,
+        } = describe_device(device)?;
+        // SAFETY: `device` came from cuDeviceGet.
+        let shared_bytes_max = unsafe {
+            result::device::get_attribute(
+                device,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+        }
+        .map_err(call("cuDeviceGetAttribute"))?;
         // SAFETY: as above.
-        let memory_bytes =
-            unsafe { result::device::total_mem(device) }.map_err(call("cuDeviceTotalMem"))? as u64;
-        let arch = format!("sm_{major}{minor}");
+        let max_pitch = unsafe {
+            result::device::get_attribute(
+                device,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PITCH,
+            )
+        }
+        .map_err(call("cuDeviceGetAttribute"))?;
         let images = nvrtc::modules(&arch)?;
         // SAFETY: `device` came from cuDeviceGet; released in Drop.
         let context = unsafe { result::primary_ctx::retain(device) }
@@ -180,6 +222,7 @@ impl CudaDevice {
             arch,
             memory_bytes,
             shared_bytes_max: shared_bytes_max.max(0) as u32,
+            max_pitch: max_pitch.max(0) as u64,
             launches: AtomicU64::new(0),
         };
         for image in images.iter() {
@@ -330,9 +373,12 @@ impl Device for Cuda {
                 message: driver_error("cuMemAlloc", e).to_string(),
             }
         })?;
+        // Zeroed on this device's stream, so every later operation on it
+        // (kernels included: the stream does not wait for the legacy one)
+        // sees zeros: fresh device memory holds whatever was there before.
         // SAFETY: the allocation just made.
-        unsafe { result::memset_d8_sync(at, 0, bytes as usize) }
-            .map_err(|e| driver_error("cuMemsetD8", e))?;
+        unsafe { result::memset_d8_async(at, 0, bytes as usize, self.0.stream) }
+            .map_err(|e| driver_error("cuMemsetD8Async", e))?;
         Ok(at)
     }
 
@@ -362,25 +408,42 @@ impl Device for Cuda {
         }
     }
 
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: u64) -> Result<(), DeviceError> {
+        self.0.bind()?;
+        // SAFETY: the caller vouched both ranges are live and apart.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes as usize, self.0.stream) }
+            .map_err(|e| driver_error("cuMemcpyDtoDAsync", e))
+    }
+
     unsafe fn fill(&self, rect: Rect, fill: Fill) -> Result<(), DeviceError> {
         self.0.bind()?;
-        let (at, pitch, rows, stream) = (
-            rect.at,
-            rect.pitch as usize,
-            rect.rows as usize,
-            self.0.stream,
-        );
+        let stream = self.0.stream;
+        let width = rect.width as usize;
+        if rect.rows > 1 && rect.pitch > self.0.max_pitch {
+            for row in 0..rect.rows {
+                let at = rect.at + row * rect.pitch;
+                // SAFETY: the caller vouched every row lies in a live allocation.
+                let result = unsafe {
+                    match fill {
+                        Fill::Zero => sys::cuMemsetD8Async(at, 0, width, stream),
+                        Fill::U16(value) => sys::cuMemsetD16Async(at, value, width / 2, stream),
+                        Fill::U32(value) => sys::cuMemsetD32Async(at, value, width / 4, stream),
+                    }
+                };
+                CudaDevice::check("cuMemsetAsync", result)?;
+            }
+            return Ok(());
+        }
+        let (at, pitch, rows) = (rect.at, rect.pitch as usize, rect.rows as usize);
         // SAFETY: the caller vouched every row lies in a live allocation.
         let result = unsafe {
             match fill {
-                Fill::Zero => {
-                    sys::cuMemsetD2D8Async(at, pitch, 0, rect.width as usize, rows, stream)
-                }
+                Fill::Zero => sys::cuMemsetD2D8Async(at, pitch, 0, width, rows, stream),
                 Fill::U16(value) => {
-                    sys::cuMemsetD2D16Async(at, pitch, value, rect.width as usize / 2, rows, stream)
+                    sys::cuMemsetD2D16Async(at, pitch, value, width / 2, rows, stream)
                 }
                 Fill::U32(value) => {
-                    sys::cuMemsetD2D32Async(at, pitch, value, rect.width as usize / 4, rows, stream)
+                    sys::cuMemsetD2D32Async(at, pitch, value, width / 4, rows, stream)
                 }
             }
         };
@@ -389,6 +452,16 @@ impl Device for Cuda {
 
     unsafe fn read_rect(&self, rect: Rect, dst: &mut [u8]) -> Result<(), DeviceError> {
         self.0.bind()?;
+        if rect.rows > 1 && rect.pitch > self.0.max_pitch {
+            for (row, out) in dst.chunks_exact_mut(rect.width.max(1) as usize).enumerate() {
+                // SAFETY: the caller vouched every row lies in a live allocation.
+                unsafe {
+                    result::memcpy_dtoh_async(out, rect.at + row as u64 * rect.pitch, self.0.stream)
+                }
+                .map_err(|e| driver_error("cuMemcpyDtoHAsync", e))?;
+            }
+            return self.synchronize();
+        }
         let mut copy = memcpy_2d();
         copy.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
         copy.srcDevice = rect.at;
@@ -406,6 +479,20 @@ impl Device for Cuda {
 
     unsafe fn write_rect(&self, rect: Rect, src: &[u8]) -> Result<(), DeviceError> {
         self.0.bind()?;
+        if rect.rows > 1 && rect.pitch > self.0.max_pitch {
+            for (row, data) in src.chunks_exact(rect.width.max(1) as usize).enumerate() {
+                // SAFETY: as above; a pageable source is staged before the call returns.
+                unsafe {
+                    result::memcpy_htod_async(
+                        rect.at + row as u64 * rect.pitch,
+                        data,
+                        self.0.stream,
+                    )
+                }
+                .map_err(|e| driver_error("cuMemcpyHtoDAsync", e))?;
+            }
+            return Ok(());
+        }
         let mut copy = memcpy_2d();
         copy.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
         copy.srcHost = src.as_ptr().cast::<c_void>();

@@ -196,6 +196,12 @@ impl Device for Emulator {
         Ok(())
     }
 
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: u64) -> Result<(), DeviceError> {
+        // SAFETY: the caller vouched both ranges are live and apart.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes as usize) };
+        Ok(())
+    }
+
     unsafe fn fill(&self, rect: Rect, fill: Fill) -> Result<(), DeviceError> {
         // SAFETY: the caller vouched every row is within one live allocation.
         for row in unsafe { rows(rect) } {

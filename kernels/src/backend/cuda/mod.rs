@@ -34,6 +34,8 @@
 //! CPU backend's by the order of f32 sums (measured by the conformance test
 //! and `scripts/gpu-check.sh`).
 
+#[doc(hidden)]
+pub mod check;
 pub mod device;
 pub mod driver;
 #[cfg(feature = "emulator")]
@@ -45,7 +47,7 @@ pub mod storage;
 mod tests;
 
 pub use device::{Device, DeviceBuffer, DeviceError, DeviceGraph};
-pub use driver::{probe, Cuda, CudaDevice, CudaUnavailable, Probe};
+pub use driver::{probe, Cuda, CudaDevice, CudaUnavailable, Probe, ProbedDevice};
 pub use storage::{device_identity, DeviceStorage};
 
 use super::{validate_step, Backend, Logits, SeqStep, StepError, StepLimits};

@@ -1,0 +1,173 @@
+//! Where a model computes: on the CPU, or on an NVIDIA GPU through the CUDA
+//! backend.
+//!
+//! Each model's choice is its `[[models]] backend`, else the process's
+//! (`--backend`, `[engine] backend`), else `auto`:
+//!
+//! ```text
+//! cpu    the CPU backend, always available
+//! cuda   the CUDA backend on device 0; a start-up error naming what is
+//!        missing (the driver, a device, NVRTC) where it cannot run
+//! auto   cuda when a driver, a device and NVRTC are all present, else cpu;
+//!        the log and the admin /readyz say which, and why
+//! ```
+//!
+//! The machine is probed once per process (the driver loaded by name, no
+//! context created); each engine then opens its own stream on the device.
+
+use bulkhead_kernels::backend::cuda::{self, nvrtc};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::sync::OnceLock;
+
+/// A model's backend, as configured.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendChoice {
+    /// CUDA where it can run, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU.
+    Cpu,
+    /// An NVIDIA GPU; refused at start-up where none can be used.
+    Cuda,
+}
+
+impl BackendChoice {
+    /// "auto", "cpu" or "cuda".
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendChoice::Auto => "auto",
+            BackendChoice::Cpu => "cpu",
+            BackendChoice::Cuda => "cuda",
+        }
+    }
+}
+
+/// Where a model computes, once resolved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// The CPU backend.
+    Cpu,
+    /// The CUDA backend on a device.
+    Cuda(Gpu),
+}
+
+/// The GPU a model runs on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Gpu {
+    /// The device's index.
+    pub ordinal: u32,
+    /// Its name and architecture ("NVIDIA H200, sm_90").
+    pub name: String,
+    /// Its memory in bytes.
+    pub memory_bytes: u64,
+}
+
+impl fmt::Display for Placement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Placement::Cpu => write!(f, "cpu"),
+            Placement::Cuda(gpu) => write!(f, "cuda ({})", gpu.name),
+        }
+    }
+}
+
+/// Why `cuda` cannot run here: the message names what is missing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("backend cuda: {0}")]
+pub struct PlacementError(pub String);
+
+/// What the machine offers, probed once: a usable GPU, or why there is none.
+fn machine() -> &'static Result<Gpu, String> {
+    static MACHINE: OnceLock<Result<Gpu, String>> = OnceLock::new();
+    MACHINE.get_or_init(|| {
+        let probe = cuda::probe().map_err(|e| e.to_string())?;
+        let device = probe
+            .first
+            .ok_or_else(|| "no CUDA device: the driver reports none".to_string())?;
+        if !nvrtc::is_present() {
+            return Err(nvrtc::NvrtcError::Missing.to_string());
+        }
+        Ok(Gpu {
+            ordinal: 0,
+            name: format!("{}, {}", device.name, device.arch),
+            memory_bytes: device.memory_bytes,
+        })
+    })
+}
+
+/// Resolves `choice` on this machine: the placement, and a sentence saying
+/// why (for the log).
+pub fn resolve(choice: BackendChoice) -> Result<(Placement, String), PlacementError> {
+    match (choice, machine()) {
+        (BackendChoice::Cpu, _) => Ok((Placement::Cpu, "backend cpu, as configured".into())),
+        (BackendChoice::Cuda, Ok(gpu)) => Ok((
+            Placement::Cuda(gpu.clone()),
+            format!("backend cuda on {}, as configured", gpu.name),
+        )),
+        (BackendChoice::Cuda, Err(why)) => Err(PlacementError(why.clone())),
+        (BackendChoice::Auto, Ok(gpu)) => Ok((
+            Placement::Cuda(gpu.clone()),
+            format!("backend auto chose cuda: {} is present", gpu.name),
+        )),
+        (BackendChoice::Auto, Err(why)) => {
+            Ok((Placement::Cpu, format!("backend auto chose cpu: {why}")))
+        }
+    }
+}
+
+/// The device memory CUDA models may take together: `configured`, else 90 %
+/// of the GPU's (the rest for the CUDA context, scratch and graphs); `None`
+/// where there is no GPU.
+pub fn device_memory_max(configured: Option<u64>) -> Option<u64> {
+    configured.or_else(|| machine().as_ref().ok().map(|gpu| gpu.memory_bytes / 10 * 9))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_is_always_the_cpu_and_auto_follows_the_machine() {
+        assert_eq!(resolve(BackendChoice::Cpu).unwrap().0, Placement::Cpu);
+        let (auto, why) = resolve(BackendChoice::Auto).unwrap();
+        match machine() {
+            Ok(gpu) => {
+                assert_eq!(auto, Placement::Cuda(gpu.clone()));
+                assert_eq!(resolve(BackendChoice::Cuda).unwrap().0, auto);
+            }
+            Err(missing) => {
+                // No GPU here: auto says why it chose the CPU, cuda refuses with the same reason.
+                assert_eq!(auto, Placement::Cpu);
+                assert!(
+                    why.starts_with("backend auto chose cpu: ") && why.ends_with(missing.as_str()),
+                    "{why}"
+                );
+                let refused = resolve(BackendChoice::Cuda).unwrap_err();
+                assert_eq!(refused.to_string(), format!("backend cuda: {missing}"));
+                assert_eq!(device_memory_max(None), None);
+            }
+        }
+        assert_eq!(device_memory_max(Some(7)), Some(7));
+    }
+
+    #[test]
+    fn choices_parse_from_policy_text_and_a_model_may_name_none() {
+        let choice: BackendChoice = serde_json::from_str("\"cuda\"").unwrap();
+        assert_eq!(choice, BackendChoice::Cuda);
+        assert!(serde_json::from_str::<BackendChoice>("\"gpu\"").is_err());
+        assert_eq!(BackendChoice::default().name(), "auto");
+    }
+}

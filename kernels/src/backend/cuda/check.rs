@@ -1,0 +1,410 @@
+//! The measurements of the GPU check, as library code: the emulator tests run
+//! them here on tiny models, and `examples/gpu_check.rs` (what
+//! `scripts/gpu-check.sh` runs on a machine with an NVIDIA GPU) runs them on
+//! a real device and models of real shapes.
+//!
+//! - [`agreement`]: the CPU and CUDA backends in lockstep over the same
+//!   prompts and the same (teacher-forced) decode tokens: the worst relative
+//!   logit error, and how often their greedy tokens agree;
+//! - [`prefill_rate`] and [`decode_rate`]: tokens per second through the
+//!   backend's `step`, as the scheduler calls it (inputs packed and copied,
+//!   logits read back), with the bytes of weights and KV a decode step reads.
+
+use super::device::Device;
+use super::storage::DeviceStorage;
+use super::{CudaBackend, CudaOptions};
+use crate::backend::cpu::{CpuBackend, CpuOptions};
+use crate::backend::{Backend, SeqStep};
+use crate::kv::{KvType, OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId};
+use crate::model::Model;
+use crate::rng::SplitMix64;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The tenant of every page these checks lease.
+pub const OWNER: OwnerTag = OwnerTag(1);
+
+/// A pool for `model` (in `device`'s memory, or the host's without one) with
+/// one partition and `seqs` tables of `per_seq` pages each. Released pages
+/// are poisoned and every scrub verified (`PoolOptions::paranoid`) when
+/// `paranoid`.
+pub fn pool_with_tables(
+    model: &Model,
+    kv_type: KvType,
+    page_tokens: u32,
+    seqs: u32,
+    per_seq: u32,
+    device: Option<&Arc<dyn Device>>,
+    paranoid: bool,
+) -> (Pool, Vec<PageTable>) {
+    let pages = seqs * per_seq + 2;
+    let geometry = model.config.pool_geometry(pages, page_tokens, kv_type);
+    let layout = geometry.layout().expect("a pool of the checks' sizes");
+    let partition = PartitionConfig {
+        owner: OWNER,
+        pages_reserved: pages,
+        pages_max: pages,
+    };
+    let options = PoolOptions {
+        poison_released: paranoid,
+        paranoid,
+    };
+    let mut pool = match device {
+        Some(device) => {
+            let storage = DeviceStorage::new(device, layout).expect("device memory for the pool");
+            Pool::with_storage(layout, &[partition], options, Box::new(storage))
+        }
+        None => Pool::new(geometry, &[partition], options),
+    }
+    .expect("one partition of the whole pool");
+    let tables = (0..seqs)
+        .map(|seq| {
+            let mut reservation = pool.reserve(OWNER, per_seq).expect("pages reserved");
+            let mut table = pool.page_table(&reservation, SeqId(u64::from(seq) + 1));
+            for _ in 0..per_seq {
+                pool.acquire(&mut reservation, &mut table)
+                    .expect("pages booked");
+            }
+            pool.release_reservation(reservation);
+            table
+        })
+        .collect();
+    (pool, tables)
+}
+
+/// How closely the CUDA backend follows the CPU backend.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Agreement {
+    /// The worst |cpu - cuda| / max |cpu| over every logit row compared.
+    pub worst_relative: f32,
+    /// Rows of logits compared (prefill last tokens and decode tokens).
+    pub rows: usize,
+    /// Rows whose greedy (argmax) tokens agree.
+    pub greedy_agree: usize,
+    /// Rows that disagree where the CPU's top two are within `tolerance`
+    /// of each other (a near tie either backend may break).
+    pub near_ties: usize,
+}
+
+/// Options of an [`agreement`] run.
+#[derive(Clone, Debug)]
+pub struct AgreementRun<'a> {
+    /// Pool value type.
+    pub kv_type: KvType,
+    /// Positions per page.
+    pub page_tokens: u32,
+    /// Prompt lengths, one sequence each (random tokens).
+    pub prompts: &'a [usize],
+    /// Decode steps after the prompts.
+    pub decode_steps: usize,
+    /// Whether decode steps run as captured graphs.
+    pub graphs: bool,
+    /// CPU backend threads.
+    pub cpu_threads: usize,
+    /// CPU kernel instruction set (`None`: the best this CPU has).
+    pub cpu_isa: Option<crate::quant::Isa>,
+    /// Seed of the prompts.
+    pub seed: u64,
+    /// What counts as a near tie (relative to the row's largest logit).
+    pub tolerance: f32,
+}
+
+fn argmax(row: &[f32]) -> usize {
+    row.iter()
+        .enumerate()
+        .fold(0, |best, (i, &x)| if x > row[best] { i } else { best })
+}
+
+/// Each sequence's tokens from its position on: the prompt first, then its last token.
+fn lockstep<'a>(
+    tables: &'a [PageTable],
+    inputs: &'a [Vec<u32>],
+    positions: &[usize],
+) -> Vec<SeqStep<'a>> {
+    (0..inputs.len())
+        .map(|i| SeqStep {
+            pages: &tables[i],
+            pos_start: positions[i],
+            tokens: &inputs[i][positions[i]..],
+            wants_logits: true,
+        })
+        .collect()
+}
+
+/// Runs `model`'s prompts and decode steps through the CPU and CUDA
+/// backends in lockstep: both see the same tokens (after the prompts, each
+/// sequence's next token is the CPU's greedy choice), and every logit row is
+/// compared. Panics on a refused step or a non-finite logit.
+pub fn agreement(
+    model: &Arc<Model>,
+    device: &Arc<dyn Device>,
+    run: &AgreementRun<'_>,
+) -> Agreement {
+    let seqs = run.prompts.len() as u32;
+    let longest = run.prompts.iter().max().copied().unwrap_or(0) + run.decode_steps;
+    let per_seq = (longest as u32).div_ceil(run.page_tokens).max(1);
+    let tokens_max = run.prompts.iter().sum::<usize>().max(run.prompts.len());
+    let (mut cpu_pool, cpu_tables) = pool_with_tables(
+        model,
+        run.kv_type,
+        run.page_tokens,
+        seqs,
+        per_seq,
+        None,
+        false,
+    );
+    let (mut dev_pool, dev_tables) = pool_with_tables(
+        model,
+        run.kv_type,
+        run.page_tokens,
+        seqs,
+        per_seq,
+        Some(device),
+        false,
+    );
+    let mut cpu = CpuBackend::new(
+        Arc::clone(model),
+        CpuOptions {
+            threads_count: run.cpu_threads,
+            step_tokens_max: tokens_max,
+            step_seqs_max: run.prompts.len(),
+            isa: run.cpu_isa,
+        },
+    );
+    let mut cuda = CudaBackend::new(
+        Arc::clone(model),
+        Arc::clone(device),
+        CudaOptions {
+            step_tokens_max: tokens_max,
+            step_seqs_max: run.prompts.len(),
+            graphs: run.graphs,
+        },
+    )
+    .expect("the CUDA backend runs the model");
+    let vocab = model.config.vocab_len;
+    let mut rng = SplitMix64(run.seed);
+    let mut inputs: Vec<Vec<u32>> = run
+        .prompts
+        .iter()
+        .map(|&len| {
+            (0..len)
+                .map(|_| (rng.next_u64() % vocab as u64) as u32)
+                .collect()
+        })
+        .collect();
+    let mut positions = vec![0usize; run.prompts.len()];
+    let mut result = Agreement::default();
+    for step in 0..=run.decode_steps {
+        let cpu_logits = cpu
+            .step(&lockstep(&cpu_tables, &inputs, &positions), &mut cpu_pool)
+            .expect("a valid step")
+            .values
+            .to_vec();
+        let dev_logits = cuda
+            .step(&lockstep(&dev_tables, &inputs, &positions), &mut dev_pool)
+            .expect("a valid step")
+            .values
+            .to_vec();
+        for i in 0..run.prompts.len() {
+            let (a, b) = (
+                &cpu_logits[i * vocab..(i + 1) * vocab],
+                &dev_logits[i * vocab..(i + 1) * vocab],
+            );
+            let scale = a
+                .iter()
+                .fold(0.0f32, |m, v| m.max(v.abs()))
+                .max(f32::MIN_POSITIVE);
+            for (&x, &y) in a.iter().zip(b) {
+                assert!(
+                    x.is_finite() && y.is_finite(),
+                    "step {step} seq {i}: a logit is not finite"
+                );
+                result.worst_relative = result.worst_relative.max((x - y).abs() / scale);
+            }
+            let (mine, theirs) = (argmax(a), argmax(b));
+            result.rows += 1;
+            if mine == theirs {
+                result.greedy_agree += 1;
+            } else if (a[mine] - a[theirs]).abs() <= run.tolerance * scale {
+                result.near_ties += 1;
+            }
+            positions[i] = inputs[i].len();
+            inputs[i].push(mine as u32);
+        }
+    }
+    result
+}
+
+/// A rate through the backend.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rate {
+    /// Tokens per second.
+    pub tokens_per_s: f64,
+    /// Seconds per step (the median).
+    pub step_secs: f64,
+    /// Bytes of weights and KV one step reads (decode only; 0 for prefill).
+    pub bytes_per_step: u64,
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    values[values.len() / 2]
+}
+
+/// Bytes of the model's matrices one decode step streams: every layer's and
+/// the output head (the embedding contributes only its rows).
+pub fn weight_bytes(model: &Model) -> u64 {
+    let layer = |l: &crate::model::LayerWeights| {
+        [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+            .iter()
+            .map(|m| m.info.bytes_len)
+            .sum::<u64>()
+    };
+    model.layers.iter().map(layer).sum::<u64>() + model.output.info.bytes_len
+}
+
+/// Prefill of one `len`-token prompt in chunks of `chunk` tokens, best of
+/// `rounds` after one warm-up: tokens per second.
+pub fn prefill_rate(
+    model: &Arc<Model>,
+    device: &Arc<dyn Device>,
+    len: usize,
+    chunk: usize,
+    rounds: usize,
+) -> Rate {
+    let page_tokens = 16;
+    let per_seq = (len as u32).div_ceil(page_tokens);
+    let (mut pool, tables) = pool_with_tables(
+        model,
+        KvType::F16,
+        page_tokens,
+        1,
+        per_seq,
+        Some(device),
+        false,
+    );
+    let mut cuda = CudaBackend::new(
+        Arc::clone(model),
+        Arc::clone(device),
+        CudaOptions {
+            step_tokens_max: chunk,
+            step_seqs_max: 1,
+            graphs: false,
+        },
+    )
+    .expect("the CUDA backend runs the model");
+    let tokens: Vec<u32> = (0..len)
+        .map(|i| (i * 7919 % model.config.vocab_len) as u32)
+        .collect();
+    let mut times = Vec::new();
+    for round in 0..=rounds {
+        let start = Instant::now();
+        for at in (0..len).step_by(chunk) {
+            let end = (at + chunk).min(len);
+            let step = SeqStep {
+                pages: &tables[0],
+                pos_start: at,
+                tokens: &tokens[at..end],
+                wants_logits: end == len,
+            };
+            cuda.step(&[step], &mut pool).expect("a valid step");
+        }
+        if round > 0 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    let secs = times.iter().copied().fold(f64::MAX, f64::min);
+    Rate {
+        tokens_per_s: len as f64 / secs,
+        step_secs: secs / len.div_ceil(chunk) as f64,
+        bytes_per_step: 0,
+    }
+}
+
+/// Decode of `batch` sequences at `depth` positions each: the sequences are
+/// prefilled (chunks of `chunk`), then `steps` decode steps are timed after
+/// `warmup`. Returns the median step's rate and the bytes it reads.
+pub fn decode_rate(
+    model: &Arc<Model>,
+    device: &Arc<dyn Device>,
+    batch: usize,
+    depth: usize,
+    steps: usize,
+    graphs: bool,
+    chunk: usize,
+) -> Rate {
+    let page_tokens = 16;
+    let warmup = 4;
+    let per_seq = ((depth + warmup + steps + 1) as u32).div_ceil(page_tokens);
+    let (mut pool, tables) = pool_with_tables(
+        model,
+        KvType::F16,
+        page_tokens,
+        batch as u32,
+        per_seq,
+        Some(device),
+        false,
+    );
+    let mut cuda = CudaBackend::new(
+        Arc::clone(model),
+        Arc::clone(device),
+        CudaOptions {
+            step_tokens_max: chunk.max(batch),
+            step_seqs_max: batch,
+            graphs,
+        },
+    )
+    .expect("the CUDA backend runs the model");
+    let vocab = model.config.vocab_len;
+    let prompt: Vec<u32> = (0..depth).map(|i| (i * 7919 % vocab) as u32).collect();
+    // Prefill every sequence, several to a step where the chunk allows.
+    let per_step = (chunk / depth.max(1)).max(1);
+    for first in (0..batch).step_by(per_step) {
+        if depth <= chunk {
+            let seqs: Vec<SeqStep> = (first..(first + per_step).min(batch))
+                .map(|s| SeqStep {
+                    pages: &tables[s],
+                    pos_start: 0,
+                    tokens: &prompt,
+                    wants_logits: false,
+                })
+                .collect();
+            cuda.step(&seqs, &mut pool).expect("a valid step");
+        } else {
+            for at in (0..depth).step_by(chunk) {
+                let step = SeqStep {
+                    pages: &tables[first],
+                    pos_start: at,
+                    tokens: &prompt[at..(at + chunk).min(depth)],
+                    wants_logits: false,
+                };
+                cuda.step(&[step], &mut pool).expect("a valid step");
+            }
+        }
+    }
+    let one: Vec<[u32; 1]> = (0..batch).map(|s| [(s % vocab) as u32]).collect();
+    let mut times = Vec::new();
+    for i in 0..warmup + steps {
+        let seqs: Vec<SeqStep> = (0..batch)
+            .map(|s| SeqStep {
+                pages: &tables[s],
+                pos_start: depth + i,
+                tokens: &one[s],
+                wants_logits: true,
+            })
+            .collect();
+        let start = Instant::now();
+        cuda.step(&seqs, &mut pool).expect("a valid step");
+        if i >= warmup {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    let step_secs = median(times);
+    let position_bytes = pool.layout().position_bytes();
+    Rate {
+        tokens_per_s: batch as f64 / step_secs,
+        step_secs,
+        bytes_per_step: weight_bytes(model)
+            + batch as u64 * (depth + warmup + steps / 2) as u64 * position_bytes,
+    }
+}
