@@ -18,12 +18,9 @@
 //! Exit status: 0 when every check passed, 1 when one failed, 2 without a GPU.
 
 use bulkhead_kernels::backend::cuda::check::{self, AgreementRun};
-use bulkhead_kernels::backend::cuda::{
-    Cuda, CudaBackend, CudaDevice, CudaOptions, Device, DeviceBuffer,
-};
-use bulkhead_kernels::backend::{Backend, SeqStep, StepError};
+use bulkhead_kernels::backend::cuda::{Cuda, CudaDevice, Device, DeviceBuffer};
 use bulkhead_kernels::gguf::Gguf;
-use bulkhead_kernels::kv::{KvType, OwnerTag, PageId, PartitionConfig, Pool, PoolOptions, SeqId};
+use bulkhead_kernels::kv::KvType;
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::quant::GgmlType;
 use bulkhead_kernels::testing::{tiny_llama, TinySpec};
@@ -121,140 +118,20 @@ fn agreement_rows(
     }
 }
 
-/// A released page reads back zero; stale, foreign-pool and cross-tenant
-/// table entries are refused before any launch.
+/// The isolation checks of `check::isolation`, as rows.
 fn isolation_rows(rows: &mut Vec<Row>, model: &Arc<Model>, device: &Arc<dyn Device>) {
-    let options = CudaOptions {
-        step_tokens_max: 64,
-        step_seqs_max: 4,
-        graphs: false,
-    };
-    let mut cuda =
-        CudaBackend::new(Arc::clone(model), Arc::clone(device), options).expect("backend");
-    let (mut pool, mut tables) =
-        check::pool_with_tables(model, KvType::F16, 16, 2, 2, Some(device), true);
-    let tokens: Vec<u32> = (0..20).collect();
-    let step = SeqStep {
-        pages: &tables[0],
-        pos_start: 0,
-        tokens: &tokens,
-        wants_logits: true,
-    };
-    cuda.step(&[step], &mut pool).expect("a valid step");
-    let pages: Vec<PageId> = tables[0].handles().iter().map(|h| h.page).collect();
-    let old = tables[0].handles().to_vec();
-    pool.release(&mut tables[0]);
-    // Paranoid pool: scrub asserts the page reads back zero from the device.
-    let scrubbed = pool.scrub_released();
-    rows.push(Row {
-        check: "released pages read back scrubbed".into(),
-        result: format!(
-            "{scrubbed} pages (of {}) zero after scrub, read from device memory",
-            pages.len()
-        ),
-        pass: Some(scrubbed as usize == pages.len()),
-    });
-    // Stale: the old handles after the pages were leased again.
-    let mut reservation = pool.reserve(check::OWNER, 2).expect("pages");
-    let mut fresh = pool.page_table(&reservation, SeqId(9));
-    pool.acquire(&mut reservation, &mut fresh).expect("page");
-    pool.acquire(&mut reservation, &mut fresh).expect("page");
-    let mut stale = pool.page_table(&reservation, SeqId(1));
-    pool.release_reservation(reservation);
-    for handle in old {
-        stale.plant_fault_push(handle);
-    }
-    let before = device.launches();
-    let stale_step = SeqStep {
-        pages: &stale,
-        pos_start: 0,
-        tokens: &tokens,
-        wants_logits: true,
-    };
-    let refused = cuda.step(&[stale_step], &mut pool).err();
-    let ok = refused == Some(StepError::StaleHandle { index: 0 }) && device.launches() == before;
-    rows.push(Row {
-        check: "stale page-table entry".into(),
-        result: format!("{refused:?}, {} launches", device.launches() - before),
-        pass: Some(ok),
-    });
-    // Foreign pool: a table of another pool.
-    let (_other, other_tables) =
-        check::pool_with_tables(model, KvType::F16, 16, 1, 2, Some(device), false);
-    let foreign = SeqStep {
-        pages: &other_tables[0],
-        pos_start: 0,
-        tokens: &tokens,
-        wants_logits: true,
-    };
-    let refused = cuda.step(&[foreign], &mut pool).err();
-    let ok = refused == Some(StepError::StaleHandle { index: 0 }) && device.launches() == before;
-    rows.push(Row {
-        check: "foreign-pool page-table entry".into(),
-        result: format!("{refused:?}, {} launches", device.launches() - before),
-        pass: Some(ok),
-    });
-    // Cross-tenant: a live page of another owner in the table: the page book
-    // stops the engine (a panic) before the device sees the table.
-    let layout = model
-        .config
-        .pool_geometry(4, 16, KvType::F16)
-        .layout()
-        .expect("layout");
-    let partitions = [
-        PartitionConfig {
-            owner: OwnerTag(1),
-            pages_reserved: 2,
-            pages_max: 2,
-        },
-        PartitionConfig {
-            owner: OwnerTag(2),
-            pages_reserved: 2,
-            pages_max: 2,
-        },
-    ];
-    let storage =
-        bulkhead_kernels::backend::cuda::DeviceStorage::new(device, layout).expect("storage");
-    let mut shared = Pool::with_storage(
-        layout,
-        &partitions,
-        PoolOptions::default(),
-        Box::new(storage),
-    )
-    .expect("pool");
-    let mut mine = shared.reserve(OwnerTag(1), 1).expect("page");
-    let mut table = shared.page_table(&mine, SeqId(1));
-    shared.acquire(&mut mine, &mut table).expect("page");
-    let mut theirs = shared.reserve(OwnerTag(2), 1).expect("page");
-    let mut their_table = shared.page_table(&theirs, SeqId(2));
-    shared.acquire(&mut theirs, &mut their_table).expect("page");
-    table.plant_fault_push(their_table.handles()[0]);
-    let before = device.launches();
+    // The cross-tenant check panics on purpose (the page book stops the engine): quietly.
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let step = SeqStep {
-            pages: &table,
-            pos_start: 0,
-            tokens: &tokens,
-            wants_logits: true,
-        };
-        let _ = cuda.step(&[step], &mut shared);
-    }));
+    let outcomes = check::isolation(model, device);
     std::panic::set_hook(hook);
-    let message = outcome
-        .err()
-        .and_then(|e| e.downcast_ref::<String>().cloned())
-        .unwrap_or_default();
-    let ok = message.contains("cross-tenant") && device.launches() == before;
-    rows.push(Row {
-        check: "cross-tenant page-table entry".into(),
-        result: format!(
-            "engine stopped: {message:?}, {} launches",
-            device.launches() - before
-        ),
-        pass: Some(ok),
-    });
+    for outcome in outcomes {
+        rows.push(Row {
+            check: outcome.name.to_string(),
+            result: outcome.detail,
+            pass: Some(outcome.pass),
+        });
+    }
 }
 
 fn main() -> ExitCode {

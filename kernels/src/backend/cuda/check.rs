@@ -6,6 +6,8 @@
 //! - [`agreement`]: the CPU and CUDA backends in lockstep over the same
 //!   prompts and the same (teacher-forced) decode tokens: the worst relative
 //!   logit error, and how often their greedy tokens agree;
+//! - [`isolation`]: the page book's checks hold on the device (scrub, and
+//!   hostile page tables refused before any launch);
 //! - [`prefill_rate`] and [`decode_rate`]: tokens per second through the
 //!   backend's `step`, as the scheduler calls it (inputs packed and copied,
 //!   logits read back), with the bytes of weights and KV a decode step reads.
@@ -407,4 +409,155 @@ pub fn decode_rate(
         bytes_per_step: weight_bytes(model)
             + batch as u64 * (depth + warmup + steps / 2) as u64 * position_bytes,
     }
+}
+
+/// What one isolation check found.
+#[cfg(any(test, feature = "fault-injection"))]
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// The check.
+    pub name: &'static str,
+    /// What happened.
+    pub detail: String,
+    /// Whether it is what must happen.
+    pub pass: bool,
+}
+
+/// The page book's guarantees on a device: pages a step wrote read back
+/// zero from device memory once released and scrubbed; a stale, a
+/// foreign-pool and a cross-tenant page-table entry are each refused before
+/// any launch (the last stops the engine: a panic, caught here, with the
+/// page book's own message).
+#[cfg(any(test, feature = "fault-injection"))]
+pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
+    use crate::backend::StepError;
+    use crate::kv::PageId;
+    let mut rows = Vec::new();
+    let options = CudaOptions {
+        step_tokens_max: 64,
+        step_seqs_max: 4,
+        graphs: false,
+    };
+    let mut cuda =
+        CudaBackend::new(Arc::clone(model), Arc::clone(device), options).expect("backend");
+    let (mut pool, mut tables) = pool_with_tables(model, KvType::F16, 16, 2, 2, Some(device), true);
+    let tokens: Vec<u32> = (0..20).collect();
+    let step = SeqStep {
+        pages: &tables[0],
+        pos_start: 0,
+        tokens: &tokens,
+        wants_logits: true,
+    };
+    cuda.step(&[step], &mut pool).expect("a valid step");
+    let pages: Vec<PageId> = tables[0].handles().iter().map(|h| h.page).collect();
+    let old = tables[0].handles().to_vec();
+    pool.release(&mut tables[0]);
+    // Paranoid pool: scrub asserts the page reads back zero from the device.
+    let scrubbed = pool.scrub_released();
+    rows.push(Outcome {
+        name: "released pages read back scrubbed",
+        detail: format!(
+            "{scrubbed} pages (of {}) zero after scrub, read from device memory",
+            pages.len()
+        ),
+        pass: scrubbed as usize == pages.len(),
+    });
+    // Stale: the old handles after the pages were leased again.
+    let mut reservation = pool.reserve(OWNER, 2).expect("pages");
+    let mut fresh = pool.page_table(&reservation, SeqId(9));
+    pool.acquire(&mut reservation, &mut fresh).expect("page");
+    pool.acquire(&mut reservation, &mut fresh).expect("page");
+    let mut stale = pool.page_table(&reservation, SeqId(1));
+    pool.release_reservation(reservation);
+    for handle in old {
+        stale.plant_fault_push(handle);
+    }
+    let before = device.launches();
+    let stale_step = SeqStep {
+        pages: &stale,
+        pos_start: 0,
+        tokens: &tokens,
+        wants_logits: true,
+    };
+    let refused = cuda.step(&[stale_step], &mut pool).err();
+    let ok = refused == Some(StepError::StaleHandle { index: 0 }) && device.launches() == before;
+    rows.push(Outcome {
+        name: "stale page-table entry",
+        detail: format!("{refused:?}, {} launches", device.launches() - before),
+        pass: ok,
+    });
+    // Foreign pool: a table of another pool.
+    let (_other, other_tables) =
+        pool_with_tables(model, KvType::F16, 16, 1, 2, Some(device), false);
+    let foreign = SeqStep {
+        pages: &other_tables[0],
+        pos_start: 0,
+        tokens: &tokens,
+        wants_logits: true,
+    };
+    let refused = cuda.step(&[foreign], &mut pool).err();
+    let ok = refused == Some(StepError::StaleHandle { index: 0 }) && device.launches() == before;
+    rows.push(Outcome {
+        name: "foreign-pool page-table entry",
+        detail: format!("{refused:?}, {} launches", device.launches() - before),
+        pass: ok,
+    });
+    // Cross-tenant: a live page of another owner in the table: the page book
+    // stops the engine (a panic) before the device sees the table.
+    let layout = model
+        .config
+        .pool_geometry(4, 16, KvType::F16)
+        .layout()
+        .expect("layout");
+    let partitions = [
+        PartitionConfig {
+            owner: OwnerTag(1),
+            pages_reserved: 2,
+            pages_max: 2,
+        },
+        PartitionConfig {
+            owner: OwnerTag(2),
+            pages_reserved: 2,
+            pages_max: 2,
+        },
+    ];
+    let storage = DeviceStorage::new(device, layout).expect("storage");
+    let mut shared = Pool::with_storage(
+        layout,
+        &partitions,
+        PoolOptions::default(),
+        Box::new(storage),
+    )
+    .expect("pool");
+    let mut mine = shared.reserve(OwnerTag(1), 1).expect("page");
+    let mut table = shared.page_table(&mine, SeqId(1));
+    shared.acquire(&mut mine, &mut table).expect("page");
+    let mut theirs = shared.reserve(OwnerTag(2), 1).expect("page");
+    let mut their_table = shared.page_table(&theirs, SeqId(2));
+    shared.acquire(&mut theirs, &mut their_table).expect("page");
+    table.plant_fault_push(their_table.handles()[0]);
+    let before = device.launches();
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let step = SeqStep {
+            pages: &table,
+            pos_start: 0,
+            tokens: &tokens,
+            wants_logits: true,
+        };
+        let _ = cuda.step(&[step], &mut shared);
+    }));
+    let message = outcome
+        .err()
+        .and_then(|e| e.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    let ok = message.contains("cross-tenant") && device.launches() == before;
+    rows.push(Outcome {
+        name: "cross-tenant page-table entry",
+        detail: format!(
+            "engine stopped: {message:?}, {} launches",
+            device.launches() - before
+        ),
+        pass: ok,
+    });
+    rows
 }

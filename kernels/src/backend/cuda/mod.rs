@@ -42,6 +42,7 @@ pub mod driver;
 pub mod emulator;
 pub mod launch;
 pub mod nvrtc;
+mod pack;
 pub mod storage;
 #[cfg(all(test, feature = "emulator"))]
 mod tests;
@@ -56,6 +57,7 @@ use crate::model::{Matrix, Model};
 use crate::quant::{ActivationFormat, GgmlType};
 use device::Geometry;
 use launch::*;
+use pack::{Counts, Packer, StepLayout};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -164,87 +166,6 @@ struct Scratch {
     qd: DeviceBuffer,     // f32 [tokens][max(d, ffn) / 32]
     sums: DeviceBuffer,   // i32 [tokens][max(d, ffn) / 16]
     logits: DeviceBuffer, // f32 [seqs][vocab]
-}
-
-/// Where each region of the packed step buffer starts, in words, for the
-/// largest step: the same addresses for every step, so captured graphs stay valid.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct StepLayout {
-    tokens: u64,
-    positions: u64,
-    token_seq: u64,
-    seq_pages: u64,
-    gather: u64,
-    pages: u64,
-    items: u64,
-    merges: u64,
-    words: u64,
-    /// Capacities.
-    pages_max: u64,
-    items_max: u64,
-    merges_max: u64,
-    slots_max: u64,
-    /// The pool geometry the page capacity was sized for.
-    page_tokens: u32,
-}
-
-impl StepLayout {
-    fn new(
-        options: &CudaOptions,
-        model: &Model,
-        page_tokens: u32,
-        queries_per_item: u32,
-    ) -> StepLayout {
-        let c = &model.config;
-        let (t, s) = (options.step_tokens_max as u64, options.step_seqs_max as u64);
-        let kv_heads = c.kv_heads_count as u64;
-        let splits_max = (c.context_len as u64).div_ceil(u64::from(SPLIT_POSITIONS));
-        // Each sequence's table as far as its last position: at most the context.
-        let pages_max = s * (c.context_len as u64).div_ceil(u64::from(page_tokens));
-        // Prefill chunks in items of `queries_per_item` (one partial item per
-        // sequence at most), decode tokens in up to `splits_max` items.
-        let items_max = kv_heads * (t.div_ceil(u64::from(queries_per_item)) + s + s * splits_max);
-        let merges_max = s * kv_heads;
-        let mut at = 0u64;
-        let mut region = |words: u64| {
-            let start = at;
-            at += words.div_ceil(4) * 4; // 16-byte aligned regions
-            start
-        };
-        let tokens = region(t);
-        let positions = region(t);
-        let token_seq = region(t);
-        let seq_pages = region(s);
-        let gather = region(s);
-        let pages = region(pages_max);
-        let items = region(items_max * 8);
-        let merges = region(merges_max * 4);
-        StepLayout {
-            tokens,
-            positions,
-            token_seq,
-            seq_pages,
-            gather,
-            pages,
-            items,
-            merges,
-            words: at,
-            pages_max,
-            items_max,
-            merges_max,
-            slots_max: s * kv_heads * splits_max,
-            page_tokens,
-        }
-    }
-}
-
-/// What one step launches over: the sizes of its grids (for a graph, its bucket's).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Counts {
-    tokens: u32,
-    items: u32,
-    merges: u32,
-    wanted: u32,
 }
 
 /// The device side of the step buffer and its layout, made at the first step.
@@ -459,9 +380,8 @@ impl CudaBackend {
         (bucket as usize <= self.options.step_seqs_max).then_some(bucket)
     }
 
-    /// Packs the step into `staging` (see the module doc); returns the
-    /// launch counts. With a bucket, pads to it: tokens of no sequence,
-    /// empty attention items and merges, logit rows of token 0.
+    /// Packs the step into `staging` (see the module doc, and [`pack`]);
+    /// returns the launch counts. With a bucket, pads to it.
     fn pack(&mut self, steps: &[SeqStep<'_>], view: &StepView<'_>, bucket: Option<u32>) -> Counts {
         let layout = self.step.as_ref().expect("made before packing").layout;
         let c = &self.model.config;
@@ -470,137 +390,27 @@ impl CudaBackend {
         let page_tokens = layout.page_tokens as usize;
         self.staging.clear();
         self.staging.resize(layout.words as usize, 0);
-        let w = &mut self.staging;
-        let (mut t, mut pages_at, mut items, mut merges, mut slots, mut wanted) =
-            (0u32, 0u32, 0u32, 0u32, 0u32, 0u32);
-        let item = |w: &mut Vec<u32>, n: u32, it: AttnItem| {
-            let at = (layout.items + 8 * u64::from(n)) as usize;
-            w[at..at + 8].copy_from_slice(&[
-                it.seq, it.kv_head, it.t0, it.t1, it.pos0, it.p0, it.p1, it.partial,
-            ]);
-        };
+        let mut packer = Packer::new(&mut self.staging, layout);
         for (seq, step) in steps.iter().enumerate() {
-            let seq = seq as u32;
-            let t0 = t;
+            let t0 = packer.counts.tokens;
             for (i, &token) in step.tokens.iter().enumerate() {
-                w[(layout.tokens + u64::from(t)) as usize] = token;
-                w[(layout.positions + u64::from(t)) as usize] = (step.pos_start + i) as u32;
-                w[(layout.token_seq + u64::from(t)) as usize] = seq;
-                t += 1;
+                packer.token(token, (step.pos_start + i) as u32, seq as u32);
             }
             // The page ids the view checked, as far as the step reaches.
             let end = step.pos_start + step.tokens.len();
-            let touched = &view.page_ids(seq as usize)[..end.div_ceil(page_tokens)];
-            w[(layout.seq_pages + u64::from(seq)) as usize] = pages_at;
-            for page in touched {
-                w[(layout.pages + u64::from(pages_at)) as usize] = page.index() as u32;
-                pages_at += 1;
-            }
+            packer.table(seq as u32, &view.page_ids(seq)[..end.div_ceil(page_tokens)]);
             if step.wants_logits {
-                w[(layout.gather + u64::from(wanted)) as usize] = t - 1;
-                wanted += 1;
+                packer.logits();
             }
             let pos0 = step.pos_start as u32;
-            if step.tokens.len() == 1 {
-                let positions = pos0 + 1;
-                let splits = positions.div_ceil(SPLIT_POSITIONS);
-                for kv_head in 0..kv_heads {
-                    if splits == 1 {
-                        item(
-                            w,
-                            items,
-                            AttnItem {
-                                seq,
-                                kv_head,
-                                t0,
-                                t1: t,
-                                pos0,
-                                p0: 0,
-                                p1: positions,
-                                partial: NO_SEQ,
-                            },
-                        );
-                        items += 1;
-                        continue;
-                    }
-                    let at = (layout.merges + 4 * u64::from(merges)) as usize;
-                    w[at..at + 4].copy_from_slice(&[t0, kv_head, slots, splits]);
-                    merges += 1;
-                    for split in 0..splits {
-                        let p0 = split * SPLIT_POSITIONS;
-                        let p1 = (p0 + SPLIT_POSITIONS).min(positions);
-                        item(
-                            w,
-                            items,
-                            AttnItem {
-                                seq,
-                                kv_head,
-                                t0,
-                                t1: t,
-                                pos0,
-                                p0,
-                                p1,
-                                partial: slots,
-                            },
-                        );
-                        items += 1;
-                        slots += 1;
-                    }
-                }
-            } else {
-                for kv_head in 0..kv_heads {
-                    let mut a = t0;
-                    while a < t {
-                        let b = (a + queries_per_item).min(t);
-                        let pos_a = pos0 + (a - t0);
-                        item(
-                            w,
-                            items,
-                            AttnItem {
-                                seq,
-                                kv_head,
-                                t0: a,
-                                t1: b,
-                                pos0: pos_a,
-                                p0: 0,
-                                p1: pos_a + (b - a),
-                                partial: NO_SEQ,
-                            },
-                        );
-                        items += 1;
-                        a = b;
-                    }
-                }
+            match step.tokens.len() {
+                1 => packer.decode_items(seq as u32, t0, pos0, kv_heads),
+                _ => packer.prefill_items(seq as u32, t0, pos0, kv_heads, queries_per_item),
             }
         }
-        debug_assert!(
-            u64::from(items) <= layout.items_max && u64::from(pages_at) <= layout.pages_max
-        );
-        debug_assert!(
-            u64::from(slots) <= layout.slots_max && u64::from(merges) <= layout.merges_max
-        );
-        let Some(bucket) = bucket else {
-            return Counts {
-                tokens: t,
-                items,
-                merges,
-                wanted,
-            };
-        };
-        // Padding to the bucket: tokens of no sequence, items and merges that do nothing.
-        for pad in t..bucket {
-            w[(layout.token_seq + u64::from(pad)) as usize] = NO_SEQ;
-        }
-        let splits_max = (c.context_len as u32).div_ceil(SPLIT_POSITIONS);
-        let items_cap = bucket * kv_heads * splits_max;
-        let merges_cap = bucket * kv_heads;
-        // Items and merges past the real ones are already zero: t0 == t1 and count 0.
-        debug_assert!(u64::from(items_cap) <= layout.items_max);
-        Counts {
-            tokens: bucket,
-            items: items_cap,
-            merges: merges_cap,
-            wanted: bucket,
+        match bucket {
+            None => packer.counts,
+            Some(bucket) => packer.pad(bucket, kv_heads, c.context_len as u32),
         }
     }
 

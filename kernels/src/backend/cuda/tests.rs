@@ -24,10 +24,7 @@ use super::{attention_rows, CudaBackend, CudaOptions, SPLIT_POSITIONS};
 use crate::backend::{Backend, SeqStep, StepError};
 use crate::gguf::Gguf;
 use crate::kv::storage::host_storage;
-use crate::kv::{
-    KvType, OwnerTag, PageId, PageLayout, PageStorage, PageTable, PartitionConfig, Pool,
-    PoolGeometry, PoolOptions, SeqId,
-};
+use crate::kv::{KvType, PageLayout, PageStorage, PageTable, Pool, PoolGeometry};
 use crate::model::Model;
 use crate::quant::{self, GgmlType, Isa, QuantizedActivations};
 use crate::rng::SplitMix64;
@@ -586,8 +583,6 @@ fn matrix_products_of_every_weight_type_match_the_scalar_reference() {
 
 // ---------------------------------------------------------------- the backend
 
-const OWNER: OwnerTag = OwnerTag(1);
-
 fn tiny_model(spec: &TinySpec) -> Arc<Model> {
     let gguf = Gguf::from_bytes(tiny_llama(spec)).unwrap();
     Arc::new(Model::load(Arc::new(gguf)).unwrap())
@@ -714,140 +709,25 @@ fn graphs_replay_decode_steps_with_the_same_results_as_launches() {
 // ---------------------------------------------------------------- hostile tables
 
 #[test]
-fn a_stale_page_handle_is_refused_before_any_launch() {
+fn scrub_and_hostile_page_tables_hold_on_the_device() {
+    // Released pages read back zero from device memory; a stale, a
+    // foreign-pool and a cross-tenant table entry are refused before any
+    // launch (the last stops the engine with the page book's message).
     let model = tiny_model(&TinySpec::default());
-    let device = emulator(1);
-    let (mut pool, mut tables) = pool_with_tables(&model, KvType::F16, 16, 2, 2, Some(&device));
-    let mut cuda = CudaBackend::new(
-        Arc::clone(&model),
-        Arc::clone(&device),
-        CudaOptions {
-            step_tokens_max: 64,
-            step_seqs_max: 4,
-            graphs: false,
-        },
-    )
-    .unwrap();
-    // Sequence 0's handles outlive its lease: the pages are released,
-    // scrubbed and leased again (a new generation); a table still naming
-    // the old generation is stale.
-    let old: Vec<_> = tables[0].handles().to_vec();
-    pool.release(&mut tables[0]);
-    pool.scrub_released();
-    let mut reservation = pool.reserve(OWNER, 2).unwrap();
-    let mut fresh = pool.page_table(&reservation, SeqId(9));
-    pool.acquire(&mut reservation, &mut fresh).unwrap();
-    pool.acquire(&mut reservation, &mut fresh).unwrap();
-    let mut stale = pool.page_table(&reservation, SeqId(1));
-    pool.release_reservation(reservation);
-    for handle in old {
-        stale.plant_fault_push(handle);
+    let outcomes = super::check::isolation(&model, &emulator(1));
+    let names: Vec<&str> = outcomes.iter().map(|o| o.name).collect();
+    assert_eq!(
+        names,
+        [
+            "released pages read back scrubbed",
+            "stale page-table entry",
+            "foreign-pool page-table entry",
+            "cross-tenant page-table entry"
+        ]
+    );
+    for outcome in outcomes {
+        assert!(outcome.pass, "{}: {}", outcome.name, outcome.detail);
     }
-    let before = device.launches();
-    let tokens = [1u32, 2, 3];
-    let step = SeqStep {
-        pages: &stale,
-        pos_start: 0,
-        tokens: &tokens,
-        wants_logits: true,
-    };
-    let error = cuda.step(&[step], &mut pool).err().unwrap();
-    assert_eq!(error, StepError::StaleHandle { index: 0 });
-    assert_eq!(device.launches(), before, "nothing was launched");
-}
-
-#[test]
-fn a_page_table_of_another_pool_is_refused_before_any_launch() {
-    let model = tiny_model(&TinySpec::default());
-    let device = emulator(1);
-    let (mut pool, _) = pool_with_tables(&model, KvType::F16, 16, 1, 2, Some(&device));
-    let (_other_pool, other_tables) =
-        pool_with_tables(&model, KvType::F16, 16, 1, 2, Some(&device));
-    let mut cuda = CudaBackend::new(
-        Arc::clone(&model),
-        Arc::clone(&device),
-        CudaOptions {
-            step_tokens_max: 64,
-            step_seqs_max: 4,
-            graphs: false,
-        },
-    )
-    .unwrap();
-    let before = device.launches();
-    let tokens = [1u32, 2];
-    let step = SeqStep {
-        pages: &other_tables[0],
-        pos_start: 0,
-        tokens: &tokens,
-        wants_logits: true,
-    };
-    let error = cuda.step(&[step], &mut pool).err().unwrap();
-    assert_eq!(error, StepError::StaleHandle { index: 0 });
-    assert_eq!(device.launches(), before, "nothing was launched");
-}
-
-#[test]
-fn another_tenants_page_in_a_table_stops_the_engine_before_any_launch() {
-    // A table that names a page leased to another owner: the page book
-    // crashes rather than serve it (I3), before the device sees the table.
-    let model = tiny_model(&TinySpec::default());
-    let device = emulator(1);
-    let pages = 6;
-    let geometry = model.config.pool_geometry(pages, 16, KvType::F16);
-    let layout = geometry.layout().unwrap();
-    let partitions = [
-        PartitionConfig {
-            owner: OwnerTag(1),
-            pages_reserved: 3,
-            pages_max: 3,
-        },
-        PartitionConfig {
-            owner: OwnerTag(2),
-            pages_reserved: 3,
-            pages_max: 3,
-        },
-    ];
-    let mut pool = Pool::with_storage(
-        layout,
-        &partitions,
-        PoolOptions::default(),
-        Box::new(DeviceStorage::new(&device, layout).unwrap()),
-    )
-    .unwrap();
-    let mut mine = pool.reserve(OwnerTag(1), 1).unwrap();
-    let mut table = pool.page_table(&mine, SeqId(1));
-    pool.acquire(&mut mine, &mut table).unwrap();
-    let mut theirs = pool.reserve(OwnerTag(2), 1).unwrap();
-    let mut their_table = pool.page_table(&theirs, SeqId(2));
-    pool.acquire(&mut theirs, &mut their_table).unwrap();
-    table.plant_fault_push(their_table.handles()[0]);
-    let mut cuda = CudaBackend::new(
-        Arc::clone(&model),
-        Arc::clone(&device),
-        CudaOptions {
-            step_tokens_max: 64,
-            step_seqs_max: 4,
-            graphs: false,
-        },
-    )
-    .unwrap();
-    let before = device.launches();
-    let tokens: Vec<u32> = (0..20).collect(); // reaches the second page
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let step = SeqStep {
-            pages: &table,
-            pos_start: 0,
-            tokens: &tokens,
-            wants_logits: true,
-        };
-        let _ = cuda.step(&[step], &mut pool);
-    }));
-    let message = outcome
-        .err()
-        .and_then(|e| e.downcast_ref::<String>().cloned())
-        .unwrap_or_default();
-    assert!(message.contains("cross-tenant"), "{message}");
-    assert_eq!(device.launches(), before, "nothing was launched");
 }
 
 #[test]
@@ -876,63 +756,6 @@ fn a_host_pool_is_refused_by_the_cuda_backend() {
         cuda.step(&[step], &mut pool).err().unwrap(),
         StepError::DeviceStorage
     );
-}
-
-#[test]
-fn released_device_pages_read_back_scrubbed() {
-    let model = tiny_model(&TinySpec::default());
-    let device = emulator(1);
-    let (mut pool, mut tables) = pool_with_tables(&model, KvType::F16, 16, 1, 2, Some(&device));
-    let mut cuda = CudaBackend::new(
-        Arc::clone(&model),
-        Arc::clone(&device),
-        CudaOptions {
-            step_tokens_max: 64,
-            step_seqs_max: 4,
-            graphs: false,
-        },
-    )
-    .unwrap();
-    let tokens: Vec<u32> = (0..20).collect();
-    let step = SeqStep {
-        pages: &tables[0],
-        pos_start: 0,
-        tokens: &tokens,
-        wants_logits: true,
-    };
-    cuda.step(&[step], &mut pool).unwrap();
-    let pages: Vec<PageId> = tables[0].handles().iter().map(|h| h.page).collect();
-    for &page in &pages {
-        assert!(
-            !device_page_is_zero(&device, &pool, page),
-            "the step wrote KV into {page:?}"
-        );
-    }
-    pool.release(&mut tables[0]);
-    pool.scrub_released();
-    for &page in &pages {
-        assert!(
-            device_page_is_zero(&device, &pool, page),
-            "{page:?} reads back scrubbed"
-        );
-    }
-}
-
-/// Reads a page's slabs straight from device memory.
-fn device_page_is_zero(device: &Arc<dyn Device>, pool: &Pool, page: PageId) -> bool {
-    let layout = pool.layout();
-    let g = layout.geometry();
-    let slab = layout.slab_values() as u64 * g.kv_type.bytes();
-    let rect = super::device::Rect {
-        at: pool.device_values().unwrap().at + u64::from(page.0) * slab,
-        pitch: u64::from(g.pages_count) * slab,
-        width: slab,
-        rows: 2 * u64::from(g.layers),
-    };
-    let mut bytes = vec![0u8; (slab * rect.rows) as usize];
-    // SAFETY: every row is one slab of the pool's one allocation.
-    unsafe { device.read_rect(rect, &mut bytes) }.unwrap();
-    bytes.iter().all(|&b| b == 0)
 }
 
 #[test]

@@ -1,0 +1,275 @@
+//! The step buffer: everything a step's kernels read that changes from one
+//! step to the next, packed into one array of words on the host and copied
+//! to the device in one write. Regions sit at fixed offsets sized for the
+//! largest step, so a captured graph's launches (whose arguments are the
+//! regions' addresses) stay valid for every later step.
+//!
+//! ```text
+//! tokens[T] positions[T] token_seq[T] seq_pages[S] gather[S] pages[P] items[I][8] merges[M][4]
+//! ```
+//!
+//! `pages` holds, per sequence, the page ids the page book checked for the
+//! step, as far as the step reaches and no further; `items` are attention's
+//! work units (`AttnItem`), `merges` the folds of split decode attention.
+
+use super::launch::{AttnItem, NO_SEQ};
+use super::{CudaOptions, SPLIT_POSITIONS};
+use crate::kv::PageId;
+use crate::model::Model;
+
+/// Where each region of the packed step buffer starts, in words, for the
+/// largest step: the same addresses for every step, so captured graphs stay valid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct StepLayout {
+    pub(super) tokens: u64,
+    pub(super) positions: u64,
+    pub(super) token_seq: u64,
+    pub(super) seq_pages: u64,
+    pub(super) gather: u64,
+    pub(super) pages: u64,
+    pub(super) items: u64,
+    pub(super) merges: u64,
+    pub(super) words: u64,
+    /// Capacities.
+    pub(super) pages_max: u64,
+    pub(super) items_max: u64,
+    pub(super) merges_max: u64,
+    pub(super) slots_max: u64,
+    /// The pool geometry the page capacity was sized for.
+    pub(super) page_tokens: u32,
+}
+
+impl StepLayout {
+    pub(super) fn new(
+        options: &CudaOptions,
+        model: &Model,
+        page_tokens: u32,
+        queries_per_item: u32,
+    ) -> StepLayout {
+        let c = &model.config;
+        let (t, s) = (options.step_tokens_max as u64, options.step_seqs_max as u64);
+        let kv_heads = c.kv_heads_count as u64;
+        let splits_max = (c.context_len as u64).div_ceil(u64::from(SPLIT_POSITIONS));
+        // Each sequence's table as far as its last position: at most the context.
+        let pages_max = s * (c.context_len as u64).div_ceil(u64::from(page_tokens));
+        // Prefill chunks in items of `queries_per_item` (one partial item per
+        // sequence at most), decode tokens in up to `splits_max` items.
+        let items_max = kv_heads * (t.div_ceil(u64::from(queries_per_item)) + s + s * splits_max);
+        let merges_max = s * kv_heads;
+        let mut at = 0u64;
+        let mut region = |words: u64| {
+            let start = at;
+            at += words.div_ceil(4) * 4; // 16-byte aligned regions
+            start
+        };
+        let tokens = region(t);
+        let positions = region(t);
+        let token_seq = region(t);
+        let seq_pages = region(s);
+        let gather = region(s);
+        let pages = region(pages_max);
+        let items = region(items_max * 8);
+        let merges = region(merges_max * 4);
+        StepLayout {
+            tokens,
+            positions,
+            token_seq,
+            seq_pages,
+            gather,
+            pages,
+            items,
+            merges,
+            words: at,
+            pages_max,
+            items_max,
+            merges_max,
+            slots_max: s * kv_heads * splits_max,
+            page_tokens,
+        }
+    }
+}
+
+/// What one step launches over: the sizes of its grids (for a graph, its bucket's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Counts {
+    pub(super) tokens: u32,
+    pub(super) items: u32,
+    pub(super) merges: u32,
+    pub(super) wanted: u32,
+}
+
+/// Writes a step into the words of a [`StepLayout`], counting as it goes.
+pub(super) struct Packer<'a> {
+    words: &'a mut [u32],
+    layout: StepLayout,
+    pub(super) counts: Counts,
+    /// Page ids packed so far.
+    pages: u32,
+    /// Partial slots handed out so far.
+    slots: u32,
+}
+
+impl<'a> Packer<'a> {
+    /// A packer over zeroed `words` of `layout`.
+    pub(super) fn new(words: &'a mut [u32], layout: StepLayout) -> Packer<'a> {
+        assert_eq!(words.len() as u64, layout.words, "words of another layout");
+        Packer {
+            words,
+            layout,
+            counts: Counts {
+                tokens: 0,
+                items: 0,
+                merges: 0,
+                wanted: 0,
+            },
+            pages: 0,
+            slots: 0,
+        }
+    }
+
+    fn set(&mut self, region: u64, index: u32, value: u32) {
+        self.words[(region + u64::from(index)) as usize] = value;
+    }
+
+    /// The next token of the step, of sequence `seq`, at `position`.
+    pub(super) fn token(&mut self, token: u32, position: u32, seq: u32) {
+        let t = self.counts.tokens;
+        self.set(self.layout.tokens, t, token);
+        self.set(self.layout.positions, t, position);
+        self.set(self.layout.token_seq, t, seq);
+        self.counts.tokens += 1;
+    }
+
+    /// Sequence `seq`'s page table, as the page book checked it.
+    pub(super) fn table(&mut self, seq: u32, pages: &[PageId]) {
+        self.set(self.layout.seq_pages, seq, self.pages);
+        for page in pages {
+            self.set(self.layout.pages, self.pages, page.0);
+            self.pages += 1;
+        }
+        assert!(
+            u64::from(self.pages) <= self.layout.pages_max,
+            "pages past the layout's"
+        );
+    }
+
+    /// The last token packed wants logits.
+    pub(super) fn logits(&mut self) {
+        self.set(
+            self.layout.gather,
+            self.counts.wanted,
+            self.counts.tokens - 1,
+        );
+        self.counts.wanted += 1;
+    }
+
+    fn item(&mut self, item: AttnItem) {
+        let at = (self.layout.items + 8 * u64::from(self.counts.items)) as usize;
+        self.words[at..at + 8].copy_from_slice(&[
+            item.seq,
+            item.kv_head,
+            item.t0,
+            item.t1,
+            item.pos0,
+            item.p0,
+            item.p1,
+            item.partial,
+        ]);
+        self.counts.items += 1;
+        assert!(
+            u64::from(self.counts.items) <= self.layout.items_max,
+            "items past the layout's"
+        );
+    }
+
+    /// A decode token (token `t` at `pos`): per KV head one item over its
+    /// positions, or, past one split, an item per split into partial slots
+    /// and a merge of them.
+    pub(super) fn decode_items(&mut self, seq: u32, t: u32, pos: u32, kv_heads: u32) {
+        let positions = pos + 1;
+        let splits = positions.div_ceil(SPLIT_POSITIONS);
+        for kv_head in 0..kv_heads {
+            let item = AttnItem {
+                seq,
+                kv_head,
+                t0: t,
+                t1: t + 1,
+                pos0: pos,
+                p0: 0,
+                p1: positions,
+                partial: NO_SEQ,
+            };
+            if splits == 1 {
+                self.item(item);
+                continue;
+            }
+            let at = (self.layout.merges + 4 * u64::from(self.counts.merges)) as usize;
+            self.words[at..at + 4].copy_from_slice(&[t, kv_head, self.slots, splits]);
+            self.counts.merges += 1;
+            for split in 0..splits {
+                let p0 = split * SPLIT_POSITIONS;
+                let p1 = (p0 + SPLIT_POSITIONS).min(positions);
+                self.item(AttnItem {
+                    p0,
+                    p1,
+                    partial: self.slots,
+                    ..item
+                });
+                self.slots += 1;
+            }
+            assert!(
+                u64::from(self.slots) <= self.layout.slots_max,
+                "slots past the layout's"
+            );
+        }
+    }
+
+    /// A prefill chunk (tokens `t0` up to the last packed, from `pos0`): per
+    /// KV head, items of `per_item` queries over every position up to theirs.
+    pub(super) fn prefill_items(
+        &mut self,
+        seq: u32,
+        t0: u32,
+        pos0: u32,
+        kv_heads: u32,
+        per_item: u32,
+    ) {
+        let t_end = self.counts.tokens;
+        for kv_head in 0..kv_heads {
+            for a in (t0..t_end).step_by(per_item as usize) {
+                let b = (a + per_item).min(t_end);
+                let pos = pos0 + (a - t0);
+                self.item(AttnItem {
+                    seq,
+                    kv_head,
+                    t0: a,
+                    t1: b,
+                    pos0: pos,
+                    p0: 0,
+                    p1: pos + (b - a),
+                    partial: NO_SEQ,
+                });
+            }
+        }
+    }
+
+    /// The counts of a graph of `bucket` sequences: tokens past the step's
+    /// of no sequence (they store nothing), and every grid at its capacity
+    /// (items and merges past the step's are zero words: no queries, no slots).
+    pub(super) fn pad(mut self, bucket: u32, kv_heads: u32, context_len: u32) -> Counts {
+        for pad in self.counts.tokens..bucket {
+            self.set(self.layout.token_seq, pad, NO_SEQ);
+        }
+        let items = bucket * kv_heads * context_len.div_ceil(SPLIT_POSITIONS);
+        assert!(
+            u64::from(items) <= self.layout.items_max,
+            "a bucket past the layout"
+        );
+        Counts {
+            tokens: bucket,
+            items,
+            merges: bucket * kv_heads,
+            wanted: bucket,
+        }
+    }
+}
