@@ -14,7 +14,9 @@
 //!    captured graphs (batch 1 also without), each with the fraction of the
 //!    measured copy bandwidth its weight and KV bytes reach.
 //!
-//! `gpu_check --quick` runs smaller sizes (a smoke test, about a minute).
+//! `gpu_check --quick` runs smaller sizes (a smoke test, about a minute);
+//! `gpu_check --dry-run` runs every part on the tiny model on the CPU
+//! emulator (built with the `emulator` feature), to check the check itself.
 //! Exit status: 0 when every check passed, 1 when one failed, 2 without a GPU.
 
 use bulkhead_kernels::backend::cuda::check::{self, AgreementRun};
@@ -134,10 +136,118 @@ fn isolation_rows(rows: &mut Vec<Row>, model: &Arc<Model>, device: &Arc<dyn Devi
     }
 }
 
+/// The sizes of one run.
+struct Plan {
+    copy_bytes: u64,
+    tiny_decode: usize,
+    /// The model of the agreement, isolation and speed checks, and its decode tokens.
+    big: Option<(TinySpec, usize)>,
+    prefill: Vec<usize>,
+    depths: Vec<usize>,
+    batches: Vec<usize>,
+    decode_steps: usize,
+    chunk: usize,
+}
+
+impl Plan {
+    fn of(args: &[String]) -> Plan {
+        let has = |flag: &str| args.iter().any(|a| a == flag);
+        if has("--dry-run") {
+            // Every part of the check on the tiny model, at sizes the
+            // emulator runs in a minute: the check itself, checked.
+            return Plan {
+                copy_bytes: 1 << 20,
+                tiny_decode: 4,
+                big: None,
+                prefill: vec![64],
+                depths: vec![40],
+                batches: vec![1, 2],
+                decode_steps: 2,
+                chunk: 32,
+            };
+        }
+        let quick = has("--quick");
+        Plan {
+            copy_bytes: if quick { 256 << 20 } else { 2 << 30 },
+            tiny_decode: if quick { 16 } else { 64 },
+            big: Some((smollm2_shape(), if quick { 32 } else { 300 })),
+            prefill: if quick { vec![512] } else { vec![512, 4096] },
+            depths: if quick { vec![512] } else { vec![512, 4096] },
+            batches: if quick {
+                vec![1, 8]
+            } else {
+                vec![1, 8, 32, 128]
+            },
+            decode_steps: if quick { 8 } else { 32 },
+            chunk: 512,
+        }
+    }
+}
+
+/// The device: GPU 0, or (`--dry-run`, with the `emulator` feature) the CPU emulator.
+fn device(args: &[String]) -> Result<Arc<dyn Device>, String> {
+    if args.iter().any(|a| a == "--dry-run") {
+        #[cfg(feature = "emulator")]
+        return Ok(bulkhead_kernels::backend::cuda::emulator::Emulator::new(1));
+        #[cfg(not(feature = "emulator"))]
+        return Err("--dry-run needs the emulator feature".into());
+    }
+    match CudaDevice::open(0) {
+        Ok(device) => Ok(Arc::new(Cuda(device))),
+        Err(why) => Err(why.to_string()),
+    }
+}
+
+fn decode_rows(
+    rows: &mut Vec<Row>,
+    plan: &Plan,
+    model: &Arc<Model>,
+    device: &Arc<dyn Device>,
+    bandwidth: f64,
+) {
+    for &depth in &plan.depths {
+        for &batch in &plan.batches {
+            // Graphs for every batch, and batch 1 without them too.
+            for graphs in [true, false].into_iter().filter(|&g| g || batch == 1) {
+                let rate = check::decode_rate(
+                    model,
+                    device,
+                    batch,
+                    depth,
+                    plan.decode_steps,
+                    graphs,
+                    plan.chunk,
+                );
+                let fraction = rate.bytes_per_step as f64 / rate.step_secs / bandwidth;
+                let (pass, target) = match (batch, graphs) {
+                    (1, true) => (
+                        Some(rate.tokens_per_s >= 1500.0),
+                        " [target >= 1500 tokens/s]",
+                    ),
+                    (128, true) => (Some(fraction >= 0.40), " [target >= 40 %]"),
+                    _ => (None, ""),
+                };
+                rows.push(Row {
+                    check: format!("decode batch {batch} depth {depth}{}", if graphs { "" } else { " (no graphs)" }),
+                    result: format!(
+                        "{:.0} tokens/s, {:.3} ms/step, {:.1} % of copy bandwidth ({:.1} MB/step){target}",
+                        rate.tokens_per_s,
+                        rate.step_secs * 1e3,
+                        100.0 * fraction,
+                        rate.bytes_per_step as f64 / 1e6,
+                    ),
+                    pass,
+                });
+            }
+        }
+    }
+}
+
 fn main() -> ExitCode {
-    let quick = std::env::args().any(|a| a == "--quick");
-    let device: Arc<dyn Device> = match CudaDevice::open(0) {
-        Ok(device) => Arc::new(Cuda(device)),
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let plan = Plan::of(&args);
+    let device = match device(&args) {
+        Ok(device) => device,
         Err(why) => {
             println!("gpu-check: skipped: {why}");
             return ExitCode::from(2);
@@ -150,14 +260,13 @@ fn main() -> ExitCode {
         device.memory_bytes() >> 30
     );
     let mut rows = Vec::new();
-    let copy_bytes = if quick { 256 << 20 } else { 2 << 30 };
-    let bandwidth = copy_bandwidth(&device, copy_bytes, 5);
+    let bandwidth = copy_bandwidth(&device, plan.copy_bytes, 5);
     rows.push(Row {
         check: "device-to-device copy".into(),
         result: format!(
-            "{:.0} GB/s (read + write, {} MiB)",
+            "{:.1} GB/s (read + write, {} MiB)",
             bandwidth / 1e9,
-            copy_bytes >> 20
+            plan.copy_bytes >> 20
         ),
         pass: None,
     });
@@ -168,77 +277,40 @@ fn main() -> ExitCode {
         &tiny,
         &device,
         &[5, 40, 1],
-        if quick { 16 } else { 64 },
+        plan.tiny_decode,
     );
-    let smollm = model_of(&smollm2_shape());
-    eprintln!("models written ({:.1} s)", started.elapsed().as_secs_f64());
-    agreement_rows(
-        &mut rows,
-        "SmolLM2-135M shape",
-        &smollm,
-        &device,
-        &[40, 300],
-        if quick { 32 } else { 300 },
-    );
-    isolation_rows(&mut rows, &smollm, &device);
-    let weights = check::weight_bytes(&smollm);
-    for len in if quick { vec![512] } else { vec![512, 4096] } {
-        let rate = check::prefill_rate(&smollm, &device, len, 512, 3);
+    let model = match &plan.big {
+        Some((spec, decode)) => {
+            let model = model_of(spec);
+            eprintln!(
+                "SmolLM2-shaped model written ({:.1} s)",
+                started.elapsed().as_secs_f64()
+            );
+            agreement_rows(
+                &mut rows,
+                "SmolLM2-135M shape",
+                &model,
+                &device,
+                &[40, 300],
+                *decode,
+            );
+            model
+        }
+        None => Arc::clone(&tiny),
+    };
+    isolation_rows(&mut rows, &model, &device);
+    for &len in &plan.prefill {
+        let rate = check::prefill_rate(&model, &device, len, plan.chunk, 3);
         rows.push(Row {
-            check: format!("prefill {len} (chunks of 512)"),
+            check: format!("prefill {len} (chunks of {})", plan.chunk),
             result: format!("{:.0} tokens/s", rate.tokens_per_s),
             pass: None,
         });
     }
-    let depths = if quick { vec![512] } else { vec![512, 4096] };
-    let batches = if quick {
-        vec![1, 8]
-    } else {
-        vec![1, 8, 32, 128]
-    };
-    for &depth in &depths {
-        for &batch in &batches {
-            for graphs in [true, false] {
-                if !graphs && batch != 1 {
-                    continue;
-                }
-                let rate = check::decode_rate(
-                    &smollm,
-                    &device,
-                    batch,
-                    depth,
-                    if quick { 8 } else { 32 },
-                    graphs,
-                    512,
-                );
-                let fraction = rate.bytes_per_step as f64 / rate.step_secs / bandwidth;
-                let target = match (batch, graphs) {
-                    (1, true) => Some(rate.tokens_per_s >= 1500.0),
-                    (128, true) => Some(fraction >= 0.40),
-                    _ => None,
-                };
-                rows.push(Row {
-                    check: format!("decode batch {batch} depth {depth}{}", if graphs { "" } else { " (no graphs)" }),
-                    result: format!(
-                        "{:.0} tokens/s, {:.3} ms/step, {:.1} % of copy bandwidth ({:.1} MB/step){}",
-                        rate.tokens_per_s,
-                        rate.step_secs * 1e3,
-                        100.0 * fraction,
-                        rate.bytes_per_step as f64 / 1e6,
-                        match (batch, graphs) {
-                            (1, true) => " [target >= 1500 tokens/s]",
-                            (128, true) => " [target >= 40 %]",
-                            _ => "",
-                        }
-                    ),
-                    pass: target,
-                });
-            }
-        }
-    }
+    decode_rows(&mut rows, &plan, &model, &device, bandwidth);
     println!(
         "weights read per decode step: {:.1} MB",
-        weights as f64 / 1e6
+        check::weight_bytes(&model) as f64 / 1e6
     );
     println!();
     println!("| check | result | |");
