@@ -33,7 +33,7 @@ use crate::store::records::TenantRecord;
 use crate::tenancy::{Quota, TenantId};
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::kv::PoolOptions;
-use bulkhead_kernels::model::{LlamaConfig, Model};
+use bulkhead_kernels::model::{Model, ModelConfig};
 use bulkhead_kernels::tokenizer::Tokenizer;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, RwLock};
@@ -191,7 +191,7 @@ pub fn placement_of(
 fn memory_of(
     spec: &ModelSpec,
     gguf: &Gguf,
-    config: &LlamaConfig,
+    config: &ModelConfig,
     placement: &Placement,
 ) -> Result<ModelMemory, LoadError> {
     let weights_bytes = gguf
@@ -223,7 +223,7 @@ pub fn inspect(spec: &ModelSpec, default: BackendChoice) -> Result<Inspected, Lo
     regular_file(spec)?;
     let (placement, _) = placement_of(spec, default)?;
     let gguf = Gguf::open(&spec.path).map_err(|e| file_error(spec, e))?;
-    let config = LlamaConfig::from_gguf(&gguf).map_err(|e| file_error(spec, e))?;
+    let config = ModelConfig::from_gguf(&gguf).map_err(|e| file_error(spec, e))?;
     let geometry = config.pool_geometry(spec.pool_pages, spec.page_tokens, spec.kv_type.into());
     Ok(Inspected {
         file_context_tokens: config.context_len as u64,

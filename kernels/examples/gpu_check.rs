@@ -58,6 +58,7 @@ fn smollm2_shape() -> TinySpec {
         separate_output: false,
         extra_tokens: 0,
         filler_tokens: 49152 - 265,
+        ..TinySpec::default()
     }
 }
 

@@ -18,7 +18,7 @@
 use std::sync::{Arc, OnceLock};
 
 use crate::gguf::{decoded_bytes_max, Gguf, GgufError, GgufWriter, TensorInfo, Value};
-use crate::model::{LlamaConfig, Model};
+use crate::model::{Model, ModelConfig};
 use crate::quant::GgmlType;
 use crate::testing::{tiny_llama, TinySpec};
 use crate::tokenizer::{DecodeOptions, EncodeOptions, TokenType, Tokenizer, TokenizerError};
@@ -155,7 +155,7 @@ fn check_rewrite(file: &Gguf) {
 /// What loading a model does with a parsed file: hyper-parameters, the
 /// tokenizer, the weights; each may refuse the file but none may panic.
 fn load_like_a_model(file: Gguf) {
-    let config = LlamaConfig::from_gguf(&file);
+    let config = ModelConfig::from_gguf(&file);
     let tokenizer = Tokenizer::from_gguf(&file).ok();
     if let Some(tokenizer) = &tokenizer {
         for text in ["Hello, world! <|im_end|> 123", " \u{2581}é\n\t"] {

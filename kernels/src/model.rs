@@ -1,5 +1,25 @@
-//! The Llama architecture: its blueprint ([`LlamaConfig`]) and its immutable
-//! weights ([`Model`]), read from a GGUF file and checked against each other.
+//! The decoder-only transformer families this engine runs: one blueprint
+//! ([`ModelConfig`], with each family's differences as typed options) and the
+//! immutable weights ([`Model`]), read from a GGUF file and checked against
+//! each other.
+//!
+//! Families (`general.architecture`) and what sets them apart:
+//!
+//! ```text
+//! llama   RoPE on adjacent pairs; optional Llama-3 frequency factors
+//!         (`rope_freqs.weight`) and linear RoPE scaling
+//! qwen2   RoPE on halves (NEOX); biases on Q, K and V
+//! qwen3   RoPE on halves; RMSNorm of each Q and K head before RoPE; head width
+//!         from `attention.key_length`, not embedding / heads
+//! ```
+//!
+//! Invariants:
+//! 1. A file is run only if every tensor in it is one this blueprint reads: a
+//!    tensor the engine does not understand (a bias, a frequency table, an
+//!    expert) means the file's model is not the one we would run, so it is
+//!    refused with the tensor's name, never run without it.
+//! 2. Every option that changes the arithmetic is decided here, at load; the
+//!    backends branch on the typed option, never on the architecture's name.
 //!
 //! Blueprint, weights and scratch are separate types (llama2.c's `Config`,
 //! `TransformerWeights`, `RunState`): the forward pass lives in
@@ -29,9 +49,26 @@ pub enum ModelError {
     /// The file itself is bad.
     #[error(transparent)]
     Gguf(#[from] GgufError),
-    /// An architecture other than `llama`.
-    #[error("unsupported architecture {0:?} (supported: llama)")]
+    /// An architecture this engine does not run.
+    #[error("unsupported architecture {0:?} (supported: llama, qwen2, qwen3)")]
     Architecture(String),
+    /// A tensor the blueprint does not read: running without it would
+    /// compute another model than the file's.
+    #[error(
+        "tensor {0:?} is not part of the {1} blueprint this engine runs; refusing the file \
+         rather than running it without that tensor"
+    )]
+    UnknownTensor(String, &'static str),
+    /// A metadata option this engine does not implement.
+    #[error("{key} = {value}: not supported ({reason})")]
+    UnsupportedOption {
+        /// The metadata key.
+        key: String,
+        /// Its value.
+        value: String,
+        /// What the engine runs instead.
+        reason: &'static str,
+    },
     /// Hyper-parameters that cannot describe a working model.
     #[error("bad hyper-parameter {key}: {reason}")]
     HyperParameter {
@@ -69,9 +106,51 @@ pub enum ModelError {
     },
 }
 
-/// The blueprint: hyper-parameters of a Llama-architecture model.
+/// A transformer family the engine runs (`general.architecture`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    /// Llama 1-3, SmolLM, Mistral (as llama.cpp runs it: full attention).
+    Llama,
+    /// Qwen 2 and 2.5.
+    Qwen2,
+    /// Qwen 3 (dense).
+    Qwen3,
+}
+
+impl Architecture {
+    /// The `general.architecture` name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+        }
+    }
+
+    fn from_name(name: &str) -> Option<Architecture> {
+        Some(match name {
+            "llama" => Architecture::Llama,
+            "qwen2" => Architecture::Qwen2,
+            "qwen3" => Architecture::Qwen3,
+            _ => return None,
+        })
+    }
+}
+
+/// Which of a head's dimensions RoPE rotates together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Pairs `(2i, 2i + 1)`: ggml's normal mode (llama).
+    Adjacent,
+    /// Pairs `(i, i + rope_dim / 2)`: ggml's NEOX mode (qwen2, qwen3).
+    Halves,
+}
+
+/// The blueprint: hyper-parameters and the family's options.
 #[derive(Clone, Debug, PartialEq)]
-pub struct LlamaConfig {
+pub struct ModelConfig {
+    /// The family.
+    pub architecture: Architecture,
     /// Transformer blocks.
     pub layers_count: usize,
     /// Width of the residual stream (`d`).
@@ -80,7 +159,7 @@ pub struct LlamaConfig {
     pub heads_count: usize,
     /// Key/value heads (grouped-query attention when fewer than query heads).
     pub kv_heads_count: usize,
-    /// Width of one head.
+    /// Width of one head (`d / heads` unless the file says otherwise).
     pub head_dim: usize,
     /// Hidden width of the SwiGLU feed-forward block.
     pub ffn_len: usize,
@@ -92,19 +171,31 @@ pub struct LlamaConfig {
     pub rope_base: f32,
     /// Leading dimensions of each head that RoPE rotates.
     pub rope_dim: usize,
+    /// Which dimensions RoPE pairs.
+    pub rope_style: RopeStyle,
+    /// Multiplies every RoPE angle (linear scaling: `1 / factor`; else 1).
+    pub rope_freq_scale: f32,
+    /// Llama-3's per-pair frequency divisors, `[rope_dim / 2]`, from
+    /// `rope_freqs.weight`.
+    pub rope_freq_factors: Option<Vec<f32>>,
+    /// Q, K and V projections carry biases (qwen2).
+    pub qkv_bias: bool,
+    /// Each Q and K head is RMS-normalised before RoPE (qwen3).
+    pub qk_norm: bool,
     /// RMSNorm epsilon.
     pub rms_eps: f32,
 }
 
-impl LlamaConfig {
-    /// Reads and checks the hyper-parameters of a `llama` file.
-    pub fn from_gguf(gguf: &Gguf) -> Result<LlamaConfig, ModelError> {
-        let arch = gguf.str("general.architecture")?;
-        if arch != "llama" {
-            return Err(ModelError::Architecture(arch.to_string()));
-        }
-        let dim = |key: &str, max: usize| -> Result<usize, ModelError> {
-            let key = format!("llama.{key}");
+impl ModelConfig {
+    /// Reads and checks the hyper-parameters and options of a file.
+    pub fn from_gguf(gguf: &Gguf) -> Result<ModelConfig, ModelError> {
+        let arch_name = gguf.str("general.architecture")?;
+        let architecture = Architecture::from_name(arch_name)
+            .ok_or_else(|| ModelError::Architecture(arch_name.to_string()))?;
+        let arch = architecture.name();
+        let key = |name: &str| format!("{arch}.{name}");
+        let dim = |name: &str, max: usize| -> Result<usize, ModelError> {
+            let key = key(name);
             let value = gguf.u64(&key)?;
             if value == 0 || value > max as u64 {
                 return Err(hyper(&key, format!("{value} is outside 1..={max}")));
@@ -113,29 +204,40 @@ impl LlamaConfig {
         };
         let embedding_len = dim("embedding_length", DIM_MAX)?;
         let heads_count = dim("attention.head_count", DIM_MAX)?;
-        let kv_heads_count = match gguf.get("llama.attention.head_count_kv") {
+        let kv_heads_count = match gguf.get(&key("attention.head_count_kv")) {
             Some(_) => dim("attention.head_count_kv", DIM_MAX)?,
             None => heads_count,
         };
-        if embedding_len % heads_count != 0 {
-            return Err(hyper(
-                "llama.attention.head_count",
-                "does not divide embedding_length",
-            ));
-        }
         if heads_count % kv_heads_count != 0 {
             return Err(hyper(
-                "llama.attention.head_count_kv",
+                &key("attention.head_count_kv"),
                 "does not divide head_count",
             ));
         }
-        let head_dim = embedding_len / heads_count;
-        let rope_dim = match gguf.get("llama.rope.dimension_count") {
+        let head_dim = match gguf.get(&key("attention.key_length")) {
+            Some(_) => dim("attention.key_length", DIM_MAX)?,
+            None if embedding_len % heads_count == 0 => embedding_len / heads_count,
+            None => {
+                return Err(hyper(
+                    &key("attention.head_count"),
+                    "does not divide embedding_length",
+                ))
+            }
+        };
+        if gguf.get(&key("attention.value_length")).is_some()
+            && dim("attention.value_length", DIM_MAX)? != head_dim
+        {
+            return Err(hyper(
+                &key("attention.value_length"),
+                "differs from the key length",
+            ));
+        }
+        let rope_dim = match gguf.get(&key("rope.dimension_count")) {
             Some(_) => dim("rope.dimension_count", head_dim)?,
             None => head_dim,
         };
         if rope_dim % 2 != 0 {
-            return Err(hyper("llama.rope.dimension_count", "must be even"));
+            return Err(hyper(&key("rope.dimension_count"), "must be even"));
         }
         let vocab_len = match gguf.tensor("token_embd.weight") {
             Some(t) if t.dims.len() == 2 && t.dims[1] as usize <= DIM_MAX => t.dims[1] as usize,
@@ -152,7 +254,14 @@ impl LlamaConfig {
             }
             Ok(value as f32)
         };
-        Ok(LlamaConfig {
+        refuse_unrun_options(gguf, arch)?;
+        let rope_freq_scale = rope_freq_scale(gguf, arch)?;
+        let rope_freq_factors = rope_freq_factors(gguf, rope_dim)?;
+        if rope_freq_factors.is_some() && architecture != Architecture::Llama {
+            return Err(ModelError::UnknownTensor(ROPE_FREQS.into(), arch));
+        }
+        Ok(ModelConfig {
+            architecture,
             layers_count: dim("block_count", LAYERS_MAX)?,
             embedding_len,
             heads_count,
@@ -161,10 +270,36 @@ impl LlamaConfig {
             ffn_len: dim("feed_forward_length", DIM_MAX)?,
             vocab_len,
             context_len: dim("context_length", CONTEXT_LEN_MAX)?,
-            rope_base: float("llama.rope.freq_base", 10_000.0)?,
+            rope_base: float(&key("rope.freq_base"), 10_000.0)?,
             rope_dim,
-            rms_eps: float("llama.attention.layer_norm_rms_epsilon", 1e-5)?,
+            rope_style: match architecture {
+                Architecture::Llama => RopeStyle::Adjacent,
+                Architecture::Qwen2 | Architecture::Qwen3 => RopeStyle::Halves,
+            },
+            rope_freq_scale,
+            rope_freq_factors,
+            qkv_bias: architecture == Architecture::Qwen2,
+            qk_norm: architecture == Architecture::Qwen3,
+            rms_eps: float(&key("attention.layer_norm_rms_epsilon"), 1e-5)?,
         })
+    }
+
+    /// Whether this is the plain Llama arithmetic (adjacent RoPE without
+    /// scaling, no biases, no per-head norms, heads that tile `d`): what a
+    /// backend that runs only that must check.
+    pub fn is_plain_llama(&self) -> bool {
+        self.architecture == Architecture::Llama
+            && self.rope_style == RopeStyle::Adjacent
+            && self.rope_freq_scale == 1.0
+            && self.rope_freq_factors.is_none()
+            && !self.qkv_bias
+            && !self.qk_norm
+            && self.q_len() == self.embedding_len
+    }
+
+    /// Width of the query projection and of attention's output: `heads * head_dim`.
+    pub fn q_len(&self) -> usize {
+        self.heads_count * self.head_dim
     }
 
     /// Width of the key (and value) projection: `kv_heads_count * head_dim`.
@@ -195,6 +330,76 @@ impl LlamaConfig {
     pub fn kv_group(&self) -> usize {
         self.heads_count / self.kv_heads_count
     }
+}
+
+/// The tensor that carries Llama-3's RoPE frequency factors.
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
+/// Metadata that changes the arithmetic in ways this engine does not run.
+fn refuse_unrun_options(gguf: &Gguf, arch: &str) -> Result<(), ModelError> {
+    let unsupported = |key: String, reason: &'static str| -> Result<(), ModelError> {
+        let value = match gguf.get(&key) {
+            Some(crate::gguf::Value::String(s)) => s.clone(),
+            Some(other) => format!("{other:?}"),
+            None => return Ok(()),
+        };
+        Err(ModelError::UnsupportedOption { key, value, reason })
+    };
+    if gguf.get(&format!("{arch}.expert_count")).is_some()
+        && gguf.u64(&format!("{arch}.expert_count"))? > 0
+    {
+        unsupported(
+            format!("{arch}.expert_count"),
+            "mixture-of-experts feed-forward blocks are not run",
+        )?;
+    }
+    unsupported(
+        format!("{arch}.attention.logit_softcapping"),
+        "attention soft-capping is not run",
+    )?;
+    unsupported(
+        format!("{arch}.final_logit_softcapping"),
+        "logit soft-capping is not run",
+    )?;
+    Ok(())
+}
+
+/// `{arch}.rope.scaling.type`: none, or linear with its factor; anything else
+/// (YaRN, LongRoPE) is refused.
+fn rope_freq_scale(gguf: &Gguf, arch: &str) -> Result<f32, ModelError> {
+    let type_key = format!("{arch}.rope.scaling.type");
+    let factor_key = format!("{arch}.rope.scaling.factor");
+    let kind = match gguf.get(&type_key) {
+        Some(_) => gguf.str(&type_key)?.to_string(),
+        None => "none".to_string(),
+    };
+    let factor = match gguf.get(&factor_key) {
+        Some(_) => gguf.f64(&factor_key)? as f32,
+        None => 0.0,
+    };
+    match kind.as_str() {
+        "none" => Ok(1.0),
+        "linear" if factor == 0.0 || factor == 1.0 => Ok(1.0),
+        "linear" if factor.is_finite() && factor > 0.0 => Ok(1.0 / factor),
+        "linear" => Err(hyper(&factor_key, format!("{factor} must be positive"))),
+        _ => Err(ModelError::UnsupportedOption {
+            key: type_key,
+            value: kind,
+            reason: "RoPE scaling other than linear (and Llama-3's frequency factors) is not run",
+        }),
+    }
+}
+
+/// Llama-3's `rope_freqs.weight`: `[rope_dim / 2]` positive divisors.
+fn rope_freq_factors(gguf: &Gguf, rope_dim: usize) -> Result<Option<Vec<f32>>, ModelError> {
+    if gguf.tensor(ROPE_FREQS).is_none() {
+        return Ok(None);
+    }
+    let factors = vector(gguf, ROPE_FREQS, rope_dim / 2)?;
+    if factors.iter().any(|f| !f.is_finite() || *f <= 0.0) {
+        return Err(hyper(ROPE_FREQS, "every factor must be a positive number"));
+    }
+    Ok(Some(factors))
 }
 
 fn hyper(key: &str, reason: impl Into<String>) -> ModelError {
@@ -232,13 +437,17 @@ impl Matrix {
 pub struct LayerWeights {
     /// RMSNorm gain before attention, `[d]`.
     pub attn_norm: Vec<f32>,
-    /// `[d][d]`.
+    /// `[q_len][d]`.
     pub wq: Matrix,
     /// `[kv_len][d]`.
     pub wk: Matrix,
     /// `[kv_len][d]`.
     pub wv: Matrix,
-    /// `[d][d]`.
+    /// Biases of Q, K and V, `[q_len]`, `[kv_len]`, `[kv_len]` (when `qkv_bias`).
+    pub qkv_bias: Option<[Vec<f32>; 3]>,
+    /// RMSNorm gains of each Q head and each K head, `[head_dim]` each (when `qk_norm`).
+    pub qk_norm: Option<[Vec<f32>; 2]>,
+    /// `[d][q_len]`.
     pub wo: Matrix,
     /// RMSNorm gain before the feed-forward block, `[d]`.
     pub ffn_norm: Vec<f32>,
@@ -253,7 +462,7 @@ pub struct LayerWeights {
 /// The weights: immutable after load, shared by every backend thread.
 pub struct Model {
     /// The hyper-parameters.
-    pub config: LlamaConfig,
+    pub config: ModelConfig,
     /// The file the matrices live in.
     pub gguf: Arc<Gguf>,
     /// `[vocab][d]`.
@@ -266,6 +475,57 @@ pub struct Model {
     pub layers: Vec<LayerWeights>,
 }
 
+/// Reads tensors by name and remembers which were read (invariant 1).
+struct Reader<'a> {
+    gguf: &'a Gguf,
+    read: std::collections::HashSet<String>,
+}
+
+impl Reader<'_> {
+    fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
+        self.read.insert(name.to_string());
+        matrix(self.gguf, name, rows, cols)
+    }
+
+    fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+        self.read.insert(name.to_string());
+        vector(self.gguf, name, len)
+    }
+
+    fn layer(&mut self, c: &ModelConfig, i: usize) -> Result<LayerWeights, ModelError> {
+        let (d, q, kv, ffn) = (c.embedding_len, c.q_len(), c.kv_len(), c.ffn_len);
+        let name = |part: &str| format!("blk.{i}.{part}");
+        let qkv_bias = match c.qkv_bias {
+            true => Some([
+                self.vector(&name("attn_q.bias"), q)?,
+                self.vector(&name("attn_k.bias"), kv)?,
+                self.vector(&name("attn_v.bias"), kv)?,
+            ]),
+            false => None,
+        };
+        let qk_norm = match c.qk_norm {
+            true => Some([
+                self.vector(&name("attn_q_norm.weight"), c.head_dim)?,
+                self.vector(&name("attn_k_norm.weight"), c.head_dim)?,
+            ]),
+            false => None,
+        };
+        Ok(LayerWeights {
+            attn_norm: self.vector(&name("attn_norm.weight"), d)?,
+            wq: self.matrix(&name("attn_q.weight"), q, d)?,
+            wk: self.matrix(&name("attn_k.weight"), kv, d)?,
+            wv: self.matrix(&name("attn_v.weight"), kv, d)?,
+            qkv_bias,
+            qk_norm,
+            wo: self.matrix(&name("attn_output.weight"), d, q)?,
+            ffn_norm: self.vector(&name("ffn_norm.weight"), d)?,
+            w_gate: self.matrix(&name("ffn_gate.weight"), ffn, d)?,
+            w_up: self.matrix(&name("ffn_up.weight"), ffn, d)?,
+            w_down: self.matrix(&name("ffn_down.weight"), d, ffn)?,
+        })
+    }
+}
+
 impl Model {
     /// Maps `path` and loads the model in it.
     pub fn open(path: &Path) -> Result<Model, ModelError> {
@@ -274,44 +534,51 @@ impl Model {
 
     /// Loads the model in an already parsed file.
     pub fn load(gguf: Arc<Gguf>) -> Result<Model, ModelError> {
-        let config = LlamaConfig::from_gguf(&gguf)?;
-        let (d, kv, ffn, vocab) = (
-            config.embedding_len,
-            config.kv_len(),
-            config.ffn_len,
-            config.vocab_len,
-        );
-        let matrix = |name: &str, rows: usize, cols: usize| matrix(&gguf, name, rows, cols);
-        let vector = |name: &str| vector(&gguf, name, d);
-        let token_embd = matrix("token_embd.weight", vocab, d)?;
+        let config = ModelConfig::from_gguf(&gguf)?;
+        let (d, vocab) = (config.embedding_len, config.vocab_len);
+        let mut reader = Reader {
+            gguf: &gguf,
+            read: std::collections::HashSet::new(),
+        };
+        if config.rope_freq_factors.is_some() {
+            reader.read.insert(ROPE_FREQS.to_string());
+        }
+        let token_embd = reader.matrix("token_embd.weight", vocab, d)?;
         let output = match gguf.tensor("output.weight") {
-            Some(_) => matrix("output.weight", vocab, d)?,
+            Some(_) => reader.matrix("output.weight", vocab, d)?,
             None => token_embd.clone(),
         };
         let layers = (0..config.layers_count)
-            .map(|i| {
-                let name = |part: &str| format!("blk.{i}.{part}.weight");
-                Ok(LayerWeights {
-                    attn_norm: vector(&name("attn_norm"))?,
-                    wq: matrix(&name("attn_q"), d, d)?,
-                    wk: matrix(&name("attn_k"), kv, d)?,
-                    wv: matrix(&name("attn_v"), kv, d)?,
-                    wo: matrix(&name("attn_output"), d, d)?,
-                    ffn_norm: vector(&name("ffn_norm"))?,
-                    w_gate: matrix(&name("ffn_gate"), ffn, d)?,
-                    w_up: matrix(&name("ffn_up"), ffn, d)?,
-                    w_down: matrix(&name("ffn_down"), d, ffn)?,
-                })
-            })
+            .map(|i| reader.layer(&config, i))
             .collect::<Result<Vec<_>, ModelError>>()?;
+        let output_norm = reader.vector("output_norm.weight", d)?;
+        let arch = config.architecture.name();
+        if let Some(unread) = gguf
+            .tensors()
+            .iter()
+            .find(|t| !reader.read.contains(&t.name))
+        {
+            return Err(ModelError::UnknownTensor(unread.name.clone(), arch));
+        }
         Ok(Model {
-            output_norm: vector("output_norm.weight")?,
+            output_norm,
             config,
             token_embd,
             output,
             layers,
             gguf,
         })
+    }
+
+    /// Every weight matrix, the output head last (the embedding again when tied).
+    pub fn matrices(&self) -> impl Iterator<Item = &Matrix> {
+        let layers = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
+        std::iter::once(&self.token_embd)
+            .chain(layers)
+            .chain(std::iter::once(&self.output))
     }
 
     /// The bytes of a matrix.

@@ -175,10 +175,10 @@ fn rejects_unknown_types_and_bad_utf8() {
     let mut bytes = w.to_bytes();
     // The tensor type follows name, n_dims and one dim.
     let at = bytes.windows(2).position(|w| w == b"q5").unwrap() + 2 + 4 + 8;
-    bytes[at..at + 4].copy_from_slice(&6u32.to_le_bytes()); // Q5_0: not supported
+    bytes[at..at + 4].copy_from_slice(&16u32.to_le_bytes()); // IQ2_XXS: not supported
     assert!(matches!(
         Gguf::from_bytes(bytes),
-        Err(GgufError::UnknownTensorType { type_id: 6, .. })
+        Err(GgufError::UnknownTensorType { type_id: 16, .. })
     ));
 
     let mut bytes = small_file().to_bytes();

@@ -40,15 +40,7 @@ impl Rng {
     }
 }
 
-const ALL_TYPES: [GgmlType; 7] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q8_0,
-    GgmlType::Q4_K,
-    GgmlType::Q6_K,
-];
+const ALL_TYPES: [GgmlType; 11] = GgmlType::ALL;
 
 /// The SIMD paths to test, announcing each one this CPU cannot run.
 fn simd_isas() -> Vec<Isa> {
@@ -419,6 +411,95 @@ fn dequantizes_hand_built_q6_k_block() {
     assert_eq!(w[255], scale(15) * -32.0);
 }
 
+/// A Q5_0 (no min) or Q5_1 block whose codes are `code(j)`, d = 0.5, m = -1.
+fn q5_known_block(ty: GgmlType, code: impl Fn(usize) -> u8) -> Vec<u8> {
+    let mut block = f16_bytes(0.5).to_vec();
+    if ty == GgmlType::Q5_1 {
+        block.extend(f16_bytes(-1.0));
+    }
+    let high: u32 = (0..32).map(|j| ((code(j) >> 4) as u32 & 1) << j).sum();
+    block.extend(high.to_le_bytes());
+    block.extend((0..16).map(|j| (code(j) & 0xF) | ((code(j + 16) & 0xF) << 4)));
+    assert_eq!(block.len(), ty.block_bytes());
+    block
+}
+
+#[test]
+fn dequantizes_hand_built_q5_0_and_q5_1_blocks() {
+    // Codes 0..32 in reverse, so every fifth bit and every nibble differ.
+    let code = |j: usize| (31 - j) as u8;
+    let w = dequant_block(GgmlType::Q5_0, &q5_known_block(GgmlType::Q5_0, code));
+    let expected: Vec<f32> = (0..32).map(|j| 0.5 * (code(j) as f32 - 16.0)).collect();
+    assert_eq!(w, expected);
+    let w = dequant_block(GgmlType::Q5_1, &q5_known_block(GgmlType::Q5_1, code));
+    let expected: Vec<f32> = (0..32).map(|j| 0.5 * code(j) as f32 - 1.0).collect();
+    assert_eq!(w, expected);
+    // ggml's reference quantizers give back the very same blocks.
+    for ty in [GgmlType::Q5_0, GgmlType::Q5_1] {
+        let block = q5_known_block(ty, |j| {
+            if ty == GgmlType::Q5_0 {
+                31 - j as u8
+            } else {
+                j as u8
+            }
+        });
+        let values = dequant_block(ty, &block);
+        let mut again = vec![0u8; ty.block_bytes()];
+        quantize_row(ty, &values, &mut again).unwrap();
+        assert_eq!(dequant_block(ty, &again), values, "{ty:?}");
+    }
+}
+
+#[test]
+fn dequantizes_hand_built_q5_k_block() {
+    // Q4_K's scales (sub-block j: scale j + 1, min 2j), nibbles l % 16, and the
+    // fifth bit of weight l of chunk c from bit 2c / 2c + 1 of qh[l].
+    let sc: [u8; 8] = std::array::from_fn(|j| j as u8 + 1);
+    let mn: [u8; 8] = std::array::from_fn(|j| 2 * j as u8);
+    let mut scales = [0u8; 12];
+    for j in 0..4 {
+        scales[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        scales[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
+        scales[j + 8] = (sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4);
+    }
+    let mut block = f16_bytes(0.25).to_vec();
+    block.extend(f16_bytes(0.5));
+    block.extend(scales);
+    // qh[l] = l: weight l of chunk c has its fifth bit set when bit 2c (or
+    // 2c + 1 for the high-nibble sub-block) of l is.
+    block.extend(0..32u8);
+    block.extend((0..128usize).map(|i| (i % 16) as u8 | (((i + 3) % 16) as u8) << 4));
+    assert_eq!(block.len(), GgmlType::Q5_K.block_bytes());
+    let w = dequant_block(GgmlType::Q5_K, &block);
+    for j in 0..8 {
+        let (chunk, high_nibble) = (j / 2, j % 2 == 1);
+        for l in 0..32 {
+            let nibble = if high_nibble { (l + 3) % 16 } else { l % 16 } as u32;
+            let bit = (l as u32 >> (2 * chunk + high_nibble as usize)) & 1;
+            let q = (nibble | (bit << 4)) as f32;
+            let expected = 0.25 * sc[j] as f32 * q - 0.5 * mn[j] as f32;
+            assert_eq!(w[j * 32 + l], expected, "sub-block {j} weight {l}");
+        }
+    }
+}
+
+#[test]
+fn bf16_decodes_exactly_and_rounds_to_nearest_even() {
+    let values = [1.5f32, -2.25, 0.0, 3.0e38, f32::from_bits(0x3F80_8000)];
+    let mut bytes = vec![0u8; 2 * values.len()];
+    quantize_row(GgmlType::BF16, &values, &mut bytes).unwrap();
+    let mut back = [0.0f32; 5];
+    dequantize_row(GgmlType::BF16, &bytes, &mut back).unwrap();
+    assert_eq!(&back[..3], &values[..3]);
+    // 1.00390625 is halfway between bf16 1.0 and 1.0078125: ties go to even (1.0).
+    assert_eq!(back[4], 1.0);
+    assert_eq!(back[3], f32::from_bits(0x7F62 << 16));
+    let nan = f32::from_bits(0x7F80_0001);
+    quantize_row(GgmlType::BF16, &[nan], &mut bytes[..2]).unwrap();
+    dequantize_row(GgmlType::BF16, &bytes[..2], &mut back[..1]).unwrap();
+    assert!(back[0].is_nan(), "NaN stays NaN, never infinity");
+}
+
 #[test]
 fn dequantizes_f32_and_f16_rows() {
     let values = [1.5f32, -2.25, 0.0, 65504.0];
@@ -446,8 +527,11 @@ fn reference_quantizers_round_trip_within_one_step() {
             GgmlType::F32 => (1, 0.0),
             GgmlType::F16 => (1, 1e-3),
             GgmlType::Q8_0 => (32, 1.0 / 127.0),
+            GgmlType::BF16 => (1, 1.0 / 256.0),
             GgmlType::Q4_0 | GgmlType::Q4_1 => (32, 1.0 / 8.0),
+            GgmlType::Q5_0 | GgmlType::Q5_1 => (32, 1.0 / 16.0),
             GgmlType::Q4_K => (32, 2.0 / 15.0),
+            GgmlType::Q5_K => (32, 2.0 / 31.0),
             GgmlType::Q6_K => (16, 2.0 / 32.0),
         };
         for (i, (&a, &b)) in x.iter().zip(&back).enumerate() {

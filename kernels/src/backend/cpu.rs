@@ -1,11 +1,14 @@
-//! The CPU backend: a batched Llama forward pass over paged KV.
+//! The CPU backend: a batched forward pass over paged KV for every family the
+//! blueprint describes ([`crate::model`]).
 //!
 //! One step concatenates every sequence's new tokens into one activation
 //! matrix, so each weight matrix is streamed once per step whatever the batch
 //! (prefill chunks and decode tokens mixed). Per layer:
 //!
 //! 1. `xn = rmsnorm(x) * attn_norm`, quantized once for Q, K and V.
-//! 2. `q, k, v = xn·Wq, xn·Wk, xn·Wv`; RoPE on q and k at each token's position.
+//! 2. `q, k, v = xn·Wq, xn·Wk, xn·Wv` (plus biases where the family has them;
+//!    each q and k head RMS-normalised where it says so); RoPE on q and k at
+//!    each token's position, in the family's pairing.
 //! 3. k and v are written into the sequence's pages (ownership asserted by the pool).
 //! 4. Attention per (sequence, kv head, token chunk) reads K/V only through the
 //!    sequence's page table (ownership asserted again), causal to each position.
@@ -18,7 +21,7 @@
 
 use super::{vector, Backend, Logits, SeqStep, StepError, StepLimits};
 use crate::kv::{KvType, KvValue, PageTable, Pool, StepView};
-use crate::model::{Matrix, Model};
+use crate::model::{Matrix, Model, ModelConfig, RopeStyle};
 use crate::quant::{self, Isa, QuantizedActivations};
 use crate::threads::Threads;
 use half::f16;
@@ -69,10 +72,10 @@ struct Scratch {
     // All activation buffers are [token][width], tokens of all sequences concatenated.
     x: Vec<f32>,     // [tokens][d] residual stream
     xn: Vec<f32>,    // [tokens][d] normalised input of a block
-    q: Vec<f32>,     // [tokens][d]
+    q: Vec<f32>,     // [tokens][q_len]
     k: Vec<f32>,     // [tokens][kv_len]
     v: Vec<f32>,     // [tokens][kv_len]
-    attn: Vec<f32>,  // [tokens][d] attention output before Wo
+    attn: Vec<f32>,  // [tokens][q_len] attention output before Wo
     gate: Vec<f32>,  // [tokens][ffn]
     up: Vec<f32>,    // [tokens][ffn]
     delta: Vec<f32>, // [tokens][d] output of Wo or Wd, added to x
@@ -164,10 +167,10 @@ impl CpuBackend {
         let scratch = Scratch {
             x: vec![0.0; tokens * c.embedding_len],
             xn: vec![0.0; tokens * c.embedding_len],
-            q: vec![0.0; tokens * c.embedding_len],
+            q: vec![0.0; tokens * c.q_len()],
             k: vec![0.0; tokens * c.kv_len()],
             v: vec![0.0; tokens * c.kv_len()],
-            attn: vec![0.0; tokens * c.embedding_len],
+            attn: vec![0.0; tokens * c.q_len()],
             gate: vec![0.0; tokens * c.ffn_len],
             up: vec![0.0; tokens * c.ffn_len],
             delta: vec![0.0; tokens * c.embedding_len],
@@ -274,13 +277,17 @@ impl Backend for CpuBackend {
 }
 
 impl CpuBackend {
-    /// `rope[t][i] = (cos, sin)(pos_t * base^(-2i / rope_dim))`.
+    /// `rope[t][i] = (cos, sin)(pos_t * base^(-2i / rope_dim) * scale / factor_i)`.
     fn fill_rope(&mut self, slots: &[TokenSlot]) {
         let c = &self.model.config;
         let pairs = c.rope_dim / 2;
         for (t, slot) in slots.iter().enumerate() {
             for i in 0..pairs {
-                let freq = c.rope_base.powf(-((2 * i) as f32) / c.rope_dim as f32);
+                let mut freq = c.rope_base.powf(-((2 * i) as f32) / c.rope_dim as f32);
+                freq *= c.rope_freq_scale;
+                if let Some(factors) = &c.rope_freq_factors {
+                    freq /= factors[i];
+                }
                 let theta = slot.pos as f32 * freq;
                 let (sin, cos) = theta.sin_cos();
                 self.scratch.rope[(t * pairs + i) * 2] = cos;
@@ -300,7 +307,7 @@ impl CpuBackend {
         let c = &model.config;
         let w = &model.layers[layer];
         let tokens = slots.len();
-        let (d, kv_len) = (c.embedding_len, c.kv_len());
+        let (d, q_len, kv_len) = (c.embedding_len, c.q_len(), c.kv_len());
         let s = &mut self.scratch;
         rmsnorm_rows(
             &s.x[..tokens * d],
@@ -324,24 +331,22 @@ impl CpuBackend {
             }
         }
         let s = &mut self.scratch;
-        apply_rope(
-            &mut s.q[..tokens * d],
-            &s.rope,
-            c.heads_count,
-            c.head_dim,
-            c.rope_dim,
-        );
-        apply_rope(
-            &mut s.k[..tokens * kv_len],
-            &s.rope,
-            c.kv_heads_count,
-            c.head_dim,
-            c.rope_dim,
-        );
+        let (q, k) = (&mut s.q[..tokens * q_len], &mut s.k[..tokens * kv_len]);
+        if let Some([bq, bk, bv]) = &w.qkv_bias {
+            add_rows(q, bq);
+            add_rows(k, bk);
+            add_rows(&mut s.v[..tokens * kv_len], bv);
+        }
+        if let Some([gq, gk]) = &w.qk_norm {
+            rmsnorm_in_place(q, gq, c.rms_eps);
+            rmsnorm_in_place(k, gk, c.rms_eps);
+        }
+        apply_rope(q, &s.rope, c.heads_count, c);
+        apply_rope(k, &s.rope, c.kv_heads_count, c);
         self.write_kv(layer, slots, view);
         self.attention(layer, steps, slots, view);
         let s = &mut self.scratch;
-        s.xq.quantize(w.wo.ty(), &s.attn[..tokens * d], tokens, d)
+        s.xq.quantize(w.wo.ty(), &s.attn[..tokens * q_len], tokens, q_len)
             .expect(WIDTHS_CHECKED);
         self.matmuls(&[(&w.wo, Buf::Delta)], tokens);
         let s = &mut self.scratch;
@@ -1136,19 +1141,45 @@ fn rmsnorm_rows(x: &[f32], gain: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// Rotates adjacent pairs `(x[2i], x[2i+1])` of the first `rope_dim` dims of each
-/// head (the GGUF llama layout, whose Q/K weights are permuted for it).
-fn apply_rope(x: &mut [f32], rope: &[f32], heads: usize, head_dim: usize, rope_dim: usize) {
+/// `x[t] += bias` for each row of width `bias.len()`.
+fn add_rows(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_exact_mut(bias.len()) {
+        add_into(row, bias);
+    }
+}
+
+/// RMS-normalises each row of width `gain.len()` (one head) in place.
+fn rmsnorm_in_place(x: &mut [f32], gain: &[f32], eps: f32) {
+    let width = gain.len();
+    for row in x.chunks_exact_mut(width) {
+        let mean_square = row.iter().map(|v| v * v).sum::<f32>() / width as f32;
+        let inv = 1.0 / (mean_square + eps).sqrt();
+        for (v, &g) in row.iter_mut().zip(gain) {
+            *v = *v * inv * g;
+        }
+    }
+}
+
+/// Rotates the first `rope_dim` dims of each `head_dim` head of each token's
+/// row by the token's angles: pairs `(2i, 2i+1)` ([`RopeStyle::Adjacent`], the
+/// GGUF llama layout, whose Q/K weights are permuted for it) or `(i, i +
+/// rope_dim / 2)` ([`RopeStyle::Halves`]).
+fn apply_rope(x: &mut [f32], rope: &[f32], heads: usize, c: &ModelConfig) {
+    let (style, head_dim) = (c.rope_style, c.head_dim);
+    let pairs = c.rope_dim / 2;
     let width = heads * head_dim;
-    let pairs = rope_dim / 2;
     for (t, row) in x.chunks_exact_mut(width).enumerate() {
         let table = &rope[t * pairs * 2..(t + 1) * pairs * 2];
         for head in row.chunks_exact_mut(head_dim) {
             for i in 0..pairs {
                 let (cos, sin) = (table[2 * i], table[2 * i + 1]);
-                let (a, b) = (head[2 * i], head[2 * i + 1]);
-                head[2 * i] = a * cos - b * sin;
-                head[2 * i + 1] = a * sin + b * cos;
+                let (ia, ib) = match style {
+                    RopeStyle::Adjacent => (2 * i, 2 * i + 1),
+                    RopeStyle::Halves => (i, i + pairs),
+                };
+                let (a, b) = (head[ia], head[ib]);
+                head[ia] = a * cos - b * sin;
+                head[ib] = a * sin + b * cos;
             }
         }
     }

@@ -11,7 +11,7 @@ pub mod cuda;
 pub mod vector;
 
 use crate::kv::{PageTable, Pool};
-use crate::model::LlamaConfig;
+use crate::model::ModelConfig;
 
 /// One sequence's share of a step.
 pub struct SeqStep<'a> {
@@ -170,7 +170,7 @@ pub struct StepLimits {
 /// The pool stays borrowed by the caller for the whole step, so the checks
 /// hold until it ends.
 pub fn validate_step(
-    c: &LlamaConfig,
+    c: &ModelConfig,
     limits: &StepLimits,
     steps: &[SeqStep<'_>],
     page_tokens: usize,

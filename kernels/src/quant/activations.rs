@@ -4,9 +4,10 @@
 //!
 //! ```text
 //! weights            activations   per block of activations
-//! F32, F16           F32           the values themselves
-//! Q4_0, Q4_1, Q8_0   Q8_1          32 x i8 q, f32 d, f32 s = d * sum(q)
-//! Q4_K, Q6_K         Q8_K          256 x i8 q, f32 d, 16 x i16 bsums (sums of 16 q)
+//! F32, F16, BF16     F32           the values themselves
+//! Q4_0, Q4_1, Q5_0,  Q8_1          32 x i8 q, f32 d, f32 s = d * sum(q)
+//!   Q5_1, Q8_0
+//! Q4_K, Q5_K, Q6_K   Q8_K          256 x i8 q, f32 d, 16 x i16 bsums (sums of 16 q)
 //! ```
 //!
 //! Q4_0 and Q8_0 pair with Q8_1 (not ggml's Q8_0) because the SIMD kernels feed
@@ -64,9 +65,11 @@ impl ActivationFormat {
     /// The format the weight type's dot product consumes.
     pub const fn for_weights(ty: GgmlType) -> ActivationFormat {
         match ty {
-            GgmlType::F32 | GgmlType::F16 => ActivationFormat::F32,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => ActivationFormat::Q8_1,
-            GgmlType::Q4_K | GgmlType::Q6_K => ActivationFormat::Q8_K,
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => ActivationFormat::F32,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
+                ActivationFormat::Q8_1
+            }
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => ActivationFormat::Q8_K,
         }
     }
 }

@@ -25,8 +25,8 @@ use std::ops::Range;
 
 use super::activations::QuantizedActivations;
 use super::blocks::{
-    Q4_0_QS, Q4_1_M, Q4_1_QS, Q4_K_DMIN, Q4_K_QS, Q4_K_SCALES, Q6_K_D, Q6_K_QH, Q6_K_SCALES,
-    Q8_0_QS, QK32, QK_K,
+    Q4_0_QS, Q4_1_M, Q4_1_QS, Q4_K_DMIN, Q4_K_QS, Q4_K_SCALES, Q5_0_QH, Q5_0_QS, Q5_1_M, Q5_1_QH,
+    Q5_1_QS, Q5_K_QH, Q5_K_QS, Q6_K_D, Q6_K_QH, Q6_K_SCALES, Q8_0_QS, QK32, QK_K,
 };
 use super::scalar;
 use super::GgmlType;
@@ -53,10 +53,15 @@ pub fn matmul(
         match ty {
             GgmlType::Q4_0 => drive_b32::<Q4_0W>(w, k, rows, xq, out),
             GgmlType::Q4_1 => drive_b32::<Q4_1W>(w, k, rows, xq, out),
+            GgmlType::Q5_0 => drive_b32::<Q5_0W>(w, k, rows, xq, out),
+            GgmlType::Q5_1 => drive_b32::<Q5_1W>(w, k, rows, xq, out),
             GgmlType::Q8_0 => drive_b32::<Q8_0Signed>(w, k, rows, xq, out),
-            GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::F32 | GgmlType::F16 => {
-                matmul_rowwise(ty, w, k, rows, xq, out)
-            }
+            GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
+            | GgmlType::F32
+            | GgmlType::F16
+            | GgmlType::BF16 => matmul_rowwise(ty, w, k, rows, xq, out),
         }
     }
 }
@@ -137,12 +142,84 @@ pub(crate) unsafe fn q8_pair(p0: *const u8, p1: *const u8) -> (__m256i, __m256i)
     (lo, hi)
 }
 
+/// `0x10` in byte `i` where bit `i` of `bits` is set, 0 elsewhere: the fifth
+/// bit of 32 five-bit codes (ggml's `bytes_from_bits_32`).
+///
+/// # Safety
+/// AVX2 available.
+#[inline(always)]
+unsafe fn fifth_bits(bits: u32) -> __m256i {
+    // Byte i takes byte i / 8 of `bits`, then keeps only its bit i % 8.
+    let spread = _mm256_set_epi64x(
+        0x0303_0303_0303_0303,
+        0x0202_0202_0202_0202,
+        0x0101_0101_0101_0101,
+        0,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), spread);
+    let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
+    let set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1));
+    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+}
+
+/// Five-bit codes of a Q5_0 or Q5_1 pair, high bits at `qh` and nibbles at `qs`.
+///
+/// # Safety
+/// `p0`, `p1` each point at a block of that type; AVX2 available.
+#[inline(always)]
+pub(crate) unsafe fn q5_pair(
+    p0: *const u8,
+    p1: *const u8,
+    qh: usize,
+    qs: usize,
+) -> (__m256i, __m256i) {
+    let (lo, hi) = nibble_pair(p0.add(qs), p1.add(qs));
+    let h0 = (p0.add(qh) as *const u32).read_unaligned();
+    let h1 = (p1.add(qh) as *const u32).read_unaligned();
+    // Lanes [b 0..16][b+1 0..16] take bits 0..16 of each; the high lanes bits 16..32.
+    let bits_lo = (h0 & 0xFFFF) | (h1 << 16);
+    let bits_hi = (h0 >> 16) | (h1 & 0xFFFF_0000);
+    (
+        _mm256_or_si256(lo, fifth_bits(bits_lo)),
+        _mm256_or_si256(hi, fifth_bits(bits_hi)),
+    )
+}
+
 /// Q4_0 as nibbles 0..=15 with the -8 folded into m = -8 d.
 pub(crate) struct Q4_0W;
 /// Q4_1 as nibbles with its own min m.
 pub(crate) struct Q4_1W;
+/// Q5_0 as codes 0..=31 with the -16 folded into m = -16 d.
+pub(crate) struct Q5_0W;
+/// Q5_1 as codes 0..=31 with its own min m.
+pub(crate) struct Q5_1W;
 /// Q8_0 as signed bytes for the `vpmaddubsw` sign trick (m = 0).
 struct Q8_0Signed;
+
+impl PairDecode for Q5_0W {
+    const BYTES: usize = GgmlType::Q5_0.block_bytes();
+    #[inline(always)]
+    unsafe fn codes(p0: *const u8, p1: *const u8) -> (__m256i, __m256i) {
+        q5_pair(p0, p1, Q5_0_QH, Q5_0_QS)
+    }
+    #[inline(always)]
+    unsafe fn scales(p0: *const u8, p1: *const u8) -> __m128 {
+        d_pair(p0, p1, -16.0)
+    }
+}
+
+impl PairDecode for Q5_1W {
+    const BYTES: usize = GgmlType::Q5_1.block_bytes();
+    #[inline(always)]
+    unsafe fn codes(p0: *const u8, p1: *const u8) -> (__m256i, __m256i) {
+        q5_pair(p0, p1, Q5_1_QH, Q5_1_QS)
+    }
+    #[inline(always)]
+    unsafe fn scales(p0: *const u8, p1: *const u8) -> __m128 {
+        const _: () = assert!(Q5_1_M == 2);
+        f16x2_pair(p0, p1)
+    }
+}
 
 impl PairDecode for Q4_0W {
     const BYTES: usize = GgmlType::Q4_0.block_bytes();
@@ -196,6 +273,20 @@ impl Avx2Dot for Q4_1W {
     }
 }
 
+impl Avx2Dot for Q5_0W {
+    #[inline(always)]
+    unsafe fn dot(lo: __m256i, hi: __m256i, x_lo: __m256i, x_hi: __m256i) -> __m256i {
+        nibble_dot(lo, hi, x_lo, x_hi)
+    }
+}
+
+impl Avx2Dot for Q5_1W {
+    #[inline(always)]
+    unsafe fn dot(lo: __m256i, hi: __m256i, x_lo: __m256i, x_hi: __m256i) -> __m256i {
+        nibble_dot(lo, hi, x_lo, x_hi)
+    }
+}
+
 impl Avx2Dot for Q8_0Signed {
     #[inline(always)]
     unsafe fn dot(lo: __m256i, hi: __m256i, x_lo: __m256i, x_hi: __m256i) -> __m256i {
@@ -208,8 +299,8 @@ impl Avx2Dot for Q8_0Signed {
     }
 }
 
-/// Nibble codes . quants: both halves' i16 pair sums (at most 2 * 2 * 15 * 127) add
-/// without overflow before one widening `vpmaddwd`.
+/// Four- or five-bit codes . quants: both halves' i16 pair sums (at most
+/// 2 * 2 * 31 * 127 = 15,748) add without overflow before one widening `vpmaddwd`.
 #[inline(always)]
 unsafe fn nibble_dot(lo: __m256i, hi: __m256i, x_lo: __m256i, x_hi: __m256i) -> __m256i {
     let pairs = _mm256_add_epi16(
@@ -388,9 +479,11 @@ pub(crate) unsafe fn matmul_rowwise(
         for (i, r) in rows.clone().enumerate() {
             let w_row = &w[r * row_bytes..(r + 1) * row_bytes];
             out[t * n_rows + i] = match ty {
-                GgmlType::F32 => dot_f32_bytes::<false>(w_row, xq.values(t)),
-                GgmlType::F16 => dot_f32_bytes::<true>(w_row, xq.values(t)),
+                GgmlType::F32 => dot_f32_bytes::<WIDE_F32>(w_row, xq.values(t)),
+                GgmlType::F16 => dot_f32_bytes::<WIDE_F16>(w_row, xq.values(t)),
+                GgmlType::BF16 => dot_f32_bytes::<WIDE_BF16>(w_row, xq.values(t)),
                 GgmlType::Q4_K => dot_q4_k(w_row, xq, t),
+                GgmlType::Q5_K => dot_q5_k(w_row, xq, t),
                 GgmlType::Q6_K => dot_q6_k(w_row, xq, t),
                 _ => scalar::dot_row(ty, w_row, xq, t),
             };
@@ -398,21 +491,30 @@ pub(crate) unsafe fn matmul_rowwise(
     }
 }
 
-/// Dot of a row of f32 (or f16 when `HALF`) weight bytes with f32 activations.
+/// Float weight formats for [`dot_f32_bytes`].
+const WIDE_F32: u8 = 0;
+const WIDE_F16: u8 = 1;
+const WIDE_BF16: u8 = 2;
+
+/// Dot of a row of float weight bytes (`FORMAT`: f32, f16 or bf16) with f32
+/// activations.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_f32_bytes<const HALF: bool>(w_row: &[u8], x: &[f32]) -> f32 {
+unsafe fn dot_f32_bytes<const FORMAT: u8>(w_row: &[u8], x: &[f32]) -> f32 {
     const LANES: usize = 8;
-    let width = if HALF { 2 } else { 4 };
+    let width = if FORMAT == WIDE_F32 { 4 } else { 2 };
     let main = x.len() / LANES * LANES;
     let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let load = |i: usize| {
         // SAFETY: i + 8 <= main <= x.len(), and w_row holds x.len() weights of `width` bytes.
         unsafe {
             let p = w_row.as_ptr().add(i * width);
-            if HALF {
-                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
-            } else {
-                _mm256_loadu_ps(p as *const f32)
+            match FORMAT {
+                WIDE_F32 => _mm256_loadu_ps(p as *const f32),
+                WIDE_F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+                _ => {
+                    let halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+                    _mm256_castsi256_ps(_mm256_slli_epi32(halves, 16))
+                }
             }
         }
     };
@@ -433,10 +535,10 @@ unsafe fn dot_f32_bytes<const HALF: bool>(w_row: &[u8], x: &[f32]) -> f32 {
     for j in main..x.len() {
         let b = &w_row[j * width..];
         sum += x[j]
-            * if HALF {
-                super::blocks::f16_at(b, 0)
-            } else {
-                f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+            * match FORMAT {
+                WIDE_F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                WIDE_F16 => super::blocks::f16_at(b, 0),
+                _ => super::blocks::bf16_at(b, 0),
             };
     }
     sum
@@ -470,6 +572,54 @@ unsafe fn dot_q4_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
             let x_hi = _mm256_loadu_si256(x.add(QK32) as *const __m256i);
             let p_lo = _mm256_maddubs_epi16(_mm256_and_si256(q, low), x_lo);
             let p_hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), x_hi);
+            let s_lo = _mm256_madd_epi16(p_lo, _mm256_set1_epi16(sc_lo as i16));
+            let s_hi = _mm256_madd_epi16(p_hi, _mm256_set1_epi16(sc_hi as i16));
+            isum = _mm256_add_epi32(isum, _mm256_add_epi32(s_lo, s_hi));
+        }
+        let dw = super::blocks::f16_at(block, 0);
+        let dmin = super::blocks::f16_at(block, Q4_K_DMIN);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * d[b]), acc);
+        mins_total += dmin * d[b] * mins as f32;
+    }
+    hsum256(acc) - mins_total
+}
+
+/// Q5_K row . Q8_K token `t`: Q4_K's nibbles with the fifth bit from `qh`
+/// (bit 2c for chunk c's low nibbles, 2c + 1 for its high ones).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q5_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
+    let (qs, d) = xq.q8_k_row(t);
+    let bsums = xq.bsums(t);
+    let low = _mm256_set1_epi8(0x0F);
+    let one = _mm256_set1_epi8(1);
+    let mut acc = _mm256_setzero_ps();
+    let mut mins_total = 0.0f32;
+    for (b, block) in w_row.chunks_exact(GgmlType::Q5_K.block_bytes()).enumerate() {
+        let scales = &block[Q4_K_SCALES..Q4_K_QS];
+        // SAFETY: the 32 qh bytes lie inside the 176-byte block.
+        let qh = _mm256_loadu_si256(block.as_ptr().add(Q5_K_QH) as *const __m256i);
+        let mut isum = _mm256_setzero_si256();
+        let mut mins = 0i32;
+        for chunk in 0..QK_K / 64 {
+            let (sc_lo, m_lo) = super::blocks::scale_min_k4(2 * chunk, scales);
+            let (sc_hi, m_hi) = super::blocks::scale_min_k4(2 * chunk + 1, scales);
+            let bs = &bsums[b * 16 + 4 * chunk..][..4];
+            mins += m_lo as i32 * (bs[0] as i32 + bs[1] as i32)
+                + m_hi as i32 * (bs[2] as i32 + bs[3] as i32);
+            // SAFETY: 32 qs bytes at chunk*32 lie inside the block; the 64
+            // activations at b*256 + chunk*64 lie inside token t's k quants.
+            let q =
+                _mm256_loadu_si256(block.as_ptr().add(Q5_K_QS + chunk * QK32) as *const __m256i);
+            let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * chunk as i32));
+            let h_lo = _mm256_slli_epi16(_mm256_and_si256(h, one), 4);
+            let h_hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4);
+            let c_lo = _mm256_or_si256(_mm256_and_si256(q, low), h_lo);
+            let c_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), h_hi);
+            let x = qs.as_ptr().add(b * QK_K + chunk * 64);
+            let x_lo = _mm256_loadu_si256(x as *const __m256i);
+            let x_hi = _mm256_loadu_si256(x.add(QK32) as *const __m256i);
+            let p_lo = _mm256_maddubs_epi16(c_lo, x_lo);
+            let p_hi = _mm256_maddubs_epi16(c_hi, x_hi);
             let s_lo = _mm256_madd_epi16(p_lo, _mm256_set1_epi16(sc_lo as i16));
             let s_hi = _mm256_madd_epi16(p_hi, _mm256_set1_epi16(sc_hi as i16));
             isum = _mm256_add_epi32(isum, _mm256_add_epi32(s_lo, s_hi));

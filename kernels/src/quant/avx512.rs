@@ -1,11 +1,11 @@
 //! AVX-512 VNNI kernels: `vpdpbusd` int8 dot products on 512-bit vectors.
 //!
-//! The 32-block types (Q4_0, Q4_1, Q8_0) decode a pair of blocks (b, b + 1) into one
+//! The 32-block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) decode a pair of blocks (b, b + 1) into one
 //! 512-bit vector of codes in the Q8_1 pair layout (see `activations`), so codes and
 //! activation quants line up byte for byte:
 //!
 //! ```text
-//! codes: [b w0..16][b+1 w0..16][b w16..32][b+1 w16..32]  (nibble, or q8 ^ 0x80 = q8 + 128)
+//! codes: [b w0..16][b+1 w0..16][b w16..32][b+1 w16..32]  (nibble, 5-bit code, or q8 ^ 0x80)
 //! i32 lanes after vpdpbusd: 0..4 b, 4..8 b+1, 8..12 b, 12..16 b+1
 //! acc[r][t] += cvt(vpdpbusd(0, codes[r], x[t])) * spread(dw[r] * dx[t]);  + m[r] * s[t]
 //! ```
@@ -58,7 +58,9 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::activations::{QuantizedActivations, Q8_1_SCALE_ALIGN};
-use super::avx2::{d_pair, pair_offsets, q8_1_ptrs, q8_pair, PairDecode, Q8Row, Q4_0W, Q4_1W};
+use super::avx2::{
+    d_pair, pair_offsets, q8_1_ptrs, q8_pair, PairDecode, Q8Row, Q4_0W, Q4_1W, Q5_0W, Q5_1W,
+};
 use super::blocks::QK32;
 use super::GgmlType;
 
@@ -107,10 +109,15 @@ pub fn matmul(
         match ty {
             GgmlType::Q4_0 => drive::<Q4_0W>(w, k, rows, xq, out),
             GgmlType::Q4_1 => drive::<Q4_1W>(w, k, rows, xq, out),
+            GgmlType::Q5_0 => drive::<Q5_0W>(w, k, rows, xq, out),
+            GgmlType::Q5_1 => drive::<Q5_1W>(w, k, rows, xq, out),
             GgmlType::Q8_0 => drive::<Q8_0Offset>(w, k, rows, xq, out),
-            GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::F32 | GgmlType::F16 => {
-                super::avx2::matmul_rowwise(ty, w, k, rows, xq, out)
-            }
+            GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
+            | GgmlType::F32
+            | GgmlType::F16
+            | GgmlType::BF16 => super::avx2::matmul_rowwise(ty, w, k, rows, xq, out),
         }
     }
 }

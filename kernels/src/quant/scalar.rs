@@ -8,8 +8,9 @@
 
 use super::activations::QuantizedActivations;
 use super::blocks::{
-    f16_at, q6_k_quants, scale_min_k4, Q4_0_QS, Q4_1_M, Q4_1_QS, Q4_K_DMIN, Q4_K_QS, Q4_K_SCALES,
-    Q6_K_D, Q6_K_SCALES, Q8_0_QS, QK32, QK_K,
+    bf16_at, f16_at, q5_codes, q5_k_codes, q6_k_quants, scale_min_k4, Q4_0_QS, Q4_1_M, Q4_1_QS,
+    Q4_K_DMIN, Q4_K_QS, Q4_K_SCALES, Q5_0_QH, Q5_0_QS, Q5_1_M, Q5_1_QH, Q5_1_QS, Q6_K_D,
+    Q6_K_SCALES, Q8_0_QS, QK32, QK_K,
 };
 use super::GgmlType;
 
@@ -43,8 +44,14 @@ pub fn dot_row(ty: GgmlType, w_row: &[u8], xq: &QuantizedActivations, t: usize) 
         GgmlType::F16 => (0..xq.k())
             .map(|i| f16_at(w_row, 2 * i) * xq.values(t)[i])
             .sum(),
-        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => dot_row_b32(ty, w_row, xq, t),
+        GgmlType::BF16 => (0..xq.k())
+            .map(|i| bf16_at(w_row, 2 * i) * xq.values(t)[i])
+            .sum(),
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
+            dot_row_b32(ty, w_row, xq, t)
+        }
         GgmlType::Q4_K => dot_row_q4_k(w_row, xq, t),
+        GgmlType::Q5_K => dot_row_q5_k(w_row, xq, t),
         GgmlType::Q6_K => dot_row_q6_k(w_row, xq, t),
     }
 }
@@ -62,6 +69,14 @@ fn dot_row_b32(ty: GgmlType, w_row: &[u8], xq: &QuantizedActivations, t: usize) 
             GgmlType::Q4_1 => {
                 let q = &block[Q4_1_QS..Q4_1_QS + QK32 / 2];
                 dw * dx * nibble_dot(q, &x, 0) as f32 + f16_at(block, Q4_1_M) * sx
+            }
+            GgmlType::Q5_0 => {
+                let q = q5_codes(block, Q5_0_QH, Q5_0_QS);
+                dw * dx * code_dot(&q, &x, -16) as f32
+            }
+            GgmlType::Q5_1 => {
+                let q = q5_codes(block, Q5_1_QH, Q5_1_QS);
+                dw * dx * code_dot(&q, &x, 0) as f32 + f16_at(block, Q5_1_M) * sx
             }
             _ => {
                 let q = &block[Q8_0_QS..Q8_0_QS + QK32];
@@ -84,6 +99,35 @@ fn nibble_dot(q: &[u8], x: &[i8], offset: i32) -> i32 {
     for (j, &byte) in q.iter().enumerate() {
         sum += ((byte & 0xF) as i32 + offset) * x[j] as i32;
         sum += ((byte >> 4) as i32 + offset) * x[j + QK32 / 2] as i32;
+    }
+    sum
+}
+
+/// Sum of (code + offset) * x over 32 codes in weight order.
+fn code_dot(q: &[u8], x: &[i8], offset: i32) -> i32 {
+    q.iter()
+        .zip(x)
+        .map(|(&code, &x)| (code as i32 + offset) * x as i32)
+        .sum()
+}
+
+fn dot_row_q5_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
+    let (qs, d) = xq.q8_k_row(t);
+    let bsums = xq.bsums(t);
+    let mut sum = 0.0f32;
+    for (b, block) in w_row.chunks_exact(GgmlType::Q5_K.block_bytes()).enumerate() {
+        let x = &qs[b * QK_K..(b + 1) * QK_K];
+        let scales = &block[Q4_K_SCALES..Q4_K_QS];
+        let q = q5_k_codes(block);
+        let (mut scaled, mut mins) = (0i32, 0i32);
+        for j in 0..QK_K / QK32 {
+            let (sc, m) = scale_min_k4(j, scales);
+            let span = j * QK32..(j + 1) * QK32;
+            scaled += sc as i32 * code_dot(&q[span.clone()], &x[span], 0);
+            mins += m as i32 * (bsums[b * 16 + 2 * j] as i32 + bsums[b * 16 + 2 * j + 1] as i32);
+        }
+        let (dw, dmin) = (f16_at(block, 0), f16_at(block, Q4_K_DMIN));
+        sum += d[b] * (dw * scaled as f32 - dmin * mins as f32);
     }
     sum
 }

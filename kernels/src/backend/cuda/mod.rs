@@ -90,6 +90,18 @@ pub enum CudaError {
     Unsupported(String),
 }
 
+/// The weight types `kernels/cuda/quant.cu` runs; a model with any other is
+/// refused before anything is uploaded.
+const DEVICE_TYPES: [GgmlType; 7] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+];
+
 /// A weight matrix on the device.
 struct DeviceMatrix {
     buffer: DeviceBuffer,
@@ -227,6 +239,23 @@ impl CudaBackend {
                 c.head_dim, group, device.shared_bytes_max()
             ));
         };
+        if !c.is_plain_llama() {
+            return unsupported(format!(
+                "these kernels run the plain llama blueprint; this {} model needs {}",
+                c.architecture.name(),
+                "RoPE pairing, scaling, biases or head norms they do not have"
+            ));
+        }
+        for matrix in model.matrices() {
+            if !DEVICE_TYPES.contains(&matrix.ty()) {
+                return unsupported(format!(
+                    "{} is {}, a type these kernels do not run (they run {})",
+                    matrix.info.name,
+                    matrix.ty().name(),
+                    DEVICE_TYPES.map(GgmlType::name).join(", ")
+                ));
+            }
+        }
         for (i, layer) in model.layers.iter().enumerate() {
             let (gate, up) = (layer.w_gate.ty(), layer.w_up.ty());
             if ActivationFormat::for_weights(gate) != ActivationFormat::for_weights(up) {

@@ -759,6 +759,29 @@ fn a_host_pool_is_refused_by_the_cuda_backend() {
 }
 
 #[test]
+fn a_model_with_a_weight_type_the_kernels_do_not_run_is_refused_naming_it() {
+    for ty in [GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::BF16] {
+        let model = tiny_model(&TinySpec {
+            matrix_type: ty,
+            ..TinySpec::default()
+        });
+        let result = CudaBackend::new(
+            model,
+            emulator(1),
+            CudaOptions {
+                step_tokens_max: 64,
+                step_seqs_max: 4,
+                graphs: false,
+            },
+        );
+        let Err(super::CudaError::Unsupported(why)) = result else {
+            panic!("{ty:?} accepted");
+        };
+        assert!(why.contains(ty.name()) && why.contains("blk.0."), "{why}");
+    }
+}
+
+#[test]
 fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
     // Tiny model: 4 heads over 2 KV heads (group 2), context 1024.
     let spec = TinySpec {
