@@ -1,6 +1,8 @@
 //! Shared by the integration tests: where the real models live.
 #![allow(dead_code)]
 
+pub mod harness;
+
 use std::path::PathBuf;
 
 /// The repository root.

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Builds the llama.cpp this project compares itself with: the sources vendored
+# in PyPI's llama-cpp-python 0.3.36 sdist (pinned by hash), CPU only, static,
+# tuned for this CPU. Installs into .cache/llama.cpp/bin:
+#
+#   llama-quantize     llama.cpp's own quantizer (K-quant files whose block
+#                      layouts are someone else's, not ours)
+#   llama-bench        the benchmark BENCHMARKS.md compares against
+#   llama-reference    scripts/llama_reference.cpp: llama.cpp's token ids, top
+#                      logits and greedy continuations for the conformance
+#                      fixtures (scripts/llama_fixtures.py)
+#
+# About 10 minutes of two cores; not part of CI (the fixtures it produces are
+# committed). Needs a C++ compiler and network access to PyPI (pip download);
+# cmake comes from PyPI when the system has none.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VERSION=0.3.36
+SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+CACHE=.cache/llama.cpp
+SRC="$CACHE/src"
+mkdir -p "$CACHE"
+
+if ! command -v cmake >/dev/null; then
+    python3 -m pip install --quiet cmake
+fi
+SDIST="$CACHE/llama_cpp_python-$VERSION.tar.gz"
+if [ ! -f "$SDIST" ]; then
+    # The sdist's metadata step needs scikit-build-core; nothing is built here.
+    python3 -m pip install --quiet scikit-build-core
+    python3 -m pip download --quiet --no-deps --no-build-isolation \
+        --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$CACHE"
+fi
+echo "$SHA256  $SDIST" | sha256sum --check --quiet
+if [ ! -d "$SRC" ]; then
+    tar -xzf "$SDIST" -C "$CACHE"
+    mv "$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp" "$SRC"
+    rm -rf "$CACHE/llama_cpp_python-$VERSION"
+fi
+
+cmake -S "$SRC" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release \
+    -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+    >/dev/null
+cmake --build "$CACHE/build" -j "$(nproc)" --target llama-quantize llama-bench llama
+mkdir -p "$CACHE/bin"
+cp "$CACHE/build/bin/llama-quantize" "$CACHE/build/bin/llama-bench" "$CACHE/bin/"
+
+# The reference tool, linked against the static libraries just built.
+mapfile -t LIBS < <(find "$CACHE/build" -name 'lib*.a' | sort)
+g++ -O2 -std=c++17 -fopenmp -I "$SRC/include" -I "$SRC/ggml/include" \
+    scripts/llama_reference.cpp -Wl,--start-group "${LIBS[@]}" -Wl,--end-group \
+    -lpthread -ldl -o "$CACHE/bin/llama-reference"
+echo "llama.cpp $VERSION built into $CACHE/bin"
