@@ -2,17 +2,35 @@
 //! minijinja, tokenized so that the template's special tokens are single tokens
 //! and the users' content can never smuggle one in.
 //!
+//! The template is rendered as HuggingFace's `apply_chat_template` renders it
+//! (Jinja2 with `trim_blocks` and `lstrip_blocks`, loop controls, Python's
+//! string methods, `raise_exception`, `tojson`); `tests/chat_templates.rs`
+//! holds the real templates of each family to Jinja2's own output.
+//!
 //! 1. Render the template with each message's content replaced by a sentinel
-//!    (private-use characters that no template alters).
-//! 2. Split the rendered text on the sentinels.
-//! 3. Tokenize template text with special-token parsing on, and each message's
-//!    content with it off, and concatenate.
+//!    (private-use characters that no template alters), and again with the
+//!    contents themselves: the text the model was trained on.
+//! 2. Find what the template made of each content: verbatim, or trimmed (as
+//!    Llama 3's and Gemma's templates do) — whichever, put in place of the
+//!    sentinels, gives exactly the second rendering. A template that does
+//!    anything else with a content is refused for that conversation, never
+//!    tokenized as something other than what it renders.
+//! 3. Split the sentinel rendering on the sentinels; tokenize template text
+//!    with special-token parsing on, and each placed content with it off, and
+//!    concatenate.
+//!
+//! Rendering is bounded: [`RENDER_FUEL`] instructions per conversation, so a
+//! model file's template that loops cannot stall a request.
 
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer, TokenizerError};
 
 /// Most messages in one conversation.
 pub const MESSAGES_MAX: usize = 1024;
+
+/// Most template instructions one rendering may run (minijinja's fuel): a real
+/// template takes a few hundred per message.
+pub const RENDER_FUEL: u64 = 4_000_000;
 
 /// One chat message.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,8 +50,11 @@ pub enum ChatError {
     /// More messages than [`MESSAGES_MAX`].
     #[error("{0} messages; at most {MESSAGES_MAX} are accepted")]
     TooManyMessages(usize),
-    /// The rendered template lost or reordered a message.
-    #[error("the chat template did not place every message's content exactly once, in order")]
+    /// The rendered template lost, reordered or rewrote a message.
+    #[error(
+        "the chat template did not place every message's content exactly once, in order, \
+         verbatim or trimmed"
+    )]
     ContentNotPlaced,
     /// Tokenization failed.
     #[error(transparent)]
@@ -57,6 +78,11 @@ impl ChatTemplate {
     /// Compiles `source` (a Jinja chat template as found in GGUF metadata).
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate, ChatError> {
         let mut env = minijinja::Environment::new();
+        // Jinja2 as transformers configures it for chat templates.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_fuel(Some(RENDER_FUEL));
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
             |message: String| -> Result<String, minijinja::Error> {
@@ -91,8 +117,12 @@ impl ChatTemplate {
         ChatTemplate::new(source, piece(tokenizer.bos()), piece(tokenizer.eos())).map(Some)
     }
 
-    /// Renders `messages` with each content replaced by its sentinel.
-    fn render_with_sentinels(&self, messages: &[Message]) -> Result<String, ChatError> {
+    /// Renders `messages`, each content given by `content(index, message)`.
+    fn render_with(
+        &self,
+        messages: &[Message],
+        content: &dyn Fn(usize, &Message) -> String,
+    ) -> Result<String, ChatError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
@@ -100,7 +130,7 @@ impl ChatTemplate {
         let messages: Vec<minijinja::Value> = messages
             .iter()
             .enumerate()
-            .map(|(i, m)| minijinja::context! { role => m.role.clone(), content => sentinel(i) })
+            .map(|(i, m)| minijinja::context! { role => m.role.clone(), content => content(i, m) })
             .collect();
         template
             .render(minijinja::context! {
@@ -110,6 +140,32 @@ impl ChatTemplate {
                 eos_token => self.eos_token.clone(),
             })
             .map_err(|e| ChatError::Template(e.to_string()))
+    }
+
+    /// The conversation as the template renders it, ready for the
+    /// assistant's reply: the text `tokens` tokenizes (for tests, and for
+    /// operators checking a model's template).
+    pub fn render(&self, messages: &[Message]) -> Result<String, ChatError> {
+        self.render_with(messages, &|_, m| m.content.clone())
+    }
+
+    /// The sentinel rendering, and each content as the template placed it
+    /// (module doc, step 2).
+    fn placed<'m>(&self, messages: &'m [Message]) -> Result<(String, Vec<&'m str>), ChatError> {
+        let with_sentinels = self.render_with(messages, &|i, _| sentinel(i))?;
+        let text = self.render(messages)?;
+        let verbatim: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+        let trimmed: Vec<&str> = messages.iter().map(|m| m.content.trim()).collect();
+        for placed in [verbatim, trimmed] {
+            let mut substituted = with_sentinels.clone();
+            for (i, content) in placed.iter().enumerate() {
+                substituted = substituted.replacen(&sentinel(i), content, 1);
+            }
+            if substituted == text {
+                return Ok((with_sentinels, placed));
+            }
+        }
+        Err(ChatError::ContentNotPlaced)
     }
 
     /// Renders and tokenizes a conversation, ready for the assistant's reply.
@@ -134,7 +190,7 @@ impl ChatTemplate {
         if messages.len() > MESSAGES_MAX {
             return Err(ChatError::TooManyMessages(messages.len()));
         }
-        let rendered = self.render_with_sentinels(messages)?;
+        let (rendered, placed) = self.placed(messages)?;
         let template_text = EncodeOptions {
             add_bos: false,
             parse_special: true,
@@ -145,7 +201,7 @@ impl ChatTemplate {
         };
         let mut ids = Vec::new();
         let mut rest = rendered.as_str();
-        for (i, message) in messages.iter().enumerate() {
+        for (i, content) in placed.iter().enumerate() {
             let marker = sentinel(i);
             let at = rest.find(&marker).ok_or(ChatError::ContentNotPlaced)?;
             tokenizer.encode_into_until(
@@ -155,13 +211,7 @@ impl ChatTemplate {
                 &mut ids,
                 stopped,
             )?;
-            tokenizer.encode_into_until(
-                &message.content,
-                user_text,
-                tokens_max,
-                &mut ids,
-                stopped,
-            )?;
+            tokenizer.encode_into_until(content, user_text, tokens_max, &mut ids, stopped)?;
             rest = &rest[at + marker.len()..];
         }
         if rest.contains('\u{E000}') {
