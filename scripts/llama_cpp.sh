@@ -6,6 +6,7 @@
 #   llama-quantize     llama.cpp's own quantizer (K-quant files whose block
 #                      layouts are someone else's, not ours)
 #   llama-bench        the benchmark BENCHMARKS.md compares against
+#   llama-batched-bench  its batched decode (several sequences per step)
 #   llama-reference    scripts/llama_reference.cpp: llama.cpp's token ids, top
 #                      logits and greedy continuations for the conformance
 #                      fixtures (scripts/llama_fixtures.py)
@@ -13,6 +14,12 @@
 # About 10 minutes of two cores; not part of CI (the fixtures it produces are
 # committed). Needs a C++ compiler and network access to PyPI (pip download);
 # cmake comes from PyPI when the system has none.
+#
+#   scripts/llama_cpp.sh --vocab   only llama.cpp's tokenizer test vocabularies
+#                                  (models/ggml-vocab-*.gguf with their .inp and
+#                                  .out) into .cache/llama.cpp/vocab/, for
+#                                  kernels/tests/tokenizer_llamacpp.rs; nothing
+#                                  is built (scripts/setup.sh runs this)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,10 +29,11 @@ CACHE=.cache/llama.cpp
 SRC="$CACHE/src"
 mkdir -p "$CACHE"
 
-if ! command -v cmake >/dev/null; then
-    python3 -m pip install --quiet cmake
-fi
 SDIST="$CACHE/llama_cpp_python-$VERSION.tar.gz"
+VOCABS="llama-bpe qwen2 phi-3 llama-spm"
+if [ "${1:-}" = "--vocab" ] && [ -f "$CACHE/vocab/ggml-vocab-llama-spm.gguf.out" ]; then
+    exit 0
+fi
 if [ ! -f "$SDIST" ]; then
     # The sdist's metadata step needs scikit-build-core; nothing is built here.
     python3 -m pip install --quiet scikit-build-core
@@ -33,19 +41,38 @@ if [ ! -f "$SDIST" ]; then
         --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$CACHE"
 fi
 echo "$SHA256  $SDIST" | sha256sum --check --quiet
+if [ "${1:-}" = "--vocab" ]; then
+    members=()
+    for name in $VOCABS; do
+        for suffix in "" .inp .out; do
+            members+=("llama_cpp_python-$VERSION/vendor/llama.cpp/models/ggml-vocab-$name.gguf$suffix")
+        done
+    done
+    tmp=$(mktemp -d)
+    tar -xzf "$SDIST" -C "$tmp" "${members[@]}"
+    mkdir -p "$CACHE/vocab"
+    mv "$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp/models/"* "$CACHE/vocab/"
+    rm -rf "$tmp" "$SDIST"
+    echo "llama.cpp's tokenizer vocabularies in $CACHE/vocab"
+    exit 0
+fi
 if [ ! -d "$SRC" ]; then
     tar -xzf "$SDIST" -C "$CACHE"
     mv "$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp" "$SRC"
     rm -rf "$CACHE/llama_cpp_python-$VERSION"
 fi
 
+if ! command -v cmake >/dev/null; then
+    python3 -m pip install --quiet cmake
+fi
 cmake -S "$SRC" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
     >/dev/null
-cmake --build "$CACHE/build" -j "$(nproc)" --target llama-quantize llama-bench llama
+cmake --build "$CACHE/build" -j "$(nproc)" --target llama-quantize llama-bench llama-batched-bench llama
 mkdir -p "$CACHE/bin"
-cp "$CACHE/build/bin/llama-quantize" "$CACHE/build/bin/llama-bench" "$CACHE/bin/"
+cp "$CACHE/build/bin/llama-quantize" "$CACHE/build/bin/llama-bench" \
+    "$CACHE/build/bin/llama-batched-bench" "$CACHE/bin/"
 
 # The reference tool, linked against the static libraries just built.
 mapfile -t LIBS < <(find "$CACHE/build" -name 'lib*.a' | sort)

