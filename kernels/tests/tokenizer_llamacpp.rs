@@ -17,7 +17,10 @@ use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer};
 /// whose pre-tokenizer it implements.
 const VOCABS: [&str; 4] = ["llama-bpe", "qwen2", "phi-3", "llama-spm"];
 
-fn cases(name: &str) -> Option<(Tokenizer, Vec<(String, Vec<u32>)>)> {
+/// Each test text and llama.cpp's ids for it.
+type Cases = Vec<(String, Vec<u32>)>;
+
+fn cases(name: &str) -> Option<(Tokenizer, Cases)> {
     let dir = common::repo_root().join(".cache/llama.cpp/vocab");
     let path = dir.join(format!("ggml-vocab-{name}.gguf"));
     if !path.exists() {

@@ -676,7 +676,7 @@ unsafe fn dot_q6_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
 /// The four 32-byte vectors of unsigned 6-bit codes (q + 32) in one Q6_K half-block,
 /// for weights 0..32, 32..64, 64..96 and 96..128 of that half.
 #[inline(always)]
-unsafe fn q6_codes(ql0: __m256i, ql1: __m256i, qh: __m256i) -> [__m256i; 4] {
+pub(crate) unsafe fn q6_codes(ql0: __m256i, ql1: __m256i, qh: __m256i) -> [__m256i; 4] {
     let low4 = _mm256_set1_epi8(0x0F);
     let two = _mm256_set1_epi8(3);
     let high = |shift: i32| {

@@ -112,12 +112,12 @@ pub fn matmul(
             GgmlType::Q5_0 => drive::<Q5_0W>(w, k, rows, xq, out),
             GgmlType::Q5_1 => drive::<Q5_1W>(w, k, rows, xq, out),
             GgmlType::Q8_0 => drive::<Q8_0Offset>(w, k, rows, xq, out),
-            GgmlType::Q4_K
-            | GgmlType::Q5_K
-            | GgmlType::Q6_K
-            | GgmlType::F32
-            | GgmlType::F16
-            | GgmlType::BF16 => super::avx2::matmul_rowwise(ty, w, k, rows, xq, out),
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+                super::avx512_k::matmul(ty, w, k, rows, xq, out)
+            }
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+                super::avx2::matmul_rowwise(ty, w, k, rows, xq, out)
+            }
         }
     }
 }

@@ -28,6 +28,8 @@ mod types;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_k;
 
 use std::ops::Range;
 

@@ -1,0 +1,322 @@
+//! AVX-512 VNNI kernels for the K-quants (Q4_K, Q5_K, Q6_K): each 256-weight
+//! super-block of a row is decoded once into four 512-bit vectors of unsigned
+//! codes in weight order, and dotted with up to [`TILE_TOKENS`] tokens' Q8_K
+//! activations by `vpdpbusd`, so batched decode and prefill share one decode
+//! across tokens (the row-at-a-time AVX2 kernels decode per token).
+//!
+//! ```text
+//! codes[c]: weights 64c..64c+64 of the block   (u8: 0..15, 0..31 or 0..63)
+//! x[t][c]:  the same 64 activations of token t  (i8)
+//! dot  = vpdpbusd(0, codes[c], x[t][c])         16 x i32, 4 weights per lane
+//! isum += dot * scales[c]                        each lane's sub-block scale (i32)
+//! acc[t] = fma(cvt(isum), d_w * d_x[t], acc[t])  once per block
+//! offset[t] += d_x[t] * factor * sum_g(off_w[g] * bsums[t][g])   (mins, or Q6_K's -32)
+//! out[t] = hsum(acc[t]) - offset[t]
+//! ```
+//!
+//! Invariants:
+//! 1. Runs only after `Isa::Avx512.is_available()` (the dispatcher's assert).
+//! 2. Integer sums within a block are exact: codes <= 63, |x| <= 127, 4 per lane
+//!    per `vpdpbusd`, 4 chunks, times a 6- or 8-bit scale: far inside i32.
+//! 3. Batch invariance: a token's result is the same sequence of operations
+//!    whatever tile it lands in (tiles differ only in how many tokens share a
+//!    decoded block), so it does not depend on who shares its step.
+
+// Tiles index per-token arrays by t alongside the decoded block.
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::activations::{QuantizedActivations, Q8_K_BSUM_LEN};
+use super::blocks::{
+    f16_at, scale_min_k4, Q4_K_DMIN, Q4_K_QS, Q4_K_SCALES, Q5_K_QH, Q5_K_QS, Q6_K_D, Q6_K_QH,
+    Q6_K_SCALES, QK_K,
+};
+use super::GgmlType;
+
+/// Tokens sharing one decoded block: their accumulators, the codes and the
+/// scales fit the 32 zmm registers.
+const TILE_TOKENS: usize = 8;
+/// Bytes of weight rows kept in cache while every token passes over them.
+const GROUP_BYTES: usize = 16 * 1024;
+/// 64-weight chunks per super-block.
+const CHUNKS: usize = QK_K / 64;
+/// Block sums (of 16 activations) per super-block.
+const GROUPS: usize = QK_K / Q8_K_BSUM_LEN;
+
+/// One decoded super-block.
+struct Decoded {
+    /// Unsigned codes, 64 per vector, in weight order.
+    codes: [__m512i; CHUNKS],
+    /// Each i32 lane's sub-block scale, per chunk.
+    scales: [__m512i; CHUNKS],
+    /// The block's scale `d`.
+    d: f32,
+    /// Per 16-activation group: the integer weight of its sum in the offset.
+    off_w: __m512i,
+    /// The offset's float factor (`dmin`, or `d` for Q6_K).
+    off_factor: f32,
+}
+
+/// A K-quant format's decoder.
+trait KDecode {
+    const BYTES: usize;
+    /// # Safety
+    /// `block` points at `BYTES` readable bytes; AVX-512 available.
+    unsafe fn decode(block: &[u8]) -> Decoded;
+}
+
+struct Q4K;
+struct Q5K;
+struct Q6K;
+
+/// `[a x 8][b x 8]` as i32 lanes.
+#[inline(always)]
+unsafe fn halves(a: i32, b: i32) -> __m512i {
+    _mm512_inserti64x4::<1>(
+        _mm512_castsi256_si512(_mm256_set1_epi32(a)),
+        _mm256_set1_epi32(b),
+    )
+}
+
+/// Q4_K and Q5_K share their scales, mins and d/dmin.
+#[inline(always)]
+unsafe fn affine_k(block: &[u8], codes: [__m512i; CHUNKS]) -> Decoded {
+    let packed = &block[Q4_K_SCALES..Q4_K_QS];
+    let mut sc = [0i32; 8];
+    let mut mins = [0i32; GROUPS];
+    for j in 0..8 {
+        let (s, m) = scale_min_k4(j, packed);
+        sc[j] = s as i32;
+        // Sub-block j covers activation groups 2j and 2j + 1.
+        mins[2 * j] = m as i32;
+        mins[2 * j + 1] = m as i32;
+    }
+    let mut scales = [_mm512_setzero_si512(); CHUNKS];
+    for c in 0..CHUNKS {
+        scales[c] = halves(sc[2 * c], sc[2 * c + 1]);
+    }
+    Decoded {
+        codes,
+        scales,
+        d: f16_at(block, 0),
+        off_w: _mm512_loadu_si512(mins.as_ptr() as *const __m512i),
+        // w = d * sc * q - dmin * m: the offset is subtracted.
+        off_factor: f16_at(block, Q4_K_DMIN),
+    }
+}
+
+/// Chunk `c`'s 32 nibble bytes as 64 codes: low nibbles (sub-block 2c), then
+/// high nibbles (sub-block 2c + 1).
+#[inline(always)]
+unsafe fn nibble_chunk(qs: *const u8) -> (__m256i, __m256i) {
+    let q = _mm256_loadu_si256(qs as *const __m256i);
+    let low = _mm256_set1_epi8(0x0F);
+    (
+        _mm256_and_si256(q, low),
+        _mm256_and_si256(_mm256_srli_epi16(q, 4), low),
+    )
+}
+
+#[inline(always)]
+unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+}
+
+impl KDecode for Q4K {
+    const BYTES: usize = GgmlType::Q4_K.block_bytes();
+    #[inline(always)]
+    unsafe fn decode(block: &[u8]) -> Decoded {
+        let qs = block.as_ptr().add(Q4_K_QS);
+        let mut codes = [_mm512_setzero_si512(); CHUNKS];
+        for c in 0..CHUNKS {
+            // Chunk c's 32 bytes lie inside the block.
+            let (lo, hi) = nibble_chunk(qs.add(32 * c));
+            codes[c] = join(lo, hi);
+        }
+        affine_k(block, codes)
+    }
+}
+
+impl KDecode for Q5K {
+    const BYTES: usize = GgmlType::Q5_K.block_bytes();
+    #[inline(always)]
+    unsafe fn decode(block: &[u8]) -> Decoded {
+        let qs = block.as_ptr().add(Q5_K_QS);
+        let qh = _mm256_loadu_si256(block.as_ptr().add(Q5_K_QH) as *const __m256i);
+        let one = _mm256_set1_epi8(1);
+        let mut codes = [_mm512_setzero_si512(); CHUNKS];
+        for c in 0..CHUNKS {
+            // Chunk c's 32 bytes lie inside the block.
+            let (lo, hi) = nibble_chunk(qs.add(32 * c));
+            let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32));
+            let h_lo = _mm256_slli_epi16(_mm256_and_si256(h, one), 4);
+            let h_hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4);
+            codes[c] = join(_mm256_or_si256(lo, h_lo), _mm256_or_si256(hi, h_hi));
+        }
+        affine_k(block, codes)
+    }
+}
+
+impl KDecode for Q6K {
+    const BYTES: usize = GgmlType::Q6_K.block_bytes();
+    #[inline(always)]
+    unsafe fn decode(block: &[u8]) -> Decoded {
+        let p = block.as_ptr();
+        let mut quarters = [_mm256_setzero_si256(); 8];
+        for half in 0..2 {
+            let ql0 = _mm256_loadu_si256(p.add(half * 64) as *const __m256i);
+            let ql1 = _mm256_loadu_si256(p.add(half * 64 + 32) as *const __m256i);
+            let qh = _mm256_loadu_si256(p.add(Q6_K_QH + half * 32) as *const __m256i);
+            let codes = super::avx2::q6_codes(ql0, ql1, qh);
+            quarters[4 * half..4 * half + 4].copy_from_slice(&codes);
+        }
+        let mut sc = [0i32; GROUPS];
+        for (i, s) in sc.iter_mut().enumerate() {
+            *s = block[Q6_K_SCALES + i] as i8 as i32;
+        }
+        // Chunk c's lanes 4i..4i+4 are sub-block 4c + i: widen 4 scales, then
+        // repeat each over its 4 lanes.
+        let all = _mm512_loadu_si512(sc.as_ptr() as *const __m512i);
+        let mut scales = [_mm512_setzero_si512(); CHUNKS];
+        for c in 0..CHUNKS {
+            let base = 4 * c as i32;
+            let index = _mm512_setr_epi32(
+                base,
+                base,
+                base,
+                base,
+                base + 1,
+                base + 1,
+                base + 1,
+                base + 1,
+                base + 2,
+                base + 2,
+                base + 2,
+                base + 2,
+                base + 3,
+                base + 3,
+                base + 3,
+                base + 3,
+            );
+            scales[c] = _mm512_permutexvar_epi32(index, all);
+        }
+        let d = f16_at(block, Q6_K_D);
+        let mut codes = [_mm512_setzero_si512(); CHUNKS];
+        for c in 0..CHUNKS {
+            codes[c] = join(quarters[2 * c], quarters[2 * c + 1]);
+        }
+        Decoded {
+            codes,
+            scales,
+            d,
+            // Codes are q + 32: subtract 32 * sc_g * (sum of group g).
+            off_w: _mm512_slli_epi32::<5>(all),
+            off_factor: d,
+        }
+    }
+}
+
+/// K-quant matmul; arguments already validated by the dispatcher.
+pub fn matmul(
+    ty: GgmlType,
+    w: &[u8],
+    k: usize,
+    rows: Range<usize>,
+    xq: &QuantizedActivations,
+    out: &mut [f32],
+) {
+    // SAFETY (every arm): the dispatcher asserted AVX-512 and the shapes.
+    unsafe {
+        match ty {
+            GgmlType::Q4_K => drive::<Q4K>(w, k, rows, xq, out),
+            GgmlType::Q5_K => drive::<Q5K>(w, k, rows, xq, out),
+            GgmlType::Q6_K => drive::<Q6K>(w, k, rows, xq, out),
+            _ => unreachable!("{ty:?} is not a K-quant"),
+        }
+    }
+}
+
+/// Row groups that stay in cache, token tiles over each group's rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn drive<K: KDecode>(
+    w: &[u8],
+    k: usize,
+    rows: Range<usize>,
+    xq: &QuantizedActivations,
+    out: &mut [f32],
+) {
+    let nb = k / QK_K;
+    let row_bytes = nb * K::BYTES;
+    let (n_rows, n_tokens) = (rows.len(), xq.n_tokens());
+    let group_rows = (GROUP_BYTES / row_bytes).max(1);
+    for group_start in (0..n_rows).step_by(group_rows) {
+        let group = group_start..(group_start + group_rows).min(n_rows);
+        let mut t = 0;
+        while t < n_tokens {
+            let tile = (n_tokens - t).min(TILE_TOKENS);
+            for i in group.clone() {
+                let r = rows.start + i;
+                let w_row = &w[r * row_bytes..(r + 1) * row_bytes];
+                let mut sums = [0.0f32; TILE_TOKENS];
+                match tile {
+                    TILE_TOKENS => row_tile::<K, TILE_TOKENS>(w_row, xq, t, &mut sums),
+                    _ => {
+                        for j in 0..tile {
+                            row_tile::<K, 1>(w_row, xq, t + j, &mut sums[j..j + 1]);
+                        }
+                    }
+                }
+                for j in 0..tile {
+                    out[(t + j) * n_rows + i] = sums[j];
+                }
+            }
+            t += tile;
+        }
+    }
+}
+
+/// One row against tokens `t0..t0 + T`: writes their dot products to `sums`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn row_tile<K: KDecode, const T: usize>(
+    w_row: &[u8],
+    xq: &QuantizedActivations,
+    t0: usize,
+    sums: &mut [f32],
+) {
+    let mut x: [(&[i8], &[f32], &[i16]); T] = [(&[], &[], &[]); T];
+    for (j, x) in x.iter_mut().enumerate() {
+        let (qs, d) = xq.q8_k_row(t0 + j);
+        *x = (qs, d, xq.bsums(t0 + j));
+    }
+    let mut acc = [_mm512_setzero_ps(); T];
+    let mut offset = [0.0f32; T];
+    for (b, block) in w_row.chunks_exact(K::BYTES).enumerate() {
+        let decoded = K::decode(block);
+        for j in 0..T {
+            let (qs, d, bsums) = x[j];
+            let xs = qs.as_ptr().add(b * QK_K);
+            let mut isum = _mm512_setzero_si512();
+            for c in 0..CHUNKS {
+                let xv = _mm512_loadu_si512(xs.add(64 * c) as *const __m512i);
+                let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), decoded.codes[c], xv);
+                isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(dot, decoded.scales[c]));
+            }
+            let dx = d[b];
+            acc[j] = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(isum),
+                _mm512_set1_ps(decoded.d * dx),
+                acc[j],
+            );
+            let group_sums = _mm512_cvtepi16_epi32(_mm256_loadu_si256(
+                bsums.as_ptr().add(b * GROUPS) as *const __m256i,
+            ));
+            let off = _mm512_reduce_add_epi32(_mm512_mullo_epi32(group_sums, decoded.off_w));
+            offset[j] += dx * decoded.off_factor * off as f32;
+        }
+    }
+    for j in 0..T {
+        sums[j] = _mm512_reduce_add_ps(acc[j]) - offset[j];
+    }
+}
