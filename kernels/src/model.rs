@@ -364,30 +364,34 @@ fn refuse_unrun_options(gguf: &Gguf, arch: &str) -> Result<(), ModelError> {
     Ok(())
 }
 
-/// `{arch}.rope.scaling.type`: none, or linear with its factor; anything else
-/// (YaRN, LongRoPE) is refused.
+/// `{arch}.rope.scaling.type` and its factor, as llama.cpp reads them: the type
+/// defaults to linear, the factor comes from `rope.scaling.factor` (or the
+/// older `rope.scale_linear`), and every angle is divided by it for `none` and
+/// `linear` alike. Other types (YaRN, LongRoPE) are refused.
 fn rope_freq_scale(gguf: &Gguf, arch: &str) -> Result<f32, ModelError> {
     let type_key = format!("{arch}.rope.scaling.type");
-    let factor_key = format!("{arch}.rope.scaling.factor");
     let kind = match gguf.get(&type_key) {
         Some(_) => gguf.str(&type_key)?.to_string(),
-        None => "none".to_string(),
+        None => "linear".to_string(),
     };
-    let factor = match gguf.get(&factor_key) {
-        Some(_) => gguf.f64(&factor_key)? as f32,
-        None => 0.0,
-    };
-    match kind.as_str() {
-        "none" => Ok(1.0),
-        "linear" if factor == 0.0 || factor == 1.0 => Ok(1.0),
-        "linear" if factor.is_finite() && factor > 0.0 => Ok(1.0 / factor),
-        "linear" => Err(hyper(&factor_key, format!("{factor} must be positive"))),
-        _ => Err(ModelError::UnsupportedOption {
+    if kind != "none" && kind != "linear" {
+        return Err(ModelError::UnsupportedOption {
             key: type_key,
             value: kind,
             reason: "RoPE scaling other than linear (and Llama-3's frequency factors) is not run",
-        }),
+        });
     }
+    let mut factor = 0.0;
+    for key in ["rope.scaling.factor", "rope.scale_linear"].map(|k| format!("{arch}.{k}")) {
+        if gguf.get(&key).is_some() {
+            factor = gguf.f64(&key)? as f32;
+            if !factor.is_finite() || factor < 0.0 {
+                return Err(hyper(&key, format!("{factor} must be a positive number")));
+            }
+            break;
+        }
+    }
+    Ok(if factor == 0.0 { 1.0 } else { 1.0 / factor })
 }
 
 /// Llama-3's `rope_freqs.weight`: `[rope_dim / 2]` positive divisors.

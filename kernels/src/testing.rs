@@ -47,6 +47,9 @@ pub struct TinySpec {
     pub head_dim: Option<u32>,
     /// Write Llama-3's `rope_freqs.weight` (frequency divisors 1..8).
     pub rope_freqs: bool,
+    /// Write linear RoPE scaling with this factor (`rope.scaling.type`,
+    /// `rope.scaling.factor`).
+    pub rope_linear: Option<f32>,
 }
 
 impl Default for TinySpec {
@@ -67,6 +70,7 @@ impl Default for TinySpec {
             architecture: Architecture::Llama,
             head_dim: None,
             rope_freqs: false,
+            rope_linear: None,
         }
     }
 }
@@ -172,6 +176,10 @@ pub fn tiny_llama(spec: &TinySpec) -> Vec<u8> {
             s("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}\
                {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
         );
+    if let Some(factor) = spec.rope_linear {
+        w.metadata(&key("rope.scaling.type"), s("linear"))
+            .metadata(&key("rope.scaling.factor"), Value::F32(factor));
+    }
     if let Some(head_dim) = spec.head_dim {
         w.metadata(&key("attention.key_length"), Value::U32(head_dim))
             .metadata(&key("attention.value_length"), Value::U32(head_dim));
@@ -275,6 +283,13 @@ pub fn conformance_models() -> Vec<(&'static str, TinySpec)> {
             "llama3-f32",
             TinySpec {
                 rope_freqs: true,
+                ..family(Architecture::Llama)
+            },
+        ),
+        (
+            "llama-linear-f32",
+            TinySpec {
+                rope_linear: Some(4.0),
                 ..family(Architecture::Llama)
             },
         ),

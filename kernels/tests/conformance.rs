@@ -22,7 +22,8 @@
 //! ```text
 //!                               tolerance  worst measured
 //! F32 weights (family checks)   1e-3       2.7e-4 (llama3), 2.5e-4 (qwen2),
-//!                                          2.2e-4 (qwen3), 2.7e-4 (llama)
+//!                                          2.2e-4 (qwen3), 2.7e-4 (llama),
+//!                                          2.4e-4 (llama, linear RoPE x4)
 //! F16, BF16                     1e-2       4.7e-4, 3.2e-3 (llama.cpp rounds
 //!                                          activations to bf16; we keep f32)
 //! 8-, 6-, 5- and 4-bit types    6e-2       1.1e-2 (Q8_0) .. 1.9e-2 (Q4_K_M):
@@ -48,6 +49,9 @@
 //! and 1.32 / 0.27-0.32 on scalar, AVX2 and AVX-512. Two 8-bit activation
 //! quantizations rounding apart, not a wrong kernel (a wrong one moves
 //! logits by several units).
+//!
+//! `CONFORMANCE_DEBUG=1` prints every logit that uses more than half its
+//! tolerance.
 //!
 //! A canary below shows the F32 tolerance is tight enough to catch a wrong
 //! RoPE pairing: the qwen2 file relabelled llama fails it.
@@ -246,6 +250,11 @@ fn llama3_rope_frequency_factors_conform_to_llama_cpp() {
 }
 
 #[test]
+fn llama_linear_rope_scaling_conforms_to_llama_cpp() {
+    conforms("llama-linear-f32");
+}
+
+#[test]
 fn qwen2_biases_and_neox_rope_conform_to_llama_cpp() {
     conforms("qwen2-f32");
 }
@@ -375,4 +384,60 @@ fn a_file_with_a_tensor_the_blueprint_does_not_read_is_refused_by_name() {
         Err(other) => panic!("refused for another reason: {other}"),
         Ok(_) => panic!("a llama file with biases loaded"),
     }
+}
+
+/// The tiny llama file with `extra` metadata added (or replaced).
+fn with_metadata(extra: &[(&str, bulkhead_kernels::gguf::Value)]) -> Arc<Gguf> {
+    let base = Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap();
+    let mut writer = bulkhead_kernels::gguf::GgufWriter::new();
+    for (key, value) in base.metadata() {
+        if !extra.iter().any(|(k, _)| k == key) {
+            writer.metadata(key, value.clone());
+        }
+    }
+    for (key, value) in extra {
+        writer.metadata(key, value.clone());
+    }
+    for info in base.tensors() {
+        writer.tensor(
+            &info.name,
+            &info.dims,
+            info.ty,
+            base.tensor_bytes(info).to_vec(),
+        );
+    }
+    Arc::new(Gguf::from_bytes(writer.to_bytes()).unwrap())
+}
+
+#[test]
+fn options_the_engine_does_not_run_are_refused_by_name() {
+    use bulkhead_kernels::gguf::Value;
+    let text = |s: &str| Value::String(s.to_string());
+    let cases = [
+        (vec![("general.architecture", text("gemma2"))], "gemma2"),
+        (vec![("llama.rope.scaling.type", text("yarn"))], "yarn"),
+        (vec![("llama.expert_count", Value::U32(8))], "expert_count"),
+        (
+            vec![("llama.attention.logit_softcapping", Value::F32(50.0))],
+            "soft-capping",
+        ),
+        (
+            vec![("llama.rope.scaling.factor", Value::F32(-2.0))],
+            "positive",
+        ),
+    ];
+    for (extra, named) in cases {
+        let error = match Model::load(with_metadata(&extra)) {
+            Err(error) => error.to_string(),
+            Ok(_) => panic!("{extra:?} loaded"),
+        };
+        assert!(error.contains(named), "{extra:?}: {error}");
+    }
+    // Linear scaling without a type (llama.cpp's default) is run, not refused.
+    let scaled = Model::load(with_metadata(&[(
+        "llama.rope.scale_linear",
+        Value::F32(2.0),
+    )]))
+    .unwrap();
+    assert_eq!(scaled.config.rope_freq_scale, 0.5);
 }
