@@ -539,3 +539,57 @@ fn a_routing_plugin_picks_among_the_models_its_tenant_may_use() {
     let on_q8 = metric_value(&metrics, &routed) + metric_value(&metrics, &stopped);
     assert_eq!(on_q8, 2.0, "{metrics}");
 }
+
+/// A file written by llama.cpp's own `llama-quantize` (Q4_K and Q6_K blocks
+/// laid out by someone else's code; `kernels/tests/conformance.rs` holds its
+/// logits to llama.cpp's) is served through the OpenAI API, and greedy
+/// decoding answers with llama.cpp's own continuation.
+#[test]
+fn a_k_quant_file_from_llama_quantize_is_served_with_llama_cpps_continuation() {
+    use bulkhead_kernels::gguf::Gguf;
+    use bulkhead_kernels::tokenizer::{DecodeOptions, Tokenizer};
+    let fixtures = repo_root().join("kernels/tests/fixtures/conformance");
+    let model = fixtures.join("llamacpp-Q4_K_M.gguf");
+    let fixture: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures.join("llamacpp.json")).unwrap())
+            .unwrap();
+    let greedy = &fixture["models"]["llamacpp-Q4_K_M"]["greedy"];
+    // llama.cpp's continuation up to its first near-tie (a margin below 0.1
+    // logit), where two engines may part without either being wrong.
+    let margins = greedy["top2_margins"].as_array().unwrap();
+    let agreed = margins
+        .iter()
+        .take_while(|m| m.as_f64().unwrap() > 0.1)
+        .count();
+    assert!(
+        agreed >= 4,
+        "the fixture's continuation has {agreed} clear tokens"
+    );
+    let ids: Vec<u32> = greedy["continuation"].as_array().unwrap()[..agreed]
+        .iter()
+        .map(|id| id.as_u64().unwrap() as u32)
+        .collect();
+    let tokenizer = Tokenizer::from_gguf(&Gguf::open(&model).unwrap()).unwrap();
+    let expected = tokenizer.decode(&ids, DecodeOptions::default()).unwrap();
+
+    let policy = Policy {
+        context_tokens: 256,
+        seq_pages_max: 16,
+        ..Policy::default()
+    };
+    let server = launch(Launch::new(&model, &policy));
+    let r = server.post_json(
+        "/v1/completions",
+        Some(KEY_ALPHA),
+        &json!({
+            "model": MODEL_ID,
+            "prompt": greedy["text"],
+            "max_tokens": agreed,
+            "temperature": 0,
+        }),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let body = r.json();
+    assert_eq!(body["usage"]["completion_tokens"], agreed, "{}", r.body);
+    assert_eq!(body["choices"][0]["text"], expected.as_str(), "{}", r.body);
+}
