@@ -582,3 +582,29 @@ fn serve_model_serves_one_file_to_one_tenant_with_a_policy_derived_from_it() {
     assert!(!shown.contains(key), "{shown}");
     std::fs::remove_dir_all(&store).unwrap();
 }
+
+/// `check` sizes KV by the file's own geometry: a qwen3 model whose heads are
+/// 32 wide (its `attention.key_length`), not embedding / heads = 16, needs
+/// 2 layers x (K, V) x 2 KV heads x 32 x 2 bytes = 512 bytes per position, so
+/// the derived pool of 64 pages of 16 positions holds 512 KiB.
+#[test]
+fn check_sizes_kv_by_the_files_own_head_width() {
+    use bulkhead_kernels::testing::{conformance_models, tiny_llama};
+    let (_, spec) = conformance_models()
+        .into_iter()
+        .find(|(name, _)| *name == "qwen3-f32")
+        .unwrap();
+    let dir = temp_dir("qwen3-geometry");
+    let model = dir.join("qwen3.gguf");
+    std::fs::write(&model, tiny_llama(&spec)).unwrap();
+    let out = run(bulkhead().arg("check").arg("--model").arg(&model));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("pool_pages = 64"), "{text}");
+    let memory = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("qwen3 "))
+        .unwrap_or_else(|| panic!("no memory row: {text}"));
+    assert!(memory.contains("512.0 KiB"), "{memory}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
