@@ -482,8 +482,8 @@ pub(crate) unsafe fn matmul_rowwise(
                 GgmlType::F32 => dot_f32_bytes::<WIDE_F32>(w_row, xq.values(t)),
                 GgmlType::F16 => dot_f32_bytes::<WIDE_F16>(w_row, xq.values(t)),
                 GgmlType::BF16 => dot_f32_bytes::<WIDE_BF16>(w_row, xq.values(t)),
-                GgmlType::Q4_K => dot_q4_k(w_row, xq, t),
-                GgmlType::Q5_K => dot_q5_k(w_row, xq, t),
+                GgmlType::Q4_K => dot_affine_k::<false>(w_row, xq, t),
+                GgmlType::Q5_K => dot_affine_k::<true>(w_row, xq, t),
                 GgmlType::Q6_K => dot_q6_k(w_row, xq, t),
                 _ => scalar::dot_row(ty, w_row, xq, t),
             };
@@ -544,60 +544,35 @@ unsafe fn dot_f32_bytes<const FORMAT: u8>(w_row: &[u8], x: &[f32]) -> f32 {
     sum
 }
 
-/// Q4_K row . Q8_K token `t`: nibble dots scaled by 6-bit sub-scales in i32, the
-/// sub-block mins applied through the activation block sums.
+/// Q4_K (`FIVE_BIT` false) or Q5_K row . Q8_K token `t`: nibble codes (with
+/// Q5_K's fifth bit from `qh`: bit 2c for chunk c's low nibbles, 2c + 1 for
+/// its high ones) dotted and scaled by 6-bit sub-scales in i32, the sub-block
+/// mins applied through the activation block sums.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
-    let (qs, d) = xq.q8_k_row(t);
-    let bsums = xq.bsums(t);
-    let low = _mm256_set1_epi8(0x0F);
-    let mut acc = _mm256_setzero_ps();
-    let mut mins_total = 0.0f32;
-    for (b, block) in w_row.chunks_exact(GgmlType::Q4_K.block_bytes()).enumerate() {
-        let scales = &block[Q4_K_SCALES..Q4_K_QS];
-        let mut isum = _mm256_setzero_si256();
-        let mut mins = 0i32;
-        for chunk in 0..QK_K / 64 {
-            let (sc_lo, m_lo) = super::blocks::scale_min_k4(2 * chunk, scales);
-            let (sc_hi, m_hi) = super::blocks::scale_min_k4(2 * chunk + 1, scales);
-            let bs = &bsums[b * 16 + 4 * chunk..][..4];
-            mins += m_lo as i32 * (bs[0] as i32 + bs[1] as i32)
-                + m_hi as i32 * (bs[2] as i32 + bs[3] as i32);
-            // SAFETY: 32 qs bytes at chunk*32 lie inside the 144-byte block; the 64
-            // activations at b*256 + chunk*64 lie inside token t's k quants.
-            let q =
-                _mm256_loadu_si256(block.as_ptr().add(Q4_K_QS + chunk * QK32) as *const __m256i);
-            let x = qs.as_ptr().add(b * QK_K + chunk * 64);
-            let x_lo = _mm256_loadu_si256(x as *const __m256i);
-            let x_hi = _mm256_loadu_si256(x.add(QK32) as *const __m256i);
-            let p_lo = _mm256_maddubs_epi16(_mm256_and_si256(q, low), x_lo);
-            let p_hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), x_hi);
-            let s_lo = _mm256_madd_epi16(p_lo, _mm256_set1_epi16(sc_lo as i16));
-            let s_hi = _mm256_madd_epi16(p_hi, _mm256_set1_epi16(sc_hi as i16));
-            isum = _mm256_add_epi32(isum, _mm256_add_epi32(s_lo, s_hi));
-        }
-        let dw = super::blocks::f16_at(block, 0);
-        let dmin = super::blocks::f16_at(block, Q4_K_DMIN);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * d[b]), acc);
-        mins_total += dmin * d[b] * mins as f32;
-    }
-    hsum256(acc) - mins_total
-}
-
-/// Q5_K row . Q8_K token `t`: Q4_K's nibbles with the fifth bit from `qh`
-/// (bit 2c for chunk c's low nibbles, 2c + 1 for its high ones).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q5_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
+unsafe fn dot_affine_k<const FIVE_BIT: bool>(
+    w_row: &[u8],
+    xq: &QuantizedActivations,
+    t: usize,
+) -> f32 {
+    let (ty, qs_at) = if FIVE_BIT {
+        (GgmlType::Q5_K, Q5_K_QS)
+    } else {
+        (GgmlType::Q4_K, Q4_K_QS)
+    };
     let (qs, d) = xq.q8_k_row(t);
     let bsums = xq.bsums(t);
     let low = _mm256_set1_epi8(0x0F);
     let one = _mm256_set1_epi8(1);
     let mut acc = _mm256_setzero_ps();
     let mut mins_total = 0.0f32;
-    for (b, block) in w_row.chunks_exact(GgmlType::Q5_K.block_bytes()).enumerate() {
+    for (b, block) in w_row.chunks_exact(ty.block_bytes()).enumerate() {
         let scales = &block[Q4_K_SCALES..Q4_K_QS];
-        // SAFETY: the 32 qh bytes lie inside the 176-byte block.
-        let qh = _mm256_loadu_si256(block.as_ptr().add(Q5_K_QH) as *const __m256i);
+        // SAFETY: for Q5_K, the 32 qh bytes lie inside the 176-byte block.
+        let qh = if FIVE_BIT {
+            _mm256_loadu_si256(block.as_ptr().add(Q5_K_QH) as *const __m256i)
+        } else {
+            _mm256_setzero_si256()
+        };
         let mut isum = _mm256_setzero_si256();
         let mut mins = 0i32;
         for chunk in 0..QK_K / 64 {
@@ -608,13 +583,15 @@ unsafe fn dot_q5_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
                 + m_hi as i32 * (bs[2] as i32 + bs[3] as i32);
             // SAFETY: 32 qs bytes at chunk*32 lie inside the block; the 64
             // activations at b*256 + chunk*64 lie inside token t's k quants.
-            let q =
-                _mm256_loadu_si256(block.as_ptr().add(Q5_K_QS + chunk * QK32) as *const __m256i);
-            let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * chunk as i32));
-            let h_lo = _mm256_slli_epi16(_mm256_and_si256(h, one), 4);
-            let h_hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4);
-            let c_lo = _mm256_or_si256(_mm256_and_si256(q, low), h_lo);
-            let c_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), low), h_hi);
+            let q = _mm256_loadu_si256(block.as_ptr().add(qs_at + chunk * QK32) as *const __m256i);
+            let mut c_lo = _mm256_and_si256(q, low);
+            let mut c_hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+            if FIVE_BIT {
+                let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * chunk as i32));
+                let h_hi = _mm256_srli_epi16(h, 1);
+                c_lo = _mm256_or_si256(c_lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+                c_hi = _mm256_or_si256(c_hi, _mm256_slli_epi16(_mm256_and_si256(h_hi, one), 4));
+            }
             let x = qs.as_ptr().add(b * QK_K + chunk * 64);
             let x_lo = _mm256_loadu_si256(x as *const __m256i);
             let x_hi = _mm256_loadu_si256(x.add(QK32) as *const __m256i);

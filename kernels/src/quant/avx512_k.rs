@@ -14,6 +14,10 @@
 //! out[t] = hsum(acc[t]) - offset[t]
 //! ```
 //!
+//! A block's sub-block scales (and Q4_K's and Q5_K's mins) are unpacked with
+//! a few word operations and spread to their lanes by permutes, not in scalar
+//! code per sub-block: at one token the unpacking is most of a block's work.
+//!
 //! Invariants:
 //! 1. Runs only after `Isa::Avx512.is_available()` (the dispatcher's assert).
 //! 2. Integer sums within a block are exact: codes <= 63, |x| <= 127, 4 per lane
@@ -30,8 +34,7 @@ use std::ops::Range;
 
 use super::activations::{QuantizedActivations, Q8_K_BSUM_LEN};
 use super::blocks::{
-    f16_at, scale_min_k4, Q4_K_DMIN, Q4_K_QS, Q4_K_SCALES, Q5_K_QH, Q5_K_QS, Q6_K_D, Q6_K_QH,
-    Q6_K_SCALES, QK_K,
+    f16_at, Q4_K_DMIN, Q4_K_QS, Q4_K_SCALES, Q5_K_QH, Q5_K_QS, Q6_K_D, Q6_K_QH, Q6_K_SCALES, QK_K,
 };
 use super::GgmlType;
 
@@ -80,28 +83,50 @@ unsafe fn halves(a: i32, b: i32) -> __m512i {
     )
 }
 
+/// The 12 packed bytes of Q4_K's and Q5_K's 6-bit scales and mins as 16
+/// bytes: scales of sub-blocks 0..8, then their mins (ggml's `utmp` unpacking:
+/// sub-blocks 4..8 keep their low 4 bits in bytes 8..12 and their top 2 in the
+/// spare bits of bytes 0..8).
+#[inline(always)]
+fn unpack_scales_mins(packed: &[u8]) -> [u32; 4] {
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let word = |i: usize| {
+        u32::from_le_bytes([
+            packed[4 * i],
+            packed[4 * i + 1],
+            packed[4 * i + 2],
+            packed[4 * i + 3],
+        ])
+    };
+    let (w0, w1, w2) = (word(0), word(1), word(2));
+    [
+        w0 & LOW6,
+        (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4),
+        w1 & LOW6,
+        ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4),
+    ]
+}
+
 /// Q4_K and Q5_K share their scales, mins and d/dmin.
 #[inline(always)]
 unsafe fn affine_k(block: &[u8], codes: [__m512i; CHUNKS]) -> Decoded {
-    let packed = &block[Q4_K_SCALES..Q4_K_QS];
-    let mut sc = [0i32; 8];
-    let mut mins = [0i32; GROUPS];
-    for j in 0..8 {
-        let (s, m) = scale_min_k4(j, packed);
-        sc[j] = s as i32;
-        // Sub-block j covers activation groups 2j and 2j + 1.
-        mins[2 * j] = m as i32;
-        mins[2 * j + 1] = m as i32;
-    }
+    let unpacked = unpack_scales_mins(&block[Q4_K_SCALES..Q4_K_QS]);
+    // i32 lanes 0..8: the scales of sub-blocks 0..8; lanes 8..16: their mins.
+    let all = _mm512_cvtepu8_epi32(_mm_loadu_si128(unpacked.as_ptr() as *const __m128i));
     let mut scales = [_mm512_setzero_si512(); CHUNKS];
     for c in 0..CHUNKS {
-        scales[c] = halves(sc[2 * c], sc[2 * c + 1]);
+        let (lo, hi) = (2 * c as i32, 2 * c as i32 + 1);
+        scales[c] = _mm512_permutexvar_epi32(halves(lo, hi), all);
     }
+    // Sub-block j covers activation groups 2j and 2j + 1.
+    let mins = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     Decoded {
         codes,
         scales,
         d: f16_at(block, 0),
-        off_w: _mm512_loadu_si512(mins.as_ptr() as *const __m512i),
+        off_w: _mm512_permutexvar_epi32(mins, all),
         // w = d * sc * q - dmin * m: the offset is subtracted.
         off_factor: f16_at(block, Q4_K_DMIN),
     }
