@@ -60,7 +60,7 @@ fn real_templates_render_as_jinja2_renders_them() {
 #[test]
 fn a_template_that_never_ends_is_stopped_by_its_fuel() {
     let template = ChatTemplate::new(
-        "{% for i in range(1000000) %}{% for j in range(1000000) %}x{% endfor %}{% endfor %}",
+        "{% for i in range(10000) %}{% for j in range(10000) %}x{% endfor %}{% endfor %}",
         "",
         "",
     )
@@ -69,9 +69,8 @@ fn a_template_that_never_ends_is_stopped_by_its_fuel() {
         role: "user".into(),
         content: "hi".into(),
     }];
-    let started = std::time::Instant::now();
-    assert!(template.render(&conversation).is_err());
-    assert!(started.elapsed().as_secs() < 30, "fuel bounds the work");
+    let error = template.render(&conversation).unwrap_err();
+    assert!(error.to_string().contains("fuel"), "{error}");
 }
 
 /// The tiny model's tokenizer (byte-level BPE with ChatML specials).
@@ -123,4 +122,31 @@ fn content_a_template_rewrites_is_refused_not_tokenized_as_something_else() {
     }];
     let error = template.tokens(&tokenizer(), &conversation).unwrap_err();
     assert!(error.to_string().contains("did not place"), "{error}");
+}
+
+#[test]
+fn content_that_spells_a_sentinel_is_only_text_and_the_longest_conversation_renders() {
+    let template = ChatTemplate::new(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n\
+         {% endfor %}<|im_start|>assistant\n",
+        "",
+        "",
+    )
+    .unwrap();
+    let tokenizer = tokenizer();
+    let message = |content: &str| Message {
+        role: "user".into(),
+        content: content.into(),
+    };
+    // The private-use spelling of message 1's placeholder, in message 0.
+    let conversation = [message("\u{E000}bulkhead-content-1\u{E001}"), message("hi")];
+    let ids = template.tokens(&tokenizer, &conversation).unwrap();
+    let text = tokenizer
+        .decode(&ids, bulkhead_kernels::tokenizer::DecodeOptions::default())
+        .unwrap();
+    assert_eq!(text, template.render(&conversation).unwrap());
+    // The most messages a conversation may have, each 1 KiB, within fuel.
+    let long: Vec<Message> = (0..1024).map(|_| message(&"a".repeat(1024))).collect();
+    let ids = template.tokens(&tokenizer, &long).unwrap();
+    assert!(ids.len() > 1024, "{}", ids.len());
 }

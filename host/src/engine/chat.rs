@@ -74,6 +74,27 @@ fn sentinel(index: usize) -> String {
     format!("\u{E000}bulkhead-content-{index}\u{E001}")
 }
 
+/// Whether `with_sentinels`, each sentinel in order replaced by its `placed`
+/// content, is exactly `text`: one pass over both (no copies), so a long
+/// conversation costs its length, not its length times its messages.
+fn fills(with_sentinels: &str, placed: &[&str], text: &str) -> bool {
+    let (mut rest, mut cursor) = (with_sentinels, text);
+    for (i, content) in placed.iter().enumerate() {
+        let marker = sentinel(i);
+        let Some(at) = rest.find(&marker) else {
+            return false;
+        };
+        let Some(after) = cursor
+            .strip_prefix(&rest[..at])
+            .and_then(|c| c.strip_prefix(content))
+        else {
+            return false;
+        };
+        (rest, cursor) = (&rest[at + marker.len()..], after);
+    }
+    cursor == rest
+}
+
 impl ChatTemplate {
     /// Compiles `source` (a Jinja chat template as found in GGUF metadata).
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate, ChatError> {
@@ -157,11 +178,7 @@ impl ChatTemplate {
         let verbatim: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
         let trimmed: Vec<&str> = messages.iter().map(|m| m.content.trim()).collect();
         for placed in [verbatim, trimmed] {
-            let mut substituted = with_sentinels.clone();
-            for (i, content) in placed.iter().enumerate() {
-                substituted = substituted.replacen(&sentinel(i), content, 1);
-            }
-            if substituted == text {
+            if fills(&with_sentinels, &placed, &text) {
                 return Ok((with_sentinels, placed));
             }
         }
