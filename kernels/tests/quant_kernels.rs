@@ -638,3 +638,14 @@ fn matmul_of_zero_activations_is_zero_for_every_type() {
         }
     }
 }
+
+#[test]
+fn every_type_round_trips_its_gguf_number_and_no_other_number_maps() {
+    for ty in ALL_TYPES {
+        assert_eq!(GgmlType::from_u32(ty as u32), Some(ty), "{ty:?}");
+    }
+    let known: Vec<u32> = ALL_TYPES.iter().map(|&ty| ty as u32).collect();
+    for number in (0..64).filter(|n| !known.contains(n)) {
+        assert_eq!(GgmlType::from_u32(number), None, "{number}");
+    }
+}

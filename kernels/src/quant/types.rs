@@ -33,6 +33,21 @@ pub enum GgmlType {
 }
 
 impl GgmlType {
+    /// Every type this engine runs, in GGUF number order.
+    pub const ALL: [GgmlType; 11] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::BF16,
+    ];
+
     /// Maps a GGUF type number to a supported type; `None` for any other number.
     pub fn from_u32(value: u32) -> Option<GgmlType> {
         Some(match value {
@@ -104,21 +119,4 @@ impl GgmlType {
             GgmlType::BF16 => "BF16",
         }
     }
-}
-
-impl GgmlType {
-    /// Every type this engine runs, in GGUF number order.
-    pub const ALL: [GgmlType; 11] = [
-        GgmlType::F32,
-        GgmlType::F16,
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q8_0,
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::Q6_K,
-        GgmlType::BF16,
-    ];
 }

@@ -339,15 +339,8 @@ fn gpu_device_storage_passes_the_storage_conformance_suite() {
 
 // ---------------------------------------------------------------- kernels
 
-const TYPES: [GgmlType; 7] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q8_0,
-    GgmlType::Q4_K,
-    GgmlType::Q6_K,
-];
+/// Every type the device kernels run.
+const TYPES: [GgmlType; 7] = super::DEVICE_TYPES;
 
 /// `rows` random rows of `k` weights in `ty` blocks.
 fn random_matrix(ty: GgmlType, rows: usize, k: usize, rng: &mut SplitMix64) -> Vec<u8> {
