@@ -19,7 +19,8 @@ holds the engine to.
    absent, as in CI.
 
 Regenerate (after scripts/llama_cpp.sh):
-    python3 scripts/llama_fixtures.py
+    python3 scripts/llama_fixtures.py            # both fixtures
+    python3 scripts/llama_fixtures.py --generated  # llamacpp.json only
 """
 
 import hashlib
@@ -120,7 +121,8 @@ def main():
     with open(os.path.join(FIXTURES, "llamacpp.json"), "w") as f:
         json.dump(fixture, f, separators=(",", ":"))
         f.write("\n")
-    smollm2()
+    if "--generated" not in sys.argv[1:]:
+        smollm2()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,22 @@
 //! qwen2   RoPE on halves (NEOX); biases on Q, K and V
 //! qwen3   RoPE on halves; RMSNorm of each Q and K head before RoPE; head width
 //!         from `attention.key_length`, not embedding / heads
+//! gemma   RoPE on halves; embeddings scaled by sqrt(d); GELU (tanh) gate;
+//!         output head tied to the embedding
+//! gemma2  gemma, plus RMSNorm after attention and after the feed-forward
+//!         block, soft-capped attention scores and logits, and sliding-window
+//!         attention on alternate layers (local layers first)
+//! gemma3  gemma2 without attention soft-capping, with per-head Q/K norms as
+//!         qwen3, five local layers to one global, a RoPE base of their own
+//!         for the local layers, and logit soft-capping only where the file
+//!         says so
+//! phi3    RoPE on halves; Q, K, V in one fused matrix and gate and up in
+//!         another (read as row ranges of it); its sliding window is ignored,
+//!         as llama.cpp ignores it
 //! ```
+//!
+//! Every family may carry a fused `attn_qkv.weight` instead of three
+//! matrices (llama.cpp reads either).
 //!
 //! Invariants:
 //! 1. A file is run only if every tensor in it is one this blueprint reads: a
@@ -50,7 +65,10 @@ pub enum ModelError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
     /// An architecture this engine does not run.
-    #[error("unsupported architecture {0:?} (supported: llama, qwen2, qwen3)")]
+    #[error(
+        "unsupported architecture {0:?} (supported: llama, qwen2, qwen3, gemma, gemma2, gemma3, \
+         phi3)"
+    )]
     Architecture(String),
     /// A tensor the blueprint does not read: running without it would
     /// compute another model than the file's.
@@ -115,6 +133,14 @@ pub enum Architecture {
     Qwen2,
     /// Qwen 3 (dense).
     Qwen3,
+    /// Gemma (1).
+    Gemma,
+    /// Gemma 2.
+    Gemma2,
+    /// Gemma 3 (text).
+    Gemma3,
+    /// Phi 3 and 3.5 (dense, without LongRoPE).
+    Phi3,
 }
 
 impl Architecture {
@@ -124,16 +150,33 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Gemma => "gemma",
+            Architecture::Gemma2 => "gemma2",
+            Architecture::Gemma3 => "gemma3",
+            Architecture::Phi3 => "phi3",
         }
     }
 
+    /// Every family, in the order the docs list them.
+    pub const ALL: [Architecture; 7] = [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+        Architecture::Gemma,
+        Architecture::Gemma2,
+        Architecture::Gemma3,
+        Architecture::Phi3,
+    ];
+
+    fn is_gemma(self) -> bool {
+        matches!(
+            self,
+            Architecture::Gemma | Architecture::Gemma2 | Architecture::Gemma3
+        )
+    }
+
     fn from_name(name: &str) -> Option<Architecture> {
-        Some(match name {
-            "llama" => Architecture::Llama,
-            "qwen2" => Architecture::Qwen2,
-            "qwen3" => Architecture::Qwen3,
-            _ => return None,
-        })
+        Architecture::ALL.into_iter().find(|a| a.name() == name)
     }
 }
 
@@ -142,8 +185,39 @@ impl Architecture {
 pub enum RopeStyle {
     /// Pairs `(2i, 2i + 1)`: ggml's normal mode (llama).
     Adjacent,
-    /// Pairs `(i, i + rope_dim / 2)`: ggml's NEOX mode (qwen2, qwen3).
+    /// Pairs `(i, i + rope_dim / 2)`: ggml's NEOX mode (every family but llama).
     Halves,
+}
+
+/// The activation of the feed-forward block's gate: `act(x·Wg) * x·Wu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// `x · sigmoid(x)` (SwiGLU).
+    Silu,
+    /// GELU, tanh approximation (GeGLU): `x/2 · (1 + tanh(sqrt(2/pi) · (x + 0.044715 x^3)))`.
+    GeluTanh,
+}
+
+/// Sliding-window attention: which layers are local, and what they see.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlidingWindow {
+    /// Positions a token of a local layer attends to, itself included: the
+    /// token at `p` sees `p + 1 - window ..= p` (llama.cpp's `n_swa`).
+    pub window: usize,
+    /// `local[layer]`: whether the layer is local (the others see the whole
+    /// context).
+    pub local: Vec<bool>,
+    /// RoPE base frequency of the local layers.
+    pub rope_base: f32,
+    /// RoPE angle multiplier of the local layers.
+    pub rope_freq_scale: f32,
+}
+
+impl SlidingWindow {
+    /// The window of `layer`, if it is local.
+    pub fn of_layer(&self, layer: usize) -> Option<usize> {
+        self.local[layer].then_some(self.window)
+    }
 }
 
 /// The blueprint: hyper-parameters and the family's options.
@@ -180,10 +254,26 @@ pub struct ModelConfig {
     pub rope_freq_factors: Option<Vec<f32>>,
     /// Q, K and V projections carry biases (qwen2).
     pub qkv_bias: bool,
-    /// Each Q and K head is RMS-normalised before RoPE (qwen3).
+    /// Each Q and K head is RMS-normalised before RoPE (qwen3, gemma3).
     pub qk_norm: bool,
     /// RMSNorm epsilon.
     pub rms_eps: f32,
+    /// Multiplies each token's embedding row (gemma: `sqrt(d)`; else 1).
+    pub embedding_scale: f32,
+    /// The feed-forward gate's activation.
+    pub activation: Activation,
+    /// The outputs of attention and of the feed-forward block are
+    /// RMS-normalised before the residual add (gemma2, gemma3).
+    pub post_norms: bool,
+    /// Multiplies `q·k` (`1 / sqrt(head_dim)` but for Gemma 2/3 27B, see
+    /// [`attention_scale`]).
+    pub attention_scale: f32,
+    /// Attention scores become `cap · tanh(score / cap)` before the softmax.
+    pub attention_softcap: Option<f32>,
+    /// Logits become `cap · tanh(logit / cap)`.
+    pub final_softcap: Option<f32>,
+    /// Local layers and their window (gemma2, gemma3).
+    pub sliding_window: Option<SlidingWindow>,
 }
 
 impl ModelConfig {
@@ -254,15 +344,42 @@ impl ModelConfig {
             }
             Ok(value as f32)
         };
-        refuse_unrun_options(gguf, arch)?;
+        refuse_unrun_options(gguf, architecture)?;
         let rope_freq_scale = rope_freq_scale(gguf, arch)?;
         let rope_freq_factors = rope_freq_factors(gguf, rope_dim)?;
         if rope_freq_factors.is_some() && architecture != Architecture::Llama {
             return Err(ModelError::UnknownTensor(ROPE_FREQS.into(), arch));
         }
+        let layers_count = dim("block_count", LAYERS_MAX)?;
+        let rope_base = float(&key("rope.freq_base"), 10_000.0)?;
+        // A cap of 0 means none (llama.cpp's test for gemma3's).
+        let softcap = |name: &str, default: Option<f64>| -> Result<Option<f32>, ModelError> {
+            let key = key(name);
+            let cap = match gguf.get(&key) {
+                Some(_) => gguf.f64(&key)?,
+                None => return Ok(default.map(|d| d as f32)),
+            };
+            match cap {
+                0.0 if architecture == Architecture::Gemma3 => Ok(None),
+                cap if cap.is_finite() && cap > 0.0 => Ok(Some(cap as f32)),
+                cap => Err(hyper(&key, format!("{cap} must be a positive number"))),
+            }
+        };
+        // Defaults as llama.cpp's: gemma2 caps at 50 and 30 unless the file
+        // says otherwise; gemma3 caps logits only where the file says so.
+        let (attention_softcap, final_softcap) = match architecture {
+            Architecture::Gemma2 => (
+                softcap("attn_logit_softcapping", Some(50.0))?,
+                softcap("final_logit_softcapping", Some(30.0))?,
+            ),
+            Architecture::Gemma3 => (None, softcap("final_logit_softcapping", None)?),
+            _ => (None, None),
+        };
+        let sliding_window =
+            sliding_window(gguf, architecture, layers_count, rope_base, rope_freq_scale)?;
         Ok(ModelConfig {
             architecture,
-            layers_count: dim("block_count", LAYERS_MAX)?,
+            layers_count,
             embedding_len,
             heads_count,
             kv_heads_count,
@@ -270,17 +387,36 @@ impl ModelConfig {
             ffn_len: dim("feed_forward_length", DIM_MAX)?,
             vocab_len,
             context_len: dim("context_length", CONTEXT_LEN_MAX)?,
-            rope_base: float(&key("rope.freq_base"), 10_000.0)?,
+            rope_base,
             rope_dim,
             rope_style: match architecture {
                 Architecture::Llama => RopeStyle::Adjacent,
-                Architecture::Qwen2 | Architecture::Qwen3 => RopeStyle::Halves,
+                _ => RopeStyle::Halves,
             },
             rope_freq_scale,
             rope_freq_factors,
             qkv_bias: architecture == Architecture::Qwen2,
-            qk_norm: architecture == Architecture::Qwen3,
+            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3),
             rms_eps: float(&key("attention.layer_norm_rms_epsilon"), 1e-5)?,
+            embedding_scale: match architecture.is_gemma() {
+                true => (embedding_len as f32).sqrt(),
+                false => 1.0,
+            },
+            activation: match architecture.is_gemma() {
+                true => Activation::GeluTanh,
+                false => Activation::Silu,
+            },
+            post_norms: matches!(architecture, Architecture::Gemma2 | Architecture::Gemma3),
+            attention_scale: attention_scale(
+                architecture,
+                layers_count,
+                embedding_len,
+                heads_count,
+                head_dim,
+            ),
+            attention_softcap,
+            final_softcap,
+            sliding_window,
         })
     }
 
@@ -295,6 +431,13 @@ impl ModelConfig {
             && !self.qkv_bias
             && !self.qk_norm
             && self.q_len() == self.embedding_len
+            && self.embedding_scale == 1.0
+            && self.activation == Activation::Silu
+            && !self.post_norms
+            && self.attention_scale == 1.0 / (self.head_dim as f32).sqrt()
+            && self.attention_softcap.is_none()
+            && self.final_softcap.is_none()
+            && self.sliding_window.is_none()
     }
 
     /// Width of the query projection and of attention's output: `heads * head_dim`.
@@ -335,8 +478,115 @@ impl ModelConfig {
 /// The tensor that carries Llama-3's RoPE frequency factors.
 const ROPE_FREQS: &str = "rope_freqs.weight";
 
+/// `q·k` scale: `1 / sqrt(head_dim)`, except that Gemma 2 and 3 27B (told
+/// apart by their layer counts, as llama.cpp and gemma_pytorch do) scale by
+/// `1 / sqrt(d / heads)`.
+fn attention_scale(
+    architecture: Architecture,
+    layers: usize,
+    d: usize,
+    heads: usize,
+    head_dim: usize,
+) -> f32 {
+    let is_27b = matches!(
+        (architecture, layers),
+        (Architecture::Gemma2, 46) | (Architecture::Gemma3, 62)
+    );
+    match is_27b {
+        true => 1.0 / ((d / heads) as f32).sqrt(),
+        false => 1.0 / (head_dim as f32).sqrt(),
+    }
+}
+
+/// Gemma 2 and 3's local layers, read as llama.cpp reads them:
+/// `attention.sliding_window` (gemma2 defaults to 4096; gemma3 has none
+/// without it), `attention.sliding_window_pattern` as one flag per layer or as
+/// a period `n` (layer `i` is local unless `i % n == n - 1`; gemma2 defaults
+/// to 2, gemma3 to 6), and `rope.freq_base_swa` (gemma2 defaults to the
+/// global base and scale; gemma3 to 10,000 and no scaling).
+fn sliding_window(
+    gguf: &Gguf,
+    architecture: Architecture,
+    layers: usize,
+    rope_base: f32,
+    rope_freq_scale: f32,
+) -> Result<Option<SlidingWindow>, ModelError> {
+    let arch = architecture.name();
+    let window_key = format!("{arch}.attention.sliding_window");
+    let (default_window, period, local_base, local_scale) = match architecture {
+        Architecture::Gemma2 => (Some(4096), 2, rope_base, rope_freq_scale),
+        Architecture::Gemma3 => (None, 6, 10_000.0, 1.0),
+        // llama.cpp runs phi3 (and llama: Mistral) with full attention
+        // whatever window the file declares; so do we.
+        _ => return Ok(None),
+    };
+    let window = match gguf.get(&window_key) {
+        Some(_) => Some(gguf.u64(&window_key)?),
+        None => default_window,
+    };
+    let window = match window {
+        None => return Ok(None),
+        // gemma3 without a window (or with 0) attends globally everywhere.
+        Some(0) if architecture == Architecture::Gemma3 => return Ok(None),
+        Some(w) if w == 0 || w > CONTEXT_LEN_MAX as u64 => {
+            return Err(hyper(
+                &window_key,
+                format!("{w} is outside 1..={CONTEXT_LEN_MAX}"),
+            ))
+        }
+        Some(w) => w as usize,
+    };
+    let pattern_key = format!("{arch}.attention.sliding_window_pattern");
+    let local = match gguf.get(&pattern_key) {
+        Some(crate::gguf::Value::Array(flags)) => {
+            let flags: Option<Vec<bool>> = flags
+                .iter()
+                .map(|f| match f {
+                    crate::gguf::Value::Bool(b) => Some(*b),
+                    _ => None,
+                })
+                .collect();
+            match flags {
+                Some(flags) if flags.len() == layers => flags,
+                _ => return Err(hyper(&pattern_key, "expected one boolean per layer")),
+            }
+        }
+        Some(_) => periodic(gguf.u64(&pattern_key)?, layers),
+        None => periodic(period, layers),
+    };
+    let base_key = format!("{arch}.rope.freq_base_swa");
+    let rope_base = match gguf.get(&base_key) {
+        Some(_) => {
+            let base = gguf.f64(&base_key)?;
+            if !base.is_finite() || base <= 0.0 {
+                return Err(hyper(
+                    &base_key,
+                    format!("{base} must be a positive number"),
+                ));
+            }
+            base as f32
+        }
+        None => local_base,
+    };
+    Ok(Some(SlidingWindow {
+        window,
+        local,
+        rope_base,
+        rope_freq_scale: local_scale,
+    }))
+}
+
+/// llama.cpp's `set_swa_pattern(n)`: every layer local for 0, else layer `i`
+/// is local unless it is the last of each run of `n`.
+fn periodic(period: u64, layers: usize) -> Vec<bool> {
+    (0..layers as u64)
+        .map(|i| period == 0 || i % period < period - 1)
+        .collect()
+}
+
 /// Metadata that changes the arithmetic in ways this engine does not run.
-fn refuse_unrun_options(gguf: &Gguf, arch: &str) -> Result<(), ModelError> {
+fn refuse_unrun_options(gguf: &Gguf, architecture: Architecture) -> Result<(), ModelError> {
+    let arch = architecture.name();
     let unsupported = |key: String, reason: &'static str| -> Result<(), ModelError> {
         let value = match gguf.get(&key) {
             Some(crate::gguf::Value::String(s)) => s.clone(),
@@ -353,13 +603,28 @@ fn refuse_unrun_options(gguf: &Gguf, arch: &str) -> Result<(), ModelError> {
             "mixture-of-experts feed-forward blocks are not run",
         )?;
     }
+    // Soft-capping is read for the families llama.cpp applies it to; a
+    // file of another family that declares it is not one llama.cpp or we
+    // would run as its authors meant.
+    if architecture != Architecture::Gemma2 {
+        unsupported(
+            format!("{arch}.attn_logit_softcapping"),
+            "attention soft-capping is run only for gemma2",
+        )?;
+    }
+    if !matches!(architecture, Architecture::Gemma2 | Architecture::Gemma3) {
+        unsupported(
+            format!("{arch}.final_logit_softcapping"),
+            "logit soft-capping is run only for gemma2 and gemma3",
+        )?;
+    }
     unsupported(
-        format!("{arch}.attention.logit_softcapping"),
-        "attention soft-capping is not run",
+        format!("{arch}.attention.scale"),
+        "attention scales other than the family's are not run",
     )?;
     unsupported(
-        format!("{arch}.final_logit_softcapping"),
-        "logit soft-capping is not run",
+        format!("{arch}.embedding_scale"),
+        "embedding scales other than the family's are not run",
     )?;
     Ok(())
 }
@@ -453,6 +718,8 @@ pub struct LayerWeights {
     pub qk_norm: Option<[Vec<f32>; 2]>,
     /// `[d][q_len]`.
     pub wo: Matrix,
+    /// RMSNorm gain of attention's output, `[d]` (when `post_norms`).
+    pub attn_post_norm: Option<Vec<f32>>,
     /// RMSNorm gain before the feed-forward block, `[d]`.
     pub ffn_norm: Vec<f32>,
     /// `[ffn][d]`.
@@ -461,6 +728,8 @@ pub struct LayerWeights {
     pub w_up: Matrix,
     /// `[d][ffn]`.
     pub w_down: Matrix,
+    /// RMSNorm gain of the feed-forward block's output, `[d]` (when `post_norms`).
+    pub ffn_post_norm: Option<Vec<f32>>,
 }
 
 /// The weights: immutable after load, shared by every backend thread.
@@ -496,6 +765,29 @@ impl Reader<'_> {
         vector(self.gguf, name, len)
     }
 
+    /// A matrix of `parts.iter().sum()` rows, returned as consecutive row
+    /// ranges of `parts[i]` rows each (a fused QKV or gate-up tensor: its
+    /// rows are whole blocks each, so each range is contiguous bytes).
+    fn split<const N: usize>(
+        &mut self,
+        name: &str,
+        parts: [usize; N],
+        cols: usize,
+    ) -> Result<[Matrix; N], ModelError> {
+        let whole = self.matrix(name, parts.iter().sum(), cols)?;
+        let row_bytes = whole.row_bytes() as u64;
+        let mut first = 0;
+        Ok(parts.map(|rows| {
+            let mut info = whole.info.clone();
+            info.name = format!("{name}[{first}..{}]", first + rows);
+            info.dims = vec![cols as u64, rows as u64];
+            info.offset += first as u64 * row_bytes;
+            info.bytes_len = rows as u64 * row_bytes;
+            first += rows;
+            Matrix { info, rows, cols }
+        }))
+    }
+
     fn layer(&mut self, c: &ModelConfig, i: usize) -> Result<LayerWeights, ModelError> {
         let (d, q, kv, ffn) = (c.embedding_len, c.q_len(), c.kv_len(), c.ffn_len);
         let name = |part: &str| format!("blk.{i}.{part}");
@@ -514,18 +806,43 @@ impl Reader<'_> {
             ]),
             false => None,
         };
+        let fused_qkv = name("attn_qkv.weight");
+        let [wq, wk, wv] = match self.gguf.tensor(&fused_qkv) {
+            Some(_) => self.split(&fused_qkv, [q, kv, kv], d)?,
+            None => [
+                self.matrix(&name("attn_q.weight"), q, d)?,
+                self.matrix(&name("attn_k.weight"), kv, d)?,
+                self.matrix(&name("attn_v.weight"), kv, d)?,
+            ],
+        };
+        // phi3's up matrix is gate and up, gate first (ggml_swiglu's halves).
+        let [w_gate, w_up] = match c.architecture {
+            Architecture::Phi3 => self.split(&name("ffn_up.weight"), [ffn, ffn], d)?,
+            _ => [
+                self.matrix(&name("ffn_gate.weight"), ffn, d)?,
+                self.matrix(&name("ffn_up.weight"), ffn, d)?,
+            ],
+        };
+        let mut post_norm = |part: &str| match c.post_norms {
+            true => self.vector(&name(part), d).map(Some),
+            false => Ok(None),
+        };
+        let attn_post_norm = post_norm("post_attention_norm.weight")?;
+        let ffn_post_norm = post_norm("post_ffw_norm.weight")?;
         Ok(LayerWeights {
             attn_norm: self.vector(&name("attn_norm.weight"), d)?,
-            wq: self.matrix(&name("attn_q.weight"), q, d)?,
-            wk: self.matrix(&name("attn_k.weight"), kv, d)?,
-            wv: self.matrix(&name("attn_v.weight"), kv, d)?,
+            wq,
+            wk,
+            wv,
             qkv_bias,
             qk_norm,
             wo: self.matrix(&name("attn_output.weight"), d, q)?,
+            attn_post_norm,
             ffn_norm: self.vector(&name("ffn_norm.weight"), d)?,
-            w_gate: self.matrix(&name("ffn_gate.weight"), ffn, d)?,
-            w_up: self.matrix(&name("ffn_up.weight"), ffn, d)?,
+            w_gate,
+            w_up,
             w_down: self.matrix(&name("ffn_down.weight"), d, ffn)?,
+            ffn_post_norm,
         })
     }
 }
@@ -548,9 +865,15 @@ impl Model {
             reader.read.insert(ROPE_FREQS.to_string());
         }
         let token_embd = reader.matrix("token_embd.weight", vocab, d)?;
+        // gemma and gemma2 always tie the head (llama.cpp reads no
+        // `output.weight` for them, so one in the file is refused as unknown).
+        let tied = matches!(
+            config.architecture,
+            Architecture::Gemma | Architecture::Gemma2
+        );
         let output = match gguf.tensor("output.weight") {
-            Some(_) => reader.matrix("output.weight", vocab, d)?,
-            None => token_embd.clone(),
+            Some(_) if !tied => reader.matrix("output.weight", vocab, d)?,
+            _ => token_embd.clone(),
         };
         let layers = (0..config.layers_count)
             .map(|i| reader.layer(&config, i))

@@ -50,6 +50,13 @@ pub struct TinySpec {
     /// Write linear RoPE scaling with this factor (`rope.scaling.type`,
     /// `rope.scaling.factor`).
     pub rope_linear: Option<f32>,
+    /// `rope.freq_base`.
+    pub rope_base: f32,
+    /// `attention.sliding_window` and `attention.sliding_window_pattern`
+    /// (the period), where written.
+    pub sliding_window: Option<(u32, u32)>,
+    /// `attn_logit_softcapping` and `final_logit_softcapping`, where written.
+    pub softcaps: (Option<f32>, Option<f32>),
 }
 
 impl Default for TinySpec {
@@ -71,6 +78,9 @@ impl Default for TinySpec {
             head_dim: None,
             rope_freqs: false,
             rope_linear: None,
+            rope_base: 10_000.0,
+            sliding_window: None,
+            softcaps: (None, None),
         }
     }
 }
@@ -161,7 +171,7 @@ pub fn tiny_llama(spec: &TinySpec) -> Vec<u8> {
         .metadata(&key("feed_forward_length"), Value::U32(spec.ffn_len))
         .metadata(&key("attention.head_count"), Value::U32(spec.heads))
         .metadata(&key("attention.head_count_kv"), Value::U32(spec.kv_heads))
-        .metadata(&key("rope.freq_base"), Value::F32(10_000.0))
+        .metadata(&key("rope.freq_base"), Value::F32(spec.rope_base))
         .metadata(&key("attention.layer_norm_rms_epsilon"), Value::F32(1e-5))
         .metadata("tokenizer.ggml.model", s("gpt2"))
         .metadata("tokenizer.ggml.pre", s("smollm"))
@@ -180,6 +190,17 @@ pub fn tiny_llama(spec: &TinySpec) -> Vec<u8> {
         w.metadata(&key("rope.scaling.type"), s("linear"))
             .metadata(&key("rope.scaling.factor"), Value::F32(factor));
     }
+    if let Some((window, period)) = spec.sliding_window {
+        w.metadata(&key("attention.sliding_window"), Value::U32(window))
+            .metadata(&key("attention.sliding_window_pattern"), Value::U32(period));
+    }
+    let (attention_cap, final_cap) = spec.softcaps;
+    if let Some(cap) = attention_cap {
+        w.metadata(&key("attn_logit_softcapping"), Value::F32(cap));
+    }
+    if let Some(cap) = final_cap {
+        w.metadata(&key("final_logit_softcapping"), Value::F32(cap));
+    }
     if let Some(head_dim) = spec.head_dim {
         w.metadata(&key("attention.key_length"), Value::U32(head_dim))
             .metadata(&key("attention.value_length"), Value::U32(head_dim));
@@ -191,38 +212,65 @@ pub fn tiny_llama(spec: &TinySpec) -> Vec<u8> {
         let values: Vec<f32> = (0..count).map(|_| offset + rng.normal() * scale).collect();
         w.tensor(name, dims, ty, encode(ty, &values));
     };
+    // Gemma scales embeddings up by sqrt(d) (its real ones are small): so
+    // that a tied head's logits are not all the input token's own row.
+    let gemma = matches!(
+        spec.architecture,
+        Architecture::Gemma | Architecture::Gemma2 | Architecture::Gemma3
+    );
+    let embedding_scale = if gemma { 1.0 / (d as f32).sqrt() } else { 1.0 };
     tensor(
         "token_embd.weight",
         &[d, vocab_len],
         spec.embedding_type,
-        1.0,
+        embedding_scale,
     );
+    let arch = spec.architecture;
+    let fused = arch == Architecture::Phi3;
+    let post_norms = matches!(arch, Architecture::Gemma2 | Architecture::Gemma3);
     for i in 0..spec.layers {
         let name = |part: &str| format!("blk.{i}.{part}.weight");
         let m = spec.matrix_type;
         let proj = 1.0 / (d as f32).sqrt();
         tensor(&name("attn_norm"), &[d], GgmlType::F32, 0.2);
-        tensor(&name("attn_q"), &[d, q], m, proj);
-        tensor(&name("attn_k"), &[d, kv], m, proj);
-        tensor(&name("attn_v"), &[d, kv], m, proj);
+        if fused {
+            tensor(&name("attn_qkv"), &[d, q + 2 * kv], m, proj);
+        } else {
+            tensor(&name("attn_q"), &[d, q], m, proj);
+            tensor(&name("attn_k"), &[d, kv], m, proj);
+            tensor(&name("attn_v"), &[d, kv], m, proj);
+        }
         if spec.architecture == Architecture::Qwen2 {
             let bias = |part: &str| format!("blk.{i}.{part}.bias");
             tensor(&bias("attn_q"), &[q], GgmlType::F32, 0.5);
             tensor(&bias("attn_k"), &[kv], GgmlType::F32, 0.5);
             tensor(&bias("attn_v"), &[kv], GgmlType::F32, 0.5);
         }
-        if spec.architecture == Architecture::Qwen3 {
+        if matches!(arch, Architecture::Qwen3 | Architecture::Gemma3) {
             tensor(&name("attn_q_norm"), &[head_dim], GgmlType::F32, 0.2);
             tensor(&name("attn_k_norm"), &[head_dim], GgmlType::F32, 0.2);
         }
         tensor(&name("attn_output"), &[q, d], m, 1.0 / (q as f32).sqrt());
+        if post_norms {
+            tensor(&name("post_attention_norm"), &[d], GgmlType::F32, 0.2);
+        }
         tensor(&name("ffn_norm"), &[d], GgmlType::F32, 0.2);
-        tensor(&name("ffn_gate"), &[d, ffn], m, proj);
-        tensor(&name("ffn_up"), &[d, ffn], m, proj);
+        if fused {
+            // Gate rows first, then up rows (ggml_swiglu's halves).
+            tensor(&name("ffn_up"), &[d, 2 * ffn], m, proj);
+        } else {
+            tensor(&name("ffn_gate"), &[d, ffn], m, proj);
+            tensor(&name("ffn_up"), &[d, ffn], m, proj);
+        }
         tensor(&name("ffn_down"), &[ffn, d], m, 1.0 / (ffn as f32).sqrt());
+        if post_norms {
+            tensor(&name("post_ffw_norm"), &[d], GgmlType::F32, 0.2);
+        }
     }
     tensor("output_norm.weight", &[d], GgmlType::F32, 0.2);
-    if spec.separate_output {
+    // gemma and gemma2 have no output head of their own.
+    let tied = matches!(arch, Architecture::Gemma | Architecture::Gemma2);
+    if spec.separate_output && !tied {
         tensor(
             "output.weight",
             &[d, vocab_len],
@@ -301,6 +349,31 @@ pub fn conformance_models() -> Vec<(&'static str, TinySpec)> {
                 ..family(Architecture::Qwen3)
             },
         ),
+        ("gemma-f32", family(Architecture::Gemma)),
+        (
+            // Layer 0 local (a window of 8: every prompt outgrows it), layer
+            // 1 global; soft caps low enough to bend the scores and logits.
+            "gemma2-f32",
+            TinySpec {
+                sliding_window: Some((8, 2)),
+                softcaps: (Some(1.5), Some(3.0)),
+                ..family(Architecture::Gemma2)
+            },
+        ),
+        (
+            // Layers 0 and 1 local with the default local RoPE base
+            // (10,000), layer 2 global with its own (1,000,000).
+            "gemma3-f32",
+            TinySpec {
+                layers: 3,
+                head_dim: Some(32),
+                rope_base: 1_000_000.0,
+                sliding_window: Some((8, 3)),
+                softcaps: (None, Some(3.0)),
+                ..family(Architecture::Gemma3)
+            },
+        ),
+        ("phi3-f32", family(Architecture::Phi3)),
         ("llama-f16", typed(GgmlType::F16)),
         ("llama-bf16", typed(GgmlType::BF16)),
         ("llama-q8_0", typed(GgmlType::Q8_0)),

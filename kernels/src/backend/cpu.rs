@@ -8,20 +8,27 @@
 //! 1. `xn = rmsnorm(x) * attn_norm`, quantized once for Q, K and V.
 //! 2. `q, k, v = xn·Wq, xn·Wk, xn·Wv` (plus biases where the family has them;
 //!    each q and k head RMS-normalised where it says so); RoPE on q and k at
-//!    each token's position, in the family's pairing.
+//!    each token's position, in the family's pairing and with the layer's
+//!    base (local layers may have their own).
 //! 3. k and v are written into the sequence's pages (ownership asserted by the pool).
 //! 4. Attention per (sequence, kv head, token chunk) reads K/V only through the
-//!    sequence's page table (ownership asserted again), causal to each position.
-//! 5. `x += attn·Wo`; `x += (silu(xn·Wg) * xn·Wu)·Wd` with `xn = rmsnorm(x) * ffn_norm`.
+//!    sequence's page table (ownership asserted again), causal to each
+//!    position, and within the layer's window where it is local; scores
+//!    soft-capped where the family says so.
+//! 5. `x += attn·Wo`; `x += (act(xn·Wg) * xn·Wu)·Wd` with `xn = rmsnorm(x) *
+//!    ffn_norm` (each of the two added terms RMS-normalised first where the
+//!    family has post-norms).
 //!
-//! Logits are computed only for the last token of sequences that ask.
+//! Embeddings are scaled where the family says so (gemma). Logits are
+//! computed only for the last token of sequences that ask, soft-capped where
+//! the family says so.
 //! Matrix products split output rows across the thread pool; attention splits
 //! (sequence, kv head, token chunk) tasks. Scratch is sized once, at creation,
 //! for `step_tokens_max` tokens and `step_seqs_max` sequences.
 
 use super::{vector, Backend, Logits, SeqStep, StepError, StepLimits};
 use crate::kv::{KvType, KvValue, PageTable, Pool, StepView};
-use crate::model::{Matrix, Model, ModelConfig, RopeStyle};
+use crate::model::{Activation, Matrix, Model, ModelConfig, RopeStyle};
 use crate::quant::{self, Isa, QuantizedActivations};
 use crate::threads::Threads;
 use half::f16;
@@ -79,7 +86,7 @@ struct Scratch {
     gate: Vec<f32>,  // [tokens][ffn]
     up: Vec<f32>,    // [tokens][ffn]
     delta: Vec<f32>, // [tokens][d] output of Wo or Wd, added to x
-    rope: Vec<f32>,  // [tokens][rope_dim / 2][cos, sin]
+    rope: Vec<f32>,  // [global, local][tokens][rope_dim / 2][cos, sin]
     xq: QuantizedActivations,
     out_norm: Vec<f32>, // [seqs][d] last rows of the sequences that want logits
     logits: Vec<f32>,   // [seqs][vocab]
@@ -174,7 +181,7 @@ impl CpuBackend {
             gate: vec![0.0; tokens * c.ffn_len],
             up: vec![0.0; tokens * c.ffn_len],
             delta: vec![0.0; tokens * c.embedding_len],
-            rope: vec![0.0; tokens * c.rope_dim],
+            rope: vec![0.0; 2 * tokens * c.rope_dim],
             xq: QuantizedActivations::new(),
             out_norm: vec![0.0; seqs * c.embedding_len],
             logits: vec![0.0; seqs * c.vocab_len],
@@ -252,10 +259,16 @@ impl Backend for CpuBackend {
                 })
             })
             .collect();
-        let d = self.model.config.embedding_len;
+        let (d, scale) = (
+            self.model.config.embedding_len,
+            self.model.config.embedding_scale,
+        );
         for (t, &token) in steps.iter().flat_map(|s| s.tokens).enumerate() {
-            self.model
-                .embed(token, &mut self.scratch.x[t * d..(t + 1) * d]);
+            let row = &mut self.scratch.x[t * d..(t + 1) * d];
+            self.model.embed(token, row);
+            if scale != 1.0 {
+                row.iter_mut().for_each(|v| *v *= scale);
+            }
         }
         self.fill_rope(&slots);
         // Every page lease of the step, checked once for all its layers.
@@ -277,23 +290,39 @@ impl Backend for CpuBackend {
 }
 
 impl CpuBackend {
-    /// `rope[t][i] = (cos, sin)(pos_t * base^(-2i / rope_dim) * scale / factor_i)`.
+    /// `rope[t][i] = (cos, sin)(pos_t * base^(-2i / rope_dim) * scale / factor_i)`:
+    /// the global layers' table, then the local layers' (their own base and
+    /// scale) where the model has local layers.
     fn fill_rope(&mut self, slots: &[TokenSlot]) {
         let c = &self.model.config;
         let pairs = c.rope_dim / 2;
-        for (t, slot) in slots.iter().enumerate() {
-            for i in 0..pairs {
-                let mut freq = c.rope_base.powf(-((2 * i) as f32) / c.rope_dim as f32);
-                freq *= c.rope_freq_scale;
-                if let Some(factors) = &c.rope_freq_factors {
-                    freq /= factors[i];
+        let table_len = slots.len() * c.rope_dim;
+        let (global, local) = self.scratch.rope[..2 * table_len].split_at_mut(table_len);
+        let mut tables = vec![(c.rope_base, c.rope_freq_scale, global)];
+        if let Some(window) = &c.sliding_window {
+            tables.push((window.rope_base, window.rope_freq_scale, local));
+        }
+        for (base, scale, table) in tables {
+            for (t, slot) in slots.iter().enumerate() {
+                for i in 0..pairs {
+                    let mut freq = base.powf(-((2 * i) as f32) / c.rope_dim as f32);
+                    freq *= scale;
+                    if let Some(factors) = &c.rope_freq_factors {
+                        freq /= factors[i];
+                    }
+                    let theta = slot.pos as f32 * freq;
+                    let (sin, cos) = theta.sin_cos();
+                    table[(t * pairs + i) * 2] = cos;
+                    table[(t * pairs + i) * 2 + 1] = sin;
                 }
-                let theta = slot.pos as f32 * freq;
-                let (sin, cos) = theta.sin_cos();
-                self.scratch.rope[(t * pairs + i) * 2] = cos;
-                self.scratch.rope[(t * pairs + i) * 2 + 1] = sin;
             }
         }
+    }
+
+    /// The layer's window, if it is local.
+    fn window(&self, layer: usize) -> Option<usize> {
+        let window = self.model.config.sliding_window.as_ref()?;
+        window.of_layer(layer)
     }
 
     fn attention_block(
@@ -341,8 +370,11 @@ impl CpuBackend {
             rmsnorm_in_place(q, gq, c.rms_eps);
             rmsnorm_in_place(k, gk, c.rms_eps);
         }
-        apply_rope(q, &s.rope, c.heads_count, c);
-        apply_rope(k, &s.rope, c.kv_heads_count, c);
+        let table_len = tokens * c.rope_dim;
+        let local = c.sliding_window.as_ref().is_some_and(|w| w.local[layer]);
+        let rope = &s.rope[local as usize * table_len..][..table_len];
+        apply_rope(q, rope, c.heads_count, c);
+        apply_rope(k, rope, c.kv_heads_count, c);
         self.write_kv(layer, slots, view);
         self.attention(layer, steps, slots, view);
         let s = &mut self.scratch;
@@ -350,6 +382,9 @@ impl CpuBackend {
             .expect(WIDTHS_CHECKED);
         self.matmuls(&[(&w.wo, Buf::Delta)], tokens);
         let s = &mut self.scratch;
+        if let Some(gain) = &w.attn_post_norm {
+            rmsnorm_in_place(&mut s.delta[..tokens * d], gain, c.rms_eps);
+        }
         add_into(&mut s.x[..tokens * d], &s.delta[..tokens * d]);
     }
 
@@ -376,17 +411,20 @@ impl CpuBackend {
                 .expect(WIDTHS_CHECKED);
             self.matmuls(&[(&w.w_up, Buf::Up)], tokens);
         }
-        self.swiglu(tokens * ffn);
+        self.gated(tokens * ffn, c.activation);
         let s = &mut self.scratch;
         s.xq.quantize(w.w_down.ty(), &s.gate[..tokens * ffn], tokens, ffn)
             .expect(WIDTHS_CHECKED);
         self.matmuls(&[(&w.w_down, Buf::Delta)], tokens);
         let s = &mut self.scratch;
+        if let Some(gain) = &w.ffn_post_norm {
+            rmsnorm_in_place(&mut s.delta[..tokens * d], gain, c.rms_eps);
+        }
         add_into(&mut s.x[..tokens * d], &s.delta[..tokens * d]);
     }
 
-    /// `gate = silu(gate) * up`, split across the pool.
-    fn swiglu(&mut self, len: usize) {
+    /// `gate = act(gate) * up`, split across the pool.
+    fn gated(&mut self, len: usize, activation: Activation) {
         let s = &mut self.scratch;
         let chunks = self.threads.threads_count();
         let chunk_len = len.div_ceil(chunks);
@@ -399,7 +437,10 @@ impl CpuBackend {
             // SAFETY: tasks own disjoint ranges [start, end) of `gate`.
             let gate =
                 unsafe { std::slice::from_raw_parts_mut(gate.ptr().add(start), end - start) };
-            vector::swiglu(isa, gate, &up[start..end]);
+            match activation {
+                Activation::Silu => vector::swiglu(isa, gate, &up[start..end]),
+                Activation::GeluTanh => vector::geglu(isa, gate, &up[start..end]),
+            }
         });
     }
 
@@ -441,7 +482,9 @@ impl CpuBackend {
             kv_len: c.kv_len(),
             page_tokens,
             span_positions: span_pages(page_tokens) * page_tokens,
-            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            scale: c.attention_scale,
+            softcap: c.attention_softcap,
+            window: self.window(layer),
         };
         // Decode tokens (a sequence with one new token) split their positions
         // by span across tasks; prefill chunks split their queries in blocks.
@@ -454,7 +497,8 @@ impl CpuBackend {
         for (seq_index, step) in steps.iter().enumerate() {
             let t_end = t0 + step.tokens.len();
             if step.tokens.len() == 1 {
-                let spans = ctx.spans(slots[t0].pos);
+                let span_range = ctx.spans(slots[t0].pos);
+                let spans = span_range.len();
                 spans_max = spans_max.max(spans);
                 // A task reads whole pages (every KV head) where there are
                 // spans enough to keep the threads busy: the pages are read
@@ -473,13 +517,13 @@ impl CpuBackend {
                 };
                 for first in (0..c.kv_heads_count).step_by(heads_per_task) {
                     let kv_heads = first..(first + heads_per_task).min(c.kv_heads_count);
-                    for span in (0..spans).step_by(spans_per_task) {
+                    for span in span_range.clone().step_by(spans_per_task) {
                         tasks.push(AttentionTask::Span {
                             seq_index,
                             t: t0,
                             decode: decodes,
                             kv_heads: kv_heads.clone(),
-                            spans: span..(span + spans_per_task).min(spans),
+                            spans: span..(span + spans_per_task).min(span_range.end),
                         });
                     }
                 }
@@ -526,6 +570,7 @@ impl CpuBackend {
                     spans,
                 } => {
                     let pos = slots[t].pos;
+                    let own_spans = ctx.spans(pos);
                     let WorkerScratch {
                         scores,
                         tiles,
@@ -537,7 +582,9 @@ impl CpuBackend {
                     for span in spans {
                         let first = span * ctx.span_positions;
                         let end = (pos + 1).min(first + ctx.span_positions);
-                        if vector::paged(ctx.isa, ctx.head_dim) {
+                        // Tile rows this token sees: all but those before its window.
+                        let rows = ctx.first_pos(pos).max(first) - first..end - first;
+                        if vector::paged(ctx.isa, ctx.head_dim) && rows.start == 0 {
                             ctx.paged_partials(
                                 view,
                                 seq_index,
@@ -554,18 +601,21 @@ impl CpuBackend {
                             ctx.load_tiles(view, seq_index, kv_heads.clone(), span, end, tiles);
                             let heads = part.chunks_exact_mut(stride).zip(tiles.iter());
                             for ((part, tile), kv_head) in heads.zip(kv_heads.clone()) {
-                                ctx.tile_partial(tile, end - first, kv_head, q, t, scores, part);
+                                let rows = rows.clone();
+                                ctx.tile_partial(tile, rows, kv_head, q, t, scores, part);
                             }
                         }
                         for (kv_head, part) in kv_heads.clone().zip(part.chunks_exact(stride)) {
-                            if ctx.spans(pos) == 1 {
+                            if own_spans.len() == 1 {
                                 ctx.write_out(part, t, kv_head, out);
                                 continue;
                             }
+                            // Partials are stored by the span's index among the token's own.
+                            let index = span - own_spans.start;
                             for g in 0..ctx.kv_group {
                                 let h = kv_head * ctx.kv_group + g;
                                 let at =
-                                    ((decode * ctx.heads_count + h) * spans_max + span) * part_len;
+                                    ((decode * ctx.heads_count + h) * spans_max + index) * part_len;
                                 // SAFETY: (decode, head, span) belongs to this task only,
                                 // and `partials` holds every index below partials_len.
                                 let dst = unsafe {
@@ -615,7 +665,7 @@ impl CpuBackend {
         self.threads.run(merges.len(), &|i, worker| {
             let (decode, kv_head) = merges[i];
             let t = decode_tokens[decode];
-            let spans = ctx.spans(slots[t].pos);
+            let spans = ctx.spans(slots[t].pos).len();
             let mut scratch = workers[worker].lock().unwrap_or_else(|e| e.into_inner());
             let mut state = std::mem::take(&mut scratch.state);
             state.resize(ctx.kv_group * part_len, 0.0);
@@ -663,6 +713,10 @@ impl CpuBackend {
         s.xq.quantize(model.output.ty(), &s.out_norm[..wanted * d], wanted, d)
             .expect(WIDTHS_CHECKED);
         self.matmuls(&[(&model.output, Buf::Logits)], wanted);
+        if let Some(cap) = c.final_softcap {
+            let logits = &mut self.scratch.logits[..wanted * c.vocab_len];
+            vector::softcap(self.isa, logits, cap);
+        }
         wanted
     }
 
@@ -786,10 +840,13 @@ fn span_pages(page_tokens: usize) -> usize {
 ///
 /// # The reduction
 ///
-/// A token at position `pos` attends to positions `0..=pos`, cut into spans of
-/// `span_positions` (whole pages). For each span and query head, one partial:
-/// the span's scores `s_j = scale · q·k_j`, `m = max s_j`, `p_j = e^(s_j - m)`,
-/// `l = Σ p_j`, `o = Σ p_j v_j`. Partials fold left to right, span 0 first:
+/// A token at position `pos` attends to positions `first..=pos` (`first` is 0,
+/// or where its window starts in a local layer), cut into spans of
+/// `span_positions` (whole pages; the first span the token sees may start
+/// inside at `first`). For each span and query head, one partial: the span's
+/// scores `s_j = scale · q·k_j` (soft-capped, `cap · tanh(s_j / cap)`, where
+/// the family says so), `m = max s_j`, `p_j = e^(s_j - m)`, `l = Σ p_j`, `o =
+/// Σ p_j v_j`. Partials fold left to right, the token's first span first:
 /// `m' = max(m_a, m_b)`, `l' = l_a e^(m_a - m') + l_b e^(m_b - m')`, the same
 /// for `o`; the output is `o / l`.
 ///
@@ -816,13 +873,29 @@ struct AttentionContext {
     kv_len: usize,
     page_tokens: usize,
     span_positions: usize,
+    /// Multiplies `q·k`.
     scale: f32,
+    /// Scores become `cap · tanh(score / cap)`.
+    softcap: Option<f32>,
+    /// A local layer's window: positions a token sees, itself included.
+    window: Option<usize>,
 }
 
 impl AttentionContext {
-    /// Spans a token at `pos` attends over.
-    fn spans(&self, pos: usize) -> usize {
-        (pos + 1).div_ceil(self.span_positions)
+    /// The first position a token at `pos` attends to: 0, or the start of its
+    /// window in a local layer.
+    fn first_pos(&self, pos: usize) -> usize {
+        match self.window {
+            Some(window) => (pos + 1).saturating_sub(window),
+            None => 0,
+        }
+    }
+
+    /// The spans a token at `pos` attends over: from the one holding its
+    /// first position to the one holding `pos`. Its partials fold in this
+    /// order, the first one starting the fold.
+    fn spans(&self, pos: usize) -> Range<usize> {
+        self.first_pos(pos) / self.span_positions..(pos + 1).div_ceil(self.span_positions)
     }
 
     /// Loads K and V of each of `kv_heads` at positions `span *
@@ -876,13 +949,13 @@ impl AttentionContext {
         }
     }
 
-    /// The partials over the first `positions` rows of `tile` for the query
-    /// heads of `kv_head` of token `t`: `part` is `[group][m, l, o[head_dim]]`.
+    /// The partials over rows `rows` of `tile` for the query heads of
+    /// `kv_head` of token `t`: `part` is `[group][m, l, o[head_dim]]`.
     #[allow(clippy::too_many_arguments)]
     fn tile_partial(
         &self,
         tile: &Tile,
-        positions: usize,
+        rows: Range<usize>,
         kv_head: usize,
         q: &[f32],
         t: usize,
@@ -894,10 +967,12 @@ impl AttentionContext {
             self.heads_count * self.head_dim,
             self.kv_group,
         );
+        let positions = rows.len();
         if scores.len() < group * positions {
             scores.resize(group * positions, 0.0);
         }
-        let (k, v) = (&tile.k[..positions * hd], &tile.v[..positions * hd]);
+        let tile_rows = rows.start * hd..rows.end * hd;
+        let (k, v) = (&tile.k[tile_rows.clone()], &tile.v[tile_rows]);
         let scores = &mut scores[..group * positions];
         // The group's query heads are consecutive: one K (and V) pass for all.
         let first = t * d + kv_head * group * hd;
@@ -918,8 +993,12 @@ impl AttentionContext {
     }
 
     /// The middle of a partial: each group row of `scores` (`[group][positions]`)
-    /// becomes `e^(s - m)`, and its `m`, `l` go to `part` with `o` zeroed.
+    /// is soft-capped where the layer says so, then becomes `e^(s - m)`, and
+    /// its `m`, `l` go to `part` with `o` zeroed.
     fn shift_scores(&self, scores: &mut [f32], positions: usize, part: &mut [f32]) {
+        if let Some(cap) = self.softcap {
+            vector::softcap(self.isa, scores, cap);
+        }
         let part_len = self.head_dim + 2;
         for (scores, part) in scores
             .chunks_exact_mut(positions)
@@ -1052,7 +1131,7 @@ impl AttentionContext {
         part.resize(stride, 0.0);
         state.resize((t1 - t0) * stride, 0.0);
         let last = slots[t1 - 1].pos;
-        for span in 0..self.spans(last) {
+        for span in self.spans(slots[t0].pos).start..self.spans(last).end {
             let first = span * self.span_positions;
             let span_end = first + self.span_positions;
             let end = (last + 1).min(span_end);
@@ -1066,16 +1145,17 @@ impl AttentionContext {
             );
             for t in t0..t1 {
                 let pos = slots[t].pos;
-                if span >= self.spans(pos) {
+                let own_spans = self.spans(pos);
+                if !own_spans.contains(&span) {
                     continue;
                 }
-                let positions = (pos + 1).min(span_end) - first;
+                let rows = self.first_pos(pos).max(first) - first..(pos + 1).min(span_end) - first;
                 let state = &mut state[(t - t0) * stride..(t - t0 + 1) * stride];
-                if span == 0 {
-                    self.tile_partial(tile, positions, kv_head, q, t, scores, state);
+                if span == own_spans.start {
+                    self.tile_partial(tile, rows, kv_head, q, t, scores, state);
                     continue;
                 }
-                self.tile_partial(tile, positions, kv_head, q, t, scores, part);
+                self.tile_partial(tile, rows, kv_head, q, t, scores, part);
                 for g in 0..self.kv_group {
                     let at = g * part_len..(g + 1) * part_len;
                     merge_partial(&mut state[at.clone()], &part[at]);
@@ -1246,7 +1326,9 @@ mod tests {
         (pool, table)
     }
 
-    /// `softmax(q·K / sqrt(hd)) · V` in f64 over positions `0..=pos`, for head `h`.
+    /// `softmax(q·K / sqrt(hd)) · V` in f64 over positions `0..=pos` (the
+    /// window's, where layer 0 is local; scores soft-capped where the model
+    /// says so), for head `h`.
     fn reference(
         model: &Model,
         pool: &Pool,
@@ -1266,21 +1348,30 @@ mod tests {
             values[at..at + hd].to_vec()
         };
         let scale = 1.0 / (hd as f64).sqrt();
-        let scores: Vec<f64> = (0..=pos)
+        let first = match c.sliding_window.as_ref().and_then(|w| w.of_layer(0)) {
+            Some(window) => (pos + 1).saturating_sub(window),
+            None => 0,
+        };
+        let scores: Vec<f64> = (first..=pos)
             .map(|p| {
                 let k = row(0, p);
-                q.iter()
+                let s = q
+                    .iter()
                     .zip(&k)
                     .map(|(&a, &b)| f64::from(a) * f64::from(b))
                     .sum::<f64>()
-                    * scale
+                    * scale;
+                match c.attention_softcap {
+                    Some(cap) => f64::from(cap) * (s / f64::from(cap)).tanh(),
+                    None => s,
+                }
             })
             .collect();
         let max = scores.iter().copied().fold(f64::MIN, f64::max);
         let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
         let total: f64 = weights.iter().sum();
         let mut out = vec![0.0f64; hd];
-        for (p, w) in weights.iter().enumerate() {
+        for (p, w) in (first..).zip(&weights) {
             for (o, &x) in out.iter_mut().zip(&row(1, p)) {
                 *o += w / total * f64::from(x);
             }
@@ -1290,21 +1381,25 @@ mod tests {
 
     #[test]
     fn attention_matches_an_f64_softmax_and_is_the_same_bits_in_prefill_and_decode() {
-        // (heads, KV heads, page tokens, value type, embedding width)
+        // (heads, KV heads, page tokens, value type, embedding width, local
+        // window and score cap: a gemma2 model, whose layer 0 is local)
         let cases = [
-            (4, 4, 3, KvType::F16, 64),  // group 1; spans of 126 positions (42 pages)
-            (4, 2, 16, KvType::F16, 64), // group 2; spans of 128 (8 pages)
-            (4, 1, 16, KvType::F32, 64), // group 4
-            (4, 1, 5, KvType::F32, 64),
-            (3, 1, 16, KvType::F16, 96), // group 3, as SmolLM2; head width 32
-            (2, 1, 7, KvType::F16, 128), // group 2, head width 64
+            (4, 4, 3, KvType::F16, 64, None), // group 1; spans of 126 positions (42 pages)
+            (4, 2, 16, KvType::F16, 64, None), // group 2; spans of 128 (8 pages)
+            (4, 1, 16, KvType::F32, 64, None), // group 4
+            (4, 1, 5, KvType::F32, 64, None),
+            (3, 1, 16, KvType::F16, 96, None), // group 3, as SmolLM2; head width 32
+            (2, 1, 7, KvType::F16, 128, None), // group 2, head width 64
+            // Windows that start inside a span, over several spans or one or two.
+            (4, 2, 16, KvType::F16, 64, Some((300, 1.5))),
+            (4, 1, 5, KvType::F32, 64, Some((100, 0.5))),
         ];
         // Positions 0..1200 (context 1280): spans end at 126/128, 252/256 and
         // so on. With two threads a decode token of 4 spans or more (from
         // position 378/384) reads whole pages per task; fewer, one KV head.
         // From 9 spans (position 1008/1024) a task takes a run of 2 spans.
         let (len, chunk_start) = (1200usize, 1140usize);
-        for (heads, kv_heads, page_tokens, kv_type, embedding_len) in cases {
+        for (heads, kv_heads, page_tokens, kv_type, embedding_len, local) in cases {
             let case = Case {
                 heads,
                 kv_heads,
@@ -1316,7 +1411,15 @@ mod tests {
                 kv_heads: case.kv_heads,
                 embedding_len,
                 context_len: 1280,
-                ..TinySpec::default()
+                ..match local {
+                    Some((window, cap)) => TinySpec {
+                        architecture: crate::model::Architecture::Gemma2,
+                        sliding_window: Some((window, 2)),
+                        softcaps: (Some(cap), None),
+                        ..TinySpec::default()
+                    },
+                    None => TinySpec::default(),
+                }
             };
             let gguf = Gguf::from_bytes(tiny_llama(&spec)).unwrap();
             let model = Arc::new(Model::load(Arc::new(gguf)).unwrap());
