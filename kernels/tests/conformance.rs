@@ -603,10 +603,7 @@ fn local_layers_and_windows_are_read_as_llama_cpp_reads_them() {
     assert!(c.unwrap().sliding_window.is_none());
     // Bad values are refused by name.
     let refused = |architecture, extra: &[(&str, Value)], named: &str| {
-        let error = of(architecture, 2, extra)
-            .err()
-            .expect("refused")
-            .to_string();
+        let error = of(architecture, 2, extra).expect_err("refused").to_string();
         assert!(error.contains(named), "{extra:?}: {error}");
     };
     refused(
