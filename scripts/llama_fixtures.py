@@ -18,6 +18,11 @@ holds the engine to.
    (tens of MB): the test that reads them reports itself skipped where they are
    absent, as in CI.
 
+5. Gemma's SentencePiece setting: llama.cpp's llama-spm test vocabulary with
+   `tokenizer.ggml.add_space_prefix = false` (what Gemma's files say; no
+   Gemma 2/3 vocabulary ships with llama.cpp's tests), and llama.cpp's ids for
+   its test texts under it, to tokenizer/spm-no-space-prefix.json.
+
 Regenerate (after scripts/llama_cpp.sh):
     python3 scripts/llama_fixtures.py            # both fixtures
     python3 scripts/llama_fixtures.py --generated  # llamacpp.json only
@@ -107,7 +112,42 @@ def smollm2():
         f.write("\n")
 
 
+def spm_no_space_prefix():
+    """llama.cpp's ids for its SentencePiece test texts without the space prefix."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+    vocab = os.path.join(ROOT, ".cache/llama.cpp/vocab/ggml-vocab-llama-spm.gguf")
+    variant = os.path.join(MODELS, "vocab-spm-no-space-prefix.gguf")
+    os.makedirs(MODELS, exist_ok=True)
+    reader = gguf.GGUFReader(vocab, "r")
+    writer = gguf.GGUFWriter(variant, arch=reader.fields["general.architecture"].contents())
+    copy_with_new_metadata(reader, writer, {
+        "tokenizer.ggml.add_space_prefix": MetadataDetails(gguf.GGUFValueType.BOOL, False),
+    }, [])
+    with open(vocab + ".inp") as f:
+        inp = f.read()
+    if inp.endswith("\n__ggml_vocab_test__\n"):
+        inp = inp[:-len("\n__ggml_vocab_test__\n")]
+    texts = inp.split("\n__ggml_vocab_test__\n")
+    stdin = "".join(t.encode().hex() + "\n" for t in texts)
+    out = run([os.path.join(BIN, "llama-reference"), variant, "--tokenize"],
+              input=stdin, capture_output=True, text=True).stdout
+    ids = [json.loads(line)["ids"] for line in out.splitlines()]
+    assert len(ids) == len(texts)
+    path = os.path.join(ROOT, "kernels/tests/fixtures/tokenizer/spm-no-space-prefix.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    cases = ",\n".join(json.dumps({"text": t, "ids": i}, ensure_ascii=False)
+                        for t, i in zip(texts, ids))
+    with open(path, "w") as f:
+        f.write('{"reference": %s,\n"vocab": %s,\n"cases": [\n%s\n]}\n' % (
+            json.dumps(REFERENCE),
+            json.dumps("ggml-vocab-llama-spm.gguf with tokenizer.ggml.add_space_prefix = false"),
+            cases))
+    print(f"spm without the space prefix: {len(texts)} texts", file=sys.stderr)
+
+
 def main():
+    spm_no_space_prefix()
     fingerprints = generated_models()
     models = {}
     for name, fingerprint in fingerprints.items():

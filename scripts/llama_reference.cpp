@@ -5,6 +5,7 @@
 // scripts/llama_cpp.sh. Nothing here shares code with Bulkhead's engine.
 //
 //   llama-reference MODEL GREEDY_COUNT < prompts
+//   llama-reference VOCAB --tokenize < texts
 //
 // stdin: one prompt per line, its UTF-8 bytes in hex (so any text survives).
 // stdout: one JSON object per prompt:
@@ -13,6 +14,10 @@
 // Tokenized as llama.cpp does for a completion: special tokens added as the
 // file says (BOS), special-token text not parsed. One thread, f32 KV cache,
 // so the reference is as exact as llama.cpp gets.
+//
+// --tokenize loads the vocabulary only (a vocabulary-only GGUF will do) and
+// prints {"ids":[...]} per text, tokenized as test-tokenizer-0 does: no BOS,
+// special-token text not parsed.
 
 #include "llama.h"
 
@@ -56,9 +61,11 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "usage: %s MODEL GREEDY_COUNT < prompts\n", argv[0]);
         return 2;
     }
-    const int greedy_count = atoi(argv[2]);
+    const bool tokenize_only = std::string(argv[2]) == "--tokenize";
+    const int greedy_count = tokenize_only ? 0 : atoi(argv[2]);
     llama_backend_init();
     llama_model_params mparams = llama_model_default_params();
+    mparams.vocab_only = tokenize_only;
     llama_model * model = llama_model_load_from_file(argv[1], mparams);
     if (!model) {
         fprintf(stderr, "cannot load %s\n", argv[1]);
@@ -66,6 +73,24 @@ int main(int argc, char ** argv) {
     }
     const llama_vocab * vocab = llama_model_get_vocab(model);
     const int n_vocab = llama_vocab_n_tokens(vocab);
+    if (tokenize_only) {
+        std::string line;
+        while (std::getline(std::cin, line)) {
+            const std::string text = from_hex(line);
+            std::vector<llama_token> ids(text.size() + 8);
+            int n = llama_tokenize(vocab, text.c_str(), (int) text.size(), ids.data(),
+                                   (int) ids.size(), false, false);
+            if (n < 0) {
+                fprintf(stderr, "tokenize failed\n");
+                return 1;
+            }
+            printf("{\"ids\":[");
+            for (int i = 0; i < n; i++) printf("%s%d", i ? "," : "", ids[i]);
+            printf("]}\n");
+        }
+        llama_model_free(model);
+        return 0;
+    }
 
     std::string line;
     while (std::getline(std::cin, line)) {

@@ -78,3 +78,73 @@ fn every_family_tokenizes_as_llama_cpp() {
         assert!(failed.is_empty(), "{name}:\n{}", failed.join("\n"));
     }
 }
+
+/// Gemma's SentencePiece setting, `add_space_prefix = false`, on llama.cpp's
+/// SentencePiece test vocabulary (no Gemma 2/3 vocabulary ships with its
+/// tests): llama.cpp's ids for the same texts under that setting are a
+/// committed fixture (`scripts/llama_fixtures.py`). Decoding gives the text
+/// back, with no leading space taken off.
+#[test]
+fn sentencepiece_without_the_space_prefix_tokenizes_as_llama_cpp() {
+    use bulkhead_kernels::gguf::{GgufWriter, Value};
+    use bulkhead_kernels::tokenizer::DecodeOptions;
+    let path = common::repo_root().join(".cache/llama.cpp/vocab/ggml-vocab-llama-spm.gguf");
+    if cases("llama-spm").is_none() {
+        return;
+    }
+    let vocab = Gguf::open(&path).unwrap();
+    let mut writer = GgufWriter::new();
+    for (key, value) in vocab.metadata() {
+        writer.metadata(key, value.clone());
+    }
+    writer.metadata("tokenizer.ggml.add_space_prefix", Value::Bool(false));
+    let variant = Gguf::from_bytes(writer.to_bytes()).unwrap();
+    let tokenizer = Tokenizer::from_gguf(&variant).unwrap();
+    let fixture =
+        common::repo_root().join("kernels/tests/fixtures/tokenizer/spm-no-space-prefix.json");
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+    let options = EncodeOptions {
+        add_bos: false,
+        parse_special: false,
+    };
+    let cases = fixture["cases"].as_array().unwrap();
+    let mut failed = Vec::new();
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let expected: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|id| id.as_u64().unwrap() as u32)
+            .collect();
+        let ours = tokenizer.encode(text, options).unwrap();
+        if ours != expected {
+            failed.push(format!("{text:?}: ours {ours:?}, llama.cpp {expected:?}"));
+            continue;
+        }
+        let decoded = tokenizer
+            .decode(
+                &ours,
+                DecodeOptions {
+                    skip_special: false,
+                },
+            )
+            .unwrap();
+        if decoded != text {
+            failed.push(format!("{text:?} decodes to {decoded:?}"));
+        }
+    }
+    eprintln!(
+        "spm without the space prefix: {} of {} texts agree",
+        cases.len() - failed.len(),
+        cases.len()
+    );
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    // The setting matters: with the prefix, " Hello" and "Hello" part ways.
+    let with_prefix = Tokenizer::from_gguf(&vocab).unwrap();
+    assert_ne!(
+        with_prefix.encode("Hello", options).unwrap(),
+        tokenizer.encode("Hello", options).unwrap()
+    );
+}
