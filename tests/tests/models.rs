@@ -546,14 +546,37 @@ fn a_routing_plugin_picks_among_the_models_its_tenant_may_use() {
 /// decoding answers with llama.cpp's own continuation.
 #[test]
 fn a_k_quant_file_from_llama_quantize_is_served_with_llama_cpps_continuation() {
+    let fixtures = repo_root().join("kernels/tests/fixtures/conformance");
+    serves_llama_cpps_continuation(&fixtures.join("llamacpp-Q4_K_M.gguf"), "llamacpp-Q4_K_M");
+}
+
+/// The same for a Gemma 2 model (the conformance suite's: a local layer with
+/// a window of 8 positions the prompt and continuation outgrow, soft caps,
+/// post-norms, GELU gate, scaled embeddings), served through the whole stack.
+#[test]
+fn a_gemma2_file_is_served_with_llama_cpps_continuation() {
+    use bulkhead_kernels::testing::{conformance_models, tiny_llama};
+    let (_, spec) = conformance_models()
+        .into_iter()
+        .find(|(name, _)| *name == "gemma2-f32")
+        .unwrap();
+    let dir = temp_dir("gemma2");
+    let model = dir.join("gemma2-f32.gguf");
+    std::fs::write(&model, tiny_llama(&spec)).unwrap();
+    serves_llama_cpps_continuation(&model, "gemma2-f32");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Serves `model` alone and asks for the greedy continuation of the
+/// conformance fixture's entry `name`: it must be llama.cpp's.
+fn serves_llama_cpps_continuation(model: &Path, name: &str) {
     use bulkhead_kernels::gguf::Gguf;
     use bulkhead_kernels::tokenizer::{DecodeOptions, Tokenizer};
     let fixtures = repo_root().join("kernels/tests/fixtures/conformance");
-    let model = fixtures.join("llamacpp-Q4_K_M.gguf");
     let fixture: Value =
         serde_json::from_str(&std::fs::read_to_string(fixtures.join("llamacpp.json")).unwrap())
             .unwrap();
-    let greedy = &fixture["models"]["llamacpp-Q4_K_M"]["greedy"];
+    let greedy = &fixture["models"][name]["greedy"];
     // llama.cpp's continuation up to its first near-tie (a margin below 0.1
     // logit), where two engines may part without either being wrong.
     let margins = greedy["top2_margins"].as_array().unwrap();
@@ -563,13 +586,13 @@ fn a_k_quant_file_from_llama_quantize_is_served_with_llama_cpps_continuation() {
         .count();
     assert!(
         agreed >= 4,
-        "the fixture's continuation has {agreed} clear tokens"
+        "{name}: the fixture's continuation has {agreed} clear tokens"
     );
     let ids: Vec<u32> = greedy["continuation"].as_array().unwrap()[..agreed]
         .iter()
         .map(|id| id.as_u64().unwrap() as u32)
         .collect();
-    let tokenizer = Tokenizer::from_gguf(&Gguf::open(&model).unwrap()).unwrap();
+    let tokenizer = Tokenizer::from_gguf(&Gguf::open(model).unwrap()).unwrap();
     let expected = tokenizer.decode(&ids, DecodeOptions::default()).unwrap();
 
     let policy = Policy {
@@ -577,7 +600,7 @@ fn a_k_quant_file_from_llama_quantize_is_served_with_llama_cpps_continuation() {
         seq_pages_max: 16,
         ..Policy::default()
     };
-    let server = launch(Launch::new(&model, &policy));
+    let server = launch(Launch::new(model, &policy));
     let r = server.post_json(
         "/v1/completions",
         Some(KEY_ALPHA),
@@ -588,8 +611,17 @@ fn a_k_quant_file_from_llama_quantize_is_served_with_llama_cpps_continuation() {
             "temperature": 0,
         }),
     );
-    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.status, 200, "{name}: {}", r.body);
     let body = r.json();
-    assert_eq!(body["usage"]["completion_tokens"], agreed, "{}", r.body);
-    assert_eq!(body["choices"][0]["text"], expected.as_str(), "{}", r.body);
+    assert_eq!(
+        body["usage"]["completion_tokens"], agreed,
+        "{name}: {}",
+        r.body
+    );
+    assert_eq!(
+        body["choices"][0]["text"],
+        expected.as_str(),
+        "{name}: {}",
+        r.body
+    );
 }
