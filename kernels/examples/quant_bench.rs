@@ -126,6 +126,9 @@ fn main() {
         (GgmlType::Q8_0, 1536, 576, &[1, 512]),
         (GgmlType::Q4_0, 1536, 576, &[1, 512]),
         (GgmlType::Q4_K, 1536, 768, &[1, 8, 64]),
+        // Llama-3.2-1B's feed-forward matrices over a 512-token prefill.
+        (GgmlType::Q4_K, 8192, 2048, &[512]),
+        (GgmlType::Q4_K, 2048, 8192, &[512]),
         (GgmlType::Q5_K, 1536, 768, &[1, 8, 64]),
         (GgmlType::Q6_K, 1536, 768, &[1, 8, 64]),
         (GgmlType::Q5_0, 1536, 576, &[1, 8, 512]),
