@@ -53,7 +53,7 @@
 //! The real SmolLM2-135M re-quantized by llama-quantize (Q4_K_M: mostly
 //! Q5_0 and Q8_0, as its width 576 is not whole super-blocks; Q6_K: Q6_K and
 //! Q8_0) differs from llama.cpp by up to 1.4 logits (5.9e-2 of the largest;
-//! tolerance 8e-2), its greedy continuation parting after 2 to 32 tokens
+//! 6.5e-2 since the K-quant kernels scale in i16 pairs; tolerance 8e-2), its greedy continuation parting after 2 to 32 tokens
 //! depending on the instruction set. Both engines are that far from an f64
 //! NumPy forward pass over the same dequantized weights (golden_logits.py,
 //! 2026-12-04, top-10 logits of its prompts): llama.cpp worst 1.20 / mean
