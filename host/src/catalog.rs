@@ -176,14 +176,22 @@ fn regular_file(spec: &ModelSpec) -> Result<(), LoadError> {
     }
 }
 
-/// Where `spec` computes on this machine, its own `backend` first, else `default`.
+/// Where `spec` computes on this machine, its own `backend` first, else
+/// `default`. Where a GPU is present, the file is read to ask whether the
+/// CUDA kernels run its model (`auto` chooses the CPU where they do not).
 pub fn placement_of(
     spec: &ModelSpec,
     default: BackendChoice,
 ) -> Result<(Placement, String), LoadError> {
-    placement::resolve(spec.backend.unwrap_or(default)).map_err(|error| LoadError::Backend {
-        id: spec.id.clone(),
-        error,
+    let runs = || {
+        let model = Model::open(&spec.path).map_err(|e| e.to_string())?;
+        bulkhead_kernels::backend::cuda::runs(&model)
+    };
+    placement::resolve_for(spec.backend.unwrap_or(default), runs).map_err(|error| {
+        LoadError::Backend {
+            id: spec.id.clone(),
+            error,
+        }
     })
 }
 

@@ -8,8 +8,9 @@
 //! cpu    the CPU backend, always available
 //! cuda   the CUDA backend on device 0; a start-up error naming what is
 //!        missing (the driver, a device, NVRTC) where it cannot run
-//! auto   cuda when a driver, a device and NVRTC are all present, else cpu;
-//!        the log and the admin /readyz say which, and why
+//! auto   cuda when a driver, a device and NVRTC are all present and the
+//!        CUDA kernels run the model (the plain llama blueprint in their
+//!        types), else cpu; the log and the admin /readyz say which, and why
 //! ```
 //!
 //! The machine is probed once per process (the driver loaded by name, no
@@ -108,20 +109,56 @@ fn machine() -> &'static Result<Gpu, String> {
     })
 }
 
-/// Resolves `choice` on this machine: the placement, and a sentence saying
-/// why (for the log).
+/// Resolves `choice` on this machine for a model the CUDA kernels run: the
+/// placement, and a sentence saying why (for the log).
 pub fn resolve(choice: BackendChoice) -> Result<(Placement, String), PlacementError> {
-    match (choice, machine()) {
+    resolve_for(choice, || Ok(()))
+}
+
+/// Resolves `choice` on this machine for a model: `runs` says whether the
+/// CUDA kernels run it (`Err`: what they lack), asked only where a GPU is
+/// there to run it on.
+pub fn resolve_for(
+    choice: BackendChoice,
+    runs: impl FnOnce() -> Result<(), String>,
+) -> Result<(Placement, String), PlacementError> {
+    decide(choice, machine(), runs)
+}
+
+/// [`resolve_for`] on a given machine.
+fn decide(
+    choice: BackendChoice,
+    machine: &Result<Gpu, String>,
+    runs: impl FnOnce() -> Result<(), String>,
+) -> Result<(Placement, String), PlacementError> {
+    match (choice, machine) {
         (BackendChoice::Cpu, _) => Ok((Placement::Cpu, "backend cpu, as configured".into())),
-        (BackendChoice::Cuda, Ok(gpu)) => Ok((
-            Placement::Cuda(gpu.clone()),
-            format!("backend cuda on {}, as configured", gpu.name),
-        )),
+        (BackendChoice::Cuda, Ok(gpu)) => match runs() {
+            Ok(()) => Ok((
+                Placement::Cuda(gpu.clone()),
+                format!("backend cuda on {}, as configured", gpu.name),
+            )),
+            Err(lacks) => Err(PlacementError(format!(
+                "{} is present, but the CUDA kernels do not run this model: {lacks} \
+                 (choose backend cpu for it)",
+                gpu.name
+            ))),
+        },
         (BackendChoice::Cuda, Err(why)) => Err(PlacementError(why.clone())),
-        (BackendChoice::Auto, Ok(gpu)) => Ok((
-            Placement::Cuda(gpu.clone()),
-            format!("backend auto chose cuda: {} is present", gpu.name),
-        )),
+        (BackendChoice::Auto, Ok(gpu)) => match runs() {
+            Ok(()) => Ok((
+                Placement::Cuda(gpu.clone()),
+                format!("backend auto chose cuda: {} is present", gpu.name),
+            )),
+            Err(lacks) => Ok((
+                Placement::Cpu,
+                format!(
+                    "backend auto chose cpu: {} is present, but the CUDA kernels do not run \
+                     this model: {lacks}",
+                    gpu.name
+                ),
+            )),
+        },
         (BackendChoice::Auto, Err(why)) => {
             Ok((Placement::Cpu, format!("backend auto chose cpu: {why}")))
         }
@@ -161,6 +198,35 @@ mod tests {
             }
         }
         assert_eq!(device_memory_max(Some(7)), Some(7));
+    }
+
+    #[test]
+    fn auto_falls_back_to_the_cpu_for_a_model_the_cuda_kernels_do_not_run() {
+        let gpu = Gpu {
+            ordinal: 0,
+            name: "NVIDIA H200, sm_90".into(),
+            memory_bytes: 140 << 30,
+        };
+        let machine = Ok(gpu.clone());
+        let lacks = || Err("this gemma2 model needs GELU".to_string());
+        let (placement, why) = decide(BackendChoice::Auto, &machine, lacks).unwrap();
+        assert_eq!(placement, Placement::Cpu);
+        assert!(why.contains("H200") && why.ends_with("needs GELU"), "{why}");
+        let refused = decide(BackendChoice::Cuda, &machine, lacks).unwrap_err();
+        assert!(refused.to_string().contains("needs GELU"), "{refused}");
+        let (placement, _) = decide(BackendChoice::Auto, &machine, || Ok(())).unwrap();
+        assert_eq!(placement, Placement::Cuda(gpu));
+        // Without a GPU the model is never asked about.
+        let none = Err("no CUDA driver".to_string());
+        let never = || -> Result<(), String> { panic!("asked without a GPU") };
+        assert_eq!(
+            decide(BackendChoice::Auto, &none, never).unwrap().0,
+            Placement::Cpu
+        );
+        assert_eq!(
+            decide(BackendChoice::Cpu, &machine, never).unwrap().0,
+            Placement::Cpu
+        );
     }
 
     #[test]

@@ -297,12 +297,17 @@ impl CpuBackend {
         let c = &self.model.config;
         let pairs = c.rope_dim / 2;
         let table_len = slots.len() * c.rope_dim;
-        let (global, local) = self.scratch.rope[..2 * table_len].split_at_mut(table_len);
-        let mut tables = vec![(c.rope_base, c.rope_freq_scale, global)];
-        if let Some(window) = &c.sliding_window {
-            tables.push((window.rope_base, window.rope_freq_scale, local));
-        }
-        for (base, scale, table) in tables {
+        let local = c.sliding_window.as_ref();
+        let tables = [
+            Some((c.rope_base, c.rope_freq_scale)),
+            local.map(|w| (w.rope_base, w.rope_freq_scale)),
+        ];
+        let buffers = self.scratch.rope[..2 * table_len].chunks_exact_mut(table_len);
+        for ((base, scale), table) in tables
+            .into_iter()
+            .zip(buffers)
+            .filter_map(|(t, b)| Some((t?, b)))
+        {
             for (t, slot) in slots.iter().enumerate() {
                 for i in 0..pairs {
                     let mut freq = base.powf(-((2 * i) as f32) / c.rope_dim as f32);

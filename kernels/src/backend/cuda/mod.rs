@@ -219,6 +219,46 @@ pub fn attention_rows(head_dim: u32, group: u32, shared_max: u32) -> Option<u32>
     None
 }
 
+/// Whether these kernels run `model`, without a device: the plain llama
+/// blueprint, every matrix of a type in [`DEVICE_TYPES`], gate and up taking
+/// one activation format, widths of whole 32-blocks. `Err` says what they
+/// lack (a placement of `auto` then chooses the CPU; `cuda` refuses).
+pub fn runs(model: &Model) -> Result<(), String> {
+    let c = &model.config;
+    if !c.is_plain_llama() {
+        return Err(format!(
+            "these kernels run the plain llama blueprint; this {} model needs {}",
+            c.architecture.name(),
+            "options they do not have (RoPE pairing or scaling, biases, head norms, GELU, \
+             post-norms, soft caps or sliding windows)"
+        ));
+    }
+    for matrix in model.matrices() {
+        if !DEVICE_TYPES.contains(&matrix.ty()) {
+            return Err(format!(
+                "{} is {}, a type these kernels do not run (they run {})",
+                matrix.info.name,
+                matrix.ty().name(),
+                DEVICE_TYPES.map(GgmlType::name).join(", ")
+            ));
+        }
+    }
+    for (i, layer) in model.layers.iter().enumerate() {
+        let (gate, up) = (layer.w_gate.ty(), layer.w_up.ty());
+        if ActivationFormat::for_weights(gate) != ActivationFormat::for_weights(up) {
+            return Err(format!(
+                "layer {i}: ffn_gate ({}) and ffn_up ({}) take activations in different formats",
+                gate.name(),
+                up.name()
+            ));
+        }
+    }
+    if !c.embedding_len.is_multiple_of(32) || !c.ffn_len.is_multiple_of(32) {
+        return Err("widths that are not whole 32-blocks".to_string());
+    }
+    Ok(())
+}
+
 impl CudaBackend {
     /// A backend for `model` on `device`, its weights uploaded and its
     /// scratch allocated now.
@@ -227,6 +267,8 @@ impl CudaBackend {
         device: Arc<dyn Device>,
         options: CudaOptions,
     ) -> Result<CudaBackend, CudaError> {
+        // Checked first, before the device is asked anything.
+        runs(&model).map_err(CudaError::Unsupported)?;
         let c = &model.config;
         let unsupported = |what: String| Err(CudaError::Unsupported(what));
         let group = c.kv_group() as u32;
@@ -239,36 +281,6 @@ impl CudaBackend {
                 c.head_dim, group, device.shared_bytes_max()
             ));
         };
-        if !c.is_plain_llama() {
-            return unsupported(format!(
-                "these kernels run the plain llama blueprint; this {} model needs {}",
-                c.architecture.name(),
-                "RoPE pairing, scaling, biases or head norms they do not have"
-            ));
-        }
-        for matrix in model.matrices() {
-            if !DEVICE_TYPES.contains(&matrix.ty()) {
-                return unsupported(format!(
-                    "{} is {}, a type these kernels do not run (they run {})",
-                    matrix.info.name,
-                    matrix.ty().name(),
-                    DEVICE_TYPES.map(GgmlType::name).join(", ")
-                ));
-            }
-        }
-        for (i, layer) in model.layers.iter().enumerate() {
-            let (gate, up) = (layer.w_gate.ty(), layer.w_up.ty());
-            if ActivationFormat::for_weights(gate) != ActivationFormat::for_weights(up) {
-                return unsupported(format!(
-                    "layer {i}: ffn_gate ({}) and ffn_up ({}) take activations in different formats",
-                    gate.name(),
-                    up.name()
-                ));
-            }
-        }
-        if !c.embedding_len.is_multiple_of(32) || !c.ffn_len.is_multiple_of(32) {
-            return unsupported("widths that are not whole 32-blocks".to_string());
-        }
         let weights = Weights {
             embed: DeviceMatrix::upload(&device, &model, &model.token_embd)?,
             output_norm: floats(&device, &model.output_norm)?,

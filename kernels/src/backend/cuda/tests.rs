@@ -775,6 +775,31 @@ fn a_model_with_a_weight_type_the_kernels_do_not_run_is_refused_naming_it() {
 }
 
 #[test]
+fn only_plain_llama_models_in_device_types_run_and_the_rest_say_why() {
+    use crate::model::Architecture;
+    // What `auto` asks before choosing the GPU (no device involved).
+    assert_eq!(super::runs(&tiny_model(&TinySpec::default())), Ok(()));
+    for architecture in [
+        Architecture::Qwen2,
+        Architecture::Gemma,
+        Architecture::Gemma2,
+        Architecture::Phi3,
+    ] {
+        let model = tiny_model(&TinySpec {
+            architecture,
+            ..TinySpec::default()
+        });
+        let why = super::runs(&model).expect_err(architecture.name());
+        assert!(why.contains(architecture.name()), "{why}");
+    }
+    let q5 = tiny_model(&TinySpec {
+        matrix_type: GgmlType::Q5_0,
+        ..TinySpec::default()
+    });
+    assert!(super::runs(&q5).unwrap_err().contains("Q5_0"));
+}
+
+#[test]
 fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
     // Tiny model: 4 heads over 2 KV heads (group 2), context 1024.
     let spec = TinySpec {
