@@ -38,6 +38,21 @@ static std::string from_hex(const std::string & hex) {
     return out;
 }
 
+// `text` as llama.cpp tokenizes it, special-token text not parsed; BOS and
+// the like as the file says when `add_special`. Exits on failure.
+static std::vector<llama_token> tokenize(const llama_vocab * vocab, const std::string & text,
+                                         bool add_special) {
+    std::vector<llama_token> ids(text.size() + 8);
+    int n = llama_tokenize(vocab, text.c_str(), (int) text.size(), ids.data(), (int) ids.size(),
+                           add_special, false);
+    if (n < 0) {
+        fprintf(stderr, "tokenize failed\n");
+        exit(1);
+    }
+    ids.resize(n);
+    return ids;
+}
+
 static std::vector<std::pair<int, float>> top(const float * logits, int vocab, int count) {
     std::vector<int> ids(vocab);
     for (int i = 0; i < vocab; i++) ids[i] = i;
@@ -76,16 +91,9 @@ int main(int argc, char ** argv) {
     if (tokenize_only) {
         std::string line;
         while (std::getline(std::cin, line)) {
-            const std::string text = from_hex(line);
-            std::vector<llama_token> ids(text.size() + 8);
-            int n = llama_tokenize(vocab, text.c_str(), (int) text.size(), ids.data(),
-                                   (int) ids.size(), false, false);
-            if (n < 0) {
-                fprintf(stderr, "tokenize failed\n");
-                return 1;
-            }
+            const std::vector<llama_token> ids = tokenize(vocab, from_hex(line), false);
             printf("{\"ids\":[");
-            for (int i = 0; i < n; i++) printf("%s%d", i ? "," : "", ids[i]);
+            for (size_t i = 0; i < ids.size(); i++) printf("%s%d", i ? "," : "", ids[i]);
             printf("]}\n");
         }
         llama_model_free(model);
@@ -94,15 +102,8 @@ int main(int argc, char ** argv) {
 
     std::string line;
     while (std::getline(std::cin, line)) {
-        const std::string text = from_hex(line);
-        std::vector<llama_token> ids(text.size() + 8);
-        int n = llama_tokenize(vocab, text.c_str(), (int) text.size(), ids.data(),
-                               (int) ids.size(), true, false);
-        if (n < 0) {
-            fprintf(stderr, "tokenize failed\n");
-            return 1;
-        }
-        ids.resize(n);
+        const std::vector<llama_token> ids = tokenize(vocab, from_hex(line), true);
+        const int n = (int) ids.size();
 
         llama_context_params cparams = llama_context_default_params();
         cparams.n_ctx = (uint32_t) (n + greedy_count + 16);
