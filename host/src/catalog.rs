@@ -152,6 +152,8 @@ pub struct Inspected {
     pub shape: bulkhead_kernels::kv::PageShape,
     /// Where it would compute.
     pub placement: Placement,
+    /// Its blueprint in a line ([`ModelConfig::describe`]).
+    pub blueprint: String,
 }
 
 fn file_error(spec: &ModelSpec, message: impl ToString) -> LoadError {
@@ -238,6 +240,7 @@ pub fn inspect(spec: &ModelSpec, default: BackendChoice) -> Result<Inspected, Lo
         memory: memory_of(spec, &gguf, &config, &placement)?,
         shape: bulkhead_kernels::kv::PageShape::of(&geometry),
         placement,
+        blueprint: config.describe(),
     })
 }
 

@@ -353,6 +353,7 @@ fn check(
     for (spec, _) in &specs {
         let inspected = catalog::inspect(spec, config.engine.backend)?;
         println!("model {}: backend {}", spec.id, inspected.placement);
+        println!("model {}: {}", spec.id, inspected.blueprint);
         let quotas = catalog::quotas_for(spec, &tenants);
         let capacity = Capacity::of_model(spec, inspected.file_context_tokens, &quotas);
         print!("{}", capacity.table());

@@ -440,6 +440,27 @@ impl ModelConfig {
             && self.sliding_window.is_none()
     }
 
+    /// One line for an operator: the family, its shape, and its local layers.
+    pub fn describe(&self) -> String {
+        let mut text = format!(
+            "{}, {} layers, {} query and {} KV heads of width {}",
+            self.architecture.name(),
+            self.layers_count,
+            self.heads_count,
+            self.kv_heads_count,
+            self.head_dim,
+        );
+        if let Some(window) = &self.sliding_window {
+            let local = window.local.iter().filter(|l| **l).count();
+            text += &format!(
+                "; {local} of {} layers local, attending to the last {} positions (their \
+                 K and V are kept for every position, as the other layers')",
+                self.layers_count, window.window
+            );
+        }
+        text
+    }
+
     /// Width of the query projection and of attention's output: `heads * head_dim`.
     pub fn q_len(&self) -> usize {
         self.heads_count * self.head_dim

@@ -606,5 +606,31 @@ fn check_sizes_kv_by_the_files_own_head_width() {
         .find(|l| l.trim_start().starts_with("qwen3 "))
         .unwrap_or_else(|| panic!("no memory row: {text}"));
     assert!(memory.contains("512.0 KiB"), "{memory}");
+    assert!(
+        text.contains("model qwen3: qwen3, 2 layers, 4 query and 2 KV heads of width 32\n"),
+        "{text}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `check` says which of a Gemma 2 model's layers are local and what they
+/// see (the conformance model: layer 0 of 2 local, a window of 8).
+#[test]
+fn check_names_a_models_local_layers_and_their_window() {
+    use bulkhead_kernels::testing::{conformance_models, tiny_llama};
+    let (_, spec) = conformance_models()
+        .into_iter()
+        .find(|(name, _)| *name == "gemma2-f32")
+        .unwrap();
+    let dir = temp_dir("gemma2-window");
+    let model = dir.join("gemma2.gguf");
+    std::fs::write(&model, tiny_llama(&spec)).unwrap();
+    let out = run(bulkhead().arg("check").arg("--model").arg(&model));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains("model gemma2: gemma2, 2 layers, 4 query and 2 KV heads of width 16; 1 of 2 layers local, attending to the last 8 positions"),
+        "{text}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
