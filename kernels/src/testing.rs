@@ -386,3 +386,18 @@ pub fn conformance_models() -> Vec<(&'static str, TinySpec)> {
         ("llama-f32-256", typed(GgmlType::F32)),
     ]
 }
+
+/// The conformance model called `name` ([`conformance_models`]), written as
+/// a GGUF file; panics on a name that is not one (a test's typo).
+pub fn conformance_model(name: &str) -> Vec<u8> {
+    tiny_llama(&conformance_spec(name))
+}
+
+/// The spec of the conformance model called `name`; panics on a name that is not one.
+pub fn conformance_spec(name: &str) -> TinySpec {
+    conformance_models()
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .unwrap_or_else(|| panic!("{name} is not a conformance model"))
+        .1
+}

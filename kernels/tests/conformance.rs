@@ -73,7 +73,7 @@ mod common;
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::model::{Activation, Model, ModelConfig, ModelError, RopeStyle};
 use bulkhead_kernels::quant::{GgmlType, Isa};
-use bulkhead_kernels::testing::{conformance_models, tiny_llama, TinySpec};
+use bulkhead_kernels::testing::{conformance_spec, tiny_llama, TinySpec};
 use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer};
 use common::harness::{harness, ids, top1};
 use serde_json::Value;
@@ -123,7 +123,7 @@ const GELU_F32_TOLERANCE: f32 = 2e-3;
 fn load(name: &str) -> (Arc<Model>, Tokenizer) {
     let entry = &fixture()["models"][name];
     let gguf = if entry["file"] == "generated" {
-        let spec = spec(name);
+        let spec = conformance_spec(name);
         let gguf = Gguf::from_bytes(tiny_llama(&spec)).unwrap();
         let fingerprint = format!("{:016x}", gguf.fingerprint());
         assert_eq!(
@@ -140,14 +140,6 @@ fn load(name: &str) -> (Arc<Model>, Tokenizer) {
     let gguf = Arc::new(gguf);
     let tokenizer = Tokenizer::from_gguf(&gguf).expect("tokenizer");
     (Arc::new(Model::load(gguf).expect(name)), tokenizer)
-}
-
-fn spec(name: &str) -> TinySpec {
-    conformance_models()
-        .into_iter()
-        .find(|(n, _)| *n == name)
-        .unwrap_or_else(|| panic!("{name} is not a conformance model"))
-        .1
 }
 
 /// The type of the model's block matrices (the least exact one decides).
@@ -442,7 +434,7 @@ fn canaries_each_gemma_option_left_out_breaks_the_tolerance() {
 fn a_file_with_a_tensor_the_blueprint_does_not_read_is_refused_by_name() {
     // A llama file carrying qwen2's biases: running it without them would be
     // another model, so it must not load.
-    let qwen2 = Gguf::from_bytes(tiny_llama(&spec("qwen2-f32"))).unwrap();
+    let qwen2 = Gguf::from_bytes(tiny_llama(&conformance_spec("qwen2-f32"))).unwrap();
     let mut writer = bulkhead_kernels::gguf::GgufWriter::new();
     for (key, value) in qwen2.metadata() {
         let key = key.replace("qwen2.", "llama.");

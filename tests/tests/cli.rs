@@ -589,14 +589,13 @@ fn serve_model_serves_one_file_to_one_tenant_with_a_policy_derived_from_it() {
 /// the derived pool of 64 pages of 16 positions holds 512 KiB.
 #[test]
 fn check_sizes_kv_by_the_files_own_head_width() {
-    use bulkhead_kernels::testing::{conformance_models, tiny_llama};
-    let (_, spec) = conformance_models()
-        .into_iter()
-        .find(|(name, _)| *name == "qwen3-f32")
-        .unwrap();
     let dir = temp_dir("qwen3-geometry");
     let model = dir.join("qwen3.gguf");
-    std::fs::write(&model, tiny_llama(&spec)).unwrap();
+    std::fs::write(
+        &model,
+        bulkhead_kernels::testing::conformance_model("qwen3-f32"),
+    )
+    .unwrap();
     let out = run(bulkhead().arg("check").arg("--model").arg(&model));
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
@@ -617,14 +616,13 @@ fn check_sizes_kv_by_the_files_own_head_width() {
 /// see (the conformance model: layer 0 of 2 local, a window of 8).
 #[test]
 fn check_names_a_models_local_layers_and_their_window() {
-    use bulkhead_kernels::testing::{conformance_models, tiny_llama};
-    let (_, spec) = conformance_models()
-        .into_iter()
-        .find(|(name, _)| *name == "gemma2-f32")
-        .unwrap();
     let dir = temp_dir("gemma2-window");
     let model = dir.join("gemma2.gguf");
-    std::fs::write(&model, tiny_llama(&spec)).unwrap();
+    std::fs::write(
+        &model,
+        bulkhead_kernels::testing::conformance_model("gemma2-f32"),
+    )
+    .unwrap();
     let out = run(bulkhead().arg("check").arg("--model").arg(&model));
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);

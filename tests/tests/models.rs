@@ -555,14 +555,13 @@ fn a_k_quant_file_from_llama_quantize_is_served_with_llama_cpps_continuation() {
 /// post-norms, GELU gate, scaled embeddings), served through the whole stack.
 #[test]
 fn a_gemma2_file_is_served_with_llama_cpps_continuation() {
-    use bulkhead_kernels::testing::{conformance_models, tiny_llama};
-    let (_, spec) = conformance_models()
-        .into_iter()
-        .find(|(name, _)| *name == "gemma2-f32")
-        .unwrap();
     let dir = temp_dir("gemma2");
     let model = dir.join("gemma2-f32.gguf");
-    std::fs::write(&model, tiny_llama(&spec)).unwrap();
+    std::fs::write(
+        &model,
+        bulkhead_kernels::testing::conformance_model("gemma2-f32"),
+    )
+    .unwrap();
     serves_llama_cpps_continuation(&model, "gemma2-f32");
     std::fs::remove_dir_all(dir).unwrap();
 }
