@@ -16,6 +16,7 @@ pub mod engine;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod lane;
+pub mod live;
 pub mod policy;
 pub mod quantize_cli;
 pub mod server;

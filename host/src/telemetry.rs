@@ -188,8 +188,13 @@ pub fn install_panic_hook() {
 }
 
 /// Counts a panic of `model`'s engine.
-pub fn count_engine_fault(model: &str) {
+pub fn count_engine_fault(model: &str, requests_ended: u32) {
     counter!(ENGINE_FAULTS_TOTAL, "model" => model.to_string()).increment(1);
+    crate::live::recent().alarm(
+        "engine_fault",
+        model,
+        format!("the engine panicked; {requests_ended} requests in flight ended"),
+    );
 }
 
 /// Counts a restart of `model`'s engine after a panic.
@@ -200,6 +205,11 @@ pub fn count_engine_restart(model: &str) {
 /// Counts a response the canary guard blocked: `tenant` would have read a
 /// canary of `owner`.
 pub fn count_canary_hit(tenant: &str, owner: &str) {
+    crate::live::recent().alarm(
+        "canary",
+        tenant,
+        format!("a response to {tenant} carried a canary of {owner}; blocked"),
+    );
     counter!(CANARY_HITS_TOTAL, "tenant" => tenant.to_string(), "owner" => owner.to_string())
         .increment(1);
 }
@@ -247,6 +257,7 @@ pub fn count_finished(
         .increment(1);
     counter!(PROMPT_TOKENS_TOTAL, "model" => model.clone(), "tenant" => tenant.clone())
         .increment(u64::from(prompt));
+    crate::live::recent().finished(&model, crate::clock::now_ms(), prompt, generated);
     counter!(GENERATED_TOKENS_TOTAL, "model" => model, "tenant" => tenant)
         .increment(u64::from(generated));
 }
@@ -254,6 +265,7 @@ pub fn count_finished(
 /// Counts a request whose client went away before its end (reason
 /// `cancelled`; its tokens are not counted).
 pub fn count_cancelled(model: &str, tenant: &str) {
+    crate::live::recent().finished(model, crate::clock::now_ms(), 0, 0);
     let (model, tenant) = (model.to_string(), tenant.to_string());
     counter!(REQUESTS_TOTAL, "model" => model, "tenant" => tenant, "reason" => "cancelled")
         .increment(1);
@@ -266,6 +278,7 @@ pub fn count_abandoned(tenant: &str) {
 
 /// Records time to first token.
 pub fn observe_first_token(model: &str, tenant: &str, elapsed: Duration) {
+    crate::live::recent().first_token(model, crate::clock::now_ms(), elapsed);
     histogram!(TIME_TO_FIRST_TOKEN_SECONDS, "model" => model.to_string(), "tenant" => tenant.to_string())
         .record(elapsed.as_secs_f64());
 }

@@ -56,16 +56,6 @@ fn chat(server: &Server, key: &str) -> Reply {
     server.post_json("/v1/chat/completions", Some(key), &chat_body("Say hi.", 4))
 }
 
-/// Makes room for new tenants: gamma gives up its reservation.
-fn free_gamma_reservation(server: &Server) {
-    let r = server.admin_call(
-        "PATCH",
-        "/admin/v1/tenants/gamma",
-        Some(&json!({"pages_reserved": 0})),
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
-}
-
 #[test]
 fn changes_apply_on_the_next_request_without_a_restart() {
     let Some(model) = smollm2() else { return };
@@ -885,6 +875,23 @@ fn an_injected_engine_panic_ends_the_stream_and_the_engine_comes_back() {
         server.metric(r#"bulkhead_engine_faults_total{model="smollm2-test"}"#),
         1.0
     );
+    // The console's overview counts it too.
+    let stats = server.admin_call("GET", "/admin/v1/stats", None).json();
+    let model = &stats["models"][0];
+    assert_eq!(model["model"], MODEL_ID, "{stats}");
+    assert_eq!(
+        (&model["engine_panics"], &model["engine_restarts"]),
+        (&json!(1), &json!(1)),
+        "{stats}"
+    );
+    assert_eq!(model["ready"], true);
+    assert_eq!(stats["alarms_total"], 1, "{stats}");
+    let alarm = &stats["alarms"][0];
+    assert_eq!(
+        (&alarm["kind"], &alarm["subject"]),
+        (&json!("engine_fault"), &json!(MODEL_ID)),
+        "{stats}"
+    );
 }
 
 /// One real response, for the OpenAPI check.
@@ -1022,11 +1029,17 @@ fn real_responses_match_the_openapi_document() {
         "/admin/v1/audit?limit=5",
         "/admin/v1/audit?after=3&limit=2",
         "/admin/v1/audit?limit=5000",
+        "/admin/v1/audit?before=18446744073709551615&limit=3&tenant=zeta&action=key.",
+        "/admin/v1/audit?tenant=zeta&from_ms=0&to_ms=1",
     ] {
         let r = server.admin_call("GET", path, None);
         sample(&mut s, "get", "/admin/v1/audit", &r);
     }
-    for path in ["/admin/v1/capacity", "/admin/v1/partitions"] {
+    for path in [
+        "/admin/v1/capacity",
+        "/admin/v1/partitions",
+        "/admin/v1/stats",
+    ] {
         let r = server.admin_call("GET", path, None);
         sample(&mut s, "get", path, &r);
     }

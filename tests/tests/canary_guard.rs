@@ -159,15 +159,25 @@ fn the_guard_blocks_another_tenants_canary_and_lets_a_tenant_read_its_own() {
         .find(|a| a["action"] == "tenant.canaries")
         .expect("registering is audited");
     assert_eq!(registered["detail"]["count"], 1);
+    // The console's overview raises them as alarms, naming both tenants.
+    let stats = server.admin_call("GET", "/admin/v1/stats", None).json();
+    assert_eq!(stats["alarms_total"], 2, "{stats}");
+    assert_eq!(stats["alarms"][0]["kind"], "canary");
+    assert_eq!(stats["alarms"][0]["subject"], "beta");
+    assert!(stats["alarms"][0]["detail"]
+        .as_str()
+        .unwrap()
+        .contains("alpha"));
     let everything = format!(
-        "{}\n{}\n{}",
+        "{}\n{}\n{}\n{}",
         serde_json::to_string(&audit(&server)).unwrap(),
         server.metrics(),
-        server.stderr_lines().join("\n")
+        server.stderr_lines().join("\n"),
+        stats
     );
     assert!(
         !everything.contains(&canary),
-        "a canary reached the audit log, the metrics or the log"
+        "a canary reached the audit log, the metrics, the log or the live stats"
     );
 
     // Cleared: beta's response passes again.

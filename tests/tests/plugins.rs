@@ -462,6 +462,22 @@ fn repeated_faults_disable_a_plugin_with_an_audit_event() {
             .json()["enabled"]
             == false
     }));
+    // Its view counts the faults in the window and names the last one's kind
+    // (what the console's plugins page shows beside the audit's reason).
+    let view = server
+        .admin_call("GET", "/admin/v1/tenants/alpha/plugins/probe", None)
+        .json();
+    assert_eq!(view["faults_recent"], 3, "{view}");
+    assert_eq!(view["last_fault"], "trap", "{view}");
+    // Another tenant's copy of the same code has faults of its own: none.
+    uploaded(&server, "beta", "probe", &probe);
+    let other = server
+        .admin_call("GET", "/admin/v1/tenants/beta/plugins/probe", None)
+        .json();
+    assert_eq!(
+        (&other["faults_recent"], other.get("last_fault")),
+        (&json!(0), None)
+    );
     let audit = server
         .admin_call("GET", "/admin/v1/audit?limit=1000", None)
         .json();

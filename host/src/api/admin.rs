@@ -83,6 +83,7 @@ pub fn router(app: Arc<App>) -> Router<Arc<App>> {
         .route("/admin/v1/partitions", get(partitions))
         .route("/admin/v1/capacity", get(capacity))
         .route("/admin/v1/usage", get(usage))
+        .route("/admin/v1/stats", get(stats))
         .route("/admin/v1/audit", get(audit_log));
     // Test builds only: a panic planted in a model's engine.
     #[cfg(feature = "fault-injection")]
@@ -417,7 +418,49 @@ pub struct AuditQuery {
     pub before: Option<u64>,
     /// Most records (default 100, at most 1000).
     pub limit: Option<usize>,
+    /// Only records about this tenant: its name as the target, or the tenant
+    /// itself as the actor (`tenant:<name>`).
+    pub tenant: Option<String>,
+    /// Only records whose action starts with this (`plugin.` for every
+    /// plugin event, `key.revoke` for one kind).
+    pub action: Option<String>,
+    /// Only records at or after this time, Unix milliseconds.
+    pub from_ms: Option<u64>,
+    /// Only records before this time, Unix milliseconds.
+    pub to_ms: Option<u64>,
 }
+
+impl AuditQuery {
+    /// Whether any filter is given.
+    fn filtered(&self) -> bool {
+        self.tenant.is_some()
+            || self.action.is_some()
+            || self.from_ms.is_some()
+            || self.to_ms.is_some()
+    }
+
+    /// Whether `record` passes the filters.
+    fn matches(&self, record: &AuditRecord) -> bool {
+        let tenant = self.tenant.as_deref().is_none_or(|name| {
+            record.target == name
+                || record
+                    .actor
+                    .strip_prefix("tenant:")
+                    .is_some_and(|actor| actor == name)
+        });
+        let action = self
+            .action
+            .as_deref()
+            .is_none_or(|prefix| record.action.starts_with(prefix));
+        let from = self.from_ms.is_none_or(|from| record.at_ms >= from);
+        let to = self.to_ms.is_none_or(|to| record.at_ms < to);
+        tenant && action && from && to
+    }
+}
+
+/// Most records one filtered audit page looks at before it answers with
+/// what it found (its cursor then continues where the scan stopped).
+pub const AUDIT_SCAN_MAX: usize = 20 * AUDIT_PAGE_MAX;
 
 /// A page of audit records.
 #[derive(Serialize, utoipa::ToSchema)]
@@ -426,7 +469,9 @@ pub struct AuditPage {
     pub data: Vec<AuditRecord>,
     /// The `after` of the next (newer) page: the newest record's number.
     pub next_after: u64,
-    /// With `before`: the `before` of the next (older) page.
+    /// With `before`: the `before` of the next (older) page. A filtered page
+    /// may hold fewer than `limit` records with older ones still to come:
+    /// page on until one comes back empty.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub next_before: Option<u64>,
 }
@@ -843,6 +888,96 @@ async fn capacity(State(app): State<Arc<App>>) -> Response<Body> {
     respond(&app, answer.map_err(Into::into))
 }
 
+/// One model's live state, for the operator console's overview.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct ModelStatsView {
+    /// The model.
+    pub model: String,
+    /// Whether its engine accepts requests.
+    pub ready: bool,
+    /// Panics of its engine since it was loaded (each ended the requests in
+    /// flight with `engine_fault`).
+    pub engine_panics: u64,
+    /// Engines rebuilt after a panic since it was loaded.
+    pub engine_restarts: u64,
+    /// Pages in its KV pool.
+    pub pages_count: u32,
+    /// Clean pages on the free list.
+    pub pages_free: u32,
+    /// Token positions a page holds.
+    pub page_tokens: u32,
+    /// Requests waiting, every tenant.
+    pub queued: u32,
+    /// Sequences running, every tenant.
+    pub running: u32,
+    /// Tokens generated since this engine started.
+    pub tokens_generated_total: u64,
+    /// The last ten minutes in five-second buckets, oldest first; buckets
+    /// without events are left out.
+    pub recent: Vec<crate::live::Point>,
+}
+
+/// Every model's live state.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct StatsView {
+    /// When this was read, Unix milliseconds.
+    pub now_ms: u64,
+    /// The width of a bucket of `recent`, milliseconds.
+    pub bucket_ms: u64,
+    /// Per model, in id order.
+    pub models: Vec<ModelStatsView>,
+    /// The latest isolation alarms on this server, newest first (at most
+    /// 100; the audit log keeps every one).
+    pub alarms: Vec<crate::live::Alarm>,
+    /// Alarms raised since this server started.
+    pub alarms_total: u64,
+}
+
+/// Live state: each model's readiness, engine faults, pool and queues, and
+/// its requests, tokens and times to first token over the last ten minutes
+/// (kept in memory: a restarted server starts them empty). Cheap: no engine
+/// is stopped to answer (unlike the pool audit).
+#[utoipa::path(get, path = "/admin/v1/stats", tag = "capacity",
+    responses((status = 200, body = StatsView), (status = 401, body = ErrorResponse)))]
+async fn stats(State(app): State<Arc<App>>) -> Response<Body> {
+    let now = now_ms();
+    let recent = crate::live::recent();
+    let models = app
+        .control
+        .catalog()
+        .snapshot()
+        .all()
+        .map(|model| {
+            let stats = model.engine.stats();
+            let (engine_panics, engine_restarts) = model.engine.faults();
+            ModelStatsView {
+                model: model.spec.id.clone(),
+                ready: model.engine.is_accepting(),
+                engine_panics,
+                engine_restarts,
+                pages_count: stats.pages_count,
+                pages_free: stats.pages_free,
+                page_tokens: stats.page_tokens,
+                queued: stats.tenants.iter().map(|t| t.queued).sum(),
+                running: stats.tenants.iter().map(|t| t.running).sum(),
+                tokens_generated_total: stats.tokens_generated_total,
+                recent: recent.window(&model.spec.id, now),
+            }
+        })
+        .collect();
+    let (alarms, alarms_total) = recent.alarms();
+    reply(
+        StatusCode::OK,
+        &StatsView {
+            now_ms: now,
+            bucket_ms: crate::live::BUCKET_MS,
+            models,
+            alarms,
+            alarms_total,
+        },
+    )
+}
+
 #[utoipa::path(get, path = "/admin/v1/models", tag = "models",
     responses((status = 200, body = List<ModelView>), (status = 401, body = ErrorResponse)))]
 async fn list_models(State(app): State<Arc<App>>) -> Response<Body> {
@@ -1055,6 +1190,7 @@ async fn remove_model(
                 std::time::Duration::from_millis(drain_ms),
             )
             .await?;
+        crate::live::recent().forget(&model);
         Ok(reply(StatusCode::OK, &removed))
     };
     respond(&app, answer.await)
@@ -1102,29 +1238,59 @@ async fn audit_log(
                 message: format!("must be 1..={AUDIT_PAGE_MAX}"),
             });
         }
-        let page = match q.before {
+        let newest_first = match q.before {
             Some(_) if q.after.is_some() => {
                 return Err(ApiError::InvalidValue {
                     param: "before".into(),
                     message: "give after (oldest first) or before (newest first), not both".into(),
                 })
             }
-            Some(before) => {
-                let data = app.control.audit_log_before(before, limit)?;
-                let next_before = data.last().map(|r| r.seq);
-                AuditPage {
-                    next_after: data.first().map_or(0, |r| r.seq),
-                    next_before,
-                    data,
+            Some(_) => true,
+            None => false,
+        };
+        // Unfiltered, one store read of `limit`; filtered, reads of whole
+        // pages until `limit` records match or AUDIT_SCAN_MAX were looked at.
+        let chunk = if q.filtered() { AUDIT_PAGE_MAX } else { limit };
+        let mut data = Vec::new();
+        let mut cursor = if newest_first {
+            q.before.unwrap_or(u64::MAX)
+        } else {
+            after
+        };
+        let (mut scanned, mut newest) = (0, None);
+        'scan: loop {
+            let page = if newest_first {
+                app.control.audit_log_before(cursor, chunk)?
+            } else {
+                app.control.audit_log(cursor, chunk)?
+            };
+            let last_page = page.len() < chunk;
+            for record in page {
+                scanned += 1;
+                cursor = record.seq;
+                newest = newest.max(Some(record.seq));
+                if q.matches(&record) {
+                    data.push(record);
+                    if data.len() == limit {
+                        break 'scan;
+                    }
                 }
             }
-            None => {
-                let data = app.control.audit_log(after, limit)?;
-                AuditPage {
-                    next_after: data.last().map_or(after, |r| r.seq),
-                    next_before: None,
-                    data,
-                }
+            if last_page || scanned >= AUDIT_SCAN_MAX {
+                break;
+            }
+        }
+        let page = if newest_first {
+            AuditPage {
+                next_after: newest.unwrap_or(0),
+                next_before: (scanned > 0).then_some(cursor),
+                data,
+            }
+        } else {
+            AuditPage {
+                next_after: cursor,
+                next_before: None,
+                data,
             }
         };
         Ok(reply(StatusCode::OK, &page))
@@ -1171,9 +1337,9 @@ impl utoipa::Modify for AdminToken {
         set_canaries, list_keys,
         issue_key, revoke_key, list_plugins, get_plugin, upload_plugin, enable_plugin,
         disable_plugin, delete_plugin, list_models, add_model, get_model, remove_model,
-        model_pool, partitions, capacity, usage, audit_log),
+        model_pool, partitions, capacity, stats, usage, audit_log),
     components(schemas(ErrorResponse, TenantView, KeyView, IssuedKey, PluginView, UsageView,
-        AuditRecord, CapacityView, PartitionView, PoolAuditView, TenantPagesView, Deleted, AuditPage, CreateTenant, TenantPatch,
+        AuditRecord, CapacityView, PartitionView, StatsView, ModelStatsView, crate::live::Point, crate::live::Alarm, PoolAuditView, TenantPagesView, Deleted, AuditPage, CreateTenant, TenantPatch,
         Quota, WasmComponent, ModelSpec, ModelView, ModelRemoved, Source, Canaries, CanariesView)),
     modifiers(&AdminToken)
 )]

@@ -43,7 +43,7 @@ use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::Backend;
 use bulkhead_kernels::kv::PoolId;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -179,6 +179,18 @@ pub struct EngineHandle {
     accepting: Arc<AtomicBool>,
     /// Published by the engine thread after every loop turn.
     stats: Arc<Mutex<SchedulerStats>>,
+    /// Panics and restarts since the model was loaded.
+    faults: Arc<Faults>,
+}
+
+/// A model's engine panics and restarts since it was loaded (the operator
+/// console's "engine restarts").
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// Panics of the engine thread.
+    pub panics: AtomicU64,
+    /// Engines rebuilt after one.
+    pub restarts: AtomicU64,
 }
 
 impl EngineHandle {
@@ -264,6 +276,14 @@ impl EngineHandle {
         self.accepting.load(Ordering::SeqCst)
     }
 
+    /// Panics and restarts of this model's engine since it was loaded.
+    pub fn faults(&self) -> (u64, u64) {
+        (
+            self.faults.panics.load(Ordering::Relaxed),
+            self.faults.restarts.load(Ordering::Relaxed),
+        )
+    }
+
     /// The latest counts the engine thread published (for metrics).
     pub fn stats(&self) -> SchedulerStats {
         // A poisoned lock means the engine thread panicked mid-publish; the
@@ -281,6 +301,8 @@ struct Flags {
     accepting: Arc<AtomicBool>,
     /// A shutdown has begun.
     stopping: Arc<AtomicBool>,
+    /// Panics and restarts, counted as they happen.
+    faults: Arc<Faults>,
 }
 
 /// Clears `accepting` when dropped: held by the engine thread for its life.
@@ -326,9 +348,11 @@ impl EngineService {
         let published = Arc::clone(&stats);
         let stops_accepting = StopsAccepting(Arc::clone(&accepting));
         let stopping = Arc::new(AtomicBool::new(false));
+        let faults = Arc::new(Faults::default());
         let flags = Flags {
             accepting: Arc::clone(&accepting),
             stopping: Arc::clone(&stopping),
+            faults: Arc::clone(&faults),
         };
         let thread = std::thread::Builder::new()
             .name("bulkhead-engine".into())
@@ -343,6 +367,7 @@ impl EngineService {
                 commands,
                 accepting,
                 stats,
+                faults,
             },
             stopping,
             thread: Some(thread),
@@ -451,7 +476,8 @@ fn supervise<B: Backend>(
             restart_in_ms = restart_in.map(|d| d.as_millis() as u64),
             "the engine panicked; its requests in flight ended with engine_fault and its KV pool was dropped"
         );
-        crate::telemetry::count_engine_fault(&model);
+        crate::telemetry::count_engine_fault(&model, ended);
+        flags.faults.panics.fetch_add(1, Ordering::Relaxed);
         if let Some(sink) = &sink {
             sink.engine_fault(&EngineFault {
                 model: &model,
@@ -476,6 +502,7 @@ fn supervise<B: Backend>(
                 scheduler = Some(rebuilt);
                 started = Instant::now();
                 crate::telemetry::count_engine_restart(&model);
+                flags.faults.restarts.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(model = %model, in_a_row, "the engine restarted");
                 // Accepting again unless a shutdown began meanwhile (it sets
                 // `stopping` before clearing `accepting`, so one of the two

@@ -486,7 +486,7 @@ pub struct PolicyRuntime {
     /// from the plugin, so enabling or re-installing it resets nothing, and
     /// an operator plugin's faults on one tenant's requests count for that
     /// tenant alone.
-    faults: Mutex<HashMap<PluginOnTenant, VecDeque<Instant>>>,
+    faults: Mutex<HashMap<PluginOnTenant, VecDeque<(Instant, FaultKind)>>>,
     /// Operator plugins tripped for a tenant, until when.
     operator_trips: Mutex<HashMap<PluginOnTenant, Instant>>,
     operator_prompt_text: bool,
@@ -1056,6 +1056,22 @@ impl PolicyRuntime {
 
     /// Why `tenant`'s plugin `name` is in its chain but fails closed (its
     /// code could not be loaded), if it is.
+    /// Faults of `tenant`'s plugin `id` on its requests within the fault
+    /// window now, and the latest one's kind (`fuel`, `deadline`, `trap`...).
+    pub fn recent_faults(&self, tenant: TenantId, id: u64) -> (u32, Option<&'static str>) {
+        let key: PluginOnTenant = (tenant, Arc::from(tenant_identity(id)));
+        let ledger = self.faults.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(faults) = ledger.get(&key) else {
+            return (0, None);
+        };
+        let now = Instant::now();
+        let recent = faults
+            .iter()
+            .filter(|&&(at, _)| now.duration_since(at) <= self.fault_window);
+        let (count, last) = recent.fold((0, None), |(n, _), &(_, kind)| (n + 1, Some(kind)));
+        (count, last.map(FaultKind::as_str))
+    }
+
     pub fn unloadable(&self, tenant: TenantId, name: &str) -> Option<String> {
         self.tenants
             .read()
@@ -1493,10 +1509,10 @@ impl PolicyRuntime {
         let count = {
             let mut ledger = self.faults.lock().unwrap_or_else(|p| p.into_inner());
             let faults = ledger.entry(key.clone()).or_default();
-            faults.push_back(now);
+            faults.push_back((now, kind));
             while faults
                 .front()
-                .is_some_and(|&at| now.duration_since(at) > self.fault_window)
+                .is_some_and(|&(at, _)| now.duration_since(at) > self.fault_window)
             {
                 faults.pop_front();
             }

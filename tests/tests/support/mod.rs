@@ -741,6 +741,16 @@ pub fn eventually(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
     check()
 }
 
+/// Makes room for new tenants: gamma gives up its reservation.
+pub fn free_gamma_reservation(server: &Server) {
+    let r = server.admin_call(
+        "PATCH",
+        "/admin/v1/tenants/gamma",
+        Some(&serde_json::json!({"pages_reserved": 0})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
 /// A plugin component that `scripts/plugins.sh` builds (`rate_limit`,
 /// `probe`, ...), or `None` (and a "skipped:" line) when it is absent.
 pub fn plugin_wasm(name: &str) -> Option<PathBuf> {

@@ -73,6 +73,13 @@ pub struct PluginView {
     /// does: its code could not be loaded. Upload it again, or disable or
     /// delete it.
     pub unloadable: Option<String>,
+    /// Its faults (fuel, deadline, memory, trap...) on this tenant's requests
+    /// within the fault window (`plugins.fault_window_ms`) on this server;
+    /// at `plugins.faults_max` it is disabled, and the audit log says so.
+    pub faults_recent: u32,
+    /// The latest of those faults' kind.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_fault: Option<String>,
 }
 
 impl From<&PluginRecord> for PluginView {
@@ -86,6 +93,8 @@ impl From<&PluginRecord> for PluginView {
             enabled: p.enabled,
             uploaded_ms: p.uploaded_ms,
             unloadable: None,
+            faults_recent: 0,
+            last_fault: None,
         }
     }
 }
@@ -144,6 +153,9 @@ impl Control {
             .map(|p| {
                 let mut view = PluginView::from(p);
                 view.unloadable = self.policy.unloadable(TenantId(p.tenant), &p.name);
+                let (faults, last) = self.policy.recent_faults(TenantId(p.tenant), p.id);
+                view.faults_recent = faults;
+                view.last_fault = last.map(str::to_string);
                 view
             })
             .collect())
@@ -536,6 +548,11 @@ impl Control {
         let mut detail = vec![("plugin", name.into())];
         if matches!(actor, Actor::System) {
             detail.push(("reason", "faults".into()));
+            crate::live::recent().alarm(
+                "plugin_disabled",
+                &owner,
+                format!("plugin {name} disabled after repeated faults"),
+            );
         }
         let mut batch = write.batch();
         batch
@@ -589,6 +606,16 @@ impl Control {
             return Ok(());
         };
         let tenant = self.tenant_record(TenantRef::Id(trip.tenant))?;
+        crate::live::recent().alarm(
+            "plugin_tripped",
+            &tenant.name,
+            format!(
+                "operator plugin {} tripped after {} faults; {} until {until_ms}",
+                trip.plugin,
+                trip.faults,
+                on_trip.as_str()
+            ),
+        );
         let mut batch = Batch::default();
         batch.audit(with_detail(
             audit(&Actor::System, "plugin.trip", &tenant.name),
