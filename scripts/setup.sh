@@ -82,12 +82,16 @@ fi
 "$root/scripts/llama_cpp.sh" --vocab
 
 # Debian packages: protoc builds the etcd client's protocol (etcd-client's
-# build script), etcd-server runs the many-pod tests' etcd on loopback.
+# build script), etcd-server runs the many-pod tests' etcd on loopback,
+# chromium runs the console's tests.
 debs=()
 command -v protoc >/dev/null 2>&1 || debs+=(protobuf-compiler)
 command -v etcd >/dev/null 2>&1 || debs+=(etcd-server)
 # scripts/validate_deploy.sh keeps its pinned packages in a virtual environment.
 python3 -c 'import ensurepip' >/dev/null 2>&1 || debs+=(python3-venv)
+# The operator console's browser tests (tests/tests/console.rs) drive the
+# system Chromium through Playwright; nothing is downloaded at run time.
+command -v chromium >/dev/null 2>&1 || debs+=(chromium fonts-dejavu-core)
 if [ ${#debs[@]} -gt 0 ]; then
     as_root=()
     [ "$(id -u)" -eq 0 ] || as_root=(sudo)

@@ -10,10 +10,14 @@ scripts/setup.sh
 # a missing NVRTC fails them rather than skip.
 export LD_LIBRARY_PATH="$root/.cache/cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export BULKHEAD_REQUIRE_NVRTC=1
-# The official OpenAI Python client (tests/tests/openai_client.rs) and
-# jsonschema (the admin API's OpenAPI check, tests/tests/admin.rs).
+# The official OpenAI Python client (tests/tests/openai_client.rs),
+# jsonschema (the admin API's OpenAPI check, tests/tests/admin.rs) and
+# Playwright (the console in Chromium, tests/tests/console.rs, which fails
+# rather than skip when the browser is missing).
 python3 -m pip install --quiet --disable-pip-version-check \
-    "$(grep '^openai==' scripts/requirements.txt)" "$(grep '^jsonschema==' scripts/requirements.txt)"
+    "$(grep '^openai==' scripts/requirements.txt)" "$(grep '^jsonschema==' scripts/requirements.txt)" \
+    "$(grep '^playwright==' scripts/requirements.txt)"
+export BULKHEAD_REQUIRE_BROWSER=1
 # curl: tests/tests/readme.rs runs the README's examples as written.
 if ! command -v curl >/dev/null; then
     sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo

@@ -31,6 +31,7 @@
 //! Every error goes through [`error::ApiError::into_response`].
 
 pub mod admin;
+pub mod console;
 pub mod error;
 pub mod gateway;
 pub mod guard;
@@ -174,10 +175,12 @@ pub fn inference_router(app: Arc<App>) -> Router {
 }
 
 /// The admin listener's routes: `/healthz`, `/readyz` and `/metrics` are open
-/// (probes and scrapers; content-free by I9), as is the OpenAPI document;
-/// everything under `/admin/v1/` needs the admin token ([`admin`]).
+/// (probes and scrapers; content-free by I9), as are the OpenAPI document and
+/// the operator console's static files ([`console`]); everything under
+/// `/admin/v1/` needs the admin token ([`admin`]).
 pub fn admin_router(app: Arc<App>) -> Router {
     admin::router(Arc::clone(&app))
+        .merge(console::router())
         .route("/healthz", get(healthz))
         .route("/readyz", get(admin_readyz))
         .route("/metrics", get(metrics))
