@@ -3,9 +3,10 @@
 headless Chromium through Playwright, against a running `bulkhead serve`, as an
 operator would. Usage:
 
-  console_check.py ADMIN_URL INFERENCE_URL ADMIN_TOKEN TENANT_KEY MODEL_ID PLUGIN_WASM OUT_DIR
+  console_check.py ADMIN_URL INFERENCE_URL ADMIN_TOKEN TENANT_KEY MODEL_ID PLUGIN_WASM OUT_DIR GGUF
 
-TENANT_KEY is any tenant's key (it must not open the console). Chromium is the
+TENANT_KEY is any tenant's key (it must not open the console); GGUF, a model
+file the steps add as a second model and remove again. Chromium is the
 system one (BULKHEAD_CHROMIUM, default /usr/bin/chromium): nothing is
 downloaded. Each step saves a screenshot into OUT_DIR. Prints "ok" and exits 0
 when every step passed; exits 3 when Playwright or Chromium is missing."""
@@ -48,7 +49,7 @@ def chat(inference: str, key: str, model: str) -> int:
 
 
 def main() -> None:
-    admin, inference, token, tenant_key, model, plugin, out = sys.argv[1:8]
+    admin, inference, token, tenant_key, model, plugin, out, gguf = sys.argv[1:9]
     if not os.path.exists(CHROMIUM):
         print(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set BULKHEAD_CHROMIUM)")
         sys.exit(3)
@@ -78,7 +79,7 @@ def main() -> None:
             print(f"step: {name}", flush=True)
 
         try:
-            run(page, console, token, tenant_key, model, plugin, inference, shot, step)
+            run(page, console, token, tenant_key, model, plugin, inference, gguf, shot, step)
         except Exception:
             # What the page showed when it failed, for whoever reads the log.
             page.screenshot(path=os.path.join(out, "failed.png"), full_page=True)
@@ -91,7 +92,7 @@ def main() -> None:
     print("ok")
 
 
-def run(page, console, token, tenant_key, model, plugin, inference, shot, step) -> None:
+def run(page, console, token, tenant_key, model, plugin, inference, gguf, shot, step) -> None:
     """The steps, in order; each leaves a screenshot."""
 
     # 1. A wrong token and a tenant key are refused, in words.
@@ -248,7 +249,30 @@ def run(page, console, token, tenant_key, model, plugin, inference, shot, step) 
     expect(audit).to_contain_text("key.revoke")
     shot("11-audit")
 
-    # 13. 200 % zoom on a 1280x800 screen: 640x400 CSS pixels, and no page
+    # 13. A second model loaded through the form, its pool audited, then
+    #     removed with a drain.
+    step("models")
+    page.goto(console + "#/models")
+    add = page.get_by_test_id("add-model")
+    add.locator("input[name=id]").fill("extra-q8")
+    add.locator("input[name=path]").fill(gguf)
+    add.locator("input[name=context_tokens]").fill("1024")
+    add.locator("input[name=pool_pages]").fill("256")
+    add.locator("input[name=threads]").fill("1")
+    add.locator("button[type=submit]").click()
+    expect(page.get_by_test_id("notice")).to_contain_text("extra-q8 loaded")
+    page.get_by_test_id("audit-extra-q8").click()
+    expect(page.get_by_test_id("models")).to_contain_text("at baseline")
+    expect(page.get_by_test_id("models")).to_contain_text("invariants: ok")
+    shot("12-models")
+    page.get_by_test_id("remove-extra-q8").click()
+    confirm = page.get_by_test_id("confirm")
+    confirm.locator("input[name=drain]").fill("0")
+    confirm.get_by_role("button", name="Remove model").click()
+    expect(page.get_by_test_id("notice")).to_contain_text("extra-q8 removed")
+    expect(page.get_by_test_id("models")).not_to_contain_text("extra-q8")
+
+    # 14. 200 % zoom on a 1280x800 screen: 640x400 CSS pixels, and no page
     #     is wider than that (wide tables scroll inside themselves).
     step("zoom")
     page.set_viewport_size({"width": 640, "height": 400})
@@ -259,9 +283,9 @@ def run(page, console, token, tenant_key, model, plugin, inference, shot, step) 
         assert width <= 640, f"{where} is {width} px wide at 200 % zoom"
     page.goto(console + "#/overview")
     page.wait_for_selector("main h1")
-    shot("12-overview-zoom-200")
+    shot("13-overview-zoom-200")
 
-    # 14. Sign out forgets the token.
+    # 15. Sign out forgets the token.
     step("sign out")
     page.click("#sign-out")
     expect(page.get_by_test_id("sign-in")).to_be_visible()

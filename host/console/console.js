@@ -543,7 +543,7 @@ async function modelsPage(slot) {
       }, 'Audit pool'),
       ' ',
       h('button', {
-        type: 'button', class: 'danger',
+        type: 'button', class: 'danger', 'data-testid': `remove-${id}`,
         onclick: () => {
           const drain = h('input', { name: 'drain', type: 'number', min: 0, value: 30 });
           out.append(confirmPanel(`Remove ${id}? It stops taking requests; those in flight may finish within the drain, then end with model_removed.`, 'Remove model', async () => {

@@ -274,6 +274,8 @@ fn the_console_works_in_a_real_browser() {
     let Some(plugin) = plugin_wasm("size_cap") else {
         return;
     };
+    // The second model the browser adds and removes.
+    let Some(q8) = smollm2_q8() else { return };
     if !browser_available() {
         return;
     }
@@ -293,6 +295,7 @@ fn the_console_works_in_a_real_browser() {
         ])
         .arg(&plugin)
         .arg(&out)
+        .arg(&q8)
         .output()
         .expect("python3 runs");
     let stdout = String::from_utf8_lossy(&run.stdout);
@@ -301,7 +304,7 @@ fn the_console_works_in_a_real_browser() {
     assert_eq!(stdout.lines().last(), Some("ok"), "{stdout}");
     // Each step left its screenshot.
     let shots = std::fs::read_dir(&out).unwrap().count();
-    assert!(shots >= 12, "{shots} screenshots in {}", out.display());
+    assert!(shots >= 13, "{shots} screenshots in {}", out.display());
     // Every console action went through the admin API and is in the audit
     // log as the admin's.
     let r = server.admin_call(
@@ -316,6 +319,21 @@ fn the_console_works_in_a_real_browser() {
         .filter(|r| r["actor"] == "admin")
         .map(|r| r["action"].as_str().unwrap().to_string())
         .collect();
+    let models = server.admin_call(
+        "GET",
+        "/admin/v1/audit?before=18446744073709551615&action=model.",
+        None,
+    );
+    let models: Vec<String> = models.json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| format!("{} {}", r["action"].as_str().unwrap(), r["target"]))
+        .collect();
+    assert_eq!(
+        models,
+        [r#"model.remove "extra-q8""#, r#"model.add "extra-q8""#]
+    );
     for action in [
         "tenant.create",
         "key.issue",
