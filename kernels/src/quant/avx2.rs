@@ -104,6 +104,18 @@ unsafe fn f16x2_pair(p0: *const u8, p1: *const u8) -> __m128 {
     _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(lo), hi, 1))
 }
 
+/// The f16 at `block[offset..offset + 2]` as f32, by one F16C conversion
+/// (`blocks::f16_at`, through the `half` crate, is a call per value here:
+/// at one token, 10 % of a K-quant block's time; BENCHMARKS.md).
+///
+/// # Safety
+/// F16C available.
+#[inline(always)]
+pub(crate) unsafe fn f16c_at(block: &[u8], offset: usize) -> f32 {
+    let bits = u16::from_le_bytes([block[offset], block[offset + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
 /// `[d_b, factor * d_b, d_b+1, factor * d_b+1]` from the f16 d at `p0` and `p1`.
 ///
 /// # Safety
@@ -537,7 +549,7 @@ unsafe fn dot_f32_bytes<const FORMAT: u8>(w_row: &[u8], x: &[f32]) -> f32 {
         sum += x[j]
             * match FORMAT {
                 WIDE_F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-                WIDE_F16 => super::blocks::f16_at(b, 0),
+                WIDE_F16 => f16c_at(b, 0),
                 _ => super::blocks::bf16_at(b, 0),
             };
     }
@@ -601,8 +613,8 @@ unsafe fn dot_affine_k<const FIVE_BIT: bool>(
             let s_hi = _mm256_madd_epi16(p_hi, _mm256_set1_epi16(sc_hi as i16));
             isum = _mm256_add_epi32(isum, _mm256_add_epi32(s_lo, s_hi));
         }
-        let dw = super::blocks::f16_at(block, 0);
-        let dmin = super::blocks::f16_at(block, Q4_K_DMIN);
+        let dw = f16c_at(block, 0);
+        let dmin = f16c_at(block, Q4_K_DMIN);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * d[b]), acc);
         mins_total += dmin * d[b] * mins as f32;
     }
@@ -643,7 +655,7 @@ unsafe fn dot_q6_k(w_row: &[u8], xq: &QuantizedActivations, t: usize) -> f32 {
                 );
             }
         }
-        let scale = super::blocks::f16_at(block, Q6_K_D) * d[b];
+        let scale = f16c_at(block, Q6_K_D) * d[b];
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(scale), acc);
         offset_total += scale * (32 * offset) as f32;
     }

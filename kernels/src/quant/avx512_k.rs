@@ -45,7 +45,7 @@ use std::ops::Range;
 
 use super::activations::{QuantizedActivations, Q8_K_BSUM_LEN};
 use super::blocks::{
-    f16_at, Q4_K_DMIN, Q4_K_QS, Q4_K_SCALES, Q5_K_QH, Q5_K_QS, Q6_K_D, Q6_K_QH, Q6_K_SCALES, QK_K,
+    Q4_K_DMIN, Q4_K_QS, Q4_K_SCALES, Q5_K_QH, Q5_K_QS, Q6_K_D, Q6_K_QH, Q6_K_SCALES, QK_K,
 };
 use super::GgmlType;
 
@@ -164,10 +164,10 @@ unsafe fn affine_k(block: &[u8], codes: [__m512i; CHUNKS]) -> Decoded {
     Decoded {
         codes,
         scales,
-        d: f16_at(block, 0),
+        d: super::avx2::f16c_at(block, 0),
         off_w: _mm512_permutexvar_epi32(mins, all),
         // w = d * sc * q - dmin * m: the offset is subtracted.
-        off_factor: f16_at(block, Q4_K_DMIN),
+        off_factor: super::avx2::f16c_at(block, Q4_K_DMIN),
     }
 }
 
@@ -266,7 +266,7 @@ impl KDecode for Q6K {
             );
             scales[c] = _mm512_permutexvar_epi32(index, all);
         }
-        let d = f16_at(block, Q6_K_D);
+        let d = super::avx2::f16c_at(block, Q6_K_D);
         let mut codes = [_mm512_setzero_si512(); CHUNKS];
         for c in 0..CHUNKS {
             codes[c] = join(quarters[2 * c], quarters[2 * c + 1]);
