@@ -248,6 +248,11 @@ def run(page, console, token, tenant_key, model, plugin, inference, gguf, shot, 
     expect(audit).to_contain_text("key.issue")
     expect(audit).to_contain_text("key.revoke")
     shot("11-audit")
+    # Paging: older than the oldest match is an empty page; back again.
+    page.get_by_test_id("older").click()
+    expect(page.locator("main")).to_contain_text("No records match.")
+    page.get_by_role("button", name="← Newer").click()
+    expect(page.get_by_test_id("audit").locator("tbody tr")).to_have_count(2)
 
     # 13. A second model loaded through the form, its pool audited, then
     #     removed with a drain.

@@ -736,8 +736,11 @@ async function auditPage(slot, tenant, query) {
   const rows = page.data.map((r) => h('tr', {},
     h('td', { class: 'num' }, r.seq), h('td', { class: 'when' }, fmtTime(r.at_ms)), h('td', {}, r.actor),
     h('td', {}, r.action), h('td', {}, r.target), h('td', { class: 'detail' }, detailText(r.detail))));
-  const nav = h('p', {},
-    h('a', { href: link({}) }, 'Newest'), ' ',
+  // Older pages are links; newer is the way back through them.
+  const paged = before !== NEWEST;
+  const nav = h('p', { class: 'paging' },
+    paged ? h('a', { href: link({}) }, 'Newest') : '', ' ',
+    paged ? h('button', { type: 'button', onclick: () => history.back() }, '← Newer') : '', ' ',
     page.next_before !== undefined && page.data.length ? h('a', { href: link({ before: String(page.next_before) }), 'data-testid': 'older' }, 'Older →') : '');
   slot.replaceChildren(h('h1', {}, 'Audit log'), form,
     rows.length ? table(['#', 'When', 'Who', 'What', 'On', 'Details'], rows, { 'data-testid': 'audit' }) : h('p', { class: 'muted' }, 'No records match.'),

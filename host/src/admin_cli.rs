@@ -86,6 +86,16 @@ enum AdminCommand {
         /// Most records.
         #[arg(long, default_value_t = 100)]
         limit: u32,
+        /// Only records about this tenant (its name as the target, or the
+        /// tenant itself as the actor).
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Only records whose action starts with this (`plugin.`, `key.revoke`).
+        #[arg(long)]
+        action: Option<String>,
+        /// Only records of the last N minutes.
+        #[arg(long)]
+        minutes: Option<u64>,
     },
 }
 
@@ -475,13 +485,26 @@ fn call_of(command: &AdminCommand) -> Result<Call> {
             after,
             before,
             limit,
-        } => match after {
-            Some(after) => Call::get(format!("/admin/v1/audit?after={after}&limit={limit}")),
-            None => Call::get(format!(
-                "/admin/v1/audit?before={}&limit={limit}",
-                before.unwrap_or(u64::MAX)
-            )),
-        },
+            tenant,
+            action,
+            minutes,
+        } => {
+            let mut query = match after {
+                Some(after) => format!("after={after}&limit={limit}"),
+                None => format!("before={}&limit={limit}", before.unwrap_or(u64::MAX)),
+            };
+            if let Some(tenant) = tenant {
+                query += &format!("&tenant={}", segment(tenant));
+            }
+            if let Some(action) = action {
+                query += &format!("&action={}", segment(action));
+            }
+            if let Some(minutes) = minutes {
+                let from = crate::clock::now_ms().saturating_sub(minutes.saturating_mul(60_000));
+                query += &format!("&from_ms={from}");
+            }
+            Call::get(format!("/admin/v1/audit?{query}"))
+        }
     })
 }
 

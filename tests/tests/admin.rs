@@ -1194,6 +1194,23 @@ fn bulkhead_admin_commands_do_the_everyday_tasks() {
     assert_eq!(newest_admin["action"], "plugin.disable", "{audit}");
     let oldest_first = ok(&["audit", "--after", "0", "--limit", "2"]);
     assert_eq!(oldest_first["data"][0]["seq"], 1);
+    // Filtered: zeta's plugin events of the last hour, newest first.
+    let plugins = ok(&[
+        "audit",
+        "--tenant",
+        "zeta",
+        "--action",
+        "plugin.",
+        "--minutes",
+        "60",
+    ]);
+    let actions: Vec<&str> = plugins["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["action"].as_str().unwrap())
+        .collect();
+    assert_eq!(actions, ["plugin.disable", "plugin.upload"], "{plugins}");
     // A refusal: exit 1 and the server's message, and the table for a 409.
     let (code, _, stderr) = admin(&[
         "tenant",
