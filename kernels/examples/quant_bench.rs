@@ -1,6 +1,7 @@
 //! Single-thread matmul throughput per ISA for the default model's shapes.
 //!
 //! `cargo run -p bulkhead-kernels --release --example quant_bench [filter] [tokens]`
+//! (filter `Q4_Kx16`: the repacked 16-row Q4_K kernel against the row kernel)
 //!
 //! Decode shapes report weight-streaming GB/s (hot: the matrix fits L2 and is reused;
 //! cold: a rotation of copies larger than L3); prefill shapes report G MAC/s
@@ -116,9 +117,64 @@ fn cold_seconds(
     })
 }
 
+/// The repacked 16-row Q4_K kernel (`quant::avx512_kx16`, an experiment)
+/// against the AVX-512 row kernel on the same weights, alternated.
+#[cfg(target_arch = "x86_64")]
+fn bench_x16(rows: usize, k: usize, n_tokens: usize) {
+    use bulkhead_kernels::quant::avx512_kx16;
+    let ty = GgmlType::Q4_K;
+    let x: Vec<f32> = (0..n_tokens * k)
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let mut xq = QuantizedActivations::new();
+    xq.quantize(ty, &x, n_tokens, k)
+        .expect("whole blocks by construction");
+    let mut out = vec![0.0f32; n_tokens * rows];
+    let w = weights(ty, rows, k, 1);
+    let packed = avx512_kx16::repack_q4_k(&w, rows, k).expect("rows in groups of 16");
+    let macs = (rows * k * n_tokens) as f64;
+    let (mut row, mut x16) = (f64::MAX, f64::MAX);
+    for _ in 0..3 {
+        row = row.min(best_seconds(|| {
+            matmul(Isa::Avx512, ty, &w, k, 0..rows, &xq, &mut out)
+        }));
+        x16 = x16.min(best_seconds(|| {
+            avx512_kx16::matmul_q4_k(&packed, k, 0..rows, &xq, &mut out)
+        }));
+    }
+    println!(
+        "Q4_K rows={rows:6} k={k:5} tokens={n_tokens:4}  row kernel {:8.1} us {:6.1} G MAC/s  \
+         16-row repack {:8.1} us {:6.1} G MAC/s  ({:.2}x)",
+        row * 1e6,
+        macs / row / 1e9,
+        x16 * 1e6,
+        macs / x16 / 1e9,
+        row / x16
+    );
+}
+
 fn main() {
     let filter = std::env::args().nth(1).unwrap_or_default();
     let only_tokens: Option<usize> = std::env::args().nth(2).and_then(|n| n.parse().ok());
+    #[cfg(target_arch = "x86_64")]
+    if filter == "Q4_Kx16" {
+        if !Isa::Avx512.is_available() {
+            println!("skipped: no AVX-512 VNNI here");
+            return;
+        }
+        for (rows, k, tokens) in [
+            (1536, 768, &[1, 8, 64][..]),
+            (8192, 2048, &[1, 512][..]),
+            (2048, 8192, &[1, 512][..]),
+        ] {
+            for &n in tokens {
+                if only_tokens.is_none_or(|o| o == n) {
+                    bench_x16(rows, k, n);
+                }
+            }
+        }
+        return;
+    }
     let shapes: &[(GgmlType, usize, usize, &[usize])] = &[
         (GgmlType::Q4_1, 1536, 576, &[1, 2, 4, 8, 16, 32, 64, 512]),
         (GgmlType::Q4_1, 576, 1536, &[1, 512]),

@@ -30,6 +30,8 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512_k;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512_kx16;
 
 use std::ops::Range;
 

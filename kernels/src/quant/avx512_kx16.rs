@@ -1,0 +1,271 @@
+//! An experiment, not yet wired into the model loader: Q4_K weights repacked
+//! so that one `vpdpbusd` works on 16 rows at once (each i32 lane one row,
+//! four weights of it against four activations broadcast to every lane), as
+//! llama.cpp's interleaved repacks do. The sub-block scales and mins then
+//! apply to 16 rows in one float operation instead of per row, which is most
+//! of the row kernel's non-multiply work (`avx512_k.rs`); BENCHMARKS.md has
+//! the comparison (`quant_bench Q4_Kx16`).
+//!
+//! ```text
+//! per group of 16 rows and super-block (GROUP_BLOCK_BYTES):
+//!   d[16], dmin[16]            f32
+//!   sc[8][16]                  u8: sub-block j's scale, row r
+//!   m[4][16][2]                i16: mins of sub-blocks 2p, 2p+1 (a vpdpwssd pair)
+//!   codes[8][4][16][4]         nibbles: sub-block j, vector g, row r: low nibbles
+//!                              weights 32j+4g..+4, high nibbles 32j+16+4g..+4
+//! per token t, block b, sub-block j:
+//!   isum  = Σ_g dpbusd(lo_g, bcast x[32j+4g..]) + dpbusd(hi_g, bcast x[32j+16+4g..])
+//!   acc  += cvt(isum) * (d * sc_j) * dx
+//! per token and block:  acc -= cvt(Σ_p dpwssd(m_p, bcast (S_2p, S_2p+1))) * dmin * dx
+//! ```
+//! where `S_j` is the sum of sub-block j's 32 activations (from Q8_K's sums).
+
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::activations::{QuantizedActivations, Q8_K_BSUM_LEN};
+use super::blocks::{scale_min_k4, Q4_K_DMIN, Q4_K_QS, Q4_K_SCALES, QK_K};
+use super::GgmlType;
+
+/// Rows sharing one `vpdpbusd`.
+pub const ROWS: usize = 16;
+/// Bytes of one group of 16 rows' super-block.
+pub const GROUP_BLOCK_BYTES: usize = 64 + 64 + 128 + 256 + 2048;
+const SC: usize = 128;
+const MINS: usize = 256;
+const CODES: usize = 512;
+/// Tokens sharing the decoded codes of a sub-block.
+const TILE_TOKENS: usize = 8;
+
+/// Q4_K rows (`rows` x `k`, ggml layout) repacked in groups of 16 rows;
+/// `None` unless `rows` is a multiple of 16 and `k` of 256.
+pub fn repack_q4_k(w: &[u8], rows: usize, k: usize) -> Option<Vec<u8>> {
+    let block_bytes = GgmlType::Q4_K.block_bytes();
+    let nb = k / QK_K;
+    if !rows.is_multiple_of(ROWS) || !k.is_multiple_of(QK_K) || w.len() != rows * nb * block_bytes
+    {
+        return None;
+    }
+    let mut out = vec![0u8; rows / ROWS * nb * GROUP_BLOCK_BYTES];
+    for group in 0..rows / ROWS {
+        for b in 0..nb {
+            let dst = &mut out[(group * nb + b) * GROUP_BLOCK_BYTES..][..GROUP_BLOCK_BYTES];
+            for r in 0..ROWS {
+                let row = group * ROWS + r;
+                let block = &w[(row * nb + b) * block_bytes..][..block_bytes];
+                let d = super::blocks::f16_at(block, 0);
+                let dmin = super::blocks::f16_at(block, Q4_K_DMIN);
+                dst[4 * r..4 * r + 4].copy_from_slice(&d.to_le_bytes());
+                dst[64 + 4 * r..64 + 4 * r + 4].copy_from_slice(&dmin.to_le_bytes());
+                let scales = &block[Q4_K_SCALES..Q4_K_QS];
+                let mut codes = [0u8; QK_K];
+                for (chunk, qs) in block[Q4_K_QS..].chunks_exact(32).enumerate() {
+                    for (l, &q) in qs.iter().enumerate() {
+                        codes[64 * chunk + l] = q & 0xF;
+                        codes[64 * chunk + 32 + l] = q >> 4;
+                    }
+                }
+                for j in 0..8 {
+                    let (sc, m) = scale_min_k4(j, scales);
+                    dst[SC + 16 * j + r] = sc;
+                    let at = MINS + (j / 2) * 64 + 4 * r + 2 * (j % 2);
+                    dst[at..at + 2].copy_from_slice(&i16::from(m).to_le_bytes());
+                    for g in 0..4 {
+                        for i in 0..4 {
+                            let lo = codes[32 * j + 4 * g + i];
+                            let hi = codes[32 * j + 16 + 4 * g + i];
+                            dst[CODES + (j * 4 + g) * 64 + 4 * r + i] = lo | (hi << 4);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Some(out)
+}
+
+/// `out[t][i] = Σ_k w[rows.start + i][k] * x[t][k]` for repacked Q4_K
+/// weights (`rows` a range of whole groups); `xq` quantized as Q8_K.
+///
+/// # Panics
+/// Without AVX-512 VNNI, or on shapes that do not match.
+pub fn matmul_q4_k(
+    packed: &[u8],
+    k: usize,
+    rows: Range<usize>,
+    xq: &QuantizedActivations,
+    out: &mut [f32],
+) {
+    assert!(super::Isa::Avx512.is_available());
+    let nb = k / QK_K;
+    assert!(rows.start.is_multiple_of(ROWS) && rows.end.is_multiple_of(ROWS));
+    assert!(packed.len() >= rows.end / ROWS * nb * GROUP_BLOCK_BYTES);
+    assert_eq!(out.len(), xq.n_tokens() * rows.len());
+    // Sub-block sums of each token's activations, as i16 pairs for vpdpwssd.
+    let n_tokens = xq.n_tokens();
+    let mut sums = vec![0i16; n_tokens * nb * 8];
+    for t in 0..n_tokens {
+        let bsums = xq.bsums(t);
+        for (j, s) in sums[t * nb * 8..(t + 1) * nb * 8].iter_mut().enumerate() {
+            // |S| <= 32 x 127: fits i16.
+            *s = bsums[2 * j] + bsums[2 * j + 1];
+        }
+    }
+    debug_assert_eq!(Q8_K_BSUM_LEN, 16);
+    // SAFETY: AVX-512 asserted; shapes asserted above.
+    unsafe { drive(packed, nb, rows, xq, &sums, out) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn drive(
+    packed: &[u8],
+    nb: usize,
+    rows: Range<usize>,
+    xq: &QuantizedActivations,
+    sums: &[i16],
+    out: &mut [f32],
+) {
+    let (n_rows, n_tokens) = (rows.len(), xq.n_tokens());
+    for group in rows.start / ROWS..rows.end / ROWS {
+        let w = &packed[group * nb * GROUP_BLOCK_BYTES..(group + 1) * nb * GROUP_BLOCK_BYTES];
+        let i0 = group * ROWS - rows.start;
+        let mut t = 0;
+        while t < n_tokens {
+            let tile = (n_tokens - t).min(TILE_TOKENS);
+            let mut acc = [[0f32; ROWS]; TILE_TOKENS];
+            match tile {
+                TILE_TOKENS => group_tile::<TILE_TOKENS>(w, nb, xq, sums, t, &mut acc),
+                _ => {
+                    for j in 0..tile {
+                        group_tile::<1>(w, nb, xq, sums, t + j, &mut acc[j..j + 1]);
+                    }
+                }
+            }
+            for j in 0..tile {
+                out[(t + j) * n_rows + i0..][..ROWS].copy_from_slice(&acc[j]);
+            }
+            t += tile;
+        }
+    }
+}
+
+/// 16 rows against tokens `t0..t0 + T`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn group_tile<const T: usize>(
+    w: &[u8],
+    nb: usize,
+    xq: &QuantizedActivations,
+    sums: &[i16],
+    t0: usize,
+    out: &mut [[f32; ROWS]],
+) {
+    let mut x: [(*const u8, &[f32]); T] = [(std::ptr::null(), &[]); T];
+    for (j, x) in x.iter_mut().enumerate() {
+        let (qs, d) = xq.q8_k_row(t0 + j);
+        *x = (qs.as_ptr() as *const u8, d);
+    }
+    let low = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); T];
+    for b in 0..nb {
+        let base = w.as_ptr().add(b * GROUP_BLOCK_BYTES);
+        let d = _mm512_loadu_ps(base as *const f32);
+        let dmin = _mm512_loadu_ps(base.add(64) as *const f32);
+        let mut dx = [_mm512_setzero_ps(); T];
+        for t in 0..T {
+            dx[t] = _mm512_set1_ps(x[t].1[b]);
+        }
+        for j in 0..8 {
+            let mut isum = [_mm512_setzero_si512(); T];
+            for g in 0..4 {
+                let nib = _mm512_loadu_si512(base.add(CODES + (j * 4 + g) * 64) as *const __m512i);
+                let lo = _mm512_and_si512(nib, low);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(nib), low);
+                for t in 0..T {
+                    let xs = x[t].0.add(b * QK_K + 32 * j + 4 * g);
+                    let xlo = _mm512_set1_epi32((xs as *const i32).read_unaligned());
+                    let xhi = _mm512_set1_epi32((xs.add(16) as *const i32).read_unaligned());
+                    isum[t] = _mm512_dpbusd_epi32(isum[t], lo, xlo);
+                    isum[t] = _mm512_dpbusd_epi32(isum[t], hi, xhi);
+                }
+            }
+            let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                base.add(SC + 16 * j) as *const __m128i,
+            )));
+            let scale = _mm512_mul_ps(sc, d);
+            for t in 0..T {
+                acc[t] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(isum[t]),
+                    _mm512_mul_ps(scale, dx[t]),
+                    acc[t],
+                );
+            }
+        }
+        let mut mins = [_mm512_setzero_si512(); 4];
+        for p in 0..4 {
+            mins[p] = _mm512_loadu_si512(base.add(MINS + 64 * p) as *const __m512i);
+        }
+        for t in 0..T {
+            let s = sums.as_ptr().add(((t0 + t) * nb + b) * 8) as *const i32;
+            let mut off = _mm512_setzero_si512();
+            for p in 0..4 {
+                off = _mm512_dpwssd_epi32(off, mins[p], _mm512_set1_epi32(s.add(p).read_unaligned()));
+            }
+            acc[t] = _mm512_fnmadd_ps(
+                _mm512_cvtepi32_ps(off),
+                _mm512_mul_ps(dmin, dx[t]),
+                acc[t],
+            );
+        }
+    }
+    for t in 0..T {
+        _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{matmul, quantize_row, Isa};
+
+    #[test]
+    fn repacked_q4_k_matches_the_row_kernel() {
+        if !Isa::Avx512.is_available() {
+            eprintln!("skipped: no AVX-512 VNNI here");
+            return;
+        }
+        let (rows, k) = (48, 512);
+        let row_bytes = k / QK_K * GgmlType::Q4_K.block_bytes();
+        let mut w = vec![0u8; rows * row_bytes];
+        let mut state = 0x9E37_79B9u32;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state as f32 / u32::MAX as f32 - 0.5
+        };
+        let mut x = vec![0f32; k];
+        for row in w.chunks_exact_mut(row_bytes) {
+            x.iter_mut().for_each(|v| *v = next() * 0.2);
+            quantize_row(GgmlType::Q4_K, &x, row).unwrap();
+        }
+        let packed = repack_q4_k(&w, rows, k).unwrap();
+        assert!(repack_q4_k(&w[..row_bytes * 8], 8, k).is_none());
+        for n_tokens in [1, 3, 8, 11] {
+            let xs: Vec<f32> = (0..n_tokens * k).map(|_| next()).collect();
+            let mut xq = QuantizedActivations::new();
+            xq.quantize(GgmlType::Q4_K, &xs, n_tokens, k).unwrap();
+            let mut want = vec![0f32; n_tokens * 32];
+            matmul(Isa::Avx512, GgmlType::Q4_K, &w, k, 16..48, &xq, &mut want);
+            let mut got = vec![0f32; n_tokens * 32];
+            matmul_q4_k(&packed, k, 16..48, &xq, &mut got);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-4 * w.abs().max(1.0),
+                    "{n_tokens} tokens, output {i}: {g} against {w}"
+                );
+            }
+        }
+    }
+}
