@@ -204,11 +204,22 @@ fn memory_of(
     config: &ModelConfig,
     placement: &Placement,
 ) -> Result<ModelMemory, LoadError> {
-    let weights_bytes = gguf
+    let file_bytes: u64 = gguf
         .tensors()
         .iter()
         .map(|t| gguf.tensor_bytes(t).len() as u64)
         .sum();
+    // The CPU backend on AVX-512 keeps its Q4_K matrices in a 16-row layout
+    // (about 1/9 more than their file bytes) beside the mapped file.
+    let repacked = match placement {
+        Placement::Cpu
+            if bulkhead_kernels::quant::Isa::detect() == bulkhead_kernels::quant::Isa::Avx512 =>
+        {
+            bulkhead_kernels::model::repack_overhead_bytes(gguf)
+        }
+        _ => 0,
+    };
+    let weights_bytes = file_bytes + repacked;
     let layout = config
         .pool_geometry(spec.pool_pages, spec.page_tokens, spec.kv_type.into())
         .layout()

@@ -142,6 +142,36 @@ fn bench_x16(rows: usize, k: usize, n_tokens: usize) {
             avx512_kx16::matmul_q4_k(&packed, k, 0..rows, &xq, &mut out)
         }));
     }
+    if n_tokens == 1 {
+        // Cold: a rotation of copies larger than L3, as a decode step reads them.
+        let copies = COLD_BYTES_MIN.div_ceil(w.len()).max(2);
+        let cold: Vec<Vec<u8>> = (0..copies)
+            .map(|c| weights(ty, rows, k, c as u32 + 2))
+            .collect();
+        let cold_packed: Vec<Vec<u8>> = cold
+            .iter()
+            .map(|w| avx512_kx16::repack_q4_k(w, rows, k).expect("groups of 16"))
+            .collect();
+        let (mut next, mut row_cold, mut x16_cold) = (0, f64::MAX, f64::MAX);
+        for _ in 0..3 {
+            row_cold = row_cold.min(best_seconds(|| {
+                matmul(Isa::Avx512, ty, &cold[next], k, 0..rows, &xq, &mut out);
+                next = (next + 1) % copies;
+            }));
+            x16_cold = x16_cold.min(best_seconds(|| {
+                avx512_kx16::matmul_q4_k(&cold_packed[next], k, 0..rows, &xq, &mut out);
+                next = (next + 1) % copies;
+            }));
+        }
+        println!(
+            "Q4_K rows={rows:6} k={k:5} tokens=   1  cold: row kernel {:8.1} us {:5.1} GB/s  \
+             16-row repack {:8.1} us {:5.1} GB/s (of the file's bytes)",
+            row_cold * 1e6,
+            w.len() as f64 / row_cold / 1e9,
+            x16_cold * 1e6,
+            w.len() as f64 / x16_cold / 1e9
+        );
+    }
     println!(
         "Q4_K rows={rows:6} k={k:5} tokens={n_tokens:4}  row kernel {:8.1} us {:6.1} G MAC/s  \
          16-row repack {:8.1} us {:6.1} G MAC/s  ({:.2}x)",

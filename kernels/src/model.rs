@@ -767,6 +767,53 @@ pub struct Model {
     pub output: Matrix,
     /// The blocks, in order.
     pub layers: Vec<LayerWeights>,
+    /// Q4_K matrices repacked for the AVX-512 16-row kernel, made once by the
+    /// first CPU backend that runs them ([`Model::repacked`]) and shared by
+    /// every backend rebuilt after.
+    repacked: std::sync::OnceLock<Repacked>,
+}
+
+/// Q4_K matrices in the 16-row layout of `quant::avx512_kx16`, by the matrix
+/// (its bytes' offset and length in the file: a fused tensor's parts apart).
+#[derive(Default)]
+pub struct Repacked {
+    matrices: std::collections::HashMap<(u64, u64), Vec<u8>>,
+}
+
+impl Repacked {
+    /// `matrix` in the 16-row layout, if it was repacked.
+    pub fn get(&self, matrix: &Matrix) -> Option<&[u8]> {
+        self.matrices
+            .get(&(matrix.info.offset, matrix.info.bytes_len))
+            .map(Vec::as_slice)
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.matrices.values().map(|m| m.len() as u64).sum()
+    }
+}
+
+/// Whether the 16-row Q4_K kernel runs a `rows` x `cols` matrix of `ty`.
+pub fn repackable(ty: GgmlType, rows: usize, cols: usize) -> bool {
+    cfg!(target_arch = "x86_64")
+        && ty == GgmlType::Q4_K
+        && rows.is_multiple_of(16)
+        && cols.is_multiple_of(quant::QK_K)
+}
+
+/// Bytes a file's repackable Q4_K tensors take beyond their own once
+/// repacked (a 16-row group's block is 2,560 bytes against 16 x 144), for the
+/// memory budget of a model the AVX-512 CPU backend runs.
+pub fn repack_overhead_bytes(gguf: &Gguf) -> u64 {
+    // quant::avx512_kx16::GROUP_BLOCK_BYTES, for 16 rows of 144-byte blocks.
+    let group = 2560;
+    let rows_bytes = (16 * GgmlType::Q4_K.block_bytes()) as u64;
+    gguf.tensors()
+        .iter()
+        .filter(|t| t.dims.len() == 2 && repackable(t.ty, t.dims[1] as usize, t.dims[0] as usize))
+        .map(|t| t.bytes_len * (group - rows_bytes) / rows_bytes)
+        .sum()
 }
 
 /// Reads tensors by name and remembers which were read (invariant 1).
@@ -915,6 +962,47 @@ impl Model {
             output,
             layers,
             gguf,
+            repacked: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// The same weights read under another blueprint (the conformance
+    /// canaries: a model changed in one option must be told apart).
+    pub fn with_config(&self, config: ModelConfig) -> Model {
+        Model {
+            config,
+            gguf: Arc::clone(&self.gguf),
+            token_embd: self.token_embd.clone(),
+            output_norm: self.output_norm.clone(),
+            output: self.output.clone(),
+            layers: self.layers.clone(),
+            repacked: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Its Q4_K matrices in the 16-row layout (the AVX-512 kernel's), made on
+    /// the first call; the token embedding is left as it is (rows are read
+    /// one at a time), the output head too when it is the embedding.
+    pub fn repacked(&self) -> &Repacked {
+        self.repacked.get_or_init(|| {
+            let mut repacked = Repacked::default();
+            let embedding = (self.token_embd.info.offset, self.token_embd.info.bytes_len);
+            for matrix in self.matrices() {
+                let key = (matrix.info.offset, matrix.info.bytes_len);
+                if key == embedding
+                    || repacked.matrices.contains_key(&key)
+                    || !repackable(matrix.ty(), matrix.rows, matrix.cols)
+                {
+                    continue;
+                }
+                #[cfg(target_arch = "x86_64")]
+                if let Some(packed) =
+                    quant::avx512_kx16::repack_q4_k(self.bytes(matrix), matrix.rows, matrix.cols)
+                {
+                    repacked.matrices.insert(key, packed);
+                }
+            }
+            repacked
         })
     }
 

@@ -364,14 +364,7 @@ fn worst_when_changed(name: &str, change: impl FnOnce(&mut ModelConfig)) -> (f32
     change(&mut config);
     assert_ne!(config, model.config, "{name}: the change changed nothing");
     let entry = &fixture()["models"][name];
-    let wrong = Arc::new(Model {
-        config,
-        gguf: Arc::clone(&model.gguf),
-        token_embd: model.token_embd.clone(),
-        output_norm: model.output_norm.clone(),
-        output: model.output.clone(),
-        layers: model.layers.clone(),
-    });
+    let wrong = Arc::new(model.with_config(config));
     let prompt = &entry["prompts"][1];
     let expected = ids(&prompt["ids"]);
     let mut h = harness(&wrong, Isa::Scalar, expected.len());

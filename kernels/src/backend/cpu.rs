@@ -50,7 +50,8 @@ const SPAN_POSITIONS: usize = 128;
 /// rounds alternated in one process) within noise, 0-7 % faster: kept for
 /// the longer runs of memory per thread and the fewer task claims.
 const DECODE_RUNS_PER_THREAD: usize = 4;
-/// Output rows per matrix-product task are rounded to this (the kernels' tile).
+/// Output rows per matrix-product task are rounded to this (the kernels' tile,
+/// and the 16-row groups of repacked Q4_K matrices).
 const MATMUL_ROWS_ALIGN: usize = 16;
 /// Row chunks per thread in a matrix product: more than one, so that when a
 /// thread is descheduled (a loaded machine) the others take over its share.
@@ -188,8 +189,14 @@ impl CpuBackend {
             partials: Vec::new(),
             workers,
         };
+        let isa = options.isa.unwrap_or_else(Isa::detect);
+        if isa == Isa::Avx512 {
+            // At load, not at the first request: the Q4_K matrices in the
+            // 16-row layout (once per model; a rebuilt backend reuses them).
+            model.repacked();
+        }
         CpuBackend {
-            isa: options.isa.unwrap_or_else(Isa::detect),
+            isa,
             model,
             threads,
             options: CpuOptions {
@@ -758,23 +765,44 @@ impl CpuBackend {
         let xq = &s.xq;
         let workers = &s.workers;
         let model = &model;
+        // Q4_K matrices run by the 16-row kernel where it runs (task rows are
+        // cut at multiples of MATMUL_ROWS_ALIGN = 16, and such a matrix has a
+        // whole number of groups).
+        let repacked = (isa == Isa::Avx512).then(|| model.repacked());
+        let product = |matrix: &Matrix, rows: Range<usize>, dst: &mut [f32]| {
+            #[cfg(target_arch = "x86_64")]
+            if let Some(packed) = repacked.and_then(|r| r.get(matrix)) {
+                quant::avx512_kx16::matmul_q4_k(packed, matrix.cols, rows, xq, dst);
+                return;
+            }
+            let _ = repacked;
+            quant::matmul(
+                isa,
+                matrix.ty(),
+                model.bytes(matrix),
+                matrix.cols,
+                rows,
+                xq,
+                dst,
+            );
+        };
         self.threads.run(tasks.len(), &|i, worker| {
-            let (product, ref rows_range) = tasks[i];
-            let matrix = products[product].0;
+            let (product_index, ref rows_range) = tasks[i];
+            let matrix = products[product_index].0;
             let (start, end) = (rows_range.start, rows_range.end);
-            let (w, rows, cols, ty) = (model.bytes(matrix), matrix.rows, matrix.cols, matrix.ty());
-            let out = outs[product];
+            let rows = matrix.rows;
+            let out = outs[product_index];
             let n = end - start;
             if tokens == 1 {
                 // SAFETY: tasks own disjoint row ranges of the single output row.
                 let dst = unsafe { std::slice::from_raw_parts_mut(out.ptr().add(start), n) };
-                quant::matmul(isa, ty, w, cols, start..end, xq, dst);
+                product(matrix, start..end, dst);
                 return;
             }
             let mut scratch = workers[worker].lock().unwrap_or_else(|e| e.into_inner());
             let buf = &mut scratch.rows_out;
             buf.resize(tokens * n, 0.0);
-            quant::matmul(isa, ty, w, cols, start..end, xq, &mut buf[..tokens * n]);
+            product(matrix, start..end, &mut buf[..tokens * n]);
             for t in 0..tokens {
                 // SAFETY: rows start..end of every token row belong to this task only.
                 let dst =
