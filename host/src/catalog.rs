@@ -210,7 +210,8 @@ fn memory_of(
         .map(|t| gguf.tensor_bytes(t).len() as u64)
         .sum();
     // The CPU backend on AVX-512 keeps its Q4_K matrices in a 16-row layout
-    // (about 1/9 more than their file bytes) beside the mapped file.
+    // (1/36 more than their file bytes; the file's pages of them are given
+    // back once repacked).
     let repacked = match placement {
         Placement::Cpu
             if bulkhead_kernels::quant::Isa::detect() == bulkhead_kernels::quant::Isa::Avx512 =>

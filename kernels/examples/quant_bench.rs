@@ -139,7 +139,7 @@ fn bench_x16(rows: usize, k: usize, n_tokens: usize) {
             matmul(Isa::Avx512, ty, &w, k, 0..rows, &xq, &mut out)
         }));
         x16 = x16.min(best_seconds(|| {
-            avx512_kx16::matmul_q4_k(&packed, k, 0..rows, &xq, &mut out)
+            avx512_kx16::matmul_q4_k(packed.bytes(), k, 0..rows, &xq, &mut out)
         }));
     }
     if n_tokens == 1 {
@@ -148,7 +148,7 @@ fn bench_x16(rows: usize, k: usize, n_tokens: usize) {
         let cold: Vec<Vec<u8>> = (0..copies)
             .map(|c| weights(ty, rows, k, c as u32 + 2))
             .collect();
-        let cold_packed: Vec<Vec<u8>> = cold
+        let cold_packed: Vec<avx512_kx16::Packed> = cold
             .iter()
             .map(|w| avx512_kx16::repack_q4_k(w, rows, k).expect("groups of 16"))
             .collect();
@@ -159,7 +159,7 @@ fn bench_x16(rows: usize, k: usize, n_tokens: usize) {
                 next = (next + 1) % copies;
             }));
             x16_cold = x16_cold.min(best_seconds(|| {
-                avx512_kx16::matmul_q4_k(&cold_packed[next], k, 0..rows, &xq, &mut out);
+                avx512_kx16::matmul_q4_k(cold_packed[next].bytes(), k, 0..rows, &xq, &mut out);
                 next = (next + 1) % copies;
             }));
         }

@@ -777,20 +777,31 @@ pub struct Model {
 /// (its bytes' offset and length in the file: a fused tensor's parts apart).
 #[derive(Default)]
 pub struct Repacked {
-    matrices: std::collections::HashMap<(u64, u64), Vec<u8>>,
+    #[cfg(target_arch = "x86_64")]
+    matrices: std::collections::HashMap<(u64, u64), quant::avx512_kx16::Packed>,
 }
 
 impl Repacked {
     /// `matrix` in the 16-row layout, if it was repacked.
     pub fn get(&self, matrix: &Matrix) -> Option<&[u8]> {
-        self.matrices
+        #[cfg(target_arch = "x86_64")]
+        return self
+            .matrices
             .get(&(matrix.info.offset, matrix.info.bytes_len))
-            .map(Vec::as_slice)
+            .map(|p| p.bytes());
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = matrix;
+            None
+        }
     }
 
     /// Bytes held.
     pub fn bytes(&self) -> u64 {
-        self.matrices.values().map(|m| m.len() as u64).sum()
+        #[cfg(target_arch = "x86_64")]
+        return self.matrices.values().map(|m| m.bytes().len() as u64).sum();
+        #[cfg(not(target_arch = "x86_64"))]
+        0
     }
 }
 
@@ -803,11 +814,11 @@ pub fn repackable(ty: GgmlType, rows: usize, cols: usize) -> bool {
 }
 
 /// Bytes a file's repackable Q4_K tensors take beyond their own once
-/// repacked (a 16-row group's block is 2,560 bytes against 16 x 144), for the
+/// repacked (a 16-row group's block is 2,368 bytes against 16 x 144), for the
 /// memory budget of a model the AVX-512 CPU backend runs.
 pub fn repack_overhead_bytes(gguf: &Gguf) -> u64 {
     // quant::avx512_kx16::GROUP_BLOCK_BYTES, for 16 rows of 144-byte blocks.
-    let group = 2560;
+    let group = 2368;
     let rows_bytes = (16 * GgmlType::Q4_K.block_bytes()) as u64;
     gguf.tensors()
         .iter()
@@ -985,21 +996,28 @@ impl Model {
     /// one at a time), the output head too when it is the embedding.
     pub fn repacked(&self) -> &Repacked {
         self.repacked.get_or_init(|| {
+            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
             let mut repacked = Repacked::default();
-            let embedding = (self.token_embd.info.offset, self.token_embd.info.bytes_len);
-            for matrix in self.matrices() {
-                let key = (matrix.info.offset, matrix.info.bytes_len);
-                if key == embedding
-                    || repacked.matrices.contains_key(&key)
-                    || !repackable(matrix.ty(), matrix.rows, matrix.cols)
-                {
-                    continue;
-                }
-                #[cfg(target_arch = "x86_64")]
-                if let Some(packed) =
-                    quant::avx512_kx16::repack_q4_k(self.bytes(matrix), matrix.rows, matrix.cols)
-                {
-                    repacked.matrices.insert(key, packed);
+            #[cfg(target_arch = "x86_64")]
+            {
+                let embedding = (self.token_embd.info.offset, self.token_embd.info.bytes_len);
+                for matrix in self.matrices() {
+                    let key = (matrix.info.offset, matrix.info.bytes_len);
+                    if key == embedding
+                        || repacked.matrices.contains_key(&key)
+                        || !repackable(matrix.ty(), matrix.rows, matrix.cols)
+                    {
+                        continue;
+                    }
+                    if let Some(packed) = quant::avx512_kx16::repack_q4_k(
+                        self.bytes(matrix),
+                        matrix.rows,
+                        matrix.cols,
+                    ) {
+                        repacked.matrices.insert(key, packed);
+                        // Nothing reads the file's copy again: give its pages back.
+                        self.gguf.release(&matrix.info);
+                    }
                 }
             }
             repacked

@@ -396,6 +396,29 @@ impl Gguf {
         &self.bytes()[start..start + info.bytes_len as usize]
     }
 
+    /// Drops this process's resident pages of a tensor's bytes, for a tensor
+    /// the engine keeps in another layout (the repacked Q4_K matrices): a
+    /// hint that returns the memory; a later read faults the same bytes in
+    /// again from the file. A no-op for a file held in memory.
+    pub fn release(&self, info: &TensorInfo) {
+        #[cfg(unix)]
+        if let Backing::Mapped(map) = &self.backing {
+            let start = (self.data_start + info.offset) as usize;
+            // SAFETY: the map is private and read-only, so MADV_DONTNEED
+            // discards no writes: the next access reads the file's bytes, the
+            // same ones. memmap2 widens the range to whole pages; a neighbour's
+            // bytes on those pages fault back in the same way. Only a hint:
+            // its failure changes nothing.
+            let _ = unsafe {
+                map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    start,
+                    info.bytes_len as usize,
+                )
+            };
+        }
+    }
+
     /// A required unsigned integer.
     pub fn u64(&self, key: &str) -> Result<u64, GgufError> {
         self.require(key)?

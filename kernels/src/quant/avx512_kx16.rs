@@ -8,9 +8,10 @@
 //!
 //! ```text
 //! per group of 16 rows and super-block (GROUP_BLOCK_BYTES):
-//!   d[16], dmin[16]            f32
+//!   d[16], dmin[16]            f16, as in the file
 //!   sc[8][16]                  u8: sub-block j's scale, row r
-//!   m[4][16][2]                i16: mins of sub-blocks 2p, 2p+1 (a vpdpwssd pair)
+//!   m[4][16][2]                u8: mins of sub-blocks 2p, 2p+1 (widened to a
+//!                              vpdpwssd pair of i16 when loaded)
 //!   codes[8][4][16][4]         nibbles: sub-block j, vector g, row r: low nibbles
 //!                              weights 32j+4g..+4, high nibbles 32j+16+4g..+4
 //! per token t, block b, sub-block j:
@@ -23,7 +24,7 @@
 #![allow(clippy::needless_range_loop)]
 
 // The memory budget's estimate (`model::repack_overhead_bytes`) assumes this.
-const _: () = assert!(GROUP_BLOCK_BYTES == 2560 && ROWS == 16);
+const _: () = assert!(GROUP_BLOCK_BYTES == 2368 && ROWS == 16);
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -35,34 +36,61 @@ use super::GgmlType;
 /// Rows sharing one `vpdpbusd`.
 pub const ROWS: usize = 16;
 /// Bytes of one group of 16 rows' super-block.
-pub const GROUP_BLOCK_BYTES: usize = 64 + 64 + 128 + 256 + 2048;
-const SC: usize = 128;
-const MINS: usize = 256;
-const CODES: usize = 512;
+pub const GROUP_BLOCK_BYTES: usize = 32 + 32 + 128 + 128 + 2048;
+const DMIN: usize = 32;
+const SC: usize = 64;
+const MINS: usize = 192;
+const CODES: usize = 320;
 /// Blocks ahead that the kernel prefetches.
 const PREFETCH_BLOCKS: usize = 2;
 /// Tokens sharing the decoded codes of a sub-block.
 const TILE_TOKENS: usize = 8;
 
+/// Repacked weights, starting on a 64-byte boundary so that no 512-bit load
+/// of a block straddles two cache lines (a heap allocation of this size starts
+/// 16 bytes past a page).
+pub struct Packed {
+    buf: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl Packed {
+    fn zeroed(len: usize) -> Packed {
+        let buf = vec![0u8; len + 63];
+        let start = buf.as_ptr().align_offset(64);
+        Packed { buf, start, len }
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf[self.start..self.start + self.len]
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
 /// Q4_K rows (`rows` x `k`, ggml layout) repacked in groups of 16 rows;
 /// `None` unless `rows` is a multiple of 16 and `k` of 256.
-pub fn repack_q4_k(w: &[u8], rows: usize, k: usize) -> Option<Vec<u8>> {
+pub fn repack_q4_k(w: &[u8], rows: usize, k: usize) -> Option<Packed> {
     let block_bytes = GgmlType::Q4_K.block_bytes();
     let nb = k / QK_K;
     if !rows.is_multiple_of(ROWS) || !k.is_multiple_of(QK_K) || w.len() != rows * nb * block_bytes {
         return None;
     }
-    let mut out = vec![0u8; rows / ROWS * nb * GROUP_BLOCK_BYTES];
+    let mut packed = Packed::zeroed(rows / ROWS * nb * GROUP_BLOCK_BYTES);
+    let out = packed.bytes_mut();
     for group in 0..rows / ROWS {
         for b in 0..nb {
             let dst = &mut out[(group * nb + b) * GROUP_BLOCK_BYTES..][..GROUP_BLOCK_BYTES];
             for r in 0..ROWS {
                 let row = group * ROWS + r;
                 let block = &w[(row * nb + b) * block_bytes..][..block_bytes];
-                let d = super::blocks::f16_at(block, 0);
-                let dmin = super::blocks::f16_at(block, Q4_K_DMIN);
-                dst[4 * r..4 * r + 4].copy_from_slice(&d.to_le_bytes());
-                dst[64 + 4 * r..64 + 4 * r + 4].copy_from_slice(&dmin.to_le_bytes());
+                dst[2 * r..2 * r + 2].copy_from_slice(&block[..2]);
+                dst[DMIN + 2 * r..DMIN + 2 * r + 2]
+                    .copy_from_slice(&block[Q4_K_DMIN..Q4_K_DMIN + 2]);
                 let scales = &block[Q4_K_SCALES..Q4_K_QS];
                 let mut codes = [0u8; QK_K];
                 for (chunk, qs) in block[Q4_K_QS..].chunks_exact(32).enumerate() {
@@ -74,8 +102,7 @@ pub fn repack_q4_k(w: &[u8], rows: usize, k: usize) -> Option<Vec<u8>> {
                 for j in 0..8 {
                     let (sc, m) = scale_min_k4(j, scales);
                     dst[SC + 16 * j + r] = sc;
-                    let at = MINS + (j / 2) * 64 + 4 * r + 2 * (j % 2);
-                    dst[at..at + 2].copy_from_slice(&i16::from(m).to_le_bytes());
+                    dst[MINS + (j / 2) * 32 + 2 * r + j % 2] = m;
                     for g in 0..4 {
                         for i in 0..4 {
                             let lo = codes[32 * j + 4 * g + i];
@@ -87,7 +114,7 @@ pub fn repack_q4_k(w: &[u8], rows: usize, k: usize) -> Option<Vec<u8>> {
             }
         }
     }
-    Some(out)
+    Some(packed)
 }
 
 /// `out[t][i] = Σ_k w[rows.start + i][k] * x[t][k]` for repacked Q4_K
@@ -174,8 +201,8 @@ unsafe fn group_tile<const T: usize>(
     let mut acc = [_mm512_setzero_ps(); T];
     for b in 0..nb {
         let base = w.as_ptr().add(b * GROUP_BLOCK_BYTES);
-        let d = _mm512_loadu_ps(base as *const f32);
-        let dmin = _mm512_loadu_ps(base.add(64) as *const f32);
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(base as *const __m256i));
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(DMIN) as *const __m256i));
         let mut dx = [_mm512_setzero_ps(); T];
         for t in 0..T {
             dx[t] = _mm512_set1_ps(x[t].1[b]);
@@ -185,6 +212,7 @@ unsafe fn group_tile<const T: usize>(
             // the hardware prefetcher: fetch the block after next, a fifth
             // of a block per sub-block (never dereferenced: no bounds).
             let ahead = base.wrapping_add(PREFETCH_BLOCKS * GROUP_BLOCK_BYTES + j * 320);
+            // (8 x 5 lines: 2,560 bytes, the 2,368 of a block and the next's first.)
             for line in 0..5 {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line) as *const i8);
             }
@@ -215,7 +243,8 @@ unsafe fn group_tile<const T: usize>(
         }
         let mut mins = [_mm512_setzero_si512(); 4];
         for p in 0..4 {
-            mins[p] = _mm512_loadu_si512(base.add(MINS + 64 * p) as *const __m512i);
+            mins[p] =
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256(base.add(MINS + 32 * p) as *const __m256i));
         }
         for t in 0..T {
             let s = sums.as_ptr().add(((t0 + t) * nb + b) * 8) as *const i32;
@@ -267,7 +296,7 @@ mod tests {
             let mut want = vec![0f32; n_tokens * 32];
             matmul(Isa::Avx512, GgmlType::Q4_K, &w, k, 16..48, &xq, &mut want);
             let mut got = vec![0f32; n_tokens * 32];
-            matmul_q4_k(&packed, k, 16..48, &xq, &mut got);
+            matmul_q4_k(packed.bytes(), k, 16..48, &xq, &mut got);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!(
                     (g - w).abs() <= 1e-4 * w.abs().max(1.0),
