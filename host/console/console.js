@@ -440,7 +440,7 @@ async function tenantPage(slot, name) {
     if (!k.revoked_ms) {
       cell.append(h('button', {
         type: 'button', class: 'danger', 'data-testid': `revoke-${k.id}`,
-        onclick: () => cell.replaceChildren(confirmPanel(`Revoke key ${k.id} (${k.prefix}…)? Requests with it are refused from now on.`, 'Revoke', async () => {
+        onclick: () => cell.append(confirmPanel(`Revoke key ${k.id} (${k.prefix}…)? Requests with it are refused from now on.`, 'Revoke', async () => {
           try {
             await api('DELETE', `${A}/tenants/${enc(name)}/keys/${enc(k.id)}`, undefined, 'revoke the key');
             notice(`Key ${k.id} revoked.`);
