@@ -121,7 +121,8 @@ pub fn repack_q4_k(w: &[u8], rows: usize, k: usize) -> Option<Packed> {
 /// weights (`rows` a range of whole groups); `xq` quantized as Q8_K.
 ///
 /// # Panics
-/// Without AVX-512 VNNI, or on shapes that do not match.
+/// Without AVX-512 VNNI, or on shapes that do not match (activations not Q8_K
+/// of width `k`, rows not whole groups, `packed` or `out` too short).
 pub fn matmul_q4_k(
     packed: &[u8],
     k: usize,
@@ -130,6 +131,14 @@ pub fn matmul_q4_k(
     out: &mut [f32],
 ) {
     assert!(super::Isa::Avx512.is_available());
+    // The kernel reads each token's k activations through raw pointers.
+    assert_eq!(
+        xq.format(),
+        super::ActivationFormat::Q8_K,
+        "activations not Q8_K"
+    );
+    assert_eq!(xq.k(), k, "activations of another width");
+    assert!(k.is_multiple_of(QK_K));
     let nb = k / QK_K;
     assert!(rows.start.is_multiple_of(ROWS) && rows.end.is_multiple_of(ROWS));
     assert!(packed.len() >= rows.end / ROWS * nb * GROUP_BLOCK_BYTES);
