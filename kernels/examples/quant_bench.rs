@@ -51,13 +51,19 @@ fn best_seconds(mut f: impl FnMut()) -> f64 {
     best
 }
 
-fn bench(isa: Isa, ty: GgmlType, rows: usize, k: usize, n_tokens: usize) {
+/// `n_tokens` rows of `k` fixed activations, quantized for `ty` weights.
+fn activations(ty: GgmlType, n_tokens: usize, k: usize) -> QuantizedActivations {
     let x: Vec<f32> = (0..n_tokens * k)
         .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
         .collect();
     let mut xq = QuantizedActivations::new();
     xq.quantize(ty, &x, n_tokens, k)
         .expect("whole blocks by construction");
+    xq
+}
+
+fn bench(isa: Isa, ty: GgmlType, rows: usize, k: usize, n_tokens: usize) {
+    let xq = activations(ty, n_tokens, k);
     let mut out = vec![0.0f32; n_tokens * rows];
     let w = weights(ty, rows, k, 1);
     let secs = best_seconds(|| matmul(isa, ty, &w, k, 0..rows, &xq, &mut out));
@@ -123,12 +129,7 @@ fn cold_seconds(
 fn bench_x16(rows: usize, k: usize, n_tokens: usize) {
     use bulkhead_kernels::quant::avx512_kx16;
     let ty = GgmlType::Q4_K;
-    let x: Vec<f32> = (0..n_tokens * k)
-        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-        .collect();
-    let mut xq = QuantizedActivations::new();
-    xq.quantize(ty, &x, n_tokens, k)
-        .expect("whole blocks by construction");
+    let xq = activations(ty, n_tokens, k);
     let mut out = vec![0.0f32; n_tokens * rows];
     let w = weights(ty, rows, k, 1);
     let packed = avx512_kx16::repack_q4_k(&w, rows, k).expect("rows in groups of 16");

@@ -307,26 +307,17 @@ fn the_console_works_in_a_real_browser() {
     assert!(shots >= 13, "{shots} screenshots in {}", out.display());
     // Every console action went through the admin API and is in the audit
     // log as the admin's.
-    let r = server.admin_call(
-        "GET",
-        "/admin/v1/audit?before=18446744073709551615&tenant=delta",
-        None,
-    );
-    let actions: Vec<String> = r.json()["data"]
-        .as_array()
-        .unwrap()
+    let audited = |filter: &str| -> Vec<Value> {
+        let path = format!("/admin/v1/audit?before=18446744073709551615&{filter}");
+        let r = server.admin_call("GET", &path, None);
+        r.json()["data"].as_array().unwrap().clone()
+    };
+    let actions: Vec<String> = audited("tenant=delta")
         .iter()
         .filter(|r| r["actor"] == "admin")
         .map(|r| r["action"].as_str().unwrap().to_string())
         .collect();
-    let models = server.admin_call(
-        "GET",
-        "/admin/v1/audit?before=18446744073709551615&action=model.",
-        None,
-    );
-    let models: Vec<String> = models.json()["data"]
-        .as_array()
-        .unwrap()
+    let models: Vec<String> = audited("action=model.")
         .iter()
         .map(|r| format!("{} {}", r["action"].as_str().unwrap(), r["target"]))
         .collect();
