@@ -484,9 +484,11 @@ fn abandoned_requests_take_their_queued_work_and_their_permits_with_them() {
     let r = server.post("/v1/chat/completions", Some(KEY_ALPHA), body.as_bytes());
     assert_eq!(r.error().1, json!("context_length_exceeded"), "{}", r.body);
     let one = one.elapsed();
-    // Over HTTP/2, each cancelled (RST_STREAM) 20 ms after it is sent, while
+    // Over HTTP/2, each cancelled (RST_STREAM) 2 ms after it is sent, while
     // it waits its turn on the lane: the server drops a cancelled stream's
-    // handler at once (an HTTP/1 handler runs on until it writes).
+    // handler at once (an HTTP/1 handler runs on until it writes). (At 20 ms
+    // most were answered first: the lane keeps up with 32 such clients, and
+    // some runs saw none abandoned.)
     let request = [
         h2::open(&[]),
         h2::post(1, "/v1/chat/completions", KEY_ALPHA, &[], body.as_bytes()),
@@ -509,7 +511,7 @@ fn abandoned_requests_take_their_queued_work_and_their_permits_with_them() {
                     if stream.write_all(&request).is_ok() {
                         sent += 1;
                     }
-                    std::thread::sleep(Duration::from_millis(20));
+                    std::thread::sleep(Duration::from_millis(2));
                     let _ = stream.write_all(&cancel);
                     // Dropped: the client leaves before any answer.
                 }
