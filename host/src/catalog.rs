@@ -209,9 +209,9 @@ fn memory_of(
         .iter()
         .map(|t| gguf.tensor_bytes(t).len() as u64)
         .sum();
-    // The CPU backend on AVX-512 keeps its Q4_K matrices in a 16-row layout
-    // (1/36 more than their file bytes; the file's pages of them are given
-    // back once repacked).
+    // The CPU backend on AVX-512 keeps its matrices in 16-row layouts (Q4_K:
+    // 1/36 more than their file bytes; the file's pages of them are given
+    // back once repacked; a tied embedding is kept beside its packed copy).
     let repacked = match placement {
         Placement::Cpu
             if bulkhead_kernels::quant::Isa::detect() == bulkhead_kernels::quant::Isa::Avx512 =>

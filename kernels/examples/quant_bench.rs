@@ -1,7 +1,8 @@
 //! Single-thread matmul throughput per ISA for the default model's shapes.
 //!
 //! `cargo run -p bulkhead-kernels --release --example quant_bench [filter] [tokens]`
-//! (filter `Q4_Kx16`: the repacked 16-row Q4_K kernel against the row kernel)
+//! (filter `x16`, or a type's name then `x16` such as `Q5_0x16`: the repacked
+//! 16-row kernels against the row kernels)
 //!
 //! Decode shapes report weight-streaming GB/s (hot: the matrix fits L2 and is reused;
 //! cold: a rotation of copies larger than L3); prefill shapes report G MAC/s
@@ -123,16 +124,15 @@ fn cold_seconds(
     })
 }
 
-/// The repacked 16-row Q4_K kernel (`quant::avx512_kx16`, an experiment)
-/// against the AVX-512 row kernel on the same weights, alternated.
+/// A repacked 16-row kernel (`quant::repack`) against the AVX-512 row kernel
+/// on the same weights, alternated.
 #[cfg(target_arch = "x86_64")]
-fn bench_x16(rows: usize, k: usize, n_tokens: usize) {
-    use bulkhead_kernels::quant::avx512_kx16;
-    let ty = GgmlType::Q4_K;
+fn bench_x16(ty: GgmlType, rows: usize, k: usize, n_tokens: usize) {
+    use bulkhead_kernels::quant::repack::{matmul_repacked, repack, Packed};
     let xq = activations(ty, n_tokens, k);
     let mut out = vec![0.0f32; n_tokens * rows];
     let w = weights(ty, rows, k, 1);
-    let packed = avx512_kx16::repack_q4_k(&w, rows, k).expect("rows in groups of 16");
+    let packed = repack(ty, &w, rows, k).expect("a 16-row layout");
     let macs = (rows * k * n_tokens) as f64;
     let (mut row, mut x16) = (f64::MAX, f64::MAX);
     for _ in 0..3 {
@@ -140,7 +140,7 @@ fn bench_x16(rows: usize, k: usize, n_tokens: usize) {
             matmul(Isa::Avx512, ty, &w, k, 0..rows, &xq, &mut out)
         }));
         x16 = x16.min(best_seconds(|| {
-            avx512_kx16::matmul_q4_k(packed.bytes(), k, 0..rows, &xq, &mut out)
+            matmul_repacked(ty, packed.bytes(), k, 0..rows, &xq, &mut out)
         }));
     }
     if n_tokens == 1 {
@@ -149,9 +149,9 @@ fn bench_x16(rows: usize, k: usize, n_tokens: usize) {
         let cold: Vec<Vec<u8>> = (0..copies)
             .map(|c| weights(ty, rows, k, c as u32 + 2))
             .collect();
-        let cold_packed: Vec<avx512_kx16::Packed> = cold
+        let cold_packed: Vec<Packed> = cold
             .iter()
-            .map(|w| avx512_kx16::repack_q4_k(w, rows, k).expect("groups of 16"))
+            .map(|w| repack(ty, w, rows, k).expect("a 16-row layout"))
             .collect();
         let (mut next, mut row_cold, mut x16_cold) = (0, f64::MAX, f64::MAX);
         for _ in 0..3 {
@@ -160,13 +160,15 @@ fn bench_x16(rows: usize, k: usize, n_tokens: usize) {
                 next = (next + 1) % copies;
             }));
             x16_cold = x16_cold.min(best_seconds(|| {
-                avx512_kx16::matmul_q4_k(cold_packed[next].bytes(), k, 0..rows, &xq, &mut out);
+                let packed = cold_packed[next].bytes();
+                matmul_repacked(ty, packed, k, 0..rows, &xq, &mut out);
                 next = (next + 1) % copies;
             }));
         }
         println!(
-            "Q4_K rows={rows:6} k={k:5} tokens=   1  cold: row kernel {:8.1} us {:5.1} GB/s  \
+            "{:4} rows={rows:6} k={k:5} tokens=   1  cold: row kernel {:8.1} us {:5.1} GB/s  \
              16-row repack {:8.1} us {:5.1} GB/s (of the file's bytes)",
+            ty.name(),
             row_cold * 1e6,
             w.len() as f64 / row_cold / 1e9,
             x16_cold * 1e6,
@@ -174,8 +176,9 @@ fn bench_x16(rows: usize, k: usize, n_tokens: usize) {
         );
     }
     println!(
-        "Q4_K rows={rows:6} k={k:5} tokens={n_tokens:4}  row kernel {:8.1} us {:6.1} G MAC/s  \
+        "{:4} rows={rows:6} k={k:5} tokens={n_tokens:4}  row kernel {:8.1} us {:6.1} G MAC/s  \
          16-row repack {:8.1} us {:6.1} G MAC/s  ({:.2}x)",
+        ty.name(),
         row * 1e6,
         macs / row / 1e9,
         x16 * 1e6,
@@ -188,19 +191,30 @@ fn main() {
     let filter = std::env::args().nth(1).unwrap_or_default();
     let only_tokens: Option<usize> = std::env::args().nth(2).and_then(|n| n.parse().ok());
     #[cfg(target_arch = "x86_64")]
-    if filter == "Q4_Kx16" {
+    if let Some(only_type) = filter.strip_suffix("x16") {
         if !Isa::Avx512.is_available() {
             println!("skipped: no AVX-512 VNNI here");
             return;
         }
-        for (rows, k, tokens) in [
-            (1536, 768, &[1, 8, 64][..]),
-            (8192, 2048, &[1, 512][..]),
-            (2048, 8192, &[1, 512][..]),
+        for (ty, rows, k, tokens) in [
+            (GgmlType::Q4_K, 1536, 768, &[1, 8, 64][..]),
+            (GgmlType::Q4_K, 8192, 2048, &[1, 512][..]),
+            (GgmlType::Q4_K, 2048, 8192, &[1, 512][..]),
+            // SmolLM2's feed-forward output (Q6_K in both K files), then its
+            // input matrices (Q4_K_M: Q5_0; Q6_K: Q8_0).
+            (GgmlType::Q6_K, 576, 1536, &[1, 8, 512][..]),
+            (GgmlType::Q5_0, 1536, 576, &[1, 8, 512][..]),
+            (GgmlType::Q8_0, 1536, 576, &[1, 8, 512][..]),
+            (GgmlType::Q4_1, 1536, 576, &[1, 8, 512][..]),
+            (GgmlType::Q4_0, 1536, 576, &[1, 512][..]),
+            (GgmlType::Q5_1, 1536, 576, &[1, 512][..]),
         ] {
+            if !only_type.is_empty() && ty.name() != only_type {
+                continue;
+            }
             for &n in tokens {
                 if only_tokens.is_none_or(|o| o == n) {
-                    bench_x16(rows, k, n);
+                    bench_x16(ty, rows, k, n);
                 }
             }
         }

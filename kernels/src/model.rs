@@ -767,63 +767,51 @@ pub struct Model {
     pub output: Matrix,
     /// The blocks, in order.
     pub layers: Vec<LayerWeights>,
-    /// Q4_K matrices repacked for the AVX-512 16-row kernel, made once by the
+    /// Matrices repacked for the AVX-512 16-row kernels, made once by the
     /// first CPU backend that runs them ([`Model::repacked`]) and shared by
     /// every backend rebuilt after.
     repacked: std::sync::OnceLock<Repacked>,
 }
 
-/// Q4_K matrices in the 16-row layout of `quant::avx512_kx16`, by the matrix
-/// (its bytes' offset and length in the file: a fused tensor's parts apart).
+/// Matrices in the 16-row layouts of `quant::repack`, by the matrix (its
+/// bytes' offset and length in the file: a fused tensor's parts apart).
 #[derive(Default)]
 pub struct Repacked {
-    #[cfg(target_arch = "x86_64")]
-    matrices: std::collections::HashMap<(u64, u64), quant::avx512_kx16::Packed>,
+    matrices: std::collections::HashMap<(u64, u64), quant::repack::Packed>,
 }
 
 impl Repacked {
-    /// `matrix` in the 16-row layout, if it was repacked.
+    /// `matrix` in its 16-row layout, if it was repacked.
     pub fn get(&self, matrix: &Matrix) -> Option<&[u8]> {
-        #[cfg(target_arch = "x86_64")]
-        return self
-            .matrices
+        self.matrices
             .get(&(matrix.info.offset, matrix.info.bytes_len))
-            .map(|p| p.bytes());
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = matrix;
-            None
-        }
+            .map(|p| p.bytes())
     }
 
     /// Bytes held.
     pub fn bytes(&self) -> u64 {
-        #[cfg(target_arch = "x86_64")]
-        return self.matrices.values().map(|m| m.bytes().len() as u64).sum();
-        #[cfg(not(target_arch = "x86_64"))]
-        0
+        self.matrices.values().map(|m| m.bytes().len() as u64).sum()
     }
 }
 
-/// Whether the 16-row Q4_K kernel runs a `rows` x `cols` matrix of `ty`.
-pub fn repackable(ty: GgmlType, rows: usize, cols: usize) -> bool {
-    cfg!(target_arch = "x86_64")
-        && ty == GgmlType::Q4_K
-        && rows.is_multiple_of(16)
-        && cols.is_multiple_of(quant::QK_K)
-}
-
-/// Bytes a file's repackable Q4_K tensors take beyond their own once
-/// repacked (a 16-row group's block is 2,368 bytes against 16 x 144), for the
-/// memory budget of a model the AVX-512 CPU backend runs.
+/// Bytes a file's repackable matrices take beyond their own once repacked
+/// (`quant::repack::repacked_len`), for the memory budget of a model the
+/// AVX-512 CPU backend runs. An untied token embedding, read a row at a time,
+/// stays as it is; a tied one is repacked as the output head and kept too
+/// (its rows are still looked up), so its packed copy counts whole.
 pub fn repack_overhead_bytes(gguf: &Gguf) -> u64 {
-    // quant::avx512_kx16::GROUP_BLOCK_BYTES, for 16 rows of 144-byte blocks.
-    let group = 2368;
-    let rows_bytes = (16 * GgmlType::Q4_K.block_bytes()) as u64;
+    let tied = !gguf.tensors().iter().any(|t| t.name == "output.weight");
     gguf.tensors()
         .iter()
-        .filter(|t| t.dims.len() == 2 && repackable(t.ty, t.dims[1] as usize, t.dims[0] as usize))
-        .map(|t| t.bytes_len * (group - rows_bytes) / rows_bytes)
+        .filter(|t| t.dims.len() == 2 && (tied || t.name != "token_embd.weight"))
+        .filter_map(|t| {
+            let packed =
+                quant::repack::repacked_len(t.ty, t.dims[1] as usize, t.dims[0] as usize)? as u64;
+            Some(match t.name.as_str() {
+                "token_embd.weight" => packed,
+                _ => packed.saturating_sub(t.bytes_len),
+            })
+        })
         .sum()
 }
 
@@ -991,33 +979,26 @@ impl Model {
         }
     }
 
-    /// Its Q4_K matrices in the 16-row layout (the AVX-512 kernel's), made on
-    /// the first call; the token embedding is left as it is (rows are read
-    /// one at a time), the output head too when it is the embedding.
+    /// Its matrices in the 16-row layouts of the AVX-512 kernels, made on the
+    /// first call. The token embedding only as the output head when tied: its
+    /// rows are read one at a time, from the file (whose pages of it fault
+    /// back in as rows are looked up).
     pub fn repacked(&self) -> &Repacked {
         self.repacked.get_or_init(|| {
-            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
             let mut repacked = Repacked::default();
-            #[cfg(target_arch = "x86_64")]
-            {
-                let embedding = (self.token_embd.info.offset, self.token_embd.info.bytes_len);
-                for matrix in self.matrices() {
-                    let key = (matrix.info.offset, matrix.info.bytes_len);
-                    if key == embedding
-                        || repacked.matrices.contains_key(&key)
-                        || !repackable(matrix.ty(), matrix.rows, matrix.cols)
-                    {
-                        continue;
-                    }
-                    if let Some(packed) = quant::avx512_kx16::repack_q4_k(
-                        self.bytes(matrix),
-                        matrix.rows,
-                        matrix.cols,
-                    ) {
-                        repacked.matrices.insert(key, packed);
-                        // Nothing reads the file's copy again: give its pages back.
-                        self.gguf.release(&matrix.info);
-                    }
+            let key_of = |m: &Matrix| (m.info.offset, m.info.bytes_len);
+            let tied = key_of(&self.token_embd) == key_of(&self.output);
+            for matrix in self.matrices() {
+                let key = key_of(matrix);
+                let embedding_only = key == key_of(&self.token_embd) && !tied;
+                if embedding_only || repacked.matrices.contains_key(&key) {
+                    continue;
+                }
+                let (ty, bytes) = (matrix.ty(), self.bytes(matrix));
+                if let Some(packed) = quant::repack::repack(ty, bytes, matrix.rows, matrix.cols) {
+                    repacked.matrices.insert(key, packed);
+                    // Nothing reads the file's copy again: give its pages back.
+                    self.gguf.release(&matrix.info);
                 }
             }
             repacked

@@ -191,8 +191,8 @@ impl CpuBackend {
         };
         let isa = options.isa.unwrap_or_else(Isa::detect);
         if isa == Isa::Avx512 {
-            // At load, not at the first request: the Q4_K matrices in the
-            // 16-row layout (once per model; a rebuilt backend reuses them).
+            // At load, not at the first request: the matrices in their
+            // 16-row layouts (once per model; a rebuilt backend reuses them).
             model.repacked();
         }
         CpuBackend {
@@ -765,17 +765,16 @@ impl CpuBackend {
         let xq = &s.xq;
         let workers = &s.workers;
         let model = &model;
-        // Q4_K matrices run by the 16-row kernel where it runs (task rows are
-        // cut at multiples of MATMUL_ROWS_ALIGN = 16, and such a matrix has a
-        // whole number of groups).
+        // Repacked matrices run by the 16-row kernels where they run (task
+        // rows are cut at multiples of MATMUL_ROWS_ALIGN = 16, and such a
+        // matrix has a whole number of groups).
         let repacked = (isa == Isa::Avx512).then(|| model.repacked());
         let product = |matrix: &Matrix, rows: Range<usize>, dst: &mut [f32]| {
-            #[cfg(target_arch = "x86_64")]
             if let Some(packed) = repacked.and_then(|r| r.get(matrix)) {
-                quant::avx512_kx16::matmul_q4_k(packed, matrix.cols, rows, xq, dst);
+                let (ty, k) = (matrix.ty(), matrix.cols);
+                quant::repack::matmul_repacked(ty, packed, k, rows, xq, dst);
                 return;
             }
-            let _ = repacked;
             quant::matmul(
                 isa,
                 matrix.ty(),

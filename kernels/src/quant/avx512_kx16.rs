@@ -1,10 +1,10 @@
-//! An experiment, not yet wired into the model loader: Q4_K weights repacked
-//! so that one `vpdpbusd` works on 16 rows at once (each i32 lane one row,
-//! four weights of it against four activations broadcast to every lane), as
-//! llama.cpp's interleaved repacks do. The sub-block scales and mins then
-//! apply to 16 rows in one float operation instead of per row, which is most
-//! of the row kernel's non-multiply work (`avx512_k.rs`); BENCHMARKS.md has
-//! the comparison (`quant_bench Q4_Kx16`).
+//! Q4_K weights repacked so that one `vpdpbusd` works on 16 rows at once
+//! (each i32 lane one row, four weights of it against four activations
+//! broadcast to every lane), as llama.cpp's interleaved repacks do
+//! (`super::repack`). The sub-block scales and mins then apply to 16 rows in
+//! one float operation instead of per row, which is most of the row kernel's
+//! non-multiply work (`avx512_k.rs`); BENCHMARKS.md has the comparison
+//! (`quant_bench Q4_Kx16`).
 //!
 //! ```text
 //! per group of 16 rows and super-block (GROUP_BLOCK_BYTES):
@@ -20,21 +20,40 @@
 //! per token and block:  acc -= cvt(Σ_p dpwssd(m_p, bcast (S_2p, S_2p+1))) * dmin * dx
 //! ```
 //! where `S_j` is the sum of sub-block j's 32 activations (from Q8_K's sums).
+//!
+//! Q6_K the same way, its codes kept unsigned (q + 32) in 6 bits:
+//!
+//! ```text
+//! per group of 16 rows and super-block (Q6_K_GROUP_BLOCK_BYTES):
+//!   d[16]                      f16, as in the file (then 32 bytes of padding)
+//!   sc[8][16][2]               i8: sub-blocks 2c, 2c+1, row r (a vpdpwssd pair
+//!                              once widened)
+//!   codes[8][4][16][4]         low nibbles as Q4_K's: chunk c (sub-blocks 2c,
+//!                              2c+1), vector g, row r: weights 32c+4g.. and 32c+16+4g..
+//!   high[8][2][16][4]          2-bit fields: chunk c, half (low nibbles, high
+//!                              nibbles), row r: bits 2g..2g+2 = the top two
+//!                              bits of vector g's code
+//! per token t and block:
+//!   isum  = Σ_j sc_j Σ_g dpbusd(code_jg, bcast x[16j+4g..])   (i32, exact)
+//!   acc  += cvt(isum - 32 Σ_c dpwssd(sc_c, bcast (S_2c, S_2c+1))) * d * dx
+//! ```
+//! with `S_j` Q8_K's sum of the 16 activations of sub-block j.
 
 #![allow(clippy::needless_range_loop)]
 
-// The memory budget's estimate (`model::repack_overhead_bytes`) assumes this.
-const _: () = assert!(GROUP_BLOCK_BYTES == 2368 && ROWS == 16);
+// The layout above: 16 rows' super-blocks in 37 cache lines.
+const _: () = assert!(GROUP_BLOCK_BYTES == 37 * 64 && ROWS == 16);
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::activations::{QuantizedActivations, Q8_K_BSUM_LEN};
-use super::blocks::{scale_min_k4, Q4_K_DMIN, Q4_K_QS, Q4_K_SCALES, QK_K};
+use super::blocks::{
+    q6_k_quants, scale_min_k4, Q4_K_DMIN, Q4_K_QS, Q4_K_SCALES, Q6_K_D, Q6_K_SCALES, QK_K,
+};
+use super::repack::{Packed, ROWS};
 use super::GgmlType;
 
-/// Rows sharing one `vpdpbusd`.
-pub const ROWS: usize = 16;
 /// Bytes of one group of 16 rows' super-block.
 pub const GROUP_BLOCK_BYTES: usize = 32 + 32 + 128 + 128 + 2048;
 const DMIN: usize = 32;
@@ -46,30 +65,22 @@ const PREFETCH_BLOCKS: usize = 2;
 /// Tokens sharing the decoded codes of a sub-block.
 const TILE_TOKENS: usize = 8;
 
-/// Repacked weights, starting on a 64-byte boundary so that no 512-bit load
-/// of a block straddles two cache lines (a heap allocation of this size starts
-/// 16 bytes past a page).
-pub struct Packed {
-    buf: Vec<u8>,
-    start: usize,
-    len: usize,
-}
+/// Bytes of one group of 16 rows' Q6_K super-block: 53 cache lines.
+pub const Q6_K_GROUP_BLOCK_BYTES: usize = 64 + 256 + 2048 + 1024;
+const Q6_SC: usize = 64;
+const Q6_CODES: usize = 320;
+const Q6_HIGH: usize = 2368;
 
-impl Packed {
-    fn zeroed(len: usize) -> Packed {
-        let buf = vec![0u8; len + 63];
-        let start = buf.as_ptr().align_offset(64);
-        Packed { buf, start, len }
-    }
-
-    /// The bytes.
-    pub fn bytes(&self) -> &[u8] {
-        &self.buf[self.start..self.start + self.len]
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.buf[self.start..self.start + self.len]
-    }
+/// Bytes of a `rows` x `k` matrix of `ty` (Q4_K or Q6_K) repacked; `None`
+/// for another type, or unless `rows` is a multiple of 16 and `k` of 256.
+pub fn packed_len(ty: GgmlType, rows: usize, k: usize) -> Option<usize> {
+    let group_block = match ty {
+        GgmlType::Q4_K => GROUP_BLOCK_BYTES,
+        GgmlType::Q6_K => Q6_K_GROUP_BLOCK_BYTES,
+        _ => return None,
+    };
+    (rows.is_multiple_of(ROWS) && k.is_multiple_of(QK_K))
+        .then(|| rows / ROWS * (k / QK_K) * group_block)
 }
 
 /// Q4_K rows (`rows` x `k`, ggml layout) repacked in groups of 16 rows;
@@ -77,10 +88,11 @@ impl Packed {
 pub fn repack_q4_k(w: &[u8], rows: usize, k: usize) -> Option<Packed> {
     let block_bytes = GgmlType::Q4_K.block_bytes();
     let nb = k / QK_K;
-    if !rows.is_multiple_of(ROWS) || !k.is_multiple_of(QK_K) || w.len() != rows * nb * block_bytes {
+    let len = packed_len(GgmlType::Q4_K, rows, k)?;
+    if w.len() != rows * nb * block_bytes {
         return None;
     }
-    let mut packed = Packed::zeroed(rows / ROWS * nb * GROUP_BLOCK_BYTES);
+    let mut packed = Packed::zeroed(len);
     let out = packed.bytes_mut();
     for group in 0..rows / ROWS {
         for b in 0..nb {
@@ -270,19 +282,234 @@ unsafe fn group_tile<const T: usize>(
     }
 }
 
+/// Q6_K rows (`rows` x `k`, ggml layout) repacked in groups of 16 rows;
+/// `None` unless `rows` is a multiple of 16 and `k` of 256, and `w` that
+/// matrix's length.
+pub fn repack_q6_k(w: &[u8], rows: usize, k: usize) -> Option<Packed> {
+    let block_bytes = GgmlType::Q6_K.block_bytes();
+    let nb = k / QK_K;
+    let len = packed_len(GgmlType::Q6_K, rows, k)?;
+    if w.len() != rows * nb * block_bytes {
+        return None;
+    }
+    let mut packed = Packed::zeroed(len);
+    let out = packed.bytes_mut();
+    for group in 0..rows / ROWS {
+        for b in 0..nb {
+            let dst =
+                &mut out[(group * nb + b) * Q6_K_GROUP_BLOCK_BYTES..][..Q6_K_GROUP_BLOCK_BYTES];
+            for r in 0..ROWS {
+                let row = group * ROWS + r;
+                let block = &w[(row * nb + b) * block_bytes..][..block_bytes];
+                dst[2 * r..2 * r + 2].copy_from_slice(&block[Q6_K_D..Q6_K_D + 2]);
+                let u = q6_k_quants(block).map(|q| (q + 32) as u8);
+                for c in 0..8 {
+                    for half in 0..2 {
+                        dst[Q6_SC + 32 * c + 2 * r + half] = block[Q6_K_SCALES + 2 * c + half];
+                    }
+                    for g in 0..4 {
+                        for i in 0..4 {
+                            let (lo, hi) = (u[32 * c + 4 * g + i], u[32 * c + 16 + 4 * g + i]);
+                            let at = 4 * r + i;
+                            dst[Q6_CODES + (c * 4 + g) * 64 + at] = (lo & 0xF) | ((hi & 0xF) << 4);
+                            dst[Q6_HIGH + c * 128 + at] |= (lo >> 4) << (2 * g);
+                            dst[Q6_HIGH + c * 128 + 64 + at] |= (hi >> 4) << (2 * g);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Some(packed)
+}
+
+/// [`matmul_q4_k`] for Q6_K weights [`repack_q6_k`] made.
+///
+/// # Panics
+/// As `matmul_q4_k`.
+pub fn matmul_q6_k(
+    packed: &[u8],
+    k: usize,
+    rows: Range<usize>,
+    xq: &QuantizedActivations,
+    out: &mut [f32],
+) {
+    assert!(super::Isa::Avx512.is_available());
+    assert_eq!(
+        xq.format(),
+        super::ActivationFormat::Q8_K,
+        "activations not Q8_K"
+    );
+    assert_eq!(xq.k(), k, "activations of another width");
+    assert!(k.is_multiple_of(QK_K));
+    let nb = k / QK_K;
+    assert!(rows.start.is_multiple_of(ROWS) && rows.end.is_multiple_of(ROWS));
+    // Aligned loads (as `repack_q6_k` lays them out).
+    assert!(
+        packed.as_ptr().align_offset(64) == 0,
+        "packed weights not 64-byte aligned"
+    );
+    assert!(packed.len() >= rows.end / ROWS * nb * Q6_K_GROUP_BLOCK_BYTES);
+    assert_eq!(out.len(), xq.n_tokens() * rows.len());
+    debug_assert_eq!(Q8_K_BSUM_LEN, 16);
+    // SAFETY: AVX-512 asserted; shapes asserted above.
+    unsafe { drive_q6_k(packed, nb, rows, xq, out) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn drive_q6_k(
+    packed: &[u8],
+    nb: usize,
+    rows: Range<usize>,
+    xq: &QuantizedActivations,
+    out: &mut [f32],
+) {
+    let (n_rows, n_tokens) = (rows.len(), xq.n_tokens());
+    for group in rows.start / ROWS..rows.end / ROWS {
+        let w = packed.as_ptr().add(group * nb * Q6_K_GROUP_BLOCK_BYTES);
+        let i0 = group * ROWS - rows.start;
+        let mut t = 0;
+        while t < n_tokens {
+            let tile = (n_tokens - t).min(TILE_TOKENS);
+            let mut acc = [[0f32; ROWS]; TILE_TOKENS];
+            let x = |j: usize| {
+                let (qs, d) = xq.q8_k_row(t + j);
+                (
+                    qs.as_ptr() as *const u8,
+                    d.as_ptr(),
+                    xq.bsums(t + j).as_ptr(),
+                )
+            };
+            if tile == TILE_TOKENS {
+                group_tile_q6_k::<TILE_TOKENS>(w, nb, std::array::from_fn(x), &mut acc);
+            } else {
+                for j in 0..tile {
+                    group_tile_q6_k::<1>(w, nb, [x(j)], &mut acc[j..j + 1]);
+                }
+            }
+            for j in 0..tile {
+                out[(t + j) * n_rows + i0..][..ROWS].copy_from_slice(&acc[j]);
+            }
+            t += tile;
+        }
+    }
+}
+
+/// The top two bits of vector `g`'s codes from its 2-bit fields, as bits 4..6
+/// (`& 0x30` to follow).
+#[inline(always)]
+unsafe fn q6_high(fields: __m512i, g: usize) -> __m512i {
+    match g {
+        0 => _mm512_slli_epi16::<4>(fields),
+        1 => _mm512_slli_epi16::<2>(fields),
+        2 => fields,
+        _ => _mm512_srli_epi16::<2>(fields),
+    }
+}
+
+/// 16 rows (`w`: the group's first super-block) against `T` tokens: (quants,
+/// scales, 16-value sums) of each.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn group_tile_q6_k<const T: usize>(
+    w: *const u8,
+    nb: usize,
+    x: [(*const u8, *const f32, *const i16); T],
+    out: &mut [[f32; ROWS]],
+) {
+    let low = _mm512_set1_epi8(0x0F);
+    let top = _mm512_set1_epi8(0x30);
+    let mut acc = [_mm512_setzero_ps(); T];
+    for b in 0..nb {
+        let base = w.add(b * Q6_K_GROUP_BLOCK_BYTES);
+        let d = _mm512_cvtph_ps(_mm256_load_si256(base as *const __m256i));
+        // The codes' offset first: -32 Σ_j sc_j S_j.
+        let mut isum = [_mm512_setzero_si512(); T];
+        for c in 0..8 {
+            let sc =
+                _mm512_cvtepi8_epi16(_mm256_load_si256(base.add(Q6_SC + 32 * c) as *const __m256i));
+            for t in 0..T {
+                let s = x[t].2.add(b * 16 + 2 * c) as *const i32;
+                isum[t] = _mm512_dpwssd_epi32(isum[t], sc, _mm512_set1_epi32(s.read_unaligned()));
+            }
+        }
+        for t in 0..T {
+            isum[t] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<5>(isum[t]));
+        }
+        for c in 0..8 {
+            let ahead = base.wrapping_add(PREFETCH_BLOCKS * Q6_K_GROUP_BLOCK_BYTES + c * 448);
+            // (8 x 7 lines: 3,584 bytes, the 3,392 of a block and the next's first.)
+            for line in 0..7 {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line) as *const i8);
+            }
+            let pair =
+                _mm512_cvtepi8_epi16(_mm256_load_si256(base.add(Q6_SC + 32 * c) as *const __m256i));
+            // Sub-block 2c's scale per row in the low i16 of each lane, 2c+1's in the high.
+            let scales = [
+                _mm512_srai_epi32::<16>(_mm512_slli_epi32::<16>(pair)),
+                _mm512_srai_epi32::<16>(pair),
+            ];
+            for half in 0..2 {
+                let fields =
+                    _mm512_load_si512(base.add(Q6_HIGH + c * 128 + half * 64) as *const __m512i);
+                let mut sub = [_mm512_setzero_si512(); T];
+                for g in 0..4 {
+                    let nib =
+                        _mm512_load_si512(base.add(Q6_CODES + (c * 4 + g) * 64) as *const __m512i);
+                    let nib = if half == 0 {
+                        nib
+                    } else {
+                        _mm512_srli_epi16::<4>(nib)
+                    };
+                    // (high & 0x30) | (nib & 0x0F)
+                    let code = _mm512_ternarylogic_epi32::<0xEA>(
+                        q6_high(fields, g),
+                        top,
+                        _mm512_and_si512(nib, low),
+                    );
+                    for t in 0..T {
+                        let xs = x[t].0.add(b * QK_K + 32 * c + 16 * half + 4 * g) as *const i32;
+                        sub[t] = _mm512_dpbusd_epi32(
+                            sub[t],
+                            code,
+                            _mm512_set1_epi32(xs.read_unaligned()),
+                        );
+                    }
+                }
+                for t in 0..T {
+                    isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(sub[t], scales[half]));
+                }
+            }
+        }
+        for t in 0..T {
+            let scale = _mm512_mul_ps(d, _mm512_set1_ps(x[t].1.add(b).read()));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), scale, acc[t]);
+        }
+    }
+    for t in 0..T {
+        _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::repack::{matmul_repacked, repack};
     use crate::quant::{matmul, quantize_row, Isa};
 
     #[test]
-    fn repacked_q4_k_matches_the_row_kernel() {
+    fn repacked_k_quants_match_the_row_kernel() {
         if !Isa::Avx512.is_available() {
             eprintln!("skipped: no AVX-512 VNNI here");
             return;
         }
+        for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+            repacked_matches(ty);
+        }
+    }
+
+    fn repacked_matches(ty: GgmlType) {
         let (rows, k) = (48, 512);
-        let row_bytes = k / QK_K * GgmlType::Q4_K.block_bytes();
+        let row_bytes = k / QK_K * ty.block_bytes();
         let mut w = vec![0u8; rows * row_bytes];
         let mut state = 0x9E37_79B9u32;
         let mut next = || {
@@ -294,22 +521,24 @@ mod tests {
         let mut x = vec![0f32; k];
         for row in w.chunks_exact_mut(row_bytes) {
             x.iter_mut().for_each(|v| *v = next() * 0.2);
-            quantize_row(GgmlType::Q4_K, &x, row).unwrap();
+            quantize_row(ty, &x, row).unwrap();
         }
-        let packed = repack_q4_k(&w, rows, k).unwrap();
-        assert!(repack_q4_k(&w[..row_bytes * 8], 8, k).is_none());
+        let packed = repack(ty, &w, rows, k).unwrap();
+        assert_eq!(packed.bytes().len(), packed_len(ty, rows, k).unwrap());
+        assert!(repack(ty, &w[..row_bytes * 8], 8, k).is_none());
+        assert!(repack(ty, &w[..w.len() - 1], rows, k).is_none());
         for n_tokens in [1, 3, 8, 11] {
             let xs: Vec<f32> = (0..n_tokens * k).map(|_| next()).collect();
             let mut xq = QuantizedActivations::new();
-            xq.quantize(GgmlType::Q4_K, &xs, n_tokens, k).unwrap();
+            xq.quantize(ty, &xs, n_tokens, k).unwrap();
             let mut want = vec![0f32; n_tokens * 32];
-            matmul(Isa::Avx512, GgmlType::Q4_K, &w, k, 16..48, &xq, &mut want);
+            matmul(Isa::Avx512, ty, &w, k, 16..48, &xq, &mut want);
             let mut got = vec![0f32; n_tokens * 32];
-            matmul_q4_k(packed.bytes(), k, 16..48, &xq, &mut got);
+            matmul_repacked(ty, packed.bytes(), k, 16..48, &xq, &mut got);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!(
                     (g - w).abs() <= 1e-4 * w.abs().max(1.0),
-                    "{n_tokens} tokens, output {i}: {g} against {w}"
+                    "{ty:?}, {n_tokens} tokens, output {i}: {g} against {w}"
                 );
             }
         }

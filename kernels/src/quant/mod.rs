@@ -2,7 +2,9 @@
 //!
 //! The forward pass uses this module in four steps:
 //!
-//! 1. Weights stay in their GGUF blocks ([`GgmlType`]); nothing is repacked at load.
+//! 1. Weights stay in their GGUF blocks ([`GgmlType`]), except where an AVX-512
+//!    16-row kernel runs them: those matrices are repacked once at load
+//!    ([`repack`]) and run by [`repack::matmul_repacked`].
 //! 2. Each step quantizes its activations once per weight format into a reusable
 //!    [`QuantizedActivations`] ([`ActivationFormat::for_weights`] picks the format).
 //! 3. Worker threads call [`matmul`] on disjoint row ranges with their own output
@@ -31,7 +33,10 @@ mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512_k;
 #[cfg(target_arch = "x86_64")]
-pub mod avx512_kx16;
+mod avx512_kx16;
+#[cfg(target_arch = "x86_64")]
+mod avx512_x16;
+pub mod repack;
 
 use std::ops::Range;
 
