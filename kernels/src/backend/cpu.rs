@@ -29,7 +29,7 @@
 use super::{vector, Backend, Logits, SeqStep, StepError, StepLimits};
 use crate::kv::{KvType, KvValue, PageTable, Pool, StepView};
 use crate::model::{Activation, Matrix, Model, ModelConfig, RopeStyle};
-use crate::quant::{self, Isa, QuantizedActivations};
+use crate::quant::{self, ActivationFormat, Isa, QuantizedActivations};
 use crate::threads::Threads;
 use half::f16;
 use std::ops::Range;
@@ -56,6 +56,9 @@ const MATMUL_ROWS_ALIGN: usize = 16;
 /// Row chunks per thread in a matrix product: more than one, so that when a
 /// thread is descheduled (a loaded machine) the others take over its share.
 const MATMUL_TASKS_PER_THREAD: usize = 4;
+/// Fewest values of `gate` split across the pool: below it a region costs
+/// more than the activation (a decode token of SmolLM2 has 1,536).
+const GATED_SPLIT_MIN: usize = 16 * 1024;
 /// Why a page's slab is of the pool's value type.
 const ONE_TYPE_PER_POOL: &str = "every page of a pool holds one value type";
 /// Why activation quantization cannot fail: every matrix's input width is its
@@ -358,9 +361,10 @@ impl CpuBackend {
         );
         s.xq.quantize(w.wq.ty(), &s.xn[..tokens * d], tokens, d)
             .expect(WIDTHS_CHECKED);
-        // Wq, Wk and Wv share the input type in every file we know: then one
+        // Wq, Wk and Wv take the same activations in every file we know (a
+        // K-quant file's fall-backs mix Q5_0 and Q8_0, both Q8_1's): then one
         // pass of the pool for the three. Quantize again only if they differ.
-        if w.wk.ty() == w.wq.ty() && w.wv.ty() == w.wq.ty() {
+        if same_activations(&w.wq, &w.wk) && same_activations(&w.wq, &w.wv) {
             self.matmuls(&[(&w.wq, Buf::Q), (&w.wk, Buf::K), (&w.wv, Buf::V)], tokens);
         } else {
             self.matmuls(&[(&w.wq, Buf::Q)], tokens);
@@ -414,7 +418,7 @@ impl CpuBackend {
         );
         s.xq.quantize(w.w_gate.ty(), &s.xn[..tokens * d], tokens, d)
             .expect(WIDTHS_CHECKED);
-        if w.w_up.ty() == w.w_gate.ty() {
+        if same_activations(&w.w_gate, &w.w_up) {
             self.matmuls(&[(&w.w_gate, Buf::Gate), (&w.w_up, Buf::Up)], tokens);
         } else {
             self.matmuls(&[(&w.w_gate, Buf::Gate)], tokens);
@@ -435,15 +439,20 @@ impl CpuBackend {
         add_into(&mut s.x[..tokens * d], &s.delta[..tokens * d]);
     }
 
-    /// `gate = act(gate) * up`, split across the pool.
+    /// `gate = act(gate) * up`, split across the pool when it is worth a
+    /// region (below GATED_SPLIT_MIN values the calling thread does it alone).
     fn gated(&mut self, len: usize, activation: Activation) {
         let s = &mut self.scratch;
-        let chunks = self.threads.threads_count();
+        let chunks = if len < GATED_SPLIT_MIN {
+            1
+        } else {
+            self.threads.threads_count()
+        };
         let chunk_len = len.div_ceil(chunks);
         let gate = SharedOut(s.gate.as_mut_ptr());
         let up = &s.up[..len];
         let isa = self.isa;
-        self.threads.run(chunks, &|i, _| {
+        let run = |i: usize, _| {
             let start = (i * chunk_len).min(len);
             let end = ((i + 1) * chunk_len).min(len);
             // SAFETY: tasks own disjoint ranges [start, end) of `gate`.
@@ -453,7 +462,11 @@ impl CpuBackend {
                 Activation::Silu => vector::swiglu(isa, gate, &up[start..end]),
                 Activation::GeluTanh => vector::geglu(isa, gate, &up[start..end]),
             }
-        });
+        };
+        match chunks {
+            1 => run(0, 0),
+            _ => self.threads.run(chunks, &run),
+        }
     }
 
     /// Writes this layer's new K and V rows into each sequence's pages.
@@ -810,6 +823,12 @@ impl CpuBackend {
             }
         });
     }
+}
+
+/// Whether two matrices multiply the same quantized activations (then one
+/// quantization and one region of the pool serve both).
+fn same_activations(a: &Matrix, b: &Matrix) -> bool {
+    ActivationFormat::for_weights(a.ty()) == ActivationFormat::for_weights(b.ty())
 }
 
 /// Destination of a matrix product.
