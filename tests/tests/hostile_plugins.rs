@@ -154,8 +154,12 @@ fn a_call_stuck_in_a_host_call_is_abandoned_in_admit_route_and_on_complete() {
         200,
         "admit makes no host call"
     );
+    // At least this request's on-complete is abandoned; the previous
+    // request's too when it had not run yet as the stall began (it runs after
+    // the answer is sent: either may happen).
     assert!(eventually(Duration::from_secs(5), || {
-        server.metric(r#"bulkhead_plugin_calls_total{outcome="abandoned"}"#) == 3.0
+        let abandoned = server.metric(r#"bulkhead_plugin_calls_total{outcome="abandoned"}"#);
+        (3.0..=4.0).contains(&abandoned)
     }));
     let r = ask(&server, KEY_BETA, &[], 1);
     assert_eq!(r.status, 200);
