@@ -232,6 +232,8 @@ function signInPage(message) {
     error);
   form.addEventListener('submit', async (event) => {
     event.preventDefault();
+    // A refusal from an earlier try must not stand for this one's.
+    error.replaceChildren();
     sessionStorage.setItem(TOKEN_KEY, form.elements.token.value.trim());
     try {
       await api('GET', `${A}/stats`, undefined, 'sign in');
