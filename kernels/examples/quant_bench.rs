@@ -132,7 +132,7 @@ fn bench_x16(ty: GgmlType, rows: usize, k: usize, n_tokens: usize) {
     let xq = activations(ty, n_tokens, k);
     let mut out = vec![0.0f32; n_tokens * rows];
     let w = weights(ty, rows, k, 1);
-    let packed = repack(ty, &w, rows, k).expect("a 16-row layout");
+    let packed = repack(ty, &w, rows, k, 1).expect("a 16-row layout");
     let macs = (rows * k * n_tokens) as f64;
     let (mut row, mut x16) = (f64::MAX, f64::MAX);
     for _ in 0..3 {
@@ -151,7 +151,7 @@ fn bench_x16(ty: GgmlType, rows: usize, k: usize, n_tokens: usize) {
             .collect();
         let cold_packed: Vec<Packed> = cold
             .iter()
-            .map(|w| repack(ty, w, rows, k).expect("a 16-row layout"))
+            .map(|w| repack(ty, w, rows, k, 1).expect("a 16-row layout"))
             .collect();
         let (mut next, mut row_cold, mut x16_cold) = (0, f64::MAX, f64::MAX);
         for _ in 0..3 {

@@ -980,10 +980,11 @@ impl Model {
     }
 
     /// Its matrices in the 16-row layouts of the AVX-512 kernels, made on the
-    /// first call. The token embedding only as the output head when tied: its
-    /// rows are read one at a time, from the file (whose pages of it fault
-    /// back in as rows are looked up).
-    pub fn repacked(&self) -> &Repacked {
+    /// first call, one after another, each by up to `threads` threads. The
+    /// token embedding only as the output head when tied: its rows are read
+    /// one at a time, from the file (whose pages of it fault back in as rows
+    /// are looked up).
+    pub fn repacked(&self, threads: usize) -> &Repacked {
         self.repacked.get_or_init(|| {
             let mut repacked = Repacked::default();
             let key_of = |m: &Matrix| (m.info.offset, m.info.bytes_len);
@@ -995,7 +996,8 @@ impl Model {
                     continue;
                 }
                 let (ty, bytes) = (matrix.ty(), self.bytes(matrix));
-                if let Some(packed) = quant::repack::repack(ty, bytes, matrix.rows, matrix.cols) {
+                let (rows, k) = (matrix.rows, matrix.cols);
+                if let Some(packed) = quant::repack::repack(ty, bytes, rows, k, threads) {
                     repacked.matrices.insert(key, packed);
                     // Nothing reads the file's copy again: give its pages back.
                     self.gguf.release(&matrix.info);

@@ -196,7 +196,7 @@ impl CpuBackend {
         if isa == Isa::Avx512 {
             // At load, not at the first request: the matrices in their
             // 16-row layouts (once per model; a rebuilt backend reuses them).
-            model.repacked();
+            model.repacked(threads.threads_count());
         }
         CpuBackend {
             isa,
@@ -781,7 +781,8 @@ impl CpuBackend {
         // Repacked matrices run by the 16-row kernels where they run (task
         // rows are cut at multiples of MATMUL_ROWS_ALIGN = 16, and such a
         // matrix has a whole number of groups).
-        let repacked = (isa == Isa::Avx512).then(|| model.repacked());
+        let threads = self.threads.threads_count();
+        let repacked = (isa == Isa::Avx512).then(|| model.repacked(threads));
         let product = |matrix: &Matrix, rows: Range<usize>, dst: &mut [f32]| {
             if let Some(packed) = repacked.and_then(|r| r.get(matrix)) {
                 let (ty, k) = (matrix.ty(), matrix.cols);

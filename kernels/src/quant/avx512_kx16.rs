@@ -51,7 +51,7 @@ use super::activations::{QuantizedActivations, Q8_K_BSUM_LEN};
 use super::blocks::{
     q6_k_quants, scale_min_k4, Q4_K_DMIN, Q4_K_QS, Q4_K_SCALES, Q6_K_D, Q6_K_SCALES, QK_K,
 };
-use super::repack::{Packed, ROWS};
+use super::repack::ROWS;
 use super::GgmlType;
 
 /// Bytes of one group of 16 rows' super-block.
@@ -83,17 +83,14 @@ pub fn packed_len(ty: GgmlType, rows: usize, k: usize) -> Option<usize> {
         .then(|| rows / ROWS * (k / QK_K) * group_block)
 }
 
-/// Q4_K rows (`rows` x `k`, ggml layout) repacked in groups of 16 rows;
-/// `None` unless `rows` is a multiple of 16 and `k` of 256.
-pub fn repack_q4_k(w: &[u8], rows: usize, k: usize) -> Option<Packed> {
+/// Lays out `rows` x `k` Q4_K weights (`w`, ggml layout; `rows` whole
+/// groups) into `out`, their [`packed_len`] (`super::repack::repack` checks
+/// the shapes and cuts a matrix into runs of groups for its threads).
+pub fn fill_q4_k(w: &[u8], rows: usize, k: usize, out: &mut [u8]) {
     let block_bytes = GgmlType::Q4_K.block_bytes();
     let nb = k / QK_K;
-    let len = packed_len(GgmlType::Q4_K, rows, k)?;
-    if w.len() != rows * nb * block_bytes {
-        return None;
-    }
-    let mut packed = Packed::zeroed(len);
-    let out = packed.bytes_mut();
+    assert_eq!(w.len(), rows * nb * block_bytes);
+    assert_eq!(Some(out.len()), packed_len(GgmlType::Q4_K, rows, k));
     for group in 0..rows / ROWS {
         for b in 0..nb {
             let dst = &mut out[(group * nb + b) * GROUP_BLOCK_BYTES..][..GROUP_BLOCK_BYTES];
@@ -126,7 +123,6 @@ pub fn repack_q4_k(w: &[u8], rows: usize, k: usize) -> Option<Packed> {
             }
         }
     }
-    Some(packed)
 }
 
 /// `out[t][i] = Σ_k w[rows.start + i][k] * x[t][k]` for repacked Q4_K
@@ -282,18 +278,14 @@ unsafe fn group_tile<const T: usize>(
     }
 }
 
-/// Q6_K rows (`rows` x `k`, ggml layout) repacked in groups of 16 rows;
-/// `None` unless `rows` is a multiple of 16 and `k` of 256, and `w` that
-/// matrix's length.
-pub fn repack_q6_k(w: &[u8], rows: usize, k: usize) -> Option<Packed> {
+/// Lays out `rows` x `k` Q6_K weights (`w`, ggml layout; `rows` whole
+/// groups) into `out`, their [`packed_len`] (`super::repack::repack` checks
+/// the shapes and cuts a matrix into runs of groups for its threads).
+pub fn fill_q6_k(w: &[u8], rows: usize, k: usize, out: &mut [u8]) {
     let block_bytes = GgmlType::Q6_K.block_bytes();
     let nb = k / QK_K;
-    let len = packed_len(GgmlType::Q6_K, rows, k)?;
-    if w.len() != rows * nb * block_bytes {
-        return None;
-    }
-    let mut packed = Packed::zeroed(len);
-    let out = packed.bytes_mut();
+    assert_eq!(w.len(), rows * nb * block_bytes);
+    assert_eq!(Some(out.len()), packed_len(GgmlType::Q6_K, rows, k));
     for group in 0..rows / ROWS {
         for b in 0..nb {
             let dst =
@@ -320,7 +312,6 @@ pub fn repack_q6_k(w: &[u8], rows: usize, k: usize) -> Option<Packed> {
             }
         }
     }
-    Some(packed)
 }
 
 /// [`matmul_q4_k`] for Q6_K weights [`repack_q6_k`] made.
@@ -523,10 +514,12 @@ mod tests {
             x.iter_mut().for_each(|v| *v = next() * 0.2);
             quantize_row(ty, &x, row).unwrap();
         }
-        let packed = repack(ty, &w, rows, k).unwrap();
+        // Two threads: runs of two groups and one.
+        let packed = repack(ty, &w, rows, k, 2).unwrap();
         assert_eq!(packed.bytes().len(), packed_len(ty, rows, k).unwrap());
-        assert!(repack(ty, &w[..row_bytes * 8], 8, k).is_none());
-        assert!(repack(ty, &w[..w.len() - 1], rows, k).is_none());
+        assert_eq!(packed.bytes(), repack(ty, &w, rows, k, 1).unwrap().bytes());
+        assert!(repack(ty, &w[..row_bytes * 8], 8, k, 1).is_none());
+        assert!(repack(ty, &w[..w.len() - 1], rows, k, 1).is_none());
         for n_tokens in [1, 3, 8, 11] {
             let xs: Vec<f32> = (0..n_tokens * k).map(|_| next()).collect();
             let mut xq = QuantizedActivations::new();

@@ -32,7 +32,7 @@ use super::activations::{ActivationFormat, QuantizedActivations};
 use super::blocks::{
     q5_codes, Q4_0_QS, Q4_1_QS, Q5_0_QH, Q5_0_QS, Q5_1_QH, Q5_1_QS, Q8_0_QS, QK32,
 };
-use super::repack::{Packed, ROWS};
+use super::repack::ROWS;
 use super::GgmlType;
 
 /// Tokens sharing the decoded codes of a block.
@@ -92,18 +92,15 @@ pub fn packed_len(ty: GgmlType, rows: usize, k: usize) -> Option<usize> {
         .then(|| rows / ROWS * (k / QK32).div_ceil(2) * layout.pair_bytes())
 }
 
-/// `w` (`rows` x `k` of `ty`, ggml layout) repacked; `None` where
-/// [`packed_len`] is, or if `w` is not that matrix's length.
-pub fn repack(ty: GgmlType, w: &[u8], rows: usize, k: usize) -> Option<Packed> {
-    let layout = Layout::of(ty)?;
-    let len = packed_len(ty, rows, k)?;
+/// Lays out `rows` x `k` weights of `ty` (`w`, ggml layout; `rows` whole
+/// groups) into `out`, their [`packed_len`] (`super::repack::repack` checks
+/// the shapes and cuts a matrix into runs of groups for its threads).
+pub fn fill(ty: GgmlType, w: &[u8], rows: usize, k: usize, out: &mut [u8]) {
+    let layout = Layout::of(ty).unwrap_or_else(|| panic!("no 16-row layout for {ty:?}"));
     let (block_bytes, nb) = (ty.block_bytes(), k / QK32);
-    if w.len() != rows * nb * block_bytes {
-        return None;
-    }
+    assert_eq!(w.len(), rows * nb * block_bytes);
+    assert_eq!(Some(out.len()), packed_len(ty, rows, k));
     let (pairs, pair_bytes, codes_at) = (nb.div_ceil(2), layout.pair_bytes(), layout.codes());
-    let mut packed = Packed::zeroed(len);
-    let out = packed.bytes_mut();
     for group in 0..rows / ROWS {
         for b in 0..nb {
             let h = b % 2;
@@ -144,7 +141,6 @@ pub fn repack(ty: GgmlType, w: &[u8], rows: usize, k: usize) -> Option<Packed> {
             }
         }
     }
-    Some(packed)
 }
 
 /// One block's 32 codes in weight order, unsigned.
@@ -340,6 +336,7 @@ unsafe fn group_tile<const BITS: u8, const MIN: bool, const T: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::repack::repack;
     use crate::quant::{matmul as row_matmul, quantize_row, Isa};
 
     #[test]
@@ -374,10 +371,12 @@ mod tests {
                     x.iter_mut().for_each(|v| *v = next() * 0.2 + 0.03);
                     quantize_row(ty, &x, row).unwrap();
                 }
-                let packed = repack(ty, &w, rows, k).unwrap();
+                // Two threads: runs of two groups and one.
+                let packed = repack(ty, &w, rows, k, 2).unwrap();
                 assert_eq!(packed.bytes().len(), packed_len(ty, rows, k).unwrap());
-                assert!(repack(ty, &w[..row_bytes * 8], 8, k).is_none());
-                assert!(repack(ty, &w[..w.len() - 1], rows, k).is_none());
+                assert_eq!(packed.bytes(), repack(ty, &w, rows, k, 1).unwrap().bytes());
+                assert!(repack(ty, &w[..row_bytes * 8], 8, k, 1).is_none());
+                assert!(repack(ty, &w[..w.len() - 1], rows, k, 1).is_none());
                 for n_tokens in [1, 3, 8, 11] {
                     let xs: Vec<f32> = (0..n_tokens * k).map(|_| next()).collect();
                     let mut xq = QuantizedActivations::new();

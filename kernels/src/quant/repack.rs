@@ -45,7 +45,7 @@ impl Packed {
 /// no 16-row kernel runs it (another type, rows not whole groups, or not x86-64).
 pub fn repacked_len(ty: GgmlType, rows: usize, k: usize) -> Option<usize> {
     #[cfg(target_arch = "x86_64")]
-    if rows.is_multiple_of(ROWS) && k > 0 {
+    if rows.is_multiple_of(ROWS) && rows > 0 && k > 0 {
         return match ty {
             GgmlType::Q4_K | GgmlType::Q6_K => super::avx512_kx16::packed_len(ty, rows, k),
             _ => super::avx512_x16::packed_len(ty, rows, k),
@@ -55,20 +55,41 @@ pub fn repacked_len(ty: GgmlType, rows: usize, k: usize) -> Option<usize> {
     None
 }
 
-/// `w` (`rows` x `k` of `ty`, the file's layout) in the 16-row layout; `None`
-/// exactly where [`repacked_len`] is.
-pub fn repack(ty: GgmlType, w: &[u8], rows: usize, k: usize) -> Option<Packed> {
-    repacked_len(ty, rows, k)?;
+/// `w` (`rows` x `k` of `ty`, the file's layout) in the 16-row layout, by up
+/// to `threads` threads (each lays out its own run of groups); `None` exactly
+/// where [`repacked_len`] is, or if `w` is not that matrix's length.
+pub fn repack(ty: GgmlType, w: &[u8], rows: usize, k: usize, threads: usize) -> Option<Packed> {
+    let len = repacked_len(ty, rows, k)?;
+    let row_bytes = k / ty.block_len() * ty.block_bytes();
+    if w.len() != rows * row_bytes {
+        return None;
+    }
+    let mut packed = Packed::zeroed(len);
+    let groups = rows / ROWS;
+    let group_bytes = len / groups;
+    let run = groups.div_ceil(threads.clamp(1, groups));
+    std::thread::scope(|scope| {
+        let runs = packed.bytes_mut().chunks_mut(run * group_bytes);
+        for (out, w) in runs.zip(w.chunks(run * ROWS * row_bytes)) {
+            let rows = out.len() / group_bytes * ROWS;
+            scope.spawn(move || fill(ty, w, rows, k, out));
+        }
+    });
+    Some(packed)
+}
+
+/// Lays out `rows` (whole groups) of `w` into `out`.
+fn fill(ty: GgmlType, w: &[u8], rows: usize, k: usize, out: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]
-    return match ty {
-        GgmlType::Q4_K => super::avx512_kx16::repack_q4_k(w, rows, k),
-        GgmlType::Q6_K => super::avx512_kx16::repack_q6_k(w, rows, k),
-        _ => super::avx512_x16::repack(ty, w, rows, k),
-    };
+    match ty {
+        GgmlType::Q4_K => super::avx512_kx16::fill_q4_k(w, rows, k, out),
+        GgmlType::Q6_K => super::avx512_kx16::fill_q6_k(w, rows, k, out),
+        _ => super::avx512_x16::fill(ty, w, rows, k, out),
+    }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = w;
-        None
+        let _ = (w, rows, k, out);
+        unreachable!("no 16-row layout for {ty:?} off x86-64");
     }
 }
 
