@@ -195,12 +195,19 @@ fn every_isa_agrees_with_the_scalar_path() {
         GgmlType::Q8_0,
         GgmlType::F32,
         GgmlType::F16,
-        // Whole 256-blocks and 16-row groups: on AVX-512 its matrices run
-        // repacked (quant::avx512_kx16).
+        // Whole 256-blocks and 16-row groups (a Q6_K embedding and head): on
+        // AVX-512 every matrix runs repacked (quant::repack), as do the
+        // 32-value types' above.
         GgmlType::Q4_K,
     ] {
         let spec = match matrix_type {
             GgmlType::Q4_K => TinySpec {
+                // Not the default seed 1: there one of the head's 8-bit
+                // activations sits within a summation-order difference of a
+                // rounding boundary, and the paths round it apart (one
+                // quantization step, 0.7 % of the largest logit). Seeds 2-12
+                // agree to 5e-7 of it, as every other type here does.
+                seed: 2,
                 embedding_len: 256,
                 kv_heads: 1,
                 ffn_len: 512,
@@ -216,7 +223,6 @@ fn every_isa_agrees_with_the_scalar_path() {
         };
         let m = model(&spec);
         let mut reference = None;
-        let mut simd_reference = None;
         for isa in Isa::available() {
             let mut b = backend(&m, Some(isa), 1);
             let mut p = pool(&m, 16, PoolOptions::default());
@@ -224,31 +230,10 @@ fn every_isa_agrees_with_the_scalar_path() {
             let logits = run_chunked(&mut b, &mut p, &t, &PROMPT_A, 3);
             let reference = reference.get_or_insert(logits.clone());
             let diff = max_abs_diff(reference, &logits);
-            if matrix_type != GgmlType::Q4_K {
-                assert!(
-                    diff < 1e-3,
-                    "{matrix_type:?} {isa:?} differs from scalar by {diff}"
-                );
-                continue;
-            }
-            // On this model the K-quant SIMD paths end 2 % of the largest
-            // logit away from the scalar one (0.061 of 3.1; the AVX2 row
-            // kernels did before the repacked kernel existed, and why is not
-            // found yet), while they agree with each other to 1e-3: the
-            // AVX-512 run is the repacked kernel, the AVX2 one the row kernel.
-            let scale = logits.iter().fold(0f32, |m, v| m.max(v.abs()));
             assert!(
-                diff < 0.03 * scale,
-                "{matrix_type:?} {isa:?} differs from scalar by {diff} (logits up to {scale})"
+                diff < 1e-3,
+                "{matrix_type:?} {isa:?} differs from scalar by {diff}"
             );
-            if isa != Isa::Scalar {
-                let simd = simd_reference.get_or_insert(logits.clone());
-                let diff = max_abs_diff(simd, &logits);
-                assert!(
-                    diff < 1e-3,
-                    "{isa:?} differs from the first SIMD path by {diff}"
-                );
-            }
         }
     }
 }
