@@ -128,29 +128,16 @@ pub fn fill_q4_k(w: &[u8], rows: usize, k: usize, out: &mut [u8]) {
 /// `out[t][i] = Σ_k w[rows.start + i][k] * x[t][k]` for repacked Q4_K
 /// weights (`rows` a range of whole groups); `xq` quantized as Q8_K.
 ///
-/// # Panics
-/// Without AVX-512 VNNI, or on shapes that do not match (activations not Q8_K
-/// of width `k`, rows not whole groups, `packed` or `out` too short).
-pub fn matmul_q4_k(
+/// # Safety
+/// AVX-512 VNNI present and the shapes `repack::matmul_repacked` checks.
+pub(super) unsafe fn matmul_q4_k(
     packed: &[u8],
     k: usize,
     rows: Range<usize>,
     xq: &QuantizedActivations,
     out: &mut [f32],
 ) {
-    assert!(super::Isa::Avx512.is_available());
-    // The kernel reads each token's k activations through raw pointers.
-    assert_eq!(
-        xq.format(),
-        super::ActivationFormat::Q8_K,
-        "activations not Q8_K"
-    );
-    assert_eq!(xq.k(), k, "activations of another width");
-    assert!(k.is_multiple_of(QK_K));
     let nb = k / QK_K;
-    assert!(rows.start.is_multiple_of(ROWS) && rows.end.is_multiple_of(ROWS));
-    assert!(packed.len() >= rows.end / ROWS * nb * GROUP_BLOCK_BYTES);
-    assert_eq!(out.len(), xq.n_tokens() * rows.len());
     // Sub-block sums of each token's activations, as i16 pairs for vpdpwssd.
     let n_tokens = xq.n_tokens();
     let mut sums = vec![0i16; n_tokens * nb * 8];
@@ -162,8 +149,7 @@ pub fn matmul_q4_k(
         }
     }
     debug_assert_eq!(Q8_K_BSUM_LEN, 16);
-    // SAFETY: AVX-512 asserted; shapes asserted above.
-    unsafe { drive(packed, nb, rows, xq, &sums, out) }
+    drive(packed, nb, rows, xq, &sums, out)
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -314,37 +300,19 @@ pub fn fill_q6_k(w: &[u8], rows: usize, k: usize, out: &mut [u8]) {
     }
 }
 
-/// [`matmul_q4_k`] for Q6_K weights [`repack_q6_k`] made.
+/// [`matmul_q4_k`] for Q6_K weights [`fill_q6_k`] laid out.
 ///
-/// # Panics
+/// # Safety
 /// As `matmul_q4_k`.
-pub fn matmul_q6_k(
+pub(super) unsafe fn matmul_q6_k(
     packed: &[u8],
     k: usize,
     rows: Range<usize>,
     xq: &QuantizedActivations,
     out: &mut [f32],
 ) {
-    assert!(super::Isa::Avx512.is_available());
-    assert_eq!(
-        xq.format(),
-        super::ActivationFormat::Q8_K,
-        "activations not Q8_K"
-    );
-    assert_eq!(xq.k(), k, "activations of another width");
-    assert!(k.is_multiple_of(QK_K));
-    let nb = k / QK_K;
-    assert!(rows.start.is_multiple_of(ROWS) && rows.end.is_multiple_of(ROWS));
-    // Aligned loads (as `repack_q6_k` lays them out).
-    assert!(
-        packed.as_ptr().align_offset(64) == 0,
-        "packed weights not 64-byte aligned"
-    );
-    assert!(packed.len() >= rows.end / ROWS * nb * Q6_K_GROUP_BLOCK_BYTES);
-    assert_eq!(out.len(), xq.n_tokens() * rows.len());
     debug_assert_eq!(Q8_K_BSUM_LEN, 16);
-    // SAFETY: AVX-512 asserted; shapes asserted above.
-    unsafe { drive_q6_k(packed, nb, rows, xq, out) }
+    drive_q6_k(packed, k / QK_K, rows, xq, out)
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -478,62 +446,5 @@ unsafe fn group_tile_q6_k<const T: usize>(
     }
     for t in 0..T {
         _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::quant::repack::{matmul_repacked, repack};
-    use crate::quant::{matmul, quantize_row, Isa};
-
-    #[test]
-    fn repacked_k_quants_match_the_row_kernel() {
-        if !Isa::Avx512.is_available() {
-            eprintln!("skipped: no AVX-512 VNNI here");
-            return;
-        }
-        for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
-            repacked_matches(ty);
-        }
-    }
-
-    fn repacked_matches(ty: GgmlType) {
-        let (rows, k) = (48, 512);
-        let row_bytes = k / QK_K * ty.block_bytes();
-        let mut w = vec![0u8; rows * row_bytes];
-        let mut state = 0x9E37_79B9u32;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 17;
-            state ^= state << 5;
-            state as f32 / u32::MAX as f32 - 0.5
-        };
-        let mut x = vec![0f32; k];
-        for row in w.chunks_exact_mut(row_bytes) {
-            x.iter_mut().for_each(|v| *v = next() * 0.2);
-            quantize_row(ty, &x, row).unwrap();
-        }
-        // Two threads: runs of two groups and one.
-        let packed = repack(ty, &w, rows, k, 2).unwrap();
-        assert_eq!(packed.bytes().len(), packed_len(ty, rows, k).unwrap());
-        assert_eq!(packed.bytes(), repack(ty, &w, rows, k, 1).unwrap().bytes());
-        assert!(repack(ty, &w[..row_bytes * 8], 8, k, 1).is_none());
-        assert!(repack(ty, &w[..w.len() - 1], rows, k, 1).is_none());
-        for n_tokens in [1, 3, 8, 11] {
-            let xs: Vec<f32> = (0..n_tokens * k).map(|_| next()).collect();
-            let mut xq = QuantizedActivations::new();
-            xq.quantize(ty, &xs, n_tokens, k).unwrap();
-            let mut want = vec![0f32; n_tokens * 32];
-            matmul(Isa::Avx512, ty, &w, k, 16..48, &xq, &mut want);
-            let mut got = vec![0f32; n_tokens * 32];
-            matmul_repacked(ty, packed.bytes(), k, 16..48, &xq, &mut got);
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert!(
-                    (g - w).abs() <= 1e-4 * w.abs().max(1.0),
-                    "{ty:?}, {n_tokens} tokens, output {i}: {g} against {w}"
-                );
-            }
-        }
     }
 }

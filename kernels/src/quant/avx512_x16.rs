@@ -28,7 +28,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::activations::{ActivationFormat, QuantizedActivations};
+use super::activations::QuantizedActivations;
 use super::blocks::{
     q5_codes, Q4_0_QS, Q4_1_QS, Q5_0_QH, Q5_0_QS, Q5_1_QH, Q5_1_QS, Q8_0_QS, QK32,
 };
@@ -164,13 +164,11 @@ fn unsigned_codes(ty: GgmlType, block: &[u8]) -> [u8; QK32] {
 }
 
 /// `out[t][i] = Σ_k w[rows.start + i][k] * x[t][k]` for `ty` weights that
-/// [`repack`] made (`rows` a range of whole groups); `xq` quantized as Q8_1.
+/// [`fill`] laid out (`rows` a range of whole groups); `xq` quantized as Q8_1.
 ///
-/// # Panics
-/// Without AVX-512 VNNI, for a type without this layout, or on shapes that do
-/// not match (activations not Q8_1 of width `k`, rows not whole groups,
-/// `packed` or `out` too short).
-pub fn matmul(
+/// # Safety
+/// AVX-512 VNNI present and the shapes `repack::matmul_repacked` checks.
+pub(super) unsafe fn matmul(
     ty: GgmlType,
     packed: &[u8],
     k: usize,
@@ -178,24 +176,10 @@ pub fn matmul(
     xq: &QuantizedActivations,
     out: &mut [f32],
 ) {
-    assert!(super::Isa::Avx512.is_available());
     let layout = Layout::of(ty).unwrap_or_else(|| panic!("no 16-row layout for {ty:?}"));
-    // The kernel reads each token's activations through raw pointers.
-    assert_eq!(xq.format(), ActivationFormat::Q8_1, "activations not Q8_1");
-    assert_eq!(xq.k(), k, "activations of another width");
-    assert!(k.is_multiple_of(QK32) && k > 0);
-    assert!(rows.start.is_multiple_of(ROWS) && rows.end.is_multiple_of(ROWS));
     let pairs = (k / QK32).div_ceil(2);
-    // Aligned loads (as `repack` lays them out).
-    assert!(
-        packed.as_ptr().align_offset(64) == 0,
-        "packed weights not 64-byte aligned"
-    );
-    assert!(packed.len() >= rows.end / ROWS * pairs * layout.pair_bytes());
-    assert_eq!(out.len(), xq.n_tokens() * rows.len());
     let neg_offset = -layout.offset;
-    // SAFETY: AVX-512 asserted; shapes asserted above; each layout's kernel
-    // matches its `pair_bytes`.
+    // SAFETY: the caller's; each layout's kernel matches its `pair_bytes`.
     unsafe {
         match (layout.bits, layout.min) {
             (8, false) => drive::<8, false>(packed, pairs, rows, xq, neg_offset, out),
@@ -330,71 +314,5 @@ unsafe fn group_tile<const BITS: u8, const MIN: bool, const T: usize>(
     }
     for t in 0..T {
         _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::quant::repack::repack;
-    use crate::quant::{matmul as row_matmul, quantize_row, Isa};
-
-    #[test]
-    fn repacked_blocks_match_the_row_kernel() {
-        if !Isa::Avx512.is_available() {
-            eprintln!("skipped: no AVX-512 VNNI here");
-            return;
-        }
-        let mut state = 0x9E37_79B9u32;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 17;
-            state ^= state << 5;
-            state as f32 / u32::MAX as f32 - 0.5
-        };
-        let types = [
-            GgmlType::Q4_0,
-            GgmlType::Q4_1,
-            GgmlType::Q5_0,
-            GgmlType::Q5_1,
-            GgmlType::Q8_0,
-        ];
-        // 18 blocks (SmolLM2's width, pairs whole) and 3 (an odd last block).
-        for ty in types {
-            for k in [576, 96] {
-                let rows = 48;
-                let row_bytes = k / QK32 * ty.block_bytes();
-                let mut w = vec![0u8; rows * row_bytes];
-                let mut x = vec![0f32; k];
-                for row in w.chunks_exact_mut(row_bytes) {
-                    // An offset so Q4_1's and Q5_1's mins matter.
-                    x.iter_mut().for_each(|v| *v = next() * 0.2 + 0.03);
-                    quantize_row(ty, &x, row).unwrap();
-                }
-                // Two threads: runs of two groups and one.
-                let packed = repack(ty, &w, rows, k, 2).unwrap();
-                assert_eq!(packed.bytes().len(), packed_len(ty, rows, k).unwrap());
-                assert_eq!(packed.bytes(), repack(ty, &w, rows, k, 1).unwrap().bytes());
-                assert!(repack(ty, &w[..row_bytes * 8], 8, k, 1).is_none());
-                assert!(repack(ty, &w[..w.len() - 1], rows, k, 1).is_none());
-                for n_tokens in [1, 3, 8, 11] {
-                    let xs: Vec<f32> = (0..n_tokens * k).map(|_| next()).collect();
-                    let mut xq = QuantizedActivations::new();
-                    xq.quantize(ty, &xs, n_tokens, k).unwrap();
-                    let mut want = vec![0f32; n_tokens * 32];
-                    row_matmul(Isa::Avx512, ty, &w, k, 16..48, &xq, &mut want);
-                    let mut got = vec![0f32; n_tokens * 32];
-                    matmul(ty, packed.bytes(), k, 16..48, &xq, &mut got);
-                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                        assert!(
-                            (g - w).abs() <= 1e-4 * w.abs().max(1.0),
-                            "{ty:?} k {k}, {n_tokens} tokens, output {i}: {g} against {w}"
-                        );
-                    }
-                }
-            }
-        }
-        assert!(packed_len(GgmlType::Q6_K, 16, 256).is_none());
-        assert!(packed_len(GgmlType::Q8_0, 16, 48).is_none());
     }
 }

@@ -10,7 +10,9 @@
 
 use std::ops::Range;
 
-use super::{GgmlType, QuantizedActivations};
+#[cfg(test)]
+use super::Isa;
+use super::{ActivationFormat, GgmlType, QuantizedActivations};
 
 /// Rows sharing one `vpdpbusd`.
 pub const ROWS: usize = 16;
@@ -97,7 +99,10 @@ fn fill(ty: GgmlType, w: &[u8], rows: usize, k: usize, out: &mut [u8]) {
 /// + i][k] * x[t][k]`, `rows` whole groups.
 ///
 /// # Panics
-/// Without AVX-512 VNNI, or on shapes that do not match (as `matmul`).
+/// Without AVX-512 VNNI, or on shapes that do not match: activations not
+/// quantized for `ty` at width `k`, rows not whole groups, `packed` not
+/// 64-byte aligned or too short, `out` not `[n_tokens][rows]`. The kernels
+/// read through raw pointers on the strength of these checks.
 pub fn matmul_repacked(
     ty: GgmlType,
     packed: &[u8],
@@ -106,15 +111,146 @@ pub fn matmul_repacked(
     xq: &QuantizedActivations,
     out: &mut [f32],
 ) {
+    assert!(super::Isa::Avx512.is_available());
+    assert_eq!(
+        xq.format(),
+        ActivationFormat::for_weights(ty),
+        "activations not quantized for {ty:?}"
+    );
+    assert_eq!(xq.k(), k, "activations of another width");
+    assert!(rows.start.is_multiple_of(ROWS) && rows.end.is_multiple_of(ROWS));
+    // Groups are laid out one after another: the rows up to rows.end.
+    let len = repacked_len(ty, rows.end, k)
+        .unwrap_or_else(|| panic!("no 16-row layout for {ty:?} x {k}"));
+    assert!(packed.len() >= len, "packed weights too short");
+    assert!(
+        packed.as_ptr().align_offset(64) == 0,
+        "packed weights not 64-byte aligned"
+    );
+    assert_eq!(out.len(), xq.n_tokens() * rows.len());
     #[cfg(target_arch = "x86_64")]
-    match ty {
-        GgmlType::Q4_K => super::avx512_kx16::matmul_q4_k(packed, k, rows, xq, out),
-        GgmlType::Q6_K => super::avx512_kx16::matmul_q6_k(packed, k, rows, xq, out),
-        _ => super::avx512_x16::matmul(ty, packed, k, rows, xq, out),
+    // SAFETY: the shapes are checked above.
+    unsafe {
+        match ty {
+            GgmlType::Q4_K => super::avx512_kx16::matmul_q4_k(packed, k, rows, xq, out),
+            GgmlType::Q6_K => super::avx512_kx16::matmul_q6_k(packed, k, rows, xq, out),
+            _ => super::avx512_x16::matmul(ty, packed, k, rows, xq, out),
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (packed, k, rows, xq, out);
+        let _ = (packed, rows, out);
         unreachable!("no repacked {ty:?} weights off x86-64");
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use crate::quant::{matmul, quantize_row};
+
+    #[test]
+    fn repacked_matrices_match_the_row_kernels() {
+        if !Isa::Avx512.is_available() {
+            eprintln!("skipped: no AVX-512 VNNI here");
+            return;
+        }
+        let mut state = 0x9E37_79B9u32;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state as f32 / u32::MAX as f32 - 0.5
+        };
+        let block32 = [576, 96]; // SmolLM2's width (pairs whole), an odd last block
+        for (ty, widths) in [
+            (GgmlType::Q4_0, &block32[..]),
+            (GgmlType::Q4_1, &block32[..]),
+            (GgmlType::Q5_0, &block32[..]),
+            (GgmlType::Q5_1, &block32[..]),
+            (GgmlType::Q8_0, &block32[..]),
+            (GgmlType::Q4_K, &[512][..]),
+            (GgmlType::Q6_K, &[512][..]),
+        ] {
+            for &k in widths {
+                let rows = 48;
+                let row_bytes = k / ty.block_len() * ty.block_bytes();
+                let mut w = vec![0u8; rows * row_bytes];
+                let mut x = vec![0f32; k];
+                for row in w.chunks_exact_mut(row_bytes) {
+                    // An offset so Q4_1's and Q5_1's mins matter.
+                    x.iter_mut().for_each(|v| *v = next() * 0.2 + 0.03);
+                    quantize_row(ty, &x, row).unwrap();
+                }
+                // Two threads: runs of two groups and one.
+                let packed = repack(ty, &w, rows, k, 2).unwrap();
+                assert_eq!(Some(packed.bytes().len()), repacked_len(ty, rows, k));
+                assert_eq!(packed.bytes(), repack(ty, &w, rows, k, 1).unwrap().bytes());
+                assert!(repack(ty, &w[..row_bytes * 8], 8, k, 1).is_none());
+                assert!(repack(ty, &w[..w.len() - 1], rows, k, 1).is_none());
+                for n_tokens in [1, 3, 8, 11] {
+                    let xs: Vec<f32> = (0..n_tokens * k).map(|_| next()).collect();
+                    let mut xq = QuantizedActivations::new();
+                    xq.quantize(ty, &xs, n_tokens, k).unwrap();
+                    let mut want = vec![0f32; n_tokens * 32];
+                    matmul(Isa::Avx512, ty, &w, k, 16..48, &xq, &mut want);
+                    let mut got = vec![0f32; n_tokens * 32];
+                    matmul_repacked(ty, packed.bytes(), k, 16..48, &xq, &mut got);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - w).abs() <= 1e-4 * w.abs().max(1.0),
+                            "{ty:?} k {k}, {n_tokens} tokens, output {i}: {g} against {w}"
+                        );
+                    }
+                }
+            }
+        }
+        assert!(repacked_len(GgmlType::Q5_K, 16, 256).is_none());
+        assert!(repacked_len(GgmlType::Q6_K, 16, 576).is_none());
+        assert!(repacked_len(GgmlType::Q8_0, 16, 48).is_none());
+        assert!(repacked_len(GgmlType::Q8_0, 0, 64).is_none());
+    }
+
+    #[test]
+    fn matmul_repacked_refuses_shapes_its_kernels_would_misread() {
+        if !Isa::Avx512.is_available() {
+            eprintln!("skipped: no AVX-512 VNNI here");
+            return;
+        }
+        let (ty, rows, k) = (GgmlType::Q8_0, 32, 64);
+        let w = vec![0u8; rows * 2 * ty.block_bytes()];
+        let packed = repack(ty, &w, rows, k, 1).unwrap();
+        let mut xq = QuantizedActivations::new();
+        xq.quantize(ty, &[0.5; 64], 1, k).unwrap();
+        let mut k_quant = QuantizedActivations::new();
+        k_quant
+            .quantize(GgmlType::Q4_K, &[0.5; 256], 1, 256)
+            .unwrap();
+        let refused =
+            |f: &dyn Fn()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err();
+        let bytes = packed.bytes();
+        let mut out = vec![0f32; rows];
+        let run = |packed: &[u8], rows: Range<usize>, xq: &QuantizedActivations, len: usize| {
+            let mut out = vec![0f32; len];
+            matmul_repacked(ty, packed, k, rows, xq, &mut out);
+        };
+        assert!(
+            refused(&|| run(&bytes[..bytes.len() - 64], 0..32, &xq, 32)),
+            "short"
+        );
+        assert!(refused(&|| run(&bytes[1..], 0..16, &xq, 16)), "unaligned");
+        assert!(
+            refused(&|| run(bytes, 8..24, &xq, 16)),
+            "rows not whole groups"
+        );
+        assert!(
+            refused(&|| run(bytes, 0..32, &k_quant, 32)),
+            "other activations"
+        );
+        assert!(
+            refused(&|| run(bytes, 0..32, &xq, 31)),
+            "out of another length"
+        );
+        matmul_repacked(ty, bytes, k, 0..32, &xq, &mut out);
     }
 }
