@@ -51,7 +51,7 @@ const SPAN_POSITIONS: usize = 128;
 /// the longer runs of memory per thread and the fewer task claims.
 const DECODE_RUNS_PER_THREAD: usize = 4;
 /// Output rows per matrix-product task are rounded to this (the kernels' tile,
-/// and the 16-row groups of repacked Q4_K matrices).
+/// and the 16-row groups of repacked matrices).
 const MATMUL_ROWS_ALIGN: usize = 16;
 /// Row chunks per thread in a matrix product: more than one, so that when a
 /// thread is descheduled (a loaded machine) the others take over its share.
