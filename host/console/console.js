@@ -77,23 +77,29 @@ class ConsoleError extends Error {
   }
 }
 
+/** `text` ending as a sentence: the API's messages may or may not. */
+function sentence(text) {
+  const t = text.trim();
+  return t === '' || /[.!?]$/.test(t) ? t : t + '.';
+}
+
 /** Words for an error answer: what happened and what to do. */
 function explain(status, body, what) {
   const e = (body && body.error) || {};
-  const said = e.message ? String(e.message) : '';
+  const said = e.message ? sentence(String(e.message)) : '';
   const field = e.param ? ` (${e.param})` : '';
   const doing = what ? `Could not ${what}: ` : '';
   switch (true) {
     case status === 401:
       return 'The server did not accept the admin token. Sign in again with the admin token; a tenant key cannot open the console.';
     case status === 404:
-      return `${doing}${said || 'not found'}. It may have been deleted meanwhile: reload the list.`;
+      return `${doing}${said || 'Not found.'} It may have been deleted meanwhile: reload the list.`;
     case e.code === 'capacity_contract_violated':
       return `${doing}the capacity contract would break. ${said} Every stage is listed below; the ones that would not hold are marked.`;
     case e.code === 'memory_budget_exceeded':
       return `${doing}the memory budget would be exceeded. ${said} Remove a model or use a smaller pool.`;
     case e.code === 'already_exists':
-      return `${doing}${said}. Pick another name.`;
+      return `${doing}${said} Pick another name.`;
     case status === 413:
       return `${doing}it is too large for the server. ${said}`;
     case status === 429:
@@ -103,13 +109,26 @@ function explain(status, body, what) {
     case status >= 500:
       return `${doing}the server failed (${status}). Its log says why; try again, and if it keeps failing, check the server.`;
     case status >= 400:
-      return `${doing}the server refused the value${field}: ${said}. Correct it and try again.`;
+      return `${doing}the server refused the value${field}: ${said} Correct it and try again.`;
     default:
       return `${doing}unexpected answer ${status}.`;
   }
 }
 
 function token() { return sessionStorage.getItem(TOKEN_KEY); }
+
+/**
+ * Like Promise.all, but when several fail the error reported is the first
+ * in the list's order, not whichever answer came back first, so a page
+ * shows the same error every time.
+ */
+async function settledInOrder(promises) {
+  const results = await Promise.allSettled(promises);
+  return results.map((r) => {
+    if (r.status === 'rejected') throw r.reason;
+    return r.value;
+  });
+}
 
 /**
  * Calls the admin API. `body`: a plain object (sent as JSON) or an
@@ -286,7 +305,7 @@ const ALARMS = {
 };
 
 async function overviewPage(slot) {
-  const [stats, partitions] = await Promise.all([
+  const [stats, partitions] = await settledInOrder([
     api('GET', `${A}/stats`, undefined, 'read the live state'),
     api('GET', `${A}/partitions`, undefined, 'read the partitions'),
   ]);
@@ -388,7 +407,7 @@ async function inFlight() {
 }
 
 async function tenantsPage(slot) {
-  const [tenants, flying] = await Promise.all([api('GET', `${A}/tenants`, undefined, 'list the tenants'), inFlight()]);
+  const [tenants, flying] = await settledInOrder([api('GET', `${A}/tenants`, undefined, 'list the tenants'), inFlight()]);
   const rows = tenants.data.map((t) => h('tr', {},
     h('td', {}, h('a', { href: route('tenants', t.name) }, t.name)),
     h('td', { class: 'num' }, t.id),
@@ -419,7 +438,9 @@ async function tenantsPage(slot) {
 }
 
 async function tenantPage(slot, name) {
-  const [t, keys] = await Promise.all([
+  // Both asked at once, but a failure is reported in this order (the
+  // tenant's own before its keys'), not in whichever answer came first.
+  const [t, keys] = await settledInOrder([
     api('GET', `${A}/tenants/${enc(name)}`, undefined, `open the tenant “${name}”`),
     api('GET', `${A}/tenants/${enc(name)}/keys`, undefined, 'list its keys'),
   ]);
@@ -607,7 +628,7 @@ async function pluginsPage(slot, tenant) {
     slot.replaceChildren(h('h1', {}, 'Plugins'), picker);
     return;
   }
-  const [plugins, events] = await Promise.all([
+  const [plugins, events] = await settledInOrder([
     api('GET', `${A}/tenants/${enc(tenant)}/plugins`, undefined, `list the plugins of “${tenant}”`),
     api('GET', `${A}/audit?before=${NEWEST}&limit=20&tenant=${enc(tenant)}&action=plugin.`, undefined, 'read its plugin events'),
   ]);
