@@ -63,6 +63,9 @@ def main() -> None:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         context = browser.new_context(viewport={"width": 1280, "height": 800})
         context.set_default_timeout(TIMEOUT_MS)
+        # Assertions wait as long as actions: on a loaded machine (CI runs
+        # the other suites beside this one) 5 s is not enough for an answer.
+        expect.set_options(timeout=TIMEOUT_MS)
         page = context.new_page()
         # The console asks nothing of any origin but its own.
         page.on("request", lambda r: None if r.url.startswith(origin) or r.url.startswith("blob:")
