@@ -12,9 +12,13 @@
 #define TYPE_F16 1u
 #define TYPE_Q4_0 2u
 #define TYPE_Q4_1 3u
+#define TYPE_Q5_0 6u
+#define TYPE_Q5_1 7u
 #define TYPE_Q8_0 8u
 #define TYPE_Q4_K 12u
+#define TYPE_Q5_K 13u
 #define TYPE_Q6_K 14u
+#define TYPE_BF16 30u
 
 // Rows of embedding: out[t] = dequantize(table[tokens[t]]).
 // Grid (tokens), block 128.

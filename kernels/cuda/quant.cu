@@ -8,9 +8,10 @@
 // integer dot products (dp4a) per 32 weights, scaled in f32: the CPU's
 // result up to the order of f32 sums.
 //
-// Unsigned quants (the nibbles of Q4_0, the 6-bit codes of Q6_K) enter the
-// dot product as they are, and their offset (8, 32) comes off afterwards
-// through the activations' sums of 16 quants: (q - o) . x = q . x - o * sum(x).
+// Unsigned quants (the nibbles of Q4_0, the 5-bit codes of Q5_0, the 6-bit
+// codes of Q6_K) enter the dot product as they are, and their offset (8, 16,
+// 32) comes off afterwards through the activations' sums of 16 quants:
+// (q - o) . x = q . x - o * sum(x).
 
 #include "common.cuh"
 #include "args.cuh"
@@ -34,17 +35,35 @@ __device__ __forceinline__ void scale_min_k4(uint32_t j, const uint8_t* scales, 
     }
 }
 
+// The float whose bits are `bits`.
+__device__ __forceinline__ float bits_to_f32(uint32_t bits) {
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+// A bfloat16 is the top half of an f32.
+__device__ __forceinline__ float load_bf16(const uint8_t* p) {
+    return bits_to_f32(uint32_t(load_u16(p)) << 16);
+}
+
+// The 5-bit code of weight j (0..32) of a Q5_0 or Q5_1 block: its nibble
+// (weights 0..16 low, 16..32 high) and bit j of the 32 high bits.
+__device__ __forceinline__ uint32_t q5_code(const uint8_t* qh, const uint8_t* qs, uint32_t j) {
+    uint32_t q = qs[j % 16];
+    uint32_t nibble = j < 16 ? q & 0xF : q >> 4;
+    return nibble | ((load_u32(qh) >> j) & 1) << 4;
+}
+
 // Weight `i` of a row of `type` blocks, as the CPU's dequantize_row gives it.
 __device__ float dequantize_one(uint32_t type, const uint8_t* row, uint32_t i) {
     switch (type) {
-        case TYPE_F32: {
-            uint32_t bits = load_u32(row + 4 * i);
-            float value;
-            memcpy(&value, &bits, 4);
-            return value;
-        }
+        case TYPE_F32:
+            return bits_to_f32(load_u32(row + 4 * i));
         case TYPE_F16:
             return load_f16(row + 2 * i);
+        case TYPE_BF16:
+            return load_bf16(row + 2 * i);
         case TYPE_Q4_0: {
             const uint8_t* block = row + (i / QK) * 18;
             uint32_t j = i % QK, q = block[2 + j % 16];
@@ -56,6 +75,16 @@ __device__ float dequantize_one(uint32_t type, const uint8_t* row, uint32_t i) {
             uint32_t j = i % QK, q = block[4 + j % 16];
             float nibble = float(j < 16 ? q & 0xF : q >> 4);
             return mul_rn(load_f16(block), nibble) + load_f16(block + 2);
+        }
+        case TYPE_Q5_0: {
+            const uint8_t* block = row + (i / QK) * 22;
+            int code = int(q5_code(block + 2, block + 6, i % QK));
+            return load_f16(block) * float(code - 16);
+        }
+        case TYPE_Q5_1: {
+            const uint8_t* block = row + (i / QK) * 24;
+            float code = float(q5_code(block + 4, block + 8, i % QK));
+            return mul_rn(load_f16(block), code) + load_f16(block + 2);
         }
         case TYPE_Q8_0: {
             const uint8_t* block = row + (i / QK) * 34;
@@ -69,6 +98,18 @@ __device__ float dequantize_one(uint32_t type, const uint8_t* row, uint32_t i) {
             scale_min_k4(sub, block + 4, &scale, &min);
             float nibble = float(sub % 2 == 0 ? q & 0xF : q >> 4);
             return mul_rn(mul_rn(load_f16(block), float(scale)), nibble) -
+                   mul_rn(load_f16(block + 2), float(min));
+        }
+        case TYPE_Q5_K: {
+            // Q4_K's scales and nibbles, and bit `sub` of qh[j % 32] as the fifth.
+            const uint8_t* block = row + (i / QK_K) * 176;
+            uint32_t j = i % QK_K, sub = j / QK;
+            uint8_t q = block[48 + (j / 64) * 32 + j % 32];
+            uint32_t high = (block[16 + j % 32] >> sub) & 1;
+            int scale, min;
+            scale_min_k4(sub, block + 4, &scale, &min);
+            float code = float((sub % 2 == 0 ? q & 0xF : q >> 4) | high << 4);
+            return mul_rn(mul_rn(load_f16(block), float(scale)), code) -
                    mul_rn(load_f16(block + 2), float(min));
         }
         case TYPE_Q6_K: {
@@ -158,6 +199,12 @@ __device__ __forceinline__ int nibbles(uint32_t bytes, int shift) {
     return int((bytes >> shift) & 0x0F0F0F0Fu);
 }
 
+// The low four bits of `bits` as bit 4 of four bytes (a Q5 block's fifth
+// bits for four consecutive weights).
+__device__ __forceinline__ int fifth_bits(uint32_t bits) {
+    return int((bits & 1) << 4 | (bits & 2) << 11 | (bits & 4) << 18 | (bits & 8) << 25);
+}
+
 __device__ __forceinline__ uint32_t load_u32_aligned2(const uint8_t* p) {
     const uint16_t* half = reinterpret_cast<const uint16_t*>(p);
     return uint32_t(half[0]) | uint32_t(half[1]) << 16;
@@ -188,6 +235,25 @@ __device__ __forceinline__ Unit decode_unit(uint32_t type, const uint8_t* row, u
             }
             break;
         }
+        case TYPE_Q5_0:
+        case TYPE_Q5_1: {
+            bool q5_0 = type == TYPE_Q5_0;
+            const uint8_t* block = row + u * (q5_0 ? 22 : 24);
+            const uint8_t* qs = block + (q5_0 ? 6 : 8);
+            uint32_t qh = load_u32_aligned2(block + (q5_0 ? 2 : 4));
+            for (int i = 0; i < 4; i++) {
+                uint32_t bytes = load_u32_aligned2(qs + 4 * i);
+                unit.q[i] = nibbles(bytes, 0) | fifth_bits(qh >> (4 * i));
+                unit.q[i + 4] = nibbles(bytes, 4) | fifth_bits(qh >> (16 + 4 * i));
+            }
+            unit.scale_lo = unit.scale_hi = load_f16(block);
+            if (q5_0) {
+                unit.offset = 16;
+            } else {
+                unit.min = load_f16(block + 2);
+            }
+            break;
+        }
         case TYPE_Q8_0: {
             const uint8_t* block = row + u * 34;
             for (int i = 0; i < 8; i++) unit.q[i] = int(load_u32_aligned2(block + 2 + 4 * i));
@@ -200,6 +266,24 @@ __device__ __forceinline__ Unit decode_unit(uint32_t type, const uint8_t* row, u
             const uint8_t* qs = block + 16 + (j / 2) * 32;
             for (int i = 0; i < 8; i++) {
                 unit.q[i] = nibbles(load_u32_aligned2(qs + 4 * i), 4 * int(j % 2));
+            }
+            int scale, min;
+            scale_min_k4(j, block + 4, &scale, &min);
+            unit.scale_lo = unit.scale_hi = load_f16(block) * float(scale);
+            unit.min = -(load_f16(block + 2) * float(min));
+            unit.per_256 = true;
+            break;
+        }
+        case TYPE_Q5_K: {
+            // Q4_K's layout with 32 bytes of fifth bits before the nibbles:
+            // sub-block j's are bit j of each.
+            const uint8_t* block = row + (u / 8) * 176;
+            uint32_t j = u % 8;
+            const uint8_t* qh = block + 16;
+            const uint8_t* qs = block + 48 + (j / 2) * 32;
+            for (int i = 0; i < 8; i++) {
+                uint32_t high = (load_u32_aligned2(qh + 4 * i) >> j) & 0x01010101u;
+                unit.q[i] = nibbles(load_u32_aligned2(qs + 4 * i), 4 * int(j % 2)) | int(high << 4);
             }
             int scale, min;
             scale_min_k4(j, block + 4, &scale, &min);
@@ -257,14 +341,16 @@ __device__ __forceinline__ float unit_dot(const Unit& unit, const MatmulArgs& a,
     return dx * scaled + unit.min * (dx * float(sum_lo + sum_hi));
 }
 
-// Unit u of an f16 or f32 row with token t's f32 activations.
+// Unit u of an f32, f16 or bf16 row with token t's f32 activations.
 __device__ __forceinline__ float float_unit_dot(uint32_t type, const uint8_t* row,
                                                 const MatmulArgs& a, uint32_t t, uint32_t u) {
     const float* x = reinterpret_cast<const float*>(a.x) + uint64_t(t) * a.k + u * QK;
     float sum = 0.0f;
     for (uint32_t i = 0; i < QK; i++) {
-        float w = type == TYPE_F32 ? reinterpret_cast<const float*>(row)[u * QK + i]
-                                   : f16_to_f32(reinterpret_cast<const uint16_t*>(row)[u * QK + i]);
+        uint32_t at = u * QK + i;
+        float w = type == TYPE_F32   ? reinterpret_cast<const float*>(row)[at]
+                  : type == TYPE_F16 ? f16_to_f32(reinterpret_cast<const uint16_t*>(row)[at])
+                                     : bits_to_f32(uint32_t(reinterpret_cast<const uint16_t*>(row)[at]) << 16);
         sum += w * x[i];
     }
     return sum;
@@ -275,7 +361,7 @@ __device__ __forceinline__ void row_products(const MatSeg& seg, uint32_t row, co
                                              uint32_t t0, uint32_t n, float* acc) {
     const uint8_t* w = reinterpret_cast<const uint8_t*>(seg.w) + uint64_t(row) * seg.row_bytes;
     uint32_t units = a.k / QK, lane = threadIdx.x % WARP_SIZE;
-    bool quantized = seg.type != TYPE_F32 && seg.type != TYPE_F16;
+    bool quantized = seg.type != TYPE_F32 && seg.type != TYPE_F16 && seg.type != TYPE_BF16;
     for (uint32_t u = lane; u < units; u += WARP_SIZE) {
         if (quantized) {
             Unit unit = decode_unit(seg.type, w, u);

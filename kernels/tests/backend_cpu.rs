@@ -195,12 +195,30 @@ fn every_isa_agrees_with_the_scalar_path() {
         GgmlType::Q8_0,
         GgmlType::F32,
         GgmlType::F16,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::BF16,
         // Whole 256-blocks and 16-row groups (a Q6_K embedding and head): on
         // AVX-512 every matrix runs repacked (quant::repack), as do the
         // 32-value types' above.
         GgmlType::Q4_K,
+        GgmlType::Q5_K,
     ] {
         let spec = match matrix_type {
+            // Seed chosen as for Q4_K below: on about half the seeds of this
+            // K-quant shape one Q8_K activation rounds apart between any two
+            // paths (seen for Q4_K, Q5_K and Q6_K matrices alike, AVX2 and
+            // AVX-512 against scalar, 3e-3 of the largest logit each time).
+            GgmlType::Q5_K => TinySpec {
+                seed: 27,
+                embedding_len: 256,
+                heads: 4,
+                kv_heads: 1,
+                ffn_len: 512,
+                matrix_type,
+                embedding_type: GgmlType::Q4_K,
+                ..TinySpec::default()
+            },
             GgmlType::Q4_K => TinySpec {
                 // Not the default seed 1: there one of the head's 8-bit
                 // activations sits within a summation-order difference of a

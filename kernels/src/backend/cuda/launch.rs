@@ -49,24 +49,6 @@ macro_rules! args {
     };
 }
 
-/// ggml type numbers (GGUF) the kernels decode.
-pub mod types {
-    /// f32.
-    pub const F32: u32 = 0;
-    /// f16.
-    pub const F16: u32 = 1;
-    /// Q4_0.
-    pub const Q4_0: u32 = 2;
-    /// Q4_1.
-    pub const Q4_1: u32 = 3;
-    /// Q8_0.
-    pub const Q8_0: u32 = 8;
-    /// Q4_K.
-    pub const Q4_K: u32 = 12;
-    /// Q6_K.
-    pub const Q6_K: u32 = 14;
-}
-
 /// A sequence index meaning "no sequence": a padding token of a captured step.
 pub const NO_SEQ: u32 = u32::MAX;
 /// Matrices one matmul launch may carry.

@@ -90,17 +90,10 @@ pub enum CudaError {
     Unsupported(String),
 }
 
-/// The weight types `kernels/cuda/quant.cu` runs; a model with any other is
-/// refused before anything is uploaded.
-const DEVICE_TYPES: [GgmlType; 7] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q8_0,
-    GgmlType::Q4_K,
-    GgmlType::Q6_K,
-];
+/// The weight types `kernels/cuda/quant.cu` runs (their GGUF numbers are its
+/// `TYPE_*` in `args.cuh`): every type the CPU backend runs; a model with any
+/// other is refused before anything is uploaded.
+const DEVICE_TYPES: [GgmlType; 11] = GgmlType::ALL;
 
 /// A weight matrix on the device.
 struct DeviceMatrix {
