@@ -56,6 +56,7 @@ struct NormArgs {
 struct MatSeg {
     uint64_t w;    // [rows][row_bytes] in `type` blocks
     uint64_t out;  // f32 [tokens][out_stride]; this matrix's rows at columns 0..rows
+    uint64_t bias; // f32 [rows] added to each product (STORE: qwen2's Q, K, V), or 0
     uint32_t type;
     uint32_t rows;
     uint32_t row_bytes;
@@ -84,8 +85,11 @@ struct MatmulArgs {
     uint32_t mode;
 };
 
-// RoPE on every token's Q and K heads (adjacent pairs of the first rope_dim
-// dimensions, the GGUF llama layout), then K and V stored at the token's
+// RoPE on every token's Q and K heads (pairs of the first rope_dim
+// dimensions: adjacent ones (2i, 2i+1), the GGUF llama layout, or halves
+// (i, i + rope_dim / 2) where `halves`), pair i turned by
+// pos * base^(-2i / rope_dim) * rope_scale / freq_factors[i] (no factors
+// where 0: Llama 3's table), then K and V stored at the token's
 // position in its sequence's pages. A token whose sequence is NO_SEQ (the
 // padding of a captured step) is left alone and stores nothing.
 // Grid (tokens), block 128.
@@ -98,6 +102,7 @@ struct RopeKvArgs {
     uint64_t positions;  // u32 [tokens]
     uint64_t seq_pages;  // u32 [seqs]: where each sequence's page ids start in `pages`
     uint64_t pages;      // u32 [..]: page ids, checked by the page book before the launch
+    uint64_t freq_factors;  // f32 [rope_dim / 2]: divisors of each pair's frequency, or 0
     uint32_t heads;
     uint32_t kv_heads;
     uint32_t head_dim;
@@ -107,6 +112,8 @@ struct RopeKvArgs {
     uint32_t page_tokens;
     uint32_t kv_f16;  // 1: values stored as f16 bits, 0: as f32
     float rope_base;
+    float rope_scale;
+    uint32_t halves;  // 1: pairs (i, i + rope_dim / 2), 0: (2i, 2i + 1)
     uint32_t unused;
 };
 

@@ -56,14 +56,17 @@ KERNEL(rope_kv, RopeKvArgs) {
     const float* v = reinterpret_cast<const float*>(a.v) + uint64_t(t) * kv_dim;
     for (uint32_t e = threadIdx.x; e < (a.heads + a.kv_heads) * pairs; e += blockDim.x) {
         uint32_t head = e / pairs, i = e % pairs;
-        float freq = powf(a.rope_base, -float(2 * i) / float(a.rope_dim));
+        // As the CPU's table: the base's power, times the scale, over the factor.
+        float freq = powf(a.rope_base, -float(2 * i) / float(a.rope_dim)) * a.rope_scale;
+        if (a.freq_factors) freq = freq / reinterpret_cast<const float*>(a.freq_factors)[i];
         float theta = float(pos) * freq;
         float sin_theta, cos_theta;
         sincosf(theta, &sin_theta, &cos_theta);
-        float* pair = head < a.heads ? q + head * a.head_dim : k + (head - a.heads) * a.head_dim;
-        float x0 = pair[2 * i], x1 = pair[2 * i + 1];
-        pair[2 * i] = mul_rn(x0, cos_theta) - mul_rn(x1, sin_theta);
-        pair[2 * i + 1] = mul_rn(x0, sin_theta) + mul_rn(x1, cos_theta);
+        float* head_at = head < a.heads ? q + head * a.head_dim : k + (head - a.heads) * a.head_dim;
+        uint32_t i0 = a.halves ? i : 2 * i, i1 = a.halves ? i + pairs : 2 * i + 1;
+        float x0 = head_at[i0], x1 = head_at[i1];
+        head_at[i0] = mul_rn(x0, cos_theta) - mul_rn(x1, sin_theta);
+        head_at[i1] = mul_rn(x0, sin_theta) + mul_rn(x1, cos_theta);
     }
     __syncthreads();
     const uint32_t* pages = reinterpret_cast<const uint32_t*>(a.pages);

@@ -405,6 +405,7 @@ KERNEL(matmul, MatmulArgs) {
                 value = value / (1.0f + expf(-value)) * u;
             }
             if (lane != 0) continue;
+            if (seg.bias) value += reinterpret_cast<const float*>(seg.bias)[row];
             float* dst = out + uint64_t(t0 + j) * seg.out_stride + row;
             *dst = a.mode == MATMUL_ADD ? *dst + value : value;
         }

@@ -420,26 +420,6 @@ impl ModelConfig {
         })
     }
 
-    /// Whether this is the plain Llama arithmetic (adjacent RoPE without
-    /// scaling, no biases, no per-head norms, heads that tile `d`): what a
-    /// backend that runs only that must check.
-    pub fn is_plain_llama(&self) -> bool {
-        self.architecture == Architecture::Llama
-            && self.rope_style == RopeStyle::Adjacent
-            && self.rope_freq_scale == 1.0
-            && self.rope_freq_factors.is_none()
-            && !self.qkv_bias
-            && !self.qk_norm
-            && self.q_len() == self.embedding_len
-            && self.embedding_scale == 1.0
-            && self.activation == Activation::Silu
-            && !self.post_norms
-            && self.attention_scale == 1.0 / (self.head_dim as f32).sqrt()
-            && self.attention_softcap.is_none()
-            && self.final_softcap.is_none()
-            && self.sliding_window.is_none()
-    }
-
     /// One line for an operator: the family, its shape, and its local layers.
     pub fn describe(&self) -> String {
         let mut text = format!(

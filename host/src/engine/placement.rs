@@ -9,8 +9,9 @@
 //! cuda   the CUDA backend on device 0; a start-up error naming what is
 //!        missing (the driver, a device, NVRTC) where it cannot run
 //! auto   cuda when a driver, a device and NVRTC are all present and the
-//!        CUDA kernels run the model (the plain llama blueprint in their
-//!        types), else cpu; the log and the admin /readyz say which, and why
+//!        CUDA kernels run the model (llama, qwen2, qwen3 and phi3 files in
+//!        any type; not yet Gemma's GELU, post-norms, soft caps or sliding
+//!        windows), else cpu; the log and the admin /readyz say which, and why
 //! ```
 //!
 //! The machine is probed once per process (the driver loaded by name, no

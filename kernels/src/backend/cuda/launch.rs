@@ -103,6 +103,8 @@ pub struct MatSeg {
     pub w: u64,
     /// Output, f32 `[tokens][out_stride]`.
     pub out: u64,
+    /// f32 `[rows]` added to each product (STORE only), or 0.
+    pub bias: u64,
     /// ggml type.
     pub ty: u32,
     /// Rows.
@@ -112,7 +114,7 @@ pub struct MatSeg {
     /// Floats between tokens' output rows.
     pub out_stride: u32,
 }
-const _: () = assert!(std::mem::size_of::<MatSeg>() == 32);
+const _: () = assert!(std::mem::size_of::<MatSeg>() == 40);
 
 args! {
     /// Up to three matrix products over one input, or a SwiGLU pair.
@@ -140,6 +142,7 @@ args! {
         positions: u64,
         seq_pages: u64,
         pages: u64,
+        freq_factors: u64,
         heads: u32,
         kv_heads: u32,
         head_dim: u32,
@@ -149,6 +152,8 @@ args! {
         page_tokens: u32,
         kv_f16: u32,
         rope_base: f32,
+        rope_scale: f32,
+        halves: u32,
         unused: u32,
     }
 }
@@ -272,8 +277,8 @@ mod tests {
     fn argument_structs_have_the_sizes_args_cuh_declares() {
         assert_eq!(std::mem::size_of::<EmbedArgs>(), 40);
         assert_eq!(std::mem::size_of::<NormArgs>(), 72);
-        assert_eq!(std::mem::size_of::<MatmulArgs>(), 144);
-        assert_eq!(std::mem::size_of::<RopeKvArgs>(), 104);
+        assert_eq!(std::mem::size_of::<MatmulArgs>(), 168);
+        assert_eq!(std::mem::size_of::<RopeKvArgs>(), 120);
         assert_eq!(std::mem::size_of::<AttentionArgs>(), 96);
         assert_eq!(std::mem::size_of::<MergeArgs>(), 40);
         assert_eq!(std::mem::size_of::<DigestArgs>(), 48);

@@ -53,7 +53,7 @@ pub use storage::{device_identity, DeviceStorage};
 
 use super::{validate_step, Backend, Logits, SeqStep, StepError, StepLimits};
 use crate::kv::{PageLayout, Pool, StepView};
-use crate::model::{Matrix, Model};
+use crate::model::{Activation, Matrix, Model, RopeStyle};
 use crate::quant::{ActivationFormat, GgmlType};
 use device::Geometry;
 use launch::*;
@@ -98,6 +98,8 @@ const DEVICE_TYPES: [GgmlType; 11] = GgmlType::ALL;
 /// A weight matrix on the device.
 struct DeviceMatrix {
     buffer: DeviceBuffer,
+    /// Added to each product (qwen2's Q, K and V).
+    bias: Option<DeviceBuffer>,
     ty: GgmlType,
     rows: u32,
     row_bytes: u32,
@@ -111,10 +113,25 @@ impl DeviceMatrix {
     ) -> Result<Self, DeviceError> {
         Ok(DeviceMatrix {
             buffer: DeviceBuffer::from_bytes(device, model.bytes(matrix))?,
+            bias: None,
             ty: matrix.ty(),
             rows: matrix.rows as u32,
             row_bytes: matrix.row_bytes() as u32,
         })
+    }
+
+    /// This matrix with `bias` (one value a row) added to its products.
+    fn with_bias(
+        mut self,
+        device: &Arc<dyn Device>,
+        bias: Option<&Vec<f32>>,
+    ) -> Result<Self, DeviceError> {
+        self.bias = bias.map(|b| floats(device, b)).transpose()?;
+        Ok(self)
+    }
+
+    fn bytes(&self) -> u64 {
+        self.buffer.bytes() + self.bias.as_ref().map_or(0, DeviceBuffer::bytes)
     }
 
     fn format(&self) -> ActivationFormat {
@@ -126,6 +143,7 @@ impl DeviceMatrix {
         MatSeg {
             w: self.buffer.at(0),
             out,
+            bias: self.bias.as_ref().map_or(0, |b| b.at(0)),
             ty: self.ty as u32,
             rows: self.rows,
             row_bytes: self.row_bytes,
@@ -145,6 +163,8 @@ struct DeviceLayer {
     wk: DeviceMatrix,
     wv: DeviceMatrix,
     wo: DeviceMatrix,
+    /// RMSNorm gains of each Q head and each K head (qwen3).
+    qk_norm: Option<[DeviceBuffer; 2]>,
     ffn_norm: DeviceBuffer,
     w_gate: DeviceMatrix,
     w_up: DeviceMatrix,
@@ -156,20 +176,22 @@ struct Weights {
     output_norm: DeviceBuffer,
     output: DeviceMatrix,
     layers: Vec<DeviceLayer>,
+    /// Llama 3's divisors of each RoPE pair's frequency.
+    rope_factors: Option<DeviceBuffer>,
 }
 
 /// Per-step device buffers, allocated once for the largest step.
 struct Scratch {
     x: DeviceBuffer,      // f32 [tokens][d] residual stream
-    xn: DeviceBuffer,     // f32 [tokens][max(d, ffn)] normalised (or copied) input of a product
-    q: DeviceBuffer,      // f32 [tokens][d]
-    k: DeviceBuffer,      // f32 [tokens][kv_len]
-    v: DeviceBuffer,      // f32 [tokens][kv_len]
-    attn: DeviceBuffer,   // f32 [tokens][d]
-    ffn: DeviceBuffer,    // f32 [tokens][ffn] silu(gate) * up
-    qs: DeviceBuffer,     // i8 [tokens][max(d, ffn)]
-    qd: DeviceBuffer,     // f32 [tokens][max(d, ffn) / 32]
-    sums: DeviceBuffer,   // i32 [tokens][max(d, ffn) / 16]
+    xn: DeviceBuffer, // f32 [tokens][max(d, q_len, ffn)] normalised (or copied) input of a product
+    q: DeviceBuffer,  // f32 [tokens][q_len]
+    k: DeviceBuffer,  // f32 [tokens][kv_len]
+    v: DeviceBuffer,  // f32 [tokens][kv_len]
+    attn: DeviceBuffer, // f32 [tokens][q_len]
+    ffn: DeviceBuffer, // f32 [tokens][ffn] silu(gate) * up
+    qs: DeviceBuffer, // i8 [tokens][max(d, q_len, ffn)]
+    qd: DeviceBuffer, // f32 [tokens][max(d, q_len, ffn) / 32]
+    sums: DeviceBuffer, // i32 [tokens][max(d, q_len, ffn) / 16]
     logits: DeviceBuffer, // f32 [seqs][vocab]
 }
 
@@ -212,18 +234,32 @@ pub fn attention_rows(head_dim: u32, group: u32, shared_max: u32) -> Option<u32>
     None
 }
 
-/// Whether these kernels run `model`, without a device: the plain llama
-/// blueprint, every matrix of a type in [`DEVICE_TYPES`], gate and up taking
-/// one activation format, widths of whole 32-blocks. `Err` says what they
-/// lack (a placement of `auto` then chooses the CPU; `cuda` refuses).
+/// Whether these kernels run `model`, without a device: the llama blueprint
+/// with the options they have (RoPE on adjacent pairs or halves, linear
+/// scaling and Llama 3's frequency table; Q/K/V biases; per-head Q/K norms;
+/// any attention scale), every matrix of a type in [`DEVICE_TYPES`], gate and
+/// up taking one activation format, widths of whole 32-blocks. `Err` says
+/// what they lack (a placement of `auto` then chooses the CPU; `cuda` refuses).
 pub fn runs(model: &Model) -> Result<(), String> {
     let c = &model.config;
-    if !c.is_plain_llama() {
+    let lacks: Vec<&str> = [
+        (c.embedding_scale != 1.0, "an embedding scale"),
+        (c.activation != Activation::Silu, "a GELU gate"),
+        (c.post_norms, "post-attention and post-FFN norms"),
+        (
+            c.attention_softcap.is_some() || c.final_softcap.is_some(),
+            "logit soft-capping",
+        ),
+        (c.sliding_window.is_some(), "sliding-window layers"),
+    ]
+    .into_iter()
+    .filter_map(|(needed, what)| needed.then_some(what))
+    .collect();
+    if !lacks.is_empty() {
         return Err(format!(
-            "these kernels run the plain llama blueprint; this {} model needs {}",
+            "this {} model needs {}, which these kernels do not have",
             c.architecture.name(),
-            "options they do not have (RoPE pairing or scaling, biases, head norms, GELU, \
-             post-norms, soft caps or sliding windows)"
+            lacks.join(", ")
         ));
     }
     for matrix in model.matrices() {
@@ -284,10 +320,17 @@ impl CudaBackend {
                 .map(|w| {
                     Ok(DeviceLayer {
                         attn_norm: floats(&device, &w.attn_norm)?,
-                        wq: DeviceMatrix::upload(&device, &model, &w.wq)?,
-                        wk: DeviceMatrix::upload(&device, &model, &w.wk)?,
-                        wv: DeviceMatrix::upload(&device, &model, &w.wv)?,
+                        wq: DeviceMatrix::upload(&device, &model, &w.wq)?
+                            .with_bias(&device, w.qkv_bias.as_ref().map(|b| &b[0]))?,
+                        wk: DeviceMatrix::upload(&device, &model, &w.wk)?
+                            .with_bias(&device, w.qkv_bias.as_ref().map(|b| &b[1]))?,
+                        wv: DeviceMatrix::upload(&device, &model, &w.wv)?
+                            .with_bias(&device, w.qkv_bias.as_ref().map(|b| &b[2]))?,
                         wo: DeviceMatrix::upload(&device, &model, &w.wo)?,
+                        qk_norm: match &w.qk_norm {
+                            Some([q, k]) => Some([floats(&device, q)?, floats(&device, k)?]),
+                            None => None,
+                        },
                         ffn_norm: floats(&device, &w.ffn_norm)?,
                         w_gate: DeviceMatrix::upload(&device, &model, &w.w_gate)?,
                         w_up: DeviceMatrix::upload(&device, &model, &w.w_up)?,
@@ -295,26 +338,32 @@ impl CudaBackend {
                     })
                 })
                 .collect::<Result<Vec<_>, DeviceError>>()?,
+            rope_factors: c
+                .rope_freq_factors
+                .as_ref()
+                .map(|f| floats(&device, f))
+                .transpose()?,
         };
         let (t, s) = (
             options.step_tokens_max.max(1) as u64,
             options.step_seqs_max.max(1) as u64,
         );
-        let (d, kv, ffn, vocab) = (
+        let (d, q_len, kv, ffn, vocab) = (
             c.embedding_len as u64,
+            c.q_len() as u64,
             c.kv_len() as u64,
             c.ffn_len as u64,
             c.vocab_len as u64,
         );
-        let wide = d.max(ffn);
+        let wide = d.max(q_len).max(ffn);
         let zeroed = |bytes: u64| DeviceBuffer::zeroed(&device, bytes);
         let scratch = Scratch {
             x: zeroed(4 * t * d)?,
             xn: zeroed(4 * t * wide)?,
-            q: zeroed(4 * t * d)?,
+            q: zeroed(4 * t * q_len)?,
             k: zeroed(4 * t * kv)?,
             v: zeroed(4 * t * kv)?,
-            attn: zeroed(4 * t * d)?,
+            attn: zeroed(4 * t * q_len)?,
             ffn: zeroed(4 * t * ffn)?,
             qs: zeroed(t * wide)?,
             qd: zeroed(4 * t * wide / 32)?,
@@ -355,15 +404,21 @@ impl CudaBackend {
         let matrices = |l: &DeviceLayer| {
             [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
                 .iter()
-                .map(|m| m.buffer.bytes())
+                .map(|m| m.bytes())
                 .sum::<u64>()
                 + l.attn_norm.bytes()
                 + l.ffn_norm.bytes()
+                + l.qk_norm
+                    .iter()
+                    .flatten()
+                    .map(DeviceBuffer::bytes)
+                    .sum::<u64>()
         };
         let s = &self.scratch;
-        w.embed.buffer.bytes()
-            + w.output.buffer.bytes()
+        w.embed.bytes()
+            + w.output.bytes()
             + w.output_norm.bytes()
+            + w.rope_factors.as_ref().map_or(0, DeviceBuffer::bytes)
             + w.layers.iter().map(matrices).sum::<u64>()
             + [
                 &s.x, &s.xn, &s.q, &s.k, &s.v, &s.attn, &s.ffn, &s.qs, &s.qd, &s.sums, &s.logits,
@@ -564,7 +619,12 @@ impl CudaBackend {
         let step = self.step.as_ref().expect("made before the forward pass");
         let word = |at: u64| step.buffer.at(at * WORD);
         let sl = &step.layout;
-        let (d, kv, ffn) = (c.embedding_len as u32, c.kv_len() as u32, c.ffn_len as u32);
+        let (d, q_len, kv, ffn) = (
+            c.embedding_len as u32,
+            c.q_len() as u32,
+            c.kv_len() as u32,
+            c.ffn_len as u32,
+        );
         let t = counts.tokens;
         let geometry = layout.geometry();
         let kv_f16 = u32::from(geometry.kv_type == crate::kv::KvType::F16);
@@ -588,7 +648,7 @@ impl CudaBackend {
                 s.x.at(0),
                 Some(&lw.attn_norm),
                 &[
-                    (&lw.wq, s.q.at(0), d),
+                    (&lw.wq, s.q.at(0), q_len),
                     (&lw.wk, s.k.at(0), kv),
                     (&lw.wv, s.v.at(0), kv),
                 ],
@@ -596,6 +656,29 @@ impl CudaBackend {
                 t,
                 mode::STORE,
             )?;
+            if let Some([gq, gk]) = &lw.qk_norm {
+                // Each head of Q and of K normalised in place, as its own row.
+                let head_dim = c.head_dim as u32;
+                for (x, heads, gain) in [
+                    (&s.q, c.heads_count as u32, gq),
+                    (&s.k, c.kv_heads_count as u32, gk),
+                ] {
+                    let args = NormArgs {
+                        x: x.at(0),
+                        gather: 0,
+                        gain: gain.at(0),
+                        out: x.at(0),
+                        qs: 0,
+                        d: 0,
+                        sums: 0,
+                        width: head_dim,
+                        block_len: 32,
+                        eps: c.rms_eps,
+                        unused: 0,
+                    };
+                    self.launch(t * heads, NORM_BLOCK, 0, &args)?;
+                }
+            }
             self.launch(
                 t,
                 ROW_BLOCK,
@@ -609,6 +692,7 @@ impl CudaBackend {
                     positions: word(sl.positions),
                     seq_pages: word(sl.seq_pages),
                     pages: word(sl.pages),
+                    freq_factors: w.rope_factors.as_ref().map_or(0, |f| f.at(0)),
                     heads: c.heads_count as u32,
                     kv_heads: c.kv_heads_count as u32,
                     head_dim: c.head_dim as u32,
@@ -618,6 +702,8 @@ impl CudaBackend {
                     page_tokens: geometry.page_tokens,
                     kv_f16,
                     rope_base: c.rope_base,
+                    rope_scale: c.rope_freq_scale,
+                    halves: u32::from(c.rope_style == RopeStyle::Halves),
                     unused: 0,
                 },
             )?;
@@ -643,7 +729,7 @@ impl CudaBackend {
                     kv_f16,
                     rows_max,
                     tile: ATTENTION_TILE,
-                    scale: 1.0 / (c.head_dim as f32).sqrt(),
+                    scale: c.attention_scale,
                 },
             )?;
             self.launch(
@@ -664,7 +750,7 @@ impl CudaBackend {
                 s.attn.at(0),
                 None,
                 &[(&lw.wo, s.x.at(0), d)],
-                d,
+                q_len,
                 t,
                 mode::ADD,
             )?;

@@ -535,6 +535,7 @@ fn matrix_products_of_every_weight_type_match_the_scalar_reference() {
             seg[0] = MatSeg {
                 w: w_dev.at(0),
                 out: out.at(0),
+                bias: 0,
                 ty: ty as u32,
                 rows: rows as u32,
                 row_bytes: row_bytes as u32,
@@ -789,22 +790,84 @@ fn the_backend_matches_the_cpu_backend_on_q5_and_bf16_weights() {
 }
 
 #[test]
-fn only_plain_llama_models_in_device_types_run_and_the_rest_say_why() {
+fn the_backend_matches_the_cpu_backend_on_llama_3_qwen_and_phi_3_options() {
+    use crate::model::Architecture;
+    let cases = [
+        // Llama 3's frequency table and linear RoPE scaling.
+        (
+            "llama 3 rope",
+            TinySpec {
+                seed: 31,
+                rope_freqs: true,
+                rope_linear: Some(4.0),
+                rope_base: 500_000.0,
+                ..TinySpec::default()
+            },
+        ),
+        // RoPE on halves and Q/K/V biases.
+        (
+            "qwen2",
+            TinySpec {
+                seed: 32,
+                architecture: Architecture::Qwen2,
+                ..TinySpec::default()
+            },
+        ),
+        // Per-head Q/K norms, and heads wider than d / heads (q_len > d).
+        (
+            "qwen3",
+            TinySpec {
+                seed: 33,
+                architecture: Architecture::Qwen3,
+                head_dim: Some(32),
+                ..TinySpec::default()
+            },
+        ),
+        (
+            "phi3",
+            TinySpec {
+                seed: 34,
+                architecture: Architecture::Phi3,
+                ..TinySpec::default()
+            },
+        ),
+    ];
+    for (name, spec) in cases {
+        eprintln!("{name}:");
+        assert_eq!(super::runs(&tiny_model(&spec)), Ok(()), "{name}");
+        compare_with_cpu(&spec, KvType::F16, 16, &[9, 3], 4, false, 1e-4);
+    }
+}
+
+#[test]
+fn models_needing_what_the_kernels_lack_are_refused_saying_what() {
     use crate::model::Architecture;
     // What `auto` asks before choosing the GPU (no device involved).
     assert_eq!(super::runs(&tiny_model(&TinySpec::default())), Ok(()));
-    for architecture in [
-        Architecture::Qwen2,
-        Architecture::Gemma,
-        Architecture::Gemma2,
-        Architecture::Phi3,
+    for (architecture, lacks) in [
+        (Architecture::Gemma, "an embedding scale, a GELU gate"),
+        (Architecture::Gemma2, "post-attention and post-FFN norms"),
     ] {
         let model = tiny_model(&TinySpec {
             architecture,
             ..TinySpec::default()
         });
         let why = super::runs(&model).expect_err(architecture.name());
-        assert!(why.contains(architecture.name()), "{why}");
+        assert!(
+            why.contains(architecture.name()) && why.contains(lacks),
+            "{why}"
+        );
+        // And `cuda` refuses it before anything is uploaded.
+        let result = CudaBackend::new(
+            model,
+            emulator(1),
+            CudaOptions {
+                step_tokens_max: 64,
+                step_seqs_max: 4,
+                graphs: false,
+            },
+        );
+        assert!(matches!(result, Err(super::CudaError::Unsupported(_))));
     }
 }
 
