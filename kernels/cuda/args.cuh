@@ -20,7 +20,7 @@
 #define TYPE_Q6_K 14u
 #define TYPE_BF16 30u
 
-// Rows of embedding: out[t] = dequantize(table[tokens[t]]).
+// Rows of embedding: out[t] = dequantize(table[tokens[t]]) * scale.
 // Grid (tokens), block 128.
 struct EmbedArgs {
     uint64_t table;   // [rows][row_bytes] in `type` blocks
@@ -30,11 +30,15 @@ struct EmbedArgs {
     uint32_t width;
     uint32_t row_bytes;
     uint32_t rows;  // a token at or past this writes zeros (the host refuses such a step first)
+    float scale;    // 1, or Gemma's sqrt(width)
+    uint32_t unused;
 };
 
 // RMSNorm of rows and their quantization for a matrix product:
 //   out[r]  = x[src] / rms(x[src]) * gain       (src = gather[r], or r without gather;
-//                                                x[src] itself when gain is 0)
+//                                                x[src] itself when gain is 0;
+//                                                added to out[r] where `accumulate`:
+//                                                a post-norm into the residual)
 //   qs[r], d[r], sums[r] = out[r] as Q8 blocks of `block_len` (when qs is not 0):
 //     d = amax / 127, q = round_ties_even(x / d) in -127..=127, sums of 16 quants.
 // Grid (rows), block 256.
@@ -49,7 +53,7 @@ struct NormArgs {
     uint32_t width;
     uint32_t block_len;  // 32 (Q8_1, for Q4_0, Q4_1, Q8_0 weights) or 256 (Q8_K, for K-quants)
     float eps;
-    uint32_t unused;
+    uint32_t accumulate;  // 1: out[r] += the normalised row (no quantization then)
 };
 
 // One weight matrix of a product, and where its outputs go.
@@ -61,16 +65,19 @@ struct MatSeg {
     uint32_t rows;
     uint32_t row_bytes;
     uint32_t out_stride;
+    float cap;     // > 0: each product (STORE) soft-capped, cap * tanh(value / cap)
+    uint32_t unused;
 };
 
 #define MATMUL_SEGS_MAX 3
 #define MATMUL_STORE 0u
 #define MATMUL_ADD 1u
 #define MATMUL_SWIGLU 2u
+#define MATMUL_GEGLU 3u
 
 // out[t][r] = W[r] . x[t] for up to three matrices sharing one input (Q, K
 // and V), or, in SWIGLU mode, seg[0].out[t][r] = silu(G[r] . x[t]) * (U[r] . x[t])
-// with G = seg[0], U = seg[1]. Quantized weights take x as Q8 (qs, d, sums;
+// with G = seg[0], U = seg[1] (GEGLU: GELU's tanh form for silu). Quantized weights take x as Q8 (qs, d, sums;
 // NormArgs), F16 and F32 weights take it as f32 (x). ADD accumulates into out
 // (the residual stream). One warp a row: grid (ceil(rows / 4)), block 128.
 struct MatmulArgs {
@@ -153,7 +160,9 @@ struct AttentionArgs {
     uint32_t kv_f16;
     uint32_t rows_max;  // query rows (queries times group) one item may hold
     uint32_t tile;      // KV positions per tile
-    float scale;        // 1 / sqrt(head_dim)
+    float scale;        // the model's, 1 / sqrt(head_dim) but where a file says otherwise
+    uint32_t window;    // > 0: a query sees only the last `window` positions, its own included
+    float softcap;      // > 0: scores soft-capped, cap * tanh(score / cap)
 };
 
 // Folds the partials of one decode token's KV head, in slot order, into its

@@ -129,10 +129,13 @@ KERNEL(attention, AttentionArgs) {
             uint32_t r = e / tile, j = e % tile;
             uint32_t query_pos = item.pos0 + r / group;
             float score = NEG_INF;
-            if (j < n && first + j <= query_pos) {
+            uint32_t p = first + j;
+            bool seen = p <= query_pos && (a.window == 0 || p + a.window > query_pos);
+            if (j < n && seen) {
                 float dot = 0.0f;
                 for (uint32_t i = 0; i < hd; i++) dot += qs[r * hd + i] * ks[j * hd + i];
                 score = dot * a.scale;
+                if (a.softcap > 0.0f) score = soft_cap(score, a.softcap);
             }
             ps[e] = score;
         }

@@ -189,3 +189,9 @@ __device__ __forceinline__ uint32_t load_u32(const uint8_t* p) {
 }
 
 __device__ __forceinline__ float load_f16(const uint8_t* p) { return f16_to_f32(uint16_t(load_u16(p))); }
+
+// cap * tanh(value / cap), as the CPU computes it: cap (1 - 2 / (1 + e^(2y))).
+__device__ __forceinline__ float soft_cap(float value, float cap) {
+    float y = mul_rn(value, 1.0f / cap);
+    return mul_rn(cap, 1.0f - 2.0f / (1.0f + expf(2.0f * y)));
+}

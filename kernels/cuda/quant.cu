@@ -132,7 +132,8 @@ KERNEL(embed, EmbedArgs) {
     float* out = reinterpret_cast<float*>(a.out) + uint64_t(blockIdx.x) * a.width;
     const uint8_t* row = reinterpret_cast<const uint8_t*>(a.table) + uint64_t(token) * a.row_bytes;
     for (uint32_t i = threadIdx.x; i < a.width; i += blockDim.x) {
-        out[i] = token < a.rows ? dequantize_one(a.type, row, i) : 0.0f;
+        float value = token < a.rows ? dequantize_one(a.type, row, i) : 0.0f;
+        out[i] = a.scale == 1.0f ? value : value * a.scale;
     }
 }
 
@@ -163,7 +164,7 @@ KERNEL(rms_norm, NormArgs) {
         bool in_range = i < a.width;
         float value = in_range ? x[i] : 0.0f;
         if (gain && in_range) value = mul_rn(value, inv) * gain[i];
-        if (in_range) out[i] = value;
+        if (in_range) out[i] = a.accumulate ? out[i] + value : value;
         if (!a.qs) continue;
         // A Q8 block is a warp (32) or the whole 256-thread block (256).
         float amax = fabsf(value);
@@ -376,10 +377,17 @@ __device__ __forceinline__ void row_products(const MatSeg& seg, uint32_t row, co
     }
 }
 
+// GELU by its tanh form, as the CPU computes it: x * sigmoid(2z),
+// 2z = 2 sqrt(2 / pi) (x + 0.044715 x^3).
+__device__ __forceinline__ float gelu_tanh(float x) {
+    float two_z = mul_rn(mul_rn(1.595769f, x), 1.0f + mul_rn(mul_rn(0.044715f, x), x));
+    return x / (1.0f + expf(-two_z));
+}
+
 KERNEL(matmul, MatmulArgs) {
     uint32_t lane = threadIdx.x % WARP_SIZE;
     uint32_t row = blockIdx.x * MATMUL_WARPS + threadIdx.x / WARP_SIZE;
-    bool swiglu = a.mode == MATMUL_SWIGLU;
+    bool swiglu = a.mode == MATMUL_SWIGLU || a.mode == MATMUL_GEGLU;
     // The segment holding this warp's row (SWIGLU: a row of the gate and the same row of up).
     uint32_t s = 0;
     if (!swiglu) {
@@ -402,10 +410,12 @@ KERNEL(matmul, MatmulArgs) {
             float value = warp_sum(acc[j]);
             if (swiglu) {
                 float u = warp_sum(up[j]);
-                value = value / (1.0f + expf(-value)) * u;
+                value = a.mode == MATMUL_SWIGLU ? value / (1.0f + expf(-value)) * u
+                                                : gelu_tanh(value) * u;
             }
             if (lane != 0) continue;
             if (seg.bias) value += reinterpret_cast<const float*>(seg.bias)[row];
+            if (seg.cap > 0.0f) value = soft_cap(value, seg.cap);
             float* dst = out + uint64_t(t0 + j) * seg.out_stride + row;
             *dst = a.mode == MATMUL_ADD ? *dst + value : value;
         }

@@ -9,9 +9,9 @@
 //! cuda   the CUDA backend on device 0; a start-up error naming what is
 //!        missing (the driver, a device, NVRTC) where it cannot run
 //! auto   cuda when a driver, a device and NVRTC are all present and the
-//!        CUDA kernels run the model (llama, qwen2, qwen3 and phi3 files in
-//!        any type; not yet Gemma's GELU, post-norms, soft caps or sliding
-//!        windows), else cpu; the log and the admin /readyz say which, and why
+//!        CUDA kernels run the model (every family and weight type the CPU
+//!        runs, but gate and up matrices quantized for different activation
+//!        formats), else cpu; the log and the admin /readyz say which, and why
 //! ```
 //!
 //! The machine is probed once per process (the driver loaded by name, no
@@ -209,12 +209,23 @@ mod tests {
             memory_bytes: 140 << 30,
         };
         let machine = Ok(gpu.clone());
-        let lacks = || Err("this gemma2 model needs GELU".to_string());
+        let lacks = || {
+            Err(
+                "layer 0: ffn_gate (Q4_K) and ffn_up (Q5_0) take activations in different formats"
+                    .to_string(),
+            )
+        };
         let (placement, why) = decide(BackendChoice::Auto, &machine, lacks).unwrap();
         assert_eq!(placement, Placement::Cpu);
-        assert!(why.contains("H200") && why.ends_with("needs GELU"), "{why}");
+        assert!(
+            why.contains("H200") && why.ends_with("different formats"),
+            "{why}"
+        );
         let refused = decide(BackendChoice::Cuda, &machine, lacks).unwrap_err();
-        assert!(refused.to_string().contains("needs GELU"), "{refused}");
+        assert!(
+            refused.to_string().contains("different formats"),
+            "{refused}"
+        );
         let (placement, _) = decide(BackendChoice::Auto, &machine, || Ok(())).unwrap();
         assert_eq!(placement, Placement::Cuda(gpu));
         // Without a GPU the model is never asked about.

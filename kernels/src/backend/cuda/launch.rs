@@ -63,6 +63,8 @@ pub mod mode {
     pub const ADD: u32 = 1;
     /// `out = silu(G . x) * (U . x)`.
     pub const SWIGLU: u32 = 2;
+    /// `out = gelu(G . x) * (U . x)`, GELU's tanh form.
+    pub const GEGLU: u32 = 3;
 }
 
 args! {
@@ -75,6 +77,8 @@ args! {
         width: u32,
         row_bytes: u32,
         rows: u32,
+        scale: f32,
+        unused: u32,
     }
 }
 
@@ -91,7 +95,7 @@ args! {
         width: u32,
         block_len: u32,
         eps: f32,
-        unused: u32,
+        accumulate: u32,
     }
 }
 
@@ -113,8 +117,12 @@ pub struct MatSeg {
     pub row_bytes: u32,
     /// Floats between tokens' output rows.
     pub out_stride: u32,
+    /// > 0: each product (STORE) soft-capped at this.
+    pub cap: f32,
+    /// Padding.
+    pub unused: u32,
 }
-const _: () = assert!(std::mem::size_of::<MatSeg>() == 40);
+const _: () = assert!(std::mem::size_of::<MatSeg>() == 48);
 
 args! {
     /// Up to three matrix products over one input, or a SwiGLU pair.
@@ -201,6 +209,8 @@ args! {
         rows_max: u32,
         tile: u32,
         scale: f32,
+        window: u32,
+        softcap: f32,
     }
 }
 
@@ -275,11 +285,11 @@ mod tests {
 
     #[test]
     fn argument_structs_have_the_sizes_args_cuh_declares() {
-        assert_eq!(std::mem::size_of::<EmbedArgs>(), 40);
+        assert_eq!(std::mem::size_of::<EmbedArgs>(), 48);
         assert_eq!(std::mem::size_of::<NormArgs>(), 72);
-        assert_eq!(std::mem::size_of::<MatmulArgs>(), 168);
+        assert_eq!(std::mem::size_of::<MatmulArgs>(), 192);
         assert_eq!(std::mem::size_of::<RopeKvArgs>(), 120);
-        assert_eq!(std::mem::size_of::<AttentionArgs>(), 96);
+        assert_eq!(std::mem::size_of::<AttentionArgs>(), 104);
         assert_eq!(std::mem::size_of::<MergeArgs>(), 40);
         assert_eq!(std::mem::size_of::<DigestArgs>(), 48);
     }
@@ -294,9 +304,11 @@ mod tests {
             width: 576,
             row_bytes: 360,
             rows: 49152,
+            scale: 1.0,
+            unused: 0,
         };
         let bytes = args.bytes();
-        assert_eq!(bytes.len(), 40);
+        assert_eq!(bytes.len(), 48);
         assert_eq!(&bytes[..8], &0x0102_0304_0506_0708u64.to_le_bytes());
         assert_eq!(&bytes[24..28], &3u32.to_le_bytes());
         assert_eq!(&bytes[36..40], &49152u32.to_le_bytes());

@@ -144,6 +144,8 @@ impl DeviceMatrix {
             w: self.buffer.at(0),
             out,
             bias: self.bias.as_ref().map_or(0, |b| b.at(0)),
+            cap: 0.0,
+            unused: 0,
             ty: self.ty as u32,
             rows: self.rows,
             row_bytes: self.row_bytes,
@@ -163,8 +165,10 @@ struct DeviceLayer {
     wk: DeviceMatrix,
     wv: DeviceMatrix,
     wo: DeviceMatrix,
-    /// RMSNorm gains of each Q head and each K head (qwen3).
+    /// RMSNorm gains of each Q head and each K head (qwen3, gemma3).
     qk_norm: Option<[DeviceBuffer; 2]>,
+    /// RMSNorm gains of attention's and the FFN's outputs (gemma2, gemma3).
+    post_norms: Option<[DeviceBuffer; 2]>,
     ffn_norm: DeviceBuffer,
     w_gate: DeviceMatrix,
     w_up: DeviceMatrix,
@@ -180,19 +184,33 @@ struct Weights {
     rope_factors: Option<DeviceBuffer>,
 }
 
-/// Per-step device buffers, allocated once for the largest step.
+/// Per-step device buffers, allocated once for the largest step (`wide`:
+/// max(d, q_len, ffn)).
 struct Scratch {
-    x: DeviceBuffer,      // f32 [tokens][d] residual stream
-    xn: DeviceBuffer, // f32 [tokens][max(d, q_len, ffn)] normalised (or copied) input of a product
-    q: DeviceBuffer,  // f32 [tokens][q_len]
-    k: DeviceBuffer,  // f32 [tokens][kv_len]
-    v: DeviceBuffer,  // f32 [tokens][kv_len]
-    attn: DeviceBuffer, // f32 [tokens][q_len]
-    ffn: DeviceBuffer, // f32 [tokens][ffn] silu(gate) * up
-    qs: DeviceBuffer, // i8 [tokens][max(d, q_len, ffn)]
-    qd: DeviceBuffer, // f32 [tokens][max(d, q_len, ffn) / 32]
-    sums: DeviceBuffer, // i32 [tokens][max(d, q_len, ffn) / 16]
-    logits: DeviceBuffer, // f32 [seqs][vocab]
+    /// f32 `[tokens][d]`: the residual stream.
+    x: DeviceBuffer,
+    /// f32 `[tokens][wide]`: the normalised (or copied) input of a product.
+    xn: DeviceBuffer,
+    /// f32 `[tokens][q_len]`.
+    q: DeviceBuffer,
+    /// f32 `[tokens][kv_len]`.
+    k: DeviceBuffer,
+    /// f32 `[tokens][kv_len]`.
+    v: DeviceBuffer,
+    /// f32 `[tokens][q_len]`: attention's output.
+    attn: DeviceBuffer,
+    /// f32 `[tokens][ffn]`: act(gate) * up.
+    ffn: DeviceBuffer,
+    /// f32 `[tokens][d]`: a block's output before its post-norm (gemma2, gemma3).
+    delta: Option<DeviceBuffer>,
+    /// i8 `[tokens][wide]`: quantized activations.
+    qs: DeviceBuffer,
+    /// f32 `[tokens][wide / 32]`: their scales.
+    qd: DeviceBuffer,
+    /// i32 `[tokens][wide / 16]`: sums of 16 quants.
+    sums: DeviceBuffer,
+    /// f32 `[seqs][vocab]`.
+    logits: DeviceBuffer,
 }
 
 /// The device side of the step buffer and its layout, made at the first step.
@@ -234,34 +252,13 @@ pub fn attention_rows(head_dim: u32, group: u32, shared_max: u32) -> Option<u32>
     None
 }
 
-/// Whether these kernels run `model`, without a device: the llama blueprint
-/// with the options they have (RoPE on adjacent pairs or halves, linear
-/// scaling and Llama 3's frequency table; Q/K/V biases; per-head Q/K norms;
-/// any attention scale), every matrix of a type in [`DEVICE_TYPES`], gate and
-/// up taking one activation format, widths of whole 32-blocks. `Err` says
-/// what they lack (a placement of `auto` then chooses the CPU; `cuda` refuses).
+/// Whether these kernels run `model`, without a device: every family of the
+/// blueprint (its options are the kernels' too), every matrix of a type in
+/// [`DEVICE_TYPES`], gate and up taking one activation format, widths of whole
+/// 32-blocks. `Err` says what they lack (a placement of `auto` then chooses
+/// the CPU; `cuda` refuses).
 pub fn runs(model: &Model) -> Result<(), String> {
     let c = &model.config;
-    let lacks: Vec<&str> = [
-        (c.embedding_scale != 1.0, "an embedding scale"),
-        (c.activation != Activation::Silu, "a GELU gate"),
-        (c.post_norms, "post-attention and post-FFN norms"),
-        (
-            c.attention_softcap.is_some() || c.final_softcap.is_some(),
-            "logit soft-capping",
-        ),
-        (c.sliding_window.is_some(), "sliding-window layers"),
-    ]
-    .into_iter()
-    .filter_map(|(needed, what)| needed.then_some(what))
-    .collect();
-    if !lacks.is_empty() {
-        return Err(format!(
-            "this {} model needs {}, which these kernels do not have",
-            c.architecture.name(),
-            lacks.join(", ")
-        ));
-    }
     for matrix in model.matrices() {
         if !DEVICE_TYPES.contains(&matrix.ty()) {
             return Err(format!(
@@ -331,6 +328,10 @@ impl CudaBackend {
                             Some([q, k]) => Some([floats(&device, q)?, floats(&device, k)?]),
                             None => None,
                         },
+                        post_norms: match (&w.attn_post_norm, &w.ffn_post_norm) {
+                            (Some(a), Some(f)) => Some([floats(&device, a)?, floats(&device, f)?]),
+                            _ => None,
+                        },
                         ffn_norm: floats(&device, &w.ffn_norm)?,
                         w_gate: DeviceMatrix::upload(&device, &model, &w.w_gate)?,
                         w_up: DeviceMatrix::upload(&device, &model, &w.w_up)?,
@@ -365,6 +366,10 @@ impl CudaBackend {
             v: zeroed(4 * t * kv)?,
             attn: zeroed(4 * t * q_len)?,
             ffn: zeroed(4 * t * ffn)?,
+            delta: match c.post_norms {
+                true => Some(zeroed(4 * t * d)?),
+                false => None,
+            },
             qs: zeroed(t * wide)?,
             qd: zeroed(4 * t * wide / 32)?,
             sums: zeroed(4 * t * wide / 16)?,
@@ -410,6 +415,7 @@ impl CudaBackend {
                 + l.ffn_norm.bytes()
                 + l.qk_norm
                     .iter()
+                    .chain(&l.post_norms)
                     .flatten()
                     .map(DeviceBuffer::bytes)
                     .sum::<u64>()
@@ -426,6 +432,7 @@ impl CudaBackend {
             .iter()
             .map(|b| b.bytes())
             .sum::<u64>()
+            + s.delta.as_ref().map_or(0, DeviceBuffer::bytes)
             + self
                 .step
                 .as_ref()
@@ -554,7 +561,7 @@ impl CudaBackend {
             width,
             block_len: block_len.max(32),
             eps: self.model.config.rms_eps,
-            unused: 0,
+            accumulate: 0,
         };
         self.launch(rows, NORM_BLOCK, 0, &args)
     }
@@ -563,7 +570,7 @@ impl CudaBackend {
         let s = &self.scratch;
         let mut seg = [MatSeg::default(); MATMUL_SEGS_MAX];
         seg[..segs.len()].copy_from_slice(segs);
-        let rows: u32 = if mode == mode::SWIGLU {
+        let rows: u32 = if mode == mode::SWIGLU || mode == mode::GEGLU {
             segs[0].rows
         } else {
             segs.iter().map(|s| s.rows).sum()
@@ -641,6 +648,8 @@ impl CudaBackend {
                 width: d,
                 row_bytes: w.embed.row_bytes,
                 rows: w.embed.rows,
+                scale: c.embedding_scale,
+                unused: 0,
             },
         )?;
         for (layer, lw) in w.layers.iter().enumerate() {
@@ -656,6 +665,13 @@ impl CudaBackend {
                 t,
                 mode::STORE,
             )?;
+            // A local layer (a sliding window) has its own RoPE base and scale.
+            let local = c.sliding_window.as_ref().filter(|w| w.local[layer]);
+            let window = local.map(|w| w.window);
+            let (rope_base, rope_scale) = match local {
+                Some(w) => (w.rope_base, w.rope_freq_scale),
+                None => (c.rope_base, c.rope_freq_scale),
+            };
             if let Some([gq, gk]) = &lw.qk_norm {
                 // Each head of Q and of K normalised in place, as its own row.
                 let head_dim = c.head_dim as u32;
@@ -674,7 +690,7 @@ impl CudaBackend {
                         width: head_dim,
                         block_len: 32,
                         eps: c.rms_eps,
-                        unused: 0,
+                        accumulate: 0,
                     };
                     self.launch(t * heads, NORM_BLOCK, 0, &args)?;
                 }
@@ -701,8 +717,8 @@ impl CudaBackend {
                     pages_count: geometry.pages_count,
                     page_tokens: geometry.page_tokens,
                     kv_f16,
-                    rope_base: c.rope_base,
-                    rope_scale: c.rope_freq_scale,
+                    rope_base,
+                    rope_scale,
                     halves: u32::from(c.rope_style == RopeStyle::Halves),
                     unused: 0,
                 },
@@ -730,6 +746,8 @@ impl CudaBackend {
                     rows_max,
                     tile: ATTENTION_TILE,
                     scale: c.attention_scale,
+                    window: window.unwrap_or(0) as u32,
+                    softcap: c.attention_softcap.unwrap_or(0.0),
                 },
             )?;
             self.launch(
@@ -746,30 +764,21 @@ impl CudaBackend {
                     unused: 0,
                 },
             )?;
-            self.products(
-                s.attn.at(0),
-                None,
-                &[(&lw.wo, s.x.at(0), d)],
-                q_len,
-                t,
-                mode::ADD,
-            )?;
+            let post_norms = lw.post_norms.as_ref();
+            self.block_output(&lw.wo, s.attn.at(0), q_len, t, post_norms.map(|p| &p[0]))?;
+            let gated = match c.activation {
+                Activation::Silu => mode::SWIGLU,
+                Activation::GeluTanh => mode::GEGLU,
+            };
             self.products(
                 s.x.at(0),
                 Some(&lw.ffn_norm),
                 &[(&lw.w_gate, s.ffn.at(0), ffn), (&lw.w_up, 0, ffn)],
                 d,
                 t,
-                mode::SWIGLU,
+                gated,
             )?;
-            self.products(
-                s.ffn.at(0),
-                None,
-                &[(&lw.w_down, s.x.at(0), d)],
-                ffn,
-                t,
-                mode::ADD,
-            )?;
+            self.block_output(&lw.w_down, s.ffn.at(0), ffn, t, post_norms.map(|p| &p[1]))?;
         }
         let vocab = c.vocab_len as u32;
         self.norm(
@@ -780,12 +789,50 @@ impl CudaBackend {
             word(sl.gather),
             w.output.format(),
         )?;
-        self.matmul(
-            &[w.output.seg(s.logits.at(0), vocab)],
-            d,
-            counts.wanted,
+        let mut head = w.output.seg(s.logits.at(0), vocab);
+        head.cap = c.final_softcap.unwrap_or(0.0);
+        self.matmul(&[head], d, counts.wanted, mode::STORE)
+    }
+
+    /// A block's output matrix (attention's `wo`, the FFN's `w_down`) on
+    /// `input` (`k` wide), into the residual stream: added to it, or where the
+    /// model has post-norms, stored, then normalised with `post_norm` and
+    /// added by one more launch.
+    fn block_output(
+        &self,
+        matrix: &DeviceMatrix,
+        input: u64,
+        k: u32,
+        tokens: u32,
+        post_norm: Option<&DeviceBuffer>,
+    ) -> Result<(), DeviceError> {
+        let s = &self.scratch;
+        let d = self.model.config.embedding_len as u32;
+        let (Some(gain), Some(delta)) = (post_norm, &s.delta) else {
+            return self.products(input, None, &[(matrix, s.x.at(0), d)], k, tokens, mode::ADD);
+        };
+        self.products(
+            input,
+            None,
+            &[(matrix, delta.at(0), d)],
+            k,
+            tokens,
             mode::STORE,
-        )
+        )?;
+        let args = NormArgs {
+            x: delta.at(0),
+            gather: 0,
+            gain: gain.at(0),
+            out: s.x.at(0),
+            qs: 0,
+            d: 0,
+            sums: 0,
+            width: d,
+            block_len: 32,
+            eps: self.model.config.rms_eps,
+            accumulate: 1,
+        };
+        self.launch(tokens, NORM_BLOCK, 0, &args)
     }
 
     fn device_error(error: DeviceError) -> StepError {

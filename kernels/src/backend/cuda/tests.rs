@@ -379,6 +379,8 @@ fn embedding_rows_are_the_hosts_dequantization_bit_for_bit() {
                 width: width as u32,
                 row_bytes: row_bytes as u32,
                 rows: rows as u32,
+                scale: 1.0,
+                unused: 0,
             },
         );
         let got = read_floats(&out, tokens.len() * width);
@@ -439,7 +441,7 @@ fn quantize_on_device(
             width: k as u32,
             block_len,
             eps: 1e-5,
-            unused: 0,
+            accumulate: 0,
         },
     );
     acts
@@ -536,6 +538,8 @@ fn matrix_products_of_every_weight_type_match_the_scalar_reference() {
                 w: w_dev.at(0),
                 out: out.at(0),
                 bias: 0,
+                cap: 0.0,
+                unused: 0,
                 ty: ty as u32,
                 rows: rows as u32,
                 row_bytes: row_bytes as u32,
@@ -840,35 +844,64 @@ fn the_backend_matches_the_cpu_backend_on_llama_3_qwen_and_phi_3_options() {
 }
 
 #[test]
-fn models_needing_what_the_kernels_lack_are_refused_saying_what() {
+fn the_backend_matches_the_cpu_backend_on_gemma_options() {
     use crate::model::Architecture;
-    // What `auto` asks before choosing the GPU (no device involved).
-    assert_eq!(super::runs(&tiny_model(&TinySpec::default())), Ok(()));
-    for (architecture, lacks) in [
-        (Architecture::Gemma, "an embedding scale, a GELU gate"),
-        (Architecture::Gemma2, "post-attention and post-FFN norms"),
-    ] {
-        let model = tiny_model(&TinySpec {
-            architecture,
-            ..TinySpec::default()
-        });
-        let why = super::runs(&model).expect_err(architecture.name());
-        assert!(
-            why.contains(architecture.name()) && why.contains(lacks),
-            "{why}"
-        );
-        // And `cuda` refuses it before anything is uploaded.
-        let result = CudaBackend::new(
-            model,
-            emulator(1),
-            CudaOptions {
-                step_tokens_max: 64,
-                step_seqs_max: 4,
-                graphs: false,
+    let cases = [
+        // The embedding scale and the GELU gate.
+        (
+            "gemma",
+            TinySpec {
+                seed: 41,
+                architecture: Architecture::Gemma,
+                ..TinySpec::default()
             },
-        );
-        assert!(matches!(result, Err(super::CudaError::Unsupported(_))));
+        ),
+        // Post-norms, attention and final soft caps, and a window of 6 on
+        // every other layer: prompts of 9 and a decode past them cross it.
+        (
+            "gemma2",
+            TinySpec {
+                seed: 42,
+                architecture: Architecture::Gemma2,
+                sliding_window: Some((6, 2)),
+                softcaps: (Some(1.5), Some(3.0)),
+                ..TinySpec::default()
+            },
+        ),
+        // Q/K norms, and the local layers' own RoPE base (10,000 against
+        // the global layers' 1,000,000, as in Gemma 3's files).
+        (
+            "gemma3",
+            TinySpec {
+                seed: 43,
+                architecture: Architecture::Gemma3,
+                sliding_window: Some((5, 2)),
+                rope_base: 1_000_000.0,
+                ..TinySpec::default()
+            },
+        ),
+    ];
+    for (name, spec) in cases {
+        eprintln!("{name}:");
+        assert_eq!(super::runs(&tiny_model(&spec)), Ok(()), "{name}");
+        compare_with_cpu(&spec, KvType::F16, 4, &[9, 3], 5, false, 1e-4);
     }
+}
+
+#[test]
+fn a_window_reaching_back_past_a_split_decode_span_is_merged_as_the_cpu_does() {
+    // Decode attention split into spans, the older ones wholly outside a
+    // local layer's window: their partials see nothing and must weigh nothing.
+    let spec = TinySpec {
+        seed: 44,
+        layers: 2,
+        context_len: 1024,
+        architecture: crate::model::Architecture::Gemma2,
+        sliding_window: Some((40, 2)),
+        ..TinySpec::default()
+    };
+    let prompt = 2 * SPLIT_POSITIONS as usize + 30;
+    compare_with_cpu(&spec, KvType::F16, 16, &[prompt, 4], 3, true, 1e-4);
 }
 
 #[test]
