@@ -74,10 +74,14 @@ struct MatSeg {
 #define MATMUL_ADD 1u
 #define MATMUL_SWIGLU 2u
 #define MATMUL_GEGLU 3u
+#define MATMUL_SILU_MUL 4u
+#define MATMUL_GELU_MUL 5u
 
 // out[t][r] = W[r] . x[t] for up to three matrices sharing one input (Q, K
 // and V), or, in SWIGLU mode, seg[0].out[t][r] = silu(G[r] . x[t]) * (U[r] . x[t])
-// with G = seg[0], U = seg[1] (GEGLU: GELU's tanh form for silu). Quantized weights take x as Q8 (qs, d, sums;
+// with G = seg[0], U = seg[1] (GEGLU: GELU's tanh form for silu). Where G and
+// U take different activations, G is STOREd first and U's launch gates it:
+// SILU_MUL, out[t][r] = silu(out[t][r]) * (U[r] . x[t]) (GELU_MUL likewise). Quantized weights take x as Q8 (qs, d, sums;
 // NormArgs), F16 and F32 weights take it as f32 (x). ADD accumulates into out
 // (the residual stream). One warp a row: grid (ceil(rows / 4)), block 128.
 struct MatmulArgs {

@@ -417,7 +417,12 @@ KERNEL(matmul, MatmulArgs) {
             if (seg.bias) value += reinterpret_cast<const float*>(seg.bias)[row];
             if (seg.cap > 0.0f) value = soft_cap(value, seg.cap);
             float* dst = out + uint64_t(t0 + j) * seg.out_stride + row;
-            *dst = a.mode == MATMUL_ADD ? *dst + value : value;
+            switch (a.mode) {
+                case MATMUL_ADD: *dst = *dst + value; break;
+                case MATMUL_SILU_MUL: *dst = *dst / (1.0f + expf(-*dst)) * value; break;
+                case MATMUL_GELU_MUL: *dst = gelu_tanh(*dst) * value; break;
+                default: *dst = value; break;
+            }
         }
     }
 }

@@ -31,6 +31,9 @@ pub struct TinySpec {
     pub context_len: u32,
     /// Type of the block matrices.
     pub matrix_type: GgmlType,
+    /// Type of `ffn_up` where it is not `matrix_type` (a file whose gate and
+    /// up take activations in different formats).
+    pub ffn_up_type: Option<GgmlType>,
     /// Type of the embedding.
     pub embedding_type: GgmlType,
     /// Write a separate output head instead of tying it to the embedding.
@@ -70,6 +73,7 @@ impl Default for TinySpec {
             ffn_len: 96,
             context_len: 256,
             matrix_type: GgmlType::Q4_1,
+            ffn_up_type: None,
             embedding_type: GgmlType::Q8_0,
             separate_output: false,
             extra_tokens: 0,
@@ -260,7 +264,12 @@ pub fn tiny_llama(spec: &TinySpec) -> Vec<u8> {
             tensor(&name("ffn_up"), &[d, 2 * ffn], m, proj);
         } else {
             tensor(&name("ffn_gate"), &[d, ffn], m, proj);
-            tensor(&name("ffn_up"), &[d, ffn], m, proj);
+            tensor(
+                &name("ffn_up"),
+                &[d, ffn],
+                spec.ffn_up_type.unwrap_or(m),
+                proj,
+            );
         }
         tensor(&name("ffn_down"), &[ffn, d], m, 1.0 / (ffn as f32).sqrt());
         if post_norms {

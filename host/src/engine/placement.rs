@@ -10,8 +10,8 @@
 //!        missing (the driver, a device, NVRTC) where it cannot run
 //! auto   cuda when a driver, a device and NVRTC are all present and the
 //!        CUDA kernels run the model (every family and weight type the CPU
-//!        runs, but gate and up matrices quantized for different activation
-//!        formats), else cpu; the log and the admin /readyz say which, and why
+//!        runs, in widths of whole 32-blocks), else cpu; the log and the
+//!        admin /readyz say which, and why
 //! ```
 //!
 //! The machine is probed once per process (the driver loaded by name, no
@@ -210,22 +210,13 @@ mod tests {
         };
         let machine = Ok(gpu.clone());
         let lacks = || {
-            Err(
-                "layer 0: ffn_gate (Q4_K) and ffn_up (Q5_0) take activations in different formats"
-                    .to_string(),
-            )
+            Err("widths (d, q_len, ffn: [100, 100, 300]) that are not whole 32-blocks".to_string())
         };
         let (placement, why) = decide(BackendChoice::Auto, &machine, lacks).unwrap();
         assert_eq!(placement, Placement::Cpu);
-        assert!(
-            why.contains("H200") && why.ends_with("different formats"),
-            "{why}"
-        );
+        assert!(why.contains("H200") && why.ends_with("32-blocks"), "{why}");
         let refused = decide(BackendChoice::Cuda, &machine, lacks).unwrap_err();
-        assert!(
-            refused.to_string().contains("different formats"),
-            "{refused}"
-        );
+        assert!(refused.to_string().contains("32-blocks"), "{refused}");
         let (placement, _) = decide(BackendChoice::Auto, &machine, || Ok(())).unwrap();
         assert_eq!(placement, Placement::Cuda(gpu));
         // Without a GPU the model is never asked about.

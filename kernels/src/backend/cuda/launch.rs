@@ -65,6 +65,10 @@ pub mod mode {
     pub const SWIGLU: u32 = 2;
     /// `out = gelu(G . x) * (U . x)`, GELU's tanh form.
     pub const GEGLU: u32 = 3;
+    /// `out = silu(out) * (W . x)`: up gating a gate stored before.
+    pub const SILU_MUL: u32 = 4;
+    /// `out = gelu(out) * (W . x)`.
+    pub const GELU_MUL: u32 = 5;
 }
 
 args! {

@@ -253,10 +253,10 @@ pub fn attention_rows(head_dim: u32, group: u32, shared_max: u32) -> Option<u32>
 }
 
 /// Whether these kernels run `model`, without a device: every family of the
-/// blueprint (its options are the kernels' too), every matrix of a type in
-/// [`DEVICE_TYPES`], gate and up taking one activation format, widths of whole
-/// 32-blocks. `Err` says what they lack (a placement of `auto` then chooses
-/// the CPU; `cuda` refuses).
+/// blueprint (its options are the kernels' too), so what is left to check is
+/// every matrix of a type in [`DEVICE_TYPES`] and widths of whole 32-blocks.
+/// `Err` says what they lack (a placement of `auto` then chooses the CPU;
+/// `cuda` refuses).
 pub fn runs(model: &Model) -> Result<(), String> {
     let c = &model.config;
     for matrix in model.matrices() {
@@ -269,18 +269,11 @@ pub fn runs(model: &Model) -> Result<(), String> {
             ));
         }
     }
-    for (i, layer) in model.layers.iter().enumerate() {
-        let (gate, up) = (layer.w_gate.ty(), layer.w_up.ty());
-        if ActivationFormat::for_weights(gate) != ActivationFormat::for_weights(up) {
-            return Err(format!(
-                "layer {i}: ffn_gate ({}) and ffn_up ({}) take activations in different formats",
-                gate.name(),
-                up.name()
-            ));
-        }
-    }
-    if !c.embedding_len.is_multiple_of(32) || !c.ffn_len.is_multiple_of(32) {
-        return Err("widths that are not whole 32-blocks".to_string());
+    let widths = [c.embedding_len, c.q_len(), c.ffn_len];
+    if widths.iter().any(|w| !w.is_multiple_of(32)) {
+        return Err(format!(
+            "widths (d, q_len, ffn: {widths:?}) that are not whole 32-blocks"
+        ));
     }
     Ok(())
 }
@@ -766,18 +759,20 @@ impl CudaBackend {
             )?;
             let post_norms = lw.post_norms.as_ref();
             self.block_output(&lw.wo, s.attn.at(0), q_len, t, post_norms.map(|p| &p[0]))?;
-            let gated = match c.activation {
-                Activation::Silu => mode::SWIGLU,
-                Activation::GeluTanh => mode::GEGLU,
+            let (fused, gating) = match c.activation {
+                Activation::Silu => (mode::SWIGLU, mode::SILU_MUL),
+                Activation::GeluTanh => (mode::GEGLU, mode::GELU_MUL),
             };
-            self.products(
-                s.x.at(0),
-                Some(&lw.ffn_norm),
-                &[(&lw.w_gate, s.ffn.at(0), ffn), (&lw.w_up, 0, ffn)],
-                d,
-                t,
-                gated,
-            )?;
+            let ffn_norm = Some(&lw.ffn_norm);
+            if lw.w_gate.format() == lw.w_up.format() {
+                let pair = [(&lw.w_gate, s.ffn.at(0), ffn), (&lw.w_up, 0, ffn)];
+                self.products(s.x.at(0), ffn_norm, &pair, d, t, fused)?;
+            } else {
+                // Two quantizations: the gate stored, then gated by up.
+                let (gate, up) = ((&lw.w_gate, s.ffn.at(0), ffn), (&lw.w_up, s.ffn.at(0), ffn));
+                self.products(s.x.at(0), ffn_norm, &[gate], d, t, mode::STORE)?;
+                self.products(s.x.at(0), ffn_norm, &[up], d, t, gating)?;
+            }
             self.block_output(&lw.w_down, s.ffn.at(0), ffn, t, post_norms.map(|p| &p[1]))?;
         }
         let vocab = c.vocab_len as u32;
