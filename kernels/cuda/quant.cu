@@ -219,39 +219,26 @@ __device__ __forceinline__ Unit decode_unit(uint32_t type, const uint8_t* row, u
     unit.per_256 = false;
     switch (type) {
         case TYPE_Q4_0:
-        case TYPE_Q4_1: {
-            bool q4_0 = type == TYPE_Q4_0;
-            const uint8_t* block = row + u * (q4_0 ? 18 : 20);
-            const uint8_t* qs = block + (q4_0 ? 2 : 4);
-            for (int i = 0; i < 4; i++) {
-                uint32_t bytes = load_u32_aligned2(qs + 4 * i);
-                unit.q[i] = nibbles(bytes, 0);
-                unit.q[i + 4] = nibbles(bytes, 4);
-            }
-            unit.scale_lo = unit.scale_hi = load_f16(block);
-            if (q4_0) {
-                unit.offset = 8;
-            } else {
-                unit.min = load_f16(block + 2);
-            }
-            break;
-        }
+        case TYPE_Q4_1:
         case TYPE_Q5_0:
         case TYPE_Q5_1: {
-            bool q5_0 = type == TYPE_Q5_0;
-            const uint8_t* block = row + u * (q5_0 ? 22 : 24);
-            const uint8_t* qs = block + (q5_0 ? 6 : 8);
-            uint32_t qh = load_u32_aligned2(block + (q5_0 ? 2 : 4));
+            // d, then m (Q4_1, Q5_1), then 32 fifth bits (Q5_0, Q5_1), then
+            // 16 bytes of nibbles: weights 0..16 low, 16..32 high.
+            bool has_min = type == TYPE_Q4_1 || type == TYPE_Q5_1;
+            bool five = type == TYPE_Q5_0 || type == TYPE_Q5_1;
+            uint32_t qh_at = has_min ? 4 : 2, qs_at = qh_at + (five ? 4 : 0);
+            const uint8_t* block = row + u * (qs_at + 16);
+            uint32_t qh = five ? load_u32_aligned2(block + qh_at) : 0;
             for (int i = 0; i < 4; i++) {
-                uint32_t bytes = load_u32_aligned2(qs + 4 * i);
+                uint32_t bytes = load_u32_aligned2(block + qs_at + 4 * i);
                 unit.q[i] = nibbles(bytes, 0) | fifth_bits(qh >> (4 * i));
                 unit.q[i + 4] = nibbles(bytes, 4) | fifth_bits(qh >> (16 + 4 * i));
             }
             unit.scale_lo = unit.scale_hi = load_f16(block);
-            if (q5_0) {
-                unit.offset = 16;
-            } else {
+            if (has_min) {
                 unit.min = load_f16(block + 2);
+            } else {
+                unit.offset = five ? 16 : 8;
             }
             break;
         }
