@@ -6,7 +6,10 @@
 //!
 //! 1. the device-to-device copy bandwidth (bytes read plus written per second);
 //! 2. CPU-versus-CUDA agreement on both models: the worst relative logit
-//!    error and greedy-token agreement over a few hundred decode tokens;
+//!    error and greedy-token agreement over a few hundred decode tokens; and
+//!    on tiny models of the other families' options and weight types (Llama
+//!    3's RoPE table with Q5_K/Q5_0/BF16 matrices, qwen2, qwen3, gemma2 with
+//!    a sliding window and soft caps, gemma3), with graphs;
 //! 3. a released page reading back scrubbed, and a stale, foreign-pool or
 //!    cross-tenant page-table entry refused before any launch;
 //! 4. prefill tokens/s at 512 and 4096 positions;
@@ -79,6 +82,70 @@ fn copy_bandwidth(device: &Arc<dyn Device>, bytes: u64, rounds: usize) -> f64 {
     2.0 * bytes as f64 / best
 }
 
+/// Tiny models of each family's options the CUDA kernels run beyond plain
+/// llama, and of the weight types the SmolLM2-shaped model does not use.
+fn families() -> Vec<(&'static str, TinySpec)> {
+    use bulkhead_kernels::model::Architecture;
+    let k_shape = TinySpec {
+        embedding_len: 256,
+        heads: 4,
+        kv_heads: 1,
+        ffn_len: 512,
+        ..TinySpec::default()
+    };
+    vec![
+        (
+            "tiny llama 3 (RoPE table, Q5_K, Q5_0 up, BF16 head)",
+            TinySpec {
+                seed: 51,
+                rope_freqs: true,
+                rope_base: 500_000.0,
+                matrix_type: GgmlType::Q5_K,
+                ffn_up_type: Some(GgmlType::Q5_0),
+                embedding_type: GgmlType::BF16,
+                ..k_shape.clone()
+            },
+        ),
+        (
+            "tiny qwen2 (biases, RoPE on halves)",
+            TinySpec {
+                seed: 52,
+                architecture: Architecture::Qwen2,
+                ..TinySpec::default()
+            },
+        ),
+        (
+            "tiny qwen3 (head norms, q wider than d)",
+            TinySpec {
+                seed: 53,
+                architecture: Architecture::Qwen3,
+                head_dim: Some(32),
+                ..TinySpec::default()
+            },
+        ),
+        (
+            "tiny gemma2 (GELU, post-norms, soft caps, window 6)",
+            TinySpec {
+                seed: 54,
+                architecture: Architecture::Gemma2,
+                sliding_window: Some((6, 2)),
+                softcaps: (Some(1.5), Some(3.0)),
+                ..TinySpec::default()
+            },
+        ),
+        (
+            "tiny gemma3 (head norms, local RoPE base, window 5)",
+            TinySpec {
+                seed: 55,
+                architecture: Architecture::Gemma3,
+                sliding_window: Some((5, 2)),
+                rope_base: 1_000_000.0,
+                ..TinySpec::default()
+            },
+        ),
+    ]
+}
+
 fn agreement_rows(
     rows: &mut Vec<Row>,
     name: &str,
@@ -86,8 +153,9 @@ fn agreement_rows(
     device: &Arc<dyn Device>,
     prompts: &[usize],
     decode: usize,
+    modes: &[bool],
 ) {
-    for graphs in [false, true] {
+    for &graphs in modes {
         let run = AgreementRun {
             kv_type: KvType::F16,
             page_tokens: 16,
@@ -279,7 +347,20 @@ fn main() -> ExitCode {
         &device,
         &[5, 40, 1],
         plan.tiny_decode,
+        &[false, true],
     );
+    for (name, spec) in families() {
+        let model = model_of(&spec);
+        agreement_rows(
+            &mut rows,
+            name,
+            &model,
+            &device,
+            &[5, 40, 1],
+            plan.tiny_decode,
+            &[true],
+        );
+    }
     let model = match &plan.big {
         Some((spec, decode)) => {
             let model = model_of(spec);
@@ -294,6 +375,7 @@ fn main() -> ExitCode {
                 &device,
                 &[40, 300],
                 *decode,
+                &[false, true],
             );
             model
         }
