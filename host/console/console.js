@@ -349,11 +349,17 @@ async function overviewPage(slot) {
       h('td', { class: 'num' }, fmtInt(p.queued)),
       h('td', { class: 'num' }, fmtInt(p.running)));
   });
-  const alarmRows = stats.alarms.slice(0, 10).map((a) => h('tr', { class: 'alarm' },
+  // The newest ten, and the newest of each kind they leave out: a flood of
+  // one kind (a plugin tripping again and again) hides no blocked canary.
+  const shownAlarms = stats.alarms.slice(0, 10);
+  for (const a of stats.alarms) {
+    if (!shownAlarms.some((s) => s.kind === a.kind)) shownAlarms.push(a);
+  }
+  const alarmRows = shownAlarms.map((a) => h('tr', { class: 'alarm' },
     h('td', { class: 'when' }, fmtTime(a.at_ms)), h('td', {}, ALARMS[a.kind] || a.kind), h('td', {}, a.subject), h('td', { class: 'detail' }, a.detail)));
   const alarms = section('Isolation alarms',
     alarmRows.length
-      ? [h('p', { class: 'error' }, `${fmtInt(stats.alarms_total)} since this server started; the newest:`),
+      ? [h('p', { class: 'error' }, `${fmtInt(stats.alarms_total)} since this server started; the newest, and the newest of each kind:`),
         table(['When', 'What', 'Concerning', 'Details'], alarmRows, { 'data-testid': 'alarms' })]
       : h('p', { class: 'muted', 'data-testid': 'alarms' }, 'None since this server started: no canary blocked, no engine panic, no plugin disabled or tripped by its faults.'),
     h('p', { class: 'muted' }, 'The audit log keeps every one: ',

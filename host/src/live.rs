@@ -13,13 +13,15 @@
 //! token; a bucket older than [`WINDOW_BUCKETS`] is dropped as time moves on,
 //! so memory is bounded by models x buckets whatever the traffic. Alarms (a
 //! blocked canary, an engine panic, a plugin disabled or tripped by its
-//! faults) keep the latest [`ALARMS_KEPT`]; the audit log holds them all.
+//! faults) keep the latest [`ALARMS_KEPT`] of each kind, so a tenant whose
+//! plugin trips again and again cannot push a blocked canary out of the
+//! operator's view; the audit log holds them all.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
 use std::time::Duration;
 
-/// Alarms kept in memory, newest first.
+/// Alarms kept in memory of each kind, newest first.
 pub const ALARMS_KEPT: usize = 100;
 
 /// Something an operator must look at. Content-free: names and counts.
@@ -110,9 +112,12 @@ impl Series {
 /// The recorder: one per process, as the metrics recorder is.
 pub struct Recent {
     series: Mutex<Series>,
-    /// Newest first, at most [`ALARMS_KEPT`], and how many since start.
-    alarms: Mutex<(VecDeque<Alarm>, u64)>,
+    alarms: Mutex<Alarms>,
 }
+
+/// Per kind, newest first, at most [`ALARMS_KEPT`], each with its number
+/// since start; and how many since start.
+type Alarms = (BTreeMap<&'static str, VecDeque<(u64, Alarm)>>, u64);
 
 static RECENT: Recent = Recent::new();
 
@@ -127,7 +132,7 @@ impl Recent {
             series: Mutex::new(Series {
                 models: BTreeMap::new(),
             }),
-            alarms: Mutex::new((VecDeque::new(), 0)),
+            alarms: Mutex::new((BTreeMap::new(), 0)),
         }
     }
 
@@ -173,15 +178,21 @@ impl Recent {
             detail,
         };
         let mut alarms = self.alarms.lock().unwrap_or_else(|p| p.into_inner());
-        alarms.0.push_front(alarm);
-        alarms.0.truncate(ALARMS_KEPT);
+        let number = alarms.1;
         alarms.1 += 1;
+        let ring = alarms.0.entry(kind).or_default();
+        ring.push_front((number, alarm));
+        ring.truncate(ALARMS_KEPT);
     }
 
-    /// The latest alarms, newest first, and how many were raised since start.
+    /// The latest alarms of every kind, newest first, and how many were
+    /// raised since start.
     pub fn alarms(&self) -> (Vec<Alarm>, u64) {
         let alarms = self.alarms.lock().unwrap_or_else(|p| p.into_inner());
-        (alarms.0.iter().cloned().collect(), alarms.1)
+        let mut kept: Vec<&(u64, Alarm)> = alarms.0.values().flatten().collect();
+        kept.sort_by_key(|(number, _)| std::cmp::Reverse(*number));
+        let kept = kept.into_iter().map(|(_, alarm)| alarm.clone()).collect();
+        (kept, alarms.1)
     }
 
     /// Forgets a model (unloaded): its series ends with it.
@@ -259,6 +270,24 @@ mod tests {
         assert_eq!((kept.len(), total), (ALARMS_KEPT, ALARMS_KEPT as u64 + 5));
         assert_eq!(kept[0].detail, format!("n={}", ALARMS_KEPT + 4));
         assert_eq!(kept[ALARMS_KEPT - 1].detail, "n=5");
+    }
+
+    #[test]
+    fn a_flood_of_one_kind_of_alarm_hides_no_other() {
+        let recent = Recent::new();
+        recent.alarm("canary", "alpha", "blocked".into());
+        for i in 0..3 * ALARMS_KEPT {
+            recent.alarm("plugin_tripped", "mallory", format!("n={i}"));
+        }
+        let (kept, total) = recent.alarms();
+        assert_eq!(total, 3 * ALARMS_KEPT as u64 + 1);
+        assert_eq!(kept.len(), ALARMS_KEPT + 1);
+        let canaries: Vec<&Alarm> = kept.iter().filter(|a| a.kind == "canary").collect();
+        assert_eq!(canaries.len(), 1);
+        assert_eq!(canaries[0].subject, "alpha");
+        // Newest first across kinds.
+        assert!(kept.windows(2).all(|w| w[0].at_ms >= w[1].at_ms));
+        assert_eq!(kept[0].detail, format!("n={}", 3 * ALARMS_KEPT - 1));
     }
 
     #[test]

@@ -927,7 +927,8 @@ pub struct StatsView {
     /// Per model, in id order.
     pub models: Vec<ModelStatsView>,
     /// The latest isolation alarms on this server, newest first (at most
-    /// 100; the audit log keeps every one).
+    /// 100 of each kind, so a flood of one kind hides no other; the audit
+    /// log keeps every one).
     pub alarms: Vec<crate::live::Alarm>,
     /// Alarms raised since this server started.
     pub alarms_total: u64,
