@@ -248,29 +248,18 @@ __device__ __forceinline__ Unit decode_unit(uint32_t type, const uint8_t* row, u
             unit.scale_lo = unit.scale_hi = load_f16(block);
             break;
         }
-        case TYPE_Q4_K: {
-            const uint8_t* block = row + (u / 8) * 144;
-            uint32_t j = u % 8;
-            const uint8_t* qs = block + 16 + (j / 2) * 32;
-            for (int i = 0; i < 8; i++) {
-                unit.q[i] = nibbles(load_u32_aligned2(qs + 4 * i), 4 * int(j % 2));
-            }
-            int scale, min;
-            scale_min_k4(j, block + 4, &scale, &min);
-            unit.scale_lo = unit.scale_hi = load_f16(block) * float(scale);
-            unit.min = -(load_f16(block + 2) * float(min));
-            unit.per_256 = true;
-            break;
-        }
+        case TYPE_Q4_K:
         case TYPE_Q5_K: {
-            // Q4_K's layout with 32 bytes of fifth bits before the nibbles:
-            // sub-block j's are bit j of each.
-            const uint8_t* block = row + (u / 8) * 176;
+            // d, dmin, 12 bytes of 6-bit scales and mins, then (Q5_K) 32
+            // bytes of fifth bits, sub-block j's being bit j of each, then
+            // the nibbles: sub-blocks 2c and 2c + 1 in the low and high
+            // nibbles of 32 bytes.
+            bool five = type == TYPE_Q5_K;
+            const uint8_t* block = row + (u / 8) * (five ? 176 : 144);
             uint32_t j = u % 8;
-            const uint8_t* qh = block + 16;
-            const uint8_t* qs = block + 48 + (j / 2) * 32;
+            const uint8_t* qs = block + (five ? 48 : 16) + (j / 2) * 32;
             for (int i = 0; i < 8; i++) {
-                uint32_t high = (load_u32_aligned2(qh + 4 * i) >> j) & 0x01010101u;
+                uint32_t high = five ? (load_u32_aligned2(block + 16 + 4 * i) >> j) & 0x01010101u : 0;
                 unit.q[i] = nibbles(load_u32_aligned2(qs + 4 * i), 4 * int(j % 2)) | int(high << 4);
             }
             int scale, min;
