@@ -114,7 +114,11 @@ KERNEL(attention, AttentionArgs) {
                             reinterpret_cast<const uint32_t*>(a.seq_pages)[item.seq];
     // Positions the last query may see: up to its own.
     uint32_t end = umin32(item.p1, item.pos0 + (item.t1 - item.t0));
-    for (uint32_t first = item.p0; first < end; first += tile) {
+    // And from the first query's window on, in a local layer: pages before
+    // it are not read (a split wholly before it reads nothing, weighs nothing).
+    uint32_t start = item.p0;
+    if (a.window != 0 && item.pos0 + 1 > a.window) start = umax32(start, item.pos0 + 1 - a.window);
+    for (uint32_t first = start; first < end; first += tile) {
         uint32_t n = umin32(tile, end - first);
         __syncthreads();  // the previous tile's k, v and p are no longer read
         for (uint32_t e = threadIdx.x; e < n * hd; e += blockDim.x) {

@@ -178,6 +178,7 @@ struct __align__(16) Int4 {
 };
 
 __device__ __forceinline__ uint32_t umin32(uint32_t a, uint32_t b) { return a < b ? a : b; }
+__device__ __forceinline__ uint32_t umax32(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
 // Little-endian loads from byte addresses of any alignment.
 __device__ __forceinline__ uint32_t load_u16(const uint8_t* p) {

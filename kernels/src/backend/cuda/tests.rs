@@ -934,6 +934,102 @@ fn a_window_reaching_back_past_a_split_decode_span_is_merged_as_the_cpu_does() {
 }
 
 #[test]
+fn a_local_layer_reads_no_position_before_its_window() {
+    // Every layer local (period 0), a window of 20: after a prompt of 100,
+    // the next token (position 100) sees 81..=100. Positions 0..=80 are then
+    // overwritten with NaN through the page book, and that token's logits
+    // must be what they were without, on the CPU and the device alike: an
+    // attention that read those positions and only masked them would sum
+    // 0 × NaN (and on a device, spend a global layer's bandwidth).
+    let (prompt, window) = (100usize, 20usize);
+    let spec = TinySpec {
+        seed: 52,
+        context_len: 256,
+        architecture: crate::model::Architecture::Gemma2,
+        sliding_window: Some((window as u32, 0)),
+        ..TinySpec::default()
+    };
+    let model = tiny_model(&spec);
+    assert!(model
+        .config
+        .sliding_window
+        .as_ref()
+        .unwrap()
+        .local
+        .iter()
+        .all(|l| *l));
+    let device = emulator(spec.seed);
+    let page_tokens = 16u32;
+    let per_seq = (prompt as u32 + 1).div_ceil(page_tokens);
+    let kv_dim = model.config.kv_heads_count * model.config.head_dim;
+    let prompt_tokens: Vec<u32> = (0..prompt as u32).map(|t| t * 7 % 50 + 3).collect();
+    let next = [11u32];
+    let run = |on_device: bool, poisoned: bool| -> Vec<f32> {
+        let (mut pool, tables) = pool_with_tables(
+            &model,
+            KvType::F16,
+            page_tokens,
+            1,
+            per_seq,
+            on_device.then_some(&device),
+        );
+        let mut backend: Box<dyn Backend> = if on_device {
+            Box::new(
+                CudaBackend::new(
+                    Arc::clone(&model),
+                    Arc::clone(&device),
+                    CudaOptions {
+                        step_tokens_max: prompt,
+                        step_seqs_max: 1,
+                        graphs: false,
+                    },
+                )
+                .unwrap(),
+            )
+        } else {
+            Box::new(crate::backend::cpu::CpuBackend::new(
+                Arc::clone(&model),
+                crate::backend::cpu::CpuOptions {
+                    threads_count: 1,
+                    step_tokens_max: prompt,
+                    step_seqs_max: 1,
+                    isa: Some(Isa::Scalar),
+                },
+            ))
+        };
+        let table = &tables[0];
+        let step = |tokens, pos_start| SeqStep {
+            pages: table,
+            pos_start,
+            tokens,
+            wants_logits: true,
+        };
+        backend.step(&[step(&prompt_tokens, 0)], &mut pool).unwrap();
+        if poisoned {
+            let nan = vec![f32::NAN; kv_dim];
+            for p in 0..=(prompt - window) as u32 {
+                let lease = tables[0].lease((p / page_tokens) as usize).unwrap();
+                for layer in 0..model.config.layers_count as u32 {
+                    pool.write_kv(lease, layer, p % page_tokens, &nan, &nan)
+                        .unwrap();
+                }
+            }
+        }
+        let logits = backend.step(&[step(&next[..], prompt)], &mut pool).unwrap();
+        logits.values.to_vec()
+    };
+    for on_device in [false, true] {
+        let clean = run(on_device, false);
+        let poisoned = run(on_device, true);
+        assert!(clean.iter().all(|x| x.is_finite()));
+        assert_eq!(
+            poisoned, clean,
+            "a position before the window was read (device: {on_device})"
+        );
+    }
+}
+
+#[test]
 fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
     // Tiny model: 4 heads over 2 KV heads (group 2), context 1024.
     let spec = TinySpec {
