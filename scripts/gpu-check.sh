@@ -7,9 +7,12 @@
 #
 #   scripts/gpu-check.sh --build     # here: the x86-64 binary into .gpu/ (git-ignored)
 #   scripts/gpu-check.sh [--quick]   # there: run it; --quick is a one-minute smoke test
+#   scripts/gpu-check.sh --only speed   # a rerun of some parts (agreement, isolation, speed)
 #
-# With the project's device tool: carry `.gpu`, run `scripts/gpu-check.sh`;
-# the table is printed last and saved to $OUT/gpu-check.txt when OUT is set.
+# With the project's device tool: carry `.gpu`, run `scripts/gpu-check.sh`.
+# Rows are printed as they are measured and saved to $OUT/gpu-check.txt when
+# OUT is set, so a run cut short still brings back how far it got; a part
+# that panics is a failed row and the rest still runs; the whole table comes last.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

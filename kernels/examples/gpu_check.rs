@@ -19,7 +19,15 @@
 //!
 //! `gpu_check --quick` runs smaller sizes (a smoke test, about a minute);
 //! `gpu_check --dry-run` runs every part on the tiny model on the CPU
-//! emulator (built with the `emulator` feature), to check the check itself.
+//! emulator (built with the `emulator` feature), to check the check itself;
+//! `--only agreement,isolation,speed` runs those parts alone (a rerun of what
+//! failed, on a machine lent for minutes).
+//!
+//! A GPU is lent for minutes, so one run must say as much as it can: each row
+//! is printed as soon as it is measured (a run cut short still shows how far
+//! it got), and a part that panics (a kernel fault, a refused launch, a
+//! non-finite logit) becomes a failed row with its message while the other
+//! parts still run. The table is printed again, whole, at the end.
 //! Exit status: 0 when every check passed, 1 when one failed, 2 without a GPU.
 
 use bulkhead_kernels::backend::cuda::check::{self, AgreementRun};
@@ -29,6 +37,7 @@ use bulkhead_kernels::kv::KvType;
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::quant::GgmlType;
 use bulkhead_kernels::testing::{tiny_llama, TinySpec};
+use std::panic::{self, AssertUnwindSafe};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -39,6 +48,78 @@ struct Row {
     result: String,
     /// Some(true) passed, Some(false) failed, None a measurement with no target.
     pass: Option<bool>,
+}
+
+impl Row {
+    fn line(&self) -> String {
+        let mark = match self.pass {
+            Some(true) => "pass",
+            Some(false) => "FAIL",
+            None => "",
+        };
+        format!("| {} | {} | {} |", self.check, self.result, mark)
+    }
+}
+
+/// A panic's message, fit for one table cell.
+fn stopped(payload: &(dyn std::any::Any + Send)) -> String {
+    let message = payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or("a panic without a message");
+    format!("stopped: {}", message.replace(['\n', '|'], " "))
+}
+
+/// The rows so far: each printed as it comes, and all again by [`Report::table`].
+#[derive(Default)]
+struct Report {
+    rows: Vec<Row>,
+}
+
+impl Report {
+    fn push(&mut self, row: Row) {
+        println!("{}", row.line());
+        self.rows.push(row);
+    }
+
+    /// Measures the row `check`; a panic in it (a kernel fault, a refused
+    /// launch, a non-finite logit) fails the row, with the panic's message,
+    /// and the next row runs.
+    fn row(&mut self, check: String, measure: impl FnOnce() -> (String, Option<bool>)) {
+        let (result, pass) = match panic::catch_unwind(AssertUnwindSafe(measure)) {
+            Ok(measured) => measured,
+            Err(payload) => (stopped(&*payload), Some(false)),
+        };
+        self.push(Row {
+            check,
+            result,
+            pass,
+        });
+    }
+
+    /// The rows of one part, or one failed row `check` where it panics.
+    fn rows(&mut self, check: &str, measure: impl FnOnce() -> Vec<Row>) {
+        match panic::catch_unwind(AssertUnwindSafe(measure)) {
+            Ok(rows) => rows.into_iter().for_each(|row| self.push(row)),
+            Err(payload) => self.push(Row {
+                check: check.to_string(),
+                result: stopped(&*payload),
+                pass: Some(false),
+            }),
+        }
+    }
+
+    /// The whole table; returns how many checks failed.
+    fn table(&self) -> usize {
+        println!();
+        println!("| check | result | |");
+        println!("|---|---|---|");
+        for row in &self.rows {
+            println!("{}", row.line());
+        }
+        self.rows.iter().filter(|r| r.pass == Some(false)).count()
+    }
 }
 
 fn model_of(spec: &TinySpec) -> Arc<Model> {
@@ -147,7 +228,7 @@ fn families() -> Vec<(&'static str, TinySpec)> {
 }
 
 fn agreement_rows(
-    rows: &mut Vec<Row>,
+    report: &mut Report,
     name: &str,
     model: &Arc<Model>,
     device: &Arc<dyn Device>,
@@ -156,25 +237,28 @@ fn agreement_rows(
     modes: &[bool],
 ) {
     for &graphs in modes {
-        let run = AgreementRun {
-            kv_type: KvType::F16,
-            page_tokens: 16,
-            prompts,
-            decode_steps: decode,
-            graphs,
-            cpu_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            cpu_isa: None,
-            seed: 7,
-            tolerance: 1e-3,
-        };
-        let start = Instant::now();
-        let a = check::agreement(model, device, &run);
-        // Greedy tokens may part only at near ties; logits within 1e-2 of the
-        // CPU's largest (a Q8 rounding that flips moves them ~1e-3).
-        let pass = a.greedy_agree + a.near_ties == a.rows && a.worst_relative <= 1e-2;
-        rows.push(Row {
-            check: format!("{name}: CPU vs CUDA{}", if graphs { " (graphs)" } else { "" }),
-            result: format!(
+        let check = format!(
+            "{name}: CPU vs CUDA{}",
+            if graphs { " (graphs)" } else { "" }
+        );
+        report.row(check, || {
+            let run = AgreementRun {
+                kv_type: KvType::F16,
+                page_tokens: 16,
+                prompts,
+                decode_steps: decode,
+                graphs,
+                cpu_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+                cpu_isa: None,
+                seed: 7,
+                tolerance: 1e-3,
+            };
+            let start = Instant::now();
+            let a = check::agreement(model, device, &run);
+            // Greedy tokens may part only at near ties; logits within 1e-2 of the
+            // CPU's largest (a Q8 rounding that flips moves them ~1e-3).
+            let pass = a.greedy_agree + a.near_ties == a.rows && a.worst_relative <= 1e-2;
+            let result = format!(
                 "max rel err {:.2e}; greedy {}/{} agree, {} near ties ({} seqs, {} decode tokens; {:.1} s)",
                 a.worst_relative,
                 a.greedy_agree,
@@ -183,26 +267,37 @@ fn agreement_rows(
                 prompts.len(),
                 decode,
                 start.elapsed().as_secs_f64()
-            ),
-            pass: Some(pass),
+            );
+            (result, Some(pass))
         });
     }
 }
 
 /// The isolation checks of `check::isolation`, as rows.
-fn isolation_rows(rows: &mut Vec<Row>, model: &Arc<Model>, device: &Arc<dyn Device>) {
-    // The cross-tenant check panics on purpose (the page book stops the engine): quietly.
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
+fn isolation_rows(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Row> {
+    // The cross-tenant check panics on purpose (the page book stops the
+    // engine): quietly, and the usual hook back whatever happens.
+    type Hook = Box<dyn Fn(&panic::PanicHookInfo<'_>) + Sync + Send>;
+    struct Restore(Option<Hook>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            if let Some(hook) = self.0.take() {
+                panic::set_hook(hook);
+            }
+        }
+    }
+    let restore = Restore(Some(panic::take_hook()));
+    panic::set_hook(Box::new(|_| {}));
     let outcomes = check::isolation(model, device);
-    std::panic::set_hook(hook);
-    for outcome in outcomes {
-        rows.push(Row {
+    drop(restore);
+    outcomes
+        .into_iter()
+        .map(|outcome| Row {
             check: outcome.name.to_string(),
             result: outcome.detail,
             pass: Some(outcome.pass),
-        });
-    }
+        })
+        .collect()
 }
 
 /// The sizes of one run.
@@ -268,7 +363,7 @@ fn device(args: &[String]) -> Result<Arc<dyn Device>, String> {
 }
 
 fn decode_rows(
-    rows: &mut Vec<Row>,
+    report: &mut Report,
     plan: &Plan,
     model: &Arc<Model>,
     device: &Arc<dyn Device>,
@@ -278,43 +373,72 @@ fn decode_rows(
         for &batch in &plan.batches {
             // Graphs for every batch, and batch 1 without them too.
             for graphs in [true, false].into_iter().filter(|&g| g || batch == 1) {
-                let rate = check::decode_rate(
-                    model,
-                    device,
-                    batch,
-                    depth,
-                    plan.decode_steps,
-                    graphs,
-                    plan.chunk,
+                let check = format!(
+                    "decode batch {batch} depth {depth}{}",
+                    if graphs { "" } else { " (no graphs)" }
                 );
-                let fraction = rate.bytes_per_step as f64 / rate.step_secs / bandwidth;
-                let (pass, target) = match (batch, graphs) {
-                    (1, true) => (
-                        Some(rate.tokens_per_s >= 1500.0),
-                        " [target >= 1500 tokens/s]",
-                    ),
-                    (128, true) => (Some(fraction >= 0.40), " [target >= 40 %]"),
-                    _ => (None, ""),
-                };
-                rows.push(Row {
-                    check: format!("decode batch {batch} depth {depth}{}", if graphs { "" } else { " (no graphs)" }),
-                    result: format!(
+                report.row(check, || {
+                    let rate = check::decode_rate(
+                        model,
+                        device,
+                        batch,
+                        depth,
+                        plan.decode_steps,
+                        graphs,
+                        plan.chunk,
+                    );
+                    let fraction = rate.bytes_per_step as f64 / rate.step_secs / bandwidth;
+                    let (pass, target) = match (batch, graphs) {
+                        (1, true) => (
+                            Some(rate.tokens_per_s >= 1500.0),
+                            " [target >= 1500 tokens/s]",
+                        ),
+                        (128, true) => (Some(fraction >= 0.40), " [target >= 40 %]"),
+                        _ => (None, ""),
+                    };
+                    let result = format!(
                         "{:.0} tokens/s, {:.3} ms/step, {:.1} % of copy bandwidth ({:.1} MB/step){target}",
                         rate.tokens_per_s,
                         rate.step_secs * 1e3,
                         100.0 * fraction,
                         rate.bytes_per_step as f64 / 1e6,
-                    ),
-                    pass,
+                    );
+                    (result, pass)
                 });
             }
         }
     }
 }
 
+/// The parts `--only` names (every part without it).
+const PARTS: [&str; 3] = ["agreement", "isolation", "speed"];
+
+fn parts(args: &[String]) -> Result<Vec<&'static str>, String> {
+    let Some(at) = args.iter().position(|a| a == "--only") else {
+        return Ok(PARTS.to_vec());
+    };
+    let names = args.get(at + 1).ok_or("--only needs a list of parts")?;
+    names
+        .split(',')
+        .map(|name| {
+            PARTS.into_iter().find(|p| *p == name).ok_or(format!(
+                "--only: no part {name:?} (parts: {})",
+                PARTS.join(", ")
+            ))
+        })
+        .collect()
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let plan = Plan::of(&args);
+    let parts = match parts(&args) {
+        Ok(parts) => parts,
+        Err(why) => {
+            eprintln!("gpu-check: {why}");
+            return ExitCode::from(2);
+        }
+    };
     let device = match device(&args) {
         Ok(device) => device,
         Err(why) => {
@@ -324,52 +448,59 @@ fn main() -> ExitCode {
     };
     let started = Instant::now();
     println!(
-        "gpu-check on {} ({} GiB)",
+        "gpu-check on {} ({} GiB): {}",
         device.describe(),
-        device.memory_bytes() >> 30
+        device.memory_bytes() >> 30,
+        parts.join(", ")
     );
-    let mut rows = Vec::new();
-    let bandwidth = copy_bandwidth(&device, plan.copy_bytes, 5);
-    rows.push(Row {
-        check: "device-to-device copy".into(),
-        result: format!(
+    let mut report = Report::default();
+    let mut bandwidth = f64::NAN;
+    report.row("device-to-device copy".into(), || {
+        bandwidth = copy_bandwidth(&device, plan.copy_bytes, 5);
+        let result = format!(
             "{:.1} GB/s (read + write, {} MiB)",
             bandwidth / 1e9,
             plan.copy_bytes >> 20
-        ),
-        pass: None,
+        );
+        (result, None)
     });
     let tiny = model_of(&TinySpec::default());
-    agreement_rows(
-        &mut rows,
-        "tiny model",
-        &tiny,
-        &device,
-        &[5, 40, 1],
-        plan.tiny_decode,
-        &[false, true],
-    );
-    for (name, spec) in families() {
-        let model = model_of(&spec);
-        agreement_rows(
-            &mut rows,
-            name,
-            &model,
-            &device,
-            &[5, 40, 1],
-            plan.tiny_decode,
-            &[true],
-        );
-    }
     let model = match &plan.big {
-        Some((spec, decode)) => {
+        Some((spec, _)) => {
             let model = model_of(spec);
             eprintln!(
                 "SmolLM2-shaped model written ({:.1} s)",
                 started.elapsed().as_secs_f64()
             );
+            model
+        }
+        None => Arc::clone(&tiny),
+    };
+    if parts.contains(&"agreement") {
+        agreement_rows(
+            &mut report,
+            "tiny model",
+            &tiny,
+            &device,
+            &[5, 40, 1],
+            plan.tiny_decode,
+            &[false, true],
+        );
+        for (name, spec) in families() {
+            let model = model_of(&spec);
             agreement_rows(
-                &mut rows,
+                &mut report,
+                name,
+                &model,
+                &device,
+                &[5, 40, 1],
+                plan.tiny_decode,
+                &[true],
+            );
+        }
+        if let Some((_, decode)) = &plan.big {
+            agreement_rows(
+                &mut report,
                 "SmolLM2-135M shape",
                 &model,
                 &device,
@@ -377,39 +508,25 @@ fn main() -> ExitCode {
                 *decode,
                 &[false, true],
             );
-            model
         }
-        None => Arc::clone(&tiny),
-    };
-    isolation_rows(&mut rows, &model, &device);
-    for &len in &plan.prefill {
-        let rate = check::prefill_rate(&model, &device, len, plan.chunk, 3);
-        rows.push(Row {
-            check: format!("prefill {len} (chunks of {})", plan.chunk),
-            result: format!("{:.0} tokens/s", rate.tokens_per_s),
-            pass: None,
-        });
     }
-    decode_rows(&mut rows, &plan, &model, &device, bandwidth);
-    println!(
-        "weights read per decode step: {:.1} MB",
-        check::weight_bytes(&model) as f64 / 1e6
-    );
-    println!();
-    println!("| check | result | |");
-    println!("|---|---|---|");
-    let mut failed = 0;
-    for row in &rows {
-        let mark = match row.pass {
-            Some(true) => "pass",
-            Some(false) => {
-                failed += 1;
-                "FAIL"
-            }
-            None => "",
-        };
-        println!("| {} | {} | {} |", row.check, row.result, mark);
+    if parts.contains(&"isolation") {
+        report.rows("isolation", || isolation_rows(&model, &device));
     }
+    if parts.contains(&"speed") {
+        for &len in &plan.prefill {
+            report.row(format!("prefill {len} (chunks of {})", plan.chunk), || {
+                let rate = check::prefill_rate(&model, &device, len, plan.chunk, 3);
+                (format!("{:.0} tokens/s", rate.tokens_per_s), None)
+            });
+        }
+        decode_rows(&mut report, &plan, &model, &device, bandwidth);
+        println!(
+            "weights read per decode step: {:.1} MB",
+            check::weight_bytes(&model) as f64 / 1e6
+        );
+    }
+    let failed = report.table();
     println!();
     println!(
         "{} checks failed; {:.0} s",
