@@ -23,6 +23,7 @@ use crate::api::openai::{
 };
 use crate::config::{Config, ModelSpec, PluginsConfig};
 use crate::engine::chat::MESSAGES_MAX;
+use crate::engine::sampling::{LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT};
 use crate::engine::stop::{STOPS_MAX, STOP_BYTES_MAX};
 use crate::policy::{CallLimits, PolicyRuntime};
 use crate::store::records::{
@@ -86,6 +87,20 @@ fn check_common(common: &Common) {
     assert!((0.0..=2.0).contains(&s.temperature), "{common:?}");
     assert!(s.top_p > 0.0 && s.top_p <= 1.0, "{common:?}");
     assert!(s.top_k as u64 <= TOP_K_LIMIT, "{common:?}");
+    for penalty in [s.presence_penalty, s.frequency_penalty] {
+        assert!(penalty.abs() <= PENALTY_LIMIT, "{common:?}");
+    }
+    assert!(s.logit_bias.len() <= LOGIT_BIAS_MAX, "{common:?}");
+    assert!(
+        s.logit_bias.windows(2).all(|w| w[0].0 < w[1].0),
+        "ids sorted, each once: {common:?}"
+    );
+    assert!(
+        s.logit_bias
+            .iter()
+            .all(|&(_, bias)| bias.abs() <= LOGIT_BIAS_LIMIT),
+        "{common:?}"
+    );
     assert!(common.stop.len() <= STOPS_MAX, "{common:?}");
     assert!(
         common
@@ -111,6 +126,14 @@ fn common_body(common: &Common) -> Value {
         "top_p": common.sampling.top_p,
         "top_k": common.sampling.top_k,
         "seed": common.sampling.seed,
+        "presence_penalty": common.sampling.presence_penalty,
+        "frequency_penalty": common.sampling.frequency_penalty,
+        "logit_bias": common
+            .sampling
+            .logit_bias
+            .iter()
+            .map(|(id, bias)| (id.to_string(), json!(bias)))
+            .collect::<serde_json::Map<_, _>>(),
         "stop": common.stop,
         "stream": common.stream,
         "stream_options": {"include_usage": common.include_usage},

@@ -430,6 +430,7 @@ fn run(cli: Cli) -> Result<()> {
                     top_k,
                     top_p,
                     seed: seed.unwrap_or_else(|| getrandom::u64().unwrap_or(0)),
+                    ..SamplingParams::default()
                 },
             };
             generate(&model, prompt, chat, options)

@@ -212,6 +212,80 @@ fn sampling_draws_a_fresh_seed_per_request_unless_one_is_given() {
     );
 }
 
+/// The model's token ids of `text` (`bulkhead tokenize`).
+fn token_ids(model: &std::path::Path, text: &str) -> Vec<u64> {
+    let out = Command::new(bulkhead_exe())
+        .arg("tokenize")
+        .arg("--model")
+        .arg(model)
+        .args(["--text", text])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    serde_json::from_slice::<Vec<u64>>(&out.stdout).unwrap()
+}
+
+#[test]
+fn logit_bias_and_penalties_reach_the_sampler_and_bad_ones_are_refused() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let bang = token_ids(&model, "!");
+    assert_eq!(bang.len(), 1, "{bang:?}");
+    let bang = bang[0];
+    let completion = |extra: Value| {
+        let mut body = json!({
+            "model": MODEL_ID,
+            "prompt": "The capital of France is",
+            "max_tokens": 48,
+            "temperature": 0,
+        });
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = server.post_json("/v1/completions", Some(KEY_ALPHA), &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let free = completion(json!({}));
+    let forced = json!({ bang.to_string(): 100 });
+    // +100 outweighs every logit the model has: every token is "!".
+    assert_eq!(completion(json!({"logit_bias": forced})), "!".repeat(48));
+    // -100 on the greedy text's first token: another text.
+    let first = token_ids(&model, &free)[0];
+    let banned = completion(json!({"logit_bias": {first.to_string(): -100}}));
+    assert_ne!(banned, free);
+    // A frequency penalty of 2 takes 2 off "!" per time it was generated:
+    // its +100 is spent after 50, and within 128 tokens it loses whatever
+    // lead the model's own logits gave it (far less than 28), so the text
+    // starts with "!" but is no longer "!" alone. A presence penalty takes 2
+    // once, which 100 outweighs.
+    let penalized = completion(json!({
+        "logit_bias": forced, "frequency_penalty": 2, "max_tokens": 128,
+    }));
+    assert!(penalized.starts_with(&"!".repeat(10)), "{penalized:?}");
+    assert!(penalized.chars().any(|c| c != '!'), "{penalized:?}");
+    assert_eq!(
+        completion(json!({"logit_bias": forced, "presence_penalty": 2})),
+        "!".repeat(48)
+    );
+    // Ids past the vocabulary, and out-of-range values, are 400s naming them.
+    for (extra, param) in [
+        (json!({"logit_bias": {"49152": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"1": 101}}), "logit_bias"),
+        (json!({"logit_bias": {"x": 1}}), "logit_bias"),
+        (json!({"presence_penalty": 2.5}), "presence_penalty"),
+        (json!({"frequency_penalty": -2.5}), "frequency_penalty"),
+    ] {
+        let mut body = chat_body("hi", 4);
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = server.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+        assert_eq!(r.status, 400, "{extra}: {}", r.body);
+        assert_eq!(r.error().0, param, "{extra}: {}", r.body);
+    }
+}
+
 #[test]
 fn logs_are_text_for_a_person_or_json_and_busy_models_log_a_summary() {
     let Some(model) = smollm2() else { return };

@@ -11,7 +11,7 @@
 use super::error::ApiError;
 use crate::engine::chat::{Message, MESSAGES_MAX};
 use crate::engine::request::{FinishReason, Usage};
-use crate::engine::sampling::SamplingParams;
+use crate::engine::sampling::{SamplingParams, LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -243,10 +243,10 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
             format!("must have 1 to {CACHE_SALT_BYTES_MAX} bytes"),
         ));
     }
+    let presence_penalty = penalty(f, "presence_penalty")?;
+    let frequency_penalty = penalty(f, "frequency_penalty")?;
+    let logit_bias = logit_bias(f)?;
     f.allow_if("n", |v| v.as_u64() == Some(1))?;
-    f.allow_if("presence_penalty", is_zero)?;
-    f.allow_if("frequency_penalty", is_zero)?;
-    f.allow_if("logit_bias", is_empty)?;
     f.allow_if("top_logprobs", is_zero)?;
     for ignored in [
         "user",
@@ -265,12 +265,68 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
             top_k: top_k as usize,
             top_p,
             seed,
+            presence_penalty,
+            frequency_penalty,
+            logit_bias,
         },
         stop,
         stream,
         include_usage,
         cache_salt,
     })
+}
+
+/// `presence_penalty` or `frequency_penalty`: -2 to 2, 0 when absent.
+fn penalty(f: &mut Fields, name: &str) -> Result<f32, ApiError> {
+    let value: f32 = f.take(name)?.unwrap_or(0.0);
+    if !(-PENALTY_LIMIT..=PENALTY_LIMIT).contains(&value) {
+        return Err(invalid(
+            name,
+            format!("must be between -{PENALTY_LIMIT} and {PENALTY_LIMIT}"),
+        ));
+    }
+    Ok(value)
+}
+
+/// `logit_bias`: token ids (as the object's keys, decimal) to biases of -100
+/// to 100, sorted by id. Whether each id is in the model's vocabulary is
+/// checked once the model is known.
+fn logit_bias(f: &mut Fields) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(map) = f.take::<Map<String, Value>>("logit_bias")? else {
+        return Ok(Vec::new());
+    };
+    if map.len() > LOGIT_BIAS_MAX {
+        return Err(invalid(
+            "logit_bias",
+            format!("at most {LOGIT_BIAS_MAX} tokens"),
+        ));
+    }
+    let mut biases = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        // Decimal digits only: "+1", " 1" or "01" name no token id.
+        let id = key
+            .parse::<u32>()
+            .ok()
+            .filter(|id| id.to_string() == key)
+            .ok_or_else(|| {
+                invalid(
+                    "logit_bias",
+                    "each key must be a token id (a decimal integer)",
+                )
+            })?;
+        let bias = value
+            .as_f64()
+            .filter(|b| (-f64::from(LOGIT_BIAS_LIMIT)..=f64::from(LOGIT_BIAS_LIMIT)).contains(b))
+            .ok_or_else(|| {
+                invalid(
+                    "logit_bias",
+                    format!("each bias must be a number between -{LOGIT_BIAS_LIMIT} and {LOGIT_BIAS_LIMIT}"),
+                )
+            })?;
+        biases.push((id, bias as f32));
+    }
+    biases.sort_unstable_by_key(|&(id, _)| id);
+    Ok(biases)
 }
 
 impl ChatRequest {
@@ -650,7 +706,16 @@ mod tests {
                 r#""response_format":{"type":"json_object"}"#,
                 "response_format",
             ),
-            (r#""logit_bias":{"1":2}"#, "logit_bias"),
+            (r#""logit_bias":{"a":2}"#, "logit_bias"),
+            (r#""logit_bias":{"01":2}"#, "logit_bias"),
+            (r#""logit_bias":{"-1":2}"#, "logit_bias"),
+            (r#""logit_bias":{"4294967296":2}"#, "logit_bias"),
+            (r#""logit_bias":{"1":100.5}"#, "logit_bias"),
+            (r#""logit_bias":{"1":"2"}"#, "logit_bias"),
+            (r#""logit_bias":[1]"#, "logit_bias"),
+            (r#""presence_penalty":2.5"#, "presence_penalty"),
+            (r#""frequency_penalty":-3"#, "frequency_penalty"),
+            (r#""frequency_penalty":"1""#, "frequency_penalty"),
             (r#""max_tokens":"ten""#, "max_tokens"),
             (r#""max_tokens":-1"#, "max_tokens"),
             (r#""temperature":3"#, "temperature"),
@@ -669,6 +734,34 @@ mod tests {
         assert_eq!(param_of(e), "messages[0].content");
         let e = chat(r#"{"messages":[]}"#).unwrap_err();
         assert_eq!(param_of(e), "model");
+    }
+
+    #[test]
+    fn takes_penalties_and_logit_bias_sorted_by_token_id() {
+        let r = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],
+            "presence_penalty":-2,"frequency_penalty":1.5,
+            "logit_bias":{"50256":-100,"7":100,"12":0.5}}"#,
+        )
+        .unwrap();
+        let s = &r.common.sampling;
+        assert_eq!((s.presence_penalty, s.frequency_penalty), (-2.0, 1.5));
+        assert_eq!(s.logit_bias, [(7, 100.0), (12, 0.5), (50256, -100.0)]);
+        let many: Vec<String> = (0..=LOGIT_BIAS_MAX).map(|i| format!("\"{i}\":1")).collect();
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"logit_bias":{{{}}}}}"#,
+            many.join(",")
+        );
+        assert_eq!(param_of(chat(&body).unwrap_err()), "logit_bias");
+        // Absent, null and empty are no bias and no penalty.
+        for extra in ["", r#","logit_bias":null"#, r#","logit_bias":{}"#] {
+            let body =
+                format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}]{extra}}}"#);
+            let s = chat(&body).unwrap().common.sampling;
+            assert!(
+                s.logit_bias.is_empty() && s.presence_penalty == 0.0 && s.frequency_penalty == 0.0
+            );
+        }
     }
 
     #[test]

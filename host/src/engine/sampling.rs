@@ -1,10 +1,23 @@
 //! Token sampling: greedy at temperature 0, otherwise temperature, top-k and
 //! top-p (nucleus) over a seeded generator, so a seed reproduces a completion.
+//!
+//! Before either, the logits are adjusted as OpenAI defines it: each
+//! `logit_bias` entry is added to its token's logit, and a token the sequence
+//! has generated `c` times loses `c × frequency_penalty`, plus
+//! `presence_penalty` once (`c` counts this request's generated tokens, not
+//! the prompt's, as vLLM counts them).
 
 use bulkhead_kernels::rng::SplitMix64;
+use std::collections::HashMap;
 
 /// Largest top-k honoured; larger values are clamped (the vocabulary is the real bound).
 pub const TOP_K_MAX: usize = 1 << 16;
+/// Most `logit_bias` entries a request may carry.
+pub const LOGIT_BIAS_MAX: usize = 1024;
+/// The bound of a `logit_bias` value (either sign): ±100 bans or forces a token.
+pub const LOGIT_BIAS_LIMIT: f32 = 100.0;
+/// The bound of `presence_penalty` and `frequency_penalty` (either sign).
+pub const PENALTY_LIMIT: f32 = 2.0;
 
 /// How to pick the next token.
 #[derive(Clone, Debug, PartialEq)]
@@ -17,6 +30,13 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// Seed of the generator.
     pub seed: u64,
+    /// Subtracted from a generated token's logit once it has appeared.
+    pub presence_penalty: f32,
+    /// Subtracted from a generated token's logit per time it has appeared.
+    pub frequency_penalty: f32,
+    /// Added to the logits of these tokens (ids in ascending order, each
+    /// once; an id past the vocabulary is ignored: the API refuses them).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -26,7 +46,16 @@ impl Default for SamplingParams {
             top_k: 0,
             top_p: 1.0,
             seed: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
         }
+    }
+}
+
+impl SamplingParams {
+    fn penalizes(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
 }
 
@@ -35,6 +64,10 @@ pub struct Sampler {
     params: SamplingParams,
     rng: SplitMix64,
     candidates: Vec<(u32, f32)>,
+    /// How often each token was generated (kept only under a penalty).
+    generated: HashMap<u32, u32>,
+    /// The adjusted logits, when there is anything to adjust.
+    adjusted: Vec<f32>,
 }
 
 impl Sampler {
@@ -44,12 +77,44 @@ impl Sampler {
             rng: SplitMix64(params.seed),
             params,
             candidates: Vec::new(),
+            generated: HashMap::new(),
+            adjusted: Vec::new(),
         }
     }
 
-    /// Picks the next token from `logits` (`[vocab]`).
+    /// Picks the next token from `logits` (`[vocab]`), and counts it for the
+    /// penalties of the next.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         assert!(!logits.is_empty(), "the vocabulary is never empty");
+        let token = if self.params.logit_bias.is_empty() && self.generated.is_empty() {
+            self.pick(logits)
+        } else {
+            let mut adjusted = std::mem::take(&mut self.adjusted);
+            adjusted.clear();
+            adjusted.extend_from_slice(logits);
+            for &(id, bias) in &self.params.logit_bias {
+                if let Some(logit) = adjusted.get_mut(id as usize) {
+                    *logit += bias;
+                }
+            }
+            let (presence, frequency) =
+                (self.params.presence_penalty, self.params.frequency_penalty);
+            for (&id, &count) in &self.generated {
+                if let Some(logit) = adjusted.get_mut(id as usize) {
+                    *logit -= presence + frequency * count as f32;
+                }
+            }
+            let token = self.pick(&adjusted);
+            self.adjusted = adjusted;
+            token
+        };
+        if self.params.penalizes() {
+            *self.generated.entry(token).or_insert(0) += 1;
+        }
+        token
+    }
+
+    fn pick(&mut self, logits: &[f32]) -> u32 {
         if self.params.temperature <= 0.0 {
             return argmax(logits);
         }
@@ -114,6 +179,58 @@ pub fn argmax(logits: &[f32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logit_bias_bans_and_forces_tokens_greedy_or_not() {
+        let logits = [1.0, 5.0, 4.9, -3.0];
+        let params = |temperature, logit_bias| SamplingParams {
+            temperature,
+            logit_bias,
+            seed: 3,
+            ..SamplingParams::default()
+        };
+        // -100 bans the greedy choice: the runner-up wins.
+        let mut s = Sampler::new(params(0.0, vec![(1, -100.0)]));
+        assert!((0..5).all(|_| s.sample(&logits) == 2));
+        // +100 forces the least likely token, at any temperature.
+        let mut s = Sampler::new(params(2.0, vec![(3, 100.0)]));
+        assert!((0..50).all(|_| s.sample(&logits) == 3));
+        // Ids past the vocabulary change nothing (and do not panic).
+        let mut s = Sampler::new(params(0.0, vec![(4, 100.0), (u32::MAX, 100.0)]));
+        assert_eq!(s.sample(&logits), 1);
+    }
+
+    #[test]
+    fn penalties_count_this_sequences_generated_tokens_as_openai_defines_them() {
+        // Token 0 leads token 1 by 1.0; token 2 trails token 1 by 0.25.
+        let logits = [3.0, 2.0, 1.75];
+        let run = |presence_penalty, frequency_penalty| {
+            let mut s = Sampler::new(SamplingParams {
+                presence_penalty,
+                frequency_penalty,
+                ..SamplingParams::default()
+            });
+            (0..6).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+        };
+        assert_eq!(run(0.0, 0.0), [0; 6]);
+        // Presence: once a token appeared it loses 1.5 for good: 0 (3.0 ->
+        // 1.5), then 1 (2.0 -> 0.5), then 2 (1.75 -> 0.25), then 0 again (1.5).
+        assert_eq!(run(1.5, 0.0), [0, 1, 2, 0, 0, 0]);
+        // Frequency: 0.6 per appearance: 0 at 3.0, at 2.4 (still ahead of
+        // 2.0), then at 1.8, behind token 1; and so on, as computed here.
+        let mut expected = Vec::new();
+        let mut counts = [0u32; 3];
+        for _ in 0..6 {
+            let adjusted: Vec<f32> = (0..3).map(|i| logits[i] - 0.6 * counts[i] as f32).collect();
+            let best = argmax(&adjusted);
+            counts[best as usize] += 1;
+            expected.push(best);
+        }
+        assert_eq!(run(0.0, 0.6), expected);
+        assert_eq!(&expected[..3], [0, 0, 1]);
+        // A negative penalty favours repeats: token 0 only.
+        assert_eq!(run(-2.0, -2.0), [0; 6]);
+    }
 
     #[test]
     fn greedy_picks_the_largest_and_the_first_of_ties() {
