@@ -55,6 +55,28 @@ def main() -> None:
     completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0)
     assert completion.usage.completion_tokens == 8, completion.usage
 
+    # Sampling options and log probabilities, through the client's own types.
+    scored = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Name three primary colors."}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={"0": -100},
+    )
+    content = scored.choices[0].logprobs.content
+    assert len(content) == scored.usage.completion_tokens, (len(content), scored.usage)
+    assert "".join(bytes(t.bytes).decode("utf-8", "replace") for t in content) == scored.choices[0].message.content
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content), content
+    legacy = client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=1
+    )
+    assert len(legacy.choices[0].logprobs.tokens) == 4, legacy.choices[0].logprobs
+    assert "".join(legacy.choices[0].logprobs.tokens) == legacy.choices[0].text
+
     try:
         client.chat.completions.create(
             model=model,

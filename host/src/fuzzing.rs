@@ -23,7 +23,7 @@ use crate::api::openai::{
 };
 use crate::config::{Config, ModelSpec, PluginsConfig};
 use crate::engine::chat::MESSAGES_MAX;
-use crate::engine::sampling::{LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT};
+use crate::engine::sampling::{LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT, TOP_LOGPROBS_MAX};
 use crate::engine::stop::{STOPS_MAX, STOP_BYTES_MAX};
 use crate::policy::{CallLimits, PolicyRuntime};
 use crate::store::records::{
@@ -64,6 +64,10 @@ pub fn openai(data: &[u8]) {
             .iter()
             .map(|m| json!({"role": m.role, "content": m.content}))
             .collect();
+        if let Some(top) = chat.common.sampling.logprobs {
+            body["logprobs"] = json!(true);
+            body["top_logprobs"] = json!(top);
+        }
         let again = ChatRequest::parse(body.to_string().as_bytes())
             .unwrap_or_else(|e| panic!("{body} (from {chat:?}) does not parse again: {e:?}"));
         assert_eq!(format!("{chat:?}"), format!("{again:?}"));
@@ -71,6 +75,9 @@ pub fn openai(data: &[u8]) {
     if let Ok(completion) = CompletionRequest::parse(data) {
         check_common(&completion.common);
         let mut body = common_body(&completion.common);
+        if let Some(top) = completion.common.sampling.logprobs {
+            body["logprobs"] = json!(top);
+        }
         body["prompt"] = match &completion.prompt {
             Prompt::Text(text) => json!(text),
             Prompt::Tokens(ids) => json!(ids),
@@ -91,6 +98,10 @@ fn check_common(common: &Common) {
         assert!(penalty.abs() <= PENALTY_LIMIT, "{common:?}");
     }
     assert!(s.logit_bias.len() <= LOGIT_BIAS_MAX, "{common:?}");
+    assert!(
+        s.logprobs.is_none_or(|top| top <= TOP_LOGPROBS_MAX),
+        "{common:?}"
+    );
     assert!(
         s.logit_bias.windows(2).all(|w| w[0].0 < w[1].0),
         "ids sorted, each once: {common:?}"

@@ -257,6 +257,7 @@ impl Rig {
             while let Some(event) = rx.recv().await {
                 match event {
                     Event::Text(t) => text.push_str(&t),
+                    Event::Logprob(_) => {}
                     Event::Finished { reason, .. } => return (text, reason),
                 }
             }

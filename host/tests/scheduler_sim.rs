@@ -167,6 +167,7 @@ fn drain(rx: &mut UnboundedReceiver<Event>) -> (String, Option<(FinishReason, u3
                 assert!(end.is_none(), "no event after Finished");
                 text.push_str(&t);
             }
+            Event::Logprob(_) => assert!(end.is_none(), "no event after Finished"),
             Event::Finished { reason, usage } => end = Some((reason, usage.completion_tokens)),
         }
     }
@@ -180,6 +181,7 @@ fn outcome(rx: &mut UnboundedReceiver<Event>) -> (String, Option<(FinishReason, 
     while let Ok(event) = rx.try_recv() {
         match event {
             Event::Text(t) => text.push_str(&t),
+            Event::Logprob(_) => {}
             Event::Finished { reason, usage } => end = Some((reason, usage)),
         }
     }

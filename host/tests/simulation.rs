@@ -442,6 +442,7 @@ impl World {
                 }
                 let piece = match &event {
                     Event::Text(text) => text.clone(),
+                    Event::Logprob(_) => "<logprob>".into(),
                     Event::Finished { reason, .. } => {
                         live.ended = true;
                         format!("<{}>", reason.as_str())

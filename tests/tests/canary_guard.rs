@@ -188,6 +188,87 @@ fn the_guard_blocks_another_tenants_canary_and_lets_a_tenant_read_its_own() {
 }
 
 #[test]
+fn log_probabilities_are_held_to_the_end_and_scanned_whole_under_the_guard() {
+    let Some(model) = smollm2() else { return };
+    let policy = Policy {
+        canary_guard: true,
+        ..Policy::default()
+    };
+    let server = start(&model, &policy);
+    let full = text_of(&server.post_json("/v1/chat/completions", Some(KEY_BETA), &body(false)));
+    let canary = marker_in(&full);
+    let at = full.find(&canary).unwrap();
+    // A stop sequence from the canary's tail that first occurs there: the
+    // text is cut before the canary is whole, but the token that completed
+    // the stop holds the rest, and a log probability shows a whole token.
+    let stop = (3..=6)
+        .map(|n| canary[canary.len() - n..].to_string())
+        .find(|stop| full.find(stop.as_str()) == Some(at + canary.len() - stop.len()))
+        .expect("a tail of the canary that first occurs in it");
+    let set = server.admin_call(
+        "PUT",
+        "/admin/v1/tenants/alpha/canaries",
+        Some(&json!({ "canaries": [canary] })),
+    );
+    assert_eq!(set.status, 200, "{}", set.body);
+    let mut request = body(false);
+    request["stop"] = json!([stop]);
+    // Without logprobs the cut text carries no canary: it passes.
+    let cut = text_of(&server.post_json("/v1/chat/completions", Some(KEY_BETA), &request));
+    assert_eq!(cut, full[..at + canary.len() - stop.len()]);
+    // With them, the tokens would complete it: blocked, whole.
+    request["logprobs"] = json!(true);
+    let blocked = server.post_json("/v1/chat/completions", Some(KEY_BETA), &request);
+    assert_eq!(blocked.status, 500, "{}", blocked.body);
+    assert_eq!(blocked.error().1, json!("output_blocked"));
+    assert!(!blocked.body.contains(&canary));
+    // Streamed: text goes out as it passes, log probabilities not before
+    // the end, and then not at all.
+    request["stream"] = json!(true);
+    let (status, mut sse) = server.stream("/v1/chat/completions", KEY_BETA, &request);
+    assert_eq!(status, 200);
+    let chunks: Vec<Value> = sse
+        .rest()
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks.last().unwrap()["error"]["code"], "output_blocked");
+    assert!(
+        chunks.iter().all(|c| c["choices"][0]["logprobs"].is_null()),
+        "{chunks:?}"
+    );
+    // Alpha, whose canary it is, gets every token's, in the last chunk.
+    let (status, mut sse) = server.stream("/v1/chat/completions", KEY_ALPHA, &request);
+    assert_eq!(status, 200);
+    let chunks: Vec<Value> = sse
+        .rest()
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let with: Vec<&Value> = chunks
+        .iter()
+        .filter(|c| !c["choices"][0]["logprobs"].is_null())
+        .collect();
+    assert_eq!(with.len(), 1, "{chunks:?}");
+    assert_eq!(with[0]["choices"][0]["finish_reason"], "stop");
+    let bytes: Vec<u8> = with[0]["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|e| {
+            e["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8)
+        })
+        .collect();
+    assert!(String::from_utf8_lossy(&bytes).contains(&canary));
+}
+
+#[test]
 fn with_the_guard_off_registered_canaries_block_nothing() {
     let Some(model) = smollm2() else { return };
     let server = start(&model, &Policy::default());

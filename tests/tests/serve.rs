@@ -286,6 +286,101 @@ fn logit_bias_and_penalties_reach_the_sampler_and_bad_ones_are_refused() {
     }
 }
 
+/// A chat logprobs entry's bytes.
+fn bytes_of(entry: &Value) -> Vec<u8> {
+    entry["bytes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_u64().unwrap() as u8)
+        .collect()
+}
+
+#[test]
+fn logprobs_follow_openais_shapes_streamed_or_not_and_are_the_models_own() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let mut body = chat_body("Name three primary colors.", 24);
+    body["temperature"] = json!(0);
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(3);
+    let whole = server.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+    assert_eq!(whole.status, 200, "{}", whole.body);
+    let v = whole.json();
+    let choice = &v["choices"][0];
+    let text = choice["message"]["content"].as_str().unwrap();
+    let content = choice["logprobs"]["content"].as_array().unwrap().clone();
+    // One entry per generated token (an end-of-generation token has none,
+    // nor is it counted), whose bytes are the text.
+    assert_eq!(
+        content.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    let bytes: Vec<u8> = content.iter().flat_map(bytes_of).collect();
+    assert_eq!(String::from_utf8(bytes).unwrap(), text);
+    for entry in &content {
+        let logprob = entry["logprob"].as_f64().unwrap();
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{entry}");
+        let tops: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(tops.windows(2).all(|w| w[0] >= w[1]), "{entry}");
+        assert!(tops.iter().map(|l| l.exp()).sum::<f64>() <= 1.0 + 1e-5);
+        // Greedy: the token is the likeliest, with its own log probability.
+        assert!(
+            logprob <= 0.0 && (logprob - tops[0]).abs() < 1e-6,
+            "{entry}"
+        );
+        assert_eq!(top[0]["bytes"], entry["bytes"], "{entry}");
+    }
+    // Streamed: the same entries, spread over the chunks.
+    body["stream"] = json!(true);
+    let (status, mut sse) = server.stream("/v1/chat/completions", KEY_ALPHA, &body);
+    assert_eq!(status, 200);
+    let mut streamed = Vec::new();
+    for data in sse.rest() {
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk = data_json(&data);
+        if let Some(entries) = chunk["choices"][0]["logprobs"]["content"].as_array() {
+            streamed.extend(entries.iter().cloned());
+        }
+    }
+    assert_eq!(streamed.len(), content.len());
+    for (a, b) in streamed.iter().zip(&content) {
+        assert_eq!(a["bytes"], b["bytes"]);
+        assert!((a["logprob"].as_f64().unwrap() - b["logprob"].as_f64().unwrap()).abs() < 1e-5);
+    }
+    // Without asking: null, as before.
+    let plain = server
+        .post_json("/v1/chat/completions", Some(KEY_ALPHA), &chat_body("hi", 4))
+        .json();
+    assert_eq!(plain["choices"][0]["logprobs"], Value::Null);
+
+    // The legacy shape, and the model's own distribution: a token forced by
+    // logit_bias is reported with the probability the model gave it.
+    let bang = token_ids(&model, "!")[0];
+    let r = server.post_json(
+        "/v1/completions",
+        Some(KEY_ALPHA),
+        &json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 6,
+                "temperature": 0, "logprobs": 2, "logit_bias": {bang.to_string(): 100}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["text"], "!!!!!!");
+    let lp = &choice["logprobs"];
+    assert_eq!(lp["tokens"], json!(["!", "!", "!", "!", "!", "!"]));
+    assert_eq!(lp["text_offset"], json!([0, 1, 2, 3, 4, 5]));
+    let first = lp["token_logprobs"][0].as_f64().unwrap();
+    assert!(first < -1.0, "\"!\" after this prompt is unlikely: {first}");
+    // The chosen token and the likeliest two (three entries unless "!" is one).
+    let top0 = lp["top_logprobs"][0].as_object().unwrap();
+    assert!((2..=3).contains(&top0.len()), "{top0:?}");
+    assert_eq!(top0["!"].as_f64().unwrap(), first);
+}
+
 #[test]
 fn logs_are_text_for_a_person_or_json_and_busy_models_log_a_summary() {
     let Some(model) = smollm2() else { return };

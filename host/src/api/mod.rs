@@ -65,7 +65,7 @@ use sha2::{Digest, Sha256};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use stream::{finish_error, SseBody, Tracker};
+use stream::{collect, LogprobsOut, SseBody, Tracker};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
@@ -818,8 +818,19 @@ async fn run(
     };
     let tracker = Tracker::new(id, &tenant.name, &model.spec.id, arrived);
     let guard = OutputGuard::new(app, tenant, id);
+    let logprobs = common
+        .sampling
+        .logprobs
+        .map(|_| LogprobsOut::new(endpoint, OutputGuard::new(app, tenant, id)));
     if common.stream {
-        let body = SseBody::new(receiver, meta, common.include_usage, tracker, guard);
+        let body = SseBody::new(
+            receiver,
+            meta,
+            common.include_usage,
+            tracker,
+            guard,
+            logprobs,
+        );
         let mut response = Response::new(Body::new(body));
         let h = response.headers_mut();
         h.insert(
@@ -829,7 +840,8 @@ async fn run(
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         return Ok(response);
     }
-    collect(receiver, meta, tracker, guard).await
+    let response = collect(receiver, meta, tracker, guard, logprobs).await?;
+    Ok(json(StatusCode::OK, &response))
 }
 
 /// The prompt's tokens for `model`, tokenized in the tenant's turn on the
@@ -956,46 +968,6 @@ async fn run_chain(
         )
         .await
         .map_err(|stopped| ApiError::Internal(stopped.to_string()))
-}
-
-/// Waits for the whole completion (a dropped future drops the receiver,
-/// which cancels the request).
-async fn collect(
-    mut receiver: tokio::sync::mpsc::UnboundedReceiver<Event>,
-    meta: ResponseMeta,
-    mut tracker: Tracker,
-    mut guard: Option<OutputGuard>,
-) -> Result<Response<Body>, ApiError> {
-    let mut text = String::new();
-    while let Some(event) = receiver.recv().await {
-        tracker.observe(&event);
-        match event {
-            // A guard's error drops the receiver on return: the engine
-            // cancels the request.
-            Event::Text(piece) => match &mut guard {
-                Some(guard) => match guard.text(&piece) {
-                    Ok(passed) => text.push_str(&passed),
-                    Err(blocked) => {
-                        tracker.blocked();
-                        return Err(blocked);
-                    }
-                },
-                None => text.push_str(&piece),
-            },
-            Event::Finished { reason, usage } => {
-                if let Some(error) = finish_error(reason) {
-                    return Err(error);
-                }
-                if let Some(guard) = &mut guard {
-                    text.push_str(&guard.finish()?);
-                }
-                return Ok(json(StatusCode::OK, &meta.response(text, reason, usage)));
-            }
-        }
-    }
-    Err(ApiError::Internal(
-        "the engine dropped a request without finishing it".into(),
-    ))
 }
 
 fn unix_now() -> u64 {

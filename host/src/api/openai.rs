@@ -10,8 +10,11 @@
 
 use super::error::ApiError;
 use crate::engine::chat::{Message, MESSAGES_MAX};
+use crate::engine::request::TokenLogprob;
 use crate::engine::request::{FinishReason, Usage};
-use crate::engine::sampling::{SamplingParams, LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT};
+use crate::engine::sampling::{
+    SamplingParams, LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT, TOP_LOGPROBS_MAX,
+};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -247,7 +250,6 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
     let frequency_penalty = penalty(f, "frequency_penalty")?;
     let logit_bias = logit_bias(f)?;
     f.allow_if("n", |v| v.as_u64() == Some(1))?;
-    f.allow_if("top_logprobs", is_zero)?;
     for ignored in [
         "user",
         "metadata",
@@ -268,12 +270,25 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
             presence_penalty,
             frequency_penalty,
             logit_bias,
+            // Each endpoint's own parameters.
+            logprobs: None,
         },
         stop,
         stream,
         include_usage,
         cache_salt,
     })
+}
+
+/// A count of alternatives, 0 to [`TOP_LOGPROBS_MAX`].
+fn top_logprobs(value: Option<u64>, name: &str) -> Result<Option<u8>, ApiError> {
+    match value {
+        Some(n) if n > u64::from(TOP_LOGPROBS_MAX) => Err(invalid(
+            name,
+            format!("must be between 0 and {TOP_LOGPROBS_MAX}"),
+        )),
+        other => Ok(other.map(|n| n as u8)),
+    }
 }
 
 /// `presence_penalty` or `frequency_penalty`: -2 to 2, 0 when absent.
@@ -336,8 +351,16 @@ impl ChatRequest {
         let messages: Vec<Value> = f
             .take("messages")?
             .ok_or_else(|| ApiError::MissingParam("messages".into()))?;
-        let common = common(&mut f)?;
-        f.allow_if("logprobs", |v| v == &Value::Bool(false))?;
+        let mut common = common(&mut f)?;
+        let logprobs: bool = f.take("logprobs")?.unwrap_or(false);
+        let top = top_logprobs(f.take("top_logprobs")?, "top_logprobs")?;
+        common.sampling.logprobs = match (logprobs, top) {
+            (true, top) => Some(top.unwrap_or(0)),
+            (false, Some(top)) if top > 0 => {
+                return Err(invalid("top_logprobs", "needs \"logprobs\": true"))
+            }
+            (false, _) => None,
+        };
         f.allow_if("tools", is_empty)?;
         f.allow_if("functions", is_empty)?;
         f.allow_if("tool_choice", |v| v == "none")?;
@@ -464,8 +487,10 @@ impl CompletionRequest {
                 })
             }
         };
-        let common = common(&mut f)?;
-        f.allow_if("logprobs", |v| v.as_u64() == Some(0))?;
+        let mut common = common(&mut f)?;
+        // The legacy shape: how many alternatives, 0 for the chosen token's only.
+        common.sampling.logprobs = top_logprobs(f.take("logprobs")?, "logprobs")?;
+        f.allow_if("top_logprobs", is_zero)?;
         f.allow_if("echo", |v| v == &Value::Bool(false))?;
         f.allow_if("best_of", |v| v.as_u64() == Some(1))?;
         f.allow_if("suffix", |v| v == "")?;
@@ -555,6 +580,62 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "messages",
             Endpoint::Completions => "prompt",
+        }
+    }
+}
+
+/// A token's text as OpenAI reports it: its bytes as UTF-8, a piece of a
+/// character replaced (the exact bytes go alongside, in `bytes`).
+fn token_text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// The `logprobs` of a choice for `entries`: OpenAI's chat shape
+/// (`content`), or the legacy completions shape, whose `text_offset` counts
+/// characters of the completion from `offset` on (advanced past them).
+pub fn logprobs_value(endpoint: Endpoint, entries: &[TokenLogprob], offset: &mut usize) -> Value {
+    match endpoint {
+        Endpoint::Chat => {
+            let entry = |bytes: &[u8], logprob: f32| serde_json::json!({"token": token_text(bytes), "logprob": logprob, "bytes": bytes});
+            let content: Vec<Value> = entries
+                .iter()
+                .map(|e| {
+                    let mut value = entry(&e.bytes, e.logprob);
+                    value["top_logprobs"] = e
+                        .top
+                        .iter()
+                        .map(|(bytes, logprob)| entry(bytes, *logprob))
+                        .collect();
+                    value
+                })
+                .collect();
+            serde_json::json!({"content": content, "refusal": null})
+        }
+        Endpoint::Completions => {
+            let mut tokens = Vec::new();
+            let mut token_logprobs = Vec::new();
+            let mut top_logprobs = Vec::new();
+            let mut text_offset = Vec::new();
+            for e in entries {
+                let text = token_text(&e.bytes);
+                text_offset.push(*offset);
+                *offset += text.chars().count();
+                token_logprobs.push(e.logprob);
+                // The chosen token and the likeliest ones, by text.
+                let mut top = Map::new();
+                top.insert(text.clone(), e.logprob.into());
+                for (bytes, logprob) in &e.top {
+                    top.insert(token_text(bytes), (*logprob).into());
+                }
+                top_logprobs.push(Value::Object(top));
+                tokens.push(text);
+            }
+            serde_json::json!({
+                "tokens": tokens,
+                "token_logprobs": token_logprobs,
+                "top_logprobs": top_logprobs,
+                "text_offset": text_offset,
+            })
         }
     }
 }
@@ -701,7 +782,10 @@ mod tests {
             (r#""n":2"#, "n"),
             (r#""tools":[{"type":"function"}]"#, "tools"),
             (r#""tool_choice":"auto""#, "tool_choice"),
-            (r#""logprobs":true"#, "logprobs"),
+            (r#""logprobs":"yes""#, "logprobs"),
+            (r#""top_logprobs":2"#, "top_logprobs"),
+            (r#""logprobs":true,"top_logprobs":21"#, "top_logprobs"),
+            (r#""logprobs":true,"top_logprobs":-1"#, "top_logprobs"),
             (
                 r#""response_format":{"type":"json_object"}"#,
                 "response_format",
@@ -762,6 +846,80 @@ mod tests {
                 s.logit_bias.is_empty() && s.presence_penalty == 0.0 && s.frequency_penalty == 0.0
             );
         }
+    }
+
+    #[test]
+    fn logprobs_as_each_endpoint_asks_for_them() {
+        let base = r#""model":"m","messages":[{"role":"user","content":"hi"}]"#;
+        let logprobs = |extra: &str| {
+            chat(&format!("{{{base}{extra}}}"))
+                .unwrap()
+                .common
+                .sampling
+                .logprobs
+        };
+        assert_eq!(logprobs(""), None);
+        assert_eq!(logprobs(r#","logprobs":false,"top_logprobs":0"#), None);
+        assert_eq!(logprobs(r#","logprobs":true"#), Some(0));
+        assert_eq!(logprobs(r#","logprobs":true,"top_logprobs":20"#), Some(20));
+        let completion = |extra: &str| {
+            CompletionRequest::parse(format!(r#"{{"model":"m","prompt":"hi"{extra}}}"#).as_bytes())
+                .map(|r| r.common.sampling.logprobs)
+        };
+        assert_eq!(completion("").unwrap(), None);
+        assert_eq!(completion(r#","logprobs":0"#).unwrap(), Some(0));
+        assert_eq!(completion(r#","logprobs":5"#).unwrap(), Some(5));
+        assert_eq!(
+            param_of(completion(r#","logprobs":21"#).unwrap_err()),
+            "logprobs"
+        );
+        assert_eq!(
+            param_of(completion(r#","logprobs":true"#).unwrap_err()),
+            "logprobs"
+        );
+    }
+
+    #[test]
+    fn logprobs_have_openais_chat_and_legacy_shapes() {
+        let entries = [
+            TokenLogprob {
+                bytes: b"Hi".to_vec(),
+                logprob: -0.5,
+                top: vec![(b"Hi".to_vec(), -0.5), (b" Hello".to_vec(), -1.0)],
+            },
+            // Half of "é" (0xC3 0xA9): the text replaces it, the bytes keep it.
+            TokenLogprob {
+                bytes: vec![0xC3],
+                logprob: -2.0,
+                top: vec![],
+            },
+        ];
+        let mut offset = 0;
+        let chat = logprobs_value(Endpoint::Chat, &entries, &mut offset);
+        assert_eq!(chat["refusal"], Value::Null);
+        let content = chat["content"].as_array().unwrap();
+        assert_eq!(content[0]["token"], "Hi");
+        assert_eq!(content[0]["logprob"], -0.5);
+        assert_eq!(content[0]["bytes"], serde_json::json!([72, 105]));
+        assert_eq!(content[0]["top_logprobs"][1]["token"], " Hello");
+        assert_eq!(content[0]["top_logprobs"][1]["logprob"], -1.0);
+        assert_eq!(content[1]["token"], "\u{FFFD}");
+        assert_eq!(content[1]["bytes"], serde_json::json!([0xC3]));
+        assert_eq!(content[1]["top_logprobs"], serde_json::json!([]));
+        let mut offset = 7;
+        let legacy = logprobs_value(Endpoint::Completions, &entries, &mut offset);
+        assert_eq!(legacy["tokens"], serde_json::json!(["Hi", "\u{FFFD}"]));
+        assert_eq!(legacy["token_logprobs"], serde_json::json!([-0.5, -2.0]));
+        assert_eq!(
+            legacy["top_logprobs"][0],
+            serde_json::json!({"Hi": -0.5, " Hello": -1.0})
+        );
+        assert_eq!(
+            legacy["top_logprobs"][1],
+            serde_json::json!({"\u{FFFD}": -2.0})
+        );
+        assert_eq!(legacy["text_offset"], serde_json::json!([7, 9]));
+        assert_eq!(offset, 10);
     }
 
     #[test]

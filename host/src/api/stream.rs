@@ -16,8 +16,8 @@
 
 use super::error::ApiError;
 use super::guard::OutputGuard;
-use super::openai::ResponseMeta;
-use crate::engine::request::{Event, FinishReason, RequestId, Usage};
+use super::openai::{logprobs_value, Endpoint, ResponseMeta};
+use crate::engine::request::{Event, FinishReason, RequestId, TokenLogprob, Usage};
 use crate::telemetry;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
@@ -69,6 +69,7 @@ impl Tracker {
                 }
                 self.last_text = Some(now);
             }
+            Event::Logprob(_) => {}
             Event::Finished { reason, usage } => {
                 self.finished = true;
                 telemetry::count_finished(
@@ -148,6 +149,126 @@ pub fn finish_error(reason: FinishReason) -> Option<ApiError> {
     }
 }
 
+/// A request's log probabilities on their way out. Each token's entry waits
+/// here for the next text sent, and goes with it. Under the canary guard
+/// they all wait for the end, and go only once their own bytes passed a scan
+/// of their own: an entry shows a whole token, and the token that completed
+/// a stop sequence holds bytes past the cut that the text never shows.
+pub struct LogprobsOut {
+    endpoint: Endpoint,
+    pending: Vec<TokenLogprob>,
+    /// Characters of token text reported so far (the legacy `text_offset`).
+    offset: usize,
+    guard: Option<OutputGuard>,
+}
+
+impl LogprobsOut {
+    /// For a request of `endpoint`; `guard` is its own canary guard, if on.
+    pub fn new(endpoint: Endpoint, guard: Option<OutputGuard>) -> LogprobsOut {
+        LogprobsOut {
+            endpoint,
+            pending: Vec::new(),
+            offset: 0,
+            guard,
+        }
+    }
+
+    fn push(&mut self, entry: TokenLogprob) {
+        self.pending.push(entry);
+    }
+
+    /// What may go with text sent now (nothing under the guard).
+    fn for_text(&mut self) -> Option<serde_json::Value> {
+        if self.guard.is_some() || self.pending.is_empty() {
+            return None;
+        }
+        let entries = std::mem::take(&mut self.pending);
+        Some(logprobs_value(self.endpoint, &entries, &mut self.offset))
+    }
+
+    /// At a successful end: the rest, once the guard passed it.
+    fn finish(&mut self) -> Result<Option<serde_json::Value>, ApiError> {
+        if let Some(guard) = &mut self.guard {
+            let bytes: Vec<u8> = self
+                .pending
+                .iter()
+                .flat_map(|e| e.bytes.iter().copied())
+                .collect();
+            guard.text(&String::from_utf8_lossy(&bytes))?;
+            guard.finish()?;
+        }
+        let entries = std::mem::take(&mut self.pending);
+        Ok(
+            (!entries.is_empty())
+                .then(|| logprobs_value(self.endpoint, &entries, &mut self.offset)),
+        )
+    }
+}
+
+/// Sets a response's or chunk's first choice's `logprobs`.
+fn set_logprobs(value: &mut serde_json::Value, logprobs: Option<serde_json::Value>) {
+    if let Some(logprobs) = logprobs {
+        value["choices"][0]["logprobs"] = logprobs;
+    }
+}
+
+/// Waits for the whole completion (a dropped future drops the receiver,
+/// which cancels the request): its text and, when asked for, its log
+/// probabilities.
+pub async fn collect(
+    mut receiver: UnboundedReceiver<Event>,
+    meta: ResponseMeta,
+    mut tracker: Tracker,
+    mut guard: Option<OutputGuard>,
+    mut logprobs: Option<LogprobsOut>,
+) -> Result<serde_json::Value, ApiError> {
+    let mut text = String::new();
+    let block = |tracker: &mut Tracker, error| {
+        tracker.blocked();
+        Err(error)
+    };
+    while let Some(event) = receiver.recv().await {
+        tracker.observe(&event);
+        match event {
+            Event::Logprob(entry) => {
+                if let Some(out) = &mut logprobs {
+                    out.push(entry);
+                }
+            }
+            // A guard's error drops the receiver on return: the engine
+            // cancels the request.
+            Event::Text(piece) => match &mut guard {
+                Some(guard) => match guard.text(&piece) {
+                    Ok(passed) => text.push_str(&passed),
+                    Err(blocked) => return block(&mut tracker, blocked),
+                },
+                None => text.push_str(&piece),
+            },
+            Event::Finished { reason, usage } => {
+                if let Some(error) = finish_error(reason) {
+                    return Err(error);
+                }
+                if let Some(guard) = &mut guard {
+                    match guard.finish() {
+                        Ok(held) => text.push_str(&held),
+                        Err(blocked) => return block(&mut tracker, blocked),
+                    }
+                }
+                let logprobs = match logprobs.as_mut().map(LogprobsOut::finish).transpose() {
+                    Ok(value) => value.flatten(),
+                    Err(blocked) => return block(&mut tracker, blocked),
+                };
+                let mut response = meta.response(text, reason, usage);
+                set_logprobs(&mut response, logprobs);
+                return Ok(response);
+            }
+        }
+    }
+    Err(ApiError::Internal(
+        "the engine dropped a request without finishing it".into(),
+    ))
+}
+
 /// The SSE body of a streamed request.
 pub struct SseBody {
     events: UnboundedReceiver<Event>,
@@ -156,6 +277,8 @@ pub struct SseBody {
     tracker: Tracker,
     /// The canary guard, when the operator turned it on.
     guard: Option<OutputGuard>,
+    /// Log probabilities, when the request asked for them.
+    logprobs: Option<LogprobsOut>,
     frames: VecDeque<Bytes>,
     done: bool,
 }
@@ -172,6 +295,7 @@ impl SseBody {
         include_usage: bool,
         tracker: Tracker,
         guard: Option<OutputGuard>,
+        logprobs: Option<LogprobsOut>,
     ) -> SseBody {
         let mut frames = VecDeque::new();
         if meta.endpoint == super::openai::Endpoint::Chat {
@@ -183,6 +307,7 @@ impl SseBody {
             include_usage,
             tracker,
             guard,
+            logprobs,
             frames,
             done: false,
         }
@@ -191,6 +316,11 @@ impl SseBody {
     fn on_event(&mut self, event: Event) {
         self.tracker.observe(&event);
         match event {
+            Event::Logprob(entry) => {
+                if let Some(out) = &mut self.logprobs {
+                    out.push(entry);
+                }
+            }
             Event::Text(text) => {
                 let text = match self.guard.as_mut().map(|g| g.text(&text)) {
                     None => text,
@@ -207,7 +337,11 @@ impl SseBody {
         if text.is_empty() {
             return;
         }
-        let chunk = self.meta.chunk(false, Some(text), None, self.include_usage);
+        let mut chunk = self.meta.chunk(false, Some(text), None, self.include_usage);
+        set_logprobs(
+            &mut chunk,
+            self.logprobs.as_mut().and_then(LogprobsOut::for_text),
+        );
         self.frames.push_back(sse(&chunk));
     }
 
@@ -232,9 +366,15 @@ impl SseBody {
                 Err(blocked) => return self.block(blocked),
             }
         }
-        let last = self
+        // Entries of text held back to the end, or of no text: with the last chunk.
+        let logprobs = match self.logprobs.as_mut().map(LogprobsOut::finish).transpose() {
+            Ok(value) => value.flatten(),
+            Err(blocked) => return self.block(blocked),
+        };
+        let mut last = self
             .meta
             .chunk(false, None, Some(reason), self.include_usage);
+        set_logprobs(&mut last, logprobs);
         self.frames.push_back(sse(&last));
         if self.include_usage {
             self.frames.push_back(sse(&self.meta.usage_chunk(usage)));

@@ -77,9 +77,25 @@ pub struct Usage {
     pub cached_tokens: u32,
 }
 
+/// A generated token's log probabilities, its alternatives', and their bytes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The token's bytes (a piece of a character, for some tokens).
+    pub bytes: Vec<u8>,
+    /// Its log probability.
+    pub logprob: f32,
+    /// The likeliest tokens' bytes and log probabilities, most likely first.
+    pub top: Vec<(Vec<u8>, f32)>,
+}
+
 /// What the scheduler tells a request's client side.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
+    /// A generated token's log probabilities (when the request asked for
+    /// them), sent before its text: every generated token but an
+    /// end-of-generation one has one, including the token that completed a
+    /// stop sequence (whose text is cut there).
+    Logprob(TokenLogprob),
     /// New text (whole UTF-8; text that may begin a stop sequence is held back).
     Text(String),
     /// The request ended; nothing follows.

@@ -18,6 +18,8 @@ pub const LOGIT_BIAS_MAX: usize = 1024;
 pub const LOGIT_BIAS_LIMIT: f32 = 100.0;
 /// The bound of `presence_penalty` and `frequency_penalty` (either sign).
 pub const PENALTY_LIMIT: f32 = 2.0;
+/// Most alternatives a token's log probabilities may list (`top_logprobs`).
+pub const TOP_LOGPROBS_MAX: u8 = 20;
 
 /// How to pick the next token.
 #[derive(Clone, Debug, PartialEq)]
@@ -37,6 +39,50 @@ pub struct SamplingParams {
     /// Added to the logits of these tokens (ids in ascending order, each
     /// once; an id past the vocabulary is ignored: the API refuses them).
     pub logit_bias: Vec<(u32, f32)>,
+    /// Report each generated token's log probability and this many of the
+    /// likeliest alternatives' (at most [`TOP_LOGPROBS_MAX`]); `None`: none.
+    pub logprobs: Option<u8>,
+}
+
+/// A generated token's log probability and its likeliest alternatives', in
+/// the model's own distribution: the log-softmax of its logits, before bias,
+/// penalties, temperature, top-k or top-p (vLLM's default, and what a client
+/// comparing answers or scoring a label wants).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logprobs {
+    /// The token generated.
+    pub token: u32,
+    /// Its log probability.
+    pub logprob: f32,
+    /// The likeliest tokens, most likely first (ties: the lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl Logprobs {
+    /// `token`'s entry over `logits`, with `top` alternatives.
+    pub fn of(logits: &[f32], token: u32, top: usize) -> Logprobs {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+        let log_z = max + sum.ln() as f32;
+        let logprob = |id: u32| logits[id as usize] - log_z;
+        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+        let top = top.min(ids.len());
+        let order = |a: &u32, b: &u32| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        };
+        if top > 0 && top < ids.len() {
+            ids.select_nth_unstable_by(top - 1, order);
+        }
+        ids.truncate(top);
+        ids.sort_unstable_by(order);
+        Logprobs {
+            token,
+            logprob: logprob(token),
+            top: ids.into_iter().map(|id| (id, logprob(id))).collect(),
+        }
+    }
 }
 
 impl Default for SamplingParams {
@@ -49,6 +95,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
+            logprobs: None,
         }
     }
 }
@@ -80,6 +127,13 @@ impl Sampler {
             generated: HashMap::new(),
             adjusted: Vec::new(),
         }
+    }
+
+    /// The log probabilities of `token` (just sampled from `logits`), when
+    /// the request asked for them.
+    pub fn logprobs(&self, logits: &[f32], token: u32) -> Option<Logprobs> {
+        let top = self.params.logprobs?;
+        Some(Logprobs::of(logits, token, usize::from(top)))
     }
 
     /// Picks the next token from `logits` (`[vocab]`), and counts it for the
@@ -179,6 +233,40 @@ pub fn argmax(logits: &[f32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logprobs_are_the_log_softmax_of_the_raw_logits_with_the_likeliest_first() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0];
+        let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
+        let exact = |i: usize| (f64::from(logits[i]) - z.ln()) as f32;
+        let lp = Logprobs::of(&logits, 2, 3);
+        assert_eq!(lp.token, 2);
+        assert!((lp.logprob - exact(2)).abs() < 1e-6);
+        // Ties (ids 1 and 3) in id order, then the next.
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 3, 2]);
+        for (id, logprob) in &lp.top {
+            assert!((logprob - exact(*id as usize)).abs() < 1e-6);
+        }
+        let total: f64 = (0..5).map(|i| f64::from(exact(i)).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert!(Logprobs::of(&logits, 0, 0).top.is_empty());
+        assert_eq!(Logprobs::of(&logits, 0, 99).top.len(), 5);
+        // Not the biased or tempered distribution: the model's own.
+        let s = Sampler::new(SamplingParams {
+            temperature: 2.0,
+            logit_bias: vec![(4, 100.0)],
+            logprobs: Some(1),
+            ..SamplingParams::default()
+        });
+        let lp = s.logprobs(&logits, 4).unwrap();
+        assert!((lp.logprob - exact(4)).abs() < 1e-6);
+        assert_eq!(lp.top[0].0, 1);
+        assert_eq!(
+            Sampler::new(SamplingParams::default()).logprobs(&logits, 1),
+            None
+        );
+    }
 
     #[test]
     fn logit_bias_bans_and_forces_tokens_greedy_or_not() {

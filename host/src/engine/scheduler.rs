@@ -53,8 +53,8 @@
 use super::admission::{Admission, Admitted};
 use super::handoff::{ExportTo, PrefillRequest, RemotePrefill, Transferred};
 use super::prefix::PrefixCache;
-use super::request::{Event, FinishReason, Rejection, RequestId, Usage};
-use super::sampling::Sampler;
+use super::request::{Event, FinishReason, Rejection, RequestId, TokenLogprob, Usage};
+use super::sampling::{Logprobs, Sampler};
 use super::stats::{PoolAudit, SchedulerStats, TenantCounts, TenantPages, TenantStats};
 use super::stop::{Scan, StopMatcher};
 use crate::tenancy::TenantId;
@@ -1281,11 +1281,14 @@ impl<B: Backend> Scheduler<B> {
                 wants_logits: p.wants_logits,
             })
             .collect();
-        let sampled: Vec<u32> = match self.backend.step(&steps, &mut self.pool) {
+        let sampled: Vec<(u32, Option<Logprobs>)> = match self.backend.step(&steps, &mut self.pool)
+        {
             Ok(logits) => {
                 let mut out = Vec::new();
                 for (row, p) in plan.iter().filter(|p| p.wants_logits).enumerate() {
-                    out.push(self.running[p.seq_index].sampler.sample(logits.row(row)));
+                    let sampler = &mut self.running[p.seq_index].sampler;
+                    let token = sampler.sample(logits.row(row));
+                    out.push((token, sampler.logprobs(logits.row(row), token)));
                 }
                 out
             }
@@ -1328,11 +1331,11 @@ impl<B: Backend> Scheduler<B> {
             if !p.wants_logits {
                 continue;
             }
-            let token = next_sample
+            let (token, logprobs) = next_sample
                 .next()
                 .expect("one sample per entry that wants logits");
             self.tokens_generated += 1;
-            if let Some(reason) = self.accept(p.seq_index, token) {
+            if let Some(reason) = self.accept(p.seq_index, token, logprobs) {
                 finishing.push((p.seq_index, reason));
             }
         }
@@ -1345,14 +1348,36 @@ impl<B: Backend> Scheduler<B> {
         finished
     }
 
-    /// Takes a sampled token: streams its text, or says why the sequence ends.
-    fn accept(&mut self, seq_index: usize, token: u32) -> Option<FinishReason> {
+    /// Takes a sampled token: streams its log probabilities (when asked for)
+    /// and its text, or says why the sequence ends.
+    fn accept(
+        &mut self,
+        seq_index: usize,
+        token: u32,
+        logprobs: Option<Logprobs>,
+    ) -> Option<FinishReason> {
         let is_eog = self.tokenizer.is_eog(token);
         let s = &mut self.running[seq_index];
         if is_eog {
             return Some(FinishReason::Stop);
         }
         s.generated += 1;
+        if let Some(logprobs) = logprobs {
+            let bytes = |id| {
+                self.tokenizer
+                    .token_to_piece_bytes(id)
+                    .map_or_else(|_| Vec::new(), <[u8]>::to_vec)
+            };
+            let _ = s.events.send(Event::Logprob(TokenLogprob {
+                bytes: bytes(logprobs.token),
+                logprob: logprobs.logprob,
+                top: logprobs
+                    .top
+                    .iter()
+                    .map(|&(id, logprob)| (bytes(id), logprob))
+                    .collect(),
+            }));
+        }
         let text = match s.detokenizer.push(token) {
             Ok(text) => text,
             Err(error) => {
