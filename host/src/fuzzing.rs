@@ -64,6 +64,9 @@ pub fn openai(data: &[u8]) {
             .iter()
             .map(|m| json!({"role": m.role, "content": m.content}))
             .collect();
+        if chat.common.sampling.json {
+            body["response_format"] = json!({"type": "json_object"});
+        }
         if let Some(top) = chat.common.sampling.logprobs {
             body["logprobs"] = json!(true);
             body["top_logprobs"] = json!(top);

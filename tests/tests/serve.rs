@@ -382,6 +382,59 @@ fn logprobs_follow_openais_shapes_streamed_or_not_and_are_the_models_own() {
 }
 
 #[test]
+fn json_mode_answers_a_json_object_streamed_or_not() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let prompt = "Describe a cat in JSON, with its name, age and color.";
+    for (temperature, seed) in [(0.0, 1), (1.0, 7)] {
+        let mut body = chat_body(prompt, 256);
+        body["temperature"] = json!(temperature);
+        body["seed"] = json!(seed);
+        body["response_format"] = json!({"type": "json_object"});
+        let r = server.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        let text = v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        // Closed well before the limit, and ended there.
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{text:?}");
+        let object: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        assert!(object.is_object(), "{text:?}");
+        body["stream"] = json!(true);
+        let (status, mut sse) = server.stream("/v1/chat/completions", KEY_ALPHA, &body);
+        assert_eq!(status, 200);
+        let mut streamed = String::new();
+        for data in sse.rest() {
+            if data == "[DONE]" {
+                break;
+            }
+            let chunk = data_json(&data);
+            streamed.push_str(
+                chunk["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .unwrap_or(""),
+            );
+        }
+        assert_eq!(streamed, text);
+    }
+    // Without it the same prompt is free text, which is no JSON object.
+    let free = server
+        .post_json("/v1/chat/completions", Some(KEY_ALPHA), &{
+            let mut body = chat_body(prompt, 64);
+            body["temperature"] = json!(0);
+            body
+        })
+        .json();
+    let free = free["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(
+        serde_json::from_str::<serde_json::Map<String, Value>>(free).is_err(),
+        "{free:?}"
+    );
+}
+
+#[test]
 fn logs_are_text_for_a_person_or_json_and_busy_models_log_a_summary() {
     let Some(model) = smollm2() else { return };
     let policy = Policy {
@@ -495,7 +548,12 @@ fn client_errors_are_openai_shaped_and_name_the_parameter() {
             json!([{"type": "function", "function": {"name": "f"}}]),
             "tools",
         ),
-        ("logprobs", json!(true), "logprobs"),
+        ("top_logprobs", json!(21), "top_logprobs"),
+        (
+            "response_format",
+            json!({"type": "json_schema"}),
+            "response_format",
+        ),
         ("stop", json!(["a", "b", "c", "d", "e"]), "stop"),
         ("frobnicate", json!(1), "frobnicate"),
         ("messages", json!("hello"), "messages"),

@@ -272,6 +272,7 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
             logit_bias,
             // Each endpoint's own parameters.
             logprobs: None,
+            json: false,
         },
         stop,
         stream,
@@ -366,9 +367,25 @@ impl ChatRequest {
         f.allow_if("tool_choice", |v| v == "none")?;
         f.allow_if("function_call", |v| v == "none")?;
         f.ignore("parallel_tool_calls");
-        f.allow_if("response_format", |v| {
-            v.get("type") == Some(&Value::from("text"))
-        })?;
+        common.sampling.json = match f.take::<Value>("response_format")? {
+            None => false,
+            Some(format) => match format.get("type").and_then(Value::as_str) {
+                Some("text") => false,
+                Some("json_object") => true,
+                Some("json_schema") => {
+                    return Err(unsupported(
+                        "response_format",
+                        "of type json_schema is not supported by this server (json_object is)",
+                    ))
+                }
+                _ => {
+                    return Err(invalid(
+                        "response_format",
+                        "type must be \"text\" or \"json_object\"",
+                    ))
+                }
+            },
+        };
         f.allow_if("modalities", |v| v == &serde_json::json!(["text"]))?;
         f.finish()?;
         if messages.is_empty() {
@@ -787,9 +804,11 @@ mod tests {
             (r#""logprobs":true,"top_logprobs":21"#, "top_logprobs"),
             (r#""logprobs":true,"top_logprobs":-1"#, "top_logprobs"),
             (
-                r#""response_format":{"type":"json_object"}"#,
+                r#""response_format":{"type":"json_schema","json_schema":{}}"#,
                 "response_format",
             ),
+            (r#""response_format":{"type":"yaml"}"#, "response_format"),
+            (r#""response_format":"json""#, "response_format"),
             (r#""logit_bias":{"a":2}"#, "logit_bias"),
             (r#""logit_bias":{"01":2}"#, "logit_bias"),
             (r#""logit_bias":{"-1":2}"#, "logit_bias"),
@@ -862,6 +881,15 @@ mod tests {
         assert_eq!(logprobs(r#","logprobs":false,"top_logprobs":0"#), None);
         assert_eq!(logprobs(r#","logprobs":true"#), Some(0));
         assert_eq!(logprobs(r#","logprobs":true,"top_logprobs":20"#), Some(20));
+        let json = |extra: &str| {
+            chat(&format!("{{{base}{extra}}}"))
+                .unwrap()
+                .common
+                .sampling
+                .json
+        };
+        assert!(!json("") && !json(r#","response_format":{"type":"text"}"#));
+        assert!(json(r#","response_format":{"type":"json_object"}"#));
         let completion = |extra: &str| {
             CompletionRequest::parse(format!(r#"{{"model":"m","prompt":"hi"{extra}}}"#).as_bytes())
                 .map(|r| r.common.sampling.logprobs)

@@ -7,6 +7,7 @@ pub mod build;
 pub mod chat;
 pub mod generate;
 pub mod handoff;
+pub mod json;
 pub mod placement;
 mod prefix;
 pub mod request;

@@ -7,8 +7,11 @@
 //! `presence_penalty` once (`c` counts this request's generated tokens, not
 //! the prompt's, as vLLM counts them).
 
+use super::json::Json;
 use bulkhead_kernels::rng::SplitMix64;
+use bulkhead_kernels::tokenizer::{TokenType, Tokenizer};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// Largest top-k honoured; larger values are clamped (the vocabulary is the real bound).
 pub const TOP_K_MAX: usize = 1 << 16;
@@ -42,6 +45,8 @@ pub struct SamplingParams {
     /// Report each generated token's log probability and this many of the
     /// likeliest alternatives' (at most [`TOP_LOGPROBS_MAX`]); `None`: none.
     pub logprobs: Option<u8>,
+    /// JSON mode: the output is a JSON object (see [`super::json`]).
+    pub json: bool,
 }
 
 /// A generated token's log probability and its likeliest alternatives', in
@@ -96,6 +101,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
             logprobs: None,
+            json: false,
         }
     }
 }
@@ -115,6 +121,8 @@ pub struct Sampler {
     generated: HashMap<u32, u32>,
     /// The adjusted logits, when there is anything to adjust.
     adjusted: Vec<f32>,
+    /// JSON mode's recognizer and the vocabulary it reads tokens' bytes from.
+    json: Option<(Json, Arc<Tokenizer>)>,
 }
 
 impl Sampler {
@@ -126,6 +134,18 @@ impl Sampler {
             candidates: Vec::new(),
             generated: HashMap::new(),
             adjusted: Vec::new(),
+            json: None,
+        }
+    }
+
+    /// A sampler for `params` over `tokenizer`'s vocabulary: in JSON mode
+    /// it picks only tokens that keep the output a prefix of a JSON object,
+    /// and an end-of-generation token once the object is closed.
+    pub fn for_vocabulary(params: SamplingParams, tokenizer: &Arc<Tokenizer>) -> Sampler {
+        let json = params.json.then(|| (Json::new(), Arc::clone(tokenizer)));
+        Sampler {
+            json,
+            ..Sampler::new(params)
         }
     }
 
@@ -168,10 +188,87 @@ impl Sampler {
         token
     }
 
+    /// [`Sampler::pick_free`], within JSON mode's constraint when it is on.
     fn pick(&mut self, logits: &[f32]) -> u32 {
+        let Some((json, tokenizer)) = self.json.take() else {
+            return self.pick_free(logits, &|_| true);
+        };
+        let (json, token) = if json.is_done() {
+            // The object is closed: the output ends.
+            let eog = (0..logits.len() as u32)
+                .filter(|&id| tokenizer.is_eog(id))
+                .max_by(|&a, &b| {
+                    logits[a as usize]
+                        .total_cmp(&logits[b as usize])
+                        .then(b.cmp(&a))
+                });
+            match eog {
+                Some(token) => (json, token),
+                None => (json, self.pick_free(logits, &|_| true)),
+            }
+        } else {
+            let fits = |id: u32| {
+                matches!(
+                    tokenizer.token_type(id),
+                    Ok(TokenType::Normal | TokenType::Byte)
+                ) && tokenizer
+                    .token_to_piece_bytes(id)
+                    .is_ok_and(|bytes| !bytes.is_empty() && json.accepts(bytes))
+            };
+            let token = self.pick_free(logits, &fits);
+            let mut json = json;
+            if let Ok(bytes) = tokenizer.token_to_piece_bytes(token) {
+                json.push(bytes);
+            }
+            (json, token)
+        };
+        self.json = Some((json, tokenizer));
+        token
+    }
+
+    /// Greedy, or temperature, top-k and top-p, among the tokens that `fits`:
+    /// the likeliest is tried first and a draw that does not fit is drawn
+    /// again without it, so a constraint costs a check per rejected token
+    /// rather than one per vocabulary entry; when every candidate was
+    /// rejected, the likeliest token that fits of the whole vocabulary wins
+    /// (or, where none fits, the likeliest).
+    fn pick_free(&mut self, logits: &[f32], fits: &dyn Fn(u32) -> bool) -> u32 {
+        // The likeliest tokens first: the best 64 (usually enough), then the rest.
+        let best_fitting = |logits: &[f32]| {
+            let order = |a: &u32, b: &u32| {
+                logits[*b as usize]
+                    .total_cmp(&logits[*a as usize])
+                    .then(a.cmp(b))
+            };
+            let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+            let head = 64.min(ids.len());
+            if head < ids.len() {
+                ids.select_nth_unstable_by(head - 1, order);
+            }
+            let (first, rest) = ids.split_at_mut(head);
+            first.sort_unstable_by(order);
+            if let Some(&id) = first.iter().find(|&&id| fits(id)) {
+                return Some(id);
+            }
+            rest.sort_unstable_by(order);
+            rest.iter().copied().find(|&id| fits(id))
+        };
         if self.params.temperature <= 0.0 {
-            return argmax(logits);
+            let best = argmax(logits);
+            if fits(best) {
+                return best;
+            }
+            return best_fitting(logits).unwrap_or(best);
         }
+        let token = self.draw(logits, fits);
+        token
+            .or_else(|| best_fitting(logits))
+            .unwrap_or_else(|| argmax(logits))
+    }
+
+    /// A draw among the temperature's, top-k's and top-p's candidates that
+    /// fit; `None` when none does.
+    fn draw(&mut self, logits: &[f32], fits: &dyn Fn(u32) -> bool) -> Option<u32> {
         let inv_t = 1.0 / self.params.temperature;
         let c = &mut self.candidates;
         c.clear();
@@ -208,14 +305,25 @@ impl Sampler {
             }
         }
         c.truncate(keep);
-        let mut target = self.rng.next_f64() * kept;
-        for cand in c.iter() {
-            target -= f64::from(cand.1);
-            if target <= 0.0 {
-                return cand.0;
+        // Draws until one fits; one that does not is taken out of the draw.
+        while !c.is_empty() && kept > 0.0 {
+            let mut target = self.rng.next_f64() * kept;
+            let mut at = c.len() - 1;
+            for (i, cand) in c.iter().enumerate() {
+                target -= f64::from(cand.1);
+                if target <= 0.0 {
+                    at = i;
+                    break;
+                }
             }
+            let token = c[at].0;
+            if fits(token) {
+                return Some(token);
+            }
+            kept -= f64::from(c[at].1);
+            c.remove(at);
         }
-        c[c.len() - 1].0
+        None
     }
 }
 
@@ -266,6 +374,80 @@ mod tests {
             Sampler::new(SamplingParams::default()).logprobs(&logits, 1),
             None
         );
+    }
+
+    fn tiny_tokenizer() -> Arc<Tokenizer> {
+        use bulkhead_kernels::testing::{tiny_llama, TinySpec};
+        let gguf =
+            bulkhead_kernels::gguf::Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap();
+        Arc::new(Tokenizer::from_gguf(&gguf).unwrap())
+    }
+
+    #[test]
+    fn json_mode_keeps_the_output_a_json_object_and_ends_it_once_closed() {
+        let tokenizer = tiny_tokenizer();
+        let vocab = tokenizer.vocab_len();
+        let id = |text: &str| {
+            let ids = tokenizer
+                .encode(text, bulkhead_kernels::tokenizer::EncodeOptions::default())
+                .unwrap();
+            assert_eq!(ids.len(), 1, "{text:?}");
+            ids[0]
+        };
+        // "x" is the model's favourite (never JSON but in a string), then a
+        // quote; after 40 tokens, a ranking that closes whatever is open
+        // takes over.
+        let (x, closers) = (id("x"), [id("\""), id("}"), id("]"), id(":"), id("0")]);
+        for (temperature, seed) in [(0.0, 1), (1.0, 2), (1.5, 3)] {
+            let mut sampler = Sampler::for_vocabulary(
+                SamplingParams {
+                    temperature,
+                    seed,
+                    json: true,
+                    ..SamplingParams::default()
+                },
+                &tokenizer,
+            );
+            let mut rng = SplitMix64(seed);
+            let mut out = Vec::new();
+            let mut ended = false;
+            for step in 0..400 {
+                let mut logits: Vec<f32> =
+                    (0..vocab).map(|_| rng.next_f64() as f32 * 4.0).collect();
+                logits[x as usize] = 30.0;
+                logits[closers[0] as usize] = 20.0;
+                if step >= 40 {
+                    for (rank, &c) in closers.iter().enumerate() {
+                        logits[c as usize] = 60.0 - 4.0 * rank as f32;
+                    }
+                }
+                let token = sampler.sample(&logits);
+                if tokenizer.is_eog(token) {
+                    ended = true;
+                    break;
+                }
+                assert!(
+                    matches!(
+                        tokenizer.token_type(token),
+                        Ok(TokenType::Normal | TokenType::Byte)
+                    ),
+                    "a control token in JSON"
+                );
+                out.extend_from_slice(tokenizer.token_to_piece_bytes(token).unwrap());
+                let mut prefix = Json::new();
+                assert!(
+                    prefix.push(&out),
+                    "not a JSON prefix: {:?}",
+                    String::from_utf8_lossy(&out)
+                );
+            }
+            assert!(ended, "never closed: {:?}", String::from_utf8_lossy(&out));
+            let text = String::from_utf8(out).unwrap();
+            let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+            assert!(value.is_object(), "{text:?}");
+            // "x" was taken where JSON allows it: inside strings.
+            assert!(text.contains('x'), "{text:?}");
+        }
     }
 
     #[test]

@@ -869,7 +869,7 @@ impl<B: Backend> Scheduler<B> {
                     pages_published: 0,
                     cached_tokens: (cached.len() * page_tokens) as u32,
                     max_tokens: request.max_tokens,
-                    sampler: Sampler::new(request.sampling),
+                    sampler: Sampler::for_vocabulary(request.sampling, &self.tokenizer),
                     detokenizer: Detokenizer::new(
                         Arc::clone(&self.tokenizer),
                         DecodeOptions { skip_special: true },
