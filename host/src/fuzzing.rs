@@ -78,6 +78,9 @@ pub fn openai(data: &[u8]) {
     if let Ok(completion) = CompletionRequest::parse(data) {
         check_common(&completion.common);
         let mut body = common_body(&completion.common);
+        if completion.common.sampling.json {
+            body["response_format"] = json!({"type": "json_object"});
+        }
         if let Some(top) = completion.common.sampling.logprobs {
             body["logprobs"] = json!(top);
         }

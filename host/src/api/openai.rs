@@ -281,6 +281,25 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
     })
 }
 
+/// `response_format`: whether it asks for JSON mode (`json_object`).
+fn json_mode(f: &mut Fields) -> Result<bool, ApiError> {
+    let Some(format) = f.take::<Value>("response_format")? else {
+        return Ok(false);
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(false),
+        Some("json_object") => Ok(true),
+        Some("json_schema") => Err(unsupported(
+            "response_format",
+            "of type json_schema is not supported by this server (json_object is)",
+        )),
+        _ => Err(invalid(
+            "response_format",
+            "type must be \"text\" or \"json_object\"",
+        )),
+    }
+}
+
 /// A count of alternatives, 0 to [`TOP_LOGPROBS_MAX`].
 fn top_logprobs(value: Option<u64>, name: &str) -> Result<Option<u8>, ApiError> {
     match value {
@@ -367,25 +386,7 @@ impl ChatRequest {
         f.allow_if("tool_choice", |v| v == "none")?;
         f.allow_if("function_call", |v| v == "none")?;
         f.ignore("parallel_tool_calls");
-        common.sampling.json = match f.take::<Value>("response_format")? {
-            None => false,
-            Some(format) => match format.get("type").and_then(Value::as_str) {
-                Some("text") => false,
-                Some("json_object") => true,
-                Some("json_schema") => {
-                    return Err(unsupported(
-                        "response_format",
-                        "of type json_schema is not supported by this server (json_object is)",
-                    ))
-                }
-                _ => {
-                    return Err(invalid(
-                        "response_format",
-                        "type must be \"text\" or \"json_object\"",
-                    ))
-                }
-            },
-        };
+        common.sampling.json = json_mode(&mut f)?;
         f.allow_if("modalities", |v| v == &serde_json::json!(["text"]))?;
         f.finish()?;
         if messages.is_empty() {
@@ -507,6 +508,8 @@ impl CompletionRequest {
         let mut common = common(&mut f)?;
         // The legacy shape: how many alternatives, 0 for the chosen token's only.
         common.sampling.logprobs = top_logprobs(f.take("logprobs")?, "logprobs")?;
+        // (Not OpenAI's on this endpoint; vLLM's, and as useful here.)
+        common.sampling.json = json_mode(&mut f)?;
         f.allow_if("top_logprobs", is_zero)?;
         f.allow_if("echo", |v| v == &Value::Bool(false))?;
         f.allow_if("best_of", |v| v.as_u64() == Some(1))?;
@@ -905,6 +908,12 @@ mod tests {
             param_of(completion(r#","logprobs":true"#).unwrap_err()),
             "logprobs"
         );
+        let json = |extra: &str| {
+            CompletionRequest::parse(format!(r#"{{"model":"m","prompt":"hi"{extra}}}"#).as_bytes())
+                .map(|r| r.common.sampling.json)
+        };
+        assert!(json(r#","response_format":{"type":"json_object"}"#).unwrap());
+        assert!(!json("").unwrap());
     }
 
     #[test]
