@@ -351,6 +351,28 @@ fn logprobs_follow_openais_shapes_streamed_or_not_and_are_the_models_own() {
         assert_eq!(a["bytes"], b["bytes"]);
         assert!((a["logprob"].as_f64().unwrap() - b["logprob"].as_f64().unwrap()).abs() < 1e-5);
     }
+    // No token but the end (its bias forces it first): no entries, not null.
+    let out = Command::new(bulkhead_exe())
+        .arg("tokenize")
+        .arg("--model")
+        .arg(&model)
+        .args(["--text", "<|im_end|>", "--parse-special"])
+        .output()
+        .unwrap();
+    let end = serde_json::from_slice::<Vec<u64>>(&out.stdout).unwrap();
+    assert_eq!(end.len(), 1, "{end:?}");
+    let mut ended = chat_body("hi", 8);
+    ended["logprobs"] = json!(true);
+    ended["logit_bias"] = json!({ end[0].to_string(): 100 });
+    let v = server
+        .post_json("/v1/chat/completions", Some(KEY_ALPHA), &ended)
+        .json();
+    assert_eq!(v["choices"][0]["message"]["content"], "", "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(
+        v["choices"][0]["logprobs"],
+        json!({"content": [], "refusal": null})
+    );
     // Without asking: null, as before.
     let plain = server
         .post_json("/v1/chat/completions", Some(KEY_ALPHA), &chat_body("hi", 4))

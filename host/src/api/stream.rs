@@ -186,8 +186,9 @@ impl LogprobsOut {
         Some(logprobs_value(self.endpoint, &entries, &mut self.offset))
     }
 
-    /// At a successful end: the rest, once the guard passed it.
-    fn finish(&mut self) -> Result<Option<serde_json::Value>, ApiError> {
+    /// At a successful end: the rest, once the guard passed it (for a whole
+    /// response, even none: `{"content": []}` says there were no tokens).
+    fn finish(&mut self, whole: bool) -> Result<Option<serde_json::Value>, ApiError> {
         if let Some(guard) = &mut self.guard {
             let bytes: Vec<u8> = self
                 .pending
@@ -198,10 +199,8 @@ impl LogprobsOut {
             guard.finish()?;
         }
         let entries = std::mem::take(&mut self.pending);
-        Ok(
-            (!entries.is_empty())
-                .then(|| logprobs_value(self.endpoint, &entries, &mut self.offset)),
-        )
+        Ok((whole || !entries.is_empty())
+            .then(|| logprobs_value(self.endpoint, &entries, &mut self.offset)))
     }
 }
 
@@ -254,7 +253,7 @@ pub async fn collect(
                         Err(blocked) => return block(&mut tracker, blocked),
                     }
                 }
-                let logprobs = match logprobs.as_mut().map(LogprobsOut::finish).transpose() {
+                let logprobs = match logprobs.as_mut().map(|l| l.finish(true)).transpose() {
                     Ok(value) => value.flatten(),
                     Err(blocked) => return block(&mut tracker, blocked),
                 };
@@ -367,7 +366,7 @@ impl SseBody {
             }
         }
         // Entries of text held back to the end, or of no text: with the last chunk.
-        let logprobs = match self.logprobs.as_mut().map(LogprobsOut::finish).transpose() {
+        let logprobs = match self.logprobs.as_mut().map(|l| l.finish(false)).transpose() {
             Ok(value) => value.flatten(),
             Err(blocked) => return self.block(blocked),
         };
