@@ -187,6 +187,17 @@ fn the_guard_blocks_another_tenants_canary_and_lets_a_tenant_read_its_own() {
     assert_eq!(text_of(&again), full);
 }
 
+/// Every data event of a streamed chat completion but `[DONE]`.
+fn stream_chunks(server: &Server, key: &str, body: &Value) -> Vec<Value> {
+    let (status, mut sse) = server.stream("/v1/chat/completions", key, body);
+    assert_eq!(status, 200);
+    sse.rest()
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
 #[test]
 fn log_probabilities_are_held_to_the_end_and_scanned_whole_under_the_guard() {
     let Some(model) = smollm2() else { return };
@@ -225,28 +236,14 @@ fn log_probabilities_are_held_to_the_end_and_scanned_whole_under_the_guard() {
     // Streamed: text goes out as it passes, log probabilities not before
     // the end, and then not at all.
     request["stream"] = json!(true);
-    let (status, mut sse) = server.stream("/v1/chat/completions", KEY_BETA, &request);
-    assert_eq!(status, 200);
-    let chunks: Vec<Value> = sse
-        .rest()
-        .iter()
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = stream_chunks(&server, KEY_BETA, &request);
     assert_eq!(chunks.last().unwrap()["error"]["code"], "output_blocked");
     assert!(
         chunks.iter().all(|c| c["choices"][0]["logprobs"].is_null()),
         "{chunks:?}"
     );
     // Alpha, whose canary it is, gets every token's, in the last chunk.
-    let (status, mut sse) = server.stream("/v1/chat/completions", KEY_ALPHA, &request);
-    assert_eq!(status, 200);
-    let chunks: Vec<Value> = sse
-        .rest()
-        .iter()
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = stream_chunks(&server, KEY_ALPHA, &request);
     let with: Vec<&Value> = chunks
         .iter()
         .filter(|c| !c["choices"][0]["logprobs"].is_null())

@@ -286,6 +286,17 @@ fn logit_bias_and_penalties_reach_the_sampler_and_bad_ones_are_refused() {
     }
 }
 
+/// The chunks of alpha's streamed chat completion, up to `[DONE]`.
+fn chat_chunks(server: &Server, body: &Value) -> Vec<Value> {
+    let (status, mut sse) = server.stream("/v1/chat/completions", KEY_ALPHA, body);
+    assert_eq!(status, 200);
+    sse.rest()
+        .iter()
+        .take_while(|data| *data != "[DONE]")
+        .map(|data| data_json(data))
+        .collect()
+}
+
 /// A chat logprobs entry's bytes.
 fn bytes_of(entry: &Value) -> Vec<u8> {
     entry["bytes"]
@@ -334,18 +345,12 @@ fn logprobs_follow_openais_shapes_streamed_or_not_and_are_the_models_own() {
     }
     // Streamed: the same entries, spread over the chunks.
     body["stream"] = json!(true);
-    let (status, mut sse) = server.stream("/v1/chat/completions", KEY_ALPHA, &body);
-    assert_eq!(status, 200);
-    let mut streamed = Vec::new();
-    for data in sse.rest() {
-        if data == "[DONE]" {
-            break;
-        }
-        let chunk = data_json(&data);
-        if let Some(entries) = chunk["choices"][0]["logprobs"]["content"].as_array() {
-            streamed.extend(entries.iter().cloned());
-        }
-    }
+    let streamed: Vec<Value> = chat_chunks(&server, &body)
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array())
+        .flatten()
+        .cloned()
+        .collect();
     assert_eq!(streamed.len(), content.len());
     for (a, b) in streamed.iter().zip(&content) {
         assert_eq!(a["bytes"], b["bytes"]);
@@ -425,20 +430,10 @@ fn json_mode_answers_a_json_object_streamed_or_not() {
         let object: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
         assert!(object.is_object(), "{text:?}");
         body["stream"] = json!(true);
-        let (status, mut sse) = server.stream("/v1/chat/completions", KEY_ALPHA, &body);
-        assert_eq!(status, 200);
-        let mut streamed = String::new();
-        for data in sse.rest() {
-            if data == "[DONE]" {
-                break;
-            }
-            let chunk = data_json(&data);
-            streamed.push_str(
-                chunk["choices"][0]["delta"]["content"]
-                    .as_str()
-                    .unwrap_or(""),
-            );
-        }
+        let streamed: String = chat_chunks(&server, &body)
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
         assert_eq!(streamed, text);
     }
     // Without it the same prompt is free text, which is no JSON object.
