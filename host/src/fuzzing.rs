@@ -23,7 +23,9 @@ use crate::api::openai::{
 };
 use crate::config::{Config, ModelSpec, PluginsConfig};
 use crate::engine::chat::MESSAGES_MAX;
-use crate::engine::sampling::{LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT, TOP_LOGPROBS_MAX};
+use crate::engine::sampling::{
+    LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT, REPETITION_PENALTY_MAX, TOP_LOGPROBS_MAX,
+};
 use crate::engine::stop::{STOPS_MAX, STOP_BYTES_MAX};
 use crate::policy::{CallLimits, PolicyRuntime};
 use crate::store::records::{
@@ -100,6 +102,11 @@ fn check_common(common: &Common) {
     assert!((0.0..=2.0).contains(&s.temperature), "{common:?}");
     assert!(s.top_p > 0.0 && s.top_p <= 1.0, "{common:?}");
     assert!(s.top_k as u64 <= TOP_K_LIMIT, "{common:?}");
+    assert!((0.0..=1.0).contains(&s.min_p), "{common:?}");
+    assert!(
+        s.repetition_penalty > 0.0 && s.repetition_penalty <= REPETITION_PENALTY_MAX,
+        "{common:?}"
+    );
     for penalty in [s.presence_penalty, s.frequency_penalty] {
         assert!(penalty.abs() <= PENALTY_LIMIT, "{common:?}");
     }
@@ -143,6 +150,9 @@ fn common_body(common: &Common) -> Value {
         "top_p": common.sampling.top_p,
         "top_k": common.sampling.top_k,
         "seed": common.sampling.seed,
+        "min_p": common.sampling.min_p,
+        "repetition_penalty": common.sampling.repetition_penalty,
+        "ignore_eos": common.sampling.ignore_eos,
         "presence_penalty": common.sampling.presence_penalty,
         "frequency_penalty": common.sampling.frequency_penalty,
         "logit_bias": common

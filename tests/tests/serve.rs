@@ -268,6 +268,33 @@ fn logit_bias_and_penalties_reach_the_sampler_and_bad_ones_are_refused() {
         completion(json!({"logit_bias": forced, "presence_penalty": 2})),
         "!".repeat(48)
     );
+    // ignore_eos: the end forced first, and still max_tokens of it (no text).
+    let out = Command::new(bulkhead_exe())
+        .arg("tokenize")
+        .arg("--model")
+        .arg(&model)
+        .args(["--text", "<|im_end|>", "--parse-special"])
+        .output()
+        .unwrap();
+    let end = serde_json::from_slice::<Vec<u64>>(&out.stdout).unwrap()[0];
+    for (ignore_eos, tokens, reason) in [(false, 0, "stop"), (true, 12, "length")] {
+        let mut body = chat_body("hi", 12);
+        body["logit_bias"] = json!({ end.to_string(): 100 });
+        body["ignore_eos"] = json!(ignore_eos);
+        let v = server
+            .post_json("/v1/chat/completions", Some(KEY_ALPHA), &body)
+            .json();
+        assert_eq!(v["choices"][0]["finish_reason"], reason, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], tokens, "{v}");
+        assert_eq!(v["choices"][0]["message"]["content"], "", "{v}");
+    }
+    // min_p 1 at temperature 2 is greedy; repetition_penalty changes the text.
+    let greedy = completion(json!({}));
+    assert_eq!(
+        completion(json!({"temperature": 2, "min_p": 1, "seed": 3})),
+        greedy
+    );
+    assert_ne!(completion(json!({"repetition_penalty": 1.5})), greedy);
     // Ids past the vocabulary, and out-of-range values, are 400s naming them.
     for (extra, param) in [
         (json!({"logit_bias": {"49152": 1}}), "logit_bias"),
@@ -275,6 +302,8 @@ fn logit_bias_and_penalties_reach_the_sampler_and_bad_ones_are_refused() {
         (json!({"logit_bias": {"x": 1}}), "logit_bias"),
         (json!({"presence_penalty": 2.5}), "presence_penalty"),
         (json!({"frequency_penalty": -2.5}), "frequency_penalty"),
+        (json!({"min_p": -0.1}), "min_p"),
+        (json!({"repetition_penalty": 3}), "repetition_penalty"),
     ] {
         let mut body = chat_body("hi", 4);
         body.as_object_mut()

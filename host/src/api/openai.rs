@@ -13,7 +13,8 @@ use crate::engine::chat::{Message, MESSAGES_MAX};
 use crate::engine::request::TokenLogprob;
 use crate::engine::request::{FinishReason, Usage};
 use crate::engine::sampling::{
-    SamplingParams, LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT, TOP_LOGPROBS_MAX,
+    SamplingParams, LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT, REPETITION_PENALTY_MAX,
+    TOP_LOGPROBS_MAX,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -249,6 +250,19 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
     let presence_penalty = penalty(f, "presence_penalty")?;
     let frequency_penalty = penalty(f, "frequency_penalty")?;
     let logit_bias = logit_bias(f)?;
+    // vLLM's and llama.cpp's, beyond OpenAI's.
+    let min_p: f32 = f.take("min_p")?.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(invalid("min_p", "must be between 0 and 1"));
+    }
+    let repetition_penalty: f32 = f.take("repetition_penalty")?.unwrap_or(1.0);
+    if !(repetition_penalty > 0.0 && repetition_penalty <= REPETITION_PENALTY_MAX) {
+        return Err(invalid(
+            "repetition_penalty",
+            format!("must be greater than 0 and at most {REPETITION_PENALTY_MAX}"),
+        ));
+    }
+    let ignore_eos: bool = f.take("ignore_eos")?.unwrap_or(false);
     f.allow_if("n", |v| v.as_u64() == Some(1))?;
     for ignored in [
         "user",
@@ -273,6 +287,9 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
             // Each endpoint's own parameters.
             logprobs: None,
             json: false,
+            min_p,
+            repetition_penalty,
+            ignore_eos,
         },
         stop,
         stream,
@@ -820,6 +837,10 @@ mod tests {
             (r#""logit_bias":{"1":"2"}"#, "logit_bias"),
             (r#""logit_bias":[1]"#, "logit_bias"),
             (r#""presence_penalty":2.5"#, "presence_penalty"),
+            (r#""min_p":1.5"#, "min_p"),
+            (r#""repetition_penalty":0"#, "repetition_penalty"),
+            (r#""repetition_penalty":2.5"#, "repetition_penalty"),
+            (r#""ignore_eos":1"#, "ignore_eos"),
             (r#""frequency_penalty":-3"#, "frequency_penalty"),
             (r#""frequency_penalty":"1""#, "frequency_penalty"),
             (r#""max_tokens":"ten""#, "max_tokens"),

@@ -1,16 +1,20 @@
 //! Token sampling: greedy at temperature 0, otherwise temperature, top-k and
 //! top-p (nucleus) over a seeded generator, so a seed reproduces a completion.
 //!
-//! Before either, the logits are adjusted as OpenAI defines it: each
-//! `logit_bias` entry is added to its token's logit, and a token the sequence
-//! has generated `c` times loses `c × frequency_penalty`, plus
-//! `presence_penalty` once (`c` counts this request's generated tokens, not
-//! the prompt's, as vLLM counts them).
+//! Before either, the logits are adjusted: a token of the prompt or the
+//! output so far has its logit divided by `repetition_penalty` (multiplied,
+//! where negative: the CTRL paper's rule, as vLLM, TGI and llama.cpp apply
+//! it); then, as OpenAI defines them, a token the sequence has generated `c`
+//! times loses `c × frequency_penalty`, plus `presence_penalty` once (`c`
+//! counts this request's generated tokens, not the prompt's, as vLLM counts
+//! them), and each `logit_bias` entry is added to its token's logit. When
+//! sampling, `min_p` drops the tokens less likely than that fraction of the
+//! likeliest (after temperature and top-k, before top-p).
 
 use super::json::Json;
 use bulkhead_kernels::rng::SplitMix64;
 use bulkhead_kernels::tokenizer::{TokenType, Tokenizer};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 /// Largest top-k honoured; larger values are clamped (the vocabulary is the real bound).
@@ -21,6 +25,8 @@ pub const LOGIT_BIAS_MAX: usize = 1024;
 pub const LOGIT_BIAS_LIMIT: f32 = 100.0;
 /// The bound of `presence_penalty` and `frequency_penalty` (either sign).
 pub const PENALTY_LIMIT: f32 = 2.0;
+/// The largest `repetition_penalty` (1 is none; 1.1 to 1.3 are usual).
+pub const REPETITION_PENALTY_MAX: f32 = 2.0;
 /// Most alternatives a token's log probabilities may list (`top_logprobs`).
 pub const TOP_LOGPROBS_MAX: u8 = 20;
 
@@ -47,6 +53,13 @@ pub struct SamplingParams {
     pub logprobs: Option<u8>,
     /// JSON mode: the output is a JSON object (see [`super::json`]).
     pub json: bool,
+    /// Keep only tokens at least this likely relative to the likeliest (0: all).
+    pub min_p: f32,
+    /// Divides the positive logits of tokens already in the prompt or the
+    /// output (multiplies the negative ones); 1: none.
+    pub repetition_penalty: f32,
+    /// An end-of-generation token does not end the output (it shows no text).
+    pub ignore_eos: bool,
 }
 
 /// A generated token's log probability and its likeliest alternatives', in
@@ -102,6 +115,9 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             logprobs: None,
             json: false,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            ignore_eos: false,
         }
     }
 }
@@ -123,6 +139,9 @@ pub struct Sampler {
     adjusted: Vec<f32>,
     /// JSON mode's recognizer and the vocabulary it reads tokens' bytes from.
     json: Option<(Json, Arc<Tokenizer>)>,
+    /// The tokens of the prompt and the output so far (kept only under a
+    /// repetition penalty).
+    seen: HashSet<u32>,
 }
 
 impl Sampler {
@@ -135,18 +154,34 @@ impl Sampler {
             generated: HashMap::new(),
             adjusted: Vec::new(),
             json: None,
+            seen: HashSet::new(),
         }
     }
 
-    /// A sampler for `params` over `tokenizer`'s vocabulary: in JSON mode
-    /// it picks only tokens that keep the output a prefix of a JSON object,
-    /// and an end-of-generation token once the object is closed.
-    pub fn for_vocabulary(params: SamplingParams, tokenizer: &Arc<Tokenizer>) -> Sampler {
+    /// A sampler for `params` over `tokenizer`'s vocabulary, after `prompt`:
+    /// in JSON mode it picks only tokens that keep the output a prefix of a
+    /// JSON object, and an end-of-generation token once the object is closed.
+    pub fn for_request(
+        params: SamplingParams,
+        tokenizer: &Arc<Tokenizer>,
+        prompt: &[u32],
+    ) -> Sampler {
         let json = params.json.then(|| (Json::new(), Arc::clone(tokenizer)));
+        let seen = if params.repetition_penalty != 1.0 {
+            prompt.iter().copied().collect()
+        } else {
+            HashSet::new()
+        };
         Sampler {
             json,
+            seen,
             ..Sampler::new(params)
         }
+    }
+
+    /// Whether an end-of-generation token leaves the output going.
+    pub fn ignores_eos(&self) -> bool {
+        self.params.ignore_eos
     }
 
     /// The log probabilities of `token` (just sampled from `logits`), when
@@ -160,15 +195,23 @@ impl Sampler {
     /// penalties of the next.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         assert!(!logits.is_empty(), "the vocabulary is never empty");
-        let token = if self.params.logit_bias.is_empty() && self.generated.is_empty() {
+        let token = if self.params.logit_bias.is_empty()
+            && self.generated.is_empty()
+            && self.seen.is_empty()
+        {
             self.pick(logits)
         } else {
             let mut adjusted = std::mem::take(&mut self.adjusted);
             adjusted.clear();
             adjusted.extend_from_slice(logits);
-            for &(id, bias) in &self.params.logit_bias {
+            let repetition = self.params.repetition_penalty;
+            for &id in &self.seen {
                 if let Some(logit) = adjusted.get_mut(id as usize) {
-                    *logit += bias;
+                    *logit = if *logit > 0.0 {
+                        *logit / repetition
+                    } else {
+                        *logit * repetition
+                    };
                 }
             }
             let (presence, frequency) =
@@ -178,12 +221,20 @@ impl Sampler {
                     *logit -= presence + frequency * count as f32;
                 }
             }
+            for &(id, bias) in &self.params.logit_bias {
+                if let Some(logit) = adjusted.get_mut(id as usize) {
+                    *logit += bias;
+                }
+            }
             let token = self.pick(&adjusted);
             self.adjusted = adjusted;
             token
         };
         if self.params.penalizes() {
             *self.generated.entry(token).or_insert(0) += 1;
+        }
+        if self.params.repetition_penalty != 1.0 {
+            self.seen.insert(token);
         }
         token
     }
@@ -293,6 +344,13 @@ impl Sampler {
             cand.1 = (cand.1 - max).exp();
             sum += f64::from(cand.1);
         }
+        // min-p: relative to the likeliest, whose weight is 1 (sorted: a prefix stays).
+        let min_p = self.params.min_p;
+        if min_p > 0.0 {
+            let keep = c.partition_point(|cand| cand.1 >= min_p).max(1);
+            sum -= c[keep..].iter().map(|cand| f64::from(cand.1)).sum::<f64>();
+            c.truncate(keep);
+        }
         // Nucleus: the shortest prefix whose mass reaches top_p.
         let top_p = f64::from(self.params.top_p.clamp(0.0, 1.0));
         let mut kept = 0.0f64;
@@ -399,7 +457,7 @@ mod tests {
         // takes over.
         let (x, closers) = (id("x"), [id("\""), id("}"), id("]"), id(":"), id("0")]);
         for (temperature, seed) in [(0.0, 1), (1.0, 2), (1.5, 3)] {
-            let mut sampler = Sampler::for_vocabulary(
+            let mut sampler = Sampler::for_request(
                 SamplingParams {
                     temperature,
                     seed,
@@ -407,6 +465,7 @@ mod tests {
                     ..SamplingParams::default()
                 },
                 &tokenizer,
+                &[],
             );
             let mut rng = SplitMix64(seed);
             let mut out = Vec::new();
@@ -448,6 +507,61 @@ mod tests {
             // "x" was taken where JSON allows it: inside strings.
             assert!(text.contains('x'), "{text:?}");
         }
+    }
+
+    #[test]
+    fn min_p_drops_what_is_less_likely_than_its_share_of_the_likeliest() {
+        // Relative to token 1: token 2 at e^-0.5 = 0.61, token 0 at e^-2 =
+        // 0.14, token 3 at e^-4 = 0.02.
+        let logits = [2.0, 4.0, 3.5, 0.0];
+        let picks = |min_p| {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 1.0,
+                min_p,
+                seed: 11,
+                ..SamplingParams::default()
+            });
+            (0..400)
+                .map(|_| s.sample(&logits))
+                .collect::<HashSet<u32>>()
+        };
+        assert_eq!(picks(0.0), HashSet::from([0, 1, 2, 3]));
+        assert_eq!(picks(0.1), HashSet::from([0, 1, 2]));
+        assert_eq!(picks(0.5), HashSet::from([1, 2]));
+        assert_eq!(picks(1.0), HashSet::from([1]));
+    }
+
+    #[test]
+    fn repetition_penalty_scales_the_prompts_and_the_outputs_tokens() {
+        let tokenizer = tiny_tokenizer();
+        let greedy = |repetition_penalty, prompt: &[u32]| {
+            let mut s = Sampler::for_request(
+                SamplingParams {
+                    repetition_penalty,
+                    ..SamplingParams::default()
+                },
+                &tokenizer,
+                prompt,
+            );
+            (0..4)
+                .map(|_| s.sample(&[3.0, 2.0, -1.0, -1.2]))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(greedy(1.0, &[0]), [0; 4]);
+        // 3.0 / 2 = 1.5 < 2.0: a prompt token loses to token 1, which,
+        // once generated, falls to 1.0; then 0 (1.5) and 1 (1.0) stay
+        // penalized once, not per use.
+        assert_eq!(greedy(2.0, &[0]), [1, 0, 0, 0]);
+        // Negative logits are multiplied: -1.0 * 2 = -2.0 < -1.2.
+        let mut s = Sampler::for_request(
+            SamplingParams {
+                repetition_penalty: 2.0,
+                ..SamplingParams::default()
+            },
+            &tokenizer,
+            &[0, 1, 2],
+        );
+        assert_eq!(s.sample(&[-5.0, -5.0, -1.0, -1.2]), 3);
     }
 
     #[test]

@@ -849,6 +849,8 @@ impl<B: Backend> Scheduler<B> {
                 let pages_needed = admitted.pages_needed;
                 let export = admitted.export;
                 let request = admitted.request;
+                let sampler =
+                    Sampler::for_request(request.sampling, &self.tokenizer, &request.prompt);
                 Sequence {
                     id: request.id,
                     tenant: id,
@@ -869,7 +871,7 @@ impl<B: Backend> Scheduler<B> {
                     pages_published: 0,
                     cached_tokens: (cached.len() * page_tokens) as u32,
                     max_tokens: request.max_tokens,
-                    sampler: Sampler::for_vocabulary(request.sampling, &self.tokenizer),
+                    sampler,
                     detokenizer: Detokenizer::new(
                         Arc::clone(&self.tokenizer),
                         DecodeOptions { skip_special: true },
@@ -1358,7 +1360,8 @@ impl<B: Backend> Scheduler<B> {
     ) -> Option<FinishReason> {
         let is_eog = self.tokenizer.is_eog(token);
         let s = &mut self.running[seq_index];
-        if is_eog {
+        // (Under `ignore_eos` the token is one more, showing no text.)
+        if is_eog && !s.sampler.ignores_eos() {
             return Some(FinishReason::Stop);
         }
         s.generated += 1;
