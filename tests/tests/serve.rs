@@ -212,17 +212,32 @@ fn sampling_draws_a_fresh_seed_per_request_unless_one_is_given() {
     );
 }
 
-/// The model's token ids of `text` (`bulkhead tokenize`).
-fn token_ids(model: &std::path::Path, text: &str) -> Vec<u64> {
-    let out = Command::new(bulkhead_exe())
+/// The model's token ids of `text` (`bulkhead tokenize`; special-token
+/// text as special tokens where `special`).
+fn tokenize(model: &std::path::Path, text: &str, special: bool) -> Vec<u64> {
+    let mut command = Command::new(bulkhead_exe());
+    command
         .arg("tokenize")
         .arg("--model")
         .arg(model)
-        .args(["--text", text])
-        .output()
-        .unwrap();
+        .args(["--text", text]);
+    if special {
+        command.arg("--parse-special");
+    }
+    let out = command.output().unwrap();
     assert!(out.status.success(), "{out:?}");
     serde_json::from_slice::<Vec<u64>>(&out.stdout).unwrap()
+}
+
+fn token_ids(model: &std::path::Path, text: &str) -> Vec<u64> {
+    tokenize(model, text, false)
+}
+
+/// The chat template's end-of-turn token (an end-of-generation token).
+fn end_of_turn(model: &std::path::Path) -> u64 {
+    let ids = tokenize(model, "<|im_end|>", true);
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    ids[0]
 }
 
 #[test]
@@ -269,14 +284,7 @@ fn logit_bias_and_penalties_reach_the_sampler_and_bad_ones_are_refused() {
         "!".repeat(48)
     );
     // ignore_eos: the end forced first, and still max_tokens of it (no text).
-    let out = Command::new(bulkhead_exe())
-        .arg("tokenize")
-        .arg("--model")
-        .arg(&model)
-        .args(["--text", "<|im_end|>", "--parse-special"])
-        .output()
-        .unwrap();
-    let end = serde_json::from_slice::<Vec<u64>>(&out.stdout).unwrap()[0];
+    let end = end_of_turn(&model);
     for (ignore_eos, tokens, reason) in [(false, 0, "stop"), (true, 12, "length")] {
         let mut body = chat_body("hi", 12);
         body["logit_bias"] = json!({ end.to_string(): 100 });
@@ -386,18 +394,10 @@ fn logprobs_follow_openais_shapes_streamed_or_not_and_are_the_models_own() {
         assert!((a["logprob"].as_f64().unwrap() - b["logprob"].as_f64().unwrap()).abs() < 1e-5);
     }
     // No token but the end (its bias forces it first): no entries, not null.
-    let out = Command::new(bulkhead_exe())
-        .arg("tokenize")
-        .arg("--model")
-        .arg(&model)
-        .args(["--text", "<|im_end|>", "--parse-special"])
-        .output()
-        .unwrap();
-    let end = serde_json::from_slice::<Vec<u64>>(&out.stdout).unwrap();
-    assert_eq!(end.len(), 1, "{end:?}");
+    let end = end_of_turn(&model);
     let mut ended = chat_body("hi", 8);
     ended["logprobs"] = json!(true);
-    ended["logit_bias"] = json!({ end[0].to_string(): 100 });
+    ended["logit_bias"] = json!({ end.to_string(): 100 });
     let v = server
         .post_json("/v1/chat/completions", Some(KEY_ALPHA), &ended)
         .json();
