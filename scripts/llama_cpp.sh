@@ -12,8 +12,9 @@
 #                      fixtures (scripts/llama_fixtures.py)
 #
 # About 10 minutes of two cores; not part of CI (the fixtures it produces are
-# committed). Needs a C++ compiler and network access to PyPI (pip download);
-# cmake comes from PyPI when the system has none.
+# committed). Needs a C++ compiler and network access to PyPI;
+# cmake comes from PyPI when the system has none. The sdist comes from
+# PyPI's simple index (no pip metadata step: that wants CMake too).
 #
 #   scripts/llama_cpp.sh --vocab   only llama.cpp's tokenizer test vocabularies
 #                                  (models/ggml-vocab-*.gguf with their .inp and
@@ -35,12 +36,28 @@ if [ "${1:-}" = "--vocab" ] && [ -f "$CACHE/vocab/ggml-vocab-llama-spm.gguf.out"
     exit 0
 fi
 if [ ! -f "$SDIST" ]; then
-    # The sdist's metadata step needs scikit-build-core; nothing is built here.
-    python3 -m pip install --quiet scikit-build-core
-    python3 -m pip download --quiet --no-deps --no-build-isolation \
-        --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$CACHE"
+    # Straight from PyPI's simple index: `pip download` of an sdist prepares
+    # its metadata, which needs scikit-build-core and, with its 1.1.2
+    # (current in December 2026), CMake too, only to read a version we pin
+    # anyway. The hash below is checked either way.
+    python3 - "llama-cpp-python" "$(basename "$SDIST")" "$SDIST" <<'PY'
+import re, sys, urllib.request
+project, filename, dest = sys.argv[1:4]
+index = urllib.request.urlopen(f"https://pypi.org/simple/{project}/", timeout=60).read().decode()
+links = re.findall(r'href="([^"#]*/' + re.escape(filename) + r')[#"]', index)
+if not links:
+    sys.exit(f"llama_cpp.sh: {filename} is not in PyPI's index for {project}")
+with urllib.request.urlopen(links[0], timeout=600) as response, open(dest + ".partial", "wb") as out:
+    while chunk := response.read(1 << 20):
+        out.write(chunk)
+PY
+    mv "$SDIST.partial" "$SDIST"
 fi
-echo "$SHA256  $SDIST" | sha256sum --check --quiet
+if ! echo "$SHA256  $SDIST" | sha256sum --check --quiet; then
+    rm -f "$SDIST"
+    echo "llama_cpp.sh: sha256 mismatch for $SDIST; removed it" >&2
+    exit 1
+fi
 if [ "${1:-}" = "--vocab" ]; then
     members=()
     for name in $VOCABS; do
