@@ -103,7 +103,7 @@ pub fn engine(model: Arc<Model>, tokenizer: Tokenizer, args: &EngineBenchArgs) -
     let mut engine = Engine {
         backend: build::backend(&model, &spec),
         model,
-        tokenizer,
+        tokenizer: Arc::new(tokenizer),
         spec,
     };
     let layout = engine.pool(1)?.layout().to_owned();
@@ -138,7 +138,7 @@ const PREFILL_CHUNK_MAX: usize = 8192;
 
 struct Engine {
     model: Arc<Model>,
-    tokenizer: Tokenizer,
+    tokenizer: Arc<Tokenizer>,
     backend: CpuBackend,
     spec: EngineSpec,
 }
@@ -260,6 +260,249 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
         }
     }
     Ok(best)
+}
+
+/// Arguments of `bulkhead bench sampling`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SamplingBenchArgs {
+    /// GGUF model file (its logits and vocabulary are sampled).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Compute threads (for the logits and the reference decode step).
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// Tokens sampled per configuration.
+    #[arg(long, default_value_t = 400)]
+    pub samples: usize,
+}
+
+/// Per-token cost of each sampling option on the model's own logits (rows of
+/// a greedy continuation of the benchmark text), beside one decode step at
+/// batch 1 and 8 for scale: sampling runs on the engine's thread, once per
+/// sequence per step, so what it costs every sequence of a step waits for.
+/// The last rows are a hostile request's: JSON mode with `logit_bias` +100 on
+/// the most tokens the API allows, each one JSON never takes, so that every
+/// draw is refused until the constraint's fallback runs.
+pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArgs) -> Result<()> {
+    use crate::engine::json::Json;
+    use crate::engine::sampling::{Sampler, SamplingParams, LOGIT_BIAS_MAX};
+    use bulkhead_kernels::tokenizer::TokenType;
+    ensure!(args.samples >= 1, "--samples is at least 1");
+    const ROWS: usize = 32;
+    let spec = EngineSpec {
+        pool_pages: 0,
+        page_tokens: PAGE_TOKENS,
+        kv_type: KvStorage::F16.into(),
+        threads: args.threads,
+        step_tokens_max: PREFILL_CHUNK_TOKENS,
+        step_seqs_max: 8,
+        pool_options: PoolOptions::default(),
+        placement: crate::engine::placement::Placement::Cpu,
+    };
+    let mut engine = Engine {
+        backend: build::backend(&model, &spec),
+        model,
+        tokenizer: Arc::new(tokenizer),
+        spec,
+    };
+    // The logits: the benchmark text, then a greedy continuation.
+    let context = prompt(&engine.tokenizer, 64)?;
+    let pages = (context.len() + ROWS + 16).div_ceil(PAGE_TOKENS as usize) as u32;
+    let mut pool = engine.pool(pages * 8)?;
+    let seqs = (0..8)
+        .map(|i| table(&mut pool, i, pages))
+        .collect::<Result<Vec<_>>>()?;
+    for seq in &seqs {
+        feed(
+            &mut engine,
+            &mut pool,
+            seq,
+            &context[..context.len() - 1],
+            PREFILL_CHUNK_TOKENS as usize,
+        )?;
+    }
+    let mut rows: Vec<Vec<f32>> = Vec::with_capacity(ROWS);
+    let mut token = context[context.len() - 1];
+    for i in 0..ROWS {
+        let step = SeqStep {
+            pages: &seqs[0],
+            pos_start: context.len() - 1 + i,
+            tokens: &[token],
+            wants_logits: true,
+        };
+        let logits = engine.backend.step(&[step], &mut pool)?;
+        let row = logits.row(0).to_vec();
+        token = crate::engine::sampling::argmax(&row);
+        rows.push(row);
+    }
+    // The scale: a decode step of 1 and of 8 sequences at this depth.
+    let depth = context.len() - 1 + ROWS;
+    let mut step_ms = Vec::new();
+    for batch in [1usize, 8] {
+        let mut best = f64::INFINITY;
+        for _ in 0..8 {
+            let steps: Vec<SeqStep> = seqs[..batch]
+                .iter()
+                .map(|table| SeqStep {
+                    pages: table,
+                    pos_start: depth,
+                    tokens: std::slice::from_ref(&token),
+                    wants_logits: true,
+                })
+                .collect();
+            let started = Instant::now();
+            engine.backend.step(&steps, &mut pool)?;
+            best = best.min(started.elapsed().as_secs_f64() * 1e3);
+        }
+        step_ms.push(best);
+    }
+    let vocab = rows[0].len();
+    println!(
+        "bench sampling: model {}, vocabulary {vocab}, {} samples per option; a decode step takes {:.2} ms at batch 1, {:.2} ms at batch 8 (best of 8)",
+        args.model.display(),
+        args.samples,
+        step_ms[0],
+        step_ms[1]
+    );
+    let tokenizer = Arc::clone(&engine.tokenizer);
+    // The hostile's bias: tokens no JSON state here takes.
+    let states: Vec<Json> = [
+        "",
+        "{",
+        "{\"a\": \"x",
+        "{\"a\": 1",
+        "{\"a\": [",
+        "{\"a\": true",
+    ]
+    .iter()
+    .map(|prefix| {
+        let mut json = Json::new();
+        assert!(json.push(prefix.as_bytes()));
+        json
+    })
+    .collect();
+    let never_json: Vec<(u32, f32)> = (0..vocab as u32)
+        .filter(|&id| {
+            matches!(tokenizer.token_type(id), Ok(TokenType::Normal))
+                && tokenizer.token_to_piece_bytes(id).is_ok_and(|bytes| {
+                    !bytes.is_empty() && states.iter().all(|s| !s.accepts(bytes))
+                })
+        })
+        .take(LOGIT_BIAS_MAX)
+        .map(|id| (id, 100.0))
+        .collect();
+    let sampled = |temperature: f32| SamplingParams {
+        temperature,
+        seed: 1,
+        ..SamplingParams::default()
+    };
+    let options: Vec<(&str, SamplingParams)> = vec![
+        ("greedy", sampled(0.0)),
+        ("temperature 1", sampled(1.0)),
+        (
+            "temperature 0.7, top_p 0.9",
+            SamplingParams {
+                top_p: 0.9,
+                ..sampled(0.7)
+            },
+        ),
+        (
+            "temperature 0.8, top_k 40",
+            SamplingParams {
+                top_k: 40,
+                ..sampled(0.8)
+            },
+        ),
+        (
+            "temperature 1, min_p 0.05",
+            SamplingParams {
+                min_p: 0.05,
+                ..sampled(1.0)
+            },
+        ),
+        (
+            "greedy, logprobs 5",
+            SamplingParams {
+                logprobs: Some(5),
+                ..sampled(0.0)
+            },
+        ),
+        (
+            "temperature 1, logprobs 20",
+            SamplingParams {
+                logprobs: Some(20),
+                ..sampled(1.0)
+            },
+        ),
+        (
+            "temperature 1, penalties, repetition 1.2, 1,024 biases",
+            SamplingParams {
+                presence_penalty: 0.5,
+                frequency_penalty: 0.5,
+                repetition_penalty: 1.2,
+                logit_bias: (0..LOGIT_BIAS_MAX as u32)
+                    .map(|i| (i * 7 % vocab as u32, 1.0))
+                    .collect::<std::collections::BTreeMap<_, _>>()
+                    .into_iter()
+                    .collect(),
+                ..sampled(1.0)
+            },
+        ),
+        (
+            "JSON mode, greedy",
+            SamplingParams {
+                json: true,
+                ..sampled(0.0)
+            },
+        ),
+        (
+            "JSON mode, temperature 1",
+            SamplingParams {
+                json: true,
+                ..sampled(1.0)
+            },
+        ),
+        (
+            "hostile: JSON mode, greedy, 1,024 refused tokens at +100",
+            SamplingParams {
+                json: true,
+                logit_bias: never_json.clone(),
+                ..sampled(0.0)
+            },
+        ),
+        (
+            "hostile: JSON mode, temperature 1, 1,024 refused tokens at +100",
+            SamplingParams {
+                json: true,
+                logit_bias: never_json,
+                ..sampled(1.0)
+            },
+        ),
+    ];
+    for (name, params) in options {
+        let mut sampler = Sampler::for_request(params.clone(), &tokenizer, &context);
+        let (mut total, mut worst) = (0.0f64, 0.0f64);
+        for i in 0..args.samples {
+            let row = &rows[i % rows.len()];
+            let started = Instant::now();
+            let token = sampler.sample(row);
+            std::hint::black_box(sampler.logprobs(row, token));
+            let secs = started.elapsed().as_secs_f64();
+            total += secs;
+            worst = worst.max(secs);
+            if tokenizer.is_eog(token) {
+                // A closed JSON object ends its request: the next is a new one.
+                sampler = Sampler::for_request(params.clone(), &tokenizer, &context);
+            }
+        }
+        let mean_us = total / args.samples as f64 * 1e6;
+        println!(
+            "{name:<64} mean {mean_us:>8.1} µs  max {:>8.1} µs  (mean {:>5.1} % of a batch-1 step)",
+            worst * 1e6,
+            mean_us / 1e3 / step_ms[0] * 100.0
+        );
+    }
+    Ok(())
 }
 
 /// `bulkhead bench digest`.

@@ -185,6 +185,8 @@ enum BenchCommand {
     Engine(bench::EngineBenchArgs),
     /// Page digests of a transfer's pages: XXH3 against XXH64, FNV-1a and a copy.
     Digest(bench::DigestBenchArgs),
+    /// What each sampling option costs per token, beside a decode step.
+    Sampling(bench::SamplingBenchArgs),
     /// Load on an OpenAI-compatible server: throughput and latency per concurrency level.
     Http(bulkhead::bench_http::HttpBenchArgs),
     /// Noisy neighbours: alpha alone, alpha while beta floods, both saturated.
@@ -537,6 +539,10 @@ fn run(cli: Cli) -> Result<()> {
                 bench::engine(model, tokenizer, &args)
             }
             BenchCommand::Digest(args) => bench::digest(&args),
+            BenchCommand::Sampling(args) => {
+                let (model, tokenizer) = load(&args.model)?;
+                bench::sampling(model, tokenizer, &args)
+            }
             BenchCommand::Http(args) => bulkhead::bench_http::run(&args),
             BenchCommand::Noisy(args) => bulkhead::bench_http::noisy(&args),
             BenchCommand::Admin(args) => bulkhead::admin_cli::bench(&args),
