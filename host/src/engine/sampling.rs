@@ -80,21 +80,23 @@ impl Logprobs {
     /// `token`'s entry over `logits`, with `top` alternatives.
     pub fn of(logits: &[f32], token: u32, top: usize) -> Logprobs {
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+        let sum: f64 = logits.iter().map(|&l| f64::from(weight(l - max))).sum();
         let log_z = max + sum.ln() as f32;
         let logprob = |id: u32| logits[id as usize] - log_z;
-        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
-        let top = top.min(ids.len());
-        let order = |a: &u32, b: &u32| {
-            logits[*b as usize]
-                .total_cmp(&logits[*a as usize])
-                .then(a.cmp(b))
-        };
-        if top > 0 && top < ids.len() {
-            ids.select_nth_unstable_by(top - 1, order);
+        // The likeliest `top` in one pass, kept in order (ids come in
+        // ascending order, so a tie never displaces an earlier id).
+        let top = top.min(logits.len());
+        let mut ids: Vec<u32> = Vec::with_capacity(top + 1);
+        if top > 0 {
+            for (id, &l) in logits.iter().enumerate() {
+                if ids.len() == top && l.total_cmp(&logits[ids[top - 1] as usize]).is_le() {
+                    continue;
+                }
+                let at = ids.partition_point(|&b| logits[b as usize].total_cmp(&l).is_ge());
+                ids.insert(at, id as u32);
+                ids.truncate(top);
+            }
         }
-        ids.truncate(top);
-        ids.sort_unstable_by(order);
         Logprobs {
             token,
             logprob: logprob(token),
@@ -258,13 +260,31 @@ impl Sampler {
                 None => (json, self.pick_free(logits, &|_| true)),
             }
         } else {
+            // A byte the recognizer refuses refuses every token it starts:
+            // one table (256 one-byte checks, made at the first refusal)
+            // spares most refused tokens their walk.
+            let first_bytes = std::cell::OnceCell::new();
             let fits = |id: u32| {
                 matches!(
                     tokenizer.token_type(id),
                     Ok(TokenType::Normal | TokenType::Byte)
-                ) && tokenizer
-                    .token_to_piece_bytes(id)
-                    .is_ok_and(|bytes| !bytes.is_empty() && json.accepts(bytes))
+                ) && tokenizer.token_to_piece_bytes(id).is_ok_and(|bytes| {
+                    let Some(&first) = bytes.first() else {
+                        return false;
+                    };
+                    if first_bytes
+                        .get()
+                        .is_some_and(|table: &[bool; 256]| !table[usize::from(first)])
+                    {
+                        return false;
+                    }
+                    let fits = json.accepts(bytes);
+                    if !fits {
+                        first_bytes
+                            .get_or_init(|| std::array::from_fn(|b| json.accepts(&[b as u8])));
+                    }
+                    fits
+                })
             };
             let token = self.pick_free(logits, &fits);
             let mut json = json;
@@ -277,48 +297,37 @@ impl Sampler {
         token
     }
 
-    /// Greedy, or temperature, top-k and top-p, among the tokens that `fits`:
-    /// the likeliest is tried first and a draw that does not fit is drawn
-    /// again without it, so a constraint costs a check per rejected token
-    /// rather than one per vocabulary entry; when every candidate was
-    /// rejected, the likeliest token that fits of the whole vocabulary wins
-    /// (or, where none fits, the likeliest).
+    /// Greedy, or temperature, top-k, min-p and top-p, among the tokens that
+    /// `fits`: greedy checks the likeliest token, then, where it does not
+    /// fit, only the tokens likelier than the best that fits so far; a draw
+    /// checks the token drawn, then races the rest ([`race`]). So a
+    /// constraint costs a check per token that could have won, rather than
+    /// one per vocabulary entry. Where no candidate fits, the likeliest
+    /// token of the whole vocabulary that fits wins (or, where none does,
+    /// the likeliest).
+    ///
+    /// What a token costs stays a few passes over the vocabulary whatever
+    /// the request asks (never a sort of it): the engine's thread samples
+    /// every sequence of a step while the others wait
+    /// (`bulkhead bench sampling` measures each option).
     fn pick_free(&mut self, logits: &[f32], fits: &dyn Fn(u32) -> bool) -> u32 {
-        // The likeliest tokens first: the best 64 (usually enough), then the rest.
-        let best_fitting = |logits: &[f32]| {
-            let order = |a: &u32, b: &u32| {
-                logits[*b as usize]
-                    .total_cmp(&logits[*a as usize])
-                    .then(a.cmp(b))
-            };
-            let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
-            let head = 64.min(ids.len());
-            if head < ids.len() {
-                ids.select_nth_unstable_by(head - 1, order);
-            }
-            let (first, rest) = ids.split_at_mut(head);
-            first.sort_unstable_by(order);
-            if let Some(&id) = first.iter().find(|&&id| fits(id)) {
-                return Some(id);
-            }
-            rest.sort_unstable_by(order);
-            rest.iter().copied().find(|&id| fits(id))
-        };
         if self.params.temperature <= 0.0 {
             let best = argmax(logits);
             if fits(best) {
                 return best;
             }
-            return best_fitting(logits).unwrap_or(best);
+            return best_fitting(logits, fits).unwrap_or(best);
         }
-        let token = self.draw(logits, fits);
-        token
-            .or_else(|| best_fitting(logits))
+        self.draw(logits, fits)
+            .or_else(|| best_fitting(logits, fits))
             .unwrap_or_else(|| argmax(logits))
     }
 
-    /// A draw among the temperature's, top-k's and top-p's candidates that
-    /// fit; `None` when none does.
+    /// A draw among the temperature's, top-k's, min-p's and top-p's
+    /// candidates that fit; `None` when none does.
+    ///
+    /// The draw walks the candidates in an order that depends only on the
+    /// logits and the parameters, so a seed reproduces a completion.
     fn draw(&mut self, logits: &[f32], fits: &dyn Fn(u32) -> bool) -> Option<u32> {
         let inv_t = 1.0 / self.params.temperature;
         let c = &mut self.candidates;
@@ -334,55 +343,155 @@ impl Sampler {
             k => k.min(TOP_K_MAX).min(c.len()),
         };
         if k < c.len() {
-            c.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
+            c.select_nth_unstable_by(k - 1, likelier);
             c.truncate(k);
         }
-        c.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let max = c[0].1;
-        let mut sum = 0.0f64;
+        // Weights relative to the likeliest, whose weight is 1 (below
+        // e^-87, f32's smallest normal, a token's weight is 0: a biased
+        // request would otherwise spend the step in exp's underflow path).
+        let max = c
+            .iter()
+            .map(|cand| cand.1)
+            .fold(f32::NEG_INFINITY, f32::max);
         for cand in c.iter_mut() {
-            cand.1 = (cand.1 - max).exp();
-            sum += f64::from(cand.1);
+            cand.1 = weight(cand.1 - max);
         }
-        // min-p: relative to the likeliest, whose weight is 1 (sorted: a prefix stays).
         let min_p = self.params.min_p;
         if min_p > 0.0 {
-            let keep = c.partition_point(|cand| cand.1 >= min_p).max(1);
-            sum -= c[keep..].iter().map(|cand| f64::from(cand.1)).sum::<f64>();
-            c.truncate(keep);
+            c.retain(|cand| cand.1 >= min_p);
         }
-        // Nucleus: the shortest prefix whose mass reaches top_p.
-        let top_p = f64::from(self.params.top_p.clamp(0.0, 1.0));
-        let mut kept = 0.0f64;
-        let mut keep = c.len();
+        let top_p = self.params.top_p.clamp(0.0, 1.0);
+        if top_p < 1.0 {
+            nucleus(c, f64::from(top_p));
+        }
+        // One draw; where it does not fit, a race among the rest.
+        let kept = weight_sum(c);
+        if c.is_empty() || kept.is_nan() || kept <= 0.0 {
+            return None;
+        }
+        let mut target = self.rng.next_f64() * kept;
+        let mut at = c.len() - 1;
         for (i, cand) in c.iter().enumerate() {
-            kept += f64::from(cand.1);
-            if kept >= top_p * sum {
-                keep = i + 1;
+            target -= f64::from(cand.1);
+            if target <= 0.0 {
+                at = i;
                 break;
             }
         }
-        c.truncate(keep);
-        // Draws until one fits; one that does not is taken out of the draw.
-        while !c.is_empty() && kept > 0.0 {
-            let mut target = self.rng.next_f64() * kept;
-            let mut at = c.len() - 1;
-            for (i, cand) in c.iter().enumerate() {
-                target -= f64::from(cand.1);
-                if target <= 0.0 {
-                    at = i;
+        let token = c[at].0;
+        if fits(token) {
+            return Some(token);
+        }
+        race(&mut self.rng, c, fits)
+    }
+}
+
+/// A draw among the candidates (weights) that fit, each in proportion to its
+/// weight, in one pass: an exponential race (each candidate arrives after an
+/// exponential time of rate its weight; the first to arrive of those that fit
+/// wins). Exact, unlike a draw from a truncated list, and cheap: as in
+/// Efraimidis and Spirakis' reservoir sampling with jumps, the candidates
+/// that would arrive after the best so far are passed over by drawing how
+/// much weight to pass, so only the few that would arrive first are drawn
+/// and checked. A request whose likeliest tokens never fit cannot make a
+/// step check the vocabulary.
+fn race(rng: &mut SplitMix64, c: &[(u32, f32)], fits: &dyn Fn(u32) -> bool) -> Option<u32> {
+    // Exp(1), from a uniform in [0, 1).
+    let exponential = |rng: &mut SplitMix64| -(-rng.next_f64()).ln_1p();
+    let mut best: Option<(f64, u32)> = None;
+    // Weight still to pass before the next candidate that beats the best:
+    // the first point of a Poisson process of rate `best` over the
+    // candidates' weights laid end to end.
+    let mut skip = 0.0f64;
+    for &(id, weight) in c {
+        if weight.is_nan() || weight <= 0.0 {
+            continue;
+        }
+        let weight = f64::from(weight);
+        let arrival = match best {
+            None => exponential(rng) / weight,
+            Some((first, _)) => {
+                if skip >= weight {
+                    skip -= weight;
+                    continue;
+                }
+                // It arrives before `first`: when, given that.
+                let before = -(-weight * first).exp_m1();
+                -(-rng.next_f64() * before).ln_1p() / weight
+            }
+        };
+        if fits(id) {
+            best = Some((arrival, id));
+        }
+        if let Some((first, _)) = best {
+            skip = exponential(rng) / first;
+        }
+    }
+    best.map(|(_, id)| id)
+}
+
+/// `e^x` for `x <= 0`, and 0 below f32's smallest normal weight.
+fn weight(x: f32) -> f32 {
+    if x < -87.0 {
+        0.0
+    } else {
+        x.exp()
+    }
+}
+
+/// Candidates' order of likelihood: the likelier first, then the lower id.
+fn likelier(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+fn weight_sum(c: &[(u32, f32)]) -> f64 {
+    c.iter().map(|cand| f64::from(cand.1)).sum()
+}
+
+/// Keeps the nucleus of `c` (weights): the shortest run of the likeliest
+/// whose weight reaches `top_p` of the whole. The likeliest 64 are looked at
+/// first, then 1,024, then all: a nucleus is usually small, and only the
+/// run looked at is sorted.
+fn nucleus(c: &mut Vec<(u32, f32)>, top_p: f64) {
+    let target = top_p * weight_sum(c);
+    let mut head = 64;
+    loop {
+        let h = head.min(c.len());
+        if h == 0 {
+            return;
+        }
+        if h < c.len() {
+            c.select_nth_unstable_by(h - 1, likelier);
+        }
+        if h == c.len() || weight_sum(&c[..h]) >= target {
+            c[..h].sort_unstable_by(likelier);
+            let mut kept = 0.0f64;
+            let mut keep = h;
+            for (i, cand) in c[..h].iter().enumerate() {
+                kept += f64::from(cand.1);
+                if kept >= target {
+                    keep = i + 1;
                     break;
                 }
             }
-            let token = c[at].0;
-            if fits(token) {
-                return Some(token);
-            }
-            kept -= f64::from(c[at].1);
-            c.remove(at);
+            c.truncate(keep);
+            return;
         }
-        None
+        head *= 16;
     }
+}
+
+/// The likeliest token that `fits` (the lowest id among ties), in one pass:
+/// only a token likelier than the best found so far is checked.
+fn best_fitting(logits: &[f32], fits: &dyn Fn(u32) -> bool) -> Option<u32> {
+    let mut best: Option<u32> = None;
+    for (id, &logit) in logits.iter().enumerate() {
+        let id = id as u32;
+        if best.is_none_or(|b| logit > logits[b as usize]) && fits(id) {
+            best = Some(id);
+        }
+    }
+    best
 }
 
 /// Index of the largest logit (the lowest index among ties).
@@ -507,6 +616,95 @@ mod tests {
             // "x" was taken where JSON allows it: inside strings.
             assert!(text.contains('x'), "{text:?}");
         }
+    }
+
+    #[test]
+    fn the_race_draws_in_proportion_among_what_fits_and_checks_few() {
+        let c = [
+            (0, 4.0f32),
+            (1, 2.0),
+            (2, 1.0),
+            (3, 1.0),
+            (4, 8.0),
+            (5, 0.0),
+        ];
+        let fits = |id: u32| id != 2 && id != 4;
+        let mut rng = SplitMix64(9);
+        let draws = 70_000;
+        let mut counts = [0u32; 6];
+        for _ in 0..draws {
+            counts[race(&mut rng, &c, &fits).unwrap() as usize] += 1;
+        }
+        assert_eq!((counts[2], counts[4], counts[5]), (0, 0, 0), "{counts:?}");
+        // 4 : 2 : 1 among tokens 0, 1 and 3.
+        for (id, expected) in [(0, 4.0 / 7.0), (1, 2.0 / 7.0), (3, 1.0 / 7.0)] {
+            let share = f64::from(counts[id]) / f64::from(draws);
+            assert!(
+                (share - expected).abs() < 0.01,
+                "token {id}: {share} vs {expected}"
+            );
+        }
+        assert_eq!(race(&mut rng, &c, &|_| false), None);
+        assert_eq!(race(&mut rng, &[(7, 0.0)], &|_| true), None);
+        // Over a vocabulary of equals, only the few that would arrive first
+        // are checked, not the vocabulary.
+        let vocabulary: Vec<(u32, f32)> = (0..49_152).map(|id| (id, 1.0)).collect();
+        let checked = std::cell::Cell::new(0u32);
+        for _ in 0..20 {
+            checked.set(0);
+            let counting = |id: u32| {
+                checked.set(checked.get() + 1);
+                id.is_multiple_of(2)
+            };
+            assert_eq!(race(&mut rng, &vocabulary, &counting).unwrap() % 2, 0);
+            assert!(checked.get() < 100, "{} checks", checked.get());
+        }
+    }
+
+    #[test]
+    fn a_draw_whose_likeliest_tokens_never_fit_still_draws_among_the_rest() {
+        // Tokens 0..16 hold almost all the weight and never fit; 16..20
+        // share the rest 1 : 1 : 2 : 0 (token 19's weight is 0 in f32).
+        let mut logits = vec![10.0f32; 16];
+        logits.extend([0.0, 0.0, 2f32.ln(), -200.0]);
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: 5,
+            ..SamplingParams::default()
+        });
+        let fits = |id: u32| id >= 16;
+        let mut counts = [0u32; 20];
+        for _ in 0..8_000 {
+            counts[s.pick_free(&logits, &fits) as usize] += 1;
+        }
+        assert!(counts[..16].iter().all(|&n| n == 0), "{counts:?}");
+        let share = |id: usize| f64::from(counts[id]) / 8_000.0;
+        assert!((share(16) - 0.25).abs() < 0.03, "{counts:?}");
+        assert!((share(17) - 0.25).abs() < 0.03, "{counts:?}");
+        assert!((share(18) - 0.5).abs() < 0.03, "{counts:?}");
+    }
+
+    #[test]
+    fn a_wide_nucleus_is_the_same_shortest_run_of_the_likeliest() {
+        // 5,000 equals: the nucleus of 0.5 is the lower 2,500 ids (ties go
+        // to the lower id), found past the first 64 and 1,024 looked at.
+        let logits = vec![1.0f32; 5_000];
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 0.5,
+            seed: 2,
+            ..SamplingParams::default()
+        });
+        let picks: Vec<u32> = (0..4_000).map(|_| s.sample(&logits)).collect();
+        assert!(picks.iter().all(|&t| t < 2_500), "{:?}", picks.iter().max());
+        assert!(picks.iter().any(|&t| t >= 1_024) && picks.iter().any(|&t| t < 64));
+        // 100 likely tokens among 5,000: a nucleus of 0.9 is some of them.
+        let mut logits = vec![0.0f32; 5_000];
+        for id in (0..5_000).step_by(50) {
+            logits[id] = 20.0;
+        }
+        let picks: Vec<u32> = (0..2_000).map(|_| s.sample(&logits)).collect();
+        assert!(picks.iter().all(|&t| t % 50 == 0), "{picks:?}");
     }
 
     #[test]
