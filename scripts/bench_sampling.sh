@@ -7,12 +7,19 @@
 # 64 tokens at temperature 1 (JSON mode may end earlier: an object closed).
 #
 #   scripts/bench_sampling.sh [ROUNDS] [CONCURRENCY]     (default 2, "1,8")
+#
+# BULKHEAD_BIN runs that binary instead of building this tree's (to compare
+# two builds on one machine).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 rounds=${1:-2}
 levels=${2:-1,8}
-bulkhead="$root/target/release/bulkhead"
-(cd "$root" && cargo build --release --locked -p bulkhead 2>/dev/null)
+if [ -n "${BULKHEAD_BIN:-}" ]; then
+    bulkhead=$BULKHEAD_BIN
+else
+    bulkhead="$root/target/release/bulkhead"
+    (cd "$root" && cargo build --release --locked -p bulkhead 2>/dev/null)
+fi
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 export BULKHEAD_KEY_ALPHA=bench-sampling-alpha-0123456789abcdef

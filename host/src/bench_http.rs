@@ -71,7 +71,9 @@ const SENTENCE: &str = "The quick brown fox jumps over the lazy dog near the riv
 
 #[derive(Clone)]
 struct Sample {
-    ttft: Duration,
+    /// When the first text arrived; `None` for a completion with no text
+    /// (its first token ended it: a success, with nothing to time).
+    ttft: Option<Duration>,
     latency: Duration,
     chunks: u64,
     /// From the usage chunk, when the server sends one.
@@ -251,6 +253,7 @@ async fn one_request(
     let mut prompt_tokens = None;
     let mut cached_tokens = None;
     let mut text_at = Vec::new();
+    let mut finished = false;
     let mut pending = Vec::new();
     while let Some(frame) = response.body_mut().frame().await {
         let Ok(data) = frame?.into_data() else {
@@ -270,6 +273,7 @@ async fn one_request(
                 text_at.push(Instant::now());
                 ttft.get_or_insert_with(|| started.elapsed());
             }
+            finished |= value["choices"][0]["finish_reason"].is_string();
             completion_tokens = completion_tokens.or(value["usage"]["completion_tokens"].as_u64());
             prompt_tokens = prompt_tokens.or(value["usage"]["prompt_tokens"].as_u64());
             cached_tokens = cached_tokens
@@ -277,8 +281,11 @@ async fn one_request(
                 .or(value["timings"]["cache_n"].as_u64());
         }
     }
+    if ttft.is_none() && !finished {
+        bail!("the stream ended with neither text nor a finish_reason");
+    }
     Ok(Sample {
-        ttft: ttft.context("no text was streamed")?,
+        ttft,
         latency: started.elapsed(),
         chunks,
         completion_tokens,
@@ -317,7 +324,7 @@ fn report(
         .iter()
         .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
         .collect();
-    let mut ttft: Vec<Duration> = samples.iter().map(|s| s.ttft).collect();
+    let mut ttft: Vec<Duration> = samples.iter().filter_map(|s| s.ttft).collect();
     let mut latency: Vec<Duration> = samples.iter().map(|s| s.latency).collect();
     ttft.sort();
     latency.sort();
@@ -335,7 +342,7 @@ fn report(
         let mut t: Vec<Duration> = samples
             .iter()
             .filter(|s| s.cached_tokens.is_some_and(|c| (c > 0) == hit))
-            .map(|s| s.ttft)
+            .filter_map(|s| s.ttft)
             .collect();
         t.sort();
         (t.len(), percentile(&t, 0.5))
@@ -527,7 +534,7 @@ pub fn noisy(args: &NoisyBenchArgs) -> Result<()> {
                 .filter_map(|(r, _, _)| r.as_ref().ok().cloned())
                 .collect();
             let failed = results.len() - samples.len();
-            let mut ttft: Vec<Duration> = samples.iter().map(|s| s.ttft).collect();
+            let mut ttft: Vec<Duration> = samples.iter().filter_map(|s| s.ttft).collect();
             ttft.sort();
             println!(
                 "{:>6.1} tok/s, ttft p50 {:.3}s p99 {:.3}s, {} ok, {} failed",
@@ -542,7 +549,7 @@ pub fn noisy(args: &NoisyBenchArgs) -> Result<()> {
         rows
     };
     let p99 = |samples: &[Sample]| {
-        let mut ttft: Vec<Duration> = samples.iter().map(|s| s.ttft).collect();
+        let mut ttft: Vec<Duration> = samples.iter().filter_map(|s| s.ttft).collect();
         ttft.sort();
         percentile(&ttft, 0.99)
     };

@@ -1,6 +1,6 @@
-//! The `bulkhead` binary as an operator uses it: `generate`, `tokenize` and
-//! `quantize` on the real SmolLM2 model, and clear errors (never a panic) on bad
-//! input.
+//! The `bulkhead` binary as an operator uses it: `generate`, `tokenize`,
+//! `quantize` and `bench sampling` on the real SmolLM2 model, and clear errors
+//! (never a panic) on bad input.
 
 mod support;
 
@@ -94,6 +94,48 @@ fn sampling_is_reproducible_by_seed() {
     };
     assert_eq!(sample("7"), sample("7"));
     assert_ne!(sample("7"), sample("8"));
+}
+
+#[test]
+fn bench_sampling_measures_every_option_on_the_real_model() {
+    let Some(model) = smollm2() else { return };
+    let out = run(bulkhead()
+        .args([
+            "bench",
+            "sampling",
+            "--threads",
+            "1",
+            "--samples",
+            "40",
+            "--model",
+        ])
+        .arg(&model));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines[0].contains("vocabulary 49152"), "{text}");
+    // One row per option, the hostile ones included, each with a mean and
+    // a worst time that are numbers, the worst no less than the mean.
+    let rows: Vec<(f64, f64)> = lines[1..]
+        .iter()
+        .map(|line| {
+            let number = |after: &str| -> f64 {
+                let rest = line.split(after).nth(1).expect(after);
+                rest.split_whitespace().next().unwrap().parse().unwrap()
+            };
+            (number(" mean "), number(" max "))
+        })
+        .collect();
+    assert_eq!(rows.len(), 12, "{text}");
+    assert!(text.contains("hostile: JSON mode, temperature 1"), "{text}");
+    assert!(
+        rows.iter().all(|&(mean, max)| mean > 0.0 && max >= mean),
+        "{text}"
+    );
+    let out = run(bulkhead()
+        .args(["bench", "sampling", "--samples", "0", "--model"])
+        .arg(&model));
+    assert_clean_failure(&out, "--samples is at least 1");
 }
 
 #[test]
