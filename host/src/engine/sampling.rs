@@ -450,8 +450,8 @@ fn weight_sum(c: &[(u32, f32)]) -> f64 {
 
 /// Keeps the nucleus of `c` (weights): the shortest run of the likeliest
 /// whose weight reaches `top_p` of the whole. The likeliest 64 are looked at
-/// first, then 1,024, then all: a nucleus is usually small, and only the
-/// run looked at is sorted.
+/// first, then 16 times as many at each round until they hold the nucleus:
+/// a nucleus is usually small, and only the run looked at is sorted.
 fn nucleus(c: &mut Vec<(u32, f32)>, top_p: f64) {
     let target = top_p * weight_sum(c);
     let mut head = 64;
