@@ -100,12 +100,7 @@ pub fn engine(model: Arc<Model>, tokenizer: Tokenizer, args: &EngineBenchArgs) -
         pool_options: PoolOptions::default(),
         placement: crate::engine::placement::Placement::Cpu,
     };
-    let mut engine = Engine {
-        backend: build::backend(&model, &spec),
-        model,
-        tokenizer: Arc::new(tokenizer),
-        spec,
-    };
+    let mut engine = Engine::new(model, tokenizer, spec);
     let layout = engine.pool(1)?.layout().to_owned();
     println!(
         "bench engine: backend {}, threads {}, kv {} ({} bytes per position), model {}",
@@ -146,6 +141,15 @@ struct Engine {
 const OWNER: OwnerTag = OwnerTag(0);
 
 impl Engine {
+    fn new(model: Arc<Model>, tokenizer: Tokenizer, spec: EngineSpec) -> Engine {
+        Engine {
+            backend: build::backend(&model, &spec),
+            model,
+            tokenizer: Arc::new(tokenizer),
+            spec,
+        }
+    }
+
     /// A pool of `pages` pages, all of them one owner's.
     fn pool(&self, pages: u32) -> Result<Pool> {
         let spec = EngineSpec {
@@ -299,12 +303,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
         pool_options: PoolOptions::default(),
         placement: crate::engine::placement::Placement::Cpu,
     };
-    let mut engine = Engine {
-        backend: build::backend(&model, &spec),
-        model,
-        tokenizer: Arc::new(tokenizer),
-        spec,
-    };
+    let mut engine = Engine::new(model, tokenizer, spec);
     // The logits: the benchmark text, then a greedy continuation.
     let context = prompt(&engine.tokenizer, 64)?;
     let pages = (context.len() + ROWS + 16).div_ceil(PAGE_TOKENS as usize) as u32;
