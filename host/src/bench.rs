@@ -289,7 +289,8 @@ pub struct SamplingBenchArgs {
 /// draw is refused until the constraint's fallback runs.
 pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArgs) -> Result<()> {
     use crate::engine::json::Json;
-    use crate::engine::sampling::{Sampler, SamplingParams, LOGIT_BIAS_MAX};
+    use crate::engine::sampling::{sample_rows, Sampler, SamplingParams, LOGIT_BIAS_MAX};
+    use bulkhead_kernels::backend::Logits;
     use bulkhead_kernels::tokenizer::TokenType;
     ensure!(args.samples >= 1, "--samples is at least 1");
     const ROWS: usize = 32;
@@ -478,7 +479,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             },
         ),
     ];
-    for (name, params) in options {
+    for (name, params) in &options {
         let mut sampler = Sampler::for_request(params.clone(), &tokenizer, &context);
         let (mut total, mut worst) = (0.0f64, 0.0f64);
         for i in 0..args.samples {
@@ -499,6 +500,49 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             "{name:<64} mean {mean_us:>8.1} µs  max {:>8.1} µs  (mean {:>5.1} % of a batch-1 step)",
             worst * 1e6,
             mean_us / 1e3 / step_ms[0] * 100.0
+        );
+    }
+    // A step's 8 rows, each its own sequence's sampler (its own seed), as
+    // the scheduler samples them: on the step's thread alone, and on the
+    // engine's threads.
+    let threads = engine.backend.threads();
+    let batch: Vec<f32> = rows[..8].concat();
+    let logits = Logits {
+        values: &batch,
+        vocab_len: vocab,
+    };
+    let rounds = args.samples.div_ceil(8);
+    for (name, params) in options.iter().filter(|(name, _)| {
+        ["temperature 1", "JSON mode, temperature 1"].contains(name)
+            || name.starts_with("hostile: JSON mode, temperature 1")
+    }) {
+        let mut per_step = Vec::new();
+        for pool in [None, threads.as_deref()] {
+            let fresh = |seq: u64| {
+                let params = SamplingParams {
+                    seed: seq,
+                    ..params.clone()
+                };
+                Sampler::for_request(params, &tokenizer, &context)
+            };
+            let mut samplers: Vec<Sampler> = (0..8).map(fresh).collect();
+            let started = Instant::now();
+            for _ in 0..rounds {
+                let sampled = sample_rows(pool, samplers.iter_mut().collect(), &logits);
+                for (seq, (token, _)) in sampled.into_iter().enumerate() {
+                    if tokenizer.is_eog(token) {
+                        samplers[seq] = fresh(seq as u64);
+                    }
+                }
+            }
+            per_step.push(started.elapsed().as_secs_f64() / rounds as f64 * 1e3);
+        }
+        println!(
+            "8 rows of {name:<64} {:>6.2} ms a step on one thread, {:>6.2} ms on the engine's {} ({:.1}x)",
+            per_step[0],
+            per_step[1],
+            threads.as_ref().map_or(1, |t| t.threads_count()),
+            per_step[0] / per_step[1]
         );
     }
     Ok(())

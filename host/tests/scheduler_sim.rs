@@ -126,7 +126,18 @@ impl Sim {
         prompt: Vec<u32>,
         max_tokens: u32,
     ) -> UnboundedReceiver<Event> {
-        let (request, rx) = self.request(tenant, prompt, max_tokens);
+        self.submit_sampled(tenant, prompt, max_tokens, SamplingParams::default())
+    }
+
+    fn submit_sampled(
+        &mut self,
+        tenant: TenantId,
+        prompt: Vec<u32>,
+        max_tokens: u32,
+        sampling: SamplingParams,
+    ) -> UnboundedReceiver<Event> {
+        let (mut request, rx) = self.request(tenant, prompt, max_tokens);
+        request.sampling = sampling;
         let admitted = self.admission.admit(request).expect("fits");
         self.scheduler.enqueue(admitted).expect("queue has room");
         rx
@@ -259,6 +270,59 @@ fn a_request_gets_the_same_tokens_alone_and_among_other_tenants() {
         assert!(drain(rx).1.is_some());
     }
     s.assert_all_pages_free();
+}
+
+/// With several rows in a step, sampling runs on the backend's two threads
+/// (each sequence has its own sampler): seeded draws at temperature 1, with
+/// a nucleus, a penalty and logprobs, say in a batch of six exactly what each
+/// says alone, where its one row is sampled on the step's own thread.
+#[test]
+fn seeded_draws_sampled_in_parallel_in_a_batch_say_what_they_say_alone() {
+    let sampling = |i: u32| SamplingParams {
+        temperature: 1.0,
+        top_p: 0.95,
+        seed: 7 + u64::from(i),
+        frequency_penalty: if i.is_multiple_of(3) { 0.5 } else { 0.0 },
+        logprobs: i.is_multiple_of(2).then_some(3),
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let run = |requests: &[u32]| -> Vec<Vec<Event>> {
+        let mut s = two_tenants();
+        let mut receivers: Vec<_> = requests
+            .iter()
+            .map(|&i| {
+                let tenant = if i % 2 == 0 { ALPHA } else { BETA };
+                s.submit_sampled(tenant, prompt(i, 6), 12, sampling(i))
+            })
+            .collect();
+        s.run_to_idle();
+        s.assert_all_pages_free();
+        receivers
+            .iter_mut()
+            .map(|rx| std::iter::from_fn(|| rx.try_recv().ok()).collect())
+            .collect()
+    };
+    let batched = run(&[0, 1, 2, 3, 4, 5]);
+    for (i, events) in batched.iter().enumerate() {
+        let alone = run(&[i as u32]).remove(0);
+        assert_eq!(events, &alone, "request {i} in a batch of six");
+        let logprobs = events
+            .iter()
+            .filter(|e| matches!(e, Event::Logprob(_)))
+            .count();
+        assert_eq!(logprobs, if i % 2 == 0 { 12 } else { 0 }, "request {i}");
+        assert!(matches!(
+            events.last(),
+            Some(Event::Finished {
+                reason: FinishReason::Length,
+                ..
+            })
+        ));
+    }
+    let distinct: std::collections::HashSet<String> =
+        batched.iter().map(|events| format!("{events:?}")).collect();
+    assert_eq!(distinct.len(), 6, "six seeds, six completions");
 }
 
 /// A step the backend refuses because of one sequence (a token id past the

@@ -116,6 +116,10 @@ impl Backend for Flaky {
         }
         self.inner.step(steps, pool)
     }
+
+    fn threads(&self) -> Option<std::sync::Arc<bulkhead_kernels::threads::Threads>> {
+        self.inner.threads()
+    }
 }
 
 /// Every request's ends, by id, as the scheduler reports them.

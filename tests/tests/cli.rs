@@ -104,7 +104,7 @@ fn bench_sampling_measures_every_option_on_the_real_model() {
             "bench",
             "sampling",
             "--threads",
-            "1",
+            "2",
             "--samples",
             "40",
             "--model",
@@ -116,7 +116,8 @@ fn bench_sampling_measures_every_option_on_the_real_model() {
     assert!(lines[0].contains("vocabulary 49152"), "{text}");
     // One row per option, the hostile ones included, each with a mean and
     // a worst time that are numbers, the worst no less than the mean.
-    let rows: Vec<(f64, f64)> = lines[1..]
+    let (options, batches) = lines[1..].split_at(lines.len().saturating_sub(4));
+    let rows: Vec<(f64, f64)> = options
         .iter()
         .map(|line| {
             let number = |after: &str| -> f64 {
@@ -132,6 +133,19 @@ fn bench_sampling_measures_every_option_on_the_real_model() {
         rows.iter().all(|&(mean, max)| mean > 0.0 && max >= mean),
         "{text}"
     );
+    // Then a step's 8 rows, on one thread and on the engine's 2.
+    assert_eq!(batches.len(), 3, "{text}");
+    for line in batches {
+        let ms: Vec<f64> = line
+            .split(" ms ")
+            .filter_map(|part| part.split_whitespace().last()?.parse().ok())
+            .collect();
+        assert!(
+            line.starts_with("8 rows of ") && line.contains("on the engine's 2"),
+            "{line}"
+        );
+        assert!(ms.len() == 2 && ms.iter().all(|&t| t > 0.0), "{line}");
+    }
     let out = run(bulkhead()
         .args(["bench", "sampling", "--samples", "0", "--model"])
         .arg(&model));

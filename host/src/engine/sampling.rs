@@ -12,10 +12,12 @@
 //! likeliest (after temperature and top-k, before top-p).
 
 use super::json::Json;
+use bulkhead_kernels::backend::Logits;
 use bulkhead_kernels::rng::SplitMix64;
+use bulkhead_kernels::threads::Threads;
 use bulkhead_kernels::tokenizer::{TokenType, Tokenizer};
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Largest top-k honoured; larger values are clamped (the vocabulary is the real bound).
 pub const TOP_K_MAX: usize = 1 << 16;
@@ -128,6 +130,50 @@ impl SamplingParams {
     fn penalizes(&self) -> bool {
         self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
+}
+
+/// Samples the next token of row `i` of `logits` with `samplers[i]`, with
+/// its logprobs when asked. Every sequence has its own sampler (state and
+/// seed), so the rows are independent: with `threads` (the backend's,
+/// idle between steps) they run in parallel, and requests whose sampling is
+/// expensive (JSON mode, a wide nucleus, many logprobs), a tenant's many of
+/// them say, lengthen the step every tenant waits on by their cost over the
+/// threads rather than by their whole cost. The tokens are the same either
+/// way.
+pub fn sample_rows(
+    threads: Option<&Threads>,
+    samplers: Vec<&mut Sampler>,
+    logits: &Logits<'_>,
+) -> Vec<(u32, Option<Logprobs>)> {
+    let sample = |sampler: &mut Sampler, row: usize| {
+        let token = sampler.sample(logits.row(row));
+        (token, sampler.logprobs(logits.row(row), token))
+    };
+    let threads = threads.filter(|t| samplers.len() > 1 && t.threads_count() > 1);
+    let Some(threads) = threads else {
+        return samplers
+            .into_iter()
+            .enumerate()
+            .map(|(row, sampler)| sample(sampler, row))
+            .collect();
+    };
+    type Slot<'a> = Mutex<(Option<&'a mut Sampler>, Option<(u32, Option<Logprobs>)>)>;
+    let slots: Vec<Slot<'_>> = samplers
+        .into_iter()
+        .map(|sampler| Mutex::new((Some(sampler), None)))
+        .collect();
+    threads.run(slots.len(), &|row, _worker| {
+        let mut slot = slots[row].lock().unwrap_or_else(|e| e.into_inner());
+        let sampler = slot.0.take().expect("each row is sampled once");
+        slot.1 = Some(sample(sampler, row));
+    });
+    slots
+        .into_iter()
+        .map(|slot| {
+            let (_, sampled) = slot.into_inner().unwrap_or_else(|e| e.into_inner());
+            sampled.expect("every row was sampled")
+        })
+        .collect()
 }
 
 /// A sampler with its own generator state (one per sequence).

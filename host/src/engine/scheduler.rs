@@ -54,7 +54,7 @@ use super::admission::{Admission, Admitted};
 use super::handoff::{ExportTo, PrefillRequest, RemotePrefill, Transferred};
 use super::prefix::PrefixCache;
 use super::request::{Event, FinishReason, Rejection, RequestId, TokenLogprob, Usage};
-use super::sampling::{Logprobs, Sampler};
+use super::sampling::{sample_rows, Logprobs, Sampler};
 use super::stats::{PoolAudit, SchedulerStats, TenantCounts, TenantPages, TenantStats};
 use super::stop::{Scan, StopMatcher};
 use crate::tenancy::TenantId;
@@ -1283,16 +1283,23 @@ impl<B: Backend> Scheduler<B> {
                 wants_logits: p.wants_logits,
             })
             .collect();
+        let threads = self.backend.threads();
         let sampled: Vec<(u32, Option<Logprobs>)> = match self.backend.step(&steps, &mut self.pool)
         {
             Ok(logits) => {
-                let mut out = Vec::new();
-                for (row, p) in plan.iter().filter(|p| p.wants_logits).enumerate() {
-                    let sampler = &mut self.running[p.seq_index].sampler;
-                    let token = sampler.sample(logits.row(row));
-                    out.push((token, sampler.logprobs(logits.row(row), token)));
-                }
-                out
+                // Each row's sampler, borrowed apart from the others (rows
+                // are distinct sequences).
+                let mut samplers: Vec<Option<&mut Sampler>> = self
+                    .running
+                    .iter_mut()
+                    .map(|s| Some(&mut s.sampler))
+                    .collect();
+                let rows: Vec<&mut Sampler> = plan
+                    .iter()
+                    .filter(|p| p.wants_logits)
+                    .map(|p| samplers[p.seq_index].take().expect("one row a sequence"))
+                    .collect();
+                sample_rows(threads.as_deref(), rows, &logits)
             }
             // A refused step changed nothing. When the backend names the
             // sequence at fault, only that one fails: the others (any

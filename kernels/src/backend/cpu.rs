@@ -129,7 +129,7 @@ struct TokenSlot {
 /// The CPU backend.
 pub struct CpuBackend {
     model: Arc<Model>,
-    threads: Threads,
+    threads: Arc<Threads>,
     isa: Isa,
     options: CpuOptions,
     scratch: Scratch,
@@ -157,7 +157,7 @@ impl CpuBackend {
         let c = &model.config;
         let tokens = options.step_tokens_max.max(1);
         let seqs = options.step_seqs_max.max(1);
-        let threads = Threads::new(options.threads_count);
+        let threads = Arc::new(Threads::new(options.threads_count));
         let workers = (0..threads.threads_count())
             .map(|_| {
                 let part_len = c.kv_group() * (c.head_dim + 2);
@@ -254,6 +254,10 @@ impl Backend for CpuBackend {
 
     fn step_tokens_max(&self) -> usize {
         self.options.step_tokens_max
+    }
+
+    fn threads(&self) -> Option<Arc<Threads>> {
+        Some(Arc::clone(&self.threads))
     }
 
     fn step(&mut self, steps: &[SeqStep<'_>], pool: &mut Pool) -> Result<Logits<'_>, StepError> {

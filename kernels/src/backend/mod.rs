@@ -12,6 +12,8 @@ pub mod vector;
 
 use crate::kv::{PageTable, Pool};
 use crate::model::ModelConfig;
+use crate::threads::Threads;
+use std::sync::Arc;
 
 /// One sequence's share of a step.
 pub struct SeqStep<'a> {
@@ -152,6 +154,13 @@ pub trait Backend: Send {
     /// Runs one step: writes the new tokens' K/V into their pages and returns
     /// logits for the sequences that asked.
     fn step(&mut self, steps: &[SeqStep<'_>], pool: &mut Pool) -> Result<Logits<'_>, StepError>;
+
+    /// The backend's compute threads, idle between steps, which the caller
+    /// may lend the work on a step's outputs (sampling each sequence's
+    /// token); `None` when the backend has none on the host.
+    fn threads(&self) -> Option<Arc<Threads>> {
+        None
+    }
 }
 
 /// The size of the largest step a backend's scratch holds.
@@ -246,5 +255,9 @@ impl Backend for Box<dyn Backend> {
 
     fn step(&mut self, steps: &[SeqStep<'_>], pool: &mut Pool) -> Result<Logits<'_>, StepError> {
         (**self).step(steps, pool)
+    }
+
+    fn threads(&self) -> Option<Arc<Threads>> {
+        (**self).threads()
     }
 }
