@@ -1751,6 +1751,8 @@ fn no_tenant_sees_another_tenants_data_on_any_path() {
             .into(),
         // A held response is closed after a second without progress.
         server_toml: "send_stall_timeout_ms = 1000\n".into(),
+        // The suite is its binary's only test: both of CI's cores.
+        threads: 2,
         ..Policy::default()
     };
     let started = Instant::now();

@@ -134,6 +134,9 @@ pub struct Policy {
     pub server_toml: String,
     /// More `[store]` fields (TOML lines).
     pub store_toml: String,
+    /// The model's compute threads: 1, as tests run two at a time on a
+    /// 2-core CI machine; a binary with one test may take both cores.
+    pub threads: u32,
 }
 
 impl Default for Policy {
@@ -161,6 +164,7 @@ impl Default for Policy {
             request_timeout_ms: 120_000,
             server_toml: String::new(),
             store_toml: String::new(),
+            threads: 1,
         }
     }
 }
@@ -203,7 +207,7 @@ canary_guard = {canary_guard}
 id = "{MODEL_ID}"
 path = "{model}"
 context_tokens = {context}
-threads = 1
+threads = {threads}
 page_tokens = 16
 pool_pages = 224
 seq_pages_max = {seq_pages}
@@ -257,6 +261,7 @@ key_env = "BULKHEAD_KEY_GAMMA"
             canary_guard = self.canary_guard,
             request_timeout = self.request_timeout_ms,
             server_extra = self.server_toml,
+            threads = self.threads,
         )
     }
 }
