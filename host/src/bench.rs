@@ -512,10 +512,12 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
         vocab_len: vocab,
     };
     let rounds = args.samples.div_ceil(8);
-    for (name, params) in options.iter().filter(|(name, _)| {
-        ["temperature 1", "JSON mode, temperature 1"].contains(name)
-            || name.starts_with("hostile: JSON mode, temperature 1")
-    }) {
+    const BATCHED: [&str; 3] = [
+        "temperature 1",
+        "JSON mode, temperature 1",
+        "hostile: JSON mode, temperature 1, 1,024 refused tokens at +100",
+    ];
+    for (name, params) in options.iter().filter(|(name, _)| BATCHED.contains(name)) {
         let mut per_step = Vec::new();
         for pool in [None, threads.as_deref()] {
             let fresh = |seq: u64| {

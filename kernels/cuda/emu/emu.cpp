@@ -35,7 +35,7 @@ enum State { RUNNABLE, WAIT_BLOCK, WAIT_WARP, DONE };
 // A fiber's saved context. On x86-64 a switch saves only what the System V
 // ABI says a call preserves (rbx, rbp, r12-r15, the stack pointer; kernels
 // never change the FPU's control words): swapcontext also saves and restores
-// the signal mask, a system call per switch, and was 85 % of the emulator's
+// the signal mask, a system call per switch, and was 87 % of the emulator's
 // time (perf on decode_attention_split_over_many_spans_is_merged_as_the_cpu_computes_it).
 #if defined(__x86_64__)
 struct Context {
