@@ -24,7 +24,8 @@ use crate::api::openai::{
 use crate::config::{Config, ModelSpec, PluginsConfig};
 use crate::engine::chat::MESSAGES_MAX;
 use crate::engine::sampling::{
-    LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT, REPETITION_PENALTY_MAX, TOP_LOGPROBS_MAX,
+    LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT, REPETITION_PENALTY_MAX, STOP_TOKEN_IDS_MAX,
+    TOP_LOGPROBS_MAX,
 };
 use crate::engine::stop::{STOPS_MAX, STOP_BYTES_MAX};
 use crate::policy::{CallLimits, PolicyRuntime};
@@ -125,6 +126,16 @@ fn check_common(common: &Common) {
             .all(|&(_, bias)| bias.abs() <= LOGIT_BIAS_LIMIT),
         "{common:?}"
     );
+    assert!(s.stop_token_ids.len() <= STOP_TOKEN_IDS_MAX, "{common:?}");
+    assert!(
+        s.stop_token_ids.windows(2).all(|w| w[0] < w[1]),
+        "ids sorted, each once: {common:?}"
+    );
+    assert!(
+        common.max_tokens.is_none_or(|max| s.min_tokens <= max),
+        "{common:?}"
+    );
+    assert!(!(s.json && s.min_tokens > 0), "{common:?}");
     assert!(common.stop.len() <= STOPS_MAX, "{common:?}");
     assert!(
         common
@@ -153,6 +164,8 @@ fn common_body(common: &Common) -> Value {
         "min_p": common.sampling.min_p,
         "repetition_penalty": common.sampling.repetition_penalty,
         "ignore_eos": common.sampling.ignore_eos,
+        "stop_token_ids": common.sampling.stop_token_ids,
+        "min_tokens": common.sampling.min_tokens,
         "presence_penalty": common.sampling.presence_penalty,
         "frequency_penalty": common.sampling.frequency_penalty,
         "logit_bias": common
@@ -756,6 +769,10 @@ pub fn openai_seeds() -> Vec<(&'static str, Vec<u8>)> {
         (
             "seed-completion-array.json",
             r#"{"model":"m","prompt":["one prompt"],"temperature":2,"presence_penalty":0,"frequency_penalty":0.0,"logit_bias":{}}"#,
+        ),
+        (
+            "seed-completion-vllm.json",
+            r#"{"model":"m","prompt":"Hi","max_tokens":8,"top_k":5,"min_p":0.1,"repetition_penalty":1.2,"ignore_eos":false,"stop_token_ids":[2,0,2],"min_tokens":3}"#,
         ),
     ];
     bodies

@@ -323,6 +323,86 @@ fn logit_bias_and_penalties_reach_the_sampler_and_bad_ones_are_refused() {
     }
 }
 
+#[test]
+fn stop_token_ids_end_the_output_and_min_tokens_holds_every_end_back() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let bang = token_ids(&model, "!");
+    assert_eq!(bang.len(), 1, "{bang:?}");
+    let bang = bang[0];
+    // Every token is "!" unless something withholds it.
+    let forced = json!({ bang.to_string(): 100 });
+    let completion = |extra: Value| {
+        let mut body = json!({
+            "model": MODEL_ID,
+            "prompt": "The capital of France is",
+            "max_tokens": 12,
+            "temperature": 0,
+            "logit_bias": forced,
+        });
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = server.post_json("/v1/completions", Some(KEY_ALPHA), &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        let choice = &v["choices"][0];
+        (
+            choice["text"].as_str().unwrap().to_string(),
+            choice["finish_reason"].as_str().unwrap().to_string(),
+            v["usage"]["completion_tokens"].as_u64().unwrap(),
+        )
+    };
+    assert_eq!(completion(json!({})), ("!".repeat(12), "length".into(), 12));
+    // A stop token ends the output as an end of generation does: not shown,
+    // not counted.
+    assert_eq!(
+        completion(json!({"stop_token_ids": [bang]})),
+        (String::new(), "stop".into(), 0)
+    );
+    // min_tokens: the stop token is withheld from the first 3, then ends it.
+    let (text, reason, tokens) = completion(json!({"stop_token_ids": [bang], "min_tokens": 3}));
+    assert_eq!((reason.as_str(), tokens), ("stop", 3), "{text:?}");
+    assert!(!text.is_empty() && !text.contains('!'), "{text:?}");
+    // A stop sequence is looked for from the min_tokens-th token's text on.
+    assert_eq!(
+        completion(json!({"stop": ["!"]})),
+        (String::new(), "stop".into(), 1)
+    );
+    assert_eq!(
+        completion(json!({"stop": ["!"], "min_tokens": 3})),
+        ("!!".into(), "stop".into(), 3)
+    );
+    // The end of generation, forced, is withheld as long.
+    let end = end_of_turn(&model);
+    let mut body = chat_body("hi", 12);
+    body["logit_bias"] = json!({ end.to_string(): 100 });
+    body["min_tokens"] = json!(5);
+    let v = server
+        .post_json("/v1/chat/completions", Some(KEY_ALPHA), &body)
+        .json();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
+    // Ids past the vocabulary, min_tokens past max_tokens or with JSON mode:
+    // 400s naming them.
+    for (extra, param) in [
+        (json!({"stop_token_ids": [1, 49152]}), "stop_token_ids"),
+        (json!({"min_tokens": 5}), "min_tokens"),
+        (
+            json!({"min_tokens": 1, "response_format": {"type": "json_object"}}),
+            "min_tokens",
+        ),
+    ] {
+        let mut body = chat_body("hi", 4);
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = server.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+        assert_eq!(r.status, 400, "{extra}: {}", r.body);
+        assert_eq!(r.error().0, param, "{extra}: {}", r.body);
+    }
+}
+
 /// The chunks of alpha's streamed chat completion, up to `[DONE]`.
 fn chat_chunks(server: &Server, body: &Value) -> Vec<Value> {
     let (status, mut sse) = server.stream("/v1/chat/completions", KEY_ALPHA, body);

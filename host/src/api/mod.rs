@@ -546,17 +546,23 @@ impl Source {
     }
 }
 
-/// `logit_bias` names tokens of the model's vocabulary only.
-fn check_logit_bias(model: &Served, common: &Common) -> Result<(), ApiError> {
+/// `logit_bias` and `stop_token_ids` name tokens of the model's vocabulary only.
+fn check_token_ids(model: &Served, common: &Common) -> Result<(), ApiError> {
     let vocab = model.tokenizer.vocab_len();
-    // Sorted by id: the last is the largest.
-    match common.sampling.logit_bias.last() {
-        Some(&(id, _)) if id as usize >= vocab => Err(ApiError::InvalidValue {
-            param: "logit_bias".into(),
-            message: format!("token ids must be below {vocab}"),
-        }),
-        _ => Ok(()),
+    let sampling = &common.sampling;
+    // Both sorted by id: the last is the largest.
+    for (param, largest) in [
+        ("logit_bias", sampling.logit_bias.last().map(|&(id, _)| id)),
+        ("stop_token_ids", sampling.stop_token_ids.last().copied()),
+    ] {
+        if largest.is_some_and(|id| id as usize >= vocab) {
+            return Err(ApiError::InvalidValue {
+                param: param.into(),
+                message: format!("token ids must be below {vocab}"),
+            });
+        }
     }
+    Ok(())
 }
 
 /// The prompt's tokens; `Ok(None)` when it has more than `tokens_max` (the
@@ -658,7 +664,7 @@ async fn run(
     let Some(mut model) = app.served(tenant, &common.model) else {
         return Err(ApiError::ModelNotFound(common.model));
     };
-    check_logit_bias(&model, &common)?;
+    check_token_ids(&model, &common)?;
     let rejected = |rejection| ApiError::Rejected {
         rejection,
         prompt_param: endpoint.prompt_param(),
@@ -727,7 +733,7 @@ async fn run(
                 let Some(routed) = app.served(tenant, &to) else {
                     return Err(ApiError::ModelNotFound(to));
                 };
-                check_logit_bias(&routed, &common)?;
+                check_token_ids(&routed, &common)?;
                 tracing::info!(request_id = id.0, tenant = %tenant.name, plugin = %plugin, from = %model.spec.id, to = %routed.spec.id, "routed");
                 routed
                     .admission

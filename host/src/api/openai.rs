@@ -14,7 +14,7 @@ use crate::engine::request::TokenLogprob;
 use crate::engine::request::{FinishReason, Usage};
 use crate::engine::sampling::{
     SamplingParams, LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT, REPETITION_PENALTY_MAX,
-    TOP_LOGPROBS_MAX,
+    STOP_TOKEN_IDS_MAX, TOP_LOGPROBS_MAX,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -263,6 +263,20 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
         ));
     }
     let ignore_eos: bool = f.take("ignore_eos")?.unwrap_or(false);
+    let mut stop_token_ids: Vec<u32> = f.take("stop_token_ids")?.unwrap_or_default();
+    if stop_token_ids.len() > STOP_TOKEN_IDS_MAX {
+        return Err(invalid(
+            "stop_token_ids",
+            format!("at most {STOP_TOKEN_IDS_MAX} token ids"),
+        ));
+    }
+    stop_token_ids.sort_unstable();
+    stop_token_ids.dedup();
+    let min_tokens: u64 = f.take("min_tokens")?.unwrap_or(0);
+    if max_tokens.is_some_and(|max| min_tokens > u64::from(max)) {
+        return Err(invalid("min_tokens", "must be at most max_tokens"));
+    }
+    let min_tokens = u32::try_from(min_tokens).unwrap_or(u32::MAX);
     f.allow_if("n", |v| v.as_u64() == Some(1))?;
     for ignored in [
         "user",
@@ -290,6 +304,8 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
             min_p,
             repetition_penalty,
             ignore_eos,
+            stop_token_ids,
+            min_tokens,
         },
         stop,
         stream,
@@ -298,13 +314,19 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
     })
 }
 
-/// `response_format`: whether it asks for JSON mode (`json_object`).
-fn json_mode(f: &mut Fields) -> Result<bool, ApiError> {
+/// `response_format`: whether it asks for JSON mode (`json_object`). JSON
+/// mode ends the output once the object closes, which `min_tokens` would
+/// forbid: the two together are refused.
+fn json_mode(f: &mut Fields, sampling: &SamplingParams) -> Result<bool, ApiError> {
     let Some(format) = f.take::<Value>("response_format")? else {
         return Ok(false);
     };
     match format.get("type").and_then(Value::as_str) {
         Some("text") => Ok(false),
+        Some("json_object") if sampling.min_tokens > 0 => Err(unsupported(
+            "min_tokens",
+            "cannot be combined with response_format json_object (the output ends when the object closes)",
+        )),
         Some("json_object") => Ok(true),
         Some("json_schema") => Err(unsupported(
             "response_format",
@@ -403,7 +425,7 @@ impl ChatRequest {
         f.allow_if("tool_choice", |v| v == "none")?;
         f.allow_if("function_call", |v| v == "none")?;
         f.ignore("parallel_tool_calls");
-        common.sampling.json = json_mode(&mut f)?;
+        common.sampling.json = json_mode(&mut f, &common.sampling)?;
         f.allow_if("modalities", |v| v == &serde_json::json!(["text"]))?;
         f.finish()?;
         if messages.is_empty() {
@@ -526,7 +548,7 @@ impl CompletionRequest {
         // The legacy shape: how many alternatives, 0 for the chosen token's only.
         common.sampling.logprobs = top_logprobs(f.take("logprobs")?, "logprobs")?;
         // (Not OpenAI's on this endpoint; vLLM's, and as useful here.)
-        common.sampling.json = json_mode(&mut f)?;
+        common.sampling.json = json_mode(&mut f, &common.sampling)?;
         f.allow_if("top_logprobs", is_zero)?;
         f.allow_if("echo", |v| v == &Value::Bool(false))?;
         f.allow_if("best_of", |v| v.as_u64() == Some(1))?;
@@ -810,6 +832,16 @@ mod tests {
         )
         .unwrap();
         assert_eq!(salted.common.cache_salt.as_deref(), Some("user-42"));
+        // vLLM's stop_token_ids (sorted, each once) and min_tokens.
+        let ended = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],
+            "stop_token_ids":[7,2,7],"min_tokens":4,"max_tokens":4}"#,
+        )
+        .unwrap();
+        assert_eq!(ended.common.sampling.stop_token_ids, vec![2, 7]);
+        assert_eq!(ended.common.sampling.min_tokens, 4);
+        assert_eq!(r.common.sampling.stop_token_ids, Vec::<u32>::new());
+        assert_eq!(r.common.sampling.min_tokens, 0);
     }
 
     #[test]
@@ -841,6 +873,15 @@ mod tests {
             (r#""repetition_penalty":0"#, "repetition_penalty"),
             (r#""repetition_penalty":2.5"#, "repetition_penalty"),
             (r#""ignore_eos":1"#, "ignore_eos"),
+            (r#""stop_token_ids":[-1]"#, "stop_token_ids"),
+            (r#""stop_token_ids":"2""#, "stop_token_ids"),
+            (r#""stop_token_ids":[4294967296]"#, "stop_token_ids"),
+            (r#""min_tokens":-1"#, "min_tokens"),
+            (r#""min_tokens":5,"max_tokens":4"#, "min_tokens"),
+            (
+                r#""min_tokens":1,"response_format":{"type":"json_object"}"#,
+                "min_tokens",
+            ),
             (r#""frequency_penalty":-3"#, "frequency_penalty"),
             (r#""frequency_penalty":"1""#, "frequency_penalty"),
             (r#""max_tokens":"ten""#, "max_tokens"),
@@ -857,6 +898,9 @@ mod tests {
             let e = chat(&format!("{{{base},{extra}}}")).unwrap_err();
             assert_eq!(param_of(e), param, "{extra}");
         }
+        let ids: Vec<u32> = (0..65).collect();
+        let e = chat(&format!(r#"{{{base},"stop_token_ids":{ids:?}}}"#)).unwrap_err();
+        assert_eq!(param_of(e), "stop_token_ids");
         let e = chat(r#"{"model":"m","messages":[{"role":"user"}]}"#).unwrap_err();
         assert_eq!(param_of(e), "messages[0].content");
         let e = chat(r#"{"messages":[]}"#).unwrap_err();

@@ -10,6 +10,10 @@
 //! them), and each `logit_bias` entry is added to its token's logit. When
 //! sampling, `min_p` drops the tokens less likely than that fraction of the
 //! likeliest (after temperature and top-k, before top-p).
+//!
+//! Until `min_tokens` tokens are generated, the tokens that would end the
+//! output (end-of-generation, unless `ignore_eos`, and `stop_token_ids`) are
+//! never picked, as vLLM's `min_tokens` works.
 
 use super::json::Json;
 use bulkhead_kernels::backend::Logits;
@@ -31,6 +35,8 @@ pub const PENALTY_LIMIT: f32 = 2.0;
 pub const REPETITION_PENALTY_MAX: f32 = 2.0;
 /// Most alternatives a token's log probabilities may list (`top_logprobs`).
 pub const TOP_LOGPROBS_MAX: u8 = 20;
+/// Most `stop_token_ids` a request may carry.
+pub const STOP_TOKEN_IDS_MAX: usize = 64;
 
 /// How to pick the next token.
 #[derive(Clone, Debug, PartialEq)]
@@ -62,6 +68,13 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     /// An end-of-generation token does not end the output (it shows no text).
     pub ignore_eos: bool,
+    /// Tokens that end the output as an end-of-generation token does, not
+    /// shown (ids in ascending order, each once; the API checks them
+    /// against the vocabulary).
+    pub stop_token_ids: Vec<u32>,
+    /// Until this many tokens are generated, no token that would end the
+    /// output is picked, and stop sequences are not looked for.
+    pub min_tokens: u32,
 }
 
 /// A generated token's log probability and its likeliest alternatives', in
@@ -122,6 +135,8 @@ impl Default for SamplingParams {
             min_p: 0.0,
             repetition_penalty: 1.0,
             ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            min_tokens: 0,
         }
     }
 }
@@ -190,11 +205,31 @@ pub struct Sampler {
     /// The tokens of the prompt and the output so far (kept only under a
     /// repetition penalty).
     seen: HashSet<u32>,
+    /// The tokens that end the output (ascending): never picked before
+    /// `min_tokens` (kept only when `min_tokens` is above 0).
+    ends: Vec<u32>,
+    /// Tokens picked so far.
+    sampled: u32,
 }
 
 impl Sampler {
     /// A sampler for `params`.
     pub fn new(params: SamplingParams) -> Sampler {
+        Sampler::with_eog(params, &[])
+    }
+
+    /// A sampler for `params` over a vocabulary whose end-of-generation
+    /// tokens are `eog` (ascending).
+    fn with_eog(params: SamplingParams, eog: &[u32]) -> Sampler {
+        let mut ends = Vec::new();
+        if params.min_tokens > 0 {
+            ends.extend_from_slice(&params.stop_token_ids);
+            if !params.ignore_eos {
+                ends.extend_from_slice(eog);
+            }
+            ends.sort_unstable();
+            ends.dedup();
+        }
         Sampler {
             rng: SplitMix64(params.seed),
             params,
@@ -203,6 +238,8 @@ impl Sampler {
             adjusted: Vec::new(),
             json: None,
             seen: HashSet::new(),
+            ends,
+            sampled: 0,
         }
     }
 
@@ -223,13 +260,25 @@ impl Sampler {
         Sampler {
             json,
             seen,
-            ..Sampler::new(params)
+            ..Sampler::with_eog(params, tokenizer.eog_tokens())
         }
     }
 
-    /// Whether an end-of-generation token leaves the output going.
-    pub fn ignores_eos(&self) -> bool {
-        self.params.ignore_eos
+    /// Whether `token` (the one just sampled; `is_eog` says whether it is an
+    /// end-of-generation token) ends the output: an end-of-generation token
+    /// unless `ignore_eos`, or one of `stop_token_ids`, once `min_tokens`
+    /// tokens came before it. Such a token is not part of the output.
+    pub fn ends_output(&self, token: u32, is_eog: bool) -> bool {
+        let ends =
+            (is_eog && !self.params.ignore_eos) || self.params.stop_token_ids.contains(&token);
+        ends && self.sampled > self.params.min_tokens
+    }
+
+    /// Whether stop sequences are looked for in the text of the token just
+    /// sampled: once `min_tokens` tokens are generated, as vLLM does (a stop
+    /// sequence wholly in the text of earlier tokens does not count).
+    pub fn looks_for_stops(&self) -> bool {
+        self.sampled >= self.params.min_tokens
     }
 
     /// The log probabilities of `token` (just sampled from `logits`), when
@@ -243,9 +292,11 @@ impl Sampler {
     /// penalties of the next.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         assert!(!logits.is_empty(), "the vocabulary is never empty");
+        let banning = self.sampled < self.params.min_tokens && !self.ends.is_empty();
         let token = if self.params.logit_bias.is_empty()
             && self.generated.is_empty()
             && self.seen.is_empty()
+            && !banning
         {
             self.pick(logits)
         } else {
@@ -274,6 +325,13 @@ impl Sampler {
                     *logit += bias;
                 }
             }
+            if banning {
+                for &id in &self.ends {
+                    if let Some(logit) = adjusted.get_mut(id as usize) {
+                        *logit = f32::NEG_INFINITY;
+                    }
+                }
+            }
             let token = self.pick(&adjusted);
             self.adjusted = adjusted;
             token
@@ -284,6 +342,7 @@ impl Sampler {
         if self.params.repetition_penalty != 1.0 {
             self.seen.insert(token);
         }
+        self.sampled = self.sampled.saturating_add(1);
         token
     }
 
@@ -705,6 +764,65 @@ mod tests {
             assert_eq!(race(&mut rng, &vocabulary, &counting).unwrap() % 2, 0);
             assert!(checked.get() < 100, "{} checks", checked.get());
         }
+    }
+
+    #[test]
+    fn min_tokens_withholds_the_tokens_that_end_the_output_until_enough_came() {
+        // Token 3 (end of generation) is the likeliest, then 5 (a stop
+        // token), then 1: greedy and at temperature 1 alike, neither comes
+        // before 3 tokens are out, and 3 ends the output only from then.
+        let logits = [0.0, 1.0, 0.0, 9.0, 0.0, 5.0];
+        for temperature in [0.0, 1.0] {
+            let params = SamplingParams {
+                temperature,
+                stop_token_ids: vec![5],
+                min_tokens: 3,
+                seed: 9,
+                ..SamplingParams::default()
+            };
+            let mut s = Sampler::with_eog(params.clone(), &[3]);
+            for n in 0..3 {
+                // Stops are looked for from the third token's text on.
+                assert!(!s.looks_for_stops(), "before token {n}");
+                let token = s.sample(&logits);
+                assert!(![3, 5].contains(&token), "token {n}: {token}");
+                assert!(!s.ends_output(token, token == 3));
+                // Even where it would end it, it does not yet.
+                assert!(!s.ends_output(3, true) && !s.ends_output(5, false));
+            }
+            assert!(s.looks_for_stops());
+            let fourth = s.sample(&logits);
+            if temperature == 0.0 {
+                assert_eq!(fourth, 3);
+            }
+            assert!(s.ends_output(3, true) && s.ends_output(5, false));
+            assert!(!s.ends_output(1, false));
+            // Under ignore_eos only the stop token is withheld and ends.
+            let mut s = Sampler::with_eog(
+                SamplingParams {
+                    ignore_eos: true,
+                    ..params.clone()
+                },
+                &[3],
+            );
+            let first = s.sample(&logits);
+            assert_ne!(first, 5);
+            if temperature == 0.0 {
+                assert_eq!(first, 3);
+            }
+            assert!(!s.ends_output(3, true));
+        }
+        // Without min_tokens nothing is withheld: greedy takes the end.
+        let mut s = Sampler::with_eog(
+            SamplingParams {
+                stop_token_ids: vec![5],
+                ..SamplingParams::default()
+            },
+            &[3],
+        );
+        assert!(s.looks_for_stops());
+        assert_eq!(s.sample(&logits), 3);
+        assert!(s.ends_output(3, true) && s.ends_output(5, false));
     }
 
     #[test]

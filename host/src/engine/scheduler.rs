@@ -1367,8 +1367,9 @@ impl<B: Backend> Scheduler<B> {
     ) -> Option<FinishReason> {
         let is_eog = self.tokenizer.is_eog(token);
         let s = &mut self.running[seq_index];
-        // (Under `ignore_eos` the token is one more, showing no text.)
-        if is_eog && !s.sampler.ignores_eos() {
+        // (Under `ignore_eos` an end-of-generation token is one more,
+        // showing no text.)
+        if s.sampler.ends_output(token, is_eog) {
             return Some(FinishReason::Stop);
         }
         s.generated += 1;
@@ -1395,7 +1396,12 @@ impl<B: Backend> Scheduler<B> {
                 return Some(FinishReason::Error);
             }
         };
-        match s.stop.push(&text) {
+        let scan = if s.sampler.looks_for_stops() {
+            s.stop.push(&text)
+        } else {
+            Scan::Text(text)
+        };
+        match scan {
             Scan::Stopped(text) => {
                 if !text.is_empty() {
                     let _ = s.events.send(Event::Text(text));

@@ -582,6 +582,11 @@ impl Tokenizer {
         self.eog.binary_search(&id).is_ok()
     }
 
+    /// Every end-of-generation token ([`Tokenizer::is_eog`]), ascending.
+    pub fn eog_tokens(&self) -> &[u32] {
+        &self.eog
+    }
+
     fn check_id(&self, id: u32) -> Result<usize, TokenizerError> {
         let index = id as usize;
         if index < self.tokens.len() {
