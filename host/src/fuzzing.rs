@@ -19,7 +19,8 @@
 
 use crate::api::admin::{AuditQuery, CreateTenant, RemoveQuery, UsageQuery};
 use crate::api::openai::{
-    ChatRequest, Common, CompletionRequest, Prompt, CACHE_SALT_BYTES_MAX, TOP_K_LIMIT,
+    ChatRequest, Common, CompletionRequest, DetokenizeRequest, Prompt, TokenizeInput,
+    TokenizeRequest, CACHE_SALT_BYTES_MAX, TOP_K_LIMIT,
 };
 use crate::config::{Config, ModelSpec, PluginsConfig};
 use crate::engine::chat::MESSAGES_MAX;
@@ -50,8 +51,17 @@ pub use bulkhead_kernels::fuzzing::{replay, replays_cleanly, write_seeds};
 
 /// Parses arbitrary bytes as both OpenAI bodies (`/v1/chat/completions` and
 /// `/v1/completions`); a body either parses obeys every limit and parses again,
-/// written back, to the same request.
+/// written back, to the same request. Then as `/tokenize` and `/detokenize`
+/// bodies, which must not panic, and whose conversation obeys the chat's limits.
 pub fn openai(data: &[u8]) {
+    if let Ok(TokenizeRequest {
+        input: TokenizeInput::Messages(messages),
+        ..
+    }) = TokenizeRequest::parse(data)
+    {
+        assert!(!messages.is_empty() && messages.len() <= MESSAGES_MAX);
+    }
+    let _ = DetokenizeRequest::parse(data);
     if let Ok(chat) = ChatRequest::parse(data) {
         check_common(&chat.common);
         assert!(!chat.messages.is_empty() && chat.messages.len() <= MESSAGES_MAX);

@@ -403,6 +403,121 @@ fn stop_token_ids_end_the_output_and_min_tokens_holds_every_end_back() {
     }
 }
 
+#[test]
+fn tokenize_counts_what_the_completion_endpoints_would_and_detokenize_reads_it_back() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let text = "The capital of France is Paris.";
+    let r = server.post_json(
+        "/tokenize",
+        Some(KEY_ALPHA),
+        &json!({"model": MODEL_ID, "prompt": text}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.request_id.is_some(), "{r:?}");
+    let v = r.json();
+    let tokens: Vec<u64> = serde_json::from_value(v["tokens"].clone()).unwrap();
+    // The CLI's tokenizer, the same ids.
+    assert_eq!(tokens, token_ids(&model, text));
+    assert_eq!(v["count"], tokens.len());
+    assert_eq!(v["max_model_len"], 1024);
+    let r = server.post_json(
+        "/detokenize",
+        Some(KEY_ALPHA),
+        &json!({"model": MODEL_ID, "tokens": tokens}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["prompt"], text);
+    // A conversation: as many tokens as the chat endpoint reports for it.
+    let body = chat_body("What is 2 + 2?", 1);
+    let counted = server.post_json(
+        "/tokenize",
+        Some(KEY_ALPHA),
+        &json!({"model": MODEL_ID, "messages": body["messages"]}),
+    );
+    assert_eq!(counted.status, 200, "{}", counted.body);
+    let chat = server
+        .post_json("/v1/chat/completions", Some(KEY_ALPHA), &body)
+        .json();
+    assert_eq!(
+        counted.json()["count"],
+        chat["usage"]["prompt_tokens"],
+        "{chat}"
+    );
+    // The template's text, special tokens and all, read back.
+    let ids = counted.json()["tokens"].clone();
+    let r = server.post_json(
+        "/detokenize",
+        Some(KEY_ALPHA),
+        &json!({"model": MODEL_ID, "tokens": ids}),
+    );
+    let rendered = r.json()["prompt"].as_str().unwrap().to_string();
+    assert!(
+        rendered.contains("<|im_start|>user\nWhat is 2 + 2?<|im_end|>"),
+        "{rendered:?}"
+    );
+    // As a completion would be refused: too long for the context, a model
+    // the tenant may not use (none here), ids past the vocabulary, no key.
+    for (path, key, body, status, param, code) in [
+        (
+            "/tokenize",
+            Some(KEY_ALPHA),
+            json!({"model": MODEL_ID, "prompt": "hello ".repeat(1500)}),
+            400,
+            json!("prompt"),
+            json!("context_length_exceeded"),
+        ),
+        (
+            "/tokenize",
+            Some(KEY_ALPHA),
+            json!({"model": "nope", "prompt": "hi"}),
+            404,
+            json!("model"),
+            json!("model_not_found"),
+        ),
+        (
+            "/tokenize",
+            Some(KEY_ALPHA),
+            json!({"model": MODEL_ID, "prompt": "hi", "messages": []}),
+            400,
+            json!("messages"),
+            json!(null),
+        ),
+        (
+            "/detokenize",
+            Some(KEY_ALPHA),
+            json!({"model": MODEL_ID, "tokens": [1, 49152]}),
+            400,
+            json!("tokens"),
+            json!(null),
+        ),
+        (
+            "/detokenize",
+            Some(KEY_ALPHA),
+            json!({"model": MODEL_ID, "tokens": vec![1; 1025]}),
+            400,
+            json!("tokens"),
+            json!(null),
+        ),
+        (
+            "/detokenize",
+            None,
+            json!({"model": MODEL_ID, "tokens": [1]}),
+            401,
+            json!(null),
+            json!(null),
+        ),
+    ] {
+        let r = server.post_json(path, key, &body);
+        assert_eq!(r.status, status, "{path}: {}", r.body);
+        let (got_param, got_code) = r.error();
+        assert_eq!(got_param, param, "{path}: {}", r.body);
+        if !code.is_null() {
+            assert_eq!(got_code, code, "{path}: {}", r.body);
+        }
+    }
+}
+
 /// The chunks of alpha's streamed chat completion, up to `[DONE]`.
 fn chat_chunks(server: &Server, body: &Value) -> Vec<Value> {
     let (status, mut sse) = server.stream("/v1/chat/completions", KEY_ALPHA, body);

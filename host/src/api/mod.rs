@@ -39,6 +39,7 @@ pub mod ids;
 pub mod openai;
 pub mod stream;
 pub mod tenant;
+pub mod tokens;
 
 use crate::catalog::Served;
 use crate::clock::now_ms;
@@ -166,6 +167,8 @@ pub fn inference_router(app: Arc<App>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
+        .route("/tokenize", post(tokens::tokenize))
+        .route("/detokenize", post(tokens::detokenize))
         .merge(tenant::router(Arc::clone(&app)))
         .merge(gateway::router())
         .route("/healthz", get(healthz))

@@ -428,21 +428,116 @@ impl ChatRequest {
         common.sampling.json = json_mode(&mut f, &common.sampling)?;
         f.allow_if("modalities", |v| v == &serde_json::json!(["text"]))?;
         f.finish()?;
-        if messages.is_empty() {
-            return Err(invalid("messages", "must contain at least one message"));
-        }
-        if messages.len() > MESSAGES_MAX {
-            return Err(invalid(
-                "messages",
-                format!("at most {MESSAGES_MAX} messages"),
-            ));
-        }
-        let messages = messages
-            .into_iter()
-            .enumerate()
-            .map(|(i, m)| message(i, m))
-            .collect::<Result<_, _>>()?;
+        let messages = messages_of(messages)?;
         Ok(ChatRequest { common, messages })
+    }
+}
+
+/// `messages`: 1 to [`MESSAGES_MAX`] of them, each checked.
+fn messages_of(messages: Vec<Value>) -> Result<Vec<Message>, ApiError> {
+    if messages.is_empty() {
+        return Err(invalid("messages", "must contain at least one message"));
+    }
+    if messages.len() > MESSAGES_MAX {
+        return Err(invalid(
+            "messages",
+            format!("at most {MESSAGES_MAX} messages"),
+        ));
+    }
+    messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| message(i, m))
+        .collect()
+}
+
+/// `POST /tokenize`, in vLLM's shape: what a completion's prompt or a chat's
+/// conversation is, in a model's tokens.
+#[derive(Clone, Debug)]
+pub struct TokenizeRequest {
+    /// The model whose tokenizer (and chat template) to use.
+    pub model: String,
+    /// What to tokenize.
+    pub input: TokenizeInput,
+}
+
+/// What [`TokenizeRequest`] tokenizes.
+#[derive(Clone, Debug)]
+pub enum TokenizeInput {
+    /// A text, as `/v1/completions` tokenizes its prompt; without the
+    /// model's beginning-of-sequence token when `add_special_tokens` is false.
+    Prompt {
+        /// The text.
+        text: String,
+        /// Whether the model's BOS token (where it adds one) comes first.
+        add_special_tokens: bool,
+    },
+    /// A conversation, rendered by the model's chat template with the
+    /// assistant's turn opened, as `/v1/chat/completions` renders it.
+    Messages(Vec<Message>),
+}
+
+impl TokenizeRequest {
+    /// Parses a `/tokenize` body: `model`, and `prompt` or `messages`.
+    pub fn parse(body: &[u8]) -> Result<TokenizeRequest, ApiError> {
+        let mut f = Fields::parse(body)?;
+        let model: String = f
+            .take("model")?
+            .ok_or_else(|| ApiError::MissingParam("model".into()))?;
+        let prompt: Option<String> = f.take("prompt")?;
+        let messages: Option<Vec<Value>> = f.take("messages")?;
+        let add_special_tokens: Option<bool> = f.take("add_special_tokens")?;
+        f.allow_if("add_generation_prompt", |v| v == &Value::Bool(true))?;
+        f.allow_if("return_token_strs", |v| v == &Value::Bool(false))?;
+        let input = match (prompt, messages) {
+            (Some(text), None) => TokenizeInput::Prompt {
+                text,
+                add_special_tokens: add_special_tokens.unwrap_or(true),
+            },
+            (None, Some(messages)) => {
+                // The template writes the special tokens it wants.
+                if add_special_tokens == Some(true) {
+                    return Err(unsupported(
+                        "add_special_tokens",
+                        "with messages is not supported (the chat template places its own)",
+                    ));
+                }
+                TokenizeInput::Messages(messages_of(messages)?)
+            }
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    "messages",
+                    "give either prompt or messages, not both",
+                ))
+            }
+            (None, None) => return Err(ApiError::MissingParam("prompt".into())),
+        };
+        f.finish()?;
+        Ok(TokenizeRequest { model, input })
+    }
+}
+
+/// `POST /detokenize`, in vLLM's shape: a model's token ids back to text.
+#[derive(Clone, Debug)]
+pub struct DetokenizeRequest {
+    /// The model whose vocabulary the ids are of.
+    pub model: String,
+    /// The ids (checked against the vocabulary once the model is known).
+    pub tokens: Vec<u32>,
+}
+
+impl DetokenizeRequest {
+    /// Parses a `/detokenize` body: `model` and `tokens`.
+    pub fn parse(body: &[u8]) -> Result<DetokenizeRequest, ApiError> {
+        let mut f = Fields::parse(body)?;
+        let model: String = f
+            .take("model")?
+            .ok_or_else(|| ApiError::MissingParam("model".into()))?;
+        let tokens: Vec<u32> = f
+            .take("tokens")?
+            .ok_or_else(|| ApiError::MissingParam("tokens".into()))?;
+        f.finish()?;
+        Ok(DetokenizeRequest { model, tokens })
     }
 }
 
@@ -905,6 +1000,69 @@ mod tests {
         assert_eq!(param_of(e), "messages[0].content");
         let e = chat(r#"{"messages":[]}"#).unwrap_err();
         assert_eq!(param_of(e), "model");
+    }
+
+    #[test]
+    fn tokenize_bodies_take_a_prompt_or_messages_and_detokenize_bodies_ids() {
+        let t = TokenizeRequest::parse(br#"{"model":"m","prompt":"hi"}"#).unwrap();
+        assert!(matches!(
+            t.input,
+            TokenizeInput::Prompt { ref text, add_special_tokens: true } if text == "hi"
+        ));
+        let t = TokenizeRequest::parse(
+            br#"{"model":"m","prompt":"hi","add_special_tokens":false,"return_token_strs":false}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            t.input,
+            TokenizeInput::Prompt {
+                add_special_tokens: false,
+                ..
+            }
+        ));
+        let t = TokenizeRequest::parse(
+            br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"add_generation_prompt":true}"#,
+        )
+        .unwrap();
+        assert!(matches!(t.input, TokenizeInput::Messages(ref m) if m.len() == 1));
+        for (body, param) in [
+            (r#"{"prompt":"hi"}"#, "model"),
+            (r#"{"model":"m"}"#, "prompt"),
+            (r#"{"model":"m","prompt":"hi","messages":[]}"#, "messages"),
+            (r#"{"model":"m","messages":[]}"#, "messages"),
+            (r#"{"model":"m","prompt":["hi"]}"#, "prompt"),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"add_special_tokens":true}"#,
+                "add_special_tokens",
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false}"#,
+                "add_generation_prompt",
+            ),
+            (
+                r#"{"model":"m","prompt":"hi","return_token_strs":true}"#,
+                "return_token_strs",
+            ),
+            (
+                r#"{"model":"m","prompt":"hi","max_tokens":1}"#,
+                "max_tokens",
+            ),
+        ] {
+            let e = TokenizeRequest::parse(body.as_bytes()).unwrap_err();
+            assert_eq!(param_of(e), param, "{body}");
+        }
+        let d = DetokenizeRequest::parse(br#"{"model":"m","tokens":[1,2]}"#).unwrap();
+        assert_eq!((d.model.as_str(), d.tokens), ("m", vec![1, 2]));
+        for (body, param) in [
+            (r#"{"model":"m"}"#, "tokens"),
+            (r#"{"model":"m","tokens":[-1]}"#, "tokens"),
+            (r#"{"model":"m","tokens":"1"}"#, "tokens"),
+            (r#"{"tokens":[1]}"#, "model"),
+            (r#"{"model":"m","tokens":[1],"x":1}"#, "x"),
+        ] {
+            let e = DetokenizeRequest::parse(body.as_bytes()).unwrap_err();
+            assert_eq!(param_of(e), param, "{body}");
+        }
     }
 
     #[test]
