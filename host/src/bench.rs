@@ -531,8 +531,8 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             let started = Instant::now();
             for _ in 0..rounds {
                 let sampled = sample_rows(pool, samplers.iter_mut().collect(), &logits);
-                for (seq, (token, _)) in sampled.into_iter().enumerate() {
-                    if tokenizer.is_eog(token) {
+                for (seq, sampled) in sampled.into_iter().enumerate() {
+                    if tokenizer.is_eog(sampled.token) {
                         samplers[seq] = fresh(seq as u64);
                     }
                 }

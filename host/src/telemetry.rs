@@ -50,6 +50,17 @@ pub const KV_PAGES_ACQUIRED_TOTAL: &str = "bulkhead_kv_pages_acquired_total";
 pub const PREFIX_CACHED_TOKENS_TOTAL: &str = "bulkhead_prefix_cached_tokens_total";
 /// A tenant's sequences preempted in a model to give loaned pages or slots back.
 pub const PREEMPTED_TOTAL: &str = "bulkhead_preempted_total";
+/// Time spent sampling a tenant's tokens in a model, in microseconds, summed
+/// over the threads that sampled them: what its sampling options (JSON mode,
+/// logprobs, biases) add to every tenant's steps.
+pub const SAMPLING_MICROSECONDS_TOTAL: &str = "bulkhead_sampling_microseconds_total";
+/// Steps a model's engine ran.
+pub const ENGINE_STEPS_TOTAL: &str = "bulkhead_engine_steps_total";
+/// Tokens those steps carried (prompt chunks and decoded tokens).
+pub const ENGINE_STEP_TOKENS_TOTAL: &str = "bulkhead_engine_step_tokens_total";
+/// Their time by phase (`forward`: the backend's pass; `sampling`: picking
+/// every row's token, wall time), in microseconds.
+pub const ENGINE_STEP_MICROSECONDS_TOTAL: &str = "bulkhead_engine_step_microseconds_total";
 /// A model's KV pages by state (total, free).
 pub const KV_POOL_PAGES: &str = "bulkhead_kv_pool_pages";
 /// KV pages a model's pool scrubbed since it was loaded.
@@ -391,6 +402,8 @@ pub fn publish_engine_stats(
                 .absolute(t.counts.cached_tokens_total);
             counter!(PREEMPTED_TOTAL, "model" => model.clone(), "tenant" => name.clone())
                 .absolute(t.counts.preempted_total);
+            counter!(SAMPLING_MICROSECONDS_TOTAL, "model" => model.clone(), "tenant" => name.clone())
+                .absolute(t.counts.sampling_nanos_total / 1_000);
             pairs.push((model.clone(), name));
         }
         set_picker_gauges(model, Some(stats));
@@ -400,6 +413,16 @@ pub fn publish_engine_stats(
             .set(f64::from(stats.pages_free));
         counter!(KV_PAGES_SCRUBBED_TOTAL, "model" => model.clone())
             .absolute(stats.pages_scrubbed_total);
+        let steps = &stats.steps;
+        counter!(ENGINE_STEPS_TOTAL, "model" => model.clone()).absolute(steps.steps_total);
+        counter!(ENGINE_STEP_TOKENS_TOTAL, "model" => model.clone()).absolute(steps.tokens_total);
+        for (phase, nanos) in [
+            ("forward", steps.forward_nanos_total),
+            ("sampling", steps.sampling_nanos_total),
+        ] {
+            counter!(ENGINE_STEP_MICROSECONDS_TOTAL, "model" => model.clone(), "phase" => phase)
+                .absolute(nanos / 1_000);
+        }
     }
     let ids: Vec<String> = models.iter().map(|(m, _)| m.clone()).collect();
     let configs: Vec<(String, u32, u32)> = models

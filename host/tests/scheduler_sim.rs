@@ -1187,3 +1187,40 @@ fn reclaiming_from_cached_prompts_ends_and_alpha_starts() {
     }
     assert_eq!(text_end(&mut alpha).0, solo(prompt(9, 44), 20));
 }
+
+#[test]
+fn steps_and_each_tenants_sampling_time_are_counted() {
+    let mut s = two_tenants();
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        seed: 3,
+        logprobs: Some(5),
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let mut rx = s.submit_sampled(ALPHA, prompt(1, 9), 6, sampling);
+    s.run_to_idle();
+    let (_, end) = outcome(&mut rx);
+    let (reason, usage) = end.expect("it finished");
+    assert_eq!((reason, usage.completion_tokens), (FinishReason::Length, 6));
+    let stats = s.scheduler.stats();
+    let counts = |id: TenantId| {
+        stats
+            .tenants
+            .iter()
+            .find(|t| t.id == id.0)
+            .expect("a tenant of the sim")
+            .counts
+    };
+    // The prompt in one step, then the first five generated tokens fed back
+    // one step each (the sixth is never fed back).
+    assert_eq!(stats.steps.steps_total, 6, "{stats:?}");
+    assert_eq!(stats.steps.tokens_total, 9 + 5, "{stats:?}");
+    assert!(stats.steps.forward_nanos_total > 0, "{stats:?}");
+    // Alpha's sampling is charged to alpha, none to beta; one row a step,
+    // so its rows' time is within the steps' sampling time.
+    let alpha = counts(ALPHA).sampling_nanos_total;
+    assert!(alpha > 0, "{stats:?}");
+    assert!(alpha <= stats.steps.sampling_nanos_total, "{stats:?}");
+    assert_eq!(counts(BETA).sampling_nanos_total, 0, "{stats:?}");
+}

@@ -99,6 +99,34 @@ fn chat_and_completions_answer_in_openai_shape_with_usage() {
         4.0
     );
     assert!(metrics.contains("bulkhead_time_to_first_token_seconds_bucket"));
+
+    // The engine's steps, with their tokens and their time by phase; each
+    // tenant's sampling time is its own (gamma sent nothing). Published
+    // after each engine turn: wait for the one after the last request.
+    let tokens = r#"bulkhead_engine_step_tokens_total{model="smollm2-test"}"#;
+    // Alpha's prompt, beta's 4-token prompt and the 7 of its 8 tokens fed back.
+    let least = (prompt + 4 + 7) as f64;
+    assert!(eventually(Duration::from_secs(5), || server.metric(tokens) >= least));
+    let metrics = server.metrics();
+    let steps = r#"bulkhead_engine_steps_total{model="smollm2-test"}"#;
+    assert!(metric_value(&metrics, steps) >= 9.0, "{metrics}");
+    for phase in ["forward", "sampling"] {
+        let time = format!(
+            r#"bulkhead_engine_step_microseconds_total{{model="smollm2-test",phase="{phase}"}}"#
+        );
+        assert!(metric_value(&metrics, &time) > 0.0, "{time}: {metrics}");
+    }
+    let sampling = |tenant: &str| {
+        let name = format!(
+            r#"bulkhead_sampling_microseconds_total{{model="smollm2-test",tenant="{tenant}"}}"#
+        );
+        metric_value(&metrics, &name)
+    };
+    assert!(
+        sampling("alpha") > 0.0 && sampling("beta") > 0.0,
+        "{metrics}"
+    );
+    assert_eq!(sampling("gamma"), 0.0, "{metrics}");
 }
 
 #[test]

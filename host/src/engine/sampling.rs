@@ -22,6 +22,7 @@ use bulkhead_kernels::threads::Threads;
 use bulkhead_kernels::tokenizer::{TokenType, Tokenizer};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Largest top-k honoured; larger values are clamped (the vocabulary is the real bound).
 pub const TOP_K_MAX: usize = 1 << 16;
@@ -147,6 +148,19 @@ impl SamplingParams {
     }
 }
 
+/// A row's sample: its token, the token's log probabilities when asked
+/// for, and the time sampling it took, on whichever thread ran it (what the
+/// engine charges to the sequence's tenant in its counts).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    /// The token picked.
+    pub token: u32,
+    /// Its log probabilities, when the request asked for them.
+    pub logprobs: Option<Logprobs>,
+    /// How long picking it (and its log probabilities) took.
+    pub took: Duration,
+}
+
 /// Samples the next token of row `i` of `logits` with `samplers[i]`, with
 /// its logprobs when asked. Every sequence has its own sampler (state and
 /// seed), so the rows are independent: with `threads` (the backend's,
@@ -159,10 +173,16 @@ pub fn sample_rows(
     threads: Option<&Threads>,
     samplers: Vec<&mut Sampler>,
     logits: &Logits<'_>,
-) -> Vec<(u32, Option<Logprobs>)> {
+) -> Vec<Sampled> {
     let sample = |sampler: &mut Sampler, row: usize| {
+        let started = Instant::now();
         let token = sampler.sample(logits.row(row));
-        (token, sampler.logprobs(logits.row(row), token))
+        let logprobs = sampler.logprobs(logits.row(row), token);
+        Sampled {
+            token,
+            logprobs,
+            took: started.elapsed(),
+        }
     };
     let threads = threads.filter(|t| samplers.len() > 1 && t.threads_count() > 1);
     let Some(threads) = threads else {
@@ -172,7 +192,7 @@ pub fn sample_rows(
             .map(|(row, sampler)| sample(sampler, row))
             .collect();
     };
-    type Slot<'a> = Mutex<(Option<&'a mut Sampler>, Option<(u32, Option<Logprobs>)>)>;
+    type Slot<'a> = Mutex<(Option<&'a mut Sampler>, Option<Sampled>)>;
     let slots: Vec<Slot<'_>> = samplers
         .into_iter()
         .map(|sampler| Mutex::new((Some(sampler), None)))

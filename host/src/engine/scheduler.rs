@@ -54,8 +54,8 @@ use super::admission::{Admission, Admitted};
 use super::handoff::{ExportTo, PrefillRequest, RemotePrefill, Transferred};
 use super::prefix::PrefixCache;
 use super::request::{Event, FinishReason, Rejection, RequestId, TokenLogprob, Usage};
-use super::sampling::{sample_rows, Logprobs, Sampler};
-use super::stats::{PoolAudit, SchedulerStats, TenantCounts, TenantPages, TenantStats};
+use super::sampling::{sample_rows, Logprobs, Sampled, Sampler};
+use super::stats::{PoolAudit, SchedulerStats, StepCounts, TenantCounts, TenantPages, TenantStats};
 use super::stop::{Scan, StopMatcher};
 use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::{Backend, SeqStep};
@@ -307,6 +307,8 @@ pub struct Scheduler<B: Backend> {
     /// Ticks so far.
     ticks: u64,
     tokens_generated: u64,
+    /// The steps run so far (observability).
+    steps: StepCounts,
     /// Pages scrubbed so far (observability).
     pages_scrubbed: u64,
     /// Where ends are reported.
@@ -346,6 +348,7 @@ impl<B: Backend> Scheduler<B> {
             preempted_in_tick: 0,
             ticks: 0,
             tokens_generated: 0,
+            steps: StepCounts::default(),
             pages_scrubbed: 0,
             sink: None,
             remote: None,
@@ -1284,9 +1287,10 @@ impl<B: Backend> Scheduler<B> {
             })
             .collect();
         let threads = self.backend.threads();
-        let sampled: Vec<(u32, Option<Logprobs>)> = match self.backend.step(&steps, &mut self.pool)
-        {
+        let started = Instant::now();
+        let sampled: Vec<Sampled> = match self.backend.step(&steps, &mut self.pool) {
             Ok(logits) => {
+                let forward = started.elapsed();
                 // Each row's sampler, borrowed apart from the others (rows
                 // are distinct sequences).
                 let mut samplers: Vec<Option<&mut Sampler>> = self
@@ -1299,7 +1303,13 @@ impl<B: Backend> Scheduler<B> {
                     .filter(|p| p.wants_logits)
                     .map(|p| samplers[p.seq_index].take().expect("one row a sequence"))
                     .collect();
-                sample_rows(threads.as_deref(), rows, &logits)
+                let sampled = sample_rows(threads.as_deref(), rows, &logits);
+                let steps = &mut self.steps;
+                steps.steps_total += 1;
+                steps.tokens_total += plan.iter().map(|p| p.tokens.len() as u64).sum::<u64>();
+                steps.forward_nanos_total += nanos(forward);
+                steps.sampling_nanos_total += nanos(started.elapsed() - forward);
+                sampled
             }
             // A refused step changed nothing. When the backend names the
             // sequence at fault, only that one fails: the others (any
@@ -1340,9 +1350,14 @@ impl<B: Backend> Scheduler<B> {
             if !p.wants_logits {
                 continue;
             }
-            let (token, logprobs) = next_sample
+            let Sampled {
+                token,
+                logprobs,
+                took,
+            } = next_sample
                 .next()
                 .expect("one sample per entry that wants logits");
+            tenant.counts.sampling_nanos_total += nanos(took);
             self.tokens_generated += 1;
             if let Some(reason) = self.accept(p.seq_index, token, logprobs) {
                 finishing.push((p.seq_index, reason));
@@ -1676,6 +1691,7 @@ impl<B: Backend> Scheduler<B> {
             pages_free: pool.pages_free,
             pages_scrubbed_total: self.pages_scrubbed,
             tokens_generated_total: self.tokens_generated,
+            steps: self.steps,
         }
     }
 
@@ -1717,4 +1733,9 @@ impl<B: Backend> Scheduler<B> {
             tenants,
         }
     }
+}
+
+/// `d` in whole nanoseconds (saturating: 584 years).
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }

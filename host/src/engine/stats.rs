@@ -15,6 +15,10 @@ pub struct TenantCounts {
     pub cached_tokens_total: u64,
     /// Its sequences preempted to give pages or slots back.
     pub preempted_total: u64,
+    /// Time spent sampling its sequences' tokens, in nanoseconds, summed
+    /// over the threads that sampled them: what its sampling options
+    /// (JSON mode, logprobs, biases) cost every tenant's steps.
+    pub sampling_nanos_total: u64,
 }
 
 /// One tenant's scheduler and KV partition counts.
@@ -59,6 +63,24 @@ pub struct SchedulerStats {
     pub pages_scrubbed_total: u64,
     /// Tokens sampled since start.
     pub tokens_generated_total: u64,
+    /// The steps run since start.
+    pub steps: StepCounts,
+}
+
+/// Cumulative counts of an engine's steps: with their rates, an operator
+/// reads the mean step time, its split between the forward pass and
+/// sampling, and the mean tokens a step carries.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepCounts {
+    /// Steps the backend ran.
+    pub steps_total: u64,
+    /// Tokens those steps carried (prompt chunks and decoded tokens).
+    pub tokens_total: u64,
+    /// Their time in the backend's forward pass, in nanoseconds.
+    pub forward_nanos_total: u64,
+    /// Their time sampling, in nanoseconds (wall time: a step's rows are
+    /// sampled in parallel where the backend lends its threads).
+    pub sampling_nanos_total: u64,
 }
 
 /// One tenant's pages, as an audit counts them (from its partition).
