@@ -77,6 +77,7 @@ fn chat_and_completions_answer_in_openai_shape_with_usage() {
     let r = server.get(&server.inference, "/v1/models", Some(KEY_ALPHA));
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["data"][0]["id"], MODEL_ID);
+    assert_eq!(r.json()["data"][0]["max_model_len"], 1024);
     let r = server.get(&server.inference, "/healthz", None);
     assert_eq!(r.status, 200);
     let r = server.get(&server.admin, "/readyz", None);

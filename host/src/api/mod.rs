@@ -297,9 +297,13 @@ async fn not_found(State(app): State<Arc<App>>) -> Response<Body> {
     ApiError::NotFound.into_response(app.request_id(), None)
 }
 
+/// A model as OpenAI lists it, with vLLM's `max_model_len` (the context it
+/// promises: prompt plus generated tokens), which clients read to size
+/// their prompts.
 fn model_object(model: &Served) -> serde_json::Value {
     serde_json::json!({
         "id": model.spec.id, "object": "model", "created": model.created, "owned_by": "bulkhead",
+        "max_model_len": model.admission.context_tokens(),
     })
 }
 
