@@ -20,7 +20,7 @@
 use crate::api::admin::{AuditQuery, CreateTenant, RemoveQuery, UsageQuery};
 use crate::api::openai::{
     ChatRequest, Common, CompletionRequest, DetokenizeRequest, Prompt, TokenizeInput,
-    TokenizeRequest, CACHE_SALT_BYTES_MAX, TOP_K_LIMIT,
+    TokenizeRequest, CACHE_SALT_BYTES_MAX, CHOICES_MAX, TOP_K_LIMIT,
 };
 use crate::config::{Config, ModelSpec, PluginsConfig};
 use crate::engine::chat::MESSAGES_MAX;
@@ -146,6 +146,7 @@ fn check_common(common: &Common) {
         "{common:?}"
     );
     assert!(!(s.json && s.min_tokens > 0), "{common:?}");
+    assert!((1..=CHOICES_MAX).contains(&common.n), "{common:?}");
     assert!(common.stop.len() <= STOPS_MAX, "{common:?}");
     assert!(
         common
@@ -185,6 +186,7 @@ fn common_body(common: &Common) -> Value {
             .map(|(id, bias)| (id.to_string(), json!(bias)))
             .collect::<serde_json::Map<_, _>>(),
         "stop": common.stop,
+        "n": common.n,
         "stream": common.stream,
         "stream_options": {"include_usage": common.include_usage},
     });

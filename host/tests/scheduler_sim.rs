@@ -1224,3 +1224,42 @@ fn steps_and_each_tenants_sampling_time_are_counted() {
     assert!(alpha <= stats.steps.sampling_nanos_total, "{stats:?}");
     assert_eq!(counts(BETA).sampling_nanos_total, 0, "{stats:?}");
 }
+
+#[test]
+fn a_requests_choices_are_queued_all_together_or_not_at_all() {
+    let mut s = sim(
+        &[Tenant {
+            queue_depth_max: 3,
+            ..tenant(ALPHA, 1, 32, 64)
+        }],
+        64,
+        LIMITS,
+    );
+    let choices = |s: &mut Sim, n: usize| {
+        let mut receivers = Vec::new();
+        let admitted: Vec<_> = (0..n)
+            .map(|_| {
+                let (request, rx) = s.request(ALPHA, prompt(1, 5), 3);
+                receivers.push(rx);
+                s.admission.admit(request).expect("fits")
+            })
+            .collect();
+        (s.scheduler.enqueue_all(admitted), receivers)
+    };
+    // Four cannot fit a queue of three: none of them is queued.
+    let (refused, _) = choices(&mut s, 4);
+    assert_eq!(refused, Err(Rejection::QueueFull));
+    assert_eq!(s.scheduler.in_flight(), 0);
+    // Two fit; then two more do not (one place is left), and the two run.
+    let (queued, mut receivers) = choices(&mut s, 2);
+    assert_eq!(queued, Ok(()));
+    let (refused, _) = choices(&mut s, 2);
+    assert_eq!(refused, Err(Rejection::QueueFull));
+    assert_eq!(s.scheduler.in_flight(), 2);
+    s.run_to_idle();
+    for rx in &mut receivers {
+        let (_, end) = drain(rx);
+        assert!(end.is_some(), "each queued choice ran");
+    }
+    s.assert_all_pages_free();
+}

@@ -103,7 +103,25 @@ fn a_decode_process_answers_what_one_process_answers_with_kv_from_its_peer() {
             assert_eq!(split["usage"][field], alone["usage"][field], "{field}");
         }
     }
-    // The transfer was verified, counted, logged without content.
+    // Each of n choices is a sequence of its own, its prompt's KV from the
+    // peer: greedy, both say what one process says.
+    let prompt = "Name three primary colors.";
+    let mut body = chat_body(prompt, 24);
+    body["temperature"] = 0.into();
+    body["n"] = 2.into();
+    let r = p
+        .decode
+        .post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let (_, alone) = answer(&both, prompt);
+    for i in 0..2 {
+        assert_eq!(
+            r.json()["choices"][i]["message"]["content"],
+            alone["choices"][0]["message"]["content"],
+            "choice {i}"
+        );
+    }
+    // The transfers were verified, counted, logged without content.
     let verified: f64 = p
         .decode
         .metrics()
@@ -111,7 +129,7 @@ fn a_decode_process_answers_what_one_process_answers_with_kv_from_its_peer() {
         .filter(|l| l.starts_with("bulkhead_transfers_total{") && l.contains("result=\"ok\""))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
-    assert!(verified >= 2.0, "{}", p.decode.metrics());
+    assert!(verified >= 4.0, "{}", p.decode.metrics());
     assert!(p.decode.logged("transfer received"));
     assert!(p.prefill.logged("transfer sent"));
     for line in p

@@ -75,6 +75,13 @@ fn the_example_plugins_work_end_to_end() {
     let r = ask(&server, KEY_BETA, &[], 100);
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(r.json()["usage"]["completion_tokens"].as_u64().unwrap() <= 64);
+    // A tenant with plugins cannot ask for several choices: the plugins'
+    // contract sees one sequence's sizes and usage per request.
+    let mut body = chat_body("hi", 2);
+    body["n"] = json!(2);
+    let r = server.post_json("/v1/chat/completions", Some(KEY_BETA), &body);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.error().0, "n", "{}", r.body);
 
     // router: x-priority: low lowers the request's priority.
     uploaded(&server, "gamma", "router", &router);

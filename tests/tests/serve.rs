@@ -547,6 +547,118 @@ fn tokenize_counts_what_the_completion_endpoints_would_and_detokenize_reads_it_b
     }
 }
 
+#[test]
+fn n_choices_are_seeded_apart_streamed_by_index_and_summed_in_usage() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let completion = |n: u32, seed: u64| {
+        let body = json!({
+            "model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 12,
+            "temperature": 1, "seed": seed, "n": n,
+        });
+        let r = server.post_json("/v1/completions", Some(KEY_ALPHA), &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()
+    };
+    // Choice i is what the request alone says with seed + i.
+    let alone: Vec<Value> = (0..3).map(|i| completion(1, 40 + i)).collect();
+    let three = completion(3, 40);
+    let choices = three["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{three}");
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i, "{three}");
+        assert_eq!(choice["text"], alone[i]["choices"][0]["text"], "{three}");
+        assert_eq!(
+            choice["finish_reason"], alone[i]["choices"][0]["finish_reason"],
+            "{three}"
+        );
+    }
+    let texts: std::collections::HashSet<&str> = choices
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert!(texts.len() > 1, "three seeds, one text: {three}");
+    // The prompt once, every choice's tokens.
+    let generated: u64 = alone
+        .iter()
+        .map(|v| v["usage"]["completion_tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(three["usage"]["completion_tokens"], generated, "{three}");
+    assert_eq!(three["usage"]["prompt_tokens"], 4, "{three}");
+    assert_eq!(three["usage"]["total_tokens"], generated + 4, "{three}");
+
+    // Streamed: each choice's chunks carry its index, and say what the
+    // whole response says; one usage chunk, then [DONE].
+    let mut body = chat_body("Tell me a story.", 10);
+    body["temperature"] = json!(1);
+    body["seed"] = json!(7);
+    body["n"] = json!(2);
+    let whole = server
+        .post_json("/v1/chat/completions", Some(KEY_ALPHA), &body)
+        .json();
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let (status, mut sse) = server.stream("/v1/chat/completions", KEY_ALPHA, &body);
+    assert_eq!(status, 200);
+    let events = sse.rest();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| data_json(e))
+        .collect();
+    let mut texts = [String::new(), String::new()];
+    let (mut roles, mut finishes, mut usages) = (0, 0, Vec::new());
+    for chunk in &chunks {
+        if chunk["choices"].as_array().unwrap().is_empty() {
+            usages.push(chunk["usage"].clone());
+            continue;
+        }
+        let choice = &chunk["choices"][0];
+        let index = choice["index"].as_u64().unwrap() as usize;
+        roles += usize::from(choice["delta"]["role"] == "assistant");
+        finishes += usize::from(!choice["finish_reason"].is_null());
+        if let Some(text) = choice["delta"]["content"].as_str() {
+            texts[index].push_str(text);
+        }
+    }
+    assert_eq!((roles, finishes), (2, 2), "{chunks:?}");
+    for (i, text) in texts.iter().enumerate() {
+        assert_eq!(
+            whole["choices"][i]["message"]["content"], *text,
+            "{whole} {chunks:?}"
+        );
+    }
+    // (The stream's prompt was in the prefix cache: only that differs.)
+    assert_eq!(usages.len(), 1, "{chunks:?}");
+    for count in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(usages[0][count], whole["usage"][count], "{chunks:?}");
+    }
+    // n is 1 to 16; and a tenant's queue limits count each choice: gamma
+    // (one running, one queued) cannot take three, and is left able to run.
+    for n in [0, 17] {
+        let mut body = chat_body("hi", 4);
+        body["n"] = json!(n);
+        let r = server.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+        assert_eq!((r.status, r.error().0), (400, json!("n")), "{}", r.body);
+    }
+    let mut body = chat_body("hi", 4);
+    body["n"] = json!(3);
+    let r = server.post_json("/v1/chat/completions", Some(KEY_GAMMA), &body);
+    assert_eq!(
+        (r.status, r.error().1),
+        (429, json!("queue_full")),
+        "{}",
+        r.body
+    );
+    body["n"] = json!(1);
+    let r = server.post_json("/v1/chat/completions", Some(KEY_GAMMA), &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
 /// The chunks of alpha's streamed chat completion, up to `[DONE]`.
 fn chat_chunks(server: &Server, body: &Value) -> Vec<Value> {
     let (status, mut sse) = server.stream("/v1/chat/completions", KEY_ALPHA, body);
@@ -812,7 +924,7 @@ fn client_errors_are_openai_shaped_and_name_the_parameter() {
     for (field, value, param) in [
         ("max_tokens", json!("ten"), "max_tokens"),
         ("temperature", json!(5), "temperature"),
-        ("n", json!(2), "n"),
+        ("n", json!(17), "n"),
         (
             "tools",
             json!([{"type": "function", "function": {"name": "f"}}]),
@@ -1075,7 +1187,7 @@ fn a_canary_prompt_never_reaches_logs_or_metrics() {
     // Error paths: unsupported parameter, wrong type quoting the canary,
     // too long, wrong model, bad key, malformed JSON.
     let mut bad = chat_body(&said, 4);
-    bad["n"] = json!(3);
+    bad["n"] = json!(30);
     assert_eq!(server.post_json(chat, Some(KEY_ALPHA), &bad).status, 400);
     let mut bad = chat_body(&said, 4);
     bad["max_tokens"] = json!(canary);

@@ -22,8 +22,9 @@
 //! 6. **Admit** statically (I1) against the serving model's contract — a 400
 //!    `context_length_exceeded` here touches no page, queue or plugin state —
 //!    then through the policy chain (`admit`).
-//! 7. **Submit** to the model's engine thread: queued, or 429 (`Retry-After`) /
-//!    503. The permit of step 1 is held until the engine answers, so an
+//! 7. **Submit** to the model's engine thread, each of its `n` choices a
+//!    sequence of its own, all queued together or none: queued, or 429
+//!    (`Retry-After`) / 503. The permit of step 1 is held until the engine answers, so an
 //!    engine's inbox holds at most `pending_max` submissions of any one tenant.
 //! 8. **Answer**: one JSON body, or an SSE stream whose body owns the event
 //!    receiver, so a client disconnect cancels the request.
@@ -66,7 +67,7 @@ use sha2::{Digest, Sha256};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use stream::{collect, LogprobsOut, SseBody, Tracker};
+use stream::{collect, usage_of_choices, ChoicesSse, LogprobsOut, SseBody, Tracker};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
@@ -689,6 +690,14 @@ async fn run(
         .then(|| source.text())
         .flatten();
     let has_chain = app.policy.has_chain(tenant.id);
+    // A plugin sees one sequence's sizes and usage per request (the WIT
+    // contract has no count of choices): its budgets would see a fraction.
+    if common.n > 1 && has_chain {
+        return Err(ApiError::Unsupported {
+            param: "n".into(),
+            reason: "above 1 is not supported for a tenant with policy plugins (they see one sequence per request)".into(),
+        });
+    }
     let candidates = if has_chain {
         app.candidates(tenant)
     } else {
@@ -764,28 +773,40 @@ async fn run(
         }
     }
     let prompt_tokens = input.prompt_tokens;
-    let (events, receiver) = tokio::sync::mpsc::unbounded_channel::<Event>();
-    let request = NewRequest {
-        id,
-        tenant: tenant.id,
-        prompt,
-        max_tokens: input.max_tokens,
-        sampling: common.sampling.clone(),
-        stop: common.stop.clone(),
-        deadline: arrived + app.serving.request_timeout,
-        events,
-        cache_salt: common.cache_salt.clone(),
-        // Only a decode process asks a peer; the link checks the name.
-        prefill_hint: match &model.transfer {
-            Some(t) if t.decode => headers
-                .get(crate::api::gateway::PREFILLER_HOST_PORT)
-                .and_then(|v| v.to_str().ok())
-                .filter(|v| v.len() <= crate::transfer::PEER_ADDR_BYTES_MAX)
-                .map(str::to_string),
-            _ => None,
-        },
-    };
-    let mut admitted = model.admission.admit(request).map_err(rejected)?;
+    // Each choice is a sequence of its own, with its own id (the first is
+    // the request's) and seed: `seed + i`, as vLLM seeds them.
+    let mut receivers = Vec::with_capacity(common.n as usize);
+    let mut choices = Vec::with_capacity(common.n as usize);
+    for index in 0..common.n {
+        let (events, receiver) = tokio::sync::mpsc::unbounded_channel::<Event>();
+        let choice_id = if index == 0 { id } else { app.request_id() };
+        let mut sampling = common.sampling.clone();
+        sampling.seed = sampling.seed.wrapping_add(u64::from(index));
+        let request = NewRequest {
+            id: choice_id,
+            tenant: tenant.id,
+            prompt: prompt.clone(),
+            max_tokens: input.max_tokens,
+            sampling,
+            stop: common.stop.clone(),
+            deadline: arrived + app.serving.request_timeout,
+            events,
+            cache_salt: common.cache_salt.clone(),
+            // Only a decode process asks a peer; the link checks the name.
+            prefill_hint: match &model.transfer {
+                Some(t) if t.decode => headers
+                    .get(crate::api::gateway::PREFILLER_HOST_PORT)
+                    .and_then(|v| v.to_str().ok())
+                    .filter(|v| v.len() <= crate::transfer::PEER_ADDR_BYTES_MAX)
+                    .map(str::to_string),
+                _ => None,
+            },
+        };
+        choices.push(model.admission.admit(request).map_err(rejected)?);
+        receivers.push((choice_id, receiver));
+    }
+    drop(prompt);
+    let mut admitted = choices.remove(0);
     if has_chain {
         match run_chain(app, tenant.id, input, prompt_tokens, &pending).await? {
             Verdict::Admit {
@@ -812,10 +833,13 @@ async fn run(
         priority = admitted.priority(),
         stream = common.stream,
         pages = admitted.pages_needed(),
+        choices = common.n,
         "admitted"
     );
-    // On an error the guard tells the plugins it was refused.
-    model.engine.submit(admitted).await?;
+    // All choices are queued or none (the tenant's queue has room for all);
+    // on an error the guard tells the plugins it was refused.
+    choices.insert(0, admitted);
+    model.engine.submit_all(choices).await?;
     chain_guard.armed = false;
     // The engine's from here: a client that leaves now cancels it there.
     unsent.armed = false;
@@ -829,22 +853,49 @@ async fn run(
         model: model.spec.id.clone(),
         endpoint,
     };
-    let tracker = Tracker::new(id, &tenant.name, &model.spec.id, arrived);
-    let guard = OutputGuard::new(app, tenant, id);
-    let logprobs = common
-        .sampling
-        .logprobs
-        .map(|_| LogprobsOut::new(endpoint, OutputGuard::new(app, tenant, id)));
-    if common.stream {
-        let body = SseBody::new(
+    // Each choice's events are watched, guarded and reported on their own.
+    let outputs = receivers.into_iter().map(|(choice_id, receiver)| {
+        (
             receiver,
-            meta,
-            common.include_usage,
-            tracker,
-            guard,
-            logprobs,
-        );
-        let mut response = Response::new(Body::new(body));
+            Tracker::new(choice_id, &tenant.name, &model.spec.id, arrived),
+            OutputGuard::new(app, tenant, choice_id),
+            common
+                .sampling
+                .logprobs
+                .map(|_| LogprobsOut::new(endpoint, OutputGuard::new(app, tenant, choice_id))),
+        )
+    });
+    if common.stream {
+        let body = if common.n == 1 {
+            let (receiver, tracker, guard, logprobs) =
+                outputs.into_iter().next().expect("at least one choice");
+            let body = SseBody::new(
+                receiver,
+                meta,
+                common.include_usage,
+                tracker,
+                guard,
+                logprobs,
+            );
+            Body::new(body)
+        } else {
+            let streams = outputs
+                .enumerate()
+                .map(|(index, (receiver, tracker, guard, logprobs))| {
+                    SseBody::one_of(
+                        index as u32,
+                        receiver,
+                        meta.clone(),
+                        common.include_usage,
+                        tracker,
+                        guard,
+                        logprobs,
+                    )
+                })
+                .collect();
+            Body::new(ChoicesSse::new(streams, meta, common.include_usage))
+        };
+        let mut response = Response::new(body);
         let h = response.headers_mut();
         h.insert(
             header::CONTENT_TYPE,
@@ -853,8 +904,45 @@ async fn run(
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         return Ok(response);
     }
-    let response = collect(receiver, meta, tracker, guard, logprobs).await?;
+    let collecting = outputs
+        .enumerate()
+        .map(|(index, (receiver, tracker, guard, logprobs))| {
+            collect(index as u32, receiver, &meta, tracker, guard, logprobs)
+        })
+        .collect();
+    let (choices, usages): (Vec<_>, Vec<_>) = all_of(collecting).await?.into_iter().unzip();
+    let response = meta.response(choices, usage_of_choices(&usages));
     Ok(json(StatusCode::OK, &response))
+}
+
+/// Runs `futures` at once (each choice's collection watches its events as
+/// they come); the first error ends them all, dropping the others (their
+/// receivers with them: their sequences are cancelled).
+async fn all_of<T, F>(futures: Vec<F>) -> Result<Vec<T>, ApiError>
+where
+    F: std::future::Future<Output = Result<T, ApiError>>,
+{
+    let mut futures: Vec<std::pin::Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut done: Vec<Option<T>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        for (future, done) in futures.iter_mut().zip(done.iter_mut()) {
+            if done.is_some() {
+                continue;
+            }
+            match future.as_mut().poll(cx) {
+                std::task::Poll::Ready(Ok(value)) => *done = Some(value),
+                std::task::Poll::Ready(Err(error)) => return std::task::Poll::Ready(Err(error)),
+                std::task::Poll::Pending => {}
+            }
+        }
+        if done.iter().all(Option::is_some) {
+            std::task::Poll::Ready(Ok(()))
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await?;
+    Ok(done.into_iter().flatten().collect())
 }
 
 /// The prompt's tokens for `model`, tokenized in the tenant's turn on the

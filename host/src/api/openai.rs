@@ -2,8 +2,8 @@
 //!
 //! 1. A body is parsed as a JSON object, then each known parameter is taken
 //!    out and typed on its own, so a type error names its parameter.
-//! 2. Parameters a client commonly sends with a harmless value (`n: 1`,
-//!    `logprobs: false`, `user`, ...) are accepted and ignored; the same
+//! 2. Parameters a client commonly sends with a harmless value
+//!    (`logprobs: false`, `user`, ...) are accepted and ignored; the same
 //!    parameters with a value this server cannot honour get a 400 naming them;
 //!    anything else is an unknown parameter (400), as OpenAI answers.
 //! 3. Responses and stream chunks are built here, in OpenAI's exact shape.
@@ -28,6 +28,9 @@ pub const TOP_K_LIMIT: u64 = 1 << 16;
 /// Generated tokens when the client names no `max_tokens` (or fewer, if the
 /// context has less room left).
 pub const MAX_TOKENS_DEFAULT: u32 = 1024;
+/// Most choices (`n`) one request may ask for: each is a sequence of its
+/// own, queued and run under the tenant's limits like a request.
+pub const CHOICES_MAX: u32 = 16;
 
 /// Parameters shared by both endpoints.
 #[derive(Clone, Debug)]
@@ -47,6 +50,9 @@ pub struct Common {
     /// Separates this request's prefix cache from the tenant's requests with
     /// another salt (or none): one tenant's users need not share a cache.
     pub cache_salt: Option<String>,
+    /// Choices to generate (`n`), 1 to [`CHOICES_MAX`]: choice `i` samples
+    /// with seed `seed + i`, as vLLM seeds them.
+    pub n: u32,
 }
 
 /// `POST /v1/chat/completions`.
@@ -277,7 +283,10 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
         return Err(invalid("min_tokens", "must be at most max_tokens"));
     }
     let min_tokens = u32::try_from(min_tokens).unwrap_or(u32::MAX);
-    f.allow_if("n", |v| v.as_u64() == Some(1))?;
+    let n: u64 = f.take("n")?.unwrap_or(1);
+    if !(1..=u64::from(CHOICES_MAX)).contains(&n) {
+        return Err(invalid("n", format!("must be between 1 and {CHOICES_MAX}")));
+    }
     for ignored in [
         "user",
         "metadata",
@@ -311,6 +320,7 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
         stream,
         include_usage,
         cache_salt,
+        n: n as u32,
     })
 }
 
@@ -808,37 +818,42 @@ pub struct ResponseMeta {
 }
 
 impl ResponseMeta {
-    /// A whole (non-streamed) response.
-    pub fn response(&self, text: String, reason: FinishReason, usage: Usage) -> Value {
-        let choice = match self.endpoint {
+    /// One choice of a whole (non-streamed) response.
+    pub fn choice(&self, index: u32, text: String, reason: FinishReason) -> Value {
+        match self.endpoint {
             Endpoint::Chat => serde_json::json!({
-                "index": 0,
+                "index": index,
                 "message": {"role": "assistant", "content": text, "refusal": null},
                 "logprobs": null,
                 "finish_reason": finish_reason(reason),
             }),
             Endpoint::Completions => serde_json::json!({
-                "index": 0,
+                "index": index,
                 "text": text,
                 "logprobs": null,
                 "finish_reason": finish_reason(reason),
             }),
-        };
+        }
+    }
+
+    /// A whole (non-streamed) response of `choices` (in index order).
+    pub fn response(&self, choices: Vec<Value>, usage: Usage) -> Value {
         serde_json::json!({
             "id": self.id,
             "object": match self.endpoint { Endpoint::Chat => "chat.completion", Endpoint::Completions => "text_completion" },
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": UsageBody::from(usage),
         })
     }
 
-    /// One stream chunk: `role` only in the first, `text` in the middle ones,
-    /// `reason` in the last; `usage_null` adds `"usage": null` (as OpenAI does
-    /// when the client asked for usage).
+    /// One stream chunk of choice `index`: `role` only in the first, `text`
+    /// in the middle ones, `reason` in the last; `usage_null` adds `"usage":
+    /// null` (as OpenAI does when the client asked for usage).
     pub fn chunk(
         &self,
+        index: u32,
         role: bool,
         text: Option<&str>,
         reason: Option<FinishReason>,
@@ -858,13 +873,13 @@ impl ResponseMeta {
                 serde_json::json!({
                     "id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+                    "choices": [{"index": index, "delta": delta, "logprobs": null, "finish_reason": finish}],
                 })
             }
             Endpoint::Completions => serde_json::json!({
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}],
+                "choices": [{"index": index, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}],
             }),
         };
         if usage_null {
@@ -943,7 +958,9 @@ mod tests {
     fn names_the_parameter_it_refuses() {
         let base = r#""model":"m","messages":[{"role":"user","content":"hi"}]"#;
         for (extra, param) in [
-            (r#""n":2"#, "n"),
+            (r#""n":0"#, "n"),
+            (r#""n":17"#, "n"),
+            (r#""n":1.5"#, "n"),
             (r#""tools":[{"type":"function"}]"#, "tools"),
             (r#""tool_choice":"auto""#, "tool_choice"),
             (r#""logprobs":"yes""#, "logprobs"),
@@ -1231,10 +1248,14 @@ mod tests {
             model: "m".into(),
             endpoint: Endpoint::Chat,
         };
-        let first = meta.chunk(true, None, None, false);
+        let first = meta.chunk(0, true, None, None, false);
         assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(first["choices"][0]["index"], 0);
+        let second = meta.chunk(2, false, Some("x"), None, false);
+        assert_eq!(second["choices"][0]["index"], 2);
+        assert_eq!(second["choices"][0]["delta"]["content"], "x");
         assert_eq!(first["object"], "chat.completion.chunk");
-        let last = meta.chunk(false, None, Some(FinishReason::Length), true);
+        let last = meta.chunk(0, false, None, Some(FinishReason::Length), true);
         assert_eq!(last["choices"][0]["finish_reason"], "length");
         assert!(last["usage"].is_null() && last.get("usage").is_some());
         let usage = meta.usage_chunk(Usage {

@@ -211,16 +211,17 @@ fn set_logprobs(value: &mut serde_json::Value, logprobs: Option<serde_json::Valu
     }
 }
 
-/// Waits for the whole completion (a dropped future drops the receiver,
-/// which cancels the request): its text and, when asked for, its log
-/// probabilities.
+/// Waits for choice `index`'s whole completion (a dropped future drops the
+/// receiver, which cancels its sequence): the choice, with its log
+/// probabilities when asked for, and its usage.
 pub async fn collect(
+    index: u32,
     mut receiver: UnboundedReceiver<Event>,
-    meta: ResponseMeta,
+    meta: &ResponseMeta,
     mut tracker: Tracker,
     mut guard: Option<OutputGuard>,
     mut logprobs: Option<LogprobsOut>,
-) -> Result<serde_json::Value, ApiError> {
+) -> Result<(serde_json::Value, Usage), ApiError> {
     let mut text = String::new();
     let block = |tracker: &mut Tracker, error| {
         tracker.blocked();
@@ -257,9 +258,11 @@ pub async fn collect(
                     Ok(value) => value.flatten(),
                     Err(blocked) => return block(&mut tracker, blocked),
                 };
-                let mut response = meta.response(text, reason, usage);
-                set_logprobs(&mut response, logprobs);
-                return Ok(response);
+                let mut choice = meta.choice(index, text, reason);
+                if let Some(logprobs) = logprobs {
+                    choice["logprobs"] = logprobs;
+                }
+                return Ok((choice, usage));
             }
         }
     }
@@ -268,7 +271,7 @@ pub async fn collect(
     ))
 }
 
-/// The SSE body of a streamed request.
+/// The SSE body of a streamed request, or of one of its choices.
 pub struct SseBody {
     events: UnboundedReceiver<Event>,
     meta: ResponseMeta,
@@ -280,6 +283,12 @@ pub struct SseBody {
     logprobs: Option<LogprobsOut>,
     frames: VecDeque<Bytes>,
     done: bool,
+    /// The choice's index.
+    index: u32,
+    /// One of several choices ([`ChoicesSse`]): its successful end leaves its
+    /// usage here, and the usage chunk and `[DONE]` are the whole stream's.
+    usage: Option<Usage>,
+    alone: bool,
 }
 
 fn sse(value: &serde_json::Value) -> Bytes {
@@ -296,9 +305,39 @@ impl SseBody {
         guard: Option<OutputGuard>,
         logprobs: Option<LogprobsOut>,
     ) -> SseBody {
+        SseBody::choice(0, events, meta, include_usage, tracker, guard, logprobs)
+    }
+
+    /// The stream of choice `index` alone, for a [`ChoicesSse`] (its chunks
+    /// say its index; its end sends no usage chunk and no `[DONE]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn one_of(
+        index: u32,
+        events: UnboundedReceiver<Event>,
+        meta: ResponseMeta,
+        include_usage: bool,
+        tracker: Tracker,
+        guard: Option<OutputGuard>,
+        logprobs: Option<LogprobsOut>,
+    ) -> SseBody {
+        let mut body =
+            SseBody::choice(index, events, meta, include_usage, tracker, guard, logprobs);
+        body.alone = false;
+        body
+    }
+
+    fn choice(
+        index: u32,
+        events: UnboundedReceiver<Event>,
+        meta: ResponseMeta,
+        include_usage: bool,
+        tracker: Tracker,
+        guard: Option<OutputGuard>,
+        logprobs: Option<LogprobsOut>,
+    ) -> SseBody {
         let mut frames = VecDeque::new();
         if meta.endpoint == super::openai::Endpoint::Chat {
-            frames.push_back(sse(&meta.chunk(true, None, None, include_usage)));
+            frames.push_back(sse(&meta.chunk(index, true, None, None, include_usage)));
         }
         SseBody {
             events,
@@ -309,6 +348,9 @@ impl SseBody {
             logprobs,
             frames,
             done: false,
+            index,
+            usage: None,
+            alone: true,
         }
     }
 
@@ -336,7 +378,9 @@ impl SseBody {
         if text.is_empty() {
             return;
         }
-        let mut chunk = self.meta.chunk(false, Some(text), None, self.include_usage);
+        let mut chunk = self
+            .meta
+            .chunk(self.index, false, Some(text), None, self.include_usage);
         set_logprobs(
             &mut chunk,
             self.logprobs.as_mut().and_then(LogprobsOut::for_text),
@@ -372,9 +416,13 @@ impl SseBody {
         };
         let mut last = self
             .meta
-            .chunk(false, None, Some(reason), self.include_usage);
+            .chunk(self.index, false, None, Some(reason), self.include_usage);
         set_logprobs(&mut last, logprobs);
         self.frames.push_back(sse(&last));
+        if !self.alone {
+            self.usage = Some(usage);
+            return;
+        }
         if self.include_usage {
             self.frames.push_back(sse(&self.meta.usage_chunk(usage)));
         }
@@ -415,6 +463,121 @@ impl Body for SseBody {
                     ));
                 }
                 Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done && self.frames.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+/// The usage of a request's choices, as OpenAI reports it: the prompt once
+/// (and what of it the prefix cache held, the first choice's), the tokens of
+/// every choice.
+pub fn usage_of_choices(usages: &[Usage]) -> Usage {
+    let first = usages.first().copied().unwrap_or_default();
+    Usage {
+        prompt_tokens: first.prompt_tokens,
+        completion_tokens: usages.iter().map(|u| u.completion_tokens).sum(),
+        cached_tokens: first.cached_tokens,
+    }
+}
+
+/// The SSE body of a request with several choices: each choice's own stream
+/// ([`SseBody::one_of`]: its chunks carry its index), interleaved as their
+/// events come; once every choice has ended, the usage chunk (when asked
+/// for) and `[DONE]`. A choice that ends in an error ends the whole stream
+/// after its error event, and cancels the others.
+pub struct ChoicesSse {
+    choices: Vec<SseBody>,
+    ended: Vec<bool>,
+    meta: ResponseMeta,
+    include_usage: bool,
+    frames: VecDeque<Bytes>,
+    done: bool,
+    /// The choice polled first next time (each in turn goes first).
+    next: usize,
+}
+
+impl ChoicesSse {
+    /// A stream of `choices` (in index order).
+    pub fn new(choices: Vec<SseBody>, meta: ResponseMeta, include_usage: bool) -> ChoicesSse {
+        ChoicesSse {
+            ended: vec![false; choices.len()],
+            choices,
+            meta,
+            include_usage,
+            frames: VecDeque::new(),
+            done: false,
+            next: 0,
+        }
+    }
+
+    /// Choice `i`'s stream has ended: with its usage, or after an error.
+    fn on_ended(&mut self, i: usize) {
+        self.ended[i] = true;
+        if self.choices[i].usage.is_none() {
+            self.done = true;
+            for choice in &mut self.choices {
+                choice.events.close();
+            }
+            return;
+        }
+        if self.ended.iter().all(|&ended| ended) {
+            self.done = true;
+            if self.include_usage {
+                let usages: Vec<Usage> = self.choices.iter().filter_map(|c| c.usage).collect();
+                let usage = usage_of_choices(&usages);
+                self.frames.push_back(sse(&self.meta.usage_chunk(usage)));
+            }
+            self.frames
+                .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+        }
+    }
+}
+
+impl Body for ChoicesSse {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        loop {
+            if let Some(frame) = self.frames.pop_front() {
+                return Poll::Ready(Some(Ok(Frame::data(frame))));
+            }
+            if self.done {
+                return Poll::Ready(None);
+            }
+            let count = self.choices.len();
+            let mut ended = None;
+            for k in 0..count {
+                let i = (self.next + k) % count;
+                if self.ended[i] {
+                    continue;
+                }
+                match Pin::new(&mut self.choices[i]).poll_frame(cx) {
+                    Poll::Ready(Some(frame)) => {
+                        self.next = (i + 1) % count;
+                        return Poll::Ready(Some(frame));
+                    }
+                    Poll::Ready(None) => {
+                        ended = Some(i);
+                        break;
+                    }
+                    Poll::Pending => {}
+                }
+            }
+            match ended {
+                Some(i) => self.on_ended(i),
+                None => return Poll::Pending,
             }
         }
     }

@@ -596,6 +596,31 @@ impl<B: Backend> Scheduler<B> {
         Ok(())
     }
 
+    /// Queues a request's choices (each a sequence of its own, all of one
+    /// tenant) together: all of them, or, when the tenant's queue has no
+    /// room for all, none ([`Rejection::QueueFull`]); otherwise as
+    /// [`Scheduler::enqueue`] refuses one.
+    pub fn enqueue_all(&mut self, choices: Vec<Admitted>) -> Result<(), Rejection> {
+        let Some(first) = choices.first() else {
+            return Ok(());
+        };
+        let id = first.tenant();
+        if choices
+            .iter()
+            .any(|c| c.pool != self.pool.id() || c.tenant() != id)
+        {
+            return Err(Rejection::ForeignPool);
+        }
+        let Some(tenant) = self.tenants.get(&id) else {
+            return Err(Rejection::TenantRemoved);
+        };
+        if tenant.queue.len() + choices.len() > tenant.limits.queue_depth_max as usize {
+            return Err(Rejection::QueueFull);
+        }
+        // Each passes `enqueue`'s checks: those just made.
+        choices.into_iter().try_for_each(|c| self.enqueue(c))
+    }
+
     /// One iteration: expire, start, step, apply. `now` is the clock (a
     /// parameter so simulations are deterministic).
     pub fn tick(&mut self, now: Instant) -> TickReport {

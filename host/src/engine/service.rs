@@ -60,7 +60,8 @@ const IDLE_WAIT: Duration = Duration::from_millis(100);
 const STALLED_WAIT: Duration = Duration::from_millis(5);
 
 enum Command {
-    Submit(Admitted, oneshot::Sender<Result<(), Rejection>>),
+    /// A request's choices, queued together or refused together.
+    Submit(Vec<Admitted>, oneshot::Sender<Result<(), Rejection>>),
     Tenant(
         TenantChange,
         oneshot::Sender<Result<u32, TenantChangeError>>,
@@ -196,12 +197,18 @@ pub struct Faults {
 impl EngineHandle {
     /// Queues `admitted`; the answer comes once the engine thread has looked at it.
     pub async fn submit(&self, admitted: Admitted) -> Result<(), SubmitError> {
+        self.submit_all(vec![admitted]).await
+    }
+
+    /// Queues a request's choices (one tenant's, for this engine's pool)
+    /// together: all of them, or, when its queue has no room for all, none.
+    pub async fn submit_all(&self, choices: Vec<Admitted>) -> Result<(), SubmitError> {
         if !self.accepting.load(Ordering::SeqCst) {
             return Err(SubmitError::Unavailable);
         }
         let (reply, answer) = oneshot::channel();
         self.commands
-            .send(Command::Submit(admitted, reply))
+            .send(Command::Submit(choices, reply))
             .map_err(|_| SubmitError::Unavailable)?;
         match answer.await {
             Ok(result) => result.map_err(SubmitError::Rejected),
@@ -591,11 +598,13 @@ fn engine_loop<B: Backend>(
             .chain(std::iter::from_fn(|| inbox.try_recv().ok()))
         {
             match command {
-                Command::Submit(mut admitted, reply) => {
-                    if admitted.pool == first_pool {
-                        admitted.pool = scheduler.pool().id();
+                Command::Submit(mut choices, reply) => {
+                    for admitted in &mut choices {
+                        if admitted.pool == first_pool {
+                            admitted.pool = scheduler.pool().id();
+                        }
                     }
-                    let _ = reply.send(scheduler.enqueue(admitted));
+                    let _ = reply.send(scheduler.enqueue_all(choices));
                 }
                 Command::Tenant(change, reply) => {
                     let result = match change {
