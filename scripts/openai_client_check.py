@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Drives a running `bulkhead serve` with the official `openai` client, as a new
-user would: a chat completion, a streamed one, and the error on an oversized
-prompt. Usage: openai_client_check.py BASE_URL API_KEY MODEL_ID
+user would: a chat completion, a streamed one, several choices, and the error
+on an oversized prompt. Usage: openai_client_check.py BASE_URL API_KEY MODEL_ID
 
 Exit 0 and "ok" on success; exit 3 if the `openai` package is missing."""
 
@@ -76,6 +76,33 @@ def main() -> None:
     )
     assert len(legacy.choices[0].logprobs.tokens) == 4, legacy.choices[0].logprobs
     assert "".join(legacy.choices[0].logprobs.tokens) == legacy.choices[0].text
+
+    # Several choices, whole and streamed, and vLLM's extras through extra_body.
+    several = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=8,
+        temperature=1,
+        seed=11,
+        n=3,
+        extra_body={"min_tokens": 2, "top_k": 40},
+    )
+    assert [c.index for c in several.choices] == [0, 1, 2], several.choices
+    assert several.usage.completion_tokens >= 6, several.usage
+    streamed = {}
+    for chunk in client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=8,
+        temperature=1,
+        seed=11,
+        n=3,
+        stream=True,
+        extra_body={"min_tokens": 2, "top_k": 40},
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert streamed == {c.index: c.message.content for c in several.choices}, (streamed, several.choices)
 
     try:
         client.chat.completions.create(
