@@ -771,6 +771,42 @@ fn queue_full(suite: &Suite, server: &Server) {
     }
 }
 
+/// A request of several choices (`n`), each a sequence of its own: whole
+/// (the body holds every choice, each checked for others' canaries), and
+/// streamed by a client that leaves after a few events (every choice's
+/// sequence ends), while another tenant is served.
+fn choices(suite: &Suite, server: &Server) {
+    const PATH: &str = "several choices (n = 4), whole and left mid-stream";
+    let cancelled = format!(
+        r#"bulkhead_requests_total{{model="{MODEL_ID}",tenant="beta",reason="cancelled"}}"#
+    );
+    for _ in 0..suite.trials(2, 0.5) {
+        let before = server.metric(&cancelled);
+        std::thread::scope(|s| {
+            s.spawn(|| served(suite, server, PATH, "gamma", true));
+            let mut body = echo(suite, "beta", MODEL_ID, 16);
+            body["n"] = json!(4);
+            body["temperature"] = json!(1);
+            let answer = suite.send(server, KEY_BETA, &[], COMPLETIONS, &body, None);
+            suite.expect(PATH, "beta", &answer, OK);
+            let mut body = counting(suite, "beta", MODEL_ID, 20, 300);
+            body["n"] = json!(4);
+            let answer = suite.send(server, KEY_BETA, &[], COMPLETIONS, &body, Some(8));
+            suite.check(PATH, "beta", &answer.text);
+            if answer.status != 200 || answer.code.is_some() || answer.text.is_empty() {
+                suite.fail(format!("{PATH}: the stream did not run: {answer:?}"));
+            }
+            // Each choice's sequence is cancelled, not run to its end.
+            if !eventually(Duration::from_secs(20), || {
+                server.metric(&cancelled) >= before + 4.0
+            }) {
+                suite.fail(format!("{PATH}: the server never saw the four choices go"));
+            }
+        });
+        suite.trial_done(PATH, suite.baseline(PATH, server, MODEL_ID));
+    }
+}
+
 fn preemption(suite: &Suite, server: &Server) {
     const PATH: &str = "preemption";
     let preempted = r#"bulkhead_preempted_total{model="smollm2-test",tenant="beta"}"#;
@@ -1769,13 +1805,14 @@ fn no_tenant_sees_another_tenants_data_on_any_path() {
         );
         assert_eq!(r.status, 200, "{}", r.body);
         type Path = fn(&Suite, &Server);
-        let paths: [(&str, Path); 14] = [
+        let paths: [(&str, Path); 15] = [
             ("success", success),
             ("prefix_cache", prefix_cache),
             ("oversized", oversized),
             ("oversized_refused", oversized_refused),
             ("cancel_prefill", cancel_prefill),
             ("cancel_decode", cancel_decode),
+            ("choices", choices),
             ("queue_full", queue_full),
             ("preemption", preemption),
             ("plugin_faults", plugin_faults),
