@@ -578,6 +578,28 @@ fn n_choices_are_seeded_apart_streamed_by_index_and_summed_in_usage() {
         .map(|c| c["text"].as_str().unwrap())
         .collect();
     assert!(texts.len() > 1, "three seeds, one text: {three}");
+    // The log names the other choices' ids under the request's.
+    let id = three["id"].as_str().unwrap().strip_prefix("cmpl-").unwrap();
+    let listed = server
+        .stderr_lines()
+        .into_iter()
+        .find(|l| l.contains(&format!("\"request_id\":{id}")) && l.contains("choice_ids"))
+        .expect("a choices line");
+    let line: Value = serde_json::from_str(&listed).unwrap();
+    let others: Vec<u64> =
+        serde_json::from_str(line["fields"]["choice_ids"].as_str().unwrap()).unwrap();
+    assert_eq!(others.len(), 2, "{listed}");
+    // Each finished under its own id.
+    let lines = server.stderr_lines();
+    for other in others {
+        let id = format!("\"request_id\":{other}");
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains(&id) && l.contains("request finished")),
+            "{other}"
+        );
+    }
     // The prompt once, every choice's tokens.
     let generated: u64 = alone
         .iter()

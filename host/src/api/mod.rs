@@ -836,6 +836,15 @@ async fn run(
         choices = common.n,
         "admitted"
     );
+    if common.n > 1 {
+        // Each choice logs, audits and reports under its own id: the
+        // request's for the first, these for the others.
+        let ids: Vec<u64> = receivers[1..]
+            .iter()
+            .map(|(choice_id, _)| choice_id.0)
+            .collect();
+        tracing::info!(request_id = id.0, choice_ids = ?ids, "choices");
+    }
     // All choices are queued or none (the tenant's queue has room for all);
     // on an error the guard tells the plugins it was refused.
     choices.insert(0, admitted);
