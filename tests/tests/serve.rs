@@ -342,14 +342,19 @@ fn logit_bias_and_penalties_reach_the_sampler_and_bad_ones_are_refused() {
         (json!({"min_p": -0.1}), "min_p"),
         (json!({"repetition_penalty": 3}), "repetition_penalty"),
     ] {
-        let mut body = chat_body("hi", 4);
-        body.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        let r = server.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
-        assert_eq!(r.status, 400, "{extra}: {}", r.body);
-        assert_eq!(r.error().0, param, "{extra}: {}", r.body);
+        chat_refused(&server, &extra, param);
     }
+}
+
+/// Alpha's short chat with `extra`'s fields is a 400 naming `param`.
+fn chat_refused(server: &Server, extra: &Value, param: &str) {
+    let mut body = chat_body("hi", 4);
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    let r = server.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+    assert_eq!(r.status, 400, "{extra}: {}", r.body);
+    assert_eq!(r.error().0, param, "{extra}: {}", r.body);
 }
 
 #[test]
@@ -422,13 +427,7 @@ fn stop_token_ids_end_the_output_and_min_tokens_holds_every_end_back() {
             "min_tokens",
         ),
     ] {
-        let mut body = chat_body("hi", 4);
-        body.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        let r = server.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
-        assert_eq!(r.status, 400, "{extra}: {}", r.body);
-        assert_eq!(r.error().0, param, "{extra}: {}", r.body);
+        chat_refused(&server, &extra, param);
     }
 }
 
