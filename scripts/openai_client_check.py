@@ -1,17 +1,31 @@
 #!/usr/bin/env python3
 """Drives a running `bulkhead serve` with the official `openai` client, as a new
-user would: a chat completion, a streamed one, several choices, and the error
-on an oversized prompt. Usage: openai_client_check.py BASE_URL API_KEY MODEL_ID
+user would: a chat completion, a streamed one, several choices, a pydantic
+model's structured output, and the error on an oversized prompt. Usage: openai_client_check.py BASE_URL API_KEY MODEL_ID
 
 Exit 0 and "ok" on success; exit 3 if the `openai` package is missing."""
 
 import sys
+from typing import List, Literal, Optional
 
 try:
     import openai
+    from pydantic import BaseModel, Field
 except ImportError:
     print("openai is not installed (pip install -r scripts/requirements.txt)")
     sys.exit(3)
+
+
+class Owner(BaseModel):
+    name: str = Field(max_length=12)
+
+
+class Cat(BaseModel):
+    name: str = Field(max_length=20)
+    age: int
+    color: Literal["black", "white", "orange", "grey"]
+    toys: List[str] = Field(max_length=3)
+    owner: Optional[Owner]
 
 
 def main() -> None:
@@ -103,6 +117,19 @@ def main() -> None:
         for choice in chunk.choices:
             streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
     assert streamed == {c.index: c.message.content for c in several.choices}, (streamed, several.choices)
+
+    # Structured output: the client sends the pydantic model's schema and
+    # parses the answer back into the model (it raises if it does not fit).
+    parsed = client.chat.completions.parse(
+        model=model,
+        messages=[{"role": "user", "content": "Describe a cat in JSON."}],
+        response_format=Cat,
+        max_tokens=200,
+        temperature=0,
+    )
+    cat = parsed.choices[0].message.parsed
+    assert isinstance(cat, Cat) and parsed.choices[0].finish_reason == "stop", parsed
+    assert len(cat.toys) <= 3 and len(cat.name) <= 20, cat
 
     try:
         client.chat.completions.create(

@@ -290,6 +290,7 @@ pub struct SamplingBenchArgs {
 pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArgs) -> Result<()> {
     use crate::engine::json::Json;
     use crate::engine::sampling::{sample_rows, Sampler, SamplingParams, LOGIT_BIAS_MAX};
+    use crate::engine::schema::Schema;
     use bulkhead_kernels::backend::Logits;
     use bulkhead_kernels::tokenizer::TokenType;
     ensure!(args.samples >= 1, "--samples is at least 1");
@@ -376,7 +377,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
     ]
     .iter()
     .map(|prefix| {
-        let mut json = Json::new();
+        let mut json = Json::new(std::sync::Arc::new(Schema::object()));
         assert!(json.push(prefix.as_bytes()));
         json
     })
@@ -396,6 +397,22 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
         seed: 1,
         ..SamplingParams::default()
     };
+    // What the OpenAI client sends for a pydantic model (structured output).
+    let cat = Arc::new(
+        Schema::compile(&serde_json::json!({
+            "$defs": {"Owner": {"properties": {"name": {"type": "string", "maxLength": 12}},
+                                "required": ["name"], "type": "object"}},
+            "properties": {
+                "name": {"type": "string", "maxLength": 20},
+                "age": {"type": "integer"},
+                "color": {"enum": ["black", "white", "orange", "grey"], "type": "string"},
+                "toys": {"items": {"type": "string"}, "maxItems": 3, "type": "array"},
+                "owner": {"anyOf": [{"$ref": "#/$defs/Owner"}, {"type": "null"}]}
+            },
+            "required": ["name", "age", "color", "toys", "owner"], "type": "object"
+        }))
+        .expect("the benchmark's schema compiles"),
+    );
     let options: Vec<(&str, SamplingParams)> = vec![
         ("greedy", sampled(0.0)),
         ("temperature 1", sampled(1.0)),
@@ -451,21 +468,35 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
         (
             "JSON mode, greedy",
             SamplingParams {
-                json: true,
+                json: Some(Arc::new(Schema::object())),
                 ..sampled(0.0)
             },
         ),
         (
             "JSON mode, temperature 1",
             SamplingParams {
-                json: true,
+                json: Some(Arc::new(Schema::object())),
+                ..sampled(1.0)
+            },
+        ),
+        (
+            "JSON schema (a pydantic model), greedy",
+            SamplingParams {
+                json: Some(Arc::clone(&cat)),
+                ..sampled(0.0)
+            },
+        ),
+        (
+            "JSON schema (a pydantic model), temperature 1",
+            SamplingParams {
+                json: Some(Arc::clone(&cat)),
                 ..sampled(1.0)
             },
         ),
         (
             "hostile: JSON mode, greedy, 1,024 refused tokens at +100",
             SamplingParams {
-                json: true,
+                json: Some(Arc::new(Schema::object())),
                 logit_bias: never_json.clone(),
                 ..sampled(0.0)
             },
@@ -473,7 +504,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
         (
             "hostile: JSON mode, temperature 1, 1,024 refused tokens at +100",
             SamplingParams {
-                json: true,
+                json: Some(Arc::new(Schema::object())),
                 logit_bias: never_json,
                 ..sampled(1.0)
             },
@@ -491,7 +522,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             total += secs;
             worst = worst.max(secs);
             if tokenizer.is_eog(token) {
-                // A closed JSON object ends its request: the next is a new one.
+                // A complete JSON value ends its request: the next is a new one.
                 sampler = Sampler::for_request(params.clone(), &tokenizer, &context);
             }
         }

@@ -24,6 +24,7 @@ use crate::api::openai::{
 };
 use crate::config::{Config, ModelSpec, PluginsConfig};
 use crate::engine::chat::MESSAGES_MAX;
+use crate::engine::json::Json;
 use crate::engine::sampling::{
     LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT, REPETITION_PENALTY_MAX, STOP_TOKEN_IDS_MAX,
     TOP_LOGPROBS_MAX,
@@ -64,6 +65,7 @@ pub fn openai(data: &[u8]) {
     let _ = DetokenizeRequest::parse(data);
     if let Ok(chat) = ChatRequest::parse(data) {
         check_common(&chat.common);
+        check_recognizer(&chat.common, data);
         assert!(!chat.messages.is_empty() && chat.messages.len() <= MESSAGES_MAX);
         for message in &chat.messages {
             assert!(
@@ -77,9 +79,7 @@ pub fn openai(data: &[u8]) {
             .iter()
             .map(|m| json!({"role": m.role, "content": m.content}))
             .collect();
-        if chat.common.sampling.json {
-            body["response_format"] = json!({"type": "json_object"});
-        }
+        body["response_format"] = response_format(&chat.common);
         if let Some(top) = chat.common.sampling.logprobs {
             body["logprobs"] = json!(true);
             body["top_logprobs"] = json!(top);
@@ -90,10 +90,9 @@ pub fn openai(data: &[u8]) {
     }
     if let Ok(completion) = CompletionRequest::parse(data) {
         check_common(&completion.common);
+        check_recognizer(&completion.common, data);
         let mut body = common_body(&completion.common);
-        if completion.common.sampling.json {
-            body["response_format"] = json!({"type": "json_object"});
-        }
+        body["response_format"] = response_format(&completion.common);
         if let Some(top) = completion.common.sampling.logprobs {
             body["logprobs"] = json!(top);
         }
@@ -104,6 +103,32 @@ pub fn openai(data: &[u8]) {
         let again = CompletionRequest::parse(body.to_string().as_bytes())
             .unwrap_or_else(|e| panic!("{body} (from {completion:?}) does not parse again: {e:?}"));
         assert_eq!(format!("{completion:?}"), format!("{again:?}"));
+    }
+}
+
+/// The `response_format` a parsed request's schema came from.
+fn response_format(common: &Common) -> Value {
+    match common.sampling.json.as_deref() {
+        None => json!({"type": "text"}),
+        Some(schema) => match schema.source() {
+            None => json!({"type": "json_object"}),
+            Some(document) => {
+                json!({"type": "json_schema", "json_schema": {"name": "s", "schema": document}})
+            }
+        },
+    }
+}
+
+/// A parsed schema's recognizer (JSON mode's included), fed the body's own
+/// bytes in pieces: what `accepts` answers, `push` does, and nothing panics.
+fn check_recognizer(common: &Common, data: &[u8]) {
+    let Some(schema) = &common.sampling.json else {
+        return;
+    };
+    let mut recognizer = Json::new(Arc::clone(schema));
+    for piece in data.chunks(3) {
+        let accepted = recognizer.accepts(piece);
+        assert_eq!(accepted, recognizer.push(piece), "{piece:?}");
     }
 }
 
@@ -145,7 +170,7 @@ fn check_common(common: &Common) {
         common.max_tokens.is_none_or(|max| s.min_tokens <= max),
         "{common:?}"
     );
-    assert!(!(s.json && s.min_tokens > 0), "{common:?}");
+    assert!(!(s.json.is_some() && s.min_tokens > 0), "{common:?}");
     assert!((1..=CHOICES_MAX).contains(&common.n), "{common:?}");
     assert!(common.stop.len() <= STOPS_MAX, "{common:?}");
     assert!(
@@ -781,6 +806,14 @@ pub fn openai_seeds() -> Vec<(&'static str, Vec<u8>)> {
         (
             "seed-completion-array.json",
             r#"{"model":"m","prompt":["one prompt"],"temperature":2,"presence_penalty":0,"frequency_penalty":0.0,"logit_bias":{}}"#,
+        ),
+        (
+            "seed-chat-json-schema.json",
+            r##"{"model":"m","messages":[{"role":"user","content":"A cat?"}],"response_format":{"type":"json_schema","json_schema":{"name":"Cat","strict":true,"schema":{"$defs":{"Owner":{"properties":{"name":{"type":"string","maxLength":12}},"required":["name"],"type":"object","additionalProperties":false}},"properties":{"name":{"type":"string","minLength":1,"maxLength":20},"age":{"type":"integer"},"color":{"enum":["black","white",12,null]},"toys":{"items":{"type":"string"},"maxItems":3,"type":"array"},"owner":{"anyOf":[{"$ref":"#/$defs/Owner"},{"type":"null"}]},"tags":{"type":"object","additionalProperties":{"type":["number","boolean"]}},"any":{}},"required":["name","age","color"],"title":"Cat","type":"object"}}}}"##,
+        ),
+        (
+            "seed-completion-json-object.json",
+            r#"{"model":"m","prompt":"{"a": [1, "x", {"b": null}]}","response_format":{"type":"json_object"}}"#,
         ),
         (
             "seed-completion-vllm.json",

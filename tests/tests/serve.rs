@@ -838,6 +838,119 @@ fn json_mode_answers_a_json_object_streamed_or_not() {
 }
 
 #[test]
+fn structured_output_answers_an_instance_of_the_schema_streamed_or_not() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    // What pydantic and the OpenAI client send for a model with an enum, a
+    // bounded list, a nested optional model (a $ref) and an integer.
+    let schema = json!({
+        "$defs": {"Owner": {"properties": {"name": {"type": "string", "maxLength": 12}},
+                            "required": ["name"], "type": "object", "additionalProperties": false}},
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer"},
+            "color": {"enum": ["black", "white", "orange", "grey"], "type": "string"},
+            "toys": {"items": {"type": "string", "maxLength": 16}, "maxItems": 3, "type": "array"},
+            "owner": {"anyOf": [{"$ref": "#/$defs/Owner"}, {"type": "null"}]}
+        },
+        "required": ["name", "age", "color", "toys", "owner"],
+        "title": "Cat", "type": "object", "additionalProperties": false
+    });
+    let format = json!({"type": "json_schema",
+                        "json_schema": {"name": "Cat", "strict": true, "schema": schema}});
+    let prompt = "Describe a cat in JSON.";
+    for (temperature, seed) in [(0.0, 1), (1.0, 7), (1.0, 8)] {
+        let mut body = chat_body(prompt, 200);
+        body["temperature"] = json!(temperature);
+        body["seed"] = json!(seed);
+        body["response_format"] = format.clone();
+        let r = server.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        let text = v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{text:?}");
+        let cat: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        // Every property, in the schema's order, of its type, and no other.
+        let keys: Vec<&str> = cat
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str())
+            .collect();
+        assert_eq!(keys, ["name", "age", "color", "toys", "owner"], "{text}");
+        assert!(
+            cat["name"]
+                .as_str()
+                .is_some_and(|n| n.chars().count() <= 20),
+            "{text}"
+        );
+        assert!(cat["age"].is_i64(), "{text}");
+        assert!(
+            ["black", "white", "orange", "grey"].contains(&cat["color"].as_str().unwrap_or("")),
+            "{text}"
+        );
+        let toys = cat["toys"].as_array().unwrap();
+        assert!(
+            toys.len() <= 3 && toys.iter().all(|t| t.is_string()),
+            "{text}"
+        );
+        let owner = &cat["owner"];
+        assert!(
+            owner.is_null()
+                || owner
+                    .as_object()
+                    .is_some_and(|o| o.len() == 1 && o["name"].is_string()),
+            "{text}"
+        );
+        body["stream"] = json!(true);
+        let streamed: String = chat_chunks(&server, &body)
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(streamed, text);
+    }
+    // A schema the engine would not enforce is refused before anything
+    // runs, naming the keyword; so is one that refers outside itself.
+    for (document, says) in [
+        (
+            json!({"type": "string", "pattern": "^[a-z]+$"}),
+            "\"pattern\"",
+        ),
+        (
+            json!({"$ref": "https://example.com/cat.json"}),
+            "within the schema",
+        ),
+    ] {
+        let extra = json!({"response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "x", "schema": document}}});
+        chat_refused(&server, &extra, "response_format");
+        let mut body = chat_body("hi", 4);
+        body["response_format"] = extra["response_format"].clone();
+        let r = server.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+        let message = r.json()["error"]["message"].as_str().unwrap().to_string();
+        assert!(message.contains(says), "{message}");
+    }
+    // A top-level enum ends with its value (on the completions endpoint too).
+    let r = server.post_json(
+        "/v1/completions",
+        Some(KEY_ALPHA),
+        &json!({"model": MODEL_ID, "prompt": "Is the sky blue? Answer:", "max_tokens": 16,
+                "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema":
+                    {"name": "answer", "schema": {"enum": ["yes", "no"]}}}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    // (Whitespace may come before a value, as JSON allows.)
+    let text = v["choices"][0]["text"].as_str().unwrap().trim_start();
+    assert!(text == "\"yes\"" || text == "\"no\"", "{text:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+}
+
+#[test]
 fn logs_are_text_for_a_person_or_json_and_busy_models_log_a_summary() {
     let Some(model) = smollm2() else { return };
     let policy = Policy {

@@ -16,9 +16,11 @@ use crate::engine::sampling::{
     SamplingParams, LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT, REPETITION_PENALTY_MAX,
     STOP_TOKEN_IDS_MAX, TOP_LOGPROBS_MAX,
 };
+use crate::engine::schema::Schema;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{Map, Value};
+use std::sync::Arc;
 
 use crate::engine::stop::{STOPS_MAX, STOP_BYTES_MAX};
 /// Longest `cache_salt` accepted, in bytes.
@@ -309,7 +311,7 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
             logit_bias,
             // Each endpoint's own parameters.
             logprobs: None,
-            json: false,
+            json: None,
             min_p,
             repetition_penalty,
             ignore_eos,
@@ -324,29 +326,78 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
     })
 }
 
-/// `response_format`: whether it asks for JSON mode (`json_object`). JSON
-/// mode ends the output once the object closes, which `min_tokens` would
+/// `response_format`: JSON mode (`json_object`: any object) or structured
+/// output (`json_schema`: `{name, schema, strict, description}`, the schema
+/// compiled here, so a schema the engine could not enforce is a 400 before
+/// anything is queued; enforced whether or not `strict` says so). Either
+/// ends the output once the value is complete, which `min_tokens` would
 /// forbid: the two together are refused.
-fn json_mode(f: &mut Fields, sampling: &SamplingParams) -> Result<bool, ApiError> {
+fn json_format(f: &mut Fields, sampling: &SamplingParams) -> Result<Option<Arc<Schema>>, ApiError> {
     let Some(format) = f.take::<Value>("response_format")? else {
-        return Ok(false);
+        return Ok(None);
     };
-    match format.get("type").and_then(Value::as_str) {
-        Some("text") => Ok(false),
-        Some("json_object") if sampling.min_tokens > 0 => Err(unsupported(
+    let schema = match format.get("type").and_then(Value::as_str) {
+        Some("text") => return Ok(None),
+        Some("json_object") => Schema::object(),
+        Some("json_schema") => {
+            let spec = format
+                .get("json_schema")
+                .and_then(Value::as_object)
+                .ok_or_else(|| {
+                    invalid(
+                        "response_format",
+                        "json_schema must be an object with a name and a schema",
+                    )
+                })?;
+            if let Some(key) = spec
+                .keys()
+                .find(|k| !["name", "schema", "strict", "description"].contains(&k.as_str()))
+            {
+                return Err(invalid(
+                    "response_format",
+                    format!("json_schema has an unknown field {key:?}"),
+                ));
+            }
+            let name = spec.get("name").and_then(Value::as_str).unwrap_or("");
+            let named = (1..=64).contains(&name.len())
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+            if !named {
+                return Err(invalid(
+                    "response_format",
+                    "json_schema.name must be 1 to 64 letters, digits, '_' or '-'",
+                ));
+            }
+            if spec
+                .get("strict")
+                .is_some_and(|s| !s.is_boolean() && !s.is_null())
+            {
+                return Err(invalid(
+                    "response_format",
+                    "json_schema.strict must be a boolean",
+                ));
+            }
+            let document = spec
+                .get("schema")
+                .ok_or_else(|| invalid("response_format", "json_schema.schema is required"))?;
+            Schema::compile(document)
+                .map_err(|e| invalid("response_format", format!("json_schema.schema: {e}")))?
+        }
+        _ => {
+            return Err(invalid(
+                "response_format",
+                "type must be \"text\", \"json_object\" or \"json_schema\"",
+            ))
+        }
+    };
+    if sampling.min_tokens > 0 {
+        return Err(unsupported(
             "min_tokens",
-            "cannot be combined with response_format json_object (the output ends when the object closes)",
-        )),
-        Some("json_object") => Ok(true),
-        Some("json_schema") => Err(unsupported(
-            "response_format",
-            "of type json_schema is not supported by this server (json_object is)",
-        )),
-        _ => Err(invalid(
-            "response_format",
-            "type must be \"text\" or \"json_object\"",
-        )),
+            "cannot be combined with response_format json_object or json_schema (the output ends when the value is complete)",
+        ));
     }
+    Ok(Some(Arc::new(schema)))
 }
 
 /// A count of alternatives, 0 to [`TOP_LOGPROBS_MAX`].
@@ -435,7 +486,7 @@ impl ChatRequest {
         f.allow_if("tool_choice", |v| v == "none")?;
         f.allow_if("function_call", |v| v == "none")?;
         f.ignore("parallel_tool_calls");
-        common.sampling.json = json_mode(&mut f, &common.sampling)?;
+        common.sampling.json = json_format(&mut f, &common.sampling)?;
         f.allow_if("modalities", |v| v == &serde_json::json!(["text"]))?;
         f.finish()?;
         let messages = messages_of(messages)?;
@@ -653,7 +704,7 @@ impl CompletionRequest {
         // The legacy shape: how many alternatives, 0 for the chosen token's only.
         common.sampling.logprobs = top_logprobs(f.take("logprobs")?, "logprobs")?;
         // (Not OpenAI's on this endpoint; vLLM's, and as useful here.)
-        common.sampling.json = json_mode(&mut f, &common.sampling)?;
+        common.sampling.json = json_format(&mut f, &common.sampling)?;
         f.allow_if("top_logprobs", is_zero)?;
         f.allow_if("echo", |v| v == &Value::Bool(false))?;
         f.allow_if("best_of", |v| v.as_u64() == Some(1))?;
@@ -971,6 +1022,26 @@ mod tests {
                 r#""response_format":{"type":"json_schema","json_schema":{}}"#,
                 "response_format",
             ),
+            (
+                r#""response_format":{"type":"json_schema","json_schema":{"name":"a b","schema":{}}}"#,
+                "response_format",
+            ),
+            (
+                r#""response_format":{"type":"json_schema","json_schema":{"name":"a"}}"#,
+                "response_format",
+            ),
+            (
+                r#""response_format":{"type":"json_schema","json_schema":{"name":"a","schema":{"type":"string","pattern":"x"}}}"#,
+                "response_format",
+            ),
+            (
+                r#""response_format":{"type":"json_schema","json_schema":{"name":"a","schema":{},"extra":1}}"#,
+                "response_format",
+            ),
+            (
+                r#""min_tokens":1,"response_format":{"type":"json_schema","json_schema":{"name":"a","schema":{}}}"#,
+                "min_tokens",
+            ),
             (r#""response_format":{"type":"yaml"}"#, "response_format"),
             (r#""response_format":"json""#, "response_format"),
             (r#""logit_bias":{"a":2}"#, "logit_bias"),
@@ -1131,8 +1202,21 @@ mod tests {
                 .sampling
                 .json
         };
-        assert!(!json("") && !json(r#","response_format":{"type":"text"}"#));
-        assert!(json(r#","response_format":{"type":"json_object"}"#));
+        assert!(json("").is_none() && json(r#","response_format":{"type":"text"}"#).is_none());
+        assert_eq!(
+            json(r#","response_format":{"type":"json_object"}"#).as_deref(),
+            Some(&Schema::object())
+        );
+        let schema = json(
+            r#","response_format":{"type":"json_schema","json_schema":{"name":"point","strict":true,"schema":{"type":"object","properties":{"x":{"type":"integer"}},"required":["x"]}}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            schema.source(),
+            Some(
+                &serde_json::json!({"type":"object","properties":{"x":{"type":"integer"}},"required":["x"]})
+            )
+        );
         let completion = |extra: &str| {
             CompletionRequest::parse(format!(r#"{{"model":"m","prompt":"hi"{extra}}}"#).as_bytes())
                 .map(|r| r.common.sampling.logprobs)
@@ -1152,8 +1236,10 @@ mod tests {
             CompletionRequest::parse(format!(r#"{{"model":"m","prompt":"hi"{extra}}}"#).as_bytes())
                 .map(|r| r.common.sampling.json)
         };
-        assert!(json(r#","response_format":{"type":"json_object"}"#).unwrap());
-        assert!(!json("").unwrap());
+        assert!(json(r#","response_format":{"type":"json_object"}"#)
+            .unwrap()
+            .is_some());
+        assert!(json("").unwrap().is_none());
     }
 
     #[test]

@@ -1,56 +1,81 @@
-//! JSON mode (`response_format: {"type": "json_object"}`): a byte-level
-//! recognizer of JSON text whose top-level value is an object, fed the bytes
-//! of each generated token, so the sampler can refuse a token that would make
-//! the output anything but a prefix of such a text, and end it once the object
-//! is closed.
+//! Structured output: a byte-level recognizer of JSON text that a compiled
+//! schema ([`super::schema`]) accepts, fed the bytes of each generated token,
+//! so the sampler can refuse a token that would make the output anything but
+//! a prefix of such a text, and end it once the value is complete. JSON mode
+//! (`response_format: {"type": "json_object"}`) is the schema of any object.
 //!
 //! It is a pushdown automaton over RFC 8259's grammar: a stack of open
-//! containers and the position within the current token of JSON (string,
-//! escape, number, literal). Strings must be well-formed UTF-8 and hold no
-//! control characters. Whitespace between tokens is limited to
-//! [`WHITESPACE_RUN_MAX`] bytes in a row and nesting to [`DEPTH_MAX`]
-//! containers, so a model cannot stall in blank space or deepen forever.
+//! containers, each with its schema node (an object's next property, an
+//! array's count of items), and the position within the current token of
+//! JSON (string, escape, number, literal, property name). Strings must be
+//! well-formed UTF-8 and hold no control characters. Whitespace between
+//! tokens is limited to [`WHITESPACE_RUN_MAX`] bytes in a row and nesting to
+//! [`DEPTH_MAX`] containers, so a model cannot stall in blank space or deepen
+//! forever.
 //!
 //! [`Json::accepts`] tries a token's bytes without changing the recognizer and
 //! without allocating (pushes past the stack's top go to a small overlay), as
 //! the sampler asks it of many candidate tokens per step.
+
+use super::schema::{Node, NodeId, Property, Schema, ANY, ANY_ARRAY, ANY_LITERAL};
+use std::sync::Arc;
 
 /// Most whitespace bytes in a row between JSON tokens.
 pub const WHITESPACE_RUN_MAX: u32 = 64;
 /// Most containers open at once.
 pub const DEPTH_MAX: usize = 64;
 
-/// A container on the stack.
+/// A container on the stack, with what its schema says of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Container {
-    Object,
-    Array,
+enum Ctx {
+    /// An object of declared properties (node `node`): `next` is the first
+    /// that may still come, `current` the one whose value is being read.
+    Object {
+        node: NodeId,
+        next: u16,
+        current: u16,
+    },
+    /// An object of any keys, each value a `values`.
+    Map { values: NodeId },
+    /// An array (node `node`) and how many items it has begun.
+    Array { node: NodeId, count: u32 },
 }
 
 /// Where the next byte falls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
-    /// Before the top-level object (whitespace, then `{`).
-    Start,
-    /// A value must come (after `:`, `,` in an array, or `[`); `close`: `]` may too.
-    Value { close: bool },
-    /// A key must come (after `,` in an object, or `{`); `close`: `}` may too.
+    /// A value of `node` must come; `close`: the array's `]` may instead;
+    /// `item`: it is an array's item (counted against its `maxItems`).
+    Value {
+        node: NodeId,
+        close: bool,
+        item: bool,
+    },
+    /// An object's key must come; `close`: its `}` may instead.
     Key { close: bool },
+    /// In a declared property's name (quotes included): the first property
+    /// of the object's window whose name begins with the `at` bytes so far.
+    Name { property: u16, at: u32 },
     /// After a key: `:`.
     Colon,
     /// After a value: `,` or the container's close.
     AfterValue,
-    /// In a string; `key`: an object's key (a `:` follows it).
+    /// In a string of `min` to `max` characters, `chars` begun; `key`: a
+    /// map's key (a `:` follows it).
     Str {
         key: bool,
         escape: Escape,
         utf8: Utf8,
+        chars: u32,
+        min: u32,
+        max: u32,
     },
-    /// In a number.
-    Number(Num),
-    /// In `true`, `false` or `null`: the literal and how far.
-    Literal { word: &'static [u8], at: u8 },
-    /// The top-level object is closed: whitespace only.
+    /// In a number; `integer`: no fraction, no exponent.
+    Number { num: Num, integer: bool },
+    /// In one of the values of literals node `node`: the first whose
+    /// written form begins with the `at` bytes so far.
+    Literal { node: NodeId, value: u16, at: u32 },
+    /// The top-level value is complete: whitespace only.
     Done,
 }
 
@@ -108,42 +133,45 @@ impl Num {
 /// The recognizer's state at one point of the output.
 #[derive(Clone, Debug)]
 pub struct Json {
-    stack: Vec<Container>,
+    schema: Arc<Schema>,
+    stack: Vec<Ctx>,
     mode: Mode,
     whitespace: u32,
 }
 
 /// The stack as a token's bytes see it: the recognizer's, less what they
-/// closed (`depth`), plus what they opened (`pushed`, at most a token's bytes
-/// deep: a token longer than the overlay is tried the slow way).
+/// closed or changed (`depth`), plus what they opened or changed (`pushed`,
+/// at most a token's bytes deep: a token that overflows it is tried the slow
+/// way).
 struct Overlay<'a> {
-    base: &'a [Container],
+    base: &'a [Ctx],
     depth: usize,
-    pushed: [Container; 32],
+    pushed: [Ctx; 32],
     pushed_len: usize,
+    overflowed: bool,
 }
 
 /// What stepping one byte needs of a stack.
 trait Stack {
     fn len(&self) -> usize;
-    fn top(&self) -> Option<Container>;
+    fn top(&self) -> Option<Ctx>;
     /// False when it cannot take another.
-    fn push(&mut self, c: Container) -> bool;
-    fn pop(&mut self) -> Option<Container>;
+    fn push(&mut self, c: Ctx) -> bool;
+    fn pop(&mut self) -> Option<Ctx>;
 }
 
-impl Stack for Vec<Container> {
+impl Stack for Vec<Ctx> {
     fn len(&self) -> usize {
         Vec::len(self)
     }
-    fn top(&self) -> Option<Container> {
+    fn top(&self) -> Option<Ctx> {
         self.last().copied()
     }
-    fn push(&mut self, c: Container) -> bool {
+    fn push(&mut self, c: Ctx) -> bool {
         Vec::push(self, c);
         true
     }
-    fn pop(&mut self) -> Option<Container> {
+    fn pop(&mut self) -> Option<Ctx> {
         Vec::pop(self)
     }
 }
@@ -152,21 +180,22 @@ impl Stack for Overlay<'_> {
     fn len(&self) -> usize {
         self.depth + self.pushed_len
     }
-    fn top(&self) -> Option<Container> {
+    fn top(&self) -> Option<Ctx> {
         match self.pushed_len {
             0 => self.depth.checked_sub(1).map(|i| self.base[i]),
             n => Some(self.pushed[n - 1]),
         }
     }
-    fn push(&mut self, c: Container) -> bool {
+    fn push(&mut self, c: Ctx) -> bool {
         if self.pushed_len == self.pushed.len() {
+            self.overflowed = true;
             return false;
         }
         self.pushed[self.pushed_len] = c;
         self.pushed_len += 1;
         true
     }
-    fn pop(&mut self) -> Option<Container> {
+    fn pop(&mut self) -> Option<Ctx> {
         if self.pushed_len > 0 {
             self.pushed_len -= 1;
             return Some(self.pushed[self.pushed_len]);
@@ -180,304 +209,581 @@ fn is_whitespace(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | b'\r')
 }
 
-impl Default for Json {
-    fn default() -> Self {
-        Json::new()
-    }
-}
-
 impl Json {
-    /// Before any output.
-    pub fn new() -> Json {
+    /// Before any output of a value `schema` accepts.
+    pub fn new(schema: Arc<Schema>) -> Json {
+        let root = schema.root();
         Json {
+            schema,
             stack: Vec::new(),
-            mode: Mode::Start,
+            mode: Mode::Value {
+                node: root,
+                close: false,
+                item: false,
+            },
             whitespace: 0,
         }
     }
 
-    /// Whether the top-level object is closed (only whitespace may follow,
-    /// and the output should end).
+    /// Whether the top-level value is complete and nothing could extend it
+    /// (only whitespace may follow: the output should end).
     pub fn is_done(&self) -> bool {
         self.mode == Mode::Done
     }
 
+    /// Whether the output may end here: the top-level value is complete
+    /// (a top-level number or literal may be complete and still go on).
+    pub fn may_end(&self) -> bool {
+        match self.mode {
+            Mode::Done => true,
+            _ if !self.stack.is_empty() => false,
+            Mode::Number { num, .. } => num.complete(),
+            Mode::Literal { node, value, at } => {
+                let values = literals(&self.schema, node);
+                ends(values, value.into(), values.len(), at as usize).0
+            }
+            _ => false,
+        }
+    }
+
     /// Whether `bytes` may follow the output so far (an empty token may).
     pub fn accepts(&self, bytes: &[u8]) -> bool {
-        let mut mode = self.mode;
-        let mut whitespace = self.whitespace;
-        let mut stack = Overlay {
-            base: &self.stack,
-            depth: self.stack.len(),
-            pushed: [Container::Object; 32],
-            pushed_len: 0,
+        let mut cursor = Cursor {
+            schema: &self.schema,
+            stack: Overlay {
+                base: &self.stack,
+                depth: self.stack.len(),
+                pushed: [Ctx::Map { values: ANY }; 32],
+                pushed_len: 0,
+                overflowed: false,
+            },
+            mode: self.mode,
+            whitespace: self.whitespace,
         };
-        bytes
-            .iter()
-            .all(|&b| step(&mut mode, &mut whitespace, &mut stack, b))
+        if bytes.iter().all(|&b| cursor.step(b)) {
+            return true;
+        }
+        cursor.stack.overflowed && self.clone().push(bytes)
     }
 
     /// Takes `bytes` (which [`Json::accepts`]); returns false, changing
     /// nothing, where they do not fit.
     pub fn push(&mut self, bytes: &[u8]) -> bool {
-        let (mut mode, mut whitespace, mut stack) =
-            (self.mode, self.whitespace, self.stack.clone());
-        if !bytes
-            .iter()
-            .all(|&b| step(&mut mode, &mut whitespace, &mut stack, b))
-        {
+        let mut cursor = Cursor {
+            schema: &self.schema,
+            stack: self.stack.clone(),
+            mode: self.mode,
+            whitespace: self.whitespace,
+        };
+        if !bytes.iter().all(|&b| cursor.step(b)) {
             return false;
         }
-        (self.mode, self.whitespace, self.stack) = (mode, whitespace, stack);
+        (self.mode, self.whitespace, self.stack) = (cursor.mode, cursor.whitespace, cursor.stack);
         true
     }
 }
 
-/// One byte: false where it cannot follow.
-fn step(mode: &mut Mode, whitespace: &mut u32, stack: &mut impl Stack, b: u8) -> bool {
-    if let Mode::Number(num) = *mode {
-        if let Some(next) = number_next(num, b) {
-            *mode = Mode::Number(next);
-            return true;
+/// The state stepped byte by byte, over the recognizer's stack or an overlay.
+struct Cursor<'a, S> {
+    schema: &'a Schema,
+    stack: S,
+    mode: Mode,
+    whitespace: u32,
+}
+
+/// The first of `values[from..end]` whose first `at` bytes are `from`'s
+/// and whose next byte is `b`.
+fn extend(values: &[impl AsRef<[u8]>], from: usize, end: usize, at: usize, b: u8) -> Option<usize> {
+    let prefix = &values[from].as_ref()[..at];
+    (from..end).find(|&i| {
+        let v = values[i].as_ref();
+        v.len() > at && v[..at] == *prefix && v[at] == b
+    })
+}
+
+/// Whether one of `values[from..end]` is `from`'s first `at` bytes
+/// (`complete`), and whether one goes on past them (`longer`).
+fn ends(values: &[impl AsRef<[u8]>], from: usize, end: usize, at: usize) -> (bool, bool) {
+    let prefix = &values[from].as_ref()[..at];
+    let (mut complete, mut longer) = (false, false);
+    for v in &values[from..end] {
+        let v = v.as_ref();
+        if v.len() >= at && v[..at] == *prefix {
+            complete |= v.len() == at;
+            longer |= v.len() > at;
         }
-        // The number ends here, if it may: the byte is the next JSON token's.
-        if !num.complete() {
+    }
+    (complete, longer)
+}
+
+/// The properties a key may name after `next`: up to the first required one.
+fn window(properties: &[Property], next: usize) -> usize {
+    properties[next..]
+        .iter()
+        .position(|p| p.required)
+        .map_or(properties.len(), |i| next + i + 1)
+}
+
+/// Whether an object may close with `next` the first property still due.
+fn may_close(properties: &[Property], next: usize) -> bool {
+    properties[next..].iter().all(|p| !p.required)
+}
+
+/// Object node `node`'s properties.
+fn properties(schema: &Schema, node: NodeId) -> &[Property] {
+    match schema.node(node) {
+        Node::Object(properties) => properties,
+        _ => &[],
+    }
+}
+
+/// Literals node `node`'s values, as written.
+fn literals(schema: &Schema, node: NodeId) -> &[Box<[u8]>] {
+    match schema.node(node) {
+        Node::Literals(values) => values,
+        _ => &[],
+    }
+}
+
+/// Array node `node`'s items, and how few and how many.
+fn array(schema: &Schema, node: NodeId) -> (NodeId, u32, u32) {
+    match *schema.node(node) {
+        Node::Array { items, min, max } => (items, min, max),
+        _ => (ANY, 0, 0),
+    }
+}
+
+impl<S: Stack> Cursor<'_, S> {
+    /// A value ended: after it, the container's `,` or close, or nothing.
+    fn end_value(&mut self) {
+        self.mode = if self.stack.len() == 0 {
+            Mode::Done
+        } else {
+            Mode::AfterValue
+        };
+    }
+
+    fn replace_top(&mut self, ctx: Ctx) -> bool {
+        self.stack.pop();
+        self.stack.push(ctx)
+    }
+
+    fn open(&mut self, ctx: Ctx, mode: Mode) -> bool {
+        if self.stack.len() >= DEPTH_MAX || !self.stack.push(ctx) {
             return false;
         }
-        *mode = Mode::AfterValue;
+        self.mode = mode;
+        true
     }
-    // Whitespace between JSON tokens (not inside strings, numbers or literals).
-    let between = !matches!(
-        mode,
-        Mode::Str { .. } | Mode::Number(_) | Mode::Literal { .. }
-    );
-    if between && is_whitespace(b) {
-        *whitespace += 1;
-        return *whitespace <= WHITESPACE_RUN_MAX;
+
+    fn close(&mut self) -> bool {
+        self.stack.pop();
+        self.end_value();
+        true
     }
-    *whitespace = 0;
-    match *mode {
-        Mode::Start => {
-            if b != b'{' {
-                return false;
+
+    /// One byte: false where it cannot follow.
+    fn step(&mut self, b: u8) -> bool {
+        // A number or a literal ends at the first byte that does not
+        // continue it, if it may end there: that byte is the next token's.
+        match self.mode {
+            Mode::Number { num, integer } => {
+                let next = number_next(num, b)
+                    .filter(|next| !integer || matches!(next, Num::Zero | Num::Int));
+                if let Some(num) = next {
+                    self.mode = Mode::Number { num, integer };
+                    return true;
+                }
+                if !num.complete() {
+                    return false;
+                }
+                self.end_value();
             }
-            open(mode, stack, Container::Object)
-        }
-        Mode::Value { close } => {
-            if close && b == b']' {
-                return close_container(mode, stack, Container::Array);
+            Mode::Literal { node, value, at } => {
+                let values = literals(self.schema, node);
+                if let Some(value) = extend(values, value.into(), values.len(), at as usize, b) {
+                    self.literal(node, value, (at as usize) + 1);
+                    return true;
+                }
+                if !ends(values, value.into(), values.len(), at as usize).0 {
+                    return false;
+                }
+                self.end_value();
             }
-            begin_value(mode, stack, b)
+            _ => {}
         }
-        Mode::Key { close } => match b {
-            b'}' if close => close_container(mode, stack, Container::Object),
-            b'"' => {
-                *mode = Mode::Str {
-                    key: true,
-                    escape: Escape::None,
-                    utf8: UTF8_NONE,
+        // Whitespace between JSON tokens (not inside strings, names,
+        // numbers or literals).
+        let between = !matches!(self.mode, Mode::Str { .. } | Mode::Name { .. });
+        if between && is_whitespace(b) {
+            self.whitespace += 1;
+            return self.whitespace <= WHITESPACE_RUN_MAX;
+        }
+        self.whitespace = 0;
+        match self.mode {
+            Mode::Value { node, close, item } => {
+                if close && b == b']' {
+                    return self.close();
+                }
+                self.begin(node, item, b)
+            }
+            Mode::Key { close } => match self.stack.top() {
+                Some(Ctx::Object { node, next, .. }) => {
+                    if b == b'}' {
+                        return close && self.close();
+                    }
+                    let properties = properties(self.schema, node);
+                    let first = (usize::from(next)..window(properties, next.into()))
+                        .find(|&i| properties[i].key[0] == b);
+                    let Some(property) = first else {
+                        return false;
+                    };
+                    self.mode = Mode::Name {
+                        property: property as u16,
+                        at: 1,
+                    };
+                    true
+                }
+                Some(Ctx::Map { .. }) => match b {
+                    b'}' if close => self.close(),
+                    b'"' => {
+                        self.mode = Mode::Str {
+                            key: true,
+                            escape: Escape::None,
+                            utf8: UTF8_NONE,
+                            chars: 0,
+                            min: 0,
+                            max: u32::MAX,
+                        };
+                        true
+                    }
+                    _ => false,
+                },
+                _ => false,
+            },
+            Mode::Name { property, at } => {
+                let Some(Ctx::Object { node, next, .. }) = self.stack.top() else {
+                    return false;
+                };
+                let properties = properties(self.schema, node);
+                let end = window(properties, next.into());
+                let Some(p) = extend(properties, property.into(), end, at as usize, b) else {
+                    return false;
+                };
+                if (at as usize) + 1 < properties[p].key.len() {
+                    self.mode = Mode::Name {
+                        property: p as u16,
+                        at: at + 1,
+                    };
+                    return true;
+                }
+                // (A name written with its quotes is no other's prefix.)
+                self.mode = Mode::Colon;
+                self.replace_top(Ctx::Object {
+                    node,
+                    next: p as u16 + 1,
+                    current: p as u16,
+                })
+            }
+            Mode::Colon => {
+                let node = match self.stack.top() {
+                    Some(Ctx::Object { node, current, .. }) => {
+                        properties(self.schema, node)[usize::from(current)].value
+                    }
+                    Some(Ctx::Map { values }) => values,
+                    _ => return false,
+                };
+                if b != b':' {
+                    return false;
+                }
+                self.mode = Mode::Value {
+                    node,
+                    close: false,
+                    item: false,
                 };
                 true
             }
-            _ => false,
-        },
-        Mode::Colon => {
-            if b != b':' {
-                return false;
-            }
-            *mode = Mode::Value { close: false };
-            true
+            Mode::AfterValue => self.after_value(b),
+            Mode::Str {
+                key,
+                escape,
+                utf8,
+                chars,
+                min,
+                max,
+            } => match string_next(escape, utf8, b) {
+                None => false,
+                Some(StrNext::Close) => {
+                    if chars < min {
+                        return false;
+                    }
+                    if key {
+                        self.mode = Mode::Colon;
+                    } else {
+                        self.end_value();
+                    }
+                    true
+                }
+                Some(StrNext::In {
+                    escape,
+                    utf8,
+                    begins_char,
+                }) => {
+                    if begins_char && chars >= max {
+                        return false;
+                    }
+                    self.mode = Mode::Str {
+                        key,
+                        escape,
+                        utf8,
+                        chars: chars + u32::from(begins_char),
+                        min,
+                        max,
+                    };
+                    true
+                }
+            },
+            // (Stepped above: ended by here.)
+            Mode::Number { .. } | Mode::Literal { .. } => false,
+            Mode::Done => false,
         }
-        Mode::AfterValue => after_value(mode, stack, b),
-        Mode::Str { key, escape, utf8 } => string_byte(mode, key, escape, utf8, b),
-        // (Stepped above: a number continues or has ended by here.)
-        Mode::Number(_) => false,
-        Mode::Literal { word, at } => {
-            if word.get(at as usize) != Some(&b) {
-                return false;
-            }
-            *mode = if at as usize + 1 == word.len() {
-                Mode::AfterValue
-            } else {
-                Mode::Literal { word, at: at + 1 }
+    }
+
+    /// In literal `value` of `node` at `at`: done at once where no other
+    /// value goes on (a string's closing quote, `true`, `null`).
+    fn literal(&mut self, node: NodeId, value: usize, at: usize) {
+        let values = literals(self.schema, node);
+        let (complete, longer) = ends(values, value, values.len(), at);
+        if complete && !longer {
+            self.end_value();
+        } else {
+            self.mode = Mode::Literal {
+                node,
+                value: value as u16,
+                at: at as u32,
             };
-            true
         }
-        Mode::Done => false,
     }
-}
 
-fn open(mode: &mut Mode, stack: &mut impl Stack, container: Container) -> bool {
-    if stack.len() >= DEPTH_MAX || !stack.push(container) {
-        return false;
+    /// The first byte of a value of `node` (an array's item when `item`).
+    fn begin(&mut self, node: NodeId, item: bool, b: u8) -> bool {
+        if item {
+            let Some(Ctx::Array {
+                node: array_node,
+                count,
+            }) = self.stack.top()
+            else {
+                return false;
+            };
+            let (_, _, max) = array(self.schema, array_node);
+            if count >= max
+                || !self.replace_top(Ctx::Array {
+                    node: array_node,
+                    count: count + 1,
+                })
+            {
+                return false;
+            }
+        }
+        let schema = self.schema;
+        match *schema.node(node) {
+            Node::Any => match b {
+                b'{' => self.open(Ctx::Map { values: ANY }, Mode::Key { close: true }),
+                b'[' => self.begin(ANY_ARRAY, false, b),
+                b'"' => self.begin_string(0, u32::MAX),
+                b't' | b'f' | b'n' => self.begin(ANY_LITERAL, false, b),
+                _ => self.begin_number(false, b),
+            },
+            Node::Number { integer } => self.begin_number(integer, b),
+            Node::String { min, max } => b == b'"' && self.begin_string(min, max),
+            Node::Literals(ref values) => {
+                let Some(value) = values.iter().position(|v| v[0] == b) else {
+                    return false;
+                };
+                self.literal(node, value, 1);
+                true
+            }
+            Node::Array { items, min, .. } => {
+                b == b'['
+                    && self.open(
+                        Ctx::Array { node, count: 0 },
+                        Mode::Value {
+                            node: items,
+                            close: min == 0,
+                            item: true,
+                        },
+                    )
+            }
+            Node::Object(ref properties) => {
+                let close = may_close(properties, 0);
+                b == b'{'
+                    && self.open(
+                        Ctx::Object {
+                            node,
+                            next: 0,
+                            current: 0,
+                        },
+                        Mode::Key { close },
+                    )
+            }
+            Node::Map { values } => {
+                b == b'{' && self.open(Ctx::Map { values }, Mode::Key { close: true })
+            }
+            Node::Union(ref alternatives) => {
+                let bit = 1u128 << (b & 0x7F);
+                match alternatives
+                    .iter()
+                    .find(|&&a| b < 0x80 && schema.first_bytes(a) & bit != 0)
+                {
+                    Some(&alternative) => self.begin(alternative, false, b),
+                    None => false,
+                }
+            }
+            Node::Ref(_) => false,
+        }
     }
-    *mode = match container {
-        Container::Object => Mode::Key { close: true },
-        Container::Array => Mode::Value { close: true },
-    };
-    true
-}
 
-fn close_container(mode: &mut Mode, stack: &mut impl Stack, container: Container) -> bool {
-    if stack.pop() != Some(container) {
-        return false;
-    }
-    *mode = if stack.len() == 0 {
-        Mode::Done
-    } else {
-        Mode::AfterValue
-    };
-    true
-}
-
-fn begin_value(mode: &mut Mode, stack: &mut impl Stack, b: u8) -> bool {
-    *mode = match b {
-        b'{' => return open(mode, stack, Container::Object),
-        b'[' => return open(mode, stack, Container::Array),
-        b'"' => Mode::Str {
+    fn begin_string(&mut self, min: u32, max: u32) -> bool {
+        self.mode = Mode::Str {
             key: false,
             escape: Escape::None,
             utf8: UTF8_NONE,
-        },
-        b'-' => Mode::Number(Num::Minus),
-        b'0' => Mode::Number(Num::Zero),
-        b'1'..=b'9' => Mode::Number(Num::Int),
-        b't' => Mode::Literal {
-            word: b"true",
-            at: 1,
-        },
-        b'f' => Mode::Literal {
-            word: b"false",
-            at: 1,
-        },
-        b'n' => Mode::Literal {
-            word: b"null",
-            at: 1,
-        },
-        _ => return false,
-    };
-    true
-}
+            chars: 0,
+            min,
+            max,
+        };
+        true
+    }
 
-fn after_value(mode: &mut Mode, stack: &mut impl Stack, b: u8) -> bool {
-    match (b, stack.top()) {
-        (b',', Some(Container::Object)) => {
-            *mode = Mode::Key { close: false };
-            true
+    fn begin_number(&mut self, integer: bool, b: u8) -> bool {
+        let num = match b {
+            b'-' => Num::Minus,
+            b'0' => Num::Zero,
+            b'1'..=b'9' => Num::Int,
+            _ => return false,
+        };
+        self.mode = Mode::Number { num, integer };
+        true
+    }
+
+    fn after_value(&mut self, b: u8) -> bool {
+        match self.stack.top() {
+            Some(Ctx::Object { node, next, .. }) => {
+                let properties = properties(self.schema, node);
+                match b {
+                    b',' if usize::from(next) < properties.len() => {
+                        self.mode = Mode::Key { close: false };
+                        true
+                    }
+                    b'}' => may_close(properties, next.into()) && self.close(),
+                    _ => false,
+                }
+            }
+            Some(Ctx::Map { .. }) => match b {
+                b',' => {
+                    self.mode = Mode::Key { close: false };
+                    true
+                }
+                b'}' => self.close(),
+                _ => false,
+            },
+            Some(Ctx::Array { node, count }) => {
+                let (items, min, max) = array(self.schema, node);
+                match b {
+                    b',' if count < max => {
+                        self.mode = Mode::Value {
+                            node: items,
+                            close: false,
+                            item: true,
+                        };
+                        true
+                    }
+                    b']' if count >= min => self.close(),
+                    _ => false,
+                }
+            }
+            None => false,
         }
-        (b',', Some(Container::Array)) => {
-            *mode = Mode::Value { close: false };
-            true
-        }
-        (b'}', Some(Container::Object)) => close_container(mode, stack, Container::Object),
-        (b']', Some(Container::Array)) => close_container(mode, stack, Container::Array),
-        _ => false,
     }
 }
 
-fn string_byte(mode: &mut Mode, key: bool, escape: Escape, utf8: Utf8, b: u8) -> bool {
-    let at = |escape, utf8| Mode::Str { key, escape, utf8 };
+/// What a string's byte leads to.
+enum StrNext {
+    /// Still in the string; `begins_char`: the byte began a character.
+    In {
+        escape: Escape,
+        utf8: Utf8,
+        begins_char: bool,
+    },
+    /// The closing quote.
+    Close,
+}
+
+/// The string's next state after `b`, if `b` may come.
+fn string_next(escape: Escape, utf8: Utf8, b: u8) -> Option<StrNext> {
+    let at = |escape, utf8| {
+        Some(StrNext::In {
+            escape,
+            utf8,
+            begins_char: false,
+        })
+    };
+    let begins = |escape, utf8| {
+        Some(StrNext::In {
+            escape,
+            utf8,
+            begins_char: true,
+        })
+    };
     if utf8.due > 0 {
         if !(utf8.low..=utf8.high).contains(&b) {
-            return false;
+            return None;
         }
-        *mode = at(
+        return at(
             escape,
             Utf8 {
                 due: utf8.due - 1,
                 ..UTF8_NONE
             },
         );
-        return true;
     }
     match escape {
-        Escape::Backslash => {
-            *mode = match b {
-                b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => at(Escape::None, utf8),
-                b'u' => at(Escape::Unicode(0), utf8),
-                _ => return false,
-            };
-            true
-        }
+        Escape::Backslash => match b {
+            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => at(Escape::None, utf8),
+            b'u' => at(Escape::Unicode(0), utf8),
+            _ => None,
+        },
         Escape::Unicode(n) => {
             if !b.is_ascii_hexdigit() {
-                return false;
+                return None;
             }
-            *mode = at(
+            at(
                 if n == 3 {
                     Escape::None
                 } else {
                     Escape::Unicode(n + 1)
                 },
                 utf8,
-            );
-            true
+            )
         }
         Escape::None => {
-            *mode = match b {
-                b'"' if key => Mode::Colon,
-                b'"' => Mode::AfterValue,
-                b'\\' => at(Escape::Backslash, utf8),
-                0x00..=0x1F | 0x7F => return false,
-                0x20..=0x7E => at(Escape::None, utf8),
+            let lead = |due, low, high| begins(Escape::None, Utf8 { due, low, high });
+            match b {
+                b'"' => Some(StrNext::Close),
+                b'\\' => begins(Escape::Backslash, utf8),
+                0x00..=0x1F | 0x7F => None,
+                0x20..=0x7E => begins(Escape::None, utf8),
                 // UTF-8 leads (RFC 3629): no overlong forms, no surrogates,
                 // nothing past U+10FFFF.
-                0xC2..=0xDF => at(
-                    Escape::None,
-                    Utf8 {
-                        due: 1,
-                        ..UTF8_NONE
-                    },
-                ),
-                0xE0 => at(
-                    Escape::None,
-                    Utf8 {
-                        due: 2,
-                        low: 0xA0,
-                        high: 0xBF,
-                    },
-                ),
-                0xE1..=0xEC | 0xEE..=0xEF => at(
-                    Escape::None,
-                    Utf8 {
-                        due: 2,
-                        ..UTF8_NONE
-                    },
-                ),
-                0xED => at(
-                    Escape::None,
-                    Utf8 {
-                        due: 2,
-                        low: 0x80,
-                        high: 0x9F,
-                    },
-                ),
-                0xF0 => at(
-                    Escape::None,
-                    Utf8 {
-                        due: 3,
-                        low: 0x90,
-                        high: 0xBF,
-                    },
-                ),
-                0xF1..=0xF3 => at(
-                    Escape::None,
-                    Utf8 {
-                        due: 3,
-                        ..UTF8_NONE
-                    },
-                ),
-                0xF4 => at(
-                    Escape::None,
-                    Utf8 {
-                        due: 3,
-                        low: 0x80,
-                        high: 0x8F,
-                    },
-                ),
-                _ => return false,
-            };
-            true
+                0xC2..=0xDF => lead(1, 0x80, 0xBF),
+                0xE0 => lead(2, 0xA0, 0xBF),
+                0xE1..=0xEC | 0xEE..=0xEF => lead(2, 0x80, 0xBF),
+                0xED => lead(2, 0x80, 0x9F),
+                0xF0 => lead(3, 0x90, 0xBF),
+                0xF1..=0xF3 => lead(3, 0x80, 0xBF),
+                0xF4 => lead(3, 0x80, 0x8F),
+                _ => None,
+            }
         }
     }
 }
@@ -502,7 +808,7 @@ mod tests {
     use super::*;
 
     fn whole(text: &str) -> Option<Json> {
-        let mut json = Json::new();
+        let mut json = Json::new(Arc::new(Schema::object()));
         json.push(text.as_bytes()).then_some(json)
     }
 
@@ -548,7 +854,7 @@ mod tests {
             "{\"a\":NaN}",
         ] {
             assert!(whole(text).is_none_or(|j| !j.is_done()), "took {text:?}");
-            let mut json = Json::new();
+            let mut json = Json::new(Arc::new(Schema::object()));
             let taken = text.bytes().take_while(|&b| json.push(&[b])).count();
             assert!(taken < text.len() || !json.is_done(), "{text:?}");
         }
@@ -614,7 +920,7 @@ mod tests {
         let mut rng = bulkhead_kernels::rng::SplitMix64(17);
         let alphabet = b"{}[]\":,. -+0123456789eEtrufalsn\\u\n\xc3\xa9\x80";
         for _ in 0..2000 {
-            let mut json = Json::new();
+            let mut json = Json::new(Arc::new(Schema::object()));
             let mut taken = Vec::new();
             for _ in 0..40 {
                 let len = 1 + (rng.next_u64() % 4) as usize;
@@ -634,5 +940,217 @@ mod tests {
                     .is_object());
             }
         }
+    }
+
+    fn under(document: serde_json::Value) -> Json {
+        Json::new(Arc::new(Schema::compile(&document).unwrap()))
+    }
+
+    fn takes(json: &Json, text: &str) -> bool {
+        let mut json = json.clone();
+        json.push(text.as_bytes()) && json.is_done()
+    }
+
+    /// What pydantic writes for a model with a nested model, an optional
+    /// field, a bounded list, an enum and a recursive child list.
+    fn pydantic() -> serde_json::Value {
+        serde_json::json!({
+            "$defs": {
+                "Point": {"properties": {"x": {"type": "integer"}, "y": {"type": "number"}},
+                          "required": ["x", "y"], "type": "object"},
+                "Tree": {"properties": {"name": {"type": "string", "minLength": 1, "maxLength": 4},
+                                        "children": {"items": {"$ref": "#/$defs/Tree"}, "type": "array"}},
+                         "required": ["name", "children"], "type": "object"}
+            },
+            "properties": {
+                "at": {"$ref": "#/$defs/Point"},
+                "note": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": null},
+                "tags": {"items": {"type": "string"}, "type": "array", "minItems": 1, "maxItems": 2},
+                "kind": {"enum": ["cat", "car", 12, 1]},
+                "tree": {"$ref": "#/$defs/Tree"},
+                "extra": {"type": "object", "additionalProperties": {"type": "boolean"}}
+            },
+            "required": ["at", "tags", "kind", "tree"],
+            "type": "object"
+        })
+    }
+
+    #[test]
+    fn a_schema_takes_its_instances_in_order_and_nothing_else() {
+        let json = under(pydantic());
+        for text in [
+            r#"{"at":{"x":1,"y":-2.5e3},"tags":["a"],"kind":"cat","tree":{"name":"r","children":[]}}"#,
+            r#"{ "at": {"x": -0, "y": 7}, "note": null, "tags": ["a", "b\u00e9"], "kind": 12,
+                "tree": {"name": "root", "children": [{"name": "é", "children": []}]},
+                "extra": {"k": true, "": false} }"#,
+            r#"{"at":{"x":1,"y":2},"note":"n","tags":[""],"kind":1,"tree":{"name":"\"","children":[]},"extra":{}}"#,
+        ] {
+            assert!(takes(&json, text), "refused {text}");
+        }
+        for text in [
+            // A required property missing, out of order, unknown, twice.
+            r#"{"tags":["a"],"kind":"cat","tree":{"name":"r","children":[]}}"#,
+            r#"{"tags":["a"],"at":{"x":1,"y":2},"kind":"cat","tree":{"name":"r","children":[]}}"#,
+            r#"{"at":{"x":1,"y":2},"zzz":1}"#,
+            r#"{"at":{"x":1,"y":2},"at":{"x":1,"y":2}}"#,
+            // Wrong types: a fraction for an integer, a string for a number.
+            r#"{"at":{"x":1.5,"y":2}}"#,
+            r#"{"at":{"x":1e3,"y":2}}"#,
+            r#"{"at":{"x":1,"y":"2"}}"#,
+            // null where the schema has no null; a number in the optional string.
+            r#"{"at":null}"#,
+            r#"{"at":{"x":1,"y":2},"note":3}"#,
+            // Too few items, too many; an enum value not listed, a prefix of one.
+            r#"{"at":{"x":1,"y":2},"tags":[]}"#,
+            r#"{"at":{"x":1,"y":2},"tags":["a","b","c"]}"#,
+            r#"{"at":{"x":1,"y":2},"tags":["a"],"kind":"ca"}"#,
+            r#"{"at":{"x":1,"y":2},"tags":["a"],"kind":"dog"}"#,
+            r#"{"at":{"x":1,"y":2},"tags":["a"],"kind":123}"#,
+            // A string under minLength, over maxLength (characters, not bytes).
+            r#"{"at":{"x":1,"y":2},"tags":["a"],"kind":1,"tree":{"name":"","children":[]}}"#,
+            r#"{"at":{"x":1,"y":2},"tags":["a"],"kind":1,"tree":{"name":"ééééé","children":[]}}"#,
+            // A map's values keep their schema.
+            r#"{"at":{"x":1,"y":2},"tags":["a"],"kind":1,"tree":{"name":"a","children":[]},"extra":{"k":1}}"#,
+        ] {
+            assert!(!takes(&json, text), "took {text}");
+        }
+        // Four characters of two bytes each are within maxLength 4.
+        assert!(takes(
+            &json,
+            r#"{"at":{"x":1,"y":2},"tags":["a"],"kind":1,"tree":{"name":"éééé","children":[]}}"#
+        ));
+    }
+
+    #[test]
+    fn a_top_level_value_ends_when_nothing_could_extend_it() {
+        // A string, an object, a literal: done at their last byte.
+        for (document, text) in [
+            (serde_json::json!({"type": "string"}), "\"a\""),
+            (serde_json::json!({"enum": ["a", "b"]}), "\"b\""),
+            (serde_json::json!({"type": "boolean"}), "true"),
+            (serde_json::json!({"type": "array", "maxItems": 0}), "[]"),
+        ] {
+            let mut json = under(document);
+            assert!(
+                json.push(text.as_bytes()) && json.is_done() && json.may_end(),
+                "{text}"
+            );
+        }
+        // A number, and an enum whose value is another's prefix, may end or go on.
+        let mut json = under(serde_json::json!({"type": "integer"}));
+        assert!(json.push(b"-") && !json.may_end());
+        assert!(json.push(b"12") && json.may_end() && !json.is_done());
+        assert!(json.accepts(b"3") && !json.accepts(b".") && json.accepts(b" "));
+        let mut json = under(serde_json::json!({"enum": [1, 12]}));
+        assert!(json.push(b"1") && json.may_end() && !json.is_done());
+        assert!(json.accepts(b"2") && !json.accepts(b"3"));
+        assert!(json.push(b"2") && json.is_done());
+        // Within an object a property's value never ends the output.
+        let mut json = under(serde_json::json!({"properties": {"n": {"type": "number"}}}));
+        assert!(json.push(b"{\"n\":1") && !json.may_end());
+    }
+
+    #[test]
+    fn accepts_answers_as_push_does_under_a_schema() {
+        let json = under(pydantic());
+        let mut rng = bulkhead_kernels::rng::SplitMix64(5);
+        // Pieces of instances, so that walks get deep.
+        let pieces = [
+            "{",
+            "}",
+            "[",
+            "]",
+            "\"",
+            ",",
+            ":",
+            " ",
+            "\"at\"",
+            "\"x\":",
+            "\"y\":",
+            "1",
+            "-2",
+            ".5",
+            "e3",
+            "\"tags\":",
+            "\"a\"",
+            "\"kind\":",
+            "\"cat\"",
+            "12",
+            "\"tree\":",
+            "{\"name\":\"r\",\"children\":[",
+            "]}",
+            "null",
+            "true",
+            "\"note\":",
+            "é",
+            "\"extra\":",
+        ];
+        // After 40 random pieces, the first of these that fits: what closes
+        // first (a string, then a container), then what a required
+        // property needs.
+        let closing = [
+            "\"",
+            "a",
+            "}",
+            "]",
+            ",",
+            ":",
+            "\"y\":",
+            "1",
+            "\"tags\":",
+            "\"a\"",
+            "\"kind\":",
+            "\"tree\":",
+            "{\"name\":\"r\",\"children\":[",
+            "\"at\":",
+            "{",
+            "\"x\":",
+            "a",
+            "t",
+            "x",
+            "y",
+            "g",
+            "s",
+            "k",
+            "i",
+            "n",
+            "d",
+            "r",
+            "e",
+            "c",
+        ];
+        let mut done = 0;
+        for _ in 0..2000 {
+            let mut json = json.clone();
+            let mut taken = String::new();
+            for step in 0..200 {
+                let mut piece = pieces[(rng.next_u64() % pieces.len() as u64) as usize];
+                if step >= 40 {
+                    piece = closing
+                        .iter()
+                        .find(|p| json.accepts(p.as_bytes()))
+                        .unwrap_or(&piece);
+                }
+                let accepted = json.accepts(piece.as_bytes());
+                assert_eq!(
+                    accepted,
+                    json.clone().push(piece.as_bytes()),
+                    "{taken} + {piece}"
+                );
+                if json.push(piece.as_bytes()) {
+                    taken.push_str(piece);
+                }
+            }
+            if json.is_done() {
+                done += 1;
+                let value: serde_json::Value = serde_json::from_str(&taken).unwrap();
+                let at = &value["at"];
+                assert!(at["x"].is_i64() && at["y"].is_number(), "{taken}");
+                assert!(value["tags"]
+                    .as_array()
+                    .is_some_and(|t| (1..=2).contains(&t.len())));
+            }
+        }
+        assert!(done > 1000, "{done} of 2000 walks completed an instance");
     }
 }

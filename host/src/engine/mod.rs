@@ -13,6 +13,7 @@ mod prefix;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
+pub mod schema;
 pub mod service;
 pub mod stats;
 pub mod stop;

@@ -16,6 +16,7 @@
 //! never picked, as vLLM's `min_tokens` works.
 
 use super::json::Json;
+use super::schema::Schema;
 use bulkhead_kernels::backend::Logits;
 use bulkhead_kernels::rng::SplitMix64;
 use bulkhead_kernels::threads::Threads;
@@ -60,8 +61,9 @@ pub struct SamplingParams {
     /// Report each generated token's log probability and this many of the
     /// likeliest alternatives' (at most [`TOP_LOGPROBS_MAX`]); `None`: none.
     pub logprobs: Option<u8>,
-    /// JSON mode: the output is a JSON object (see [`super::json`]).
-    pub json: bool,
+    /// Structured output: the output is a JSON text this schema accepts
+    /// (JSON mode's is any object; see [`super::json`]).
+    pub json: Option<Arc<Schema>>,
     /// Keep only tokens at least this likely relative to the likeliest (0: all).
     pub min_p: f32,
     /// Divides the positive logits of tokens already in the prompt or the
@@ -132,7 +134,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
             logprobs: None,
-            json: false,
+            json: None,
             min_p: 0.0,
             repetition_penalty: 1.0,
             ignore_eos: false,
@@ -264,14 +266,16 @@ impl Sampler {
     }
 
     /// A sampler for `params` over `tokenizer`'s vocabulary, after `prompt`:
-    /// in JSON mode it picks only tokens that keep the output a prefix of a
-    /// JSON object, and an end-of-generation token once the object is closed.
+    /// under a schema it picks only tokens that keep the output a prefix of
+    /// a JSON text the schema accepts, and an end-of-generation token once
+    /// the value is complete (or, where it may go on, as the model likes).
     pub fn for_request(
         params: SamplingParams,
         tokenizer: &Arc<Tokenizer>,
         prompt: &[u32],
     ) -> Sampler {
-        let json = params.json.then(|| (Json::new(), Arc::clone(tokenizer)));
+        let json = (params.json.as_ref())
+            .map(|schema| (Json::new(Arc::clone(schema)), Arc::clone(tokenizer)));
         let seen = if params.repetition_penalty != 1.0 {
             prompt.iter().copied().collect()
         } else {
@@ -366,13 +370,13 @@ impl Sampler {
         token
     }
 
-    /// [`Sampler::pick_free`], within JSON mode's constraint when it is on.
+    /// [`Sampler::pick_free`], within the schema's constraint when there is one.
     fn pick(&mut self, logits: &[f32]) -> u32 {
         let Some((json, tokenizer)) = self.json.take() else {
             return self.pick_free(logits, &|_| true);
         };
         let (json, token) = if json.is_done() {
-            // The object is closed: the output ends.
+            // The value is complete: the output ends.
             let eog = (0..logits.len() as u32)
                 .filter(|&id| tokenizer.is_eog(id))
                 .max_by(|&a, &b| {
@@ -389,7 +393,12 @@ impl Sampler {
             // one table (256 one-byte checks, made at the first refusal)
             // spares most refused tokens their walk.
             let first_bytes = std::cell::OnceCell::new();
+            // A top-level number or literal may end or go on.
+            let may_end = json.may_end();
             let fits = |id: u32| {
+                if may_end && tokenizer.is_eog(id) {
+                    return true;
+                }
                 matches!(
                     tokenizer.token_type(id),
                     Ok(TokenType::Normal | TokenType::Byte)
@@ -695,7 +704,7 @@ mod tests {
                 SamplingParams {
                     temperature,
                     seed,
-                    json: true,
+                    json: Some(Arc::new(Schema::object())),
                     ..SamplingParams::default()
                 },
                 &tokenizer,
@@ -727,7 +736,7 @@ mod tests {
                     "a control token in JSON"
                 );
                 out.extend_from_slice(tokenizer.token_to_piece_bytes(token).unwrap());
-                let mut prefix = Json::new();
+                let mut prefix = Json::new(Arc::new(Schema::object()));
                 assert!(
                     prefix.push(&out),
                     "not a JSON prefix: {:?}",
@@ -741,6 +750,82 @@ mod tests {
             // "x" was taken where JSON allows it: inside strings.
             assert!(text.contains('x'), "{text:?}");
         }
+    }
+
+    #[test]
+    fn a_schema_keeps_the_output_an_instance_and_ends_where_the_value_may() {
+        let tokenizer = tiny_tokenizer();
+        let vocab = tokenizer.vocab_len();
+        let id = |text: &str| {
+            let ids = tokenizer
+                .encode(text, bulkhead_kernels::tokenizer::EncodeOptions::default())
+                .unwrap();
+            assert_eq!(ids.len(), 1, "{text:?}");
+            ids[0]
+        };
+        let schema =
+            |document: serde_json::Value| Some(Arc::new(Schema::compile(&document).unwrap()));
+        let object = schema(serde_json::json!({
+            "type": "object",
+            "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
+                           "tag": {"enum": ["x", "y"]}, "maybe": {"type": "null"}},
+            "required": ["n", "ok", "tag"]
+        }));
+        // Random logits, "x" the favourite; after 20 tokens a ranking that
+        // closes what is open (a string, a container, a number) takes over.
+        let closers = [id("\""), id("}"), id(","), id("0")];
+        for (temperature, seed) in [(0.0, 1), (1.0, 2), (1.5, 3)] {
+            let params = SamplingParams {
+                temperature,
+                seed,
+                json: object.clone(),
+                ..SamplingParams::default()
+            };
+            let mut sampler = Sampler::for_request(params, &tokenizer, &[]);
+            let mut rng = SplitMix64(seed);
+            let mut out = Vec::new();
+            let mut ended = false;
+            for step in 0..400 {
+                let mut logits: Vec<f32> =
+                    (0..vocab).map(|_| rng.next_f64() as f32 * 4.0).collect();
+                logits[id("x") as usize] = 30.0;
+                if step >= 20 {
+                    for (rank, &c) in closers.iter().enumerate() {
+                        logits[c as usize] = 60.0 - 4.0 * rank as f32;
+                    }
+                }
+                let token = sampler.sample(&logits);
+                if tokenizer.is_eog(token) {
+                    ended = true;
+                    break;
+                }
+                out.extend_from_slice(tokenizer.token_to_piece_bytes(token).unwrap());
+            }
+            let text = String::from_utf8(out).unwrap();
+            assert!(ended, "never ended: {text:?}");
+            let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+            assert!(value["n"].is_i64(), "{text}");
+            assert!(value["ok"].is_boolean(), "{text}");
+            assert!(value["tag"] == "x" || value["tag"] == "y", "{text}");
+            assert!(value.get("maybe").is_none_or(|m| m.is_null()), "{text}");
+            assert!(value.as_object().unwrap().len() <= 4, "{text}");
+        }
+        // A top-level integer may end after any digit: the model's
+        // end-of-generation is among what fits from then on, not before.
+        let eog = tokenizer.eog_tokens()[0];
+        let mut sampler = Sampler::for_request(
+            SamplingParams {
+                json: schema(serde_json::json!({"type": "integer"})),
+                ..SamplingParams::default()
+            },
+            &tokenizer,
+            &[],
+        );
+        let mut logits = vec![0.0f32; vocab];
+        logits[eog as usize] = 50.0;
+        logits[id("7") as usize] = 40.0;
+        assert_eq!(sampler.sample(&logits), id("7"));
+        assert_eq!(sampler.sample(&logits), eog);
     }
 
     #[test]

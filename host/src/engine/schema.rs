@@ -1,0 +1,771 @@
+//! Structured outputs (`response_format: {"type": "json_schema", ...}`): a
+//! tenant's JSON Schema compiled into a graph of nodes that the JSON
+//! recognizer ([`super::json`]) follows byte by byte, so that the output is
+//! a JSON text the schema accepts. JSON mode (`json_object`) is the schema
+//! `{"type": "object"}`.
+//!
+//! The subset is the one OpenAI's structured outputs and llama.cpp's
+//! grammar converter share, and what pydantic's `model_json_schema()`
+//! writes: `type` (one or several), `properties` with `required` (the
+//! output writes them in the schema's order; optional ones may be left
+//! out; no others are generated), `additionalProperties` as the value
+//! schema of an object without `properties` (a map), `items`, `minItems`,
+//! `maxItems`, `minLength`, `maxLength`, `enum`, `const`, `anyOf` and
+//! `oneOf` whose alternatives begin differently (`Optional[X]`: a type and
+//! `null`), a single-element `allOf`, and `$ref` to any JSON pointer in the
+//! document (`#/$defs/...`, recursion included). Annotations (`title`,
+//! `description`, `default`, `examples`, `format`, ...) are read past, as
+//! JSON Schema 2020-12 leaves `format` an annotation. Any other keyword is
+//! refused with its name, never ignored: an output that a schema keyword
+//! did not constrain would not validate against it.
+//!
+//! A schema is a tenant's input: its nodes, properties and enum values are
+//! bounded ([`NODES_MAX`], [`PROPERTIES_MAX`], [`ENUM_VALUES_MAX`],
+//! [`LITERAL_BYTES_MAX`]), a `$ref` chain that never reaches a schema and an
+//! `anyOf` that contains itself are refused, and compiling never recurses
+//! deeper than the document's own nesting (which the request parser bounds).
+
+use serde_json::Value;
+use std::collections::HashMap;
+
+/// Most nodes a compiled schema may hold (each property, item, alternative
+/// and reference is one).
+pub const NODES_MAX: usize = 1024;
+/// Most properties an object schema may declare.
+pub const PROPERTIES_MAX: usize = 256;
+/// Most values an `enum` may list.
+pub const ENUM_VALUES_MAX: usize = 256;
+/// Most bytes of property names and `enum` and `const` values, written
+/// compactly, in a schema.
+pub const LITERAL_BYTES_MAX: usize = 64 * 1024;
+/// Most schemas within schemas (`items`, `properties`, `anyOf`, `$ref`
+/// chains) compiling may follow: it recurses, on a server thread's stack.
+pub const NESTING_MAX: usize = 64;
+
+/// A node's index in its schema.
+pub type NodeId = u32;
+
+/// Any JSON value.
+pub(super) const ANY: NodeId = 0;
+/// An object of any keys and values.
+pub(super) const ANY_OBJECT: NodeId = 1;
+/// An array of any values.
+pub(super) const ANY_ARRAY: NodeId = 2;
+/// `false`, `null` and `true`.
+pub(super) const ANY_LITERAL: NodeId = 3;
+
+/// What a value may be.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum Node {
+    /// Any JSON value.
+    Any,
+    /// A number; `integer`: no fraction and no exponent.
+    Number { integer: bool },
+    /// A string of `min` to `max` characters.
+    String { min: u32, max: u32 },
+    /// One of these values, written compactly (`enum`, `const`, `true`...).
+    Literals(Vec<Box<[u8]>>),
+    /// An array of `items`, `min` to `max` of them.
+    Array { items: NodeId, min: u32, max: u32 },
+    /// An object of these properties, in this order.
+    Object(Vec<Property>),
+    /// An object of any keys, each value a `values`.
+    Map { values: NodeId },
+    /// One of these (none of them a union), told apart by the first byte.
+    Union(Vec<NodeId>),
+    /// Another node (a `$ref`; none is left once compiled).
+    Ref(NodeId),
+}
+
+/// A declared property of an object.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Property {
+    /// Its name as JSON writes it, quotes included.
+    pub key: Box<[u8]>,
+    pub value: NodeId,
+    pub required: bool,
+}
+
+impl AsRef<[u8]> for Property {
+    fn as_ref(&self) -> &[u8] {
+        &self.key
+    }
+}
+
+/// A compiled schema.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Schema {
+    nodes: Vec<Node>,
+    root: NodeId,
+    /// The document it was compiled from (`None`: JSON mode's).
+    source: Option<Value>,
+}
+
+/// Why a schema was refused: what, and where (a JSON pointer into it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SchemaError {
+    pub at: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for SchemaError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let at = if self.at.is_empty() { "/" } else { &self.at };
+        write!(f, "{} (at {at})", self.message)
+    }
+}
+
+impl Schema {
+    /// JSON mode's schema: any object.
+    pub fn object() -> Schema {
+        Schema {
+            root: ANY_OBJECT,
+            ..Schema::base()
+        }
+    }
+
+    /// The nodes every schema starts with (an unconstrained value's).
+    fn base() -> Schema {
+        let literals = [&b"false"[..], b"null", b"true"];
+        Schema {
+            nodes: vec![
+                Node::Any,
+                Node::Map { values: ANY },
+                Node::Array {
+                    items: ANY,
+                    min: 0,
+                    max: u32::MAX,
+                },
+                Node::Literals(literals.iter().map(|&l| l.into()).collect()),
+            ],
+            root: ANY,
+            source: None,
+        }
+    }
+
+    /// Compiles `document`.
+    pub fn compile(document: &Value) -> Result<Schema, SchemaError> {
+        let mut compiler = Compiler {
+            document,
+            schema: Schema::base(),
+            refs: HashMap::new(),
+            literal_bytes: 0,
+            depth: 0,
+        };
+        let root = compiler.node(document, "")?;
+        let mut schema = compiler.schema;
+        schema.root = root;
+        schema.resolve_refs()?;
+        schema.flatten_unions()?;
+        schema.source = Some(document.clone());
+        Ok(schema)
+    }
+
+    /// The document it was compiled from (`None` for JSON mode's).
+    pub fn source(&self) -> Option<&Value> {
+        self.source.as_ref()
+    }
+
+    pub(super) fn root(&self) -> NodeId {
+        self.root
+    }
+
+    pub(super) fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id as usize]
+    }
+
+    /// Points every reference at the node its `$ref` chain ends on.
+    fn resolve_refs(&mut self) -> Result<(), SchemaError> {
+        let target = |nodes: &[Node], mut id: NodeId| {
+            for _ in 0..=nodes.len() {
+                match nodes[id as usize] {
+                    Node::Ref(next) => id = next,
+                    _ => return Ok(id),
+                }
+            }
+            Err(SchemaError {
+                at: String::new(),
+                message: "a $ref chain that never reaches a schema".into(),
+            })
+        };
+        let resolved: Vec<NodeId> = (0..self.nodes.len() as NodeId)
+            .map(|id| target(&self.nodes, id))
+            .collect::<Result<_, _>>()?;
+        let r = |id: &mut NodeId| *id = resolved[*id as usize];
+        r(&mut self.root);
+        for node in &mut self.nodes {
+            match node {
+                Node::Array { items, .. } => r(items),
+                Node::Map { values } => r(values),
+                Node::Object(properties) => properties.iter_mut().for_each(|p| r(&mut p.value)),
+                Node::Union(alternatives) => alternatives.iter_mut().for_each(r),
+                Node::Ref(id) => r(id),
+                Node::Any | Node::Number { .. } | Node::String { .. } | Node::Literals(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces each union's alternatives by the non-union nodes they
+    /// reach, and checks that no two may begin with the same byte.
+    fn flatten_unions(&mut self) -> Result<(), SchemaError> {
+        for id in 0..self.nodes.len() {
+            if !matches!(self.nodes[id], Node::Union(_)) {
+                continue;
+            }
+            let mut leaves = Vec::new();
+            self.leaves(id as NodeId, &mut Vec::new(), &mut leaves)?;
+            for (i, &a) in leaves.iter().enumerate() {
+                for &b in &leaves[..i] {
+                    if self.first_bytes(a) & self.first_bytes(b) != 0 {
+                        return Err(SchemaError {
+                            at: String::new(),
+                            message: "anyOf/oneOf alternatives that may begin alike (two of one \
+                                      type) are not supported"
+                                .into(),
+                        });
+                    }
+                }
+            }
+            self.nodes[id] = Node::Union(leaves);
+        }
+        Ok(())
+    }
+
+    fn leaves(
+        &self,
+        id: NodeId,
+        visiting: &mut Vec<NodeId>,
+        out: &mut Vec<NodeId>,
+    ) -> Result<(), SchemaError> {
+        let Node::Union(alternatives) = self.node(id) else {
+            if !out.contains(&id) {
+                out.push(id);
+            }
+            return Ok(());
+        };
+        if visiting.contains(&id) {
+            return Err(SchemaError {
+                at: String::new(),
+                message: "an anyOf that contains itself".into(),
+            });
+        }
+        visiting.push(id);
+        for &alternative in alternatives {
+            self.leaves(alternative, visiting, out)?;
+        }
+        visiting.pop();
+        Ok(())
+    }
+
+    /// The bytes a value of non-union node `id` may begin with: bit `b % 128`
+    /// (every first byte of a JSON value is ASCII).
+    pub(super) fn first_bytes(&self, id: NodeId) -> u128 {
+        let bit = |b: u8| 1u128 << (b & 0x7F);
+        let digits = (b'0'..=b'9').fold(bit(b'-'), |bits, b| bits | bit(b));
+        match self.node(id) {
+            Node::Any => {
+                bit(b'{') | bit(b'[') | bit(b'"') | bit(b't') | bit(b'f') | bit(b'n') | digits
+            }
+            Node::Number { .. } => digits,
+            Node::String { .. } => bit(b'"'),
+            Node::Literals(values) => values.iter().fold(0, |bits, v| bits | bit(v[0])),
+            Node::Array { .. } => bit(b'['),
+            Node::Object(_) | Node::Map { .. } => bit(b'{'),
+            Node::Union(_) | Node::Ref(_) => u128::MAX,
+        }
+    }
+}
+
+/// Keywords that say nothing of what a value may be.
+const ANNOTATIONS: &[&str] = &[
+    "title",
+    "description",
+    "default",
+    "examples",
+    "format",
+    "$schema",
+    "$id",
+    "$comment",
+    "$defs",
+    "definitions",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "contentEncoding",
+    "contentMediaType",
+];
+
+/// Keywords this compiler reads.
+const KEYWORDS: &[&str] = &[
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",
+    "items",
+    "minItems",
+    "maxItems",
+    "minLength",
+    "maxLength",
+    "enum",
+    "const",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "$ref",
+];
+
+struct Compiler<'a> {
+    document: &'a Value,
+    schema: Schema,
+    /// Each `$ref` compiled so far, by its pointer.
+    refs: HashMap<String, NodeId>,
+    literal_bytes: usize,
+    /// Schemas being compiled, each within the one before.
+    depth: usize,
+}
+
+fn error(at: &str, message: impl Into<String>) -> SchemaError {
+    SchemaError {
+        at: at.to_string(),
+        message: message.into(),
+    }
+}
+
+impl Compiler<'_> {
+    fn push(&mut self, node: Node, at: &str) -> Result<NodeId, SchemaError> {
+        if self.schema.nodes.len() >= NODES_MAX {
+            return Err(error(at, format!("more than {NODES_MAX} schema nodes")));
+        }
+        self.schema.nodes.push(node);
+        Ok(self.schema.nodes.len() as NodeId - 1)
+    }
+
+    /// The node of schema `s`, found at pointer `at`.
+    fn node(&mut self, s: &Value, at: &str) -> Result<NodeId, SchemaError> {
+        if self.depth >= NESTING_MAX {
+            return Err(error(
+                at,
+                format!("schemas nested (or referenced) more than {NESTING_MAX} deep"),
+            ));
+        }
+        self.depth += 1;
+        let node = self.node_within(s, at);
+        self.depth -= 1;
+        node
+    }
+
+    fn node_within(&mut self, s: &Value, at: &str) -> Result<NodeId, SchemaError> {
+        let s = match s {
+            Value::Bool(true) => return Ok(ANY),
+            Value::Bool(false) => return Err(error(at, "the schema false accepts no value")),
+            Value::Object(s) => s,
+            _ => return Err(error(at, "a schema must be an object or a boolean")),
+        };
+        for key in s.keys() {
+            if !KEYWORDS.contains(&key.as_str()) && !ANNOTATIONS.contains(&key.as_str()) {
+                return Err(error(
+                    at,
+                    format!("the keyword {key:?} is not supported by this server"),
+                ));
+            }
+        }
+        // The combinators stand alone: with siblings they would intersect.
+        let constraining = |except: &str| {
+            s.keys()
+                .filter(|k| KEYWORDS.contains(&k.as_str()) && k.as_str() != except)
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        for combinator in ["$ref", "anyOf", "oneOf", "allOf"] {
+            if s.contains_key(combinator) {
+                let others = constraining(combinator);
+                if !others.is_empty() {
+                    return Err(error(
+                        at,
+                        format!("{combinator} beside {others:?} is not supported (it would intersect them)"),
+                    ));
+                }
+            }
+        }
+        if let Some(reference) = s.get("$ref") {
+            return self.reference(reference, at);
+        }
+        for combinator in ["anyOf", "oneOf"] {
+            if let Some(alternatives) = s.get(combinator) {
+                let at = format!("{at}/{combinator}");
+                let alternatives = alternatives
+                    .as_array()
+                    .filter(|a| !a.is_empty())
+                    .ok_or_else(|| error(&at, "must be a non-empty array of schemas"))?;
+                let ids = alternatives
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| self.node(a, &format!("{at}/{i}")))
+                    .collect::<Result<Vec<_>, _>>()?;
+                return self.push(Node::Union(ids), &at);
+            }
+        }
+        if let Some(all) = s.get("allOf") {
+            let at = format!("{at}/allOf");
+            return match all.as_array().map(Vec::as_slice) {
+                Some([one]) => self.node(one, &format!("{at}/0")),
+                _ => Err(error(&at, "only an allOf of one schema is supported")),
+            };
+        }
+        if let Some(value) = s.get("const") {
+            return self.literals(std::slice::from_ref(value), &format!("{at}/const"));
+        }
+        if let Some(values) = s.get("enum") {
+            let at = format!("{at}/enum");
+            let values = values
+                .as_array()
+                .filter(|v| !v.is_empty())
+                .ok_or_else(|| error(&at, "must be a non-empty array"))?;
+            return self.literals(values, &at);
+        }
+        let types: Vec<&str> = match s.get("type") {
+            None => {
+                // Untyped: what the keywords present imply, else anything.
+                if s.contains_key("properties") || s.contains_key("additionalProperties") {
+                    vec!["object"]
+                } else if s.contains_key("items") {
+                    vec!["array"]
+                } else {
+                    return Ok(ANY);
+                }
+            }
+            Some(Value::String(t)) => vec![t.as_str()],
+            Some(Value::Array(ts)) if !ts.is_empty() => ts
+                .iter()
+                .map(|t| t.as_str().ok_or_else(|| error(at, "type must name types")))
+                .collect::<Result<_, _>>()?,
+            Some(_) => return Err(error(at, "type must be a string or a non-empty array")),
+        };
+        let mut ids = Vec::with_capacity(types.len());
+        for t in types {
+            ids.push(self.typed(s, t, at)?);
+        }
+        match ids.as_slice() {
+            [one] => Ok(*one),
+            _ => self.push(Node::Union(ids), at),
+        }
+    }
+
+    /// A node of type `t` with the keywords of `s` that apply to it.
+    fn typed(
+        &mut self,
+        s: &serde_json::Map<String, Value>,
+        t: &str,
+        at: &str,
+    ) -> Result<NodeId, SchemaError> {
+        let count = |key: &str| -> Result<Option<u32>, SchemaError> {
+            s.get(key)
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .ok_or_else(|| error(at, format!("{key} must be a whole number")))
+                })
+                .transpose()
+        };
+        let bounds = |min: &str, max: &str| -> Result<(u32, u32), SchemaError> {
+            let (lo, hi) = (count(min)?.unwrap_or(0), count(max)?.unwrap_or(u32::MAX));
+            if lo > hi {
+                return Err(error(at, format!("{min} is above {max}")));
+            }
+            Ok((lo, hi))
+        };
+        let node = match t {
+            "null" => return self.literals(&[Value::Null], at),
+            "boolean" => return self.literals(&[Value::Bool(false), Value::Bool(true)], at),
+            "number" => Node::Number { integer: false },
+            "integer" => Node::Number { integer: true },
+            "string" => {
+                let (min, max) = bounds("minLength", "maxLength")?;
+                Node::String { min, max }
+            }
+            "array" => {
+                let (min, max) = bounds("minItems", "maxItems")?;
+                let items = match s.get("items") {
+                    None => ANY,
+                    Some(Value::Array(_)) => {
+                        return Err(error(
+                            at,
+                            "items as an array (a tuple) is not supported by this server",
+                        ));
+                    }
+                    Some(items) => self.node(items, &format!("{at}/items"))?,
+                };
+                Node::Array { items, min, max }
+            }
+            "object" => self.object(s, at)?,
+            other => return Err(error(at, format!("unknown type {other:?}"))),
+        };
+        self.push(node, at)
+    }
+
+    fn object(
+        &mut self,
+        s: &serde_json::Map<String, Value>,
+        at: &str,
+    ) -> Result<Node, SchemaError> {
+        let additional = s.get("additionalProperties");
+        let Some(properties) = s.get("properties") else {
+            return Ok(match additional {
+                Some(Value::Bool(false)) => Node::Object(Vec::new()),
+                None | Some(Value::Bool(true)) => Node::Map { values: ANY },
+                Some(values) => Node::Map {
+                    values: self.node(values, &format!("{at}/additionalProperties"))?,
+                },
+            });
+        };
+        let properties = properties
+            .as_object()
+            .ok_or_else(|| error(at, "properties must be an object"))?;
+        if properties.len() > PROPERTIES_MAX {
+            return Err(error(at, format!("more than {PROPERTIES_MAX} properties")));
+        }
+        let required: Vec<&str> = match s.get("required") {
+            None => Vec::new(),
+            Some(Value::Array(names)) => names
+                .iter()
+                .map(|n| {
+                    n.as_str()
+                        .ok_or_else(|| error(at, "required must list property names"))
+                })
+                .collect::<Result<_, _>>()?,
+            Some(_) => return Err(error(at, "required must be an array")),
+        };
+        if let Some(missing) = required.iter().find(|r| !properties.contains_key(**r)) {
+            return Err(error(
+                at,
+                format!("required property {missing:?} is not in properties"),
+            ));
+        }
+        let mut compiled = Vec::with_capacity(properties.len());
+        for (name, value) in properties {
+            self.count_bytes(name.len(), at)?;
+            let pointer = format!(
+                "{at}/properties/{}",
+                name.replace('~', "~0").replace('/', "~1")
+            );
+            compiled.push(Property {
+                key: serde_json::to_vec(name)
+                    .expect("a string serializes")
+                    .into_boxed_slice(),
+                value: self.node(value, &pointer)?,
+                required: required.contains(&name.as_str()),
+            });
+        }
+        Ok(Node::Object(compiled))
+    }
+
+    fn literals(&mut self, values: &[Value], at: &str) -> Result<NodeId, SchemaError> {
+        if values.len() > ENUM_VALUES_MAX {
+            return Err(error(at, format!("more than {ENUM_VALUES_MAX} values")));
+        }
+        let mut written: Vec<Box<[u8]>> = Vec::with_capacity(values.len());
+        for value in values {
+            let bytes = serde_json::to_vec(value).expect("a JSON value serializes");
+            self.count_bytes(bytes.len(), at)?;
+            if !written.iter().any(|w| **w == *bytes) {
+                written.push(bytes.into_boxed_slice());
+            }
+        }
+        self.push(Node::Literals(written), at)
+    }
+
+    fn count_bytes(&mut self, bytes: usize, at: &str) -> Result<(), SchemaError> {
+        self.literal_bytes += bytes;
+        if self.literal_bytes > LITERAL_BYTES_MAX {
+            return Err(error(
+                at,
+                format!(
+                    "more than {LITERAL_BYTES_MAX} bytes of property names and enum and const values"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A `$ref`: a JSON pointer into the document, compiled once.
+    fn reference(&mut self, reference: &Value, at: &str) -> Result<NodeId, SchemaError> {
+        let at = format!("{at}/$ref");
+        let pointer = reference
+            .as_str()
+            .and_then(|r| r.strip_prefix('#'))
+            .ok_or_else(|| {
+                error(
+                    &at,
+                    "only references within the schema (\"#...\") are supported",
+                )
+            })?;
+        if let Some(&id) = self.refs.get(pointer) {
+            return Ok(id);
+        }
+        let target = self
+            .document
+            .pointer(pointer)
+            .ok_or_else(|| error(&at, format!("{pointer:?} is not in the schema")))?;
+        // The reference's node first, so that a reference back to it (a
+        // recursive type) finds it; it points at the target once compiled.
+        let id = self.push(Node::Ref(ANY), &at)?;
+        self.refs.insert(pointer.to_string(), id);
+        let target = self.node(target, &format!("#{pointer}"))?;
+        self.schema.nodes[id as usize] = Node::Ref(target);
+        Ok(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn refusal(document: Value) -> String {
+        Schema::compile(&document).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn refuses_what_it_would_not_enforce_naming_the_keyword() {
+        for (document, says) in [
+            (json!({"type": "string", "pattern": "^a"}), "\"pattern\""),
+            (json!({"type": "integer", "minimum": 0}), "\"minimum\""),
+            (
+                json!({"type": "array", "uniqueItems": true}),
+                "\"uniqueItems\"",
+            ),
+            (
+                json!({"type": "array", "prefixItems": []}),
+                "\"prefixItems\"",
+            ),
+            (json!({"type": "array", "items": [{}]}), "tuple"),
+            (json!({"type": "date"}), "unknown type"),
+            (json!(false), "accepts no value"),
+            (json!(3), "object or a boolean"),
+            (
+                json!({"type": "string", "minLength": 3, "maxLength": 2}),
+                "above",
+            ),
+            (json!({"type": "string", "maxLength": -1}), "whole number"),
+            (json!({"enum": []}), "non-empty"),
+            (json!({"$ref": "#/$defs/missing"}), "not in the schema"),
+            (
+                json!({"$ref": "https://example.com/s.json"}),
+                "within the schema",
+            ),
+            (json!({"$ref": "#"}), "never reaches"),
+            (json!({"$ref": "#/$defs/a", "type": "string"}), "intersect"),
+            (json!({"allOf": [{}, {}]}), "allOf of one"),
+            (
+                json!({"anyOf": [{"type": "string"}, {"enum": ["a"]}]}),
+                "begin alike",
+            ),
+            (
+                json!({"anyOf": [{"$ref": "#"}, {"type": "null"}]}),
+                "contains itself",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {}}, "required": ["b"]}),
+                "\"b\" is not in properties",
+            ),
+        ] {
+            let message = refusal(document.clone());
+            assert!(message.contains(says), "{document}: {message}");
+        }
+        // The bounds on a tenant's input.
+        let many: serde_json::Map<String, Value> = (0..=PROPERTIES_MAX)
+            .map(|i| (format!("p{i}"), json!({})))
+            .collect();
+        assert!(refusal(json!({"properties": many})).contains("properties"));
+        let values: Vec<u32> = (0..=ENUM_VALUES_MAX as u32).collect();
+        assert!(refusal(json!({"enum": values})).contains("values"));
+        let long = "x".repeat(LITERAL_BYTES_MAX);
+        assert!(refusal(json!({"const": long})).contains("bytes"));
+        let deep = (0..NESTING_MAX).fold(json!({}), |s, _| json!({"items": s}));
+        assert!(refusal(deep).contains("deep"));
+        // A chain of references nests as deep as it is long.
+        let chain: serde_json::Map<String, Value> = (0..NESTING_MAX)
+            .map(|i| {
+                (
+                    format!("a{i}"),
+                    json!({"$ref": format!("#/$defs/a{}", i + 1)}),
+                )
+            })
+            .collect();
+        assert!(refusal(json!({"$defs": chain, "$ref": "#/$defs/a0"})).contains("deep"));
+        let wide: serde_json::Map<String, Value> = (0..PROPERTIES_MAX)
+            .map(|i| (format!("p{i}"), json!({"type": "string"})))
+            .collect();
+        let wide = json!({"type": "object", "properties": wide});
+        let nodes: serde_json::Map<String, Value> =
+            (0..5).map(|i| (format!("o{i}"), wide.clone())).collect();
+        assert!(refusal(json!({"properties": nodes})).contains("nodes"));
+    }
+
+    #[test]
+    fn compiles_pydantic_shapes_with_refs_and_optionals() {
+        // What pydantic 2 writes for a model with a nested model, an
+        // Optional field, a list, a Literal and a recursive child list.
+        let document = json!({
+            "$defs": {
+                "Point": {
+                    "properties": {"x": {"title": "X", "type": "integer"},
+                                   "y": {"title": "Y", "type": "integer"}},
+                    "required": ["x", "y"], "title": "Point", "type": "object"
+                },
+                "Node": {
+                    "properties": {"name": {"type": "string"},
+                                   "children": {"items": {"$ref": "#/$defs/Node"}, "type": "array"}},
+                    "required": ["name", "children"], "type": "object"
+                }
+            },
+            "properties": {
+                "name": {"title": "Name", "type": "string", "maxLength": 20},
+                "at": {"$ref": "#/$defs/Point"},
+                "note": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": null},
+                "tags": {"items": {"type": "string"}, "type": "array", "maxItems": 3},
+                "kind": {"enum": ["a", "b"], "type": "string"},
+                "tree": {"$ref": "#/$defs/Node"},
+                "when": {"type": "string", "format": "date-time"}
+            },
+            "required": ["name", "at", "kind", "tree"],
+            "title": "Thing", "type": "object"
+        });
+        let schema = Schema::compile(&document).unwrap();
+        let Node::Object(properties) = schema.node(schema.root()) else {
+            panic!("{schema:?}");
+        };
+        // In the document's order, not sorted.
+        let keys: Vec<&[u8]> = properties.iter().map(|p| &*p.key).collect();
+        assert_eq!(
+            keys,
+            [
+                &b"\"name\""[..],
+                b"\"at\"",
+                b"\"note\"",
+                b"\"tags\"",
+                b"\"kind\"",
+                b"\"tree\"",
+                b"\"when\""
+            ]
+        );
+        let required: Vec<bool> = properties.iter().map(|p| p.required).collect();
+        assert_eq!(required, [true, true, false, false, true, true, false]);
+        // No reference is left: `at` is the Point object itself.
+        assert!(matches!(schema.node(properties[1].value), Node::Object(p) if p.len() == 2));
+        assert!(matches!(schema.node(properties[2].value), Node::Union(a) if a.len() == 2));
+        // The recursive child list's items are the Node object again.
+        let tree = properties[5].value;
+        let Node::Object(node) = schema.node(tree) else {
+            panic!()
+        };
+        assert!(matches!(schema.node(node[1].value), Node::Array { items, .. } if *items == tree));
+        assert_eq!(schema.source(), Some(&document));
+        // JSON mode's schema: any object.
+        assert_eq!(
+            Schema::object().node(Schema::object().root()),
+            &Node::Map { values: ANY }
+        );
+    }
+}
