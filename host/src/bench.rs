@@ -413,6 +413,14 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
         }))
         .expect("the benchmark's schema compiles"),
     );
+    // A hostile schema: the most enum bytes a schema may hold, in values
+    // that all begin with the same 200 bytes.
+    let long_enum = Arc::new(
+        Schema::compile(&serde_json::json!({
+            "enum": (0..250).map(|i| format!("{}{i:03}", "x".repeat(200))).collect::<Vec<_>>()
+        }))
+        .expect("the benchmark's schema compiles"),
+    );
     let options: Vec<(&str, SamplingParams)> = vec![
         ("greedy", sampled(0.0)),
         ("temperature 1", sampled(1.0)),
@@ -490,6 +498,14 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             "JSON schema (a pydantic model), temperature 1",
             SamplingParams {
                 json: Some(Arc::clone(&cat)),
+                ..sampled(1.0)
+            },
+        ),
+        (
+            "hostile: 250 enum values sharing 200 bytes, temperature 1",
+            SamplingParams {
+                json: Some(Arc::clone(&long_enum)),
+                logit_bias: never_json.clone(),
                 ..sampled(1.0)
             },
         ),

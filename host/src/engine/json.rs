@@ -53,9 +53,10 @@ enum Mode {
     },
     /// An object's key must come; `close`: its `}` may instead.
     Key { close: bool },
-    /// In a declared property's name (quotes included): the first property
-    /// of the object's window whose name begins with the `at` bytes so far.
-    Name { property: u16, at: u32 },
+    /// In a declared property's name (quotes included): the names whose
+    /// first `at` bytes are the ones so far are `by_name[lo..hi]` (some of
+    /// them in the object's window).
+    Name { lo: u16, hi: u16, at: u32 },
     /// After a key: `:`.
     Colon,
     /// After a value: `,` or the container's close.
@@ -72,9 +73,14 @@ enum Mode {
     },
     /// In a number; `integer`: no fraction, no exponent.
     Number { num: Num, integer: bool },
-    /// In one of the values of literals node `node`: the first whose
-    /// written form begins with the `at` bytes so far.
-    Literal { node: NodeId, value: u16, at: u32 },
+    /// In one of the values of literals node `node`: those whose first
+    /// `at` bytes are the ones so far are `values[lo..hi]`.
+    Literal {
+        node: NodeId,
+        lo: u16,
+        hi: u16,
+        at: u32,
+    },
     /// The top-level value is complete: whitespace only.
     Done,
 }
@@ -238,9 +244,8 @@ impl Json {
             Mode::Done => true,
             _ if !self.stack.is_empty() => false,
             Mode::Number { num, .. } => num.complete(),
-            Mode::Literal { node, value, at } => {
-                let values = literals(&self.schema, node);
-                ends(values, value.into(), values.len(), at as usize).0
+            Mode::Literal { node, lo, at, .. } => {
+                literals(&self.schema, node)[usize::from(lo)].len() == at as usize
             }
             _ => false,
         }
@@ -291,29 +296,35 @@ struct Cursor<'a, S> {
     whitespace: u32,
 }
 
-/// The first of `values[from..end]` whose first `at` bytes are `from`'s
-/// and whose next byte is `b`.
-fn extend(values: &[impl AsRef<[u8]>], from: usize, end: usize, at: usize, b: u8) -> Option<usize> {
-    let prefix = &values[from].as_ref()[..at];
-    (from..end).find(|&i| {
-        let v = values[i].as_ref();
-        v.len() > at && v[..at] == *prefix && v[at] == b
-    })
+/// Of `lo..hi`, entries of byte strings (`bytes(i)`) in byte order that
+/// share their first `at` bytes and all have more, the range of those whose
+/// next byte is `b` (empty where none): two binary searches, so a long
+/// `enum` or many properties cost a tenant's request no more per byte than a
+/// short one.
+fn narrow<'a>(
+    bytes: impl Fn(usize) -> &'a [u8],
+    lo: usize,
+    hi: usize,
+    at: usize,
+    b: u8,
+) -> (usize, usize) {
+    let first = lo + partition(lo, hi, |i| bytes(i)[at] < b);
+    let last = lo + partition(lo, hi, |i| bytes(i)[at] <= b);
+    (first, last)
 }
 
-/// Whether one of `values[from..end]` is `from`'s first `at` bytes
-/// (`complete`), and whether one goes on past them (`longer`).
-fn ends(values: &[impl AsRef<[u8]>], from: usize, end: usize, at: usize) -> (bool, bool) {
-    let prefix = &values[from].as_ref()[..at];
-    let (mut complete, mut longer) = (false, false);
-    for v in &values[from..end] {
-        let v = v.as_ref();
-        if v.len() >= at && v[..at] == *prefix {
-            complete |= v.len() == at;
-            longer |= v.len() > at;
+/// How many of `lo..hi` (a prefix of them) satisfy `below`.
+fn partition(lo: usize, hi: usize, below: impl Fn(usize) -> bool) -> usize {
+    let (mut a, mut z) = (lo, hi);
+    while a < z {
+        let mid = a + (z - a) / 2;
+        if below(mid) {
+            a = mid + 1;
+        } else {
+            z = mid;
         }
     }
-    (complete, longer)
+    a - lo
 }
 
 /// The properties a key may name after `next`: up to the first required one.
@@ -329,12 +340,20 @@ fn may_close(properties: &[Property], next: usize) -> bool {
     properties[next..].iter().all(|p| !p.required)
 }
 
+/// Object node `node`'s properties, and their indices in name order.
+fn object(schema: &Schema, node: NodeId) -> (&[Property], &[u16]) {
+    match schema.node(node) {
+        Node::Object {
+            properties,
+            by_name,
+        } => (properties, by_name),
+        _ => (&[], &[]),
+    }
+}
+
 /// Object node `node`'s properties.
 fn properties(schema: &Schema, node: NodeId) -> &[Property] {
-    match schema.node(node) {
-        Node::Object(properties) => properties,
-        _ => &[],
-    }
+    object(schema, node).0
 }
 
 /// Literals node `node`'s values, as written.
@@ -399,13 +418,18 @@ impl<S: Stack> Cursor<'_, S> {
                 }
                 self.end_value();
             }
-            Mode::Literal { node, value, at } => {
+            Mode::Literal { node, lo, hi, at } => {
                 let values = literals(self.schema, node);
-                if let Some(value) = extend(values, value.into(), values.len(), at as usize, b) {
-                    self.literal(node, value, (at as usize) + 1);
+                let (lo, hi, at) = (usize::from(lo), usize::from(hi), at as usize);
+                // The shortest of the range comes first: where it is complete,
+                // the others go on.
+                let complete = values[lo].len() == at;
+                let (first, last) = narrow(|i| &values[i], lo + usize::from(complete), hi, at, b);
+                if first < last {
+                    self.literal(node, first, last, at + 1);
                     return true;
                 }
-                if !ends(values, value.into(), values.len(), at as usize).0 {
+                if !complete {
                     return false;
                 }
                 self.end_value();
@@ -432,17 +456,8 @@ impl<S: Stack> Cursor<'_, S> {
                     if b == b'}' {
                         return close && self.close();
                     }
-                    let properties = properties(self.schema, node);
-                    let first = (usize::from(next)..window(properties, next.into()))
-                        .find(|&i| properties[i].key[0] == b);
-                    let Some(property) = first else {
-                        return false;
-                    };
-                    self.mode = Mode::Name {
-                        property: property as u16,
-                        at: 1,
-                    };
-                    true
+                    let (properties, by_name) = object(self.schema, node);
+                    self.name(properties, by_name, next, (0, by_name.len()), 0, b)
                 }
                 Some(Ctx::Map { .. }) => match b {
                     b'}' if close => self.close(),
@@ -461,29 +476,13 @@ impl<S: Stack> Cursor<'_, S> {
                 },
                 _ => false,
             },
-            Mode::Name { property, at } => {
+            Mode::Name { lo, hi, at } => {
                 let Some(Ctx::Object { node, next, .. }) = self.stack.top() else {
                     return false;
                 };
-                let properties = properties(self.schema, node);
-                let end = window(properties, next.into());
-                let Some(p) = extend(properties, property.into(), end, at as usize, b) else {
-                    return false;
-                };
-                if (at as usize) + 1 < properties[p].key.len() {
-                    self.mode = Mode::Name {
-                        property: p as u16,
-                        at: at + 1,
-                    };
-                    return true;
-                }
-                // (A name written with its quotes is no other's prefix.)
-                self.mode = Mode::Colon;
-                self.replace_top(Ctx::Object {
-                    node,
-                    next: p as u16 + 1,
-                    current: p as u16,
-                })
+                let (properties, by_name) = object(self.schema, node);
+                let range = (usize::from(lo), usize::from(hi));
+                self.name(properties, by_name, next, range, at as usize, b)
             }
             Mode::Colon => {
                 let node = match self.stack.top() {
@@ -549,20 +548,62 @@ impl<S: Stack> Cursor<'_, S> {
         }
     }
 
-    /// In literal `value` of `node` at `at`: done at once where no other
-    /// value goes on (a string's closing quote, `true`, `null`).
-    fn literal(&mut self, node: NodeId, value: usize, at: usize) {
+    /// In literals `lo..hi` of `node` at `at`: done at once where only a
+    /// complete one is left (a string's closing quote, `true`, `null`).
+    fn literal(&mut self, node: NodeId, lo: usize, hi: usize, at: usize) {
         let values = literals(self.schema, node);
-        let (complete, longer) = ends(values, value, values.len(), at);
+        let complete = values[lo].len() == at;
+        let longer = values[hi - 1].len() > at;
         if complete && !longer {
             self.end_value();
         } else {
             self.mode = Mode::Literal {
                 node,
-                value: value as u16,
+                lo: lo as u16,
+                hi: hi as u16,
                 at: at as u32,
             };
         }
+    }
+
+    /// Byte `b` at `at` of a property's name, where `by_name[range]` are the
+    /// names that begin with the bytes so far: some name of the object's
+    /// window (from `next` to its first required property) must go on with
+    /// it. A name complete here is the only one left (a name written with
+    /// its quotes is no other's prefix): its value comes next.
+    fn name(
+        &mut self,
+        properties: &[Property],
+        by_name: &[u16],
+        next: u16,
+        (lo, hi): (usize, usize),
+        at: usize,
+        b: u8,
+    ) -> bool {
+        let key = |i: usize| &*properties[usize::from(by_name[i])].key;
+        let (first, last) = narrow(key, lo, hi, at, b);
+        let window = usize::from(next)..window(properties, next.into());
+        if !(first..last).any(|i| window.contains(&usize::from(by_name[i]))) {
+            return false;
+        }
+        if key(first).len() > at + 1 {
+            self.mode = Mode::Name {
+                lo: first as u16,
+                hi: last as u16,
+                at: at as u32 + 1,
+            };
+            return true;
+        }
+        let Some(Ctx::Object { node, .. }) = self.stack.top() else {
+            return false;
+        };
+        let property = by_name[first];
+        self.mode = Mode::Colon;
+        self.replace_top(Ctx::Object {
+            node,
+            next: property + 1,
+            current: property,
+        })
     }
 
     /// The first byte of a value of `node` (an array's item when `item`).
@@ -597,10 +638,11 @@ impl<S: Stack> Cursor<'_, S> {
             Node::Number { integer } => self.begin_number(integer, b),
             Node::String { min, max } => b == b'"' && self.begin_string(min, max),
             Node::Literals(ref values) => {
-                let Some(value) = values.iter().position(|v| v[0] == b) else {
+                let (first, last) = narrow(|i| &values[i], 0, values.len(), 0, b);
+                if first == last {
                     return false;
-                };
-                self.literal(node, value, 1);
+                }
+                self.literal(node, first, last, 1);
                 true
             }
             Node::Array { items, min, .. } => {
@@ -614,7 +656,7 @@ impl<S: Stack> Cursor<'_, S> {
                         },
                     )
             }
-            Node::Object(ref properties) => {
+            Node::Object { ref properties, .. } => {
                 let close = may_close(properties, 0);
                 b == b'{'
                     && self.open(
@@ -1019,6 +1061,46 @@ mod tests {
             &json,
             r#"{"at":{"x":1,"y":2},"tags":["a"],"kind":1,"tree":{"name":"éééé","children":[]}}"#
         ));
+    }
+
+    #[test]
+    fn names_and_values_that_begin_alike_are_told_apart_within_the_window() {
+        // "ab" may come before the required "a", "abc" only after it.
+        let json = under(serde_json::json!({
+            "properties": {"ab": {"type": "integer"}, "a": {"type": "integer"},
+                           "abc": {"enum": [1, 12, 123, "1", "12"]}},
+            "required": ["a"]
+        }));
+        for text in [
+            r#"{"ab":1,"a":2,"abc":123}"#,
+            r#"{"a":1}"#,
+            r#"{"ab":1,"a":2}"#,
+            r#"{"a":1,"abc":1}"#,
+            r#"{"a":1,"abc":12}"#,
+            r#"{"a":1,"abc":123}"#,
+            r#"{"a":1,"abc":"12"}"#,
+        ] {
+            assert!(takes(&json, text), "refused {text}");
+        }
+        for text in [
+            r#"{"abc":1,"a":1}"#,
+            r#"{"a":1,"ab":2}"#,
+            r#"{"ab":1}"#,
+            r#"{"a":1,"abc":1234}"#,
+            r#"{"a":1,"abc":13}"#,
+            r#"{"a":1,"abc":"123"}"#,
+            r#"{"a":1,"abcd":1}"#,
+            r#"{"a":1,"abc":2}"#,
+        ] {
+            assert!(!takes(&json, text), "took {text}");
+        }
+        // The literal that is complete where another goes on ends at the
+        // next byte that is not the other's.
+        let mut json = under(serde_json::json!({"items": {"enum": [1, 12, 123]}}));
+        assert!(
+            json.push(b"[12") && json.accepts(b"3") && json.accepts(b",") && !json.accepts(b"4")
+        );
+        assert!(json.push(b",123,1]") && json.is_done());
     }
 
     #[test]

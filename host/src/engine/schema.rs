@@ -63,12 +63,17 @@ pub(super) enum Node {
     Number { integer: bool },
     /// A string of `min` to `max` characters.
     String { min: u32, max: u32 },
-    /// One of these values, written compactly (`enum`, `const`, `true`...).
+    /// One of these values, written compactly (`enum`, `const`, `true`...),
+    /// in byte order: the values that begin alike are neighbours.
     Literals(Vec<Box<[u8]>>),
     /// An array of `items`, `min` to `max` of them.
     Array { items: NodeId, min: u32, max: u32 },
-    /// An object of these properties, in this order.
-    Object(Vec<Property>),
+    /// An object of these properties, in this order; `by_name`: their
+    /// indices in the byte order of their names.
+    Object {
+        properties: Vec<Property>,
+        by_name: Vec<u16>,
+    },
     /// An object of any keys, each value a `values`.
     Map { values: NodeId },
     /// One of these (none of them a union), told apart by the first byte.
@@ -96,6 +101,8 @@ impl AsRef<[u8]> for Property {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Schema {
     nodes: Vec<Node>,
+    /// The bytes each node's values may begin with ([`Schema::first_bytes`]).
+    first: Vec<u128>,
     root: NodeId,
     /// The document it was compiled from (`None`: JSON mode's).
     source: Option<Value>,
@@ -118,10 +125,14 @@ impl std::fmt::Display for SchemaError {
 impl Schema {
     /// JSON mode's schema: any object.
     pub fn object() -> Schema {
-        Schema {
+        let mut schema = Schema {
             root: ANY_OBJECT,
             ..Schema::base()
-        }
+        };
+        schema.first = (0..schema.nodes.len() as NodeId)
+            .map(|id| schema.first_of(id))
+            .collect();
+        schema
     }
 
     /// The nodes every schema starts with (an unconstrained value's).
@@ -138,6 +149,7 @@ impl Schema {
                 },
                 Node::Literals(literals.iter().map(|&l| l.into()).collect()),
             ],
+            first: Vec::new(),
             root: ANY,
             source: None,
         }
@@ -157,6 +169,9 @@ impl Schema {
         schema.root = root;
         schema.resolve_refs()?;
         schema.flatten_unions()?;
+        schema.first = (0..schema.nodes.len() as NodeId)
+            .map(|id| schema.first_of(id))
+            .collect();
         schema.source = Some(document.clone());
         Ok(schema)
     }
@@ -197,7 +212,9 @@ impl Schema {
             match node {
                 Node::Array { items, .. } => r(items),
                 Node::Map { values } => r(values),
-                Node::Object(properties) => properties.iter_mut().for_each(|p| r(&mut p.value)),
+                Node::Object { properties, .. } => {
+                    properties.iter_mut().for_each(|p| r(&mut p.value))
+                }
                 Node::Union(alternatives) => alternatives.iter_mut().for_each(r),
                 Node::Ref(id) => r(id),
                 Node::Any | Node::Number { .. } | Node::String { .. } | Node::Literals(_) => {}
@@ -217,7 +234,7 @@ impl Schema {
             self.leaves(id as NodeId, &mut Vec::new(), &mut leaves)?;
             for (i, &a) in leaves.iter().enumerate() {
                 for &b in &leaves[..i] {
-                    if self.first_bytes(a) & self.first_bytes(b) != 0 {
+                    if self.first_of(a) & self.first_of(b) != 0 {
                         return Err(SchemaError {
                             at: String::new(),
                             message: "anyOf/oneOf alternatives that may begin alike (two of one \
@@ -258,9 +275,13 @@ impl Schema {
         Ok(())
     }
 
-    /// The bytes a value of non-union node `id` may begin with: bit `b % 128`
+    /// The bytes a value of node `id` may begin with: bit `b` for byte `b`
     /// (every first byte of a JSON value is ASCII).
     pub(super) fn first_bytes(&self, id: NodeId) -> u128 {
+        self.first[id as usize]
+    }
+
+    fn first_of(&self, id: NodeId) -> u128 {
         let bit = |b: u8| 1u128 << (b & 0x7F);
         let digits = (b'0'..=b'9').fold(bit(b'-'), |bits, b| bits | bit(b));
         match self.node(id) {
@@ -271,8 +292,12 @@ impl Schema {
             Node::String { .. } => bit(b'"'),
             Node::Literals(values) => values.iter().fold(0, |bits, v| bits | bit(v[0])),
             Node::Array { .. } => bit(b'['),
-            Node::Object(_) | Node::Map { .. } => bit(b'{'),
-            Node::Union(_) | Node::Ref(_) => u128::MAX,
+            Node::Object { .. } | Node::Map { .. } => bit(b'{'),
+            // (Flattened: its alternatives are no unions.)
+            Node::Union(alternatives) => alternatives
+                .iter()
+                .fold(0, |bits, &a| bits | self.first_of(a)),
+            Node::Ref(_) => u128::MAX,
         }
     }
 }
@@ -512,7 +537,10 @@ impl Compiler<'_> {
         let additional = s.get("additionalProperties");
         let Some(properties) = s.get("properties") else {
             return Ok(match additional {
-                Some(Value::Bool(false)) => Node::Object(Vec::new()),
+                Some(Value::Bool(false)) => Node::Object {
+                    properties: Vec::new(),
+                    by_name: Vec::new(),
+                },
                 None | Some(Value::Bool(true)) => Node::Map { values: ANY },
                 Some(values) => Node::Map {
                     values: self.node(values, &format!("{at}/additionalProperties"))?,
@@ -557,7 +585,16 @@ impl Compiler<'_> {
                 required: required.contains(&name.as_str()),
             });
         }
-        Ok(Node::Object(compiled))
+        let mut by_name: Vec<u16> = (0..compiled.len() as u16).collect();
+        by_name.sort_by(|&a, &b| {
+            compiled[usize::from(a)]
+                .key
+                .cmp(&compiled[usize::from(b)].key)
+        });
+        Ok(Node::Object {
+            properties: compiled,
+            by_name,
+        })
     }
 
     fn literals(&mut self, values: &[Value], at: &str) -> Result<NodeId, SchemaError> {
@@ -568,10 +605,10 @@ impl Compiler<'_> {
         for value in values {
             let bytes = serde_json::to_vec(value).expect("a JSON value serializes");
             self.count_bytes(bytes.len(), at)?;
-            if !written.iter().any(|w| **w == *bytes) {
-                written.push(bytes.into_boxed_slice());
-            }
+            written.push(bytes.into_boxed_slice());
         }
+        written.sort();
+        written.dedup();
         self.push(Node::Literals(written), at)
     }
 
@@ -733,7 +770,7 @@ mod tests {
             "title": "Thing", "type": "object"
         });
         let schema = Schema::compile(&document).unwrap();
-        let Node::Object(properties) = schema.node(schema.root()) else {
+        let Node::Object { properties, .. } = schema.node(schema.root()) else {
             panic!("{schema:?}");
         };
         // In the document's order, not sorted.
@@ -753,11 +790,16 @@ mod tests {
         let required: Vec<bool> = properties.iter().map(|p| p.required).collect();
         assert_eq!(required, [true, true, false, false, true, true, false]);
         // No reference is left: `at` is the Point object itself.
-        assert!(matches!(schema.node(properties[1].value), Node::Object(p) if p.len() == 2));
+        assert!(
+            matches!(schema.node(properties[1].value), Node::Object { properties: p, .. } if p.len() == 2)
+        );
         assert!(matches!(schema.node(properties[2].value), Node::Union(a) if a.len() == 2));
         // The recursive child list's items are the Node object again.
         let tree = properties[5].value;
-        let Node::Object(node) = schema.node(tree) else {
+        let Node::Object {
+            properties: node, ..
+        } = schema.node(tree)
+        else {
             panic!()
         };
         assert!(matches!(schema.node(node[1].value), Node::Array { items, .. } if *items == tree));
