@@ -130,6 +130,15 @@ def main() -> None:
     cat = parsed.choices[0].message.parsed
     assert isinstance(cat, Cat) and parsed.choices[0].finish_reason == "stop", parsed
     assert len(cat.toys) <= 3 and len(cat.name) <= 20, cat
+    # vLLM's choice, through extra_body.
+    label = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Classify the sentiment: I love this phone!"}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": ["positive", "negative"]}},
+    )
+    assert label.choices[0].message.content in ("positive", "negative"), label
 
     try:
         client.chat.completions.create(

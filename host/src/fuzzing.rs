@@ -29,6 +29,7 @@ use crate::engine::sampling::{
     LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT, REPETITION_PENALTY_MAX, STOP_TOKEN_IDS_MAX,
     TOP_LOGPROBS_MAX,
 };
+use crate::engine::schema::Source;
 use crate::engine::stop::{STOPS_MAX, STOP_BYTES_MAX};
 use crate::policy::{CallLimits, PolicyRuntime};
 use crate::store::records::{
@@ -79,7 +80,7 @@ pub fn openai(data: &[u8]) {
             .iter()
             .map(|m| json!({"role": m.role, "content": m.content}))
             .collect();
-        body["response_format"] = response_format(&chat.common);
+        constrain(&mut body, &chat.common);
         if let Some(top) = chat.common.sampling.logprobs {
             body["logprobs"] = json!(true);
             body["top_logprobs"] = json!(top);
@@ -92,7 +93,7 @@ pub fn openai(data: &[u8]) {
         check_common(&completion.common);
         check_recognizer(&completion.common, data);
         let mut body = common_body(&completion.common);
-        body["response_format"] = response_format(&completion.common);
+        constrain(&mut body, &completion.common);
         if let Some(top) = completion.common.sampling.logprobs {
             body["logprobs"] = json!(top);
         }
@@ -106,16 +107,18 @@ pub fn openai(data: &[u8]) {
     }
 }
 
-/// The `response_format` a parsed request's schema came from.
-fn response_format(common: &Common) -> Value {
-    match common.sampling.json.as_deref() {
-        None => json!({"type": "text"}),
-        Some(schema) => match schema.source() {
-            None => json!({"type": "json_object"}),
-            Some(document) => {
+/// Sets on `body` the constraint a parsed request's schema came from.
+fn constrain(body: &mut Value, common: &Common) {
+    let Some(schema) = common.sampling.json.as_deref() else {
+        return;
+    };
+    match schema.source() {
+        Source::Object => body["response_format"] = json!({"type": "json_object"}),
+        Source::Document(document) => {
+            body["response_format"] =
                 json!({"type": "json_schema", "json_schema": {"name": "s", "schema": document}})
-            }
-        },
+        }
+        Source::Choice(choices) => body["structured_outputs"] = json!({ "choice": choices }),
     }
 }
 
@@ -810,6 +813,14 @@ pub fn openai_seeds() -> Vec<(&'static str, Vec<u8>)> {
         (
             "seed-chat-json-schema.json",
             r##"{"model":"m","messages":[{"role":"user","content":"A cat?"}],"response_format":{"type":"json_schema","json_schema":{"name":"Cat","strict":true,"schema":{"$defs":{"Owner":{"properties":{"name":{"type":"string","maxLength":12}},"required":["name"],"type":"object","additionalProperties":false}},"properties":{"name":{"type":"string","minLength":1,"maxLength":20},"age":{"type":"integer"},"color":{"enum":["black","white",12,null]},"toys":{"items":{"type":"string"},"maxItems":3,"type":"array"},"owner":{"anyOf":[{"$ref":"#/$defs/Owner"},{"type":"null"}]},"tags":{"type":"object","additionalProperties":{"type":["number","boolean"]}},"any":{}},"required":["name","age","color"],"title":"Cat","type":"object"}}}}"##,
+        ),
+        (
+            "seed-chat-choice.json",
+            r#"{"model":"m","messages":[{"role":"user","content":"Sentiment?"}],"structured_outputs":{"choice":["positive","negative","pos"]}}"#,
+        ),
+        (
+            "seed-completion-guided-json.json",
+            r#"{"model":"m","prompt":"x","guided_json":"{\"type\":\"array\",\"items\":{\"type\":\"integer\"},\"maxItems\":2}"}"#,
         ),
         (
             "seed-completion-json-object.json",

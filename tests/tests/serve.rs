@@ -838,7 +838,7 @@ fn json_mode_answers_a_json_object_streamed_or_not() {
 }
 
 #[test]
-fn structured_output_answers_an_instance_of_the_schema_streamed_or_not() {
+fn structured_output_answers_an_instance_of_the_schema_or_one_of_the_choices() {
     let Some(model) = smollm2() else { return };
     let server = start(&model, &Policy::default());
     // What pydantic and the OpenAI client send for a model with an enum, a
@@ -933,7 +933,28 @@ fn structured_output_answers_an_instance_of_the_schema_streamed_or_not() {
         let message = r.json()["error"]["message"].as_str().unwrap().to_string();
         assert!(message.contains(says), "{message}");
     }
-    // A top-level enum ends with its value (on the completions endpoint too).
+    // vLLM's choice: exactly one of the texts, as written, on either endpoint
+    // (and its older guided_choice).
+    let labels = ["positive", "negative", "neutral"];
+    let mut body = chat_body("Classify the sentiment: I love this phone!", 16);
+    body["temperature"] = json!(0);
+    body["structured_outputs"] = json!({ "choice": labels });
+    let r = server.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let label = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(labels.contains(&label), "{label:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let r = server.post_json(
+        "/v1/completions",
+        Some(KEY_ALPHA),
+        &json!({"model": MODEL_ID, "prompt": "The sky is", "max_tokens": 16, "temperature": 1,
+                "seed": 3, "guided_choice": labels}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let text = r.json()["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(labels.contains(&text.as_str()), "{text:?}");
+    // A top-level enum ends with its value (on the completions endpoint too).    // A top-level enum ends with its value (on the completions endpoint too).
     let r = server.post_json(
         "/v1/completions",
         Some(KEY_ALPHA),

@@ -329,10 +329,8 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
 /// `response_format`: JSON mode (`json_object`: any object) or structured
 /// output (`json_schema`: `{name, schema, strict, description}`, the schema
 /// compiled here, so a schema the engine could not enforce is a 400 before
-/// anything is queued; enforced whether or not `strict` says so). Either
-/// ends the output once the value is complete, which `min_tokens` would
-/// forbid: the two together are refused.
-fn json_format(f: &mut Fields, sampling: &SamplingParams) -> Result<Option<Arc<Schema>>, ApiError> {
+/// anything is queued; enforced whether or not `strict` says so).
+fn response_format(f: &mut Fields) -> Result<Option<Schema>, ApiError> {
     let Some(format) = f.take::<Value>("response_format")? else {
         return Ok(None);
     };
@@ -381,8 +379,7 @@ fn json_format(f: &mut Fields, sampling: &SamplingParams) -> Result<Option<Arc<S
             let document = spec
                 .get("schema")
                 .ok_or_else(|| invalid("response_format", "json_schema.schema is required"))?;
-            Schema::compile(document)
-                .map_err(|e| invalid("response_format", format!("json_schema.schema: {e}")))?
+            compile("response_format", "json_schema.schema", document)?
         }
         _ => {
             return Err(invalid(
@@ -391,13 +388,89 @@ fn json_format(f: &mut Fields, sampling: &SamplingParams) -> Result<Option<Arc<S
             ))
         }
     };
+    Ok(Some(schema))
+}
+
+/// The output's constraint: `response_format` (OpenAI's), or vLLM's
+/// `structured_outputs` (`json`: a schema, `choice`: one of these texts,
+/// `json_object: true`; the `guided_json` and `guided_choice` fields that
+/// vLLM took before 0.12 mean the same), at most one of them. Each ends the
+/// output once its value is complete, which `min_tokens` would forbid: the
+/// two together are refused.
+fn constraint(f: &mut Fields, sampling: &SamplingParams) -> Result<Option<Arc<Schema>>, ApiError> {
+    let mut found: Vec<(&str, Schema)> = Vec::new();
+    if let Some(schema) = response_format(f)? {
+        found.push(("response_format", schema));
+    }
+    if let Some(outputs) = f.take::<Map<String, Value>>("structured_outputs")? {
+        const PARAM: &str = "structured_outputs";
+        for (key, value) in &outputs {
+            if value.is_null() || value == &Value::Bool(false) {
+                continue;
+            }
+            let schema = match key.as_str() {
+                "json" => json_of(PARAM, value)?,
+                "choice" => choice_of(PARAM, value)?,
+                "json_object" if value == &Value::Bool(true) => Schema::object(),
+                _ => {
+                    return Err(unsupported(
+                        PARAM,
+                        &format!(
+                            "{key:?} is not supported by this server (json, choice and json_object are)"
+                        ),
+                    ))
+                }
+            };
+            found.push((PARAM, schema));
+        }
+    }
+    if let Some(value) = f.take::<Value>("guided_json")? {
+        found.push(("guided_json", json_of("guided_json", &value)?));
+    }
+    if let Some(value) = f.take::<Value>("guided_choice")? {
+        found.push(("guided_choice", choice_of("guided_choice", &value)?));
+    }
+    let schema = match found.len() {
+        0 => return Ok(None),
+        1 => found.pop().expect("one").1,
+        _ => {
+            return Err(invalid(
+                found[1].0,
+                "only one constraint on the output may be given (response_format, or one of structured_outputs' json, choice and json_object)",
+            ))
+        }
+    };
     if sampling.min_tokens > 0 {
         return Err(unsupported(
             "min_tokens",
-            "cannot be combined with response_format json_object or json_schema (the output ends when the value is complete)",
+            "cannot be combined with a constrained output (JSON mode, a schema or a choice ends the output when its value is complete)",
         ));
     }
     Ok(Some(Arc::new(schema)))
+}
+
+/// A schema document, compiled; `what` names it in the error.
+fn compile(param: &str, what: &str, document: &Value) -> Result<Schema, ApiError> {
+    Schema::compile(document).map_err(|e| invalid(param, format!("{what}: {e}")))
+}
+
+/// vLLM's `json`: a schema, as an object or as its JSON text.
+fn json_of(param: &str, value: &Value) -> Result<Schema, ApiError> {
+    match value {
+        Value::String(text) => {
+            let document: Value = serde_json::from_str(text)
+                .map_err(|_| invalid(param, "a schema given as a string must be JSON"))?;
+            compile(param, "the schema", &document)
+        }
+        document => compile(param, "the schema", document),
+    }
+}
+
+/// vLLM's `choice`: texts.
+fn choice_of(param: &str, value: &Value) -> Result<Schema, ApiError> {
+    let choices: Vec<String> = serde_json::from_value(value.clone())
+        .map_err(|_| invalid(param, "choice must be an array of strings"))?;
+    Schema::choice(&choices).map_err(|e| invalid(param, e.message))
 }
 
 /// A count of alternatives, 0 to [`TOP_LOGPROBS_MAX`].
@@ -486,7 +559,7 @@ impl ChatRequest {
         f.allow_if("tool_choice", |v| v == "none")?;
         f.allow_if("function_call", |v| v == "none")?;
         f.ignore("parallel_tool_calls");
-        common.sampling.json = json_format(&mut f, &common.sampling)?;
+        common.sampling.json = constraint(&mut f, &common.sampling)?;
         f.allow_if("modalities", |v| v == &serde_json::json!(["text"]))?;
         f.finish()?;
         let messages = messages_of(messages)?;
@@ -704,7 +777,7 @@ impl CompletionRequest {
         // The legacy shape: how many alternatives, 0 for the chosen token's only.
         common.sampling.logprobs = top_logprobs(f.take("logprobs")?, "logprobs")?;
         // (Not OpenAI's on this endpoint; vLLM's, and as useful here.)
-        common.sampling.json = json_format(&mut f, &common.sampling)?;
+        common.sampling.json = constraint(&mut f, &common.sampling)?;
         f.allow_if("top_logprobs", is_zero)?;
         f.allow_if("echo", |v| v == &Value::Bool(false))?;
         f.allow_if("best_of", |v| v.as_u64() == Some(1))?;
@@ -955,6 +1028,7 @@ impl ResponseMeta {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::schema::Source;
 
     fn chat(body: &str) -> Result<ChatRequest, ApiError> {
         ChatRequest::parse(body.as_bytes())
@@ -1211,12 +1285,80 @@ mod tests {
             r#","response_format":{"type":"json_schema","json_schema":{"name":"point","strict":true,"schema":{"type":"object","properties":{"x":{"type":"integer"}},"required":["x"]}}}"#,
         )
         .unwrap();
+        let point = serde_json::json!({"type":"object","properties":{"x":{"type":"integer"}},"required":["x"]});
+        assert_eq!(schema.source(), &Source::Document(point.clone()));
+        // vLLM's forms: structured_outputs (json as an object or as text,
+        // choice, json_object) and the guided_* fields before it.
+        for extra in [
+            format!(r#","structured_outputs":{{"json":{point}}}"#),
+            format!(
+                r#","structured_outputs":{{"json":{:?}}}"#,
+                point.to_string()
+            ),
+            format!(r#","guided_json":{point}"#),
+        ] {
+            assert_eq!(
+                json(&extra).unwrap().source(),
+                &Source::Document(point.clone()),
+                "{extra}"
+            );
+        }
+        let choice = Source::Choice(vec!["yes".into(), "no".into()]);
         assert_eq!(
-            schema.source(),
-            Some(
-                &serde_json::json!({"type":"object","properties":{"x":{"type":"integer"}},"required":["x"]})
-            )
+            json(r#","structured_outputs":{"choice":["yes","no"],"regex":null}"#)
+                .unwrap()
+                .source(),
+            &choice
         );
+        assert_eq!(
+            json(r#","guided_choice":["yes","no"]"#).unwrap().source(),
+            &choice
+        );
+        assert_eq!(
+            json(r#","structured_outputs":{"json_object":true}"#).as_deref(),
+            Some(&Schema::object())
+        );
+        // One constraint at most; what vLLM has and this server has not is named.
+        for (extra, param) in [
+            (
+                r#","response_format":{"type":"json_object"},"guided_choice":["a"]"#,
+                "guided_choice",
+            ),
+            (
+                r#","structured_outputs":{"choice":["a"],"json":{}}"#,
+                "structured_outputs",
+            ),
+            (
+                r#","structured_outputs":{"regex":"a+"}"#,
+                "structured_outputs",
+            ),
+            (
+                r#","structured_outputs":{"choice":[]}"#,
+                "structured_outputs",
+            ),
+            (
+                r#","structured_outputs":{"choice":["a",""]}"#,
+                "structured_outputs",
+            ),
+            (
+                r#","structured_outputs":{"choice":"a"}"#,
+                "structured_outputs",
+            ),
+            (
+                r#","structured_outputs":{"json":"{"}"#,
+                "structured_outputs",
+            ),
+            (r#","structured_outputs":"json""#, "structured_outputs"),
+            (
+                r#","guided_json":{"type":"string","pattern":"a"}"#,
+                "guided_json",
+            ),
+            (r#","guided_regex":"a+""#, "guided_regex"),
+            (r#","min_tokens":2,"guided_choice":["a"]"#, "min_tokens"),
+        ] {
+            let refused = chat(&format!("{{{base}{extra}}}")).unwrap_err();
+            assert_eq!(param_of(refused), param, "{extra}");
+        }
         let completion = |extra: &str| {
             CompletionRequest::parse(format!(r#"{{"model":"m","prompt":"hi"{extra}}}"#).as_bytes())
                 .map(|r| r.common.sampling.logprobs)

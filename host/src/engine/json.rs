@@ -219,14 +219,26 @@ impl Json {
     /// Before any output of a value `schema` accepts.
     pub fn new(schema: Arc<Schema>) -> Json {
         let root = schema.root();
-        Json {
-            schema,
-            stack: Vec::new(),
-            mode: Mode::Value {
+        let mode = if schema.is_choice() {
+            // Text, not JSON: one of the choices (at least one, none empty)
+            // from the first byte on.
+            Mode::Literal {
+                node: root,
+                lo: 0,
+                hi: literals(&schema, root).len() as u16,
+                at: 0,
+            }
+        } else {
+            Mode::Value {
                 node: root,
                 close: false,
                 item: false,
-            },
+            }
+        };
+        Json {
+            schema,
+            stack: Vec::new(),
+            mode,
             whitespace: 0,
         }
     }
@@ -1101,6 +1113,30 @@ mod tests {
             json.push(b"[12") && json.accepts(b"3") && json.accepts(b",") && !json.accepts(b"4")
         );
         assert!(json.push(b",123,1]") && json.is_done());
+    }
+
+    #[test]
+    fn a_choice_is_one_of_its_texts_as_written() {
+        let choices = ["positive", "negative", "pos", "né {"].map(String::from);
+        let json = Json::new(Arc::new(Schema::choice(&choices).unwrap()));
+        for text in ["positive", "negative", "né {"] {
+            let mut taken = json.clone();
+            assert!(taken.push(text.as_bytes()) && taken.is_done(), "{text}");
+        }
+        // "pos" may end, or go on to "positive".
+        let mut pos = json.clone();
+        assert!(pos.push(b"pos") && pos.may_end() && !pos.is_done());
+        assert!(pos.accepts(b"itive") && !pos.accepts(b"e"));
+        // Not JSON: no quotes, no whitespace before, nothing else.
+        for text in ["\"positive\"", " positive", "neg", "po", "positives", "x"] {
+            let mut taken = json.clone();
+            assert!(
+                !(taken.push(text.as_bytes()) && taken.may_end()),
+                "took {text}"
+            );
+        }
+        assert!(Schema::choice(&[]).is_err());
+        assert!(Schema::choice(&["a".into(), String::new()]).is_err());
     }
 
     #[test]

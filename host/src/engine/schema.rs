@@ -104,8 +104,19 @@ pub struct Schema {
     /// The bytes each node's values may begin with ([`Schema::first_bytes`]).
     first: Vec<u128>,
     root: NodeId,
-    /// The document it was compiled from (`None`: JSON mode's).
-    source: Option<Value>,
+    /// What it was made from.
+    source: Source,
+}
+
+/// What a schema was made from (what a request said).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Source {
+    /// JSON mode: any object.
+    Object,
+    /// A JSON Schema document.
+    Document(Value),
+    /// vLLM's `choice`: the output is exactly one of these texts (not JSON).
+    Choice(Vec<String>),
 }
 
 /// Why a schema was refused: what, and where (a JSON pointer into it).
@@ -151,7 +162,7 @@ impl Schema {
             ],
             first: Vec::new(),
             root: ANY,
-            source: None,
+            source: Source::Object,
         }
     }
 
@@ -172,13 +183,47 @@ impl Schema {
         schema.first = (0..schema.nodes.len() as NodeId)
             .map(|id| schema.first_of(id))
             .collect();
-        schema.source = Some(document.clone());
+        schema.source = Source::Document(document.clone());
         Ok(schema)
     }
 
-    /// The document it was compiled from (`None` for JSON mode's).
-    pub fn source(&self) -> Option<&Value> {
-        self.source.as_ref()
+    /// vLLM's `choice`: the output is exactly one of `choices`, as written
+    /// (no quotes, no whitespace around), and ends once no other could
+    /// follow. Bounded as an `enum` is.
+    pub fn choice(choices: &[String]) -> Result<Schema, SchemaError> {
+        if choices.is_empty() || choices.iter().any(String::is_empty) {
+            return Err(error("", "choice must list one or more non-empty texts"));
+        }
+        if choices.len() > ENUM_VALUES_MAX {
+            return Err(error("", format!("more than {ENUM_VALUES_MAX} choices")));
+        }
+        if choices.iter().map(String::len).sum::<usize>() > LITERAL_BYTES_MAX {
+            return Err(error(
+                "",
+                format!("more than {LITERAL_BYTES_MAX} bytes of choices"),
+            ));
+        }
+        let mut values: Vec<Box<[u8]>> = choices.iter().map(|c| c.as_bytes().into()).collect();
+        values.sort();
+        values.dedup();
+        let mut schema = Schema::base();
+        schema.nodes.push(Node::Literals(values));
+        schema.root = schema.nodes.len() as NodeId - 1;
+        schema.first = (0..schema.nodes.len() as NodeId)
+            .map(|id| schema.first_of(id))
+            .collect();
+        schema.source = Source::Choice(choices.to_vec());
+        Ok(schema)
+    }
+
+    /// What it was made from.
+    pub fn source(&self) -> &Source {
+        &self.source
+    }
+
+    /// Whether it is a `choice` (its output is text, not JSON).
+    pub(super) fn is_choice(&self) -> bool {
+        matches!(self.source, Source::Choice(_))
     }
 
     pub(super) fn root(&self) -> NodeId {
@@ -803,7 +848,7 @@ mod tests {
             panic!()
         };
         assert!(matches!(schema.node(node[1].value), Node::Array { items, .. } if *items == tree));
-        assert_eq!(schema.source(), Some(&document));
+        assert_eq!(schema.source(), &Source::Document(document));
         // JSON mode's schema: any object.
         assert_eq!(
             Schema::object().node(Schema::object().root()),
