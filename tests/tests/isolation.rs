@@ -219,8 +219,6 @@ impl Suite {
         }
     }
 
-    /// A path's trials: `base` at scale 1 (CI), `per_scale` more for each
-    /// step of scale (the long run weights cheap paths up, slow ones down).
     /// Whether the path `name` runs: `BULKHEAD_ISOLATION_ONLY=a,b` runs only
     /// the paths whose names contain `a` or `b` (to rerun one that failed).
     fn runs(&self, name: &str) -> bool {
@@ -801,6 +799,52 @@ fn choices(suite: &Suite, server: &Server) {
                 server.metric(&cancelled) >= before + 4.0
             }) {
                 suite.fail(format!("{PATH}: the server never saw the four choices go"));
+            }
+        });
+        suite.trial_done(PATH, suite.baseline(PATH, server, MODEL_ID));
+    }
+}
+
+/// Structured output: a schema whose strings invite the model to copy the
+/// canaries (the answer is checked for others'), a choice among texts that
+/// hold the tenant's own, and a schema's stream left after a few events
+/// (its sequence ends), while another tenant is served. The constraint
+/// picks among tokens; it must not change whose KV they are drawn from.
+fn structured(suite: &Suite, server: &Server) {
+    const PATH: &str = "structured output (a schema, a choice), whole and left mid-stream";
+    let cancelled = format!(
+        r#"bulkhead_requests_total{{model="{MODEL_ID}",tenant="beta",reason="cancelled"}}"#
+    );
+    let schema = json!({"type": "json_schema", "json_schema": {"name": "ticket", "schema": {
+        "type": "object", "required": ["account", "ticket"],
+        "properties": {"account": {"type": "string", "maxLength": 40},
+                       "ticket": {"type": "string", "maxLength": 40}}}}});
+    for _ in 0..suite.trials(2, 0.5) {
+        let before = server.metric(&cancelled);
+        std::thread::scope(|s| {
+            s.spawn(|| served(suite, server, PATH, "gamma", true));
+            let mut body = echo(suite, "beta", MODEL_ID, 48);
+            body["response_format"] = schema.clone();
+            let answer = suite.send(server, KEY_BETA, &[], COMPLETIONS, &body, None);
+            suite.expect(PATH, "beta", &answer, OK);
+            let mut body = echo(suite, "beta", MODEL_ID, 24);
+            body["structured_outputs"] =
+                json!({"choice": [suite.canary("beta"), suite.canary("beta"), "none"]});
+            let answer = suite.send(server, KEY_BETA, &[], COMPLETIONS, &body, None);
+            suite.expect(PATH, "beta", &answer, OK);
+            // (At least 200 numbers: it cannot end before the client leaves.)
+            let mut body = counting(suite, "beta", MODEL_ID, 20, 300);
+            body["structured_outputs"] = json!({"json": {"type": "array", "minItems": 200,
+                                                          "items": {"type": "integer"}}});
+            let answer = suite.send(server, KEY_BETA, &[], COMPLETIONS, &body, Some(6));
+            suite.check(PATH, "beta", &answer.text);
+            if answer.status != 200 || answer.code.is_some() {
+                suite.fail(format!("{PATH}: the stream did not run: {answer:?}"));
+            }
+            if !eventually(Duration::from_secs(20), || {
+                server.metric(&cancelled) > before
+            }) {
+                suite.fail(format!("{PATH}: the server never saw the stream go"));
             }
         });
         suite.trial_done(PATH, suite.baseline(PATH, server, MODEL_ID));
@@ -1805,7 +1849,7 @@ fn no_tenant_sees_another_tenants_data_on_any_path() {
         );
         assert_eq!(r.status, 200, "{}", r.body);
         type Path = fn(&Suite, &Server);
-        let paths: [(&str, Path); 15] = [
+        let paths: [(&str, Path); 16] = [
             ("success", success),
             ("prefix_cache", prefix_cache),
             ("oversized", oversized),
@@ -1813,6 +1857,7 @@ fn no_tenant_sees_another_tenants_data_on_any_path() {
             ("cancel_prefill", cancel_prefill),
             ("cancel_decode", cancel_decode),
             ("choices", choices),
+            ("structured", structured),
             ("queue_full", queue_full),
             ("preemption", preemption),
             ("plugin_faults", plugin_faults),

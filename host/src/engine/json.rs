@@ -452,6 +452,10 @@ impl<S: Stack> Cursor<'_, S> {
         // numbers or literals).
         let between = !matches!(self.mode, Mode::Str { .. } | Mode::Name { .. });
         if between && is_whitespace(b) {
+            if self.mode == Mode::Done && self.schema.is_choice() {
+                // A choice is its text alone.
+                return false;
+            }
             self.whitespace += 1;
             return self.whitespace <= WHITESPACE_RUN_MAX;
         }
@@ -1128,7 +1132,15 @@ mod tests {
         assert!(pos.push(b"pos") && pos.may_end() && !pos.is_done());
         assert!(pos.accepts(b"itive") && !pos.accepts(b"e"));
         // Not JSON: no quotes, no whitespace before, nothing else.
-        for text in ["\"positive\"", " positive", "neg", "po", "positives", "x"] {
+        for text in [
+            "\"positive\"",
+            " positive",
+            "neg",
+            "po",
+            "positives",
+            "negative ",
+            "x",
+        ] {
             let mut taken = json.clone();
             assert!(
                 !(taken.push(text.as_bytes()) && taken.may_end()),
