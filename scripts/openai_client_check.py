@@ -6,7 +6,7 @@ model's structured output, and the error on an oversized prompt. Usage: openai_c
 Exit 0 and "ok" on success; exit 3 if the `openai` package is missing."""
 
 import sys
-from typing import List, Literal, Optional
+from typing import List, Literal, Optional, Union
 
 try:
     import openai
@@ -26,6 +26,20 @@ class Cat(BaseModel):
     color: Literal["black", "white", "orange", "grey"]
     toys: List[str] = Field(max_length=3)
     owner: Optional[Owner]
+
+
+class Fish(BaseModel):
+    kind: Literal["fish"]
+    water: Literal["salt", "fresh"]
+
+
+class Bird(BaseModel):
+    kind: Literal["bird"]
+    sings: bool
+
+
+class Pets(BaseModel):
+    pets: List[Union[Fish, Bird]] = Field(max_length=3)
 
 
 def main() -> None:
@@ -130,6 +144,17 @@ def main() -> None:
     cat = parsed.choices[0].message.parsed
     assert isinstance(cat, Cat) and parsed.choices[0].finish_reason == "stop", parsed
     assert len(cat.toys) <= 3 and len(cat.name) <= 20, cat
+    # A union of two models (anyOf of two objects, read side by side).
+    pets = client.chat.completions.parse(
+        model=model,
+        messages=[{"role": "user", "content": "List a fish and a bird as JSON."}],
+        response_format=Pets,
+        max_tokens=200,
+        temperature=0,
+    )
+    parsed_pets = pets.choices[0].message.parsed
+    assert isinstance(parsed_pets, Pets) and pets.choices[0].finish_reason == "stop", pets
+    assert all(isinstance(p, (Fish, Bird)) for p in parsed_pets.pets), parsed_pets
     # vLLM's choice, through extra_body.
     label = client.chat.completions.create(
         model=model,

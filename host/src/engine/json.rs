@@ -136,10 +136,26 @@ impl Num {
     }
 }
 
-/// The recognizer's state at one point of the output.
+/// Most readings of the output kept at once: `anyOf` alternatives that
+/// begin alike are each followed until the output tells them apart (the
+/// first ones are kept where more would be; each is an instance's prefix).
+pub const READINGS_MAX: usize = 16;
+
+/// Most stack changes a token's bytes are tried with in an overlay; a
+/// longer token is tried on a copy of the recognizer.
+const OVERLAY_DEPTH: usize = 32;
+
+/// The recognizer's state at one point of the output: each reading of it.
 #[derive(Clone, Debug)]
 pub struct Json {
     schema: Arc<Schema>,
+    /// At least one; at most [`READINGS_MAX`].
+    readings: Vec<Reading>,
+}
+
+/// One reading of the output so far.
+#[derive(Clone, Debug, PartialEq)]
+struct Reading {
     stack: Vec<Ctx>,
     mode: Mode,
     whitespace: u32,
@@ -147,14 +163,13 @@ pub struct Json {
 
 /// The stack as a token's bytes see it: the recognizer's, less what they
 /// closed or changed (`depth`), plus what they opened or changed (`pushed`,
-/// at most a token's bytes deep: a token that overflows it is tried the slow
-/// way).
+/// at most [`OVERLAY_DEPTH`]: no token of fewer bytes fills it).
+#[derive(Clone)]
 struct Overlay<'a> {
     base: &'a [Ctx],
     depth: usize,
-    pushed: [Ctx; 32],
+    pushed: [Ctx; OVERLAY_DEPTH],
     pushed_len: usize,
-    overflowed: bool,
 }
 
 /// What stepping one byte needs of a stack.
@@ -194,7 +209,6 @@ impl Stack for Overlay<'_> {
     }
     fn push(&mut self, c: Ctx) -> bool {
         if self.pushed_len == self.pushed.len() {
-            self.overflowed = true;
             return false;
         }
         self.pushed[self.pushed_len] = c;
@@ -237,67 +251,153 @@ impl Json {
         };
         Json {
             schema,
-            stack: Vec::new(),
-            mode,
-            whitespace: 0,
+            readings: vec![Reading {
+                stack: Vec::new(),
+                mode,
+                whitespace: 0,
+            }],
         }
     }
 
     /// Whether the top-level value is complete and nothing could extend it
     /// (only whitespace may follow: the output should end).
     pub fn is_done(&self) -> bool {
-        self.mode == Mode::Done
+        self.readings.iter().all(|r| r.mode == Mode::Done)
     }
 
     /// Whether the output may end here: the top-level value is complete
     /// (a top-level number or literal may be complete and still go on).
     pub fn may_end(&self) -> bool {
-        match self.mode {
+        self.readings.iter().any(|r| match r.mode {
             Mode::Done => true,
-            _ if !self.stack.is_empty() => false,
+            _ if !r.stack.is_empty() => false,
             Mode::Number { num, .. } => num.complete(),
             Mode::Literal { node, lo, at, .. } => {
                 literals(&self.schema, node)[usize::from(lo)].len() == at as usize
             }
             _ => false,
-        }
+        })
     }
 
     /// Whether `bytes` may follow the output so far (an empty token may).
     pub fn accepts(&self, bytes: &[u8]) -> bool {
-        let mut cursor = Cursor {
-            schema: &self.schema,
-            stack: Overlay {
-                base: &self.stack,
-                depth: self.stack.len(),
-                pushed: [Ctx::Map { values: ANY }; 32],
-                pushed_len: 0,
-                overflowed: false,
-            },
-            mode: self.mode,
-            whitespace: self.whitespace,
-        };
-        if bytes.iter().all(|&b| cursor.step(b)) {
-            return true;
+        if bytes.len() > OVERLAY_DEPTH {
+            return self.clone().push(bytes);
         }
-        cursor.stack.overflowed && self.clone().push(bytes)
+        self.readings.iter().any(|reading| {
+            let cursor = Cursor {
+                schema: &self.schema,
+                stack: Overlay {
+                    base: &reading.stack,
+                    depth: reading.stack.len(),
+                    pushed: [Ctx::Map { values: ANY }; OVERLAY_DEPTH],
+                    pushed_len: 0,
+                },
+                mode: reading.mode,
+                whitespace: reading.whitespace,
+                forks: Vec::new(),
+            };
+            readings(cursor, bytes).any()
+        })
     }
 
     /// Takes `bytes` (which [`Json::accepts`]); returns false, changing
     /// nothing, where they do not fit.
     pub fn push(&mut self, bytes: &[u8]) -> bool {
-        let mut cursor = Cursor {
-            schema: &self.schema,
-            stack: self.stack.clone(),
-            mode: self.mode,
-            whitespace: self.whitespace,
-        };
-        if !bytes.iter().all(|&b| cursor.step(b)) {
+        let mut next: Vec<Reading> = Vec::new();
+        for reading in &self.readings {
+            let cursor = Cursor {
+                schema: &self.schema,
+                stack: reading.stack.clone(),
+                mode: reading.mode,
+                whitespace: reading.whitespace,
+                forks: Vec::new(),
+            };
+            for c in readings(cursor, bytes).into_vec() {
+                let reading = Reading {
+                    stack: c.stack,
+                    mode: c.mode,
+                    whitespace: c.whitespace,
+                };
+                // Readings that met again (an ambiguous array item read to
+                // its end either way) are one.
+                if !next.contains(&reading) && next.len() < READINGS_MAX {
+                    next.push(reading);
+                }
+            }
+        }
+        if next.is_empty() {
             return false;
         }
-        (self.mode, self.whitespace, self.stack) = (cursor.mode, cursor.whitespace, cursor.stack);
+        self.readings = next;
         true
     }
+}
+
+/// What a token's bytes left of one reading.
+enum Readings<C> {
+    None,
+    One(C),
+    Many(Vec<C>),
+}
+
+impl<C> Readings<C> {
+    fn any(&self) -> bool {
+        match self {
+            Readings::None => false,
+            Readings::One(_) => true,
+            Readings::Many(many) => !many.is_empty(),
+        }
+    }
+
+    fn into_vec(self) -> Vec<C> {
+        match self {
+            Readings::None => Vec::new(),
+            Readings::One(one) => vec![one],
+            Readings::Many(many) => many,
+        }
+    }
+}
+
+/// Steps `cursor` through `bytes`: one reading, until a union's
+/// alternatives that begin alike fork it; from there, breadth first, at
+/// most [`READINGS_MAX`] (so a token costs a bounded number of steps
+/// whatever the schema's unions).
+fn readings<'a, S: Stack + Clone>(
+    mut cursor: Cursor<'a, S>,
+    bytes: &[u8],
+) -> Readings<Cursor<'a, S>> {
+    for (i, &b) in bytes.iter().enumerate() {
+        let took = cursor.step(b);
+        if cursor.forks.is_empty() {
+            if !took {
+                return Readings::None;
+            }
+            continue;
+        }
+        let forks = std::mem::take(&mut cursor.forks);
+        let mut live: Vec<Cursor<'a, S>> = Vec::with_capacity(forks.len() + 1);
+        if took {
+            live.push(cursor);
+        }
+        live.extend(forks);
+        live.truncate(READINGS_MAX);
+        for &b in &bytes[i + 1..] {
+            let mut next = Vec::with_capacity(live.len());
+            for mut c in live {
+                let took = c.step(b);
+                let forks = std::mem::take(&mut c.forks);
+                if took {
+                    next.push(c);
+                }
+                next.extend(forks);
+            }
+            next.truncate(READINGS_MAX);
+            live = next;
+        }
+        return Readings::Many(live);
+    }
+    Readings::One(cursor)
 }
 
 /// The state stepped byte by byte, over the recognizer's stack or an overlay.
@@ -306,6 +406,8 @@ struct Cursor<'a, S> {
     stack: S,
     mode: Mode,
     whitespace: u32,
+    /// Other readings the last byte began (a union's other alternatives).
+    forks: Vec<Cursor<'a, S>>,
 }
 
 /// Of `lo..hi`, entries of byte strings (`bytes(i)`) in byte order that
@@ -384,7 +486,18 @@ fn array(schema: &Schema, node: NodeId) -> (NodeId, u32, u32) {
     }
 }
 
-impl<S: Stack> Cursor<'_, S> {
+impl<S: Stack + Clone> Cursor<'_, S> {
+    /// This reading as it is, with no forks of its own.
+    fn fork(&self) -> Self {
+        Cursor {
+            schema: self.schema,
+            stack: self.stack.clone(),
+            mode: self.mode,
+            whitespace: self.whitespace,
+            forks: Vec::new(),
+        }
+    }
+
     /// A value ended: after it, the container's `,` or close, or nothing.
     fn end_value(&mut self) {
         self.mode = if self.stack.len() == 0 {
@@ -688,14 +801,22 @@ impl<S: Stack> Cursor<'_, S> {
                 b == b'{' && self.open(Ctx::Map { values }, Mode::Key { close: true })
             }
             Node::Union(ref alternatives) => {
+                // Every alternative that may begin with `b` is a reading;
+                // the first is this one, the others fork from here.
                 let bit = 1u128 << (b & 0x7F);
-                match alternatives
+                let mut alternatives = alternatives
                     .iter()
-                    .find(|&&a| b < 0x80 && schema.first_bytes(a) & bit != 0)
-                {
-                    Some(&alternative) => self.begin(alternative, false, b),
-                    None => false,
+                    .filter(|&&a| b < 0x80 && schema.first_bytes(a) & bit != 0);
+                let Some(&first) = alternatives.next() else {
+                    return false;
+                };
+                for &alternative in alternatives {
+                    let mut fork = self.fork();
+                    if fork.begin(alternative, false, b) {
+                        self.forks.push(fork);
+                    }
                 }
+                self.begin(first, false, b)
             }
             Node::Ref(_) => false,
         }
@@ -1026,7 +1147,8 @@ mod tests {
                 "tags": {"items": {"type": "string"}, "type": "array", "minItems": 1, "maxItems": 2},
                 "kind": {"enum": ["cat", "car", 12, 1]},
                 "tree": {"$ref": "#/$defs/Tree"},
-                "extra": {"type": "object", "additionalProperties": {"type": "boolean"}}
+                "extra": {"type": "object", "additionalProperties": {"type": "boolean"}},
+                "pet": {"anyOf": [{"$ref": "#/$defs/Point"}, {"$ref": "#/$defs/Tree"}]}
             },
             "required": ["at", "tags", "kind", "tree"],
             "type": "object"
@@ -1152,6 +1274,61 @@ mod tests {
     }
 
     #[test]
+    fn alternatives_that_begin_alike_are_read_side_by_side() {
+        // pydantic's list[Union[Cat, Dog]]: two objects told apart by a
+        // property's value, then by the properties that follow.
+        let json = under(serde_json::json!({
+            "$defs": {
+                "Cat": {"properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
+                        "required": ["kind", "lives"], "type": "object"},
+                "Dog": {"properties": {"kind": {"const": "dog"}, "good": {"type": "boolean"}},
+                        "required": ["kind", "good"], "type": "object"}
+            },
+            "properties": {"pets": {"type": "array",
+                "items": {"anyOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}}},
+            "required": ["pets"], "type": "object"
+        }));
+        assert!(takes(
+            &json,
+            r#"{"pets":[{"kind":"cat","lives":9},{"kind":"dog","good":true},{"kind":"cat","lives":1}]}"#
+        ));
+        for text in [
+            r#"{"pets":[{"kind":"cat","good":true}]}"#,
+            r#"{"pets":[{"kind":"dog","lives":9}]}"#,
+            r#"{"pets":[{"kind":"cow"}]}"#,
+            r#"{"pets":[{"lives":9}]}"#,
+        ] {
+            assert!(!takes(&json, text), "took {text}");
+        }
+        // Two readings from the item's "{" until its kind's value differs;
+        // readings that meet again (each item read to its end) are one.
+        let mut walk = json.clone();
+        assert!(walk.push(br#"{"pets":["#) && walk.readings.len() == 1);
+        assert!(walk.push(br#"{"kind":""#) && walk.readings.len() == 2);
+        assert!(walk.push(b"d") && walk.readings.len() == 1);
+        assert!(walk.accepts(br#"og","good":false}"#) && !walk.accepts(br#"og","lives":"#));
+        let mut walk = under(serde_json::json!({
+            "items": {"anyOf": [{"type": "integer"}, {"type": "number"}]}
+        }));
+        assert!(walk.push(b"[1") && walk.readings.len() == 2);
+        assert!(walk.push(b",") && walk.readings.len() == 1);
+        assert!(walk.push(b"2.5]") && walk.is_done());
+        // At the top, a complete reading and one that goes on: it may end.
+        let mut one = under(serde_json::json!({"anyOf": [{"const": 1}, {"type": "integer"}]}));
+        assert!(one.push(b"1") && one.may_end() && !one.is_done());
+        assert!(one.push(b"2") && one.may_end());
+        // Readings are bounded: sixteen alternatives alike (arrays of the
+        // same, told apart only by maxItems), nested, stay within
+        // READINGS_MAX however deep the token goes.
+        let alike: Vec<serde_json::Value> = (1..=16)
+            .map(|k| serde_json::json!({"type": "array", "items": {"$ref": "#"}, "maxItems": k}))
+            .collect();
+        let mut deep = under(serde_json::json!({"anyOf": alike}));
+        assert!(deep.push(b"[[[[") && deep.readings.len() == READINGS_MAX);
+        assert!(deep.accepts(b"[]]]]]") && deep.push(b"]]]]") && deep.is_done());
+    }
+
+    #[test]
     fn a_top_level_value_ends_when_nothing_could_extend_it() {
         // A string, an object, a literal: done at their last byte.
         for (document, text) in [
@@ -1214,6 +1391,9 @@ mod tests {
             "\"note\":",
             "é",
             "\"extra\":",
+            "\"pet\":{",
+            "\"x\":1,\"y\":2}",
+            "\"name\":\"p\",",
         ];
         // After 40 random pieces, the first of these that fits: what closes
         // first (a string, then a container), then what a required

@@ -11,8 +11,11 @@
 //! out; no others are generated), `additionalProperties` as the value
 //! schema of an object without `properties` (a map), `items`, `minItems`,
 //! `maxItems`, `minLength`, `maxLength`, `enum`, `const`, `anyOf` and
-//! `oneOf` whose alternatives begin differently (`Optional[X]`: a type and
-//! `null`), a single-element `allOf`, and `$ref` to any JSON pointer in the
+//! `oneOf` (`Optional[X]`; an `anyOf`'s alternatives that begin alike, as
+//! `Union[A, B]` of two models, are read side by side until the output
+//! tells them apart; a `oneOf`'s must begin differently, so that the output
+//! fits exactly one), a single-element `allOf`, and
+//! `$ref` to any JSON pointer in the
 //! document (`#/$defs/...`, recursion included). Annotations (`title`,
 //! `description`, `default`, `examples`, `format`, ...) are read past, as
 //! JSON Schema 2020-12 leaves `format` an annotation. Any other keyword is
@@ -76,7 +79,7 @@ pub(super) enum Node {
     },
     /// An object of any keys, each value a `values`.
     Map { values: NodeId },
-    /// One of these (none of them a union), told apart by the first byte.
+    /// One of these (none of them a union), in the schema's order.
     Union(Vec<NodeId>),
     /// Another node (a `$ref`; none is left once compiled).
     Ref(NodeId),
@@ -174,12 +177,16 @@ impl Schema {
             refs: HashMap::new(),
             literal_bytes: 0,
             depth: 0,
+            one_of: Vec::new(),
         };
         let root = compiler.node(document, "")?;
         let mut schema = compiler.schema;
         schema.root = root;
         schema.resolve_refs()?;
         schema.flatten_unions()?;
+        for (id, at) in compiler.one_of {
+            schema.check_exclusive(id, &at)?;
+        }
         schema.first = (0..schema.nodes.len() as NodeId)
             .map(|id| schema.first_of(id))
             .collect();
@@ -269,7 +276,8 @@ impl Schema {
     }
 
     /// Replaces each union's alternatives by the non-union nodes they
-    /// reach, and checks that no two may begin with the same byte.
+    /// reach (alternatives that begin alike are read side by side: see
+    /// [`super::json`]).
     fn flatten_unions(&mut self) -> Result<(), SchemaError> {
         for id in 0..self.nodes.len() {
             if !matches!(self.nodes[id], Node::Union(_)) {
@@ -277,19 +285,27 @@ impl Schema {
             }
             let mut leaves = Vec::new();
             self.leaves(id as NodeId, &mut Vec::new(), &mut leaves)?;
-            for (i, &a) in leaves.iter().enumerate() {
-                for &b in &leaves[..i] {
-                    if self.first_of(a) & self.first_of(b) != 0 {
-                        return Err(SchemaError {
-                            at: String::new(),
-                            message: "anyOf/oneOf alternatives that may begin alike (two of one \
-                                      type) are not supported"
-                                .into(),
-                        });
-                    }
+            self.nodes[id] = Node::Union(leaves);
+        }
+        Ok(())
+    }
+
+    /// A `oneOf`'s alternatives must begin differently: then the output
+    /// fits exactly one of them.
+    fn check_exclusive(&self, id: NodeId, at: &str) -> Result<(), SchemaError> {
+        let Node::Union(leaves) = self.node(id) else {
+            return Ok(());
+        };
+        for (i, &a) in leaves.iter().enumerate() {
+            for &b in &leaves[..i] {
+                if self.first_of(a) & self.first_of(b) != 0 {
+                    return Err(error(
+                        at,
+                        "oneOf alternatives that may begin alike (two of one type) are not \
+                         supported (anyOf's are)",
+                    ));
                 }
             }
-            self.nodes[id] = Node::Union(leaves);
         }
         Ok(())
     }
@@ -393,6 +409,8 @@ struct Compiler<'a> {
     literal_bytes: usize,
     /// Schemas being compiled, each within the one before.
     depth: usize,
+    /// The `oneOf` unions, and where.
+    one_of: Vec<(NodeId, String)>,
 }
 
 fn error(at: &str, message: impl Into<String>) -> SchemaError {
@@ -473,7 +491,11 @@ impl Compiler<'_> {
                     .enumerate()
                     .map(|(i, a)| self.node(a, &format!("{at}/{i}")))
                     .collect::<Result<Vec<_>, _>>()?;
-                return self.push(Node::Union(ids), &at);
+                let id = self.push(Node::Union(ids), &at)?;
+                if combinator == "oneOf" {
+                    self.one_of.push((id, at));
+                }
+                return Ok(id);
             }
         }
         if let Some(all) = s.get("allOf") {
@@ -739,10 +761,6 @@ mod tests {
             (json!({"$ref": "#"}), "never reaches"),
             (json!({"$ref": "#/$defs/a", "type": "string"}), "intersect"),
             (json!({"allOf": [{}, {}]}), "allOf of one"),
-            (
-                json!({"anyOf": [{"type": "string"}, {"enum": ["a"]}]}),
-                "begin alike",
-            ),
             (
                 json!({"anyOf": [{"$ref": "#"}, {"type": "null"}]}),
                 "contains itself",
