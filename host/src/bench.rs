@@ -413,6 +413,17 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
         }))
         .expect("the benchmark's schema compiles"),
     );
+    // A hostile schema: sixteen alternatives alike all the way (arrays of
+    // integers told apart only by maxItems), so that every token is read
+    // sixteen ways.
+    let alike = Arc::new(
+        Schema::compile(&serde_json::json!({
+            "anyOf": (0..16).map(|k| serde_json::json!(
+                {"type": "array", "items": {"type": "integer"}, "maxItems": 1000 + k}
+            )).collect::<Vec<_>>()
+        }))
+        .expect("the benchmark's schema compiles"),
+    );
     // A hostile schema: the most enum bytes a schema may hold, in values
     // that all begin with the same 200 bytes.
     let long_enum = Arc::new(
@@ -506,6 +517,13 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             SamplingParams {
                 json: Some(Arc::clone(&long_enum)),
                 logit_bias: never_json.clone(),
+                ..sampled(1.0)
+            },
+        ),
+        (
+            "hostile: 16 alike alternatives read side by side, temperature 1",
+            SamplingParams {
+                json: Some(Arc::clone(&alike)),
                 ..sampled(1.0)
             },
         ),
