@@ -1263,3 +1263,54 @@ fn a_requests_choices_are_queued_all_together_or_not_at_all() {
     }
     s.assert_all_pages_free();
 }
+
+#[test]
+fn a_requests_choices_after_the_first_find_its_prompt_in_the_prefix_cache() {
+    let mut s = sim(&[tenant(ALPHA, 1, 32, 64)], 64, LIMITS);
+    let mut receivers = Vec::new();
+    let admitted: Vec<_> = (0..3)
+        .map(|_| {
+            let (request, rx) = s.request(ALPHA, prompt(7, 30), 3);
+            receivers.push(rx);
+            s.admission.admit(request).expect("fits")
+        })
+        .collect();
+    s.scheduler.enqueue_all(admitted).expect("queued");
+    s.run_to_idle();
+    let cached: Vec<u32> = receivers
+        .iter_mut()
+        .map(|rx| {
+            let mut cached = None;
+            while let Ok(event) = rx.try_recv() {
+                if let Event::Finished { usage, .. } = event {
+                    cached = Some(usage.cached_tokens);
+                }
+            }
+            cached.expect("each choice ran")
+        })
+        .collect();
+    // The first computes the prompt; the others start once it is in KV and
+    // attach its full pages (every page but the one the last token needs).
+    let full = (30 - 1) / PAGE_TOKENS * PAGE_TOKENS;
+    assert_eq!(cached, [0, full, full]);
+    s.assert_all_pages_free();
+    // Without the tenant's prefix cache each computes its own.
+    let mut off = tenant(ALPHA, 1, 32, 64);
+    off.prefix_cache = false;
+    let mut s = sim(&[off], 64, LIMITS);
+    let mut receivers = Vec::new();
+    let admitted: Vec<_> = (0..3)
+        .map(|_| {
+            let (request, rx) = s.request(ALPHA, prompt(7, 30), 3);
+            receivers.push(rx);
+            s.admission.admit(request).expect("fits")
+        })
+        .collect();
+    s.scheduler.enqueue_all(admitted).expect("queued");
+    s.run_to_idle();
+    for rx in &mut receivers {
+        let (_, end) = drain(rx);
+        assert!(end.is_some(), "each choice ran");
+    }
+    s.assert_all_pages_free();
+}

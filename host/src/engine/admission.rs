@@ -22,6 +22,10 @@ pub struct Admitted {
     /// A prefill job for a decode peer: its prompt's KV goes there, nothing
     /// is generated (see [`super::handoff`]).
     pub(super) export: Option<ExportTo>,
+    /// Another choice of the same request (its first), whose prompt this one
+    /// shares: it starts once that one's prompt is in KV, to find its pages
+    /// in the prefix cache rather than compute them again.
+    pub(super) after: Option<RequestId>,
 }
 
 /// The priority of a request nothing lowered.
@@ -160,6 +164,7 @@ impl Admission {
             page_tokens: self.page_tokens,
             pool: self.pool,
             export: None,
+            after: None,
         })
     }
 
@@ -183,6 +188,7 @@ impl Admission {
             page_tokens: self.page_tokens,
             pool: self.pool,
             export: Some(export),
+            after: None,
         })
     }
 }

@@ -599,8 +599,11 @@ impl<B: Backend> Scheduler<B> {
     /// Queues a request's choices (each a sequence of its own, all of one
     /// tenant) together: all of them, or, when the tenant's queue has no
     /// room for all, none ([`Rejection::QueueFull`]); otherwise as
-    /// [`Scheduler::enqueue`] refuses one.
-    pub fn enqueue_all(&mut self, choices: Vec<Admitted>) -> Result<(), Rejection> {
+    /// [`Scheduler::enqueue`] refuses one. The first starts as any request
+    /// does; the others once its prompt is in KV ([`Admitted::after`]), so
+    /// that they find the prompt's full pages in the tenant's prefix cache
+    /// and compute only what is past them.
+    pub fn enqueue_all(&mut self, mut choices: Vec<Admitted>) -> Result<(), Rejection> {
         let Some(first) = choices.first() else {
             return Ok(());
         };
@@ -617,8 +620,30 @@ impl<B: Backend> Scheduler<B> {
         if tenant.queue.len() + choices.len() > tenant.limits.queue_depth_max as usize {
             return Err(Rejection::QueueFull);
         }
+        let leader = first.request.id;
+        for sibling in choices.iter_mut().skip(1) {
+            sibling.after = Some(leader);
+        }
         // Each passes `enqueue`'s checks: those just made.
         choices.into_iter().try_for_each(|c| self.enqueue(c))
+    }
+
+    /// Whether a queued choice waits for its first sibling's prompt: while
+    /// that one computes its prompt here (it was queued ahead, so it is
+    /// running or gone by the time this one heads the queue), and only where
+    /// the tenant's prefix cache would hand the pages over (not for a prompt
+    /// that comes from a prefill peer).
+    fn waits_for_sibling(&self, admitted: &Admitted, remote: bool) -> bool {
+        let Some(leader) = admitted.after else {
+            return false;
+        };
+        let tenant = &self.tenants[&admitted.tenant()];
+        if !tenant.limits.prefix_cache || remote {
+            return false;
+        }
+        self.running
+            .iter()
+            .any(|s| s.id == leader && matches!(s.phase, Phase::Prefill) && s.kv_len < s.prompt_len)
     }
 
     /// One iteration: expire, start, step, apply. `now` is the clock (a
@@ -816,12 +841,17 @@ impl<B: Backend> Scheduler<B> {
                 let admitted = tenant.queue.front().expect("has work");
                 let request = &admitted.request;
                 let prompt = &request.prompt;
+                let remote =
+                    self.remote.is_some() && admitted.export.is_none() && prompt.len() >= 2;
+                if self.waits_for_sibling(admitted, remote) {
+                    return false;
+                }
                 (
                     admitted.pages_needed,
                     prompt,
                     prompt.len(),
                     &request.cache_salt,
-                    self.remote.is_some() && admitted.export.is_none() && prompt.len() >= 2,
+                    remote,
                 )
             }
         };
