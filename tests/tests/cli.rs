@@ -127,8 +127,15 @@ fn bench_sampling_measures_every_option_on_the_real_model() {
             (number(" mean "), number(" max "))
         })
         .collect();
-    assert_eq!(rows.len(), 12, "{text}");
-    assert!(text.contains("hostile: JSON mode, temperature 1"), "{text}");
+    assert_eq!(rows.len(), 16, "{text}");
+    for option in [
+        "hostile: JSON mode, temperature 1",
+        "JSON schema (a pydantic model), temperature 1",
+        "hostile: 250 enum values sharing 200 bytes",
+        "hostile: 16 alike alternatives read side by side",
+    ] {
+        assert!(text.contains(option), "{option}: {text}");
+    }
     assert!(
         rows.iter().all(|&(mean, max)| mean > 0.0 && max >= mean),
         "{text}"

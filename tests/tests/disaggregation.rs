@@ -121,6 +121,23 @@ fn a_decode_process_answers_what_one_process_answers_with_kv_from_its_peer() {
             "choice {i}"
         );
     }
+    // A schema constrains the decode side's sampling as one process's:
+    // the same instance, its prompt's KV from the peer.
+    let mut body = chat_body("Describe a cat in JSON.", 64);
+    body["temperature"] = 0.into();
+    body["response_format"] = serde_json::json!({"type": "json_schema", "json_schema": {
+        "name": "cat", "schema": {"type": "object", "required": ["name", "age"],
+            "properties": {"name": {"type": "string", "maxLength": 12},
+                           "age": {"type": "integer"}}}}});
+    let split = p
+        .decode
+        .post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+    let alone = both.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+    assert_eq!(split.status, 200, "{}", split.body);
+    let text = split.json()["choices"][0]["message"]["content"].clone();
+    assert_eq!(text, alone.json()["choices"][0]["message"]["content"]);
+    let cat: serde_json::Value = serde_json::from_str(text.as_str().unwrap()).unwrap();
+    assert!(cat["name"].is_string() && cat["age"].is_i64(), "{cat}");
     // The transfers were verified, counted, logged without content.
     let verified: f64 = p
         .decode
@@ -129,7 +146,7 @@ fn a_decode_process_answers_what_one_process_answers_with_kv_from_its_peer() {
         .filter(|l| l.starts_with("bulkhead_transfers_total{") && l.contains("result=\"ok\""))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
-    assert!(verified >= 4.0, "{}", p.decode.metrics());
+    assert!(verified >= 5.0, "{}", p.decode.metrics());
     assert!(p.decode.logged("transfer received"));
     assert!(p.prefill.logged("transfer sent"));
     for line in p

@@ -11,11 +11,14 @@
 //! well-formed UTF-8 and hold no control characters. Whitespace between
 //! tokens is limited to [`WHITESPACE_RUN_MAX`] bytes in a row and nesting to
 //! [`DEPTH_MAX`] containers, so a model cannot stall in blank space or deepen
-//! forever.
+//! forever. Where an `anyOf`'s alternatives begin alike, each is a reading
+//! of the output followed side by side until the bytes tell them apart (at
+//! most [`READINGS_MAX`]); a `choice` is plain text, read as its literals.
 //!
 //! [`Json::accepts`] tries a token's bytes without changing the recognizer and
-//! without allocating (pushes past the stack's top go to a small overlay), as
-//! the sampler asks it of many candidate tokens per step.
+//! without allocating while there is one reading (pushes past the stack's top
+//! go to a small overlay), as the sampler asks it of many candidate tokens
+//! per step.
 
 use super::schema::{Node, NodeId, Property, Schema, ANY, ANY_ARRAY, ANY_LITERAL};
 use std::sync::Arc;
