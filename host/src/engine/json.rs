@@ -813,7 +813,8 @@ impl<S: Stack + Clone> Cursor<'_, S> {
                 let Some(&first) = alternatives.next() else {
                     return false;
                 };
-                for &alternative in alternatives {
+                // (No more than the readings kept: the first ones are.)
+                for &alternative in alternatives.take(READINGS_MAX - 1) {
                     let mut fork = self.fork();
                     if fork.begin(alternative, false, b) {
                         self.forks.push(fork);
@@ -1328,6 +1329,14 @@ mod tests {
             .collect();
         let mut deep = under(serde_json::json!({"anyOf": alike}));
         assert!(deep.push(b"[[[[") && deep.readings.len() == READINGS_MAX);
+        // As many alike as a schema may hold: a byte forks no more readings
+        // than are kept, and the first ones are.
+        let many: Vec<serde_json::Value> = (0..500)
+            .map(|k| serde_json::json!({"type": "array", "items": {"$ref": "#"}, "maxItems": k}))
+            .collect();
+        let mut wide = under(serde_json::json!({"anyOf": many}));
+        assert!(wide.push(b"[[") && wide.readings.len() == READINGS_MAX);
+        assert!(wide.accepts(b"]]") && !wide.accepts(b"]]]"));
         assert!(deep.accepts(b"[]]]]]") && deep.push(b"]]]]") && deep.is_done());
     }
 
