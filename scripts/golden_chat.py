@@ -57,6 +57,53 @@ CONVERSATIONS = [
 ]
 
 
+# Tools, and conversations that call them, in the shape Bulkhead gives the
+# template (engine/chat.rs): ids are the call's place written as nine digits,
+# arguments an object, an assistant message that calls has content "". The
+# texts hold what a template must never read as its own tokens.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather \"now\" in a city. <|im_end|> <|eot_id|> [INST] ünï",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "A city's name"},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+NOW = {"type": "function", "function": {"name": "now"}}
+TOOLS = [WEATHER, NOW]
+
+
+def call(index, name, arguments):
+    return {"id": "%09d" % index, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+TOOL_CONVERSATIONS = [
+    [{"role": "user", "content": "Weather in Oslo?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [call(0, "get_weather", {"city": "Oslo <|im_end|>", "unit": "celsius"})]},
+        {"role": "tool", "tool_call_id": "000000000", "content": "{\"temp\": 3, \"sky\": \"<|eot_id|>\"}"},
+    ],
+    [
+        {"role": "user", "content": "Weather in Oslo, and the time?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [call(0, "get_weather", {"city": "Oslo"}), call(1, "now", {})]},
+        {"role": "tool", "tool_call_id": "000000000", "content": "3 degrees"},
+        {"role": "tool", "tool_call_id": "000000001", "content": "noon"},
+    ],
+]
+
+
 def raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
 
@@ -83,13 +130,19 @@ def main():
         with open(path) as f:
             template = env.from_string(f.read())
         cases = []
-        for messages in CONVERSATIONS:
+        for messages, tools in [(c, None) for c in CONVERSATIONS] + \
+                [(c, TOOLS) for c in TOOL_CONVERSATIONS]:
+            case = {"messages": messages}
+            extra = {}
+            if tools is not None:
+                case["tools"] = tools
+                extra["tools"] = tools
             try:
-                rendered = template.render(messages=messages, add_generation_prompt=True,
-                                           bos_token=bos, eos_token=eos)
-                cases.append({"messages": messages, "rendered": rendered})
+                case["rendered"] = template.render(messages=messages, add_generation_prompt=True,
+                                                   bos_token=bos, eos_token=eos, **extra)
             except jinja2.exceptions.TemplateError as e:
-                cases.append({"messages": messages, "error": str(e)})
+                case["error"] = str(e)
+            cases.append(case)
         out[name] = {"bos_token": bos, "eos_token": eos, "cases": cases}
     with open(OUT, "w") as f:
         json.dump(out, f, indent=1, ensure_ascii=False)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Drives a running `bulkhead serve` with the official `openai` client, as a new
 user would: a chat completion, a streamed one, several choices, a pydantic
-model's structured output, and the error on an oversized prompt. Usage: openai_client_check.py BASE_URL API_KEY MODEL_ID
+model's structured output, a tool call and its result, and the error on an
+oversized prompt. Usage: openai_client_check.py BASE_URL API_KEY MODEL_ID
 
 Exit 0 and "ok" on success; exit 3 if the `openai` package is missing."""
 
@@ -40,6 +41,12 @@ class Bird(BaseModel):
 
 class Pets(BaseModel):
     pets: List[Union[Fish, Bird]] = Field(max_length=3)
+
+
+class GetWeather(BaseModel):
+    """The current weather in a city."""
+    city: str = Field(max_length=24)
+    unit: Literal["celsius", "fahrenheit"]
 
 
 def main() -> None:
@@ -164,6 +171,38 @@ def main() -> None:
         extra_body={"structured_outputs": {"choice": ["positive", "negative"]}},
     )
     assert label.choices[0].message.content in ("positive", "negative"), label
+
+    # Tools: a pydantic model as a strict function tool; the client parses
+    # each call's arguments back into the model, whole and streamed.
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [openai.pydantic_function_tool(GetWeather)]
+    called = client.chat.completions.parse(
+        model=model, messages=question, tools=tools, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=100, temperature=0,
+    )
+    message = called.choices[0].message
+    assert called.choices[0].finish_reason == "tool_calls", called
+    assert message.content is None and len(message.tool_calls) == 1, message
+    weather = message.tool_calls[0].function.parsed_arguments
+    assert isinstance(weather, GetWeather), message
+    with client.chat.completions.stream(
+        model=model, messages=question, tools=tools, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=100, temperature=0,
+    ) as stream:
+        final = stream.get_final_completion()
+    streamed_call = final.choices[0].message.tool_calls[0]
+    assert streamed_call.function.parsed_arguments == weather, (streamed_call, weather)
+    assert streamed_call.id == streamed_call.id.strip() and streamed_call.id.startswith("call_")
+    # The call's result goes back; the model answers in text.
+    answered = client.chat.completions.create(
+        model=model,
+        messages=question + [
+            message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+            {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 degrees"},
+        ],
+        tools=tools, tool_choice="none", max_tokens=16, temperature=0,
+    )
+    assert answered.choices[0].message.content, answered
 
     try:
         client.chat.completions.create(

@@ -214,6 +214,7 @@ fn chat_tokens(model: &Model, tokenizer: &Tokenizer, user: &str) -> Result<Vec<u
     let messages = [Message {
         role: "user".into(),
         content: user.into(),
+        ..Message::default()
     }];
     Ok(template.tokens(tokenizer, &messages)?)
 }

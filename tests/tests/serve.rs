@@ -837,6 +837,161 @@ fn json_mode_answers_a_json_object_streamed_or_not() {
     );
 }
 
+/// A streamed answer's tool calls put together: `(id, name, arguments)`.
+fn streamed_calls(chunks: &[Value]) -> Vec<(String, String, String)> {
+    let mut calls: Vec<(String, String, String)> = Vec::new();
+    for chunk in chunks {
+        let delta = &chunk["choices"][0]["delta"];
+        for entry in delta["tool_calls"].as_array().into_iter().flatten() {
+            let k = entry["index"].as_u64().unwrap() as usize;
+            if let Some(id) = entry["id"].as_str() {
+                assert_eq!(k, calls.len(), "{entry}");
+                assert_eq!(entry["type"], "function");
+                let name = entry["function"]["name"].as_str().unwrap();
+                calls.push((id.into(), name.into(), String::new()));
+            }
+            calls[k]
+                .2
+                .push_str(entry["function"]["arguments"].as_str().unwrap());
+        }
+    }
+    calls
+}
+
+#[test]
+fn tools_required_or_named_answer_with_calls_of_their_schemas_whole_and_streamed() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let tools = json!([
+        {"type": "function", "function": {
+            "name": "get_weather", "description": "The current weather in a city.",
+            "parameters": {"type": "object", "additionalProperties": false,
+                "properties": {"city": {"type": "string", "maxLength": 24},
+                               "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"]}}},
+        {"type": "function", "function": {
+            "name": "get_time", "description": "The time in a time zone.",
+            "parameters": {"type": "object",
+                "properties": {"zone": {"type": "string", "maxLength": 24}},
+                "required": ["zone"]}}}
+    ]);
+    // Each call's arguments are an instance of its tool's parameters.
+    let check = |name: &str, arguments: &str| {
+        let a: Value =
+            serde_json::from_str(arguments).unwrap_or_else(|e| panic!("{e}: {arguments}"));
+        let keys: Vec<&str> = a.as_object().unwrap().keys().map(|k| k.as_str()).collect();
+        match name {
+            "get_weather" => {
+                assert_eq!(keys, ["city", "unit"], "{arguments}");
+                assert!(a["city"].as_str().is_some_and(|c| c.chars().count() <= 24));
+                assert!(["celsius", "fahrenheit"].contains(&a["unit"].as_str().unwrap()));
+            }
+            "get_time" => {
+                assert_eq!(keys, ["zone"], "{arguments}");
+                assert!(a["zone"].is_string());
+            }
+            other => panic!("a call of {other:?}"),
+        }
+    };
+    let named = json!({"type": "function", "function": {"name": "get_time"}});
+    for (choice, parallel, temperature, seed) in [
+        (json!("required"), true, 0.0, 1),
+        (json!("required"), false, 1.0, 7),
+        (named.clone(), true, 1.0, 3),
+    ] {
+        let mut body = chat_body("What is the weather in Paris right now?", 160);
+        body["tools"] = tools.clone();
+        body["tool_choice"] = choice.clone();
+        body["parallel_tool_calls"] = json!(parallel);
+        body["temperature"] = json!(temperature);
+        body["seed"] = json!(seed);
+        let r = server.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        let answer = &v["choices"][0];
+        assert_eq!(answer["finish_reason"], "tool_calls", "{answer}");
+        assert!(answer["message"]["content"].is_null(), "{answer}");
+        let whole: Vec<(String, String, String)> = answer["message"]["tool_calls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| {
+                assert_eq!(c["type"], "function");
+                (
+                    c["id"].as_str().unwrap().to_string(),
+                    c["function"]["name"].as_str().unwrap().to_string(),
+                    c["function"]["arguments"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        assert!(!whole.is_empty(), "{answer}");
+        if !parallel || choice == named {
+            assert_eq!(whole.len(), 1, "{answer}");
+        }
+        for (id, name, arguments) in &whole {
+            assert!(id.starts_with("call_"), "{id}");
+            if choice == named {
+                assert_eq!(name, "get_time");
+            }
+            check(name, arguments);
+        }
+        // Streamed: the same calls, the name first, the arguments as made.
+        body["stream"] = json!(true);
+        let chunks = chat_chunks(&server, &body);
+        let streamed = streamed_calls(&chunks);
+        let names = |calls: &[(String, String, String)]| {
+            calls
+                .iter()
+                .map(|c| (c.1.clone(), c.2.clone()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(&streamed), names(&whole));
+        assert!(
+            chunks.len() > streamed.len() + 2,
+            "arguments come in pieces"
+        );
+        let last = chunks.last().unwrap();
+        assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
+        assert!(chunks.iter().all(|c| c["choices"][0]["delta"]["content"]
+            .as_str()
+            .unwrap_or("")
+            .is_empty()));
+    }
+    // The conversation goes on with the call's result; "none" answers in text.
+    let call = json!({"id": "call_x", "type": "function",
+                      "function": {"name": "get_weather",
+                                   "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}});
+    let mut body = chat_body("What is the weather in Paris right now?", 24);
+    body["messages"].as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": null, "tool_calls": [call]}),
+        json!({"role": "tool", "tool_call_id": "call_x", "content": "18 degrees, sunny"}),
+    ]);
+    body["tools"] = tools.clone();
+    body["tool_choice"] = json!("none");
+    let r = server.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let answer = &r.json()["choices"][0];
+    assert!(answer["message"]["content"].is_string(), "{answer}");
+    assert!(answer["message"].get("tool_calls").is_none(), "{answer}");
+    assert_ne!(answer["finish_reason"], "tool_calls");
+    // Refused, naming the field: "auto" (the default with tools), a tool
+    // result that answers no call, parameters the engine would not enforce.
+    chat_refused(&server, &json!({"tools": tools}), "tool_choice");
+    chat_refused(
+        &server,
+        &json!({"messages": [{"role": "user", "content": "hi"},
+                             {"role": "tool", "tool_call_id": "nope", "content": "x"}]}),
+        "messages[1].tool_call_id",
+    );
+    chat_refused(
+        &server,
+        &json!({"tool_choice": "required", "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object",
+                "properties": {"n": {"type": "integer", "minimum": 1}}}}}]}),
+        "tools[0].function.parameters",
+    );
+}
+
 #[test]
 fn structured_output_answers_an_instance_of_the_schema_or_one_of_the_choices() {
     let Some(model) = smollm2() else { return };

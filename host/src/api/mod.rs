@@ -41,6 +41,7 @@ pub mod openai;
 pub mod stream;
 pub mod tenant;
 pub mod tokens;
+pub mod tools;
 
 use crate::catalog::Served;
 use crate::clock::now_ms;
@@ -520,22 +521,31 @@ async fn discard(mut body: Body) {
 /// What the prompt is made of, before tokenization.
 #[derive(Clone)]
 enum Source {
-    Chat(Vec<crate::engine::chat::Message>),
+    Chat(
+        Vec<crate::engine::chat::Message>,
+        Vec<crate::engine::chat::Tool>,
+    ),
     Completion(Prompt),
 }
 
 impl Source {
-    /// The prompt's text (chat contents joined by newlines); None for token ids.
+    /// The prompt's text (chat contents joined by newlines, then each
+    /// earlier call's and each tool's JSON); None for token ids.
     fn text(&self) -> Option<Arc<str>> {
         match self {
-            Source::Chat(messages) => Some(
-                messages
-                    .iter()
-                    .map(|m| m.content.as_str())
-                    .collect::<Vec<_>>()
-                    .join("\n")
-                    .into(),
-            ),
+            Source::Chat(messages, tools) => {
+                let mut texts: Vec<String> = messages.iter().map(|m| m.content.clone()).collect();
+                for call in messages.iter().flat_map(|m| &m.tool_calls) {
+                    let arguments = serde_json::Value::Object(call.arguments.clone());
+                    texts.push(format!("{} {arguments}", call.name));
+                }
+                for tool in tools {
+                    let parameters = tool.parameters.clone().unwrap_or_default();
+                    let description = tool.description.as_deref().unwrap_or("");
+                    texts.push(format!("{} {description} {parameters}", tool.name));
+                }
+                Some(texts.join("\n").into())
+            }
             Source::Completion(Prompt::Text(text)) => Some(text.as_str().into()),
             Source::Completion(Prompt::Tokens(_)) => None,
         }
@@ -546,7 +556,7 @@ impl Source {
     /// tokens), or the count of token ids.
     fn tokens_min(&self, text_bytes_per_token_max: u64) -> u64 {
         let text_bytes: u64 = match self {
-            Source::Chat(messages) => messages.iter().map(|m| m.content.len() as u64).sum(),
+            Source::Chat(messages, _) => messages.iter().map(|m| m.content.len() as u64).sum(),
             Source::Completion(Prompt::Text(text)) => text.len() as u64,
             Source::Completion(Prompt::Tokens(ids)) => return ids.len() as u64,
         };
@@ -588,7 +598,7 @@ fn tokenize(
     let stopped = || cancel.is_cancelled();
     let too_many = |e: &TokenizerError| matches!(e, TokenizerError::TooManyTokens { .. });
     match source {
-        Source::Chat(messages) => {
+        Source::Chat(messages, tools) => {
             let template = model
                 .template
                 .as_ref()
@@ -597,7 +607,7 @@ fn tokenize(
                     reason: "cannot be used: the model has no chat template; use /v1/completions"
                         .into(),
                 })?;
-            match template.tokens_max(&model.tokenizer, &messages, tokens_max, &stopped) {
+            match template.tokens_max(&model.tokenizer, &messages, &tools, tokens_max, &stopped) {
                 Ok(ids) => Ok(Some(ids)),
                 Err(ChatError::Tokenizer(e)) if too_many(&e) => Ok(None),
                 Err(e) => Err(match e {
@@ -658,14 +668,14 @@ async fn run(
         return Err(ApiError::Unavailable);
     }
     let bytes = read_body(body, headers, app.serving.body_bytes_max).await?;
-    let (common, source): (Common, Source) = match endpoint {
+    let (common, source, calls) = match endpoint {
         Endpoint::Chat => {
             let r = ChatRequest::parse(&bytes)?;
-            (r.common, Source::Chat(r.messages))
+            (r.common, Source::Chat(r.messages, r.tools), r.calls)
         }
         Endpoint::Completions => {
             let r = CompletionRequest::parse(&bytes)?;
-            (r.common, Source::Completion(r.prompt))
+            (r.common, Source::Completion(r.prompt), None)
         }
     };
     drop(bytes);
@@ -861,6 +871,7 @@ async fn run(
         created: unix_now(),
         model: model.spec.id.clone(),
         endpoint,
+        calls,
     };
     // Each choice's events are watched, guarded and reported on their own.
     let outputs = receivers.into_iter().map(|(choice_id, receiver)| {

@@ -9,7 +9,8 @@
 //! 3. Responses and stream chunks are built here, in OpenAI's exact shape.
 
 use super::error::ApiError;
-use crate::engine::chat::{Message, MESSAGES_MAX};
+use super::tools::{self, CallsOut, CallsWriter};
+use crate::engine::chat::{Message, Tool, ToolCall, MESSAGES_MAX};
 use crate::engine::request::TokenLogprob;
 use crate::engine::request::{FinishReason, Usage};
 use crate::engine::sampling::{
@@ -20,6 +21,7 @@ use crate::engine::schema::Schema;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{Map, Value};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::engine::stop::{STOPS_MAX, STOP_BYTES_MAX};
@@ -64,6 +66,10 @@ pub struct ChatRequest {
     pub common: Common,
     /// The conversation.
     pub messages: Vec<Message>,
+    /// The functions the model is shown (`tools`).
+    pub tools: Vec<Tool>,
+    /// How the output becomes tool calls (`tool_choice` required or named).
+    pub calls: Option<CallsOut>,
 }
 
 /// A completion prompt.
@@ -94,14 +100,14 @@ fn type_error(param: &str, error: serde_json::Error) -> ApiError {
     }
 }
 
-fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+pub(super) fn invalid(param: &str, message: impl Into<String>) -> ApiError {
     ApiError::InvalidValue {
         param: param.to_string(),
         message: message.into(),
     }
 }
 
-fn unsupported(param: &str, reason: &str) -> ApiError {
+pub(super) fn unsupported(param: &str, reason: &str) -> ApiError {
     ApiError::Unsupported {
         param: param.to_string(),
         reason: reason.to_string(),
@@ -554,16 +560,43 @@ impl ChatRequest {
             }
             (false, _) => None,
         };
-        f.allow_if("tools", is_empty)?;
+        let tools = match f.take::<Value>("tools")? {
+            Some(value) => tools::tools_of(value)?,
+            None => Vec::new(),
+        };
+        let choice = tools::tool_choice_of(f.take("tool_choice")?, &tools)?;
+        let parallel: bool = f.take("parallel_tool_calls")?.unwrap_or(true);
         f.allow_if("functions", is_empty)?;
-        f.allow_if("tool_choice", |v| v == "none")?;
         f.allow_if("function_call", |v| v == "none")?;
-        f.ignore("parallel_tool_calls");
         common.sampling.json = constraint(&mut f, &common.sampling)?;
+        let calls = match tools::constraint_of(&choice, &tools, parallel)? {
+            Some(_) if common.sampling.json.is_some() => {
+                return Err(invalid(
+                    "tool_choice",
+                    "cannot be combined with another constraint on the output (response_format, structured_outputs, ...)",
+                ))
+            }
+            Some(_) if common.sampling.min_tokens > 0 => {
+                return Err(unsupported(
+                    "min_tokens",
+                    "cannot be combined with tool_choice required or a named function (the calls end the output)",
+                ))
+            }
+            Some((schema, out)) => {
+                common.sampling.json = Some(Arc::new(schema));
+                Some(out)
+            }
+            None => None,
+        };
         f.allow_if("modalities", |v| v == &serde_json::json!(["text"]))?;
         f.finish()?;
         let messages = messages_of(messages)?;
-        Ok(ChatRequest { common, messages })
+        Ok(ChatRequest {
+            common,
+            messages,
+            tools,
+            calls,
+        })
     }
 }
 
@@ -578,10 +611,11 @@ fn messages_of(messages: Vec<Value>) -> Result<Vec<Message>, ApiError> {
             format!("at most {MESSAGES_MAX} messages"),
         ));
     }
+    let mut calls = HashMap::new();
     messages
         .into_iter()
         .enumerate()
-        .map(|(i, m)| message(i, m))
+        .map(|(i, m)| message(i, m, &mut calls))
         .collect()
 }
 
@@ -675,8 +709,17 @@ impl DetokenizeRequest {
     }
 }
 
-/// One message: `role` and `content` (a string, or text parts joined).
-fn message(index: usize, value: Value) -> Result<Message, ApiError> {
+/// Longest id of a tool call a conversation may give.
+const CALL_ID_BYTES_MAX: usize = 256;
+
+/// One message: `role` and `content` (a string, or text parts joined); an
+/// assistant's `tool_calls`, each added to `calls` (its id to its place in
+/// the conversation); a tool's `tool_call_id`, which must be in `calls`.
+fn message(
+    index: usize,
+    value: Value,
+    calls: &mut HashMap<String, usize>,
+) -> Result<Message, ApiError> {
     let param = |field: &str| format!("messages[{index}].{field}");
     let Value::Object(map) = value else {
         return Err(ApiError::InvalidType {
@@ -693,18 +736,50 @@ fn message(index: usize, value: Value) -> Result<Message, ApiError> {
         "system" | "developer" => "system",
         "user" => "user",
         "assistant" => "assistant",
-        "tool" | "function" => {
+        "tool" => "tool",
+        "function" => {
             return Err(unsupported(
                 &param("role"),
-                "(tool messages) is not supported by this server",
+                "(the legacy function messages) is not supported by this server; use tool",
             ))
         }
         _ => {
             return Err(invalid(
                 &param("role"),
-                "must be one of system, developer, user, assistant",
+                "must be one of system, developer, user, assistant, tool",
             ))
         }
+    };
+    let tool_calls = match f.take::<Vec<Value>>("tool_calls")? {
+        Some(list) if role == "assistant" => list
+            .into_iter()
+            .enumerate()
+            .map(|(k, call)| tool_call(&param(&format!("tool_calls[{k}]")), call, calls))
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(list) if list.is_empty() => Vec::new(),
+        Some(_) => {
+            return Err(invalid(
+                &param("tool_calls"),
+                "only an assistant message has tool calls",
+            ))
+        }
+        None => Vec::new(),
+    };
+    let answers = match f.take::<String>("tool_call_id")? {
+        Some(id) if role == "tool" => Some(calls.get(&id).copied().ok_or_else(|| {
+            invalid(
+                &param("tool_call_id"),
+                "answers no tool call of an earlier assistant message",
+            )
+        })?),
+        Some(_) => {
+            return Err(invalid(
+                &param("tool_call_id"),
+                "only a tool message answers a tool call",
+            ))
+        }
+        None if role == "tool" => return Err(ApiError::MissingParam(param("tool_call_id"))),
+        None => None,
     };
     let content = match f.take::<Value>("content")? {
         None if role == "assistant" => String::new(),
@@ -718,8 +793,6 @@ fn message(index: usize, value: Value) -> Result<Message, ApiError> {
             })
         }
     };
-    f.allow_if("tool_calls", is_empty)
-        .map_err(|_| unsupported(&param("tool_calls"), "is not supported by this server"))?;
     f.allow_if("function_call", |_| false)
         .map_err(|_| unsupported(&param("function_call"), "is not supported by this server"))?;
     for ignored in ["name", "refusal", "annotations", "audio"] {
@@ -732,6 +805,56 @@ fn message(index: usize, value: Value) -> Result<Message, ApiError> {
     Ok(Message {
         role: role.to_string(),
         content,
+        tool_calls,
+        answers,
+    })
+}
+
+/// One call of an assistant message: `{"id", "type": "function",
+/// "function": {"name", "arguments"}}`, its arguments a JSON object's text.
+fn tool_call(
+    param: &str,
+    value: Value,
+    calls: &mut HashMap<String, usize>,
+) -> Result<ToolCall, ApiError> {
+    let id = value.get("id").and_then(Value::as_str).unwrap_or("");
+    if id.is_empty() || id.len() > CALL_ID_BYTES_MAX {
+        return Err(invalid(
+            &format!("{param}.id"),
+            format!("must be a string of 1 to {CALL_ID_BYTES_MAX} bytes"),
+        ));
+    }
+    if value.get("type").is_some_and(|t| t != "function") {
+        return Err(invalid(&format!("{param}.type"), "must be \"function\""));
+    }
+    let function = value.get("function");
+    let name = function
+        .and_then(|f| f.get("name"))
+        .and_then(Value::as_str)
+        .filter(|n| tools::is_name(n))
+        .ok_or_else(|| {
+            invalid(
+                &format!("{param}.function.name"),
+                "must be 1 to 64 letters, digits, '_' or '-'",
+            )
+        })?;
+    let arguments = function
+        .and_then(|f| f.get("arguments"))
+        .and_then(Value::as_str)
+        .and_then(|a| serde_json::from_str::<Map<String, Value>>(a).ok())
+        .ok_or_else(|| {
+            invalid(
+                &format!("{param}.function.arguments"),
+                "must be the text of a JSON object",
+            )
+        })?;
+    let place = calls.len();
+    if calls.insert(id.to_string(), place).is_some() {
+        return Err(invalid(&format!("{param}.id"), "names two tool calls"));
+    }
+    Ok(ToolCall {
+        name: name.to_string(),
+        arguments,
     })
 }
 
@@ -939,17 +1062,55 @@ pub struct ResponseMeta {
     pub model: String,
     /// The endpoint.
     pub endpoint: Endpoint,
+    /// How a chat's output becomes tool calls, where it does.
+    pub calls: Option<CallsOut>,
 }
 
 impl ResponseMeta {
+    /// The `finish_reason` of a successful finish: `tool_calls` where the
+    /// output is calls and ended whole.
+    fn finish_reason(&self, reason: FinishReason) -> &'static str {
+        match (&self.calls, reason) {
+            (Some(_), FinishReason::Stop) => "tool_calls",
+            _ => finish_reason(reason),
+        }
+    }
+
+    /// The writer of choice `index`'s tool calls, where its output is calls.
+    pub fn calls_writer(&self, index: u32) -> Option<CallsWriter> {
+        let number = &self.id[self.endpoint.id_prefix().len()..];
+        self.calls
+            .clone()
+            .map(|out| CallsWriter::new(out, format!("call_{number}_{index}_")))
+    }
+
     /// One choice of a whole (non-streamed) response.
     pub fn choice(&self, index: u32, text: String, reason: FinishReason) -> Value {
         match self.endpoint {
+            Endpoint::Chat if self.calls.is_some() => {
+                let mut writer = self.calls_writer(index).expect("calls");
+                writer.push(&text);
+                let calls: Vec<Value> = writer
+                    .calls()
+                    .into_iter()
+                    .map(|(id, name, arguments)| {
+                        serde_json::json!({"id": id, "type": "function",
+                                           "function": {"name": name, "arguments": arguments}})
+                    })
+                    .collect();
+                serde_json::json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": null, "refusal": null,
+                                "tool_calls": calls},
+                    "logprobs": null,
+                    "finish_reason": self.finish_reason(reason),
+                })
+            }
             Endpoint::Chat => serde_json::json!({
                 "index": index,
                 "message": {"role": "assistant", "content": text, "refusal": null},
                 "logprobs": null,
-                "finish_reason": finish_reason(reason),
+                "finish_reason": self.finish_reason(reason),
             }),
             Endpoint::Completions => serde_json::json!({
                 "index": index,
@@ -972,6 +1133,14 @@ impl ResponseMeta {
         })
     }
 
+    /// A stream chunk of choice `index` with tool calls' `entries`
+    /// ([`CallsWriter::push`]).
+    pub fn calls_chunk(&self, index: u32, entries: Vec<Value>, usage_null: bool) -> Value {
+        let mut chunk = self.chunk(index, false, None, None, usage_null);
+        chunk["choices"][0]["delta"] = serde_json::json!({ "tool_calls": entries });
+        chunk
+    }
+
     /// One stream chunk of choice `index`: `role` only in the first, `text`
     /// in the middle ones, `reason` in the last; `usage_null` adds `"usage":
     /// null` (as OpenAI does when the client asked for usage).
@@ -983,7 +1152,7 @@ impl ResponseMeta {
         reason: Option<FinishReason>,
         usage_null: bool,
     ) -> Value {
-        let finish = reason.map(finish_reason);
+        let finish = reason.map(|r| self.finish_reason(r));
         let mut chunk = match self.endpoint {
             Endpoint::Chat => {
                 let mut delta = Map::new();
@@ -1080,13 +1249,133 @@ mod tests {
     }
 
     #[test]
+    fn tools_and_a_conversation_that_called_them() {
+        let tools = r#""tools":[{"type":"function","function":{"name":"get_weather",
+            "parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}]"#;
+        let conversation = r#""messages":[{"role":"user","content":"Oslo?"},
+            {"role":"assistant","content":null,"tool_calls":[
+              {"id":"call_a","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Oslo\"}"}},
+              {"id":"call_b","type":"function","function":{"name":"get_weather","arguments":"{}"}}]},
+            {"role":"tool","tool_call_id":"call_b","content":"rain"},
+            {"role":"tool","tool_call_id":"call_a","content":"sun"}]"#;
+        let r = chat(&format!(
+            r#"{{"model":"m",{conversation},{tools},"tool_choice":"required"}}"#
+        ))
+        .unwrap();
+        assert_eq!(r.calls, Some(CallsOut::Listed));
+        assert!(r.common.sampling.json.is_some());
+        assert_eq!(r.tools[0].name, "get_weather");
+        assert_eq!(r.messages[1].tool_calls.len(), 2);
+        assert_eq!(r.messages[1].tool_calls[0].arguments["city"], "Oslo");
+        assert_eq!(r.messages[1].content, "");
+        // Ids become places: call_b is the second call.
+        assert_eq!(
+            (r.messages[2].answers, r.messages[3].answers),
+            (Some(1), Some(0))
+        );
+        let named = chat(&format!(
+            r#"{{"model":"m",{conversation},{tools},"tool_choice":{{"type":"function","function":{{"name":"get_weather"}}}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(named.calls, Some(CallsOut::Named("get_weather".into())));
+        // "none": text, the tools still shown.
+        let none = chat(&format!(
+            r#"{{"model":"m",{conversation},{tools},"tool_choice":"none"}}"#
+        ))
+        .unwrap();
+        assert_eq!((none.calls, none.tools.len()), (None, 1));
+        assert!(none.common.sampling.json.is_none());
+
+        let message = |m: &str| {
+            format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}},{m}]}}"#)
+        };
+        for (body, param) in [
+            (
+                message(r#"{"role":"tool","tool_call_id":"nope","content":"x"}"#),
+                "messages[1].tool_call_id",
+            ),
+            (
+                message(r#"{"role":"tool","content":"x"}"#),
+                "messages[1].tool_call_id",
+            ),
+            (
+                message(r#"{"role":"user","content":"x","tool_call_id":"a"}"#),
+                "messages[1].tool_call_id",
+            ),
+            (
+                message(r#"{"role":"user","content":"x","tool_calls":[{"id":"a"}]}"#),
+                "messages[1].tool_calls",
+            ),
+            (
+                message(
+                    r#"{"role":"assistant","tool_calls":[{"id":"a","type":"function","function":{"name":"f","arguments":"[1]"}}]}"#,
+                ),
+                "messages[1].tool_calls[0].function.arguments",
+            ),
+            (
+                message(
+                    r#"{"role":"assistant","tool_calls":[{"id":"a","type":"function","function":{"name":"f","arguments":"{"}}]}"#,
+                ),
+                "messages[1].tool_calls[0].function.arguments",
+            ),
+            (
+                message(
+                    r#"{"role":"assistant","tool_calls":[{"id":"a","type":"function","function":{"name":"f g","arguments":"{}"}}]}"#,
+                ),
+                "messages[1].tool_calls[0].function.name",
+            ),
+            (
+                message(
+                    r#"{"role":"assistant","tool_calls":[{"id":"","type":"function","function":{"name":"f","arguments":"{}"}}]}"#,
+                ),
+                "messages[1].tool_calls[0].id",
+            ),
+            (
+                message(
+                    r#"{"role":"assistant","tool_calls":[{"id":"a","type":"function","function":{"name":"f","arguments":"{}"}},
+                                                          {"id":"a","type":"function","function":{"name":"f","arguments":"{}"}}]}"#,
+                ),
+                "messages[1].tool_calls[1].id",
+            ),
+            (
+                message(r#"{"role":"function","name":"f","content":"x"}"#),
+                "messages[1].role",
+            ),
+            (
+                format!(
+                    r#"{{"model":"m",{conversation},{tools},"tool_choice":"required","response_format":{{"type":"json_object"}}}}"#
+                ),
+                "tool_choice",
+            ),
+            (
+                format!(
+                    r#"{{"model":"m",{conversation},{tools},"tool_choice":"required","min_tokens":2}}"#
+                ),
+                "min_tokens",
+            ),
+            (
+                format!(
+                    r#"{{"model":"m",{conversation},{tools},"tool_choice":{{"type":"function","function":{{"name":"other"}}}}}}"#
+                ),
+                "tool_choice",
+            ),
+            (
+                format!(r#"{{"model":"m",{conversation},{tools}}}"#),
+                "tool_choice",
+            ),
+        ] {
+            assert_eq!(param_of(chat(&body).unwrap_err()), param, "{body}");
+        }
+    }
+
+    #[test]
     fn names_the_parameter_it_refuses() {
         let base = r#""model":"m","messages":[{"role":"user","content":"hi"}]"#;
         for (extra, param) in [
             (r#""n":0"#, "n"),
             (r#""n":17"#, "n"),
             (r#""n":1.5"#, "n"),
-            (r#""tools":[{"type":"function"}]"#, "tools"),
+            (r#""tools":[{"type":"function"}]"#, "tools[0].function"),
             (r#""tool_choice":"auto""#, "tool_choice"),
             (r#""logprobs":"yes""#, "logprobs"),
             (r#""top_logprobs":2"#, "top_logprobs"),
@@ -1474,6 +1763,7 @@ mod tests {
             id: "chatcmpl-1".into(),
             created: 7,
             model: "m".into(),
+            calls: None,
             endpoint: Endpoint::Chat,
         };
         let first = meta.chunk(0, true, None, None, false);

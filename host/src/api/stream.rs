@@ -17,6 +17,7 @@
 use super::error::ApiError;
 use super::guard::OutputGuard;
 use super::openai::{logprobs_value, Endpoint, ResponseMeta};
+use super::tools::CallsWriter;
 use crate::engine::request::{Event, FinishReason, RequestId, TokenLogprob, Usage};
 use crate::telemetry;
 use bytes::Bytes;
@@ -281,6 +282,8 @@ pub struct SseBody {
     guard: Option<OutputGuard>,
     /// Log probabilities, when the request asked for them.
     logprobs: Option<LogprobsOut>,
+    /// Where the output is tool calls: what turns it into their deltas.
+    calls: Option<CallsWriter>,
     frames: VecDeque<Bytes>,
     done: bool,
     /// The choice's index.
@@ -341,6 +344,7 @@ impl SseBody {
         }
         SseBody {
             events,
+            calls: meta.calls_writer(index),
             meta,
             include_usage,
             tracker,
@@ -378,9 +382,19 @@ impl SseBody {
         if text.is_empty() {
             return;
         }
-        let mut chunk = self
-            .meta
-            .chunk(self.index, false, Some(text), None, self.include_usage);
+        let mut chunk = match &mut self.calls {
+            Some(calls) => {
+                let entries = calls.push(text);
+                if entries.is_empty() {
+                    return;
+                }
+                self.meta
+                    .calls_chunk(self.index, entries, self.include_usage)
+            }
+            None => self
+                .meta
+                .chunk(self.index, false, Some(text), None, self.include_usage),
+        };
         set_logprobs(
             &mut chunk,
             self.logprobs.as_mut().and_then(LogprobsOut::for_text),

@@ -48,7 +48,9 @@ pub(super) async fn tokenize(
                     !add_special_tokens,
                     "prompt",
                 ),
-                TokenizeInput::Messages(messages) => (Source::Chat(messages), false, "messages"),
+                TokenizeInput::Messages(messages) => {
+                    (Source::Chat(messages, Vec::new()), false, "messages")
+                }
             };
             let rejected = |rejection| ApiError::Rejected {
                 rejection,

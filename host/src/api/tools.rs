@@ -1,0 +1,723 @@
+//! Tool calls (OpenAI's `tools` and `tool_choice`): the functions a request
+//! offers, the conversation's earlier calls and their results, and an answer
+//! that calls.
+//!
+//! The model is shown the tools by its own chat template (where it has a
+//! place for them: Qwen, Llama 3.1+, Mistral, ...), each text of them
+//! tokenized as a tenant's text, never as the template's special tokens
+//! (`engine/chat.rs`). What it may answer depends on `tool_choice`:
+//!
+//! - `"none"` (and no tools): text, as without tools.
+//! - a named function (`{"type": "function", "function": {"name": ...}}`):
+//!   the output is that function's arguments, an instance of its
+//!   `parameters` schema, enforced token by token as a `json_schema` is
+//!   (`engine/schema.rs`).
+//! - `"required"`: the output is a JSON array of one or more calls (at most
+//!   one with `parallel_tool_calls: false`), each `{"name": N, "arguments":
+//!   A}` with `A` an instance of `N`'s parameters. At most [`REQUIRED_MAX`]
+//!   tools: the recognizer reads at most that many alike alternatives side by
+//!   side, and a tool it could not reach would never be called.
+//! - `"auto"` (the default once tools are given) reads calls out of free text
+//!   in each family's own markup: not done yet, so it is refused (400) with
+//!   what to use instead.
+//!
+//! Either way the answer is `message.tool_calls` (`content` null) with
+//! `finish_reason: "tool_calls"`; streamed, each call's id and name come in
+//! one chunk and its arguments in the chunks that follow, as they are
+//! generated ([`CallsWriter`]).
+
+use super::error::ApiError;
+use super::openai::{invalid, unsupported};
+use crate::engine::chat::Tool;
+use crate::engine::json::READINGS_MAX;
+use crate::engine::schema::Schema;
+use serde_json::{json, Map, Value};
+
+/// Most tools one request may offer (OpenAI's limit).
+pub const TOOLS_MAX: usize = 128;
+/// Most tools with `tool_choice: "required"` (module doc).
+pub const REQUIRED_MAX: usize = READINGS_MAX;
+
+/// What a request lets the model do with its tools.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// Answer in text.
+    None,
+    /// Call tools or answer in text (refused for now: module doc).
+    Auto,
+    /// Call one or more tools.
+    Required,
+    /// Call this function.
+    Named(String),
+}
+
+/// How an answer's output becomes tool calls.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CallsOut {
+    /// The output is this function's arguments.
+    Named(String),
+    /// The output is a JSON array of `{"name", "arguments"}`.
+    Listed,
+}
+
+/// `tools`: at most [`TOOLS_MAX`] functions, each named as OpenAI requires
+/// (1 to 64 letters, digits, `_` or `-`), named once, with an object schema
+/// for parameters where one is given.
+pub fn tools_of(value: Value) -> Result<Vec<Tool>, ApiError> {
+    const PARAM: &str = "tools";
+    let Value::Array(items) = value else {
+        return Err(invalid(PARAM, "must be an array of tools"));
+    };
+    if items.len() > TOOLS_MAX {
+        return Err(invalid(PARAM, format!("at most {TOOLS_MAX} tools")));
+    }
+    let mut tools: Vec<Tool> = Vec::with_capacity(items.len());
+    for (i, item) in items.into_iter().enumerate() {
+        let param = format!("{PARAM}[{i}]");
+        let Value::Object(mut item) = item else {
+            return Err(invalid(&param, "must be an object"));
+        };
+        if item.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(unsupported(
+                &format!("{param}.type"),
+                "must be \"function\" (the only kind of tool this server offers)",
+            ));
+        }
+        let Some(Value::Object(mut function)) = item.remove("function") else {
+            return Err(invalid(&format!("{param}.function"), "must be an object"));
+        };
+        let param = format!("{param}.function");
+        let name = match function.remove("name") {
+            Some(Value::String(name)) if is_name(&name) => name,
+            _ => {
+                return Err(invalid(
+                    &format!("{param}.name"),
+                    "must be 1 to 64 letters, digits, '_' or '-'",
+                ))
+            }
+        };
+        if tools.iter().any(|t| t.name == name) {
+            return Err(invalid(
+                &format!("{param}.name"),
+                format!("{name:?} names two tools"),
+            ));
+        }
+        let description = match function.remove("description") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(d)) => Some(d),
+            Some(_) => return Err(invalid(&format!("{param}.description"), "must be a string")),
+        };
+        let parameters = match function.remove("parameters") {
+            None | Some(Value::Null) => None,
+            Some(p) if p.get("type").and_then(Value::as_str) == Some("object") => Some(p),
+            Some(_) => {
+                return Err(invalid(
+                    &format!("{param}.parameters"),
+                    "must be a JSON Schema of \"type\": \"object\"",
+                ))
+            }
+        };
+        match function.remove("strict") {
+            None | Some(Value::Null | Value::Bool(_)) => {}
+            Some(_) => return Err(invalid(&format!("{param}.strict"), "must be a boolean")),
+        }
+        if let Some(key) = function.keys().next() {
+            return Err(ApiError::UnknownParam(format!("{param}.{key}")));
+        }
+        tools.push(Tool {
+            name,
+            description,
+            parameters,
+        });
+    }
+    Ok(tools)
+}
+
+/// OpenAI's rule for function names.
+pub fn is_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// `tool_choice` (absent: `auto` with tools, `none` without).
+pub fn tool_choice_of(value: Option<Value>, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
+    const PARAM: &str = "tool_choice";
+    let choice = match value {
+        None | Some(Value::Null) if tools.is_empty() => ToolChoice::None,
+        None | Some(Value::Null) => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            _ => {
+                return Err(invalid(
+                    PARAM,
+                    "must be \"none\", \"auto\", \"required\" or a named function",
+                ))
+            }
+        },
+        Some(value) => {
+            let name = value
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .filter(|_| value.get("type").and_then(Value::as_str) == Some("function"));
+            let Some(name) = name else {
+                return Err(invalid(
+                    PARAM,
+                    "a named function is {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                ));
+            };
+            if !tools.iter().any(|t| t.name == name) {
+                return Err(invalid(
+                    PARAM,
+                    format!("names {name:?}, which is not among the request's tools"),
+                ));
+            }
+            ToolChoice::Named(name.to_string())
+        }
+    };
+    match choice {
+        ToolChoice::Required if tools.is_empty() => {
+            Err(invalid(PARAM, "\"required\" needs at least one tool"))
+        }
+        ToolChoice::Required if tools.len() > REQUIRED_MAX => Err(unsupported(
+            PARAM,
+            &format!(
+                "\"required\" with more than {REQUIRED_MAX} tools is not supported (name one, or offer fewer)"
+            ),
+        )),
+        ToolChoice::Auto => Err(unsupported(
+            PARAM,
+            "\"auto\" (the default when tools are given) is not supported yet: this server does \
+             not read tool calls out of free text; give \"required\" or a named function, or \
+             \"none\"",
+        )),
+        choice => Ok(choice),
+    }
+}
+
+/// The constraint on the output, and how it becomes calls, for `choice`.
+pub fn constraint_of(
+    choice: &ToolChoice,
+    tools: &[Tool],
+    parallel: bool,
+) -> Result<Option<(Schema, CallsOut)>, ApiError> {
+    let compile = |document: &Value, param: &str| {
+        Schema::compile(document).map_err(|e| invalid(param, format!("the parameters: {e}")))
+    };
+    match choice {
+        ToolChoice::None | ToolChoice::Auto => Ok(None),
+        ToolChoice::Named(name) => {
+            let (i, tool) = tools
+                .iter()
+                .enumerate()
+                .find(|(_, t)| &t.name == name)
+                .expect("tool_choice_of checked the name");
+            let schema = compile(
+                &parameters_of(tool),
+                &format!("tools[{i}].function.parameters"),
+            )?;
+            Ok(Some((schema, CallsOut::Named(name.clone()))))
+        }
+        ToolChoice::Required => {
+            // Each tool's parameters under $defs, their own references moved there.
+            let mut defs = Map::new();
+            let mut alternatives = Vec::with_capacity(tools.len());
+            for (i, tool) in tools.iter().enumerate() {
+                // Alone first: an error names the tool and where in its parameters.
+                compile(
+                    &parameters_of(tool),
+                    &format!("tools[{i}].function.parameters"),
+                )?;
+                let at = format!("#/$defs/t{i}");
+                defs.insert(format!("t{i}"), rebased(&parameters_of(tool), &at));
+                alternatives.push(json!({
+                    "type": "object",
+                    "properties": {"name": {"const": tool.name}, "arguments": {"$ref": at}},
+                    "required": ["name", "arguments"],
+                }));
+            }
+            let mut document = json!({
+                "type": "array",
+                "minItems": 1,
+                "items": {"anyOf": alternatives},
+                "$defs": defs,
+            });
+            if !parallel {
+                document["maxItems"] = 1.into();
+            }
+            // (Together they may pass a bound each passes alone: the nodes'.)
+            let schema = Schema::compile(&document)
+                .map_err(|e| invalid("tools", format!("the tools' parameters together: {e}")))?;
+            Ok(Some((schema, CallsOut::Listed)))
+        }
+    }
+}
+
+/// A tool's parameters, `{}` of an object where none are given.
+fn parameters_of(tool: &Tool) -> Value {
+    tool.parameters
+        .clone()
+        .unwrap_or_else(|| json!({"type": "object", "properties": {}}))
+}
+
+/// `schema` with its references into itself (`#...`) made references into
+/// the document it is placed at `at` in. Values that are data, not schemas
+/// (`const`, `enum`, `default`, `examples`), are left as they are.
+fn rebased(schema: &Value, at: &str) -> Value {
+    match schema {
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| {
+                    let v = match (k.as_str(), v) {
+                        ("$ref", Value::String(r)) if r.starts_with('#') => {
+                            Value::String(format!("{at}{}", &r[1..]))
+                        }
+                        ("const" | "enum" | "default" | "examples", v) => v.clone(),
+                        (_, v) => rebased(v, at),
+                    };
+                    (k.clone(), v)
+                })
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.iter().map(|v| rebased(v, at)).collect()),
+        other => other.clone(),
+    }
+}
+
+/// Where the listed output's reading is, within one call object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum At {
+    Key,
+    Value,
+}
+
+/// Turns a constrained output, as it is generated, into tool calls: the
+/// `tool_calls` entries of stream deltas ([`CallsWriter::push`]), and the
+/// calls so far ([`CallsWriter::calls`]).
+#[derive(Clone, Debug)]
+pub struct CallsWriter {
+    out: CallsOut,
+    /// Each call's id begins with this.
+    id_prefix: String,
+    /// `(name, arguments)` of each call begun.
+    calls: Vec<(String, String)>,
+    // The listed output's reading: containers open, inside a string (and
+    // after a backslash in it), the key being read or last read at a call's
+    // level, where at that level, whether the bytes are a call's arguments.
+    depth: u32,
+    in_string: bool,
+    escape: bool,
+    key: Vec<u8>,
+    at: At,
+    name: Option<Vec<u8>>,
+    in_arguments: bool,
+}
+
+impl CallsWriter {
+    /// A writer for one choice; its calls' ids are `{id_prefix}{k}`.
+    pub fn new(out: CallsOut, id_prefix: String) -> CallsWriter {
+        CallsWriter {
+            out,
+            id_prefix,
+            calls: Vec::new(),
+            depth: 0,
+            in_string: false,
+            escape: false,
+            key: Vec::new(),
+            at: At::Key,
+            name: None,
+            in_arguments: false,
+        }
+    }
+
+    /// The `tool_calls` entries `text` (the output's next piece) adds: a
+    /// call's first entry has its index, id, type and name, the others the
+    /// arguments' next text. Empty when it adds nothing.
+    pub fn push(&mut self, text: &str) -> Vec<Value> {
+        let mut entries = Vec::new();
+        match &self.out {
+            CallsOut::Named(name) => {
+                if self.calls.is_empty() {
+                    self.calls.push((name.clone(), String::new()));
+                    entries.push(self.header(0));
+                }
+                if !text.is_empty() {
+                    self.append(text, &mut entries);
+                }
+            }
+            CallsOut::Listed => {
+                let mut start: Option<usize> = None;
+                for (i, b) in text.bytes().enumerate() {
+                    let (argument, named) = self.step(b);
+                    if argument && start.is_none() {
+                        start = Some(i);
+                    }
+                    if !argument {
+                        if let Some(s) = start.take() {
+                            self.append(&text[s..i], &mut entries);
+                        }
+                    }
+                    if let Some(name) = named {
+                        self.calls.push((name, String::new()));
+                        entries.push(self.header(self.calls.len() - 1));
+                    }
+                }
+                if let Some(s) = start {
+                    self.append(&text[s..], &mut entries);
+                }
+            }
+        }
+        entries
+    }
+
+    /// The calls so far: `(id, name, arguments)`.
+    pub fn calls(&self) -> Vec<(String, String, String)> {
+        self.calls
+            .iter()
+            .enumerate()
+            .map(|(k, (name, arguments))| {
+                (
+                    format!("{}{k}", self.id_prefix),
+                    name.clone(),
+                    arguments.clone(),
+                )
+            })
+            .collect()
+    }
+
+    fn header(&self, k: usize) -> Value {
+        json!({
+            "index": k,
+            "id": format!("{}{k}", self.id_prefix),
+            "type": "function",
+            "function": {"name": self.calls[k].0, "arguments": ""},
+        })
+    }
+
+    /// Adds `text` to the last call's arguments: to its entry in `entries`
+    /// where it has one (one entry a call a chunk, as OpenAI sends).
+    fn append(&mut self, text: &str, entries: &mut Vec<Value>) {
+        let k = self.calls.len() - 1;
+        self.calls[k].1.push_str(text);
+        match entries.last_mut() {
+            Some(entry) if entry["index"] == k => {
+                let arguments = &mut entry["function"]["arguments"];
+                *arguments = format!("{}{text}", arguments.as_str().unwrap_or("")).into();
+            }
+            _ => entries.push(json!({"index": k, "function": {"arguments": text}})),
+        }
+    }
+
+    /// Reads one byte of the listed output: whether it is part of a call's
+    /// arguments, and the call's name once it is read.
+    fn step(&mut self, b: u8) -> (bool, Option<String>) {
+        let argument = self.in_arguments;
+        if self.in_string {
+            if self.escape {
+                self.escape = false;
+            } else if b == b'\\' {
+                self.escape = true;
+            } else if b == b'"' {
+                self.in_string = false;
+                if self.depth == 2 && !self.in_arguments {
+                    if let Some(name) = self.name.take() {
+                        return (false, Some(String::from_utf8_lossy(&name).into_owned()));
+                    }
+                }
+                return (argument, None);
+            }
+            if self.depth == 2 && !self.in_arguments {
+                match (self.at, &mut self.name) {
+                    (At::Key, _) => self.key.push(b),
+                    (At::Value, Some(name)) => name.push(b),
+                    _ => {}
+                }
+            }
+            return (argument, None);
+        }
+        match b {
+            b'"' => {
+                self.in_string = true;
+                if self.depth == 2 && !self.in_arguments {
+                    match self.at {
+                        At::Key => self.key.clear(),
+                        At::Value if self.key == b"name" => self.name = Some(Vec::new()),
+                        At::Value => {}
+                    }
+                }
+            }
+            b'{' | b'[' => {
+                if self.depth == 2 && self.at == At::Value && self.key == b"arguments" {
+                    self.in_arguments = true;
+                }
+                self.depth += 1;
+                if self.depth == 2 {
+                    self.at = At::Key;
+                }
+                return (self.in_arguments, None);
+            }
+            b'}' | b']' => {
+                self.depth = self.depth.saturating_sub(1);
+                if self.in_arguments && self.depth == 2 {
+                    self.in_arguments = false;
+                }
+            }
+            b':' if self.depth == 2 && !self.in_arguments => self.at = At::Value,
+            b',' if self.depth == 2 && !self.in_arguments => self.at = At::Key,
+            _ => {}
+        }
+        (argument, None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tool(name: &str, parameters: Value) -> Tool {
+        Tool {
+            name: name.into(),
+            description: None,
+            parameters: Some(parameters),
+        }
+    }
+
+    fn weather() -> Value {
+        json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    }
+
+    #[test]
+    fn tools_are_read_and_refused_with_the_field_named() {
+        let tools = tools_of(json!([
+            {"type": "function", "function": {"name": "get_weather", "description": "Weather.",
+             "parameters": weather(), "strict": true}},
+            {"type": "function", "function": {"name": "now"}},
+        ]))
+        .unwrap();
+        assert_eq!(tools.len(), 2);
+        assert_eq!(tools[0].description.as_deref(), Some("Weather."));
+        assert_eq!(tools[1].parameters, None);
+        let refused = |value: Value| match tools_of(value).unwrap_err() {
+            ApiError::InvalidValue { param, .. }
+            | ApiError::Unsupported { param, .. }
+            | ApiError::UnknownParam(param) => param,
+            other => panic!("{other:?}"),
+        };
+        let f = |function: Value| json!([{"type": "function", "function": function}]);
+        assert_eq!(refused(json!({})), "tools");
+        assert_eq!(
+            refused(json!([{"type": "code_interpreter"}])),
+            "tools[0].type"
+        );
+        assert_eq!(refused(f(json!({"name": "a b"}))), "tools[0].function.name");
+        assert_eq!(
+            refused(f(json!({"name": "x".repeat(65)}))),
+            "tools[0].function.name"
+        );
+        assert_eq!(
+            refused(f(json!({"name": "f", "parameters": {"type": "string"}}))),
+            "tools[0].function.parameters"
+        );
+        assert_eq!(
+            refused(f(json!({"name": "f", "returns": {}}))),
+            "tools[0].function.returns"
+        );
+        assert_eq!(
+            refused(json!([{"type": "function", "function": {"name": "f"}},
+                           {"type": "function", "function": {"name": "f"}}])),
+            "tools[1].function.name"
+        );
+        let many: Vec<Value> = (0..=TOOLS_MAX)
+            .map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}}))
+            .collect();
+        assert_eq!(refused(Value::Array(many)), "tools");
+    }
+
+    #[test]
+    fn tool_choice_defaults_and_refusals() {
+        let tools = vec![tool("get_weather", weather())];
+        assert_eq!(tool_choice_of(None, &[]).unwrap(), ToolChoice::None);
+        assert_eq!(
+            tool_choice_of(Some(json!("none")), &tools).unwrap(),
+            ToolChoice::None
+        );
+        assert_eq!(
+            tool_choice_of(Some(json!("required")), &tools).unwrap(),
+            ToolChoice::Required
+        );
+        assert_eq!(
+            tool_choice_of(
+                Some(json!({"type": "function", "function": {"name": "get_weather"}})),
+                &tools
+            )
+            .unwrap(),
+            ToolChoice::Named("get_weather".into())
+        );
+        // auto, by default or by name, is refused saying what to use.
+        for choice in [None, Some(json!("auto"))] {
+            let e = tool_choice_of(choice, &tools).unwrap_err();
+            assert!(e.to_string().contains("required"), "{e}");
+        }
+        for bad in [
+            json!("sometimes"),
+            json!({"type": "function", "function": {"name": "other"}}),
+            json!({"function": {"name": "get_weather"}}),
+        ] {
+            assert!(tool_choice_of(Some(bad), &tools).is_err());
+        }
+        assert!(tool_choice_of(Some(json!("required")), &[]).is_err());
+        let many: Vec<Tool> = (0..=REQUIRED_MAX)
+            .map(|i| tool(&format!("f{i}"), weather()))
+            .collect();
+        assert!(tool_choice_of(Some(json!("required")), &many).is_err());
+        assert!(tool_choice_of(Some(json!("required")), &many[..REQUIRED_MAX]).is_ok());
+    }
+
+    /// Whether `schema` takes `text` whole.
+    fn takes(schema: &Schema, text: &str) -> bool {
+        let mut json = crate::engine::json::Json::new(std::sync::Arc::new(schema.clone()));
+        json.push(text.as_bytes()) && json.is_done()
+    }
+
+    #[test]
+    fn required_calls_are_a_list_of_named_arguments_each_of_its_tools_schema() {
+        // A tool whose parameters refer into themselves (pydantic's $defs).
+        let point = json!({
+            "type": "object",
+            "properties": {"at": {"$ref": "#/$defs/P"}},
+            "required": ["at"],
+            "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}},
+                            "required": ["x"]}},
+        });
+        let tools = vec![tool("get_weather", weather()), tool("go", point)];
+        let (schema, out) = constraint_of(&ToolChoice::Required, &tools, true)
+            .unwrap()
+            .unwrap();
+        assert_eq!(out, CallsOut::Listed);
+        assert!(takes(
+            &schema,
+            r#"[{"name":"get_weather","arguments":{"city":"Oslo"}},{"name":"go","arguments":{"at":{"x":3}}}]"#
+        ));
+        for wrong in [
+            r#"[]"#,
+            r#"[{"name":"get_weather","arguments":{"at":{"x":3}}}]"#,
+            r#"[{"name":"go","arguments":{"at":{"x":"3"}}}]"#,
+            r#"[{"name":"other","arguments":{}}]"#,
+            r#"[{"arguments":{"city":"Oslo"},"name":"get_weather"}]"#,
+        ] {
+            assert!(!takes(&schema, wrong), "{wrong}");
+        }
+        // Not parallel: one call.
+        let (one, _) = constraint_of(&ToolChoice::Required, &tools, false)
+            .unwrap()
+            .unwrap();
+        let call = r#"{"name":"get_weather","arguments":{"city":"Oslo"}}"#;
+        assert!(takes(&one, &format!("[{call}]")));
+        assert!(!takes(&one, &format!("[{call},{call}]")));
+        // A named function: its arguments alone.
+        let (named, out) = constraint_of(&ToolChoice::Named("go".into()), &tools, true)
+            .unwrap()
+            .unwrap();
+        assert_eq!(out, CallsOut::Named("go".into()));
+        assert!(takes(&named, r#"{"at":{"x":1}}"#));
+        // A keyword the recognizer would not enforce names the tool.
+        let loose = vec![
+            tool("a", weather()),
+            tool(
+                "b",
+                json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}),
+            ),
+        ];
+        match constraint_of(&ToolChoice::Required, &loose, true).unwrap_err() {
+            ApiError::InvalidValue { param, message } => {
+                assert_eq!(param, "tools[1].function.parameters");
+                assert!(message.contains("minimum"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_listed_output_streams_each_calls_name_then_its_arguments_however_it_is_cut() {
+        let output = r#"[{"name":"get_weather","arguments":{"city":"O\"slo}","n":[1,{"a":2}]}}, {"name" : "go", "arguments" : {}}]"#;
+        let whole = {
+            let mut w = CallsWriter::new(CallsOut::Listed, "call_".into());
+            w.push(output);
+            w.calls()
+        };
+        assert_eq!(
+            whole,
+            vec![
+                (
+                    "call_0".to_string(),
+                    "get_weather".to_string(),
+                    r#"{"city":"O\"slo}","n":[1,{"a":2}]}"#.to_string()
+                ),
+                ("call_1".to_string(), "go".to_string(), "{}".to_string()),
+            ]
+        );
+        // Cut at every byte, in pieces of every size: the same calls, and
+        // the deltas' arguments put together are each call's.
+        for size in 1..12 {
+            let mut w = CallsWriter::new(CallsOut::Listed, "call_".into());
+            let mut streamed: Vec<(String, String)> = Vec::new();
+            let bytes = output.as_bytes();
+            for piece in bytes.chunks(size) {
+                let entries = w.push(std::str::from_utf8(piece).unwrap());
+                let indices: Vec<u64> = entries
+                    .iter()
+                    .map(|e| e["index"].as_u64().unwrap())
+                    .collect();
+                assert!(
+                    indices.windows(2).all(|w| w[0] < w[1]),
+                    "one entry a call: {entries:?}"
+                );
+                for entry in entries {
+                    let k = entry["index"].as_u64().unwrap() as usize;
+                    if let Some(name) = entry["function"]["name"].as_str() {
+                        assert_eq!(k, streamed.len());
+                        assert_eq!(entry["id"], format!("call_{k}"));
+                        streamed.push((name.into(), String::new()));
+                    }
+                    streamed[k]
+                        .1
+                        .push_str(entry["function"]["arguments"].as_str().unwrap());
+                }
+            }
+            let calls: Vec<(String, String)> = whole
+                .iter()
+                .map(|(_, n, a)| (n.clone(), a.clone()))
+                .collect();
+            assert_eq!(streamed, calls, "pieces of {size}");
+        }
+    }
+
+    #[test]
+    fn a_named_output_is_the_arguments_from_the_first_piece() {
+        let mut w = CallsWriter::new(CallsOut::Named("go".into()), "call_".into());
+        let first = w.push("{\"at\"");
+        assert_eq!(first.len(), 1, "one entry a call");
+        assert_eq!(first[0]["function"]["name"], "go");
+        assert_eq!(first[0]["function"]["arguments"], "{\"at\"");
+        assert_eq!(w.push(":1}").len(), 1);
+        assert_eq!(
+            w.calls(),
+            vec![("call_0".into(), "go".into(), "{\"at\":1}".into())]
+        );
+    }
+
+    #[test]
+    fn rebasing_moves_references_and_leaves_data_alone() {
+        let schema = json!({"$ref": "#/$defs/A", "const": {"$ref": "#/x"},
+                            "properties": {"$ref": {"$ref": "#"}}});
+        assert_eq!(
+            rebased(&schema, "#/$defs/t3"),
+            json!({"$ref": "#/$defs/t3/$defs/A", "const": {"$ref": "#/x"},
+                   "properties": {"$ref": {"$ref": "#/$defs/t3"}}})
+        );
+    }
+}
