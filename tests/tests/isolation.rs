@@ -213,7 +213,7 @@ impl Suite {
         }
         if answer.status == 200 && answer.code.is_none() {
             match answer.finish.as_deref() {
-                Some("stop" | "length") => {}
+                Some("stop" | "length" | "tool_calls") => {}
                 other => self.fail(format!("{path}: {tenant} 200 without a finish: {other:?}")),
             }
         }
@@ -316,6 +316,18 @@ impl Suite {
                 .or(choice["text"].as_str())
                 .unwrap_or("");
             answer.text.push_str(piece);
+            // A tool call's name and arguments, as they come.
+            for call in choice["delta"]["tool_calls"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                for field in ["name", "arguments"] {
+                    answer
+                        .text
+                        .push_str(call["function"][field].as_str().unwrap_or(""));
+                }
+            }
             if let Some(finish) = choice["finish_reason"].as_str() {
                 answer.finish = Some(finish.to_string());
             }
@@ -837,6 +849,70 @@ fn structured(suite: &Suite, server: &Server) {
             body["structured_outputs"] = json!({"json": {"type": "array", "minItems": 200,
                                                           "items": {"type": "integer"}}});
             let answer = suite.send(server, KEY_BETA, &[], COMPLETIONS, &body, Some(6));
+            suite.check(PATH, "beta", &answer.text);
+            if answer.status != 200 || answer.code.is_some() {
+                suite.fail(format!("{PATH}: the stream did not run: {answer:?}"));
+            }
+            if !eventually(Duration::from_secs(20), || {
+                server.metric(&cancelled) > before
+            }) {
+                suite.fail(format!("{PATH}: the server never saw the stream go"));
+            }
+        });
+        suite.trial_done(PATH, suite.baseline(PATH, server, MODEL_ID));
+    }
+}
+
+/// Tool calls: tools whose descriptions hold the tenant's canaries and whose
+/// parameters invite copying them (the calls are checked for others'), a
+/// conversation whose earlier call and its result hold them, and a named
+/// call's arguments streamed and left after a few events (its sequence
+/// ends), while another tenant is served. The tools' texts are tokenized as
+/// the tenant's text; the calls are sampled under a schema as any output is.
+fn tools(suite: &Suite, server: &Server) {
+    const PATH: &str = "tool calls (required, named, a result), whole and left mid-stream";
+    let cancelled = format!(
+        r#"bulkhead_requests_total{{model="{MODEL_ID}",tenant="beta",reason="cancelled"}}"#
+    );
+    for _ in 0..suite.trials(2, 0.5) {
+        let before = server.metric(&cancelled);
+        std::thread::scope(|s| {
+            s.spawn(|| served(suite, server, PATH, "gamma", true));
+            let (account, ticket) = (suite.canary("beta"), suite.canary("beta"));
+            let tools = json!([
+                {"type": "function", "function": {"name": "open_ticket",
+                    "description": format!("Opens ticket {ticket} for account {account}."),
+                    "parameters": {"type": "object", "required": ["account", "ticket"],
+                        "properties": {"account": {"type": "string", "maxLength": 40},
+                                       "ticket": {"type": "string", "maxLength": 40}}}}},
+                {"type": "function", "function": {"name": "count",
+                    "parameters": {"type": "object", "required": ["numbers"],
+                        "properties": {"numbers": {"type": "array", "minItems": 200,
+                                                   "items": {"type": "integer"}}}}}}
+            ]);
+            let mut body = chat(suite, "beta", MODEL_ID, 48, 0);
+            body["tools"] = tools.clone();
+            body["tool_choice"] = json!("required");
+            body["parallel_tool_calls"] = json!(false);
+            let answer = suite.send(server, KEY_BETA, &[], CHAT, &body, None);
+            suite.expect(PATH, "beta", &answer, OK);
+            // An earlier call and its result, then a named call.
+            let arguments = json!({"account": account, "ticket": ticket}).to_string();
+            body["messages"].as_array_mut().unwrap().extend([
+                json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c1",
+                    "type": "function",
+                    "function": {"name": "open_ticket", "arguments": arguments}}]}),
+                json!({"role": "tool", "tool_call_id": "c1",
+                       "content": format!("Ticket {ticket} is open for {account}.")}),
+            ]);
+            body["tool_choice"] = json!({"type": "function", "function": {"name": "open_ticket"}});
+            let answer = suite.send(server, KEY_BETA, &[], CHAT, &body, None);
+            suite.expect(PATH, "beta", &answer, OK);
+            // (At least 200 numbers: it cannot end before the client leaves.)
+            body["tool_choice"] = json!({"type": "function", "function": {"name": "count"}});
+            body["max_tokens"] = json!(600);
+            body["stream"] = json!(true);
+            let answer = suite.send(server, KEY_BETA, &[], CHAT, &body, Some(6));
             suite.check(PATH, "beta", &answer.text);
             if answer.status != 200 || answer.code.is_some() {
                 suite.fail(format!("{PATH}: the stream did not run: {answer:?}"));
@@ -1849,7 +1925,7 @@ fn no_tenant_sees_another_tenants_data_on_any_path() {
         );
         assert_eq!(r.status, 200, "{}", r.body);
         type Path = fn(&Suite, &Server);
-        let paths: [(&str, Path); 16] = [
+        let paths: [(&str, Path); 17] = [
             ("success", success),
             ("prefix_cache", prefix_cache),
             ("oversized", oversized),
@@ -1858,6 +1934,7 @@ fn no_tenant_sees_another_tenants_data_on_any_path() {
             ("cancel_decode", cancel_decode),
             ("choices", choices),
             ("structured", structured),
+            ("tools", tools),
             ("queue_full", queue_full),
             ("preemption", preemption),
             ("plugin_faults", plugin_faults),
