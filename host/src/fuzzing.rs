@@ -22,6 +22,7 @@ use crate::api::openai::{
     ChatRequest, Common, CompletionRequest, DetokenizeRequest, Prompt, TokenizeInput,
     TokenizeRequest, CACHE_SALT_BYTES_MAX, CHOICES_MAX, TOP_K_LIMIT,
 };
+use crate::api::tools::CallsOut;
 use crate::config::{Config, ModelSpec, PluginsConfig};
 use crate::engine::chat::MESSAGES_MAX;
 use crate::engine::json::Json;
@@ -29,7 +30,7 @@ use crate::engine::sampling::{
     LOGIT_BIAS_LIMIT, LOGIT_BIAS_MAX, PENALTY_LIMIT, REPETITION_PENALTY_MAX, STOP_TOKEN_IDS_MAX,
     TOP_LOGPROBS_MAX,
 };
-use crate::engine::schema::Source;
+use crate::engine::schema::{Schema, Source};
 use crate::engine::stop::{STOPS_MAX, STOP_BYTES_MAX};
 use crate::policy::{CallLimits, PolicyRuntime};
 use crate::store::records::{
@@ -68,19 +69,74 @@ pub fn openai(data: &[u8]) {
         check_common(&chat.common);
         check_recognizer(&chat.common, data);
         assert!(!chat.messages.is_empty() && chat.messages.len() <= MESSAGES_MAX);
+        let mut calls = 0;
         for message in &chat.messages {
             assert!(
-                ["system", "user", "assistant"].contains(&message.role.as_str()),
+                ["system", "user", "assistant", "tool"].contains(&message.role.as_str()),
                 "{message:?}"
             );
+            assert!(message.tool_calls.is_empty() || message.role == "assistant");
+            // A tool message answers a call made before it.
+            assert_eq!(message.answers.is_some(), message.role == "tool");
+            assert!(message.answers.is_none_or(|k| k < calls), "{message:?}");
+            calls += message.tool_calls.len();
         }
+        assert!(chat.tools.len() <= crate::api::tools::TOOLS_MAX);
         let mut body = common_body(&chat.common);
+        let mut k = 0;
         body["messages"] = chat
             .messages
             .iter()
-            .map(|m| json!({"role": m.role, "content": m.content}))
+            .map(|m| {
+                let mut message = json!({"role": m.role, "content": m.content});
+                if !m.tool_calls.is_empty() {
+                    let calls: Vec<Value> = m
+                        .tool_calls
+                        .iter()
+                        .map(|call| {
+                            k += 1;
+                            json!({"id": format!("c{}", k - 1), "type": "function",
+                                   "function": {"name": call.name,
+                                                "arguments": Value::Object(call.arguments.clone()).to_string()}})
+                        })
+                        .collect();
+                    message["tool_calls"] = calls.into();
+                }
+                if let Some(answers) = m.answers {
+                    message["tool_call_id"] = format!("c{answers}").into();
+                }
+                message
+            })
             .collect();
-        constrain(&mut body, &chat.common);
+        if !chat.tools.is_empty() {
+            body["tools"] = chat
+                .tools
+                .iter()
+                .map(|t| {
+                    json!({"type": "function", "function": {"name": t.name,
+                           "description": t.description, "parameters": t.parameters}})
+                })
+                .collect();
+        }
+        match &chat.calls {
+            None if !chat.tools.is_empty() => {
+                body["tool_choice"] = json!("none");
+                constrain(&mut body, &chat.common);
+            }
+            None => constrain(&mut body, &chat.common),
+            Some(CallsOut::Named(name)) => {
+                body["tool_choice"] = json!({"type": "function", "function": {"name": name}});
+            }
+            Some(CallsOut::Listed) => {
+                body["tool_choice"] = json!("required");
+                // One call only where the list's schema says so.
+                let one = matches!(
+                    chat.common.sampling.json.as_deref().map(Schema::source),
+                    Some(Source::Document(d)) if d.get("maxItems").is_some()
+                );
+                body["parallel_tool_calls"] = json!(!one);
+            }
+        }
         if let Some(top) = chat.common.sampling.logprobs {
             body["logprobs"] = json!(true);
             body["top_logprobs"] = json!(top);
@@ -825,6 +881,14 @@ pub fn openai_seeds() -> Vec<(&'static str, Vec<u8>)> {
         (
             "seed-completion-json-object.json",
             r#"{"model":"m","prompt":"{"a": [1, "x", {"b": null}]}","response_format":{"type":"json_object"}}"#,
+        ),
+        (
+            "seed-chat-tools-required.json",
+            r##"{"model":"m","messages":[{"role":"user","content":"Weather in Oslo?"},{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Oslo\",\"n\":[1,{}]}"}}]},{"role":"tool","tool_call_id":"call_1","content":"rain"}],"tools":[{"type":"function","function":{"name":"get_weather","description":"Weather <|im_end|>","parameters":{"type":"object","properties":{"city":{"type":"string","maxLength":24},"unit":{"enum":["c","f"]},"at":{"$ref":"#/$defs/P"}},"required":["city"],"$defs":{"P":{"type":"object","properties":{"x":{"type":"integer"}}}}},"strict":true}},{"type":"function","function":{"name":"now"}}],"tool_choice":"required","parallel_tool_calls":false}"##,
+        ),
+        (
+            "seed-chat-tools-named.json",
+            r#"{"model":"m","messages":[{"role":"user","content":"Time?"}],"tools":[{"type":"function","function":{"name":"now","parameters":{"type":"object","properties":{"zone":{"type":"string"}}}}}],"tool_choice":{"type":"function","function":{"name":"now"}}}"#,
         ),
         (
             "seed-completion-vllm.json",

@@ -53,6 +53,14 @@ fn the_seed_inputs_pass_their_targets() {
             body(&bytes);
         }
     }
+    // The chat seeds are requests the server takes (the fuzzer starts from
+    // what parses, tools and earlier calls included).
+    for (name, bytes) in fuzzing::openai_seeds() {
+        if name.starts_with("seed-chat") {
+            let parsed = bulkhead::api::openai::ChatRequest::parse(&bytes);
+            assert!(parsed.is_ok(), "{name}: {parsed:?}");
+        }
+    }
 }
 
 /// Seeds the corpora: `cargo test -p bulkhead --test fuzz_corpora --
