@@ -124,6 +124,11 @@ pub fn openai(data: &[u8]) {
                 constrain(&mut body, &chat.common);
             }
             None => constrain(&mut body, &chat.common),
+            Some(CallsOut::Tagged(names)) => {
+                assert_eq!(names.len(), chat.tools.len());
+                body["tool_choice"] = json!("auto");
+                constrain(&mut body, &chat.common);
+            }
             Some(CallsOut::Named(name)) => {
                 body["tool_choice"] = json!({"type": "function", "function": {"name": name}});
             }

@@ -67,6 +67,8 @@ fn real_templates_render_as_jinja2_renders_them() {
             entry["eos_token"].as_str().unwrap(),
         )
         .unwrap_or_else(|e| panic!("{name}: {e}"));
+        // Qwen's templates write calls in Hermes' markup, which `auto` reads.
+        assert_eq!(template.hermes_calls(), name.starts_with("Qwen-"), "{name}");
         for (i, case) in entry["cases"].as_array().unwrap().iter().enumerate() {
             let conversation = messages(&case["messages"]);
             let ours = template.render_tools(&conversation, &tools(&case["tools"]));

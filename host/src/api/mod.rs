@@ -564,6 +564,19 @@ impl Source {
     }
 }
 
+/// `auto` tool calls are read in Hermes' markup: only where the model's
+/// template has it.
+fn check_calls(model: &Served, calls: Option<&tools::CallsOut>) -> Result<(), ApiError> {
+    match calls {
+        Some(tools::CallsOut::Tagged(_))
+            if !model.template.as_ref().is_some_and(|t| t.hermes_calls()) =>
+        {
+            Err(tools::auto_refused())
+        }
+        _ => Ok(()),
+    }
+}
+
 /// `logit_bias` and `stop_token_ids` name tokens of the model's vocabulary only.
 fn check_token_ids(model: &Served, common: &Common) -> Result<(), ApiError> {
     let vocab = model.tokenizer.vocab_len();
@@ -682,6 +695,7 @@ async fn run(
     let Some(mut model) = app.served(tenant, &common.model) else {
         return Err(ApiError::ModelNotFound(common.model));
     };
+    check_calls(&model, calls.as_ref())?;
     check_token_ids(&model, &common)?;
     let rejected = |rejection| ApiError::Rejected {
         rejection,
@@ -760,6 +774,7 @@ async fn run(
                     return Err(ApiError::ModelNotFound(to));
                 };
                 check_token_ids(&routed, &common)?;
+                check_calls(&routed, calls.as_ref())?;
                 tracing::info!(request_id = id.0, tenant = %tenant.name, plugin = %plugin, from = %model.spec.id, to = %routed.spec.id, "routed");
                 routed
                     .admission

@@ -9,7 +9,7 @@
 //! 3. Responses and stream chunks are built here, in OpenAI's exact shape.
 
 use super::error::ApiError;
-use super::tools::{self, CallsOut, CallsWriter};
+use super::tools::{self, CallsOut, CallsWriter, ToolChoice};
 use crate::engine::chat::{Message, Tool, ToolCall, MESSAGES_MAX};
 use crate::engine::request::TokenLogprob;
 use crate::engine::request::{FinishReason, Usage};
@@ -586,6 +586,11 @@ impl ChatRequest {
                 common.sampling.json = Some(Arc::new(schema));
                 Some(out)
             }
+            // Read out of the text, where the model's template has a markup
+            // for calls (checked once the model is known).
+            None if choice == ToolChoice::Auto => Some(CallsOut::Tagged(
+                tools.iter().map(|t| t.name.clone()).collect(),
+            )),
             None => None,
         };
         f.allow_if("modalities", |v| v == &serde_json::json!(["text"]))?;
@@ -1069,10 +1074,24 @@ pub struct ResponseMeta {
 impl ResponseMeta {
     /// The `finish_reason` of a successful finish: `tool_calls` where the
     /// output is calls and ended whole.
+    /// (Tagged calls: see [`ResponseMeta::finish_of`].)
     fn finish_reason(&self, reason: FinishReason) -> &'static str {
         match (&self.calls, reason) {
+            (Some(CallsOut::Tagged(_)), _) => finish_reason(reason),
             (Some(_), FinishReason::Stop) => "tool_calls",
             _ => finish_reason(reason),
+        }
+    }
+
+    /// The `finish_reason` of a successful finish, given its choice's calls.
+    pub fn finish_of(&self, reason: FinishReason, calls: Option<&CallsWriter>) -> &'static str {
+        match (&self.calls, reason) {
+            (Some(CallsOut::Tagged(_)), FinishReason::Stop)
+                if calls.is_some_and(|c| c.called()) =>
+            {
+                "tool_calls"
+            }
+            _ => self.finish_reason(reason),
         }
     }
 
@@ -1089,7 +1108,14 @@ impl ResponseMeta {
         match self.endpoint {
             Endpoint::Chat if self.calls.is_some() => {
                 let mut writer = self.calls_writer(index).expect("calls");
-                writer.push(&text);
+                let mut content = writer.push(&text).content;
+                content.push_str(&writer.finish());
+                // Text around the calls (tagged only): trimmed where it
+                // called, none where that leaves nothing.
+                let content = match (&self.calls, writer.called()) {
+                    (Some(CallsOut::Tagged(_)), false) => Some(content),
+                    _ => Some(content.trim().to_string()).filter(|c| !c.is_empty()),
+                };
                 let calls: Vec<Value> = writer
                     .calls()
                     .into_iter()
@@ -1098,12 +1124,16 @@ impl ResponseMeta {
                                            "function": {"name": name, "arguments": arguments}})
                     })
                     .collect();
+                let mut message = serde_json::json!({"role": "assistant", "content": content,
+                                                     "refusal": null});
+                if !calls.is_empty() || !matches!(self.calls, Some(CallsOut::Tagged(_))) {
+                    message["tool_calls"] = calls.into();
+                }
                 serde_json::json!({
                     "index": index,
-                    "message": {"role": "assistant", "content": null, "refusal": null,
-                                "tool_calls": calls},
+                    "message": message,
                     "logprobs": null,
-                    "finish_reason": self.finish_reason(reason),
+                    "finish_reason": self.finish_of(reason, Some(&writer)),
                 })
             }
             Endpoint::Chat => serde_json::json!({
@@ -1285,6 +1315,14 @@ mod tests {
         .unwrap();
         assert_eq!((none.calls, none.tools.len()), (None, 1));
         assert!(none.common.sampling.json.is_none());
+        // "auto", by default: read out of the text (where the model's
+        // template has a markup for calls: checked once it is known).
+        let auto = chat(&format!(r#"{{"model":"m",{conversation},{tools}}}"#)).unwrap();
+        assert_eq!(
+            auto.calls,
+            Some(CallsOut::Tagged(vec!["get_weather".into()]))
+        );
+        assert!(auto.common.sampling.json.is_none());
 
         let message = |m: &str| {
             format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}},{m}]}}"#)
@@ -1360,7 +1398,8 @@ mod tests {
                 "tool_choice",
             ),
             (
-                format!(r#"{{"model":"m",{conversation},{tools}}}"#),
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tool_choice":"auto"}"#
+                    .to_string(),
                 "tool_choice",
             ),
         ] {

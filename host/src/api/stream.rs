@@ -384,12 +384,29 @@ impl SseBody {
         }
         let mut chunk = match &mut self.calls {
             Some(calls) => {
-                let entries = calls.push(text);
-                if entries.is_empty() {
+                let pushed = calls.push(text);
+                // Text between and after calls that is only their spacing
+                // is not given out.
+                let called = calls.called();
+                let content = Some(pushed.content)
+                    .filter(|c| !(c.is_empty() || called && c.trim().is_empty()));
+                if let Some(content) = &content {
+                    let chunk =
+                        self.meta
+                            .chunk(self.index, false, Some(content), None, self.include_usage);
+                    if pushed.entries.is_empty() {
+                        chunk
+                    } else {
+                        self.frames.push_back(sse(&chunk));
+                        self.meta
+                            .calls_chunk(self.index, pushed.entries, self.include_usage)
+                    }
+                } else if pushed.entries.is_empty() {
                     return;
+                } else {
+                    self.meta
+                        .calls_chunk(self.index, pushed.entries, self.include_usage)
                 }
-                self.meta
-                    .calls_chunk(self.index, entries, self.include_usage)
             }
             None => self
                 .meta
@@ -423,6 +440,15 @@ impl SseBody {
                 Err(blocked) => return self.block(blocked),
             }
         }
+        // What the calls' reader held back is text after all.
+        if let Some(held) = self.calls.as_mut().map(CallsWriter::finish) {
+            if !held.is_empty() {
+                let chunk =
+                    self.meta
+                        .chunk(self.index, false, Some(&held), None, self.include_usage);
+                self.frames.push_back(sse(&chunk));
+            }
+        }
         // Entries of text held back to the end, or of no text: with the last chunk.
         let logprobs = match self.logprobs.as_mut().map(|l| l.finish(false)).transpose() {
             Ok(value) => value.flatten(),
@@ -431,6 +457,8 @@ impl SseBody {
         let mut last = self
             .meta
             .chunk(self.index, false, None, Some(reason), self.include_usage);
+        last["choices"][0]["finish_reason"] =
+            self.meta.finish_of(reason, self.calls.as_ref()).into();
         set_logprobs(&mut last, logprobs);
         self.frames.push_back(sse(&last));
         if !self.alone {
@@ -602,5 +630,127 @@ impl Body for ChoicesSse {
 
     fn size_hint(&self) -> SizeHint {
         SizeHint::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::tools::CallsOut;
+    use http_body_util::BodyExt;
+
+    /// The data of each event of a stream of `texts` then a finish, for a
+    /// chat whose calls are read as `calls`.
+    fn streamed(calls: CallsOut, texts: &[&str], reason: FinishReason) -> Vec<serde_json::Value> {
+        let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
+        for text in texts {
+            events.send(Event::Text(text.to_string())).unwrap();
+        }
+        let usage = Usage::default();
+        events.send(Event::Finished { reason, usage }).unwrap();
+        let meta = ResponseMeta {
+            id: "chatcmpl-9".into(),
+            created: 1,
+            model: "m".into(),
+            endpoint: Endpoint::Chat,
+            calls: Some(calls),
+        };
+        let tracker = Tracker::new(RequestId(9), "alpha", "m", Instant::now());
+        let body = SseBody::new(receiver, meta, false, tracker, None, None);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let bytes = runtime.block_on(body.collect()).unwrap().to_bytes();
+        let text = String::from_utf8(bytes.to_vec()).unwrap();
+        let data: Vec<&str> = text
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .collect();
+        assert_eq!(data.last(), Some(&"[DONE]"));
+        data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect()
+    }
+
+    fn content(chunks: &[serde_json::Value]) -> String {
+        chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect()
+    }
+
+    fn finish(chunks: &[serde_json::Value]) -> &str {
+        chunks.last().unwrap()["choices"][0]["finish_reason"]
+            .as_str()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_tagged_stream_gives_out_text_and_each_call_once_its_block_closes() {
+        let tools = CallsOut::Tagged(vec!["now".into()]);
+        let chunks = streamed(
+            tools.clone(),
+            &[
+                "Sure.",
+                " <tool",
+                "_call>\n{\"name\": \"now\", \"argu",
+                "ments\": {\"zone\": \"CET\"}}\n</tool_call>",
+                "\n",
+            ],
+            FinishReason::Stop,
+        );
+        assert_eq!(content(&chunks), "Sure. ");
+        let calls: Vec<&serde_json::Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+            .flatten()
+            .collect();
+        assert_eq!(calls.len(), 1, "{chunks:?}");
+        assert_eq!(calls[0]["id"], "call_9_0_0");
+        assert_eq!(calls[0]["function"]["name"], "now");
+        assert_eq!(calls[0]["function"]["arguments"], r#"{"zone":"CET"}"#);
+        assert_eq!(finish(&chunks), "tool_calls");
+        // No call: every byte is text (what looked like a block's beginning
+        // included), and the finish is stop.
+        let chunks = streamed(tools, &["1 <", "tool_ca"], FinishReason::Stop);
+        assert_eq!(content(&chunks), "1 <tool_ca");
+        assert_eq!(finish(&chunks), "stop");
+    }
+
+    #[test]
+    fn a_whole_tagged_answer_is_its_text_and_its_calls() {
+        let meta = ResponseMeta {
+            id: "chatcmpl-4".into(),
+            created: 1,
+            model: "m".into(),
+            endpoint: Endpoint::Chat,
+            calls: Some(CallsOut::Tagged(vec!["now".into()])),
+        };
+        let called = meta.choice(
+            0,
+            "Checking.\n<tool_call>\n{\"name\": \"now\"}\n</tool_call>".into(),
+            FinishReason::Stop,
+        );
+        assert_eq!(called["message"]["content"], "Checking.");
+        assert_eq!(
+            called["message"]["tool_calls"][0]["function"]["name"],
+            "now"
+        );
+        assert_eq!(
+            called["message"]["tool_calls"][0]["function"]["arguments"],
+            "{}"
+        );
+        assert_eq!(called["finish_reason"], "tool_calls");
+        let only = meta.choice(
+            0,
+            "<tool_call>{\"name\": \"now\"}</tool_call>".into(),
+            FinishReason::Stop,
+        );
+        assert!(only["message"]["content"].is_null(), "{only}");
+        let text = meta.choice(0, " Just text. ".into(), FinishReason::Length);
+        assert_eq!(text["message"]["content"], " Just text. ");
+        assert!(text["message"].get("tool_calls").is_none(), "{text}");
+        assert_eq!(text["finish_reason"], "length");
     }
 }

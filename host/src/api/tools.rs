@@ -17,14 +17,20 @@
 //!   A}` with `A` an instance of `N`'s parameters. At most [`REQUIRED_MAX`]
 //!   tools: the recognizer reads at most that many alike alternatives side by
 //!   side, and a tool it could not reach would never be called.
-//! - `"auto"` (the default once tools are given) reads calls out of free text
-//!   in each family's own markup: not done yet, so it is refused (400) with
-//!   what to use instead.
+//! - `"auto"` (the default once tools are given): the model answers as it
+//!   likes, and its calls are read out of its text in its family's markup.
+//!   Hermes' `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+//!   (Qwen 2.5 and 3) is read; for a template without it (SmolLM2's shows
+//!   no tools; Llama's bare JSON and Mistral's `[TOOL_CALLS]` are not read
+//!   yet) `auto` is refused (400) with what to use instead. A block that is
+//!   not a call of an offered tool with an object of arguments stays text.
 //!
-//! Either way the answer is `message.tool_calls` (`content` null) with
+//! A required or named answer is `message.tool_calls` (`content` null) with
 //! `finish_reason: "tool_calls"`; streamed, each call's id and name come in
 //! one chunk and its arguments in the chunks that follow, as they are
-//! generated ([`CallsWriter`]).
+//! generated ([`CallsWriter`]). An `auto` answer is its text outside the
+//! blocks as `content`, and its calls, each whole once its block closes;
+//! `finish_reason` is `tool_calls` where it called.
 
 use super::error::ApiError;
 use super::openai::{invalid, unsupported};
@@ -43,7 +49,7 @@ pub const REQUIRED_MAX: usize = READINGS_MAX;
 pub enum ToolChoice {
     /// Answer in text.
     None,
-    /// Call tools or answer in text (refused for now: module doc).
+    /// Call tools or answer in text.
     Auto,
     /// Call one or more tools.
     Required,
@@ -58,7 +64,13 @@ pub enum CallsOut {
     Named(String),
     /// The output is a JSON array of `{"name", "arguments"}`.
     Listed,
+    /// The output is text, with calls of these tools in Hermes' markup.
+    Tagged(Vec<String>),
 }
+
+/// Hermes' markup around a call.
+const OPEN: &str = "<tool_call>";
+const CLOSE: &str = "</tool_call>";
 
 /// `tools`: at most [`TOOLS_MAX`] functions, each named as OpenAI requires
 /// (1 to 64 letters, digits, `_` or `-`), named once, with an object schema
@@ -180,8 +192,8 @@ pub fn tool_choice_of(value: Option<Value>, tools: &[Tool]) -> Result<ToolChoice
         }
     };
     match choice {
-        ToolChoice::Required if tools.is_empty() => {
-            Err(invalid(PARAM, "\"required\" needs at least one tool"))
+        ToolChoice::Required | ToolChoice::Auto if tools.is_empty() => {
+            Err(invalid(PARAM, "needs at least one tool in tools"))
         }
         ToolChoice::Required if tools.len() > REQUIRED_MAX => Err(unsupported(
             PARAM,
@@ -189,17 +201,22 @@ pub fn tool_choice_of(value: Option<Value>, tools: &[Tool]) -> Result<ToolChoice
                 "\"required\" with more than {REQUIRED_MAX} tools is not supported (name one, or offer fewer)"
             ),
         )),
-        ToolChoice::Auto => Err(unsupported(
-            PARAM,
-            "\"auto\" (the default when tools are given) is not supported yet: this server does \
-             not read tool calls out of free text; give \"required\" or a named function, or \
-             \"none\"",
-        )),
         choice => Ok(choice),
     }
 }
 
-/// The constraint on the output, and how it becomes calls, for `choice`.
+/// Why `auto` is refused for a model whose template does not read calls.
+pub fn auto_refused() -> ApiError {
+    unsupported(
+        "tool_choice",
+        "\"auto\" (the default when tools are given) is not supported for this model: its chat \
+         template writes no tool calls in a markup this server reads (Hermes' <tool_call>); give \
+         \"required\" or a named function, or \"none\"",
+    )
+}
+
+/// The constraint on the output, and how it becomes calls, for `choice`
+/// (`auto`: none, and no constraint: see [`CallsOut::Tagged`]).
 pub fn constraint_of(
     choice: &ToolChoice,
     tools: &[Tool],
@@ -305,6 +322,10 @@ pub struct CallsWriter {
     id_prefix: String,
     /// `(name, arguments)` of each call begun.
     calls: Vec<(String, String)>,
+    /// Tagged: text not yet given out (a possible beginning of a block, or
+    /// a block not yet closed), and whether it is inside a block.
+    held: String,
+    inside: bool,
     // The listed output's reading: containers open, inside a string (and
     // after a backslash in it), the key being read or last read at a call's
     // level, where at that level, whether the bytes are a call's arguments.
@@ -324,6 +345,8 @@ impl CallsWriter {
             out,
             id_prefix,
             calls: Vec::new(),
+            held: String::new(),
+            inside: false,
             depth: 0,
             in_string: false,
             escape: false,
@@ -334,12 +357,19 @@ impl CallsWriter {
         }
     }
 
-    /// The `tool_calls` entries `text` (the output's next piece) adds: a
-    /// call's first entry has its index, id, type and name, the others the
-    /// arguments' next text. Empty when it adds nothing.
-    pub fn push(&mut self, text: &str) -> Vec<Value> {
+    /// What `text` (the output's next piece) adds: text to give out as
+    /// content (tagged only), and `tool_calls` entries: a call's first entry
+    /// has its index, id, type and name, the others the arguments' next
+    /// text.
+    pub fn push(&mut self, text: &str) -> Pushed {
         let mut entries = Vec::new();
+        let mut content = String::new();
         match &self.out {
+            CallsOut::Tagged(names) => {
+                let names = names.clone();
+                self.held.push_str(text);
+                self.read_tagged(&names, &mut content, &mut entries);
+            }
             CallsOut::Named(name) => {
                 if self.calls.is_empty() {
                     self.calls.push((name.clone(), String::new()));
@@ -371,7 +401,67 @@ impl CallsWriter {
                 }
             }
         }
-        entries
+        Pushed { content, entries }
+    }
+
+    /// The text held at the end of the output (tagged: a block never closed,
+    /// or what began like one, is text).
+    pub fn finish(&mut self) -> String {
+        let held = std::mem::take(&mut self.held);
+        if std::mem::take(&mut self.inside) {
+            format!("{OPEN}{held}")
+        } else {
+            held
+        }
+    }
+
+    /// Whether any call was made.
+    pub fn called(&self) -> bool {
+        !self.calls.is_empty()
+    }
+
+    /// Gives out what `held` lets go of: text before a block, and each
+    /// block once closed (a call, or text again where it is not one).
+    fn read_tagged(&mut self, names: &[String], content: &mut String, entries: &mut Vec<Value>) {
+        loop {
+            if !self.inside {
+                if let Some(at) = self.held.find(OPEN) {
+                    content.push_str(&self.held[..at]);
+                    self.held.drain(..at + OPEN.len());
+                    self.inside = true;
+                    continue;
+                }
+                // Keep what may be the beginning of a block.
+                let keep = (1..OPEN.len())
+                    .rev()
+                    .find(|&n| self.held.ends_with(&OPEN[..n]))
+                    .unwrap_or(0);
+                let upto = self.held.len() - keep;
+                content.push_str(&self.held[..upto]);
+                self.held.drain(..upto);
+                return;
+            }
+            let Some(at) = self.held.find(CLOSE) else {
+                return;
+            };
+            let block: String = self.held.drain(..at + CLOSE.len()).collect();
+            let block = &block[..at];
+            self.inside = false;
+            match call_of(block, names) {
+                Some((name, arguments)) => {
+                    self.calls.push((name, arguments));
+                    let k = self.calls.len() - 1;
+                    let mut header = self.header(k);
+                    header["function"]["arguments"] = self.calls[k].1.clone().into();
+                    entries.push(header);
+                }
+                None => {
+                    content.push_str(OPEN);
+                    content.push_str(block);
+                    content.push_str(CLOSE);
+                }
+            }
+        }
     }
 
     /// The calls so far: `(id, name, arguments)`.
@@ -474,6 +564,35 @@ impl CallsWriter {
     }
 }
 
+/// What [`CallsWriter::push`] gives out.
+#[derive(Debug, Default)]
+pub struct Pushed {
+    /// Text (a tagged answer's, outside its calls).
+    pub content: String,
+    /// `tool_calls` entries.
+    pub entries: Vec<Value>,
+}
+
+/// A Hermes block's call: `{"name": N, "arguments": {...}}` with `N` among
+/// `names` (arguments absent: `{}`); its arguments as JSON text.
+fn call_of(block: &str, names: &[String]) -> Option<(String, String)> {
+    let Ok(Value::Object(mut call)) = serde_json::from_str::<Value>(block.trim()) else {
+        return None;
+    };
+    let Some(Value::String(name)) = call.remove("name") else {
+        return None;
+    };
+    if !names.contains(&name) {
+        return None;
+    }
+    let arguments = match call.remove("arguments") {
+        None => Value::Object(Map::new()),
+        Some(arguments @ Value::Object(_)) => arguments,
+        Some(_) => return None,
+    };
+    call.is_empty().then(|| (name, arguments.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -557,10 +676,10 @@ mod tests {
             .unwrap(),
             ToolChoice::Named("get_weather".into())
         );
-        // auto, by default or by name, is refused saying what to use.
+        // auto, by default or by name (refused later where the model's
+        // template reads no calls).
         for choice in [None, Some(json!("auto"))] {
-            let e = tool_choice_of(choice, &tools).unwrap_err();
-            assert!(e.to_string().contains("required"), "{e}");
+            assert_eq!(tool_choice_of(choice, &tools).unwrap(), ToolChoice::Auto);
         }
         for bad in [
             json!("sometimes"),
@@ -667,7 +786,7 @@ mod tests {
             let mut streamed: Vec<(String, String)> = Vec::new();
             let bytes = output.as_bytes();
             for piece in bytes.chunks(size) {
-                let entries = w.push(std::str::from_utf8(piece).unwrap());
+                let entries = w.push(std::str::from_utf8(piece).unwrap()).entries;
                 let indices: Vec<u64> = entries
                     .iter()
                     .map(|e| e["index"].as_u64().unwrap())
@@ -699,15 +818,74 @@ mod tests {
     #[test]
     fn a_named_output_is_the_arguments_from_the_first_piece() {
         let mut w = CallsWriter::new(CallsOut::Named("go".into()), "call_".into());
-        let first = w.push("{\"at\"");
+        let first = w.push("{\"at\"").entries;
         assert_eq!(first.len(), 1, "one entry a call");
         assert_eq!(first[0]["function"]["name"], "go");
         assert_eq!(first[0]["function"]["arguments"], "{\"at\"");
-        assert_eq!(w.push(":1}").len(), 1);
+        assert_eq!(w.push(":1}").entries.len(), 1);
         assert_eq!(
             w.calls(),
             vec![("call_0".into(), "go".into(), "{\"at\":1}".into())]
         );
+    }
+
+    /// A tagged answer pushed in pieces of `size`: its content, and its
+    /// calls' `(name, arguments)` put together from the entries.
+    fn tagged(output: &str, size: usize) -> (String, Vec<(String, String)>, bool) {
+        let names = vec!["get_weather".to_string(), "now".to_string()];
+        let mut w = CallsWriter::new(CallsOut::Tagged(names), "call_".into());
+        let (mut content, mut calls) = (String::new(), Vec::new());
+        let chars: Vec<char> = output.chars().collect();
+        for piece in chars.chunks(size) {
+            let pushed = w.push(&piece.iter().collect::<String>());
+            content.push_str(&pushed.content);
+            for entry in pushed.entries {
+                assert_eq!(entry["index"], calls.len(), "{entry}");
+                assert!(entry["id"].as_str().unwrap().starts_with("call_"));
+                calls.push((
+                    entry["function"]["name"].as_str().unwrap().to_string(),
+                    entry["function"]["arguments"].as_str().unwrap().to_string(),
+                ));
+            }
+        }
+        content.push_str(&w.finish());
+        (content, calls, w.called())
+    }
+
+    #[test]
+    fn hermes_blocks_are_read_out_of_text_however_it_is_cut() {
+        let output = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich <\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"now\"}\n</tool_call>";
+        for size in [1, 2, 3, 5, 11, 400] {
+            let (content, calls, called) = tagged(output, size);
+            assert_eq!(content, "Let me check.\n\n", "pieces of {size}");
+            assert_eq!(
+                calls,
+                vec![
+                    ("get_weather".into(), r#"{"city":"Zürich <"}"#.into()),
+                    ("now".into(), "{}".into())
+                ],
+                "pieces of {size}"
+            );
+            assert!(called);
+        }
+        // Text that only looks like a call stays text: a tool not offered,
+        // arguments that are not an object, a block never closed, a '<'.
+        for text in [
+            "<tool_call>{\"name\": \"rm\", \"arguments\": {}}</tool_call>",
+            "<tool_call>{\"name\": \"now\", \"arguments\": [1]}</tool_call>",
+            "<tool_call>{\"name\": \"now\", \"arguments\": {}, \"x\": 1}</tool_call>",
+            "<tool_call>not json</tool_call> and on",
+            "a <tool_call>{\"name\": \"now\"}",
+            "1 < 2 and <tool_ca",
+        ] {
+            for size in [1, 4, 100] {
+                assert_eq!(
+                    tagged(text, size),
+                    (text.to_string(), vec![], false),
+                    "{text}"
+                );
+            }
+        }
     }
 
     #[test]

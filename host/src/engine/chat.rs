@@ -105,6 +105,8 @@ pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// It shows the model tools and its calls in Hermes' markup.
+    hermes: bool,
 }
 
 const TEMPLATE_NAME: &str = "chat";
@@ -375,7 +377,16 @@ impl ChatTemplate {
             env,
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
+            hermes: source.contains("tools") && source.contains("<tool_call>"),
         })
+    }
+
+    /// Whether the template shows the model tools and writes its calls in
+    /// Hermes' markup, `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
+    /// (Qwen 2.5 and 3, Hermes): the model answers in it, and a call can be
+    /// read out of its free text.
+    pub fn hermes_calls(&self) -> bool {
+        self.hermes
     }
 
     /// The template stored in a model file (`tokenizer.chat_template`), with the
