@@ -1237,7 +1237,7 @@ fn client_errors_are_openai_shaped_and_name_the_parameter() {
         ("n", json!(17), "n"),
         (
             "tools",
-            json!([{"type": "function", "function": {"name": "f"}}]),
+            json!({"type": "function", "function": {"name": "f"}}),
             "tools",
         ),
         ("top_logprobs", json!(21), "top_logprobs"),
