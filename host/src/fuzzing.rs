@@ -58,7 +58,7 @@ pub use bulkhead_kernels::fuzzing::{replay, replays_cleanly, write_seeds};
 /// bodies, which must not panic, and whose conversation obeys the chat's limits.
 pub fn openai(data: &[u8]) {
     if let Ok(TokenizeRequest {
-        input: TokenizeInput::Messages(messages),
+        input: TokenizeInput::Messages(messages, _),
         ..
     }) = TokenizeRequest::parse(data)
     {

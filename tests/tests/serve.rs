@@ -472,6 +472,36 @@ fn tokenize_counts_what_the_completion_endpoints_would_and_detokenize_reads_it_b
         chat["usage"]["prompt_tokens"],
         "{chat}"
     );
+    // With tools and an earlier call and its result: as the chat counts them.
+    let mut body = chat_body("What is the weather in Oslo?", 1);
+    body["messages"].as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function",
+               "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]}),
+        json!({"role": "tool", "tool_call_id": "c", "content": "rain"}),
+    ]);
+    let tools = json!([{"type": "function", "function": {"name": "get_weather"}}]);
+    let with_tools = server.post_json(
+        "/tokenize",
+        Some(KEY_ALPHA),
+        &json!({"model": MODEL_ID, "messages": body["messages"], "tools": tools}),
+    );
+    assert_eq!(with_tools.status, 200, "{}", with_tools.body);
+    body["tools"] = tools.clone();
+    body["tool_choice"] = json!("none");
+    let chat = server
+        .post_json("/v1/chat/completions", Some(KEY_ALPHA), &body)
+        .json();
+    assert_eq!(
+        with_tools.json()["count"],
+        chat["usage"]["prompt_tokens"],
+        "{chat}"
+    );
+    let r = server.post_json(
+        "/tokenize",
+        Some(KEY_ALPHA),
+        &json!({"model": MODEL_ID, "prompt": "hi", "tools": tools}),
+    );
+    assert_eq!((r.status, r.error().0), (400, json!("tools")), "{}", r.body);
     // The template's text, special tokens and all, read back.
     let ids = counted.json()["tokens"].clone();
     let r = server.post_json(

@@ -646,8 +646,9 @@ pub enum TokenizeInput {
         add_special_tokens: bool,
     },
     /// A conversation, rendered by the model's chat template with the
-    /// assistant's turn opened, as `/v1/chat/completions` renders it.
-    Messages(Vec<Message>),
+    /// assistant's turn opened, as `/v1/chat/completions` renders it (the
+    /// tools shown too).
+    Messages(Vec<Message>, Vec<Tool>),
 }
 
 impl TokenizeRequest {
@@ -659,10 +660,17 @@ impl TokenizeRequest {
             .ok_or_else(|| ApiError::MissingParam("model".into()))?;
         let prompt: Option<String> = f.take("prompt")?;
         let messages: Option<Vec<Value>> = f.take("messages")?;
+        let tools = match f.take::<Value>("tools")? {
+            Some(value) => tools::tools_of(value)?,
+            None => Vec::new(),
+        };
         let add_special_tokens: Option<bool> = f.take("add_special_tokens")?;
         f.allow_if("add_generation_prompt", |v| v == &Value::Bool(true))?;
         f.allow_if("return_token_strs", |v| v == &Value::Bool(false))?;
         let input = match (prompt, messages) {
+            (Some(_), None) if !tools.is_empty() => {
+                return Err(invalid("tools", "go with messages, not with a prompt"))
+            }
             (Some(text), None) => TokenizeInput::Prompt {
                 text,
                 add_special_tokens: add_special_tokens.unwrap_or(true),
@@ -675,7 +683,7 @@ impl TokenizeRequest {
                         "with messages is not supported (the chat template places its own)",
                     ));
                 }
-                TokenizeInput::Messages(messages_of(messages)?)
+                TokenizeInput::Messages(messages_of(messages)?, tools)
             }
             (Some(_), Some(_)) => {
                 return Err(invalid(
@@ -1514,7 +1522,7 @@ mod tests {
             br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"add_generation_prompt":true}"#,
         )
         .unwrap();
-        assert!(matches!(t.input, TokenizeInput::Messages(ref m) if m.len() == 1));
+        assert!(matches!(t.input, TokenizeInput::Messages(ref m, _) if m.len() == 1));
         for (body, param) in [
             (r#"{"prompt":"hi"}"#, "model"),
             (r#"{"model":"m"}"#, "prompt"),

@@ -48,8 +48,8 @@ pub(super) async fn tokenize(
                     !add_special_tokens,
                     "prompt",
                 ),
-                TokenizeInput::Messages(messages) => {
-                    (Source::Chat(messages, Vec::new()), false, "messages")
+                TokenizeInput::Messages(messages, tools) => {
+                    (Source::Chat(messages, tools), false, "messages")
                 }
             };
             let rejected = |rejection| ApiError::Rejected {
