@@ -124,7 +124,7 @@ pub fn openai(data: &[u8]) {
                 constrain(&mut body, &chat.common);
             }
             None => constrain(&mut body, &chat.common),
-            Some(CallsOut::Tagged(names)) => {
+            Some(CallsOut::Tagged(names) | CallsOut::Bare(names)) => {
                 assert_eq!(names.len(), chat.tools.len());
                 body["tool_choice"] = json!("auto");
                 constrain(&mut body, &chat.common);

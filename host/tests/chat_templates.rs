@@ -5,7 +5,7 @@
 //! the same text for every conversation, the same refusal where the template
 //! raises (Gemma's "System role not supported").
 
-use bulkhead::engine::chat::{ChatTemplate, Message, Tool, ToolCall};
+use bulkhead::engine::chat::{CallMarkup, ChatTemplate, Message, Tool, ToolCall};
 use serde_json::Value;
 use std::path::PathBuf;
 
@@ -67,8 +67,16 @@ fn real_templates_render_as_jinja2_renders_them() {
             entry["eos_token"].as_str().unwrap(),
         )
         .unwrap_or_else(|e| panic!("{name}: {e}"));
-        // Qwen's templates write calls in Hermes' markup, which `auto` reads.
-        assert_eq!(template.hermes_calls(), name.starts_with("Qwen-"), "{name}");
+        // Qwen's templates teach Hermes' markup, Llama's a bare JSON object:
+        // what `auto` reads.
+        let markup = if name.starts_with("Qwen-") {
+            Some(CallMarkup::Hermes)
+        } else if name.starts_with("meta-llama-") {
+            Some(CallMarkup::BareJson)
+        } else {
+            None
+        };
+        assert_eq!(template.call_markup(), markup, "{name}");
         for (i, case) in entry["cases"].as_array().unwrap().iter().enumerate() {
             let conversation = messages(&case["messages"]);
             let ours = template.render_tools(&conversation, &tools(&case["tools"]));

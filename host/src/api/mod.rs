@@ -564,16 +564,21 @@ impl Source {
     }
 }
 
-/// `auto` tool calls are read in Hermes' markup: only where the model's
-/// template has it.
-fn check_calls(model: &Served, calls: Option<&tools::CallsOut>) -> Result<(), ApiError> {
-    match calls {
-        Some(tools::CallsOut::Tagged(_))
-            if !model.template.as_ref().is_some_and(|t| t.hermes_calls()) =>
-        {
-            Err(tools::auto_refused())
-        }
-        _ => Ok(()),
+/// `auto` tool calls are read in the markup `model`'s template teaches:
+/// refused where it teaches none this server reads.
+fn calls_for(
+    model: &Served,
+    calls: Option<tools::CallsOut>,
+) -> Result<Option<tools::CallsOut>, ApiError> {
+    use crate::engine::chat::CallMarkup;
+    use tools::CallsOut::{Bare, Tagged};
+    let (Some(Tagged(names)) | Some(Bare(names))) = calls else {
+        return Ok(calls);
+    };
+    match model.template.as_ref().and_then(|t| t.call_markup()) {
+        Some(CallMarkup::Hermes) => Ok(Some(Tagged(names))),
+        Some(CallMarkup::BareJson) => Ok(Some(Bare(names))),
+        None => Err(tools::auto_refused()),
     }
 }
 
@@ -695,7 +700,7 @@ async fn run(
     let Some(mut model) = app.served(tenant, &common.model) else {
         return Err(ApiError::ModelNotFound(common.model));
     };
-    check_calls(&model, calls.as_ref())?;
+    let mut calls = calls_for(&model, calls)?;
     check_token_ids(&model, &common)?;
     let rejected = |rejection| ApiError::Rejected {
         rejection,
@@ -774,7 +779,7 @@ async fn run(
                     return Err(ApiError::ModelNotFound(to));
                 };
                 check_token_ids(&routed, &common)?;
-                check_calls(&routed, calls.as_ref())?;
+                calls = calls_for(&routed, calls)?;
                 tracing::info!(request_id = id.0, tenant = %tenant.name, plugin = %plugin, from = %model.spec.id, to = %routed.spec.id, "routed");
                 routed
                     .admission

@@ -1082,10 +1082,10 @@ pub struct ResponseMeta {
 impl ResponseMeta {
     /// The `finish_reason` of a successful finish: `tool_calls` where the
     /// output is calls and ended whole.
-    /// (Tagged calls: see [`ResponseMeta::finish_of`].)
+    /// (Calls read out of text: see [`ResponseMeta::finish_of`].)
     fn finish_reason(&self, reason: FinishReason) -> &'static str {
         match (&self.calls, reason) {
-            (Some(CallsOut::Tagged(_)), _) => finish_reason(reason),
+            (Some(CallsOut::Tagged(_) | CallsOut::Bare(_)), _) => finish_reason(reason),
             (Some(_), FinishReason::Stop) => "tool_calls",
             _ => finish_reason(reason),
         }
@@ -1094,7 +1094,7 @@ impl ResponseMeta {
     /// The `finish_reason` of a successful finish, given its choice's calls.
     pub fn finish_of(&self, reason: FinishReason, calls: Option<&CallsWriter>) -> &'static str {
         match (&self.calls, reason) {
-            (Some(CallsOut::Tagged(_)), FinishReason::Stop)
+            (Some(CallsOut::Tagged(_) | CallsOut::Bare(_)), FinishReason::Stop)
                 if calls.is_some_and(|c| c.called()) =>
             {
                 "tool_calls"
@@ -1117,11 +1117,11 @@ impl ResponseMeta {
             Endpoint::Chat if self.calls.is_some() => {
                 let mut writer = self.calls_writer(index).expect("calls");
                 let mut content = writer.push(&text).content;
-                content.push_str(&writer.finish());
+                content.push_str(&writer.finish().content);
                 // Text around the calls (tagged only): trimmed where it
                 // called, none where that leaves nothing.
                 let content = match (&self.calls, writer.called()) {
-                    (Some(CallsOut::Tagged(_)), false) => Some(content),
+                    (Some(CallsOut::Tagged(_) | CallsOut::Bare(_)), false) => Some(content),
                     _ => Some(content.trim().to_string()).filter(|c| !c.is_empty()),
                 };
                 let calls: Vec<Value> = writer
@@ -1134,7 +1134,9 @@ impl ResponseMeta {
                     .collect();
                 let mut message = serde_json::json!({"role": "assistant", "content": content,
                                                      "refusal": null});
-                if !calls.is_empty() || !matches!(self.calls, Some(CallsOut::Tagged(_))) {
+                if !calls.is_empty()
+                    || !matches!(self.calls, Some(CallsOut::Tagged(_) | CallsOut::Bare(_)))
+                {
                     message["tool_calls"] = calls.into();
                 }
                 serde_json::json!({

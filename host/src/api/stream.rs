@@ -440,12 +440,22 @@ impl SseBody {
                 Err(blocked) => return self.block(blocked),
             }
         }
-        // What the calls' reader held back is text after all.
+        // What the calls' reader held back: text after all, or calls.
         if let Some(held) = self.calls.as_mut().map(CallsWriter::finish) {
-            if !held.is_empty() {
-                let chunk =
-                    self.meta
-                        .chunk(self.index, false, Some(&held), None, self.include_usage);
+            if !held.content.is_empty() {
+                let chunk = self.meta.chunk(
+                    self.index,
+                    false,
+                    Some(&held.content),
+                    None,
+                    self.include_usage,
+                );
+                self.frames.push_back(sse(&chunk));
+            }
+            if !held.entries.is_empty() {
+                let chunk = self
+                    .meta
+                    .calls_chunk(self.index, held.entries, self.include_usage);
                 self.frames.push_back(sse(&chunk));
             }
         }
@@ -715,6 +725,28 @@ mod tests {
         // included), and the finish is stop.
         let chunks = streamed(tools, &["1 <", "tool_ca"], FinishReason::Stop);
         assert_eq!(content(&chunks), "1 <tool_ca");
+        assert_eq!(finish(&chunks), "stop");
+    }
+
+    #[test]
+    fn a_bare_stream_gives_out_its_calls_at_the_end_or_its_text_as_it_comes() {
+        let tools = CallsOut::Bare(vec!["now".into()]);
+        let chunks = streamed(
+            tools.clone(),
+            &["{\"name\": \"now\",", " \"parameters\": {}}"],
+            FinishReason::Stop,
+        );
+        assert_eq!(content(&chunks), "");
+        let calls: Vec<&serde_json::Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+            .flatten()
+            .collect();
+        assert_eq!(calls.len(), 1, "{chunks:?}");
+        assert_eq!(calls[0]["function"]["name"], "now");
+        assert_eq!(finish(&chunks), "tool_calls");
+        let chunks = streamed(tools, &["It is ", "noon."], FinishReason::Stop);
+        assert_eq!(content(&chunks), "It is noon.");
         assert_eq!(finish(&chunks), "stop");
     }
 

@@ -18,18 +18,22 @@
 //!   tools: the recognizer reads at most that many alike alternatives side by
 //!   side, and a tool it could not reach would never be called.
 //! - `"auto"` (the default once tools are given): the model answers as it
-//!   likes, and its calls are read out of its text in its family's markup.
-//!   Hermes' `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-//!   (Qwen 2.5 and 3) is read; for a template without it (SmolLM2's shows
-//!   no tools; Llama's bare JSON and Mistral's `[TOOL_CALLS]` are not read
-//!   yet) `auto` is refused (400) with what to use instead. A block that is
-//!   not a call of an offered tool with an object of arguments stays text.
+//!   likes, and its calls are read out of its text in the markup its
+//!   template teaches: Hermes' `<tool_call>{"name": ..., "arguments":
+//!   {...}}</tool_call>` blocks (Qwen 2.5 and 3), or an answer that is
+//!   nothing but `{"name": ..., "parameters": {...}}` objects (Llama 3.1 and
+//!   3.2, after an optional `<|python_tag|>`, several joined by `;`). For a
+//!   template that teaches neither (SmolLM2's shows no tools; Mistral's
+//!   `[TOOL_CALLS]` is a control token the output leaves out) `auto` is
+//!   refused (400) with what to use instead. What is not a call of an
+//!   offered tool with an object of arguments stays text.
 //!
 //! A required or named answer is `message.tool_calls` (`content` null) with
 //! `finish_reason: "tool_calls"`; streamed, each call's id and name come in
 //! one chunk and its arguments in the chunks that follow, as they are
 //! generated ([`CallsWriter`]). An `auto` answer is its text outside the
-//! blocks as `content`, and its calls, each whole once its block closes;
+//! calls as `content`, and its calls, each whole once its block closes (a
+//! bare answer's at the end: until then it may still turn out to be text);
 //! `finish_reason` is `tool_calls` where it called.
 
 use super::error::ApiError;
@@ -64,9 +68,17 @@ pub enum CallsOut {
     Named(String),
     /// The output is a JSON array of `{"name", "arguments"}`.
     Listed,
-    /// The output is text, with calls of these tools in Hermes' markup.
+    /// The output is text, with calls of these tools in Hermes' markup
+    /// (`auto`, before the model is known: any markup).
     Tagged(Vec<String>),
+    /// The output is text, or calls of these tools as bare JSON objects
+    /// (Llama's `{"name": ..., "parameters": {...}}`, several joined by `;`).
+    Bare(Vec<String>),
 }
+
+/// What Llama writes before a call to its built-in tools, and at times
+/// before any call.
+const PYTHON_TAG: &str = "<|python_tag|>";
 
 /// Hermes' markup around a call.
 const OPEN: &str = "<tool_call>";
@@ -323,9 +335,11 @@ pub struct CallsWriter {
     /// `(name, arguments)` of each call begun.
     calls: Vec<(String, String)>,
     /// Tagged: text not yet given out (a possible beginning of a block, or
-    /// a block not yet closed), and whether it is inside a block.
+    /// a block not yet closed), and whether it is inside a block. Bare: the
+    /// output so far while it may be calls, and whether it is text.
     held: String,
     inside: bool,
+    text: bool,
     // The listed output's reading: containers open, inside a string (and
     // after a backslash in it), the key being read or last read at a call's
     // level, where at that level, whether the bytes are a call's arguments.
@@ -347,6 +361,7 @@ impl CallsWriter {
             calls: Vec::new(),
             held: String::new(),
             inside: false,
+            text: false,
             depth: 0,
             in_string: false,
             escape: false,
@@ -369,6 +384,24 @@ impl CallsWriter {
                 let names = names.clone();
                 self.held.push_str(text);
                 self.read_tagged(&names, &mut content, &mut entries);
+            }
+            CallsOut::Bare(_) if self.text => content.push_str(text),
+            CallsOut::Bare(_) => {
+                self.held.push_str(text);
+                // Calls begin with '{' (after the tag, if any): anything
+                // else is text from its first byte.
+                let start = self.held.trim_start();
+                let may_call = match start.strip_prefix(PYTHON_TAG) {
+                    Some(after) => {
+                        let after = after.trim_start();
+                        after.is_empty() || after.starts_with('{')
+                    }
+                    None => PYTHON_TAG.starts_with(start) || start.starts_with('{'),
+                };
+                if !may_call {
+                    self.text = true;
+                    content = std::mem::take(&mut self.held);
+                }
             }
             CallsOut::Named(name) => {
                 if self.calls.is_empty() {
@@ -404,15 +437,29 @@ impl CallsWriter {
         Pushed { content, entries }
     }
 
-    /// The text held at the end of the output (tagged: a block never closed,
-    /// or what began like one, is text).
-    pub fn finish(&mut self) -> String {
+    /// What the end of the output gives out: tagged, the text held (a
+    /// block never closed, or what began like one, is text); bare, the calls
+    /// the whole output is, or else its text.
+    pub fn finish(&mut self) -> Pushed {
         let held = std::mem::take(&mut self.held);
-        if std::mem::take(&mut self.inside) {
-            format!("{OPEN}{held}")
-        } else {
-            held
+        let mut pushed = Pushed::default();
+        match &self.out {
+            CallsOut::Bare(names) if !held.is_empty() => match bare_calls(&held, names) {
+                Some(calls) => {
+                    for call in calls {
+                        self.calls.push(call);
+                        let k = self.calls.len() - 1;
+                        let mut header = self.header(k);
+                        header["function"]["arguments"] = self.calls[k].1.clone().into();
+                        pushed.entries.push(header);
+                    }
+                }
+                None => pushed.content = held,
+            },
+            _ if std::mem::take(&mut self.inside) => pushed.content = format!("{OPEN}{held}"),
+            _ => pushed.content = held,
         }
+        pushed
     }
 
     /// Whether any call was made.
@@ -576,21 +623,51 @@ pub struct Pushed {
 /// A Hermes block's call: `{"name": N, "arguments": {...}}` with `N` among
 /// `names` (arguments absent: `{}`); its arguments as JSON text.
 fn call_of(block: &str, names: &[String]) -> Option<(String, String)> {
-    let Ok(Value::Object(mut call)) = serde_json::from_str::<Value>(block.trim()) else {
-        return None;
-    };
+    match serde_json::from_str::<Value>(block.trim()) {
+        Ok(Value::Object(call)) => call_in(call, names, "arguments"),
+        _ => None,
+    }
+}
+
+/// A call object: its name among `names`, its arguments under `key` an
+/// object (absent: `{}`), nothing else.
+fn call_in(mut call: Map<String, Value>, names: &[String], key: &str) -> Option<(String, String)> {
     let Some(Value::String(name)) = call.remove("name") else {
         return None;
     };
     if !names.contains(&name) {
         return None;
     }
-    let arguments = match call.remove("arguments") {
+    let arguments = match call.remove(key) {
         None => Value::Object(Map::new()),
         Some(arguments @ Value::Object(_)) => arguments,
         Some(_) => return None,
     };
     call.is_empty().then(|| (name, arguments.to_string()))
+}
+
+/// A bare answer's calls: after an optional `<|python_tag|>`, one or more
+/// objects `{"name", "parameters"}` (or `"arguments"`), joined by `;`; the
+/// whole answer, or none of it.
+fn bare_calls(text: &str, names: &[String]) -> Option<Vec<(String, String)>> {
+    let text = text.trim_start();
+    let mut rest = text.strip_prefix(PYTHON_TAG).unwrap_or(text).trim();
+    let mut calls = Vec::new();
+    while !rest.is_empty() {
+        let mut values = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+        let Some(Ok(Value::Object(call))) = values.next() else {
+            return None;
+        };
+        let key = if call.contains_key("parameters") {
+            "parameters"
+        } else {
+            "arguments"
+        };
+        calls.push(call_in(call, names, key)?);
+        rest = rest[values.byte_offset()..].trim_start();
+        rest = rest.strip_prefix(';').unwrap_or(rest).trim_start();
+    }
+    (!calls.is_empty()).then_some(calls)
 }
 
 #[cfg(test)]
@@ -848,7 +925,9 @@ mod tests {
                 ));
             }
         }
-        content.push_str(&w.finish());
+        let last = w.finish();
+        assert!(last.entries.is_empty());
+        content.push_str(&last.content);
         (content, calls, w.called())
     }
 
@@ -884,6 +963,75 @@ mod tests {
                     (text.to_string(), vec![], false),
                     "{text}"
                 );
+            }
+        }
+    }
+
+    /// A bare answer pushed in pieces of `size`: what was given out as
+    /// content before the end, at the end, and the calls.
+    fn bare(output: &str, size: usize) -> (String, String, Vec<(String, String)>) {
+        let names = vec!["get_weather".to_string(), "now".to_string()];
+        let mut w = CallsWriter::new(CallsOut::Bare(names), "call_".into());
+        let mut early = String::new();
+        let chars: Vec<char> = output.chars().collect();
+        for piece in chars.chunks(size) {
+            let pushed = w.push(&piece.iter().collect::<String>());
+            assert!(pushed.entries.is_empty(), "calls come at the end");
+            early.push_str(&pushed.content);
+        }
+        let last = w.finish();
+        let calls = last
+            .entries
+            .iter()
+            .map(|e| {
+                (
+                    e["function"]["name"].as_str().unwrap().to_string(),
+                    e["function"]["arguments"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        assert_eq!(w.called(), !last.entries.is_empty());
+        (early, last.content, calls)
+    }
+
+    #[test]
+    fn a_bare_answer_is_all_calls_or_all_text() {
+        let one = r#" {"name": "get_weather", "parameters": {"city": "Oslo"}}"#;
+        let two = r#"<|python_tag|>{"name": "now", "parameters": {}}; {"name": "get_weather", "arguments": {"city": "X;Y"}}"#;
+        for size in [1, 3, 7, 500] {
+            assert_eq!(
+                bare(one, size),
+                (
+                    String::new(),
+                    String::new(),
+                    vec![("get_weather".into(), r#"{"city":"Oslo"}"#.into())]
+                )
+            );
+            assert_eq!(
+                bare(two, size).2,
+                vec![
+                    ("now".to_string(), "{}".to_string()),
+                    ("get_weather".to_string(), r#"{"city":"X;Y"}"#.to_string())
+                ]
+            );
+            // Text is given out as it comes, from its first byte.
+            let (early, late, calls) = bare("Hello {there}", size);
+            assert_eq!(
+                (early + &late, calls.len()),
+                ("Hello {there}".to_string(), 0)
+            );
+            // What only looked like calls is text, given out at the end.
+            for text in [
+                r#"{"name": "rm", "parameters": {}}"#,
+                r#"{"a": 1}"#,
+                r#"{"name": "now"} and then"#,
+                r#"{"name": "now", "parameters": [1]}"#,
+                "<|python_tag|>print(1)",
+                "<|pyth",
+            ] {
+                let (early, late, calls) = bare(text, size);
+                assert_eq!(early + &late, text, "{text}");
+                assert!(calls.is_empty(), "{text}");
             }
         }
     }

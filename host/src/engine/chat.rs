@@ -105,8 +105,19 @@ pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     bos_token: String,
     eos_token: String,
-    /// It shows the model tools and its calls in Hermes' markup.
-    hermes: bool,
+    /// How it teaches the model to write a call, where it shows tools.
+    markup: Option<CallMarkup>,
+}
+
+/// How a template teaches the model to write a tool call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallMarkup {
+    /// `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in
+    /// the text (Qwen 2.5 and 3, Hermes).
+    Hermes,
+    /// The whole answer a JSON object `{"name": ..., "parameters": {...}}`
+    /// (Llama 3.1 and 3.2).
+    BareJson,
 }
 
 const TEMPLATE_NAME: &str = "chat";
@@ -377,16 +388,22 @@ impl ChatTemplate {
             env,
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
-            hermes: source.contains("tools") && source.contains("<tool_call>"),
+            markup: if !source.contains("tools") {
+                None
+            } else if source.contains("<tool_call>") {
+                Some(CallMarkup::Hermes)
+            } else if source.contains(r#"{"name": function name, "parameters": "#) {
+                Some(CallMarkup::BareJson)
+            } else {
+                None
+            },
         })
     }
 
-    /// Whether the template shows the model tools and writes its calls in
-    /// Hermes' markup, `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
-    /// (Qwen 2.5 and 3, Hermes): the model answers in it, and a call can be
-    /// read out of its free text.
-    pub fn hermes_calls(&self) -> bool {
-        self.hermes
+    /// How the template teaches the model to write a call (so that a call
+    /// can be read out of its free text), where it shows tools at all.
+    pub fn call_markup(&self) -> Option<CallMarkup> {
+        self.markup
     }
 
     /// The template stored in a model file (`tokenizer.chat_template`), with the
