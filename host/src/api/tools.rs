@@ -379,12 +379,19 @@ impl CallsWriter {
     pub fn push(&mut self, text: &str) -> Pushed {
         let mut entries = Vec::new();
         let mut content = String::new();
-        match &self.out {
-            CallsOut::Tagged(names) => {
-                let names = names.clone();
-                self.held.push_str(text);
-                self.read_tagged(&names, &mut content, &mut entries);
+        if let CallsOut::Tagged(_) = self.out {
+            self.held.push_str(text);
+            // (The names lent out of `out` while the blocks are read.)
+            let out = std::mem::replace(&mut self.out, CallsOut::Listed);
+            if let CallsOut::Tagged(names) = &out {
+                self.read_tagged(names, &mut content, &mut entries);
             }
+            self.out = out;
+            return Pushed { content, entries };
+        }
+        match &self.out {
+            // (Read above.)
+            CallsOut::Tagged(_) => {}
             CallsOut::Bare(_) if self.text => content.push_str(text),
             CallsOut::Bare(_) => {
                 self.held.push_str(text);
