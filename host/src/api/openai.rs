@@ -1105,7 +1105,10 @@ impl ResponseMeta {
 
     /// The writer of choice `index`'s tool calls, where its output is calls.
     pub fn calls_writer(&self, index: u32) -> Option<CallsWriter> {
-        let number = &self.id[self.endpoint.id_prefix().len()..];
+        let number = self
+            .id
+            .strip_prefix(self.endpoint.id_prefix())
+            .unwrap_or(&self.id);
         self.calls
             .clone()
             .map(|out| CallsWriter::new(out, format!("call_{number}_{index}_")))

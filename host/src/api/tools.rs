@@ -545,7 +545,10 @@ impl CallsWriter {
     /// Adds `text` to the last call's arguments: to its entry in `entries`
     /// where it has one (one entry a call a chunk, as OpenAI sends).
     fn append(&mut self, text: &str, entries: &mut Vec<Value>) {
-        let k = self.calls.len() - 1;
+        // (The schema puts each call's name before its arguments.)
+        let Some(k) = self.calls.len().checked_sub(1) else {
+            return;
+        };
         self.calls[k].1.push_str(text);
         match entries.last_mut() {
             Some(entry) if entry["index"] == k => {

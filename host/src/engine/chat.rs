@@ -181,7 +181,8 @@ fn placed<'m>(piece: Piece<'m>, json: bool, trimmed: bool) -> Cow<'m, str> {
     };
     if json {
         let quoted = serde_json::to_string(text).unwrap_or_default();
-        Cow::Owned(quoted[1..quoted.len() - 1].to_string())
+        let inside = quoted.get(1..quoted.len().saturating_sub(1)).unwrap_or("");
+        Cow::Owned(inside.to_string())
     } else {
         Cow::Borrowed(text)
     }
