@@ -824,15 +824,12 @@ fn choices(suite: &Suite, server: &Server) {
 /// picks among tokens; it must not change whose KV they are drawn from.
 fn structured(suite: &Suite, server: &Server) {
     const PATH: &str = "structured output (a schema, a choice), whole and left mid-stream";
-    let cancelled = format!(
-        r#"bulkhead_requests_total{{model="{MODEL_ID}",tenant="beta",reason="cancelled"}}"#
-    );
     let schema = json!({"type": "json_schema", "json_schema": {"name": "ticket", "schema": {
         "type": "object", "required": ["account", "ticket"],
         "properties": {"account": {"type": "string", "maxLength": 40},
                        "ticket": {"type": "string", "maxLength": 40}}}}});
     for _ in 0..suite.trials(2, 0.5) {
-        let before = server.metric(&cancelled);
+        let before = server.metric(&beta_cancelled());
         std::thread::scope(|s| {
             s.spawn(|| served(suite, server, PATH, "gamma", true));
             let mut body = echo(suite, "beta", MODEL_ID, 48);
@@ -849,15 +846,7 @@ fn structured(suite: &Suite, server: &Server) {
             body["structured_outputs"] = json!({"json": {"type": "array", "minItems": 200,
                                                           "items": {"type": "integer"}}});
             let answer = suite.send(server, KEY_BETA, &[], COMPLETIONS, &body, Some(6));
-            suite.check(PATH, "beta", &answer.text);
-            if answer.status != 200 || answer.code.is_some() {
-                suite.fail(format!("{PATH}: the stream did not run: {answer:?}"));
-            }
-            if !eventually(Duration::from_secs(20), || {
-                server.metric(&cancelled) > before
-            }) {
-                suite.fail(format!("{PATH}: the server never saw the stream go"));
-            }
+            left(suite, server, PATH, &answer, before);
         });
         suite.trial_done(PATH, suite.baseline(PATH, server, MODEL_ID));
     }
@@ -871,11 +860,8 @@ fn structured(suite: &Suite, server: &Server) {
 /// the tenant's text; the calls are sampled under a schema as any output is.
 fn tools(suite: &Suite, server: &Server) {
     const PATH: &str = "tool calls (required, named, a result), whole and left mid-stream";
-    let cancelled = format!(
-        r#"bulkhead_requests_total{{model="{MODEL_ID}",tenant="beta",reason="cancelled"}}"#
-    );
     for _ in 0..suite.trials(2, 0.5) {
-        let before = server.metric(&cancelled);
+        let before = server.metric(&beta_cancelled());
         std::thread::scope(|s| {
             s.spawn(|| served(suite, server, PATH, "gamma", true));
             let (account, ticket) = (suite.canary("beta"), suite.canary("beta"));
@@ -913,17 +899,29 @@ fn tools(suite: &Suite, server: &Server) {
             body["max_tokens"] = json!(600);
             body["stream"] = json!(true);
             let answer = suite.send(server, KEY_BETA, &[], CHAT, &body, Some(6));
-            suite.check(PATH, "beta", &answer.text);
-            if answer.status != 200 || answer.code.is_some() {
-                suite.fail(format!("{PATH}: the stream did not run: {answer:?}"));
-            }
-            if !eventually(Duration::from_secs(20), || {
-                server.metric(&cancelled) > before
-            }) {
-                suite.fail(format!("{PATH}: the server never saw the stream go"));
-            }
+            left(suite, server, PATH, &answer, before);
         });
         suite.trial_done(PATH, suite.baseline(PATH, server, MODEL_ID));
+    }
+}
+
+/// Beta's requests the server counted cancelled.
+fn beta_cancelled() -> String {
+    format!(r#"bulkhead_requests_total{{model="{MODEL_ID}",tenant="beta",reason="cancelled"}}"#)
+}
+
+/// Beta's stream that the client left after a few events: it ran, what it
+/// sent is checked for others' canaries, and the server saw it go (beta's
+/// cancelled requests past `before`).
+fn left(suite: &Suite, server: &Server, path: &'static str, answer: &Answer, before: f64) {
+    suite.check(path, "beta", &answer.text);
+    if answer.status != 200 || answer.code.is_some() {
+        suite.fail(format!("{path}: the stream did not run: {answer:?}"));
+    }
+    if !eventually(Duration::from_secs(20), || {
+        server.metric(&beta_cancelled()) > before
+    }) {
+        suite.fail(format!("{path}: the server never saw the stream go"));
     }
 }
 

@@ -1081,25 +1081,13 @@ pub struct ResponseMeta {
 
 impl ResponseMeta {
     /// The `finish_reason` of a successful finish: `tool_calls` where the
-    /// output is calls and ended whole.
-    /// (Calls read out of text: see [`ResponseMeta::finish_of`].)
-    fn finish_reason(&self, reason: FinishReason) -> &'static str {
-        match (&self.calls, reason) {
-            (Some(CallsOut::Tagged(_) | CallsOut::Bare(_)), _) => finish_reason(reason),
-            (Some(_), FinishReason::Stop) => "tool_calls",
-            _ => finish_reason(reason),
-        }
-    }
-
-    /// The `finish_reason` of a successful finish, given its choice's calls.
+    /// output is calls and ended whole, or (calls read out of text) where
+    /// its choice's `calls` made one.
     pub fn finish_of(&self, reason: FinishReason, calls: Option<&CallsWriter>) -> &'static str {
         match (&self.calls, reason) {
-            (Some(CallsOut::Tagged(_) | CallsOut::Bare(_)), FinishReason::Stop)
-                if calls.is_some_and(|c| c.called()) =>
-            {
-                "tool_calls"
-            }
-            _ => self.finish_reason(reason),
+            (Some(CallsOut::Named(_) | CallsOut::Listed), FinishReason::Stop) => "tool_calls",
+            (Some(_), FinishReason::Stop) if calls.is_some_and(CallsWriter::called) => "tool_calls",
+            _ => finish_reason(reason),
         }
     }
 
@@ -1153,7 +1141,7 @@ impl ResponseMeta {
                 "index": index,
                 "message": {"role": "assistant", "content": text, "refusal": null},
                 "logprobs": null,
-                "finish_reason": self.finish_reason(reason),
+                "finish_reason": self.finish_of(reason, None),
             }),
             Endpoint::Completions => serde_json::json!({
                 "index": index,
@@ -1195,7 +1183,7 @@ impl ResponseMeta {
         reason: Option<FinishReason>,
         usage_null: bool,
     ) -> Value {
-        let finish = reason.map(|r| self.finish_reason(r));
+        let finish = reason.map(|r| self.finish_of(r, None));
         let mut chunk = match self.endpoint {
             Endpoint::Chat => {
                 let mut delta = Map::new();

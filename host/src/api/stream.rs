@@ -17,7 +17,7 @@
 use super::error::ApiError;
 use super::guard::OutputGuard;
 use super::openai::{logprobs_value, Endpoint, ResponseMeta};
-use super::tools::CallsWriter;
+use super::tools::{CallsWriter, Pushed};
 use crate::engine::request::{Event, FinishReason, RequestId, TokenLogprob, Usage};
 use crate::telemetry;
 use bytes::Bytes;
@@ -382,41 +382,48 @@ impl SseBody {
         if text.is_empty() {
             return;
         }
-        let mut chunk = match &mut self.calls {
-            Some(calls) => {
-                let pushed = calls.push(text);
-                // Text between and after calls that is only their spacing
-                // is not given out.
-                let called = calls.called();
-                let content = Some(pushed.content)
-                    .filter(|c| !(c.is_empty() || called && c.trim().is_empty()));
-                if let Some(content) = &content {
-                    let chunk =
-                        self.meta
-                            .chunk(self.index, false, Some(content), None, self.include_usage);
-                    if pushed.entries.is_empty() {
-                        chunk
-                    } else {
-                        self.frames.push_back(sse(&chunk));
-                        self.meta
-                            .calls_chunk(self.index, pushed.entries, self.include_usage)
-                    }
-                } else if pushed.entries.is_empty() {
-                    return;
-                } else {
-                    self.meta
-                        .calls_chunk(self.index, pushed.entries, self.include_usage)
-                }
-            }
-            None => self
+        let chunks = match self.calls.as_mut().map(|calls| calls.push(text)) {
+            Some(pushed) => self.calls_chunks(pushed),
+            None => vec![self
                 .meta
-                .chunk(self.index, false, Some(text), None, self.include_usage),
+                .chunk(self.index, false, Some(text), None, self.include_usage)],
         };
-        set_logprobs(
-            &mut chunk,
-            self.logprobs.as_mut().and_then(LogprobsOut::for_text),
-        );
-        self.frames.push_back(sse(&chunk));
+        self.push_chunks(chunks);
+    }
+
+    /// The chunks of what the calls' reader gave out: its text (not where
+    /// it is only the spacing between or after calls), then its entries.
+    fn calls_chunks(&self, pushed: Pushed) -> Vec<serde_json::Value> {
+        let called = self.calls.as_ref().is_some_and(CallsWriter::called);
+        let mut chunks = Vec::new();
+        let content = pushed.content;
+        if !(content.is_empty() || called && content.trim().is_empty()) {
+            chunks.push(self.meta.chunk(
+                self.index,
+                false,
+                Some(&content),
+                None,
+                self.include_usage,
+            ));
+        }
+        if !pushed.entries.is_empty() {
+            chunks.push(
+                self.meta
+                    .calls_chunk(self.index, pushed.entries, self.include_usage),
+            );
+        }
+        chunks
+    }
+
+    /// Queues `chunks`, the log probabilities of their text with the last.
+    fn push_chunks(&mut self, mut chunks: Vec<serde_json::Value>) {
+        let Some(last) = chunks.last_mut() else {
+            return;
+        };
+        set_logprobs(last, self.logprobs.as_mut().and_then(LogprobsOut::for_text));
+        for chunk in &chunks {
+            self.frames.push_back(sse(chunk));
+        }
     }
 
     /// Ends the stream with the guard's error and cancels the request (the
@@ -442,22 +449,8 @@ impl SseBody {
         }
         // What the calls' reader held back: text after all, or calls.
         if let Some(held) = self.calls.as_mut().map(CallsWriter::finish) {
-            if !held.content.is_empty() {
-                let chunk = self.meta.chunk(
-                    self.index,
-                    false,
-                    Some(&held.content),
-                    None,
-                    self.include_usage,
-                );
-                self.frames.push_back(sse(&chunk));
-            }
-            if !held.entries.is_empty() {
-                let chunk = self
-                    .meta
-                    .calls_chunk(self.index, held.entries, self.include_usage);
-                self.frames.push_back(sse(&chunk));
-            }
+            let chunks = self.calls_chunks(held);
+            self.push_chunks(chunks);
         }
         // Entries of text held back to the end, or of no text: with the last chunk.
         let logprobs = match self.logprobs.as_mut().map(|l| l.finish(false)).transpose() {
@@ -690,6 +683,15 @@ mod tests {
             .collect()
     }
 
+    /// Every `tool_calls` entry of a stream's chunks.
+    fn calls(chunks: &[serde_json::Value]) -> Vec<&serde_json::Value> {
+        chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+            .flatten()
+            .collect()
+    }
+
     fn finish(chunks: &[serde_json::Value]) -> &str {
         chunks.last().unwrap()["choices"][0]["finish_reason"]
             .as_str()
@@ -711,11 +713,7 @@ mod tests {
             FinishReason::Stop,
         );
         assert_eq!(content(&chunks), "Sure. ");
-        let calls: Vec<&serde_json::Value> = chunks
-            .iter()
-            .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
-            .flatten()
-            .collect();
+        let calls = calls(&chunks);
         assert_eq!(calls.len(), 1, "{chunks:?}");
         assert_eq!(calls[0]["id"], "call_9_0_0");
         assert_eq!(calls[0]["function"]["name"], "now");
@@ -737,11 +735,7 @@ mod tests {
             FinishReason::Stop,
         );
         assert_eq!(content(&chunks), "");
-        let calls: Vec<&serde_json::Value> = chunks
-            .iter()
-            .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
-            .flatten()
-            .collect();
+        let calls = calls(&chunks);
         assert_eq!(calls.len(), 1, "{chunks:?}");
         assert_eq!(calls[0]["function"]["name"], "now");
         assert_eq!(finish(&chunks), "tool_calls");
