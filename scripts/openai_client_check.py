@@ -111,6 +111,17 @@ def main() -> None:
     )
     assert len(legacy.choices[0].logprobs.tokens) == 4, legacy.choices[0].logprobs
     assert "".join(legacy.choices[0].logprobs.tokens) == legacy.choices[0].text
+    # A text scored, nothing generated: echo with max_tokens 0 (how
+    # evaluation harnesses read a prompt's log probabilities).
+    echoed = client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=0, echo=True, logprobs=1
+    )
+    lp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == "Once upon a time", echoed
+    assert "".join(lp.tokens) == "Once upon a time", lp
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
+    assert all(l <= 0 for l in lp.token_logprobs[1:]), lp
+    assert echoed.usage.completion_tokens == 0, echoed.usage
 
     # Several choices, whole and streamed, and vLLM's extras through extra_body.
     several = client.chat.completions.create(

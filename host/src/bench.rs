@@ -192,7 +192,7 @@ fn feed(
             pages: seq,
             pos_start: pos,
             tokens: piece,
-            wants_logits: pos + piece.len() == ids.len(),
+            logits: usize::from(pos + piece.len() == ids.len()),
         };
         engine.backend.step(&[step], pool)?;
         pos += piece.len();
@@ -240,7 +240,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
                 pages: table,
                 pos_start: context.len(),
                 tokens: &token,
-                wants_logits: true,
+                logits: 1,
             })
             .collect();
         engine.backend.step(&warm, &mut pool)?;
@@ -252,7 +252,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
                     pages: table,
                     pos_start: context.len() + i,
                     tokens: &token,
-                    wants_logits: true,
+                    logits: 1,
                 })
                 .collect();
             engine.backend.step(&steps, &mut pool)?;
@@ -329,7 +329,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             pages: &seqs[0],
             pos_start: context.len() - 1 + i,
             tokens: &[token],
-            wants_logits: true,
+            logits: 1,
         };
         let logits = engine.backend.step(&[step], &mut pool)?;
         let row = logits.row(0).to_vec();
@@ -348,7 +348,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
                     pages: table,
                     pos_start: depth,
                     tokens: std::slice::from_ref(&token),
-                    wants_logits: true,
+                    logits: 1,
                 })
                 .collect();
             let started = Instant::now();
@@ -595,7 +595,15 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             let mut samplers: Vec<Sampler> = (0..8).map(fresh).collect();
             let started = Instant::now();
             for _ in 0..rounds {
-                let sampled = sample_rows(pool, samplers.iter_mut().collect(), &logits);
+                let sampled = sample_rows(
+                    pool,
+                    samplers
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(row, s)| (s, row))
+                        .collect(),
+                    &logits,
+                );
                 for (seq, sampled) in sampled.into_iter().enumerate() {
                     if tokenizer.is_eog(sampled.token) {
                         samplers[seq] = fresh(seq as u64);

@@ -158,6 +158,9 @@ pub fn openai(data: &[u8]) {
         if let Some(top) = completion.common.sampling.logprobs {
             body["logprobs"] = json!(top);
         }
+        if completion.echo {
+            body["echo"] = json!(true);
+        }
         body["prompt"] = match &completion.prompt {
             Prompt::Text(text) => json!(text),
             Prompt::Tokens(ids) => json!(ids),
@@ -866,6 +869,10 @@ pub fn openai_seeds() -> Vec<(&'static str, Vec<u8>)> {
         (
             "seed-completion-tokens.json",
             r#"{"model":"m","prompt":[1,2,3,49151],"max_completion_tokens":4294967296,"echo":false,"best_of":1,"suffix":"","logprobs":0}"#,
+        ),
+        (
+            "seed-completion-echo.json",
+            r#"{"model":"m","prompt":[[504,3575,282,4649,314,7042]],"temperature":0,"max_tokens":0,"logprobs":1,"seed":1234,"echo":true}"#,
         ),
         (
             "seed-completion-array.json",

@@ -232,13 +232,26 @@ impl Rig {
     /// Runs one greedy request of `tenant` through `handle`: its text and
     /// how it finished.
     fn run(&self, both: bool, tenant: u32, prompt: &[u32]) -> (String, FinishReason) {
+        let (text, reason, _) = self.run_with(both, tenant, prompt, SamplingParams::default());
+        (text, reason)
+    }
+
+    /// [`Rig::run`] with `sampling`; also counts the prompt log
+    /// probabilities it received.
+    fn run_with(
+        &self,
+        both: bool,
+        tenant: u32,
+        prompt: &[u32],
+        sampling: SamplingParams,
+    ) -> (String, FinishReason, usize) {
         let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let request = NewRequest {
             id: RequestId(self.ids.fetch_add(1, Ordering::Relaxed)),
             tenant: TenantId(tenant),
             prompt: prompt.to_vec(),
             max_tokens: 12,
-            sampling: SamplingParams::default(),
+            sampling,
             stop: Vec::new(),
             deadline: Instant::now() + Duration::from_secs(20),
             events,
@@ -253,12 +266,13 @@ impl Rig {
         let admitted = admission.admit(request).unwrap();
         self.runtime.block_on(async move {
             handle.submit(admitted).await.unwrap();
-            let mut text = String::new();
+            let (mut text, mut scored) = (String::new(), 0);
             while let Some(event) = rx.recv().await {
                 match event {
                     Event::Text(t) => text.push_str(&t),
                     Event::Logprob(_) => {}
-                    Event::Finished { reason, .. } => return (text, reason),
+                    Event::PromptLogprob(_) => scored += 1,
+                    Event::Finished { reason, .. } => return (text, reason, scored),
                 }
             }
             panic!("no finish");
@@ -486,6 +500,33 @@ fn an_intact_transfer_decodes_exactly_what_one_engine_decodes() {
         rig.baseline();
     }
     assert!(rig.link.paired.load(Ordering::Relaxed));
+}
+
+#[test]
+fn a_prompt_whose_log_probabilities_are_asked_for_is_computed_here_not_by_the_peer() {
+    let rig = Rig::new();
+    // Every transfer would fail: the request never asks for one.
+    rig.set(Fault::Corrupt(0));
+    let p = prompt(21, 3);
+    let scoring = SamplingParams {
+        prompt_logprobs: Some(2),
+        ..SamplingParams::default()
+    };
+    let (alone, why_alone, _) = rig.run_with(true, 1, &p, scoring.clone());
+    let (split, why_split, scored) = rig.run_with(false, 1, &p, scoring);
+    assert_eq!(why_split, why_alone);
+    assert!(matches!(
+        why_split,
+        FinishReason::Length | FinishReason::Stop
+    ));
+    assert_eq!(split, alone, "the same greedy text");
+    assert_eq!(scored, p.len() - 1, "every prompt token after the first");
+    rig.baseline();
+    // Without them, the same prompt goes to the peer (and its transfer fails).
+    let (_, reason) = rig.run(false, 1, &p);
+    assert_eq!(reason, FinishReason::TransferFailed);
+    rig.set(Fault::None);
+    rig.baseline();
 }
 
 fn fails(rig: &Rig, fault: Fault, expect: FinishReason) {

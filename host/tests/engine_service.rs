@@ -224,6 +224,10 @@ impl bulkhead_kernels::backend::Backend for Faulty {
         64
     }
 
+    fn step_logits_max(&self) -> usize {
+        64
+    }
+
     fn step(
         &mut self,
         steps: &[bulkhead_kernels::backend::SeqStep<'_>],

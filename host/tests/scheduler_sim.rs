@@ -178,7 +178,9 @@ fn drain(rx: &mut UnboundedReceiver<Event>) -> (String, Option<(FinishReason, u3
                 assert!(end.is_none(), "no event after Finished");
                 text.push_str(&t);
             }
-            Event::Logprob(_) => assert!(end.is_none(), "no event after Finished"),
+            Event::Logprob(_) | Event::PromptLogprob(_) => {
+                assert!(end.is_none(), "no event after Finished")
+            }
             Event::Finished { reason, usage } => end = Some((reason, usage.completion_tokens)),
         }
     }
@@ -192,7 +194,7 @@ fn outcome(rx: &mut UnboundedReceiver<Event>) -> (String, Option<(FinishReason, 
     while let Ok(event) = rx.try_recv() {
         match event {
             Event::Text(t) => text.push_str(&t),
-            Event::Logprob(_) => {}
+            Event::Logprob(_) | Event::PromptLogprob(_) => {}
             Event::Finished { reason, usage } => end = Some((reason, usage)),
         }
     }
@@ -1313,4 +1315,144 @@ fn a_requests_choices_after_the_first_find_its_prompt_in_the_prefix_cache() {
         assert!(end.is_some(), "each choice ran");
     }
     s.assert_all_pages_free();
+}
+
+/// Every event of a request, in order.
+fn events(rx: &mut UnboundedReceiver<Event>) -> Vec<Event> {
+    std::iter::from_fn(|| rx.try_recv().ok()).collect()
+}
+
+#[test]
+fn a_prompts_log_probabilities_are_each_prefixs_next_token_distribution() {
+    // Steps of at most 32 tokens and 8 + 64 rows of logits: a 50-token
+    // prompt is scored over two chunks, beside another tenant's work.
+    let mut s = sim(
+        &[tenant(ALPHA, 1, 32, 64), tenant(BETA, 1, 32, 64)],
+        64,
+        LIMITS,
+    );
+    let text = prompt(5, 50);
+    // A first request puts the prompt's pages in alpha's cache; the scored
+    // one must compute them all the same.
+    let mut warm = s.submit(ALPHA, text.clone(), 1);
+    s.run_to_idle();
+    assert!(matches!(
+        outcome(&mut warm).1,
+        Some((FinishReason::Length, _))
+    ));
+    let top = 3u8;
+    let scoring = |max_tokens_logprobs: Option<u8>| SamplingParams {
+        prompt_logprobs: Some(top),
+        logprobs: max_tokens_logprobs,
+        ..SamplingParams::default()
+    };
+    let mut busy = s.submit(BETA, prompt(9, 40), 6);
+    let mut scored = s.submit_sampled(ALPHA, text.clone(), 0, scoring(None));
+    let mut scored_and_generated = s.submit_sampled(ALPHA, text.clone(), 4, scoring(Some(top)));
+    let mut plain = s.submit(ALPHA, text.clone(), 4);
+    s.run_to_idle();
+    assert!(matches!(
+        outcome(&mut busy).1,
+        Some((FinishReason::Length, _))
+    ));
+
+    // Nothing generated: one entry per prompt token from the second on, and
+    // the end; none of its pages came from the cache.
+    let got = events(&mut scored);
+    let (entries, rest) = got.split_at(text.len() - 1);
+    let entries: Vec<_> = entries
+        .iter()
+        .map(|e| match e {
+            Event::PromptLogprob(entry) => entry.clone(),
+            other => panic!("a prompt log probability, not {other:?}"),
+        })
+        .collect();
+    match rest {
+        [Event::Finished { reason, usage }] => {
+            assert_eq!(*reason, FinishReason::Length);
+            assert_eq!(usage.completion_tokens, 0);
+            assert_eq!(usage.prompt_tokens, text.len() as u32);
+            assert_eq!(usage.cached_tokens, 0);
+        }
+        other => panic!("only the end after the entries: {other:?}"),
+    }
+    // Each entry is the token's own bytes, with `top` alternatives most
+    // likely first, and the same numbers the next-token distribution after
+    // that prefix gives a request that generates from it (exactly: the CPU
+    // backend computes a position alike in any chunk and batch).
+    for (i, entry) in entries.iter().enumerate() {
+        assert_eq!(entry.bytes, vec![text[i + 1] as u8], "entry {i}");
+        assert_eq!(entry.top.len(), usize::from(top));
+        assert!(entry.top.windows(2).all(|w| w[0].1 >= w[1].1));
+        assert!(entry.logprob <= 0.0 && entry.logprob.is_finite());
+        let oracle_params = SamplingParams {
+            logprobs: Some(top),
+            ..SamplingParams::default()
+        };
+        let mut oracle = s.submit_sampled(BETA, text[..=i].to_vec(), 1, oracle_params);
+        s.run_to_idle();
+        let generated = events(&mut oracle)
+            .into_iter()
+            .find_map(|e| match e {
+                Event::Logprob(entry) => Some(entry),
+                _ => None,
+            })
+            .expect("the oracle's generated token has log probabilities");
+        assert_eq!(
+            entry.top,
+            generated.top,
+            "alternatives after {} tokens",
+            i + 1
+        );
+        if let Some(&(_, logprob)) = generated.top.iter().find(|(b, _)| *b == entry.bytes) {
+            assert_eq!(entry.logprob, logprob, "entry {i}");
+        }
+    }
+
+    // With tokens to generate: every prompt entry first, then the same
+    // greedy text a request that scores nothing gets.
+    let got = events(&mut scored_and_generated);
+    let first_generated = got
+        .iter()
+        .position(|e| !matches!(e, Event::PromptLogprob(_)))
+        .unwrap();
+    assert_eq!(first_generated, text.len() - 1);
+    assert!(!got[first_generated..]
+        .iter()
+        .any(|e| matches!(e, Event::PromptLogprob(_))));
+    let prompt_entries: Vec<_> = got[..first_generated]
+        .iter()
+        .map(|e| match e {
+            Event::PromptLogprob(entry) => entry.clone(),
+            _ => unreachable!(),
+        })
+        .collect();
+    assert_eq!(
+        prompt_entries, entries,
+        "the same scores with or without generation"
+    );
+    let text_of = |events: &[Event]| -> String {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Text(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect()
+    };
+    let (plain_text, plain_end) = outcome(&mut plain);
+    assert_eq!(text_of(&got), plain_text);
+    assert!(matches!(
+        got.last(),
+        Some(Event::Finished { reason: FinishReason::Length, usage }) if usage.completion_tokens == 4
+    ));
+    assert!(matches!(plain_end, Some((FinishReason::Length, u)) if u.cached_tokens > 0));
+    s.assert_all_pages_free();
+
+    // Without scoring, 0 tokens to generate is refused as before.
+    let (request, _rx) = s.request(ALPHA, text.clone(), 0);
+    assert_eq!(
+        s.admission.admit(request).err(),
+        Some(Rejection::ZeroMaxTokens)
+    );
 }

@@ -104,6 +104,10 @@ impl Backend for Flaky {
         self.inner.step_tokens_max()
     }
 
+    fn step_logits_max(&self) -> usize {
+        self.inner.step_logits_max()
+    }
+
     fn step(&mut self, steps: &[SeqStep<'_>], pool: &mut Pool) -> Result<Logits<'_>, StepError> {
         if self.rng.chance(PANIC_PER_MILLE) {
             panic!("planted engine fault");
@@ -203,6 +207,12 @@ struct Live {
     id: u64,
     rx: UnboundedReceiver<Event>,
     ended: bool,
+    /// Prompt log probabilities it must receive before a successful end
+    /// (its prompt's length less one where it asked for them, else none).
+    prompt_logprobs_owed: usize,
+    prompt_logprobs: usize,
+    /// A generated token's event came: no prompt's may follow.
+    generated: bool,
 }
 
 struct World {
@@ -307,7 +317,19 @@ impl World {
                 1 + self.rng.below(10)
             };
             prompt.extend((0..tail).map(|_| 97 + self.rng.below(26) as u32));
-            let max_tokens = 1 + self.rng.below(12) as u32;
+            // Now and then its prompt's log probabilities, with nothing
+            // generated at times (chunks cut to the step's rows of logits,
+            // prefix cache skipped, restarts after preemption).
+            let scores = self.rng.chance(150);
+            let mut max_tokens = 1 + self.rng.below(12) as u32;
+            if scores && self.rng.chance(300) {
+                max_tokens = 0;
+            }
+            let sampling = SamplingParams {
+                prompt_logprobs: scores.then(|| self.rng.below(3) as u8),
+                ..SamplingParams::default()
+            };
+            let prompt_logprobs_owed = if scores { prompt.len() - 1 } else { 0 };
             let deadline = if self.rng.chance(80) {
                 self.now + Duration::from_millis(10 * (1 + self.rng.below(20)))
             } else {
@@ -322,7 +344,7 @@ impl World {
                 tenant,
                 prompt,
                 max_tokens,
-                sampling: SamplingParams::default(),
+                sampling,
                 stop: Vec::new(),
                 deadline,
                 events,
@@ -346,6 +368,9 @@ impl World {
                         id,
                         rx,
                         ended: false,
+                        prompt_logprobs_owed,
+                        prompt_logprobs: 0,
+                        generated: false,
                     });
                 }
                 Err(Rejection::QueueFull) => {
@@ -444,11 +469,41 @@ impl World {
                         what: format!("request {} received {event:?} after its end", live.id),
                     });
                 }
+                let fail = |what: String| Failure {
+                    seed: self.seed,
+                    step,
+                    what: format!("request {}: {what}", live.id),
+                };
                 let piece = match &event {
-                    Event::Text(text) => text.clone(),
-                    Event::Logprob(_) => "<logprob>".into(),
+                    Event::Text(text) => {
+                        live.generated = true;
+                        text.clone()
+                    }
+                    Event::Logprob(_) => {
+                        live.generated = true;
+                        "<logprob>".into()
+                    }
+                    Event::PromptLogprob(_) => {
+                        live.prompt_logprobs += 1;
+                        if live.generated || live.prompt_logprobs > live.prompt_logprobs_owed {
+                            return Err(fail(format!(
+                                "prompt log probability {} of {} owed, after a generated token: {}",
+                                live.prompt_logprobs, live.prompt_logprobs_owed, live.generated
+                            )));
+                        }
+                        "<prompt logprob>".into()
+                    }
                     Event::Finished { reason, .. } => {
                         live.ended = true;
+                        let whole = matches!(reason, FinishReason::Stop | FinishReason::Length);
+                        if whole && live.prompt_logprobs != live.prompt_logprobs_owed {
+                            return Err(fail(format!(
+                                "ended {} with {} of {} prompt log probabilities",
+                                reason.as_str(),
+                                live.prompt_logprobs,
+                                live.prompt_logprobs_owed
+                            )));
+                        }
                         format!("<{}>", reason.as_str())
                     }
                 };

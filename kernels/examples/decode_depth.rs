@@ -90,7 +90,7 @@ fn main() {
                 // Every round decodes the same positions: depth..depth + tokens.
                 pos_start: depth + i,
                 tokens: &[1],
-                wants_logits: true,
+                logits: 1,
             };
             backend.step(&[step], &mut pool).expect("step");
         }

@@ -78,7 +78,7 @@ fn run_chunked(
             pages: table,
             pos_start: pos,
             tokens: piece,
-            wants_logits: pos + piece.len() == tokens.len(),
+            logits: usize::from(pos + piece.len() == tokens.len()),
         };
         let logits = backend.step(&[step], pool).expect("valid step");
         if logits.rows_count() == 1 {
@@ -141,13 +141,13 @@ fn a_batch_gives_each_sequence_what_it_gets_alone() {
             pages: &ta,
             pos_start: 0,
             tokens: &PROMPT_A,
-            wants_logits: true,
+            logits: 1,
         },
         SeqStep {
             pages: &tb,
             pos_start: 0,
             tokens: &PROMPT_B,
-            wants_logits: true,
+            logits: 1,
         },
     ];
     let logits = b.step(&steps, &mut p).unwrap();
@@ -158,6 +158,152 @@ fn a_batch_gives_each_sequence_what_it_gets_alone() {
         max_abs_diff(&a_alone, &b_alone) > 1e-2,
         "different prompts, different logits"
     );
+}
+
+/// Every position's logits (a prompt's log probabilities), in chunks and
+/// beside another sequence, are exactly what the position gets as the last
+/// token of a step of its own; rows past the tokens or the backend's limit
+/// are refused before anything runs.
+#[test]
+fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
+    let m = model(&TinySpec::default());
+    let mut b = backend(&m, None, 2);
+    let vocab = m.config.vocab_len;
+    // Token by token: row i is position i's logits.
+    let mut p = pool(&m, 16, PoolOptions::default());
+    let t = table(&mut p, ALPHA, 1, 3);
+    let mut oracle = Vec::new();
+    for (pos, token) in PROMPT_A.iter().enumerate() {
+        let step = SeqStep {
+            pages: &t,
+            pos_start: pos,
+            tokens: std::slice::from_ref(token),
+            logits: 1,
+        };
+        oracle.push(b.step(&[step], &mut p).unwrap().row(0).to_vec());
+    }
+    for chunk in [PROMPT_A.len(), 4, 3] {
+        let mut p = pool(&m, 16, PoolOptions::default());
+        let ta = table(&mut p, ALPHA, 1, 3);
+        let tb = table(&mut p, BETA, 2, 3);
+        let mut rows = Vec::new();
+        for (i, piece) in PROMPT_A.chunks(chunk).enumerate() {
+            let pos = i * chunk;
+            // The last chunk asks for all but its first position: rows are
+            // always a step's last tokens.
+            let wanted = if pos + piece.len() == PROMPT_A.len() && piece.len() > 1 {
+                piece.len() - 1
+            } else {
+                piece.len()
+            };
+            let steps = [
+                SeqStep {
+                    pages: &tb,
+                    pos_start: 0,
+                    tokens: &PROMPT_B,
+                    logits: 1,
+                },
+                SeqStep {
+                    pages: &ta,
+                    pos_start: pos,
+                    tokens: piece,
+                    logits: wanted,
+                },
+            ];
+            let logits = b.step(&steps, &mut p).unwrap();
+            assert_eq!(logits.rows_count(), 1 + wanted, "chunk {chunk}");
+            for row in 1..=wanted {
+                rows.push((
+                    pos + piece.len() - wanted + row - 1,
+                    logits.row(row).to_vec(),
+                ));
+            }
+            // Beta's prompt again each step from position 0: its row is its own.
+            assert_ne!(logits.row(0), oracle[PROMPT_B.len() - 1].as_slice());
+        }
+        assert_eq!(rows.len(), PROMPT_A.len() - 1);
+        for (pos, row) in rows {
+            assert_eq!(row.len(), vocab);
+            assert_eq!(
+                max_abs_diff(&row, &oracle[pos]),
+                0.0,
+                "chunk {chunk} position {pos}"
+            );
+        }
+    }
+    // Refusals, each before the step touches the pool.
+    let mut p = pool(&m, 40, PoolOptions::default());
+    let t = table(&mut p, ALPHA, 1, 17);
+    let before = p.stats();
+    let error = b
+        .step(
+            &[SeqStep {
+                pages: &t,
+                pos_start: 0,
+                tokens: &PROMPT_A,
+                logits: PROMPT_A.len() + 1,
+            }],
+            &mut p,
+        )
+        .err()
+        .unwrap();
+    assert_eq!(
+        error,
+        StepError::LogitsPastTokens {
+            index: 0,
+            logits: PROMPT_A.len() + 1,
+            tokens: PROMPT_A.len()
+        }
+    );
+    assert_eq!(error.sequence(), Some(0));
+    let mut wide = CpuBackend::new(
+        Arc::clone(&m),
+        CpuOptions {
+            threads_count: 1,
+            step_tokens_max: 128,
+            step_seqs_max: 2,
+            isa: None,
+        },
+    );
+    assert_eq!(
+        wide.step_logits_max(),
+        2 + bulkhead_kernels::backend::SCORED_ROWS_MAX
+    );
+    let long = vec![1u32; 67];
+    let error = wide
+        .step(
+            &[SeqStep {
+                pages: &t,
+                pos_start: 0,
+                tokens: &long,
+                logits: 67,
+            }],
+            &mut p,
+        )
+        .err()
+        .unwrap();
+    assert_eq!(
+        error,
+        StepError::TooManyLogits {
+            rows: 67,
+            rows_max: 66
+        }
+    );
+    assert_eq!(error.sequence(), None);
+    assert_eq!(p.stats(), before, "refused steps leave the pool as it was");
+    // At the limit it runs.
+    let logits = wide
+        .step(
+            &[SeqStep {
+                pages: &t,
+                pos_start: 0,
+                tokens: &long[..66],
+                logits: 66,
+            }],
+            &mut p,
+        )
+        .unwrap();
+    assert_eq!(logits.rows_count(), 66);
 }
 
 #[test]
@@ -289,7 +435,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
         pages: &t,
         pos_start,
         tokens,
-        wants_logits: true,
+        logits: 1,
     };
     let vocab_len = m.config.vocab_len;
     // Each refusal names the sequence at fault, so a scheduler can fail that
@@ -333,7 +479,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
         pages: &big_table,
         pos_start: 0,
         tokens: &long,
-        wants_logits: true,
+        logits: 1,
     };
     let error = b.step(&[too_many], &mut big).err().unwrap();
     assert!(matches!(error, StepError::TooManyTokens { .. }));
@@ -353,7 +499,7 @@ fn refuses_a_table_whose_pages_are_not_leased_in_this_pool() {
         pages: &foreign,
         pos_start: 0,
         tokens: &[1, 2],
-        wants_logits: true,
+        logits: 1,
     };
     assert_eq!(
         b.step(&[step], &mut p).err(),
@@ -401,7 +547,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         pages: &first,
         pos_start: cut,
         tokens: &prompt[cut..],
-        wants_logits: true,
+        logits: 1,
     };
     let own = b.step(&[step], &mut p).unwrap().row(0).to_vec();
     // Its full prefix pages are shared; a second sequence of the same owner
@@ -420,7 +566,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         pages: &second,
         pos_start: cut,
         tokens: &prompt[cut..],
-        wants_logits: true,
+        logits: 1,
     };
     let cached = b.step(&[step], &mut p).unwrap().row(0).to_vec();
     assert_eq!(
@@ -435,7 +581,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         pages: &second,
         pos_start: cut - 1,
         tokens: &prompt[cut - 1..],
-        wants_logits: true,
+        logits: 1,
     };
     assert_eq!(
         b.step(&[rewrite], &mut p).err(),
@@ -514,19 +660,19 @@ fn every_isa_is_batch_invariant_bit_for_bit() {
                     pages: &tb,
                     pos_start: 0,
                     tokens: &PROMPT_B,
-                    wants_logits: true,
+                    logits: 1,
                 },
                 SeqStep {
                     pages: &ta,
                     pos_start: 39,
                     tokens: &prompt[39..],
-                    wants_logits: true,
+                    logits: 1,
                 },
                 SeqStep {
                     pages: &tc,
                     pos_start: 0,
                     tokens: &PROMPT_A[..2],
-                    wants_logits: true,
+                    logits: 1,
                 },
             ];
             let batched = b.step(&steps, &mut p).unwrap().row(1).to_vec();

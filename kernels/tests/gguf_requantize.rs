@@ -276,7 +276,7 @@ fn last_logits(model: &Arc<Model>) -> Vec<f32> {
         pages: &table,
         pos_start: 0,
         tokens: &PROMPT,
-        wants_logits: true,
+        logits: 1,
     };
     backend.step(&[step], &mut pool).unwrap().row(0).to_vec()
 }

@@ -316,6 +316,18 @@ impl Suite {
                 .or(choice["text"].as_str())
                 .unwrap_or("");
             answer.text.push_str(piece);
+            // Log probabilities' tokens and alternatives (an echoed prompt's
+            // come first), as they come.
+            let logprobs = &choice["logprobs"];
+            for token in logprobs["tokens"].as_array().into_iter().flatten() {
+                answer.text.push_str(token.as_str().unwrap_or(""));
+            }
+            for top in logprobs["top_logprobs"].as_array().into_iter().flatten() {
+                for alternative in top.as_object().into_iter().flat_map(|o| o.keys()) {
+                    answer.text.push('\n');
+                    answer.text.push_str(alternative);
+                }
+            }
             // A tool call's name and arguments, as they come.
             for call in choice["delta"]["tool_calls"]
                 .as_array()
@@ -913,6 +925,36 @@ fn beta_cancelled() -> String {
 /// Beta's stream that the client left after a few events: it ran, what it
 /// sent is checked for others' canaries, and the server saw it go (beta's
 /// cancelled requests past `before`).
+/// A prompt scored (`echo` with its tokens' log probabilities): with
+/// nothing generated, twice (the second finds the first's pages in the
+/// tenant's cache and must compute them all the same), and streamed with a
+/// long generation left after a few events (its sequence ends), while
+/// another tenant is served. Every position's logits are read back: the
+/// answers carry this tenant's text (its own canaries, by construction) and
+/// nothing of anyone else's, tokens and alternatives included.
+fn scored(suite: &Suite, server: &Server) {
+    const PATH: &str = "scored prompt (echo, logprobs), whole and left mid-stream";
+    for _ in 0..suite.trials(2, 0.5) {
+        let before = server.metric(&beta_cancelled());
+        std::thread::scope(|s| {
+            s.spawn(|| served(suite, server, PATH, "gamma", true));
+            let mut body = echo(suite, "beta", MODEL_ID, 0);
+            body["echo"] = json!(true);
+            body["logprobs"] = json!(5);
+            for _ in 0..2 {
+                let answer = suite.send(server, KEY_BETA, &[], COMPLETIONS, &body, None);
+                suite.expect(PATH, "beta", &answer, OK);
+            }
+            let mut body = counting(suite, "beta", MODEL_ID, 20, 300);
+            body["echo"] = json!(true);
+            body["logprobs"] = json!(2);
+            let answer = suite.send(server, KEY_BETA, &[], COMPLETIONS, &body, Some(6));
+            left(suite, server, PATH, &answer, before);
+        });
+        suite.trial_done(PATH, suite.baseline(PATH, server, MODEL_ID));
+    }
+}
+
 fn left(suite: &Suite, server: &Server, path: &'static str, answer: &Answer, before: f64) {
     suite.check(path, "beta", &answer.text);
     if answer.status != 200 || answer.code.is_some() {
@@ -1923,7 +1965,7 @@ fn no_tenant_sees_another_tenants_data_on_any_path() {
         );
         assert_eq!(r.status, 200, "{}", r.body);
         type Path = fn(&Suite, &Server);
-        let paths: [(&str, Path); 17] = [
+        let paths: [(&str, Path); 18] = [
             ("success", success),
             ("prefix_cache", prefix_cache),
             ("oversized", oversized),
@@ -1933,6 +1975,7 @@ fn no_tenant_sees_another_tenants_data_on_any_path() {
             ("choices", choices),
             ("structured", structured),
             ("tools", tools),
+            ("scored", scored),
             ("queue_full", queue_full),
             ("preemption", preemption),
             ("plugin_faults", plugin_faults),

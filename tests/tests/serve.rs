@@ -712,7 +712,12 @@ fn n_choices_are_seeded_apart_streamed_by_index_and_summed_in_usage() {
 
 /// The chunks of alpha's streamed chat completion, up to `[DONE]`.
 fn chat_chunks(server: &Server, body: &Value) -> Vec<Value> {
-    let (status, mut sse) = server.stream("/v1/chat/completions", KEY_ALPHA, body);
+    chunks(server, "/v1/chat/completions", body)
+}
+
+/// The chunks of a streamed request to `path`, up to `[DONE]`.
+fn chunks(server: &Server, path: &str, body: &Value) -> Vec<Value> {
+    let (status, mut sse) = server.stream(path, KEY_ALPHA, body);
     assert_eq!(status, 200);
     sse.rest()
         .iter()
@@ -822,6 +827,144 @@ fn logprobs_follow_openais_shapes_streamed_or_not_and_are_the_models_own() {
     let top0 = lp["top_logprobs"][0].as_object().unwrap();
     assert!((2..=3).contains(&top0.len()), "{top0:?}");
     assert_eq!(top0["!"].as_f64().unwrap(), first);
+}
+
+#[test]
+fn echo_scores_a_prompt_as_the_model_would_generate_it() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let post = |body: &Value| {
+        let r = server.post_json("/v1/completions", Some(KEY_ALPHA), body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()
+    };
+    // The greedy continuation of a context, and its log probability.
+    let context = "The capital of France is";
+    let v = post(
+        &json!({"model": MODEL_ID, "prompt": context, "max_tokens": 1,
+                         "temperature": 0, "logprobs": 1}),
+    );
+    let continuation = v["choices"][0]["text"].as_str().unwrap().to_string();
+    let generated = v["choices"][0]["logprobs"]["token_logprobs"][0]
+        .as_f64()
+        .unwrap();
+    let context_ids = token_ids(&model, context);
+    let ids = token_ids(&model, &format!("{context}{continuation}"));
+    assert_eq!(ids.len(), context_ids.len() + 1, "one token more: {ids:?}");
+    assert_eq!(ids[..context_ids.len()], context_ids[..]);
+
+    // lm-evaluation-harness's loglikelihood request, as it sends it: the
+    // context and continuation as token ids in a batch of one, echo, one
+    // token to generate, the chosen tokens' log probabilities.
+    let v = post(
+        &json!({"model": MODEL_ID, "prompt": [ids], "temperature": 0,
+                         "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": true}),
+    );
+    let choice = &v["choices"][0];
+    let lp = &choice["logprobs"];
+    let token_logprobs = lp["token_logprobs"].as_array().unwrap();
+    let top_logprobs = lp["top_logprobs"].as_array().unwrap();
+    assert_eq!(token_logprobs.len(), ids.len() + 1, "{lp}");
+    assert_eq!(token_logprobs[0], Value::Null);
+    assert_eq!(top_logprobs[0], Value::Null);
+    assert_eq!(v["usage"]["prompt_tokens"], ids.len());
+    assert_eq!(v["usage"]["completion_tokens"], 1);
+    assert!(choice["text"]
+        .as_str()
+        .unwrap()
+        .starts_with(&format!("{context}{continuation}")));
+    // The harness's reading: the continuation's log probability (ctxlen to
+    // -1) is the one generating it had, and it is greedy (the likeliest).
+    let ctxlen = context_ids.len();
+    let scored = token_logprobs[ctxlen].as_f64().unwrap();
+    assert!(
+        (scored - generated).abs() < 1e-4,
+        "scored {scored}, generated {generated}"
+    );
+    let top = top_logprobs[ctxlen].as_object().unwrap();
+    let best = top
+        .values()
+        .map(|l| l.as_f64().unwrap())
+        .fold(f64::MIN, f64::max);
+    assert_eq!(scored, best, "{top:?}");
+    for (i, logprob) in token_logprobs.iter().enumerate().skip(1) {
+        let logprob = logprob.as_f64().unwrap();
+        assert!(
+            logprob <= 0.0 && logprob.is_finite(),
+            "token {i}: {logprob}"
+        );
+    }
+
+    // Nothing to generate: the prompt's text and its tokens' log
+    // probabilities are the answer, streamed or whole, the same twice
+    // (its pages in the prefix cache do not stand in for computing them).
+    let body = json!({"model": MODEL_ID, "prompt": context, "max_tokens": 0,
+                      "echo": true, "logprobs": 2});
+    let v = post(&body);
+    let choice = &v["choices"][0];
+    assert_eq!(choice["text"], context);
+    assert_eq!(choice["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+    let lp = &choice["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.len(), context_ids.len());
+    assert_eq!(tokens.concat(), context);
+    let offsets: Vec<usize> = tokens
+        .iter()
+        .scan(0, |at, t| {
+            let start = *at;
+            *at += t.chars().count();
+            Some(start)
+        })
+        .collect();
+    assert_eq!(lp["text_offset"], json!(offsets));
+    assert_eq!(
+        lp["token_logprobs"].as_array().unwrap()[1..],
+        token_logprobs[1..context_ids.len()]
+    );
+    assert_eq!(post(&body)["choices"][0]["logprobs"], *lp);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = chunks(&server, "/v1/completions", &streamed);
+    assert_eq!(chunks[0]["choices"][0]["text"], context, "{chunks:?}");
+    assert_eq!(chunks[0]["choices"][0]["logprobs"], *lp);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+    // Echo without logprobs: the text alone.
+    let v = post(
+        &json!({"model": MODEL_ID, "prompt": context, "max_tokens": 2,
+                         "temperature": 0, "echo": true}),
+    );
+    assert_eq!(v["choices"][0]["logprobs"], Value::Null);
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    assert!(
+        text.starts_with(&format!("{context}{continuation}")),
+        "{text}"
+    );
+
+    // Refused: nothing to generate without echo, a batch of prompts.
+    for (body, param) in [
+        (
+            json!({"model": MODEL_ID, "prompt": context, "max_tokens": 0}),
+            "max_tokens",
+        ),
+        (
+            json!({"model": MODEL_ID, "prompt": [[1, 2], [3]], "echo": true}),
+            "prompt",
+        ),
+        (json!({"model": MODEL_ID, "prompt": "a", "echo": 1}), "echo"),
+    ] {
+        let r = server.post_json("/v1/completions", Some(KEY_ALPHA), &body);
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
+    }
 }
 
 #[test]

@@ -56,7 +56,7 @@ use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 use axum::routing::{get, post};
 use axum::Router;
-use bulkhead_kernels::tokenizer::{EncodeOptions, TokenizerError};
+use bulkhead_kernels::tokenizer::{DecodeOptions, EncodeOptions, TokenizerError};
 use bytes::Bytes;
 use error::ApiError;
 use guard::OutputGuard;
@@ -686,14 +686,14 @@ async fn run(
         return Err(ApiError::Unavailable);
     }
     let bytes = read_body(body, headers, app.serving.body_bytes_max).await?;
-    let (common, source, calls) = match endpoint {
+    let (common, source, calls, echo) = match endpoint {
         Endpoint::Chat => {
             let r = ChatRequest::parse(&bytes)?;
-            (r.common, Source::Chat(r.messages, r.tools), r.calls)
+            (r.common, Source::Chat(r.messages, r.tools), r.calls, false)
         }
         Endpoint::Completions => {
             let r = CompletionRequest::parse(&bytes)?;
-            (r.common, Source::Completion(r.prompt), None)
+            (r.common, Source::Completion(r.prompt), None, r.echo)
         }
     };
     drop(bytes);
@@ -734,6 +734,12 @@ async fn run(
     };
     // Kept for a second tokenization only if the chain may route elsewhere.
     let routable = (candidates.len() > 1).then(|| source.clone());
+    // An echoed prompt's text as the client sent it (token ids are decoded
+    // once the model is known).
+    let echo_text = echo.then(|| match &source {
+        Source::Completion(Prompt::Text(text)) => Some(text.clone()),
+        _ => None,
+    });
     let mut prompt = tokenize_on_lane(app, tenant, &model, source, common.max_tokens, &pending)
         .await?
         .map_err(rejected)?;
@@ -741,7 +747,11 @@ async fn run(
     // admission would refuse never reaches `route` or a plugin's state.
     model
         .admission
-        .check(prompt.len(), max_tokens_of(&model, &common, &prompt))
+        .check(
+            prompt.len(),
+            max_tokens_of(&model, &common, &prompt),
+            common.sampling.prompt_logprobs.is_some(),
+        )
         .map_err(rejected)?;
     let mut input = AdmitInput {
         request: id,
@@ -803,6 +813,22 @@ async fn run(
         }
     }
     let prompt_tokens = input.prompt_tokens;
+    // What an echoing answer begins with: the prompt's text, and its first
+    // token (which has no log probability).
+    let echo = echo_text.map(|text| {
+        let text = text.unwrap_or_else(|| {
+            let options = DecodeOptions { skip_special: true };
+            model.tokenizer.decode(&prompt, options).unwrap_or_default()
+        });
+        let first = prompt.first().map_or_else(Vec::new, |&id| {
+            model
+                .tokenizer
+                .token_to_piece_bytes(id)
+                .map_or_else(|_| Vec::new(), <[u8]>::to_vec)
+        });
+        (text, first)
+    });
+    let (echo, echo_first) = echo.unzip();
     // Each choice is a sequence of its own, with its own id (the first is
     // the request's) and seed: `seed + i`, as vLLM seeds them.
     let mut receivers = Vec::with_capacity(common.n as usize);
@@ -899,10 +925,13 @@ async fn run(
             receiver,
             Tracker::new(choice_id, &tenant.name, &model.spec.id, arrived),
             OutputGuard::new(app, tenant, choice_id),
-            common
-                .sampling
-                .logprobs
-                .map(|_| LogprobsOut::new(endpoint, OutputGuard::new(app, tenant, choice_id))),
+            common.sampling.logprobs.map(|_| {
+                let out = LogprobsOut::new(endpoint, OutputGuard::new(app, tenant, choice_id));
+                match &echo_first {
+                    Some(first) => out.echoing(first.clone()),
+                    None => out,
+                }
+            }),
         )
     });
     if common.stream {
@@ -917,7 +946,7 @@ async fn run(
                 guard,
                 logprobs,
             );
-            Body::new(body)
+            Body::new(body.echoing(echo))
         } else {
             let streams = outputs
                 .enumerate()
@@ -931,6 +960,7 @@ async fn run(
                         guard,
                         logprobs,
                     )
+                    .echoing(echo.clone())
                 })
                 .collect();
             Body::new(ChoicesSse::new(streams, meta, common.include_usage))
@@ -947,7 +977,16 @@ async fn run(
     let collecting = outputs
         .enumerate()
         .map(|(index, (receiver, tracker, guard, logprobs))| {
-            collect(index as u32, receiver, &meta, tracker, guard, logprobs)
+            let echo = echo.as_deref();
+            collect(
+                index as u32,
+                receiver,
+                &meta,
+                tracker,
+                guard,
+                logprobs,
+                echo,
+            )
         })
         .collect();
     let (choices, usages): (Vec<_>, Vec<_>) = all_of(collecting).await?.into_iter().unzip();

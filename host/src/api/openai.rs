@@ -88,6 +88,10 @@ pub struct CompletionRequest {
     pub common: Common,
     /// The prompt.
     pub prompt: Prompt,
+    /// Whether the answer's text (and its `logprobs`, when asked for)
+    /// begins with the prompt's: an evaluation harness's way to score a
+    /// text, with `max_tokens` 0 to generate nothing.
+    pub echo: bool,
 }
 
 /// A JSON object whose parameters are taken out one by one.
@@ -323,6 +327,7 @@ fn common(f: &mut Fields) -> Result<Common, ApiError> {
             ignore_eos,
             stop_token_ids,
             min_tokens,
+            prompt_logprobs: None,
         },
         stop,
         stream,
@@ -915,11 +920,25 @@ impl CompletionRequest {
         // (Not OpenAI's on this endpoint; vLLM's, and as useful here.)
         common.sampling.json = constraint(&mut f, &common.sampling)?;
         f.allow_if("top_logprobs", is_zero)?;
-        f.allow_if("echo", |v| v == &Value::Bool(false))?;
+        let echo = f.take::<bool>("echo")?.unwrap_or(false);
+        if echo {
+            // The prompt's log probabilities, as many alternatives as the
+            // generated tokens'. With nothing to generate they are the
+            // answer (none shown without `logprobs`, but the prompt is
+            // computed as a request with a token to generate would be).
+            common.sampling.prompt_logprobs = match common.sampling.logprobs {
+                Some(top) => Some(top),
+                None => (common.max_tokens == Some(0)).then_some(0),
+            };
+        }
         f.allow_if("best_of", |v| v.as_u64() == Some(1))?;
         f.allow_if("suffix", |v| v == "")?;
         f.finish()?;
-        Ok(CompletionRequest { common, prompt })
+        Ok(CompletionRequest {
+            common,
+            prompt,
+            echo,
+        })
     }
 }
 
@@ -929,14 +948,22 @@ fn prompt_array(mut items: Vec<Value>) -> Result<Prompt, ApiError> {
             .map(Prompt::Tokens)
             .map_err(|e| type_error("prompt", e));
     }
+    // A batch of one: a string, or token ids (what an evaluation harness
+    // sends at batch size 1).
     if items.len() == 1 {
-        if let Some(Value::String(text)) = items.pop() {
-            return Ok(Prompt::Text(text));
+        match items.pop() {
+            Some(Value::String(text)) => return Ok(Prompt::Text(text)),
+            Some(Value::Array(ids)) if ids.iter().all(Value::is_number) => {
+                return serde_json::from_value::<Vec<u32>>(Value::Array(ids))
+                    .map(Prompt::Tokens)
+                    .map_err(|e| type_error("prompt", e));
+            }
+            _ => {}
         }
     }
     Err(unsupported(
         "prompt",
-        "must be one prompt (a string, or an array of token ids)",
+        "must be one prompt (a string, or an array of token ids); a batch of several prompts is not supported",
     ))
 }
 
@@ -1017,7 +1044,14 @@ fn token_text(bytes: &[u8]) -> String {
 /// The `logprobs` of a choice for `entries`: OpenAI's chat shape
 /// (`content`), or the legacy completions shape, whose `text_offset` counts
 /// characters of the completion from `offset` on (advanced past them).
-pub fn logprobs_value(endpoint: Endpoint, entries: &[TokenLogprob], offset: &mut usize) -> Value {
+/// `first`: an echoed prompt's first token, which has no log probability
+/// (`null`, legacy shape only), ahead of the entries.
+pub fn logprobs_value(
+    endpoint: Endpoint,
+    first: Option<&[u8]>,
+    entries: &[TokenLogprob],
+    offset: &mut usize,
+) -> Value {
     match endpoint {
         Endpoint::Chat => {
             let entry = |bytes: &[u8], logprob: f32| serde_json::json!({"token": token_text(bytes), "logprob": logprob, "bytes": bytes});
@@ -1037,14 +1071,22 @@ pub fn logprobs_value(endpoint: Endpoint, entries: &[TokenLogprob], offset: &mut
         }
         Endpoint::Completions => {
             let mut tokens = Vec::new();
-            let mut token_logprobs = Vec::new();
+            let mut token_logprobs: Vec<Value> = Vec::new();
             let mut top_logprobs = Vec::new();
             let mut text_offset = Vec::new();
+            if let Some(bytes) = first {
+                let text = token_text(bytes);
+                text_offset.push(*offset);
+                *offset += text.chars().count();
+                token_logprobs.push(Value::Null);
+                top_logprobs.push(Value::Null);
+                tokens.push(text);
+            }
             for e in entries {
                 let text = token_text(&e.bytes);
                 text_offset.push(*offset);
                 *offset += text.chars().count();
-                token_logprobs.push(e.logprob);
+                token_logprobs.push(e.logprob.into());
                 // The chosen token and the likeliest ones, by text.
                 let mut top = Map::new();
                 top.insert(text.clone(), e.logprob.into());
@@ -1729,7 +1771,7 @@ mod tests {
             },
         ];
         let mut offset = 0;
-        let chat = logprobs_value(Endpoint::Chat, &entries, &mut offset);
+        let chat = logprobs_value(Endpoint::Chat, None, &entries, &mut offset);
         assert_eq!(chat["refusal"], Value::Null);
         let content = chat["content"].as_array().unwrap();
         assert_eq!(content[0]["token"], "Hi");
@@ -1741,7 +1783,7 @@ mod tests {
         assert_eq!(content[1]["bytes"], serde_json::json!([0xC3]));
         assert_eq!(content[1]["top_logprobs"], serde_json::json!([]));
         let mut offset = 7;
-        let legacy = logprobs_value(Endpoint::Completions, &entries, &mut offset);
+        let legacy = logprobs_value(Endpoint::Completions, None, &entries, &mut offset);
         assert_eq!(legacy["tokens"], serde_json::json!(["Hi", "\u{FFFD}"]));
         assert_eq!(legacy["token_logprobs"], serde_json::json!([-0.5, -2.0]));
         assert_eq!(
@@ -1754,6 +1796,19 @@ mod tests {
         );
         assert_eq!(legacy["text_offset"], serde_json::json!([7, 9]));
         assert_eq!(offset, 10);
+        // An echoed prompt's first token: shown, with no log probability.
+        let mut offset = 0;
+        let echoed = logprobs_value(Endpoint::Completions, Some(b"The"), &entries, &mut offset);
+        assert_eq!(
+            echoed["tokens"],
+            serde_json::json!(["The", "Hi", "\u{FFFD}"])
+        );
+        assert_eq!(
+            echoed["token_logprobs"],
+            serde_json::json!([null, -0.5, -2.0])
+        );
+        assert_eq!(echoed["top_logprobs"][0], serde_json::Value::Null);
+        assert_eq!(echoed["text_offset"], serde_json::json!([0, 3, 5]));
     }
 
     #[test]
@@ -1787,14 +1842,43 @@ mod tests {
         assert!(
             matches!(p(r#"{"model":"m","prompt":[1,2]}"#), Ok(Prompt::Tokens(t)) if t == [1, 2])
         );
-        assert_eq!(
-            param_of(p(r#"{"model":"m","prompt":["a","b"]}"#).unwrap_err()),
-            "prompt"
+        // A batch of one token-id prompt, as lm-evaluation-harness sends it.
+        assert!(
+            matches!(p(r#"{"model":"m","prompt":[[1,2]]}"#), Ok(Prompt::Tokens(t)) if t == [1, 2])
         );
-        assert_eq!(
-            param_of(p(r#"{"model":"m","prompt":"a","echo":true}"#).unwrap_err()),
-            "echo"
-        );
+        for batch in [r#"["a","b"]"#, "[[1],[2]]", r#"[[1,"a"]]"#, r#"[{"a":1}]"#] {
+            let body = format!(r#"{{"model":"m","prompt":{batch}}}"#);
+            match p(&body) {
+                Err(e) => assert_eq!(param_of(e), "prompt", "{batch}"),
+                Ok(prompt) => panic!("{batch} parsed as {prompt:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn echo_asks_for_the_prompts_log_probabilities_as_many_as_the_outputs() {
+        let p = |body: &str| CompletionRequest::parse(body.as_bytes()).unwrap();
+        let r = p(r#"{"model":"m","prompt":"a"}"#);
+        assert!(!r.echo);
+        assert_eq!(r.common.sampling.prompt_logprobs, None);
+        let r = p(r#"{"model":"m","prompt":"a","echo":false,"logprobs":2}"#);
+        assert_eq!(r.common.sampling.prompt_logprobs, None);
+        let r = p(r#"{"model":"m","prompt":"a","echo":true}"#);
+        assert!(r.echo);
+        assert_eq!(r.common.sampling.prompt_logprobs, None);
+        let r = p(r#"{"model":"m","prompt":"a","echo":true,"logprobs":3,"max_tokens":0}"#);
+        assert_eq!(r.common.sampling.prompt_logprobs, Some(3));
+        assert_eq!(r.common.sampling.logprobs, Some(3));
+        assert_eq!(r.common.max_tokens, Some(0));
+        let r = p(r#"{"model":"m","prompt":[[1,2]],"echo":true,"logprobs":0,"max_tokens":1}"#);
+        assert_eq!(r.common.sampling.prompt_logprobs, Some(0));
+        // Nothing to generate and no logprobs: scored all the same (the
+        // prompt is the answer), none shown.
+        let r = p(r#"{"model":"m","prompt":"a","echo":true,"max_tokens":0}"#);
+        assert_eq!(r.common.sampling.prompt_logprobs, Some(0));
+        assert_eq!(r.common.sampling.logprobs, None);
+        let e = CompletionRequest::parse(br#"{"model":"m","prompt":"a","echo":"yes"}"#);
+        assert_eq!(param_of(e.unwrap_err()), "echo");
     }
 
     #[test]

@@ -70,7 +70,7 @@ impl Tracker {
                 }
                 self.last_text = Some(now);
             }
-            Event::Logprob(_) => {}
+            Event::Logprob(_) | Event::PromptLogprob(_) => {}
             Event::Finished { reason, usage } => {
                 self.finished = true;
                 telemetry::count_finished(
@@ -157,6 +157,9 @@ pub fn finish_error(reason: FinishReason) -> Option<ApiError> {
 /// a stop sequence holds bytes past the cut that the text never shows.
 pub struct LogprobsOut {
     endpoint: Endpoint,
+    /// An echoed prompt's first token, until it is sent (with no log
+    /// probability: nothing comes before it).
+    first: Option<Vec<u8>>,
     pending: Vec<TokenLogprob>,
     /// Characters of token text reported so far (the legacy `text_offset`).
     offset: usize,
@@ -168,23 +171,36 @@ impl LogprobsOut {
     pub fn new(endpoint: Endpoint, guard: Option<OutputGuard>) -> LogprobsOut {
         LogprobsOut {
             endpoint,
+            first: None,
             pending: Vec::new(),
             offset: 0,
             guard,
         }
     }
 
+    /// For an echoed prompt, whose tokens' entries come first: the first
+    /// token's bytes (its entry has no log probability).
+    pub fn echoing(mut self, first: Vec<u8>) -> LogprobsOut {
+        self.first = Some(first);
+        self
+    }
+
     fn push(&mut self, entry: TokenLogprob) {
         self.pending.push(entry);
     }
 
+    fn value(&mut self, entries: &[TokenLogprob]) -> serde_json::Value {
+        let first = self.first.take();
+        logprobs_value(self.endpoint, first.as_deref(), entries, &mut self.offset)
+    }
+
     /// What may go with text sent now (nothing under the guard).
     fn for_text(&mut self) -> Option<serde_json::Value> {
-        if self.guard.is_some() || self.pending.is_empty() {
+        if self.guard.is_some() || self.pending.is_empty() && self.first.is_none() {
             return None;
         }
         let entries = std::mem::take(&mut self.pending);
-        Some(logprobs_value(self.endpoint, &entries, &mut self.offset))
+        Some(self.value(&entries))
     }
 
     /// At a successful end: the rest, once the guard passed it (for a whole
@@ -192,16 +208,16 @@ impl LogprobsOut {
     fn finish(&mut self, whole: bool) -> Result<Option<serde_json::Value>, ApiError> {
         if let Some(guard) = &mut self.guard {
             let bytes: Vec<u8> = self
-                .pending
+                .first
                 .iter()
-                .flat_map(|e| e.bytes.iter().copied())
+                .chain(self.pending.iter().map(|e| &e.bytes))
+                .flat_map(|bytes| bytes.iter().copied())
                 .collect();
             guard.text(&String::from_utf8_lossy(&bytes))?;
             guard.finish()?;
         }
         let entries = std::mem::take(&mut self.pending);
-        Ok((whole || !entries.is_empty())
-            .then(|| logprobs_value(self.endpoint, &entries, &mut self.offset)))
+        Ok((whole || !entries.is_empty() || self.first.is_some()).then(|| self.value(&entries)))
     }
 }
 
@@ -214,7 +230,8 @@ fn set_logprobs(value: &mut serde_json::Value, logprobs: Option<serde_json::Valu
 
 /// Waits for choice `index`'s whole completion (a dropped future drops the
 /// receiver, which cancels its sequence): the choice, with its log
-/// probabilities when asked for, and its usage.
+/// probabilities when asked for, and its usage. `echo`: the prompt's text,
+/// which the choice's begins with (through the guard, as generated text).
 pub async fn collect(
     index: u32,
     mut receiver: UnboundedReceiver<Event>,
@@ -222,16 +239,24 @@ pub async fn collect(
     mut tracker: Tracker,
     mut guard: Option<OutputGuard>,
     mut logprobs: Option<LogprobsOut>,
+    echo: Option<&str>,
 ) -> Result<(serde_json::Value, Usage), ApiError> {
-    let mut text = String::new();
     let block = |tracker: &mut Tracker, error| {
         tracker.blocked();
         Err(error)
     };
+    let mut text = match (echo, &mut guard) {
+        (None, _) => String::new(),
+        (Some(echo), None) => echo.to_string(),
+        (Some(echo), Some(guard)) => match guard.text(echo) {
+            Ok(passed) => passed,
+            Err(blocked) => return block(&mut tracker, blocked),
+        },
+    };
     while let Some(event) = receiver.recv().await {
         tracker.observe(&event);
         match event {
-            Event::Logprob(entry) => {
+            Event::Logprob(entry) | Event::PromptLogprob(entry) => {
                 if let Some(out) = &mut logprobs {
                     out.push(entry);
                 }
@@ -284,6 +309,8 @@ pub struct SseBody {
     logprobs: Option<LogprobsOut>,
     /// Where the output is tool calls: what turns it into their deltas.
     calls: Option<CallsWriter>,
+    /// The echoed prompt's text, until it is sent.
+    echo: Option<String>,
     frames: VecDeque<Bytes>,
     done: bool,
     /// The choice's index.
@@ -350,6 +377,7 @@ impl SseBody {
             tracker,
             guard,
             logprobs,
+            echo: None,
             frames,
             done: false,
             index,
@@ -358,24 +386,42 @@ impl SseBody {
         }
     }
 
+    /// The prompt's text, which the choice's begins with (`echo`): sent,
+    /// through the guard as generated text is, with the prompt's log
+    /// probabilities, before the first generated token's.
+    pub fn echoing(mut self, echo: Option<String>) -> SseBody {
+        self.echo = echo;
+        self
+    }
+
     fn on_event(&mut self, event: Event) {
         self.tracker.observe(&event);
+        if !matches!(event, Event::PromptLogprob(_)) {
+            if let Some(echo) = self.echo.take() {
+                self.on_text(echo);
+                if self.done {
+                    return;
+                }
+            }
+        }
         match event {
-            Event::Logprob(entry) => {
+            Event::Logprob(entry) | Event::PromptLogprob(entry) => {
                 if let Some(out) = &mut self.logprobs {
                     out.push(entry);
                 }
             }
-            Event::Text(text) => {
-                let text = match self.guard.as_mut().map(|g| g.text(&text)) {
-                    None => text,
-                    Some(Ok(passed)) => passed,
-                    Some(Err(blocked)) => return self.block(blocked),
-                };
-                self.push_text(&text);
-            }
+            Event::Text(text) => self.on_text(text),
             Event::Finished { reason, usage } => self.on_finished(reason, usage),
         }
+    }
+
+    fn on_text(&mut self, text: String) {
+        let text = match self.guard.as_mut().map(|g| g.text(&text)) {
+            None => text,
+            Some(Ok(passed)) => passed,
+            Some(Err(blocked)) => return self.block(blocked),
+        };
+        self.push_text(&text);
     }
 
     fn push_text(&mut self, text: &str) {
@@ -778,5 +824,109 @@ mod tests {
         assert_eq!(text["message"]["content"], " Just text. ");
         assert!(text["message"].get("tool_calls").is_none(), "{text}");
         assert_eq!(text["finish_reason"], "length");
+    }
+
+    fn entry(bytes: &[u8], logprob: f32) -> TokenLogprob {
+        TokenLogprob {
+            bytes: bytes.to_vec(),
+            logprob,
+            top: vec![(bytes.to_vec(), logprob)],
+        }
+    }
+
+    /// An echoing completion's events: two prompt tokens' entries after the
+    /// first, one generated token's, its text, the end.
+    fn echoed_events() -> UnboundedReceiver<Event> {
+        let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
+        for event in [
+            Event::PromptLogprob(entry(b" big", -3.0)),
+            Event::PromptLogprob(entry(b" cat", -2.0)),
+            Event::Logprob(entry(b" sat", -1.0)),
+            Event::Text(" sat".into()),
+            Event::Finished {
+                reason: FinishReason::Length,
+                usage: Usage::default(),
+            },
+        ] {
+            events.send(event).unwrap();
+        }
+        receiver
+    }
+
+    fn completion_meta() -> ResponseMeta {
+        ResponseMeta {
+            id: "cmpl-5".into(),
+            created: 1,
+            model: "m".into(),
+            endpoint: Endpoint::Completions,
+            calls: None,
+        }
+    }
+
+    #[test]
+    fn an_echoed_prompt_comes_first_with_its_log_probabilities_streamed_or_whole() {
+        let tracker = || Tracker::new(RequestId(5), "alpha", "m", Instant::now());
+        let logprobs =
+            || Some(LogprobsOut::new(Endpoint::Completions, None).echoing(b"A".to_vec()));
+        let body = SseBody::new(
+            echoed_events(),
+            completion_meta(),
+            false,
+            tracker(),
+            None,
+            logprobs(),
+        )
+        .echoing(Some("A big cat".into()));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let bytes = runtime.block_on(body.collect()).unwrap().to_bytes();
+        let text = String::from_utf8(bytes.to_vec()).unwrap();
+        let chunks: Vec<serde_json::Value> = text
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let texts: Vec<&str> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["text"].as_str())
+            .filter(|t| !t.is_empty())
+            .collect();
+        assert_eq!(texts, ["A big cat", " sat"], "{chunks:?}");
+        let first = &chunks[0]["choices"][0]["logprobs"];
+        assert_eq!(first["tokens"], serde_json::json!(["A", " big", " cat"]));
+        assert_eq!(
+            first["token_logprobs"],
+            serde_json::json!([null, -3.0, -2.0])
+        );
+        assert_eq!(first["text_offset"], serde_json::json!([0, 1, 5]));
+        let second = &chunks[1]["choices"][0]["logprobs"];
+        assert_eq!(second["tokens"], serde_json::json!([" sat"]));
+        assert_eq!(second["text_offset"], serde_json::json!([9]));
+
+        let (choice, _) = runtime
+            .block_on(collect(
+                0,
+                echoed_events(),
+                &completion_meta(),
+                tracker(),
+                None,
+                logprobs(),
+                Some("A big cat"),
+            ))
+            .unwrap();
+        assert_eq!(choice["text"], "A big cat sat");
+        let whole = &choice["logprobs"];
+        assert_eq!(
+            whole["tokens"],
+            serde_json::json!(["A", " big", " cat", " sat"])
+        );
+        assert_eq!(
+            whole["token_logprobs"],
+            serde_json::json!([null, -3.0, -2.0, -1.0])
+        );
+        assert_eq!(whole["top_logprobs"][0], serde_json::Value::Null);
+        assert_eq!(whole["top_logprobs"][3], serde_json::json!({" sat": -1.0}));
     }
 }

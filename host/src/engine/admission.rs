@@ -130,13 +130,20 @@ impl Admission {
     /// Checks a prompt of `prompt_tokens` with `max_tokens` against the
     /// contract, as [`Admission::admit`] does, holding nothing: what a
     /// request must pass before anything shared (a plugin's `route` and its
-    /// state) sees it (I1).
-    pub fn check(&self, prompt_tokens: usize, max_tokens: u32) -> Result<(), Rejection> {
+    /// state) sees it (I1). `max_tokens` may be 0 only where the request
+    /// `scores` its prompt (asks for its log probabilities: they are the
+    /// answer).
+    pub fn check(
+        &self,
+        prompt_tokens: usize,
+        max_tokens: u32,
+        scores: bool,
+    ) -> Result<(), Rejection> {
         let prompt_tokens = u32::try_from(prompt_tokens).unwrap_or(u32::MAX);
         if prompt_tokens == 0 {
             return Err(Rejection::EmptyPrompt);
         }
-        if max_tokens == 0 {
+        if max_tokens == 0 && !scores {
             return Err(Rejection::ZeroMaxTokens);
         }
         let total = u64::from(prompt_tokens) + u64::from(max_tokens);
@@ -152,7 +159,11 @@ impl Admission {
 
     /// Checks `request` against the contract; touches nothing shared.
     pub fn admit(&self, request: NewRequest) -> Result<Admitted, Rejection> {
-        self.check(request.prompt.len(), request.max_tokens)?;
+        self.check(
+            request.prompt.len(),
+            request.max_tokens,
+            request.sampling.prompt_logprobs.is_some(),
+        )?;
         let prompt_tokens = u32::try_from(request.prompt.len()).unwrap_or(u32::MAX);
         let total = u64::from(prompt_tokens) + u64::from(request.max_tokens);
         // total <= context_tokens <= u32::MAX, so this fits.
@@ -177,7 +188,11 @@ impl Admission {
         request: NewRequest,
         export: ExportTo,
     ) -> Result<Admitted, Rejection> {
-        self.check(request.prompt.len(), request.max_tokens)?;
+        self.check(
+            request.prompt.len(),
+            request.max_tokens,
+            request.sampling.prompt_logprobs.is_some(),
+        )?;
         // prompt < context_tokens <= u32::MAX, so this fits.
         let pages_needed =
             (request.prompt.len() as u64).div_ceil(u64::from(self.page_tokens)) as u32;

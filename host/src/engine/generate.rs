@@ -124,7 +124,7 @@ pub fn generate(
         while let Ok(event) = rx.try_recv() {
             match event {
                 Event::Text(text) => on_text(&text),
-                Event::Logprob(_) => {}
+                Event::Logprob(_) | Event::PromptLogprob(_) => {}
                 Event::Finished { reason, usage } => {
                     let total = started.elapsed();
                     let prefill = first_token_at.unwrap_or(total);

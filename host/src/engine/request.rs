@@ -96,6 +96,10 @@ pub enum Event {
     /// end-of-generation one has one, including the token that completed a
     /// stop sequence (whose text is cut there).
     Logprob(TokenLogprob),
+    /// A prompt token's log probability after the tokens before it (when
+    /// the request asked for them): one for each prompt token from the
+    /// second on, in order, all before any generated token's event.
+    PromptLogprob(TokenLogprob),
     /// New text (whole UTF-8; text that may begin a stop sequence is held back).
     Text(String),
     /// The request ended; nothing follows.
@@ -169,7 +173,8 @@ pub enum Rejection {
         /// The promised context.
         context_tokens: u32,
     },
-    /// `max_tokens` is zero.
+    /// `max_tokens` is zero (and the prompt's log probabilities were not
+    /// asked for).
     #[error("max_tokens must be at least 1")]
     ZeroMaxTokens,
     /// The tenant's queue is full.

@@ -78,6 +78,11 @@ pub struct SamplingParams {
     /// Until this many tokens are generated, no token that would end the
     /// output is picked, and stop sequences are not looked for.
     pub min_tokens: u32,
+    /// Report each prompt token's log probability after the tokens before
+    /// it (from the second on) and this many of the likeliest
+    /// alternatives' (at most [`TOP_LOGPROBS_MAX`]); `None`: none. The
+    /// prompt is then computed whole here (no cached page, no prefill peer).
+    pub prompt_logprobs: Option<u8>,
 }
 
 /// A generated token's log probability and its likeliest alternatives', in
@@ -140,6 +145,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             stop_token_ids: Vec::new(),
             min_tokens: 0,
+            prompt_logprobs: None,
         }
     }
 }
@@ -163,7 +169,7 @@ pub struct Sampled {
     pub took: Duration,
 }
 
-/// Samples the next token of row `i` of `logits` with `samplers[i]`, with
+/// Samples the next token of each `(sampler, row)` pair from that row of `logits`, with
 /// its logprobs when asked. Every sequence has its own sampler (state and
 /// seed), so the rows are independent: with `threads` (the backend's,
 /// idle between steps) they run in parallel, and requests whose sampling is
@@ -173,7 +179,7 @@ pub struct Sampled {
 /// way.
 pub fn sample_rows(
     threads: Option<&Threads>,
-    samplers: Vec<&mut Sampler>,
+    samplers: Vec<(&mut Sampler, usize)>,
     logits: &Logits<'_>,
 ) -> Vec<Sampled> {
     let sample = |sampler: &mut Sampler, row: usize| {
@@ -190,18 +196,17 @@ pub fn sample_rows(
     let Some(threads) = threads else {
         return samplers
             .into_iter()
-            .enumerate()
-            .map(|(row, sampler)| sample(sampler, row))
+            .map(|(sampler, row)| sample(sampler, row))
             .collect();
     };
-    type Slot<'a> = Mutex<(Option<&'a mut Sampler>, Option<Sampled>)>;
+    type Slot<'a> = Mutex<(Option<(&'a mut Sampler, usize)>, Option<Sampled>)>;
     let slots: Vec<Slot<'_>> = samplers
         .into_iter()
         .map(|sampler| Mutex::new((Some(sampler), None)))
         .collect();
-    threads.run(slots.len(), &|row, _worker| {
-        let mut slot = slots[row].lock().unwrap_or_else(|e| e.into_inner());
-        let sampler = slot.0.take().expect("each row is sampled once");
+    threads.run(slots.len(), &|i, _worker| {
+        let mut slot = slots[i].lock().unwrap_or_else(|e| e.into_inner());
+        let (sampler, row) = slot.0.take().expect("each row is sampled once");
         slot.1 = Some(sample(sampler, row));
     });
     slots
@@ -209,6 +214,35 @@ pub fn sample_rows(
         .map(|slot| {
             let (_, sampled) = slot.into_inner().unwrap_or_else(|e| e.into_inner());
             sampled.expect("every row was sampled")
+        })
+        .collect()
+}
+
+/// The log probabilities of each `(row, token, top)`: `token`'s under that
+/// row of `logits`, with `top` alternatives (a prompt's tokens, each scored
+/// by the position before it). Rows are independent, so with `threads` they
+/// are spread over them, as [`sample_rows`] does.
+pub fn score_rows(
+    threads: Option<&Threads>,
+    rows: &[(usize, u32, usize)],
+    logits: &Logits<'_>,
+) -> Vec<Logprobs> {
+    let score =
+        |&(row, token, top): &(usize, u32, usize)| Logprobs::of(logits.row(row), token, top);
+    let threads = threads.filter(|t| rows.len() > 1 && t.threads_count() > 1);
+    let Some(threads) = threads else {
+        return rows.iter().map(score).collect();
+    };
+    let slots: Vec<Mutex<Option<Logprobs>>> = rows.iter().map(|_| Mutex::new(None)).collect();
+    threads.run(rows.len(), &|i, _worker| {
+        let scored = score(&rows[i]);
+        *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(scored);
+    });
+    slots
+        .into_iter()
+        .map(|slot| {
+            let scored = slot.into_inner().unwrap_or_else(|e| e.into_inner());
+            scored.expect("every row was scored")
         })
         .collect()
 }

@@ -54,7 +54,7 @@ use super::admission::{Admission, Admitted};
 use super::handoff::{ExportTo, PrefillRequest, RemotePrefill, Transferred};
 use super::prefix::PrefixCache;
 use super::request::{Event, FinishReason, Rejection, RequestId, TokenLogprob, Usage};
-use super::sampling::{sample_rows, Logprobs, Sampled, Sampler};
+use super::sampling::{sample_rows, score_rows, Logprobs, Sampled, Sampler};
 use super::stats::{PoolAudit, SchedulerStats, StepCounts, TenantCounts, TenantPages, TenantStats};
 use super::stop::{Scan, StopMatcher};
 use crate::tenancy::TenantId;
@@ -264,6 +264,8 @@ struct Sequence {
     stop: StopMatcher,
     /// A stop sequence ended the text: nothing after it is sent.
     text_closed: bool,
+    /// Where the request asks for its prompt's log probabilities.
+    scoring: Option<Scoring>,
     deadline: Instant,
     events: UnboundedSender<Event>,
 }
@@ -317,12 +319,59 @@ pub struct Scheduler<B: Backend> {
     remote: Option<RemotePrefill>,
 }
 
+/// A prompt's log probabilities on their way: each position's logits
+/// score the token after it.
+#[derive(Clone, Copy, Debug)]
+struct Scoring {
+    /// Alternatives per token.
+    top: u8,
+    /// The next position whose logits score a prompt token (positions
+    /// before it were scored, also by a run that was since preempted).
+    next: usize,
+}
+
 /// How one batch entry maps back to its sequence.
 struct Planned {
     seq_index: usize,
     tokens: Vec<u32>,
     pos_start: usize,
-    wants_logits: bool,
+    /// Rows of logits asked for.
+    rows: Rows,
+}
+
+impl Sequence {
+    /// The rows of logits a chunk of `n` tokens from `kv_len` asks for (the
+    /// chunk's last positions): the prompt positions it scores first, then
+    /// the prompt's last position when the chunk holds it, sampled from
+    /// (the next token) or, with nothing to generate, left unused.
+    fn rows_of(&self, n: usize) -> Rows {
+        let end = self.kv_len + n;
+        let samples = end == self.tokens.len() && self.export.is_none() && self.max_tokens > 0;
+        let (logits, scored) = match self.scoring {
+            Some(sc) if sc.next.max(self.kv_len) < end.min(self.prompt_len - 1) => {
+                let from = sc.next.max(self.kv_len);
+                let scored = end.min(self.prompt_len - 1) - from;
+                (end - from, scored)
+            }
+            _ => (usize::from(samples), 0),
+        };
+        Rows {
+            logits,
+            scored,
+            samples,
+        }
+    }
+}
+
+/// What a chunk asks of a step's logits.
+#[derive(Clone, Copy, Debug)]
+struct Rows {
+    /// Rows, one for each of the chunk's last positions.
+    logits: usize,
+    /// The first rows, that score the prompt's tokens after them.
+    scored: usize,
+    /// The last row is sampled from.
+    samples: bool,
 }
 
 impl<B: Backend> Scheduler<B> {
@@ -638,7 +687,8 @@ impl<B: Backend> Scheduler<B> {
             return false;
         };
         let tenant = &self.tenants[&admitted.tenant()];
-        if !tenant.limits.prefix_cache || remote {
+        let scores = admitted.request.sampling.prompt_logprobs.is_some();
+        if !tenant.limits.prefix_cache || remote || scores {
             return false;
         }
         self.running
@@ -829,38 +879,48 @@ impl<B: Backend> Scheduler<B> {
         if tenant.preempted.front().and_then(|s| s.preempted_in) == Some(self.ticks) {
             return false;
         }
-        let (pages_needed, tokens, prompt_len, salt, remote) = match tenant.preempted.front() {
-            Some(s) => (
-                s.pages_needed,
-                &s.tokens,
-                s.prompt_len,
-                &s.cache_salt,
-                false,
-            ),
-            None => {
-                let admitted = tenant.queue.front().expect("has work");
-                let request = &admitted.request;
-                let prompt = &request.prompt;
-                let remote =
-                    self.remote.is_some() && admitted.export.is_none() && prompt.len() >= 2;
-                if self.waits_for_sibling(admitted, remote) {
-                    return false;
+        let (pages_needed, tokens, prompt_len, salt, remote, scores) =
+            match tenant.preempted.front() {
+                Some(s) => (
+                    s.pages_needed,
+                    &s.tokens,
+                    s.prompt_len,
+                    &s.cache_salt,
+                    false,
+                    s.scoring.is_some(),
+                ),
+                None => {
+                    let admitted = tenant.queue.front().expect("has work");
+                    let request = &admitted.request;
+                    let prompt = &request.prompt;
+                    let scores = request.sampling.prompt_logprobs.is_some();
+                    let remote = self.remote.is_some()
+                        && admitted.export.is_none()
+                        && prompt.len() >= 2
+                        && !scores;
+                    if self.waits_for_sibling(admitted, remote) {
+                        return false;
+                    }
+                    (
+                        admitted.pages_needed,
+                        prompt,
+                        prompt.len(),
+                        &request.cache_salt,
+                        remote,
+                        scores,
+                    )
                 }
-                (
-                    admitted.pages_needed,
-                    prompt,
-                    prompt.len(),
-                    &request.cache_salt,
-                    remote,
-                )
-            }
-        };
+            };
         // A prompt from a peer arrives whole into pages of its own: no cached
         // page is attached under it (its full pages are published as usual).
         let (chain, cached) = if tenant.limits.prefix_cache && !remote {
             let chain = self.cache.chain(id, salt.as_deref(), &tokens[..prompt_len]);
-            // At least one token is computed, for the logits of the next.
-            let pages_max = ((tokens.len() - 1) / page_tokens).min(chain.len());
+            // At least one token is computed, for the logits of the next; a
+            // prompt whose log probabilities are asked for, every token.
+            let pages_max = match scores {
+                true => 0,
+                false => ((tokens.len() - 1) / page_tokens).min(chain.len()),
+            };
             let cached = self
                 .cache
                 .lookup(id, &chain, &tokens[..prompt_len], pages_max);
@@ -907,6 +967,10 @@ impl<B: Backend> Scheduler<B> {
                 let pages_needed = admitted.pages_needed;
                 let export = admitted.export;
                 let request = admitted.request;
+                let scoring = request
+                    .sampling
+                    .prompt_logprobs
+                    .map(|top| Scoring { top, next: 0 });
                 let sampler =
                     Sampler::for_request(request.sampling, &self.tokenizer, &request.prompt);
                 Sequence {
@@ -936,6 +1000,7 @@ impl<B: Backend> Scheduler<B> {
                     ),
                     stop: StopMatcher::new(request.stop),
                     text_closed: false,
+                    scoring,
                     deadline: request.deadline,
                     events: request.events,
                 }
@@ -1249,6 +1314,9 @@ impl<B: Backend> Scheduler<B> {
     ///   that chunk's step is about as short as it would be alone.
     fn plan_batch(&self, now: Instant) -> Vec<Planned> {
         let mut budget = self.limits.step_tokens_max as usize;
+        // Rows of logits: one a sampled sequence, the rest for prompts'
+        // log probabilities (a scored chunk is cut to the rows left).
+        let mut rows_left = self.backend.step_logits_max();
         let mut plan = Vec::new();
         let order = self.fair_order();
         let shares = self.prompt_shares(now);
@@ -1283,10 +1351,19 @@ impl<B: Backend> Scheduler<B> {
                     let mut n = (s.tokens.len() - s.kv_len).min(budget);
                     if !decode {
                         n = n.min(prompt_left);
-                        prompt_left -= n;
                     }
-                    if n == 0 {
+                    let mut rows = s.rows_of(n);
+                    if rows.logits > rows_left {
+                        // A scored chunk's rows are its tokens past `next`.
+                        let skipped = s.scoring.map_or(0, |sc| sc.next.saturating_sub(s.kv_len));
+                        n = n.min(rows_left + skipped);
+                        rows = s.rows_of(n);
+                    }
+                    if n == 0 || rows.logits > rows_left {
                         continue;
+                    }
+                    if !decode {
+                        prompt_left -= n;
                     }
                     if !decode && s.tokens.len() == s.prompt_len && light.contains(&tenant) {
                         first_chunk_of = Some(tenant);
@@ -1295,9 +1372,10 @@ impl<B: Backend> Scheduler<B> {
                         seq_index,
                         tokens: s.tokens[s.kv_len..s.kv_len + n].to_vec(),
                         pos_start: s.kv_len,
-                        wants_logits: s.kv_len + n == s.tokens.len() && s.export.is_none(),
+                        rows,
                     });
                     budget -= n;
+                    rows_left -= rows.logits;
                 }
             }
         }
@@ -1338,14 +1416,35 @@ impl<B: Backend> Scheduler<B> {
                 pages: &self.running[p.seq_index].table,
                 pos_start: p.pos_start,
                 tokens: &p.tokens,
-                wants_logits: p.wants_logits,
+                logits: p.rows.logits,
             })
             .collect();
         let threads = self.backend.threads();
         let started = Instant::now();
-        let sampled: Vec<Sampled> = match self.backend.step(&steps, &mut self.pool) {
+        let stepped = match self.backend.step(&steps, &mut self.pool) {
             Ok(logits) => {
                 let forward = started.elapsed();
+                // Each planned entry's rows: its scored prompt positions',
+                // then its sampled one's.
+                let mut row = 0;
+                let (mut scored_rows, mut sampled_rows) = (Vec::new(), Vec::new());
+                for p in plan {
+                    let s = &self.running[p.seq_index];
+                    let first = p.pos_start + p.tokens.len() - p.rows.logits;
+                    let top = s.scoring.map_or(0, |sc| usize::from(sc.top));
+                    for i in 0..p.rows.scored {
+                        scored_rows.push((row + i, s.tokens[first + i + 1], top));
+                    }
+                    row += p.rows.logits;
+                    if p.rows.samples {
+                        sampled_rows.push((p.seq_index, row - 1));
+                    }
+                }
+                let mut scored = score_rows(threads.as_deref(), &scored_rows, &logits).into_iter();
+                let scores: Vec<Vec<Logprobs>> = plan
+                    .iter()
+                    .map(|p| scored.by_ref().take(p.rows.scored).collect())
+                    .collect();
                 // Each row's sampler, borrowed apart from the others (rows
                 // are distinct sequences).
                 let mut samplers: Vec<Option<&mut Sampler>> = self
@@ -1353,10 +1452,12 @@ impl<B: Backend> Scheduler<B> {
                     .iter_mut()
                     .map(|s| Some(&mut s.sampler))
                     .collect();
-                let rows: Vec<&mut Sampler> = plan
-                    .iter()
-                    .filter(|p| p.wants_logits)
-                    .map(|p| samplers[p.seq_index].take().expect("one row a sequence"))
+                let rows: Vec<(&mut Sampler, usize)> = sampled_rows
+                    .into_iter()
+                    .map(|(seq_index, row)| {
+                        let sampler = samplers[seq_index].take().expect("one row a sequence");
+                        (sampler, row)
+                    })
                     .collect();
                 let sampled = sample_rows(threads.as_deref(), rows, &logits);
                 let steps = &mut self.steps;
@@ -1364,7 +1465,7 @@ impl<B: Backend> Scheduler<B> {
                 steps.tokens_total += plan.iter().map(|p| p.tokens.len() as u64).sum::<u64>();
                 steps.forward_nanos_total += nanos(forward);
                 steps.sampling_nanos_total += nanos(started.elapsed() - forward);
-                sampled
+                (sampled, scores)
             }
             // A refused step changed nothing. When the backend names the
             // sequence at fault, only that one fails: the others (any
@@ -1381,10 +1482,23 @@ impl<B: Backend> Scheduler<B> {
                 return self.finish_all(failing, FinishReason::Error);
             }
         };
+        let (sampled, scores): (Vec<Sampled>, Vec<Vec<Logprobs>>) = stepped;
         let mut finishing = Vec::new();
         let mut next_sample = sampled.into_iter();
-        for p in plan {
+        for (p, scores) in plan.iter().zip(scores) {
             let s = &mut self.running[p.seq_index];
+            if let Some(scoring) = &mut s.scoring {
+                if !scores.is_empty() {
+                    // The rows scored positions from the chunk's last `logits`.
+                    let from = p.pos_start + p.tokens.len() - p.rows.logits;
+                    scoring.next = from + scores.len();
+                }
+                for entry in scores {
+                    let _ = s
+                        .events
+                        .send(Event::PromptLogprob(token_logprob(&self.tokenizer, &entry)));
+                }
+            }
             let tenant = self
                 .tenants
                 .get_mut(&s.tenant)
@@ -1401,8 +1515,13 @@ impl<B: Backend> Scheduler<B> {
                     continue;
                 }
                 s.phase = Phase::Decode;
+                if s.max_tokens == 0 {
+                    // Only its prompt's log probabilities were asked for.
+                    finishing.push((p.seq_index, FinishReason::Length));
+                    continue;
+                }
             }
-            if !p.wants_logits {
+            if !p.rows.samples {
                 continue;
             }
             let Sampled {
@@ -1444,20 +1563,9 @@ impl<B: Backend> Scheduler<B> {
         }
         s.generated += 1;
         if let Some(logprobs) = logprobs {
-            let bytes = |id| {
-                self.tokenizer
-                    .token_to_piece_bytes(id)
-                    .map_or_else(|_| Vec::new(), <[u8]>::to_vec)
-            };
-            let _ = s.events.send(Event::Logprob(TokenLogprob {
-                bytes: bytes(logprobs.token),
-                logprob: logprobs.logprob,
-                top: logprobs
-                    .top
-                    .iter()
-                    .map(|&(id, logprob)| (bytes(id), logprob))
-                    .collect(),
-            }));
+            let _ = s
+                .events
+                .send(Event::Logprob(token_logprob(&self.tokenizer, &logprobs)));
         }
         let text = match s.detokenizer.push(token) {
             Ok(text) => text,
@@ -1650,6 +1758,24 @@ enum Booking {
 /// Pages an owner keeps from others (its reservation aside).
 fn held(p: &bulkhead_kernels::kv::PartitionStats) -> u32 {
     p.pages_booked + p.pages_owned + p.pages_shared + p.pages_released
+}
+
+/// A token's log probabilities as its client sees them: bytes, not ids.
+fn token_logprob(tokenizer: &Tokenizer, logprobs: &Logprobs) -> TokenLogprob {
+    let bytes = |id| {
+        tokenizer
+            .token_to_piece_bytes(id)
+            .map_or_else(|_| Vec::new(), <[u8]>::to_vec)
+    };
+    TokenLogprob {
+        bytes: bytes(logprobs.token),
+        logprob: logprobs.logprob,
+        top: logprobs
+            .top
+            .iter()
+            .map(|&(id, logprob)| (bytes(id), logprob))
+            .collect(),
+    }
 }
 
 /// Shares `s`'s prompt pages that are now full and final into its tenant's

@@ -92,8 +92,8 @@ struct Scratch {
     delta: Vec<f32>, // [tokens][d] output of Wo or Wd, added to x
     rope: Vec<f32>,  // [global, local][tokens][rope_dim / 2][cos, sin]
     xq: QuantizedActivations,
-    out_norm: Vec<f32>, // [seqs][d] last rows of the sequences that want logits
-    logits: Vec<f32>,   // [seqs][vocab]
+    out_norm: Vec<f32>, // [rows][d] the rows that want logits
+    logits: Vec<f32>,   // [rows][vocab]: one a sequence, grown for a prompt's log probabilities
     /// Decode tokens' attention partials: [decode][head][span][m, l, o[head_dim]];
     /// grows to the largest step's need.
     partials: Vec<f32>,
@@ -254,6 +254,10 @@ impl Backend for CpuBackend {
 
     fn step_tokens_max(&self) -> usize {
         self.options.step_tokens_max
+    }
+
+    fn step_logits_max(&self) -> usize {
+        self.options_limits().step_logits_max()
     }
 
     fn threads(&self) -> Option<Arc<Threads>> {
@@ -713,7 +717,9 @@ impl CpuBackend {
         });
     }
 
-    /// Computes logits for the last token of each sequence that wants them.
+    /// Computes logits for the last [`SeqStep::logits`] tokens of each
+    /// sequence. The rows past one a sequence (a prompt's log
+    /// probabilities) grow the scratch when first asked for, not before.
     fn output_logits(&mut self, steps: &[SeqStep<'_>]) -> usize {
         let model = Arc::clone(&self.model);
         let c = &model.config;
@@ -723,15 +729,19 @@ impl CpuBackend {
         let mut t_end = 0;
         for step in steps {
             t_end += step.tokens.len();
-            if step.wants_logits {
-                let last = t_end - 1;
-                // xn is free after the last block: gather the rows there.
-                s.xn[wanted * d..(wanted + 1) * d].copy_from_slice(&s.x[last * d..(last + 1) * d]);
-                wanted += 1;
-            }
+            // xn is free after the last block: gather the rows there (a row
+            // is a token's, so there are at most as many as tokens).
+            let first = t_end - step.logits;
+            s.xn[wanted * d..(wanted + step.logits) * d]
+                .copy_from_slice(&s.x[first * d..t_end * d]);
+            wanted += step.logits;
         }
         if wanted == 0 {
             return 0;
+        }
+        if s.logits.len() < wanted * c.vocab_len {
+            s.out_norm.resize(wanted * d, 0.0);
+            s.logits.resize(wanted * c.vocab_len, 0.0);
         }
         rmsnorm_rows(
             &s.xn[..wanted * d],
@@ -1506,7 +1516,7 @@ mod tests {
                     pages: &table,
                     pos_start: chunk_start,
                     tokens: &tokens,
-                    wants_logits: false,
+                    logits: 0,
                 }];
                 let mut slots: Vec<TokenSlot> = (chunk_start..len)
                     .map(|pos| TokenSlot { seq_index: 0, pos })
@@ -1520,7 +1530,7 @@ mod tests {
                         pages: &table,
                         pos_start: pos,
                         tokens: &one,
-                        wants_logits: false,
+                        logits: 0,
                     });
                 }
                 let mut q: Vec<f32> = (0..slots.len() * d)

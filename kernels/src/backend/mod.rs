@@ -24,9 +24,18 @@ pub struct SeqStep<'a> {
     pub pos_start: usize,
     /// New tokens: a prefill chunk or one decode token. Never empty.
     pub tokens: &'a [u32],
-    /// Whether the caller wants logits for the last of `tokens`.
-    pub wants_logits: bool,
+    /// How many of the last of `tokens` want their logits: 0 none, 1 the
+    /// last (to sample the next token from), more for a prompt's log
+    /// probabilities (each position's logits score the token after it); at
+    /// most `tokens.len()`.
+    pub logits: usize,
 }
+
+/// Rows of logits one step may compute beyond one a sequence: a prompt's
+/// log probabilities come in chunks of at most this many positions (the
+/// output head is a large product per row, and its rows are scratch that
+/// the backend holds for the step).
+pub const SCORED_ROWS_MAX: usize = 64;
 
 /// Why a step was refused. The pool and the sequences are unchanged when a step
 /// is refused before it starts, which every variant here is.
@@ -53,6 +62,24 @@ pub enum StepError {
     EmptySequence {
         /// Its index in the step.
         index: usize,
+    },
+    /// A sequence asked for the logits of more tokens than it brought.
+    #[error("sequence {index} in the step asks for {logits} rows of logits over {tokens} tokens")]
+    LogitsPastTokens {
+        /// Its index in the step.
+        index: usize,
+        /// Rows asked for.
+        logits: usize,
+        /// Tokens brought.
+        tokens: usize,
+    },
+    /// More rows of logits in one step than the backend's scratch holds.
+    #[error("step asks for {rows} rows of logits; backend limit is {rows_max}")]
+    TooManyLogits {
+        /// Rows in the step.
+        rows: usize,
+        /// The limit.
+        rows_max: usize,
     },
     /// A token id outside the vocabulary.
     #[error(
@@ -110,20 +137,22 @@ impl StepError {
     pub fn sequence(&self) -> Option<usize> {
         match *self {
             StepError::EmptySequence { index }
+            | StepError::LogitsPastTokens { index, .. }
             | StepError::TokenOutOfRange { index, .. }
             | StepError::StaleHandle { index }
             | StepError::SharedPage { index, .. }
             | StepError::PositionOutOfRange { index, .. } => Some(index),
             StepError::TooManyTokens { .. }
             | StepError::TooManySequences { .. }
+            | StepError::TooManyLogits { .. }
             | StepError::DeviceStorage
             | StepError::Device(_) => None,
         }
     }
 }
 
-/// Logits of one step: `[wanted][vocab]`, one row per sequence that asked, in
-/// step order.
+/// Logits of one step: `[rows][vocab]`, each sequence's [`SeqStep::logits`]
+/// rows in step order, a sequence's in the order of its tokens.
 pub struct Logits<'a> {
     /// Row-major values.
     pub values: &'a [f32],
@@ -151,6 +180,10 @@ pub trait Backend: Send {
     /// Largest number of tokens one step may carry.
     fn step_tokens_max(&self) -> usize;
 
+    /// Largest number of rows of logits one step may ask for (at least
+    /// one a sequence; see [`SCORED_ROWS_MAX`]).
+    fn step_logits_max(&self) -> usize;
+
     /// Runs one step: writes the new tokens' K/V into their pages and returns
     /// logits for the sequences that asked.
     fn step(&mut self, steps: &[SeqStep<'_>], pool: &mut Pool) -> Result<Logits<'_>, StepError>;
@@ -172,6 +205,14 @@ pub struct StepLimits {
     pub step_seqs_max: usize,
 }
 
+impl StepLimits {
+    /// Most rows of logits in one step: one a sequence, and
+    /// [`SCORED_ROWS_MAX`] more (never more than the step's tokens).
+    pub fn step_logits_max(&self) -> usize {
+        (self.step_seqs_max + SCORED_ROWS_MAX).min(self.step_tokens_max.max(self.step_seqs_max))
+    }
+}
+
 /// The checks every backend makes before a step touches anything: its
 /// size, each sequence's tokens and positions against the model and its
 /// page table, and every page it touches a live lease of the sequence, the
@@ -191,11 +232,19 @@ pub fn validate_step(
             seqs_max: limits.step_seqs_max,
         });
     }
-    let mut tokens = 0usize;
+    let (mut tokens, mut rows) = (0usize, 0usize);
     for (index, step) in steps.iter().enumerate() {
         if step.tokens.is_empty() {
             return Err(StepError::EmptySequence { index });
         }
+        if step.logits > step.tokens.len() {
+            return Err(StepError::LogitsPastTokens {
+                index,
+                logits: step.logits,
+                tokens: step.tokens.len(),
+            });
+        }
+        rows += step.logits;
         if let Some(&token) = step.tokens.iter().find(|&&t| t as usize >= c.vocab_len) {
             return Err(StepError::TokenOutOfRange {
                 index,
@@ -241,6 +290,12 @@ pub fn validate_step(
             tokens_max: limits.step_tokens_max,
         });
     }
+    if rows > limits.step_logits_max() {
+        return Err(StepError::TooManyLogits {
+            rows,
+            rows_max: limits.step_logits_max(),
+        });
+    }
     Ok(tokens)
 }
 
@@ -251,6 +306,10 @@ impl Backend for Box<dyn Backend> {
 
     fn step_tokens_max(&self) -> usize {
         (**self).step_tokens_max()
+    }
+
+    fn step_logits_max(&self) -> usize {
+        (**self).step_logits_max()
     }
 
     fn step(&mut self, steps: &[SeqStep<'_>], pool: &mut Pool) -> Result<Logits<'_>, StepError> {

@@ -82,7 +82,7 @@ impl Harness {
                 pages: &self.table,
                 pos_start: pos,
                 tokens: piece,
-                wants_logits: pos + piece.len() == pos_start + tokens.len(),
+                logits: usize::from(pos + piece.len() == pos_start + tokens.len()),
             };
             let out = self.backend.step(&[step], &mut self.pool).unwrap();
             if out.rows_count() == 1 {

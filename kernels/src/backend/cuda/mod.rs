@@ -79,6 +79,16 @@ pub struct CudaOptions {
     pub graphs: bool,
 }
 
+impl CudaOptions {
+    /// The step sizes these options give.
+    fn limits(&self) -> StepLimits {
+        StepLimits {
+            step_tokens_max: self.step_tokens_max.max(1),
+            step_seqs_max: self.step_seqs_max.max(1),
+        }
+    }
+}
+
 /// Why a CUDA backend could not be built for a model.
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
@@ -342,6 +352,7 @@ impl CudaBackend {
             options.step_tokens_max.max(1) as u64,
             options.step_seqs_max.max(1) as u64,
         );
+        let rows = options.limits().step_logits_max() as u64;
         let (d, q_len, kv, ffn, vocab) = (
             c.embedding_len as u64,
             c.q_len() as u64,
@@ -366,7 +377,7 @@ impl CudaBackend {
             qs: zeroed(t * wide)?,
             qd: zeroed(4 * t * wide / 32)?,
             sums: zeroed(4 * t * wide / 16)?,
-            logits: zeroed(4 * s * vocab)?,
+            logits: zeroed(4 * rows * vocab)?,
         };
         Ok(CudaBackend {
             graphs: HashMap::new(),
@@ -488,9 +499,7 @@ impl CudaBackend {
             // The page ids the view checked, as far as the step reaches.
             let end = step.pos_start + step.tokens.len();
             packer.table(seq as u32, &view.page_ids(seq)[..end.div_ceil(page_tokens)]);
-            if step.wants_logits {
-                packer.logits();
-            }
+            packer.logits(step.logits);
             let pos0 = step.pos_start as u32;
             match step.tokens.len() {
                 1 => packer.decode_items(seq as u32, t0, pos0, kv_heads),
@@ -844,6 +853,10 @@ impl Backend for CudaBackend {
         self.options.step_tokens_max
     }
 
+    fn step_logits_max(&self) -> usize {
+        self.options.limits().step_logits_max()
+    }
+
     fn step(&mut self, steps: &[SeqStep<'_>], pool: &mut Pool) -> Result<Logits<'_>, StepError> {
         let identity = device_identity(&self.device);
         let values = match pool.device_values() {
@@ -852,11 +865,13 @@ impl Backend for CudaBackend {
         };
         let layout = *pool.layout();
         let page_tokens = layout.geometry().page_tokens as usize;
-        let limits = StepLimits {
-            step_tokens_max: self.options.step_tokens_max,
-            step_seqs_max: self.options.step_seqs_max,
-        };
-        validate_step(&self.model.config, &limits, steps, page_tokens, pool)?;
+        validate_step(
+            &self.model.config,
+            &self.options.limits(),
+            steps,
+            page_tokens,
+            pool,
+        )?;
         self.ensure_step_buffer(&layout)
             .map_err(Self::device_error)?;
         // Every lease checked once more, for the whole step: the view holds
@@ -887,7 +902,7 @@ impl Backend for CudaBackend {
                 .map_err(Self::device_error)?,
         }
         let vocab = self.model.config.vocab_len;
-        let wanted = steps.iter().filter(|s| s.wants_logits).count();
+        let wanted: usize = steps.iter().map(|s| s.logits).sum();
         let mut bytes = vec![0u8; wanted * vocab * 4];
         self.scratch
             .logits

@@ -5,7 +5,7 @@
 //! regions' addresses) stay valid for every later step.
 //!
 //! ```text
-//! tokens[T] positions[T] token_seq[T] seq_pages[S] gather[S] pages[P] items[I][8] merges[M][4]
+//! tokens[T] positions[T] token_seq[T] seq_pages[S] gather[R] pages[P] items[I][8] merges[M][4]
 //! ```
 //!
 //! `pages` holds, per sequence, the page ids the page book checked for the
@@ -31,6 +31,7 @@ pub(super) struct StepLayout {
     pub(super) merges: u64,
     pub(super) words: u64,
     /// Capacities.
+    pub(super) gather_max: u64,
     pub(super) pages_max: u64,
     pub(super) items_max: u64,
     pub(super) merges_max: u64,
@@ -66,7 +67,8 @@ impl StepLayout {
         let positions = region(t);
         let token_seq = region(t);
         let seq_pages = region(s);
-        let gather = region(s);
+        let gather_max = options.limits().step_logits_max() as u64;
+        let gather = region(gather_max);
         let pages = region(pages_max);
         let items = region(items_max * 8);
         let merges = region(merges_max * 4);
@@ -80,6 +82,7 @@ impl StepLayout {
             items,
             merges,
             words: at,
+            gather_max,
             pages_max,
             items_max,
             merges_max,
@@ -153,14 +156,16 @@ impl<'a> Packer<'a> {
         );
     }
 
-    /// The last token packed wants logits.
-    pub(super) fn logits(&mut self) {
-        self.set(
-            self.layout.gather,
-            self.counts.wanted,
-            self.counts.tokens - 1,
+    /// The last `rows` tokens packed want logits.
+    pub(super) fn logits(&mut self, rows: usize) {
+        for token in self.counts.tokens - rows as u32..self.counts.tokens {
+            self.set(self.layout.gather, self.counts.wanted, token);
+            self.counts.wanted += 1;
+        }
+        assert!(
+            u64::from(self.counts.wanted) <= self.layout.gather_max,
+            "gather rows past the layout's"
         );
-        self.counts.wanted += 1;
     }
 
     fn item(&mut self, item: AttnItem) {

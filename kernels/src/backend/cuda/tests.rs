@@ -628,7 +628,14 @@ fn compare_with_cpu(
     };
     let agreement = super::check::agreement(&model, &device, &run);
     assert_eq!(agreement.rows, prompts.len() * (decode_steps + 1));
+    // And each prompt's positions before its last (as a prompt's log
+    // probabilities ask for them), within the looser bound.
+    let share = 1 + crate::backend::SCORED_ROWS_MAX / prompts.len();
+    let scored: usize = prompts.iter().map(|&len| len.min(share) - 1).sum();
+    assert!(scored > 0, "some prompt asks for several rows");
+    assert_eq!(agreement.scored_rows, scored);
     assert!(agreement.worst_relative <= tolerance, "{agreement:?}");
+    assert!(agreement.worst_relative_scored <= 1e-2, "{agreement:?}");
     assert_eq!(
         agreement.greedy_agree + agreement.near_ties,
         agreement.rows,
@@ -748,7 +755,7 @@ fn a_host_pool_is_refused_by_the_cuda_backend() {
         pages: &tables[0],
         pos_start: 0,
         tokens: &tokens,
-        wants_logits: true,
+        logits: 1,
     };
     assert_eq!(
         cuda.step(&[step], &mut pool).err().unwrap(),
@@ -1002,7 +1009,7 @@ fn a_local_layer_reads_no_position_before_its_window() {
             pages: table,
             pos_start,
             tokens,
-            wants_logits: true,
+            logits: 1,
         };
         backend.step(&[step(&prompt_tokens, 0)], &mut pool).unwrap();
         if poisoned {
@@ -1061,13 +1068,13 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
             pages: &tables[0],
             pos_start: 0,
             tokens: &prefill,
-            wants_logits: false,
+            logits: 0,
         },
         SeqStep {
             pages: &tables[1],
             pos_start: 600,
             tokens: &decode,
-            wants_logits: true,
+            logits: 1,
         },
     ];
     let view = pool.step_view(&[&tables[0], &tables[1]]).unwrap();
@@ -1121,7 +1128,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
         pages: &tables[0],
         pos_start: 40,
         tokens: &one[..1],
-        wants_logits: true,
+        logits: 1,
     }];
     let view = pool.step_view(&[&tables[0]]).unwrap();
     let bucket = cuda.graph_bucket(&steps).unwrap();
