@@ -122,6 +122,16 @@ def main() -> None:
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
     assert all(l <= 0 for l in lp.token_logprobs[1:]), lp
     assert echoed.usage.completion_tokens == 0, echoed.usage
+    # A batch of prompts, each scored (as lm-evaluation-harness sends them
+    # at batch sizes above 1): prompt p's choices at p * n onwards.
+    batch = client.completions.create(
+        model=model, prompt=["Once upon a time", "The sky is"], max_tokens=0,
+        echo=True, logprobs=1,
+    )
+    assert [c.index for c in batch.choices] == [0, 1], batch
+    assert batch.choices[0].logprobs.token_logprobs == lp.token_logprobs, batch
+    assert batch.choices[1].text == "The sky is", batch
+    assert batch.usage.prompt_tokens == echoed.usage.prompt_tokens + len(batch.choices[1].logprobs.tokens), batch.usage
 
     # Several choices, whole and streamed, and vLLM's extras through extra_body.
     several = client.chat.completions.create(

@@ -161,9 +161,17 @@ pub fn openai(data: &[u8]) {
         if completion.echo {
             body["echo"] = json!(true);
         }
-        body["prompt"] = match &completion.prompt {
-            Prompt::Text(text) => json!(text),
-            Prompt::Tokens(ids) => json!(ids),
+        let prompts: Vec<Value> = completion
+            .prompts
+            .iter()
+            .map(|prompt| match prompt {
+                Prompt::Text(text) => json!(text),
+                Prompt::Tokens(ids) => json!(ids),
+            })
+            .collect();
+        body["prompt"] = match <[Value; 1]>::try_from(prompts) {
+            Ok([prompt]) => prompt,
+            Err(batch) => json!(batch),
         };
         let again = CompletionRequest::parse(body.to_string().as_bytes())
             .unwrap_or_else(|e| panic!("{body} (from {completion:?}) does not parse again: {e:?}"));

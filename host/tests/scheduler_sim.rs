@@ -1246,7 +1246,7 @@ fn a_requests_choices_are_queued_all_together_or_not_at_all() {
                 s.admission.admit(request).expect("fits")
             })
             .collect();
-        (s.scheduler.enqueue_all(admitted), receivers)
+        (s.scheduler.enqueue_all(vec![admitted]), receivers)
     };
     // Four cannot fit a queue of three: none of them is queued.
     let (refused, _) = choices(&mut s, 4);
@@ -1270,14 +1270,20 @@ fn a_requests_choices_are_queued_all_together_or_not_at_all() {
 fn a_requests_choices_after_the_first_find_its_prompt_in_the_prefix_cache() {
     let mut s = sim(&[tenant(ALPHA, 1, 32, 64)], 64, LIMITS);
     let mut receivers = Vec::new();
-    let admitted: Vec<_> = (0..3)
-        .map(|_| {
-            let (request, rx) = s.request(ALPHA, prompt(7, 30), 3);
-            receivers.push(rx);
-            s.admission.admit(request).expect("fits")
+    // A batch of two prompts: three choices of one, two of the other.
+    let prompts: Vec<Vec<_>> = [(7, 30, 3), (8, 45, 2)]
+        .into_iter()
+        .map(|(seed, len, n)| {
+            (0..n)
+                .map(|_| {
+                    let (request, rx) = s.request(ALPHA, prompt(seed, len), 3);
+                    receivers.push(rx);
+                    s.admission.admit(request).expect("fits")
+                })
+                .collect()
         })
         .collect();
-    s.scheduler.enqueue_all(admitted).expect("queued");
+    s.scheduler.enqueue_all(prompts).expect("queued");
     s.run_to_idle();
     let cached: Vec<u32> = receivers
         .iter_mut()
@@ -1291,10 +1297,11 @@ fn a_requests_choices_after_the_first_find_its_prompt_in_the_prefix_cache() {
             cached.expect("each choice ran")
         })
         .collect();
-    // The first computes the prompt; the others start once it is in KV and
-    // attach its full pages (every page but the one the last token needs).
-    let full = (30 - 1) / PAGE_TOKENS * PAGE_TOKENS;
-    assert_eq!(cached, [0, full, full]);
+    // Each prompt's first choice computes it; its others start once it is
+    // in KV and attach its full pages (every page but the one the last
+    // token needs) — their own prompt's, not the batch's first prompt's.
+    let full = |len: u32| (len - 1) / PAGE_TOKENS * PAGE_TOKENS;
+    assert_eq!(cached, [0, full(30), full(30), 0, full(45)]);
     s.assert_all_pages_free();
     // Without the tenant's prefix cache each computes its own.
     let mut off = tenant(ALPHA, 1, 32, 64);
@@ -1308,7 +1315,7 @@ fn a_requests_choices_after_the_first_find_its_prompt_in_the_prefix_cache() {
             s.admission.admit(request).expect("fits")
         })
         .collect();
-    s.scheduler.enqueue_all(admitted).expect("queued");
+    s.scheduler.enqueue_all(vec![admitted]).expect("queued");
     s.run_to_idle();
     for rx in &mut receivers {
         let (_, end) = drain(rx);

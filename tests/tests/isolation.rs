@@ -793,12 +793,13 @@ fn queue_full(suite: &Suite, server: &Server) {
     }
 }
 
-/// A request of several choices (`n`), each a sequence of its own: whole
-/// (the body holds every choice, each checked for others' canaries), and
-/// streamed by a client that leaves after a few events (every choice's
-/// sequence ends), while another tenant is served.
+/// A request of several choices (`n`), and a batch of prompts, each choice
+/// of each prompt a sequence of its own: whole (the body holds every
+/// choice, each checked for others' canaries), and streamed by a client
+/// that leaves after a few events (every sequence ends), while another
+/// tenant is served.
 fn choices(suite: &Suite, server: &Server) {
-    const PATH: &str = "several choices (n = 4), whole and left mid-stream";
+    const PATH: &str = "several choices (n = 4) and prompts (a batch), whole and left mid-stream";
     let cancelled = format!(
         r#"bulkhead_requests_total{{model="{MODEL_ID}",tenant="beta",reason="cancelled"}}"#
     );
@@ -811,8 +812,19 @@ fn choices(suite: &Suite, server: &Server) {
             body["temperature"] = json!(1);
             let answer = suite.send(server, KEY_BETA, &[], COMPLETIONS, &body, None);
             suite.expect(PATH, "beta", &answer, OK);
+            // Three prompts, each with canaries of its own.
+            let prompts: Vec<Value> = (0..3)
+                .map(|_| echo(suite, "beta", MODEL_ID, 16)["prompt"].clone())
+                .collect();
+            body["prompt"] = json!(prompts);
+            body["n"] = json!(1);
+            let answer = suite.send(server, KEY_BETA, &[], COMPLETIONS, &body, None);
+            suite.expect(PATH, "beta", &answer, OK);
+            // Streamed: two prompts, two choices each.
             let mut body = counting(suite, "beta", MODEL_ID, 20, 300);
-            body["n"] = json!(4);
+            let other = counting(suite, "beta", MODEL_ID, 20, 300);
+            body["prompt"] = json!([body["prompt"].clone(), other["prompt"].clone()]);
+            body["n"] = json!(2);
             let answer = suite.send(server, KEY_BETA, &[], COMPLETIONS, &body, Some(8));
             suite.check(PATH, "beta", &answer.text);
             if answer.status != 200 || answer.code.is_some() || answer.text.is_empty() {
@@ -822,7 +834,9 @@ fn choices(suite: &Suite, server: &Server) {
             if !eventually(Duration::from_secs(20), || {
                 server.metric(&cancelled) >= before + 4.0
             }) {
-                suite.fail(format!("{PATH}: the server never saw the four choices go"));
+                suite.fail(format!(
+                    "{PATH}: the server never saw the four sequences go"
+                ));
             }
         });
         suite.trial_done(PATH, suite.baseline(PATH, server, MODEL_ID));

@@ -82,6 +82,15 @@ fn the_example_plugins_work_end_to_end() {
     let r = server.post_json("/v1/chat/completions", Some(KEY_BETA), &body);
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(r.error().0, "n", "{}", r.body);
+    // Nor a batch of prompts, for the same reason.
+    let r = server.post_json(
+        "/v1/completions",
+        Some(KEY_BETA),
+        &json!({"model": MODEL_ID, "prompt": ["hi", "ho"], "max_tokens": 2}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.error().0, "prompt", "{}", r.body);
+    assert!(message(&r).contains("batch"), "{}", r.body);
 
     // router: x-priority: low lowers the request's priority.
     uploaded(&server, "gamma", "router", &router);

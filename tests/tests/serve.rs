@@ -688,8 +688,9 @@ fn n_choices_are_seeded_apart_streamed_by_index_and_summed_in_usage() {
     for count in ["prompt_tokens", "completion_tokens", "total_tokens"] {
         assert_eq!(usages[0][count], whole["usage"][count], "{chunks:?}");
     }
-    // n is 1 to 16; and a tenant's queue limits count each choice: gamma
-    // (one running, one queued) cannot take three, and is left able to run.
+    // n is 1 to 16; and a tenant's queue limits count each choice: gamma,
+    // whose queue holds one, cannot take three (a 400 that says so: no
+    // retry would fit them), and is left able to run.
     for n in [0, 17] {
         let mut body = chat_body("hi", 4);
         body["n"] = json!(n);
@@ -699,9 +700,12 @@ fn n_choices_are_seeded_apart_streamed_by_index_and_summed_in_usage() {
     let mut body = chat_body("hi", 4);
     body["n"] = json!(3);
     let r = server.post_json("/v1/chat/completions", Some(KEY_GAMMA), &body);
-    assert_eq!(
-        (r.status, r.error().1),
-        (429, json!("queue_full")),
+    assert_eq!((r.status, r.error().0), (400, json!("n")), "{}", r.body);
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("queue holds 1"),
         "{}",
         r.body
     );
@@ -949,14 +953,14 @@ fn echo_scores_a_prompt_as_the_model_would_generate_it() {
         "{text}"
     );
 
-    // Refused: nothing to generate without echo, a batch of prompts.
+    // Refused: nothing to generate without echo, a batch of mixed prompts.
     for (body, param) in [
         (
             json!({"model": MODEL_ID, "prompt": context, "max_tokens": 0}),
             "max_tokens",
         ),
         (
-            json!({"model": MODEL_ID, "prompt": [[1, 2], [3]], "echo": true}),
+            json!({"model": MODEL_ID, "prompt": [[1, 2], "a"], "echo": true}),
             "prompt",
         ),
         (json!({"model": MODEL_ID, "prompt": "a", "echo": 1}), "echo"),
@@ -965,6 +969,158 @@ fn echo_scores_a_prompt_as_the_model_would_generate_it() {
         assert_eq!(r.status, 400, "{body}: {}", r.body);
         assert_eq!(r.json()["error"]["param"], param, "{}", r.body);
     }
+}
+
+#[test]
+fn a_batch_of_prompts_answers_each_prompts_choices_as_alone_in_order() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let post = |body: &Value| {
+        let r = server.post_json("/v1/completions", Some(KEY_ALPHA), body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()
+    };
+    let prompts = ["Once upon a time", "The capital of France is", "1, 2, 3,"];
+    let body = |prompt: Value, n: u32, seed: u64| {
+        json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": 8,
+               "temperature": 1, "seed": seed, "n": n})
+    };
+    // Choice i of prompt p is the answer's choice p * n + i, and what prompt
+    // p alone says with seed + i.
+    let batch = post(&body(json!(prompts), 2, 40));
+    let choices = batch["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6, "{batch}");
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    for (p, prompt) in prompts.iter().enumerate() {
+        for i in 0..2 {
+            let alone = post(&body(json!(prompt), 1, 40 + i));
+            let choice = &choices[p * 2 + i as usize];
+            assert_eq!(choice["index"], p * 2 + i as usize, "{batch}");
+            assert_eq!(
+                choice["text"], alone["choices"][0]["text"],
+                "{p} {i}: {batch}"
+            );
+            assert_eq!(
+                choice["finish_reason"], alone["choices"][0]["finish_reason"],
+                "{batch}"
+            );
+            completion_tokens += alone["usage"]["completion_tokens"].as_u64().unwrap();
+            if i == 0 {
+                prompt_tokens += alone["usage"]["prompt_tokens"].as_u64().unwrap();
+            }
+        }
+    }
+    // Each prompt once, every choice's tokens.
+    assert_eq!(batch["usage"]["prompt_tokens"], prompt_tokens, "{batch}");
+    assert_eq!(batch["usage"]["completion_tokens"], completion_tokens);
+    // Every sequence finished under its own id, the log naming the others.
+    let id = batch["id"].as_str().unwrap().strip_prefix("cmpl-").unwrap();
+    let lines = server.stderr_lines();
+    let listed = lines
+        .iter()
+        .find(|l| l.contains(&format!("\"request_id\":{id}")) && l.contains("choice_ids"))
+        .expect("a choices line");
+    let line: Value = serde_json::from_str(listed).unwrap();
+    let others: Vec<u64> =
+        serde_json::from_str(line["fields"]["choice_ids"].as_str().unwrap()).unwrap();
+    assert_eq!(others.len(), 5, "{listed}");
+    for other in others {
+        let id = format!("\"request_id\":{other}");
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains(&id) && l.contains("request finished")),
+            "{other}"
+        );
+    }
+
+    // Streamed: each chunk carries its sequence's index; the texts are the
+    // whole answer's; one usage chunk, then [DONE].
+    let mut streamed = body(json!(prompts), 2, 40);
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let chunks = chunks(&server, "/v1/completions", &streamed);
+    let mut texts = vec![String::new(); 6];
+    let mut usages = Vec::new();
+    for chunk in &chunks {
+        match chunk["choices"].as_array().unwrap().first() {
+            None => usages.push(chunk["usage"].clone()),
+            Some(choice) => {
+                let index = choice["index"].as_u64().unwrap() as usize;
+                texts[index].push_str(choice["text"].as_str().unwrap());
+            }
+        }
+    }
+    for (i, text) in texts.iter().enumerate() {
+        assert_eq!(choices[i]["text"], *text, "{i}: {chunks:?}");
+    }
+    assert_eq!(usages.len(), 1, "{chunks:?}");
+    assert_eq!(usages[0]["prompt_tokens"], prompt_tokens);
+    assert_eq!(usages[0]["completion_tokens"], completion_tokens);
+
+    // lm-evaluation-harness at batch size > 1: token-id prompts, echo, one
+    // token to generate; each choice scores its own prompt exactly as a
+    // request of that prompt alone does.
+    let contexts = [
+        "The capital of France is Paris",
+        "The sky is blue",
+        "Water is",
+    ];
+    let ids: Vec<Vec<u64>> = contexts.iter().map(|c| token_ids(&model, c)).collect();
+    let scored = |prompt: Value| {
+        post(
+            &json!({"model": MODEL_ID, "prompt": prompt, "temperature": 0,
+                     "max_tokens": 1, "logprobs": 1, "echo": true}),
+        )
+    };
+    let batch = scored(json!(ids));
+    for (p, ids) in ids.iter().enumerate() {
+        let alone = scored(json!([ids]));
+        let choice = &batch["choices"][p];
+        assert_eq!(choice["index"], p);
+        assert_eq!(choice["logprobs"], alone["choices"][0]["logprobs"], "{p}");
+        assert_eq!(choice["text"], alone["choices"][0]["text"], "{p}");
+        assert!(choice["text"].as_str().unwrap().starts_with(contexts[p]));
+        let entries = choice["logprobs"]["token_logprobs"].as_array().unwrap();
+        assert_eq!(entries.len(), ids.len() + 1, "{p}");
+    }
+    let summed: usize = ids.iter().map(Vec::len).sum();
+    assert_eq!(batch["usage"]["prompt_tokens"], summed);
+    assert_eq!(batch["usage"]["completion_tokens"], 3);
+
+    // Refused, and nothing of the batch runs: a prompt past the context
+    // (the last of three), too many sequences, mixed prompts, and more
+    // sequences than the tenant's queue holds (gamma's holds one).
+    let enqueued = format!(r#"bulkhead_enqueued_total{{model="{MODEL_ID}",tenant="alpha"}}"#);
+    let before = metric_value(&server.metrics(), &enqueued);
+    let long = "hi ".repeat(3000);
+    let r = server.post_json(
+        "/v1/completions",
+        Some(KEY_ALPHA),
+        &json!({"model": MODEL_ID, "prompt": ["a", "b", long], "max_tokens": 2}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(
+        r.error(),
+        (json!("prompt"), json!("context_length_exceeded"))
+    );
+    for (key, body, param) in [
+        (KEY_ALPHA, json!({"prompt": vec!["a"; 65]}), "prompt"),
+        (
+            KEY_ALPHA,
+            json!({"prompt": vec!["a"; 17], "n": 4}),
+            "prompt",
+        ),
+        (KEY_ALPHA, json!({"prompt": ["a", [1]]}), "prompt"),
+        (KEY_GAMMA, json!({"prompt": ["a", "b"]}), "prompt"),
+    ] {
+        let mut body = body;
+        body["model"] = json!(MODEL_ID);
+        body["max_tokens"] = json!(2);
+        let r = server.post_json("/v1/completions", Some(key), &body);
+        assert_eq!((r.status, r.error().0), (400, json!(param)), "{}", r.body);
+    }
+    assert_eq!(metric_value(&server.metrics(), &enqueued), before);
 }
 
 #[test]

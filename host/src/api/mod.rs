@@ -15,15 +15,18 @@
 //!    prompt whose byte count alone proves it too long (400
 //!    `context_length_exceeded`, before any tokenization work).
 //! 4. **Tokenize** (the model's chat template for chat) in the tenant's turn on
-//!    the tokenization [`lane`], stopping once the prompt cannot fit.
+//!    the tokenization [`lane`], stopping once the prompt cannot fit; a batch
+//!    of completion prompts, each in turn, every one checked before any is
+//!    submitted.
 //! 5. **Route**: when the tenant has policy plugins and may use more than one
 //!    model, the chain may pick another of those models (`route`); the prompt
 //!    is then tokenized again for it.
 //! 6. **Admit** statically (I1) against the serving model's contract — a 400
 //!    `context_length_exceeded` here touches no page, queue or plugin state —
 //!    then through the policy chain (`admit`).
-//! 7. **Submit** to the model's engine thread, each of its `n` choices a
-//!    sequence of its own, all queued together or none: queued, or 429
+//! 7. **Submit** to the model's engine thread, each of its `n` choices (of
+//!    each prompt of a batch) a sequence of its own, all queued together or
+//!    none: queued, or 429
 //!    (`Retry-After`) / 503. The permit of step 1 is held until the engine answers, so an
 //!    engine's inbox holds at most `pending_max` submissions of any one tenant.
 //! 8. **Answer**: one JSON body, or an SSE stream whose body owns the event
@@ -686,14 +689,20 @@ async fn run(
         return Err(ApiError::Unavailable);
     }
     let bytes = read_body(body, headers, app.serving.body_bytes_max).await?;
-    let (common, source, calls, echo) = match endpoint {
+    let (common, mut sources, calls, echo) = match endpoint {
         Endpoint::Chat => {
             let r = ChatRequest::parse(&bytes)?;
-            (r.common, Source::Chat(r.messages, r.tools), r.calls, false)
+            (
+                r.common,
+                vec![Source::Chat(r.messages, r.tools)],
+                r.calls,
+                false,
+            )
         }
         Endpoint::Completions => {
             let r = CompletionRequest::parse(&bytes)?;
-            (r.common, Source::Completion(r.prompt), None, r.echo)
+            let sources = r.prompts.into_iter().map(Source::Completion).collect();
+            (r.common, sources, None, r.echo)
         }
     };
     drop(bytes);
@@ -707,60 +716,97 @@ async fn run(
         prompt_param: endpoint.prompt_param(),
     };
     // Refused by its size alone, before any tokenization work.
-    let tokens_min = source.tokens_min(model.text_bytes_per_token_max);
-    model
-        .admission
-        .check_size(tokens_min, common.max_tokens)
-        .map_err(rejected)?;
-    // Operator plugins may read the text, when the deployment says so.
-    let prompt_text = app
-        .policy
-        .wants_prompt_text()
-        .then(|| source.text())
-        .flatten();
+    for source in &sources {
+        let tokens_min = source.tokens_min(model.text_bytes_per_token_max);
+        model
+            .admission
+            .check_size(tokens_min, common.max_tokens)
+            .map_err(rejected)?;
+    }
     let has_chain = app.policy.has_chain(tenant.id);
     // A plugin sees one sequence's sizes and usage per request (the WIT
-    // contract has no count of choices): its budgets would see a fraction.
+    // contract has no count of choices or prompts): its budgets would see a
+    // fraction.
+    if sources.len() > 1 && has_chain {
+        return Err(ApiError::Unsupported {
+            param: "prompt".into(),
+            reason: "a batch of several prompts is not supported for a tenant with policy plugins (they see one sequence per request)".into(),
+        });
+    }
     if common.n > 1 && has_chain {
         return Err(ApiError::Unsupported {
             param: "n".into(),
             reason: "above 1 is not supported for a tenant with policy plugins (they see one sequence per request)".into(),
         });
     }
+    // The request's sequences are queued together or not at all: more than
+    // the tenant's whole queue would be a 429 however long its client waited.
+    let sequences = sources.len() as u64 * u64::from(common.n);
+    let queue_depth_max = u64::from(tenant.quota.queue_depth_max);
+    if sequences > queue_depth_max {
+        let param = if sources.len() > 1 { "prompt" } else { "n" };
+        return Err(ApiError::InvalidValue {
+            param: param.into(),
+            message: format!(
+                "this request makes {sequences} sequences ({} prompts, n = {}), and they are queued together; this tenant's queue holds {queue_depth_max}",
+                sources.len(),
+                common.n
+            ),
+        });
+    }
+    // Operator plugins may read the text, when the deployment says so (a
+    // tenant with plugins sends one prompt).
+    let prompt_text = app
+        .policy
+        .wants_prompt_text()
+        .then(|| sources[0].text())
+        .flatten();
     let candidates = if has_chain {
         app.candidates(tenant)
     } else {
         Vec::new()
     };
-    // Kept for a second tokenization only if the chain may route elsewhere.
-    let routable = (candidates.len() > 1).then(|| source.clone());
+    // Kept for a second tokenization only if the chain may route elsewhere
+    // (a tenant with plugins sends one prompt).
+    let routable = (candidates.len() > 1).then(|| sources[0].clone());
     // An echoed prompt's text as the client sent it (token ids are decoded
     // once the model is known).
-    let echo_text = echo.then(|| match &source {
-        Source::Completion(Prompt::Text(text)) => Some(text.clone()),
-        _ => None,
+    let echo_texts: Option<Vec<Option<String>>> = echo.then(|| {
+        sources
+            .iter()
+            .map(|source| match source {
+                Source::Completion(Prompt::Text(text)) => Some(text.clone()),
+                _ => None,
+            })
+            .collect()
     });
-    let mut prompt = tokenize_on_lane(app, tenant, &model, source, common.max_tokens, &pending)
-        .await?
-        .map_err(rejected)?;
-    // The static contract before any plugin sees the request (I1): a request
-    // admission would refuse never reaches `route` or a plugin's state.
-    model
-        .admission
-        .check(
-            prompt.len(),
-            max_tokens_of(&model, &common, &prompt),
-            common.sampling.prompt_logprobs.is_some(),
-        )
-        .map_err(rejected)?;
+    // Each prompt in the tenant's turn, and each held to the static contract
+    // before any plugin sees the request (I1): a request admission would
+    // refuse never reaches `route` or a plugin's state.
+    let mut prompts = Vec::with_capacity(sources.len());
+    for source in sources.drain(..) {
+        let prompt = tokenize_on_lane(app, tenant, &model, source, common.max_tokens, &pending)
+            .await?
+            .map_err(rejected)?;
+        model
+            .admission
+            .check(
+                prompt.len(),
+                max_tokens_of(&model, &common, &prompt),
+                common.sampling.prompt_logprobs.is_some(),
+            )
+            .map_err(rejected)?;
+        prompts.push(prompt);
+    }
+    drop(sources);
     let mut input = AdmitInput {
         request: id,
         tenant: tenant.id,
         tenant_name: tenant.name.clone(),
         model: common.model.clone(),
         chat: endpoint == Endpoint::Chat,
-        prompt_tokens: prompt_tokens_of(&prompt),
-        max_tokens: max_tokens_of(&model, &common, &prompt),
+        prompt_tokens: prompt_tokens_of(&prompts[0]),
+        max_tokens: max_tokens_of(&model, &common, &prompts[0]),
         stream: common.stream,
         headers: plugin_headers(headers),
         prompt_text,
@@ -798,7 +844,7 @@ async fn run(
                         common.max_tokens,
                     )
                     .map_err(rejected)?;
-                prompt =
+                let prompt =
                     tokenize_on_lane(app, tenant, &routed, source, common.max_tokens, &pending)
                         .await?
                         .map_err(rejected)?;
@@ -806,69 +852,73 @@ async fn run(
                 input.model = model.spec.id.clone();
                 input.prompt_tokens = prompt_tokens_of(&prompt);
                 input.max_tokens = max_tokens_of(&model, &common, &prompt);
+                prompts = vec![prompt];
                 input.engine = model.engine.clone();
                 chain_guard.prompt_tokens = input.prompt_tokens;
             }
             Route::To { .. } => {}
         }
     }
-    let prompt_tokens = input.prompt_tokens;
-    // What an echoing answer begins with: the prompt's text, and its first
-    // token (which has no log probability).
-    let echo = echo_text.map(|text| {
-        let text = text.unwrap_or_else(|| {
-            let options = DecodeOptions { skip_special: true };
-            model.tokenizer.decode(&prompt, options).unwrap_or_default()
-        });
-        let first = prompt.first().map_or_else(Vec::new, |&id| {
-            model
-                .tokenizer
-                .token_to_piece_bytes(id)
-                .map_or_else(|_| Vec::new(), <[u8]>::to_vec)
-        });
-        (text, first)
-    });
-    let (echo, echo_first) = echo.unzip();
-    // Each choice is a sequence of its own, with its own id (the first is
-    // the request's) and seed: `seed + i`, as vLLM seeds them.
-    let mut receivers = Vec::with_capacity(common.n as usize);
-    let mut choices = Vec::with_capacity(common.n as usize);
-    for index in 0..common.n {
-        let (events, receiver) = tokio::sync::mpsc::unbounded_channel::<Event>();
-        let choice_id = if index == 0 { id } else { app.request_id() };
-        let mut sampling = common.sampling.clone();
-        sampling.seed = sampling.seed.wrapping_add(u64::from(index));
-        let request = NewRequest {
-            id: choice_id,
-            tenant: tenant.id,
-            prompt: prompt.clone(),
-            max_tokens: input.max_tokens,
-            sampling,
-            stop: common.stop.clone(),
-            deadline: arrived + app.serving.request_timeout,
-            events,
-            cache_salt: common.cache_salt.clone(),
-            // Only a decode process asks a peer; the link checks the name.
-            prefill_hint: match &model.transfer {
-                Some(t) if t.decode => headers
-                    .get(crate::api::gateway::PREFILLER_HOST_PORT)
-                    .and_then(|v| v.to_str().ok())
-                    .filter(|v| v.len() <= crate::transfer::PEER_ADDR_BYTES_MAX)
-                    .map(str::to_string),
-                _ => None,
-            },
-        };
-        choices.push(model.admission.admit(request).map_err(rejected)?);
-        receivers.push((choice_id, receiver));
+    let prompt_tokens: u32 = prompts.iter().map(|p| prompt_tokens_of(p)).sum();
+    // What each prompt's echoing answers begin with: the prompt's text, and
+    // its first token (which has no log probability).
+    let echoes: Vec<Option<(String, Vec<u8>)>> = match echo_texts {
+        None => vec![None; prompts.len()],
+        Some(texts) => texts
+            .into_iter()
+            .zip(&prompts)
+            .map(|(text, prompt)| Some(echo_of(&model, text, prompt)))
+            .collect(),
+    };
+    // Each choice of each prompt is a sequence of its own, with its own id
+    // (the first is the request's) and seed: `seed + i` for a prompt's
+    // choice `i`, as vLLM seeds them. Choice `i` of prompt `p` is the
+    // answer's choice `p * n + i`, as OpenAI and vLLM number them.
+    let mut outputs = Vec::with_capacity(prompts.len() * common.n as usize);
+    let mut groups = Vec::with_capacity(prompts.len());
+    for (prompt, echo) in prompts.into_iter().zip(echoes) {
+        let max_tokens = max_tokens_of(&model, &common, &prompt);
+        let mut choices = Vec::with_capacity(common.n as usize);
+        for index in 0..common.n {
+            let (events, receiver) = tokio::sync::mpsc::unbounded_channel::<Event>();
+            let choice_id = if outputs.is_empty() {
+                id
+            } else {
+                app.request_id()
+            };
+            let mut sampling = common.sampling.clone();
+            sampling.seed = sampling.seed.wrapping_add(u64::from(index));
+            let request = NewRequest {
+                id: choice_id,
+                tenant: tenant.id,
+                prompt: prompt.clone(),
+                max_tokens,
+                sampling,
+                stop: common.stop.clone(),
+                deadline: arrived + app.serving.request_timeout,
+                events,
+                cache_salt: common.cache_salt.clone(),
+                // Only a decode process asks a peer; the link checks the name.
+                prefill_hint: match &model.transfer {
+                    Some(t) if t.decode => headers
+                        .get(crate::api::gateway::PREFILLER_HOST_PORT)
+                        .and_then(|v| v.to_str().ok())
+                        .filter(|v| v.len() <= crate::transfer::PEER_ADDR_BYTES_MAX)
+                        .map(str::to_string),
+                    _ => None,
+                },
+            };
+            choices.push(model.admission.admit(request).map_err(rejected)?);
+            outputs.push((choice_id, receiver, echo.clone()));
+        }
+        groups.push(choices);
     }
-    drop(prompt);
-    let mut admitted = choices.remove(0);
     if has_chain {
         match run_chain(app, tenant.id, input, prompt_tokens, &pending).await? {
             Verdict::Admit {
                 max_tokens,
                 priority,
-            } => admitted.tighten(max_tokens, priority),
+            } => groups[0][0].tighten(max_tokens, priority),
             Verdict::Reject(rejection) => return Err(ApiError::PolicyRejected(rejection)),
             Verdict::Fault { plugin, kind } => {
                 return Err(ApiError::PolicyUnavailable { plugin, kind })
@@ -880,31 +930,34 @@ async fn run(
             }
         }
     }
+    let pages: u32 = groups.iter().flatten().map(|c| c.pages_needed()).sum();
+    let first = &groups[0][0];
     tracing::info!(
         request_id = id.0,
         tenant = %tenant.name,
         model = %model.spec.id,
         prompt_tokens,
-        max_tokens = admitted.max_tokens(),
-        priority = admitted.priority(),
+        max_tokens = first.max_tokens(),
+        priority = first.priority(),
         stream = common.stream,
-        pages = admitted.pages_needed(),
+        pages,
+        prompts = groups.len(),
         choices = common.n,
         "admitted"
     );
-    if common.n > 1 {
-        // Each choice logs, audits and reports under its own id: the
-        // request's for the first, these for the others.
-        let ids: Vec<u64> = receivers[1..]
+    if outputs.len() > 1 {
+        // Each sequence logs, audits and reports under its own id: the
+        // request's for the first, these for the others (in the answer's
+        // order of choices).
+        let ids: Vec<u64> = outputs[1..]
             .iter()
-            .map(|(choice_id, _)| choice_id.0)
+            .map(|(choice_id, _, _)| choice_id.0)
             .collect();
         tracing::info!(request_id = id.0, choice_ids = ?ids, "choices");
     }
-    // All choices are queued or none (the tenant's queue has room for all);
-    // on an error the guard tells the plugins it was refused.
-    choices.insert(0, admitted);
-    model.engine.submit_all(choices).await?;
+    // All sequences are queued or none (the tenant's queue has room for
+    // all); on an error the guard tells the plugins it was refused.
+    model.engine.submit_all(groups).await?;
     chain_guard.armed = false;
     // The engine's from here: a client that leaves now cancels it there.
     unsent.armed = false;
@@ -920,24 +973,24 @@ async fn run(
         calls,
     };
     // Each choice's events are watched, guarded and reported on their own.
-    let outputs = receivers.into_iter().map(|(choice_id, receiver)| {
-        (
-            receiver,
-            Tracker::new(choice_id, &tenant.name, &model.spec.id, arrived),
-            OutputGuard::new(app, tenant, choice_id),
-            common.sampling.logprobs.map(|_| {
-                let out = LogprobsOut::new(endpoint, OutputGuard::new(app, tenant, choice_id));
-                match &echo_first {
-                    Some(first) => out.echoing(first.clone()),
-                    None => out,
-                }
-            }),
-        )
+    let single = outputs.len() == 1;
+    let outputs = outputs.into_iter().map(|(choice_id, receiver, echo)| {
+        let (echo, echo_first) = echo.unzip();
+        let logprobs = common.sampling.logprobs.map(|_| {
+            let out = LogprobsOut::new(endpoint, OutputGuard::new(app, tenant, choice_id));
+            match echo_first {
+                Some(first) => out.echoing(first),
+                None => out,
+            }
+        });
+        let tracker = Tracker::new(choice_id, &tenant.name, &model.spec.id, arrived);
+        let guard = OutputGuard::new(app, tenant, choice_id);
+        (receiver, tracker, guard, logprobs, echo)
     });
     if common.stream {
-        let body = if common.n == 1 {
-            let (receiver, tracker, guard, logprobs) =
-                outputs.into_iter().next().expect("at least one choice");
+        let body = if single {
+            let (receiver, tracker, guard, logprobs, echo) =
+                outputs.into_iter().next().expect("one choice");
             let body = SseBody::new(
                 receiver,
                 meta,
@@ -950,7 +1003,7 @@ async fn run(
         } else {
             let streams = outputs
                 .enumerate()
-                .map(|(index, (receiver, tracker, guard, logprobs))| {
+                .map(|(index, (receiver, tracker, guard, logprobs, echo))| {
                     SseBody::one_of(
                         index as u32,
                         receiver,
@@ -960,10 +1013,15 @@ async fn run(
                         guard,
                         logprobs,
                     )
-                    .echoing(echo.clone())
+                    .echoing(echo)
                 })
                 .collect();
-            Body::new(ChoicesSse::new(streams, meta, common.include_usage))
+            Body::new(ChoicesSse::new(
+                streams,
+                common.n as usize,
+                meta,
+                common.include_usage,
+            ))
         };
         let mut response = Response::new(body);
         let h = response.headers_mut();
@@ -974,23 +1032,26 @@ async fn run(
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         return Ok(response);
     }
+    let meta_ref = &meta;
     let collecting = outputs
         .enumerate()
-        .map(|(index, (receiver, tracker, guard, logprobs))| {
-            let echo = echo.as_deref();
-            collect(
-                index as u32,
-                receiver,
-                &meta,
-                tracker,
-                guard,
-                logprobs,
-                echo,
-            )
-        })
+        .map(
+            |(index, (receiver, tracker, guard, logprobs, echo))| async move {
+                collect(
+                    index as u32,
+                    receiver,
+                    meta_ref,
+                    tracker,
+                    guard,
+                    logprobs,
+                    echo.as_deref(),
+                )
+                .await
+            },
+        )
         .collect();
     let (choices, usages): (Vec<_>, Vec<_>) = all_of(collecting).await?.into_iter().unzip();
-    let response = meta.response(choices, usage_of_choices(&usages));
+    let response = meta.response(choices, usage_of_choices(&usages, common.n as usize));
     Ok(json(StatusCode::OK, &response))
 }
 
@@ -1048,6 +1109,23 @@ async fn tokenize_on_lane(
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))??;
     Ok(prompt.ok_or_else(|| model.admission.too_long(tokens_max + 1, max_tokens)))
+}
+
+/// What an echoing answer begins with: the prompt's text (as the client
+/// sent it, or its token ids decoded), and its first token's bytes (which
+/// has no log probability).
+fn echo_of(model: &Served, text: Option<String>, prompt: &[u32]) -> (String, Vec<u8>) {
+    let text = text.unwrap_or_else(|| {
+        let options = DecodeOptions { skip_special: true };
+        model.tokenizer.decode(prompt, options).unwrap_or_default()
+    });
+    let first = prompt.first().map_or_else(Vec::new, |&id| {
+        model
+            .tokenizer
+            .token_to_piece_bytes(id)
+            .map_or_else(|_| Vec::new(), <[u8]>::to_vec)
+    });
+    (text, first)
 }
 
 fn prompt_tokens_of(prompt: &[u32]) -> u32 {

@@ -35,6 +35,9 @@ pub const MAX_TOKENS_DEFAULT: u32 = 1024;
 /// Most choices (`n`) one request may ask for: each is a sequence of its
 /// own, queued and run under the tenant's limits like a request.
 pub const CHOICES_MAX: u32 = 16;
+/// Most sequences one completions request may make: its prompts (a batch)
+/// times `n`.
+pub const SEQUENCES_MAX: u32 = 64;
 
 /// Parameters shared by both endpoints.
 #[derive(Clone, Debug)]
@@ -86,8 +89,9 @@ pub enum Prompt {
 pub struct CompletionRequest {
     /// Shared parameters.
     pub common: Common,
-    /// The prompt.
-    pub prompt: Prompt,
+    /// The prompts: one, or a batch (1 to [`SEQUENCES_MAX`] / `n`), each
+    /// answered by `n` choices of its own.
+    pub prompts: Vec<Prompt>,
     /// Whether the answer's text (and its `logprobs`, when asked for)
     /// begins with the prompt's: an evaluation harness's way to score a
     /// text, with `max_tokens` 0 to generate nothing.
@@ -902,19 +906,31 @@ impl CompletionRequest {
     /// Parses and validates a completions body.
     pub fn parse(body: &[u8]) -> Result<CompletionRequest, ApiError> {
         let mut f = Fields::parse(body)?;
-        let prompt = match f.take::<Value>("prompt")? {
+        let prompts = match f.take::<Value>("prompt")? {
             None => return Err(ApiError::MissingParam("prompt".into())),
-            Some(Value::String(s)) => Prompt::Text(s),
+            Some(Value::String(s)) => vec![Prompt::Text(s)],
             Some(Value::Array(items)) => prompt_array(items)?,
             Some(_) => {
                 return Err(ApiError::InvalidType {
                     param: "prompt".into(),
-                    message: "must be a string, an array of one string, or an array of token ids"
+                    message: "must be a string, an array of token ids, or a batch: an array of strings or of arrays of token ids"
                         .into(),
                 })
             }
         };
         let mut common = common(&mut f)?;
+        let sequences = prompts.len() as u64 * u64::from(common.n);
+        if sequences > u64::from(SEQUENCES_MAX) {
+            let param = if prompts.len() > 1 { "prompt" } else { "n" };
+            return Err(invalid(
+                param,
+                format!(
+                    "{} prompts with n = {} make {sequences} sequences; a request makes at most {SEQUENCES_MAX}",
+                    prompts.len(),
+                    common.n
+                ),
+            ));
+        }
         // The legacy shape: how many alternatives, 0 for the chosen token's only.
         common.sampling.logprobs = top_logprobs(f.take("logprobs")?, "logprobs")?;
         // (Not OpenAI's on this endpoint; vLLM's, and as useful here.)
@@ -936,35 +952,45 @@ impl CompletionRequest {
         f.finish()?;
         Ok(CompletionRequest {
             common,
-            prompt,
+            prompts,
             echo,
         })
     }
 }
 
-fn prompt_array(mut items: Vec<Value>) -> Result<Prompt, ApiError> {
-    if items.iter().all(Value::is_number) {
-        return serde_json::from_value::<Vec<u32>>(Value::Array(items))
+fn prompt_array(items: Vec<Value>) -> Result<Vec<Prompt>, ApiError> {
+    let ids = |items: Vec<Value>| {
+        serde_json::from_value::<Vec<u32>>(Value::Array(items))
             .map(Prompt::Tokens)
-            .map_err(|e| type_error("prompt", e));
+            .map_err(|e| type_error("prompt", e))
+    };
+    if items.iter().all(Value::is_number) {
+        return Ok(vec![ids(items)?]);
     }
-    // A batch of one: a string, or token ids (what an evaluation harness
-    // sends at batch size 1).
-    if items.len() == 1 {
-        match items.pop() {
-            Some(Value::String(text)) => return Ok(Prompt::Text(text)),
-            Some(Value::Array(ids)) if ids.iter().all(Value::is_number) => {
-                return serde_json::from_value::<Vec<u32>>(Value::Array(ids))
-                    .map(Prompt::Tokens)
-                    .map_err(|e| type_error("prompt", e));
+    // A batch: strings, or arrays of token ids (what an evaluation harness
+    // sends), not both.
+    let strings = items.first().is_some_and(Value::is_string);
+    let mut batch = Vec::with_capacity(items.len());
+    for item in items {
+        batch.push(match item {
+            Value::String(text) if strings => Prompt::Text(text),
+            Value::Array(items) if !strings && items.iter().all(Value::is_number) => ids(items)?,
+            _ => {
+                return Err(ApiError::InvalidType {
+                    param: "prompt".into(),
+                    message: "a batch is an array of strings or an array of arrays of token ids"
+                        .into(),
+                })
             }
-            _ => {}
-        }
+        });
     }
-    Err(unsupported(
-        "prompt",
-        "must be one prompt (a string, or an array of token ids); a batch of several prompts is not supported",
-    ))
+    if batch.len() > SEQUENCES_MAX as usize {
+        return Err(invalid(
+            "prompt",
+            format!("a batch holds at most {SEQUENCES_MAX} prompts"),
+        ));
+    }
+    Ok(batch)
 }
 
 /// `usage` as OpenAI reports it.
@@ -1835,22 +1861,61 @@ mod tests {
     }
 
     #[test]
-    fn completion_prompts_as_text_one_string_or_tokens() {
-        let p = |body: &str| CompletionRequest::parse(body.as_bytes()).map(|r| r.prompt);
-        assert!(matches!(p(r#"{"model":"m","prompt":"hi"}"#), Ok(Prompt::Text(t)) if t == "hi"));
-        assert!(matches!(p(r#"{"model":"m","prompt":["hi"]}"#), Ok(Prompt::Text(t)) if t == "hi"));
-        assert!(
-            matches!(p(r#"{"model":"m","prompt":[1,2]}"#), Ok(Prompt::Tokens(t)) if t == [1, 2])
-        );
+    fn completion_prompts_as_text_one_string_tokens_or_a_batch() {
+        let p = |body: &str| CompletionRequest::parse(body.as_bytes()).map(|r| r.prompts);
+        let one = |body: &str| match p(body) {
+            Ok(mut prompts) if prompts.len() == 1 => prompts.pop().unwrap(),
+            other => panic!("{body}: {other:?}"),
+        };
+        assert!(matches!(one(r#"{"model":"m","prompt":"hi"}"#), Prompt::Text(t) if t == "hi"));
+        assert!(matches!(one(r#"{"model":"m","prompt":["hi"]}"#), Prompt::Text(t) if t == "hi"));
+        assert!(matches!(one(r#"{"model":"m","prompt":[1,2]}"#), Prompt::Tokens(t) if t == [1, 2]));
         // A batch of one token-id prompt, as lm-evaluation-harness sends it.
         assert!(
-            matches!(p(r#"{"model":"m","prompt":[[1,2]]}"#), Ok(Prompt::Tokens(t)) if t == [1, 2])
+            matches!(one(r#"{"model":"m","prompt":[[1,2]]}"#), Prompt::Tokens(t) if t == [1, 2])
         );
-        for batch in [r#"["a","b"]"#, "[[1],[2]]", r#"[[1,"a"]]"#, r#"[{"a":1}]"#] {
+        // Batches, in order.
+        let batch = p(r#"{"model":"m","prompt":["a","b",""]}"#).unwrap();
+        let texts: Vec<_> = batch
+            .iter()
+            .map(|p| match p {
+                Prompt::Text(t) => t.as_str(),
+                Prompt::Tokens(_) => panic!("{p:?}"),
+            })
+            .collect();
+        assert_eq!(texts, ["a", "b", ""]);
+        let batch = p(r#"{"model":"m","prompt":[[1,2],[3],[]]}"#).unwrap();
+        let ids: Vec<_> = batch
+            .iter()
+            .map(|p| match p {
+                Prompt::Tokens(t) => t.clone(),
+                Prompt::Text(_) => panic!("{p:?}"),
+            })
+            .collect();
+        assert_eq!(ids, [vec![1, 2], vec![3], vec![]]);
+        // Sizes: 64 prompts, or 16 prompts with n 4; one more is refused,
+        // naming what grew.
+        let texts = |k: usize| serde_json::to_string(&vec!["a"; k]).unwrap();
+        let body = |k: usize, n: u32| format!(r#"{{"model":"m","prompt":{},"n":{n}}}"#, texts(k));
+        assert_eq!(p(&body(64, 1)).unwrap().len(), 64);
+        assert_eq!(p(&body(16, 4)).unwrap().len(), 16);
+        assert_eq!(param_of(p(&body(65, 1)).unwrap_err()), "prompt");
+        assert_eq!(param_of(p(&body(17, 4)).unwrap_err()), "prompt");
+        // Mixed or malformed batches.
+        for batch in [
+            r#"["a",[1]]"#,
+            r#"[[1],"a"]"#,
+            r#"[[1,"a"]]"#,
+            r#"[{"a":1}]"#,
+            r#"[[[1]]]"#,
+            r#"[1,"a"]"#,
+            "[[-1]]",
+            r#"["a",null]"#,
+        ] {
             let body = format!(r#"{{"model":"m","prompt":{batch}}}"#);
             match p(&body) {
                 Err(e) => assert_eq!(param_of(e), "prompt", "{batch}"),
-                Ok(prompt) => panic!("{batch} parsed as {prompt:?}"),
+                Ok(prompts) => panic!("{batch} parsed as {prompts:?}"),
             }
         }
     }

@@ -567,15 +567,15 @@ impl Body for SseBody {
     }
 }
 
-/// The usage of a request's choices, as OpenAI reports it: the prompt once
-/// (and what of it the prefix cache held, the first choice's), the tokens of
-/// every choice.
-pub fn usage_of_choices(usages: &[Usage]) -> Usage {
-    let first = usages.first().copied().unwrap_or_default();
+/// The usage of a request's choices (`n` a prompt, its prompts' in turn), as
+/// OpenAI reports it: each prompt once (and what of it the prefix cache
+/// held, its first choice's), the tokens of every choice.
+pub fn usage_of_choices(usages: &[Usage], n: usize) -> Usage {
+    let firsts = || usages.iter().step_by(n.max(1));
     Usage {
-        prompt_tokens: first.prompt_tokens,
+        prompt_tokens: firsts().map(|u| u.prompt_tokens).sum(),
         completion_tokens: usages.iter().map(|u| u.completion_tokens).sum(),
-        cached_tokens: first.cached_tokens,
+        cached_tokens: firsts().map(|u| u.cached_tokens).sum(),
     }
 }
 
@@ -586,6 +586,8 @@ pub fn usage_of_choices(usages: &[Usage]) -> Usage {
 /// after its error event, and cancels the others.
 pub struct ChoicesSse {
     choices: Vec<SseBody>,
+    /// Choices a prompt (`n`): the usage counts each prompt once.
+    n: usize,
     ended: Vec<bool>,
     meta: ResponseMeta,
     include_usage: bool,
@@ -596,11 +598,17 @@ pub struct ChoicesSse {
 }
 
 impl ChoicesSse {
-    /// A stream of `choices` (in index order).
-    pub fn new(choices: Vec<SseBody>, meta: ResponseMeta, include_usage: bool) -> ChoicesSse {
+    /// A stream of `choices` (in index order), `n` of each prompt.
+    pub fn new(
+        choices: Vec<SseBody>,
+        n: usize,
+        meta: ResponseMeta,
+        include_usage: bool,
+    ) -> ChoicesSse {
         ChoicesSse {
             ended: vec![false; choices.len()],
             choices,
+            n,
             meta,
             include_usage,
             frames: VecDeque::new(),
@@ -623,7 +631,7 @@ impl ChoicesSse {
             self.done = true;
             if self.include_usage {
                 let usages: Vec<Usage> = self.choices.iter().filter_map(|c| c.usage).collect();
-                let usage = usage_of_choices(&usages);
+                let usage = usage_of_choices(&usages, self.n);
                 self.frames.push_back(sse(&self.meta.usage_chunk(usage)));
             }
             self.frames
@@ -687,6 +695,33 @@ mod tests {
     use super::*;
     use crate::api::tools::CallsOut;
     use http_body_util::BodyExt;
+
+    #[test]
+    fn usage_counts_each_prompt_once_and_every_choices_tokens() {
+        let u = |prompt_tokens, completion_tokens, cached_tokens| Usage {
+            prompt_tokens,
+            completion_tokens,
+            cached_tokens,
+        };
+        // Two prompts (5 and 7 tokens), two choices each: the later choice
+        // of each found its prompt's pages in the prefix cache.
+        let usages = [u(5, 3, 0), u(5, 4, 4), u(7, 2, 0), u(7, 1, 4)];
+        let total = usage_of_choices(&usages, 2);
+        assert_eq!(
+            (
+                total.prompt_tokens,
+                total.completion_tokens,
+                total.cached_tokens
+            ),
+            (12, 10, 0)
+        );
+        // Four prompts, one choice each: every prompt counts.
+        let total = usage_of_choices(&usages, 1);
+        assert_eq!((total.prompt_tokens, total.cached_tokens), (24, 8));
+        // One prompt, four choices.
+        let total = usage_of_choices(&[u(5, 3, 1), u(5, 4, 4)], 2);
+        assert_eq!((total.prompt_tokens, total.cached_tokens), (5, 1));
+    }
 
     /// The data of each event of a stream of `texts` then a finish, for a
     /// chat whose calls are read as `calls`.

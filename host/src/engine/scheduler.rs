@@ -645,36 +645,44 @@ impl<B: Backend> Scheduler<B> {
         Ok(())
     }
 
-    /// Queues a request's choices (each a sequence of its own, all of one
-    /// tenant) together: all of them, or, when the tenant's queue has no
-    /// room for all, none ([`Rejection::QueueFull`]); otherwise as
-    /// [`Scheduler::enqueue`] refuses one. The first starts as any request
-    /// does; the others once its prompt is in KV ([`Admitted::after`]), so
-    /// that they find the prompt's full pages in the tenant's prefix cache
-    /// and compute only what is past them.
-    pub fn enqueue_all(&mut self, mut choices: Vec<Admitted>) -> Result<(), Rejection> {
-        let Some(first) = choices.first() else {
+    /// Queues a request's sequences (all of one tenant) together: for each
+    /// of its prompts, that prompt's choices. All of them, or, when the
+    /// tenant's queue has no room for all, none ([`Rejection::QueueFull`]);
+    /// otherwise as [`Scheduler::enqueue`] refuses one. A prompt's first
+    /// choice starts as any request does; its others once that one's prompt
+    /// is in KV ([`Admitted::after`]), so that they find the prompt's full
+    /// pages in the tenant's prefix cache and compute only what is past them.
+    pub fn enqueue_all(&mut self, mut prompts: Vec<Vec<Admitted>>) -> Result<(), Rejection> {
+        let Some(first) = prompts.iter().flatten().next() else {
             return Ok(());
         };
         let id = first.tenant();
-        if choices
-            .iter()
-            .any(|c| c.pool != self.pool.id() || c.tenant() != id)
-        {
-            return Err(Rejection::ForeignPool);
+        let mut count = 0;
+        for c in prompts.iter().flatten() {
+            if c.pool != self.pool.id() || c.tenant() != id {
+                return Err(Rejection::ForeignPool);
+            }
+            count += 1;
         }
         let Some(tenant) = self.tenants.get(&id) else {
             return Err(Rejection::TenantRemoved);
         };
-        if tenant.queue.len() + choices.len() > tenant.limits.queue_depth_max as usize {
+        if tenant.queue.len() + count > tenant.limits.queue_depth_max as usize {
             return Err(Rejection::QueueFull);
         }
-        let leader = first.request.id;
-        for sibling in choices.iter_mut().skip(1) {
-            sibling.after = Some(leader);
+        for choices in &mut prompts {
+            let Some(leader) = choices.first().map(|c| c.request.id) else {
+                continue;
+            };
+            for sibling in choices.iter_mut().skip(1) {
+                sibling.after = Some(leader);
+            }
         }
         // Each passes `enqueue`'s checks: those just made.
-        choices.into_iter().try_for_each(|c| self.enqueue(c))
+        prompts
+            .into_iter()
+            .flatten()
+            .try_for_each(|c| self.enqueue(c))
     }
 
     /// Whether a queued choice waits for its first sibling's prompt: while

@@ -61,7 +61,7 @@ const STALLED_WAIT: Duration = Duration::from_millis(5);
 
 enum Command {
     /// A request's choices, queued together or refused together.
-    Submit(Vec<Admitted>, oneshot::Sender<Result<(), Rejection>>),
+    Submit(Vec<Vec<Admitted>>, oneshot::Sender<Result<(), Rejection>>),
     Tenant(
         TenantChange,
         oneshot::Sender<Result<u32, TenantChangeError>>,
@@ -197,18 +197,19 @@ pub struct Faults {
 impl EngineHandle {
     /// Queues `admitted`; the answer comes once the engine thread has looked at it.
     pub async fn submit(&self, admitted: Admitted) -> Result<(), SubmitError> {
-        self.submit_all(vec![admitted]).await
+        self.submit_all(vec![vec![admitted]]).await
     }
 
-    /// Queues a request's choices (one tenant's, for this engine's pool)
-    /// together: all of them, or, when its queue has no room for all, none.
-    pub async fn submit_all(&self, choices: Vec<Admitted>) -> Result<(), SubmitError> {
+    /// Queues a request's sequences (one tenant's, for this engine's pool)
+    /// together: for each of its prompts, that prompt's choices. All of
+    /// them, or, when its queue has no room for all, none.
+    pub async fn submit_all(&self, prompts: Vec<Vec<Admitted>>) -> Result<(), SubmitError> {
         if !self.accepting.load(Ordering::SeqCst) {
             return Err(SubmitError::Unavailable);
         }
         let (reply, answer) = oneshot::channel();
         self.commands
-            .send(Command::Submit(choices, reply))
+            .send(Command::Submit(prompts, reply))
             .map_err(|_| SubmitError::Unavailable)?;
         match answer.await {
             Ok(result) => result.map_err(SubmitError::Rejected),
@@ -598,13 +599,13 @@ fn engine_loop<B: Backend>(
             .chain(std::iter::from_fn(|| inbox.try_recv().ok()))
         {
             match command {
-                Command::Submit(mut choices, reply) => {
-                    for admitted in &mut choices {
+                Command::Submit(mut prompts, reply) => {
+                    for admitted in prompts.iter_mut().flatten() {
                         if admitted.pool == first_pool {
                             admitted.pool = scheduler.pool().id();
                         }
                     }
-                    let _ = reply.send(scheduler.enqueue_all(choices));
+                    let _ = reply.send(scheduler.enqueue_all(prompts));
                 }
                 Command::Tenant(change, reply) => {
                     let result = match change {
