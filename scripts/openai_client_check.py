@@ -23,7 +23,8 @@ class Owner(BaseModel):
 
 class Cat(BaseModel):
     name: str = Field(max_length=20)
-    age: int
+    age: int = Field(ge=0, le=30)
+    weight_kg: float = Field(gt=0, le=12.5)
     color: Literal["black", "white", "orange", "grey"]
     toys: List[str] = Field(max_length=3)
     owner: Optional[Owner]

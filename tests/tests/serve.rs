@@ -1326,18 +1326,20 @@ fn structured_output_answers_an_instance_of_the_schema_or_one_of_the_choices() {
     let Some(model) = smollm2() else { return };
     let server = start(&model, &Policy::default());
     // What pydantic and the OpenAI client send for a model with an enum, a
-    // bounded list, a nested optional model (a $ref) and an integer.
+    // bounded list, a nested optional model (a $ref), and an integer and a
+    // number with bounds (pydantic's ge, le, gt).
     let schema = json!({
         "$defs": {"Owner": {"properties": {"name": {"type": "string", "maxLength": 12}},
                             "required": ["name"], "type": "object", "additionalProperties": false}},
         "properties": {
             "name": {"type": "string", "maxLength": 20},
-            "age": {"type": "integer"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 30},
+            "weight_kg": {"type": "number", "exclusiveMinimum": 0, "maximum": 12.5},
             "color": {"enum": ["black", "white", "orange", "grey"], "type": "string"},
             "toys": {"items": {"type": "string", "maxLength": 16}, "maxItems": 3, "type": "array"},
             "owner": {"anyOf": [{"$ref": "#/$defs/Owner"}, {"type": "null"}]}
         },
-        "required": ["name", "age", "color", "toys", "owner"],
+        "required": ["name", "age", "weight_kg", "color", "toys", "owner"],
         "title": "Cat", "type": "object", "additionalProperties": false
     });
     let format = json!({"type": "json_schema",
@@ -1364,14 +1366,27 @@ fn structured_output_answers_an_instance_of_the_schema_or_one_of_the_choices() {
             .keys()
             .map(|k| k.as_str())
             .collect();
-        assert_eq!(keys, ["name", "age", "color", "toys", "owner"], "{text}");
+        assert_eq!(
+            keys,
+            ["name", "age", "weight_kg", "color", "toys", "owner"],
+            "{text}"
+        );
         assert!(
             cat["name"]
                 .as_str()
                 .is_some_and(|n| n.chars().count() <= 20),
             "{text}"
         );
-        assert!(cat["age"].is_i64(), "{text}");
+        assert!(
+            cat["age"].as_i64().is_some_and(|a| (0..=30).contains(&a)),
+            "{text}"
+        );
+        assert!(
+            cat["weight_kg"]
+                .as_f64()
+                .is_some_and(|w| w > 0.0 && w <= 12.5),
+            "{text}"
+        );
         assert!(
             ["black", "white", "orange", "grey"].contains(&cat["color"].as_str().unwrap_or("")),
             "{text}"

@@ -20,7 +20,9 @@
 //! go to a small overlay), as the sampler asks it of many candidate tokens
 //! per step.
 
-use super::schema::{Node, NodeId, Property, Schema, ANY, ANY_ARRAY, ANY_LITERAL};
+use super::schema::{
+    unit_digits, Node, NodeId, Property, Schema, ANY, ANY_ARRAY, ANY_LITERAL, BOUNDED_UNITS_MAX,
+};
 use std::sync::Arc;
 
 /// Most whitespace bytes in a row between JSON tokens.
@@ -74,8 +76,13 @@ enum Mode {
         min: u32,
         max: u32,
     },
-    /// In a number; `integer`: no fraction, no exponent.
-    Number { num: Num, integer: bool },
+    /// In a number; `integer`: no fraction, no exponent; `bounded`: its
+    /// digits so far, where the schema bounds it.
+    Number {
+        num: Num,
+        integer: bool,
+        bounded: Option<Bounded>,
+    },
     /// In one of the values of literals node `node`: those whose first
     /// `at` bytes are the ones so far are `values[lo..hi]`.
     Literal {
@@ -136,6 +143,110 @@ impl Num {
     /// Whether a number may end here.
     fn complete(self) -> bool {
         matches!(self, Num::Zero | Num::Int | Num::Frac | Num::ExpDigits)
+    }
+}
+
+/// A bounded number so far ([`Node::Number`]'s `bounds`): written with no
+/// exponent and at most `unit` fraction digits, its value is a whole count
+/// of units of 10^-`unit`, compared with the bounds exactly. A digit is
+/// taken only where some number within the bounds still begins with the
+/// digits so far, so a bounded number never leads to a dead end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Bounded {
+    /// The least and greatest value, in units.
+    lo: i64,
+    hi: i64,
+    /// Fraction digits a unit is (0 for an integer).
+    unit: u8,
+    negative: bool,
+    /// The digits so far, integer and fraction, as one whole number.
+    digits: u64,
+    /// How many of them are fraction digits.
+    fraction: u8,
+}
+
+impl Bounded {
+    fn new(lo: i64, hi: i64, integer: bool) -> Bounded {
+        Bounded {
+            lo,
+            hi,
+            unit: unit_digits(integer) as u8,
+            negative: false,
+            digits: 0,
+            fraction: 0,
+        }
+    }
+
+    /// After byte `b`, which took the number to `num`: None where no number
+    /// within the bounds begins so.
+    fn after(mut self, num: Num, b: u8) -> Option<Bounded> {
+        match (num, b) {
+            (Num::Minus, b'-') => self.negative = true,
+            (Num::Frac, b'0'..=b'9') if self.fraction >= self.unit => return None,
+            (Num::Zero | Num::Int | Num::Frac, b'0'..=b'9') => {
+                self.digits = self.digits.checked_mul(10)? + u64::from(b - b'0');
+                self.fraction += u8::from(num == Num::Frac);
+            }
+            (Num::Point, b'.') => {}
+            // No exponent.
+            _ => return None,
+        }
+        self.reaches(num).then_some(self)
+    }
+
+    /// 10^`n`.
+    fn pow10(n: u8) -> i128 {
+        10i128.pow(u32::from(n))
+    }
+
+    /// Whether a number within the bounds (and within
+    /// [`BOUNDED_UNITS_MAX`]) begins with the number so far, at `num`.
+    fn reaches(&self, num: Num) -> bool {
+        let (lo, hi) = (i128::from(self.lo), i128::from(self.hi));
+        // The magnitudes, in units, within the bounds on this side of zero.
+        let (want_lo, want_hi) = if self.negative {
+            ((-hi).max(0), -lo)
+        } else {
+            (lo.max(0), hi)
+        };
+        let want_hi = want_hi.min(i128::from(BOUNDED_UNITS_MAX));
+        let meets = |a: i128, b: i128| a.max(want_lo) <= b.min(want_hi);
+        let digits = i128::from(self.digits);
+        let unit = Bounded::pow10(self.unit);
+        match num {
+            Num::Minus => meets(0, want_hi),
+            Num::Zero => meets(0, unit - 1),
+            // More integer digits, any number of them, then any fraction.
+            Num::Int => {
+                let mut scale = unit;
+                while digits * scale <= want_hi {
+                    if meets(digits * scale, (digits + 1) * scale - 1) {
+                        return true;
+                    }
+                    scale *= 10;
+                }
+                false
+            }
+            Num::Point => meets(digits * unit, (digits + 1) * unit - 1),
+            Num::Frac => {
+                let scale = Bounded::pow10(self.unit - self.fraction);
+                meets(digits * scale, (digits + 1) * scale - 1)
+            }
+            Num::Exp | Num::ExpSign | Num::ExpDigits => false,
+        }
+    }
+
+    /// Whether the number may end here, at `num`: its value is within the
+    /// bounds.
+    fn ends(&self, num: Num) -> bool {
+        let scale = match num {
+            Num::Zero | Num::Int => Bounded::pow10(self.unit),
+            Num::Frac => Bounded::pow10(self.unit - self.fraction),
+            _ => return false,
+        };
+        let magnitude = i128::from(self.digits) * scale;
+        let value = if self.negative { -magnitude } else { magnitude };
+        (i128::from(self.lo)..=i128::from(self.hi)).contains(&value)
     }
 }
 
@@ -274,7 +385,9 @@ impl Json {
         self.readings.iter().any(|r| match r.mode {
             Mode::Done => true,
             _ if !r.stack.is_empty() => false,
-            Mode::Number { num, .. } => num.complete(),
+            Mode::Number { num, bounded, .. } => {
+                num.complete() && bounded.is_none_or(|b| b.ends(num))
+            }
             Mode::Literal { node, lo, at, .. } => {
                 literals(&self.schema, node)[usize::from(lo)].len() == at as usize
             }
@@ -534,14 +647,26 @@ impl<S: Stack + Clone> Cursor<'_, S> {
         // A number or a literal ends at the first byte that does not
         // continue it, if it may end there: that byte is the next token's.
         match self.mode {
-            Mode::Number { num, integer } => {
+            Mode::Number {
+                num,
+                integer,
+                bounded,
+            } => {
                 let next = number_next(num, b)
-                    .filter(|next| !integer || matches!(next, Num::Zero | Num::Int));
-                if let Some(num) = next {
-                    self.mode = Mode::Number { num, integer };
+                    .filter(|next| !integer || matches!(next, Num::Zero | Num::Int))
+                    .and_then(|next| match bounded {
+                        None => Some((next, None)),
+                        Some(so_far) => so_far.after(next, b).map(|a| (next, Some(a))),
+                    });
+                if let Some((num, bounded)) = next {
+                    self.mode = Mode::Number {
+                        num,
+                        integer,
+                        bounded,
+                    };
                     return true;
                 }
-                if !num.complete() {
+                if !num.complete() || bounded.is_some_and(|so_far| !so_far.ends(num)) {
                     return false;
                 }
                 self.end_value();
@@ -765,9 +890,9 @@ impl<S: Stack + Clone> Cursor<'_, S> {
                 b'[' => self.begin(ANY_ARRAY, false, b),
                 b'"' => self.begin_string(0, u32::MAX),
                 b't' | b'f' | b'n' => self.begin(ANY_LITERAL, false, b),
-                _ => self.begin_number(false, b),
+                _ => self.begin_number(false, None, b),
             },
-            Node::Number { integer } => self.begin_number(integer, b),
+            Node::Number { integer, bounds } => self.begin_number(integer, bounds, b),
             Node::String { min, max } => b == b'"' && self.begin_string(min, max),
             Node::Literals(ref values) => {
                 let (first, last) = narrow(|i| &values[i], 0, values.len(), 0, b);
@@ -838,14 +963,25 @@ impl<S: Stack + Clone> Cursor<'_, S> {
         true
     }
 
-    fn begin_number(&mut self, integer: bool, b: u8) -> bool {
+    fn begin_number(&mut self, integer: bool, bounds: Option<(i64, i64)>, b: u8) -> bool {
         let num = match b {
             b'-' => Num::Minus,
             b'0' => Num::Zero,
             b'1'..=b'9' => Num::Int,
             _ => return false,
         };
-        self.mode = Mode::Number { num, integer };
+        let bounded = match bounds {
+            None => None,
+            Some((lo, hi)) => match Bounded::new(lo, hi, integer).after(num, b) {
+                None => return false,
+                some => some,
+            },
+        };
+        self.mode = Mode::Number {
+            num,
+            integer,
+            bounded,
+        };
         true
     }
 
@@ -1474,5 +1610,126 @@ mod tests {
             }
         }
         assert!(done > 1000, "{done} of 2000 walks completed an instance");
+    }
+
+    /// Walks of a bounded number, byte by byte among those it takes: it is
+    /// never at a dead end (it may end, or some byte goes on), and where it
+    /// may end, the text is a JSON number whose double is within the
+    /// schema's bounds.
+    fn walks_stay_within(document: serde_json::Value, walks: usize) -> usize {
+        let root = under(document.clone());
+        let mut rng = bulkhead_kernels::rng::SplitMix64(23);
+        let ok = |v: f64| {
+            let check = |key: &str, pass: &dyn Fn(f64, f64) -> bool| {
+                document[key].as_f64().is_none_or(|m| pass(v, m))
+            };
+            check("minimum", &|v, m| v >= m)
+                && check("maximum", &|v, m| v <= m)
+                && check("exclusiveMinimum", &|v, m| v > m)
+                && check("exclusiveMaximum", &|v, m| v < m)
+                && (document["type"] != "integer" || v.fract() == 0.0)
+        };
+        let mut ended = 0;
+        for _ in 0..walks {
+            let mut json = root.clone();
+            let mut text = String::new();
+            for _ in 0..24 {
+                let next: Vec<u8> = b"-0123456789.eE+"
+                    .iter()
+                    .copied()
+                    .filter(|&b| json.accepts(&[b]))
+                    .collect();
+                let ends = json.may_end();
+                assert!(ends || !next.is_empty(), "{document}: dead end at {text:?}");
+                if ends {
+                    let v: f64 = text.parse().unwrap();
+                    assert!(ok(v), "{document}: {text:?} ({v}) may end");
+                    assert!(serde_json::from_str::<serde_json::Value>(&text).is_ok());
+                    if next.is_empty() || rng.next_u64().is_multiple_of(4) {
+                        ended += 1;
+                        break;
+                    }
+                }
+                let b = next[(rng.next_u64() % next.len() as u64) as usize];
+                assert!(json.push(&[b]));
+                text.push(b as char);
+            }
+        }
+        ended
+    }
+
+    #[test]
+    fn a_bounded_number_is_written_within_its_bounds_and_never_stuck() {
+        for document in [
+            serde_json::json!({"type": "integer", "minimum": 0, "maximum": 100}),
+            serde_json::json!({"type": "integer", "minimum": -5, "maximum": 5}),
+            serde_json::json!({"type": "integer", "exclusiveMinimum": 99, "exclusiveMaximum": 101}),
+            serde_json::json!({"type": "integer", "minimum": 1000}),
+            serde_json::json!({"type": "integer", "maximum": -1000}),
+            serde_json::json!({"type": "integer", "minimum": 17, "maximum": 17}),
+            serde_json::json!({"type": "number", "minimum": 0, "maximum": 1}),
+            serde_json::json!({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0.001}),
+            serde_json::json!({"type": "number", "minimum": -2.5, "maximum": -2.25}),
+            serde_json::json!({"type": "number", "minimum": 0.1, "exclusiveMaximum": 0.3}),
+            serde_json::json!({"type": "number", "minimum": 1e6}),
+            serde_json::json!({"type": "number", "maximum": 1e-3}),
+        ] {
+            let ended = walks_stay_within(document.clone(), 400);
+            assert!(ended > 100, "{document}: {ended} of 400 walks ended");
+        }
+    }
+
+    #[test]
+    fn a_bounded_number_takes_every_value_within_as_written_and_nothing_past() {
+        let percent = under(serde_json::json!({"type": "integer", "minimum": 0, "maximum": 100}));
+        for n in -150..=250 {
+            let text = n.to_string();
+            assert_eq!(
+                takes_number(&percent, &text),
+                (0..=100).contains(&n),
+                "{text}"
+            );
+        }
+        for text in ["-0", "1e1", "1.0", "007", "-"] {
+            assert!(!takes_number(&percent, text) || text == "-0", "{text}");
+        }
+        let share = under(serde_json::json!({"type": "number", "minimum": 0, "maximum": 1}));
+        for (text, within) in [
+            ("0", true),
+            ("1", true),
+            ("1.0", true),
+            ("1.000000", true),
+            ("0.5", true),
+            ("0.999999", true),
+            ("-0", true),
+            ("-0.0", true),
+            ("0.000001", true),
+            ("1.000001", false),
+            ("1.5", false),
+            ("2", false),
+            ("-0.1", false),
+            ("-1", false),
+            // Past what a bounded number is written with.
+            ("0.0000001", false),
+            ("5e-1", false),
+            ("0.5E0", false),
+        ] {
+            assert_eq!(takes_number(&share, text), within, "{text}");
+        }
+        // Within an object: the bound holds where the property's value is.
+        let point = under(serde_json::json!({
+            "type": "object", "required": ["x"],
+            "properties": {"x": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9}}}));
+        assert!(takes(&point, r#"{"x": 9}"#));
+        assert!(takes(&point, r#"{"x":1 }"#));
+        assert!(!takes(&point, r#"{"x": 0}"#));
+        assert!(!takes(&point, r#"{"x": 10}"#));
+        assert!(!takes(&point, r#"{"x": -1}"#));
+    }
+
+    /// Whether a top-level number `text` is taken whole (and may end there).
+    fn takes_number(json: &Json, text: &str) -> bool {
+        let mut json = json.clone();
+        json.push(text.as_bytes()) && json.may_end()
     }
 }

@@ -10,7 +10,10 @@
 //! output writes them in the schema's order; optional ones may be left
 //! out; no others are generated), `additionalProperties` as the value
 //! schema of an object without `properties` (a map), `items`, `minItems`,
-//! `maxItems`, `minLength`, `maxLength`, `enum`, `const`, `anyOf` and
+//! `maxItems`, `minLength`, `maxLength`, `minimum`, `maximum`,
+//! `exclusiveMinimum`, `exclusiveMaximum` (a bounded number is written
+//! without an exponent, in whole units of [`unit_digits`]; see
+//! [`BOUNDED_UNITS_MAX`]), `enum`, `const`, `anyOf` and
 //! `oneOf` (`Optional[X]`; an `anyOf`'s alternatives that begin alike, as
 //! `Union[A, B]` of two models, are read side by side until the output
 //! tells them apart; a `oneOf`'s must begin differently, so that the output
@@ -20,7 +23,9 @@
 //! `description`, `default`, `examples`, `format`, ...) are read past, as
 //! JSON Schema 2020-12 leaves `format` an annotation. Any other keyword is
 //! refused with its name, never ignored: an output that a schema keyword
-//! did not constrain would not validate against it.
+//! did not constrain would not validate against it. So is a keyword of one
+//! type in a schema that names no type (it would accept any other type's
+//! values, and constrain that type's).
 //!
 //! A schema is a tenant's input: its nodes, properties and enum values are
 //! bounded ([`NODES_MAX`], [`PROPERTIES_MAX`], [`ENUM_VALUES_MAX`],
@@ -48,6 +53,26 @@ pub const NESTING_MAX: usize = 64;
 /// A node's index in its schema.
 pub type NodeId = u32;
 
+/// Fraction digits a number with bounds (`minimum`, `maximum`, ...) is
+/// written with at most: its value is then a whole count of units of
+/// 10^-6, which the recognizer compares with the bounds exactly.
+pub const BOUNDED_FRACTION_DIGITS: u32 = 6;
+/// Largest magnitude of a bounded number, in units: below 2^53, every
+/// count of units divided by the unit's power of ten is the double a JSON
+/// parser reads from the same digits (both are correctly rounded), so the
+/// bounds hold for the value a client's validator sees.
+pub const BOUNDED_UNITS_MAX: i64 = (1 << 53) - 1;
+
+/// The power of ten a bounded number's units are of: 1 for an integer,
+/// 10^-[`BOUNDED_FRACTION_DIGITS`] for a number.
+pub fn unit_digits(integer: bool) -> u32 {
+    if integer {
+        0
+    } else {
+        BOUNDED_FRACTION_DIGITS
+    }
+}
+
 /// Any JSON value.
 pub(super) const ANY: NodeId = 0;
 /// An object of any keys and values.
@@ -62,8 +87,14 @@ pub(super) const ANY_LITERAL: NodeId = 3;
 pub(super) enum Node {
     /// Any JSON value.
     Any,
-    /// A number; `integer`: no fraction and no exponent.
-    Number { integer: bool },
+    /// A number; `integer`: no fraction and no exponent. `bounds`: the
+    /// least and greatest value in units of [`unit`]`(integer)` (a bounded
+    /// number is written with no exponent and at most
+    /// [`BOUNDED_FRACTION_DIGITS`] fraction digits).
+    Number {
+        integer: bool,
+        bounds: Option<(i64, i64)>,
+    },
     /// A string of `min` to `max` characters.
     String { min: u32, max: u32 },
     /// One of these values, written compactly (`enum`, `const`, `true`...),
@@ -393,6 +424,10 @@ const KEYWORDS: &[&str] = &[
     "maxItems",
     "minLength",
     "maxLength",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
     "enum",
     "const",
     "anyOf",
@@ -400,6 +435,102 @@ const KEYWORDS: &[&str] = &[
     "allOf",
     "$ref",
 ];
+
+/// Keywords that constrain values of one type only: an untyped schema
+/// with one of them would accept any value but constrain that type's.
+const TYPED_KEYWORDS: &[&str] = &[
+    "required",
+    "minItems",
+    "maxItems",
+    "minLength",
+    "maxLength",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+];
+
+/// The least and greatest value, in units of [`unit_digits`]`(integer)`,
+/// that `s`'s `minimum`, `maximum`, `exclusiveMinimum` and
+/// `exclusiveMaximum` allow (None without any of them); refused where none
+/// is within [`BOUNDED_UNITS_MAX`] units.
+fn number_bounds(
+    s: &serde_json::Map<String, Value>,
+    integer: bool,
+    at: &str,
+) -> Result<Option<(i64, i64)>, SchemaError> {
+    let bound = |key: &str| -> Result<Option<f64>, SchemaError> {
+        match s.get(key) {
+            None => Ok(None),
+            Some(Value::Number(n)) => Ok(n.as_f64()),
+            Some(Value::Bool(_)) if key.starts_with("exclusive") => Err(error(
+                at,
+                format!("{key} must be a number (JSON Schema 2020-12), not a boolean"),
+            )),
+            Some(_) => Err(error(at, format!("{key} must be a number"))),
+        }
+    };
+    let (minimum, maximum) = (bound("minimum")?, bound("maximum")?);
+    let (above, below) = (bound("exclusiveMinimum")?, bound("exclusiveMaximum")?);
+    if [minimum, maximum, above, below].iter().all(Option::is_none) {
+        return Ok(None);
+    }
+    let scale = 10f64.powi(unit_digits(integer) as i32);
+    // A count of units is the double that count / 10^digits is; both
+    // tests are monotone in it, so the least and greatest passing counts
+    // bound all passing ones.
+    let value = |u: i64| u as f64 / scale;
+    let low_ok =
+        |u: i64| minimum.is_none_or(|m| value(u) >= m) && above.is_none_or(|m| value(u) > m);
+    let high_ok =
+        |u: i64| maximum.is_none_or(|m| value(u) <= m) && below.is_none_or(|m| value(u) < m);
+    let (lo_max, hi_min) = (BOUNDED_UNITS_MAX + 1, -BOUNDED_UNITS_MAX - 1);
+    let estimate = |m: Option<f64>, round: fn(f64) -> f64, default: i64| {
+        m.map_or(default, |m| {
+            (round(m * scale) as i64).clamp(-BOUNDED_UNITS_MAX - 1, BOUNDED_UNITS_MAX + 1)
+        })
+    };
+    // The least passing count from an estimate: down while the one below
+    // passes, up while this one does not (a few steps: the estimate is
+    // within rounding of it).
+    let tighter = |a: Option<f64>, b: Option<f64>, pick: fn(f64, f64) -> f64| match (a, b) {
+        (Some(a), Some(b)) => Some(pick(a, b)),
+        (a, b) => a.or(b),
+    };
+    let mut lo = estimate(
+        tighter(minimum, above, f64::max),
+        f64::ceil,
+        -BOUNDED_UNITS_MAX,
+    );
+    while lo > -BOUNDED_UNITS_MAX && low_ok(lo - 1) {
+        lo -= 1;
+    }
+    while lo < lo_max && !low_ok(lo) {
+        lo += 1;
+    }
+    let mut hi = estimate(
+        tighter(maximum, below, f64::min),
+        f64::floor,
+        BOUNDED_UNITS_MAX,
+    );
+    while hi < BOUNDED_UNITS_MAX && high_ok(hi + 1) {
+        hi += 1;
+    }
+    while hi > hi_min && !high_ok(hi) {
+        hi -= 1;
+    }
+    let (lo, hi) = (lo.max(-BOUNDED_UNITS_MAX), hi.min(BOUNDED_UNITS_MAX));
+    if lo > hi {
+        let what = if integer { "integer" } else { "number" };
+        return Err(error(
+            at,
+            format!(
+                "no {what} of at most {BOUNDED_FRACTION_DIGITS} fraction digits and below 2^53 units is within its bounds"
+            ),
+        ));
+    }
+    Ok(Some((lo, hi)))
+}
 
 struct Compiler<'a> {
     document: &'a Value,
@@ -523,6 +654,12 @@ impl Compiler<'_> {
                     vec!["object"]
                 } else if s.contains_key("items") {
                     vec!["array"]
+                } else if let Some(key) = TYPED_KEYWORDS.iter().find(|k| s.contains_key(**k)) {
+                    // It would constrain the values of one type among any.
+                    return Err(error(
+                        at,
+                        format!("{key} without a type is not supported by this server (name the type it is for)"),
+                    ));
                 } else {
                     return Ok(ANY);
                 }
@@ -570,8 +707,13 @@ impl Compiler<'_> {
         let node = match t {
             "null" => return self.literals(&[Value::Null], at),
             "boolean" => return self.literals(&[Value::Bool(false), Value::Bool(true)], at),
-            "number" => Node::Number { integer: false },
-            "integer" => Node::Number { integer: true },
+            "number" | "integer" => {
+                let integer = t == "integer";
+                Node::Number {
+                    integer,
+                    bounds: number_bounds(s, integer, at)?,
+                }
+            }
             "string" => {
                 let (min, max) = bounds("minLength", "maxLength")?;
                 Node::String { min, max }
@@ -730,11 +872,125 @@ mod tests {
         Schema::compile(&document).unwrap_err().to_string()
     }
 
+    fn bounds(document: Value) -> Option<(i64, i64)> {
+        let schema = Schema::compile(&document).unwrap();
+        match schema.node(schema.root()) {
+            Node::Number { bounds, .. } => *bounds,
+            other => panic!("{document}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn number_bounds_are_the_least_and_greatest_value_in_units() {
+        let u = BOUNDED_UNITS_MAX;
+        // Integers: whole units; fractional and exclusive bounds round in.
+        for (document, want) in [
+            (json!({"type": "integer"}), None),
+            (json!({"type": "integer", "minimum": 0}), Some((0, u))),
+            (json!({"type": "integer", "maximum": -3}), Some((-u, -3))),
+            (
+                json!({"type": "integer", "minimum": 1.5, "maximum": 9.99}),
+                Some((2, 9)),
+            ),
+            (
+                json!({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}),
+                Some((1, 9)),
+            ),
+            // The tighter of both forms.
+            (
+                json!({"type": "integer", "minimum": 3, "exclusiveMinimum": 5,
+                       "maximum": 7, "exclusiveMaximum": 100}),
+                Some((6, 7)),
+            ),
+            (json!({"type": "integer", "minimum": -1e300}), Some((-u, u))),
+            // Numbers: units of 10^-6.
+            (
+                json!({"type": "number", "minimum": 0, "maximum": 1}),
+                Some((0, 1_000_000)),
+            ),
+            (
+                json!({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}),
+                Some((1, 999_999)),
+            ),
+            (
+                json!({"type": "number", "minimum": -2.5, "maximum": 0.000001}),
+                Some((-2_500_000, 1)),
+            ),
+            // 0.1 is a double a little above a tenth: 100000 units is the
+            // double 0.1, which meets it, as a validator reading "0.1" finds.
+            (
+                json!({"type": "number", "minimum": 0.1}),
+                Some((100_000, u)),
+            ),
+            (
+                json!({"type": "number", "exclusiveMaximum": 0.3}),
+                Some((-u, 299_999)),
+            ),
+        ] {
+            assert_eq!(bounds(document.clone()), want, "{document}");
+        }
+        // Each bound is exactly where a double comparison flips.
+        for (m, exclusive) in [
+            (0.1, false),
+            (0.3, true),
+            (123.456789, false),
+            (-7.25, true),
+        ] {
+            let key = if exclusive {
+                "exclusiveMinimum"
+            } else {
+                "minimum"
+            };
+            let (lo, _) = bounds(json!({"type": "number", key: m})).unwrap();
+            let value = |u: i64| u as f64 / 1e6;
+            let passes = |u: i64| {
+                if exclusive {
+                    value(u) > m
+                } else {
+                    value(u) >= m
+                }
+            };
+            assert!(passes(lo) && !passes(lo - 1), "{key} {m}: {lo}");
+        }
+    }
+
     #[test]
     fn refuses_what_it_would_not_enforce_naming_the_keyword() {
         for (document, says) in [
             (json!({"type": "string", "pattern": "^a"}), "\"pattern\""),
-            (json!({"type": "integer", "minimum": 0}), "\"minimum\""),
+            (
+                json!({"type": "integer", "multipleOf": 2}),
+                "\"multipleOf\"",
+            ),
+            // Type-specific keywords in an untyped schema.
+            (json!({"minimum": 0}), "minimum without a type"),
+            (json!({"maxLength": 3}), "maxLength without a type"),
+            (json!({"required": ["a"]}), "required without a type"),
+            // Bounds no number meets, or of the wrong form.
+            (
+                json!({"type": "integer", "minimum": 2, "maximum": 1}),
+                "within its bounds",
+            ),
+            (
+                json!({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}),
+                "within its bounds",
+            ),
+            (
+                json!({"type": "number", "minimum": 1e300}),
+                "within its bounds",
+            ),
+            (
+                json!({"type": "number", "minimum": 0.1000001, "maximum": 0.1000009}),
+                "within its bounds",
+            ),
+            (
+                json!({"type": "number", "exclusiveMinimum": true}),
+                "not a boolean",
+            ),
+            (
+                json!({"type": "number", "maximum": "1"}),
+                "must be a number",
+            ),
             (
                 json!({"type": "array", "uniqueItems": true}),
                 "\"uniqueItems\"",
