@@ -1330,6 +1330,41 @@ fn events(rx: &mut UnboundedReceiver<Event>) -> Vec<Event> {
 }
 
 #[test]
+fn a_scored_prompt_leaves_a_row_of_logits_for_each_other_sequence_in_its_step() {
+    // Steps of 96 tokens and 8 + 64 rows: a scored 100-token prompt could
+    // take every row of the first step, and the short prompt queued behind
+    // it, which needs one row for its first token, would wait a step.
+    let limits = BatchLimits {
+        step_tokens_max: 96,
+        step_seqs_max: 8,
+    };
+    let mut s = sim(&[tenant(ALPHA, 1, 64, 128)], 128, limits);
+    let scoring = SamplingParams {
+        prompt_logprobs: Some(0),
+        ..SamplingParams::default()
+    };
+    let mut scored = s.submit_sampled(ALPHA, prompt(3, 100), 0, scoring);
+    let mut short = s.submit(ALPHA, prompt(4, 5), 2);
+    s.tick();
+    // One step: the short prompt's first token, and the scored prompt's
+    // entries for what the step left it (72 rows, less 7 for the others
+    // that might have joined).
+    let first: Vec<Event> = std::iter::from_fn(|| short.try_recv().ok()).collect();
+    assert!(
+        first.iter().any(|e| matches!(e, Event::Text(_))),
+        "no first token after one step: {first:?}"
+    );
+    let entries = std::iter::from_fn(|| scored.try_recv().ok())
+        .filter(|e| matches!(e, Event::PromptLogprob(_)))
+        .count();
+    assert_eq!(entries, 72 - 7);
+    s.run_to_idle();
+    let (_, end) = drain(&mut scored);
+    assert!(end.is_some());
+    s.assert_all_pages_free();
+}
+
+#[test]
 fn a_prompts_log_probabilities_are_each_prefixs_next_token_distribution() {
     // Steps of at most 32 tokens and 8 + 64 rows of logits: a 50-token
     // prompt is scored over two chunks, beside another tenant's work.

@@ -1323,7 +1323,8 @@ impl<B: Backend> Scheduler<B> {
     fn plan_batch(&self, now: Instant) -> Vec<Planned> {
         let mut budget = self.limits.step_tokens_max as usize;
         // Rows of logits: one a sampled sequence, the rest for prompts'
-        // log probabilities (a scored chunk is cut to the rows left).
+        // log probabilities (a scored chunk is cut to the rows left, less
+        // one for each sequence that may still join the step).
         let mut rows_left = self.backend.step_logits_max();
         let mut plan = Vec::new();
         let order = self.fair_order();
@@ -1360,14 +1361,20 @@ impl<B: Backend> Scheduler<B> {
                     if !decode {
                         n = n.min(prompt_left);
                     }
+                    // A row for each sequence that may still join the
+                    // step: a scored chunk never takes the row another's
+                    // last prompt chunk needs (each chunk before took at
+                    // most what this leaves, so one row is always free).
+                    let later = (self.limits.step_seqs_max as usize).saturating_sub(plan.len() + 1);
+                    let rows_free = rows_left.saturating_sub(later);
                     let mut rows = s.rows_of(n);
-                    if rows.logits > rows_left {
+                    if rows.logits > rows_free {
                         // A scored chunk's rows are its tokens past `next`.
                         let skipped = s.scoring.map_or(0, |sc| sc.next.saturating_sub(s.kv_len));
-                        n = n.min(rows_left + skipped);
+                        n = n.min(rows_free + skipped);
                         rows = s.rows_of(n);
                     }
-                    if n == 0 || rows.logits > rows_left {
+                    if n == 0 || rows.logits > rows_free {
                         continue;
                     }
                     if !decode {
