@@ -1104,6 +1104,14 @@ fn a_batch_of_prompts_answers_each_prompts_choices_as_alone_in_order() {
         r.error(),
         (json!("prompt"), json!("context_length_exceeded"))
     );
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("the prompt at index 2 of the batch: "),
+        "{}",
+        r.body
+    );
     for (key, body, param) in [
         (KEY_ALPHA, json!({"prompt": vec!["a"; 65]}), "prompt"),
         (

@@ -90,12 +90,14 @@ pub enum ApiError {
     #[error("The model `{0}` does not exist or you do not have access to it.")]
     ModelNotFound(String),
     /// Static admission refused the request.
-    #[error("{rejection}")]
+    #[error("{}{rejection}", in_batch(*.batch_index))]
     Rejected {
         /// Why.
         rejection: Rejection,
         /// The parameter holding the prompt ("messages" or "prompt").
         prompt_param: &'static str,
+        /// Which prompt of a batch it was refused for (from 0).
+        batch_index: Option<usize>,
     },
     /// The tenant already has `pending_max` requests being read, tokenized or
     /// submitted.
@@ -276,12 +278,20 @@ impl From<EngineUnavailable> for ApiError {
     }
 }
 
+/// What a refusal's message begins with for a prompt of a batch.
+fn in_batch(index: Option<usize>) -> String {
+    index.map_or_else(String::new, |i| {
+        format!("the prompt at index {i} of the batch: ")
+    })
+}
+
 impl From<SubmitError> for ApiError {
     fn from(error: SubmitError) -> ApiError {
         match error {
             SubmitError::Rejected(rejection) => ApiError::Rejected {
                 rejection,
                 prompt_param: "",
+                batch_index: None,
             },
             SubmitError::Unavailable => ApiError::Unavailable,
         }
@@ -416,6 +426,7 @@ impl ApiError {
             E::Rejected {
                 rejection,
                 prompt_param,
+                ..
             } => {
                 let prompt = (!prompt_param.is_empty()).then_some(*prompt_param);
                 match rejection {

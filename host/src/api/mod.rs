@@ -714,14 +714,24 @@ async fn run(
     let rejected = |rejection| ApiError::Rejected {
         rejection,
         prompt_param: endpoint.prompt_param(),
+        batch_index: None,
+    };
+    let batch = sources.len() > 1;
+    // A refusal of one prompt of a batch says which.
+    let rejected_at = |index: usize| {
+        move |rejection| ApiError::Rejected {
+            rejection,
+            prompt_param: endpoint.prompt_param(),
+            batch_index: batch.then_some(index),
+        }
     };
     // Refused by its size alone, before any tokenization work.
-    for source in &sources {
+    for (index, source) in sources.iter().enumerate() {
         let tokens_min = source.tokens_min(model.text_bytes_per_token_max);
         model
             .admission
             .check_size(tokens_min, common.max_tokens)
-            .map_err(rejected)?;
+            .map_err(rejected_at(index))?;
     }
     let has_chain = app.policy.has_chain(tenant.id);
     // A plugin sees one sequence's sizes and usage per request (the WIT
@@ -784,10 +794,10 @@ async fn run(
     // before any plugin sees the request (I1): a request admission would
     // refuse never reaches `route` or a plugin's state.
     let mut prompts = Vec::with_capacity(sources.len());
-    for source in sources.drain(..) {
+    for (index, source) in sources.drain(..).enumerate() {
         let prompt = tokenize_on_lane(app, tenant, &model, source, common.max_tokens, &pending)
             .await?
-            .map_err(rejected)?;
+            .map_err(rejected_at(index))?;
         model
             .admission
             .check(
@@ -795,7 +805,7 @@ async fn run(
                 max_tokens_of(&model, &common, &prompt),
                 common.sampling.prompt_logprobs.is_some(),
             )
-            .map_err(rejected)?;
+            .map_err(rejected_at(index))?;
         prompts.push(prompt);
     }
     drop(sources);

@@ -55,6 +55,7 @@ pub(super) async fn tokenize(
             let rejected = |rejection| ApiError::Rejected {
                 rejection,
                 prompt_param: param,
+                batch_index: None,
             };
             model
                 .admission
