@@ -532,6 +532,80 @@ fn number_bounds(
     Ok(Some((lo, hi)))
 }
 
+/// The values of `s`'s `enum` or `const` (`key`) that its other keywords
+/// accept: the output is one of them, so a value they refuse must not be
+/// written. Refused where none is left, or beside a keyword of objects' or
+/// arrays' contents (not checked here).
+fn kept_beside(
+    s: &serde_json::Map<String, Value>,
+    values: &[Value],
+    key: &str,
+    at: &str,
+) -> Result<Vec<Value>, SchemaError> {
+    for other in ["properties", "required", "additionalProperties", "items"] {
+        if s.contains_key(other) {
+            return Err(error(
+                at,
+                format!("{key} beside {other} is not supported by this server"),
+            ));
+        }
+    }
+    let number = |v: &Value, bound: &str, pass: fn(f64, f64) -> bool| match (
+        v.as_f64(),
+        s.get(bound).and_then(Value::as_f64),
+    ) {
+        (Some(v), Some(bound)) => pass(v, bound),
+        _ => true,
+    };
+    let count = |n: usize, bound: &str, pass: fn(u64, u64) -> bool| {
+        s.get(bound)
+            .and_then(Value::as_u64)
+            .is_none_or(|bound| pass(n as u64, bound))
+    };
+    let typed = |v: &Value, t: &str| match t {
+        "null" => v.is_null(),
+        "boolean" => v.is_boolean(),
+        "number" => v.is_number(),
+        "integer" => v.as_f64().is_some_and(|f| f.fract() == 0.0),
+        "string" => v.is_string(),
+        "array" => v.is_array(),
+        "object" => v.is_object(),
+        _ => false,
+    };
+    let accepts = |v: &Value| {
+        let type_ok = match s.get("type") {
+            None => true,
+            Some(Value::String(t)) => typed(v, t),
+            Some(Value::Array(ts)) => ts.iter().any(|t| t.as_str().is_some_and(|t| typed(v, t))),
+            Some(_) => false,
+        };
+        let in_enum = key != "const"
+            || s.get("enum")
+                .and_then(Value::as_array)
+                .is_none_or(|e| e.contains(v));
+        let chars = v.as_str().map(|t| t.chars().count());
+        let items = v.as_array().map(Vec::len);
+        type_ok
+            && in_enum
+            && chars.is_none_or(|n| count(n, "minLength", |n, b| n >= b))
+            && chars.is_none_or(|n| count(n, "maxLength", |n, b| n <= b))
+            && items.is_none_or(|n| count(n, "minItems", |n, b| n >= b))
+            && items.is_none_or(|n| count(n, "maxItems", |n, b| n <= b))
+            && number(v, "minimum", |v, b| v >= b)
+            && number(v, "maximum", |v, b| v <= b)
+            && number(v, "exclusiveMinimum", |v, b| v > b)
+            && number(v, "exclusiveMaximum", |v, b| v < b)
+    };
+    let kept: Vec<Value> = values.iter().filter(|v| accepts(v)).cloned().collect();
+    if kept.is_empty() {
+        return Err(error(
+            at,
+            format!("no value of {key} meets the schema's other keywords"),
+        ));
+    }
+    Ok(kept)
+}
+
 struct Compiler<'a> {
     document: &'a Value,
     schema: Schema,
@@ -637,7 +711,9 @@ impl Compiler<'_> {
             };
         }
         if let Some(value) = s.get("const") {
-            return self.literals(std::slice::from_ref(value), &format!("{at}/const"));
+            let at = format!("{at}/const");
+            let values = kept_beside(s, std::slice::from_ref(value), "const", &at)?;
+            return self.literals(&values, &at);
         }
         if let Some(values) = s.get("enum") {
             let at = format!("{at}/enum");
@@ -645,7 +721,8 @@ impl Compiler<'_> {
                 .as_array()
                 .filter(|v| !v.is_empty())
                 .ok_or_else(|| error(&at, "must be a non-empty array"))?;
-            return self.literals(values, &at);
+            let values = kept_beside(s, values, "enum", &at)?;
+            return self.literals(&values, &at);
         }
         let types: Vec<&str> = match s.get("type") {
             None => {
@@ -881,6 +958,47 @@ mod tests {
     }
 
     #[test]
+    fn an_enums_values_are_those_its_other_keywords_accept() {
+        let values = |document: Value| {
+            let schema = Schema::compile(&document).unwrap();
+            match schema.node(schema.root()) {
+                Node::Literals(values) => values
+                    .iter()
+                    .map(|v| String::from_utf8(v.to_vec()).unwrap())
+                    .collect::<Vec<_>>(),
+                other => panic!("{document}: {other:?}"),
+            }
+        };
+        // What pydantic writes for a Literal: all kept.
+        assert_eq!(
+            values(json!({"enum": ["b", "a"], "type": "string"})),
+            ["\"a\"", "\"b\""]
+        );
+        for (document, kept) in [
+            (
+                json!({"type": "string", "enum": ["a", 1, null]}),
+                vec!["\"a\""],
+            ),
+            (
+                json!({"type": ["integer", "null"], "enum": [1, 1.5, 2.0, null, "x"]}),
+                vec!["1", "2.0", "null"],
+            ),
+            (
+                json!({"enum": ["ab", "abcd"], "maxLength": 3}),
+                vec!["\"ab\""],
+            ),
+            (
+                json!({"enum": [1, 5, 10], "minimum": 2, "exclusiveMaximum": 10}),
+                vec!["5"],
+            ),
+            (json!({"enum": [[1], [1, 2]], "maxItems": 1}), vec!["[1]"]),
+            (json!({"const": "a", "enum": ["a", "b"]}), vec!["\"a\""]),
+        ] {
+            assert_eq!(values(document.clone()), kept, "{document}");
+        }
+    }
+
+    #[test]
     fn number_bounds_are_the_least_and_greatest_value_in_units() {
         let u = BOUNDED_UNITS_MAX;
         // Integers: whole units; fractional and exclusive bounds round in.
@@ -961,6 +1079,17 @@ mod tests {
             (
                 json!({"type": "integer", "multipleOf": 2}),
                 "\"multipleOf\"",
+            ),
+            // An enum or const none of whose values the rest accepts.
+            (
+                json!({"type": "string", "enum": [1, 2]}),
+                "no value of enum",
+            ),
+            (json!({"const": "abc", "maxLength": 2}), "no value of const"),
+            (json!({"const": "a", "enum": ["b"]}), "no value of const"),
+            (
+                json!({"enum": [{"a": 1}], "required": ["a"]}),
+                "enum beside required",
             ),
             // Type-specific keywords in an untyped schema.
             (json!({"minimum": 0}), "minimum without a type"),
