@@ -12,20 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 B=${1:-target/release/bulkhead}
 REQUESTS=${2:-5}
-export BULKHEAD_KEY_ALPHA=$(openssl rand -hex 24)
-export BULKHEAD_KEY_BETA=$(openssl rand -hex 24)
-export BULKHEAD_ADMIN_TOKEN=$(openssl rand -hex 24)
-work=$(mktemp -d)
-pid=
-cleanup() {
-  [ -n "$pid" ] && { kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; }
-  rm -rf "$work"
-}
-trap cleanup EXIT
-"$B" serve --config policies/demo.toml --store "$work/state" --listen 127.0.0.1:18080 \
-    --admin-listen 127.0.0.1:18081 >/dev/null 2>"$work/err" &
-pid=$!
-for _ in $(seq 1 150); do grep -q "listening: admin" "$work/err" && break; sleep 0.2; done
+source scripts/bench_server.sh
+bench_serve "$B"
 body() { # NONCE MODE
   python3 -c '
 import json, sys

@@ -1343,12 +1343,11 @@ fn a_scored_prompt_leaves_a_row_of_logits_for_each_other_sequence_in_its_step() 
         prompt_logprobs: Some(0),
         ..SamplingParams::default()
     };
-    let mut scored = s.submit_sampled(ALPHA, prompt(3, 100), 0, scoring);
+    let mut scored = s.submit_sampled(ALPHA, prompt(3, 100), 0, scoring.clone());
     let mut short = s.submit(ALPHA, prompt(4, 5), 2);
     s.tick();
     // One step: the short prompt's first token, and the scored prompt's
-    // entries for what the step left it (72 rows, less 7 for the others
-    // that might have joined).
+    // entries for what the step left it (72 rows, less the short one's).
     let first: Vec<Event> = std::iter::from_fn(|| short.try_recv().ok()).collect();
     assert!(
         first.iter().any(|e| matches!(e, Event::Text(_))),
@@ -1357,11 +1356,20 @@ fn a_scored_prompt_leaves_a_row_of_logits_for_each_other_sequence_in_its_step() 
     let entries = std::iter::from_fn(|| scored.try_recv().ok())
         .filter(|e| matches!(e, Event::PromptLogprob(_)))
         .count();
-    assert_eq!(entries, 72 - 7);
+    assert_eq!(entries, 72 - 1);
     s.run_to_idle();
     let (_, end) = drain(&mut scored);
     assert!(end.is_some());
     s.assert_all_pages_free();
+    // Alone, it takes every row: none is kept for sequences that are not
+    // there.
+    let mut alone = s.submit_sampled(ALPHA, prompt(5, 100), 0, scoring);
+    s.tick();
+    let entries = std::iter::from_fn(|| alone.try_recv().ok())
+        .filter(|e| matches!(e, Event::PromptLogprob(_)))
+        .count();
+    assert_eq!(entries, 72);
+    s.run_to_idle();
 }
 
 #[test]

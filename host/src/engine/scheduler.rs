@@ -1361,11 +1361,12 @@ impl<B: Backend> Scheduler<B> {
                     if !decode {
                         n = n.min(prompt_left);
                     }
-                    // A row for each sequence that may still join the
-                    // step: a scored chunk never takes the row another's
+                    // A row for each running sequence that may still join
+                    // the step: a scored chunk never takes the row another's
                     // last prompt chunk needs (each chunk before took at
                     // most what this leaves, so one row is always free).
-                    let later = (self.limits.step_seqs_max as usize).saturating_sub(plan.len() + 1);
+                    let joinable = (self.limits.step_seqs_max as usize).min(self.running.len());
+                    let later = joinable.saturating_sub(plan.len() + 1);
                     let rows_free = rows_left.saturating_sub(later);
                     let mut rows = s.rows_of(n);
                     if rows.logits > rows_free {
