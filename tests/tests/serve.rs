@@ -1324,7 +1324,7 @@ fn tools_required_or_named_answer_with_calls_of_their_schemas_whole_and_streamed
         &server,
         &json!({"tool_choice": "required", "tools": [{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object",
-                "properties": {"n": {"type": "integer", "multipleOf": 2}}}}}]}),
+                "properties": {"n": {"type": "string", "pattern": "^a"}}}}}]}),
         "tools[0].function.parameters",
     );
 }

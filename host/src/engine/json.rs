@@ -156,6 +156,8 @@ struct Bounded {
     /// The least and greatest value, in units.
     lo: i64,
     hi: i64,
+    /// Every value is a multiple of this many units.
+    step: i64,
     /// Fraction digits a unit is (0 for an integer).
     unit: u8,
     negative: bool,
@@ -166,10 +168,11 @@ struct Bounded {
 }
 
 impl Bounded {
-    fn new(lo: i64, hi: i64, integer: bool) -> Bounded {
+    fn new(lo: i64, hi: i64, step: i64, integer: bool) -> Bounded {
         Bounded {
             lo,
             hi,
+            step,
             unit: unit_digits(integer) as u8,
             negative: false,
             digits: 0,
@@ -210,7 +213,12 @@ impl Bounded {
             (lo.max(0), hi)
         };
         let want_hi = want_hi.min(i128::from(BOUNDED_UNITS_MAX));
-        let meets = |a: i128, b: i128| a.max(want_lo) <= b.min(want_hi);
+        // A multiple of the step within [a, b] and the wanted magnitudes.
+        let step = i128::from(self.step);
+        let meets = |a: i128, b: i128| {
+            let (a, b) = (a.max(want_lo), b.min(want_hi));
+            a <= b && (a + step - 1).div_euclid(step) * step <= b
+        };
         let digits = i128::from(self.digits);
         let unit = Bounded::pow10(self.unit);
         match num {
@@ -247,6 +255,7 @@ impl Bounded {
         let magnitude = i128::from(self.digits) * scale;
         let value = if self.negative { -magnitude } else { magnitude };
         (i128::from(self.lo)..=i128::from(self.hi)).contains(&value)
+            && value.rem_euclid(i128::from(self.step)) == 0
     }
 }
 
@@ -890,9 +899,13 @@ impl<S: Stack + Clone> Cursor<'_, S> {
                 b'[' => self.begin(ANY_ARRAY, false, b),
                 b'"' => self.begin_string(0, u32::MAX),
                 b't' | b'f' | b'n' => self.begin(ANY_LITERAL, false, b),
-                _ => self.begin_number(false, None, b),
+                _ => self.begin_number(false, None, 1, b),
             },
-            Node::Number { integer, bounds } => self.begin_number(integer, bounds, b),
+            Node::Number {
+                integer,
+                bounds,
+                step,
+            } => self.begin_number(integer, bounds, step, b),
             Node::String { min, max } => b == b'"' && self.begin_string(min, max),
             Node::Literals(ref values) => {
                 let (first, last) = narrow(|i| &values[i], 0, values.len(), 0, b);
@@ -963,7 +976,13 @@ impl<S: Stack + Clone> Cursor<'_, S> {
         true
     }
 
-    fn begin_number(&mut self, integer: bool, bounds: Option<(i64, i64)>, b: u8) -> bool {
+    fn begin_number(
+        &mut self,
+        integer: bool,
+        bounds: Option<(i64, i64)>,
+        step: i64,
+        b: u8,
+    ) -> bool {
         let num = match b {
             b'-' => Num::Minus,
             b'0' => Num::Zero,
@@ -972,7 +991,7 @@ impl<S: Stack + Clone> Cursor<'_, S> {
         };
         let bounded = match bounds {
             None => None,
-            Some((lo, hi)) => match Bounded::new(lo, hi, integer).after(num, b) {
+            Some((lo, hi)) => match Bounded::new(lo, hi, step, integer).after(num, b) {
                 None => return false,
                 some => some,
             },
@@ -1628,6 +1647,9 @@ mod tests {
                 && check("exclusiveMinimum", &|v, m| v > m)
                 && check("exclusiveMaximum", &|v, m| v < m)
                 && (document["type"] != "integer" || v.fract() == 0.0)
+                && document["multipleOf"]
+                    .as_f64()
+                    .is_none_or(|m| (v / m).fract() == 0.0)
         };
         let mut ended = 0;
         for _ in 0..walks {
@@ -1673,6 +1695,9 @@ mod tests {
             serde_json::json!({"type": "number", "minimum": 0.1, "exclusiveMaximum": 0.3}),
             serde_json::json!({"type": "number", "minimum": 1e6}),
             serde_json::json!({"type": "number", "maximum": 1e-3}),
+            serde_json::json!({"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 100}),
+            serde_json::json!({"type": "integer", "multipleOf": 7}),
+            serde_json::json!({"type": "number", "multipleOf": 3, "exclusiveMinimum": -10, "maximum": 10}),
         ] {
             let ended = walks_stay_within(document.clone(), 400);
             assert!(ended > 100, "{document}: {ended} of 400 walks ended");
@@ -1715,6 +1740,13 @@ mod tests {
             ("0.5E0", false),
         ] {
             assert_eq!(takes_number(&share, text), within, "{text}");
+        }
+        // Multiples of 5 within [0, 100], as written.
+        let fives = under(serde_json::json!({"type": "integer", "multipleOf": 5,
+                                             "minimum": 0, "maximum": 100}));
+        for n in -20..=120 {
+            let within = (0..=100).contains(&n) && n % 5 == 0;
+            assert_eq!(takes_number(&fives, &n.to_string()), within, "{n}");
         }
         // Within an object: the bound holds where the property's value is.
         let point = under(serde_json::json!({

@@ -11,9 +11,9 @@
 //! out; no others are generated), `additionalProperties` as the value
 //! schema of an object without `properties` (a map), `items`, `minItems`,
 //! `maxItems`, `minLength`, `maxLength`, `minimum`, `maximum`,
-//! `exclusiveMinimum`, `exclusiveMaximum` (a bounded number is written
-//! without an exponent, in whole units of [`unit_digits`]; see
-//! [`BOUNDED_UNITS_MAX`]), `enum`, `const`, `anyOf` and
+//! `exclusiveMinimum`, `exclusiveMaximum`, a whole `multipleOf` (a bounded
+//! number is written without an exponent, in whole units of
+//! [`unit_digits`]; see [`BOUNDED_UNITS_MAX`]), `enum`, `const`, `anyOf` and
 //! `oneOf` (`Optional[X]`; an `anyOf`'s alternatives that begin alike, as
 //! `Union[A, B]` of two models, are read side by side until the output
 //! tells them apart; a `oneOf`'s must begin differently, so that the output
@@ -91,9 +91,12 @@ pub(super) enum Node {
     /// least and greatest value in units of [`unit`]`(integer)` (a bounded
     /// number is written with no exponent and at most
     /// [`BOUNDED_FRACTION_DIGITS`] fraction digits).
+    /// `step`: every value is a multiple of it, in units (`multipleOf`;
+    /// 1 without it).
     Number {
         integer: bool,
         bounds: Option<(i64, i64)>,
+        step: i64,
     },
     /// A string of `min` to `max` characters.
     String { min: u32, max: u32 },
@@ -428,6 +431,7 @@ const KEYWORDS: &[&str] = &[
     "maximum",
     "exclusiveMinimum",
     "exclusiveMaximum",
+    "multipleOf",
     "enum",
     "const",
     "anyOf",
@@ -448,7 +452,31 @@ const TYPED_KEYWORDS: &[&str] = &[
     "maximum",
     "exclusiveMinimum",
     "exclusiveMaximum",
+    "multipleOf",
 ];
+
+/// `s`'s `multipleOf`, in units of [`unit_digits`]`(integer)`: a whole
+/// number (a fractional one is refused: validators disagree on them, as
+/// Python's jsonschema finds 0.9 no multiple of 0.3).
+fn multiple_of(
+    s: &serde_json::Map<String, Value>,
+    integer: bool,
+    at: &str,
+) -> Result<Option<i64>, SchemaError> {
+    let Some(m) = s.get("multipleOf") else {
+        return Ok(None);
+    };
+    let units = 10i64.pow(unit_digits(integer));
+    match m.as_f64() {
+        Some(m) if m >= 1.0 && m.fract() == 0.0 && m * (units as f64) <= BOUNDED_UNITS_MAX as f64 => {
+            Ok(Some(m as i64 * units))
+        }
+        _ => Err(error(
+            at,
+            "multipleOf must be a whole number from 1 (a fractional one is not supported by this server)",
+        )),
+    }
+}
 
 /// The least and greatest value, in units of [`unit_digits`]`(integer)`,
 /// that `s`'s `minimum`, `maximum`, `exclusiveMinimum` and
@@ -595,6 +623,7 @@ fn kept_beside(
             && number(v, "maximum", |v, b| v <= b)
             && number(v, "exclusiveMinimum", |v, b| v > b)
             && number(v, "exclusiveMaximum", |v, b| v < b)
+            && number(v, "multipleOf", |v, b| (v / b).fract() == 0.0)
     };
     let kept: Vec<Value> = values.iter().filter(|v| accepts(v)).cloned().collect();
     if kept.is_empty() {
@@ -786,9 +815,24 @@ impl Compiler<'_> {
             "boolean" => return self.literals(&[Value::Bool(false), Value::Bool(true)], at),
             "number" | "integer" => {
                 let integer = t == "integer";
+                let step = multiple_of(s, integer, at)?;
+                let bounds = match (number_bounds(s, integer, at)?, step) {
+                    (None, None) => None,
+                    (bounds, _) => Some(bounds.unwrap_or((-BOUNDED_UNITS_MAX, BOUNDED_UNITS_MAX))),
+                };
+                let step = step.unwrap_or(1);
+                if let Some((lo, hi)) = bounds {
+                    // The least multiple of the step from `lo`.
+                    let first = lo.div_euclid(step) * step;
+                    let first = if first < lo { first + step } else { first };
+                    if first > hi {
+                        return Err(error(at, "no multiple of multipleOf is within the bounds"));
+                    }
+                }
                 Node::Number {
                     integer,
-                    bounds: number_bounds(s, integer, at)?,
+                    bounds,
+                    step,
                 }
             }
             "string" => {
@@ -993,6 +1037,10 @@ mod tests {
             ),
             (json!({"enum": [[1], [1, 2]], "maxItems": 1}), vec!["[1]"]),
             (json!({"const": "a", "enum": ["a", "b"]}), vec!["\"a\""]),
+            (
+                json!({"enum": [3, 4, 6.0], "multipleOf": 3}),
+                vec!["3", "6.0"],
+            ),
         ] {
             assert_eq!(values(document.clone()), kept, "{document}");
         }
@@ -1077,9 +1125,22 @@ mod tests {
         for (document, says) in [
             (json!({"type": "string", "pattern": "^a"}), "\"pattern\""),
             (
-                json!({"type": "integer", "multipleOf": 2}),
-                "\"multipleOf\"",
+                json!({"type": "number", "multipleOf": 0.5}),
+                "multipleOf must be a whole number",
             ),
+            (
+                json!({"type": "integer", "multipleOf": 0}),
+                "multipleOf must",
+            ),
+            (
+                json!({"type": "integer", "multipleOf": "2"}),
+                "multipleOf must",
+            ),
+            (
+                json!({"type": "integer", "multipleOf": 10, "minimum": 1, "maximum": 9}),
+                "no multiple",
+            ),
+            (json!({"multipleOf": 2}), "multipleOf without a type"),
             // An enum or const none of whose values the rest accepts.
             (
                 json!({"type": "string", "enum": [1, 2]}),
