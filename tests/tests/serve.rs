@@ -609,26 +609,7 @@ fn n_choices_are_seeded_apart_streamed_by_index_and_summed_in_usage() {
     assert!(texts.len() > 1, "three seeds, one text: {three}");
     // The log names the other choices' ids under the request's.
     let id = three["id"].as_str().unwrap().strip_prefix("cmpl-").unwrap();
-    let listed = server
-        .stderr_lines()
-        .into_iter()
-        .find(|l| l.contains(&format!("\"request_id\":{id}")) && l.contains("choice_ids"))
-        .expect("a choices line");
-    let line: Value = serde_json::from_str(&listed).unwrap();
-    let others: Vec<u64> =
-        serde_json::from_str(line["fields"]["choice_ids"].as_str().unwrap()).unwrap();
-    assert_eq!(others.len(), 2, "{listed}");
-    // Each finished under its own id.
-    let lines = server.stderr_lines();
-    for other in others {
-        let id = format!("\"request_id\":{other}");
-        assert!(
-            lines
-                .iter()
-                .any(|l| l.contains(&id) && l.contains("request finished")),
-            "{other}"
-        );
-    }
+    assert_eq!(other_sequences_finished(&server, id), 2);
     // The prompt once, every choice's tokens.
     let generated: u64 = alone
         .iter()
@@ -712,6 +693,36 @@ fn n_choices_are_seeded_apart_streamed_by_index_and_summed_in_usage() {
     body["n"] = json!(1);
     let r = server.post_json("/v1/chat/completions", Some(KEY_GAMMA), &body);
     assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// How many other sequences the log's `choices` line of request `id` names,
+/// each of which the log shows finished under its own id.
+fn other_sequences_finished(server: &Server, id: &str) -> usize {
+    let lines = server.stderr_lines();
+    let listed = lines
+        .iter()
+        .find(|l| l.contains(&format!("\"request_id\":{id}")) && l.contains("choice_ids"))
+        .expect("a choices line");
+    let line: Value = serde_json::from_str(listed).unwrap();
+    let others: Vec<u64> =
+        serde_json::from_str(line["fields"]["choice_ids"].as_str().unwrap()).unwrap();
+    for other in &others {
+        let id = format!("\"request_id\":{other}");
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains(&id) && l.contains("request finished")),
+            "{other}"
+        );
+    }
+    others.len()
+}
+
+/// Alpha's completion of `body`, answered 200.
+fn completion_ok(server: &Server, body: &Value) -> Value {
+    let r = server.post_json("/v1/completions", Some(KEY_ALPHA), body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()
 }
 
 /// The chunks of alpha's streamed chat completion, up to `[DONE]`.
@@ -837,11 +848,7 @@ fn logprobs_follow_openais_shapes_streamed_or_not_and_are_the_models_own() {
 fn echo_scores_a_prompt_as_the_model_would_generate_it() {
     let Some(model) = smollm2() else { return };
     let server = start(&model, &Policy::default());
-    let post = |body: &Value| {
-        let r = server.post_json("/v1/completions", Some(KEY_ALPHA), body);
-        assert_eq!(r.status, 200, "{}", r.body);
-        r.json()
-    };
+    let post = |body: &Value| completion_ok(&server, body);
     // The greedy continuation of a context, and its log probability.
     let context = "The capital of France is";
     let v = post(
@@ -975,11 +982,7 @@ fn echo_scores_a_prompt_as_the_model_would_generate_it() {
 fn a_batch_of_prompts_answers_each_prompts_choices_as_alone_in_order() {
     let Some(model) = smollm2() else { return };
     let server = start(&model, &Policy::default());
-    let post = |body: &Value| {
-        let r = server.post_json("/v1/completions", Some(KEY_ALPHA), body);
-        assert_eq!(r.status, 200, "{}", r.body);
-        r.json()
-    };
+    let post = |body: &Value| completion_ok(&server, body);
     let prompts = ["Once upon a time", "The capital of France is", "1, 2, 3,"];
     let body = |prompt: Value, n: u32, seed: u64| {
         json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": 8,
@@ -1015,24 +1018,7 @@ fn a_batch_of_prompts_answers_each_prompts_choices_as_alone_in_order() {
     assert_eq!(batch["usage"]["completion_tokens"], completion_tokens);
     // Every sequence finished under its own id, the log naming the others.
     let id = batch["id"].as_str().unwrap().strip_prefix("cmpl-").unwrap();
-    let lines = server.stderr_lines();
-    let listed = lines
-        .iter()
-        .find(|l| l.contains(&format!("\"request_id\":{id}")) && l.contains("choice_ids"))
-        .expect("a choices line");
-    let line: Value = serde_json::from_str(listed).unwrap();
-    let others: Vec<u64> =
-        serde_json::from_str(line["fields"]["choice_ids"].as_str().unwrap()).unwrap();
-    assert_eq!(others.len(), 5, "{listed}");
-    for other in others {
-        let id = format!("\"request_id\":{other}");
-        assert!(
-            lines
-                .iter()
-                .any(|l| l.contains(&id) && l.contains("request finished")),
-            "{other}"
-        );
-    }
+    assert_eq!(other_sequences_finished(&server, id), 5);
 
     // Streamed: each chunk carries its sequence's index; the texts are the
     // whole answer's; one usage chunk, then [DONE].
