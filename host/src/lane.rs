@@ -1,11 +1,12 @@
 //! Lanes: fixed sets of threads that run CPU work for tenants, tenants in turn.
 //!
-//! Work a tenant causes before any queue limit applies — tokenizing its
+//! Work a tenant causes before any queue limit applies — parsing its
+//! requests (their JSON, their schemas and patterns), tokenizing its
 //! prompts, running its plugins, telling its plugins how requests ended —
 //! costs CPU that is the engine's too on a CPU host. So it does not run on an
 //! unbounded blocking pool, one thread per request: a lane's threads take jobs
 //! from per-tenant queues, tenants in turn. The server has two lanes: the
-//! request lane (tokenization, `route`, `admit`) and the completion lane
+//! request lane (parsing, tokenization, `route`, `admit`) and the completion lane
 //! (`on-complete`).
 //!
 //! 1. [`Lane::run`] queues a job under its tenant and awaits its result;

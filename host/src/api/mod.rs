@@ -9,7 +9,10 @@
 //!    per tenant, so one tenant cannot take the CPU or the engine's inbox from
 //!    another before its queue limits apply.
 //! 2. **Read** the body under `server.body_bytes_max` (413) and a read deadline.
-//! 3. **Parse** and validate the OpenAI parameters ([`openai`]); resolve the model
+//! 3. **Parse** and validate the OpenAI parameters ([`openai`]) in the
+//!    tenant's turn on the request [`lane`] (a body's JSON and its schemas'
+//!    patterns are CPU work a tenant causes, tens of milliseconds at their
+//!    bounds); resolve the model
 //!    in the catalog among those the tenant may use (404 `model_not_found` for
 //!    one it may not use, exactly as for one that does not exist); refuse a
 //!    prompt whose byte count alone proves it too long (400
@@ -689,23 +692,9 @@ async fn run(
         return Err(ApiError::Unavailable);
     }
     let bytes = read_body(body, headers, app.serving.body_bytes_max).await?;
-    let (common, mut sources, calls, echo) = match endpoint {
-        Endpoint::Chat => {
-            let r = ChatRequest::parse(&bytes)?;
-            (
-                r.common,
-                vec![Source::Chat(r.messages, r.tools)],
-                r.calls,
-                false,
-            )
-        }
-        Endpoint::Completions => {
-            let r = CompletionRequest::parse(&bytes)?;
-            let sources = r.prompts.into_iter().map(Source::Completion).collect();
-            (r.common, sources, None, r.echo)
-        }
-    };
-    drop(bytes);
+    let (common, mut sources, calls, echo) = parse_on_lane(app, tenant, &pending, bytes, endpoint)
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))??;
     let Some(mut model) = app.served(tenant, &common.model) else {
         return Err(ApiError::ModelNotFound(common.model));
     };
@@ -1093,6 +1082,40 @@ where
     })
     .await?;
     Ok(done.into_iter().flatten().collect())
+}
+
+/// A request's parameters, its prompts' sources, its tool calls' form and
+/// whether it echoes.
+type Parsed = (Common, Vec<Source>, Option<tools::CallsOut>, bool);
+
+/// Parses `bytes` as `endpoint`'s request in the tenant's turn on the lane
+/// (holding the request's permit until the job is done, as tokenizing does).
+async fn parse_on_lane(
+    app: &Arc<App>,
+    tenant: &Tenant,
+    pending: &Arc<OwnedSemaphorePermit>,
+    bytes: Bytes,
+    endpoint: Endpoint,
+) -> Result<Result<Parsed, ApiError>, crate::lane::LaneStopped> {
+    let pending = Arc::clone(pending);
+    app.serving
+        .lane
+        .run(tenant.id, move |_| {
+            let _pending = pending;
+            Ok(match endpoint {
+                Endpoint::Chat => {
+                    let r = ChatRequest::parse(&bytes)?;
+                    let sources = vec![Source::Chat(r.messages, r.tools)];
+                    (r.common, sources, r.calls, false)
+                }
+                Endpoint::Completions => {
+                    let r = CompletionRequest::parse(&bytes)?;
+                    let sources = r.prompts.into_iter().map(Source::Completion).collect();
+                    (r.common, sources, None, r.echo)
+                }
+            })
+        })
+        .await
 }
 
 /// The prompt's tokens for `model`, tokenized in the tenant's turn on the
