@@ -6,6 +6,7 @@ oversized prompt. Usage: openai_client_check.py BASE_URL API_KEY MODEL_ID
 
 Exit 0 and "ok" on success; exit 3 if the `openai` package is missing."""
 
+import re
 import sys
 from typing import List, Literal, Optional, Union
 
@@ -25,6 +26,7 @@ class Cat(BaseModel):
     name: str = Field(max_length=20)
     age: int = Field(ge=0, le=30)
     weight_kg: float = Field(gt=0, le=12.5)
+    chip: str = Field(pattern=r"^[A-Z]{2}-\d{4}$")
     color: Literal["black", "white", "orange", "grey"]
     toys: List[str] = Field(max_length=3)
     owner: Optional[Owner]
@@ -193,6 +195,18 @@ def main() -> None:
         extra_body={"structured_outputs": {"choice": ["positive", "negative"]}},
     )
     assert label.choices[0].message.content in ("positive", "negative"), label
+    # vLLM's regex, through extra_body: the whole answer matches it.
+    phone = client.completions.create(
+        model=model,
+        prompt="Call us today at",
+        max_tokens=24,
+        temperature=1,
+        seed=5,
+        extra_body={"structured_outputs": {"regex": r" \(\d{3}\) \d{3}-\d{4}"}},
+    )
+    text = phone.choices[0].text
+    assert re.fullmatch(r" \(\d{3}\) \d{3}-\d{4}", text, re.ASCII), text
+    assert phone.choices[0].finish_reason == "stop", phone
 
     # Tools: a pydantic model as a strict function tool; the client parses
     # each call's arguments back into the model, whole and streamed.

@@ -398,8 +398,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
         ..SamplingParams::default()
     };
     // What the OpenAI client sends for a pydantic model (structured output).
-    let cat = Arc::new(
-        Schema::compile(&serde_json::json!({
+    let cat_document = serde_json::json!({
             "$defs": {"Owner": {"properties": {"name": {"type": "string", "maxLength": 12}},
                                 "required": ["name"], "type": "object"}},
             "properties": {
@@ -410,9 +409,45 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
                 "owner": {"anyOf": [{"$ref": "#/$defs/Owner"}, {"type": "null"}]}
             },
             "required": ["name", "age", "color", "toys", "owner"], "type": "object"
-        }))
-        .expect("the benchmark's schema compiles"),
-    );
+    });
+    let cat = Arc::new(Schema::compile(&cat_document).expect("the benchmark's schema compiles"));
+    // The same model with a string pattern (pydantic's `pattern`): a
+    // microchip's code and an e-mail address.
+    let patterned_document = {
+        let mut document = cat_document.clone();
+        document["properties"]["chip"] =
+            serde_json::json!({"type": "string", "pattern": "^[A-Z]{2}-\\d{4}$"});
+        document["properties"]["email"] = serde_json::json!(
+            {"type": "string", "pattern": "^[\\w.+-]+@[\\w-]+\\.[a-z]{2,}$", "maxLength": 40}
+        );
+        document
+    };
+    let patterned =
+        Arc::new(Schema::compile(&patterned_document).expect("the benchmark's schema compiles"));
+    // Patterns are compiled as their request is read: what the model's cost,
+    // and the most a schema's may (automata up to the bound, all together:
+    // many patterns of 2^10-state DFAs, or one that would need 2^17 states).
+    let many_dfas = serde_json::json!({"type": "object", "properties":
+        (0..64).map(|i| (format!("p{i}"), serde_json::json!(
+            {"type": "string", "pattern": "(a|b)*a(a|b){9}$"}
+        ))).collect::<serde_json::Map<_, _>>()});
+    let one_dfa = serde_json::json!({"type": "string", "pattern": "(a|b)*a(a|b){16}$"});
+    for (name, document) in [
+        ("a pydantic model with 2 patterns", &patterned_document),
+        ("hostile: 64 patterns of 2^10-state DFAs", &many_dfas),
+        ("hostile: a pattern of a 2^17-state DFA", &one_dfa),
+    ] {
+        let started = Instant::now();
+        let compiled = Schema::compile(document);
+        println!(
+            "compiling {name:<55} {:>8.2} ms ({})",
+            started.elapsed().as_secs_f64() * 1e3,
+            match compiled {
+                Ok(_) => "compiled".to_string(),
+                Err(e) => format!("refused: {}", e.message),
+            }
+        );
+    }
     // A hostile schema: sixteen alternatives alike all the way (arrays of
     // integers told apart only by maxItems), so that every token is read
     // sixteen ways.
@@ -509,6 +544,13 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             "JSON schema (a pydantic model), temperature 1",
             SamplingParams {
                 json: Some(Arc::clone(&cat)),
+                ..sampled(1.0)
+            },
+        ),
+        (
+            "JSON schema with 2 patterns (a pydantic model), temperature 1",
+            SamplingParams {
+                json: Some(Arc::clone(&patterned)),
                 ..sampled(1.0)
             },
         ),

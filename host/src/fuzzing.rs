@@ -191,6 +191,7 @@ fn constrain(body: &mut Value, common: &Common) {
                 json!({"type": "json_schema", "json_schema": {"name": "s", "schema": document}})
         }
         Source::Choice(choices) => body["structured_outputs"] = json!({ "choice": choices }),
+        Source::Regex(regex) => body["structured_outputs"] = json!({ "regex": regex }),
     }
 }
 

@@ -597,18 +597,28 @@ fn a_flooding_tenant_cannot_503_or_starve_another() {
     let flood_for = Duration::from_secs(6);
     let started = Instant::now();
     // Beta: 8 clients sending as fast as they are answered (on this machine the
-    // clients' own CPU is the server's too), small requests and prompts that
-    // will be refused for their length.
+    // clients' own CPU is the server's too), small requests, prompts that
+    // will be refused for their length, and schemas whose patterns cost the
+    // most to compile (refused at the bound on their automata).
+    let costly = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": (0..64)
+            .map(|i| (format!("p{i}"), json!({"type": "string", "pattern": "(a|b)*a(a|b){9}$"})))
+            .collect::<serde_json::Map<_, _>>()}}});
     let flood: Vec<_> = (0..8)
         .map(|i| {
             let server = std::sync::Arc::clone(&server);
+            let costly = costly.clone();
             std::thread::spawn(move || {
                 let mut statuses = Vec::new();
                 while started.elapsed() < flood_for {
-                    let body = if i % 3 == 0 {
-                        chat_body(&"hello ".repeat(3000), 4)
-                    } else {
-                        chat_body("Write a short poem.", 8)
+                    let body = match i % 4 {
+                        0 => chat_body(&"hello ".repeat(3000), 4),
+                        1 => {
+                            let mut body = chat_body("Write a short poem.", 8);
+                            body["response_format"] = costly.clone();
+                            body
+                        }
+                        _ => chat_body("Write a short poem.", 8),
                     };
                     statuses.push(
                         server

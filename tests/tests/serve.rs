@@ -1310,7 +1310,7 @@ fn tools_required_or_named_answer_with_calls_of_their_schemas_whole_and_streamed
         &server,
         &json!({"tool_choice": "required", "tools": [{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object",
-                "properties": {"n": {"type": "string", "pattern": "^a"}}}}}]}),
+                "properties": {"n": {"type": "array", "uniqueItems": true}}}}}]}),
         "tools[0].function.parameters",
     );
 }
@@ -1320,8 +1320,9 @@ fn structured_output_answers_an_instance_of_the_schema_or_one_of_the_choices() {
     let Some(model) = smollm2() else { return };
     let server = start(&model, &Policy::default());
     // What pydantic and the OpenAI client send for a model with an enum, a
-    // bounded list, a nested optional model (a $ref), and an integer and a
-    // number with bounds (pydantic's ge, le, gt).
+    // bounded list, a nested optional model (a $ref), an integer and a
+    // number with bounds (pydantic's ge, le, gt), and a string with a
+    // pattern.
     let schema = json!({
         "$defs": {"Owner": {"properties": {"name": {"type": "string", "maxLength": 12}},
                             "required": ["name"], "type": "object", "additionalProperties": false}},
@@ -1329,11 +1330,12 @@ fn structured_output_answers_an_instance_of_the_schema_or_one_of_the_choices() {
             "name": {"type": "string", "maxLength": 20},
             "age": {"type": "integer", "minimum": 0, "maximum": 30},
             "weight_kg": {"type": "number", "exclusiveMinimum": 0, "maximum": 12.5},
+            "chip": {"type": "string", "pattern": "^[A-Z]{2}-\\d{4}$"},
             "color": {"enum": ["black", "white", "orange", "grey"], "type": "string"},
             "toys": {"items": {"type": "string", "maxLength": 16}, "maxItems": 3, "type": "array"},
             "owner": {"anyOf": [{"$ref": "#/$defs/Owner"}, {"type": "null"}]}
         },
-        "required": ["name", "age", "weight_kg", "color", "toys", "owner"],
+        "required": ["name", "age", "weight_kg", "chip", "color", "toys", "owner"],
         "title": "Cat", "type": "object", "additionalProperties": false
     });
     let format = json!({"type": "json_schema",
@@ -1362,7 +1364,7 @@ fn structured_output_answers_an_instance_of_the_schema_or_one_of_the_choices() {
             .collect();
         assert_eq!(
             keys,
-            ["name", "age", "weight_kg", "color", "toys", "owner"],
+            ["name", "age", "weight_kg", "chip", "color", "toys", "owner"],
             "{text}"
         );
         assert!(
@@ -1379,6 +1381,14 @@ fn structured_output_answers_an_instance_of_the_schema_or_one_of_the_choices() {
             cat["weight_kg"]
                 .as_f64()
                 .is_some_and(|w| w > 0.0 && w <= 12.5),
+            "{text}"
+        );
+        let chip = cat["chip"].as_str().unwrap_or("").as_bytes();
+        assert!(
+            chip.len() == 7
+                && chip[..2].iter().all(u8::is_ascii_uppercase)
+                && chip[2] == b'-'
+                && chip[3..].iter().all(u8::is_ascii_digit),
             "{text}"
         );
         assert!(
@@ -1409,8 +1419,12 @@ fn structured_output_answers_an_instance_of_the_schema_or_one_of_the_choices() {
     // runs, naming the keyword; so is one that refers outside itself.
     for (document, says) in [
         (
-            json!({"type": "string", "pattern": "^[a-z]+$"}),
-            "\"pattern\"",
+            json!({"type": "array", "uniqueItems": true}),
+            "\"uniqueItems\"",
+        ),
+        (
+            json!({"type": "string", "pattern": "^(?!x)"}),
+            "look-around",
         ),
         (
             json!({"$ref": "https://example.com/cat.json"}),
@@ -1447,7 +1461,57 @@ fn structured_output_answers_an_instance_of_the_schema_or_one_of_the_choices() {
     assert_eq!(r.status, 200, "{}", r.body);
     let text = r.json()["choices"][0]["text"].as_str().unwrap().to_string();
     assert!(labels.contains(&text.as_str()), "{text:?}");
-    // A top-level enum ends with its value (on the completions endpoint too).    // A top-level enum ends with its value (on the completions endpoint too).
+    // vLLM's regex: a text it matches whole, as written (and its older
+    // guided_regex); it ends where nothing may follow.
+    let r = server.post_json(
+        "/v1/completions",
+        Some(KEY_ALPHA),
+        &json!({"model": MODEL_ID, "prompt": "Call us today at", "max_tokens": 24,
+                "temperature": 1, "seed": 5,
+                "structured_outputs": {"regex": " \\(\\d{3}\\) \\d{3}-\\d{4}"}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let phone = v["choices"][0]["text"].as_str().unwrap().as_bytes();
+    let digits = |b: &[u8]| b.iter().all(u8::is_ascii_digit);
+    assert!(
+        phone.len() == 15
+            && phone[..2] == *b" ("
+            && digits(&phone[2..5])
+            && phone[5..7] == *b") "
+            && digits(&phone[7..10])
+            && phone[10] == b'-'
+            && digits(&phone[11..]),
+        "{:?}",
+        String::from_utf8_lossy(phone)
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let mut body = chat_body("Is the sky blue? Say yes or no, then why.", 24);
+    body["temperature"] = json!(0);
+    body["guided_regex"] = json!("(Yes|No)[,.] [a-z ]{1,30}");
+    let r = server.post_json("/v1/chat/completions", Some(KEY_ALPHA), &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let rest = answer
+        .strip_prefix("Yes")
+        .or_else(|| answer.strip_prefix("No"))
+        .unwrap_or_else(|| panic!("{answer:?}"));
+    assert!(
+        (rest.starts_with(", ") || rest.starts_with(". "))
+            && (3..=32).contains(&rest.len())
+            && rest[2..]
+                .bytes()
+                .all(|b| b == b' ' || b.is_ascii_lowercase()),
+        "{answer:?}"
+    );
+    // A regex no text of printable ASCII matches is refused, naming it.
+    chat_refused(
+        &server,
+        &json!({"guided_regex": "[^\\x00-\\x7F]+"}),
+        "guided_regex",
+    );
+    // A top-level enum ends with its value (on the completions endpoint too).
     let r = server.post_json(
         "/v1/completions",
         Some(KEY_ALPHA),

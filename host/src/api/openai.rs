@@ -408,8 +408,9 @@ fn response_format(f: &mut Fields) -> Result<Option<Schema>, ApiError> {
 
 /// The output's constraint: `response_format` (OpenAI's), or vLLM's
 /// `structured_outputs` (`json`: a schema, `choice`: one of these texts,
-/// `json_object: true`; the `guided_json` and `guided_choice` fields that
-/// vLLM took before 0.12 mean the same), at most one of them. Each ends the
+/// `regex`: a text it matches whole, `json_object: true`; the
+/// `guided_json`, `guided_choice` and `guided_regex` fields that vLLM took
+/// before 0.12 mean the same), at most one of them. Each ends the
 /// output once its value is complete, which `min_tokens` would forbid: the
 /// two together are refused.
 fn constraint(f: &mut Fields, sampling: &SamplingParams) -> Result<Option<Arc<Schema>>, ApiError> {
@@ -426,12 +427,13 @@ fn constraint(f: &mut Fields, sampling: &SamplingParams) -> Result<Option<Arc<Sc
             let schema = match key.as_str() {
                 "json" => json_of(PARAM, value)?,
                 "choice" => choice_of(PARAM, value)?,
+                "regex" => regex_of(PARAM, value)?,
                 "json_object" if value == &Value::Bool(true) => Schema::object(),
                 _ => {
                     return Err(unsupported(
                         PARAM,
                         &format!(
-                            "{key:?} is not supported by this server (json, choice and json_object are)"
+                            "{key:?} is not supported by this server (json, choice, regex and json_object are)"
                         ),
                     ))
                 }
@@ -445,20 +447,23 @@ fn constraint(f: &mut Fields, sampling: &SamplingParams) -> Result<Option<Arc<Sc
     if let Some(value) = f.take::<Value>("guided_choice")? {
         found.push(("guided_choice", choice_of("guided_choice", &value)?));
     }
+    if let Some(value) = f.take::<Value>("guided_regex")? {
+        found.push(("guided_regex", regex_of("guided_regex", &value)?));
+    }
     let schema = match found.len() {
         0 => return Ok(None),
         1 => found.pop().expect("one").1,
         _ => {
             return Err(invalid(
                 found[1].0,
-                "only one constraint on the output may be given (response_format, or one of structured_outputs' json, choice and json_object)",
+                "only one constraint on the output may be given (response_format, or one of structured_outputs' json, choice, regex and json_object)",
             ))
         }
     };
     if sampling.min_tokens > 0 {
         return Err(unsupported(
             "min_tokens",
-            "cannot be combined with a constrained output (JSON mode, a schema or a choice ends the output when its value is complete)",
+            "cannot be combined with a constrained output (JSON mode, a schema, a choice or a regex ends the output when its value is complete)",
         ));
     }
     Ok(Some(Arc::new(schema)))
@@ -486,6 +491,14 @@ fn choice_of(param: &str, value: &Value) -> Result<Schema, ApiError> {
     let choices: Vec<String> = serde_json::from_value(value.clone())
         .map_err(|_| invalid(param, "choice must be an array of strings"))?;
     Schema::choice(&choices).map_err(|e| invalid(param, e.message))
+}
+
+/// vLLM's `regex`: a regular expression the output matches whole.
+fn regex_of(param: &str, value: &Value) -> Result<Schema, ApiError> {
+    let regex = value
+        .as_str()
+        .ok_or_else(|| invalid(param, "regex must be a string"))?;
+    Schema::regex(regex).map_err(|e| invalid(param, format!("regex: {}", e.message)))
 }
 
 /// A count of alternatives, 0 to [`TOP_LOGPROBS_MAX`].
@@ -1502,7 +1515,7 @@ mod tests {
                 "response_format",
             ),
             (
-                r#""response_format":{"type":"json_schema","json_schema":{"name":"a","schema":{"type":"string","pattern":"x"}}}"#,
+                r#""response_format":{"type":"json_schema","json_schema":{"name":"a","schema":{"type":"array","uniqueItems":true}}}"#,
                 "response_format",
             ),
             (
@@ -1726,7 +1739,7 @@ mod tests {
                 "structured_outputs",
             ),
             (
-                r#","structured_outputs":{"regex":"a+"}"#,
+                r#","structured_outputs":{"grammar":"root ::= x"}"#,
                 "structured_outputs",
             ),
             (
@@ -1747,10 +1760,15 @@ mod tests {
             ),
             (r#","structured_outputs":"json""#, "structured_outputs"),
             (
-                r#","guided_json":{"type":"string","pattern":"a"}"#,
+                r#","guided_json":{"type":"string","pattern":"(?=a)"}"#,
                 "guided_json",
             ),
-            (r#","guided_regex":"a+""#, "guided_regex"),
+            (r#","guided_regex":"(a""#, "guided_regex"),
+            (r#","guided_regex":7"#, "guided_regex"),
+            (
+                r#","structured_outputs":{"regex":"[^\\x00-\\x7f]"}"#,
+                "structured_outputs",
+            ),
             (r#","min_tokens":2,"guided_choice":["a"]"#, "min_tokens"),
         ] {
             let refused = chat(&format!("{{{base}{extra}}}")).unwrap_err();

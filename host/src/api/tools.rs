@@ -40,6 +40,7 @@ use super::error::ApiError;
 use super::openai::{invalid, unsupported};
 use crate::engine::chat::Tool;
 use crate::engine::json::READINGS_MAX;
+use crate::engine::pattern::AUTOMATA_BYTES_MAX;
 use crate::engine::schema::Schema;
 use serde_json::{json, Map, Value};
 
@@ -234,8 +235,12 @@ pub fn constraint_of(
     tools: &[Tool],
     parallel: bool,
 ) -> Result<Option<(Schema, CallsOut)>, ApiError> {
-    let compile = |document: &Value, param: &str| {
-        Schema::compile(document).map_err(|e| invalid(param, format!("the parameters: {e}")))
+    // The tools' patterns (compiled alone, then together) share one
+    // budget of automata: a request's tools cost at most twice a schema's.
+    let mut budget = AUTOMATA_BYTES_MAX;
+    let mut compile = |document: &Value, param: &str| {
+        Schema::compile_within(document, &mut budget)
+            .map_err(|e| invalid(param, format!("the parameters: {e}")))
     };
     match choice {
         ToolChoice::None | ToolChoice::Auto => Ok(None),
@@ -790,6 +795,27 @@ mod tests {
     }
 
     #[test]
+    fn a_requests_tools_share_one_budget_of_pattern_automata() {
+        // Each tool's patterns fit the budget alone; sixteen tools' do not.
+        let costly = json!({"type": "object", "properties":
+            (0..2).map(|i| (format!("p{i}"), json!({"type": "string", "pattern": "(a|b)*a(a|b){8}$"})))
+                .collect::<Map<_, _>>()});
+        assert!(Schema::compile(&costly).is_ok());
+        let tools: Vec<Tool> = (0..16)
+            .map(|i| tool(&format!("t{i}"), costly.clone()))
+            .collect();
+        match constraint_of(&ToolChoice::Required, &tools, true).unwrap_err() {
+            ApiError::InvalidValue { param, message } => {
+                assert!(param.starts_with("tools[") && param != "tools[0].function.parameters");
+                assert!(message.contains("in all"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // A few such tools pass, alone and together.
+        assert!(constraint_of(&ToolChoice::Required, &tools[..2], true).is_ok());
+    }
+
+    #[test]
     fn required_calls_are_a_list_of_named_arguments_each_of_its_tools_schema() {
         // A tool whose parameters refer into themselves (pydantic's $defs).
         let point = json!({
@@ -835,7 +861,7 @@ mod tests {
             tool("a", weather()),
             tool(
                 "b",
-                json!({"type": "object", "properties": {"n": {"type": "string", "pattern": "^a"}}}),
+                json!({"type": "object", "properties": {"n": {"type": "string", "pattern": "^(?!a)"}}}),
             ),
         ];
         match constraint_of(&ToolChoice::Required, &loose, true).unwrap_err() {

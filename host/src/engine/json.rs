@@ -20,8 +20,10 @@
 //! go to a small overlay), as the sampler asks it of many candidate tokens
 //! per step.
 
+use super::pattern::PatternState;
 use super::schema::{
-    unit_digits, Node, NodeId, Property, Schema, ANY, ANY_ARRAY, ANY_LITERAL, BOUNDED_UNITS_MAX,
+    unit_digits, Node, NodeId, Property, Schema, Source, ANY, ANY_ARRAY, ANY_LITERAL,
+    BOUNDED_UNITS_MAX,
 };
 use std::sync::Arc;
 
@@ -75,6 +77,15 @@ enum Mode {
         chars: u32,
         min: u32,
         max: u32,
+    },
+    /// In a string of pattern `id` (quotes not included) at `state` of it;
+    /// `escape`: after a `\`. `text`: vLLM's `regex`, written as is (not
+    /// JSON: no quotes, no escapes).
+    Pattern {
+        id: u16,
+        state: PatternState,
+        escape: bool,
+        text: bool,
     },
     /// In a number; `integer`: no fraction, no exponent; `bounded`: its
     /// digits so far, where the schema bounds it.
@@ -365,6 +376,19 @@ impl Json {
                 hi: literals(&schema, root).len() as u16,
                 at: 0,
             }
+        } else if let Source::Regex(_) = schema.source() {
+            // Text a regex matches whole, from the first byte on.
+            let start = schema.pattern(0).start();
+            if schema.pattern(0).is_final(start) {
+                Mode::Done
+            } else {
+                Mode::Pattern {
+                    id: 0,
+                    state: start,
+                    escape: false,
+                    text: true,
+                }
+            }
         } else {
             Mode::Value {
                 node: root,
@@ -400,6 +424,12 @@ impl Json {
             Mode::Literal { node, lo, at, .. } => {
                 literals(&self.schema, node)[usize::from(lo)].len() == at as usize
             }
+            Mode::Pattern {
+                id,
+                state,
+                text: true,
+                ..
+            } => self.schema.pattern(id).accepts_end(state),
             _ => false,
         })
     }
@@ -700,10 +730,13 @@ impl<S: Stack + Clone> Cursor<'_, S> {
         }
         // Whitespace between JSON tokens (not inside strings, names,
         // numbers or literals).
-        let between = !matches!(self.mode, Mode::Str { .. } | Mode::Name { .. });
+        let between = !matches!(
+            self.mode,
+            Mode::Str { .. } | Mode::Name { .. } | Mode::Pattern { .. }
+        );
         if between && is_whitespace(b) {
-            if self.mode == Mode::Done && self.schema.is_choice() {
-                // A choice is its text alone.
+            if self.mode == Mode::Done && self.schema.is_text() {
+                // A choice or a regex's text is the output alone.
                 return false;
             }
             self.whitespace += 1;
@@ -808,10 +841,74 @@ impl<S: Stack + Clone> Cursor<'_, S> {
                     true
                 }
             },
+            Mode::Pattern {
+                id,
+                state,
+                escape,
+                text,
+            } => self.pattern(id, state, escape, text, b),
             // (Stepped above: ended by here.)
             Mode::Number { .. } | Mode::Literal { .. } => false,
             Mode::Done => false,
         }
+    }
+
+    /// Byte `b` in a string of pattern `id`, at `state`: a character only
+    /// where an accepted text goes on with it. In JSON (not `text`), `"`
+    /// and `\` are written escaped (`\"`, `\\`), and so are tab and
+    /// newline (`\t`, `\n`), the only characters of the pattern's text that
+    /// JSON cannot hold as they are; `/` may be (`\/`); no other escape is
+    /// taken (every character of the text has one of these forms).
+    fn pattern(&mut self, id: u16, state: PatternState, escape: bool, text: bool, b: u8) -> bool {
+        let pattern = self.schema.pattern(id);
+        let c = match (text, escape, b) {
+            (true, ..) => b,
+            (false, true, b'"' | b'\\' | b'/') => b,
+            (false, true, b'n') => b'\n',
+            (false, true, b't') => b'\t',
+            (false, true, _) => return false,
+            (false, false, b'"') => {
+                if !pattern.accepts_end(state) {
+                    return false;
+                }
+                self.end_value();
+                return true;
+            }
+            (false, false, b'\\') => {
+                // Only where an escaped character may come.
+                if !b"\"\\/\n\t"
+                    .iter()
+                    .any(|&c| pattern.next(state, c).is_some())
+                {
+                    return false;
+                }
+                self.mode = Mode::Pattern {
+                    id,
+                    state,
+                    escape: true,
+                    text,
+                };
+                return true;
+            }
+            // Tab and newline only escaped; no other control character.
+            (false, false, 0x20..=0x7E) => b,
+            (false, false, _) => return false,
+        };
+        let Some(state) = pattern.next(state, c) else {
+            return false;
+        };
+        self.mode = if text && pattern.is_final(state) {
+            // Nothing may follow: the output is complete.
+            Mode::Done
+        } else {
+            Mode::Pattern {
+                id,
+                state,
+                escape: false,
+                text,
+            }
+        };
+        true
     }
 
     /// In literals `lo..hi` of `node` at `at`: done at once where only a
@@ -907,6 +1004,18 @@ impl<S: Stack + Clone> Cursor<'_, S> {
                 step,
             } => self.begin_number(integer, bounds, step, b),
             Node::String { min, max } => b == b'"' && self.begin_string(min, max),
+            Node::Pattern { id } => {
+                if b != b'"' {
+                    return false;
+                }
+                self.mode = Mode::Pattern {
+                    id,
+                    state: schema.pattern(id).start(),
+                    escape: false,
+                    text: false,
+                };
+                true
+            }
             Node::Literals(ref values) => {
                 let (first, last) = narrow(|i| &values[i], 0, values.len(), 0, b);
                 if first == last {
@@ -1430,6 +1539,129 @@ mod tests {
         }
         assert!(Schema::choice(&[]).is_err());
         assert!(Schema::choice(&["a".into(), String::new()]).is_err());
+    }
+
+    #[test]
+    fn a_pattern_string_is_written_matching_it_and_escaped_as_json() {
+        let json = under(serde_json::json!({
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "pattern": "^[A-Z]{3}-\\d{2}$"},
+                "quoted": {"type": "string", "pattern": "^\"\\\\/\t\n$"},
+                "tag": {"type": "string", "pattern": "x", "maxLength": 3}
+            },
+            "required": ["code"]
+        }));
+        for text in [
+            r#"{"code":"ABC-12"}"#,
+            r#"{"code":"ZZZ-00","tag":"axb"}"#,
+            r#"{"code":"ZZZ-00","tag":"x"}"#,
+            r#"{"code":"ABC-12","quoted":"\"\\/\t\n"}"#,
+            r#"{"code":"ABC-12","quoted":"\"\\\/\t\n"}"#,
+        ] {
+            assert!(takes(&json, text), "refused {text}");
+        }
+        for text in [
+            r#"{"code":"AB-12"}"#,
+            r#"{"code":"ABC-123"}"#,
+            r#"{"code":"abc-12"}"#,
+            r#"{"code":"\u0041BC-12"}"#,
+            r#"{"code":"ABC-12","tag":"axbx"}"#,
+            r#"{"code":"ABC-12","tag":"ab"}"#,
+            "{\"code\":\"ABC-12\",\"quoted\":\"\\\"\\\\/\t\\n\"}",
+        ] {
+            assert!(!takes(&json, text), "took {text}");
+        }
+        // A character is taken only where the pattern goes on with it: the
+        // third letter cannot be a digit, nor the string close early.
+        let mut code = json.clone();
+        assert!(code.push(br#"{"code":"AB"#));
+        assert!(code.accepts(b"C") && !code.accepts(b"1") && !code.accepts(b"\""));
+        assert!(!code.accepts(b"\\"), "no escaped character may come");
+    }
+
+    #[test]
+    fn pattern_strings_are_never_stuck_and_end_matching_as_a_regex_engine_finds() {
+        let document = serde_json::json!({
+            "type": "object",
+            "properties": {
+                "email": {"type": "string", "pattern": "^[\\w.+-]+@[\\w-]+\\.[a-z]{2,}$", "maxLength": 24},
+                "id": {"type": "string", "pattern": "\\d{3}", "minLength": 5, "maxLength": 8},
+                "words": {"type": "string", "pattern": "^\\w+( \\w+)*$"},
+                "free": {"type": "string", "pattern": "\\bk"}
+            },
+            "required": ["email", "id", "words", "free"]
+        });
+        let root = under(document.clone());
+        let regex = |key: &str| {
+            regex_automata::meta::Regex::new(
+                document["properties"][key]["pattern"].as_str().unwrap(),
+            )
+            .unwrap()
+        };
+        let mut rng = bulkhead_kernels::rng::SplitMix64(41);
+        let bytes: Vec<u8> = (0u8..=0x7F).chain([0xC3, 0xE9]).collect();
+        for _ in 0..200 {
+            let mut json = root.clone();
+            let mut text = Vec::new();
+            while !json.is_done() {
+                let next: Vec<u8> = bytes
+                    .iter()
+                    .copied()
+                    .filter(|&b| json.accepts(&[b]))
+                    .collect();
+                assert!(
+                    !next.is_empty(),
+                    "dead end at {}",
+                    String::from_utf8_lossy(&text)
+                );
+                // Closing quotes and the next key come sooner, so that
+                // walks end.
+                let b = *next
+                    .iter()
+                    .find(|&&b| b == b'"' && rng.next_u64().is_multiple_of(3))
+                    .unwrap_or(&next[(rng.next_u64() % next.len() as u64) as usize]);
+                assert!(json.push(&[b]));
+                text.push(b);
+                assert!(text.len() < 16384, "{}", String::from_utf8_lossy(&text));
+            }
+            let value: serde_json::Value = serde_json::from_slice(&text).unwrap();
+            for key in ["email", "id", "words", "free"] {
+                let field = value[key].as_str().unwrap();
+                assert!(regex(key).is_match(field), "{key}: {field:?}");
+                let chars = field.chars().count() as u64;
+                let property = &document["properties"][key];
+                assert!(
+                    property["minLength"].as_u64().is_none_or(|m| chars >= m),
+                    "{field:?}"
+                );
+                assert!(
+                    property["maxLength"].as_u64().is_none_or(|m| chars <= m),
+                    "{field:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_regex_is_its_text_as_written_and_ends_when_nothing_can_follow() {
+        let json = Json::new(Arc::new(Schema::regex("\\d{3}-[a-z]+").unwrap()));
+        let mut taken = json.clone();
+        assert!(taken.push(b"123-a") && taken.may_end() && !taken.is_done());
+        assert!(taken.accepts(b"bc") && !taken.accepts(b"1") && !taken.accepts(b"\""));
+        // Not JSON, matched whole: no quotes, no space before, nothing after.
+        for text in ["\"123-a\"", " 123-a", "12-a", "123-", "123-a "] {
+            let mut taken = json.clone();
+            assert!(
+                !(taken.push(text.as_bytes()) && taken.may_end()),
+                "took {text}"
+            );
+        }
+        let mut yes = Json::new(Arc::new(Schema::regex("(yes|no)\n").unwrap()));
+        assert!(yes.push(b"yes") && !yes.may_end());
+        assert!(yes.push(b"\n") && yes.is_done() && !yes.accepts(b" "));
+        assert!(Schema::regex("(?<=a)b").is_err());
+        assert!(Schema::regex("\u{e9}").is_err());
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod chat;
 pub mod generate;
 pub mod handoff;
 pub mod json;
+pub mod pattern;
 pub mod placement;
 mod prefix;
 pub mod request;

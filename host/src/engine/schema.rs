@@ -10,7 +10,9 @@
 //! output writes them in the schema's order; optional ones may be left
 //! out; no others are generated), `additionalProperties` as the value
 //! schema of an object without `properties` (a map), `items`, `minItems`,
-//! `maxItems`, `minLength`, `maxLength`, `minimum`, `maximum`,
+//! `maxItems`, `minLength`, `maxLength`, `pattern` (a regular expression
+//! found anywhere in the string, compiled with its lengths by
+//! [`super::pattern`]), `minimum`, `maximum`,
 //! `exclusiveMinimum`, `exclusiveMaximum`, a whole `multipleOf` (a bounded
 //! number is written without an exponent, in whole units of
 //! [`unit_digits`]; see [`BOUNDED_UNITS_MAX`]), `enum`, `const`, `anyOf` and
@@ -29,10 +31,12 @@
 //!
 //! A schema is a tenant's input: its nodes, properties and enum values are
 //! bounded ([`NODES_MAX`], [`PROPERTIES_MAX`], [`ENUM_VALUES_MAX`],
-//! [`LITERAL_BYTES_MAX`]), a `$ref` chain that never reaches a schema and an
+//! [`LITERAL_BYTES_MAX`]), and so are its patterns' automata, all together
+//! ([`AUTOMATA_BYTES_MAX`]); a `$ref` chain that never reaches a schema and an
 //! `anyOf` that contains itself are refused, and compiling never recurses
 //! deeper than the document's own nesting (which the request parser bounds).
 
+use super::pattern::{Pattern, AUTOMATA_BYTES_MAX};
 use serde_json::Value;
 use std::collections::HashMap;
 
@@ -100,6 +104,9 @@ pub(super) enum Node {
     },
     /// A string of `min` to `max` characters.
     String { min: u32, max: u32 },
+    /// A string that a `pattern` accepts (its lengths within the pattern's
+    /// table): the schema's pattern `id`.
+    Pattern { id: u16 },
     /// One of these values, written compactly (`enum`, `const`, `true`...),
     /// in byte order: the values that begin alike are neighbours.
     Literals(Vec<Box<[u8]>>),
@@ -138,6 +145,8 @@ impl AsRef<[u8]> for Property {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Schema {
     nodes: Vec<Node>,
+    /// The `pattern`s of [`Node::Pattern`]s, and vLLM's `regex`.
+    patterns: Vec<Pattern>,
     /// The bytes each node's values may begin with ([`Schema::first_bytes`]).
     first: Vec<u128>,
     root: NodeId,
@@ -154,6 +163,9 @@ pub enum Source {
     Document(Value),
     /// vLLM's `choice`: the output is exactly one of these texts (not JSON).
     Choice(Vec<String>),
+    /// vLLM's `regex`: the output is a text the expression matches whole
+    /// (not JSON).
+    Regex(String),
 }
 
 /// Why a schema was refused: what, and where (a JSON pointer into it).
@@ -177,9 +189,7 @@ impl Schema {
             root: ANY_OBJECT,
             ..Schema::base()
         };
-        schema.first = (0..schema.nodes.len() as NodeId)
-            .map(|id| schema.first_of(id))
-            .collect();
+        schema.index_first_bytes();
         schema
     }
 
@@ -197,6 +207,7 @@ impl Schema {
                 },
                 Node::Literals(literals.iter().map(|&l| l.into()).collect()),
             ],
+            patterns: Vec::new(),
             first: Vec::new(),
             root: ANY,
             source: Source::Object,
@@ -205,15 +216,26 @@ impl Schema {
 
     /// Compiles `document`.
     pub fn compile(document: &Value) -> Result<Schema, SchemaError> {
+        let mut budget = AUTOMATA_BYTES_MAX;
+        Schema::compile_within(document, &mut budget)
+    }
+
+    /// Compiles `document`, its patterns' automata taking from `budget`
+    /// (bytes): schemas compiled for one request share one
+    /// [`AUTOMATA_BYTES_MAX`].
+    pub fn compile_within(document: &Value, budget: &mut usize) -> Result<Schema, SchemaError> {
         let mut compiler = Compiler {
             document,
             schema: Schema::base(),
             refs: HashMap::new(),
             literal_bytes: 0,
+            automata_bytes_left: *budget,
             depth: 0,
             one_of: Vec::new(),
         };
-        let root = compiler.node(document, "")?;
+        let root = compiler.node(document, "");
+        *budget = compiler.automata_bytes_left;
+        let root = root?;
         let mut schema = compiler.schema;
         schema.root = root;
         schema.resolve_refs()?;
@@ -221,9 +243,7 @@ impl Schema {
         for (id, at) in compiler.one_of {
             schema.check_exclusive(id, &at)?;
         }
-        schema.first = (0..schema.nodes.len() as NodeId)
-            .map(|id| schema.first_of(id))
-            .collect();
+        schema.index_first_bytes();
         schema.source = Source::Document(document.clone());
         Ok(schema)
     }
@@ -247,14 +267,36 @@ impl Schema {
         let mut values: Vec<Box<[u8]>> = choices.iter().map(|c| c.as_bytes().into()).collect();
         values.sort();
         values.dedup();
+        let schema = Schema::base();
+        Ok(schema.text(Node::Literals(values), Source::Choice(choices.to_vec())))
+    }
+
+    /// vLLM's `regex`: the output is a text `regex` matches whole (written
+    /// as is: not JSON), and ends once nothing could follow. Its text holds
+    /// printable ASCII, tab and newline ([`super::pattern`]).
+    pub fn regex(regex: &str) -> Result<Schema, SchemaError> {
+        let mut budget = AUTOMATA_BYTES_MAX;
+        let pattern = Pattern::compile(regex, true, (0, u32::MAX), &mut budget)
+            .map_err(|message| error("", message))?;
         let mut schema = Schema::base();
-        schema.nodes.push(Node::Literals(values));
-        schema.root = schema.nodes.len() as NodeId - 1;
-        schema.first = (0..schema.nodes.len() as NodeId)
-            .map(|id| schema.first_of(id))
+        schema.patterns.push(pattern);
+        Ok(schema.text(Node::Pattern { id: 0 }, Source::Regex(regex.to_string())))
+    }
+
+    /// The schema of a text output (not JSON): `root`, made from `source`.
+    fn text(mut self, root: Node, source: Source) -> Schema {
+        self.nodes.push(root);
+        self.root = self.nodes.len() as NodeId - 1;
+        self.index_first_bytes();
+        self.source = source;
+        self
+    }
+
+    /// Notes each node's first bytes ([`Schema::first_bytes`]).
+    fn index_first_bytes(&mut self) {
+        self.first = (0..self.nodes.len() as NodeId)
+            .map(|id| self.first_of(id))
             .collect();
-        schema.source = Source::Choice(choices.to_vec());
-        Ok(schema)
     }
 
     /// What it was made from.
@@ -265,6 +307,16 @@ impl Schema {
     /// Whether it is a `choice` (its output is text, not JSON).
     pub(super) fn is_choice(&self) -> bool {
         matches!(self.source, Source::Choice(_))
+    }
+
+    /// Whether its output is text, not JSON (a `choice` or a `regex`).
+    pub(super) fn is_text(&self) -> bool {
+        matches!(self.source, Source::Choice(_) | Source::Regex(_))
+    }
+
+    /// Pattern `id` of a [`Node::Pattern`].
+    pub(super) fn pattern(&self, id: u16) -> &Pattern {
+        &self.patterns[usize::from(id)]
     }
 
     pub(super) fn root(&self) -> NodeId {
@@ -303,7 +355,11 @@ impl Schema {
                 }
                 Node::Union(alternatives) => alternatives.iter_mut().for_each(r),
                 Node::Ref(id) => r(id),
-                Node::Any | Node::Number { .. } | Node::String { .. } | Node::Literals(_) => {}
+                Node::Any
+                | Node::Number { .. }
+                | Node::String { .. }
+                | Node::Pattern { .. }
+                | Node::Literals(_) => {}
             }
         }
         Ok(())
@@ -384,7 +440,7 @@ impl Schema {
                 bit(b'{') | bit(b'[') | bit(b'"') | bit(b't') | bit(b'f') | bit(b'n') | digits
             }
             Node::Number { .. } => digits,
-            Node::String { .. } => bit(b'"'),
+            Node::String { .. } | Node::Pattern { .. } => bit(b'"'),
             Node::Literals(values) => values.iter().fold(0, |bits, v| bits | bit(v[0])),
             Node::Array { .. } => bit(b'['),
             Node::Object { .. } | Node::Map { .. } => bit(b'{'),
@@ -427,6 +483,7 @@ const KEYWORDS: &[&str] = &[
     "maxItems",
     "minLength",
     "maxLength",
+    "pattern",
     "minimum",
     "maximum",
     "exclusiveMinimum",
@@ -448,6 +505,7 @@ const TYPED_KEYWORDS: &[&str] = &[
     "maxItems",
     "minLength",
     "maxLength",
+    "pattern",
     "minimum",
     "maximum",
     "exclusiveMinimum",
@@ -562,13 +620,15 @@ fn number_bounds(
 
 /// The values of `s`'s `enum` or `const` (`key`) that its other keywords
 /// accept: the output is one of them, so a value they refuse must not be
-/// written. Refused where none is left, or beside a keyword of objects' or
-/// arrays' contents (not checked here).
+/// written (a string must match `pattern`, `s`'s compiled). Refused where
+/// none is left, or beside a keyword of objects' or arrays' contents (not
+/// checked here).
 fn kept_beside(
     s: &serde_json::Map<String, Value>,
     values: &[Value],
     key: &str,
     at: &str,
+    pattern: Option<Pattern>,
 ) -> Result<Vec<Value>, SchemaError> {
     for other in ["properties", "required", "additionalProperties", "items"] {
         if s.contains_key(other) {
@@ -624,6 +684,8 @@ fn kept_beside(
             && number(v, "exclusiveMinimum", |v, b| v > b)
             && number(v, "exclusiveMaximum", |v, b| v < b)
             && number(v, "multipleOf", |v, b| (v / b).fract() == 0.0)
+            && v.as_str()
+                .is_none_or(|t| pattern.as_ref().is_none_or(|p| p.matches(t)))
     };
     let kept: Vec<Value> = values.iter().filter(|v| accepts(v)).cloned().collect();
     if kept.is_empty() {
@@ -641,6 +703,8 @@ struct Compiler<'a> {
     /// Each `$ref` compiled so far, by its pointer.
     refs: HashMap<String, NodeId>,
     literal_bytes: usize,
+    /// What is left of the budget for the patterns' automata.
+    automata_bytes_left: usize,
     /// Schemas being compiled, each within the one before.
     depth: usize,
     /// The `oneOf` unions, and where.
@@ -740,17 +804,19 @@ impl Compiler<'_> {
             };
         }
         if let Some(value) = s.get("const") {
+            let pattern = self.pattern(s, (0, u32::MAX), at)?;
             let at = format!("{at}/const");
-            let values = kept_beside(s, std::slice::from_ref(value), "const", &at)?;
+            let values = kept_beside(s, std::slice::from_ref(value), "const", &at, pattern)?;
             return self.literals(&values, &at);
         }
         if let Some(values) = s.get("enum") {
+            let pattern = self.pattern(s, (0, u32::MAX), at)?;
             let at = format!("{at}/enum");
             let values = values
                 .as_array()
                 .filter(|v| !v.is_empty())
                 .ok_or_else(|| error(&at, "must be a non-empty array"))?;
-            let values = kept_beside(s, values, "enum", &at)?;
+            let values = kept_beside(s, values, "enum", &at, pattern)?;
             return self.literals(&values, &at);
         }
         let types: Vec<&str> = match s.get("type") {
@@ -837,7 +903,15 @@ impl Compiler<'_> {
             }
             "string" => {
                 let (min, max) = bounds("minLength", "maxLength")?;
-                Node::String { min, max }
+                match self.pattern(s, (min, max), at)? {
+                    None => Node::String { min, max },
+                    Some(pattern) => {
+                        let id = u16::try_from(self.schema.patterns.len())
+                            .map_err(|_| error(at, "too many patterns"))?;
+                        self.schema.patterns.push(pattern);
+                        Node::Pattern { id }
+                    }
+                }
             }
             "array" => {
                 let (min, max) = bounds("minItems", "maxItems")?;
@@ -953,6 +1027,26 @@ impl Compiler<'_> {
             ));
         }
         Ok(())
+    }
+
+    /// `s`'s `pattern`, if it has one, compiled for strings of `lengths`
+    /// characters.
+    fn pattern(
+        &mut self,
+        s: &serde_json::Map<String, Value>,
+        lengths: (u32, u32),
+        at: &str,
+    ) -> Result<Option<Pattern>, SchemaError> {
+        let Some(regex) = s.get("pattern") else {
+            return Ok(None);
+        };
+        let at = format!("{at}/pattern");
+        let regex = regex
+            .as_str()
+            .ok_or_else(|| error(&at, "must be a string"))?;
+        Pattern::compile(regex, false, lengths, &mut self.automata_bytes_left)
+            .map(Some)
+            .map_err(|message| error(&at, message))
     }
 
     /// A `$ref`: a JSON pointer into the document, compiled once.
@@ -1123,7 +1217,21 @@ mod tests {
     #[test]
     fn refuses_what_it_would_not_enforce_naming_the_keyword() {
         for (document, says) in [
-            (json!({"type": "string", "pattern": "^a"}), "\"pattern\""),
+            (json!({"type": "array", "uniqueItems": true}), "\"uniqueItems\""),
+            (
+                json!({"type": "string", "pattern": "(?=a)"}),
+                "look-around, including look-ahead and look-behind, is not supported, at its byte 0 (at /pattern)",
+            ),
+            (json!({"type": "string", "pattern": 5}), "must be a string"),
+            (json!({"pattern": "a"}), "pattern without a type"),
+            (
+                json!({"type": "string", "pattern": "^ab$", "maxLength": 1}),
+                "within the string's minLength and maxLength",
+            ),
+            (
+                json!({"type": "string", "enum": ["ab", "cd"], "pattern": "^x"}),
+                "no value of enum",
+            ),
             (
                 json!({"type": "number", "multipleOf": 0.5}),
                 "multipleOf must be a whole number",

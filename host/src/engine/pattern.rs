@@ -1,0 +1,514 @@
+//! Regular expressions in structured output: a JSON Schema `pattern` (found
+//! anywhere in a string, as validators search for it) and vLLM's `regex`
+//! (the whole output text). Each is compiled once, when the request is read,
+//! to a table the recognizer ([`super::json`]) steps a character at a time:
+//! a character is taken only where some text the pattern accepts still
+//! begins with the characters so far, so the model can never write itself
+//! into a dead end, and a string's `minLength` and `maxLength` are part of
+//! the same table (a state is a place in the pattern and a count of
+//! characters), so they hold together with it.
+//!
+//! The text a pattern writes holds printable ASCII, tab and newline only
+//! ([`in_alphabet`]). Over those characters every regex dialect a client's
+//! validator may use agrees on what `\d`, `\w`, `\s`, `\b` and `.` match
+//! (ECMA-262's, Python's `re`, pydantic-core's Rust `regex`; they disagree
+//! on other characters: Python's and Rust's `\d` take Arabic-Indic digits,
+//! ECMA-262's does not), so the output matches the pattern whichever one
+//! checks it. A pattern no such text matches is refused. The syntax is the
+//! Rust `regex` crate's (pydantic-core's): lookaround and backreferences are
+//! refused by name of the error.
+//!
+//! Compiling is bounded like any tenant input: [`PATTERN_BYTES_MAX`] bytes
+//! of pattern, the automata's sizes ([`AUTOMATA_BYTES_MAX`]), and the table
+//! ([`STATES_MAX`] states, [`TABLE_ENTRIES_MAX`] entries).
+
+use regex_automata::dfa::{dense, Automaton, StartKind};
+use regex_automata::nfa::thompson;
+use regex_automata::util::primitives::StateID;
+use regex_automata::util::start;
+use regex_automata::{Anchored, MatchKind};
+use regex_syntax::hir::{
+    Class, ClassBytes, ClassBytesRange, ClassUnicode, ClassUnicodeRange, Hir, HirKind, Look,
+    Repetition,
+};
+use std::collections::HashMap;
+
+/// Most bytes of a pattern's text.
+pub const PATTERN_BYTES_MAX: usize = 4096;
+/// Most groups within groups a pattern may nest (parsing recurses).
+const NEST_MAX: u32 = 64;
+/// Most bytes of heap the automata of a schema's patterns may take in all
+/// (each one's NFA and DFA, and the DFA while it is made; a request's
+/// tools share one alone and one together): bounds the work of compiling
+/// them, which reading the
+/// request does in the tenant's turn on the request lane (at most about
+/// 20 ms of one core: BENCHMARKS.md). A typical pattern takes 2 to 6 KiB.
+pub const AUTOMATA_BYTES_MAX: usize = 512 << 10;
+/// Most states of a compiled pattern (places in it, times the counts of
+/// characters that `minLength` and `maxLength` tell apart).
+pub const STATES_MAX: usize = 1 << 14;
+/// Most entries (states times the classes of characters the pattern tells
+/// apart) of a compiled pattern's table: 2 bytes each.
+pub const TABLE_ENTRIES_MAX: usize = 1 << 20;
+
+/// No state: the character leads to no text the pattern accepts.
+const DEAD: u16 = u16::MAX;
+/// Not a column: a byte outside the alphabet.
+const NO_COLUMN: u8 = u8::MAX;
+
+/// Whether a pattern's text may hold character `c`: printable ASCII, tab
+/// and newline.
+pub fn in_alphabet(c: u8) -> bool {
+    matches!(c, b'\t' | b'\n' | 0x20..=0x7E)
+}
+
+/// A place in a compiled pattern's text.
+pub type PatternState = u16;
+
+/// A compiled pattern: a table of the texts it accepts, with their lengths.
+#[derive(Clone, PartialEq)]
+pub struct Pattern {
+    /// Each ASCII byte's column ([`NO_COLUMN`] outside the alphabet): the
+    /// characters the pattern does not tell apart share one.
+    columns: [u8; 128],
+    width: usize,
+    /// `next[state * width + column]`: the state after a character of the
+    /// column, [`DEAD`] where no accepted text goes on so. State 0 is the
+    /// start; every state leads to an accepted text.
+    next: Box<[u16]>,
+    /// The states where the text may end.
+    accepting: Box<[bool]>,
+}
+
+impl Pattern {
+    /// Compiles `regex`; `whole`: the text must match it whole (vLLM's
+    /// `regex`), else somewhere (JSON Schema's `pattern`); the text holds
+    /// `min` to `max` characters (`u32::MAX`: no most). Its automata take
+    /// from `budget`, the bytes left of [`AUTOMATA_BYTES_MAX`].
+    pub fn compile(
+        regex: &str,
+        whole: bool,
+        (min, max): (u32, u32),
+        budget: &mut usize,
+    ) -> Result<Pattern, String> {
+        if regex.len() > PATTERN_BYTES_MAX {
+            return Err(format!(
+                "the pattern is longer than {PATTERN_BYTES_MAX} bytes"
+            ));
+        }
+        let hir = regex_syntax::ParserBuilder::new()
+            .nest_limit(NEST_MAX)
+            .build()
+            .parse(regex)
+            .map_err(|e| {
+                format!(
+                    "the pattern is not one this server reads: {}",
+                    syntax_error(&e)
+                )
+            })?;
+        let hir = within_alphabet(&hir);
+        let hir = if whole {
+            hir
+        } else {
+            // Found anywhere: any text before it and after it.
+            let any = || {
+                Hir::repetition(Repetition {
+                    min: 0,
+                    max: None,
+                    greedy: true,
+                    sub: Box::new(Hir::class(Class::Unicode(alphabet()))),
+                })
+            };
+            Hir::concat(vec![any(), hir, any()])
+        };
+        let too_large =
+            || format!("the patterns make automata larger than {AUTOMATA_BYTES_MAX} bytes in all");
+        let nfa = thompson::Compiler::new()
+            .configure(
+                thompson::Config::new()
+                    .nfa_size_limit(Some(*budget))
+                    .which_captures(thompson::WhichCaptures::None),
+            )
+            .build_from_hir(&hir)
+            .map_err(|_| too_large())?;
+        *budget = budget
+            .checked_sub(nfa.memory_usage())
+            .ok_or_else(too_large)?;
+        let dfa = dense::Builder::new()
+            .configure(
+                dense::Config::new()
+                    // Every match, so that a match that ends at the text's
+                    // end is seen whatever matched before it.
+                    .match_kind(MatchKind::All)
+                    .start_kind(StartKind::Anchored)
+                    .determinize_size_limit(Some(*budget))
+                    .dfa_size_limit(Some(*budget)),
+            )
+            .build_from_nfa(&nfa)
+            .map_err(|_| too_large())?;
+        *budget = budget
+            .checked_sub(dfa.memory_usage())
+            .ok_or_else(too_large)?;
+        let start = dfa
+            .start_state(&start::Config::new().anchored(Anchored::Yes))
+            .map_err(|e| format!("the pattern has no start: {e}"))?;
+        Pattern::tabulate(&dfa, start, (min, max))
+    }
+
+    /// The table of `dfa`'s states from `start` that an alphabet text
+    /// reaches, each with its count of characters (up to `max`; without
+    /// one, up to `min`, past which counts are alike), less those from which
+    /// no accepted text goes on.
+    fn tabulate(
+        dfa: &dense::DFA<Vec<u32>>,
+        start: StateID,
+        (min, max): (u32, u32),
+    ) -> Result<Pattern, String> {
+        // One column for each class of the DFA's that the alphabet meets.
+        let mut columns = [NO_COLUMN; 128];
+        let mut firsts: Vec<u8> = Vec::new();
+        let mut class_column: HashMap<u8, u8> = HashMap::new();
+        for c in (0..128u8).filter(|&c| in_alphabet(c)) {
+            let class = dfa.byte_classes().get(c);
+            columns[usize::from(c)] = *class_column.entry(class).or_insert_with(|| {
+                firsts.push(c);
+                firsts.len() as u8 - 1
+            });
+        }
+        let width = firsts.len();
+        let bounded = max != u32::MAX;
+        let too_many = || {
+            format!(
+                "the pattern (with the string's minLength and maxLength) needs more than \
+                 {STATES_MAX} states or {TABLE_ENTRIES_MAX} table entries"
+            )
+        };
+        // Breadth first from the start: (DFA state, characters) pairs.
+        let mut ids: HashMap<(StateID, u32), u32> = HashMap::from([((start, 0), 0)]);
+        let mut states: Vec<(StateID, u32)> = vec![(start, 0)];
+        let mut edges: Vec<u32> = Vec::new();
+        let mut i = 0;
+        while i < states.len() {
+            let (state, count) = states[i];
+            for &c in &firsts {
+                let to = dfa.next_state(state, c);
+                let count = if bounded {
+                    count + 1
+                } else {
+                    (count + 1).min(min)
+                };
+                if dfa.is_dead_state(to) || dfa.is_quit_state(to) || count > max {
+                    edges.push(u32::MAX);
+                    continue;
+                }
+                let next = states.len() as u32;
+                let id = *ids.entry((to, count)).or_insert(next);
+                if id == next {
+                    if states.len() >= STATES_MAX || (states.len() + 1) * width > TABLE_ENTRIES_MAX
+                    {
+                        return Err(too_many());
+                    }
+                    states.push((to, count));
+                }
+                edges.push(id);
+            }
+            i += 1;
+        }
+        let accepting: Vec<bool> = states
+            .iter()
+            .map(|&(state, count)| count >= min && dfa.is_match_state(dfa.next_eoi_state(state)))
+            .collect();
+        // The states from which an accepted text goes on: back from the
+        // accepting ones.
+        let mut into: Vec<Vec<u32>> = vec![Vec::new(); states.len()];
+        for (from, row) in edges.chunks(width.max(1)).enumerate() {
+            for &to in row.iter().filter(|&&to| to != u32::MAX) {
+                into[to as usize].push(from as u32);
+            }
+        }
+        let mut live = accepting.clone();
+        let mut todo: Vec<u32> = (0..states.len() as u32)
+            .filter(|&s| live[s as usize])
+            .collect();
+        while let Some(s) = todo.pop() {
+            for &from in &into[s as usize] {
+                if !live[from as usize] {
+                    live[from as usize] = true;
+                    todo.push(from);
+                }
+            }
+        }
+        if !live[0] {
+            return Err(if min > 0 || bounded {
+                "no text of printable ASCII within the string's minLength and maxLength matches the pattern".into()
+            } else {
+                "no text of printable ASCII matches the pattern".into()
+            });
+        }
+        // The live states, renumbered in order (the start stays 0).
+        let mut renumbered = vec![DEAD; states.len()];
+        let mut n = 0u16;
+        for (s, _) in live.iter().enumerate().filter(|(_, &l)| l) {
+            renumbered[s] = n;
+            n += 1;
+        }
+        let mut next = Vec::with_capacity(usize::from(n) * width);
+        let mut kept_accepting = Vec::with_capacity(usize::from(n));
+        for s in (0..states.len()).filter(|&s| live[s]) {
+            next.extend(edges[s * width..(s + 1) * width].iter().map(|&to| {
+                if to == u32::MAX {
+                    DEAD
+                } else {
+                    renumbered[to as usize]
+                }
+            }));
+            kept_accepting.push(accepting[s]);
+        }
+        Ok(Pattern {
+            columns,
+            width,
+            next: next.into(),
+            accepting: kept_accepting.into(),
+        })
+    }
+
+    /// The state before any character.
+    pub fn start(&self) -> PatternState {
+        0
+    }
+
+    /// The state after character `c`, if an accepted text goes on with it.
+    pub fn next(&self, state: PatternState, c: u8) -> Option<PatternState> {
+        let column = *self.columns.get(usize::from(c))?;
+        if column == NO_COLUMN {
+            return None;
+        }
+        let to = self.next[usize::from(state) * self.width + usize::from(column)];
+        (to != DEAD).then_some(to)
+    }
+
+    /// Whether the text may end here.
+    pub fn accepts_end(&self, state: PatternState) -> bool {
+        self.accepting[usize::from(state)]
+    }
+
+    /// Whether no character may follow: the text ends here.
+    pub fn is_final(&self, state: PatternState) -> bool {
+        let row = usize::from(state) * self.width;
+        self.next[row..row + self.width]
+            .iter()
+            .all(|&to| to == DEAD)
+    }
+
+    /// Whether the pattern accepts `text`.
+    pub fn matches(&self, text: &str) -> bool {
+        text.bytes()
+            .try_fold(self.start(), |state, c| self.next(state, c))
+            .is_some_and(|state| self.accepts_end(state))
+    }
+
+    /// Entries of its table (its size, at 2 bytes each).
+    pub fn entries(&self) -> usize {
+        self.next.len()
+    }
+}
+
+impl std::fmt::Debug for Pattern {
+    // (Its table is thousands of numbers; the schema's source has the text.)
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pattern")
+            .field("states", &self.accepting.len())
+            .field("columns", &self.width)
+            .finish()
+    }
+}
+
+/// A parse error's kind and where, on one line.
+fn syntax_error(e: &regex_syntax::Error) -> String {
+    match e {
+        regex_syntax::Error::Parse(e) => {
+            format!("{}, at its byte {}", e.kind(), e.span().start.offset)
+        }
+        regex_syntax::Error::Translate(e) => {
+            format!("{}, at its byte {}", e.kind(), e.span().start.offset)
+        }
+        other => other.to_string(),
+    }
+}
+
+/// The alphabet as a class of characters.
+fn alphabet() -> ClassUnicode {
+    ClassUnicode::new([
+        ClassUnicodeRange::new('\t', '\n'),
+        ClassUnicodeRange::new(' ', '~'),
+    ])
+}
+
+/// `hir` over the alphabet only: its classes and literals lose the
+/// characters outside it, and its Unicode word boundaries are ASCII ones
+/// (the same over the alphabet). Captures are dropped (nothing reads them).
+fn within_alphabet(hir: &Hir) -> Hir {
+    match hir.kind() {
+        HirKind::Empty => Hir::empty(),
+        HirKind::Literal(literal) => {
+            if literal.0.iter().all(|&c| in_alphabet(c)) {
+                Hir::literal(literal.0.clone())
+            } else {
+                Hir::fail()
+            }
+        }
+        HirKind::Class(Class::Unicode(class)) => {
+            let mut class = class.clone();
+            class.intersect(&alphabet());
+            Hir::class(Class::Unicode(class))
+        }
+        HirKind::Class(Class::Bytes(class)) => {
+            let mut class = class.clone();
+            class.intersect(&ClassBytes::new([
+                ClassBytesRange::new(b'\t', b'\n'),
+                ClassBytesRange::new(b' ', b'~'),
+            ]));
+            Hir::class(Class::Bytes(class))
+        }
+        HirKind::Look(look) => Hir::look(match *look {
+            Look::WordUnicode => Look::WordAscii,
+            Look::WordUnicodeNegate => Look::WordAsciiNegate,
+            Look::WordStartUnicode => Look::WordStartAscii,
+            Look::WordEndUnicode => Look::WordEndAscii,
+            Look::WordStartHalfUnicode => Look::WordStartHalfAscii,
+            Look::WordEndHalfUnicode => Look::WordEndHalfAscii,
+            other => other,
+        }),
+        HirKind::Repetition(repetition) => Hir::repetition(Repetition {
+            sub: Box::new(within_alphabet(&repetition.sub)),
+            ..repetition.clone()
+        }),
+        HirKind::Capture(capture) => within_alphabet(&capture.sub),
+        HirKind::Concat(subs) => Hir::concat(subs.iter().map(within_alphabet).collect()),
+        HirKind::Alternation(subs) => Hir::alternation(subs.iter().map(within_alphabet).collect()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compile(regex: &str, whole: bool, lengths: (u32, u32)) -> Result<Pattern, String> {
+        let mut budget = AUTOMATA_BYTES_MAX;
+        Pattern::compile(regex, whole, lengths, &mut budget)
+    }
+
+    fn search(regex: &str) -> Pattern {
+        compile(regex, false, (0, u32::MAX)).unwrap()
+    }
+
+    #[test]
+    fn a_pattern_is_found_anywhere_and_a_regex_matches_whole() {
+        let p = search("b+c");
+        for text in ["bc", "abbcd", "xxbc"] {
+            assert!(p.matches(text), "{text}");
+        }
+        for text in ["", "cb", "b", "ac"] {
+            assert!(!p.matches(text), "{text}");
+        }
+        let anchored = search("^[A-Z]{3}-[0-9]{2}$");
+        assert!(anchored.matches("ABC-12"));
+        for text in ["ABC-1", "xABC-12", "ABC-12x", "abc-12"] {
+            assert!(!anchored.matches(text), "{text}");
+        }
+        let whole = compile("b+c", true, (0, u32::MAX)).unwrap();
+        assert!(whole.matches("bbc"));
+        assert!(!whole.matches("abc") && !whole.matches("bcd"));
+    }
+
+    #[test]
+    fn perl_classes_mean_their_ascii_selves() {
+        let p = search(r"^\d\w\s\S\.$");
+        assert!(p.matches("7_ x."));
+        assert!(p.matches("0a\tZ."));
+        // Not an Arabic-Indic digit, nor a non-ASCII letter: no character
+        // outside the alphabet is ever taken.
+        assert!(!p.matches("\u{663}a x."));
+        assert!(!p.matches("0é x."));
+        assert!(search(r"^\bword\b").matches("word!"));
+        assert!(!search(r"^\bword\b").matches("words"));
+    }
+
+    #[test]
+    fn lengths_hold_beside_the_pattern() {
+        let p = compile("^[a-z]*$", false, (2, 4)).unwrap();
+        for text in ["ab", "abc", "abcd"] {
+            assert!(p.matches(text), "{text}");
+        }
+        for text in ["", "a", "abcde"] {
+            assert!(!p.matches(text), "{text}");
+        }
+        // Only even lengths: 3 to 3 has none.
+        let even = "^(aa)*$";
+        assert!(compile(even, false, (3, 3)).is_err());
+        let p = compile(even, false, (3, 5)).unwrap();
+        assert!(p.matches("aaaa") && !p.matches("aa") && !p.matches("aaaaaa"));
+        // A least length alone: counts past it are alike.
+        let p = compile("x", false, (3, u32::MAX)).unwrap();
+        assert!(p.matches("x  ") && p.matches("     x") && !p.matches("xx"));
+    }
+
+    #[test]
+    fn no_state_leads_to_a_dead_end() {
+        for (regex, lengths) in [
+            (r"^\d{3}-\d{4}$", (0, u32::MAX)),
+            (r"^[\w.+-]+@[\w-]+\.[a-z]{2,}$", (0, 40)),
+            ("(ab|cd)+e?", (1, 9)),
+            ("^(aa)*$", (3, 7)),
+            (r"^\w+(\s\w+)*$", (5, u32::MAX)),
+        ] {
+            let p = compile(regex, false, lengths).unwrap();
+            for state in 0..p.accepting.len() as u16 {
+                assert!(
+                    p.accepts_end(state) || !p.is_final(state),
+                    "{regex}: state {state} neither ends nor goes on"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn hostile_or_foreign_patterns_are_refused_by_name() {
+        let refused = |regex: &str, lengths: (u32, u32), says: &str| {
+            let e = compile(regex, false, lengths).unwrap_err();
+            assert!(e.contains(says), "{regex}: {e}");
+        };
+        refused("(?=a)b", (0, u32::MAX), "look-around");
+        refused(r"(a)\1", (0, u32::MAX), "backreference");
+        refused("a{", (0, u32::MAX), "not one this server reads");
+        refused("^é$", (0, u32::MAX), "no text of printable ASCII");
+        refused("^a+$", (0, 0), "minLength and maxLength");
+        refused("((a{50}){50}){50}", (0, u32::MAX), "larger than");
+        refused(
+            &"a".repeat(PATTERN_BYTES_MAX + 1),
+            (0, u32::MAX),
+            "longer than",
+        );
+        refused(&"(".repeat(100), (0, u32::MAX), "not one this server reads");
+        // A DFA of 2^16 states (the n-th character from the end is an a).
+        refused("(a|b)*a(a|b){16}$", (0, u32::MAX), "larger than");
+        refused("^[a-z]*$", (0, 60_000), "states");
+    }
+
+    #[test]
+    fn a_requests_patterns_share_one_budget() {
+        // An e-mail address's pattern takes a few KiB of automata: a
+        // schema may hold hundreds, not thousands.
+        let email = r"^[\w.+-]+@[\w-]+\.[a-z]{2,}$";
+        let mut budget = AUTOMATA_BYTES_MAX;
+        let mut compiled = 0;
+        let refusal = loop {
+            match Pattern::compile(email, false, (0, 64), &mut budget) {
+                Ok(_) => compiled += 1,
+                Err(e) => break e,
+            }
+        };
+        assert!((100..1000).contains(&compiled), "{compiled}");
+        assert!(refusal.contains("in all"), "{refusal}");
+    }
+}
