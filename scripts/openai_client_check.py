@@ -6,13 +6,16 @@ oversized prompt. Usage: openai_client_check.py BASE_URL API_KEY MODEL_ID
 
 Exit 0 and "ok" on success; exit 3 if the `openai` package is missing."""
 
+import datetime
+import ipaddress
 import re
 import sys
+import uuid
 from typing import List, Literal, Optional, Union
 
 try:
     import openai
-    from pydantic import BaseModel, Field
+    from pydantic import AnyUrl, BaseModel, Field
 except ImportError:
     print("openai is not installed (pip install -r scripts/requirements.txt)")
     sys.exit(3)
@@ -30,6 +33,16 @@ class Cat(BaseModel):
     color: Literal["black", "white", "orange", "grey"]
     toys: List[str] = Field(max_length=3)
     owner: Optional[Owner]
+
+
+class Visit(BaseModel):
+    """Fields pydantic writes a `format` for, which the server holds to it."""
+    when: datetime.datetime
+    day: datetime.date
+    length: datetime.timedelta
+    id: uuid.UUID
+    address: ipaddress.IPv4Address
+    site: AnyUrl
 
 
 class Fish(BaseModel):
@@ -165,27 +178,26 @@ def main() -> None:
 
     # Structured output: the client sends the pydantic model's schema and
     # parses the answer back into the model (it raises if it does not fit).
-    parsed = client.chat.completions.parse(
-        model=model,
-        messages=[{"role": "user", "content": "Describe a cat in JSON."}],
-        response_format=Cat,
-        max_tokens=200,
-        temperature=0,
-    )
-    cat = parsed.choices[0].message.parsed
-    assert isinstance(cat, Cat) and parsed.choices[0].finish_reason == "stop", parsed
+    def parsed_as(kind, prompt, max_tokens=200, **sampling):
+        answer = client.chat.completions.parse(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            response_format=kind,
+            max_tokens=max_tokens,
+            **sampling,
+        )
+        value = answer.choices[0].message.parsed
+        assert isinstance(value, kind) and answer.choices[0].finish_reason == "stop", answer
+        return value
+
+    cat = parsed_as(Cat, "Describe a cat in JSON.", temperature=0)
     assert len(cat.toys) <= 3 and len(cat.name) <= 20, cat
+    # Formats (date-time, date, duration, uuid, ipv4, uri): pydantic parses
+    # each field back into its type.
+    parsed_as(Visit, "A visit to a web site, as JSON.", 300, temperature=1, seed=11)
     # A union of two models (anyOf of two objects, read side by side).
-    pets = client.chat.completions.parse(
-        model=model,
-        messages=[{"role": "user", "content": "List a fish and a bird as JSON."}],
-        response_format=Pets,
-        max_tokens=200,
-        temperature=0,
-    )
-    parsed_pets = pets.choices[0].message.parsed
-    assert isinstance(parsed_pets, Pets) and pets.choices[0].finish_reason == "stop", pets
-    assert all(isinstance(p, (Fish, Bird)) for p in parsed_pets.pets), parsed_pets
+    pets = parsed_as(Pets, "List a fish and a bird as JSON.", temperature=0)
+    assert all(isinstance(p, (Fish, Bird)) for p in pets.pets), pets
     # vLLM's choice, through extra_body.
     label = client.chat.completions.create(
         model=model,

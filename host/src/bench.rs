@@ -411,8 +411,8 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             "required": ["name", "age", "color", "toys", "owner"], "type": "object"
     });
     let cat = Arc::new(Schema::compile(&cat_document).expect("the benchmark's schema compiles"));
-    // The same model with a string pattern (pydantic's `pattern`): a
-    // microchip's code and an e-mail address.
+    // The same model with string patterns (pydantic's `pattern`: a
+    // microchip's code and an e-mail address) and a format (a `datetime`).
     let patterned_document = {
         let mut document = cat_document.clone();
         document["properties"]["chip"] =
@@ -420,6 +420,8 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
         document["properties"]["email"] = serde_json::json!(
             {"type": "string", "pattern": "^[\\w.+-]+@[\\w-]+\\.[a-z]{2,}$", "maxLength": 40}
         );
+        document["properties"]["seen"] =
+            serde_json::json!({"type": "string", "format": "date-time"});
         document
     };
     let patterned =
@@ -433,7 +435,10 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
         ))).collect::<serde_json::Map<_, _>>()});
     let one_dfa = serde_json::json!({"type": "string", "pattern": "(a|b)*a(a|b){16}$"});
     for (name, document) in [
-        ("a pydantic model with 2 patterns", &patterned_document),
+        (
+            "a pydantic model with 2 patterns and a date-time",
+            &patterned_document,
+        ),
         ("hostile: 64 patterns of 2^10-state DFAs", &many_dfas),
         ("hostile: a pattern of a 2^17-state DFA", &one_dfa),
     ] {
@@ -548,7 +553,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             },
         ),
         (
-            "JSON schema with 2 patterns (a pydantic model), temperature 1",
+            "JSON schema, 2 patterns, a date-time (pydantic), temperature 1",
             SamplingParams {
                 json: Some(Arc::clone(&patterned)),
                 ..sampled(1.0)

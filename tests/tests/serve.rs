@@ -1331,11 +1331,12 @@ fn structured_output_answers_an_instance_of_the_schema_or_one_of_the_choices() {
             "age": {"type": "integer", "minimum": 0, "maximum": 30},
             "weight_kg": {"type": "number", "exclusiveMinimum": 0, "maximum": 12.5},
             "chip": {"type": "string", "pattern": "^[A-Z]{2}-\\d{4}$"},
+            "born": {"type": "string", "format": "date"},
             "color": {"enum": ["black", "white", "orange", "grey"], "type": "string"},
             "toys": {"items": {"type": "string", "maxLength": 16}, "maxItems": 3, "type": "array"},
             "owner": {"anyOf": [{"$ref": "#/$defs/Owner"}, {"type": "null"}]}
         },
-        "required": ["name", "age", "weight_kg", "chip", "color", "toys", "owner"],
+        "required": ["name", "age", "weight_kg", "chip", "born", "color", "toys", "owner"],
         "title": "Cat", "type": "object", "additionalProperties": false
     });
     let format = json!({"type": "json_schema",
@@ -1364,7 +1365,16 @@ fn structured_output_answers_an_instance_of_the_schema_or_one_of_the_choices() {
             .collect();
         assert_eq!(
             keys,
-            ["name", "age", "weight_kg", "chip", "color", "toys", "owner"],
+            [
+                "name",
+                "age",
+                "weight_kg",
+                "chip",
+                "born",
+                "color",
+                "toys",
+                "owner"
+            ],
             "{text}"
         );
         assert!(
@@ -1389,6 +1399,18 @@ fn structured_output_answers_an_instance_of_the_schema_or_one_of_the_choices() {
                 && chip[..2].iter().all(u8::is_ascii_uppercase)
                 && chip[2] == b'-'
                 && chip[3..].iter().all(u8::is_ascii_digit),
+            "{text}"
+        );
+        // A date (format "date"): a year from 1000, a month, a day it has.
+        let born: Vec<u32> = cat["born"]
+            .as_str()
+            .unwrap_or("")
+            .split('-')
+            .map(|part| part.parse().unwrap_or(0))
+            .collect();
+        assert!(
+            matches!(born[..], [y, m, d] if (1000..=9999).contains(&y) && (1..=12).contains(&m)
+                && (1..=[31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31][m as usize - 1]).contains(&d)),
             "{text}"
         );
         assert!(

@@ -51,6 +51,60 @@ pub const STATES_MAX: usize = 1 << 14;
 /// apart) of a compiled pattern's table: 2 bytes each.
 pub const TABLE_ENTRIES_MAX: usize = 1 << 20;
 
+/// The `format`s (JSON Schema's, as pydantic writes them) a string is held
+/// to, each as the expression its whole text matches: what RFC 3339 and
+/// RFC 4122 write, narrowed to what every client's parser takes (pydantic's
+/// `datetime`, `date`, `time`, `timedelta`, `UUID`, `IPv4Address`,
+/// `AnyUrl`): a year from 1000, no 29 February (a leap year's own), no leap
+/// second, at most 6 fraction digits, a date-time's and a time's offset
+/// written (`Z` or `+01:00`), lowercase hexadecimal, an http(s) URL. Other
+/// formats (`email`, `hostname`, ...) stay annotations.
+pub const FORMATS: &[(&str, &[&str])] = &[
+    ("date", &[DATE]),
+    ("time", &[TIME]),
+    ("date-time", &[DATE, "T", TIME]),
+    (
+        "duration",
+        &[
+            r"P(?:\d{1,6}D(?:T",
+            DURATION_TIME,
+            r")?|T",
+            DURATION_TIME,
+            ")",
+        ],
+    ),
+    (
+        "uuid",
+        &[r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"],
+    ),
+    ("ipv4", &[r"(?:(?:", OCTET, r")\.){3}(?:", OCTET, ")"]),
+    (
+        "uri",
+        &[
+            r"https?://[a-z0-9]+(?:-[a-z0-9]+)*(?:\.[a-z0-9]+(?:-[a-z0-9]+)*)*\.[a-z]{2,}(?:/[A-Za-z0-9._~-]*)*",
+        ],
+    ),
+];
+
+/// A valid date: 30 days hath September, April, June and November;
+/// February 28.
+const DATE: &str = r"[1-9]\d{3}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\d|30)|02-(?:0[1-9]|1\d|2[0-8]))";
+const TIME: &str =
+    r"(?:[01]\d|2[0-3]):[0-5]\d:[0-5]\d(?:\.\d{1,6})?(?:Z|[+-](?:[01]\d|2[0-3]):[0-5]\d)";
+/// A duration's hours, minutes and seconds (after its `T`): one at least.
+const DURATION_TIME: &str =
+    r"(?:\d{1,6}H(?:\d{1,6}M)?(?:\d{1,6}S)?|\d{1,6}M(?:\d{1,6}S)?|\d{1,6}S)";
+const OCTET: &str = r"25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d";
+
+/// The expression a string of `format` matches whole, if it is one of
+/// [`FORMATS`].
+pub fn format_regex(format: &str) -> Option<String> {
+    FORMATS
+        .iter()
+        .find(|(f, _)| *f == format)
+        .map(|(_, parts)| parts.concat())
+}
+
 /// No state: the character leads to no text the pattern accepts.
 const DEAD: u16 = u16::MAX;
 /// Not a column: a byte outside the alphabet.
@@ -88,89 +142,44 @@ impl Pattern {
     pub fn compile(
         regex: &str,
         whole: bool,
-        (min, max): (u32, u32),
+        lengths: (u32, u32),
         budget: &mut usize,
     ) -> Result<Pattern, String> {
-        if regex.len() > PATTERN_BYTES_MAX {
-            return Err(format!(
-                "the pattern is longer than {PATTERN_BYTES_MAX} bytes"
-            ));
-        }
-        let hir = regex_syntax::ParserBuilder::new()
-            .nest_limit(NEST_MAX)
-            .build()
-            .parse(regex)
-            .map_err(|e| {
-                format!(
-                    "the pattern is not one this server reads: {}",
-                    syntax_error(&e)
-                )
-            })?;
-        let hir = within_alphabet(&hir);
-        let hir = if whole {
-            hir
-        } else {
-            // Found anywhere: any text before it and after it.
-            let any = || {
-                Hir::repetition(Repetition {
-                    min: 0,
-                    max: None,
-                    greedy: true,
-                    sub: Box::new(Hir::class(Class::Unicode(alphabet()))),
-                })
-            };
-            Hir::concat(vec![any(), hir, any()])
-        };
-        let too_large =
-            || format!("the patterns make automata larger than {AUTOMATA_BYTES_MAX} bytes in all");
-        let nfa = thompson::Compiler::new()
-            .configure(
-                thompson::Config::new()
-                    .nfa_size_limit(Some(*budget))
-                    .which_captures(thompson::WhichCaptures::None),
-            )
-            .build_from_hir(&hir)
-            .map_err(|_| too_large())?;
-        *budget = budget
-            .checked_sub(nfa.memory_usage())
-            .ok_or_else(too_large)?;
-        let dfa = dense::Builder::new()
-            .configure(
-                dense::Config::new()
-                    // Every match, so that a match that ends at the text's
-                    // end is seen whatever matched before it.
-                    .match_kind(MatchKind::All)
-                    .start_kind(StartKind::Anchored)
-                    .determinize_size_limit(Some(*budget))
-                    .dfa_size_limit(Some(*budget)),
-            )
-            .build_from_nfa(&nfa)
-            .map_err(|_| too_large())?;
-        *budget = budget
-            .checked_sub(dfa.memory_usage())
-            .ok_or_else(too_large)?;
-        let start = dfa
-            .start_state(&start::Config::new().anchored(Anchored::Yes))
-            .map_err(|e| format!("the pattern has no start: {e}"))?;
-        Pattern::tabulate(&dfa, start, (min, max))
+        Pattern::compile_all(&[(regex, whole)], lengths, budget, "the pattern")
     }
 
-    /// The table of `dfa`'s states from `start` that an alphabet text
-    /// reaches, each with its count of characters (up to `max`; without
-    /// one, up to `min`, past which counts are alike), less those from which
-    /// no accepted text goes on.
-    fn tabulate(
-        dfa: &dense::DFA<Vec<u32>>,
-        start: StateID,
-        (min, max): (u32, u32),
+    /// Compiles the texts that match every one of `regexes` (each whole or
+    /// somewhere, as [`Pattern::compile`]'s), `what` in the messages.
+    pub fn compile_all(
+        regexes: &[(&str, bool)],
+        lengths: (u32, u32),
+        budget: &mut usize,
+        what: &str,
     ) -> Result<Pattern, String> {
-        // One column for each class of the DFA's that the alphabet meets.
+        let mut dfas = Vec::with_capacity(regexes.len());
+        for &(regex, whole) in regexes {
+            dfas.push(dfa_of(regex, whole, budget)?);
+        }
+        Pattern::tabulate(&dfas, lengths, what)
+    }
+
+    /// The table of the states of `dfas` (each with its start) that an
+    /// alphabet text reaches together, each with its count of characters
+    /// (up to `max`; without one, up to `min`, past which counts are alike),
+    /// less those from which no text all of them accept goes on.
+    fn tabulate(
+        dfas: &[(Dfa, StateID)],
+        (min, max): (u32, u32),
+        what: &str,
+    ) -> Result<Pattern, String> {
+        // One column for each set of the DFAs' classes that the alphabet
+        // meets (characters no DFA tells apart share one).
         let mut columns = [NO_COLUMN; 128];
         let mut firsts: Vec<u8> = Vec::new();
-        let mut class_column: HashMap<u8, u8> = HashMap::new();
+        let mut class_column: HashMap<Vec<u8>, u8> = HashMap::new();
         for c in (0..128u8).filter(|&c| in_alphabet(c)) {
-            let class = dfa.byte_classes().get(c);
-            columns[usize::from(c)] = *class_column.entry(class).or_insert_with(|| {
+            let classes: Vec<u8> = dfas.iter().map(|(d, _)| d.byte_classes().get(c)).collect();
+            columns[usize::from(c)] = *class_column.entry(classes).or_insert_with(|| {
                 firsts.push(c);
                 firsts.len() as u8 - 1
             });
@@ -179,30 +188,39 @@ impl Pattern {
         let bounded = max != u32::MAX;
         let too_many = || {
             format!(
-                "the pattern (with the string's minLength and maxLength) needs more than \
+                "{what} (with the string's minLength and maxLength) needs more than \
                  {STATES_MAX} states or {TABLE_ENTRIES_MAX} table entries"
             )
         };
-        // Breadth first from the start: (DFA state, characters) pairs.
-        let mut ids: HashMap<(StateID, u32), u32> = HashMap::from([((start, 0), 0)]);
-        let mut states: Vec<(StateID, u32)> = vec![(start, 0)];
+        // Breadth first from the start: (the DFAs' states, characters).
+        type Place = (Box<[StateID]>, u32);
+        let start: Place = (dfas.iter().map(|&(_, start)| start).collect(), 0);
+        let mut ids: HashMap<Place, u32> = HashMap::from([(start.clone(), 0)]);
+        let mut states: Vec<Place> = vec![start];
         let mut edges: Vec<u32> = Vec::new();
         let mut i = 0;
         while i < states.len() {
-            let (state, count) = states[i];
             for &c in &firsts {
-                let to = dfa.next_state(state, c);
+                let (from, count) = &states[i];
+                let to: Option<Box<[StateID]>> = from
+                    .iter()
+                    .zip(dfas)
+                    .map(|(&state, (dfa, _))| {
+                        let to = dfa.next_state(state, c);
+                        (!dfa.is_dead_state(to) && !dfa.is_quit_state(to)).then_some(to)
+                    })
+                    .collect();
                 let count = if bounded {
                     count + 1
                 } else {
                     (count + 1).min(min)
                 };
-                if dfa.is_dead_state(to) || dfa.is_quit_state(to) || count > max {
+                let Some(to) = to.filter(|_| count <= max) else {
                     edges.push(u32::MAX);
                     continue;
-                }
+                };
                 let next = states.len() as u32;
-                let id = *ids.entry((to, count)).or_insert(next);
+                let id = *ids.entry((to.clone(), count)).or_insert(next);
                 if id == next {
                     if states.len() >= STATES_MAX || (states.len() + 1) * width > TABLE_ENTRIES_MAX
                     {
@@ -216,7 +234,13 @@ impl Pattern {
         }
         let accepting: Vec<bool> = states
             .iter()
-            .map(|&(state, count)| count >= min && dfa.is_match_state(dfa.next_eoi_state(state)))
+            .map(|(at, count)| {
+                *count >= min
+                    && at
+                        .iter()
+                        .zip(dfas)
+                        .all(|(&state, (dfa, _))| dfa.is_match_state(dfa.next_eoi_state(state)))
+            })
             .collect();
         // The states from which an accepted text goes on: back from the
         // accepting ones.
@@ -239,11 +263,12 @@ impl Pattern {
             }
         }
         if !live[0] {
-            return Err(if min > 0 || bounded {
-                "no text of printable ASCII within the string's minLength and maxLength matches the pattern".into()
+            let within = if min > 0 || bounded {
+                " within the string's minLength and maxLength"
             } else {
-                "no text of printable ASCII matches the pattern".into()
-            });
+                ""
+            };
+            return Err(format!("no text of printable ASCII{within} matches {what}"));
         }
         // The live states, renumbered in order (the start stays 0).
         let mut renumbered = vec![DEAD; states.len()];
@@ -321,6 +346,77 @@ impl std::fmt::Debug for Pattern {
             .field("columns", &self.width)
             .finish()
     }
+}
+
+/// A compiled expression's DFA.
+type Dfa = dense::DFA<Vec<u32>>;
+
+/// `regex`'s DFA over the alphabet, matching the text whole or (not
+/// `whole`) somewhere, and its anchored start; its automata take from
+/// `budget`.
+fn dfa_of(regex: &str, whole: bool, budget: &mut usize) -> Result<(Dfa, StateID), String> {
+    if regex.len() > PATTERN_BYTES_MAX {
+        return Err(format!(
+            "the pattern is longer than {PATTERN_BYTES_MAX} bytes"
+        ));
+    }
+    let hir = regex_syntax::ParserBuilder::new()
+        .nest_limit(NEST_MAX)
+        .build()
+        .parse(regex)
+        .map_err(|e| {
+            format!(
+                "the pattern is not one this server reads: {}",
+                syntax_error(&e)
+            )
+        })?;
+    let hir = within_alphabet(&hir);
+    let hir = if whole {
+        hir
+    } else {
+        // Found anywhere: any text before it and after it.
+        let any = || {
+            Hir::repetition(Repetition {
+                min: 0,
+                max: None,
+                greedy: true,
+                sub: Box::new(Hir::class(Class::Unicode(alphabet()))),
+            })
+        };
+        Hir::concat(vec![any(), hir, any()])
+    };
+    let too_large =
+        || format!("the patterns make automata larger than {AUTOMATA_BYTES_MAX} bytes in all");
+    let nfa = thompson::Compiler::new()
+        .configure(
+            thompson::Config::new()
+                .nfa_size_limit(Some(*budget))
+                .which_captures(thompson::WhichCaptures::None),
+        )
+        .build_from_hir(&hir)
+        .map_err(|_| too_large())?;
+    *budget = budget
+        .checked_sub(nfa.memory_usage())
+        .ok_or_else(too_large)?;
+    let dfa = dense::Builder::new()
+        .configure(
+            dense::Config::new()
+                // Every match, so that a match that ends at the text's end
+                // is seen whatever matched before it.
+                .match_kind(MatchKind::All)
+                .start_kind(StartKind::Anchored)
+                .determinize_size_limit(Some(*budget))
+                .dfa_size_limit(Some(*budget)),
+        )
+        .build_from_nfa(&nfa)
+        .map_err(|_| too_large())?;
+    *budget = budget
+        .checked_sub(dfa.memory_usage())
+        .ok_or_else(too_large)?;
+    let start = dfa
+        .start_state(&start::Config::new().anchored(Anchored::Yes))
+        .map_err(|e| format!("the pattern has no start: {e}"))?;
+    Ok((dfa, start))
 }
 
 /// A parse error's kind and where, on one line.
@@ -493,6 +589,102 @@ mod tests {
         // A DFA of 2^16 states (the n-th character from the end is an a).
         refused("(a|b)*a(a|b){16}$", (0, u32::MAX), "larger than");
         refused("^[a-z]*$", (0, 60_000), "states");
+    }
+
+    #[test]
+    fn formats_take_what_every_clients_parser_takes() {
+        let format = |name: &str| {
+            let regex = format_regex(name).unwrap();
+            compile(&regex, true, (0, u32::MAX)).unwrap()
+        };
+        for (name, taken, refused) in [
+            (
+                "date",
+                &["2024-02-28", "1999-12-31", "2023-04-30", "1000-01-01"][..],
+                &[
+                    "2024-02-29",
+                    "2024-04-31",
+                    "0999-01-01",
+                    "2024-13-01",
+                    "2024-1-01",
+                ][..],
+            ),
+            (
+                "time",
+                &["23:59:59Z", "00:00:00.123456+05:30", "12:00:00-23:59"],
+                &[
+                    "24:00:00Z",
+                    "12:00:60Z",
+                    "12:00:00",
+                    "12:00:00.1234567Z",
+                    "12:00Z",
+                ],
+            ),
+            (
+                "date-time",
+                &["2024-06-01T12:30:00Z", "2024-06-30T00:00:00.5+01:00"],
+                &[
+                    "2024-06-01 12:30:00Z",
+                    "2024-06-01T12:30:00",
+                    "2024-06-31T12:30:00Z",
+                ],
+            ),
+            (
+                "duration",
+                &["P1D", "PT1H30M", "P2DT3S", "PT0S", "PT1H2M3S"],
+                &["P", "PT", "P1DT", "P1H", "PT1D"],
+            ),
+            (
+                "uuid",
+                &["123e4567-e89b-12d3-a456-426614174000"],
+                &[
+                    "123e4567e89b12d3a456426614174000",
+                    "123E4567-E89B-12D3-A456-426614174000",
+                ],
+            ),
+            (
+                "ipv4",
+                &["255.255.255.255", "0.0.0.0", "10.1.20.199"],
+                &["256.1.1.1", "01.1.1.1", "1.1.1", "1.1.1.1.1"],
+            ),
+            (
+                "uri",
+                &["https://example.com/a/b", "http://a-b.example.org"],
+                &["ftp://example.com", "https://localhost", "https://-a.com"],
+            ),
+        ] {
+            let p = format(name);
+            for text in taken {
+                assert!(p.matches(text), "{name}: refused {text}");
+            }
+            for text in refused {
+                assert!(!p.matches(text), "{name}: took {text}");
+            }
+            for state in 0..p.accepting.len() as u16 {
+                assert!(
+                    p.accepts_end(state) || !p.is_final(state),
+                    "{name}: {state}"
+                );
+            }
+        }
+        assert!(format_regex("email").is_none());
+        // A pattern and a format at once: both hold.
+        let mut budget = AUTOMATA_BYTES_MAX;
+        let date = format_regex("date").unwrap();
+        let both = Pattern::compile_all(
+            &[("^2024-", false), (&date, true)],
+            (0, u32::MAX),
+            &mut budget,
+            "both",
+        )
+        .unwrap();
+        assert!(both.matches("2024-05-01") && !both.matches("2023-05-01"));
+        let none =
+            Pattern::compile_all(&[("x", false), (&date, true)], (0, 64), &mut budget, "both");
+        assert_eq!(
+            none.unwrap_err(),
+            "no text of printable ASCII within the string's minLength and maxLength matches both"
+        );
     }
 
     #[test]

@@ -11,7 +11,8 @@
 //! out; no others are generated), `additionalProperties` as the value
 //! schema of an object without `properties` (a map), `items`, `minItems`,
 //! `maxItems`, `minLength`, `maxLength`, `pattern` (a regular expression
-//! found anywhere in the string, compiled with its lengths by
+//! found anywhere in the string) and a string's `format` where it is one of
+//! [`FORMATS`](super::pattern::FORMATS) (both compiled with the lengths by
 //! [`super::pattern`]), `minimum`, `maximum`,
 //! `exclusiveMinimum`, `exclusiveMaximum`, a whole `multipleOf` (a bounded
 //! number is written without an exponent, in whole units of
@@ -22,8 +23,8 @@
 //! fits exactly one), a single-element `allOf`, and
 //! `$ref` to any JSON pointer in the
 //! document (`#/$defs/...`, recursion included). Annotations (`title`,
-//! `description`, `default`, `examples`, `format`, ...) are read past, as
-//! JSON Schema 2020-12 leaves `format` an annotation. Any other keyword is
+//! `description`, `default`, `examples`, other `format`s, ...) are read
+//! past, as JSON Schema 2020-12 leaves `format` an annotation. Any other keyword is
 //! refused with its name, never ignored: an output that a schema keyword
 //! did not constrain would not validate against it. So is a keyword of one
 //! type in a schema that names no type (it would accept any other type's
@@ -36,7 +37,7 @@
 //! `anyOf` that contains itself are refused, and compiling never recurses
 //! deeper than the document's own nesting (which the request parser bounds).
 
-use super::pattern::{Pattern, AUTOMATA_BYTES_MAX};
+use super::pattern::{format_regex, Pattern, AUTOMATA_BYTES_MAX};
 use serde_json::Value;
 use std::collections::HashMap;
 
@@ -1029,22 +1030,47 @@ impl Compiler<'_> {
         Ok(())
     }
 
-    /// `s`'s `pattern`, if it has one, compiled for strings of `lengths`
-    /// characters.
+    /// `s`'s `pattern` and `format` (one of
+    /// [`FORMATS`](super::pattern::FORMATS)), where it has
+    /// them, compiled together for strings of `lengths` characters.
     fn pattern(
         &mut self,
         s: &serde_json::Map<String, Value>,
         lengths: (u32, u32),
         at: &str,
     ) -> Result<Option<Pattern>, SchemaError> {
-        let Some(regex) = s.get("pattern") else {
-            return Ok(None);
+        let pattern = match s.get("pattern") {
+            None => None,
+            Some(regex) => Some(
+                regex
+                    .as_str()
+                    .ok_or_else(|| error(&format!("{at}/pattern"), "must be a string"))?,
+            ),
         };
-        let at = format!("{at}/pattern");
-        let regex = regex
-            .as_str()
-            .ok_or_else(|| error(&at, "must be a string"))?;
-        Pattern::compile(regex, false, lengths, &mut self.automata_bytes_left)
+        let format = s.get("format").and_then(Value::as_str);
+        let format_regex = format.and_then(format_regex);
+        let (regexes, what, at) = match (pattern, &format_regex) {
+            (None, None) => return Ok(None),
+            (Some(p), None) => (
+                vec![(p, false)],
+                "the pattern".to_string(),
+                format!("{at}/pattern"),
+            ),
+            (None, Some(f)) => (
+                vec![(f.as_str(), true)],
+                format!("the format {:?}", format.unwrap_or_default()),
+                format!("{at}/format"),
+            ),
+            (Some(p), Some(f)) => (
+                vec![(p, false), (f.as_str(), true)],
+                format!(
+                    "the pattern and the format {:?}",
+                    format.unwrap_or_default()
+                ),
+                at.to_string(),
+            ),
+        };
+        Pattern::compile_all(&regexes, lengths, &mut self.automata_bytes_left, &what)
             .map(Some)
             .map_err(|message| error(&at, message))
     }
@@ -1224,6 +1250,10 @@ mod tests {
             ),
             (json!({"type": "string", "pattern": 5}), "must be a string"),
             (json!({"pattern": "a"}), "pattern without a type"),
+            (
+                json!({"type": "string", "format": "date", "maxLength": 9}),
+                "no text of printable ASCII within the string's minLength and maxLength matches the format \"date\" (at /format)",
+            ),
             (
                 json!({"type": "string", "pattern": "^ab$", "maxLength": 1}),
                 "within the string's minLength and maxLength",
