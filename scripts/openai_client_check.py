@@ -11,7 +11,7 @@ import ipaddress
 import re
 import sys
 import uuid
-from typing import List, Literal, Optional, Union
+from typing import List, Literal, Optional, Tuple, Union
 
 try:
     import openai
@@ -43,6 +43,7 @@ class Visit(BaseModel):
     id: uuid.UUID
     address: ipaddress.IPv4Address
     site: AnyUrl
+    floor_and_room: Tuple[int, int]
 
 
 class Fish(BaseModel):
@@ -192,8 +193,8 @@ def main() -> None:
 
     cat = parsed_as(Cat, "Describe a cat in JSON.", temperature=0)
     assert len(cat.toys) <= 3 and len(cat.name) <= 20, cat
-    # Formats (date-time, date, duration, uuid, ipv4, uri): pydantic parses
-    # each field back into its type.
+    # Formats (date-time, date, duration, uuid, ipv4, uri) and a tuple
+    # (prefixItems): pydantic parses each field back into its type.
     parsed_as(Visit, "A visit to a web site, as JSON.", 300, temperature=1, seed=11)
     # A union of two models (anyOf of two objects, read side by side).
     pets = parsed_as(Pets, "List a fish and a bird as JSON.", temperature=0)

@@ -633,10 +633,22 @@ fn literals(schema: &Schema, node: NodeId) -> &[Box<[u8]>] {
     }
 }
 
-/// Array node `node`'s items, and how few and how many.
-fn array(schema: &Schema, node: NodeId) -> (NodeId, u32, u32) {
-    match *schema.node(node) {
-        Node::Array { items, min, max } => (items, min, max),
+/// Array node `node`'s item at `index` (of its prefix, else of its
+/// items), and how few and how many items it has.
+fn array(schema: &Schema, node: NodeId, index: u32) -> (NodeId, u32, u32) {
+    match schema.node(node) {
+        Node::Array {
+            prefix,
+            items,
+            min,
+            max,
+        } => {
+            let item = usize::try_from(index)
+                .ok()
+                .and_then(|i| prefix.get(i))
+                .unwrap_or(items);
+            (*item, *min, *max)
+        }
         _ => (ANY, 0, 0),
     }
 }
@@ -979,7 +991,7 @@ impl<S: Stack + Clone> Cursor<'_, S> {
             else {
                 return false;
             };
-            let (_, _, max) = array(self.schema, array_node);
+            let (_, _, max) = array(self.schema, array_node, count);
             if count >= max
                 || !self.replace_top(Ctx::Array {
                     node: array_node,
@@ -1024,12 +1036,13 @@ impl<S: Stack + Clone> Cursor<'_, S> {
                 self.literal(node, first, last, 1);
                 true
             }
-            Node::Array { items, min, .. } => {
+            Node::Array { .. } => {
+                let (first, min, _) = array(schema, node, 0);
                 b == b'['
                     && self.open(
                         Ctx::Array { node, count: 0 },
                         Mode::Value {
-                            node: items,
+                            node: first,
                             close: min == 0,
                             item: true,
                         },
@@ -1135,7 +1148,8 @@ impl<S: Stack + Clone> Cursor<'_, S> {
                 _ => false,
             },
             Some(Ctx::Array { node, count }) => {
-                let (items, min, max) = array(self.schema, node);
+                // (`count` items begun: the next is at that index.)
+                let (items, min, max) = array(self.schema, node, count);
                 match b {
                     b',' if count < max => {
                         self.mode = Mode::Value {
@@ -1641,6 +1655,33 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_tuple_takes_its_prefix_in_order_then_its_items() {
+        // pydantic's tuple[int, str]: exactly two, each of its own schema.
+        let pair = under(
+            serde_json::json!({"type": "array", "maxItems": 2, "minItems": 2,
+            "prefixItems": [{"type": "integer"}, {"type": "string"}]}),
+        );
+        assert!(takes(&pair, r#"[1,"a"]"#) && takes(&pair, r#"[ -7 , "" ]"#));
+        for text in [r#"["a",1]"#, "[1]", r#"[1,"a",2]"#, "[]", r#"[1,2]"#] {
+            assert!(!takes(&pair, text), "took {text}");
+        }
+        // A prefix, then any number of items of another schema.
+        let rest = under(serde_json::json!({"prefixItems": [{"type": "integer"}],
+            "items": {"type": "boolean"}}));
+        for text in ["[]", "[1]", "[1,true,false]"] {
+            assert!(takes(&rest, text), "refused {text}");
+        }
+        for text in ["[true]", "[1,2]"] {
+            assert!(!takes(&rest, text), "took {text}");
+        }
+        // items: false ends the array with its prefix.
+        let closed = under(serde_json::json!({"type": "array", "items": false,
+            "prefixItems": [{"const": "x"}]}));
+        assert!(takes(&closed, "[]") && takes(&closed, r#"["x"]"#));
+        assert!(!takes(&closed, r#"["x","x"]"#));
     }
 
     #[test]

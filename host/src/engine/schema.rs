@@ -9,7 +9,8 @@
 //! writes: `type` (one or several), `properties` with `required` (the
 //! output writes them in the schema's order; optional ones may be left
 //! out; no others are generated), `additionalProperties` as the value
-//! schema of an object without `properties` (a map), `items`, `minItems`,
+//! schema of an object without `properties` (a map), `items`, `prefixItems`
+//! (a tuple's items, then `items`'s), `minItems`,
 //! `maxItems`, `minLength`, `maxLength`, `pattern` (a regular expression
 //! found anywhere in the string) and a string's `format` where it is one of
 //! [`FORMATS`](super::pattern::FORMATS) (both compiled with the lengths by
@@ -111,8 +112,14 @@ pub(super) enum Node {
     /// One of these values, written compactly (`enum`, `const`, `true`...),
     /// in byte order: the values that begin alike are neighbours.
     Literals(Vec<Box<[u8]>>),
-    /// An array of `items`, `min` to `max` of them.
-    Array { items: NodeId, min: u32, max: u32 },
+    /// An array, `min` to `max` items: the first ones of `prefix`, in order
+    /// (`prefixItems`, pydantic's `tuple`), the rest of `items`.
+    Array {
+        prefix: Box<[NodeId]>,
+        items: NodeId,
+        min: u32,
+        max: u32,
+    },
     /// An object of these properties, in this order; `by_name`: their
     /// indices in the byte order of their names.
     Object {
@@ -202,6 +209,7 @@ impl Schema {
                 Node::Any,
                 Node::Map { values: ANY },
                 Node::Array {
+                    prefix: Box::new([]),
                     items: ANY,
                     min: 0,
                     max: u32::MAX,
@@ -349,7 +357,10 @@ impl Schema {
         r(&mut self.root);
         for node in &mut self.nodes {
             match node {
-                Node::Array { items, .. } => r(items),
+                Node::Array { items, prefix, .. } => {
+                    r(items);
+                    prefix.iter_mut().for_each(r);
+                }
                 Node::Map { values } => r(values),
                 Node::Object { properties, .. } => {
                     properties.iter_mut().for_each(|p| r(&mut p.value))
@@ -480,6 +491,7 @@ const KEYWORDS: &[&str] = &[
     "required",
     "additionalProperties",
     "items",
+    "prefixItems",
     "minItems",
     "maxItems",
     "minLength",
@@ -631,7 +643,13 @@ fn kept_beside(
     at: &str,
     pattern: Option<Pattern>,
 ) -> Result<Vec<Value>, SchemaError> {
-    for other in ["properties", "required", "additionalProperties", "items"] {
+    for other in [
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "prefixItems",
+    ] {
         if s.contains_key(other) {
             return Err(error(
                 at,
@@ -825,7 +843,7 @@ impl Compiler<'_> {
                 // Untyped: what the keywords present imply, else anything.
                 if s.contains_key("properties") || s.contains_key("additionalProperties") {
                     vec!["object"]
-                } else if s.contains_key("items") {
+                } else if s.contains_key("items") || s.contains_key("prefixItems") {
                     vec!["array"]
                 } else if let Some(key) = TYPED_KEYWORDS.iter().find(|k| s.contains_key(**k)) {
                     // It would constrain the values of one type among any.
@@ -915,18 +933,44 @@ impl Compiler<'_> {
                 }
             }
             "array" => {
-                let (min, max) = bounds("minItems", "maxItems")?;
+                let (min, mut max) = bounds("minItems", "maxItems")?;
+                let prefix = match s.get("prefixItems") {
+                    None => Vec::new(),
+                    Some(Value::Array(schemas)) => schemas
+                        .iter()
+                        .enumerate()
+                        .map(|(i, p)| self.node(p, &format!("{at}/prefixItems/{i}")))
+                        .collect::<Result<_, _>>()?,
+                    Some(_) => return Err(error(at, "prefixItems must be an array of schemas")),
+                };
                 let items = match s.get("items") {
-                    None => ANY,
+                    None | Some(Value::Bool(true)) => ANY,
+                    // No items past the prefix (pydantic's fixed tuples).
+                    Some(Value::Bool(false)) => {
+                        max = max.min(u32::try_from(prefix.len()).unwrap_or(u32::MAX));
+                        if min > max {
+                            return Err(error(
+                                at,
+                                "minItems is above the items prefixItems and items: false allow",
+                            ));
+                        }
+                        ANY
+                    }
                     Some(Value::Array(_)) => {
                         return Err(error(
                             at,
-                            "items as an array (a tuple) is not supported by this server",
+                            "items as an array (draft 2019's tuple) is not supported by this \
+                             server (prefixItems is)",
                         ));
                     }
                     Some(items) => self.node(items, &format!("{at}/items"))?,
                 };
-                Node::Array { items, min, max }
+                Node::Array {
+                    prefix: prefix.into(),
+                    items,
+                    min,
+                    max,
+                }
             }
             "object" => self.object(s, at)?,
             other => return Err(error(at, format!("unknown type {other:?}"))),
@@ -1251,6 +1295,15 @@ mod tests {
             (json!({"type": "string", "pattern": 5}), "must be a string"),
             (json!({"pattern": "a"}), "pattern without a type"),
             (
+                json!({"type": "array", "prefixItems": [{}], "items": false, "minItems": 2}),
+                "minItems is above",
+            ),
+            (json!({"type": "array", "prefixItems": {}}), "prefixItems must be an array"),
+            (
+                json!({"enum": [[1]], "prefixItems": [{}]}),
+                "enum beside prefixItems",
+            ),
+            (
                 json!({"type": "string", "format": "date", "maxLength": 9}),
                 "no text of printable ASCII within the string's minLength and maxLength matches the format \"date\" (at /format)",
             ),
@@ -1324,8 +1377,8 @@ mod tests {
                 "\"uniqueItems\"",
             ),
             (
-                json!({"type": "array", "prefixItems": []}),
-                "\"prefixItems\"",
+                json!({"type": "array", "contains": {"type": "integer"}}),
+                "\"contains\"",
             ),
             (json!({"type": "array", "items": [{}]}), "tuple"),
             (json!({"type": "date"}), "unknown type"),
