@@ -615,6 +615,11 @@ fn object(schema: &Schema, node: NodeId) -> (&[Property], &[u16]) {
         Node::Object {
             properties,
             by_name,
+        }
+        | Node::Tagged {
+            head: properties,
+            by_name,
+            ..
         } => (properties, by_name),
         _ => (&[], &[]),
     }
@@ -672,6 +677,24 @@ impl<S: Stack + Clone> Cursor<'_, S> {
         } else {
             Mode::AfterValue
         };
+    }
+
+    /// Value `index` of literals `node` ended: where it is a tagged
+    /// object's first value (the object on top is a [`Node::Tagged`]: a
+    /// value inside it would be in a container of its own), the object
+    /// goes on as the alternative of that tag, its first property written.
+    fn end_literal(&mut self, node: NodeId, index: usize) {
+        if let Some(Ctx::Object { node: object, .. }) = self.stack.top() {
+            if let Node::Tagged { head, bodies, .. } = self.schema.node(object) {
+                debug_assert_eq!(head[0].value, node);
+                self.replace_top(Ctx::Object {
+                    node: bodies[index],
+                    next: 1,
+                    current: 0,
+                });
+            }
+        }
+        self.end_value();
     }
 
     fn replace_top(&mut self, ctx: Ctx) -> bool {
@@ -736,7 +759,7 @@ impl<S: Stack + Clone> Cursor<'_, S> {
                 if !complete {
                     return false;
                 }
-                self.end_value();
+                self.end_literal(node, lo);
             }
             _ => {}
         }
@@ -930,7 +953,7 @@ impl<S: Stack + Clone> Cursor<'_, S> {
         let complete = values[lo].len() == at;
         let longer = values[hi - 1].len() > at;
         if complete && !longer {
-            self.end_value();
+            self.end_literal(node, lo);
         } else {
             self.mode = Mode::Literal {
                 node,
@@ -1048,8 +1071,8 @@ impl<S: Stack + Clone> Cursor<'_, S> {
                         },
                     )
             }
-            Node::Object { ref properties, .. } => {
-                let close = may_close(properties, 0);
+            Node::Object { .. } | Node::Tagged { .. } => {
+                let close = may_close(properties(schema, node), 0);
                 b == b'{'
                     && self.open(
                         Ctx::Object {
@@ -1732,13 +1755,32 @@ mod tests {
         ] {
             assert!(!takes(&json, text), "took {text}");
         }
-        // Two readings from the item's "{" until its kind's value differs;
-        // readings that meet again (each item read to its end) are one.
+        // Told apart by their first property's constant: one reading
+        // (Node::Tagged), its alternative chosen once the constant is written.
         let mut walk = json.clone();
-        assert!(walk.push(br#"{"pets":["#) && walk.readings.len() == 1);
-        assert!(walk.push(br#"{"kind":""#) && walk.readings.len() == 2);
+        assert!(walk.push(br#"{"pets":[{"kind":""#) && walk.readings.len() == 1);
         assert!(walk.push(b"d") && walk.readings.len() == 1);
         assert!(walk.accepts(br#"og","good":false}"#) && !walk.accepts(br#"og","lives":"#));
+        // Told apart later (the constant second): two readings from the
+        // item's "{" until its kind's value differs; readings that meet again
+        // (each item read to its end) are one.
+        let json = under(serde_json::json!({
+            "items": {"anyOf": [
+                {"properties": {"name": {"type": "string"}, "kind": {"const": "cat"},
+                                "lives": {"type": "integer"}},
+                 "required": ["name", "kind", "lives"], "type": "object"},
+                {"properties": {"name": {"type": "string"}, "kind": {"const": "dog"},
+                                "good": {"type": "boolean"}},
+                 "required": ["name", "kind", "good"], "type": "object"}
+            ]},
+            "type": "array"
+        }));
+        let mut walk = json.clone();
+        assert!(walk.push(b"[") && walk.readings.len() == 1);
+        assert!(walk.push(br#"{"name":"x","kind":""#) && walk.readings.len() == 2);
+        assert!(walk.push(b"d") && walk.readings.len() == 1);
+        assert!(walk.accepts(br#"og","good":false}"#) && !walk.accepts(br#"og","lives":"#));
+        assert!(walk.push(br#"og","good":false},"#) && walk.readings.len() == 1);
         let mut walk = under(serde_json::json!({
             "items": {"anyOf": [{"type": "integer"}, {"type": "number"}]}
         }));
@@ -1795,6 +1837,248 @@ mod tests {
         // Within an object a property's value never ends the output.
         let mut json = under(serde_json::json!({"properties": {"n": {"type": "number"}}}));
         assert!(json.push(b"{\"n\":1") && !json.may_end());
+    }
+
+    /// `tool_choice: "required"`'s output over `n` tools, tool `i` taking
+    /// one integer `x{i}`: objects told apart by their first property.
+    fn calls(n: usize) -> serde_json::Value {
+        let alternatives: Vec<serde_json::Value> = (0..n)
+            .map(|i| {
+                serde_json::json!({
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": format!("t{i}")},
+                        "arguments": {"type": "object",
+                                      "properties": {format!("x{i}"): {"type": "integer"}},
+                                      "required": [format!("x{i}")]}
+                    },
+                    "required": ["name", "arguments"]
+                })
+            })
+            .collect();
+        serde_json::json!({"type": "array", "minItems": 1, "items": {"anyOf": alternatives}})
+    }
+
+    #[test]
+    fn objects_told_apart_by_their_first_property_are_one_reading() {
+        // 128 alternatives, eight times what could be read side by side:
+        // every one is reached, and only with its own arguments.
+        let json = under(calls(128));
+        assert!(matches!(
+            json.schema.node(array(&json.schema, json.schema.root(), 0).0),
+            Node::Tagged { bodies, .. } if bodies.len() == 128
+        ));
+        for i in [0, 1, 15, 16, 17, 100, 127] {
+            let call = format!(r#"[{{"name":"t{i}","arguments":{{"x{i}":{i}}}}}]"#);
+            assert!(takes(&json, &call), "refused {call}");
+            let other = (i + 1) % 128;
+            for text in [
+                format!(r#"[{{"name":"t{i}","arguments":{{"x{other}":1}}}}]"#),
+                format!(r#"[{{"name":"t{i}","arguments":{{}}}}]"#),
+                format!(r#"[{{"name":"t{i}","arguments":{{"x{i}":1}},"name":"t{i}"}}]"#),
+                format!(r#"[{{"arguments":{{"x{i}":1}},"name":"t{i}"}}]"#),
+            ] {
+                assert!(!takes(&json, &text), "took {text}");
+            }
+            // One reading at every byte.
+            let mut walk = json.clone();
+            for b in call.bytes() {
+                assert!(walk.push(&[b]) && walk.readings.len() == 1, "{call}");
+            }
+        }
+        for text in [
+            r#"[{"name":"t128","arguments":{"x128":1}}]"#,
+            r#"[{"name":"t","arguments":{}}]"#,
+            r#"[{"name":"t12x","arguments":{"x12":1}}]"#,
+            r#"[]"#,
+        ] {
+            assert!(!takes(&json, text), "took {text}");
+        }
+        assert!(takes(
+            &json,
+            r#"[ { "name" : "t3" , "arguments" : { "x3" : 1 } } , {"name":"t30","arguments":{"x30":-2}} ]"#
+        ));
+        // A name that is another's prefix ("t1" of "t12"), and constants
+        // that are not strings (1 of 12, ended by what follows them).
+        let mut walk = json.clone();
+        assert!(walk.push(br#"[{"name":"t1"#) && walk.accepts(b"2") && walk.accepts(b"\""));
+        assert!(
+            walk.push(br#"2","arguments":{"x"#) && walk.accepts(b"12") && !walk.accepts(b"1\"")
+        );
+        let numbered = under(serde_json::json!({"anyOf": [
+            {"type": "object", "properties": {"v": {"const": 1}, "a": {"type": "string"}},
+             "required": ["v", "a"]},
+            {"type": "object", "properties": {"v": {"const": 12}, "b": {"type": "integer"}},
+             "required": ["v"]},
+            {"type": "object", "properties": {"v": {"const": true}}, "required": ["v"]}
+        ]}));
+        assert!(matches!(
+            numbered.schema.node(numbered.schema.root()),
+            Node::Tagged { .. }
+        ));
+        for text in [
+            r#"{"v":1,"a":"x"}"#,
+            r#"{ "v" : 12 , "b" : 3 }"#,
+            r#"{"v":12}"#,
+            r#"{"v":true}"#,
+        ] {
+            assert!(takes(&numbered, text), "refused {text}");
+        }
+        for text in [
+            r#"{"v":1}"#,
+            r#"{"v":1,"b":3}"#,
+            r#"{"v":12,"a":"x"}"#,
+            r#"{"v":2}"#,
+            r#"{"v":true,"a":"x"}"#,
+        ] {
+            assert!(!takes(&numbered, text), "took {text}");
+        }
+    }
+
+    #[test]
+    fn only_distinct_first_constants_make_a_tagged_union() {
+        let alike = |first: serde_json::Value, second: serde_json::Value| {
+            Schema::compile(&serde_json::json!({"anyOf": [
+                {"type": "object", "properties": {"k": first, "a": {"type": "integer"}},
+                 "required": ["k", "a"]},
+                {"type": "object", "properties": {"k": second, "b": {"type": "integer"}},
+                 "required": ["k", "b"]}
+            ]}))
+            .unwrap()
+        };
+        let tagged = |s: &Schema| matches!(s.node(s.root()), Node::Tagged { .. });
+        assert!(tagged(&alike(
+            serde_json::json!({"const": "x"}),
+            serde_json::json!({"const": "y"})
+        )));
+        // The same constant twice, an enum of two, a type: read side by
+        // side, and still each alternative's instances taken.
+        for (first, second, took, refused) in [
+            (
+                serde_json::json!({"const": "x"}),
+                serde_json::json!({"const": "x"}),
+                r#"{"k":"x","b":1}"#,
+                r#"{"k":"y","b":1}"#,
+            ),
+            (
+                serde_json::json!({"enum": ["x", "z"]}),
+                serde_json::json!({"const": "y"}),
+                r#"{"k":"z","a":1}"#,
+                r#"{"k":"y","a":1}"#,
+            ),
+            (
+                serde_json::json!({"type": "string"}),
+                serde_json::json!({"const": "y"}),
+                r#"{"k":"y","a":1}"#,
+                r#"{"k":"x","b":1}"#,
+            ),
+        ] {
+            let schema = alike(first.clone(), second);
+            assert!(!tagged(&schema), "{first}");
+            let json = Json::new(Arc::new(schema));
+            assert!(
+                takes(&json, r#"{"k":"x","a":1}"#) && takes(&json, took),
+                "{first}"
+            );
+            assert!(!takes(&json, refused), "{first}");
+        }
+        // An optional first property is no tag: `{"a": 1}` fits the first.
+        let optional = Schema::compile(&serde_json::json!({"anyOf": [
+            {"type": "object", "properties": {"k": {"const": "x"}, "a": {"type": "integer"}},
+             "required": ["a"]},
+            {"type": "object", "properties": {"k": {"const": "y"}}, "required": ["k"]}
+        ]}))
+        .unwrap();
+        assert!(!tagged(&optional));
+        assert!(takes(&Json::new(Arc::new(optional)), r#"{"a":1}"#));
+    }
+
+    #[test]
+    fn random_walks_over_a_tagged_union_end_in_its_instances() {
+        let json = under(calls(40));
+        let mut rng = bulkhead_kernels::rng::SplitMix64(11);
+        let pieces = [
+            "[",
+            "{",
+            "\"name\":",
+            "\"t",
+            "1",
+            "2",
+            "3",
+            "\"",
+            ",",
+            "\"arguments\":",
+            "{",
+            "\"x1",
+            "\"x12",
+            "\"x3",
+            ":",
+            "7",
+            "}",
+            "]",
+            " ",
+        ];
+        // After 30 random pieces, the first of these that fits.
+        let closing = [
+            "\"",
+            "}",
+            "]",
+            ":",
+            "7",
+            "\"arguments\":",
+            ",",
+            "{",
+            "name\":",
+            "arguments\":",
+            "t",
+            "x",
+            "1",
+            "2",
+            "3",
+            "0",
+        ];
+        let mut ended = 0;
+        for _ in 0..1000 {
+            let mut walk = json.clone();
+            let mut text = String::new();
+            for step in 0..200 {
+                let mut piece = pieces[(rng.next_u64() % pieces.len() as u64) as usize];
+                if step >= 30 {
+                    piece = closing
+                        .iter()
+                        .find(|p| walk.accepts(p.as_bytes()))
+                        .unwrap_or(&piece);
+                }
+                let accepted = walk.accepts(piece.as_bytes());
+                assert_eq!(
+                    accepted,
+                    walk.clone().push(piece.as_bytes()),
+                    "{text}{piece}"
+                );
+                if accepted {
+                    assert!(walk.push(piece.as_bytes()) && walk.readings.len() == 1);
+                    text.push_str(piece);
+                }
+                if walk.is_done() {
+                    break;
+                }
+            }
+            if !walk.is_done() {
+                continue;
+            }
+            ended += 1;
+            // Every call names a tool and gives exactly its argument.
+            let calls: serde_json::Value = serde_json::from_str(&text).unwrap();
+            for call in calls.as_array().unwrap() {
+                let name = call["name"].as_str().unwrap();
+                let i: usize = name[1..].parse().unwrap();
+                assert!(i < 40, "{text}");
+                let arguments = call["arguments"].as_object().unwrap();
+                assert_eq!(arguments.len(), 1, "{text}");
+                assert!(arguments[&format!("x{i}")].is_i64(), "{text}");
+            }
+        }
+        assert!(ended > 900, "only {ended} walks ended");
     }
 
     #[test]

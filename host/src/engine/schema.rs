@@ -18,10 +18,13 @@
 //! `exclusiveMinimum`, `exclusiveMaximum`, a whole `multipleOf` (a bounded
 //! number is written without an exponent, in whole units of
 //! [`unit_digits`]; see [`BOUNDED_UNITS_MAX`]), `enum`, `const`, `anyOf` and
-//! `oneOf` (`Optional[X]`; an `anyOf`'s alternatives that begin alike, as
-//! `Union[A, B]` of two models, are read side by side until the output
-//! tells them apart; a `oneOf`'s must begin differently, so that the output
-//! fits exactly one), a single-element `allOf`, and
+//! `oneOf` (`Optional[X]`; objects told apart by a first property that is
+//! a constant of each, as pydantic's discriminated union and a required
+//! tool call, are one reading ([`Node::Tagged`]); other alternatives that
+//! begin alike, as `Union[A, B]` of two models, are read side by side
+//! until the output tells them apart; a `oneOf`'s must begin differently or
+//! be so told apart, so that the output fits exactly one), a
+//! single-element `allOf`, and
 //! `$ref` to any JSON pointer in the
 //! document (`#/$defs/...`, recursion included). Annotations (`title`,
 //! `description`, `default`, `examples`, other `format`s, ...) are read
@@ -52,6 +55,10 @@ pub const ENUM_VALUES_MAX: usize = 256;
 /// Most bytes of property names and `enum` and `const` values, written
 /// compactly, in a schema.
 pub const LITERAL_BYTES_MAX: usize = 64 * 1024;
+/// How many times a schema's nodes and literal bytes the calls of a
+/// request's tools may hold together ([`Schema::compile_together`]): 128
+/// tools of a dozen nodes each.
+pub const TOGETHER: usize = 4;
 /// Most schemas within schemas (`items`, `properties`, `anyOf`, `$ref`
 /// chains) compiling may follow: it recurses, on a server thread's stack.
 pub const NESTING_MAX: usize = 64;
@@ -130,9 +137,24 @@ pub(super) enum Node {
     Map { values: NodeId },
     /// One of these (none of them a union), in the schema's order.
     Union(Vec<NodeId>),
+    /// A union of objects told apart by their first property (each
+    /// required, named alike, its value one constant of its own): pydantic's
+    /// discriminated union, a `tool_choice: "required"` call. Read as one
+    /// object: its first property is `head`'s only one (`by_name`: `[0]`),
+    /// its value one of the constants (a [`Node::Literals`] node, in byte
+    /// order); once that value is written the object goes on as `bodies[i]`
+    /// (the `i`-th constant's object), one reading however many there are.
+    Tagged {
+        head: Vec<Property>,
+        by_name: Vec<u16>,
+        bodies: Vec<NodeId>,
+    },
     /// Another node (a `$ref`; none is left once compiled).
     Ref(NodeId),
 }
+
+/// A tagged union's alternative: its constant, as written, and its object.
+type Tag = (Box<[u8]>, NodeId);
 
 /// A declared property of an object.
 #[derive(Clone, Debug, PartialEq)]
@@ -233,11 +255,29 @@ impl Schema {
     /// (bytes): schemas compiled for one request share one
     /// [`AUTOMATA_BYTES_MAX`].
     pub fn compile_within(document: &Value, budget: &mut usize) -> Result<Schema, SchemaError> {
+        Schema::compile_scaled(document, budget, 1)
+    }
+
+    /// Compiles `document`, the calls of a request's tools (each tool's
+    /// parameters compiled alone first, within a schema's bounds): its
+    /// nodes and literal bytes may be [`TOGETHER`] times a schema's.
+    pub fn compile_together(document: &Value) -> Result<Schema, SchemaError> {
+        let mut budget = AUTOMATA_BYTES_MAX;
+        Schema::compile_scaled(document, &mut budget, TOGETHER)
+    }
+
+    fn compile_scaled(
+        document: &Value,
+        budget: &mut usize,
+        scale: usize,
+    ) -> Result<Schema, SchemaError> {
         let mut compiler = Compiler {
             document,
             schema: Schema::base(),
             refs: HashMap::new(),
+            nodes_max: NODES_MAX * scale,
             literal_bytes: 0,
+            literal_bytes_max: LITERAL_BYTES_MAX * scale,
             automata_bytes_left: *budget,
             depth: 0,
             one_of: Vec::new(),
@@ -249,6 +289,7 @@ impl Schema {
         schema.root = root;
         schema.resolve_refs()?;
         schema.flatten_unions()?;
+        schema.tag_unions();
         for (id, at) in compiler.one_of {
             schema.check_exclusive(id, &at)?;
         }
@@ -366,6 +407,8 @@ impl Schema {
                     properties.iter_mut().for_each(|p| r(&mut p.value))
                 }
                 Node::Union(alternatives) => alternatives.iter_mut().for_each(r),
+                // (Made after references are resolved.)
+                Node::Tagged { .. } => {}
                 Node::Ref(id) => r(id),
                 Node::Any
                 | Node::Number { .. }
@@ -392,8 +435,69 @@ impl Schema {
         Ok(())
     }
 
-    /// A `oneOf`'s alternatives must begin differently: then the output
-    /// fits exactly one of them.
+    /// Makes each union of objects told apart by their first property a
+    /// [`Node::Tagged`] (see there; each adds a node of its constants, so a
+    /// schema holds at most twice its bound of nodes): then a value is one reading of the
+    /// output from its `{`, where side by side the alternatives would be as
+    /// many readings as there are (more than [`super::json::READINGS_MAX`]
+    /// could not all be followed). Accepts exactly the values the union
+    /// does.
+    fn tag_unions(&mut self) {
+        for id in 0..self.nodes.len() {
+            let Node::Union(leaves) = &self.nodes[id] else {
+                continue;
+            };
+            let Some((key, mut tagged)) = self.tags_of(leaves) else {
+                continue;
+            };
+            tagged.sort();
+            let (values, bodies): (Vec<Box<[u8]>>, Vec<NodeId>) = tagged.into_iter().unzip();
+            self.nodes.push(Node::Literals(values));
+            let head = vec![Property {
+                key,
+                value: self.nodes.len() as NodeId - 1,
+                required: true,
+            }];
+            self.nodes[id] = Node::Tagged {
+                head,
+                by_name: vec![0],
+                bodies,
+            };
+        }
+    }
+
+    /// Where `leaves` (two or more) are objects whose first property is
+    /// required, has the same name in each, and one constant value, each
+    /// another: that name, and each constant with its object.
+    fn tags_of(&self, leaves: &[NodeId]) -> Option<(Box<[u8]>, Vec<Tag>)> {
+        let mut key: Option<&[u8]> = None;
+        let mut tagged = Vec::with_capacity(leaves.len());
+        for &leaf in leaves {
+            let Node::Object { properties, .. } = self.node(leaf) else {
+                return None;
+            };
+            let first = properties.first().filter(|p| p.required)?;
+            if *key.get_or_insert(&first.key) != &*first.key {
+                return None;
+            }
+            let Node::Literals(values) = self.node(first.value) else {
+                return None;
+            };
+            let [value] = values.as_slice() else {
+                return None;
+            };
+            tagged.push((value.clone(), leaf));
+        }
+        let key = key?;
+        let mut values: Vec<&[u8]> = tagged.iter().map(|(v, _)| &**v).collect();
+        values.sort_unstable();
+        values.dedup();
+        (tagged.len() >= 2 && values.len() == tagged.len()).then(|| (key.into(), tagged))
+    }
+
+    /// A `oneOf`'s alternatives must begin differently, or be told apart by
+    /// their first property ([`Node::Tagged`]): then the output fits
+    /// exactly one of them.
     fn check_exclusive(&self, id: NodeId, at: &str) -> Result<(), SchemaError> {
         let Node::Union(leaves) = self.node(id) else {
             return Ok(());
@@ -455,7 +559,7 @@ impl Schema {
             Node::String { .. } | Node::Pattern { .. } => bit(b'"'),
             Node::Literals(values) => values.iter().fold(0, |bits, v| bits | bit(v[0])),
             Node::Array { .. } => bit(b'['),
-            Node::Object { .. } | Node::Map { .. } => bit(b'{'),
+            Node::Object { .. } | Node::Map { .. } | Node::Tagged { .. } => bit(b'{'),
             // (Flattened: its alternatives are no unions.)
             Node::Union(alternatives) => alternatives
                 .iter()
@@ -477,6 +581,9 @@ const ANNOTATIONS: &[&str] = &[
     "$comment",
     "$defs",
     "definitions",
+    // OpenAPI's (pydantic writes it beside a discriminated union's oneOf):
+    // a hint where to look; the alternatives' constants are what holds.
+    "discriminator",
     "deprecated",
     "readOnly",
     "writeOnly",
@@ -721,7 +828,9 @@ struct Compiler<'a> {
     schema: Schema,
     /// Each `$ref` compiled so far, by its pointer.
     refs: HashMap<String, NodeId>,
+    nodes_max: usize,
     literal_bytes: usize,
+    literal_bytes_max: usize,
     /// What is left of the budget for the patterns' automata.
     automata_bytes_left: usize,
     /// Schemas being compiled, each within the one before.
@@ -739,8 +848,9 @@ fn error(at: &str, message: impl Into<String>) -> SchemaError {
 
 impl Compiler<'_> {
     fn push(&mut self, node: Node, at: &str) -> Result<NodeId, SchemaError> {
-        if self.schema.nodes.len() >= NODES_MAX {
-            return Err(error(at, format!("more than {NODES_MAX} schema nodes")));
+        if self.schema.nodes.len() >= self.nodes_max {
+            let most = self.nodes_max;
+            return Err(error(at, format!("more than {most} schema nodes")));
         }
         self.schema.nodes.push(node);
         Ok(self.schema.nodes.len() as NodeId - 1)
@@ -1063,12 +1173,11 @@ impl Compiler<'_> {
 
     fn count_bytes(&mut self, bytes: usize, at: &str) -> Result<(), SchemaError> {
         self.literal_bytes += bytes;
-        if self.literal_bytes > LITERAL_BYTES_MAX {
+        if self.literal_bytes > self.literal_bytes_max {
+            let most = self.literal_bytes_max;
             return Err(error(
                 at,
-                format!(
-                    "more than {LITERAL_BYTES_MAX} bytes of property names and enum and const values"
-                ),
+                format!("more than {most} bytes of property names and enum and const values"),
             ));
         }
         Ok(())
@@ -1438,6 +1547,62 @@ mod tests {
         let nodes: serde_json::Map<String, Value> =
             (0..5).map(|i| (format!("o{i}"), wide.clone())).collect();
         assert!(refusal(json!({"properties": nodes})).contains("nodes"));
+    }
+
+    #[test]
+    fn a_one_of_compiles_where_its_alternatives_are_told_apart() {
+        // What the OpenAI client sends for pydantic's discriminated union
+        // (`Field(discriminator="pet_type")`): a oneOf of objects whose
+        // first property is a constant of its own, and OpenAPI's
+        // `discriminator` beside it.
+        let document = json!({
+            "$defs": {
+                "Cat": {"properties": {"pet_type": {"const": "cat", "title": "Pet Type", "type": "string"},
+                                       "meows": {"title": "Meows", "type": "integer"}},
+                        "required": ["pet_type", "meows"], "title": "Cat", "type": "object",
+                        "additionalProperties": false},
+                "Dog": {"properties": {"pet_type": {"const": "dog", "title": "Pet Type", "type": "string"},
+                                       "barks": {"title": "Barks", "type": "number"}},
+                        "required": ["pet_type", "barks"], "title": "Dog", "type": "object",
+                        "additionalProperties": false}
+            },
+            "properties": {"pet": {"discriminator": {"mapping": {"cat": "#/$defs/Cat", "dog": "#/$defs/Dog"},
+                                                     "propertyName": "pet_type"},
+                                   "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}], "title": "Pet"}},
+            "required": ["pet"], "title": "Owner", "type": "object", "additionalProperties": false
+        });
+        let schema = Schema::compile(&document).unwrap();
+        let Node::Object { properties, .. } = schema.node(schema.root()) else {
+            panic!("{schema:?}");
+        };
+        assert!(
+            matches!(schema.node(properties[0].value), Node::Tagged { bodies, .. } if bodies.len() == 2)
+        );
+        let json = crate::engine::json::Json::new(std::sync::Arc::new(schema));
+        let takes = |text: &str| {
+            let mut json = json.clone();
+            json.push(text.as_bytes()) && json.is_done()
+        };
+        assert!(takes(r#"{"pet":{"pet_type":"dog","barks":1.5}}"#));
+        assert!(!takes(r#"{"pet":{"pet_type":"dog","meows":1}}"#));
+        // Alternatives of one type not told apart by a first constant (or by
+        // the same one) are refused: the output could fit both.
+        for alike in [
+            json!({"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                             {"type": "object", "properties": {"b": {"type": "integer"}}}]}),
+            json!({"oneOf": [
+                {"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]},
+                {"type": "object", "properties": {"k": {"const": 1}, "b": {"type": "integer"}},
+                 "required": ["k"]}]}),
+            json!({"oneOf": [{"type": "integer"}, {"type": "number"}]}),
+        ] {
+            let refusal = refusal(alike.clone());
+            assert!(
+                refusal.contains("oneOf alternatives that may begin alike"),
+                "{alike}: {refusal}"
+            );
+        }
+        assert!(Schema::compile(&json!({"oneOf": [{"type": "string"}, {"type": "null"}]})).is_ok());
     }
 
     #[test]
