@@ -15,7 +15,7 @@ from typing import List, Literal, Optional, Tuple, Union
 
 try:
     import openai
-    from pydantic import AnyUrl, BaseModel, Field
+    from pydantic import AnyUrl, BaseModel, Field, create_model
 except ImportError:
     print("openai is not installed (pip install -r scripts/requirements.txt)")
     sys.exit(3)
@@ -58,6 +58,11 @@ class Bird(BaseModel):
 
 class Pets(BaseModel):
     pets: List[Union[Fish, Bird]] = Field(max_length=3)
+
+
+class Tank(BaseModel):
+    """pydantic's discriminated union: a oneOf told apart by `kind`."""
+    pet: Union[Fish, Bird] = Field(discriminator="kind")
 
 
 class GetWeather(BaseModel):
@@ -199,6 +204,8 @@ def main() -> None:
     # A union of two models (anyOf of two objects, read side by side).
     pets = parsed_as(Pets, "List a fish and a bird as JSON.", temperature=0)
     assert all(isinstance(p, (Fish, Bird)) for p in pets.pets), pets
+    tank = parsed_as(Tank, "A pet for a tank, as JSON.", temperature=1, seed=3)
+    assert isinstance(tank.pet, (Fish, Bird)), tank
     # vLLM's choice, through extra_body.
     label = client.chat.completions.create(
         model=model,
@@ -242,6 +249,24 @@ def main() -> None:
     streamed_call = final.choices[0].message.tool_calls[0]
     assert streamed_call.function.parsed_arguments == weather, (streamed_call, weather)
     assert streamed_call.id == streamed_call.id.strip() and streamed_call.id.startswith("call_")
+    # More tools than could be read side by side (each call is told apart
+    # by its name, the first property): any of them may be called.
+    many = [
+        openai.pydantic_function_tool(create_model(f"Tool{i}", value=(int, ...)), name=f"tool_{i}")
+        for i in range(23)
+    ] + tools
+    crowded = client.chat.completions.parse(
+        model=model, messages=question, tools=many, tool_choice="required",
+        max_tokens=120, temperature=1, seed=7,
+    )
+    assert crowded.choices[0].finish_reason == "tool_calls", crowded
+    for call in crowded.choices[0].message.tool_calls:
+        arguments = call.function.parsed_arguments
+        if call.function.name == "GetWeather":
+            assert isinstance(arguments, GetWeather), call
+        else:
+            assert re.fullmatch(r"tool_\d+", call.function.name), call
+            assert isinstance(arguments.value, int), call
     # The call's result goes back; the model answers in text.
     answered = client.chat.completions.create(
         model=model,

@@ -434,6 +434,42 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             {"type": "string", "pattern": "(a|b)*a(a|b){9}$"}
         ))).collect::<serde_json::Map<_, _>>()});
     let one_dfa = serde_json::json!({"type": "string", "pattern": "(a|b)*a(a|b){16}$"});
+    // `tool_choice: "required"` over a request's most tools: the calls'
+    // schema, each told apart by its name (one reading however many), and
+    // over two of them.
+    let tools = |n: usize| -> Vec<crate::engine::chat::Tool> {
+        (0..n)
+            .map(|i| crate::engine::chat::Tool {
+                name: format!("get_weather_{i}"),
+                description: None,
+                parameters: Some(serde_json::json!({"type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 24},
+                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                    "required": ["city", "unit"], "additionalProperties": false})),
+            })
+            .collect()
+    };
+    use crate::api::tools::{constraint_of, ToolChoice, TOOLS_MAX};
+    let calls_of = |n: usize| {
+        constraint_of(&ToolChoice::Required, &tools(n), true)
+            .ok()
+            .flatten()
+            .map(|(schema, _)| Arc::new(schema))
+    };
+    let started = Instant::now();
+    let calls_most = calls_of(TOOLS_MAX);
+    println!(
+        "compiling {:<55} {:>8.2} ms ({})",
+        format!("the calls of {TOOLS_MAX} tools (tool_choice required)"),
+        started.elapsed().as_secs_f64() * 1e3,
+        if calls_most.is_some() {
+            "compiled"
+        } else {
+            "refused"
+        }
+    );
+    let calls_most = calls_most.expect("the benchmark's tools compile");
+    let calls_two = calls_of(2).expect("the benchmark's tools compile");
     for (name, document) in [
         (
             "a pydantic model with 2 patterns and a date-time",
@@ -556,6 +592,20 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             "JSON schema, 2 patterns, a date-time (pydantic), temperature 1",
             SamplingParams {
                 json: Some(Arc::clone(&patterned)),
+                ..sampled(1.0)
+            },
+        ),
+        (
+            "tool_choice required, 2 tools, temperature 1",
+            SamplingParams {
+                json: Some(calls_two),
+                ..sampled(1.0)
+            },
+        ),
+        (
+            "tool_choice required, 128 tools, temperature 1",
+            SamplingParams {
+                json: Some(calls_most),
                 ..sampled(1.0)
             },
         ),

@@ -915,11 +915,28 @@ pub fn openai_seeds() -> Vec<(&'static str, Vec<u8>)> {
             "seed-completion-vllm.json",
             r#"{"model":"m","prompt":"Hi","max_tokens":8,"top_k":5,"min_p":0.1,"repetition_penalty":1.2,"ignore_eos":false,"stop_token_ids":[2,0,2],"min_tokens":3}"#,
         ),
+        (
+            "seed-chat-discriminated.json",
+            r##"{"model":"m","messages":[{"role":"user","content":"A pet?"}],"response_format":{"type":"json_schema","json_schema":{"name":"Owner","strict":true,"schema":{"$defs":{"Cat":{"properties":{"pet_type":{"const":"cat","type":"string"},"meows":{"type":"integer"}},"required":["pet_type","meows"],"type":"object","additionalProperties":false},"Dog":{"properties":{"pet_type":{"const":"dog","type":"string"},"barks":{"type":"number"}},"required":["pet_type","barks"],"type":"object","additionalProperties":false}},"properties":{"pet":{"discriminator":{"mapping":{"cat":"#/$defs/Cat","dog":"#/$defs/Dog"},"propertyName":"pet_type"},"oneOf":[{"$ref":"#/$defs/Cat"},{"$ref":"#/$defs/Dog"}]},"v":{"anyOf":[{"type":"object","properties":{"v":{"const":1}},"required":["v"]},{"type":"object","properties":{"v":{"const":12},"w":{}},"required":["v"]}]}},"required":["pet"],"type":"object"}}}}"##,
+        ),
     ];
-    bodies
+    let mut seeds: Vec<(&str, Vec<u8>)> = bodies
         .into_iter()
         .map(|(name, body)| (name, body.as_bytes().to_vec()))
-        .collect()
+        .collect();
+    // More tools than could be read side by side, `required`: the calls
+    // told apart by their names, some of which begin alike.
+    let tools: Vec<Value> = (0..24)
+        .map(|i| {
+            json!({"type": "function", "function": {"name": format!("f{i}"), "parameters":
+                {"type": "object", "properties": {format!("p{i}"): {"type": "integer"}},
+                 "required": [format!("p{i}")]}}})
+        })
+        .collect();
+    let many = json!({"model": "m", "messages": [{"role": "user", "content": "Call."}],
+                      "tools": tools, "tool_choice": "required"});
+    seeds.push(("seed-chat-tools-many.json", many.to_string().into_bytes()));
+    seeds
 }
 
 /// Seeds of the admin corpus: a kind byte (see [`ADMIN_KINDS`]), then a body

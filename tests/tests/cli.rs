@@ -114,12 +114,13 @@ fn bench_sampling_measures_every_option_on_the_real_model() {
     let text = stdout(&out);
     let lines: Vec<&str> = text.lines().collect();
     assert!(lines[0].contains("vocabulary 49152"), "{text}");
-    // Three schemas compiled, timed: a pydantic model's patterns and
-    // format, and two hostile ones refused at the bound on their automata.
+    // Four schemas compiled, timed: the calls of 128 tools, a pydantic
+    // model's patterns and format, and two hostile ones refused at the
+    // bound on their automata.
     let (compiled, rest): (Vec<&str>, Vec<&str>) = lines[1..]
         .iter()
         .partition(|line| line.starts_with("compiling "));
-    assert_eq!(compiled.len(), 3, "{text}");
+    assert_eq!(compiled.len(), 4, "{text}");
     for (i, line) in compiled.iter().enumerate() {
         let ms: f64 = line
             .split(" ms (")
@@ -127,7 +128,7 @@ fn bench_sampling_measures_every_option_on_the_real_model() {
             .and_then(|before| before.split_whitespace().last()?.parse().ok())
             .unwrap_or_else(|| panic!("{line}"));
         assert!(ms > 0.0, "{line}");
-        let outcome = if i == 0 { "(compiled)" } else { "in all)" };
+        let outcome = if i < 2 { "(compiled)" } else { "in all)" };
         assert!(line.ends_with(outcome), "{line}");
     }
     // One row per option, the hostile ones included, each with a mean and
@@ -143,13 +144,14 @@ fn bench_sampling_measures_every_option_on_the_real_model() {
             (number(" mean "), number(" max "))
         })
         .collect();
-    assert_eq!(rows.len(), 17, "{text}");
+    assert_eq!(rows.len(), 19, "{text}");
     for option in [
         "hostile: JSON mode, temperature 1",
         "JSON schema (a pydantic model), temperature 1",
         "JSON schema, 2 patterns, a date-time (pydantic), temperature 1",
         "hostile: 250 enum values sharing 200 bytes",
         "hostile: 16 alike alternatives read side by side",
+        "tool_choice required, 128 tools, temperature 1",
     ] {
         assert!(text.contains(option), "{option}: {text}");
     }

@@ -14,9 +14,10 @@
 //!   (`engine/schema.rs`).
 //! - `"required"`: the output is a JSON array of one or more calls (at most
 //!   one with `parallel_tool_calls: false`), each `{"name": N, "arguments":
-//!   A}` with `A` an instance of `N`'s parameters. At most [`REQUIRED_MAX`]
-//!   tools: the recognizer reads at most that many alike alternatives side by
-//!   side, and a tool it could not reach would never be called.
+//!   A}` with `A` an instance of `N`'s parameters. The calls are told apart
+//!   by their name, written first: the recognizer reads one call object
+//!   whatever the number of tools, and goes on as that tool's once its name
+//!   is written (`Node::Tagged` in `engine/schema.rs`).
 //! - `"auto"` (the default once tools are given): the model answers as it
 //!   likes, and its calls are read out of its text in the markup its
 //!   template teaches: Hermes' `<tool_call>{"name": ..., "arguments":
@@ -39,15 +40,12 @@
 use super::error::ApiError;
 use super::openai::{invalid, unsupported};
 use crate::engine::chat::Tool;
-use crate::engine::json::READINGS_MAX;
 use crate::engine::pattern::AUTOMATA_BYTES_MAX;
 use crate::engine::schema::Schema;
 use serde_json::{json, Map, Value};
 
 /// Most tools one request may offer (OpenAI's limit).
 pub const TOOLS_MAX: usize = 128;
-/// Most tools with `tool_choice: "required"` (module doc).
-pub const REQUIRED_MAX: usize = READINGS_MAX;
 
 /// What a request lets the model do with its tools.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -208,12 +206,6 @@ pub fn tool_choice_of(value: Option<Value>, tools: &[Tool]) -> Result<ToolChoice
         ToolChoice::Required | ToolChoice::Auto if tools.is_empty() => {
             Err(invalid(PARAM, "needs at least one tool in tools"))
         }
-        ToolChoice::Required if tools.len() > REQUIRED_MAX => Err(unsupported(
-            PARAM,
-            &format!(
-                "\"required\" with more than {REQUIRED_MAX} tools is not supported (name one, or offer fewer)"
-            ),
-        )),
         choice => Ok(choice),
     }
 }
@@ -284,7 +276,7 @@ pub fn constraint_of(
                 document["maxItems"] = 1.into();
             }
             // (Together they may pass a bound each passes alone: the nodes'.)
-            let schema = Schema::compile(&document)
+            let schema = Schema::compile_together(&document)
                 .map_err(|e| invalid("tools", format!("the tools' parameters together: {e}")))?;
             Ok(Some((schema, CallsOut::Listed)))
         }
@@ -781,11 +773,69 @@ mod tests {
             assert!(tool_choice_of(Some(bad), &tools).is_err());
         }
         assert!(tool_choice_of(Some(json!("required")), &[]).is_err());
-        let many: Vec<Tool> = (0..=REQUIRED_MAX)
+        let many: Vec<Tool> = (0..TOOLS_MAX)
             .map(|i| tool(&format!("f{i}"), weather()))
             .collect();
-        assert!(tool_choice_of(Some(json!("required")), &many).is_err());
-        assert!(tool_choice_of(Some(json!("required")), &many[..REQUIRED_MAX]).is_ok());
+        assert!(tool_choice_of(Some(json!("required")), &many).is_ok());
+    }
+
+    #[test]
+    fn required_reaches_every_one_of_the_most_tools_with_its_own_arguments() {
+        // As many tools as a request may offer, each of its own parameters;
+        // names that begin alike ("f1", "f12", "f120").
+        let tools: Vec<Tool> = (0..TOOLS_MAX)
+            .map(|i| {
+                let parameters = json!({"type": "object",
+                    "properties": {format!("p{i}"): {"type": "integer", "minimum": i}},
+                    "required": [format!("p{i}")], "additionalProperties": false});
+                tool(&format!("f{i}"), parameters)
+            })
+            .collect();
+        let (schema, _) = constraint_of(&ToolChoice::Required, &tools, true)
+            .unwrap()
+            .unwrap();
+        for i in [0, 1, 12, 16, 17, 120, TOOLS_MAX - 1] {
+            let call = |name: usize, p: usize, v: usize| {
+                format!(r#"{{"name":"f{name}","arguments":{{"p{p}":{v}}}}}"#)
+            };
+            assert!(takes(&schema, &format!("[{}]", call(i, i, i))), "f{i}");
+            assert!(takes(
+                &schema,
+                &format!("[{},{}]", call(i, i, i + 1), call(0, 0, 0))
+            ));
+            // Another tool's arguments, and its own below its minimum.
+            let other = (i + 1) % TOOLS_MAX;
+            let wrong = call(i, other, i.max(other));
+            assert!(!takes(&schema, &format!("[{wrong}]")), "{wrong}");
+            if let Some(below) = i.checked_sub(1) {
+                assert!(!takes(&schema, &format!("[{}]", call(i, i, below))), "f{i}");
+            }
+        }
+        assert!(!takes(
+            &schema,
+            r#"[{"name":"f128","arguments":{"p128":200}}]"#
+        ));
+        // Together they may hold more nodes than one schema (128 tools of
+        // eight properties: 1,400 nodes), up to TOGETHER times as many.
+        let wide = |properties: usize| -> Vec<Tool> {
+            let parameters = json!({"type": "object", "properties":
+                (0..properties).map(|k| (format!("q{k}"), json!({"type": "integer"})))
+                    .collect::<Map<_, _>>()});
+            (0..TOOLS_MAX)
+                .map(|i| tool(&format!("f{i}"), parameters.clone()))
+                .collect()
+        };
+        assert!(constraint_of(&ToolChoice::Required, &wide(8), true).is_ok());
+        match constraint_of(&ToolChoice::Required, &wide(40), true).unwrap_err() {
+            ApiError::InvalidValue { param, message } => {
+                assert_eq!(param, "tools");
+                assert!(
+                    message.contains("together") && message.contains("4096"),
+                    "{message}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     /// Whether `schema` takes `text` whole.
