@@ -1936,6 +1936,50 @@ mod tests {
     }
 
     #[test]
+    fn a_unions_tagged_objects_are_one_reading_beside_its_other_alternatives() {
+        // pydantic's Optional[A | B | ...] of 20 models told apart by `kind`:
+        // anyOf [oneOf [refs], null]; flattened, the objects and the null.
+        let defs: serde_json::Map<String, serde_json::Value> = (0..20)
+            .map(|i| {
+                (
+                    format!("M{i}"),
+                    serde_json::json!({"type": "object",
+                    "properties": {"kind": {"const": format!("m{i}"), "type": "string"},
+                                   format!("f{i}"): {"type": "integer"}},
+                    "required": ["kind", format!("f{i}")]}),
+                )
+            })
+            .collect();
+        let refs: Vec<serde_json::Value> = (0..20)
+            .map(|i| serde_json::json!({"$ref": format!("#/$defs/M{i}")}))
+            .collect();
+        let json = under(serde_json::json!({
+            "$defs": defs,
+            "type": "object",
+            "properties": {"pet": {"anyOf": [
+                {"oneOf": refs, "discriminator": {"propertyName": "kind"}},
+                {"type": "null"},
+                {"type": "object", "properties": {"free": {"type": "boolean"}}, "required": ["free"]}
+            ]}},
+            "required": ["pet"]
+        }));
+        for i in [0, 15, 16, 19] {
+            let text = format!(r#"{{"pet":{{"kind":"m{i}","f{i}":1}}}}"#);
+            assert!(takes(&json, &text), "refused {text}");
+            assert!(!takes(
+                &json,
+                &format!(r#"{{"pet":{{"kind":"m{i}","f{}":1}}}}"#, (i + 1) % 20)
+            ));
+        }
+        assert!(takes(&json, r#"{"pet":null}"#) && takes(&json, r#"{"pet":{"free":true}}"#));
+        // The tagged objects are one reading beside the other object.
+        let mut walk = json.clone();
+        assert!(walk.push(br#"{"pet":{"#) && walk.readings.len() == 2);
+        assert!(walk.push(br#""kind":"m1"#) && walk.readings.len() == 1);
+        assert!(walk.push(br#"7","f17":2}}"#) && walk.is_done());
+    }
+
+    #[test]
     fn only_distinct_first_constants_make_a_tagged_union() {
         let alike = |first: serde_json::Value, second: serde_json::Value| {
             Schema::compile(&serde_json::json!({"anyOf": [

@@ -435,64 +435,80 @@ impl Schema {
         Ok(())
     }
 
-    /// Makes each union of objects told apart by their first property a
-    /// [`Node::Tagged`] (see there; each adds a node of its constants, so a
-    /// schema holds at most twice its bound of nodes): then a value is one reading of the
-    /// output from its `{`, where side by side the alternatives would be as
-    /// many readings as there are (more than [`super::json::READINGS_MAX`]
-    /// could not all be followed). Accepts exactly the values the union
-    /// does.
+    /// Makes the objects of each union that are told apart by their first
+    /// property one [`Node::Tagged`] (see there; each adds at most two
+    /// nodes, so a schema holds at most three times its bound of nodes):
+    /// then such a value is one reading of the output from its `{`, where
+    /// side by side the alternatives would be as many readings as there are
+    /// (more than [`super::json::READINGS_MAX`] could not all be followed).
+    /// The union's other alternatives stay (`Optional[A | B]`'s null).
+    /// Accepts exactly the values the union does.
     fn tag_unions(&mut self) {
         for id in 0..self.nodes.len() {
             let Node::Union(leaves) = &self.nodes[id] else {
                 continue;
             };
-            let Some((key, mut tagged)) = self.tags_of(leaves) else {
+            // Its objects of a constant first property named as the first
+            // such object's (the others stay alternatives as they are).
+            let mut key: Option<&[u8]> = None;
+            let mut tagged: Vec<Tag> = Vec::new();
+            for &leaf in leaves {
+                if let Some((name, value)) = self.tag_of(leaf) {
+                    if *key.get_or_insert(name) == name {
+                        tagged.push((value.into(), leaf));
+                    }
+                }
+            }
+            tagged.sort();
+            let distinct = tagged.windows(2).all(|w| w[0].0 != w[1].0);
+            let (Some(key), true, true) = (key, tagged.len() >= 2, distinct) else {
                 continue;
             };
-            tagged.sort();
+            let key: Box<[u8]> = key.into();
             let (values, bodies): (Vec<Box<[u8]>>, Vec<NodeId>) = tagged.into_iter().unzip();
+            // The tagged node where its first object was, in the schema's
+            // order; in place of the union where it is all of it.
+            let mut alternatives: Vec<NodeId> = Vec::with_capacity(leaves.len() - bodies.len() + 1);
+            let mut at = None;
+            for &leaf in leaves {
+                if !bodies.contains(&leaf) {
+                    alternatives.push(leaf);
+                } else if at.is_none() {
+                    at = Some(alternatives.len());
+                    alternatives.push(leaf);
+                }
+            }
             self.nodes.push(Node::Literals(values));
-            let head = vec![Property {
-                key,
-                value: self.nodes.len() as NodeId - 1,
-                required: true,
-            }];
-            self.nodes[id] = Node::Tagged {
-                head,
+            let node = Node::Tagged {
+                head: vec![Property {
+                    key,
+                    value: self.nodes.len() as NodeId - 1,
+                    required: true,
+                }],
                 by_name: vec![0],
                 bodies,
             };
+            if alternatives.len() == 1 {
+                self.nodes[id] = node;
+            } else {
+                self.nodes.push(node);
+                alternatives[at.expect("a tagged leaf")] = self.nodes.len() as NodeId - 1;
+                self.nodes[id] = Node::Union(alternatives);
+            }
         }
     }
 
-    /// Where `leaves` (two or more) are objects whose first property is
-    /// required, has the same name in each, and one constant value, each
-    /// another: that name, and each constant with its object.
-    fn tags_of(&self, leaves: &[NodeId]) -> Option<(Box<[u8]>, Vec<Tag>)> {
-        let mut key: Option<&[u8]> = None;
-        let mut tagged = Vec::with_capacity(leaves.len());
-        for &leaf in leaves {
-            let Node::Object { properties, .. } = self.node(leaf) else {
-                return None;
-            };
-            let first = properties.first().filter(|p| p.required)?;
-            if *key.get_or_insert(&first.key) != &*first.key {
-                return None;
-            }
-            let Node::Literals(values) = self.node(first.value) else {
-                return None;
-            };
-            let [value] = values.as_slice() else {
-                return None;
-            };
-            tagged.push((value.clone(), leaf));
+    /// Where node `id` is an object whose first property is required and
+    /// one constant: that property's name and the constant, as written.
+    fn tag_of(&self, id: NodeId) -> Option<(&[u8], &[u8])> {
+        let Node::Object { properties, .. } = self.node(id) else {
+            return None;
+        };
+        let first = properties.first().filter(|p| p.required)?;
+        match self.node(first.value) {
+            Node::Literals(values) if values.len() == 1 => Some((&first.key, &values[0])),
+            _ => None,
         }
-        let key = key?;
-        let mut values: Vec<&[u8]> = tagged.iter().map(|(v, _)| &**v).collect();
-        values.sort_unstable();
-        values.dedup();
-        (tagged.len() >= 2 && values.len() == tagged.len()).then(|| (key.into(), tagged))
     }
 
     /// A `oneOf`'s alternatives must begin differently, or be told apart by
