@@ -7,6 +7,7 @@ oversized prompt. Usage: openai_client_check.py BASE_URL API_KEY MODEL_ID
 Exit 0 and "ok" on success; exit 3 if the `openai` package is missing."""
 
 import datetime
+import decimal
 import ipaddress
 import re
 import sys
@@ -63,6 +64,12 @@ class Pets(BaseModel):
 class Tank(BaseModel):
     """pydantic's discriminated union: a oneOf told apart by `kind`."""
     pet: Union[Fish, Bird] = Field(discriminator="kind")
+
+
+class Invoice(BaseModel):
+    """Decimal: a number, or a string whose pattern needs lookahead (left out)."""
+    total: decimal.Decimal
+    currency: Literal["EUR", "USD"]
 
 
 class GetWeather(BaseModel):
@@ -204,6 +211,8 @@ def main() -> None:
     # A union of two models (anyOf of two objects, read side by side).
     pets = parsed_as(Pets, "List a fish and a bird as JSON.", temperature=0)
     assert all(isinstance(p, (Fish, Bird)) for p in pets.pets), pets
+    invoice = parsed_as(Invoice, "An invoice total, as JSON.", temperature=0)
+    assert isinstance(invoice.total, decimal.Decimal), invoice
     tank = parsed_as(Tank, "A pet for a tank, as JSON.", temperature=1, seed=3)
     assert isinstance(tank.pet, (Fish, Bird)), tank
     # vLLM's choice, through extra_body.

@@ -919,6 +919,10 @@ pub fn openai_seeds() -> Vec<(&'static str, Vec<u8>)> {
             "seed-chat-discriminated.json",
             r##"{"model":"m","messages":[{"role":"user","content":"A pet?"}],"response_format":{"type":"json_schema","json_schema":{"name":"Owner","strict":true,"schema":{"$defs":{"Cat":{"properties":{"pet_type":{"const":"cat","type":"string"},"meows":{"type":"integer"}},"required":["pet_type","meows"],"type":"object","additionalProperties":false},"Dog":{"properties":{"pet_type":{"const":"dog","type":"string"},"barks":{"type":"number"}},"required":["pet_type","barks"],"type":"object","additionalProperties":false}},"properties":{"pet":{"discriminator":{"mapping":{"cat":"#/$defs/Cat","dog":"#/$defs/Dog"},"propertyName":"pet_type"},"oneOf":[{"$ref":"#/$defs/Cat"},{"$ref":"#/$defs/Dog"}]},"v":{"anyOf":[{"type":"object","properties":{"v":{"const":1}},"required":["v"]},{"type":"object","properties":{"v":{"const":12},"w":{}},"required":["v"]}]}},"required":["pet"],"type":"object"}}}}"##,
         ),
+        (
+            "seed-chat-decimal.json",
+            r##"{"model":"m","messages":[{"role":"user","content":"A price?"}],"response_format":{"type":"json_schema","json_schema":{"name":"Price","schema":{"$defs":{"S":{"type":"string","pattern":"^(?!^[-+.]*$)[+-]?0*\\d*\\.?\\d*$"}},"properties":{"price":{"anyOf":[{"type":"number"},{"$ref":"#/$defs/S"}]},"amount":{"anyOf":[{"type":"number"},{"pattern":"^(?!^[-+.]*$)[+-]?0*(?:\\d{0,4}|(?=[\\d.]{1,7}0*$)\\d{0,4}\\.\\d{0,2}0*$)","type":"string"}]}},"required":["price","amount"],"type":"object","additionalProperties":false}}}}"##,
+        ),
     ];
     let mut seeds: Vec<(&str, Vec<u8>)> = bodies
         .into_iter()

@@ -430,6 +430,22 @@ fn dfa_of(regex: &str, whole: bool, budget: &mut usize) -> Result<(Dfa, StateID)
 }
 
 /// A parse error's kind and where, on one line.
+/// Whether `regex` is valid but beyond what any DFA holds: lookaround or
+/// a backreference (ECMA-262's and Python's, not Rust's).
+pub fn beyond_automata(regex: &str) -> bool {
+    use regex_syntax::ast::ErrorKind;
+    matches!(
+        regex_syntax::ast::parse::ParserBuilder::new()
+            .nest_limit(NEST_MAX)
+            .build()
+            .parse(regex),
+        Err(e) if matches!(
+            e.kind(),
+            ErrorKind::UnsupportedLookAround | ErrorKind::UnsupportedBackreference
+        )
+    )
+}
+
 fn syntax_error(e: &regex_syntax::Error) -> String {
     match e {
         regex_syntax::Error::Parse(e) => {

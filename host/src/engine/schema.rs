@@ -28,7 +28,10 @@
 //! `$ref` to any JSON pointer in the
 //! document (`#/$defs/...`, recursion included). Annotations (`title`,
 //! `description`, `default`, `examples`, other `format`s, ...) are read
-//! past, as JSON Schema 2020-12 leaves `format` an annotation. Any other keyword is
+//! past, as JSON Schema 2020-12 leaves `format` an annotation. An `anyOf`
+//! alternative whose pattern needs lookaround or a backreference is left out
+//! where another remains (pydantic's `Decimal`: a number, or such a string),
+//! so every output is still an instance. Any other keyword is
 //! refused with its name, never ignored: an output that a schema keyword
 //! did not constrain would not validate against it. So is a keyword of one
 //! type in a schema that names no type (it would accept any other type's
@@ -41,7 +44,7 @@
 //! `anyOf` that contains itself are refused, and compiling never recurses
 //! deeper than the document's own nesting (which the request parser bounds).
 
-use super::pattern::{format_regex, Pattern, AUTOMATA_BYTES_MAX};
+use super::pattern::{beyond_automata, format_regex, Pattern, AUTOMATA_BYTES_MAX};
 use serde_json::Value;
 use std::collections::HashMap;
 
@@ -275,12 +278,14 @@ impl Schema {
             document,
             schema: Schema::base(),
             refs: HashMap::new(),
+            refs_order: Vec::new(),
             nodes_max: NODES_MAX * scale,
             literal_bytes: 0,
             literal_bytes_max: LITERAL_BYTES_MAX * scale,
             automata_bytes_left: *budget,
             depth: 0,
             one_of: Vec::new(),
+            beyond_automata: false,
         };
         let root = compiler.node(document, "");
         *budget = compiler.automata_bytes_left;
@@ -842,8 +847,10 @@ fn kept_beside(
 struct Compiler<'a> {
     document: &'a Value,
     schema: Schema,
-    /// Each `$ref` compiled so far, by its pointer.
+    /// Each `$ref` compiled so far, by its pointer, and the pointers in
+    /// the order they were.
     refs: HashMap<String, NodeId>,
+    refs_order: Vec<String>,
     nodes_max: usize,
     literal_bytes: usize,
     literal_bytes_max: usize,
@@ -853,6 +860,8 @@ struct Compiler<'a> {
     depth: usize,
     /// The `oneOf` unions, and where.
     one_of: Vec<(NodeId, String)>,
+    /// Set where the last error was a pattern no automaton holds.
+    beyond_automata: bool,
 }
 
 fn error(at: &str, message: impl Into<String>) -> SchemaError {
@@ -862,7 +871,36 @@ fn error(at: &str, message: impl Into<String>) -> SchemaError {
     }
 }
 
+/// How far a [`Compiler`] had come: what [`Compiler::roll_back`] returns to.
+struct Mark {
+    nodes: usize,
+    patterns: usize,
+    refs: usize,
+    one_of: usize,
+}
+
 impl Compiler<'_> {
+    fn mark(&self) -> Mark {
+        Mark {
+            nodes: self.schema.nodes.len(),
+            patterns: self.schema.patterns.len(),
+            refs: self.refs_order.len(),
+            one_of: self.one_of.len(),
+        }
+    }
+
+    /// Forgets what was compiled since `mark`: its nodes and patterns, and
+    /// its references (one left would point at a node no longer there). What
+    /// it took of the bounds stays taken.
+    fn roll_back(&mut self, mark: Mark) {
+        self.schema.nodes.truncate(mark.nodes);
+        self.schema.patterns.truncate(mark.patterns);
+        for pointer in self.refs_order.drain(mark.refs..) {
+            self.refs.remove(&pointer);
+        }
+        self.one_of.truncate(mark.one_of);
+    }
+
     fn push(&mut self, node: Node, at: &str) -> Result<NodeId, SchemaError> {
         if self.schema.nodes.len() >= self.nodes_max {
             let most = self.nodes_max;
@@ -929,11 +967,30 @@ impl Compiler<'_> {
                     .as_array()
                     .filter(|a| !a.is_empty())
                     .ok_or_else(|| error(&at, "must be a non-empty array of schemas"))?;
-                let ids = alternatives
-                    .iter()
-                    .enumerate()
-                    .map(|(i, a)| self.node(a, &format!("{at}/{i}")))
-                    .collect::<Result<Vec<_>, _>>()?;
+                let mut ids = Vec::with_capacity(alternatives.len());
+                let mut left_out = None;
+                for (i, alternative) in alternatives.iter().enumerate() {
+                    let mark = self.mark();
+                    self.beyond_automata = false;
+                    match self.node(alternative, &format!("{at}/{i}")) {
+                        Ok(id) => ids.push(id),
+                        // An anyOf's alternative whose pattern no automaton
+                        // holds (pydantic's Decimal as a string) is left out
+                        // where another is not: every output is still an
+                        // instance, never of that alternative. (Not a
+                        // oneOf's: an output of another might be one of its
+                        // instances too.)
+                        Err(e) if combinator == "anyOf" && self.beyond_automata => {
+                            self.beyond_automata = false;
+                            self.roll_back(mark);
+                            left_out.get_or_insert(e);
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                if let (true, Some(e)) = (ids.is_empty(), left_out) {
+                    return Err(e);
+                }
                 let id = self.push(Node::Union(ids), &at)?;
                 if combinator == "oneOf" {
                     self.one_of.push((id, at));
@@ -1241,7 +1298,10 @@ impl Compiler<'_> {
         };
         Pattern::compile_all(&regexes, lengths, &mut self.automata_bytes_left, &what)
             .map(Some)
-            .map_err(|message| error(&at, message))
+            .map_err(|message| {
+                self.beyond_automata = pattern.is_some_and(beyond_automata);
+                error(&at, message)
+            })
     }
 
     /// A `$ref`: a JSON pointer into the document, compiled once.
@@ -1267,6 +1327,7 @@ impl Compiler<'_> {
         // recursive type) finds it; it points at the target once compiled.
         let id = self.push(Node::Ref(ANY), &at)?;
         self.refs.insert(pointer.to_string(), id);
+        self.refs_order.push(pointer.to_string());
         let target = self.node(target, &format!("#{pointer}"))?;
         self.schema.nodes[id as usize] = Node::Ref(target);
         Ok(id)
@@ -1563,6 +1624,70 @@ mod tests {
         let nodes: serde_json::Map<String, Value> =
             (0..5).map(|i| (format!("o{i}"), wide.clone())).collect();
         assert!(refusal(json!({"properties": nodes})).contains("nodes"));
+    }
+
+    #[test]
+    fn an_any_ofs_alternative_beyond_automata_is_left_out_where_another_remains() {
+        // What the OpenAI client sends for pydantic's Decimal fields (plain,
+        // and with max_digits=6, decimal_places=2): a number, or a string
+        // whose pattern needs lookahead.
+        let decimal = json!({
+            "properties": {
+                "price": {"anyOf": [{"type": "number"},
+                                    {"pattern": "^(?!^[-+.]*$)[+-]?0*\\d*\\.?\\d*$", "type": "string"}]},
+                "amount": {"anyOf": [{"type": "number"},
+                                     {"pattern": "^(?!^[-+.]*$)[+-]?0*(?:\\d{0,4}|(?=[\\d.]{1,7}0*$)\\d{0,4}\\.\\d{0,2}0*$)",
+                                      "type": "string"}]}
+            },
+            "required": ["price", "amount"], "type": "object", "additionalProperties": false
+        });
+        let schema = Schema::compile(&decimal).unwrap();
+        let json = crate::engine::json::Json::new(std::sync::Arc::new(schema));
+        let takes = |text: &str| {
+            let mut json = json.clone();
+            json.push(text.as_bytes()) && json.is_done()
+        };
+        assert!(takes(r#"{"price":12.5,"amount":-3}"#));
+        assert!(!takes(r#"{"price":"12.5","amount":1}"#));
+        // Alone, or beside alternatives refused for another reason, it is
+        // refused as before; so is a oneOf's (an instance of another
+        // alternative might be one of its too).
+        let lookahead = json!({"type": "string", "pattern": "^(?=a)a+$"});
+        for document in [
+            json!({"anyOf": [lookahead.clone()]}),
+            json!({"anyOf": [lookahead.clone(), {"type": "string", "pattern": "(?<=b)c"}]}),
+            json!({"oneOf": [lookahead.clone(), {"type": "integer"}]}),
+            lookahead.clone(),
+        ] {
+            assert!(
+                refusal(document.clone()).contains("look-around"),
+                "{document}"
+            );
+        }
+        let other =
+            refusal(json!({"anyOf": [lookahead.clone(), {"type": "array", "uniqueItems": true}]}));
+        assert!(other.contains("uniqueItems"), "{other}");
+        // What the left-out alternative compiled is forgotten: a reference
+        // made within it is compiled again where it is used elsewhere (and
+        // refused there), never the placeholder it left.
+        let shared = json!({
+            "$defs": {"S": lookahead},
+            "properties": {"a": {"anyOf": [{"$ref": "#/$defs/S"}, {"type": "integer"}]},
+                           "b": {"$ref": "#/$defs/S"}},
+            "type": "object"
+        });
+        let refused = Schema::compile(&shared).unwrap_err();
+        assert!(
+            refused.at.starts_with("#/$defs/S") && refused.message.contains("look-around"),
+            "{refused}"
+        );
+        let mut only_a = shared.clone();
+        only_a["properties"].as_object_mut().unwrap().remove("b");
+        let schema = Schema::compile(&only_a).unwrap();
+        let json = crate::engine::json::Json::new(std::sync::Arc::new(schema));
+        let mut a = json.clone();
+        assert!(a.push(br#"{"a":7}"#) && a.is_done());
+        assert!(!json.clone().push(br#"{"a":"aa"#));
     }
 
     #[test]
