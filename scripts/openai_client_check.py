@@ -16,7 +16,7 @@ from typing import List, Literal, Optional, Tuple, Union
 
 try:
     import openai
-    from pydantic import AnyUrl, BaseModel, Field, create_model
+    from pydantic import AnyUrl, BaseModel, Field, HttpUrl, create_model
 except ImportError:
     print("openai is not installed (pip install -r scripts/requirements.txt)")
     sys.exit(3)
@@ -45,6 +45,11 @@ class Visit(BaseModel):
     address: ipaddress.IPv4Address
     site: AnyUrl
     floor_and_room: Tuple[int, int]
+
+
+class Link(BaseModel):
+    """HttpUrl: a uri of at most 2,083 characters (held to a shorter length)."""
+    url: HttpUrl
 
 
 class Fish(BaseModel):
@@ -211,6 +216,8 @@ def main() -> None:
     # A union of two models (anyOf of two objects, read side by side).
     pets = parsed_as(Pets, "List a fish and a bird as JSON.", temperature=0)
     assert all(isinstance(p, (Fish, Bird)) for p in pets.pets), pets
+    link = parsed_as(Link, "A link to a news site, as JSON.", temperature=0)
+    assert link.url.scheme in ("http", "https"), link
     invoice = parsed_as(Invoice, "An invoice total, as JSON.", temperature=0)
     assert isinstance(invoice.total, decimal.Decimal), invoice
     tank = parsed_as(Tank, "A pet for a tank, as JSON.", temperature=1, seed=3)

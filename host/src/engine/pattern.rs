@@ -47,6 +47,10 @@ pub const AUTOMATA_BYTES_MAX: usize = 512 << 10;
 /// Most states of a compiled pattern (places in it, times the counts of
 /// characters that `minLength` and `maxLength` tell apart).
 pub const STATES_MAX: usize = 1 << 14;
+/// Most bytes one pattern's table takes (see [`Pattern::compile`]): a
+/// quarter of [`AUTOMATA_BYTES_MAX`], so that a schema's first long strings
+/// leave room for others, and compiling one costs a few milliseconds.
+pub const TABLE_BYTES_MAX: usize = AUTOMATA_BYTES_MAX / 4;
 /// Most entries (states times the classes of characters the pattern tells
 /// apart) of a compiled pattern's table: 2 bytes each.
 pub const TABLE_ENTRIES_MAX: usize = 1 << 20;
@@ -138,7 +142,12 @@ impl Pattern {
     /// Compiles `regex`; `whole`: the text must match it whole (vLLM's
     /// `regex`), else somewhere (JSON Schema's `pattern`); the text holds
     /// `min` to `max` characters (`u32::MAX`: no most). Its automata take
-    /// from `budget`, the bytes left of [`AUTOMATA_BYTES_MAX`].
+    /// from `budget`, the bytes left of [`AUTOMATA_BYTES_MAX`], its table
+    /// at most [`TABLE_BYTES_MAX`] of them. Where its table within `max`
+    /// would be larger (pydantic's `HttpUrl`: a URL of at most 2,083
+    /// characters), the text is held to the longest length, at least `min`,
+    /// whose table is not: a narrower set of texts, each still one the
+    /// schema accepts.
     pub fn compile(
         regex: &str,
         whole: bool,
@@ -160,7 +169,34 @@ impl Pattern {
         for &(regex, whole) in regexes {
             dfas.push(dfa_of(regex, whole, budget)?);
         }
-        Pattern::tabulate(&dfas, lengths, what, budget)
+        // A string of more characters than its table holds within its
+        // bytes is held to fewer: (bounded) the table's counts are its
+        // layers, each character adding one, so the layers before the one
+        // that did not fit are that shorter string's table.
+        let limit = (*budget).min(TABLE_BYTES_MAX);
+        let held = match Pattern::tabulate(&dfas, lengths, what, limit) {
+            Err(refused) => match refused.layer() {
+                Some(count) if count > lengths.0 => {
+                    Pattern::tabulate(&dfas, (lengths.0, count - 1), what, limit)
+                }
+                _ => Err(refused),
+            },
+            whole => whole,
+        };
+        let pattern = held.map_err(|refused| match refused {
+            Refused::TooLarge { .. } if limit < *budget => format!(
+                "{what} (with the string's minLength) needs a table larger than \
+                 {TABLE_BYTES_MAX} bytes"
+            ),
+            Refused::TooLarge { .. } => too_large(),
+            Refused::TooMany { .. } => format!(
+                "{what} (with the string's minLength and maxLength) needs more than \
+                 {STATES_MAX} states or {TABLE_ENTRIES_MAX} table entries"
+            ),
+            Refused::Other(message) => message,
+        })?;
+        *budget = budget.saturating_sub(pattern.next.len() * 2);
+        Ok(pattern)
     }
 
     /// The table of the states of `dfas` (each with its start) that an
@@ -173,8 +209,8 @@ impl Pattern {
         dfas: &[(Dfa, StateID)],
         (min, max): (u32, u32),
         what: &str,
-        budget: &mut usize,
-    ) -> Result<Pattern, String> {
+        limit: usize,
+    ) -> Result<Pattern, Refused> {
         // One column for each set of the DFAs' classes that the alphabet
         // meets (characters no DFA tells apart share one).
         let mut columns = [NO_COLUMN; 128];
@@ -188,13 +224,11 @@ impl Pattern {
             });
         }
         let width = firsts.len();
+        if width * 2 > limit {
+            // Not even the start's row.
+            return Err(Refused::TooLarge { count: None });
+        }
         let bounded = max != u32::MAX;
-        let too_many = || {
-            format!(
-                "{what} (with the string's minLength and maxLength) needs more than \
-                 {STATES_MAX} states or {TABLE_ENTRIES_MAX} table entries"
-            )
-        };
         // Breadth first from the start: (the DFAs' states, characters).
         type Place = (Box<[StateID]>, u32);
         let start: Place = (dfas.iter().map(|&(_, start)| start).collect(), 0);
@@ -225,12 +259,14 @@ impl Pattern {
                 let next = states.len() as u32;
                 let id = *ids.entry((to.clone(), count)).or_insert(next);
                 if id == next {
+                    // (Bounded, a state's count is its layer.)
+                    let layer = bounded.then_some(count);
                     if states.len() >= STATES_MAX || (states.len() + 1) * width > TABLE_ENTRIES_MAX
                     {
-                        return Err(too_many());
+                        return Err(Refused::TooMany { count: layer });
                     }
-                    if (states.len() + 1) * width * 2 > *budget {
-                        return Err(too_large());
+                    if (states.len() + 1) * width * 2 > limit {
+                        return Err(Refused::TooLarge { count: layer });
                     }
                     states.push((to, count));
                 }
@@ -274,7 +310,9 @@ impl Pattern {
             } else {
                 ""
             };
-            return Err(format!("no text of printable ASCII{within} matches {what}"));
+            return Err(Refused::Other(format!(
+                "no text of printable ASCII{within} matches {what}"
+            )));
         }
         // The live states, renumbered in order (the start stays 0).
         let mut renumbered = vec![DEAD; states.len()];
@@ -295,7 +333,6 @@ impl Pattern {
             }));
             kept_accepting.push(accepting[s]);
         }
-        *budget = budget.saturating_sub(next.len() * 2);
         Ok(Pattern {
             columns,
             width,
@@ -356,6 +393,31 @@ impl std::fmt::Debug for Pattern {
 }
 
 /// The refusal of patterns past [`AUTOMATA_BYTES_MAX`].
+/// Why a table was not made.
+enum Refused {
+    /// It would pass the bytes it may take; bounded, at the state of
+    /// `count` characters (all states of fewer fit).
+    TooLarge {
+        count: Option<u32>,
+    },
+    /// It would pass [`STATES_MAX`] or [`TABLE_ENTRIES_MAX`] (so too).
+    TooMany {
+        count: Option<u32>,
+    },
+    Other(String),
+}
+
+impl Refused {
+    /// Where it ran out of room, bounded: the count of characters of the
+    /// first state that did not fit.
+    fn layer(&self) -> Option<u32> {
+        match self {
+            Refused::TooLarge { count } | Refused::TooMany { count } => *count,
+            Refused::Other(_) => None,
+        }
+    }
+}
+
 fn too_large() -> String {
     format!("the patterns make automata larger than {AUTOMATA_BYTES_MAX} bytes in all")
 }
@@ -614,7 +676,58 @@ mod tests {
         refused(&"(".repeat(100), (0, u32::MAX), "not one this server reads");
         // A DFA of 2^16 states (the n-th character from the end is an a).
         refused("(a|b)*a(a|b){16}$", (0, u32::MAX), "larger than");
-        refused("^[a-z]*$", (0, 60_000), "states");
+    }
+
+    #[test]
+    fn a_string_whose_table_would_not_fit_is_held_to_a_shorter_length() {
+        // pydantic's HttpUrl: a URL of 1 to 2,083 characters, whose table
+        // (a state for each place and count) would take about 1.2 MB.
+        let url = format_regex("uri").unwrap();
+        let mut budget = AUTOMATA_BYTES_MAX;
+        let held =
+            Pattern::compile_all(&[(url.as_str(), true)], (1, 2083), &mut budget, "uri").unwrap();
+        let taken = AUTOMATA_BYTES_MAX - budget;
+        assert!(
+            taken <= TABLE_BYTES_MAX && taken > TABLE_BYTES_MAX * 9 / 10,
+            "{taken}"
+        );
+        // The longest text it takes: a URL of some hundreds of characters.
+        let longest = (1..=2083)
+            .rev()
+            .find(|&n| held.matches(&format!("https://a.io/{}", "x".repeat(n - 13))))
+            .unwrap();
+        assert!((150..2083).contains(&longest), "{longest}");
+        assert!(!held.matches(&format!("https://a.io/{}", "x".repeat(longest - 12))));
+        assert!(held.matches("http://a.io") && !held.matches("ftp://a.io"));
+        // Every state still ends or goes on, up to the held length.
+        for state in 0..held.accepting.len() as u16 {
+            assert!(held.accepts_end(state) || !held.is_final(state));
+        }
+        // A schema's first such strings leave room for more: four at the
+        // most each, then the rest held shorter, then refused.
+        let mut budget = AUTOMATA_BYTES_MAX;
+        let mut lengths = Vec::new();
+        let refusal = loop {
+            match Pattern::compile_all(&[(url.as_str(), true)], (1, 2083), &mut budget, "uri") {
+                Ok(p) => lengths.push(p.accepting.len()),
+                Err(e) => break e,
+            }
+            assert!(lengths.len() < 64, "{lengths:?}");
+        };
+        assert!(
+            lengths.len() >= 4 && lengths[..4].iter().all(|&n| n == lengths[0]),
+            "{lengths:?}"
+        );
+        assert!(
+            refusal.contains("in all") || refusal.contains("no text"),
+            "{refusal}"
+        );
+        // Not below minLength: a pattern whose shortest text's table would
+        // not fit is refused.
+        let e = compile("^[a-z]*$", false, (40_000, 60_000)).unwrap_err();
+        assert!(e.contains("states") || e.contains("larger than"), "{e}");
+        // Without a maxLength nothing is held: a DFA too large is refused.
+        assert!(compile("(a|b)*a(a|b){16}$", false, (0, u32::MAX)).is_err());
     }
 
     #[test]
