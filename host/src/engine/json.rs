@@ -2040,7 +2040,6 @@ mod tests {
     #[test]
     fn random_walks_over_a_tagged_union_end_in_its_instances() {
         let json = under(calls(40));
-        let mut rng = bulkhead_kernels::rng::SplitMix64(11);
         let pieces = [
             "[",
             "{",
@@ -2081,38 +2080,13 @@ mod tests {
             "3",
             "0",
         ];
-        let mut ended = 0;
-        for _ in 0..1000 {
-            let mut walk = json.clone();
-            let mut text = String::new();
-            for step in 0..200 {
-                let mut piece = pieces[(rng.next_u64() % pieces.len() as u64) as usize];
-                if step >= 30 {
-                    piece = closing
-                        .iter()
-                        .find(|p| walk.accepts(p.as_bytes()))
-                        .unwrap_or(&piece);
-                }
-                let accepted = walk.accepts(piece.as_bytes());
-                assert_eq!(
-                    accepted,
-                    walk.clone().push(piece.as_bytes()),
-                    "{text}{piece}"
-                );
-                if accepted {
-                    assert!(walk.push(piece.as_bytes()) && walk.readings.len() == 1);
-                    text.push_str(piece);
-                }
-                if walk.is_done() {
-                    break;
-                }
-            }
-            if !walk.is_done() {
-                continue;
-            }
-            ended += 1;
+        // One reading at every piece, whatever the 40 alternatives.
+        let ended = walk_pieces(&json, 11, 1000, 30, &pieces, &closing, |walk| {
+            assert_eq!(walk.readings.len(), 1)
+        });
+        for text in &ended {
             // Every call names a tool and gives exactly its argument.
-            let calls: serde_json::Value = serde_json::from_str(&text).unwrap();
+            let calls: serde_json::Value = serde_json::from_str(text).unwrap();
             for call in calls.as_array().unwrap() {
                 let name = call["name"].as_str().unwrap();
                 let i: usize = name[1..].parse().unwrap();
@@ -2122,13 +2096,59 @@ mod tests {
                 assert!(arguments[&format!("x{i}")].is_i64(), "{text}");
             }
         }
+        let ended = ended.len();
         assert!(ended > 900, "only {ended} walks ended");
+    }
+
+    /// Random walks over `json`, pieces standing for a model's tokens:
+    /// `walks` of 200 pieces each, the first `random` drawn from `pieces`
+    /// (seeded by `seed`), then the first of `closing` that fits, or else a
+    /// drawn one. `accepts` must answer as `push` does; `each` sees the
+    /// recognizer after each piece taken. The texts of the walks that
+    /// completed a value.
+    fn walk_pieces(
+        json: &Json,
+        seed: u64,
+        walks: usize,
+        random: usize,
+        pieces: &[&str],
+        closing: &[&str],
+        each: impl Fn(&Json),
+    ) -> Vec<String> {
+        let mut rng = bulkhead_kernels::rng::SplitMix64(seed);
+        let mut done = Vec::new();
+        for _ in 0..walks {
+            let mut walk = json.clone();
+            let mut taken = String::new();
+            for step in 0..200 {
+                let mut piece = pieces[(rng.next_u64() % pieces.len() as u64) as usize];
+                if step >= random {
+                    piece = closing
+                        .iter()
+                        .find(|p| walk.accepts(p.as_bytes()))
+                        .unwrap_or(&piece);
+                }
+                let accepted = walk.accepts(piece.as_bytes());
+                assert_eq!(
+                    accepted,
+                    walk.clone().push(piece.as_bytes()),
+                    "{taken} + {piece}"
+                );
+                if walk.push(piece.as_bytes()) {
+                    taken.push_str(piece);
+                    each(&walk);
+                }
+            }
+            if walk.is_done() {
+                done.push(taken);
+            }
+        }
+        done
     }
 
     #[test]
     fn accepts_answers_as_push_does_under_a_schema() {
         let json = under(pydantic());
-        let mut rng = bulkhead_kernels::rng::SplitMix64(5);
         // Pieces of instances, so that walks get deep.
         let pieces = [
             "{",
@@ -2197,38 +2217,16 @@ mod tests {
             "e",
             "c",
         ];
-        let mut done = 0;
-        for _ in 0..2000 {
-            let mut json = json.clone();
-            let mut taken = String::new();
-            for step in 0..200 {
-                let mut piece = pieces[(rng.next_u64() % pieces.len() as u64) as usize];
-                if step >= 40 {
-                    piece = closing
-                        .iter()
-                        .find(|p| json.accepts(p.as_bytes()))
-                        .unwrap_or(&piece);
-                }
-                let accepted = json.accepts(piece.as_bytes());
-                assert_eq!(
-                    accepted,
-                    json.clone().push(piece.as_bytes()),
-                    "{taken} + {piece}"
-                );
-                if json.push(piece.as_bytes()) {
-                    taken.push_str(piece);
-                }
-            }
-            if json.is_done() {
-                done += 1;
-                let value: serde_json::Value = serde_json::from_str(&taken).unwrap();
-                let at = &value["at"];
-                assert!(at["x"].is_i64() && at["y"].is_number(), "{taken}");
-                assert!(value["tags"]
-                    .as_array()
-                    .is_some_and(|t| (1..=2).contains(&t.len())));
-            }
+        let done = walk_pieces(&json, 5, 2000, 40, &pieces, &closing, |_| {});
+        for taken in &done {
+            let value: serde_json::Value = serde_json::from_str(taken).unwrap();
+            let at = &value["at"];
+            assert!(at["x"].is_i64() && at["y"].is_number(), "{taken}");
+            assert!(value["tags"]
+                .as_array()
+                .is_some_and(|t| (1..=2).contains(&t.len())));
         }
+        let done = done.len();
         assert!(done > 1000, "{done} of 2000 walks completed an instance");
     }
 
