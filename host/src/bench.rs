@@ -471,7 +471,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
     let calls_most = calls_most.expect("the benchmark's tools compile");
     let calls_two = calls_of(2).expect("the benchmark's tools compile");
     // pydantic's HttpUrl: a uri of at most 2,083 characters, whose table
-    // would not fit: held to a shorter length (three tables tried).
+    // would not fit: held to a shorter length (two tables made).
     let http_url = serde_json::json!(
         {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083}
     );
