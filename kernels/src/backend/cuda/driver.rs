@@ -304,12 +304,29 @@ impl Drop for CudaDevice {
     }
 }
 
-/// A 2D copy description with every field zero (offsets, arrays unused).
-fn memcpy_2d() -> sys::CUDA_MEMCPY2D {
-    // SAFETY: a plain C struct of integers, pointers and enums whose zero
-    // value (CU_MEMORYTYPE 0 is not a valid type, but every copy sets both
-    // types) is a valid bit pattern for each field.
-    unsafe { std::mem::zeroed() }
+/// A 2D copy description from memory of `src` type to memory of `dst` type,
+/// every other field zero or null (offsets, arrays unused). Written out, not
+/// `mem::zeroed`: `CUmemorytype` has no zero value, so a zeroed description
+/// is not a valid value of the struct (Rust aborts on making one).
+fn memcpy_2d(src: sys::CUmemorytype, dst: sys::CUmemorytype) -> sys::CUDA_MEMCPY2D {
+    sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: src,
+        srcHost: std::ptr::null(),
+        srcDevice: 0,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: 0,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: dst,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: 0,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: 0,
+        WidthInBytes: 0,
+        Height: 0,
+    }
 }
 
 struct CudaGraph {
@@ -462,11 +479,12 @@ impl Device for Cuda {
             }
             return self.synchronize();
         }
-        let mut copy = memcpy_2d();
-        copy.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        let mut copy = memcpy_2d(
+            sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+        );
         copy.srcDevice = rect.at;
         copy.srcPitch = rect.pitch as usize;
-        copy.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
         copy.dstHost = dst.as_mut_ptr().cast::<c_void>();
         copy.dstPitch = rect.width as usize;
         copy.WidthInBytes = rect.width as usize;
@@ -493,11 +511,12 @@ impl Device for Cuda {
             }
             return Ok(());
         }
-        let mut copy = memcpy_2d();
-        copy.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
+        let mut copy = memcpy_2d(
+            sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+            sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        );
         copy.srcHost = src.as_ptr().cast::<c_void>();
         copy.srcPitch = rect.width as usize;
-        copy.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
         copy.dstDevice = rect.at;
         copy.dstPitch = rect.pitch as usize;
         copy.WidthInBytes = rect.width as usize;
@@ -590,5 +609,25 @@ impl Device for Cuda {
 
     fn launches(&self) -> u64 {
         self.0.launches.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_2d_copy_description_names_both_memory_types_and_nothing_else() {
+        // Made on every audit read and transfer of device pages: a zeroed
+        // description (no valid `CUmemorytype`) aborted the process here.
+        let (device, host) = (
+            sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+        );
+        let copy = memcpy_2d(device, host);
+        assert_eq!((copy.srcMemoryType, copy.dstMemoryType), (device, host));
+        assert!(copy.srcHost.is_null() && copy.dstHost.is_null());
+        assert!(copy.srcArray.is_null() && copy.dstArray.is_null());
+        assert_eq!((copy.srcDevice, copy.dstDevice, copy.Height), (0, 0, 0));
     }
 }
