@@ -269,6 +269,69 @@ pub fn agreement(
     result
 }
 
+/// The CPU backend's own drift on `run`'s prompts: the worst relative
+/// difference between its portable path ([`Isa::Scalar`]) and its fastest
+/// over the rows [`agreement`]'s first step compares (each prompt's last
+/// positions). Both paths quantize a layer's input to 8 bits before its
+/// matrix products, and sum in different orders; where one rounding flips,
+/// the next layer's input moves by a quantization step. In a deep model of
+/// random weights such flips grow from layer to layer (30 layers of
+/// SmolLM2's shape part the two CPU paths by a few percent of the largest
+/// logit), so a device that parts from the CPU by less than this has
+/// nothing to answer for beyond what the CPU does to itself.
+///
+/// [`Isa::Scalar`]: crate::quant::Isa::Scalar
+pub fn cpu_drift(model: &Arc<Model>, run: &AgreementRun<'_>) -> f32 {
+    use crate::quant::Isa;
+    let seqs = run.prompts.len() as u32;
+    let longest = run.prompts.iter().max().copied().unwrap_or(0);
+    let per_seq = (longest as u32).div_ceil(run.page_tokens).max(1);
+    let tokens_max = run.prompts.iter().sum::<usize>().max(run.prompts.len());
+    let mut rng = SplitMix64(run.seed);
+    let vocab = model.config.vocab_len;
+    let inputs: Vec<Vec<u32>> = run
+        .prompts
+        .iter()
+        .map(|&len| {
+            (0..len)
+                .map(|_| (rng.next_u64() % vocab as u64) as u32)
+                .collect()
+        })
+        .collect();
+    let positions = vec![0usize; run.prompts.len()];
+    let share = 1 + crate::backend::SCORED_ROWS_MAX / run.prompts.len().max(1);
+    let rows: Vec<usize> = run.prompts.iter().map(|&len| len.min(share)).collect();
+    let [portable, fastest] = [Isa::Scalar, Isa::detect()].map(|isa| {
+        let (mut pool, tables) = pool_with_tables(
+            model,
+            run.kv_type,
+            run.page_tokens,
+            seqs,
+            per_seq,
+            None,
+            false,
+        );
+        let mut cpu = CpuBackend::new(
+            Arc::clone(model),
+            CpuOptions {
+                threads_count: run.cpu_threads,
+                step_tokens_max: tokens_max,
+                step_seqs_max: run.prompts.len(),
+                isa: Some(isa),
+            },
+        );
+        cpu.step(&lockstep(&tables, &inputs, &positions, &rows), &mut pool)
+            .expect("a valid step")
+            .values
+            .to_vec()
+    });
+    portable
+        .chunks_exact(vocab)
+        .zip(fastest.chunks_exact(vocab))
+        .map(|(a, b)| compare_row(a, b, 0, 0).0)
+        .fold(0.0, f32::max)
+}
+
 fn scale_of(row: &[f32]) -> f32 {
     row.iter()
         .fold(0.0f32, |m, v| m.max(v.abs()))
