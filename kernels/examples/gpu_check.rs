@@ -12,15 +12,18 @@
 //!    a sliding window and soft caps, gemma3), with graphs;
 //! 3. a released page reading back scrubbed, and a stale, foreign-pool or
 //!    cross-tenant page-table entry refused before any launch;
-//! 4. prefill tokens/s at 512 and 4096 positions;
-//! 5. decode tokens/s at batch 1, 8, 32 and 128, depth 512 and 4096, with
+//! 4. where a decode step (batch 1 and 32, depth 512) and a 512-token
+//!    prefill chunk spend their device time, kernel by kernel (each launch
+//!    timed alone by the device's events), so one run says what to speed up;
+//! 5. prefill tokens/s at 512 and 4096 positions;
+//! 6. decode tokens/s at batch 1, 8, 32 and 128, depth 512 and 4096, with
 //!    captured graphs (batch 1 also without), each with the fraction of the
 //!    measured copy bandwidth its weight and KV bytes reach.
 //!
 //! `gpu_check --quick` runs smaller sizes (a smoke test, about a minute);
 //! `gpu_check --dry-run` runs every part on the tiny model on the CPU
 //! emulator (built with the `emulator` feature), to check the check itself;
-//! `--only agreement,isolation,speed` runs those parts alone (a rerun of what
+//! `--only agreement,isolation,profile,speed` runs those parts alone (a rerun of what
 //! failed, on a machine lent for minutes).
 //!
 //! A GPU is lent for minutes, so one run must say as much as it can: each row
@@ -431,8 +434,66 @@ fn decode_rows(
     }
 }
 
-/// The parts `--only` names (every part without it).
-const PARTS: [&str; 3] = ["agreement", "isolation", "speed"];
+/// Rows of where a step's device time goes, kernel by kernel: decode at
+/// batch 1 and a middling batch, and a prefill chunk.
+fn profile_rows(report: &mut Report, plan: &Plan, model: &Arc<Model>, device: &Arc<dyn Device>) {
+    let depth = plan.depths[0];
+    let batches = [1, plan.batches[plan.batches.len().min(3) - 1]];
+    for batch in batches {
+        report.row(
+            format!("profile: decode batch {batch} depth {depth}"),
+            || {
+                let profile = check::decode_profile(
+                    model,
+                    device,
+                    batch,
+                    depth,
+                    plan.decode_steps.min(8),
+                    plan.chunk,
+                );
+                (profile_cell(&profile), None)
+            },
+        );
+    }
+    let len = plan.prefill[0];
+    report.row(
+        format!("profile: prefill {len} (chunks of {})", plan.chunk),
+        || {
+            let profile = check::prefill_profile(model, device, len, plan.chunk);
+            (profile_cell(&profile), None)
+        },
+    );
+}
+
+/// A profile in one cell: the step, its kernels' sum, and the costliest
+/// kernels (`name/grid`: device time a step, launches a step).
+fn profile_cell(profile: &check::StepProfile) -> String {
+    let parts: Vec<String> = profile
+        .kernels
+        .iter()
+        .take(8)
+        .map(|k| {
+            format!(
+                "{}/{} {:.0} us ({:.0}x, {:.0} %)",
+                k.kernel,
+                k.grid,
+                k.secs * 1e6,
+                k.launches,
+                100.0 * k.secs / profile.kernel_secs.max(f64::MIN_POSITIVE)
+            )
+        })
+        .collect();
+    format!(
+        "step {:.3} ms (each launch waited for), kernels {:.3} ms in {:.0} launches: {}",
+        profile.step_secs * 1e3,
+        profile.kernel_secs * 1e3,
+        profile.launches,
+        parts.join("; ")
+    )
+}
+
+/// The parts `--only` names (every part without it), in the order they run.
+const PARTS: [&str; 4] = ["agreement", "isolation", "profile", "speed"];
 
 fn parts(args: &[String]) -> Result<Vec<&'static str>, String> {
     let Some(at) = args.iter().position(|a| a == "--only") else {
@@ -557,6 +618,9 @@ fn main() -> ExitCode {
     }
     if parts.contains(&"isolation") {
         report.rows("isolation", || isolation_rows(&model, &device));
+    }
+    if parts.contains(&"profile") {
+        profile_rows(&mut report, &plan, &model, &device);
     }
     if parts.contains(&"speed") {
         for &len in &plan.prefill {

@@ -12,7 +12,7 @@
 //!   backend's `step`, as the scheduler calls it (inputs packed and copied,
 //!   logits read back), with the bytes of weights and KV a decode step reads.
 
-use super::device::Device;
+use super::device::{Device, LaunchTime};
 use super::storage::DeviceStorage;
 use super::{CudaBackend, CudaOptions};
 use crate::backend::cpu::{CpuBackend, CpuOptions};
@@ -389,6 +389,31 @@ pub fn prefill_rate(
     chunk: usize,
     rounds: usize,
 ) -> Rate {
+    prefill_run(model, device, len, chunk, rounds, false).0
+}
+
+/// Where a `len`-token prefill's steps (chunks of `chunk`) spend their time
+/// on the device, kernel by kernel (see [`Device::profile_start`]): one
+/// round after one untimed.
+pub fn prefill_profile(
+    model: &Arc<Model>,
+    device: &Arc<dyn Device>,
+    len: usize,
+    chunk: usize,
+) -> StepProfile {
+    let (rate, launches) = prefill_run(model, device, len, chunk, 1, true);
+    StepProfile::of(&launches, len.div_ceil(chunk), rate.step_secs)
+}
+
+/// [`prefill_rate`], its last round's launches timed when `profile`.
+fn prefill_run(
+    model: &Arc<Model>,
+    device: &Arc<dyn Device>,
+    len: usize,
+    chunk: usize,
+    rounds: usize,
+    profile: bool,
+) -> (Rate, Vec<LaunchTime>) {
     let page_tokens = 16;
     let per_seq = (len as u32).div_ceil(page_tokens);
     let (mut pool, tables) = pool_with_tables(
@@ -415,6 +440,9 @@ pub fn prefill_rate(
         .collect();
     let mut times = Vec::new();
     for round in 0..=rounds {
+        if profile && round == rounds {
+            device.profile_start();
+        }
         let start = Instant::now();
         for at in (0..len).step_by(chunk) {
             let end = (at + chunk).min(len);
@@ -430,12 +458,18 @@ pub fn prefill_rate(
             times.push(start.elapsed().as_secs_f64());
         }
     }
+    let launches = if profile {
+        device.profile_take()
+    } else {
+        Vec::new()
+    };
     let secs = times.iter().copied().fold(f64::MAX, f64::min);
-    Rate {
+    let rate = Rate {
         tokens_per_s: len as f64 / secs,
         step_secs: secs / len.div_ceil(chunk) as f64,
         bytes_per_step: 0,
-    }
+    };
+    (rate, launches)
 }
 
 /// Decode of `batch` sequences at `depth` positions each: the sequences are
@@ -450,6 +484,36 @@ pub fn decode_rate(
     graphs: bool,
     chunk: usize,
 ) -> Rate {
+    decode_run(model, device, batch, depth, steps, graphs, chunk, false).0
+}
+
+/// Where `batch` decode steps at `depth` spend their time on the device,
+/// kernel by kernel (see [`Device::profile_start`]), over `steps` steps
+/// without graphs after the same prefill and warm-up as [`decode_rate`].
+pub fn decode_profile(
+    model: &Arc<Model>,
+    device: &Arc<dyn Device>,
+    batch: usize,
+    depth: usize,
+    steps: usize,
+    chunk: usize,
+) -> StepProfile {
+    let (rate, launches) = decode_run(model, device, batch, depth, steps, false, chunk, true);
+    StepProfile::of(&launches, steps, rate.step_secs)
+}
+
+/// [`decode_rate`], its timed steps' launches timed when `profile`.
+#[allow(clippy::too_many_arguments)]
+fn decode_run(
+    model: &Arc<Model>,
+    device: &Arc<dyn Device>,
+    batch: usize,
+    depth: usize,
+    steps: usize,
+    graphs: bool,
+    chunk: usize,
+    profile: bool,
+) -> (Rate, Vec<LaunchTime>) {
     let page_tokens = 16;
     let warmup = 4;
     let per_seq = ((depth + warmup + steps + 1) as u32).div_ceil(page_tokens);
@@ -510,19 +574,91 @@ pub fn decode_rate(
                 logits: 1,
             })
             .collect();
+        if profile && i == warmup {
+            device.profile_start();
+        }
         let start = Instant::now();
         cuda.step(&seqs, &mut pool).expect("a valid step");
         if i >= warmup {
             times.push(start.elapsed().as_secs_f64());
         }
     }
+    let launches = if profile {
+        device.profile_take()
+    } else {
+        Vec::new()
+    };
     let step_secs = median(times);
     let position_bytes = pool.layout().position_bytes();
-    Rate {
+    let rate = Rate {
         tokens_per_s: batch as f64 / step_secs,
         step_secs,
         bytes_per_step: weight_bytes(model)
             + batch as u64 * (depth + warmup + steps / 2) as u64 * position_bytes,
+    };
+    (rate, launches)
+}
+
+/// One kernel's part of a step (the same kernel on another grid, another
+/// matrix say, is another part).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelShare {
+    /// The kernel.
+    pub kernel: &'static str,
+    /// Its grid (blocks).
+    pub grid: u32,
+    /// Launches a step.
+    pub launches: f64,
+    /// Seconds a step, the launches' device times summed.
+    pub secs: f64,
+}
+
+/// Where a step's time goes on the device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepProfile {
+    /// A profiled step's wall time, host included (the median; each launch
+    /// waited for, so longer than an unprofiled step).
+    pub step_secs: f64,
+    /// The kernels' device time a step, summed.
+    pub kernel_secs: f64,
+    /// Launches a step.
+    pub launches: f64,
+    /// The parts, the costliest first.
+    pub kernels: Vec<KernelShare>,
+}
+
+impl StepProfile {
+    /// The profile of `launches`, made over `steps` steps.
+    pub fn of(launches: &[LaunchTime], steps: usize, step_secs: f64) -> StepProfile {
+        let per_step = 1.0 / steps.max(1) as f64;
+        let mut kernels: Vec<KernelShare> = Vec::new();
+        for launch in launches {
+            let at = kernels
+                .iter()
+                .position(|k| k.kernel == launch.kernel && k.grid == launch.grid)
+                .unwrap_or_else(|| {
+                    kernels.push(KernelShare {
+                        kernel: launch.kernel,
+                        grid: launch.grid,
+                        launches: 0.0,
+                        secs: 0.0,
+                    });
+                    kernels.len() - 1
+                });
+            kernels[at].launches += 1.0;
+            kernels[at].secs += launch.secs;
+        }
+        for kernel in &mut kernels {
+            kernel.launches *= per_step;
+            kernel.secs *= per_step;
+        }
+        kernels.sort_by(|a, b| b.secs.total_cmp(&a.secs));
+        StepProfile {
+            step_secs,
+            kernel_secs: kernels.iter().map(|k| k.secs).sum(),
+            launches: launches.len() as f64 * per_step,
+            kernels,
+        }
     }
 }
 

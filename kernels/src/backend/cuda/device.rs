@@ -181,6 +181,30 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// Counts launches queued so far (graph replays count their launches):
     /// tests use it to show that a refused step launched nothing.
     fn launches(&self) -> u64;
+
+    /// Starts timing launches one by one, for a profile of where a step's
+    /// time goes: from here on each launch waits for its kernel to end (so
+    /// kernels never overlap, and launch gaps are left out) and keeps its
+    /// time, until [`Device::profile_take`]. Captured launches, and so graph
+    /// replays, are not timed. A device that cannot time does nothing.
+    fn profile_start(&self) {}
+
+    /// The launches timed since [`Device::profile_start`], in order; timing stops.
+    fn profile_take(&self) -> Vec<LaunchTime> {
+        Vec::new()
+    }
+}
+
+/// One launch, as a profile timed it (see [`Device::profile_start`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LaunchTime {
+    /// The kernel launched.
+    pub kernel: &'static str,
+    /// Its grid (blocks): the same kernel on different matrices or steps
+    /// is told apart by it.
+    pub grid: u32,
+    /// Seconds the kernel ran, by the device's own clock.
+    pub secs: f64,
 }
 
 /// An owned device allocation; every access is checked against its size.

@@ -13,7 +13,7 @@
 //! Every call binds the context to the calling thread first (the engine
 //! thread is not the one that opened the device).
 
-use super::device::{Device, DeviceError, DeviceGraph, Fill, Geometry, Rect};
+use super::device::{Device, DeviceError, DeviceGraph, Fill, Geometry, LaunchTime, Rect};
 use super::launch::{attention_shared_bytes, ATTENTION_TILE};
 use super::nvrtc::{self, NvrtcError};
 use cudarc::driver::result;
@@ -21,7 +21,7 @@ use cudarc::driver::sys;
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Why no CUDA device could be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -145,7 +145,19 @@ pub struct CudaDevice {
     /// be larger (pages times slab bytes), and then its rows go one by one.
     max_pitch: u64,
     launches: AtomicU64,
+    /// While a profile is taken: its events and the launches timed so far.
+    profile: Mutex<Option<Profile>>,
 }
+
+/// Two events around each launch, and the times they measured.
+struct Profile {
+    start: sys::CUevent,
+    end: sys::CUevent,
+    launches: Vec<LaunchTime>,
+}
+
+// SAFETY: event handles, used under the device's lock with its context current.
+unsafe impl Send for Profile {}
 
 // SAFETY: CUDA driver handles may be used from any thread once the context is
 // made current there, which every method does first. Each engine opens its
@@ -224,6 +236,7 @@ impl CudaDevice {
             shared_bytes_max: shared_bytes_max.max(0) as u32,
             max_pitch: max_pitch.max(0) as u64,
             launches: AtomicU64::new(0),
+            profile: Mutex::new(None),
         };
         for image in images.iter() {
             // SAFETY: a CUBIN image NVRTC produced for this architecture.
@@ -295,6 +308,10 @@ impl Drop for CudaDevice {
         // SAFETY: handles created in `open`, destroyed once, after the stream drained.
         unsafe {
             let _ = result::stream::synchronize(self.stream);
+            if let Some(profile) = self.profile.get_mut().ok().and_then(Option::take) {
+                let _ = result::event::destroy(profile.start);
+                let _ = result::event::destroy(profile.end);
+            }
             for &module in &self.modules {
                 let _ = result::module::unload(module);
             }
@@ -542,6 +559,12 @@ impl Device for Cuda {
         // The kernel's one parameter is its argument struct, by value.
         let mut params = [args.as_ptr() as *mut c_void];
         self.0.launches.fetch_add(1, Ordering::Relaxed);
+        let mut profile = self.0.profile.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = profile.as_ref() {
+            // SAFETY: an event of this context, recorded on its live stream.
+            unsafe { result::event::record(p.start, self.0.stream) }
+                .map_err(|e| driver_error("cuEventRecord", e))?;
+        }
         // SAFETY: the caller vouched for the device addresses inside `args`;
         // the driver copies the parameter bytes before returning.
         unsafe {
@@ -557,7 +580,60 @@ impl Device for Cuda {
         .map_err(|e| DeviceError::Launch {
             kernel,
             message: driver_error("cuLaunchKernel", e).to_string(),
-        })
+        })?;
+        if let Some(p) = profile.as_mut() {
+            // SAFETY: events of this context; `start` was recorded above.
+            let ms = unsafe {
+                result::event::record(p.end, self.0.stream)
+                    .and_then(|()| result::event::synchronize(p.end))
+                    .and_then(|()| result::event::elapsed(p.start, p.end))
+            }
+            .map_err(|e| driver_error("cuEventElapsedTime", e))?;
+            p.launches.push(LaunchTime {
+                kernel,
+                grid: geometry.grid,
+                secs: f64::from(ms) / 1e3,
+            });
+        }
+        Ok(())
+    }
+
+    fn profile_start(&self) {
+        if self.0.bind().is_err() {
+            return;
+        }
+        let mut profile = self.0.profile.lock().unwrap_or_else(|e| e.into_inner());
+        if profile.is_some() {
+            return;
+        }
+        let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
+        if let (Ok(start), Ok(end)) = (result::event::create(flags), result::event::create(flags)) {
+            *profile = Some(Profile {
+                start,
+                end,
+                launches: Vec::new(),
+            });
+        }
+    }
+
+    fn profile_take(&self) -> Vec<LaunchTime> {
+        let taken = self
+            .0
+            .profile
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let Some(profile) = taken else {
+            return Vec::new();
+        };
+        if self.0.bind().is_ok() {
+            // SAFETY: events created by `profile_start`, destroyed once.
+            unsafe {
+                let _ = result::event::destroy(profile.start);
+                let _ = result::event::destroy(profile.end);
+            }
+        }
+        profile.launches
     }
 
     fn synchronize(&self) -> Result<(), DeviceError> {
@@ -581,10 +657,18 @@ impl Device for Cuda {
             )
         }
         .map_err(|e| driver_error("cuStreamBeginCapture", e))?;
+        // A profile's events are not captured: its timing pauses meanwhile.
+        let profile = self
+            .0
+            .profile
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         let recorded = record();
         // SAFETY: capture was begun above.
         let graph = unsafe { result::stream::end_capture(self.0.stream) }
             .map_err(|e| driver_error("cuStreamEndCapture", e));
+        *self.0.profile.lock().unwrap_or_else(|e| e.into_inner()) = profile;
         let launches = self.0.launches.load(Ordering::Relaxed) - before;
         // Captured launches did not run.
         self.0.launches.fetch_sub(launches, Ordering::Relaxed);

@@ -11,7 +11,7 @@
 //! It runs the kernels' arithmetic, indexing and barriers; it cannot show
 //! races between blocks, the GPU's memory model or its speed. Tests only.
 
-use super::device::{Device, DeviceError, DeviceGraph, Fill, Geometry, Rect};
+use super::device::{Device, DeviceError, DeviceGraph, Fill, Geometry, LaunchTime, Rect};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -55,6 +55,8 @@ pub struct Emulator {
     capturing: Mutex<Option<Vec<Recorded>>>,
     /// One launch runs at a time (the runtime keeps one launch's state).
     running: Mutex<()>,
+    /// While a profile is taken, the launches timed so far (by the host's clock).
+    profile: Mutex<Option<Vec<LaunchTime>>>,
     seed: u64,
     /// Itself, for the graphs it captures.
     this: Weak<Emulator>,
@@ -76,6 +78,7 @@ impl Emulator {
             launches: AtomicU64::new(0),
             capturing: Mutex::new(None),
             running: Mutex::new(()),
+            profile: Mutex::new(None),
             seed,
             this: this.clone(),
         })
@@ -260,7 +263,34 @@ impl Device for Emulator {
             return Ok(());
         }
         drop(capturing);
-        self.run(kernel, geometry, args)
+        let started = std::time::Instant::now();
+        self.run(kernel, geometry, args)?;
+        if let Some(launches) = self
+            .profile
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            launches.push(LaunchTime {
+                kernel,
+                grid: geometry.grid,
+                secs: started.elapsed().as_secs_f64(),
+            });
+        }
+        Ok(())
+    }
+
+    fn profile_start(&self) {
+        let mut profile = self.profile.lock().unwrap_or_else(|e| e.into_inner());
+        profile.get_or_insert_with(Vec::new);
+    }
+
+    fn profile_take(&self) -> Vec<LaunchTime> {
+        self.profile
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_default()
     }
 
     fn synchronize(&self) -> Result<(), DeviceError> {

@@ -47,7 +47,7 @@ pub mod storage;
 #[cfg(all(test, feature = "emulator"))]
 mod tests;
 
-pub use device::{Device, DeviceBuffer, DeviceError, DeviceGraph};
+pub use device::{Device, DeviceBuffer, DeviceError, DeviceGraph, LaunchTime};
 pub use driver::{probe, Cuda, CudaDevice, CudaUnavailable, Probe, ProbedDevice};
 pub use storage::{device_identity, DeviceStorage};
 

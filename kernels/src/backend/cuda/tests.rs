@@ -1149,3 +1149,74 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
         "padding items have no queries"
     );
 }
+
+#[test]
+fn a_profile_times_every_launch_of_its_steps_and_none_of_a_captured_graph() {
+    let model = tiny_model(&TinySpec::default());
+    let device = emulator(3);
+    // Nothing is timed before a profile starts.
+    assert!(device.profile_take().is_empty());
+    let profile = super::check::decode_profile(&model, &device, 2, 40, 3, 32);
+    // Every kernel of a decode step, each launch counted once a step.
+    let names: Vec<&str> = profile.kernels.iter().map(|k| k.kernel).collect();
+    for kernel in ["embed", "rms_norm", "matmul", "rope_kv", "attention"] {
+        assert!(names.contains(&kernel), "{kernel} missing from {names:?}");
+    }
+    let launches: f64 = profile.kernels.iter().map(|k| k.launches).sum();
+    assert!(
+        (launches - profile.launches).abs() < 1e-9,
+        "{launches} against {}",
+        profile.launches
+    );
+    let layers = model.config.layers_count as f64;
+    let rope = profile
+        .kernels
+        .iter()
+        .find(|k| k.kernel == "rope_kv")
+        .unwrap();
+    assert_eq!(
+        (rope.launches, rope.grid),
+        (layers, 2),
+        "one a layer, a block a token"
+    );
+    // The costliest first, and the parts sum to the whole.
+    assert!(profile.kernels.windows(2).all(|w| w[0].secs >= w[1].secs));
+    let sum: f64 = profile.kernels.iter().map(|k| k.secs).sum();
+    assert!((sum - profile.kernel_secs).abs() <= 1e-9 && sum > 0.0);
+    assert!(profile.step_secs >= profile.kernel_secs);
+    // Taking stopped it; a graph's capture and replay are not timed.
+    assert!(device.profile_take().is_empty());
+    device.profile_start();
+    let out = DeviceBuffer::zeroed(&device, 4).unwrap();
+    let graph = device
+        .capture(&mut || {
+            let args = NormArgs {
+                x: out.at(0),
+                gather: 0,
+                gain: 0,
+                out: out.at(0),
+                qs: 0,
+                d: 0,
+                sums: 0,
+                width: 1,
+                block_len: 32,
+                eps: 0.0,
+                accumulate: 0,
+            };
+            // SAFETY: one float in, the same float out, within `out`.
+            unsafe {
+                device.launch(
+                    NormArgs::KERNEL,
+                    Geometry {
+                        grid: 1,
+                        block: 32,
+                        shared_bytes: 0,
+                    },
+                    args.bytes(),
+                )
+            }
+        })
+        .unwrap();
+    graph.replay().unwrap();
+    assert!(device.profile_take().is_empty());
+}
