@@ -37,6 +37,22 @@ __device__ __forceinline__ float kv_load(uint64_t kv, uint64_t index, uint32_t k
                   : reinterpret_cast<const float*>(kv)[index];
 }
 
+// The 16 bytes at value `index`: 8 f16 values or 4 f32 into out[0..8 or 4].
+__device__ __forceinline__ void kv_load16(uint64_t kv, uint64_t index, uint32_t kv_f16, float* out) {
+    const uint8_t* at = reinterpret_cast<const uint8_t*>(kv) + index * (kv_f16 ? 2 : 4);
+    Int4 raw = *reinterpret_cast<const Int4*>(at);
+    int words[4] = {raw.x, raw.y, raw.z, raw.w};
+    for (int w = 0; w < 4; w++) {
+        uint32_t bits = uint32_t(words[w]);
+        if (kv_f16) {
+            out[2 * w] = f16_to_f32(uint16_t(bits & 0xFFFFu));
+            out[2 * w + 1] = f16_to_f32(uint16_t(bits >> 16));
+        } else {
+            out[w] = __int_as_float(int(bits));
+        }
+    }
+}
+
 __device__ __forceinline__ void kv_store(uint64_t kv, uint64_t index, uint32_t kv_f16, float value) {
     if (kv_f16) {
         reinterpret_cast<uint16_t*>(kv)[index] = f32_to_f16(value);
@@ -87,13 +103,16 @@ KERNEL(attention, AttentionArgs) {
     uint32_t rows = (item.t1 - item.t0) * group, tile = a.tile;
     uint32_t warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     uint32_t warps = blockDim.x / WARP_SIZE;
-    // Shared memory: q[rows_max][hd], o[rows_max][hd], k[tile][hd], v[tile][hd],
-    // p[rows_max][tile], m[rows_max], l[rows_max], alpha[rows_max].
+    // Shared memory: q[rows_max][hd], o[rows_max][hd], k[tile][hd + 1],
+    // v[tile][hd], p[rows_max][tile], m[rows_max], l[rows_max],
+    // alpha[rows_max]. A row of k is hd + 1 wide: a score's lanes, one
+    // position each, then read distinct banks (at hd they would all read one).
     DYNAMIC_SHARED(float, shared);
+    uint32_t k_stride = hd + 1;
     float* qs = shared;
     float* os = qs + a.rows_max * hd;
     float* ks = os + a.rows_max * hd;
-    float* vs = ks + tile * hd;
+    float* vs = ks + tile * k_stride;
     float* ps = vs + tile * hd;
     float* ms = ps + a.rows_max * tile;
     float* ls = ms + a.rows_max;
@@ -121,12 +140,21 @@ KERNEL(attention, AttentionArgs) {
     for (uint32_t first = start; first < end; first += tile) {
         uint32_t n = umin32(tile, end - first);
         __syncthreads();  // the previous tile's k, v and p are no longer read
-        for (uint32_t e = threadIdx.x; e < n * hd; e += blockDim.x) {
-            uint32_t j = e / hd, i = e % hd, p = first + j;
+        // 16 bytes at a time (8 f16 values or 4 f32: head_dim is a multiple
+        // of 8, so a head's row starts 16-byte aligned), every load of the
+        // tile independent of the others.
+        uint32_t per = a.kv_f16 ? 8 : 4, chunks = hd / per;
+        for (uint32_t e = threadIdx.x; e < n * chunks; e += blockDim.x) {
+            uint32_t j = e / chunks, i = (e % chunks) * per, p = first + j;
             uint32_t page = table[p / a.page_tokens], slot = p % a.page_tokens;
             uint32_t at = item.kv_head * hd + i;
-            ks[e] = kv_load(a.kv, kv_index(a.layer, 0, page, slot, at, a.pages_count, a.page_tokens, kv_dim), a.kv_f16);
-            vs[e] = kv_load(a.kv, kv_index(a.layer, 1, page, slot, at, a.pages_count, a.page_tokens, kv_dim), a.kv_f16);
+            float k[8], v[8];
+            kv_load16(a.kv, kv_index(a.layer, 0, page, slot, at, a.pages_count, a.page_tokens, kv_dim), a.kv_f16, k);
+            kv_load16(a.kv, kv_index(a.layer, 1, page, slot, at, a.pages_count, a.page_tokens, kv_dim), a.kv_f16, v);
+            for (uint32_t x = 0; x < per; x++) {
+                ks[j * k_stride + i + x] = k[x];
+                vs[j * hd + i + x] = v[x];
+            }
         }
         __syncthreads();
         for (uint32_t e = threadIdx.x; e < rows * tile; e += blockDim.x) {
@@ -137,7 +165,7 @@ KERNEL(attention, AttentionArgs) {
             bool seen = p <= query_pos && (a.window == 0 || p + a.window > query_pos);
             if (j < n && seen) {
                 float dot = 0.0f;
-                for (uint32_t i = 0; i < hd; i++) dot += qs[r * hd + i] * ks[j * hd + i];
+                for (uint32_t i = 0; i < hd; i++) dot += qs[r * hd + i] * ks[j * k_stride + i];
                 score = dot * a.scale;
                 if (a.softcap > 0.0f) score = soft_cap(score, a.softcap);
             }

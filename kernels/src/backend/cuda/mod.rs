@@ -264,7 +264,8 @@ pub fn attention_rows(head_dim: u32, group: u32, shared_max: u32) -> Option<u32>
 
 /// Whether these kernels run `model`, without a device: every family of the
 /// blueprint (its options are the kernels' too), so what is left to check is
-/// every matrix of a type in [`DEVICE_TYPES`] and widths of whole 32-blocks.
+/// every matrix of a type in [`DEVICE_TYPES`], widths of whole 32-blocks and
+/// head widths of whole 16-byte rows.
 /// `Err` says what they lack (a placement of `auto` then chooses the CPU;
 /// `cuda` refuses).
 pub fn runs(model: &Model) -> Result<(), String> {
@@ -283,6 +284,13 @@ pub fn runs(model: &Model) -> Result<(), String> {
     if widths.iter().any(|w| !w.is_multiple_of(32)) {
         return Err(format!(
             "widths (d, q_len, ffn: {widths:?}) that are not whole 32-blocks"
+        ));
+    }
+    // Attention reads a head's K and V 16 bytes at a time.
+    if !c.head_dim.is_multiple_of(8) {
+        return Err(format!(
+            "a head width ({}) that is not a multiple of 8",
+            c.head_dim
         ));
     }
     Ok(())
