@@ -7,7 +7,8 @@
 #
 #   scripts/gpu-check.sh --build     # here: the x86-64 binary into .gpu/ (git-ignored)
 #   scripts/gpu-check.sh [--quick]   # there: run it; --quick is a one-minute smoke test
-#   scripts/gpu-check.sh --only speed   # a rerun of some parts (agreement, isolation, speed)
+#   scripts/gpu-check.sh --only speed   # a rerun of some parts (agreement, isolation,
+#                                       # profile, speed; server: the server's part)
 #
 # With the project's device tool: carry `.gpu`, run `scripts/gpu-check.sh`.
 # Rows are printed as they are measured and saved to $OUT/gpu-check.txt when
@@ -19,10 +20,12 @@ cd "$root"
 
 if [ "${1:-}" = "--build" ]; then
     cargo build --locked --release -p bulkhead-kernels --example gpu_check --features fault-injection
+    cargo build --locked --release -p bulkhead
     mkdir -p .gpu
     cp target/release/examples/gpu_check .gpu/gpu-check
-    strip --strip-debug .gpu/gpu-check 2>/dev/null || true
-    ls -la .gpu/gpu-check
+    cp target/release/bulkhead .gpu/bulkhead
+    strip --strip-debug .gpu/gpu-check .gpu/bulkhead 2>/dev/null || true
+    ls -la .gpu/
     exit 0
 fi
 
@@ -51,5 +54,22 @@ if [ -n "${OUT:-}" ]; then
     "$binary" "$@" 2>&1 | tee "$OUT/gpu-check.txt" || status=${PIPESTATUS[0]}
 else
     "$binary" "$@" || status=$?
+fi
+
+# The server on the GPU (scripts/gpu_server_check.py): with the full check or
+# `--only server`, where `--build` put .gpu/bulkhead and python3 is there.
+case " $* " in
+    *" --only "*) [[ " $* " == *server* ]] || exit "$status" ;;
+esac
+if [ -x .gpu/bulkhead ] && command -v python3 >/dev/null; then
+    server=0
+    if [ -n "${OUT:-}" ]; then
+        python3 scripts/gpu_server_check.py 2>&1 | tee "$OUT/gpu-server-check.txt" || server=${PIPESTATUS[0]}
+    else
+        python3 scripts/gpu_server_check.py || server=$?
+    fi
+    [ "$server" -eq 0 ] || status=1
+else
+    echo "gpu-check: the server's part skipped (no .gpu/bulkhead, or no python3)"
 fi
 exit "$status"

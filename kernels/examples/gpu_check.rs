@@ -20,6 +20,8 @@
 //!    captured graphs (batch 1 also without), each with the fraction of the
 //!    measured copy bandwidth its weight and KV bytes reach.
 //!
+//! `gpu_check --write-model PATH` writes the SmolLM2-shaped model's GGUF file
+//! to PATH and exits (the server's part of `scripts/gpu-check.sh` serves it).
 //! `gpu_check --quick` runs smaller sizes (a smoke test, about a minute);
 //! `gpu_check --dry-run` runs every part on the tiny model on the CPU
 //! emulator (built with the `emulator` feature), to check the check itself;
@@ -502,6 +504,8 @@ fn parts(args: &[String]) -> Result<Vec<&'static str>, String> {
     let names = args.get(at + 1).ok_or("--only needs a list of parts")?;
     names
         .split(',')
+        // The server's part is scripts/gpu-check.sh's, not this binary's.
+        .filter(|&name| name != "server")
         .map(|name| {
             PARTS.into_iter().find(|p| *p == name).ok_or(format!(
                 "--only: no part {name:?} (parts: {})",
@@ -513,6 +517,21 @@ fn parts(args: &[String]) -> Result<Vec<&'static str>, String> {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // The SmolLM2-shaped model as a file, for the server's check on the GPU
+    // machine (scripts/gpu-check.sh): no device needed.
+    if let Some(at) = args.iter().position(|a| a == "--write-model") {
+        let Some(path) = args.get(at + 1) else {
+            eprintln!("gpu-check: --write-model needs a path");
+            return ExitCode::from(2);
+        };
+        return match std::fs::write(path, tiny_llama(&smollm2_shape())) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("gpu-check: writing {path}: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
     let plan = Plan::of(&args);
     let parts = match parts(&args) {
         Ok(parts) => parts,

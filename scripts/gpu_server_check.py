@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""The server's part of the GPU check (issue 25): `bulkhead serve` on a GPU.
+
+scripts/gpu-check.sh runs it after the kernels' check when `.gpu/bulkhead`
+is there (`scripts/gpu-check.sh --build` puts it there). It serves the
+SmolLM2-shaped random-weight model that `.gpu/gpu-check --write-model`
+writes, once per backend named (default: auto, then cpu), each from a fresh
+store on loopback ports, and checks, as rows of the check's table:
+
+- the server starts, and with `auto` on a machine with a GPU says in its log
+  that it chose cuda and in the admin listener's /readyz which GPU;
+- a greedy completion and a streamed chat completion come back whole
+  (status 200, the tokens asked for, a finish reason), with their time;
+- the greedy completion's text on the GPU against the CPU's (the same
+  random model; a difference is shown, not failed: a near tie may part them,
+  and the kernels' agreement rows are the numeric check).
+
+Without a GPU, `auto` serves on the CPU and its first row fails, saying so;
+`cpu` alone runs the flow anywhere (`scripts/gpu_server_check.py cpu`).
+Standard library only: the GPU machine has no package registry.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BULKHEAD = os.path.join(ROOT, ".gpu", "bulkhead")
+GPU_CHECK = os.path.join(ROOT, ".gpu", "gpu-check")
+MODEL_ID = "smollm2-shape"
+KEY = "gpu-server-check-alpha-key-0123456789abcdef"
+ADMIN = "gpu-server-check-admin-token-0123456789abcdef"
+PROMPT = "The quick brown fox jumps over the lazy dog. Then the dog"
+TOKENS = 32
+
+rows = []
+
+
+def row(check, result, passed):
+    mark = {True: "pass", False: "FAIL", None: ""}[passed]
+    line = f"| {check} | {result} | {mark} |"
+    rows.append(line)
+    print(line, flush=True)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def policy(folder, backend_dir, listen, admin):
+    return f"""
+[server]
+listen = "127.0.0.1:{listen}"
+admin_listen = "127.0.0.1:{admin}"
+
+[store]
+path = "{backend_dir}/state"
+
+[[models]]
+id = "{MODEL_ID}"
+path = "{folder}/model.gguf"
+context_tokens = 4096
+threads = 4
+page_tokens = 16
+pool_pages = 512
+seq_pages_max = 256
+step_tokens_max = 256
+step_seqs_max = 8
+
+[tenants.alpha]
+pages_reserved = 256
+pages_max = 512
+key_env = "BULKHEAD_KEY_ALPHA"
+"""
+
+
+def call(port, path, body=None, key=None, timeout=120):
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data)
+    if data is not None:
+        request.add_header("content-type", "application/json")
+    if key:
+        request.add_header("authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+class Server:
+    def __init__(self, folder, backend):
+        self.dir = os.path.join(folder, backend)
+        os.makedirs(self.dir)
+        self.port, self.admin = free_port(), free_port()
+        config = os.path.join(self.dir, "policy.toml")
+        with open(config, "w") as f:
+            f.write(policy(folder, self.dir, self.port, self.admin))
+        env = dict(os.environ, BULKHEAD_KEY_ALPHA=KEY, BULKHEAD_ADMIN_TOKEN=ADMIN)
+        self.log = open(os.path.join(self.dir, "stderr.log"), "w+")
+        self.process = subprocess.Popen(
+            [BULKHEAD, "serve", "--config", config, "--backend", backend],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+        )
+
+    def stderr(self):
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def ready(self, within=120):
+        deadline = time.time() + within
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                return None
+            try:
+                status, body = call(self.admin, "/readyz", timeout=5)
+                if status == 200:
+                    return json.loads(body)
+            except OSError:
+                pass
+            time.sleep(0.5)
+        return None
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def last_line(text):
+    lines = [l for l in text.strip().splitlines() if l.strip()]
+    return lines[-1][-300:].replace("|", "/") if lines else "(nothing logged)"
+
+
+def serve(folder, backend):
+    """Runs one server on `backend`; returns its greedy completion text or None."""
+    server = Server(folder, backend)
+    try:
+        started = time.time()
+        ready = server.ready()
+        log = server.stderr()
+        if ready is None:
+            row(f"server --backend {backend}: starts", f"did not become ready: {last_line(log)}", False)
+            return None
+        placed = ready.get("backends", {}).get(MODEL_ID, "?")
+        if backend == "auto":
+            chose = re.findall(r"backend auto chose [^\"]*", log)
+            said = chose[0][:160] if chose else "no choice logged"
+            row(
+                "server --backend auto: chooses the GPU",
+                f"/readyz backends: {placed!r}; log: {said}",
+                placed.startswith("cuda") and said.startswith("backend auto chose cuda"),
+            )
+        else:
+            row(
+                f"server --backend {backend}: starts",
+                f"ready in {time.time() - started:.1f} s; /readyz backends: {placed!r}",
+                placed.startswith(backend),
+            )
+        at = time.time()
+        status, body = call(
+            server.port,
+            "/v1/completions",
+            {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0},
+            KEY,
+        )
+        took = time.time() - at
+        text = None
+        if status == 200:
+            reply = json.loads(body)
+            choice = reply["choices"][0]
+            text = choice["text"]
+            used = reply["usage"]["completion_tokens"]
+            whole = used == TOKENS or choice["finish_reason"] == "stop"
+            row(
+                f"server ({placed}): greedy completion",
+                f"{used} tokens in {took:.2f} s, finish {choice['finish_reason']!r}",
+                whole and bool(choice["finish_reason"]),
+            )
+        else:
+            row(f"server ({placed}): greedy completion", f"status {status}: {body[:200]}", False)
+        status, body = call(
+            server.port,
+            "/v1/chat/completions",
+            {
+                "model": MODEL_ID,
+                "messages": [{"role": "user", "content": "Say something."}],
+                "max_tokens": 16,
+                "stream": True,
+            },
+            KEY,
+        )
+        events = [l for l in body.splitlines() if l.startswith("data: ")]
+        done = bool(events) and events[-1] == "data: [DONE]"
+        row(
+            f"server ({placed}): streamed chat completion",
+            f"status {status}, {len(events)} events, ends with [DONE]: {done}",
+            status == 200 and done and len(events) >= 3,
+        )
+        if "panicked" in server.stderr():
+            row(f"server ({placed}): log", "a panic was logged", False)
+        return text
+    finally:
+        server.stop()
+
+
+def main():
+    backends = sys.argv[1:] or ["auto", "cpu"]
+    for path in (BULKHEAD, GPU_CHECK):
+        if not os.access(path, os.X_OK):
+            print(f"gpu_server_check: {path} is missing: run scripts/gpu-check.sh --build", file=sys.stderr)
+            return 2
+    with tempfile.TemporaryDirectory(prefix="bulkhead-gpu-server-") as folder:
+        written = subprocess.run([GPU_CHECK, "--write-model", os.path.join(folder, "model.gguf")])
+        if written.returncode != 0:
+            row("server: the model file", "gpu-check --write-model failed", False)
+            return 1
+        texts = {backend: serve(folder, backend) for backend in backends}
+    if len(texts) >= 2 and all(t is not None for t in texts.values()):
+        (a, ta), (b, tb) = list(texts.items())[:2]
+        same = ta == tb
+        where = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+        row(
+            f"server: greedy text, {a} against {b}",
+            "the same" if same else f"parts at character {where} (a near tie, or a difference: see the agreement rows)",
+            None,
+        )
+    failed = sum(1 for r in rows if r.endswith("| FAIL |"))
+    print()
+    print(f"server: {failed} checks failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
