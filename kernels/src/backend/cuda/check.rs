@@ -146,6 +146,41 @@ fn lockstep<'a>(
         .collect()
 }
 
+/// The CPU backend `run` compares against, on `isa` (`None`: the best here).
+fn cpu_backend(
+    model: &Arc<Model>,
+    run: &AgreementRun<'_>,
+    isa: Option<crate::quant::Isa>,
+    tokens_max: usize,
+) -> CpuBackend {
+    CpuBackend::new(
+        Arc::clone(model),
+        CpuOptions {
+            threads_count: run.cpu_threads,
+            step_tokens_max: tokens_max,
+            step_seqs_max: run.prompts.len(),
+            isa,
+        },
+    )
+}
+
+/// `run`'s prompts (random tokens of its seed) and the rows of logits each
+/// asks for in its first step: its last positions, as a prompt's log
+/// probabilities ask for them (up to `1 + SCORED_ROWS_MAX / n` of each of
+/// `n` prompts).
+fn prompts_of(model: &Model, run: &AgreementRun<'_>) -> (Vec<Vec<u32>>, Vec<usize>) {
+    let vocab = model.config.vocab_len as u64;
+    let mut rng = SplitMix64(run.seed);
+    let inputs = run
+        .prompts
+        .iter()
+        .map(|&len| (0..len).map(|_| (rng.next_u64() % vocab) as u32).collect())
+        .collect();
+    let share = 1 + crate::backend::SCORED_ROWS_MAX / run.prompts.len().max(1);
+    let rows = run.prompts.iter().map(|&len| len.min(share)).collect();
+    (inputs, rows)
+}
+
 /// Runs `model`'s prompts and decode steps through the CPU and CUDA
 /// backends in lockstep: both see the same tokens (after the prompts, each
 /// sequence's next token is the CPU's greedy choice), and every logit row is
@@ -179,15 +214,7 @@ pub fn agreement(
         Some(device),
         false,
     );
-    let mut cpu = CpuBackend::new(
-        Arc::clone(model),
-        CpuOptions {
-            threads_count: run.cpu_threads,
-            step_tokens_max: tokens_max,
-            step_seqs_max: run.prompts.len(),
-            isa: run.cpu_isa,
-        },
-    );
+    let mut cpu = cpu_backend(model, run, run.cpu_isa, tokens_max);
     let mut cuda = CudaBackend::new(
         Arc::clone(model),
         Arc::clone(device),
@@ -199,19 +226,8 @@ pub fn agreement(
     )
     .expect("the CUDA backend runs the model");
     let vocab = model.config.vocab_len;
-    let mut rng = SplitMix64(run.seed);
-    let mut inputs: Vec<Vec<u32>> = run
-        .prompts
-        .iter()
-        .map(|&len| {
-            (0..len)
-                .map(|_| (rng.next_u64() % vocab as u64) as u32)
-                .collect()
-        })
-        .collect();
+    let (mut inputs, mut rows) = prompts_of(model, run);
     let mut positions = vec![0usize; run.prompts.len()];
-    let share = 1 + crate::backend::SCORED_ROWS_MAX / run.prompts.len().max(1);
-    let mut rows: Vec<usize> = run.prompts.iter().map(|&len| len.min(share)).collect();
     let mut result = Agreement::default();
     for step in 0..=run.decode_steps {
         let cpu_logits = cpu
@@ -287,39 +303,13 @@ pub fn cpu_drift(model: &Arc<Model>, run: &AgreementRun<'_>) -> f32 {
     let longest = run.prompts.iter().max().copied().unwrap_or(0);
     let per_seq = (longest as u32).div_ceil(run.page_tokens).max(1);
     let tokens_max = run.prompts.iter().sum::<usize>().max(run.prompts.len());
-    let mut rng = SplitMix64(run.seed);
     let vocab = model.config.vocab_len;
-    let inputs: Vec<Vec<u32>> = run
-        .prompts
-        .iter()
-        .map(|&len| {
-            (0..len)
-                .map(|_| (rng.next_u64() % vocab as u64) as u32)
-                .collect()
-        })
-        .collect();
+    let (inputs, rows) = prompts_of(model, run);
     let positions = vec![0usize; run.prompts.len()];
-    let share = 1 + crate::backend::SCORED_ROWS_MAX / run.prompts.len().max(1);
-    let rows: Vec<usize> = run.prompts.iter().map(|&len| len.min(share)).collect();
     let [portable, fastest] = [Isa::Scalar, Isa::detect()].map(|isa| {
-        let (mut pool, tables) = pool_with_tables(
-            model,
-            run.kv_type,
-            run.page_tokens,
-            seqs,
-            per_seq,
-            None,
-            false,
-        );
-        let mut cpu = CpuBackend::new(
-            Arc::clone(model),
-            CpuOptions {
-                threads_count: run.cpu_threads,
-                step_tokens_max: tokens_max,
-                step_seqs_max: run.prompts.len(),
-                isa: Some(isa),
-            },
-        );
+        let (kv, tokens) = (run.kv_type, run.page_tokens);
+        let (mut pool, tables) = pool_with_tables(model, kv, tokens, seqs, per_seq, None, false);
+        let mut cpu = cpu_backend(model, run, Some(isa), tokens_max);
         cpu.step(&lockstep(&tables, &inputs, &positions, &rows), &mut pool)
             .expect("a valid step")
             .values
@@ -458,11 +448,7 @@ fn prefill_run(
             times.push(start.elapsed().as_secs_f64());
         }
     }
-    let launches = if profile {
-        device.profile_take()
-    } else {
-        Vec::new()
-    };
+    let launches = taken(device, profile);
     let secs = times.iter().copied().fold(f64::MAX, f64::min);
     let rate = Rate {
         tokens_per_s: len as f64 / secs,
@@ -583,11 +569,7 @@ fn decode_run(
             times.push(start.elapsed().as_secs_f64());
         }
     }
-    let launches = if profile {
-        device.profile_take()
-    } else {
-        Vec::new()
-    };
+    let launches = taken(device, profile);
     let step_secs = median(times);
     let position_bytes = pool.layout().position_bytes();
     let rate = Rate {
@@ -597,6 +579,15 @@ fn decode_run(
             + batch as u64 * (depth + warmup + steps / 2) as u64 * position_bytes,
     };
     (rate, launches)
+}
+
+/// The launches a profile timed, when one was taken.
+fn taken(device: &Arc<dyn Device>, profile: bool) -> Vec<LaunchTime> {
+    if profile {
+        device.profile_take()
+    } else {
+        Vec::new()
+    }
 }
 
 /// One kernel's part of a step (the same kernel on another grid, another
