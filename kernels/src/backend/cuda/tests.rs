@@ -1247,3 +1247,27 @@ fn a_head_width_the_attention_loads_cannot_take_is_refused_before_the_device() {
     );
     assert!(super::runs(&tiny_model(&TinySpec::default())).is_ok());
 }
+
+#[test]
+fn the_cpus_own_drift_is_measured_on_the_agreements_prompt_rows() {
+    let model = tiny_model(&TinySpec::default());
+    let run = super::check::AgreementRun {
+        kv_type: KvType::F16,
+        page_tokens: 16,
+        prompts: &[5, 40, 1],
+        decode_steps: 0,
+        graphs: false,
+        cpu_threads: 1,
+        cpu_isa: None,
+        seed: 7,
+        tolerance: 1e-3,
+    };
+    let drift = super::check::cpu_drift(&model, &run);
+    // A two-layer model: the scalar and fastest paths part by at most a few
+    // Q8 roundings (the GPU check's bound for tiny models is 1e-2).
+    assert!(drift.is_finite() && (0.0..1e-2).contains(&drift), "{drift}");
+    // The agreement compares those rows (each prompt's last positions, up
+    // to 1 + 64 / 3 of each), then one a decode step.
+    let agreement = super::check::agreement(&model, &emulator(2), &run);
+    assert_eq!(agreement.rows + agreement.scored_rows, 5 + 22 + 1);
+}
