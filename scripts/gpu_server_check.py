@@ -32,8 +32,10 @@ import urllib.error
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BULKHEAD = os.path.join(ROOT, ".gpu", "bulkhead")
-GPU_CHECK = os.path.join(ROOT, ".gpu", "gpu-check")
+# The binaries `scripts/gpu-check.sh --build` puts in .gpu/ (a test points
+# these at its own builds).
+BULKHEAD = os.environ.get("BULKHEAD_BIN") or os.path.join(ROOT, ".gpu", "bulkhead")
+GPU_CHECK = os.environ.get("GPU_CHECK_BIN") or os.path.join(ROOT, ".gpu", "gpu-check")
 MODEL_ID = "smollm2-shape"
 KEY = "gpu-server-check-alpha-key-0123456789abcdef"
 ADMIN = "gpu-server-check-admin-token-0123456789abcdef"

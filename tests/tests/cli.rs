@@ -326,6 +326,62 @@ fn check_names_each_models_backend_and_refuses_cuda_without_a_gpu() {
     );
 }
 
+/// The server's part of the GPU check (`scripts/gpu_server_check.py`), run
+/// here on the CPU with this build's binaries: its flow works end to end, and
+/// without a GPU its `auto` row fails, naming the missing driver.
+#[test]
+fn the_gpu_checks_server_part_serves_and_says_when_auto_chose_no_gpu() {
+    let Some(_model) = smollm2() else { return };
+    let exe = bulkhead_exe();
+    let writer = exe.parent().expect("target dir").join("examples/gpu_check");
+    if !writer.exists() {
+        // Built by `cargo test` with the kernels' fault-injection feature.
+        assert!(
+            std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_none(),
+            "{} is missing",
+            writer.display()
+        );
+        eprintln!("skipped: {} is missing", writer.display());
+        return;
+    }
+    let check = |backends: &[&str]| {
+        run(Command::new("python3")
+            .arg(repo_root().join("scripts/gpu_server_check.py"))
+            .args(backends)
+            .env("BULKHEAD_BIN", &exe)
+            .env("GPU_CHECK_BIN", &writer))
+    };
+    let out = check(&["cpu"]);
+    let table = stdout(&out);
+    assert!(out.status.success(), "{table}{}", stderr(&out));
+    for row in [
+        "| server --backend cpu: starts | ready in",
+        "| server (cpu): greedy completion | 32 tokens in",
+        "| server (cpu): streamed chat completion | status 200,",
+    ] {
+        let line = table.lines().find(|l| l.starts_with(row));
+        assert!(
+            line.is_some_and(|l| l.ends_with("| pass |")),
+            "{row}: {table}"
+        );
+    }
+    assert!(table.contains("server: 0 checks failed"), "{table}");
+    let out = check(&["auto"]);
+    let table = stdout(&out);
+    if out.status.success() {
+        eprintln!("skipped: this machine's auto chose the GPU");
+        return;
+    }
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("| server --backend auto: chooses the GPU |"))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(
+        row.ends_with("| FAIL |") && row.contains("backend auto chose cpu: no NVIDIA driver"),
+        "{row}"
+    );
+}
+
 #[test]
 fn check_prints_the_capacity_table_and_refuses_a_broken_promise() {
     let Some(_model) = smollm2() else { return };
