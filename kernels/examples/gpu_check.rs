@@ -12,7 +12,7 @@
 //!    a sliding window and soft caps, gemma3), with graphs;
 //! 3. a released page reading back scrubbed, and a stale, foreign-pool or
 //!    cross-tenant page-table entry refused before any launch;
-//! 4. where a decode step (batch 1 and 32, depth 512) and a 512-token
+//! 4. where a decode step (batch 1 and 32 at depth 512, batch 1 at 4096) and a 512-token
 //!    prefill chunk spend their device time, kernel by kernel (each launch
 //!    timed alone by the device's events), so one run says what to speed up;
 //! 5. prefill tokens/s at 512 and 4096 positions;
@@ -439,9 +439,15 @@ fn decode_rows(
 /// Rows of where a step's device time goes, kernel by kernel: decode at
 /// batch 1 and a middling batch, and a prefill chunk.
 fn profile_rows(report: &mut Report, plan: &Plan, model: &Arc<Model>, device: &Arc<dyn Device>) {
-    let depth = plan.depths[0];
-    let batches = [1, plan.batches[plan.batches.len().min(3) - 1]];
-    for batch in batches {
+    // Batch 1 at the shallowest and deepest depths (what grows with depth),
+    // and a middling batch.
+    let (shallow, deep) = (plan.depths[0], plan.depths[plan.depths.len() - 1]);
+    let middling = plan.batches[plan.batches.len().min(3) - 1];
+    let mut runs = vec![(1, shallow), (middling, shallow)];
+    if deep != shallow {
+        runs.push((1, deep));
+    }
+    for (batch, depth) in runs {
         report.row(
             format!("profile: decode batch {batch} depth {depth}"),
             || {
