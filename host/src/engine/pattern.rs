@@ -4,9 +4,11 @@
 //! to a table the recognizer ([`super::json`]) steps a character at a time:
 //! a character is taken only where some text the pattern accepts still
 //! begins with the characters so far, so the model can never write itself
-//! into a dead end, and a string's `minLength` and `maxLength` are part of
-//! the same table (a state is a place in the pattern and a count of
-//! characters), so they hold together with it.
+//! into a dead end, and a string's `minLength` and `maxLength` hold
+//! together with it: a node of the table is a place in the pattern and a
+//! count of characters up to `minLength`, and each node knows the fewest
+//! characters to an accepted end, so a character is taken only where that
+//! end still lies within `maxLength`.
 //!
 //! The text a pattern writes holds printable ASCII, tab and newline only
 //! ([`in_alphabet`]). Over those characters every regex dialect a client's
@@ -44,12 +46,12 @@ const NEST_MAX: u32 = 64;
 /// request does in the tenant's turn on the request lane (at most about
 /// 20 ms of one core: BENCHMARKS.md). A typical pattern takes 5 to 15 KiB with its table.
 pub const AUTOMATA_BYTES_MAX: usize = 512 << 10;
-/// Most states of a compiled pattern (places in it, times the counts of
-/// characters that `minLength` and `maxLength` tell apart).
+/// Most nodes of a compiled pattern (places in it, times the counts of
+/// characters that `minLength` tells apart).
 pub const STATES_MAX: usize = 1 << 14;
 /// Most bytes one pattern's table takes (see [`Pattern::compile`]): a
-/// quarter of [`AUTOMATA_BYTES_MAX`], so that a schema's first long strings
-/// leave room for others, and compiling one costs a few milliseconds.
+/// quarter of [`AUTOMATA_BYTES_MAX`], so that a schema's first costly
+/// patterns leave room for others, and compiling one costs a few milliseconds.
 pub const TABLE_BYTES_MAX: usize = AUTOMATA_BYTES_MAX / 4;
 /// Most entries (states times the classes of characters the pattern tells
 /// apart) of a compiled pattern's table: 2 bytes each.
@@ -120,22 +122,35 @@ pub fn in_alphabet(c: u8) -> bool {
     matches!(c, b'\t' | b'\n' | 0x20..=0x7E)
 }
 
-/// A place in a compiled pattern's text.
-pub type PatternState = u16;
+/// A place in a compiled pattern's text: a node of its table and the
+/// characters so far (as far as its `maxLength` tells counts apart).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PatternState {
+    node: u16,
+    count: u32,
+}
 
-/// A compiled pattern: a table of the texts it accepts, with their lengths.
+/// A compiled pattern: a table of the texts it accepts, with the fewest
+/// characters from each place to an accepted end, so that `maxLength`
+/// holds without a place for each count.
 #[derive(Clone, PartialEq)]
 pub struct Pattern {
     /// Each ASCII byte's column ([`NO_COLUMN`] outside the alphabet): the
     /// characters the pattern does not tell apart share one.
     columns: [u8; 128],
     width: usize,
-    /// `next[state * width + column]`: the state after a character of the
-    /// column, [`DEAD`] where no accepted text goes on so. State 0 is the
-    /// start; every state leads to an accepted text.
+    /// `next[node * width + column]`: the node after a character of the
+    /// column, [`DEAD`] where no accepted text goes on so. A node is the
+    /// DFAs' states and the count of characters up to `minLength` (past it
+    /// counts are alike); node 0 is the start, and every node leads to an
+    /// accepted text.
     next: Box<[u16]>,
-    /// The states where the text may end.
+    /// The nodes where the text may end (their counts are `minLength`).
     accepting: Box<[bool]>,
+    /// The fewest characters from each node to an accepted end.
+    shortest: Box<[u32]>,
+    /// The most characters (`u32::MAX`: no most).
+    max: u32,
 }
 
 impl Pattern {
@@ -143,11 +158,9 @@ impl Pattern {
     /// `regex`), else somewhere (JSON Schema's `pattern`); the text holds
     /// `min` to `max` characters (`u32::MAX`: no most). Its automata take
     /// from `budget`, the bytes left of [`AUTOMATA_BYTES_MAX`], its table
-    /// at most [`TABLE_BYTES_MAX`] of them. Where its table within `max`
-    /// would be larger (pydantic's `HttpUrl`: a URL of at most 2,083
-    /// characters), the text is held to the longest length, at least `min`,
-    /// whose table is not: a narrower set of texts, each still one the
-    /// schema accepts.
+    /// at most [`TABLE_BYTES_MAX`] of them. A `maxLength` costs nothing
+    /// more: pydantic's `HttpUrl` (a URL of at most 2,083 characters) has
+    /// the table of a URL of any length.
     pub fn compile(
         regex: &str,
         whole: bool,
@@ -169,42 +182,30 @@ impl Pattern {
         for &(regex, whole) in regexes {
             dfas.push(dfa_of(regex, whole, budget)?);
         }
-        // A string of more characters than its table holds within its
-        // bytes is held to fewer: (bounded) the table's counts are its
-        // layers, each character adding one, so the layers before the one
-        // that did not fit are that shorter string's table.
         let limit = (*budget).min(TABLE_BYTES_MAX);
-        let held = match Pattern::tabulate(&dfas, lengths, what, limit) {
-            Err(refused) => match refused.layer() {
-                Some(count) if count > lengths.0 => {
-                    Pattern::tabulate(&dfas, (lengths.0, count - 1), what, limit)
-                }
-                _ => Err(refused),
-            },
-            whole => whole,
-        };
-        let pattern = held.map_err(|refused| match refused {
-            Refused::TooLarge { .. } if limit < *budget => format!(
-                "{what} (with the string's minLength) needs a table larger than \
-                 {TABLE_BYTES_MAX} bytes"
-            ),
-            Refused::TooLarge { .. } => too_large(),
-            Refused::TooMany { .. } => format!(
-                "{what} (with the string's minLength and maxLength) needs more than \
-                 {STATES_MAX} states or {TABLE_ENTRIES_MAX} table entries"
-            ),
-            Refused::Other(message) => message,
-        })?;
-        *budget = budget.saturating_sub(pattern.next.len() * 2);
+        let pattern =
+            Pattern::tabulate(&dfas, lengths, what, limit).map_err(|refused| match refused {
+                Refused::TooLarge if limit < *budget => format!(
+                    "{what} (with the string's minLength) needs a table larger than \
+                     {TABLE_BYTES_MAX} bytes"
+                ),
+                Refused::TooLarge => too_large(),
+                Refused::TooMany => format!(
+                    "{what} (with the string's minLength) needs more than {STATES_MAX} \
+                     states or {TABLE_ENTRIES_MAX} table entries"
+                ),
+                Refused::Other(message) => message,
+            })?;
+        *budget = budget.saturating_sub(pattern.bytes());
         Ok(pattern)
     }
 
     /// The table of the states of `dfas` (each with its start) that an
-    /// alphabet text reaches together, each with its count of characters
-    /// (up to `max`; without one, up to `min`, past which counts are alike),
-    /// less those from which no text all of them accept goes on. The
-    /// table's bytes (2 an entry) take from `budget` too: a short pattern
-    /// with a long `maxLength` makes a small DFA and a large table.
+    /// alphabet text reaches together, each with its count of characters up
+    /// to `min` (past which counts are alike), less those from which no
+    /// text all of them accept goes on; and each node's fewest characters
+    /// to an accepted end, which `max` is held to as the text is written.
+    /// The table's bytes take from `limit`.
     fn tabulate(
         dfas: &[(Dfa, StateID)],
         (min, max): (u32, u32),
@@ -224,12 +225,13 @@ impl Pattern {
             });
         }
         let width = firsts.len();
-        if width * 2 > limit {
+        // A node's row, its shortest and whether it accepts.
+        let node_bytes = width * 2 + 5;
+        if node_bytes > limit {
             // Not even the start's row.
-            return Err(Refused::TooLarge { count: None });
+            return Err(Refused::TooLarge);
         }
-        let bounded = max != u32::MAX;
-        // Breadth first from the start: (the DFAs' states, characters).
+        // Breadth first from the start: (the DFAs' states, characters up to min).
         type Place = (Box<[StateID]>, u32);
         let start: Place = (dfas.iter().map(|&(_, start)| start).collect(), 0);
         let mut ids: HashMap<Place, u32> = HashMap::from([(start.clone(), 0)]);
@@ -247,26 +249,20 @@ impl Pattern {
                         (!dfa.is_dead_state(to) && !dfa.is_quit_state(to)).then_some(to)
                     })
                     .collect();
-                let count = if bounded {
-                    count + 1
-                } else {
-                    (count + 1).min(min)
-                };
-                let Some(to) = to.filter(|_| count <= max) else {
+                let Some(to) = to else {
                     edges.push(u32::MAX);
                     continue;
                 };
+                let count = (count + 1).min(min);
                 let next = states.len() as u32;
                 let id = *ids.entry((to.clone(), count)).or_insert(next);
                 if id == next {
-                    // (Bounded, a state's count is its layer.)
-                    let layer = bounded.then_some(count);
                     if states.len() >= STATES_MAX || (states.len() + 1) * width > TABLE_ENTRIES_MAX
                     {
-                        return Err(Refused::TooMany { count: layer });
+                        return Err(Refused::TooMany);
                     }
-                    if (states.len() + 1) * width * 2 > limit {
-                        return Err(Refused::TooLarge { count: layer });
+                    if (states.len() + 1) * node_bytes > limit {
+                        return Err(Refused::TooLarge);
                     }
                     states.push((to, count));
                 }
@@ -284,28 +280,32 @@ impl Pattern {
                         .all(|(&state, (dfa, _))| dfa.is_match_state(dfa.next_eoi_state(state)))
             })
             .collect();
-        // The states from which an accepted text goes on: back from the
-        // accepting ones.
+        // Each node's fewest characters to an accepted end: breadth first,
+        // back from the accepting nodes (unreached: no accepted text goes on).
         let mut into: Vec<Vec<u32>> = vec![Vec::new(); states.len()];
         for (from, row) in edges.chunks(width.max(1)).enumerate() {
             for &to in row.iter().filter(|&&to| to != u32::MAX) {
                 into[to as usize].push(from as u32);
             }
         }
-        let mut live = accepting.clone();
-        let mut todo: Vec<u32> = (0..states.len() as u32)
-            .filter(|&s| live[s as usize])
+        let mut shortest = vec![u32::MAX; states.len()];
+        let mut queue: std::collections::VecDeque<u32> = (0..states.len() as u32)
+            .filter(|&s| accepting[s as usize])
             .collect();
-        while let Some(s) = todo.pop() {
+        for &s in &queue {
+            shortest[s as usize] = 0;
+        }
+        while let Some(s) = queue.pop_front() {
+            let far = shortest[s as usize] + 1;
             for &from in &into[s as usize] {
-                if !live[from as usize] {
-                    live[from as usize] = true;
-                    todo.push(from);
+                if shortest[from as usize] == u32::MAX {
+                    shortest[from as usize] = far;
+                    queue.push_back(from);
                 }
             }
         }
-        if !live[0] {
-            let within = if min > 0 || bounded {
+        if shortest[0] == u32::MAX || shortest[0] > max {
+            let within = if min > 0 || max != u32::MAX {
                 " within the string's minLength and maxLength"
             } else {
                 ""
@@ -314,16 +314,18 @@ impl Pattern {
                 "no text of printable ASCII{within} matches {what}"
             )));
         }
-        // The live states, renumbered in order (the start stays 0).
+        // The live nodes, renumbered in order (the start stays 0).
+        let live = |s: usize| shortest[s] != u32::MAX;
         let mut renumbered = vec![DEAD; states.len()];
         let mut n = 0u16;
-        for (s, _) in live.iter().enumerate().filter(|(_, &l)| l) {
+        for s in (0..states.len()).filter(|&s| live(s)) {
             renumbered[s] = n;
             n += 1;
         }
         let mut next = Vec::with_capacity(usize::from(n) * width);
         let mut kept_accepting = Vec::with_capacity(usize::from(n));
-        for s in (0..states.len()).filter(|&s| live[s]) {
+        let mut kept_shortest = Vec::with_capacity(usize::from(n));
+        for s in (0..states.len()).filter(|&s| live(s)) {
             next.extend(edges[s * width..(s + 1) * width].iter().map(|&to| {
                 if to == u32::MAX {
                     DEAD
@@ -332,41 +334,60 @@ impl Pattern {
                 }
             }));
             kept_accepting.push(accepting[s]);
+            kept_shortest.push(shortest[s]);
         }
         Ok(Pattern {
             columns,
             width,
             next: next.into(),
             accepting: kept_accepting.into(),
+            shortest: kept_shortest.into(),
+            max,
         })
     }
 
     /// The state before any character.
     pub fn start(&self) -> PatternState {
-        0
+        PatternState { node: 0, count: 0 }
     }
 
-    /// The state after character `c`, if an accepted text goes on with it.
+    /// The state after character `c`, if an accepted text of at most `max`
+    /// characters goes on with it.
     pub fn next(&self, state: PatternState, c: u8) -> Option<PatternState> {
         let column = *self.columns.get(usize::from(c))?;
         if column == NO_COLUMN {
             return None;
         }
-        let to = self.next[usize::from(state) * self.width + usize::from(column)];
-        (to != DEAD).then_some(to)
+        let node = self.next[usize::from(state.node) * self.width + usize::from(column)];
+        let (count, left) = self.after(state)?;
+        (node != DEAD && self.shortest[usize::from(node)] <= left)
+            .then_some(PatternState { node, count })
+    }
+
+    /// One character on from `state`: its count, and how many characters
+    /// may follow it (counted only where there is a most).
+    fn after(&self, state: PatternState) -> Option<(u32, u32)> {
+        if self.max == u32::MAX {
+            return Some((0, u32::MAX));
+        }
+        let count = state.count + 1;
+        Some((count, self.max.checked_sub(count)?))
     }
 
     /// Whether the text may end here.
     pub fn accepts_end(&self, state: PatternState) -> bool {
-        self.accepting[usize::from(state)]
+        self.accepting[usize::from(state.node)]
     }
 
     /// Whether no character may follow: the text ends here.
     pub fn is_final(&self, state: PatternState) -> bool {
-        let row = usize::from(state) * self.width;
+        let Some((_, left)) = self.after(state) else {
+            return true;
+        };
+        let row = usize::from(state.node) * self.width;
         self.next[row..row + self.width]
             .iter()
-            .all(|&to| to == DEAD)
+            .all(|&to| to == DEAD || self.shortest[usize::from(to)] > left)
     }
 
     /// Whether the pattern accepts `text`.
@@ -380,42 +401,31 @@ impl Pattern {
     pub fn entries(&self) -> usize {
         self.next.len()
     }
+
+    /// Bytes of its table: rows, and each node's shortest and end.
+    fn bytes(&self) -> usize {
+        self.next.len() * 2 + self.accepting.len() * 5
+    }
 }
 
 impl std::fmt::Debug for Pattern {
     // (Its table is thousands of numbers; the schema's source has the text.)
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pattern")
-            .field("states", &self.accepting.len())
+            .field("nodes", &self.accepting.len())
             .field("columns", &self.width)
+            .field("max", &self.max)
             .finish()
     }
 }
 
-/// The refusal of patterns past [`AUTOMATA_BYTES_MAX`].
 /// Why a table was not made.
 enum Refused {
-    /// It would pass the bytes it may take; bounded, at the state of
-    /// `count` characters (all states of fewer fit).
-    TooLarge {
-        count: Option<u32>,
-    },
-    /// It would pass [`STATES_MAX`] or [`TABLE_ENTRIES_MAX`] (so too).
-    TooMany {
-        count: Option<u32>,
-    },
+    /// It would pass the bytes it may take.
+    TooLarge,
+    /// It would pass [`STATES_MAX`] or [`TABLE_ENTRIES_MAX`].
+    TooMany,
     Other(String),
-}
-
-impl Refused {
-    /// Where it ran out of room, bounded: the count of characters of the
-    /// first state that did not fit.
-    fn layer(&self) -> Option<u32> {
-        match self {
-            Refused::TooLarge { count } | Refused::TooMany { count } => *count,
-            Refused::Other(_) => None,
-        }
-    }
 }
 
 fn too_large() -> String {
@@ -586,6 +596,22 @@ mod tests {
         compile(regex, false, (0, u32::MAX)).unwrap()
     }
 
+    /// Every state some text reaches.
+    fn reachable(p: &Pattern) -> Vec<PatternState> {
+        let mut seen = std::collections::HashSet::from([p.start()]);
+        let mut todo = vec![p.start()];
+        while let Some(state) = todo.pop() {
+            for c in (0..128u8).filter(|&c| in_alphabet(c)) {
+                if let Some(to) = p.next(state, c) {
+                    if seen.insert(to) {
+                        todo.push(to);
+                    }
+                }
+            }
+        }
+        seen.into_iter().collect()
+    }
+
     #[test]
     fn a_pattern_is_found_anywhere_and_a_regex_matches_whole() {
         let p = search("b+c");
@@ -647,10 +673,10 @@ mod tests {
             (r"^\w+(\s\w+)*$", (5, u32::MAX)),
         ] {
             let p = compile(regex, false, lengths).unwrap();
-            for state in 0..p.accepting.len() as u16 {
+            for state in reachable(&p) {
                 assert!(
                     p.accepts_end(state) || !p.is_final(state),
-                    "{regex}: state {state} neither ends nor goes on"
+                    "{regex}: {state:?} neither ends nor goes on"
                 );
             }
         }
@@ -679,54 +705,53 @@ mod tests {
     }
 
     #[test]
-    fn a_string_whose_table_would_not_fit_is_held_to_a_shorter_length() {
-        // pydantic's HttpUrl: a URL of 1 to 2,083 characters, whose table
-        // (a state for each place and count) would take about 1.2 MB.
+    fn a_long_max_length_is_held_exactly_at_no_cost_in_table() {
+        // pydantic's HttpUrl: a URL of 1 to 2,083 characters. A table of a
+        // place for each count would take about 1.2 MB; this one is the
+        // table of a URL of any length.
         let url = format_regex("uri").unwrap();
-        let mut budget = AUTOMATA_BYTES_MAX;
-        let held =
-            Pattern::compile_all(&[(url.as_str(), true)], (1, 2083), &mut budget, "uri").unwrap();
-        let taken = AUTOMATA_BYTES_MAX - budget;
-        assert!(
-            taken <= TABLE_BYTES_MAX && taken > TABLE_BYTES_MAX * 9 / 10,
-            "{taken}"
-        );
-        // The longest text it takes: a URL of some hundreds of characters.
-        let longest = (1..=2083)
-            .rev()
-            .find(|&n| held.matches(&format!("https://a.io/{}", "x".repeat(n - 13))))
-            .unwrap();
-        assert!((150..2083).contains(&longest), "{longest}");
-        assert!(!held.matches(&format!("https://a.io/{}", "x".repeat(longest - 12))));
-        assert!(held.matches("http://a.io") && !held.matches("ftp://a.io"));
-        // Every state still ends or goes on, up to the held length.
-        for state in 0..held.accepting.len() as u16 {
-            assert!(held.accepts_end(state) || !held.is_final(state));
-        }
-        // A schema's first such strings leave room for more: four at the
-        // most each, then the rest held shorter, then refused.
-        let mut budget = AUTOMATA_BYTES_MAX;
-        let mut lengths = Vec::new();
-        let refusal = loop {
-            match Pattern::compile_all(&[(url.as_str(), true)], (1, 2083), &mut budget, "uri") {
-                Ok(p) => lengths.push(p.accepting.len()),
-                Err(e) => break e,
-            }
-            assert!(lengths.len() < 64, "{lengths:?}");
+        let table = |lengths| {
+            let mut budget = AUTOMATA_BYTES_MAX;
+            let p =
+                Pattern::compile_all(&[(url.as_str(), true)], lengths, &mut budget, "uri").unwrap();
+            (p, AUTOMATA_BYTES_MAX - budget)
         };
-        assert!(
-            lengths.len() >= 4 && lengths[..4].iter().all(|&n| n == lengths[0]),
-            "{lengths:?}"
-        );
-        assert!(
-            refusal.contains("in all") || refusal.contains("no text"),
-            "{refusal}"
-        );
-        // Not below minLength: a pattern whose shortest text's table would
-        // not fit is refused.
+        let (held, taken) = table((1, 2083));
+        let (free, taken_free) = table((1, u32::MAX));
+        assert_eq!(held.bytes(), free.bytes());
+        assert_eq!(taken, taken_free);
+        assert!(taken < 64 << 10, "{taken}");
+        let of = |n: usize| format!("https://a.io/{}", "x".repeat(n - 13));
+        assert!(held.matches(&of(2083)) && !held.matches(&of(2084)));
+        assert!(free.matches(&of(2084)));
+        assert!(held.matches("http://a.io") && !held.matches("ftp://a.io"));
+        // Near its most, only what can still end in time is taken.
+        let mut state = held.start();
+        for c in format!("https://a.io/{}", "x".repeat(2067)).bytes() {
+            state = held.next(state, c).unwrap();
+        }
+        assert!(held.next(state, b'x').is_some() && held.accepts_end(state));
+        let mut state = held.start();
+        for c in format!("https://{}", "a".repeat(2072)).bytes() {
+            state = held.next(state, c).unwrap();
+        }
+        // 2,080 characters of a host's first label: it needs "." and two
+        // letters more, so another letter would leave too few.
+        assert!(held.next(state, b'a').is_none() && held.next(state, b'.').is_some());
+        assert!(!held.accepts_end(state));
+        // A schema's budget holds dozens of them.
+        let mut budget = AUTOMATA_BYTES_MAX;
+        let mut compiled = 0;
+        while Pattern::compile_all(&[(url.as_str(), true)], (1, 2083), &mut budget, "uri").is_ok() {
+            compiled += 1;
+            assert!(compiled < 1000);
+        }
+        assert!(compiled >= 12, "{compiled}");
+        // A minLength still counts: a pattern whose shortest text's table
+        // would not fit is refused.
         let e = compile("^[a-z]*$", false, (40_000, 60_000)).unwrap_err();
         assert!(e.contains("states") || e.contains("larger than"), "{e}");
-        // Without a maxLength nothing is held: a DFA too large is refused.
+        // Without a maxLength, a DFA too large is refused.
         assert!(compile("(a|b)*a(a|b){16}$", false, (0, u32::MAX)).is_err());
     }
 
@@ -799,10 +824,10 @@ mod tests {
             for text in refused {
                 assert!(!p.matches(text), "{name}: took {text}");
             }
-            for state in 0..p.accepting.len() as u16 {
+            for state in reachable(&p) {
                 assert!(
                     p.accepts_end(state) || !p.is_final(state),
-                    "{name}: {state}"
+                    "{name}: {state:?}"
                 );
             }
         }
@@ -827,22 +852,29 @@ mod tests {
     }
 
     #[test]
-    fn a_long_max_length_takes_its_table_from_the_budget() {
-        // A tiny DFA, a table of 5,000 counts: a few fit, not a schema's
-        // thousand.
-        let mut budget = AUTOMATA_BYTES_MAX;
-        let mut compiled = 0;
-        let refusal = loop {
-            match Pattern::compile("^[a-z]*$", false, (0, 5_000), &mut budget) {
-                Ok(_) => compiled += 1,
-                Err(e) => break e,
-            }
-            assert!(compiled < 64, "{compiled} tables of 5,000 counts");
-        };
-        assert!(
-            compiled >= 1 && refusal.contains("in all"),
-            "{compiled}: {refusal}"
-        );
+    fn a_max_length_takes_every_text_up_to_it_and_none_past() {
+        // A tiny DFA: the same table with a most of 5,000 as without one.
+        let bounded = compile("^[a-z]*$", false, (0, 5_000)).unwrap();
+        let free = compile("^[a-z]*$", false, (0, u32::MAX)).unwrap();
+        assert_eq!(bounded.bytes(), free.bytes());
+        assert!(bounded.matches(&"a".repeat(5_000)) && !bounded.matches(&"a".repeat(5_001)));
+        // At its most, nothing may follow: the text ends.
+        let mut state = bounded.start();
+        for _ in 0..5_000 {
+            state = bounded.next(state, b'q').unwrap();
+        }
+        assert!(bounded.is_final(state) && bounded.accepts_end(state));
+        // Lengths of a pattern's own rhythm: (aaa)+ within 4 to 8 is 6 only.
+        let p = compile("^(aaa)+$", false, (4, 8)).unwrap();
+        let taken: Vec<usize> = (0..12).filter(|&n| p.matches(&"a".repeat(n))).collect();
+        assert_eq!(taken, [6]);
+        // And from each place only a character that still ends in time:
+        // after 6, another a would need 9.
+        let mut state = p.start();
+        for _ in 0..6 {
+            state = p.next(state, b'a').unwrap();
+        }
+        assert!(p.next(state, b'a').is_none() && p.is_final(state));
     }
 
     #[test]
