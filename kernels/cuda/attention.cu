@@ -32,11 +32,6 @@ __device__ __forceinline__ uint64_t kv_index(uint32_t layer, uint32_t kv, uint32
     return ((uint64_t(layer) * 2 + kv) * pages_count + page) * slab + uint64_t(slot) * kv_dim + i;
 }
 
-__device__ __forceinline__ float kv_load(uint64_t kv, uint64_t index, uint32_t kv_f16) {
-    return kv_f16 ? f16_to_f32(reinterpret_cast<const uint16_t*>(kv)[index])
-                  : reinterpret_cast<const float*>(kv)[index];
-}
-
 // The 16 bytes at value `index`: 8 f16 values or 4 f32 into out[0..8 or 4].
 __device__ __forceinline__ void kv_load16(uint64_t kv, uint64_t index, uint32_t kv_f16, float* out) {
     const uint8_t* at = reinterpret_cast<const uint8_t*>(kv) + index * (kv_f16 ? 2 : 4);
