@@ -487,15 +487,15 @@ fn profile_cell(profile: &check::StepProfile) -> String {
                 k.grid,
                 k.secs * 1e6,
                 k.launches,
-                100.0 * k.secs / profile.kernel_secs.max(f64::MIN_POSITIVE)
+                100.0 * k.secs / profile.kernel_secs().max(f64::MIN_POSITIVE)
             )
         })
         .collect();
     format!(
         "step {:.3} ms (each launch waited for), kernels {:.3} ms in {:.0} launches: {}",
         profile.step_secs * 1e3,
-        profile.kernel_secs * 1e3,
-        profile.launches,
+        profile.kernel_secs() * 1e3,
+        profile.launches(),
         parts.join("; ")
     )
 }

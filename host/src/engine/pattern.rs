@@ -397,11 +397,6 @@ impl Pattern {
             .is_some_and(|state| self.accepts_end(state))
     }
 
-    /// Entries of its table (its size, at 2 bytes each).
-    pub fn entries(&self) -> usize {
-        self.next.len()
-    }
-
     /// Bytes of its table: rows, and each node's shortest and end.
     fn bytes(&self) -> usize {
         self.next.len() * 2 + self.accepting.len() * 5

@@ -610,10 +610,6 @@ pub struct StepProfile {
     /// A profiled step's wall time, host included (the median; each launch
     /// waited for, so longer than an unprofiled step).
     pub step_secs: f64,
-    /// The kernels' device time a step, summed.
-    pub kernel_secs: f64,
-    /// Launches a step.
-    pub launches: f64,
     /// The parts, the costliest first.
     pub kernels: Vec<KernelShare>,
 }
@@ -644,12 +640,17 @@ impl StepProfile {
             kernel.secs *= per_step;
         }
         kernels.sort_by(|a, b| b.secs.total_cmp(&a.secs));
-        StepProfile {
-            step_secs,
-            kernel_secs: kernels.iter().map(|k| k.secs).sum(),
-            launches: launches.len() as f64 * per_step,
-            kernels,
-        }
+        StepProfile { step_secs, kernels }
+    }
+
+    /// The kernels' device time a step, summed.
+    pub fn kernel_secs(&self) -> f64 {
+        self.kernels.iter().map(|k| k.secs).sum()
+    }
+
+    /// Launches a step.
+    pub fn launches(&self) -> f64 {
+        self.kernels.iter().map(|k| k.launches).sum()
     }
 }
 
