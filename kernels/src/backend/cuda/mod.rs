@@ -61,9 +61,10 @@ use pack::{Counts, Packer, StepLayout};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// KV positions per split of a decode token's attention: a decode token at
-/// depth p is split into ceil((p + 1) / 256) work items per KV head, merged
-/// after (more blocks in flight for a long context at a small batch).
+/// The most KV positions in one split of a decode token's attention: a
+/// token at depth p is split into at least ceil((p + 1) / 256) work items
+/// per KV head, merged after; a step of few sequences splits finer, down to
+/// a tile a split (see `pack::decode_span`).
 pub const SPLIT_POSITIONS: u32 = 256;
 /// Bytes per step-buffer word.
 const WORD: u64 = 4;
@@ -498,7 +499,8 @@ impl CudaBackend {
         let page_tokens = layout.page_tokens as usize;
         self.staging.clear();
         self.staging.resize(layout.words as usize, 0);
-        let mut packer = Packer::new(&mut self.staging, layout);
+        let split_seqs = bucket.unwrap_or(steps.len() as u32);
+        let mut packer = Packer::new(&mut self.staging, layout, split_seqs);
         for (seq, step) in steps.iter().enumerate() {
             let t0 = packer.counts.tokens;
             for (i, &token) in step.tokens.iter().enumerate() {

@@ -12,10 +12,50 @@
 //! step, as far as the step reaches and no further; `items` are attention's
 //! work units (`AttnItem`), `merges` the folds of split decode attention.
 
-use super::launch::{AttnItem, NO_SEQ};
+use super::launch::{AttnItem, ATTENTION_TILE, NO_SEQ};
 use super::{CudaOptions, SPLIT_POSITIONS};
 use crate::kv::PageId;
 use crate::model::Model;
+
+/// Attention blocks a decode step of few sequences aims for: enough to have
+/// every multiprocessor of a large GPU (132 on an H100) hold a few.
+const DECODE_BLOCKS: u32 = 512;
+/// The most splits a decode token's attention is cut into per KV head when
+/// its step is small (a long context past 64 x 256 positions takes more).
+const DECODE_SPLITS: u32 = 64;
+
+/// The splits a decode token of a step of `seqs` sequences aims for, per KV
+/// head: [`DECODE_BLOCKS`] over the step's tokens and heads, 1 to
+/// [`DECODE_SPLITS`].
+fn decode_splits(seqs: u32, kv_heads: u32) -> u32 {
+    (DECODE_BLOCKS / (seqs * kv_heads).max(1)).clamp(1, DECODE_SPLITS)
+}
+
+/// The positions in each split of a decode token's attention over
+/// `positions` positions, in a step of `seqs` sequences: its positions over
+/// [`decode_splits`], rounded up to whole tiles, at most [`SPLIT_POSITIONS`].
+///
+/// One block reads a split's tiles one after another, so a token alone in
+/// its step (batch 1) would otherwise read its whole context through a
+/// handful of blocks: at depth 512 and three KV heads, six blocks of eight
+/// tiles each (and three of one position), the rest of the GPU idle. Finer splits cost a merge of more
+/// partials; at a large batch the step's own tokens fill the GPU, and spans
+/// stay at [`SPLIT_POSITIONS`].
+pub(super) fn decode_span(positions: u32, seqs: u32, kv_heads: u32) -> u32 {
+    let splits = decode_splits(seqs, kv_heads);
+    positions
+        .div_ceil(splits)
+        .max(1)
+        .next_multiple_of(ATTENTION_TILE)
+        .min(SPLIT_POSITIONS)
+}
+
+/// The most splits a decode token of a step of `seqs` sequences takes per KV
+/// head, at any depth within `context_len`: a span of [`decode_span`] is
+/// either at least positions / [`decode_splits`] or [`SPLIT_POSITIONS`].
+pub(super) fn decode_splits_max(seqs: u32, kv_heads: u32, context_len: u32) -> u32 {
+    decode_splits(seqs, kv_heads).max(context_len.div_ceil(SPLIT_POSITIONS))
+}
 
 /// Where each region of the packed step buffer starts, in words, for the
 /// largest step: the same addresses for every step, so captured graphs stay valid.
@@ -50,12 +90,20 @@ impl StepLayout {
         let c = &model.config;
         let (t, s) = (options.step_tokens_max as u64, options.step_seqs_max as u64);
         let kv_heads = c.kv_heads_count as u64;
-        let splits_max = (c.context_len as u64).div_ceil(u64::from(SPLIT_POSITIONS));
+        // Decode tokens in up to `decode_splits_max` items (partial slots)
+        // each per KV head, for a step of any number of sequences up to `s`.
+        let slots_max = (1..=s as u32)
+            .map(|seqs| {
+                let splits = decode_splits_max(seqs, kv_heads as u32, c.context_len as u32);
+                u64::from(seqs) * kv_heads * u64::from(splits)
+            })
+            .max()
+            .unwrap_or(0);
         // Each sequence's table as far as its last position: at most the context.
         let pages_max = s * (c.context_len as u64).div_ceil(u64::from(page_tokens));
         // Prefill chunks in items of `queries_per_item` (one partial item per
-        // sequence at most), decode tokens in up to `splits_max` items.
-        let items_max = kv_heads * (t.div_ceil(u64::from(queries_per_item)) + s + s * splits_max);
+        // sequence at most), decode tokens in their splits' items.
+        let items_max = kv_heads * (t.div_ceil(u64::from(queries_per_item)) + s) + slots_max;
         let merges_max = s * kv_heads;
         let mut at = 0u64;
         let mut region = |words: u64| {
@@ -86,7 +134,7 @@ impl StepLayout {
             pages_max,
             items_max,
             merges_max,
-            slots_max: s * kv_heads * splits_max,
+            slots_max,
             page_tokens,
         }
     }
@@ -110,13 +158,18 @@ pub(super) struct Packer<'a> {
     pages: u32,
     /// Partial slots handed out so far.
     slots: u32,
+    /// Sequences the step's decode splits are sized for (its own, or its
+    /// graph bucket's: a graph's grid is sized for the bucket's splits).
+    split_seqs: u32,
 }
 
 impl<'a> Packer<'a> {
-    /// A packer over zeroed `words` of `layout`.
-    pub(super) fn new(words: &'a mut [u32], layout: StepLayout) -> Packer<'a> {
+    /// A packer over zeroed `words` of `layout`, for a step whose decode
+    /// splits are sized for `split_seqs` sequences.
+    pub(super) fn new(words: &'a mut [u32], layout: StepLayout, split_seqs: u32) -> Packer<'a> {
         assert_eq!(words.len() as u64, layout.words, "words of another layout");
         Packer {
+            split_seqs,
             words,
             layout,
             counts: Counts {
@@ -188,11 +241,12 @@ impl<'a> Packer<'a> {
     }
 
     /// A decode token (token `t` at `pos`): per KV head one item over its
-    /// positions, or, past one split, an item per split into partial slots
-    /// and a merge of them.
+    /// positions, or, past one split ([`decode_span`]), an item per split
+    /// into partial slots and a merge of them.
     pub(super) fn decode_items(&mut self, seq: u32, t: u32, pos: u32, kv_heads: u32) {
         let positions = pos + 1;
-        let splits = positions.div_ceil(SPLIT_POSITIONS);
+        let span = decode_span(positions, self.split_seqs, kv_heads);
+        let splits = positions.div_ceil(span);
         for kv_head in 0..kv_heads {
             let item = AttnItem {
                 seq,
@@ -212,8 +266,8 @@ impl<'a> Packer<'a> {
             self.words[at..at + 4].copy_from_slice(&[t, kv_head, self.slots, splits]);
             self.counts.merges += 1;
             for split in 0..splits {
-                let p0 = split * SPLIT_POSITIONS;
-                let p1 = (p0 + SPLIT_POSITIONS).min(positions);
+                let p0 = split * span;
+                let p1 = (p0 + span).min(positions);
                 self.item(AttnItem {
                     p0,
                     p1,
@@ -265,7 +319,7 @@ impl<'a> Packer<'a> {
         for pad in self.counts.tokens..bucket {
             self.set(self.layout.token_seq, pad, NO_SEQ);
         }
-        let items = bucket * kv_heads * context_len.div_ceil(SPLIT_POSITIONS);
+        let items = bucket * kv_heads * decode_splits_max(bucket, kv_heads, context_len);
         assert!(
             u64::from(items) <= self.layout.items_max,
             "a bucket past the layout"
@@ -276,5 +330,39 @@ impl<'a> Packer<'a> {
             merges: bucket * kv_heads,
             wanted: bucket,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_splits_are_whole_tiles_within_their_bound_and_finer_only_at_a_small_batch() {
+        let context = 8192;
+        for kv_heads in [1, 2, 3, 8] {
+            for seqs in [1, 2, 3, 4, 8, 32, 100, 128, 256] {
+                let bound = decode_splits_max(seqs, kv_heads, context);
+                for positions in 1..=context {
+                    let span = decode_span(positions, seqs, kv_heads);
+                    assert!(span.is_multiple_of(ATTENTION_TILE) && span <= SPLIT_POSITIONS);
+                    // Never coarser than one split per SPLIT_POSITIONS.
+                    assert!(positions.div_ceil(span) >= positions.div_ceil(SPLIT_POSITIONS));
+                    assert!(
+                        positions.div_ceil(span) <= bound,
+                        "{positions} positions, {seqs} seqs, {kv_heads} heads: over {bound}"
+                    );
+                }
+            }
+        }
+        // Batch 1 at depth 512 (SmolLM2: 3 KV heads): 17 blocks a head of at
+        // most a tile (not 2 of 8 tiles and one of a position); at 4,096, 43
+        // of at most 3 tiles (not 16 of 8 and one).
+        assert_eq!(decode_span(513, 1, 3), 32);
+        assert_eq!(decode_span(4097, 1, 3), 96);
+        // Batch 128: the step's tokens fill the GPU; spans stay whole.
+        assert_eq!(decode_span(4097, 128, 3), SPLIT_POSITIONS);
+        assert_eq!(decode_splits_max(128, 3, 8192), 32);
+        assert_eq!(decode_splits_max(1, 3, 8192), 64);
     }
 }

@@ -19,6 +19,7 @@
 use super::device::{Device, DeviceBuffer, Geometry};
 use super::emulator::Emulator;
 use super::launch::*;
+use super::pack::{decode_span, decode_splits_max};
 use super::storage::DeviceStorage;
 use super::{attention_rows, CudaBackend, CudaOptions, SPLIT_POSITIONS};
 use crate::backend::{Backend, SeqStep, StepError};
@@ -1105,10 +1106,14 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
     // One logit row: the decode token's (token 40).
     assert_eq!((counts.wanted, word(l.gather)), (1, 40));
     // Prefill items: per KV head, blocks of rows / group queries, final outputs;
-    // decode: three splits per KV head into partial slots, and one merge each.
+    // decode: per KV head its splits into partial slots, and one merge each.
+    // A step of two sequences and two KV heads splits its 601 positions
+    // 64 ways at most, in whole tiles: 19 splits of 32.
     let per_item = rows / model.config.kv_group() as u32;
     let prefill_items = 2 * 40u32.div_ceil(per_item);
-    assert_eq!(counts.items, prefill_items + 2 * 3);
+    let span = decode_span(601, 2, 2);
+    assert_eq!((span, 601u32.div_ceil(span)), (32, 19));
+    assert_eq!(counts.items, prefill_items + 2 * 19);
     let item = |n: u32| -> Vec<u32> {
         (0..8)
             .map(|i| word(l.items + 8 * u64::from(n) + i))
@@ -1116,11 +1121,16 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
     };
     assert_eq!(item(0), vec![0, 0, 0, per_item, 0, 0, per_item, NO_SEQ]);
     let first_decode = item(prefill_items);
-    assert_eq!(first_decode, vec![1, 0, 40, 41, 600, 0, SPLIT_POSITIONS, 0]);
-    assert_eq!(item(prefill_items + 2)[5..], [2 * SPLIT_POSITIONS, 601, 2]);
+    assert_eq!(first_decode, vec![1, 0, 40, 41, 600, 0, 32, 0]);
+    assert_eq!(item(prefill_items + 18)[5..], [18 * 32, 601, 18]);
+    assert_eq!(
+        item(prefill_items + 19)[..2],
+        [1, 1],
+        "then the second KV head's"
+    );
     assert_eq!(counts.merges, 2);
     let merge: Vec<u32> = (0..4).map(|i| word(l.merges + i)).collect();
-    assert_eq!(merge, vec![40, 0, 0, 3]);
+    assert_eq!(merge, vec![40, 0, 0, 19]);
     drop(view);
     // As a graph bucket of 2 (decode only): padded to the bucket's capacity.
     let one = [3u32, 4];
@@ -1141,8 +1151,16 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
         "the padding token stores nothing"
     );
     assert_eq!(counts.tokens, 2);
-    assert_eq!(counts.items, 2 * 2 * (1024 / SPLIT_POSITIONS));
-    let padding_item = (l.items + 8 * 2) as usize;
+    assert_eq!(counts.items, 2 * 2 * decode_splits_max(2, 2, 1024));
+    // The step's own items: two KV heads of 41 positions in splits of 32.
+    let real = 2 * 41u32.div_ceil(decode_span(41, 2, 2));
+    assert_eq!(real, 4);
+    let padding_item = (l.items + 8 * u64::from(real)) as usize;
+    assert_ne!(
+        w[padding_item - 8 + 2],
+        w[padding_item - 8 + 3],
+        "the last real item has its query"
+    );
     assert_eq!(
         w[padding_item + 2],
         w[padding_item + 3],
