@@ -37,7 +37,6 @@
 
 use bulkhead_kernels::backend::cuda::check::{self, AgreementRun};
 use bulkhead_kernels::backend::cuda::{Cuda, CudaDevice, Device, DeviceBuffer};
-use bulkhead_kernels::backend::SCORED_ROWS_MAX;
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::kv::KvType;
 use bulkhead_kernels::model::Model;
@@ -252,10 +251,12 @@ fn agreement_run(prompts: &[usize], decode: usize, graphs: bool) -> AgreementRun
 }
 
 /// Rows of CPU-versus-CUDA agreement, with and without graphs as `modes`
-/// says. Logits pass within `bound` of the CPU's largest: 1e-2 (a Q8
-/// rounding that flips moves them ~1e-3), or the CPU's own drift between its
-/// instruction sets where that is larger (a deep model of random weights).
-#[allow(clippy::too_many_arguments)]
+/// says. Logits pass within a bound of the CPU's largest: 1e-2 (a Q8
+/// rounding that flips moves them ~1e-3) plus the CPU's own drift between
+/// its portable path, which the kernels follow, and its fastest, which they
+/// are compared with, on the same prompts (a deep model of random weights
+/// drifts by a few percent; a tiny model on some hosts too: gemma3's by
+/// 1.5e-2 on the development VM's AVX2, 5.7e-7 on the H100's host).
 fn agreement_rows(
     report: &mut Report,
     name: &str,
@@ -264,8 +265,9 @@ fn agreement_rows(
     prompts: &[usize],
     decode: usize,
     modes: &[bool],
-    bound: f32,
 ) {
+    let drift = check::cpu_drift(model, &agreement_run(prompts, 0, false));
+    let bound = AGREEMENT_BOUND + drift;
     for &graphs in modes {
         let check = format!(
             "{name}: CPU vs CUDA{}",
@@ -279,11 +281,13 @@ fn agreement_rows(
             let pass = a.greedy_agree + a.near_ties == a.rows
                 && a.worst_relative.max(a.worst_relative_scored) <= bound;
             let result = format!(
-                "max rel err {:.2e} ({} earlier prompt rows {:.2e}; bound {:.1e}); greedy {}/{} agree, {} near ties ({} seqs, {} decode tokens; {:.1} s)",
+                "max rel err {:.2e} ({} earlier prompt rows {:.2e}; bound {:.1e}, the CPU's own drift {:.1e}, {:?} vs portable); greedy {}/{} agree, {} near ties ({} seqs, {} decode tokens; {:.1} s)",
                 a.worst_relative,
                 a.scored_rows,
                 a.worst_relative_scored,
                 bound,
+                drift,
+                Isa::detect(),
                 a.greedy_agree,
                 a.rows,
                 a.near_ties,
@@ -592,7 +596,6 @@ fn main() -> ExitCode {
             &[5, 40, 1],
             plan.tiny_decode,
             &[false, true],
-            AGREEMENT_BOUND,
         );
         for (name, spec) in families() {
             let model = model_of(&spec);
@@ -604,40 +607,17 @@ fn main() -> ExitCode {
                 &[5, 40, 1],
                 plan.tiny_decode,
                 &[true],
-                AGREEMENT_BOUND,
             );
         }
         if let Some((_, decode)) = &plan.big {
-            let prompts = [40, 300];
-            let mut drift = 0.0f32;
-            report.row(
-                format!(
-                    "SmolLM2-135M shape: CPU {:?} vs portable (its own drift)",
-                    Isa::detect()
-                ),
-                || {
-                    let start = Instant::now();
-                    drift = check::cpu_drift(&model, &agreement_run(&prompts, 0, false));
-                    let result = format!(
-                        "max rel err {drift:.2e} ({} prompt rows; {:.1} s)",
-                        prompts
-                            .iter()
-                            .map(|&len| len.min(1 + SCORED_ROWS_MAX / 2))
-                            .sum::<usize>(),
-                        start.elapsed().as_secs_f64()
-                    );
-                    (result, None)
-                },
-            );
             agreement_rows(
                 &mut report,
                 "SmolLM2-135M shape",
                 &model,
                 &device,
-                &prompts,
+                &[40, 300],
                 *decode,
                 &[false, true],
-                AGREEMENT_BOUND.max(drift),
             );
         }
     }
