@@ -360,10 +360,20 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     return x / (1.0f + expf(-two_z));
 }
 
+// Block b takes rows (b % row_blocks) * MATMUL_WARPS.., a warp a row, for
+// the MATMUL_TOKENS tokens of group b / row_blocks: a step of many tokens
+// (a large batch, a prefill chunk) is as many blocks again per group, each
+// reading the matrix from L2, rather than each warp taking every token in
+// turn.
 KERNEL(matmul, MatmulArgs) {
     uint32_t lane = threadIdx.x % WARP_SIZE;
-    uint32_t row = blockIdx.x * MATMUL_WARPS + threadIdx.x / WARP_SIZE;
     bool swiglu = a.mode == MATMUL_SWIGLU || a.mode == MATMUL_GEGLU;
+    uint32_t rows_total = a.seg[0].rows;
+    for (uint32_t s = 1; !swiglu && s < a.segs; s++) rows_total += a.seg[s].rows;
+    uint32_t row_blocks = (rows_total + MATMUL_WARPS - 1) / MATMUL_WARPS;
+    uint32_t t0 = blockIdx.x / row_blocks * MATMUL_TOKENS;
+    if (t0 >= a.tokens) return;  // the whole block
+    uint32_t row = blockIdx.x % row_blocks * MATMUL_WARPS + threadIdx.x / WARP_SIZE;
     // The segment holding this warp's row (SWIGLU: a row of the gate and the same row of up).
     uint32_t s = 0;
     if (!swiglu) {
@@ -375,30 +385,28 @@ KERNEL(matmul, MatmulArgs) {
     if (row >= a.seg[s].rows) return;  // the whole warp: rows are per warp
     const MatSeg& seg = a.seg[s];
     float* out = reinterpret_cast<float*>(seg.out);
-    for (uint32_t t0 = 0; t0 < a.tokens; t0 += MATMUL_TOKENS) {
-        uint32_t n = umin32(MATMUL_TOKENS, a.tokens - t0);
-        float acc[MATMUL_TOKENS], up[MATMUL_TOKENS];
-        for (uint32_t j = 0; j < MATMUL_TOKENS; j++) acc[j] = up[j] = 0.0f;
-        row_products(seg, row, a, t0, n, acc);
-        if (swiglu) row_products(a.seg[1], row, a, t0, n, up);
-        for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {
-            if (j >= n) break;
-            float value = warp_sum(acc[j]);
-            if (swiglu) {
-                float u = warp_sum(up[j]);
-                value = a.mode == MATMUL_SWIGLU ? value / (1.0f + expf(-value)) * u
-                                                : gelu_tanh(value) * u;
-            }
-            if (lane != 0) continue;
-            if (seg.bias) value += reinterpret_cast<const float*>(seg.bias)[row];
-            if (seg.cap > 0.0f) value = soft_cap(value, seg.cap);
-            float* dst = out + uint64_t(t0 + j) * seg.out_stride + row;
-            switch (a.mode) {
-                case MATMUL_ADD: *dst = *dst + value; break;
-                case MATMUL_SILU_MUL: *dst = *dst / (1.0f + expf(-*dst)) * value; break;
-                case MATMUL_GELU_MUL: *dst = gelu_tanh(*dst) * value; break;
-                default: *dst = value; break;
-            }
+    uint32_t n = umin32(MATMUL_TOKENS, a.tokens - t0);
+    float acc[MATMUL_TOKENS], up[MATMUL_TOKENS];
+    for (uint32_t j = 0; j < MATMUL_TOKENS; j++) acc[j] = up[j] = 0.0f;
+    row_products(seg, row, a, t0, n, acc);
+    if (swiglu) row_products(a.seg[1], row, a, t0, n, up);
+    for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {
+        if (j >= n) break;
+        float value = warp_sum(acc[j]);
+        if (swiglu) {
+            float u = warp_sum(up[j]);
+            value = a.mode == MATMUL_SWIGLU ? value / (1.0f + expf(-value)) * u
+                                            : gelu_tanh(value) * u;
+        }
+        if (lane != 0) continue;
+        if (seg.bias) value += reinterpret_cast<const float*>(seg.bias)[row];
+        if (seg.cap > 0.0f) value = soft_cap(value, seg.cap);
+        float* dst = out + uint64_t(t0 + j) * seg.out_stride + row;
+        switch (a.mode) {
+            case MATMUL_ADD: *dst = *dst + value; break;
+            case MATMUL_SILU_MUL: *dst = *dst / (1.0f + expf(-*dst)) * value; break;
+            case MATMUL_GELU_MUL: *dst = gelu_tanh(*dst) * value; break;
+            default: *dst = value; break;
         }
     }
 }

@@ -279,9 +279,14 @@ pub fn attention_shared_bytes(head_dim: u32, rows_max: u32, tile: u32) -> u32 {
     4 * (2 * rows_max * head_dim + tile * (2 * head_dim + 1) + rows_max * tile + 3 * rows_max)
 }
 
-/// Blocks of a matmul launch over `rows` output rows (one warp a row).
-pub fn matmul_blocks(rows: u32) -> u32 {
-    rows.div_ceil(MATMUL_WARPS)
+/// Tokens one matmul block takes (quant.cu's MATMUL_TOKENS): each weight
+/// unit is decoded once for this many.
+pub const MATMUL_TOKENS: u32 = 8;
+
+/// Blocks of a matmul launch over `rows` output rows (one warp a row) and
+/// `tokens` tokens: the rows' blocks once per group of [`MATMUL_TOKENS`].
+pub fn matmul_blocks(rows: u32, tokens: u32) -> u32 {
+    rows.div_ceil(MATMUL_WARPS) * tokens.div_ceil(MATMUL_TOKENS)
 }
 
 #[cfg(test)]

@@ -598,7 +598,7 @@ impl CudaBackend {
             tokens,
             mode,
         };
-        self.launch(matmul_blocks(rows), MATMUL_WARPS * 32, 0, &args)
+        self.launch(matmul_blocks(rows, tokens), MATMUL_WARPS * 32, 0, &args)
     }
 
     /// Products of one input with several matrices: one launch per

@@ -548,7 +548,7 @@ fn matrix_products_of_every_weight_type_match_the_scalar_reference() {
             };
             launch(
                 &device,
-                matmul_blocks(rows as u32),
+                matmul_blocks(rows as u32, tokens as u32),
                 MATMUL_WARPS * 32,
                 0,
                 &MatmulArgs {
