@@ -735,7 +735,10 @@ impl CudaBackend {
                     unused: 0,
                 },
             )?;
-            let rows_max = self.attention_rows;
+            // Shared memory for the step's largest item, not the largest any
+            // step may have (a prefill chunk's `attention_rows`).
+            let rows_max = counts.item_queries_max.max(1) * c.kv_group() as u32;
+            debug_assert!(rows_max <= self.attention_rows);
             self.launch(
                 counts.items,
                 ATTENTION_BLOCK,

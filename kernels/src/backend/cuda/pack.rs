@@ -147,6 +147,11 @@ pub(super) struct Counts {
     pub(super) items: u32,
     pub(super) merges: u32,
     pub(super) wanted: u32,
+    /// The most query tokens of one attention item: an attention block's
+    /// shared memory is sized for them (a decode-only step's blocks, one
+    /// query each, take a fraction of a prefill chunk's, and more fit a
+    /// multiprocessor at once).
+    pub(super) item_queries_max: u32,
 }
 
 /// Writes a step into the words of a [`StepLayout`], counting as it goes.
@@ -177,6 +182,7 @@ impl<'a> Packer<'a> {
                 items: 0,
                 merges: 0,
                 wanted: 0,
+                item_queries_max: 0,
             },
             pages: 0,
             slots: 0,
@@ -234,6 +240,8 @@ impl<'a> Packer<'a> {
             item.partial,
         ]);
         self.counts.items += 1;
+        let queries = item.t1 - item.t0;
+        self.counts.item_queries_max = self.counts.item_queries_max.max(queries);
         assert!(
             u64::from(self.counts.items) <= self.layout.items_max,
             "items past the layout's"
@@ -329,6 +337,7 @@ impl<'a> Packer<'a> {
             items,
             merges: bucket * kv_heads,
             wanted: bucket,
+            item_queries_max: 1,
         }
     }
 }

@@ -1114,6 +1114,10 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
     let span = decode_span(601, 2, 2);
     assert_eq!((span, 601u32.div_ceil(span)), (32, 19));
     assert_eq!(counts.items, prefill_items + 2 * 19);
+    assert_eq!(
+        counts.item_queries_max, per_item,
+        "shared memory for a prefill item"
+    );
     let item = |n: u32| -> Vec<u32> {
         (0..8)
             .map(|i| word(l.items + 8 * u64::from(n) + i))
@@ -1152,6 +1156,10 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
     );
     assert_eq!(counts.tokens, 2);
     assert_eq!(counts.items, 2 * 2 * decode_splits_max(2, 2, 1024));
+    assert_eq!(
+        counts.item_queries_max, 1,
+        "a decode step's blocks, a query each"
+    );
     // The step's own items: two KV heads of 41 positions in splits of 32.
     let real = 2 * 41u32.div_ceil(decode_span(41, 2, 2));
     assert_eq!(real, 4);
