@@ -28,6 +28,11 @@
 //!    the panic's message (which may quote the request's text) is not logged.
 //! 6. Dropping the lane stops its workers after the jobs in hand; queued jobs
 //!    are dropped and their callers get [`LaneStopped`].
+//! 7. Each job is counted for its tenant, with the time it ran:
+//!    `bulkhead_lane_jobs_total{lane,tenant_id}` and
+//!    `bulkhead_lane_busy_microseconds_total{lane,tenant_id}` (`lane` is
+//!    `request` or `completion`), so an operator sees which tenant keeps a
+//!    lane busy, and how busy (microseconds a second over the lane's threads).
 
 use crate::tenancy::TenantId;
 use std::collections::{HashMap, VecDeque};
@@ -35,6 +40,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::Instant;
 use tokio::sync::oneshot;
 
 /// Most threads of a lane, whatever the policy says.
@@ -101,6 +107,8 @@ struct Shared {
     state: Mutex<State>,
     ready: Condvar,
     queue_per_tenant_max: usize,
+    /// The lane's `lane` label in metrics.
+    label: &'static str,
 }
 
 impl Shared {
@@ -161,10 +169,11 @@ impl Drop for Waiting {
 
 impl Lane {
     /// Starts `threads_count` workers (at least one, at most
-    /// [`LANE_THREADS_MAX`]) named `name-N`; each tenant may have at most
-    /// `queue_per_tenant_max` jobs queued.
+    /// [`LANE_THREADS_MAX`]) named `name-N`, counted in metrics as `label`;
+    /// each tenant may have at most `queue_per_tenant_max` jobs queued.
     pub fn new(
         name: &str,
+        label: &'static str,
         threads_count: usize,
         queue_per_tenant_max: usize,
     ) -> std::io::Result<Lane> {
@@ -172,6 +181,7 @@ impl Lane {
             state: Mutex::new(State::default()),
             ready: Condvar::new(),
             queue_per_tenant_max: queue_per_tenant_max.max(1),
+            label,
         });
         let threads = (0..threads_count.clamp(1, LANE_THREADS_MAX))
             .map(|i| {
@@ -276,16 +286,27 @@ fn work(shared: &Shared) {
                     } else {
                         state.turn.push_back(tenant);
                     }
-                    break queued.job;
+                    break (tenant, queued.job);
                 }
                 state = shared.ready.wait(state).unwrap_or_else(|p| p.into_inner());
             }
         };
+        let (tenant, job) = job;
+        // Counted before it runs (whoever sees its result sees it counted),
+        // its time after.
+        let labels = [
+            ("lane", shared.label.to_string()),
+            ("tenant_id", tenant.0.to_string()),
+        ];
+        metrics::counter!("bulkhead_lane_jobs_total", &labels).increment(1);
+        let started = Instant::now();
         // A panic drops the job's reply sender: its caller sees LaneStopped.
         // The payload is dropped unread (it may quote request text).
         if std::panic::catch_unwind(AssertUnwindSafe(job)).is_err() {
             tracing::error!("a lane job panicked; its request fails");
         }
+        let busy = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        metrics::counter!("bulkhead_lane_busy_microseconds_total", &labels).increment(busy);
     }
 }
 
@@ -330,7 +351,7 @@ mod tests {
         // Seen at the end of `bulkhead bench plugins`: the completion lane's
         // last owner was one of its own jobs, whose worker then tried to
         // join itself ("failed to join thread: Resource deadlock avoided").
-        let lane = Arc::new(Lane::new("test-lane", 2, 64).unwrap());
+        let lane = Arc::new(Lane::new("test-lane", "test", 2, 64).unwrap());
         let (go, wait) = std::sync::mpsc::channel::<()>();
         let (done, finished) = std::sync::mpsc::channel();
         let owner = Arc::clone(&lane);
@@ -349,7 +370,7 @@ mod tests {
 
     #[test]
     fn tenants_take_turns_however_many_jobs_one_queued() {
-        let lane = Arc::new(Lane::new("test-lane", 1, 64).unwrap());
+        let lane = Arc::new(Lane::new("test-lane", "test", 1, 64).unwrap());
         let order = Arc::new(Mutex::new(Vec::new()));
         runtime().block_on(async {
             // Hold the one worker so that every job below queues first.
@@ -382,7 +403,7 @@ mod tests {
 
     #[test]
     fn a_panicking_job_fails_only_its_caller_and_the_worker_lives_on() {
-        let lane = Lane::new("test-lane", 1, 64).unwrap();
+        let lane = Lane::new("test-lane", "test", 1, 64).unwrap();
         runtime().block_on(async {
             let failed = lane
                 .run(TenantId(1), |_| -> u32 { panic!("secret prompt text") })
@@ -402,7 +423,7 @@ mod tests {
 
     #[test]
     fn a_dropped_caller_takes_its_queued_job_out_and_what_it_holds_with_it() {
-        let lane = Arc::new(Lane::new("test-lane", 1, 64).unwrap());
+        let lane = Arc::new(Lane::new("test-lane", "test", 1, 64).unwrap());
         let (ran, dropped) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
         runtime().block_on(async {
             let (gate, held) = hold(&lane);
@@ -426,7 +447,7 @@ mod tests {
 
     #[test]
     fn a_running_job_sees_its_caller_leave_and_its_result_goes_to_unclaimed() {
-        let lane = Arc::new(Lane::new("test-lane", 1, 64).unwrap());
+        let lane = Arc::new(Lane::new("test-lane", "test", 1, 64).unwrap());
         let (started, seen) = (
             Arc::new(AtomicBool::new(false)),
             Arc::new(AtomicBool::new(false)),
@@ -458,7 +479,7 @@ mod tests {
 
     #[test]
     fn spawned_jobs_are_refused_past_the_tenants_queue_cap_and_others_are_not() {
-        let lane = Arc::new(Lane::new("test-lane", 1, 2).unwrap());
+        let lane = Arc::new(Lane::new("test-lane", "test", 1, 2).unwrap());
         let ran = Arc::new(AtomicU32::new(0));
         runtime().block_on(async {
             let (gate, held) = hold(&lane);

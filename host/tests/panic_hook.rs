@@ -33,7 +33,7 @@ fn a_panic_logs_its_place_and_request_id_and_never_its_message() {
         .with_current_span(true)
         .init();
     telemetry::install_panic_hook();
-    let lane = Lane::new("bulkhead-lane", 1, 64).unwrap();
+    let lane = Lane::new("bulkhead-lane", "request", 1, 64).unwrap();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();

@@ -666,6 +666,7 @@ impl PolicyRuntime {
             calls: Calls::new(plugins.instances_max as usize),
             completions: Lane::new(
                 "bulkhead-plugin-complete",
+                "completion",
                 plugins.complete_threads as usize,
                 plugins.complete_queue_max as usize,
             )

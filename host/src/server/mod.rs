@@ -276,6 +276,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
         serving: Serving {
             lane: Lane::new(
                 "bulkhead-lane",
+                "request",
                 config.server.tokenize_threads as usize,
                 crate::tenancy::PENDING_LIMIT as usize,
             )?,
