@@ -476,6 +476,79 @@ fn an_oversized_prompt_is_refused_by_its_size_before_it_is_tokenized() {
 }
 
 #[test]
+fn a_request_of_a_tenant_without_plugins_takes_one_turn_of_the_request_lane() {
+    // Its parsing and its prompt's tokens are one job: behind a tenant
+    // flooding the lane it waits for one job of that tenant, not two. Each
+    // job is counted for its tenant, with its time.
+    let _load = timing();
+    let Some(model) = smollm2() else { return };
+    let server = start(
+        &model,
+        &Policy {
+            body_bytes_max: 4 << 20,
+            ..Policy::default()
+        },
+    );
+    let me = server
+        .call(&server.inference, "GET", "/v1/tenant", Some(KEY_BETA), None)
+        .json();
+    let id = me["id"].as_u64().expect("beta's id");
+    let jobs = || {
+        server.metric(&format!(
+            r#"bulkhead_lane_jobs_total{{lane="request",tenant_id="{id}"}}"#
+        ))
+    };
+    let busy = || {
+        server.metric(&format!(
+            r#"bulkhead_lane_busy_microseconds_total{{lane="request",tenant_id="{id}"}}"#
+        ))
+    };
+    let mut counted = jobs();
+    let mut took = |what: &str, expected: f64| {
+        let now = jobs();
+        assert_eq!(now - counted, expected, "lane jobs of {what}");
+        counted = now;
+    };
+    // One prompt, chat or completions: one job.
+    assert_eq!(timed_chat(&server, KEY_BETA).0, 200);
+    took("a chat request", 1.0);
+    let one = json!({"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 2});
+    assert_eq!(
+        server
+            .post_json("/v1/completions", Some(KEY_BETA), &one)
+            .status,
+        200
+    );
+    took("a completion", 1.0);
+    // A batch of two prompts: the parsing, then each prompt in its turn.
+    let two = json!({"model": MODEL_ID, "prompt": ["Once upon", "a time"], "max_tokens": 2});
+    assert_eq!(
+        server
+            .post_json("/v1/completions", Some(KEY_BETA), &two)
+            .status,
+        200
+    );
+    took("a batch of two", 3.0);
+    // Refused before tokenizing (by its size; malformed): the parsing only.
+    let huge =
+        json!({"model": MODEL_ID, "prompt": "lorem ipsum ".repeat(300_000), "max_tokens": 4});
+    assert_eq!(
+        server
+            .post_json("/v1/completions", Some(KEY_BETA), &huge)
+            .status,
+        400
+    );
+    took("a prompt too long by its size", 1.0);
+    let r = server.post("/v1/chat/completions", Some(KEY_BETA), b"{\"model\": ");
+    assert_eq!(r.status, 400);
+    took("malformed JSON", 1.0);
+    assert!(busy() > 0.0, "the jobs' time is counted");
+    // Another tenant's count is its own.
+    assert_eq!(timed_chat(&server, KEY_ALPHA).0, 200);
+    took("another tenant's request", 0.0);
+}
+
+#[test]
 fn abandoned_requests_take_their_queued_work_and_their_permits_with_them() {
     let _load = flooding();
     let Some(model) = smollm2() else { return };

@@ -614,7 +614,7 @@ fn check_token_ids(model: &Served, common: &Common) -> Result<(), ApiError> {
 /// goes to nobody.
 fn tokenize(
     model: &Served,
-    source: Source,
+    source: &Source,
     tokens_max: u64,
     cancel: &crate::lane::Cancel,
 ) -> Result<Option<Vec<u32>>, ApiError> {
@@ -631,7 +631,7 @@ fn tokenize(
                     reason: "cannot be used: the model has no chat template; use /v1/completions"
                         .into(),
                 })?;
-            match template.tokens_max(&model.tokenizer, &messages, &tools, tokens_max, &stopped) {
+            match template.tokens_max(&model.tokenizer, messages, tools, tokens_max, &stopped) {
                 Ok(ids) => Ok(Some(ids)),
                 Err(ChatError::Tokenizer(e)) if too_many(&e) => Ok(None),
                 Err(e) => Err(match e {
@@ -653,7 +653,7 @@ fn tokenize(
             let mut ids = Vec::new();
             match model
                 .tokenizer
-                .encode_into_until(&text, options, tokens_max, &mut ids, &stopped)
+                .encode_into_until(text, options, tokens_max, &mut ids, &stopped)
             {
                 Ok(()) => Ok(Some(ids)),
                 Err(e) if too_many(&e) => Ok(None),
@@ -668,7 +668,7 @@ fn tokenize(
                     message: format!("token ids must be below {vocab}"),
                 });
             }
-            Ok(Some(ids))
+            Ok(Some(ids.clone()))
         }
     }
 }
@@ -679,7 +679,7 @@ fn tokenize(
 #[allow(clippy::too_many_arguments)]
 async fn run(
     app: &Arc<App>,
-    tenant: &Tenant,
+    tenant: &Arc<Tenant>,
     pending: Arc<OwnedSemaphorePermit>,
     id: RequestId,
     arrived: Instant,
@@ -692,9 +692,10 @@ async fn run(
         return Err(ApiError::Unavailable);
     }
     let bytes = read_body(body, headers, app.serving.body_bytes_max).await?;
-    let (common, mut sources, calls, echo) = parse_on_lane(app, tenant, &pending, bytes, endpoint)
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))??;
+    let ((common, mut sources, calls, echo), mut early) =
+        parse_on_lane(app, tenant, &pending, bytes, endpoint)
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))??;
     let Some(mut model) = app.served(tenant, &common.model) else {
         return Err(ApiError::ModelNotFound(common.model));
     };
@@ -784,9 +785,14 @@ async fn run(
     // refuse never reaches `route` or a plugin's state.
     let mut prompts = Vec::with_capacity(sources.len());
     for (index, source) in sources.drain(..).enumerate() {
-        let prompt = tokenize_on_lane(app, tenant, &model, source, common.max_tokens, &pending)
-            .await?
-            .map_err(rejected_at(index))?;
+        let prompt = match early.take() {
+            // Tokenized with the parsing, for this very model.
+            Some(early) if Arc::ptr_eq(&early.model, &model) => {
+                fitting(&model, early.tokens?, common.max_tokens)
+            }
+            _ => tokenize_on_lane(app, tenant, &model, source, common.max_tokens, &pending).await?,
+        }
+        .map_err(rejected_at(index))?;
         model
             .admission
             .check(
@@ -1088,21 +1094,37 @@ where
 /// whether it echoes.
 type Parsed = (Common, Vec<Source>, Option<tools::CallsOut>, bool);
 
+/// A lone prompt's tokens, taken in its request's parsing job (see
+/// [`parse_on_lane`]), and the model they are for.
+struct Early {
+    model: Arc<Served>,
+    tokens: Result<Option<Vec<u32>>, ApiError>,
+}
+
 /// Parses `bytes` as `endpoint`'s request in the tenant's turn on the lane
 /// (holding the request's permit until the job is done, as tokenizing does).
+///
+/// A request of one prompt from a tenant without policy plugins is also
+/// tokenized in the same job, where the checks `run` makes before
+/// tokenizing pass: one turn of the lane a request, not two, so such a
+/// tenant waits behind a flooding one for one job of it, not two. (A
+/// tenant with plugins has its route and admit jobs to come anyway; its
+/// prompt may be routed to another model.)
 async fn parse_on_lane(
     app: &Arc<App>,
-    tenant: &Tenant,
+    tenant: &Arc<Tenant>,
     pending: &Arc<OwnedSemaphorePermit>,
     bytes: Bytes,
     endpoint: Endpoint,
-) -> Result<Result<Parsed, ApiError>, crate::lane::LaneStopped> {
+) -> Result<Result<(Parsed, Option<Early>), ApiError>, crate::lane::LaneStopped> {
     let pending = Arc::clone(pending);
+    let tokenizes = !app.policy.has_chain(tenant.id);
+    let (app_here, tenant_here) = (Arc::clone(app), Arc::clone(tenant));
     app.serving
         .lane
-        .run(tenant.id, move |_| {
+        .run(tenant.id, move |cancel| {
             let _pending = pending;
-            Ok(match endpoint {
+            let parsed: Parsed = match endpoint {
                 Endpoint::Chat => {
                     let r = ChatRequest::parse(&bytes)?;
                     let sources = vec![Source::Chat(r.messages, r.tools)];
@@ -1113,9 +1135,54 @@ async fn parse_on_lane(
                     let sources = r.prompts.into_iter().map(Source::Completion).collect();
                     (r.common, sources, None, r.echo)
                 }
-            })
+            };
+            let early = match tokenizes {
+                true => early_tokens(&app_here, &tenant_here, &parsed, cancel),
+                false => None,
+            };
+            Ok((parsed, early))
         })
         .await
+}
+
+/// The lone prompt's tokens of a parsed request, unless `run` would refuse
+/// it before tokenizing (no such model for the tenant, a token id past the
+/// vocabulary, a prompt too long by its size alone, more choices than the
+/// tenant's queue): those refusals are `run`'s to make, with nothing spent.
+fn early_tokens(
+    app: &App,
+    tenant: &Tenant,
+    (common, sources, _, _): &Parsed,
+    cancel: &crate::lane::Cancel,
+) -> Option<Early> {
+    let [source] = sources.as_slice() else {
+        return None;
+    };
+    let model = app.served(tenant, &common.model)?;
+    let tokens_min = source.tokens_min(model.text_bytes_per_token_max);
+    let refused = check_token_ids(&model, common).is_err()
+        || model
+            .admission
+            .check_size(tokens_min, common.max_tokens)
+            .is_err()
+        || u64::from(common.n) > u64::from(tenant.quota.queue_depth_max);
+    if refused {
+        return None;
+    }
+    let tokens_max = model.admission.prompt_tokens_max(common.max_tokens);
+    let tokens = tokenize(&model, source, tokens_max, cancel);
+    Some(Early { model, tokens })
+}
+
+/// The prompt's tokens, or the refusal of a prompt the tokenizer stopped at
+/// `model`'s most prompt tokens with `max_tokens`.
+fn fitting(
+    model: &Served,
+    tokens: Option<Vec<u32>>,
+    max_tokens: Option<u32>,
+) -> Result<Vec<u32>, crate::engine::request::Rejection> {
+    let tokens_max = model.admission.prompt_tokens_max(max_tokens);
+    tokens.ok_or_else(|| model.admission.too_long(tokens_max + 1, max_tokens))
 }
 
 /// The prompt's tokens for `model`, tokenized in the tenant's turn on the
@@ -1137,11 +1204,11 @@ async fn tokenize_on_lane(
         .lane
         .run(tenant.id, move |cancel| {
             let _pending = pending;
-            tokenize(&worker, source, tokens_max, cancel)
+            tokenize(&worker, &source, tokens_max, cancel)
         })
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))??;
-    Ok(prompt.ok_or_else(|| model.admission.too_long(tokens_max + 1, max_tokens)))
+    Ok(fitting(model, prompt, max_tokens))
 }
 
 /// What an echoing answer begins with: the prompt's text (as the client
