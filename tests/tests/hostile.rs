@@ -434,19 +434,27 @@ fn one_tenants_slow_bodies_cannot_hold_another_tenants_requests() {
     }));
 }
 
+/// A server taking bodies of up to 4 MiB: room for [`huge_text`].
+fn start_with_room(model: &std::path::Path) -> Server {
+    let policy = Policy {
+        body_bytes_max: 4 << 20,
+        ..Policy::default()
+    };
+    start(model, &policy)
+}
+
+/// 3.6 MB of text: more than 1024 tokens, whatever it says, by its size alone.
+fn huge_text() -> String {
+    "lorem ipsum ".repeat(300_000)
+}
+
 #[test]
 fn an_oversized_prompt_is_refused_by_its_size_before_it_is_tokenized() {
     let _load = timing();
     let Some(model) = smollm2() else { return };
-    let server = start(
-        &model,
-        &Policy {
-            body_bytes_max: 4 << 20,
-            ..Policy::default()
-        },
-    );
+    let server = start_with_room(&model);
     // 1024 promised tokens: a few MiB of text cannot be fewer, whatever it says.
-    let huge = "lorem ipsum ".repeat(300_000);
+    let huge = huge_text();
     for (path, body) in [
         ("/v1/chat/completions", chat_body(&huge, 4)),
         (
@@ -482,13 +490,7 @@ fn a_request_of_a_tenant_without_plugins_takes_one_turn_of_the_request_lane() {
     // job is counted for its tenant, with its time.
     let _load = timing();
     let Some(model) = smollm2() else { return };
-    let server = start(
-        &model,
-        &Policy {
-            body_bytes_max: 4 << 20,
-            ..Policy::default()
-        },
-    );
+    let server = start_with_room(&model);
     let me = server
         .call(&server.inference, "GET", "/v1/tenant", Some(KEY_BETA), None)
         .json();
@@ -530,8 +532,7 @@ fn a_request_of_a_tenant_without_plugins_takes_one_turn_of_the_request_lane() {
     );
     took("a batch of two", 3.0);
     // Refused before tokenizing (by its size; malformed): the parsing only.
-    let huge =
-        json!({"model": MODEL_ID, "prompt": "lorem ipsum ".repeat(300_000), "max_tokens": 4});
+    let huge = json!({"model": MODEL_ID, "prompt": huge_text(), "max_tokens": 4});
     assert_eq!(
         server
             .post_json("/v1/completions", Some(KEY_BETA), &huge)
