@@ -491,20 +491,7 @@ fn a_request_of_a_tenant_without_plugins_takes_one_turn_of_the_request_lane() {
     let _load = timing();
     let Some(model) = smollm2() else { return };
     let server = start_with_room(&model);
-    let me = server
-        .call(&server.inference, "GET", "/v1/tenant", Some(KEY_BETA), None)
-        .json();
-    let id = me["id"].as_u64().expect("beta's id");
-    let jobs = || {
-        server.metric(&format!(
-            r#"bulkhead_lane_jobs_total{{lane="request",tenant_id="{id}"}}"#
-        ))
-    };
-    let busy = || {
-        server.metric(&format!(
-            r#"bulkhead_lane_busy_microseconds_total{{lane="request",tenant_id="{id}"}}"#
-        ))
-    };
+    let jobs = || request_lane_jobs(&server, KEY_BETA);
     let mut counted = jobs();
     let mut took = |what: &str, expected: f64| {
         let now = jobs();
@@ -543,7 +530,14 @@ fn a_request_of_a_tenant_without_plugins_takes_one_turn_of_the_request_lane() {
     let r = server.post("/v1/chat/completions", Some(KEY_BETA), b"{\"model\": ");
     assert_eq!(r.status, 400);
     took("malformed JSON", 1.0);
-    assert!(busy() > 0.0, "the jobs' time is counted");
+    let beta = server
+        .call(&server.inference, "GET", "/v1/tenant", Some(KEY_BETA), None)
+        .json();
+    let busy = server.metric(&format!(
+        r#"bulkhead_lane_busy_microseconds_total{{lane="request",tenant_id="{}"}}"#,
+        beta["id"]
+    ));
+    assert!(busy > 0.0, "the jobs' time is counted");
     // Another tenant's count is its own.
     assert_eq!(timed_chat(&server, KEY_ALPHA).0, 200);
     took("another tenant's request", 0.0);

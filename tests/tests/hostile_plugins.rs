@@ -212,6 +212,11 @@ fn a_tenants_plugins_share_one_time_budget_per_request() {
     for i in 0..3 {
         uploaded(&server, "alpha", &format!("p{i}"), &probe);
     }
+    // A request with plugins and a choice of two models: three jobs on the
+    // request lane (parsing and tokenizing, route, admit).
+    let jobs = request_lane_jobs(&server, KEY_ALPHA);
+    assert_eq!(ask(&server, KEY_ALPHA, &[], 1).status, 200);
+    assert_eq!(request_lane_jobs(&server, KEY_ALPHA) - jobs, 3.0);
     let r = ask(
         &server,
         KEY_ALPHA,

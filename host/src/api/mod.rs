@@ -1104,12 +1104,11 @@ struct Early {
 /// Parses `bytes` as `endpoint`'s request in the tenant's turn on the lane
 /// (holding the request's permit until the job is done, as tokenizing does).
 ///
-/// A request of one prompt from a tenant without policy plugins is also
-/// tokenized in the same job, where the checks `run` makes before
-/// tokenizing pass: one turn of the lane a request, not two, so such a
-/// tenant waits behind a flooding one for one job of it, not two. (A
-/// tenant with plugins has its route and admit jobs to come anyway; its
-/// prompt may be routed to another model.)
+/// A request of one prompt is also tokenized in the same job, where the
+/// checks `run` makes before tokenizing pass: one turn of the lane for both,
+/// so a request waits behind a flooding tenant for one job of it where it
+/// waited for two. (A tenant's `route` and `admit` are jobs of their own; a
+/// prompt routed to another model is tokenized again, for that model.)
 async fn parse_on_lane(
     app: &Arc<App>,
     tenant: &Arc<Tenant>,
@@ -1118,7 +1117,6 @@ async fn parse_on_lane(
     endpoint: Endpoint,
 ) -> Result<Result<(Parsed, Option<Early>), ApiError>, crate::lane::LaneStopped> {
     let pending = Arc::clone(pending);
-    let tokenizes = !app.policy.has_chain(tenant.id);
     let (app_here, tenant_here) = (Arc::clone(app), Arc::clone(tenant));
     app.serving
         .lane
@@ -1136,10 +1134,7 @@ async fn parse_on_lane(
                     (r.common, sources, None, r.echo)
                 }
             };
-            let early = match tokenizes {
-                true => early_tokens(&app_here, &tenant_here, &parsed, cancel),
-                false => None,
-            };
+            let early = early_tokens(&app_here, &tenant_here, &parsed, cancel);
             Ok((parsed, early))
         })
         .await
@@ -1148,7 +1143,8 @@ async fn parse_on_lane(
 /// The lone prompt's tokens of a parsed request, unless `run` would refuse
 /// it before tokenizing (no such model for the tenant, a token id past the
 /// vocabulary, a prompt too long by its size alone, more choices than the
-/// tenant's queue): those refusals are `run`'s to make, with nothing spent.
+/// tenant's queue, or than one for a tenant with plugins): those refusals
+/// are `run`'s to make, with nothing spent.
 fn early_tokens(
     app: &App,
     tenant: &Tenant,
@@ -1165,7 +1161,8 @@ fn early_tokens(
             .admission
             .check_size(tokens_min, common.max_tokens)
             .is_err()
-        || u64::from(common.n) > u64::from(tenant.quota.queue_depth_max);
+        || u64::from(common.n) > u64::from(tenant.quota.queue_depth_max)
+        || (common.n > 1 && app.policy.has_chain(tenant.id));
     if refused {
         return None;
     }

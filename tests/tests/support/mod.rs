@@ -799,6 +799,18 @@ pub fn uploaded(server: &Server, tenant: &str, name: &str, bytes: &[u8]) {
     assert_eq!(r.status, 200, "{}", r.body);
 }
 
+/// The request lane's jobs so far for the tenant of `key`
+/// (`bulkhead_lane_jobs_total`; its id from `GET /v1/tenant`).
+pub fn request_lane_jobs(server: &Server, key: &str) -> f64 {
+    let me = server
+        .call(&server.inference, "GET", "/v1/tenant", Some(key), None)
+        .json();
+    let id = me["id"].as_u64().expect("the tenant's id");
+    server.metric(&format!(
+        r#"bulkhead_lane_jobs_total{{lane="request",tenant_id="{id}"}}"#
+    ))
+}
+
 /// A small completion by `key` with extra headers.
 pub fn ask(server: &Server, key: &str, headers: &[(&str, &str)], max_tokens: u32) -> Reply {
     ask_prompt(server, key, headers, "Hello there", max_tokens)
