@@ -18,7 +18,8 @@
 //! 5. prefill tokens/s at 512 and 4096 positions;
 //! 6. decode tokens/s at batch 1, 8, 32 and 128, depth 512 and 4096, with
 //!    captured graphs (batch 1 also without), each with the fraction of the
-//!    measured copy bandwidth its weight and KV bytes reach.
+//!    measured copy bandwidth its weight and KV bytes reach (the depth's
+//!    pages are read as allocated, not prefilled: see `check::decode_rate`).
 //!
 //! `gpu_check --write-model PATH` writes the SmolLM2-shaped model's GGUF file
 //! to PATH and exits (the server's part of `scripts/gpu-check.sh` serves it).
