@@ -18,9 +18,10 @@
 //!    prompt whose byte count alone proves it too long (400
 //!    `context_length_exceeded`, before any tokenization work).
 //! 4. **Tokenize** (the model's chat template for chat) in the tenant's turn on
-//!    the tokenization [`lane`], stopping once the prompt cannot fit; a batch
-//!    of completion prompts, each in turn, every one checked before any is
-//!    submitted.
+//!    the request [`lane`], stopping once the prompt cannot fit: a lone
+//!    prompt in the same job as its parsing, where step 3's checks pass (one
+//!    turn of the lane, not two); a batch of completion prompts, each in its
+//!    own turn, every one checked before any is submitted.
 //! 5. **Route**: when the tenant has policy plugins and may use more than one
 //!    model, the chain may pick another of those models (`route`); the prompt
 //!    is then tokenized again for it.
