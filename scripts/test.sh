@@ -28,13 +28,16 @@ scripts/plugins.sh
 cargo fmt --all -- --check
 (cd plugins && cargo fmt --all -- --check)
 cargo clippy --workspace --all-targets --locked -- -D warnings
-# End-to-end tests run the real binary; build it first, with the features
-# `cargo test --workspace` unifies for the host's own tests (the simulation's
-# fault-injection hooks, unreachable from any input, and the admin-token-only
-# route that panics an engine, which the end-to-end tests use), so the test
-# run reuses this build instead of compiling the engine a second time.
-# Release builds never have them.
-cargo build --locked -p bulkhead --features fault-injection
+# End-to-end tests run the real binary (target/debug/bulkhead). Build it, and
+# every test, with `cargo test --no-run`: the workspace's dev-dependencies
+# change the features of shared dependencies, so a separate `cargo build -p
+# bulkhead` compiled the whole dependency tree a second time (10 of CI's 42
+# minutes, stop 51). The binary built for the host's own integration tests has
+# the features the test run unifies, fault-injection among them (the
+# simulation's hooks, unreachable from any input, and the admin-token-only
+# route that panics an engine, which the end-to-end tests use). Release builds
+# never have them.
+cargo test --workspace --locked --no-run
 # The Q8_0 model (model_golden.rs), derived by that binary; idempotent.
 scripts/models.sh "${CARGO_TARGET_DIR:-target}/debug/bulkhead"
 # The Kubernetes manifests (deploy/) against the Kubernetes and CRD schemas,
