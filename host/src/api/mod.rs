@@ -674,6 +674,75 @@ fn tokenize(
     }
 }
 
+/// The refusal of prompt `index` of a request; one of a batch says which.
+fn rejected_at(
+    endpoint: Endpoint,
+    batch: bool,
+    index: usize,
+) -> impl Fn(crate::engine::request::Rejection) -> ApiError {
+    move |rejection| ApiError::Rejected {
+        rejection,
+        prompt_param: endpoint.prompt_param(),
+        batch_index: batch.then_some(index),
+    }
+}
+
+/// The refusals made before any tokenization work, with nothing spent: a
+/// token id past the vocabulary, a prompt too long by its size alone, a batch
+/// or several choices for a tenant with plugins, more sequences than the
+/// tenant's queue. `run` makes them, and a request's parsing job tokenizes
+/// its lone prompt only where they pass (see [`early_tokens`]).
+fn refuse_before_tokens(
+    app: &App,
+    tenant: &Tenant,
+    model: &Served,
+    common: &Common,
+    sources: &[Source],
+    endpoint: Endpoint,
+) -> Result<(), ApiError> {
+    check_token_ids(model, common)?;
+    let batch = sources.len() > 1;
+    for (index, source) in sources.iter().enumerate() {
+        let tokens_min = source.tokens_min(model.text_bytes_per_token_max);
+        model
+            .admission
+            .check_size(tokens_min, common.max_tokens)
+            .map_err(rejected_at(endpoint, batch, index))?;
+    }
+    let has_chain = app.policy.has_chain(tenant.id);
+    // A plugin sees one sequence's sizes and usage per request (the WIT
+    // contract has no count of choices or prompts): its budgets would see a
+    // fraction.
+    if batch && has_chain {
+        return Err(ApiError::Unsupported {
+            param: "prompt".into(),
+            reason: "a batch of several prompts is not supported for a tenant with policy plugins (they see one sequence per request)".into(),
+        });
+    }
+    if common.n > 1 && has_chain {
+        return Err(ApiError::Unsupported {
+            param: "n".into(),
+            reason: "above 1 is not supported for a tenant with policy plugins (they see one sequence per request)".into(),
+        });
+    }
+    // The request's sequences are queued together or not at all: more than
+    // the tenant's whole queue would be a 429 however long its client waited.
+    let sequences = sources.len() as u64 * u64::from(common.n);
+    let queue_depth_max = u64::from(tenant.quota.queue_depth_max);
+    if sequences > queue_depth_max {
+        let param = if batch { "prompt" } else { "n" };
+        return Err(ApiError::InvalidValue {
+            param: param.into(),
+            message: format!(
+                "this request makes {sequences} sequences ({} prompts, n = {}), and they are queued together; this tenant's queue holds {queue_depth_max}",
+                sources.len(),
+                common.n
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Steps 2–7 of the module doc; `pending` is the tenant's permit of step 1,
 /// shared with the lane jobs the request queues (so it is held until they
 /// are gone, even when the request is dropped first).
@@ -701,60 +770,14 @@ async fn run(
         return Err(ApiError::ModelNotFound(common.model));
     };
     let mut calls = calls_for(&model, calls)?;
-    check_token_ids(&model, &common)?;
+    refuse_before_tokens(app, tenant, &model, &common, &sources, endpoint)?;
+    let has_chain = app.policy.has_chain(tenant.id);
+    let batch = sources.len() > 1;
     let rejected = |rejection| ApiError::Rejected {
         rejection,
         prompt_param: endpoint.prompt_param(),
         batch_index: None,
     };
-    let batch = sources.len() > 1;
-    // A refusal of one prompt of a batch says which.
-    let rejected_at = |index: usize| {
-        move |rejection| ApiError::Rejected {
-            rejection,
-            prompt_param: endpoint.prompt_param(),
-            batch_index: batch.then_some(index),
-        }
-    };
-    // Refused by its size alone, before any tokenization work.
-    for (index, source) in sources.iter().enumerate() {
-        let tokens_min = source.tokens_min(model.text_bytes_per_token_max);
-        model
-            .admission
-            .check_size(tokens_min, common.max_tokens)
-            .map_err(rejected_at(index))?;
-    }
-    let has_chain = app.policy.has_chain(tenant.id);
-    // A plugin sees one sequence's sizes and usage per request (the WIT
-    // contract has no count of choices or prompts): its budgets would see a
-    // fraction.
-    if sources.len() > 1 && has_chain {
-        return Err(ApiError::Unsupported {
-            param: "prompt".into(),
-            reason: "a batch of several prompts is not supported for a tenant with policy plugins (they see one sequence per request)".into(),
-        });
-    }
-    if common.n > 1 && has_chain {
-        return Err(ApiError::Unsupported {
-            param: "n".into(),
-            reason: "above 1 is not supported for a tenant with policy plugins (they see one sequence per request)".into(),
-        });
-    }
-    // The request's sequences are queued together or not at all: more than
-    // the tenant's whole queue would be a 429 however long its client waited.
-    let sequences = sources.len() as u64 * u64::from(common.n);
-    let queue_depth_max = u64::from(tenant.quota.queue_depth_max);
-    if sequences > queue_depth_max {
-        let param = if sources.len() > 1 { "prompt" } else { "n" };
-        return Err(ApiError::InvalidValue {
-            param: param.into(),
-            message: format!(
-                "this request makes {sequences} sequences ({} prompts, n = {}), and they are queued together; this tenant's queue holds {queue_depth_max}",
-                sources.len(),
-                common.n
-            ),
-        });
-    }
     // Operator plugins may read the text, when the deployment says so (a
     // tenant with plugins sends one prompt).
     let prompt_text = app
@@ -793,7 +816,7 @@ async fn run(
             }
             _ => tokenize_on_lane(app, tenant, &model, source, common.max_tokens, &pending).await?,
         }
-        .map_err(rejected_at(index))?;
+        .map_err(rejected_at(endpoint, batch, index))?;
         model
             .admission
             .check(
@@ -801,7 +824,7 @@ async fn run(
                 max_tokens_of(&model, &common, &prompt),
                 common.sampling.prompt_logprobs.is_some(),
             )
-            .map_err(rejected_at(index))?;
+            .map_err(rejected_at(endpoint, batch, index))?;
         prompts.push(prompt);
     }
     drop(sources);
@@ -1135,38 +1158,28 @@ async fn parse_on_lane(
                     (r.common, sources, None, r.echo)
                 }
             };
-            let early = early_tokens(&app_here, &tenant_here, &parsed, cancel);
+            let early = early_tokens(&app_here, &tenant_here, &parsed, endpoint, cancel);
             Ok((parsed, early))
         })
         .await
 }
 
 /// The lone prompt's tokens of a parsed request, unless `run` would refuse
-/// it before tokenizing (no such model for the tenant, a token id past the
-/// vocabulary, a prompt too long by its size alone, more choices than the
-/// tenant's queue, or than one for a tenant with plugins): those refusals
-/// are `run`'s to make, with nothing spent.
+/// it before tokenizing (no such model for the tenant, or any refusal of
+/// [`refuse_before_tokens`]): those refusals are `run`'s to make, with
+/// nothing spent.
 fn early_tokens(
     app: &App,
     tenant: &Tenant,
     (common, sources, _, _): &Parsed,
+    endpoint: Endpoint,
     cancel: &crate::lane::Cancel,
 ) -> Option<Early> {
     let [source] = sources.as_slice() else {
         return None;
     };
     let model = app.served(tenant, &common.model)?;
-    let tokens_min = source.tokens_min(model.text_bytes_per_token_max);
-    let refused = check_token_ids(&model, common).is_err()
-        || model
-            .admission
-            .check_size(tokens_min, common.max_tokens)
-            .is_err()
-        || u64::from(common.n) > u64::from(tenant.quota.queue_depth_max)
-        || (common.n > 1 && app.policy.has_chain(tenant.id));
-    if refused {
-        return None;
-    }
+    refuse_before_tokens(app, tenant, &model, common, sources, endpoint).ok()?;
     let tokens_max = model.admission.prompt_tokens_max(common.max_tokens);
     let tokens = tokenize(&model, source, tokens_max, cancel);
     Some(Early { model, tokens })
