@@ -193,6 +193,7 @@ fn feed(
             pos_start: pos,
             tokens: piece,
             logits: usize::from(pos + piece.len() == ids.len()),
+            greedy: false,
         };
         engine.backend.step(&[step], pool)?;
         pos += piece.len();
@@ -241,6 +242,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
                 pos_start: context.len(),
                 tokens: &token,
                 logits: 1,
+                greedy: false,
             })
             .collect();
         engine.backend.step(&warm, &mut pool)?;
@@ -253,6 +255,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
                     pos_start: context.len() + i,
                     tokens: &token,
                     logits: 1,
+                    greedy: false,
                 })
                 .collect();
             engine.backend.step(&steps, &mut pool)?;
@@ -330,6 +333,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             pos_start: context.len() - 1 + i,
             tokens: &[token],
             logits: 1,
+            greedy: false,
         };
         let logits = engine.backend.step(&[step], &mut pool)?;
         let row = logits.row(0).to_vec();
@@ -349,6 +353,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
                     pos_start: depth,
                     tokens: std::slice::from_ref(&token),
                     logits: 1,
+                    greedy: false,
                 })
                 .collect();
             let started = Instant::now();
@@ -678,6 +683,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
     let logits = Logits {
         values: &batch,
         vocab_len: vocab,
+        picks: &[],
     };
     let rounds = args.samples.div_ceil(8);
     const BATCHED: [&str; 3] = [

@@ -189,6 +189,16 @@ struct MergeArgs {
     uint32_t unused;
 };
 
+// The id of each logits row's largest value, the lowest among ties, as the
+// CPU's argmax finds it scanning in order (a NaN is never larger; a NaN at
+// index 0 is never exceeded). Grid (rows), block 256.
+struct ArgmaxArgs {
+    uint64_t logits;  // f32 [grid][vocab]
+    uint64_t out;     // u32 [grid]
+    uint32_t vocab;
+    uint32_t unused;
+};
+
 // XXH3-64 of pages' used slots in the transfer's order (kv/digest.rs):
 // for layer: K[0..used][kv_dim], V[0..used][kv_dim] as stored bits, seeded
 // with `used`. One warp a page: grid (pages), block 32.

@@ -410,3 +410,68 @@ KERNEL(matmul, MatmulArgs) {
         }
     }
 }
+
+// Whether (value, id) beats (best, best_id) in argmax's order: a value
+// (never a NaN: those are not candidates) beats none, a larger value a
+// smaller, and of equal values the lower id.
+__device__ __forceinline__ bool beats(float value, uint32_t id, float best, uint32_t best_id) {
+    if (id == NO_SEQ) return false;
+    if (best_id == NO_SEQ) return true;
+    return value > best || (value == best && id < best_id);
+}
+
+// The largest and lowest-id (value, id) of the block's threads', to every thread.
+__device__ __forceinline__ uint32_t block_argmax(float value, uint32_t id, float* values,
+                                                uint32_t* ids) {
+    for (int mask = WARP_SIZE / 2; mask > 0; mask /= 2) {
+        float other = __shfl_xor_sync(FULL_MASK, value, mask);
+        uint32_t other_id = __shfl_xor_sync(FULL_MASK, id, mask);
+        if (beats(other, other_id, value, id)) {
+            value = other;
+            id = other_id;
+        }
+    }
+    uint32_t warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    if (lane == 0) {
+        values[warp] = value;
+        ids[warp] = id;
+    }
+    __syncthreads();
+    uint32_t warps = blockDim.x / WARP_SIZE;
+    value = lane < warps ? values[lane] : 0.0f;
+    id = lane < warps ? ids[lane] : NO_SEQ;
+    for (int mask = WARP_SIZE / 2; mask > 0; mask /= 2) {
+        float other = __shfl_xor_sync(FULL_MASK, value, mask);
+        uint32_t other_id = __shfl_xor_sync(FULL_MASK, id, mask);
+        if (beats(other, other_id, value, id)) {
+            value = other;
+            id = other_id;
+        }
+    }
+    return id;
+}
+
+// A greedy row's token on the device: the step copies its id (4 bytes)
+// where it would copy the row (the vocabulary's logits).
+KERNEL(argmax, ArgmaxArgs) {
+    __shared__ float values[32];
+    __shared__ uint32_t ids[32];
+    const float* row = reinterpret_cast<const float*>(a.logits) + uint64_t(blockIdx.x) * a.vocab;
+    // Each thread's positions in order: a later value replaces only a larger.
+    float best = 0.0f;
+    uint32_t best_id = NO_SEQ;
+    for (uint32_t i = threadIdx.x; i < a.vocab; i += blockDim.x) {
+        float value = row[i];
+        bool number = value == value;
+        if (number && beats(value, i, best, best_id)) {
+            best = value;
+            best_id = i;
+        }
+    }
+    uint32_t id = block_argmax(best, best_id, values, ids);
+    if (threadIdx.x == 0) {
+        // Nothing exceeds a NaN at index 0, and a row of NaNs has no candidate.
+        bool first_nan = !(row[0] == row[0]);
+        reinterpret_cast<uint32_t*>(a.out)[blockIdx.x] = first_nan || id == NO_SEQ ? 0 : id;
+    }
+}

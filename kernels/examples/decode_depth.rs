@@ -91,6 +91,7 @@ fn main() {
                 pos_start: depth + i,
                 tokens: &[1],
                 logits: 1,
+                greedy: false,
             };
             backend.step(&[step], &mut pool).expect("step");
         }

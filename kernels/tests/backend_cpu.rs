@@ -79,6 +79,7 @@ fn run_chunked(
             pos_start: pos,
             tokens: piece,
             logits: usize::from(pos + piece.len() == tokens.len()),
+            greedy: false,
         };
         let logits = backend.step(&[step], pool).expect("valid step");
         if logits.rows_count() == 1 {
@@ -142,12 +143,14 @@ fn a_batch_gives_each_sequence_what_it_gets_alone() {
             pos_start: 0,
             tokens: &PROMPT_A,
             logits: 1,
+            greedy: false,
         },
         SeqStep {
             pages: &tb,
             pos_start: 0,
             tokens: &PROMPT_B,
             logits: 1,
+            greedy: false,
         },
     ];
     let logits = b.step(&steps, &mut p).unwrap();
@@ -179,6 +182,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
             pos_start: pos,
             tokens: std::slice::from_ref(token),
             logits: 1,
+            greedy: false,
         };
         oracle.push(b.step(&[step], &mut p).unwrap().row(0).to_vec());
     }
@@ -202,12 +206,14 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                     pos_start: 0,
                     tokens: &PROMPT_B,
                     logits: 1,
+                    greedy: false,
                 },
                 SeqStep {
                     pages: &ta,
                     pos_start: pos,
                     tokens: piece,
                     logits: wanted,
+                    greedy: false,
                 },
             ];
             let logits = b.step(&steps, &mut p).unwrap();
@@ -242,6 +248,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 pos_start: 0,
                 tokens: &PROMPT_A,
                 logits: PROMPT_A.len() + 1,
+                greedy: false,
             }],
             &mut p,
         )
@@ -277,6 +284,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 pos_start: 0,
                 tokens: &long,
                 logits: 67,
+                greedy: false,
             }],
             &mut p,
         )
@@ -299,6 +307,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 pos_start: 0,
                 tokens: &long[..66],
                 logits: 66,
+                greedy: false,
             }],
             &mut p,
         )
@@ -436,6 +445,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
         pos_start,
         tokens,
         logits: 1,
+        greedy: false,
     };
     let vocab_len = m.config.vocab_len;
     // Each refusal names the sequence at fault, so a scheduler can fail that
@@ -480,6 +490,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
         pos_start: 0,
         tokens: &long,
         logits: 1,
+        greedy: false,
     };
     let error = b.step(&[too_many], &mut big).err().unwrap();
     assert!(matches!(error, StepError::TooManyTokens { .. }));
@@ -500,6 +511,7 @@ fn refuses_a_table_whose_pages_are_not_leased_in_this_pool() {
         pos_start: 0,
         tokens: &[1, 2],
         logits: 1,
+        greedy: false,
     };
     assert_eq!(
         b.step(&[step], &mut p).err(),
@@ -548,6 +560,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         pos_start: cut,
         tokens: &prompt[cut..],
         logits: 1,
+        greedy: false,
     };
     let own = b.step(&[step], &mut p).unwrap().row(0).to_vec();
     // Its full prefix pages are shared; a second sequence of the same owner
@@ -567,6 +580,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         pos_start: cut,
         tokens: &prompt[cut..],
         logits: 1,
+        greedy: false,
     };
     let cached = b.step(&[step], &mut p).unwrap().row(0).to_vec();
     assert_eq!(
@@ -582,6 +596,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         pos_start: cut - 1,
         tokens: &prompt[cut - 1..],
         logits: 1,
+        greedy: false,
     };
     assert_eq!(
         b.step(&[rewrite], &mut p).err(),
@@ -661,18 +676,21 @@ fn every_isa_is_batch_invariant_bit_for_bit() {
                     pos_start: 0,
                     tokens: &PROMPT_B,
                     logits: 1,
+                    greedy: false,
                 },
                 SeqStep {
                     pages: &ta,
                     pos_start: 39,
                     tokens: &prompt[39..],
                     logits: 1,
+                    greedy: false,
                 },
                 SeqStep {
                     pages: &tc,
                     pos_start: 0,
                     tokens: &PROMPT_A[..2],
                     logits: 1,
+                    greedy: false,
                 },
             ];
             let batched = b.step(&steps, &mut p).unwrap().row(1).to_vec();

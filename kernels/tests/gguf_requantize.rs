@@ -277,6 +277,7 @@ fn last_logits(model: &Arc<Model>) -> Vec<f32> {
         pos_start: 0,
         tokens: &PROMPT,
         logits: 1,
+        greedy: false,
     };
     backend.step(&[step], &mut pool).unwrap().row(0).to_vec()
 }

@@ -184,8 +184,15 @@ pub fn sample_rows(
 ) -> Vec<Sampled> {
     let sample = |sampler: &mut Sampler, row: usize| {
         let started = Instant::now();
-        let token = sampler.sample(logits.row(row));
-        let logprobs = sampler.logprobs(logits.row(row), token);
+        let (token, logprobs) = match logits.pick(row) {
+            // Picked on the backend's side: a row of a sampler that
+            // `picks_argmax`, which asks for no log probabilities.
+            Some(id) => (sampler.take_pick(id), None),
+            None => {
+                let token = sampler.sample(logits.row(row));
+                (token, sampler.logprobs(logits.row(row), token))
+            }
+        };
         Sampled {
             token,
             logprobs,
@@ -350,12 +357,8 @@ impl Sampler {
     /// penalties of the next.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         assert!(!logits.is_empty(), "the vocabulary is never empty");
-        let banning = self.sampled < self.params.min_tokens && !self.ends.is_empty();
-        let token = if self.params.logit_bias.is_empty()
-            && self.generated.is_empty()
-            && self.seen.is_empty()
-            && !banning
-        {
+        let banning = self.banning();
+        let token = if !self.adjusts() {
             self.pick(logits)
         } else {
             let mut adjusted = std::mem::take(&mut self.adjusted);
@@ -394,6 +397,49 @@ impl Sampler {
             self.adjusted = adjusted;
             token
         };
+        self.count(token);
+        token
+    }
+
+    /// Whether the next pick is the largest logit's id (the lowest among
+    /// ties) and nothing else is read of the row: greedy, with nothing to
+    /// adjust (no bias, no penalty or `min_tokens` ban in force), no schema
+    /// and no log probabilities. Such a row may be picked on the backend's
+    /// side ([`SeqStep::greedy`]: a GPU then copies its id, not the row);
+    /// [`Sampler::take_pick`] counts it.
+    ///
+    /// [`SeqStep::greedy`]: bulkhead_kernels::backend::SeqStep::greedy
+    pub fn picks_argmax(&self) -> bool {
+        self.params.temperature <= 0.0
+            && self.params.logprobs.is_none()
+            && self.json.is_none()
+            && !self.adjusts()
+    }
+
+    /// Takes `token`, the argmax the backend picked for a row this sampler
+    /// [`picks_argmax`](Sampler::picks_argmax) for: what
+    /// [`Sampler::sample`] of that row would return, and counted as it counts.
+    pub fn take_pick(&mut self, token: u32) -> u32 {
+        debug_assert!(self.picks_argmax(), "a pick for a sampler that adjusts");
+        self.count(token);
+        token
+    }
+
+    /// Whether `min_tokens` still bans the tokens that end the output.
+    fn banning(&self) -> bool {
+        self.sampled < self.params.min_tokens && !self.ends.is_empty()
+    }
+
+    /// Whether the logits are adjusted before the pick.
+    fn adjusts(&self) -> bool {
+        !self.params.logit_bias.is_empty()
+            || !self.generated.is_empty()
+            || !self.seen.is_empty()
+            || self.banning()
+    }
+
+    /// Counts `token`, just picked, for the penalties and `min_tokens`.
+    fn count(&mut self, token: u32) {
         if self.params.penalizes() {
             *self.generated.entry(token).or_insert(0) += 1;
         }
@@ -401,7 +447,6 @@ impl Sampler {
             self.seen.insert(token);
         }
         self.sampled = self.sampled.saturating_add(1);
-        token
     }
 
     /// [`Sampler::pick_free`], within the schema's constraint when there is one.
@@ -662,16 +707,9 @@ fn best_fitting(logits: &[f32], fits: &dyn Fn(u32) -> bool) -> Option<u32> {
     best
 }
 
-/// Index of the largest logit (the lowest index among ties).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+/// Index of the largest logit (the lowest index among ties), as a backend
+/// picks a greedy row's.
+pub use bulkhead_kernels::backend::argmax;
 
 #[cfg(test)]
 mod tests {
@@ -1121,6 +1159,85 @@ mod tests {
     fn greedy_picks_the_largest_and_the_first_of_ties() {
         let mut s = Sampler::new(SamplingParams::default());
         assert_eq!(s.sample(&[0.1, 3.0, -1.0, 3.0]), 1);
+    }
+
+    #[test]
+    fn a_pick_is_taken_only_where_sample_would_take_the_rows_argmax() {
+        // Rows with many ties: the pick is the argmax a backend gives.
+        let mut rng = SplitMix64(7);
+        let rows: Vec<Vec<f32>> = (0..24)
+            .map(|_| (0..64).map(|_| (rng.next_u64() % 9) as f32).collect())
+            .collect();
+        let cases = [
+            ("greedy", SamplingParams::default(), 24),
+            (
+                "sampled",
+                SamplingParams {
+                    temperature: 1.0,
+                    ..SamplingParams::default()
+                },
+                0,
+            ),
+            (
+                "log probabilities",
+                SamplingParams {
+                    logprobs: Some(2),
+                    ..SamplingParams::default()
+                },
+                0,
+            ),
+            (
+                "a bias",
+                SamplingParams {
+                    logit_bias: vec![(3, 1.0)],
+                    ..SamplingParams::default()
+                },
+                0,
+            ),
+            // Nothing to penalize before the first token.
+            (
+                "a presence penalty",
+                SamplingParams {
+                    presence_penalty: 0.5,
+                    ..SamplingParams::default()
+                },
+                1,
+            ),
+            // Its ends banned for 3 tokens, then nothing to adjust.
+            (
+                "min_tokens",
+                SamplingParams {
+                    min_tokens: 3,
+                    stop_token_ids: vec![5],
+                    ..SamplingParams::default()
+                },
+                21,
+            ),
+        ];
+        for (name, params, picks_expected) in cases {
+            // One sampler samples every row; the other takes the backend's
+            // pick wherever it may: the same tokens, and the same state.
+            let (mut sampling, mut picking) = (Sampler::new(params.clone()), Sampler::new(params));
+            let mut picks = 0;
+            for row in &rows {
+                assert_eq!(sampling.picks_argmax(), picking.picks_argmax(), "{name}");
+                let token = if picking.picks_argmax() {
+                    picks += 1;
+                    picking.take_pick(argmax(row))
+                } else {
+                    picking.sample(row)
+                };
+                assert_eq!(token, sampling.sample(row), "{name}");
+            }
+            assert_eq!(picks, picks_expected, "{name}");
+        }
+        // A schema reads every row.
+        let schema = Arc::new(Schema::compile(&serde_json::json!({"type": "integer"})).unwrap());
+        let params = SamplingParams {
+            json: Some(schema),
+            ..SamplingParams::default()
+        };
+        assert!(!Sampler::for_request(params, &tiny_tokenizer(), &[]).picks_argmax());
     }
 
     #[test]

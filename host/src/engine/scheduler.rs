@@ -1433,6 +1433,9 @@ impl<B: Backend> Scheduler<B> {
                 pos_start: p.pos_start,
                 tokens: &p.tokens,
                 logits: p.rows.logits,
+                // A greedy row with nothing to adjust is picked on the
+                // backend's side where it can (a GPU copies the id alone).
+                greedy: p.rows.samples && self.running[p.seq_index].sampler.picks_argmax(),
             })
             .collect();
         let threads = self.backend.threads();

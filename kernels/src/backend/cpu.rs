@@ -300,9 +300,12 @@ impl Backend for CpuBackend {
         }
         let wanted = self.output_logits(steps);
         let vocab_len = self.model.config.vocab_len;
+        // Every row in full: a greedy row's pick is the sampler's argmax of
+        // it, on this same host.
         Ok(Logits {
             values: &self.scratch.logits[..wanted * vocab_len],
             vocab_len,
+            picks: &[],
         })
     }
 }
@@ -1517,6 +1520,7 @@ mod tests {
                     pos_start: chunk_start,
                     tokens: &tokens,
                     logits: 0,
+                    greedy: false,
                 }];
                 let mut slots: Vec<TokenSlot> = (chunk_start..len)
                     .map(|pos| TokenSlot { seq_index: 0, pos })
@@ -1531,6 +1535,7 @@ mod tests {
                         pos_start: pos,
                         tokens: &one,
                         logits: 0,
+                        greedy: false,
                     });
                 }
                 let mut q: Vec<f32> = (0..slots.len() * d)

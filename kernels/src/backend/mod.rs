@@ -29,6 +29,13 @@ pub struct SeqStep<'a> {
     /// probabilities (each position's logits score the token after it); at
     /// most `tokens.len()`.
     pub logits: usize,
+    /// The last of those rows (the one sampled from) is wanted only for its
+    /// largest logit's id, the lowest among ties ([`argmax`]): the choice
+    /// of a greedy sampler with nothing to adjust. A backend may then give
+    /// the id alone ([`Logits::pick`]) rather than the row: on a GPU 4 bytes
+    /// cross to the host where the row is the vocabulary's 4-byte logits
+    /// (25 MB a step for 128 sequences of SmolLM2). Nothing when `logits` is 0.
+    pub greedy: bool,
 }
 
 /// Rows of logits one step may compute beyond one a sequence: a prompt's
@@ -152,24 +159,66 @@ impl StepError {
 }
 
 /// Logits of one step: `[rows][vocab]`, each sequence's [`SeqStep::logits`]
-/// rows in step order, a sequence's in the order of its tokens.
+/// rows in step order, a sequence's in the order of its tokens; a greedy
+/// row (see [`SeqStep::greedy`]) may be given as its largest logit's id alone.
 pub struct Logits<'a> {
-    /// Row-major values.
+    /// Row-major values of the rows given in full, in row order.
     pub values: &'a [f32],
     /// Vocabulary size (row length).
     pub vocab_len: usize,
+    /// The rows given as their largest logit's id alone, as `(row, id)` in
+    /// row order; empty from a backend that gives every row in full.
+    pub picks: &'a [(u32, u32)],
 }
 
 impl Logits<'_> {
-    /// The `i`-th row.
+    /// The `i`-th row. Panics for a row given as its pick alone: only a
+    /// greedy row is, and its caller asked for the pick.
     pub fn row(&self, i: usize) -> &[f32] {
-        &self.values[i * self.vocab_len..(i + 1) * self.vocab_len]
+        let picked_before = self.picks.partition_point(|&(row, _)| (row as usize) < i);
+        assert!(
+            self.picks
+                .get(picked_before)
+                .is_none_or(|&(row, _)| row as usize != i),
+            "row {i} was given as its largest logit's id alone"
+        );
+        let k = i - picked_before;
+        &self.values[k * self.vocab_len..(k + 1) * self.vocab_len]
+    }
+
+    /// The id of the `i`-th row's largest logit where the backend gave that
+    /// alone (a greedy row); `None` where it gave the row.
+    pub fn pick(&self, i: usize) -> Option<u32> {
+        self.picks
+            .binary_search_by_key(&i, |&(row, _)| row as usize)
+            .ok()
+            .map(|k| self.picks[k].1)
+    }
+
+    /// The id of the `i`-th row's largest logit, the lowest among ties: the
+    /// backend's pick, or [`argmax`] of the row.
+    pub fn greedy(&self, i: usize) -> u32 {
+        self.pick(i).unwrap_or_else(|| argmax(self.row(i)))
     }
 
     /// Number of rows.
     pub fn rows_count(&self) -> usize {
-        self.values.len() / self.vocab_len
+        self.values.len() / self.vocab_len + self.picks.len()
     }
+}
+
+/// Index of the largest logit, the lowest index among ties: the first
+/// index whose value no later one exceeds (a NaN is never larger, and one
+/// at index 0 is never exceeded). The CUDA backend's `argmax` kernel gives
+/// the same index for the same values.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
 
 /// A compute backend.
@@ -318,5 +367,43 @@ impl Backend for Box<dyn Backend> {
 
     fn threads(&self) -> Option<Arc<Threads>> {
         (**self).threads()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_given_as_their_pick_are_skipped_in_the_values() {
+        // Rows 0, 2 and 4 in full; 1 and 3 as their ids.
+        let values: Vec<f32> = [[0.0, 1.0], [2.0, 3.0], [5.0, 4.0]].concat();
+        let picks = [(1, 7), (3, 9)];
+        let logits = Logits {
+            values: &values,
+            vocab_len: 2,
+            picks: &picks,
+        };
+        assert_eq!(logits.rows_count(), 5);
+        assert_eq!(logits.row(0), [0.0, 1.0]);
+        assert_eq!(logits.row(2), [2.0, 3.0]);
+        assert_eq!(logits.row(4), [5.0, 4.0]);
+        assert_eq!(
+            (logits.pick(0), logits.pick(1), logits.pick(3)),
+            (None, Some(7), Some(9))
+        );
+        let greedy: Vec<u32> = (0..5).map(|i| logits.greedy(i)).collect();
+        assert_eq!(greedy, [1, 7, 1, 9, 0]);
+        let given = std::panic::catch_unwind(|| logits.row(3).to_vec());
+        assert!(given.is_err(), "a picked row has no values");
+    }
+
+    #[test]
+    fn argmax_is_the_first_of_the_largest_and_a_nan_never_wins() {
+        assert_eq!(argmax(&[0.1, 3.0, -1.0, 3.0]), 1);
+        assert_eq!(argmax(&[1.0, f32::NAN, 2.0]), 2);
+        assert_eq!(argmax(&[f32::NAN, 5.0]), 0);
+        assert_eq!(argmax(&[-0.0, 0.0]), 0);
+        assert_eq!(argmax(&[f32::NEG_INFINITY; 3]), 0);
     }
 }

@@ -83,6 +83,7 @@ impl Harness {
                 pos_start: pos,
                 tokens: piece,
                 logits: usize::from(pos + piece.len() == pos_start + tokens.len()),
+                greedy: false,
             };
             let out = self.backend.step(&[step], &mut self.pool).unwrap();
             if out.rows_count() == 1 {

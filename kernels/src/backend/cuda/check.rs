@@ -97,6 +97,10 @@ pub struct Agreement {
     /// Rows that disagree where the CPU's top two are within `tolerance`
     /// of each other (a near tie either backend may break).
     pub near_ties: usize,
+    /// Rows whose step, run again with the row greedy (see
+    /// [`SeqStep::greedy`]), gave as its id alone the argmax of the row the
+    /// device gave in full, every other row of the step unchanged.
+    pub picks_agree: usize,
 }
 
 /// Options of an [`agreement`] run.
@@ -123,18 +127,18 @@ pub struct AgreementRun<'a> {
 }
 
 fn argmax(row: &[f32]) -> usize {
-    row.iter()
-        .enumerate()
-        .fold(0, |best, (i, &x)| if x > row[best] { i } else { best })
+    crate::backend::argmax(row) as usize
 }
 
 /// Each sequence's tokens from its position on: the prompt first, then its
-/// last token; `rows[i]` of its last tokens want logits.
+/// last token; `rows[i]` of its last tokens want logits, the last of them
+/// only its argmax where `greedy`.
 fn lockstep<'a>(
     tables: &'a [PageTable],
     inputs: &'a [Vec<u32>],
     positions: &[usize],
     rows: &[usize],
+    greedy: bool,
 ) -> Vec<SeqStep<'a>> {
     (0..inputs.len())
         .map(|i| SeqStep {
@@ -142,6 +146,7 @@ fn lockstep<'a>(
             pos_start: positions[i],
             tokens: &inputs[i][positions[i]..],
             logits: rows[i],
+            greedy,
         })
         .collect()
 }
@@ -232,7 +237,7 @@ pub fn agreement(
     for step in 0..=run.decode_steps {
         let cpu_logits = cpu
             .step(
-                &lockstep(&cpu_tables, &inputs, &positions, &rows),
+                &lockstep(&cpu_tables, &inputs, &positions, &rows, false),
                 &mut cpu_pool,
             )
             .expect("a valid step")
@@ -240,18 +245,29 @@ pub fn agreement(
             .to_vec();
         let dev_logits = cuda
             .step(
-                &lockstep(&dev_tables, &inputs, &positions, &rows),
+                &lockstep(&dev_tables, &inputs, &positions, &rows, false),
                 &mut dev_pool,
             )
             .expect("a valid step")
             .values
             .to_vec();
+        // The same step again, each sampled row greedy (K and V rewritten
+        // with the values they hold): the earlier rows come back as they
+        // were, each sampled row as its id alone.
+        let picked = cuda
+            .step(
+                &lockstep(&dev_tables, &inputs, &positions, &rows, true),
+                &mut dev_pool,
+            )
+            .expect("a valid step");
+        let (scored_again, picks) = (picked.values.to_vec(), picked.picks.to_vec());
         assert_eq!(
             cpu_logits.len(),
             dev_logits.len(),
             "step {step}: rows differ"
         );
-        let mut at = 0;
+        let (mut at, mut full) = (0, 0);
+        let mut picks = picks.iter();
         for i in 0..run.prompts.len() {
             let mut greedy = 0;
             for row in 0..rows[i] {
@@ -261,6 +277,9 @@ pub fn agreement(
                 );
                 at += 1;
                 if row + 1 < rows[i] {
+                    let again = &scored_again[full * vocab..(full + 1) * vocab];
+                    assert!(again == b, "step {step}, sequence {i}: a full row changed");
+                    full += 1;
                     let (error, _) = compare_row(a, b, step, i);
                     result.worst_relative_scored = result.worst_relative_scored.max(error);
                     result.scored_rows += 1;
@@ -270,6 +289,9 @@ pub fn agreement(
                 result.worst_relative = result.worst_relative.max(error);
                 result.rows += 1;
                 let theirs = argmax(b);
+                if picks.next() == Some(&((at - 1) as u32, theirs as u32)) {
+                    result.picks_agree += 1;
+                }
                 if mine == theirs {
                     result.greedy_agree += 1;
                 } else if (a[mine] - a[theirs]).abs() <= run.tolerance * scale_of(a) {
@@ -310,10 +332,13 @@ pub fn cpu_drift(model: &Arc<Model>, run: &AgreementRun<'_>) -> f32 {
         let (kv, tokens) = (run.kv_type, run.page_tokens);
         let (mut pool, tables) = pool_with_tables(model, kv, tokens, seqs, per_seq, None, false);
         let mut cpu = cpu_backend(model, run, Some(isa), tokens_max);
-        cpu.step(&lockstep(&tables, &inputs, &positions, &rows), &mut pool)
-            .expect("a valid step")
-            .values
-            .to_vec()
+        cpu.step(
+            &lockstep(&tables, &inputs, &positions, &rows, false),
+            &mut pool,
+        )
+        .expect("a valid step")
+        .values
+        .to_vec()
     });
     portable
         .chunks_exact(vocab)
@@ -441,6 +466,7 @@ fn prefill_run(
                 pos_start: at,
                 tokens: &tokens[at..end],
                 logits: usize::from(end == len),
+                greedy: false,
             };
             cuda.step(&[step], &mut pool).expect("a valid step");
         }
@@ -469,6 +495,11 @@ fn prefill_run(
 /// no early exit), so the step is timed as after a prefill, without the
 /// prefill: 524,288 tokens for batch 128 at depth 4,096, most of the GPU
 /// check's time on an H100 (prefill is timed by [`prefill_rate`]).
+///
+/// Each step's tokens are greedy ([`SeqStep::greedy`]: the device's argmax
+/// comes back, not the rows), as a greedy request's are, unless `full_rows`
+/// (every row of logits copied to the host, as for a sampled request).
+#[allow(clippy::too_many_arguments)]
 pub fn decode_rate(
     model: &Arc<Model>,
     device: &Arc<dyn Device>,
@@ -477,8 +508,18 @@ pub fn decode_rate(
     steps: usize,
     graphs: bool,
     chunk: usize,
+    full_rows: bool,
 ) -> Rate {
-    decode_run(model, device, batch, depth, steps, graphs, chunk, false).0
+    let run = DecodeRun {
+        batch,
+        depth,
+        steps,
+        graphs,
+        chunk,
+        greedy: !full_rows,
+        profile: false,
+    };
+    decode_run(model, device, &run).0
 }
 
 /// Where `batch` decode steps at `depth` spend their time on the device,
@@ -492,22 +533,45 @@ pub fn decode_profile(
     steps: usize,
     chunk: usize,
 ) -> StepProfile {
-    let (rate, launches) = decode_run(model, device, batch, depth, steps, false, chunk, true);
+    let run = DecodeRun {
+        batch,
+        depth,
+        steps,
+        graphs: false,
+        chunk,
+        greedy: true,
+        profile: true,
+    };
+    let (rate, launches) = decode_run(model, device, &run);
     StepProfile::of(&launches, steps, rate.step_secs)
 }
 
-/// [`decode_rate`], its timed steps' launches timed when `profile`.
-#[allow(clippy::too_many_arguments)]
-fn decode_run(
-    model: &Arc<Model>,
-    device: &Arc<dyn Device>,
+/// What [`decode_run`] times.
+struct DecodeRun {
     batch: usize,
     depth: usize,
     steps: usize,
     graphs: bool,
     chunk: usize,
+    greedy: bool,
     profile: bool,
+}
+
+/// [`decode_rate`], its timed steps' launches timed when `profile`.
+fn decode_run(
+    model: &Arc<Model>,
+    device: &Arc<dyn Device>,
+    run: &DecodeRun,
 ) -> (Rate, Vec<LaunchTime>) {
+    let DecodeRun {
+        batch,
+        depth,
+        steps,
+        graphs,
+        chunk,
+        greedy,
+        profile,
+    } = *run;
     let page_tokens = 16;
     let warmup = 4;
     let per_seq = ((depth + warmup + steps + 1) as u32).div_ceil(page_tokens);
@@ -540,6 +604,7 @@ fn decode_run(
                 pos_start: depth + i,
                 tokens: &one[s],
                 logits: 1,
+                greedy,
             })
             .collect();
         if profile && i == warmup {
@@ -672,6 +737,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         pos_start: 0,
         tokens: &tokens,
         logits: 1,
+        greedy: false,
     };
     cuda.step(&[step], &mut pool).expect("a valid step");
     let pages: Vec<PageId> = tables[0].handles().iter().map(|h| h.page).collect();
@@ -703,6 +769,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         pos_start: 0,
         tokens: &tokens,
         logits: 1,
+        greedy: false,
     };
     let refused = cuda.step(&[stale_step], &mut pool).err();
     let ok = refused == Some(StepError::StaleHandle { index: 0 }) && device.launches() == before;
@@ -719,6 +786,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         pos_start: 0,
         tokens: &tokens,
         logits: 1,
+        greedy: false,
     };
     let refused = cuda.step(&[foreign], &mut pool).err();
     let ok = refused == Some(StepError::StaleHandle { index: 0 }) && device.launches() == before;
@@ -768,6 +836,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
             pos_start: 0,
             tokens: &tokens,
             logits: 1,
+            greedy: false,
         };
         let _ = cuda.step(&[step], &mut shared);
     }));

@@ -173,10 +173,11 @@ impl std::fmt::Debug for CudaDevice {
 }
 
 /// Kernels the backend launches (every `KERNEL` in the sources).
-const KERNELS: [&str; 7] = [
+const KERNELS: [&str; 8] = [
     "embed",
     "rms_norm",
     "matmul",
+    "argmax",
     "rope_kv",
     "attention",
     "attention_merge",

@@ -247,6 +247,16 @@ args! {
 }
 
 args! {
+    /// The largest logit's id of each row (greedy rows).
+    struct ArgmaxArgs for "argmax" {
+        logits: u64,
+        out: u64,
+        vocab: u32,
+        unused: u32,
+    }
+}
+
+args! {
     /// XXH3 page digests.
     struct DigestArgs for "page_digest" {
         kv: u64,
@@ -263,7 +273,8 @@ args! {
 
 /// Threads per block of the kernels that take a row or a token per block.
 pub const ROW_BLOCK: u32 = 128;
-/// Threads per block of `rms_norm` (one Q8_K block of 256 values per round).
+/// Threads per block of `rms_norm` (one Q8_K block of 256 values per
+/// round) and of `argmax`.
 pub const NORM_BLOCK: u32 = 256;
 /// Threads per block of `attention` and `attention_merge`.
 pub const ATTENTION_BLOCK: u32 = 128;
@@ -302,6 +313,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<AttentionArgs>(), 104);
         assert_eq!(std::mem::size_of::<MergeArgs>(), 40);
         assert_eq!(std::mem::size_of::<DigestArgs>(), 48);
+        assert_eq!(std::mem::size_of::<ArgmaxArgs>(), 24);
     }
 
     #[test]

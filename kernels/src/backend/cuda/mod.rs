@@ -220,8 +220,10 @@ struct Scratch {
     qd: DeviceBuffer,
     /// i32 `[tokens][wide / 16]`: sums of 16 quants.
     sums: DeviceBuffer,
-    /// f32 `[seqs][vocab]`.
+    /// f32 `[rows][vocab]`: the gathered rows' logits, full rows first.
     logits: DeviceBuffer,
+    /// u32 `[rows]`: each row's largest logit's id (`argmax`).
+    picks: DeviceBuffer,
 }
 
 /// The device side of the step buffer and its layout, made at the first step.
@@ -246,8 +248,12 @@ pub struct CudaBackend {
     attention_rows: u32,
     /// Host staging for the packed step buffer, words.
     staging: Vec<u32>,
-    /// Host copy of the logits of the last step.
+    /// Host copy of the last step's full rows of logits.
     logits: Vec<f32>,
+    /// The last step's greedy rows, `(row, id)`.
+    picks: Vec<(u32, u32)>,
+    /// Host copy of the last step's greedy rows' ids.
+    pick_ids: Vec<u32>,
 }
 
 /// The largest number of query rows (a multiple of `group`, at most
@@ -387,6 +393,7 @@ impl CudaBackend {
             qd: zeroed(4 * t * wide / 32)?,
             sums: zeroed(4 * t * wide / 16)?,
             logits: zeroed(4 * rows * vocab)?,
+            picks: zeroed(4 * rows)?,
         };
         Ok(CudaBackend {
             graphs: HashMap::new(),
@@ -403,6 +410,8 @@ impl CudaBackend {
             attention_rows,
             staging: Vec::new(),
             logits: Vec::new(),
+            picks: Vec::new(),
+            pick_ids: Vec::new(),
         })
     }
 
@@ -441,6 +450,7 @@ impl CudaBackend {
             + w.layers.iter().map(matrices).sum::<u64>()
             + [
                 &s.x, &s.xn, &s.q, &s.k, &s.v, &s.attn, &s.ffn, &s.qs, &s.qd, &s.sums, &s.logits,
+                &s.picks,
             ]
             .iter()
             .map(|b| b.bytes())
@@ -509,13 +519,14 @@ impl CudaBackend {
             // The page ids the view checked, as far as the step reaches.
             let end = step.pos_start + step.tokens.len();
             packer.table(seq as u32, &view.page_ids(seq)[..end.div_ceil(page_tokens)]);
-            packer.logits(step.logits);
+            packer.logits(step.logits, step.greedy);
             let pos0 = step.pos_start as u32;
             match step.tokens.len() {
                 1 => packer.decode_items(seq as u32, t0, pos0, kv_heads),
                 _ => packer.prefill_items(seq as u32, t0, pos0, kv_heads, queries_per_item),
             }
         }
+        packer.greedy_rows();
         match bucket {
             None => packer.counts,
             Some(bucket) => packer.pad(bucket, kv_heads, c.context_len as u32),
@@ -808,7 +819,16 @@ impl CudaBackend {
         )?;
         let mut head = w.output.seg(s.logits.at(0), vocab);
         head.cap = c.final_softcap.unwrap_or(0.0);
-        self.matmul(&[head], d, counts.wanted, mode::STORE)
+        self.matmul(&[head], d, counts.wanted, mode::STORE)?;
+        // Every row's pick, whichever the host reads (a graph's rows are its
+        // bucket's; the greedy ones follow the full ones).
+        let args = ArgmaxArgs {
+            logits: s.logits.at(0),
+            out: s.picks.at(0),
+            vocab,
+            unused: 0,
+        };
+        self.launch(counts.wanted, NORM_BLOCK, 0, &args)
     }
 
     /// A block's output matrix (attention's `wo`, the FFN's `w_down`) on
@@ -896,8 +916,9 @@ impl Backend for CudaBackend {
         let bucket = self.graph_bucket(steps);
         let counts = self.pack(steps, &view, bucket);
         let step = self.step.as_ref().expect("made above");
-        let words: Vec<u8> = self.staging.iter().flat_map(|w| w.to_le_bytes()).collect();
-        step.buffer.write(0, &words).map_err(Self::device_error)?;
+        step.buffer
+            .write(0, le_bytes(&self.staging))
+            .map_err(Self::device_error)?;
         match bucket {
             Some(bucket) => {
                 if !self.graphs.contains_key(&bucket) {
@@ -914,23 +935,71 @@ impl Backend for CudaBackend {
                 .forward(counts, values.at, &layout)
                 .map_err(Self::device_error)?,
         }
+        // The full rows are the logits' first (see `Packer::logits`), read
+        // straight into the host's floats; a greedy row is its id alone.
         let vocab = self.model.config.vocab_len;
+        let greedy = |s: &SeqStep<'_>| s.greedy && s.logits > 0;
         let wanted: usize = steps.iter().map(|s| s.logits).sum();
-        let mut bytes = vec![0u8; wanted * vocab * 4];
-        self.scratch
-            .logits
-            .read(0, &mut bytes)
-            .map_err(Self::device_error)?;
+        let picked = steps.iter().filter(|s| greedy(s)).count();
+        let full = wanted - picked;
+        // Each read waits for the step's kernels: at least one is made
+        // before the view lets the pool go.
+        self.logits.resize(full * vocab, 0.0);
+        if full > 0 || picked == 0 {
+            self.scratch
+                .logits
+                .read(0, le_bytes_mut(&mut self.logits))
+                .map_err(Self::device_error)?;
+        }
+        self.pick_ids.resize(picked, 0);
+        if picked > 0 {
+            self.scratch
+                .picks
+                .read(4 * full as u64, le_bytes_mut(&mut self.pick_ids))
+                .map_err(Self::device_error)?;
+        }
         drop(view);
-        self.logits.clear();
-        self.logits.extend(
-            bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        );
+        self.picks.clear();
+        let mut row = 0;
+        let mut ids = self.pick_ids.iter();
+        for s in steps {
+            row += s.logits;
+            if greedy(s) {
+                let id = *ids.next().expect("one id a greedy row");
+                self.picks.push(((row - 1) as u32, id));
+            }
+        }
         Ok(Logits {
             values: &self.logits,
             vocab_len: vocab,
+            picks: &self.picks,
         })
+    }
+}
+
+// The device and the host share one byte order: CUDA runs on x86-64 and
+// aarch64 hosts, both little-endian.
+const _: () = assert!(cfg!(target_endian = "little"));
+
+/// A 4-byte word type every bit pattern of which is a value.
+trait Word: Copy {}
+impl Word for u32 {}
+impl Word for f32 {}
+
+/// The bytes of `words`, as the device lays them out.
+fn le_bytes<T: Word>(words: &[T]) -> &[u8] {
+    // SAFETY: u32 and f32 have no padding and the host's byte order is the
+    // device's; u8's alignment divides theirs.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), std::mem::size_of_val(words)) }
+}
+
+/// The bytes of `words`, for a copy from the device into them.
+fn le_bytes_mut<T: Word>(words: &mut [T]) -> &mut [u8] {
+    // SAFETY: as `le_bytes`, and every bit pattern is a u32 or an f32.
+    unsafe {
+        std::slice::from_raw_parts_mut(
+            words.as_mut_ptr().cast::<u8>(),
+            std::mem::size_of_val(words),
+        )
     }
 }

@@ -166,6 +166,8 @@ pub(super) struct Packer<'a> {
     /// Sequences the step's decode splits are sized for (its own, or its
     /// graph bucket's: a graph's grid is sized for the bucket's splits).
     split_seqs: u32,
+    /// Tokens of greedy rows, gathered after every full row ([`Packer::greedy_rows`]).
+    greedy: Vec<u32>,
 }
 
 impl<'a> Packer<'a> {
@@ -186,6 +188,7 @@ impl<'a> Packer<'a> {
             },
             pages: 0,
             slots: 0,
+            greedy: Vec::new(),
         }
     }
 
@@ -215,12 +218,31 @@ impl<'a> Packer<'a> {
         );
     }
 
-    /// The last `rows` tokens packed want logits.
-    pub(super) fn logits(&mut self, rows: usize) {
-        for token in self.counts.tokens - rows as u32..self.counts.tokens {
-            self.set(self.layout.gather, self.counts.wanted, token);
-            self.counts.wanted += 1;
+    /// The last `rows` tokens packed want logits; with `greedy`, the last of
+    /// them only its largest logit's id, its row gathered after every full
+    /// row ([`Packer::greedy_rows`]), so the full rows are one prefix of the
+    /// logits, the only rows the step copies to the host.
+    pub(super) fn logits(&mut self, rows: usize, greedy: bool) {
+        let first = self.counts.tokens - rows as u32;
+        let greedy = greedy && rows > 0;
+        for token in first..self.counts.tokens - u32::from(greedy) {
+            self.gather(token);
         }
+        if greedy {
+            self.greedy.push(self.counts.tokens - 1);
+        }
+    }
+
+    /// Gathers the greedy rows, in step order, after every full row.
+    pub(super) fn greedy_rows(&mut self) {
+        for token in std::mem::take(&mut self.greedy) {
+            self.gather(token);
+        }
+    }
+
+    fn gather(&mut self, token: u32) {
+        self.set(self.layout.gather, self.counts.wanted, token);
+        self.counts.wanted += 1;
         assert!(
             u64::from(self.counts.wanted) <= self.layout.gather_max,
             "gather rows past the layout's"
@@ -324,6 +346,7 @@ impl<'a> Packer<'a> {
     /// of no sequence (they store nothing), and every grid at its capacity
     /// (items and merges past the step's are zero words: no queries, no slots).
     pub(super) fn pad(mut self, bucket: u32, kv_heads: u32, context_len: u32) -> Counts {
+        debug_assert!(self.greedy.is_empty(), "greedy rows gathered first");
         for pad in self.counts.tokens..bucket {
             self.set(self.layout.token_seq, pad, NO_SEQ);
         }

@@ -141,6 +141,7 @@ fn argument_structs_are_the_size_the_kernel_sources_declare() {
         (AttentionArgs::KERNEL, std::mem::size_of::<AttentionArgs>()),
         (MergeArgs::KERNEL, std::mem::size_of::<MergeArgs>()),
         (DigestArgs::KERNEL, std::mem::size_of::<DigestArgs>()),
+        (ArgmaxArgs::KERNEL, std::mem::size_of::<ArgmaxArgs>()),
     ];
     for (kernel, size) in sizes {
         assert_eq!(Emulator::args_bytes(kernel), Some(size), "{kernel}");
@@ -518,6 +519,66 @@ fn rms_norm_matches_the_cpu_and_quantizes_as_the_cpu_does() {
 }
 
 #[test]
+fn argmax_picks_each_rows_id_as_the_cpus_argmax_does() {
+    let device = emulator(21);
+    // Not a multiple of the block: the last round has idle threads.
+    let vocab = 1000usize;
+    let mut rng = SplitMix64(5);
+    let mut random = |levels: u64| -> Vec<f32> {
+        (0..vocab)
+            .map(|_| (rng.next_u64() % levels) as f32 - 2.0)
+            .collect()
+    };
+    let with = |mut row: Vec<f32>, at: &[(usize, f32)]| {
+        for &(i, v) in at {
+            row[i] = v;
+        }
+        row
+    };
+    let rows: Vec<Vec<f32>> = vec![
+        // Ties everywhere: the lowest id of the largest.
+        random(5),
+        random(3),
+        random(1000),
+        // The largest at the last id, and tied with an earlier one.
+        with(random(4), &[(999, 50.0)]),
+        with(random(4), &[(999, 50.0), (640, 50.0)]),
+        // A NaN at 0 is never exceeded; elsewhere a NaN never wins.
+        with(random(4), &[(0, f32::NAN), (10, 80.0)]),
+        with(random(4), &[(5, f32::NAN), (6, 9.0), (700, f32::NAN)]),
+        // Equal zeros of either sign: the lower id.
+        with(vec![-1.0; vocab], &[(7, -0.0), (3, 0.0)]),
+        with(vec![-1.0; vocab], &[(3, -0.0), (7, 0.0)]),
+        // Infinities, and rows of nothing larger than the first.
+        with(random(4), &[(300, f32::INFINITY), (301, f32::INFINITY)]),
+        vec![f32::NEG_INFINITY; vocab],
+        vec![f32::NAN; vocab],
+        with(vec![f32::NAN; vocab], &[(400, 1.0)]),
+    ];
+    let flat: Vec<f32> = rows.concat();
+    let logits = DeviceBuffer::from_bytes(&device, &to_bytes(&flat)).unwrap();
+    let out = DeviceBuffer::zeroed(&device, 4 * rows.len() as u64).unwrap();
+    let args = ArgmaxArgs {
+        logits: logits.at(0),
+        out: out.at(0),
+        vocab: vocab as u32,
+        unused: 0,
+    };
+    launch(&device, rows.len() as u32, NORM_BLOCK, 0, &args);
+    let mut bytes = vec![0u8; 4 * rows.len()];
+    out.read(0, &mut bytes).unwrap();
+    for (i, row) in rows.iter().enumerate() {
+        let got = u32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
+        assert_eq!(got, crate::backend::argmax(row), "row {i}");
+    }
+    // The cases mean what they say.
+    let want = |i: usize| crate::backend::argmax(&rows[i]);
+    assert_eq!((want(3), want(4), want(5)), (999, 640, 0));
+    assert_eq!((want(7), want(8), want(9)), (3, 3, 300));
+    assert_eq!((want(10), want(11), want(12)), (0, 0, 0));
+}
+
+#[test]
 fn matrix_products_of_every_weight_type_match_the_scalar_reference() {
     let device = emulator(5);
     let mut rng = SplitMix64(9);
@@ -642,6 +703,7 @@ fn compare_with_cpu(
         agreement.rows,
         "{agreement:?}"
     );
+    assert_eq!(agreement.picks_agree, agreement.rows, "{agreement:?}");
     eprintln!(
         "worst relative error of the logits: {:.2e}",
         agreement.worst_relative
@@ -757,6 +819,7 @@ fn a_host_pool_is_refused_by_the_cuda_backend() {
         pos_start: 0,
         tokens: &tokens,
         logits: 1,
+        greedy: false,
     };
     assert_eq!(
         cuda.step(&[step], &mut pool).err().unwrap(),
@@ -1011,6 +1074,7 @@ fn a_local_layer_reads_no_position_before_its_window() {
             pos_start,
             tokens,
             logits: 1,
+            greedy: false,
         };
         backend.step(&[step(&prompt_tokens, 0)], &mut pool).unwrap();
         if poisoned {
@@ -1070,12 +1134,14 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
             pos_start: 0,
             tokens: &prefill,
             logits: 0,
+            greedy: false,
         },
         SeqStep {
             pages: &tables[1],
             pos_start: 600,
             tokens: &decode,
             logits: 1,
+            greedy: false,
         },
     ];
     let view = pool.step_view(&[&tables[0], &tables[1]]).unwrap();
@@ -1143,6 +1209,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
         pos_start: 40,
         tokens: &one[..1],
         logits: 1,
+        greedy: false,
     }];
     let view = pool.step_view(&[&tables[0]]).unwrap();
     let bucket = cuda.graph_bucket(&steps).unwrap();
