@@ -83,17 +83,29 @@ struct MatSeg {
 // U take different activations, G is STOREd first and U's launch gates it:
 // SILU_MUL, out[t][r] = silu(out[t][r]) * (U[r] . x[t]) (GELU_MUL likewise). Quantized weights take x as Q8 (qs, d, sums;
 // NormArgs), F16 and F32 weights take it as f32 (x). ADD accumulates into out
-// (the residual stream). One warp a row: grid (ceil(rows / 4)), block 128.
+// (the residual stream). One warp a row: grid (ceil(rows / 4) * ceil(tokens
+// / 8)), block 128.
+//
+// With norm_x, a block makes its own tokens' Q8 activations first, in shared
+// memory, from f32 rows (norm_gather picks them; RMSNorm with norm_gain
+// first), exactly as rms_norm makes them (the same sums in the same order):
+// one launch where a norm and a product were two. Dynamic shared memory:
+// min(tokens, 8) * (k + 4 k / block_len + 4 k / 16) bytes.
 struct MatmulArgs {
     MatSeg seg[MATMUL_SEGS_MAX];
     uint64_t x;     // f32 [tokens][k]
     uint64_t qs;    // i8 [tokens][k]
     uint64_t d;     // f32 [tokens][k / block_len]
     uint64_t sums;  // i32 [tokens][k / 16]
+    uint64_t norm_x;       // f32 [..][k]: rows to quantize in the block, or 0 (qs, d, sums as given)
+    uint64_t norm_gather;  // u32 [tokens]: token t's row of norm_x, or 0 (row t)
+    uint64_t norm_gain;    // f32 [k]: RMSNorm's gain, or 0 (quantized as they are)
     uint32_t segs;
     uint32_t k;
     uint32_t tokens;
     uint32_t mode;
+    uint32_t block_len;  // the Q8 blocks norm_x is quantized in: 32 (Q8_1) or 256 (Q8_K)
+    float eps;
 };
 
 // RoPE on every token's Q and K heads (pairs of the first rope_dim

@@ -293,11 +293,19 @@ __device__ __forceinline__ Unit decode_unit(uint32_t type, const uint8_t* row, u
     return unit;
 }
 
-// The unit's dot with token t's Q8 activations.
-__device__ __forceinline__ float unit_dot(const Unit& unit, const MatmulArgs& a, uint32_t t,
-                                          uint32_t u) {
-    uint64_t at = uint64_t(t) * a.k + uint64_t(u) * QK;
-    const Int4* xq = reinterpret_cast<const Int4*>(reinterpret_cast<const int8_t*>(a.qs) + at);
+// A block's tokens' Q8 activations (token j of the block at j), in global
+// memory (rms_norm's) or in the block's shared memory (its prologue's).
+struct Acts {
+    const int8_t* qs;
+    const float* d;
+    const int32_t* sums;
+};
+
+// The unit's dot with the block's token j's Q8 activations.
+__device__ __forceinline__ float unit_dot(const Unit& unit, const MatmulArgs& a, const Acts& x,
+                                          uint32_t j, uint32_t u) {
+    uint64_t at = uint64_t(j) * a.k + uint64_t(u) * QK;
+    const Int4* xq = reinterpret_cast<const Int4*>(x.qs + at);
     Int4 x0 = xq[0], x1 = xq[1];
     int lo = 0, hi = 0;
     lo = __dp4a(unit.q[0], x0.x, lo);
@@ -308,12 +316,12 @@ __device__ __forceinline__ float unit_dot(const Unit& unit, const MatmulArgs& a,
     hi = __dp4a(unit.q[5], x1.y, hi);
     hi = __dp4a(unit.q[6], x1.z, hi);
     hi = __dp4a(unit.q[7], x1.w, hi);
-    const int32_t* sums = reinterpret_cast<const int32_t*>(a.sums) + at / 16;
+    const int32_t* sums = x.sums + at / 16;
     int sum_lo = sums[0], sum_hi = sums[1];
     lo -= unit.offset * sum_lo;
     hi -= unit.offset * sum_hi;
     uint32_t blocks = unit.per_256 ? a.k / QK_K : a.k / QK;
-    float dx = reinterpret_cast<const float*>(a.d)[uint64_t(t) * blocks + (unit.per_256 ? u / 8 : u)];
+    float dx = x.d[uint64_t(j) * blocks + (unit.per_256 ? u / 8 : u)];
     float scaled = unit.scale_lo * float(lo) + unit.scale_hi * float(hi);
     return dx * scaled + unit.min * (dx * float(sum_lo + sum_hi));
 }
@@ -335,7 +343,7 @@ __device__ __forceinline__ float float_unit_dot(uint32_t type, const uint8_t* ro
 
 // Accumulates row `row` of `seg` against tokens t0..t0+n into acc (per lane).
 __device__ __forceinline__ void row_products(const MatSeg& seg, uint32_t row, const MatmulArgs& a,
-                                             uint32_t t0, uint32_t n, float* acc) {
+                                             const Acts& x, uint32_t t0, uint32_t n, float* acc) {
     const uint8_t* w = reinterpret_cast<const uint8_t*>(seg.w) + uint64_t(row) * seg.row_bytes;
     uint32_t units = a.k / QK, lane = threadIdx.x % WARP_SIZE;
     bool quantized = seg.type != TYPE_F32 && seg.type != TYPE_F16 && seg.type != TYPE_BF16;
@@ -343,7 +351,7 @@ __device__ __forceinline__ void row_products(const MatSeg& seg, uint32_t row, co
         if (quantized) {
             Unit unit = decode_unit(seg.type, w, u);
             for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {
-                if (j < n) acc[j] += unit_dot(unit, a, t0 + j, u);
+                if (j < n) acc[j] += unit_dot(unit, a, x, j, u);
             }
         } else {
             for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {
@@ -360,6 +368,86 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     return x / (1.0f + expf(-two_z));
 }
 
+// The block's prologue (norm_x): tokens t0..t0+n's rows of norm_x, RMS-
+// normalised with norm_gain where there is one, quantized into `shared` as
+// rms_norm quantizes them. Every sum is rms_norm's, in its order: its 256
+// threads' strided partials (two a thread here), each warp's summed, then
+// the 8 warps' in order; a Q8 block's largest magnitude and its quants'
+// sums are exact whatever the order.
+__device__ void quantize_rows(const MatmulArgs& a, uint32_t t0, uint32_t n, unsigned char* shared,
+                              Acts* acts) {
+    __shared__ float scratch[2 * MATMUL_WARPS];
+    uint32_t k = a.k, bl = a.block_len;
+    uint32_t lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    int8_t* qs = reinterpret_cast<int8_t*>(shared);
+    float* ds = reinterpret_cast<float*>(shared + uint64_t(n) * k);
+    int32_t* sums = reinterpret_cast<int32_t*>(shared + uint64_t(n) * k + uint64_t(n) * (k / bl) * 4);
+    const float* gain = reinterpret_cast<const float*>(a.norm_gain);
+    for (uint32_t j = 0; j < n; j++) {
+        uint32_t t = t0 + j;
+        uint32_t src = a.norm_gather ? reinterpret_cast<const uint32_t*>(a.norm_gather)[t] : t;
+        const float* x = reinterpret_cast<const float*>(a.norm_x) + uint64_t(src) * k;
+        float inv = 1.0f;
+        if (gain) {
+            float lo = 0.0f, hi = 0.0f;
+            for (uint32_t i = threadIdx.x; i < k; i += 256) lo += x[i] * x[i];
+            for (uint32_t i = threadIdx.x + 128; i < k; i += 256) hi += x[i] * x[i];
+            lo = warp_sum(lo);
+            hi = warp_sum(hi);
+            __syncthreads();  // scratch may still be read for the previous token
+            if (lane == 0) {
+                scratch[warp] = lo;
+                scratch[MATMUL_WARPS + warp] = hi;
+            }
+            __syncthreads();
+            float total = 0.0f;
+            for (uint32_t w = 0; w < 2 * MATMUL_WARPS; w++) total += scratch[w];
+            inv = 1.0f / sqrtf(total / float(k) + a.eps);
+        }
+        // rms_norm's chunks of 256, each thread two of its values.
+        for (uint32_t chunk = 0; chunk < k; chunk += 256) {
+            float value[2];
+            for (uint32_t h = 0; h < 2; h++) {
+                uint32_t i = chunk + h * 128 + threadIdx.x;
+                float v = i < k ? x[i] : 0.0f;
+                if (gain && i < k) v = mul_rn(v, inv) * gain[i];
+                value[h] = v;
+            }
+            float block_amax = 0.0f;
+            if (bl == QK_K) {
+                // One Q8_K block is the chunk: its largest magnitude over both halves.
+                float amax = fmaxf(fabsf(value[0]), fabsf(value[1]));
+                amax = warp_max(amax);
+                __syncthreads();
+                if (lane == 0) scratch[warp] = amax;
+                __syncthreads();
+                block_amax = scratch[0];
+                for (uint32_t w = 1; w < MATMUL_WARPS; w++) {
+                    block_amax = scratch[w] > block_amax ? scratch[w] : block_amax;
+                }
+            }
+            for (uint32_t h = 0; h < 2; h++) {
+                uint32_t i = chunk + h * 128 + threadIdx.x;
+                float amax = bl == QK ? warp_max(fabsf(value[h])) : block_amax;
+                float d = amax / 127.0f;
+                float id = d > 0.0f ? 1.0f / d : 0.0f;
+                int q = round_to_int(value[h] * id);
+                q = q > 127 ? 127 : (q < -127 ? -127 : q);
+                int sum16 = half_warp_sum(q);
+                if (i >= k) continue;
+                uint64_t row_at = uint64_t(j) * k;
+                qs[row_at + i] = int8_t(q);
+                if (i % 16 == 0) sums[row_at / 16 + i / 16] = sum16;
+                if (i % bl == 0) ds[row_at / bl + i / bl] = d;
+            }
+        }
+    }
+    __syncthreads();  // every token's activations made before any is read
+    acts->qs = qs;
+    acts->d = ds;
+    acts->sums = sums;
+}
+
 // Block b takes rows (b % row_blocks) * MATMUL_WARPS.., a warp a row, for
 // the MATMUL_TOKENS tokens of group b / row_blocks: a step of many tokens
 // (a large batch, a prefill chunk) is as many blocks again per group, each
@@ -373,6 +461,19 @@ KERNEL(matmul, MatmulArgs) {
     uint32_t row_blocks = (rows_total + MATMUL_WARPS - 1) / MATMUL_WARPS;
     uint32_t t0 = blockIdx.x / row_blocks * MATMUL_TOKENS;
     if (t0 >= a.tokens) return;  // the whole block
+    uint32_t n = umin32(MATMUL_TOKENS, a.tokens - t0);
+    // The block's tokens' activations: made here (every thread of the block
+    // takes part, before any warp leaves) or rms_norm's.
+    Acts acts;
+    if (a.norm_x) {
+        DYNAMIC_SHARED(unsigned char, shared);
+        quantize_rows(a, t0, n, shared, &acts);
+    } else {
+        uint32_t blocks = a.k / (a.block_len ? a.block_len : QK);
+        acts.qs = reinterpret_cast<const int8_t*>(a.qs) + uint64_t(t0) * a.k;
+        acts.d = reinterpret_cast<const float*>(a.d) + uint64_t(t0) * blocks;
+        acts.sums = reinterpret_cast<const int32_t*>(a.sums) + uint64_t(t0) * a.k / 16;
+    }
     uint32_t row = blockIdx.x % row_blocks * MATMUL_WARPS + threadIdx.x / WARP_SIZE;
     // The segment holding this warp's row (SWIGLU: a row of the gate and the same row of up).
     uint32_t s = 0;
@@ -385,11 +486,10 @@ KERNEL(matmul, MatmulArgs) {
     if (row >= a.seg[s].rows) return;  // the whole warp: rows are per warp
     const MatSeg& seg = a.seg[s];
     float* out = reinterpret_cast<float*>(seg.out);
-    uint32_t n = umin32(MATMUL_TOKENS, a.tokens - t0);
     float acc[MATMUL_TOKENS], up[MATMUL_TOKENS];
     for (uint32_t j = 0; j < MATMUL_TOKENS; j++) acc[j] = up[j] = 0.0f;
-    row_products(seg, row, a, t0, n, acc);
-    if (swiglu) row_products(a.seg[1], row, a, t0, n, up);
+    row_products(seg, row, a, acts, t0, n, acc);
+    if (swiglu) row_products(a.seg[1], row, a, acts, t0, n, up);
     for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {
         if (j >= n) break;
         float value = warp_sum(acc[j]);

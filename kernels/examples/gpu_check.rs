@@ -25,7 +25,9 @@
 //!    Tokens are greedy, as a greedy request's are: each step copies back its
 //!    tokens' ids, picked on the device, not their rows of logits (25 MB a
 //!    step at batch 128); one more row, batch 128 at depth 512 copying every
-//!    row (as a sampled request's step does), says what that copy costs.
+//!    row (as a sampled request's step does), says what that copy costs;
+//!    and batch 1 with a norm launch before each matrix product, what the
+//!    products that make their own activations save.
 //!
 //! `gpu_check --write-model PATH` writes the SmolLM2-shaped model's GGUF file
 //! to PATH and exits (the server's part of `scripts/gpu-check.sh` serves it).
@@ -42,7 +44,7 @@
 //! parts still run. The table is printed again, whole, at the end.
 //! Exit status: 0 when every check passed, 1 when one failed, 2 without a GPU.
 
-use bulkhead_kernels::backend::cuda::check::{self, AgreementRun};
+use bulkhead_kernels::backend::cuda::check::{self, AgreementRun, DecodeRun};
 use bulkhead_kernels::backend::cuda::{Cuda, CudaDevice, Device, DeviceBuffer};
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::kv::KvType;
@@ -414,39 +416,48 @@ fn decode_rows(
         for &batch in &plan.batches {
             // Greedy tokens (the device's argmax copied back, not the rows)
             // with graphs for every batch; batch 1 without graphs too, and
-            // the largest batch at the shallowest depth copying every row
-            // of logits to the host, as a sampled request's step does.
-            let mut variants = vec![(true, false)];
+            // with a norm launch before each product (the products of a
+            // step of at most 8 tokens make their own activations); the
+            // largest batch at the shallowest depth copying every row of
+            // logits to the host, as a sampled request's step does.
+            let run = DecodeRun::new(batch, depth, plan.decode_steps, true, plan.chunk);
+            let mut variants = vec![("", run)];
             if batch == 1 {
-                variants.push((false, false));
+                variants.push((
+                    " (no graphs)",
+                    DecodeRun {
+                        graphs: false,
+                        ..run
+                    },
+                ));
+                variants.push((
+                    " (norm launches)",
+                    DecodeRun {
+                        fused_norms: false,
+                        ..run
+                    },
+                ));
             }
             if batch == largest && depth == plan.depths[0] {
-                variants.push((true, true));
+                variants.push((
+                    " (full logits)",
+                    DecodeRun {
+                        greedy: false,
+                        ..run
+                    },
+                ));
             }
-            for (graphs, full_rows) in variants {
-                let check = format!(
-                    "decode batch {batch} depth {depth}{}{}",
-                    if graphs { "" } else { " (no graphs)" },
-                    if full_rows { " (full logits)" } else { "" }
-                );
+            for (variant, run) in variants {
+                let check = format!("decode batch {batch} depth {depth}{variant}");
                 report.row(check, || {
-                    let rate = check::decode_rate(
-                        model,
-                        device,
-                        batch,
-                        depth,
-                        plan.decode_steps,
-                        graphs,
-                        plan.chunk,
-                        full_rows,
-                    );
+                    let rate = check::decode_rate(model, device, &run);
                     let fraction = rate.bytes_per_step as f64 / rate.step_secs / bandwidth;
-                    let (pass, target) = match (batch, graphs, full_rows) {
-                        (1, true, false) => (
+                    let (pass, target) = match (batch, variant) {
+                        (1, "") => (
                             Some(rate.tokens_per_s >= 1500.0),
                             " [target >= 1500 tokens/s]",
                         ),
-                        (128, true, false) => (Some(fraction >= 0.40), " [target >= 40 %]"),
+                        (128, "") => (Some(fraction >= 0.40), " [target >= 40 %]"),
                         _ => (None, ""),
                     };
                     let result = format!(
@@ -478,14 +489,8 @@ fn profile_rows(report: &mut Report, plan: &Plan, model: &Arc<Model>, device: &A
         report.row(
             format!("profile: decode batch {batch} depth {depth}"),
             || {
-                let profile = check::decode_profile(
-                    model,
-                    device,
-                    batch,
-                    depth,
-                    plan.decode_steps.min(8),
-                    plan.chunk,
-                );
+                let run = DecodeRun::new(batch, depth, plan.decode_steps.min(8), false, plan.chunk);
+                let profile = check::decode_profile(model, device, &run);
                 (profile_cell(&profile), None)
             },
         );

@@ -484,9 +484,8 @@ fn prefill_run(
     (rate, launches)
 }
 
-/// Decode of `batch` sequences at `depth` positions each: `steps` decode
-/// steps are timed after `warmup`, in a backend sized for prefill chunks of
-/// `chunk`. Returns the median step's rate and the bytes it reads.
+/// `run`'s decode steps (see [`DecodeRun`]): the median step's rate and
+/// the bytes it reads.
 ///
 /// The `depth` positions before the first decode token are not prefilled:
 /// their K and V are the pool's pages as allocated (zeroed device memory).
@@ -495,66 +494,64 @@ fn prefill_run(
 /// no early exit), so the step is timed as after a prefill, without the
 /// prefill: 524,288 tokens for batch 128 at depth 4,096, most of the GPU
 /// check's time on an H100 (prefill is timed by [`prefill_rate`]).
-///
-/// Each step's tokens are greedy ([`SeqStep::greedy`]: the device's argmax
-/// comes back, not the rows), as a greedy request's are, unless `full_rows`
-/// (every row of logits copied to the host, as for a sampled request).
-#[allow(clippy::too_many_arguments)]
-pub fn decode_rate(
-    model: &Arc<Model>,
-    device: &Arc<dyn Device>,
-    batch: usize,
-    depth: usize,
-    steps: usize,
-    graphs: bool,
-    chunk: usize,
-    full_rows: bool,
-) -> Rate {
-    let run = DecodeRun {
-        batch,
-        depth,
-        steps,
-        graphs,
-        chunk,
-        greedy: !full_rows,
-        profile: false,
-    };
-    decode_run(model, device, &run).0
+pub fn decode_rate(model: &Arc<Model>, device: &Arc<dyn Device>, run: &DecodeRun) -> Rate {
+    decode_run(model, device, run, false).0
 }
 
-/// Where `batch` decode steps at `depth` spend their time on the device,
-/// kernel by kernel (see [`Device::profile_start`]), over `steps` steps
-/// without graphs after the same warm-up as [`decode_rate`].
+/// Where `run`'s decode steps spend their time on the device, kernel by
+/// kernel (see [`Device::profile_start`]), without graphs (a graph's
+/// launches are not timed one by one), after the same warm-up as
+/// [`decode_rate`].
 pub fn decode_profile(
     model: &Arc<Model>,
     device: &Arc<dyn Device>,
-    batch: usize,
-    depth: usize,
-    steps: usize,
-    chunk: usize,
+    run: &DecodeRun,
 ) -> StepProfile {
     let run = DecodeRun {
-        batch,
-        depth,
-        steps,
         graphs: false,
-        chunk,
-        greedy: true,
-        profile: true,
+        ..*run
     };
-    let (rate, launches) = decode_run(model, device, &run);
-    StepProfile::of(&launches, steps, rate.step_secs)
+    let (rate, launches) = decode_run(model, device, &run, true);
+    StepProfile::of(&launches, run.steps, rate.step_secs)
 }
 
-/// What [`decode_run`] times.
-struct DecodeRun {
-    batch: usize,
-    depth: usize,
-    steps: usize,
-    graphs: bool,
-    chunk: usize,
-    greedy: bool,
-    profile: bool,
+/// What [`decode_rate`] times: `steps` decode steps of `batch` sequences at
+/// `depth` (after a warm-up of 4), the backend sized for prefill chunks of
+/// `chunk`.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeRun {
+    /// Sequences a step.
+    pub batch: usize,
+    /// Positions before the first timed token.
+    pub depth: usize,
+    /// Steps timed.
+    pub steps: usize,
+    /// Steps run as captured graphs.
+    pub graphs: bool,
+    /// The backend's prefill chunk (its step's most tokens, at least `batch`).
+    pub chunk: usize,
+    /// Each step's tokens greedy ([`SeqStep::greedy`]: the device's argmax
+    /// comes back, not the rows), as a greedy request's are; otherwise every
+    /// row of logits is copied to the host, as for a sampled request.
+    pub greedy: bool,
+    /// A step of at most 8 tokens makes its activations in its products
+    /// ([`CudaBackend::set_fused_norms`]); off, a norm launch before each.
+    pub fused_norms: bool,
+}
+
+impl DecodeRun {
+    /// Greedy steps with fused norms, as the server runs them.
+    pub fn new(batch: usize, depth: usize, steps: usize, graphs: bool, chunk: usize) -> DecodeRun {
+        DecodeRun {
+            batch,
+            depth,
+            steps,
+            graphs,
+            chunk,
+            greedy: true,
+            fused_norms: true,
+        }
+    }
 }
 
 /// [`decode_rate`], its timed steps' launches timed when `profile`.
@@ -562,6 +559,7 @@ fn decode_run(
     model: &Arc<Model>,
     device: &Arc<dyn Device>,
     run: &DecodeRun,
+    profile: bool,
 ) -> (Rate, Vec<LaunchTime>) {
     let DecodeRun {
         batch,
@@ -570,7 +568,7 @@ fn decode_run(
         graphs,
         chunk,
         greedy,
-        profile,
+        fused_norms,
     } = *run;
     let page_tokens = 16;
     let warmup = 4;
@@ -594,6 +592,7 @@ fn decode_run(
         },
     )
     .expect("the CUDA backend runs the model");
+    cuda.set_fused_norms(fused_norms);
     let vocab = model.config.vocab_len;
     let one: Vec<[u32; 1]> = (0..batch).map(|s| [(s % vocab) as u32]).collect();
     let mut times = Vec::new();

@@ -136,10 +136,15 @@ args! {
         qs: u64,
         d: u64,
         sums: u64,
+        norm_x: u64,
+        norm_gather: u64,
+        norm_gain: u64,
         segs: u32,
         k: u32,
         tokens: u32,
         mode: u32,
+        block_len: u32,
+        eps: f32,
     }
 }
 
@@ -308,7 +313,7 @@ mod tests {
     fn argument_structs_have_the_sizes_args_cuh_declares() {
         assert_eq!(std::mem::size_of::<EmbedArgs>(), 48);
         assert_eq!(std::mem::size_of::<NormArgs>(), 72);
-        assert_eq!(std::mem::size_of::<MatmulArgs>(), 192);
+        assert_eq!(std::mem::size_of::<MatmulArgs>(), 224);
         assert_eq!(std::mem::size_of::<RopeKvArgs>(), 120);
         assert_eq!(std::mem::size_of::<AttentionArgs>(), 104);
         assert_eq!(std::mem::size_of::<MergeArgs>(), 40);

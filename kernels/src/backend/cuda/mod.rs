@@ -254,6 +254,9 @@ pub struct CudaBackend {
     picks: Vec<(u32, u32)>,
     /// Host copy of the last step's greedy rows' ids.
     pick_ids: Vec<u32>,
+    /// Whether a small step's products make their own activations
+    /// ([`CudaBackend::set_fused_norms`]).
+    fused_norms: bool,
 }
 
 /// The largest number of query rows (a multiple of `group`, at most
@@ -412,6 +415,7 @@ impl CudaBackend {
             logits: Vec::new(),
             picks: Vec::new(),
             pick_ids: Vec::new(),
+            fused_norms: true,
         })
     }
 
@@ -558,25 +562,13 @@ impl CudaBackend {
 
     /// `out[r] = rmsnorm(x[src]) * gain` (or `x[src]` without a gain) and its
     /// quantization for weights taking `format`.
-    fn norm(
-        &self,
-        x: u64,
-        rows: u32,
-        width: u32,
-        gain: Option<&DeviceBuffer>,
-        gather: u64,
-        format: ActivationFormat,
-    ) -> Result<(), DeviceError> {
+    fn norm(&self, input: &Input<'_>, rows: u32, width: u32) -> Result<(), DeviceError> {
         let s = &self.scratch;
-        let block_len = match format {
-            ActivationFormat::F32 => 0,
-            ActivationFormat::Q8_1 => 32,
-            ActivationFormat::Q8_K => 256,
-        };
+        let block_len = block_len(input.format);
         let args = NormArgs {
-            x,
-            gather,
-            gain: gain.map_or(0, |g| g.at(0)),
+            x: input.x,
+            gather: input.gather,
+            gain: input.gain.map_or(0, |g| g.at(0)),
             out: s.xn.at(0),
             qs: if block_len == 0 { 0 } else { s.qs.at(0) },
             d: s.qd.at(0),
@@ -589,7 +581,18 @@ impl CudaBackend {
         self.launch(rows, NORM_BLOCK, 0, &args)
     }
 
-    fn matmul(&self, segs: &[MatSeg], k: u32, tokens: u32, mode: u32) -> Result<(), DeviceError> {
+    /// The products of `segs` (matrices of `input.format`'s weights) with
+    /// `input`'s rows: one launch whose blocks normalise and quantize their
+    /// own tokens' rows where [`CudaBackend::fused_shared`] allows, else a
+    /// norm launch into the scratch and a product launch reading it.
+    fn matmul(
+        &self,
+        segs: &[MatSeg],
+        input: &Input<'_>,
+        k: u32,
+        tokens: u32,
+        mode: u32,
+    ) -> Result<(), DeviceError> {
         let s = &self.scratch;
         let mut seg = [MatSeg::default(); MATMUL_SEGS_MAX];
         seg[..segs.len()].copy_from_slice(segs);
@@ -598,22 +601,62 @@ impl CudaBackend {
         } else {
             segs.iter().map(|s| s.rows).sum()
         };
+        let fused = self.fused_shared(tokens, k, input.format);
+        if fused.is_none() {
+            self.norm(input, tokens, k)?;
+        }
         let args = MatmulArgs {
             seg,
             x: s.xn.at(0),
             qs: s.qs.at(0),
             d: s.qd.at(0),
             sums: s.sums.at(0),
+            norm_x: if fused.is_some() { input.x } else { 0 },
+            norm_gather: input.gather,
+            norm_gain: input.gain.map_or(0, |g| g.at(0)),
             segs: segs.len() as u32,
             k,
             tokens,
             mode,
+            block_len: block_len(input.format),
+            eps: self.model.config.rms_eps,
         };
-        self.launch(matmul_blocks(rows, tokens), MATMUL_WARPS * 32, 0, &args)
+        let geometry = matmul_blocks(rows, tokens);
+        self.launch(geometry, MATMUL_WARPS * 32, fused.unwrap_or(0), &args)
+    }
+
+    /// The dynamic shared memory of a product whose blocks make their own
+    /// tokens' Q8 activations (`MatmulArgs::norm_x`), or `None` where a norm
+    /// launch makes them: for float weights (they take f32 activations);
+    /// past one block's [`MATMUL_TOKENS`] tokens, where every row block would
+    /// read and normalise the same rows again (a block's rows, tokens x k
+    /// floats from L2, are 13 times its weights' bytes at SmolLM2's width: a
+    /// separate launch costs less once the step is not launch-bound); past
+    /// the 48 KiB a block takes without opting in; and when turned off
+    /// ([`CudaBackend::set_fused_norms`]).
+    fn fused_shared(&self, tokens: u32, k: u32, format: ActivationFormat) -> Option<u32> {
+        let block_len = block_len(format);
+        if !self.fused_norms || block_len == 0 || tokens > MATMUL_TOKENS {
+            return None;
+        }
+        let bytes = u64::from(tokens) * u64::from(k + 4 * k / block_len + 4 * k / 16);
+        (bytes <= SHARED_DEFAULT_MAX).then_some(bytes as u32)
+    }
+
+    /// Whether products of a step of at most [`MATMUL_TOKENS`] tokens make
+    /// their own activations (one launch where there were two: see
+    /// [`CudaBackend::fused_shared`]); on unless turned off, as the GPU
+    /// check does to measure what it saves. Either way the same bits.
+    pub fn set_fused_norms(&mut self, on: bool) {
+        if self.fused_norms != on {
+            self.fused_norms = on;
+            // A captured graph holds the launches of the other way.
+            self.graphs.clear();
+        }
     }
 
     /// Products of one input with several matrices: one launch per
-    /// activation format among them, each after its own quantization.
+    /// activation format among them (see [`CudaBackend::matmul`]).
     fn products(
         &self,
         input: u64,
@@ -636,8 +679,13 @@ impl CudaBackend {
                     segs.push(matrix.seg(*out, *stride));
                 }
             }
-            self.norm(input, tokens, k, gain, 0, format)?;
-            self.matmul(&segs, k, tokens, mode)?;
+            let input = Input {
+                x: input,
+                gather: 0,
+                gain,
+                format,
+            };
+            self.matmul(&segs, &input, k, tokens, mode)?;
         }
         Ok(())
     }
@@ -809,17 +857,15 @@ impl CudaBackend {
             self.block_output(&lw.w_down, s.ffn.at(0), ffn, t, post_norms.map(|p| &p[1]))?;
         }
         let vocab = c.vocab_len as u32;
-        self.norm(
-            s.x.at(0),
-            counts.wanted,
-            d,
-            Some(&w.output_norm),
-            word(sl.gather),
-            w.output.format(),
-        )?;
         let mut head = w.output.seg(s.logits.at(0), vocab);
         head.cap = c.final_softcap.unwrap_or(0.0);
-        self.matmul(&[head], d, counts.wanted, mode::STORE)?;
+        let input = Input {
+            x: s.x.at(0),
+            gather: word(sl.gather),
+            gain: Some(&w.output_norm),
+            format: w.output.format(),
+        };
+        self.matmul(&[head], &input, d, counts.wanted, mode::STORE)?;
         // Every row's pick, whichever the host reads (a graph's rows are its
         // bucket's; the greedy ones follow the full ones).
         let args = ArgmaxArgs {
@@ -976,6 +1022,28 @@ impl Backend for CudaBackend {
         })
     }
 }
+
+/// Where a product's activations come from: f32 rows (`x`, row
+/// `gather[t]` of token t where `gather` is not 0), RMS-normalised with
+/// `gain` where there is one, quantized for weights taking `format`.
+struct Input<'a> {
+    x: u64,
+    gather: u64,
+    gain: Option<&'a DeviceBuffer>,
+    format: ActivationFormat,
+}
+
+/// The Q8 block length of `format`'s activations (0: f32, not quantized).
+fn block_len(format: ActivationFormat) -> u32 {
+    match format {
+        ActivationFormat::F32 => 0,
+        ActivationFormat::Q8_1 => 32,
+        ActivationFormat::Q8_K => 256,
+    }
+}
+
+/// Dynamic shared memory a block may take without opting in.
+const SHARED_DEFAULT_MAX: u64 = 48 * 1024;
 
 // The device and the host share one byte order: CUDA runs on x86-64 and
 // aarch64 hosts, both little-endian.

@@ -578,6 +578,101 @@ fn argmax_picks_each_rows_id_as_the_cpus_argmax_does() {
     assert_eq!((want(10), want(11), want(12)), (0, 0, 0));
 }
 
+/// `ty`'s product of `w` with the rows `x` (RMS-normalised with `gain`
+/// where given), its activations made by a norm launch (`fused` false) or by
+/// the product's own blocks; the outputs' bits.
+#[allow(clippy::too_many_arguments)]
+fn product_bits(
+    device: &Arc<dyn Device>,
+    ty: GgmlType,
+    w: &DeviceBuffer,
+    rows: usize,
+    x: &[f32],
+    tokens: usize,
+    k: usize,
+    gain: Option<&[f32]>,
+    fused: bool,
+) -> Vec<u32> {
+    let block_len = match quant::ActivationFormat::for_weights(ty) {
+        quant::ActivationFormat::Q8_K => 256,
+        _ => 32,
+    };
+    let acts = quantize_on_device(device, x, tokens, k, block_len, gain);
+    let x_dev = DeviceBuffer::from_bytes(device, &to_bytes(x)).unwrap();
+    let gain_dev = gain.map(|g| DeviceBuffer::from_bytes(device, &to_bytes(g)).unwrap());
+    let out = DeviceBuffer::zeroed(device, (4 * tokens * rows) as u64).unwrap();
+    let mut seg = [MatSeg::default(); MATMUL_SEGS_MAX];
+    seg[0] = MatSeg {
+        w: w.at(0),
+        out: out.at(0),
+        ty: ty as u32,
+        rows: rows as u32,
+        row_bytes: (k / ty.block_len() * ty.block_bytes()) as u32,
+        out_stride: rows as u32,
+        ..MatSeg::default()
+    };
+    let k32 = k as u32;
+    let shared = tokens as u32 * (k32 + 4 * k32 / block_len + 4 * k32 / 16);
+    let args = MatmulArgs {
+        seg,
+        qs: acts.qs.at(0),
+        d: acts.d.at(0),
+        sums: acts.sums.at(0),
+        norm_x: if fused { x_dev.at(0) } else { 0 },
+        norm_gain: gain_dev.as_ref().map_or(0, |g| g.at(0)),
+        segs: 1,
+        k: k32,
+        tokens: tokens as u32,
+        mode: mode::STORE,
+        block_len,
+        eps: 1e-5,
+        ..MatmulArgs::default()
+    };
+    let blocks = matmul_blocks(rows as u32, tokens as u32);
+    launch(
+        device,
+        blocks,
+        MATMUL_WARPS * 32,
+        if fused { shared } else { 0 },
+        &args,
+    );
+    read_floats(&out, tokens * rows)
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+#[test]
+fn a_product_that_makes_its_own_activations_gives_the_norm_launchs_bits() {
+    let device = emulator(6);
+    let mut rng = SplitMix64(10);
+    let rows = 9usize;
+    // 576 is not a whole number of rms_norm's 256-wide chunks.
+    for (k, tokens) in [(576usize, 1usize), (576, 3), (512, 8), (768, 2)] {
+        let x: Vec<f32> = (0..tokens * k).map(|_| uniform(&mut rng) * 3.0).collect();
+        let gain: Vec<f32> = (0..k).map(|_| 0.5 + uniform(&mut rng)).collect();
+        for ty in TYPES {
+            let format = quant::ActivationFormat::for_weights(ty);
+            if format == quant::ActivationFormat::F32 || k % ty.block_len() != 0 {
+                continue;
+            }
+            let w = random_matrix(ty, rows, k, &mut rng);
+            let w_dev = DeviceBuffer::from_bytes(&device, &w).unwrap();
+            for gain in [None, Some(&gain[..])] {
+                let bits =
+                    |fused| product_bits(&device, ty, &w_dev, rows, &x, tokens, k, gain, fused);
+                assert_eq!(
+                    bits(true),
+                    bits(false),
+                    "{} k {k} tokens {tokens} gain {}",
+                    ty.name(),
+                    gain.is_some()
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn matrix_products_of_every_weight_type_match_the_scalar_reference() {
     let device = emulator(5);
@@ -622,6 +717,8 @@ fn matrix_products_of_every_weight_type_match_the_scalar_reference() {
                     k: k as u32,
                     tokens: tokens as u32,
                     mode: mode::STORE,
+                    block_len,
+                    ..MatmulArgs::default()
                 },
             );
             let got = read_floats(&out, tokens * rows);
@@ -1249,16 +1346,28 @@ fn a_profile_times_every_launch_of_its_steps_and_none_of_a_captured_graph() {
     let device = emulator(3);
     // Nothing is timed before a profile starts.
     assert!(device.profile_take().is_empty());
-    let profile = super::check::decode_profile(&model, &device, 2, 40, 3, 32);
-    // Every kernel of a decode step, each launch counted once a step.
+    let run = super::check::DecodeRun::new(2, 40, 3, false, 32);
+    let profile = super::check::decode_profile(&model, &device, &run);
+    // Every kernel of a decode step, each launch counted once a step; its
+    // products make their own activations (2 tokens), with no norm launch.
     let names: Vec<&str> = profile.kernels.iter().map(|k| k.kernel).collect();
-    for kernel in ["embed", "rms_norm", "matmul", "rope_kv", "attention"] {
+    for kernel in ["embed", "matmul", "rope_kv", "attention", "argmax"] {
         assert!(names.contains(&kernel), "{kernel} missing from {names:?}");
     }
+    assert!(!names.contains(&"rms_norm"), "{names:?}");
+    let separate = super::check::DecodeRun {
+        fused_norms: false,
+        ..run
+    };
+    let separate = super::check::decode_profile(&model, &device, &separate);
+    let norms = separate.kernels.iter().find(|k| k.kernel == "rms_norm");
+    // Before each of a layer's four products and the head.
+    let layers = model.config.layers_count as f64;
+    assert_eq!(norms.map(|k| k.launches), Some(4.0 * layers + 1.0));
+    assert_eq!(separate.launches(), profile.launches() + 4.0 * layers + 1.0);
     // Every step launches alike: a whole number of launches a step.
     let launches = profile.launches();
     assert!((launches - launches.round()).abs() < 1e-9, "{launches}");
-    let layers = model.config.layers_count as f64;
     let rope = profile
         .kernels
         .iter()
