@@ -632,15 +632,12 @@ impl CudaBackend {
     /// read and normalise the same rows again (a block's rows, tokens x k
     /// floats from L2, are 13 times its weights' bytes at SmolLM2's width: a
     /// separate launch costs less once the step is not launch-bound); past
-    /// the 48 KiB a block takes without opting in; and when turned off
+    /// the shared memory a block has without opting in; and when turned off
     /// ([`CudaBackend::set_fused_norms`]).
     fn fused_shared(&self, tokens: u32, k: u32, format: ActivationFormat) -> Option<u32> {
-        let block_len = block_len(format);
-        if !self.fused_norms || block_len == 0 || tokens > MATMUL_TOKENS {
-            return None;
-        }
-        let bytes = u64::from(tokens) * u64::from(k + 4 * k / block_len + 4 * k / 16);
-        (bytes <= SHARED_DEFAULT_MAX).then_some(bytes as u32)
+        self.fused_norms
+            .then(|| fused_shared_bytes(tokens, k, format))
+            .flatten()
     }
 
     /// Whether products of a step of at most [`MATMUL_TOKENS`] tokens make
@@ -1042,8 +1039,22 @@ fn block_len(format: ActivationFormat) -> u32 {
     }
 }
 
-/// Dynamic shared memory a block may take without opting in.
-const SHARED_DEFAULT_MAX: u64 = 48 * 1024;
+/// The dynamic shared memory of a product whose blocks make their own
+/// activations for `tokens` of `k` (`None`: a norm launch makes them; see
+/// [`CudaBackend::fused_shared`]).
+fn fused_shared_bytes(tokens: u32, k: u32, format: ActivationFormat) -> Option<u32> {
+    let block_len = block_len(format);
+    if block_len == 0 || tokens > MATMUL_TOKENS {
+        return None;
+    }
+    let bytes = u64::from(tokens) * u64::from(k + 4 * k / block_len + 4 * k / 16);
+    (bytes <= SHARED_DEFAULT_MAX).then_some(bytes as u32)
+}
+
+/// Dynamic shared memory a matmul block may take: the 48 KiB a block has
+/// without opting in (only attention opts in), less a KiB for the kernel's
+/// own static shared memory (32 bytes today).
+const SHARED_DEFAULT_MAX: u64 = 47 * 1024;
 
 // The device and the host share one byte order: CUDA runs on x86-64 and
 // aarch64 hosts, both little-endian.

@@ -578,6 +578,27 @@ fn argmax_picks_each_rows_id_as_the_cpus_argmax_does() {
     assert_eq!((want(10), want(11), want(12)), (0, 0, 0));
 }
 
+#[test]
+fn a_product_makes_its_own_activations_for_a_few_tokens_within_the_default_shared_memory() {
+    use super::fused_shared_bytes;
+    use crate::quant::ActivationFormat::{F32, Q8_1, Q8_K};
+    // SmolLM2: every product of a decode step of up to 8 sequences.
+    for k in [576, 1536] {
+        for tokens in 1..=8 {
+            let bytes = fused_shared_bytes(tokens, k, Q8_1).expect("fused");
+            assert_eq!(bytes, tokens * (k + k / 8 + k / 4));
+        }
+        assert_eq!(fused_shared_bytes(9, k, Q8_1), None, "a prefill chunk");
+        assert_eq!(fused_shared_bytes(1, k, F32), None, "float weights");
+    }
+    // Q8_K's scales are one per 256.
+    assert_eq!(fused_shared_bytes(2, 512, Q8_K), Some(2 * (512 + 8 + 128)));
+    // A wide FFN (8192: Llama 3.2 1B's down) fits alone, not 8 at a time.
+    assert!(fused_shared_bytes(1, 8192, Q8_1).is_some());
+    assert_eq!(fused_shared_bytes(8, 8192, Q8_1), None);
+    assert!(fused_shared_bytes(8, 4352, Q8_1).unwrap() <= 47 * 1024);
+}
+
 /// `ty`'s product of `w` with the rows `x` (RMS-normalised with `gain`
 /// where given), its activations made by a norm launch (`fused` false) or by
 /// the product's own blocks; the outputs' bits.
