@@ -4,7 +4,9 @@
 //! (30 layers, d 576, 9 heads / 3 KV heads, FFN 1536, vocabulary 49152,
 //! Q4_1 blocks, Q8_0 embeddings) and reports, as one table:
 //!
-//! 1. the device-to-device copy bandwidth (bytes read plus written per second);
+//! 1. the device-to-device copy bandwidth (bytes read plus written per
+//!    second), and the launch floor: the smallest kernel's time a launch,
+//!    queued and in a graph (what a step's launches cost at the least);
 //! 2. CPU-versus-CUDA agreement on both models: the worst relative logit
 //!    error and greedy-token agreement over a few hundred decode tokens, and
 //!    each step again with its tokens picked on the device (the argmax of
@@ -45,7 +47,7 @@
 //! Exit status: 0 when every check passed, 1 when one failed, 2 without a GPU.
 
 use bulkhead_kernels::backend::cuda::check::{self, AgreementRun, DecodeRun};
-use bulkhead_kernels::backend::cuda::{Cuda, CudaDevice, Device, DeviceBuffer};
+use bulkhead_kernels::backend::cuda::{Cuda, CudaDevice, Device, DeviceBuffer, DeviceError};
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::kv::KvType;
 use bulkhead_kernels::model::Model;
@@ -175,6 +177,54 @@ fn copy_bandwidth(device: &Arc<dyn Device>, bytes: u64, rounds: usize) -> f64 {
         }
     }
     2.0 * bytes as f64 / best
+}
+
+/// The time of one launch of the smallest kernel (`argmax` of a one-value
+/// row, one block), median of `rounds` runs of `launches` launches: queued
+/// one by one, and replayed as one captured graph. What a step of that many
+/// launches takes at the least, whatever its kernels do.
+fn launch_floor(device: &Arc<dyn Device>, launches: usize, rounds: usize) -> (f64, f64) {
+    use bulkhead_kernels::backend::cuda::launch::{ArgmaxArgs, KernelArgs};
+    use bulkhead_kernels::backend::cuda::Geometry;
+    let logits = DeviceBuffer::zeroed(device, 4).expect("device memory");
+    let out = DeviceBuffer::zeroed(device, 4).expect("device memory");
+    let args = ArgmaxArgs {
+        logits: logits.at(0),
+        out: out.at(0),
+        vocab: 1,
+        unused: 0,
+    };
+    let geometry = Geometry {
+        grid: 1,
+        block: 32,
+        shared_bytes: 0,
+    };
+    // SAFETY: the kernel reads one float of `logits` and writes one word of `out`.
+    let launch = || unsafe { device.launch(ArgmaxArgs::KERNEL, geometry, args.bytes()) };
+    let queue = || -> Result<(), DeviceError> {
+        for _ in 0..launches {
+            launch()?;
+        }
+        Ok(())
+    };
+    let graph = device.capture(&mut || queue()).expect("a captured graph");
+    let median = |run: &dyn Fn()| {
+        let mut times: Vec<f64> = (0..=rounds)
+            .map(|_| {
+                device.synchronize().expect("sync");
+                let start = Instant::now();
+                run();
+                device.synchronize().expect("sync");
+                start.elapsed().as_secs_f64() / launches as f64
+            })
+            .skip(1)
+            .collect();
+        times.sort_by(f64::total_cmp);
+        times[times.len() / 2]
+    };
+    let queued = median(&|| queue().expect("launches"));
+    let replayed = median(&|| graph.replay().expect("a replay"));
+    (queued, replayed)
 }
 
 /// Tiny models of each family's options the CUDA kernels run beyond plain
@@ -600,6 +650,18 @@ fn main() -> ExitCode {
             "{:.1} GB/s (read + write, {} MiB)",
             bandwidth / 1e9,
             plan.copy_bytes >> 20
+        );
+        (result, None)
+    });
+    report.row("launch floor".into(), || {
+        // As many launches as a SmolLM2 decode step makes (213).
+        let (queued, replayed) = launch_floor(&device, 213, 5);
+        let result = format!(
+            "the smallest kernel: {:.2} us a launch queued one by one, {:.2} us in a graph (213 launches: {:.3} ms and {:.3} ms; a step of batch 1 at 1500 tokens/s has 0.667 ms)",
+            queued * 1e6,
+            replayed * 1e6,
+            queued * 213.0 * 1e3,
+            replayed * 213.0 * 1e3,
         );
         (result, None)
     });

@@ -47,7 +47,7 @@ pub mod storage;
 #[cfg(all(test, feature = "emulator"))]
 mod tests;
 
-pub use device::{Device, DeviceBuffer, DeviceError, DeviceGraph, LaunchTime};
+pub use device::{Device, DeviceBuffer, DeviceError, DeviceGraph, Geometry, LaunchTime};
 pub use driver::{probe, Cuda, CudaDevice, CudaUnavailable, Probe, ProbedDevice};
 pub use storage::{device_identity, DeviceStorage};
 
@@ -55,7 +55,6 @@ use super::{validate_step, Backend, Logits, SeqStep, StepError, StepLimits};
 use crate::kv::{PageLayout, Pool, StepView};
 use crate::model::{Activation, Matrix, Model, RopeStyle};
 use crate::quant::{ActivationFormat, GgmlType};
-use device::Geometry;
 use launch::*;
 use pack::{Counts, Packer, StepLayout};
 use std::collections::HashMap;
