@@ -520,17 +520,22 @@ __device__ __forceinline__ bool beats(float value, uint32_t id, float best, uint
     return value > best || (value == best && id < best_id);
 }
 
+// The largest and lowest-id (value, id) of the warp's lanes', to every lane.
+__device__ __forceinline__ void warp_argmax(float* value, uint32_t* id) {
+    for (int mask = WARP_SIZE / 2; mask > 0; mask /= 2) {
+        float other = __shfl_xor_sync(FULL_MASK, *value, mask);
+        uint32_t other_id = __shfl_xor_sync(FULL_MASK, *id, mask);
+        if (beats(other, other_id, *value, *id)) {
+            *value = other;
+            *id = other_id;
+        }
+    }
+}
+
 // The largest and lowest-id (value, id) of the block's threads', to every thread.
 __device__ __forceinline__ uint32_t block_argmax(float value, uint32_t id, float* values,
                                                 uint32_t* ids) {
-    for (int mask = WARP_SIZE / 2; mask > 0; mask /= 2) {
-        float other = __shfl_xor_sync(FULL_MASK, value, mask);
-        uint32_t other_id = __shfl_xor_sync(FULL_MASK, id, mask);
-        if (beats(other, other_id, value, id)) {
-            value = other;
-            id = other_id;
-        }
-    }
+    warp_argmax(&value, &id);
     uint32_t warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     if (lane == 0) {
         values[warp] = value;
@@ -540,14 +545,7 @@ __device__ __forceinline__ uint32_t block_argmax(float value, uint32_t id, float
     uint32_t warps = blockDim.x / WARP_SIZE;
     value = lane < warps ? values[lane] : 0.0f;
     id = lane < warps ? ids[lane] : NO_SEQ;
-    for (int mask = WARP_SIZE / 2; mask > 0; mask /= 2) {
-        float other = __shfl_xor_sync(FULL_MASK, value, mask);
-        uint32_t other_id = __shfl_xor_sync(FULL_MASK, id, mask);
-        if (beats(other, other_id, value, id)) {
-            value = other;
-            id = other_id;
-        }
-    }
+    warp_argmax(&value, &id);
     return id;
 }
 

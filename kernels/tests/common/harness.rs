@@ -109,12 +109,7 @@ impl Harness {
     }
 }
 
+/// The greedy token of `logits` (the backends' argmax).
 pub fn top1(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
+    bulkhead_kernels::backend::argmax(logits)
 }
