@@ -1506,3 +1506,184 @@ fn a_prompts_log_probabilities_are_each_prefixs_next_token_distribution() {
         Some(Rejection::ZeroMaxTokens)
     );
 }
+
+/// The CPU backend giving each greedy row as its argmax alone, as the CUDA
+/// backend does (`on`), or every row in full.
+struct Picking {
+    inner: bulkhead_kernels::backend::cpu::CpuBackend,
+    on: bool,
+    values: Vec<f32>,
+    picks: Vec<(u32, u32)>,
+    picked: usize,
+}
+
+impl bulkhead_kernels::backend::Backend for Picking {
+    fn name(&self) -> String {
+        "picking".into()
+    }
+
+    fn step_tokens_max(&self) -> usize {
+        self.inner.step_tokens_max()
+    }
+
+    fn step_logits_max(&self) -> usize {
+        self.inner.step_logits_max()
+    }
+
+    fn step(
+        &mut self,
+        steps: &[bulkhead_kernels::backend::SeqStep<'_>],
+        pool: &mut bulkhead_kernels::kv::Pool,
+    ) -> Result<bulkhead_kernels::backend::Logits<'_>, bulkhead_kernels::backend::StepError> {
+        let logits = self.inner.step(steps, pool)?;
+        let vocab_len = logits.vocab_len;
+        self.values.clear();
+        self.picks.clear();
+        let mut row = 0;
+        for step in steps {
+            for r in 0..step.logits {
+                let i = row + r;
+                if self.on && step.greedy && r + 1 == step.logits {
+                    let id = bulkhead_kernels::backend::argmax(logits.row(i));
+                    self.picks.push((i as u32, id));
+                } else {
+                    self.values.extend_from_slice(logits.row(i));
+                }
+            }
+            row += step.logits;
+        }
+        self.picked += self.picks.len();
+        Ok(bulkhead_kernels::backend::Logits {
+            values: &self.values,
+            vocab_len,
+            picks: &self.picks,
+        })
+    }
+}
+
+#[test]
+fn greedy_rows_given_as_their_ids_say_what_full_rows_say() {
+    let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap());
+    let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
+    let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
+    // Greedy ones a backend may pick, and ones whose rows the sampler reads:
+    // log probabilities (of the output, of the prompt), a bias, a penalty,
+    // `min_tokens`, a draw.
+    let requests: Vec<SamplingParams> = vec![
+        SamplingParams::default(),
+        SamplingParams {
+            logprobs: Some(2),
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            prompt_logprobs: Some(1),
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            logit_bias: vec![(100, 2.0)],
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            presence_penalty: 0.7,
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            min_tokens: 4,
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            temperature: 0.8,
+            seed: 3,
+            ..SamplingParams::default()
+        },
+        SamplingParams::default(),
+    ];
+    let run = |on: bool| -> (Vec<Vec<Event>>, usize) {
+        let spec = EngineSpec {
+            pool_pages: 64,
+            page_tokens: PAGE_TOKENS,
+            kv_type: KvType::default(),
+            threads: 1,
+            step_tokens_max: LIMITS.step_tokens_max,
+            step_seqs_max: LIMITS.step_seqs_max,
+            pool_options: PoolOptions {
+                poison_released: true,
+                paranoid: true,
+            },
+            placement: bulkhead::engine::placement::Placement::Cpu,
+        };
+        let backend = Picking {
+            inner: build::backend(&model, &spec),
+            on,
+            values: Vec::new(),
+            picks: Vec::new(),
+            picked: 0,
+        };
+        let pool = build::pool(&model, &spec).unwrap();
+        let tenants = vec![TenantLimits {
+            id: ALPHA,
+            name: "alpha".into(),
+            weight: 1,
+            queue_depth_max: 16,
+            running_max: 16,
+            pages_reserved: 64,
+            pages_max: 64,
+            prefix_cache: true,
+        }];
+        let mut scheduler =
+            Scheduler::new(backend, pool, Arc::clone(&tokenizer), LIMITS, tenants).unwrap();
+        let admission = scheduler.admission(model.config.context_len as u32);
+        let mut now = Instant::now();
+        let mut receivers = Vec::new();
+        for (i, sampling) in requests.iter().enumerate() {
+            let (events, rx) = unbounded_channel();
+            let request = NewRequest {
+                id: RequestId(i as u64 + 1),
+                tenant: ALPHA,
+                prompt: prompt(i as u32, 5 + i),
+                max_tokens: 10,
+                sampling: sampling.clone(),
+                stop: Vec::new(),
+                deadline: now + Duration::from_secs(60),
+                events,
+                cache_salt: None,
+                prefill_hint: None,
+            };
+            scheduler
+                .enqueue(admission.admit(request).expect("fits"))
+                .expect("queue has room");
+            receivers.push(rx);
+        }
+        for _ in 0..10_000 {
+            if scheduler.in_flight() == 0 {
+                break;
+            }
+            now += Duration::from_millis(10);
+            scheduler.tick(now);
+            scheduler.check().expect("invariants after every tick");
+        }
+        assert_eq!(scheduler.in_flight(), 0, "drained");
+        let events = receivers
+            .iter_mut()
+            .map(|rx| std::iter::from_fn(|| rx.try_recv().ok()).collect())
+            .collect();
+        (events, scheduler.backend().picked)
+    };
+    let (rows, none) = run(false);
+    let (picked, picks) = run(true);
+    assert_eq!(none, 0);
+    assert_eq!(picked, rows, "the same events, token for token");
+    for events in &rows {
+        assert!(matches!(
+            events.last(),
+            Some(Event::Finished {
+                reason: FinishReason::Length,
+                ..
+            })
+        ));
+    }
+    // Every token of the two plain greedy requests and of the one scoring
+    // its prompt (10 each), the penalty's first (nothing to penalise yet),
+    // and the min_tokens one's after its 4 banned.
+    assert_eq!(picks, 3 * 10 + 1 + 6, "tokens picked by the backend");
+}
