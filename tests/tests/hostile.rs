@@ -20,25 +20,6 @@ use support::*;
 /// second here; the slack absorbs a loaded 2-core CI machine.
 const VICTIM_SLACK: Duration = Duration::from_secs(5);
 
-/// Tests run two at a time on this 2-core machine, and a test's clients and
-/// server share its cores with the other test's: a flood in one test would
-/// be CPU taken from the other's victim, which no server can give back. A
-/// test that floods takes this exclusively; one that times a victim shares
-/// it (with other such tests, which mostly wait on deadlines).
-static LOAD: std::sync::RwLock<()> = std::sync::RwLock::new(());
-
-/// The machine to this test alone: it floods.
-fn flooding() -> std::sync::RwLockWriteGuard<'static, ()> {
-    LOAD.write()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// No flood in another test while this one times a victim.
-fn timing() -> std::sync::RwLockReadGuard<'static, ()> {
-    LOAD.read()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 fn addr(url: &str) -> SocketAddr {
     let host = url
         .trim_start_matches("http://")
@@ -97,7 +78,7 @@ const H2_EMPTY_SETTINGS: &[u8] = &[0, 0, 0, 4, 0, 0, 0, 0, 0];
 
 #[test]
 fn connections_that_say_nothing_are_closed_at_the_handshake_deadline() {
-    let _load = timing();
+    let _load = beside();
     let Some(model) = smollm2() else { return };
     let handshake = Duration::from_millis(1000);
     let idle = Duration::from_millis(3000);
@@ -177,7 +158,7 @@ fn connections_that_say_nothing_are_closed_at_the_handshake_deadline() {
 
 #[test]
 fn one_peer_cannot_take_every_connection_slot() {
-    let _load = timing();
+    let _load = beside();
     let Some(model) = smollm2() else { return };
     let server = start(
         &model,
@@ -213,7 +194,7 @@ fn one_peer_cannot_take_every_connection_slot() {
 
 #[test]
 fn many_peers_holding_every_slot_are_cleared_by_the_handshake_deadline() {
-    let _load = timing();
+    let _load = beside();
     let Some(model) = smollm2() else { return };
     let handshake = Duration::from_millis(1500);
     let server = start(
@@ -314,7 +295,7 @@ fn stall_policy() -> Policy {
 
 #[test]
 fn clients_that_never_open_their_http2_window_cannot_hold_the_listener() {
-    let _load = timing();
+    let _load = beside();
     let Some(model) = smollm2() else { return };
     let server = start(&model, &stall_policy());
     // Four peers take all 16 slots with responses that cannot be sent.
@@ -353,7 +334,7 @@ fn clients_that_never_open_their_http2_window_cannot_hold_the_listener() {
 
 #[test]
 fn a_slow_but_steady_http2_reader_is_not_cut() {
-    let _load = timing();
+    let _load = beside();
     let Some(model) = smollm2() else { return };
     let server = start(&model, &stall_policy());
     // A client that opens its window a little at a time, but steadily, gets
@@ -407,7 +388,7 @@ fn slow_body(server: &Server, key: &str) -> TcpStream {
 
 #[test]
 fn one_tenants_slow_bodies_cannot_hold_another_tenants_requests() {
-    let _load = timing();
+    let _load = beside();
     let Some(model) = smollm2() else { return };
     let server = start(
         &model,
@@ -450,7 +431,7 @@ fn huge_text() -> String {
 
 #[test]
 fn an_oversized_prompt_is_refused_by_its_size_before_it_is_tokenized() {
-    let _load = timing();
+    let _load = beside();
     let Some(model) = smollm2() else { return };
     let server = start_with_room(&model);
     // 1024 promised tokens: a few MiB of text cannot be fewer, whatever it says.
@@ -488,7 +469,7 @@ fn a_request_of_a_tenant_without_plugins_takes_one_turn_of_the_request_lane() {
     // Its parsing and its prompt's tokens are one job: behind a tenant
     // flooding the lane it waits for one job of that tenant, not two. Each
     // job is counted for its tenant, with its time.
-    let _load = timing();
+    let _load = beside();
     let Some(model) = smollm2() else { return };
     let server = start_with_room(&model);
     let jobs = || request_lane_jobs(&server, KEY_BETA);
@@ -545,7 +526,7 @@ fn a_request_of_a_tenant_without_plugins_takes_one_turn_of_the_request_lane() {
 
 #[test]
 fn abandoned_requests_take_their_queued_work_and_their_permits_with_them() {
-    let _load = flooding();
+    let _load = alone();
     let Some(model) = smollm2() else { return };
     // The most context the test pool can promise: a prompt's tokenization
     // may run to 1,536 tokens of work.
@@ -659,7 +640,7 @@ fn abandoned_requests_take_their_queued_work_and_their_permits_with_them() {
 
 #[test]
 fn a_flooding_tenant_cannot_503_or_starve_another() {
-    let _load = flooding();
+    let _load = alone();
     let Some(model) = smollm2() else { return };
     let server = std::sync::Arc::new(start(&model, &Policy::default()));
     let flood_for = Duration::from_secs(6);
@@ -727,7 +708,7 @@ fn a_flooding_tenant_cannot_503_or_starve_another() {
 
 #[test]
 fn a_refusal_flood_cannot_hide_a_security_event_or_another_tenants_history() {
-    let _load = flooding();
+    let _load = alone();
     let Some(model) = smollm2() else { return };
     let server = std::sync::Arc::new(start(
         &model,

@@ -56,6 +56,7 @@ fn median(mut samples: Vec<Duration>) -> Duration {
 
 #[test]
 fn a_plugin_that_imports_wasi_is_refused_at_upload_naming_the_import() {
+    let _beside = beside();
     let Some(model) = smollm2() else { return };
     let (Some(sleeper), Some(probe)) = (wasm("sleeper"), wasm("probe")) else {
         return;
@@ -90,6 +91,7 @@ fn a_plugin_that_imports_wasi_is_refused_at_upload_naming_the_import() {
 
 #[test]
 fn a_call_stuck_in_a_host_call_is_abandoned_in_admit_route_and_on_complete() {
+    let _alone = alone();
     let Some(model) = smollm2() else { return };
     let Some(probe) = wasm("probe") else { return };
     // Deadlines with room (250 ms a call, 1 s a request): what is shown is a
@@ -203,6 +205,7 @@ fn a_call_stuck_in_a_host_call_is_abandoned_in_admit_route_and_on_complete() {
 
 #[test]
 fn a_tenants_plugins_share_one_time_budget_per_request() {
+    let _alone = alone();
     let Some(model) = smollm2() else { return };
     let Some(probe) = wasm("probe") else { return };
     let Some(policy) = tolerant_two_models("request_budget_ms = 60\n") else {
@@ -308,6 +311,7 @@ fn a_tenants_plugins_share_one_time_budget_per_request() {
 
 #[test]
 fn one_tenants_slow_on_complete_delays_nobody_elses_and_its_queue_is_bounded() {
+    let _alone = alone();
     let Some(model) = smollm2() else { return };
     let Some(probe) = wasm("probe") else { return };
     let Some(policy) = tolerant_two_models(
@@ -422,6 +426,7 @@ fn audited(server: &Server, action: &str) -> Vec<serde_json::Value> {
 
 #[test]
 fn plugin_code_belongs_to_its_tenant_and_code_that_cannot_load_fails_closed() {
+    let _beside = beside();
     let Some(model) = smollm2() else { return };
     let Some(cap) = wasm("size_cap") else { return };
     let policy = Policy::default();
@@ -529,6 +534,7 @@ fn component_of_empty_functions(functions: u64) -> Vec<u8> {
 
 #[test]
 fn uploads_are_bounded_before_compiling_and_hold_no_one_elses_writes() {
+    let _beside = beside();
     let Some(model) = smollm2() else { return };
     let (Some(probe), Some(cap)) = (wasm("probe"), wasm("size_cap")) else {
         return;
@@ -625,6 +631,7 @@ fn uploads_are_bounded_before_compiling_and_hold_no_one_elses_writes() {
 
 #[test]
 fn uploads_per_tenant_are_rate_limited() {
+    let _beside = beside();
     let Some(model) = smollm2() else { return };
     let Some(cap) = wasm("size_cap") else { return };
     let server = start(
@@ -651,6 +658,7 @@ fn uploads_per_tenant_are_rate_limited() {
 
 #[test]
 fn a_tenant_cannot_take_or_reset_an_operator_plugins_name() {
+    let _beside = beside();
     let Some(model) = smollm2() else { return };
     let (Some(rate_path), Some(probe)) = (plugin_wasm("rate_limit"), wasm("probe")) else {
         return;
@@ -689,6 +697,7 @@ fn a_tenant_cannot_take_or_reset_an_operator_plugins_name() {
 
 #[test]
 fn an_operator_plugin_trips_only_for_the_tenant_whose_requests_make_it_fault() {
+    let _beside = beside();
     let Some(model) = smollm2() else { return };
     let Some(probe_path) = plugin_wasm("probe") else {
         return;
@@ -731,6 +740,7 @@ fn an_operator_plugin_trips_only_for_the_tenant_whose_requests_make_it_fault() {
 
 #[test]
 fn a_plugins_memory_cap_holds_and_credentials_never_reach_it() {
+    let _beside = beside();
     let Some(model) = smollm2() else { return };
     let Some(probe) = wasm("probe") else { return };
     let server = start(
@@ -802,6 +812,7 @@ fn server_ref(server: &Server) -> &Server {
 
 #[test]
 fn other_versions_of_the_contract_and_invisible_characters_are_refused() {
+    let _beside = beside();
     let Some(model) = smollm2() else { return };
     let (Some(skew), Some(probe)) = (wasm("version_skew"), wasm("probe")) else {
         return;

@@ -11,7 +11,7 @@ use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 /// Tenant keys the tests hand the server through `key_env`.
@@ -25,6 +25,25 @@ pub const MODEL_ID: &str = "smollm2-test";
 pub const Q8_ID: &str = "smollm2-test-q8";
 /// How long a server may take to start listening.
 const START_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A test binary runs its tests two at a time on CI's 2 cores, and a test's
+/// clients and server share them with the other test's: a flood in one test
+/// is CPU taken from another's victim, which no server can give back, and a
+/// plugin's deadline of milliseconds can pass while the other test computes
+/// (stop 51's CI failed such a test so). A test that floods, or whose bounds
+/// are such deadlines, holds [`alone`]; one that times a victim holds
+/// [`beside`] (with other such tests, which mostly wait on deadlines).
+static TURNS: RwLock<()> = RwLock::new(());
+
+/// The binary to this test alone, while the guard lives (see [`TURNS`]).
+pub fn alone() -> RwLockWriteGuard<'static, ()> {
+    TURNS.write().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// This test beside any other but one that runs [`alone`].
+pub fn beside() -> RwLockReadGuard<'static, ()> {
+    TURNS.read().unwrap_or_else(PoisonError::into_inner)
+}
 
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
