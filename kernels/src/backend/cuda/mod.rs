@@ -19,8 +19,11 @@
 //!    the merge of split decode attention), Wo added into the residual
 //!    stream, RMSNorm and quantization, gate and up with SwiGLU in one
 //!    matmul, down added into the residual stream; then the final norm of
-//!    the rows that want logits and the output head.
-//! 4. **Read** the logits back.
+//!    the rows that want logits, the output head, and each row's argmax. In
+//!    a step of at most 8 tokens each product makes its own activations (the
+//!    norm and quantization in its blocks, no launch of their own).
+//! 4. **Read** the logits back: the full rows, and a greedy row's argmax
+//!    alone ([`SeqStep::greedy`]).
 //!
 //! A step of decode tokens only (each sequence one token) of up to
 //! `step_seqs_max` sequences can run as a captured CUDA graph: the launches
