@@ -195,12 +195,6 @@ impl Logits<'_> {
             .map(|k| self.picks[k].1)
     }
 
-    /// The id of the `i`-th row's largest logit, the lowest among ties: the
-    /// backend's pick, or [`argmax`] of the row.
-    pub fn greedy(&self, i: usize) -> u32 {
-        self.pick(i).unwrap_or_else(|| argmax(self.row(i)))
-    }
-
     /// Number of rows.
     pub fn rows_count(&self) -> usize {
         self.values.len() / self.vocab_len + self.picks.len()
@@ -392,7 +386,9 @@ mod tests {
             (logits.pick(0), logits.pick(1), logits.pick(3)),
             (None, Some(7), Some(9))
         );
-        let greedy: Vec<u32> = (0..5).map(|i| logits.greedy(i)).collect();
+        let greedy: Vec<u32> = (0..5)
+            .map(|i| logits.pick(i).unwrap_or_else(|| argmax(logits.row(i))))
+            .collect();
         assert_eq!(greedy, [1, 7, 1, 9, 0]);
         let given = std::panic::catch_unwind(|| logits.row(3).to_vec());
         assert!(given.is_err(), "a picked row has no values");
