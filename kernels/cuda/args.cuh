@@ -1,5 +1,5 @@
 // Each kernel's one argument, by value: device addresses as 64-bit integers,
-// then 32-bit sizes. The same structs are declared in Rust
+// then 32-bit sizes (MatmulArgs then the RopeKvArgs of its ROPE_KV mode). The same structs are declared in Rust
 // (kernels/src/backend/cuda/launch.rs) with the sizes asserted on both sides;
 // no struct has padding, so its bytes are exactly its fields.
 //
@@ -56,58 +56,6 @@ struct NormArgs {
     uint32_t accumulate;  // 1: out[r] += the normalised row (no quantization then)
 };
 
-// One weight matrix of a product, and where its outputs go.
-struct MatSeg {
-    uint64_t w;    // [rows][row_bytes] in `type` blocks
-    uint64_t out;  // f32 [tokens][out_stride]; this matrix's rows at columns 0..rows
-    uint64_t bias; // f32 [rows] added to each product (STORE: qwen2's Q, K, V), or 0
-    uint32_t type;
-    uint32_t rows;
-    uint32_t row_bytes;
-    uint32_t out_stride;
-    float cap;     // > 0: each product (STORE) soft-capped, cap * tanh(value / cap)
-    uint32_t unused;
-};
-
-#define MATMUL_SEGS_MAX 3
-#define MATMUL_STORE 0u
-#define MATMUL_ADD 1u
-#define MATMUL_SWIGLU 2u
-#define MATMUL_GEGLU 3u
-#define MATMUL_SILU_MUL 4u
-#define MATMUL_GELU_MUL 5u
-
-// out[t][r] = W[r] . x[t] for up to three matrices sharing one input (Q, K
-// and V), or, in SWIGLU mode, seg[0].out[t][r] = silu(G[r] . x[t]) * (U[r] . x[t])
-// with G = seg[0], U = seg[1] (GEGLU: GELU's tanh form for silu). Where G and
-// U take different activations, G is STOREd first and U's launch gates it:
-// SILU_MUL, out[t][r] = silu(out[t][r]) * (U[r] . x[t]) (GELU_MUL likewise). Quantized weights take x as Q8 (qs, d, sums;
-// NormArgs), F16 and F32 weights take it as f32 (x). ADD accumulates into out
-// (the residual stream). One warp a row: grid (ceil(rows / 4) * ceil(tokens
-// / 8)), block 128.
-//
-// With norm_x, a block makes its own tokens' Q8 activations first, in shared
-// memory, from f32 rows (norm_gather picks them; RMSNorm with norm_gain
-// first), exactly as rms_norm makes them (the same sums in the same order):
-// one launch where a norm and a product were two. Dynamic shared memory:
-// min(tokens, 8) * (k + 4 k / block_len + 4 k / 16) bytes.
-struct MatmulArgs {
-    MatSeg seg[MATMUL_SEGS_MAX];
-    uint64_t x;     // f32 [tokens][k]
-    uint64_t qs;    // i8 [tokens][k]
-    uint64_t d;     // f32 [tokens][k / block_len]
-    uint64_t sums;  // i32 [tokens][k / 16]
-    uint64_t norm_x;       // f32 [..][k]: rows to quantize in the block, or 0 (qs, d, sums as given)
-    uint64_t norm_gather;  // u32 [tokens]: token t's row of norm_x, or 0 (row t)
-    uint64_t norm_gain;    // f32 [k]: RMSNorm's gain, or 0 (quantized as they are)
-    uint32_t segs;
-    uint32_t k;
-    uint32_t tokens;
-    uint32_t mode;
-    uint32_t block_len;  // the Q8 blocks norm_x is quantized in: 32 (Q8_1) or 256 (Q8_K)
-    float eps;
-};
-
 // RoPE on every token's Q and K heads (pairs of the first rope_dim
 // dimensions: adjacent ones (2i, 2i+1), the GGUF llama layout, or halves
 // (i, i + rope_dim / 2) where `halves`), pair i turned by
@@ -138,6 +86,67 @@ struct RopeKvArgs {
     float rope_scale;
     uint32_t halves;  // 1: pairs (i, i + rope_dim / 2), 0: (2i, 2i + 1)
     uint32_t unused;
+};
+
+// One weight matrix of a product, and where its outputs go.
+struct MatSeg {
+    uint64_t w;    // [rows][row_bytes] in `type` blocks
+    uint64_t out;  // f32 [tokens][out_stride]; this matrix's rows at columns 0..rows
+    uint64_t bias; // f32 [rows] added to each product (STORE: qwen2's Q, K, V), or 0
+    uint32_t type;
+    uint32_t rows;
+    uint32_t row_bytes;
+    uint32_t out_stride;
+    float cap;     // > 0: each product (STORE) soft-capped, cap * tanh(value / cap)
+    uint32_t unused;
+};
+
+#define MATMUL_SEGS_MAX 3
+#define MATMUL_STORE 0u
+#define MATMUL_ADD 1u
+#define MATMUL_SWIGLU 2u
+#define MATMUL_GEGLU 3u
+#define MATMUL_SILU_MUL 4u
+#define MATMUL_GELU_MUL 5u
+#define MATMUL_ROPE_KV 6u
+
+// out[t][r] = W[r] . x[t] for up to three matrices sharing one input (Q, K
+// and V), or, in SWIGLU mode, seg[0].out[t][r] = silu(G[r] . x[t]) * (U[r] . x[t])
+// with G = seg[0], U = seg[1] (GEGLU: GELU's tanh form for silu). Where G and
+// U take different activations, G is STOREd first and U's launch gates it:
+// SILU_MUL, out[t][r] = silu(out[t][r]) * (U[r] . x[t]) (GELU_MUL likewise). Quantized weights take x as Q8 (qs, d, sums;
+// NormArgs), F16 and F32 weights take it as f32 (x). ADD accumulates into out
+// (the residual stream). One warp a row: grid (ceil(rows / 4) * ceil(tokens
+// / 8)), block 128.
+//
+// With norm_x, a block makes its own tokens' Q8 activations first, in shared
+// memory, from f32 rows (norm_gather picks them; RMSNorm with norm_gain
+// first), exactly as rms_norm makes them (the same sums in the same order):
+// one launch where a norm and a product were two. Dynamic shared memory:
+// min(tokens, 8) * (k + 4 k / block_len + 4 k / 16) bytes.
+//
+// ROPE_KV: STOREs Q, K and V (seg 0, 1, 2) as rope_kv leaves them: Q and K
+// turned by `rope` (whose q, k and v are unused), K and V also stored into
+// the pages; a token of no sequence is stored as it is and nothing of it
+// goes into pages. A warp takes a pair of rows, the two a RoPE pair turns
+// together (in V, and past rope_dim, rows 2i and 2i + 1): grid
+// (ceil(rows / 8) * ceil(tokens / 8)). One launch where there were two.
+struct MatmulArgs {
+    MatSeg seg[MATMUL_SEGS_MAX];
+    uint64_t x;     // f32 [tokens][k]
+    uint64_t qs;    // i8 [tokens][k]
+    uint64_t d;     // f32 [tokens][k / block_len]
+    uint64_t sums;  // i32 [tokens][k / 16]
+    uint64_t norm_x;       // f32 [..][k]: rows to quantize in the block, or 0 (qs, d, sums as given)
+    uint64_t norm_gather;  // u32 [tokens]: token t's row of norm_x, or 0 (row t)
+    uint64_t norm_gain;    // f32 [k]: RMSNorm's gain, or 0 (quantized as they are)
+    uint32_t segs;
+    uint32_t k;
+    uint32_t tokens;
+    uint32_t mode;
+    uint32_t block_len;  // the Q8 blocks norm_x is quantized in: 32 (Q8_1) or 256 (Q8_K)
+    float eps;
+    RopeKvArgs rope;  // ROPE_KV's RoPE and pages; unused in other modes
 };
 
 // A unit of attention work: queries t0..t1 (consecutive tokens of one

@@ -13,6 +13,7 @@
 
 #include "common.cuh"
 #include "args.cuh"
+#include "kv.cuh"
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -23,14 +24,6 @@ inline float __int_as_float(int bits) {
     return value;
 }
 #endif
-
-// Where value i of K (kv 0) or V (kv 1) of `layer` at `slot` of `page` lives.
-__device__ __forceinline__ uint64_t kv_index(uint32_t layer, uint32_t kv, uint32_t page,
-                                             uint32_t slot, uint32_t i, uint32_t pages_count,
-                                             uint32_t page_tokens, uint32_t kv_dim) {
-    uint64_t slab = uint64_t(page_tokens) * kv_dim;
-    return ((uint64_t(layer) * 2 + kv) * pages_count + page) * slab + uint64_t(slot) * kv_dim + i;
-}
 
 // The 16 bytes at value `index`: 8 f16 values or 4 f32 into out[0..8 or 4].
 __device__ __forceinline__ void kv_load16(uint64_t kv, uint64_t index, uint32_t kv_f16, float* out) {
@@ -48,14 +41,6 @@ __device__ __forceinline__ void kv_load16(uint64_t kv, uint64_t index, uint32_t 
     }
 }
 
-__device__ __forceinline__ void kv_store(uint64_t kv, uint64_t index, uint32_t kv_f16, float value) {
-    if (kv_f16) {
-        reinterpret_cast<uint16_t*>(kv)[index] = f32_to_f16(value);
-    } else {
-        reinterpret_cast<float*>(kv)[index] = value;
-    }
-}
-
 KERNEL(rope_kv, RopeKvArgs) {
     uint32_t t = blockIdx.x;
     uint32_t seq = reinterpret_cast<const uint32_t*>(a.token_seq)[t];
@@ -67,27 +52,14 @@ KERNEL(rope_kv, RopeKvArgs) {
     const float* v = reinterpret_cast<const float*>(a.v) + uint64_t(t) * kv_dim;
     for (uint32_t e = threadIdx.x; e < (a.heads + a.kv_heads) * pairs; e += blockDim.x) {
         uint32_t head = e / pairs, i = e % pairs;
-        // As the CPU's table: the base's power, times the scale, over the factor.
-        float freq = powf(a.rope_base, -float(2 * i) / float(a.rope_dim)) * a.rope_scale;
-        if (a.freq_factors) freq = freq / reinterpret_cast<const float*>(a.freq_factors)[i];
-        float theta = float(pos) * freq;
-        float sin_theta, cos_theta;
-        sincosf(theta, &sin_theta, &cos_theta);
         float* head_at = head < a.heads ? q + head * a.head_dim : k + (head - a.heads) * a.head_dim;
         uint32_t i0 = a.halves ? i : 2 * i, i1 = a.halves ? i + pairs : 2 * i + 1;
-        float x0 = head_at[i0], x1 = head_at[i1];
-        head_at[i0] = mul_rn(x0, cos_theta) - mul_rn(x1, sin_theta);
-        head_at[i1] = mul_rn(x0, sin_theta) + mul_rn(x1, cos_theta);
+        rope_turn(a, i, pos, &head_at[i0], &head_at[i1]);
     }
     __syncthreads();
-    const uint32_t* pages = reinterpret_cast<const uint32_t*>(a.pages);
-    uint32_t page = pages[reinterpret_cast<const uint32_t*>(a.seq_pages)[seq] + pos / a.page_tokens];
-    uint32_t slot = pos % a.page_tokens;
     for (uint32_t i = threadIdx.x; i < kv_dim; i += blockDim.x) {
-        uint64_t k_at = kv_index(a.layer, 0, page, slot, i, a.pages_count, a.page_tokens, kv_dim);
-        uint64_t v_at = kv_index(a.layer, 1, page, slot, i, a.pages_count, a.page_tokens, kv_dim);
-        kv_store(a.kv, k_at, a.kv_f16, k[i]);
-        kv_store(a.kv, v_at, a.kv_f16, v[i]);
+        store_token_kv(a, seq, pos, 0, i, k[i]);
+        store_token_kv(a, seq, pos, 1, i, v[i]);
     }
 }
 

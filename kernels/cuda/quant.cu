@@ -15,6 +15,7 @@
 
 #include "common.cuh"
 #include "args.cuh"
+#include "kv.cuh"
 
 #define QK 32u
 #define QK_K 256u
@@ -448,16 +449,49 @@ __device__ void quantize_rows(const MatmulArgs& a, uint32_t t0, uint32_t n, unsi
     acts->sums = sums;
 }
 
+// ROPE_KV's rows of pair `pair` of segment `s` (0 Q, 1 K, 2 V): in Q and
+// K, pair i < rope_dim / 2 of a head is the two values RoPE turns together
+// (2i and 2i + 1, or i and i + rope_dim / 2 in `halves`); past them, and in
+// V, rows 2i and 2i + 1. Returns whether the pair is turned.
+__device__ __forceinline__ bool rope_rows(const RopeKvArgs& r, uint32_t s, uint32_t pair,
+                                          uint32_t* r0, uint32_t* r1) {
+    uint32_t half = r.head_dim / 2, head = pair / half, i = pair % half;
+    bool turned = s < 2 && i < r.rope_dim / 2;
+    uint32_t base = head * r.head_dim;
+    *r0 = base + (turned && r.halves ? i : 2 * i);
+    *r1 = base + (turned && r.halves ? i + r.rope_dim / 2 : 2 * i + 1);
+    return turned;
+}
+
+// ROPE_KV's epilogue, lane 0 of a warp: token t's products of rows r0 and r1
+// of segment s (biases added), turned where `turned`, stored where rope_kv
+// would leave them.
+__device__ void rope_kv_store(const MatmulArgs& a, const MatSeg& seg, uint32_t s, uint32_t t,
+                              uint32_t pair, uint32_t r0, uint32_t r1, bool turned, float v0,
+                              float v1) {
+    const RopeKvArgs& r = a.rope;
+    uint32_t seq = reinterpret_cast<const uint32_t*>(r.token_seq)[t];
+    uint32_t pos = reinterpret_cast<const uint32_t*>(r.positions)[t];
+    if (turned && seq != NO_SEQ) rope_turn(r, pair % (r.head_dim / 2), pos, &v0, &v1);
+    float* out = reinterpret_cast<float*>(seg.out) + uint64_t(t) * seg.out_stride;
+    out[r0] = v0;
+    out[r1] = v1;
+    if (s == 0 || seq == NO_SEQ) return;
+    store_token_kv(r, seq, pos, s - 1, r0, v0);
+    store_token_kv(r, seq, pos, s - 1, r1, v1);
+}
+
 // Block b takes rows (b % row_blocks) * MATMUL_WARPS.., a warp a row, for
 // the MATMUL_TOKENS tokens of group b / row_blocks: a step of many tokens
 // (a large batch, a prefill chunk) is as many blocks again per group, each
 // reading the matrix from L2, rather than each warp taking every token in
-// turn.
+// turn. In ROPE_KV a warp's "row" is a pair of rows.
 KERNEL(matmul, MatmulArgs) {
     uint32_t lane = threadIdx.x % WARP_SIZE;
     bool swiglu = a.mode == MATMUL_SWIGLU || a.mode == MATMUL_GEGLU;
-    uint32_t rows_total = a.seg[0].rows;
-    for (uint32_t s = 1; !swiglu && s < a.segs; s++) rows_total += a.seg[s].rows;
+    uint32_t per = a.mode == MATMUL_ROPE_KV ? 2 : 1;  // rows a warp takes
+    uint32_t rows_total = a.seg[0].rows / per;
+    for (uint32_t s = 1; !swiglu && s < a.segs; s++) rows_total += a.seg[s].rows / per;
     uint32_t row_blocks = (rows_total + MATMUL_WARPS - 1) / MATMUL_WARPS;
     uint32_t t0 = blockIdx.x / row_blocks * MATMUL_TOKENS;
     if (t0 >= a.tokens) return;  // the whole block
@@ -478,16 +512,34 @@ KERNEL(matmul, MatmulArgs) {
     // The segment holding this warp's row (SWIGLU: a row of the gate and the same row of up).
     uint32_t s = 0;
     if (!swiglu) {
-        while (s + 1 < a.segs && row >= a.seg[s].rows) {
-            row -= a.seg[s].rows;
+        while (s + 1 < a.segs && row >= a.seg[s].rows / per) {
+            row -= a.seg[s].rows / per;
             s++;
         }
     }
-    if (row >= a.seg[s].rows) return;  // the whole warp: rows are per warp
+    if (row >= a.seg[s].rows / per) return;  // the whole warp: rows are per warp
     const MatSeg& seg = a.seg[s];
     float* out = reinterpret_cast<float*>(seg.out);
     float acc[MATMUL_TOKENS], up[MATMUL_TOKENS];
     for (uint32_t j = 0; j < MATMUL_TOKENS; j++) acc[j] = up[j] = 0.0f;
+    if (per == 2) {
+        uint32_t r0, r1;
+        bool turned = rope_rows(a.rope, s, row, &r0, &r1);
+        row_products(seg, r0, a, acts, t0, n, acc);
+        row_products(seg, r1, a, acts, t0, n, up);
+        const float* bias = reinterpret_cast<const float*>(seg.bias);
+        for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {
+            if (j >= n) break;
+            float v0 = warp_sum(acc[j]), v1 = warp_sum(up[j]);
+            if (lane != 0) continue;
+            if (bias) {
+                v0 += bias[r0];
+                v1 += bias[r1];
+            }
+            rope_kv_store(a, seg, s, t0 + j, row, r0, r1, turned, v0, v1);
+        }
+        return;
+    }
     row_products(seg, row, a, acts, t0, n, acc);
     if (swiglu) row_products(a.seg[1], row, a, acts, t0, n, up);
     for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {

@@ -28,8 +28,8 @@
 //!    tokens' ids, picked on the device, not their rows of logits (25 MB a
 //!    step at batch 128); one more row, batch 128 at depth 512 copying every
 //!    row (as a sampled request's step does), says what that copy costs;
-//!    and batch 1 with a norm launch before each matrix product, what the
-//!    products that make their own activations save.
+//!    and batch 1 with a norm launch before each matrix product, and with
+//!    RoPE and the KV store a launch of their own, what each fusion saves.
 //!
 //! `gpu_check --write-model PATH` writes the SmolLM2-shaped model's GGUF file
 //! to PATH and exits (the server's part of `scripts/gpu-check.sh` serves it).
@@ -47,7 +47,9 @@
 //! Exit status: 0 when every check passed, 1 when one failed, 2 without a GPU.
 
 use bulkhead_kernels::backend::cuda::check::{self, AgreementRun, DecodeRun};
-use bulkhead_kernels::backend::cuda::{Cuda, CudaDevice, Device, DeviceBuffer, DeviceError};
+use bulkhead_kernels::backend::cuda::{
+    Cuda, CudaDevice, Device, DeviceBuffer, DeviceError, Fusions,
+};
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::kv::KvType;
 use bulkhead_kernels::model::Model;
@@ -467,7 +469,9 @@ fn decode_rows(
             // Greedy tokens (the device's argmax copied back, not the rows)
             // with graphs for every batch; batch 1 without graphs too, and
             // with a norm launch before each product (the products of a
-            // step of at most 8 tokens make their own activations); the
+            // step of at most 8 tokens make their own activations), and
+            // with RoPE and the KV store a launch of their own (the Q/K/V
+            // product does them); the
             // largest batch at the shallowest depth copying every row of
             // logits to the host, as a sampled request's step does.
             let run = DecodeRun::new(batch, depth, plan.decode_steps, true, plan.chunk);
@@ -483,7 +487,20 @@ fn decode_rows(
                 variants.push((
                     " (norm launches)",
                     DecodeRun {
-                        fused_norms: false,
+                        fusions: Fusions {
+                            norms: false,
+                            ..run.fusions
+                        },
+                        ..run
+                    },
+                ));
+                variants.push((
+                    " (rope launches)",
+                    DecodeRun {
+                        fusions: Fusions {
+                            rope: false,
+                            ..run.fusions
+                        },
                         ..run
                     },
                 ));
@@ -654,14 +671,18 @@ fn main() -> ExitCode {
         (result, None)
     });
     report.row("launch floor".into(), || {
-        // As many launches as a SmolLM2 decode step makes (213).
-        let (queued, replayed) = launch_floor(&device, 213, 5);
+        // As many launches as a SmolLM2 decode step makes: 6 a layer (the
+        // Q/K/V product with its RoPE and KV store, attention, its merge,
+        // Wo, gate and up, down), the embedding, the head and the argmax.
+        let launches = 30 * 6 + 3;
+        let (queued, replayed) = launch_floor(&device, launches, 5);
+        let n = launches as f64;
         let result = format!(
-            "the smallest kernel: {:.2} us a launch queued one by one, {:.2} us in a graph (213 launches: {:.3} ms and {:.3} ms; a step of batch 1 at 1500 tokens/s has 0.667 ms)",
+            "the smallest kernel: {:.2} us a launch queued one by one, {:.2} us in a graph ({launches} launches: {:.3} ms and {:.3} ms; a step of batch 1 at 1500 tokens/s has 0.667 ms)",
             queued * 1e6,
             replayed * 1e6,
-            queued * 213.0 * 1e3,
-            replayed * 213.0 * 1e3,
+            queued * n * 1e3,
+            replayed * n * 1e3,
         );
         (result, None)
     });

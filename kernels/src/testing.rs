@@ -48,6 +48,9 @@ pub struct TinySpec {
     pub architecture: Architecture,
     /// Head width written as `attention.key_length` (`None`: d / heads).
     pub head_dim: Option<u32>,
+    /// `rope.dimension_count`: RoPE on the first this many of a head's
+    /// dimensions (`None`: not written, the whole head).
+    pub rope_dim: Option<u32>,
     /// Write Llama-3's `rope_freqs.weight` (frequency divisors 1..8).
     pub rope_freqs: bool,
     /// Write linear RoPE scaling with this factor (`rope.scaling.type`,
@@ -80,6 +83,7 @@ impl Default for TinySpec {
             filler_tokens: 0,
             architecture: Architecture::Llama,
             head_dim: None,
+            rope_dim: None,
             rope_freqs: false,
             rope_linear: None,
             rope_base: 10_000.0,
@@ -205,6 +209,9 @@ pub fn tiny_llama(spec: &TinySpec) -> Vec<u8> {
     if let Some(cap) = final_cap {
         w.metadata(&key("final_logit_softcapping"), Value::F32(cap));
     }
+    if let Some(rope_dim) = spec.rope_dim {
+        w.metadata(&key("rope.dimension_count"), Value::U32(rope_dim));
+    }
     if let Some(head_dim) = spec.head_dim {
         w.metadata(&key("attention.key_length"), Value::U32(head_dim))
             .metadata(&key("attention.value_length"), Value::U32(head_dim));
@@ -289,7 +296,7 @@ pub fn tiny_llama(spec: &TinySpec) -> Vec<u8> {
     }
     if spec.rope_freqs {
         // Llama-3's shape: high frequencies kept, low ones divided by up to 8.
-        let pairs = head_dim / 2;
+        let pairs = spec.rope_dim.map_or(head_dim, u64::from) / 2;
         let factors: Vec<f32> = (0..pairs)
             .map(|i| 1.0 + 7.0 * i as f32 / (pairs - 1).max(1) as f32)
             .collect();

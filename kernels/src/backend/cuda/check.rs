@@ -14,7 +14,7 @@
 
 use super::device::{Device, LaunchTime};
 use super::storage::DeviceStorage;
-use super::{CudaBackend, CudaOptions};
+use super::{CudaBackend, CudaOptions, Fusions};
 use crate::backend::cpu::{CpuBackend, CpuOptions};
 use crate::backend::{Backend, SeqStep};
 use crate::kv::{KvType, OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId};
@@ -534,13 +534,12 @@ pub struct DecodeRun {
     /// comes back, not the rows), as a greedy request's are; otherwise every
     /// row of logits is copied to the host, as for a sampled request.
     pub greedy: bool,
-    /// A step of at most 8 tokens makes its activations in its products
-    /// ([`CudaBackend::set_fused_norms`]); off, a norm launch before each.
-    pub fused_norms: bool,
+    /// Launches folded into others ([`CudaBackend::set_fusions`]).
+    pub fusions: Fusions,
 }
 
 impl DecodeRun {
-    /// Greedy steps with fused norms, as the server runs them.
+    /// Greedy steps with every fusion, as the server runs them.
     pub fn new(batch: usize, depth: usize, steps: usize, graphs: bool, chunk: usize) -> DecodeRun {
         DecodeRun {
             batch,
@@ -549,7 +548,7 @@ impl DecodeRun {
             graphs,
             chunk,
             greedy: true,
-            fused_norms: true,
+            fusions: Fusions::default(),
         }
     }
 }
@@ -568,7 +567,7 @@ fn decode_run(
         graphs,
         chunk,
         greedy,
-        fused_norms,
+        fusions,
     } = *run;
     let page_tokens = 16;
     let warmup = 4;
@@ -592,7 +591,7 @@ fn decode_run(
         },
     )
     .expect("the CUDA backend runs the model");
-    cuda.set_fused_norms(fused_norms);
+    cuda.set_fusions(fusions);
     let vocab = model.config.vocab_len;
     let one: Vec<[u32; 1]> = (0..batch).map(|s| [(s % vocab) as u32]).collect();
     let mut times = Vec::new();

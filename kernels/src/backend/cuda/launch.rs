@@ -69,6 +69,9 @@ pub mod mode {
     pub const SILU_MUL: u32 = 4;
     /// `out = gelu(out) * (W . x)`.
     pub const GELU_MUL: u32 = 5;
+    /// Q, K and V stored as `rope_kv` leaves them: turned, and K and V in
+    /// pages (`MatmulArgs::rope`); a warp takes a pair of rows.
+    pub const ROPE_KV: u32 = 6;
 }
 
 args! {
@@ -145,6 +148,7 @@ args! {
         mode: u32,
         block_len: u32,
         eps: f32,
+        rope: RopeKvArgs,
     }
 }
 
@@ -299,10 +303,16 @@ pub fn attention_shared_bytes(head_dim: u32, rows_max: u32, tile: u32) -> u32 {
 /// unit is decoded once for this many.
 pub const MATMUL_TOKENS: u32 = 8;
 
-/// Blocks of a matmul launch over `rows` output rows (one warp a row) and
-/// `tokens` tokens: the rows' blocks once per group of [`MATMUL_TOKENS`].
-pub fn matmul_blocks(rows: u32, tokens: u32) -> u32 {
-    rows.div_ceil(MATMUL_WARPS) * tokens.div_ceil(MATMUL_TOKENS)
+/// Blocks of a matmul launch over `rows` output rows (one warp a row, or in
+/// [`mode::ROPE_KV`] a pair) and `tokens` tokens: the rows' blocks once per
+/// group of [`MATMUL_TOKENS`].
+pub fn matmul_blocks(rows: u32, tokens: u32, mode: u32) -> u32 {
+    let warps = if mode == mode::ROPE_KV {
+        rows / 2
+    } else {
+        rows
+    };
+    warps.div_ceil(MATMUL_WARPS) * tokens.div_ceil(MATMUL_TOKENS)
 }
 
 #[cfg(test)]
@@ -313,7 +323,7 @@ mod tests {
     fn argument_structs_have_the_sizes_args_cuh_declares() {
         assert_eq!(std::mem::size_of::<EmbedArgs>(), 48);
         assert_eq!(std::mem::size_of::<NormArgs>(), 72);
-        assert_eq!(std::mem::size_of::<MatmulArgs>(), 224);
+        assert_eq!(std::mem::size_of::<MatmulArgs>(), 344);
         assert_eq!(std::mem::size_of::<RopeKvArgs>(), 120);
         assert_eq!(std::mem::size_of::<AttentionArgs>(), 104);
         assert_eq!(std::mem::size_of::<MergeArgs>(), 40);

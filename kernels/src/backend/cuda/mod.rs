@@ -19,9 +19,12 @@
 //!    the merge of split decode attention), Wo added into the residual
 //!    stream, RMSNorm and quantization, gate and up with SwiGLU in one
 //!    matmul, down added into the residual stream; then the final norm of
-//!    the rows that want logits, the output head, and each row's argmax. In
-//!    a step of at most 8 tokens each product makes its own activations (the
-//!    norm and quantization in its blocks, no launch of their own).
+//!    the rows that want logits, the output head, and each row's argmax.
+//!    Some of these are folded into others ([`Fusions`]): in a step of at
+//!    most 8 tokens each product makes its own activations (the norm and
+//!    quantization in its blocks), and the Q/K/V product turns Q and K and
+//!    stores K and V into the pages itself. A SmolLM2 decode step is then 6
+//!    launches a layer and 3 more.
 //! 4. **Read** the logits back: the full rows, and a greedy row's argmax
 //!    alone ([`SeqStep::greedy`]).
 //!
@@ -256,9 +259,42 @@ pub struct CudaBackend {
     picks: Vec<(u32, u32)>,
     /// Host copy of the last step's greedy rows' ids.
     pick_ids: Vec<u32>,
-    /// Whether a small step's products make their own activations
-    /// ([`CudaBackend::set_fused_norms`]).
-    fused_norms: bool,
+    /// Launches folded into others ([`CudaBackend::set_fusions`]).
+    fusions: Fusions,
+}
+
+/// Launches a step folds into others. Each gives the bits of the separate
+/// launches it replaces (tested on the emulator); turning one off, as the
+/// GPU check does to measure what it saves, brings its launches back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fusions {
+    /// In a step of at most [`MATMUL_TOKENS`] tokens each product makes its
+    /// own activations (RMSNorm and quantization in its blocks): no norm
+    /// launch before it ([`CudaBackend::fused_shared`]).
+    pub norms: bool,
+    /// The Q/K/V product turns Q and K and stores K and V into the pages
+    /// ([`mode::ROPE_KV`]): no `rope_kv` launch after it. For models
+    /// without per-head Q/K norms (they come between the product and RoPE)
+    /// whose Q, K and V take one activation format (one launch).
+    pub rope: bool,
+}
+
+impl Fusions {
+    /// Every launch on its own.
+    pub const NONE: Fusions = Fusions {
+        norms: false,
+        rope: false,
+    };
+}
+
+impl Default for Fusions {
+    /// Every fusion: as the server runs.
+    fn default() -> Fusions {
+        Fusions {
+            norms: true,
+            rope: true,
+        }
+    }
 }
 
 /// The largest number of query rows (a multiple of `group`, at most
@@ -417,7 +453,7 @@ impl CudaBackend {
             logits: Vec::new(),
             picks: Vec::new(),
             pick_ids: Vec::new(),
-            fused_norms: true,
+            fusions: Fusions::default(),
         })
     }
 
@@ -595,6 +631,19 @@ impl CudaBackend {
         tokens: u32,
         mode: u32,
     ) -> Result<(), DeviceError> {
+        self.matmul_rope(segs, input, k, tokens, mode, RopeKvArgs::default())
+    }
+
+    /// [`CudaBackend::matmul`], with `rope` for [`mode::ROPE_KV`].
+    fn matmul_rope(
+        &self,
+        segs: &[MatSeg],
+        input: &Input<'_>,
+        k: u32,
+        tokens: u32,
+        mode: u32,
+        rope: RopeKvArgs,
+    ) -> Result<(), DeviceError> {
         let s = &self.scratch;
         let mut seg = [MatSeg::default(); MATMUL_SEGS_MAX];
         seg[..segs.len()].copy_from_slice(segs);
@@ -622,8 +671,9 @@ impl CudaBackend {
             mode,
             block_len: block_len(input.format),
             eps: self.model.config.rms_eps,
+            rope,
         };
-        let geometry = matmul_blocks(rows, tokens);
+        let geometry = matmul_blocks(rows, tokens, mode);
         self.launch(geometry, MATMUL_WARPS * 32, fused.unwrap_or(0), &args)
     }
 
@@ -637,18 +687,17 @@ impl CudaBackend {
     /// the shared memory a block has without opting in; and when turned off
     /// ([`CudaBackend::set_fused_norms`]).
     fn fused_shared(&self, tokens: u32, k: u32, format: ActivationFormat) -> Option<u32> {
-        self.fused_norms
+        self.fusions
+            .norms
             .then(|| fused_shared_bytes(tokens, k, format))
             .flatten()
     }
 
-    /// Whether products of a step of at most [`MATMUL_TOKENS`] tokens make
-    /// their own activations (one launch where there were two: see
-    /// [`CudaBackend::fused_shared`]); on unless turned off, as the GPU
-    /// check does to measure what it saves. Either way the same bits.
-    pub fn set_fused_norms(&mut self, on: bool) {
-        if self.fused_norms != on {
-            self.fused_norms = on;
+    /// Which launches are folded into others ([`Fusions`]; all of them
+    /// unless turned off). Either way the same bits.
+    pub fn set_fusions(&mut self, fusions: Fusions) {
+        if self.fusions != fusions {
+            self.fusions = fusions;
             // A captured graph holds the launches of the other way.
             self.graphs.clear();
         }
@@ -723,18 +772,6 @@ impl CudaBackend {
             },
         )?;
         for (layer, lw) in w.layers.iter().enumerate() {
-            self.products(
-                s.x.at(0),
-                Some(&lw.attn_norm),
-                &[
-                    (&lw.wq, s.q.at(0), q_len),
-                    (&lw.wk, s.k.at(0), kv),
-                    (&lw.wv, s.v.at(0), kv),
-                ],
-                d,
-                t,
-                mode::STORE,
-            )?;
             // A local layer (a sliding window) has its own RoPE base and scale.
             let local = c.sliding_window.as_ref().filter(|w| w.local[layer]);
             let window = local.map(|w| w.window);
@@ -742,57 +779,72 @@ impl CudaBackend {
                 Some(w) => (w.rope_base, w.rope_freq_scale),
                 None => (c.rope_base, c.rope_freq_scale),
             };
-            if let Some([gq, gk]) = &lw.qk_norm {
-                // Each head of Q and of K normalised in place, as its own row.
-                let head_dim = c.head_dim as u32;
-                for (x, heads, gain) in [
-                    (&s.q, c.heads_count as u32, gq),
-                    (&s.k, c.kv_heads_count as u32, gk),
-                ] {
-                    let args = NormArgs {
-                        x: x.at(0),
-                        gather: 0,
-                        gain: gain.at(0),
-                        out: x.at(0),
-                        qs: 0,
-                        d: 0,
-                        sums: 0,
-                        width: head_dim,
-                        block_len: 32,
-                        eps: c.rms_eps,
-                        accumulate: 0,
-                    };
-                    self.launch(t * heads, NORM_BLOCK, 0, &args)?;
+            let rope = RopeKvArgs {
+                q: s.q.at(0),
+                k: s.k.at(0),
+                v: s.v.at(0),
+                kv: kv_at,
+                token_seq: word(sl.token_seq),
+                positions: word(sl.positions),
+                seq_pages: word(sl.seq_pages),
+                pages: word(sl.pages),
+                freq_factors: w.rope_factors.as_ref().map_or(0, |f| f.at(0)),
+                heads: c.heads_count as u32,
+                kv_heads: c.kv_heads_count as u32,
+                head_dim: c.head_dim as u32,
+                rope_dim: c.rope_dim as u32,
+                layer: layer as u32,
+                pages_count: geometry.pages_count,
+                page_tokens: geometry.page_tokens,
+                kv_f16,
+                rope_base,
+                rope_scale,
+                halves: u32::from(c.rope_style == RopeStyle::Halves),
+                unused: 0,
+            };
+            let qkv = [
+                (&lw.wq, s.q.at(0), q_len),
+                (&lw.wk, s.k.at(0), kv),
+                (&lw.wv, s.v.at(0), kv),
+            ];
+            let format = lw.wq.format();
+            let one_launch = qkv.iter().all(|(m, ..)| m.format() == format);
+            if self.fusions.rope && lw.qk_norm.is_none() && one_launch {
+                let input = Input {
+                    x: s.x.at(0),
+                    gather: 0,
+                    gain: Some(&lw.attn_norm),
+                    format,
+                };
+                let segs = qkv.map(|(m, out, stride)| m.seg(out, stride));
+                self.matmul_rope(&segs, &input, d, t, mode::ROPE_KV, rope)?;
+            } else {
+                self.products(s.x.at(0), Some(&lw.attn_norm), &qkv, d, t, mode::STORE)?;
+                if let Some([gq, gk]) = &lw.qk_norm {
+                    // Each head of Q and of K normalised in place, as its own row.
+                    let head_dim = c.head_dim as u32;
+                    for (x, heads, gain) in [
+                        (&s.q, c.heads_count as u32, gq),
+                        (&s.k, c.kv_heads_count as u32, gk),
+                    ] {
+                        let args = NormArgs {
+                            x: x.at(0),
+                            gather: 0,
+                            gain: gain.at(0),
+                            out: x.at(0),
+                            qs: 0,
+                            d: 0,
+                            sums: 0,
+                            width: head_dim,
+                            block_len: 32,
+                            eps: c.rms_eps,
+                            accumulate: 0,
+                        };
+                        self.launch(t * heads, NORM_BLOCK, 0, &args)?;
+                    }
                 }
+                self.launch(t, ROW_BLOCK, 0, &rope)?;
             }
-            self.launch(
-                t,
-                ROW_BLOCK,
-                0,
-                &RopeKvArgs {
-                    q: s.q.at(0),
-                    k: s.k.at(0),
-                    v: s.v.at(0),
-                    kv: kv_at,
-                    token_seq: word(sl.token_seq),
-                    positions: word(sl.positions),
-                    seq_pages: word(sl.seq_pages),
-                    pages: word(sl.pages),
-                    freq_factors: w.rope_factors.as_ref().map_or(0, |f| f.at(0)),
-                    heads: c.heads_count as u32,
-                    kv_heads: c.kv_heads_count as u32,
-                    head_dim: c.head_dim as u32,
-                    rope_dim: c.rope_dim as u32,
-                    layer: layer as u32,
-                    pages_count: geometry.pages_count,
-                    page_tokens: geometry.page_tokens,
-                    kv_f16,
-                    rope_base,
-                    rope_scale,
-                    halves: u32::from(c.rope_style == RopeStyle::Halves),
-                    unused: 0,
-                },
-            )?;
             // Shared memory for the step's largest item, not the largest any
             // step may have (a prefill chunk's `attention_rows`).
             let rows_max = counts.item_queries_max.max(1) * c.kv_group() as u32;

@@ -25,7 +25,7 @@ pub struct Source {
 }
 
 /// Headers every source includes, by the name it includes them as.
-const HEADERS: [Source; 2] = [
+const HEADERS: [Source; 3] = [
     Source {
         name: "common.cuh",
         text: include_str!("../../../cuda/common.cuh"),
@@ -33,6 +33,10 @@ const HEADERS: [Source; 2] = [
     Source {
         name: "args.cuh",
         text: include_str!("../../../cuda/args.cuh"),
+    },
+    Source {
+        name: "kv.cuh",
+        text: include_str!("../../../cuda/kv.cuh"),
     },
 ];
 

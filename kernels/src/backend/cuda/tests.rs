@@ -21,7 +21,7 @@ use super::emulator::Emulator;
 use super::launch::*;
 use super::pack::{decode_span, decode_splits_max};
 use super::storage::DeviceStorage;
-use super::{attention_rows, CudaBackend, CudaOptions, SPLIT_POSITIONS};
+use super::{attention_rows, CudaBackend, CudaOptions, Fusions, SPLIT_POSITIONS};
 use crate::backend::{Backend, SeqStep, StepError};
 use crate::gguf::Gguf;
 use crate::kv::storage::host_storage;
@@ -649,7 +649,7 @@ fn product_bits(
         eps: 1e-5,
         ..MatmulArgs::default()
     };
-    let blocks = matmul_blocks(rows as u32, tokens as u32);
+    let blocks = matmul_blocks(rows as u32, tokens as u32, mode::STORE);
     launch(
         device,
         blocks,
@@ -725,7 +725,7 @@ fn matrix_products_of_every_weight_type_match_the_scalar_reference() {
             };
             launch(
                 &device,
-                matmul_blocks(rows as u32, tokens as u32),
+                matmul_blocks(rows as u32, tokens as u32, mode::STORE),
                 MATMUL_WARPS * 32,
                 0,
                 &MatmulArgs {
@@ -890,6 +890,128 @@ fn graphs_replay_decode_steps_with_the_same_results_as_launches() {
         without.to_bits(),
         "graphs change no arithmetic"
     );
+}
+
+/// The bits of every logit of a run on the emulator with `fusions`, and the
+/// digest of every page after it: three prompts in one step (24 tokens:
+/// norm launches), then decode steps of the three (products that make their
+/// own activations) as a captured graph with a padding sequence.
+fn run_bits(spec: &TinySpec, kv_type: KvType, fusions: Fusions) -> (Vec<u32>, Vec<u64>) {
+    let model = tiny_model(spec);
+    let device = emulator(spec.seed);
+    let (page_tokens, prompts, decode_steps) = (4u32, [9usize, 3, 12], 3);
+    let per_seq = ((12 + decode_steps) as u32).div_ceil(page_tokens);
+    let (mut pool, tables) =
+        pool_with_tables(&model, kv_type, page_tokens, 3, per_seq, Some(&device));
+    let mut cuda = CudaBackend::new(
+        Arc::clone(&model),
+        device,
+        CudaOptions {
+            step_tokens_max: 32,
+            step_seqs_max: 4,
+            graphs: true,
+        },
+    )
+    .unwrap();
+    cuda.set_fusions(fusions);
+    let mut rng = SplitMix64(spec.seed);
+    let vocab = model.config.vocab_len as u64;
+    let inputs: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|&n| {
+            (0..n + decode_steps)
+                .map(|_| (rng.next_u64() % vocab) as u32)
+                .collect()
+        })
+        .collect();
+    let mut bits = Vec::new();
+    for i in 0..=decode_steps {
+        let steps: Vec<SeqStep> = (0..3)
+            .map(|s| {
+                let (pos_start, len) = match i {
+                    0 => (0, prompts[s]),
+                    _ => (prompts[s] + i - 1, 1),
+                };
+                SeqStep {
+                    pages: &tables[s],
+                    pos_start,
+                    tokens: &inputs[s][pos_start..pos_start + len],
+                    logits: len.min(2),
+                    greedy: false,
+                }
+            })
+            .collect();
+        let logits = cuda.step(&steps, &mut pool).unwrap();
+        bits.extend(logits.values.iter().map(|v| v.to_bits()));
+    }
+    let digests = tables
+        .iter()
+        .flat_map(|table| (0..per_seq as usize).map(move |i| table.lease(i).unwrap()))
+        .map(|lease| pool.digest(lease, page_tokens).unwrap())
+        .collect();
+    (bits, digests)
+}
+
+#[test]
+fn a_qkv_product_that_turns_and_stores_its_outputs_gives_the_rope_launchs_bits() {
+    use crate::model::Architecture;
+    let cases = [
+        ("llama (adjacent pairs)", TinySpec::default(), KvType::F16),
+        (
+            "qwen2 (halves, biases)",
+            TinySpec {
+                seed: 52,
+                architecture: Architecture::Qwen2,
+                ..TinySpec::default()
+            },
+            KvType::F32,
+        ),
+        // RoPE on half of each 16-wide head, with Llama 3's table.
+        (
+            "llama 3 (partial)",
+            TinySpec {
+                seed: 53,
+                rope_dim: Some(8),
+                rope_freqs: true,
+                ..TinySpec::default()
+            },
+            KvType::F16,
+        ),
+        (
+            "qwen2 (partial halves)",
+            TinySpec {
+                seed: 54,
+                architecture: Architecture::Qwen2,
+                rope_dim: Some(8),
+                ..TinySpec::default()
+            },
+            KvType::F16,
+        ),
+    ];
+    for (name, spec, kv_type) in cases {
+        let model = tiny_model(&spec);
+        assert_eq!(
+            model.config.rope_dim,
+            spec.rope_dim.map_or(16, |r| r as usize)
+        );
+        let fused = run_bits(&spec, kv_type, Fusions::default());
+        let separate = Fusions {
+            rope: false,
+            ..Fusions::default()
+        };
+        // 3 prompts' last 2 rows, then 3 decode rows a step, 3 steps.
+        assert_eq!(fused.0.len(), (6 + 9) * model.config.vocab_len, "{name}");
+        // 12, 6 and 15 positions written: 9 pages, each its own values, and
+        // 3 pages of zeros.
+        let distinct: std::collections::HashSet<u64> = fused.1.iter().copied().collect();
+        assert_eq!((fused.1.len(), distinct.len()), (12, 10), "{name}");
+        for fusions in [separate, Fusions::NONE] {
+            let other = run_bits(&spec, kv_type, fusions);
+            let logit = fused.0.iter().zip(&other.0).position(|(a, b)| a != b);
+            assert_eq!(logit, None, "{name}, {fusions:?}: the first logit apart");
+            assert_eq!(fused.1, other.1, "{name}, {fusions:?}: page digests");
+        }
+    }
 }
 
 // ---------------------------------------------------------------- hostile tables
@@ -1370,35 +1492,47 @@ fn a_profile_times_every_launch_of_its_steps_and_none_of_a_captured_graph() {
     let run = super::check::DecodeRun::new(2, 40, 3, false, 32);
     let profile = super::check::decode_profile(&model, &device, &run);
     // Every kernel of a decode step, each launch counted once a step; its
-    // products make their own activations (2 tokens), with no norm launch.
+    // products make their own activations (2 tokens), with no norm launch,
+    // and the Q/K/V product turns Q and K and stores K and V, with no
+    // rope_kv launch.
     let names: Vec<&str> = profile.kernels.iter().map(|k| k.kernel).collect();
-    for kernel in ["embed", "matmul", "rope_kv", "attention", "argmax"] {
+    for kernel in ["embed", "matmul", "attention", "argmax"] {
         assert!(names.contains(&kernel), "{kernel} missing from {names:?}");
     }
     assert!(!names.contains(&"rms_norm"), "{names:?}");
-    let separate = super::check::DecodeRun {
-        fused_norms: false,
-        ..run
-    };
-    let separate = super::check::decode_profile(&model, &device, &separate);
-    let norms = separate.kernels.iter().find(|k| k.kernel == "rms_norm");
-    // Before each of a layer's four products and the head.
+    assert!(!names.contains(&"rope_kv"), "{names:?}");
     let layers = model.config.layers_count as f64;
-    assert_eq!(norms.map(|k| k.launches), Some(4.0 * layers + 1.0));
+    let launches_of = |profile: &super::check::StepProfile, kernel: &str| {
+        let found = profile.kernels.iter().find(|k| k.kernel == kernel);
+        found.map(|k| (k.launches, k.grid))
+    };
+    let without = |fusions: Fusions| {
+        let run = super::check::DecodeRun { fusions, ..run };
+        super::check::decode_profile(&model, &device, &run)
+    };
+    // Norms on their own: before each of a layer's four products and the head.
+    let separate = without(Fusions {
+        norms: false,
+        ..Fusions::default()
+    });
+    let norms = launches_of(&separate, "rms_norm");
+    assert_eq!(
+        norms.map(|(launches, _)| launches),
+        Some(4.0 * layers + 1.0)
+    );
     assert_eq!(separate.launches(), profile.launches() + 4.0 * layers + 1.0);
+    // RoPE and the KV store on their own: a launch a layer, a block a token.
+    let separate = without(Fusions {
+        rope: false,
+        ..Fusions::default()
+    });
+    assert_eq!(launches_of(&separate, "rope_kv"), Some((layers, 2)));
+    assert_eq!(separate.launches(), profile.launches() + layers);
+    let none = without(Fusions::NONE);
+    assert_eq!(none.launches(), profile.launches() + 5.0 * layers + 1.0);
     // Every step launches alike: a whole number of launches a step.
     let launches = profile.launches();
     assert!((launches - launches.round()).abs() < 1e-9, "{launches}");
-    let rope = profile
-        .kernels
-        .iter()
-        .find(|k| k.kernel == "rope_kv")
-        .unwrap();
-    assert_eq!(
-        (rope.launches, rope.grid),
-        (layers, 2),
-        "one a layer, a block a token"
-    );
     // The costliest first, each timed.
     assert!(profile.kernels.windows(2).all(|w| w[0].secs >= w[1].secs));
     assert!(profile.kernels.iter().all(|k| k.secs > 0.0));
