@@ -153,7 +153,8 @@ struct MatmulArgs {
 // sequence, the first at position pos0) of one KV head's group of query
 // heads, over KV positions p0..p1 (each query sees at most its own position).
 // `partial` is NO_SEQ to write the normalised output, else the slot of
-// `partials` where (m, l, o) go for a merge (such an item has one query).
+// `partials` where (m, l, o) go for a merge (such an item has one query),
+// `merge` that merge's index.
 struct AttnItem {
     uint32_t seq;
     uint32_t kv_head;
@@ -163,10 +164,16 @@ struct AttnItem {
     uint32_t p0;
     uint32_t p1;
     uint32_t partial;
+    uint32_t merge;  // NO_SEQ where `partial` is
+    uint32_t unused;
 };
 
 // Paged attention through page tables, an online softmax over tiles of
 // `tile` positions. An item with t0 == t1 is padding and does nothing.
+// With `counters`, the last of a merge's items to finish folds its partials
+// (as attention_merge does, no launch of its own): each item counts itself
+// done once its partial is written and fenced, and the one whose count
+// completes the merge resets the counter for the next layer's launch.
 // Grid (items), block 128, dynamic shared memory attention_shared_bytes().
 struct AttentionArgs {
     uint64_t q;          // f32 [tokens][heads * head_dim]
@@ -176,6 +183,8 @@ struct AttentionArgs {
     uint64_t pages;
     uint64_t out;       // f32 [tokens][heads * head_dim]
     uint64_t partials;  // f32 [slots][group][2 + head_dim]: m, l, o of one query
+    uint64_t merges;    // MergeItem [..], as in MergeArgs
+    uint64_t counters;  // u32 [merges]: zero before the launch; or 0, a merge launch folds them
     uint32_t heads;
     uint32_t kv_heads;
     uint32_t head_dim;

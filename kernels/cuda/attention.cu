@@ -41,6 +41,34 @@ __device__ __forceinline__ void kv_load16(uint64_t kv, uint64_t index, uint32_t 
     }
 }
 
+// Folds the partials of `merge` (slots first.., in position order) into
+// its token's normalised output for the KV head's query heads, the block's
+// threads a share of group * head_dim values each. The partials are read
+// past L1: in attention's own fold, other blocks wrote them in this launch.
+__device__ void merge_partials(uint64_t partials_at, uint64_t out_at, MergeItem merge,
+                               uint32_t heads, uint32_t kv_heads, uint32_t hd) {
+    uint32_t group = heads / kv_heads;
+    const volatile float* partials = reinterpret_cast<const volatile float*>(partials_at);
+    float* out = reinterpret_cast<float*>(out_at);
+    for (uint32_t e = threadIdx.x; e < group * hd; e += blockDim.x) {
+        uint32_t g = e / hd, i = e % hd;
+        float best = NEG_INF;
+        for (uint32_t s = 0; s < merge.count; s++) {
+            best = fmaxf(best, partials[(uint64_t(merge.first + s) * group + g) * (2 + hd)]);
+        }
+        float l = 0.0f, o = 0.0f;
+        for (uint32_t s = 0; s < merge.count; s++) {
+            const volatile float* part = partials + (uint64_t(merge.first + s) * group + g) * (2 + hd);
+            float m = part[0];
+            float weight = m == NEG_INF ? 0.0f : expf(m - best);
+            l += part[1] * weight;
+            o += part[2 + i] * weight;
+        }
+        uint32_t head = merge.kv_head * group + g;
+        out[uint64_t(merge.token) * heads * hd + head * hd + i] = l > 0.0f ? o / l : 0.0f;
+    }
+}
+
 KERNEL(rope_kv, RopeKvArgs) {
     uint32_t t = blockIdx.x;
     uint32_t seq = reinterpret_cast<const uint32_t*>(a.token_seq)[t];
@@ -186,28 +214,27 @@ KERNEL(attention, AttentionArgs) {
             part[2 + i] = os[e];
         }
     }
+    if (item.partial == NO_SEQ || !a.counters) return;
+    // The last of the merge's items to finish folds them all. Every
+    // thread's stores are fenced before the block counts itself done, so the
+    // block whose count completes the merge sees every partial of it.
+    __threadfence();
+    __syncthreads();
+    uint32_t* counters = reinterpret_cast<uint32_t*>(a.counters);
+    MergeItem merge = reinterpret_cast<const MergeItem*>(a.merges)[item.merge];
+    if (threadIdx.x == 0) {
+        bool last = atomicAdd(&counters[item.merge], 1u) + 1 == merge.count;
+        if (last) counters[item.merge] = 0;  // zero again for the next layer's launch
+        alphas[0] = last ? 1.0f : 0.0f;      // no longer read: the block's flag
+    }
+    __syncthreads();
+    if (alphas[0] == 0.0f) return;
+    __threadfence();
+    merge_partials(a.partials, a.out, merge, a.heads, a.kv_heads, hd);
 }
 
 KERNEL(attention_merge, MergeArgs) {
     MergeItem merge = reinterpret_cast<const MergeItem*>(a.merges)[blockIdx.x];
     if (merge.count == 0) return;  // padding of a captured step
-    uint32_t hd = a.head_dim, group = a.heads / a.kv_heads;
-    const float* partials = reinterpret_cast<const float*>(a.partials);
-    float* out = reinterpret_cast<float*>(a.out);
-    for (uint32_t e = threadIdx.x; e < group * hd; e += blockDim.x) {
-        uint32_t g = e / hd, i = e % hd;
-        float best = NEG_INF;
-        for (uint32_t s = 0; s < merge.count; s++) {
-            best = fmaxf(best, partials[(uint64_t(merge.first + s) * group + g) * (2 + hd)]);
-        }
-        float l = 0.0f, o = 0.0f;
-        for (uint32_t s = 0; s < merge.count; s++) {
-            const float* part = partials + (uint64_t(merge.first + s) * group + g) * (2 + hd);
-            float weight = part[0] == NEG_INF ? 0.0f : expf(part[0] - best);
-            l += part[1] * weight;
-            o += part[2 + i] * weight;
-        }
-        uint32_t head = merge.kv_head * group + g;
-        out[uint64_t(merge.token) * a.heads * hd + head * hd + i] = l > 0.0f ? o / l : 0.0f;
-    }
+    merge_partials(a.partials, a.out, merge, a.heads, a.kv_heads, a.head_dim);
 }

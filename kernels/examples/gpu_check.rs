@@ -28,8 +28,9 @@
 //!    tokens' ids, picked on the device, not their rows of logits (25 MB a
 //!    step at batch 128); one more row, batch 128 at depth 512 copying every
 //!    row (as a sampled request's step does), says what that copy costs;
-//!    and batch 1 with a norm launch before each matrix product, and with
-//!    RoPE and the KV store a launch of their own, what each fusion saves.
+//!    and batch 1 with a norm launch before each matrix product, with RoPE
+//!    and the KV store a launch of their own, and with split attention
+//!    merged by a launch of its own: what each fusion saves.
 //!
 //! `gpu_check --write-model PATH` writes the SmolLM2-shaped model's GGUF file
 //! to PATH and exits (the server's part of `scripts/gpu-check.sh` serves it).
@@ -471,7 +472,8 @@ fn decode_rows(
             // with a norm launch before each product (the products of a
             // step of at most 8 tokens make their own activations), and
             // with RoPE and the KV store a launch of their own (the Q/K/V
-            // product does them); the
+            // product does them), and with split attention merged by a
+            // launch of its own (attention's last split folds them); the
             // largest batch at the shallowest depth copying every row of
             // logits to the host, as a sampled request's step does.
             let run = DecodeRun::new(batch, depth, plan.decode_steps, true, plan.chunk);
@@ -499,6 +501,16 @@ fn decode_rows(
                     DecodeRun {
                         fusions: Fusions {
                             rope: false,
+                            ..run.fusions
+                        },
+                        ..run
+                    },
+                ));
+                variants.push((
+                    " (merge launches)",
+                    DecodeRun {
+                        fusions: Fusions {
+                            merge: false,
                             ..run.fusions
                         },
                         ..run
@@ -671,10 +683,11 @@ fn main() -> ExitCode {
         (result, None)
     });
     report.row("launch floor".into(), || {
-        // As many launches as a SmolLM2 decode step makes: 6 a layer (the
-        // Q/K/V product with its RoPE and KV store, attention, its merge,
-        // Wo, gate and up, down), the embedding, the head and the argmax.
-        let launches = 30 * 6 + 3;
+        // As many launches as a SmolLM2 decode step makes: 5 a layer (the
+        // Q/K/V product with its RoPE and KV store, attention with its
+        // merge, Wo, gate and up, down), the embedding, the head and the
+        // argmax.
+        let launches = 30 * 5 + 3;
         let (queued, replayed) = launch_floor(&device, launches, 5);
         let n = launches as f64;
         let result = format!(

@@ -112,6 +112,14 @@ struct Registration {
 #define __shfl_sync(mask, value, src, ...) emu::shfl(value, src)
 #define __shfl_down_sync(mask, value, delta, ...) emu::shfl_down(value, delta)
 #define __dp4a(a, b, c) emu::dp4a(a, b, c)
+// Blocks run one after another and a block's fibers switch only at
+// barriers: every access is already ordered and a plain add is atomic.
+#define __threadfence() ((void)0)
+inline unsigned atomicAdd(unsigned* address, unsigned value) {
+    unsigned old = *address;
+    *address = old + value;
+    return old;
+}
 #define __global__
 #define __device__
 #define __forceinline__ inline

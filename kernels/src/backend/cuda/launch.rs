@@ -199,8 +199,33 @@ pub struct AttnItem {
     pub p1: u32,
     /// Partial slot, or [`NO_SEQ`] for the final output.
     pub partial: u32,
+    /// The merge the partial folds into, or [`NO_SEQ`].
+    pub merge: u32,
+    /// Padding.
+    pub unused: u32,
 }
-const _: () = assert!(std::mem::size_of::<AttnItem>() == 32);
+const _: () = assert!(std::mem::size_of::<AttnItem>() == 4 * ITEM_WORDS);
+
+/// Words of an [`AttnItem`] in the step buffer.
+pub const ITEM_WORDS: usize = 10;
+
+impl AttnItem {
+    /// Its words, as the kernels read them.
+    pub fn words(&self) -> [u32; ITEM_WORDS] {
+        [
+            self.seq,
+            self.kv_head,
+            self.t0,
+            self.t1,
+            self.pos0,
+            self.p0,
+            self.p1,
+            self.partial,
+            self.merge,
+            self.unused,
+        ]
+    }
+}
 
 args! {
     /// Paged attention over work items.
@@ -212,6 +237,8 @@ args! {
         pages: u64,
         out: u64,
         partials: u64,
+        merges: u64,
+        counters: u64,
         heads: u32,
         kv_heads: u32,
         head_dim: u32,
@@ -325,7 +352,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<NormArgs>(), 72);
         assert_eq!(std::mem::size_of::<MatmulArgs>(), 344);
         assert_eq!(std::mem::size_of::<RopeKvArgs>(), 120);
-        assert_eq!(std::mem::size_of::<AttentionArgs>(), 104);
+        assert_eq!(std::mem::size_of::<AttentionArgs>(), 120);
         assert_eq!(std::mem::size_of::<MergeArgs>(), 40);
         assert_eq!(std::mem::size_of::<DigestArgs>(), 48);
         assert_eq!(std::mem::size_of::<ArgmaxArgs>(), 24);

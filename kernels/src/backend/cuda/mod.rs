@@ -22,9 +22,10 @@
 //!    the rows that want logits, the output head, and each row's argmax.
 //!    Some of these are folded into others ([`Fusions`]): in a step of at
 //!    most 8 tokens each product makes its own activations (the norm and
-//!    quantization in its blocks), and the Q/K/V product turns Q and K and
-//!    stores K and V into the pages itself. A SmolLM2 decode step is then 6
-//!    launches a layer and 3 more.
+//!    quantization in its blocks), the Q/K/V product turns Q and K and
+//!    stores K and V into the pages itself, and the last of a decode
+//!    token's attention splits to finish folds them. A SmolLM2 decode step
+//!    is then 5 launches a layer and 3 more.
 //! 4. **Read** the logits back: the full rows, and a greedy row's argmax
 //!    alone ([`SeqStep::greedy`]).
 //!
@@ -277,6 +278,9 @@ pub struct Fusions {
     /// without per-head Q/K norms (they come between the product and RoPE)
     /// whose Q, K and V take one activation format (one launch).
     pub rope: bool,
+    /// The last of a decode token's attention splits to finish folds their
+    /// partials: no `attention_merge` launch after attention.
+    pub merge: bool,
 }
 
 impl Fusions {
@@ -284,6 +288,7 @@ impl Fusions {
     pub const NONE: Fusions = Fusions {
         norms: false,
         rope: false,
+        merge: false,
     };
 }
 
@@ -293,6 +298,7 @@ impl Default for Fusions {
         Fusions {
             norms: true,
             rope: true,
+            merge: true,
         }
     }
 }
@@ -849,6 +855,7 @@ impl CudaBackend {
             // step may have (a prefill chunk's `attention_rows`).
             let rows_max = counts.item_queries_max.max(1) * c.kv_group() as u32;
             debug_assert!(rows_max <= self.attention_rows);
+            let fold = self.fusions.merge;
             self.launch(
                 counts.items,
                 ATTENTION_BLOCK,
@@ -861,6 +868,8 @@ impl CudaBackend {
                     pages: word(sl.pages),
                     out: s.attn.at(0),
                     partials: step.partials.at(0),
+                    merges: if fold { word(sl.merges) } else { 0 },
+                    counters: if fold { word(sl.counters) } else { 0 },
                     heads: c.heads_count as u32,
                     kv_heads: c.kv_heads_count as u32,
                     head_dim: c.head_dim as u32,
@@ -876,7 +885,7 @@ impl CudaBackend {
                 },
             )?;
             self.launch(
-                counts.merges,
+                if fold { 0 } else { counts.merges },
                 ATTENTION_BLOCK,
                 0,
                 &MergeArgs {

@@ -5,14 +5,15 @@
 //! regions' addresses) stay valid for every later step.
 //!
 //! ```text
-//! tokens[T] positions[T] token_seq[T] seq_pages[S] gather[R] pages[P] items[I][8] merges[M][4]
+//! tokens[T] positions[T] token_seq[T] seq_pages[S] gather[R] pages[P] items[I][10] merges[M][4] counters[M]
 //! ```
 //!
 //! `pages` holds, per sequence, the page ids the page book checked for the
 //! step, as far as the step reaches and no further; `items` are attention's
-//! work units (`AttnItem`), `merges` the folds of split decode attention.
+//! work units (`AttnItem`), `merges` the folds of split decode attention,
+//! `counters` zeros for attention to count each merge's finished splits in.
 
-use super::launch::{AttnItem, ATTENTION_TILE, NO_SEQ};
+use super::launch::{AttnItem, ATTENTION_TILE, ITEM_WORDS, NO_SEQ};
 use super::{CudaOptions, SPLIT_POSITIONS};
 use crate::kv::PageId;
 use crate::model::Model;
@@ -69,6 +70,7 @@ pub(super) struct StepLayout {
     pub(super) pages: u64,
     pub(super) items: u64,
     pub(super) merges: u64,
+    pub(super) counters: u64,
     pub(super) words: u64,
     /// Capacities.
     pub(super) gather_max: u64,
@@ -118,8 +120,9 @@ impl StepLayout {
         let gather_max = options.limits().step_logits_max() as u64;
         let gather = region(gather_max);
         let pages = region(pages_max);
-        let items = region(items_max * 8);
+        let items = region(items_max * ITEM_WORDS as u64);
         let merges = region(merges_max * 4);
+        let counters = region(merges_max);
         StepLayout {
             tokens,
             positions,
@@ -129,6 +132,7 @@ impl StepLayout {
             pages,
             items,
             merges,
+            counters,
             words: at,
             gather_max,
             pages_max,
@@ -250,17 +254,8 @@ impl<'a> Packer<'a> {
     }
 
     fn item(&mut self, item: AttnItem) {
-        let at = (self.layout.items + 8 * u64::from(self.counts.items)) as usize;
-        self.words[at..at + 8].copy_from_slice(&[
-            item.seq,
-            item.kv_head,
-            item.t0,
-            item.t1,
-            item.pos0,
-            item.p0,
-            item.p1,
-            item.partial,
-        ]);
+        let at = (self.layout.items + (ITEM_WORDS as u64) * u64::from(self.counts.items)) as usize;
+        self.words[at..at + ITEM_WORDS].copy_from_slice(&item.words());
         self.counts.items += 1;
         let queries = item.t1 - item.t0;
         self.counts.item_queries_max = self.counts.item_queries_max.max(queries);
@@ -287,12 +282,15 @@ impl<'a> Packer<'a> {
                 p0: 0,
                 p1: positions,
                 partial: NO_SEQ,
+                merge: NO_SEQ,
+                unused: 0,
             };
             if splits == 1 {
                 self.item(item);
                 continue;
             }
-            let at = (self.layout.merges + 4 * u64::from(self.counts.merges)) as usize;
+            let merge = self.counts.merges;
+            let at = (self.layout.merges + 4 * u64::from(merge)) as usize;
             self.words[at..at + 4].copy_from_slice(&[t, kv_head, self.slots, splits]);
             self.counts.merges += 1;
             for split in 0..splits {
@@ -302,6 +300,7 @@ impl<'a> Packer<'a> {
                     p0,
                     p1,
                     partial: self.slots,
+                    merge,
                     ..item
                 });
                 self.slots += 1;
@@ -337,6 +336,8 @@ impl<'a> Packer<'a> {
                     p0: 0,
                     p1: pos + (b - a),
                     partial: NO_SEQ,
+                    merge: NO_SEQ,
+                    unused: 0,
                 });
             }
         }

@@ -893,21 +893,23 @@ fn graphs_replay_decode_steps_with_the_same_results_as_launches() {
 }
 
 /// The bits of every logit of a run on the emulator with `fusions`, and the
-/// digest of every page after it: three prompts in one step (24 tokens:
+/// digest of every page after it: three prompts in one step (52 tokens:
 /// norm launches), then decode steps of the three (products that make their
-/// own activations) as a captured graph with a padding sequence.
+/// own activations; the longest sequence's attention split in two and
+/// merged) as a captured graph with a padding sequence.
 fn run_bits(spec: &TinySpec, kv_type: KvType, fusions: Fusions) -> (Vec<u32>, Vec<u64>) {
     let model = tiny_model(spec);
     let device = emulator(spec.seed);
-    let (page_tokens, prompts, decode_steps) = (4u32, [9usize, 3, 12], 3);
-    let per_seq = ((12 + decode_steps) as u32).div_ceil(page_tokens);
+    let (page_tokens, prompts, decode_steps) = (4u32, [9usize, 3, 40], 3);
+    let longest = prompts.iter().max().unwrap() + decode_steps;
+    let per_seq = (longest as u32).div_ceil(page_tokens);
     let (mut pool, tables) =
         pool_with_tables(&model, kv_type, page_tokens, 3, per_seq, Some(&device));
     let mut cuda = CudaBackend::new(
         Arc::clone(&model),
         device,
         CudaOptions {
-            step_tokens_max: 32,
+            step_tokens_max: 64,
             step_seqs_max: 4,
             graphs: true,
         },
@@ -953,7 +955,10 @@ fn run_bits(spec: &TinySpec, kv_type: KvType, fusions: Fusions) -> (Vec<u32>, Ve
 }
 
 #[test]
-fn a_qkv_product_that_turns_and_stores_its_outputs_gives_the_rope_launchs_bits() {
+fn each_fusion_gives_the_bits_of_the_launches_it_replaces() {
+    // The Q/K/V product that turns Q and K and stores K and V, on every
+    // RoPE layout; attention folding its own splits; products making their
+    // own activations: each on its own and all together.
     use crate::model::Architecture;
     let cases = [
         ("llama (adjacent pairs)", TinySpec::default(), KvType::F16),
@@ -995,17 +1000,26 @@ fn a_qkv_product_that_turns_and_stores_its_outputs_gives_the_rope_launchs_bits()
             spec.rope_dim.map_or(16, |r| r as usize)
         );
         let fused = run_bits(&spec, kv_type, Fusions::default());
-        let separate = Fusions {
-            rope: false,
-            ..Fusions::default()
-        };
         // 3 prompts' last 2 rows, then 3 decode rows a step, 3 steps.
         assert_eq!(fused.0.len(), (6 + 9) * model.config.vocab_len, "{name}");
-        // 12, 6 and 15 positions written: 9 pages, each its own values, and
-        // 3 pages of zeros.
+        // 12, 6 and 43 positions written: 16 pages, each its own values,
+        // and 17 pages of zeros.
         let distinct: std::collections::HashSet<u64> = fused.1.iter().copied().collect();
-        assert_eq!((fused.1.len(), distinct.len()), (12, 10), "{name}");
-        for fusions in [separate, Fusions::NONE] {
+        assert_eq!((fused.1.len(), distinct.len()), (33, 17), "{name}");
+        let all = Fusions::default();
+        let each_off = [
+            Fusions { rope: false, ..all },
+            Fusions {
+                merge: false,
+                ..all
+            },
+            Fusions {
+                norms: false,
+                ..all
+            },
+            Fusions::NONE,
+        ];
+        for fusions in each_off {
             let other = run_bits(&spec, kv_type, fusions);
             let logit = fused.0.iter().zip(&other.0).position(|(a, b)| a != b);
             assert_eq!(logit, None, "{name}, {fusions:?}: the first logit apart");
@@ -1424,21 +1438,26 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
         counts.item_queries_max, per_item,
         "shared memory for a prefill item"
     );
+    let words = ITEM_WORDS as u64;
     let item = |n: u32| -> Vec<u32> {
-        (0..8)
-            .map(|i| word(l.items + 8 * u64::from(n) + i))
+        (0..words)
+            .map(|i| word(l.items + words * u64::from(n) + i))
             .collect()
     };
-    assert_eq!(item(0), vec![0, 0, 0, per_item, 0, 0, per_item, NO_SEQ]);
+    let prefill = [0, 0, 0, per_item, 0, 0, per_item, NO_SEQ, NO_SEQ, 0];
+    assert_eq!(item(0), prefill);
     let first_decode = item(prefill_items);
-    assert_eq!(first_decode, vec![1, 0, 40, 41, 600, 0, 32, 0]);
-    assert_eq!(item(prefill_items + 18)[5..], [18 * 32, 601, 18]);
+    assert_eq!(first_decode, [1, 0, 40, 41, 600, 0, 32, 0, 0, 0]);
+    assert_eq!(item(prefill_items + 18)[5..9], [18 * 32, 601, 18, 0]);
     assert_eq!(
         item(prefill_items + 19)[..2],
         [1, 1],
         "then the second KV head's"
     );
+    assert_eq!(item(prefill_items + 19)[7..9], [19, 1], "into merge 1");
     assert_eq!(counts.merges, 2);
+    // Counters for attention to count each merge's finished splits: zero.
+    assert_eq!((word(l.counters), word(l.counters + 1)), (0, 0));
     let merge: Vec<u32> = (0..4).map(|i| word(l.merges + i)).collect();
     assert_eq!(merge, vec![40, 0, 0, 19]);
     drop(view);
@@ -1470,10 +1489,11 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
     // The step's own items: two KV heads of 41 positions in splits of 32.
     let real = 2 * 41u32.div_ceil(decode_span(41, 2, 2));
     assert_eq!(real, 4);
-    let padding_item = (l.items + 8 * u64::from(real)) as usize;
+    let padding_item = (l.items + words * u64::from(real)) as usize;
+    let previous = padding_item - ITEM_WORDS;
     assert_ne!(
-        w[padding_item - 8 + 2],
-        w[padding_item - 8 + 3],
+        w[previous + 2],
+        w[previous + 3],
         "the last real item has its query"
     );
     assert_eq!(
@@ -1493,14 +1513,16 @@ fn a_profile_times_every_launch_of_its_steps_and_none_of_a_captured_graph() {
     let profile = super::check::decode_profile(&model, &device, &run);
     // Every kernel of a decode step, each launch counted once a step; its
     // products make their own activations (2 tokens), with no norm launch,
-    // and the Q/K/V product turns Q and K and stores K and V, with no
-    // rope_kv launch.
+    // the Q/K/V product turns Q and K and stores K and V, with no rope_kv
+    // launch, and attention folds its splits (two a token at depth 40),
+    // with no merge launch.
     let names: Vec<&str> = profile.kernels.iter().map(|k| k.kernel).collect();
     for kernel in ["embed", "matmul", "attention", "argmax"] {
         assert!(names.contains(&kernel), "{kernel} missing from {names:?}");
     }
     assert!(!names.contains(&"rms_norm"), "{names:?}");
     assert!(!names.contains(&"rope_kv"), "{names:?}");
+    assert!(!names.contains(&"attention_merge"), "{names:?}");
     let layers = model.config.layers_count as f64;
     let launches_of = |profile: &super::check::StepProfile, kernel: &str| {
         let found = profile.kernels.iter().find(|k| k.kernel == kernel);
@@ -1528,8 +1550,16 @@ fn a_profile_times_every_launch_of_its_steps_and_none_of_a_captured_graph() {
     });
     assert_eq!(launches_of(&separate, "rope_kv"), Some((layers, 2)));
     assert_eq!(separate.launches(), profile.launches() + layers);
+    // The merge of split attention on its own: a launch a layer, a block a
+    // token's KV head.
+    let separate = without(Fusions {
+        merge: false,
+        ..Fusions::default()
+    });
+    assert_eq!(launches_of(&separate, "attention_merge"), Some((layers, 4)));
+    assert_eq!(separate.launches(), profile.launches() + layers);
     let none = without(Fusions::NONE);
-    assert_eq!(none.launches(), profile.launches() + 5.0 * layers + 1.0);
+    assert_eq!(none.launches(), profile.launches() + 6.0 * layers + 1.0);
     // Every step launches alike: a whole number of launches a step.
     let launches = profile.launches();
     assert!((launches - launches.round()).abs() < 1e-9, "{launches}");
