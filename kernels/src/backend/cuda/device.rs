@@ -12,7 +12,9 @@
 //! one, `read` waits for everything before it, and a captured graph replays
 //! its launches in the order they were captured.
 
+use std::alloc::Layout;
 use std::fmt;
+use std::ptr::NonNull;
 use std::sync::Arc;
 
 /// Why a device operation failed.
@@ -32,6 +34,15 @@ pub enum DeviceError {
         /// Bytes asked for.
         bytes: u64,
         /// What the device said.
+        message: String,
+    },
+    /// Host memory for copies from the device ([`Device::alloc_host`])
+    /// could not be had.
+    #[error("host memory for device reads: {bytes} bytes could not be allocated ({message})")]
+    HostOutOfMemory {
+        /// Bytes asked for.
+        bytes: u64,
+        /// What the driver or the allocator said.
         message: String,
     },
     /// A kernel launch was refused or failed.
@@ -118,6 +129,34 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// `at` and `bytes` are exactly one earlier `alloc`'s, not yet freed,
     /// and no queued or captured work uses it any more.
     unsafe fn free(&self, at: u64, bytes: u64);
+
+    /// Allocates `bytes` (at least 1) of zeroed host memory, 64-byte
+    /// aligned, that reads from the device copy into at the bus's speed:
+    /// page-locked on a GPU, where a read into pageable memory goes through
+    /// the driver's own staging buffer at a fraction of it. Plain memory
+    /// where nothing is locked (the emulator).
+    fn alloc_host(&self, bytes: usize) -> Result<NonNull<u8>, DeviceError> {
+        let layout = host_layout(bytes)?;
+        // SAFETY: the layout's size is at least 1.
+        NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }).ok_or(
+            DeviceError::HostOutOfMemory {
+                bytes: bytes as u64,
+                message: "the host allocator refused".into(),
+            },
+        )
+    }
+
+    /// Frees host memory from [`Device::alloc_host`].
+    ///
+    /// # Safety
+    /// `at` and `bytes` are exactly one earlier `alloc_host`'s, not yet
+    /// freed, and no copy into it is queued.
+    unsafe fn free_host(&self, at: NonNull<u8>, bytes: usize) {
+        if let Ok(layout) = host_layout(bytes) {
+            // SAFETY: allocated by the default `alloc_host` with this layout.
+            unsafe { std::alloc::dealloc(at.as_ptr(), layout) }
+        }
+    }
 
     /// Copies `src` to device address `at`.
     ///
@@ -370,6 +409,81 @@ impl DeviceBuffer {
         let rect = self.check_rect(offset, pitch, width, rows)?;
         // SAFETY: as above.
         unsafe { self.device.write_rect(rect, data) }
+    }
+}
+
+/// The layout of the default [`Device::alloc_host`]'s memory.
+fn host_layout(bytes: usize) -> Result<Layout, DeviceError> {
+    Layout::from_size_align(bytes.max(1), 64).map_err(|_| DeviceError::HostOutOfMemory {
+        bytes: bytes as u64,
+        message: "past the host's address space".into(),
+    })
+}
+
+/// Floats in host memory that reads from the device copy into directly
+/// ([`Device::alloc_host`]: page-locked on a GPU), zeroed when made.
+pub struct HostFloats {
+    device: Arc<dyn Device>,
+    at: NonNull<f32>,
+    len: usize,
+}
+
+// SAFETY: the memory is this value's alone, read and written only through
+// `&self` and `&mut self`, as a Vec's would be.
+unsafe impl Send for HostFloats {}
+// SAFETY: as above: shared references only read.
+unsafe impl Sync for HostFloats {}
+
+impl fmt::Debug for HostFloats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "HostFloats({} floats)", self.len)
+    }
+}
+
+impl HostFloats {
+    /// `len` zeroed floats for reads from `device`.
+    pub fn zeroed(device: &Arc<dyn Device>, len: usize) -> Result<HostFloats, DeviceError> {
+        let bytes = len.checked_mul(4).ok_or(DeviceError::HostOutOfMemory {
+            bytes: u64::MAX,
+            message: "past the host's address space".into(),
+        })?;
+        let at = device.alloc_host(bytes)?;
+        Ok(HostFloats {
+            device: Arc::clone(device),
+            at: at.cast(),
+            len,
+        })
+    }
+
+    /// How many floats it holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Its floats.
+    pub fn as_slice(&self) -> &[f32] {
+        // SAFETY: `len` floats, 64-byte aligned, zeroed when allocated and
+        // written only as floats since; this value owns them.
+        unsafe { std::slice::from_raw_parts(self.at.as_ptr(), self.len) }
+    }
+
+    /// Its floats, to write (a read from the device among them).
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        // SAFETY: as above, borrowed mutably once.
+        unsafe { std::slice::from_raw_parts_mut(self.at.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for HostFloats {
+    fn drop(&mut self) {
+        // SAFETY: this value owns the allocation; reads into it wait for
+        // their copy before they return, so none is queued.
+        unsafe { self.device.free_host(self.at.cast(), self.len * 4) };
     }
 }
 

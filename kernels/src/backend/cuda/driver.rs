@@ -417,6 +417,32 @@ impl Device for Cuda {
         Ok(at)
     }
 
+    fn alloc_host(&self, bytes: usize) -> Result<std::ptr::NonNull<u8>, DeviceError> {
+        self.0.bind()?;
+        let bytes = bytes.max(1);
+        // SAFETY: a plain page-locked allocation (flags 0), zeroed below
+        // before anything reads it.
+        let at =
+            unsafe { result::malloc_host(bytes, 0) }.map_err(|e| DeviceError::HostOutOfMemory {
+                bytes: bytes as u64,
+                message: driver_error("cuMemHostAlloc", e).to_string(),
+            })?;
+        let at = std::ptr::NonNull::new(at.cast::<u8>()).ok_or(DeviceError::HostOutOfMemory {
+            bytes: bytes as u64,
+            message: "cuMemHostAlloc gave a null pointer".into(),
+        })?;
+        // SAFETY: `bytes` bytes just allocated, page-aligned (so 64-byte too).
+        unsafe { std::ptr::write_bytes(at.as_ptr(), 0, bytes) };
+        Ok(at)
+    }
+
+    unsafe fn free_host(&self, at: std::ptr::NonNull<u8>, _bytes: usize) {
+        if self.0.bind().is_ok() {
+            // SAFETY: the caller passes one earlier `alloc_host`, unused now.
+            let _ = unsafe { result::free_host(at.as_ptr().cast()) };
+        }
+    }
+
     unsafe fn free(&self, at: u64, _bytes: u64) {
         if self.0.bind().is_ok() {
             // SAFETY: the caller passes one earlier allocation, unused now.

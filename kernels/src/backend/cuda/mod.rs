@@ -54,7 +54,9 @@ pub mod storage;
 #[cfg(all(test, feature = "emulator"))]
 mod tests;
 
-pub use device::{Device, DeviceBuffer, DeviceError, DeviceGraph, Geometry, LaunchTime};
+pub use device::{
+    Device, DeviceBuffer, DeviceError, DeviceGraph, Geometry, HostFloats, LaunchTime,
+};
 pub use driver::{probe, Cuda, CudaDevice, CudaUnavailable, Probe, ProbedDevice};
 pub use storage::{device_identity, DeviceStorage};
 
@@ -254,8 +256,14 @@ pub struct CudaBackend {
     attention_rows: u32,
     /// Host staging for the packed step buffer, words.
     staging: Vec<u32>,
-    /// Host copy of the last step's full rows of logits.
+    /// Host copy of the last step's full rows of logits, where they are
+    /// more than `pinned` holds (a prompt's log probabilities).
     logits: Vec<f32>,
+    /// Page-locked host memory for a row of logits a sequence (a decode
+    /// step's sampled rows): read at the bus's speed, where a read into
+    /// `logits` is staged through the driver's own buffer. `None` where
+    /// the driver would not lock it.
+    pinned: Option<HostFloats>,
     /// The last step's greedy rows, `(row, id)`.
     picks: Vec<(u32, u32)>,
     /// Host copy of the last step's greedy rows' ids.
@@ -442,6 +450,9 @@ impl CudaBackend {
             logits: zeroed(4 * rows * vocab)?,
             picks: zeroed(4 * rows)?,
         };
+        // Without it every read goes through `logits`, as fast as a
+        // pageable read goes: not worth refusing the model for.
+        let pinned = HostFloats::zeroed(&device, (s * vocab) as usize).ok();
         Ok(CudaBackend {
             graphs: HashMap::new(),
             step: None,
@@ -457,6 +468,7 @@ impl CudaBackend {
             attention_rows,
             staging: Vec::new(),
             logits: Vec::new(),
+            pinned,
             picks: Vec::new(),
             pick_ids: Vec::new(),
             fusions: Fusions::default(),
@@ -1050,11 +1062,19 @@ impl Backend for CudaBackend {
         let full = wanted - picked;
         // Each read waits for the step's kernels: at least one is made
         // before the view lets the pool go.
-        self.logits.resize(full * vocab, 0.0);
+        let floats = full * vocab;
+        let into_pinned = self.pinned.as_ref().is_some_and(|p| floats <= p.len());
+        let rows = match &mut self.pinned {
+            Some(pinned) if into_pinned => &mut pinned.as_mut_slice()[..floats],
+            _ => {
+                self.logits.resize(floats, 0.0);
+                &mut self.logits[..]
+            }
+        };
         if full > 0 || picked == 0 {
             self.scratch
                 .logits
-                .read(0, le_bytes_mut(&mut self.logits))
+                .read(0, le_bytes_mut(rows))
                 .map_err(Self::device_error)?;
         }
         self.pick_ids.resize(picked, 0);
@@ -1075,8 +1095,12 @@ impl Backend for CudaBackend {
                 self.picks.push(((row - 1) as u32, id));
             }
         }
+        let values = match &self.pinned {
+            Some(pinned) if into_pinned => &pinned.as_slice()[..floats],
+            _ => &self.logits[..],
+        };
         Ok(Logits {
-            values: &self.logits,
+            values,
             vocab_len: vocab,
             picks: &self.picks,
         })

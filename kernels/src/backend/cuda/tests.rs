@@ -1028,6 +1028,75 @@ fn each_fusion_gives_the_bits_of_the_launches_it_replaces() {
     }
 }
 
+#[test]
+fn host_floats_are_zeroed_and_take_a_read_from_the_device() {
+    let device = emulator(1);
+    let mut host = super::HostFloats::zeroed(&device, 1000).unwrap();
+    assert_eq!(host.len(), 1000);
+    assert!(host.as_slice().iter().all(|&v| v == 0.0));
+    let values: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.0).collect();
+    let buffer = DeviceBuffer::from_bytes(&device, &to_bytes(&values)).unwrap();
+    buffer
+        .read(0, super::le_bytes_mut(host.as_mut_slice()))
+        .unwrap();
+    assert_eq!(host.as_slice(), &values[..]);
+    assert!(super::HostFloats::zeroed(&device, 0).unwrap().is_empty());
+}
+
+#[test]
+fn a_decode_steps_rows_are_read_into_page_locked_memory_and_more_rows_are_not() {
+    // Page-locked memory for a row a sequence: a decode step's rows go
+    // there; a prompt's many rows (log probabilities) into the Vec. Either
+    // way the same values as a backend with no page-locked memory at all.
+    let model = tiny_model(&TinySpec::default());
+    let device = emulator(5);
+    let run = |pinned: bool| {
+        let (mut pool, tables) = pool_with_tables(&model, KvType::F16, 16, 2, 1, Some(&device));
+        let mut cuda = CudaBackend::new(
+            Arc::clone(&model),
+            Arc::clone(&device),
+            CudaOptions {
+                step_tokens_max: 16,
+                step_seqs_max: 2,
+                graphs: false,
+            },
+        )
+        .unwrap();
+        let vocab = model.config.vocab_len;
+        let locked = cuda
+            .pinned
+            .as_ref()
+            .map(|p| (p.as_slice().as_ptr(), p.len()));
+        assert_eq!(locked.map(|(_, len)| len), Some(2 * vocab));
+        if !pinned {
+            cuda.pinned = None;
+        }
+        let prompt = [3u32, 1, 4, 1, 5];
+        let mut out = Vec::new();
+        for (pos_start, len, rows) in [(0, 5, 5), (5, 1, 1)] {
+            let steps: Vec<SeqStep> = tables
+                .iter()
+                .map(|table| SeqStep {
+                    pages: table,
+                    pos_start,
+                    tokens: if len == 5 { &prompt } else { &prompt[..1] },
+                    logits: rows,
+                    greedy: false,
+                })
+                .collect();
+            let logits = cuda.step(&steps, &mut pool).unwrap();
+            assert_eq!(logits.values.len(), 2 * rows * vocab);
+            let at = logits.values.as_ptr();
+            let in_locked = locked.is_some_and(|(p, _)| std::ptr::eq(p, at));
+            assert_eq!(in_locked, pinned && rows == 1, "{rows} rows a sequence");
+            out.push(logits.values.to_vec());
+        }
+        out
+    };
+    let (with, without) = (run(true), run(false));
+    assert!(with == without, "the same values either way");
+}
+
 // ---------------------------------------------------------------- hostile tables
 
 #[test]
