@@ -99,16 +99,18 @@ KERNEL(attention, AttentionArgs) {
     uint32_t warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     uint32_t warps = blockDim.x / WARP_SIZE;
     // Shared memory: q[rows_max][hd], o[rows_max][hd], k[tile][hd + 1],
-    // v[tile][hd], p[rows_max][tile], m[rows_max], l[rows_max],
-    // alpha[rows_max]. A row of k is hd + 1 wide: a score's lanes, one
-    // position each, then read distinct banks (at hd they would all read one).
+    // v[tile][hd + 1], p[rows_max][tile], m[rows_max], l[rows_max],
+    // alpha[rows_max]. A row of k or v is hd + 1 wide: a score's lanes, one
+    // position each, then read distinct banks (at hd they would all read
+    // one), and a tile's stores (a warp's lanes 8 values of 4 positions, or
+    // 4 of 2) fall at most two to a bank, where at hd eight would.
     DYNAMIC_SHARED(float, shared);
-    uint32_t k_stride = hd + 1;
+    uint32_t stride = hd + 1;
     float* qs = shared;
     float* os = qs + a.rows_max * hd;
     float* ks = os + a.rows_max * hd;
-    float* vs = ks + tile * k_stride;
-    float* ps = vs + tile * hd;
+    float* vs = ks + tile * stride;
+    float* ps = vs + tile * stride;
     float* ms = ps + a.rows_max * tile;
     float* ls = ms + a.rows_max;
     float* alphas = ls + a.rows_max;
@@ -147,8 +149,8 @@ KERNEL(attention, AttentionArgs) {
             kv_load16(a.kv, kv_index(a.layer, 0, page, slot, at, a.pages_count, a.page_tokens, kv_dim), a.kv_f16, k);
             kv_load16(a.kv, kv_index(a.layer, 1, page, slot, at, a.pages_count, a.page_tokens, kv_dim), a.kv_f16, v);
             for (uint32_t x = 0; x < per; x++) {
-                ks[j * k_stride + i + x] = k[x];
-                vs[j * hd + i + x] = v[x];
+                ks[j * stride + i + x] = k[x];
+                vs[j * stride + i + x] = v[x];
             }
         }
         __syncthreads();
@@ -160,7 +162,7 @@ KERNEL(attention, AttentionArgs) {
             bool seen = p <= query_pos && (a.window == 0 || p + a.window > query_pos);
             if (j < n && seen) {
                 float dot = 0.0f;
-                for (uint32_t i = 0; i < hd; i++) dot += qs[r * hd + i] * ks[j * k_stride + i];
+                for (uint32_t i = 0; i < hd; i++) dot += qs[r * hd + i] * ks[j * stride + i];
                 score = dot * a.scale;
                 if (a.softcap > 0.0f) score = soft_cap(score, a.softcap);
             }
@@ -192,7 +194,7 @@ KERNEL(attention, AttentionArgs) {
         for (uint32_t e = threadIdx.x; e < rows * hd; e += blockDim.x) {
             uint32_t r = e / hd, i = e % hd;
             float acc = os[e] * alphas[r];
-            for (uint32_t j = 0; j < n; j++) acc += ps[r * tile + j] * vs[j * hd + i];
+            for (uint32_t j = 0; j < n; j++) acc += ps[r * tile + j] * vs[j * stride + i];
             os[e] = acc;
         }
     }

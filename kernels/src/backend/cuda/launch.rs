@@ -320,10 +320,10 @@ pub const ATTENTION_TILE: u32 = 32;
 pub const ATTENTION_ROWS_MAX: u32 = 32;
 
 /// Dynamic shared memory of an attention block: q and o `[rows][head_dim]`,
-/// k `[tile][head_dim + 1]` (rows padded apart in banks), v
-/// `[tile][head_dim]`, p `[rows][tile]`, and m, l, alpha per row.
+/// k and v `[tile][head_dim + 1]` (rows padded apart in banks), p
+/// `[rows][tile]`, and m, l, alpha per row.
 pub fn attention_shared_bytes(head_dim: u32, rows_max: u32, tile: u32) -> u32 {
-    4 * (2 * rows_max * head_dim + tile * (2 * head_dim + 1) + rows_max * tile + 3 * rows_max)
+    4 * (2 * rows_max * head_dim + 2 * tile * (head_dim + 1) + rows_max * tile + 3 * rows_max)
 }
 
 /// Tokens one matmul block takes (quant.cu's MATMUL_TOKENS): each weight
@@ -380,8 +380,8 @@ mod tests {
 
     #[test]
     fn attention_shared_memory_is_the_sum_of_its_tiles() {
-        // q and o [32][64], k [32][65], v [32][64], p [32][32], m, l, alpha [32].
-        let floats = 2 * 32 * 64 + 32 * 65 + 32 * 64 + 32 * 32 + 3 * 32;
+        // q and o [32][64], k and v [32][65], p [32][32], m, l, alpha [32].
+        let floats = 2 * 32 * 64 + 2 * 32 * 65 + 32 * 32 + 3 * 32;
         assert_eq!(attention_shared_bytes(64, 32, 32), 4 * floats);
         // SmolLM2 (head_dim 64) fits the default 48 KiB.
         assert!(attention_shared_bytes(64, ATTENTION_ROWS_MAX, ATTENTION_TILE) <= 48 * 1024);
