@@ -9,9 +9,12 @@
 //! array's count of items), and the position within the current token of
 //! JSON (string, escape, number, literal, property name). Strings must be
 //! well-formed UTF-8 and hold no control characters. Whitespace between
-//! tokens is limited to [`WHITESPACE_RUN_MAX`] bytes in a row and nesting to
-//! [`DEPTH_MAX`] containers, so a model cannot stall in blank space or deepen
-//! forever. Where an `anyOf`'s alternatives begin alike, each is a reading
+//! tokens is one space, or one or two newlines and at most [`INDENT_MAX`]
+//! spaces or tabs (llama.cpp's grammars allow the same), none comes before
+//! the top-level value, and nesting is at
+//! most [`DEPTH_MAX`] containers, so a model cannot stall in blank space,
+//! deepen forever, or fill its output with runs of blank lines and tabs (a
+//! small model does, where any whitespace may come). Where an `anyOf`'s alternatives begin alike, each is a reading
 //! of the output followed side by side until the bytes tell them apart (at
 //! most [`READINGS_MAX`]); a `choice` is plain text, read as its literals.
 //!
@@ -27,8 +30,32 @@ use super::schema::{
 };
 use std::sync::Arc;
 
-/// Most whitespace bytes in a row between JSON tokens.
-pub const WHITESPACE_RUN_MAX: u32 = 64;
+/// Most spaces or tabs after the newlines of a gap between JSON tokens.
+pub const INDENT_MAX: u32 = 20;
+
+/// The whitespace of a gap between JSON tokens so far (a reading's
+/// `whitespace`): none, one space (the gap is full), one newline (a second
+/// may come), or two newlines or indentation: `WS_INDENTED + spaces or tabs`.
+const WS_NONE: u32 = 0;
+const WS_SPACE: u32 = 1;
+const WS_NEWLINE: u32 = 2;
+const WS_INDENTED: u32 = 3;
+
+/// The gap's state after `b` (a whitespace byte) follows `state`, or `None`
+/// where the gap cannot take it: `" "`, or `"\n"` or `"\n\n"` then up to
+/// [`INDENT_MAX`] spaces or tabs.
+fn gap_after(state: u32, b: u8) -> Option<u32> {
+    match (state, b) {
+        (WS_NONE, b' ') => Some(WS_SPACE),
+        (WS_NONE, b'\n') => Some(WS_NEWLINE),
+        (WS_NEWLINE, b'\n') => Some(WS_INDENTED),
+        (WS_NEWLINE, b' ' | b'\t') => Some(WS_INDENTED + 1),
+        (indented, b' ' | b'\t') if (WS_INDENTED..WS_INDENTED + INDENT_MAX).contains(&indented) => {
+            Some(indented + 1)
+        }
+        _ => None,
+    }
+}
 /// Most containers open at once.
 pub const DEPTH_MAX: usize = 64;
 
@@ -401,7 +428,7 @@ impl Json {
             readings: vec![Reading {
                 stack: Vec::new(),
                 mode,
-                whitespace: 0,
+                whitespace: WS_NONE,
             }],
         }
     }
@@ -774,10 +801,19 @@ impl<S: Stack + Clone> Cursor<'_, S> {
                 // A choice or a regex's text is the output alone.
                 return false;
             }
-            self.whitespace += 1;
-            return self.whitespace <= WHITESPACE_RUN_MAX;
+            if self.stack.top().is_none() && matches!(self.mode, Mode::Value { .. }) {
+                // Before the top-level value: the output starts with it.
+                return false;
+            }
+            return match gap_after(self.whitespace, b) {
+                Some(state) => {
+                    self.whitespace = state;
+                    true
+                }
+                None => false,
+            };
         }
-        self.whitespace = 0;
+        self.whitespace = WS_NONE;
         match self.mode {
             Mode::Value { node, close, item } => {
                 if close && b == b']' {
@@ -1300,7 +1336,7 @@ mod tests {
     fn takes_every_json_object_and_is_done_at_its_close() {
         for text in [
             "{}",
-            " {\"a\": 1}",
+            "{\"a\": 1}",
             "{\"a\":[1,-2.5e+3,0,0.25,1E9,true,false,null,\"x\\n\\u00e9\\\"\"],\"b\":{\"c\":{}}}",
             "{\"k\": \"caf\u{e9} \u{1F600} \u{4e2d}\"}",
             "{\n  \"list\": [ ],\n  \"n\": -0\n}\n",
@@ -1386,10 +1422,26 @@ mod tests {
 
     #[test]
     fn blank_space_and_depth_are_bounded() {
+        // The output starts with its value.
+        let json = whole("").unwrap();
+        assert!(!json.accepts(b" ") && !json.accepts(b"\n") && json.accepts(b"{"));
+        // A gap is one space, or one or two newlines and an indentation.
         let mut json = whole("{\"a\":").unwrap();
-        assert!(json.push(" ".repeat(WHITESPACE_RUN_MAX as usize).as_bytes()));
-        assert!(!json.accepts(b" "));
-        assert!(json.push(b"1"));
+        assert!(json.push(b" "));
+        for more in [" ", "\n", "\t", "\r"] {
+            assert!(!json.accepts(more.as_bytes()), "{more:?} after a space");
+        }
+        assert!(json.push(b"[1"));
+        let indent = " ".repeat(INDENT_MAX as usize - 1);
+        for gap in ["\n", "\n\n", "\n\t\t", &format!("\n\n\t{indent}")] {
+            assert!(json.accepts(format!("{gap},2").as_bytes()), "{gap:?}");
+        }
+        for gap in ["\n\n\n", "\r\n", "\t", "\n \n", &format!("\n {indent} ")] {
+            assert!(!json.accepts(gap.as_bytes()), "{gap:?}");
+        }
+        // Each gap counts afresh.
+        assert!(json.push(format!("\n{indent} ,\n{indent} 2]").as_bytes()));
+        assert!(json.push(b"}"));
         let mut json = whole("{\"a\":").unwrap();
         assert!(json.push("[".repeat(DEPTH_MAX - 1).as_bytes()));
         assert!(!json.accepts(b"["));

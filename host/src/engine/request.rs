@@ -138,6 +138,20 @@ pub struct NewRequest {
     pub prefill_hint: Option<String>,
 }
 
+/// [`Rejection::PromptTooLong`]'s message: where `max_tokens` alone fills
+/// the context, that (the prompt's bound is then all a client would see:
+/// "at least 1 tokens").
+fn prompt_too_long(prompt_tokens_min: u64, max_tokens: u32, context_tokens: u32) -> String {
+    let context = format!("this model's maximum context length is {context_tokens} tokens");
+    if max_tokens >= context_tokens {
+        return format!("{context}; max_tokens ({max_tokens}) leaves no room for the prompt");
+    }
+    format!(
+        "{context}; the prompt is at least {prompt_tokens_min} tokens, plus {max_tokens} \
+         completion tokens"
+    )
+}
+
 /// A terminal refusal: it holds no page, queue slot or plugin state, and
 /// nothing can turn it back into a request.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -161,10 +175,7 @@ pub enum Rejection {
     /// The prompt cannot fit, and was refused before it was tokenized in full:
     /// by its byte count (its tokens are at least its bytes over the most bytes
     /// a token covers), or when tokenizing passed the context's budget.
-    #[error(
-        "this model's maximum context length is {context_tokens} tokens; the prompt is at least \
-         {prompt_tokens_min} tokens, plus {max_tokens} completion tokens"
-    )]
+    #[error("{}", prompt_too_long(*prompt_tokens_min, *max_tokens, *context_tokens))]
     PromptTooLong {
         /// The fewest tokens the prompt can be.
         prompt_tokens_min: u64,
@@ -187,4 +198,33 @@ pub enum Rejection {
     /// wrong page geometry).
     #[error("the request was admitted for another model's engine")]
     ForeignPool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Rejection;
+
+    #[test]
+    fn a_prompt_refused_unread_is_told_its_bound_or_that_max_tokens_fills_the_context() {
+        let refusal = |prompt_tokens_min, max_tokens| Rejection::PromptTooLong {
+            prompt_tokens_min,
+            max_tokens,
+            context_tokens: 8192,
+        };
+        assert_eq!(
+            refusal(1, 100_000).to_string(),
+            "this model's maximum context length is 8192 tokens; max_tokens (100000) leaves no \
+             room for the prompt"
+        );
+        assert_eq!(
+            refusal(1, 8192).to_string(),
+            "this model's maximum context length is 8192 tokens; max_tokens (8192) leaves no \
+             room for the prompt"
+        );
+        assert_eq!(
+            refusal(9000, 16).to_string(),
+            "this model's maximum context length is 8192 tokens; the prompt is at least 9000 \
+             tokens, plus 16 completion tokens"
+        );
+    }
 }
