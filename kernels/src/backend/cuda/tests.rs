@@ -777,6 +777,23 @@ fn pool_with_tables(
     super::check::pool_with_tables(model, kv_type, page_tokens, seqs, per_seq, device, true)
 }
 
+/// A CUDA backend for `model` on `device`, steps of at most `tokens` tokens
+/// of `seqs` sequences, with or without graphs.
+fn backend(
+    model: &Arc<Model>,
+    device: &Arc<dyn Device>,
+    tokens: usize,
+    seqs: usize,
+    graphs: bool,
+) -> CudaBackend {
+    let options = CudaOptions {
+        step_tokens_max: tokens,
+        step_seqs_max: seqs,
+        graphs,
+    };
+    CudaBackend::new(Arc::clone(model), Arc::clone(device), options).unwrap()
+}
+
 /// The CPU and CUDA backends in lockstep over the prompts and `decode_steps`
 /// greedy tokens (`check::agreement`): every logit row within `tolerance`
 /// of the CPU's (relative to its largest), greedy tokens equal but at near
@@ -905,16 +922,7 @@ fn run_bits(spec: &TinySpec, kv_type: KvType, fusions: Fusions) -> (Vec<u32>, Ve
     let per_seq = (longest as u32).div_ceil(page_tokens);
     let (mut pool, tables) =
         pool_with_tables(&model, kv_type, page_tokens, 3, per_seq, Some(&device));
-    let mut cuda = CudaBackend::new(
-        Arc::clone(&model),
-        device,
-        CudaOptions {
-            step_tokens_max: 64,
-            step_seqs_max: 4,
-            graphs: true,
-        },
-    )
-    .unwrap();
+    let mut cuda = backend(&model, &device, 64, 4, true);
     cuda.set_fusions(fusions);
     let mut rng = SplitMix64(spec.seed);
     let vocab = model.config.vocab_len as u64;
@@ -1052,16 +1060,7 @@ fn a_decode_steps_rows_are_read_into_page_locked_memory_and_more_rows_are_not() 
     let device = emulator(5);
     let run = |pinned: bool| {
         let (mut pool, tables) = pool_with_tables(&model, KvType::F16, 16, 2, 1, Some(&device));
-        let mut cuda = CudaBackend::new(
-            Arc::clone(&model),
-            Arc::clone(&device),
-            CudaOptions {
-                step_tokens_max: 16,
-                step_seqs_max: 2,
-                graphs: false,
-            },
-        )
-        .unwrap();
+        let mut cuda = backend(&model, &device, 16, 2, false);
         let vocab = model.config.vocab_len;
         let locked = cuda
             .pinned
@@ -1126,16 +1125,7 @@ fn a_host_pool_is_refused_by_the_cuda_backend() {
     let model = tiny_model(&TinySpec::default());
     let device = emulator(1);
     let (mut pool, tables) = pool_with_tables(&model, KvType::F16, 16, 1, 2, None);
-    let mut cuda = CudaBackend::new(
-        Arc::clone(&model),
-        device,
-        CudaOptions {
-            step_tokens_max: 64,
-            step_seqs_max: 4,
-            graphs: false,
-        },
-    )
-    .unwrap();
+    let mut cuda = backend(&model, &device, 64, 4, false);
     let tokens = [1u32];
     let step = SeqStep {
         pages: &tables[0],
@@ -1368,18 +1358,7 @@ fn a_local_layer_reads_no_position_before_its_window() {
             on_device.then_some(&device),
         );
         let mut backend: Box<dyn Backend> = if on_device {
-            Box::new(
-                CudaBackend::new(
-                    Arc::clone(&model),
-                    Arc::clone(&device),
-                    CudaOptions {
-                        step_tokens_max: prompt,
-                        step_seqs_max: 1,
-                        graphs: false,
-                    },
-                )
-                .unwrap(),
-            )
+            Box::new(backend(&model, &device, prompt, 1, false))
         } else {
             Box::new(crate::backend::cpu::CpuBackend::new(
                 Arc::clone(&model),
@@ -1434,16 +1413,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
     let model = tiny_model(&spec);
     let device = emulator(1);
     let (mut pool, tables) = pool_with_tables(&model, KvType::F16, 16, 2, 40, Some(&device));
-    let mut cuda = CudaBackend::new(
-        Arc::clone(&model),
-        Arc::clone(&device),
-        CudaOptions {
-            step_tokens_max: 64,
-            step_seqs_max: 4,
-            graphs: true,
-        },
-    )
-    .unwrap();
+    let mut cuda = backend(&model, &device, 64, 4, true);
     let layout = *pool.layout();
     cuda.ensure_step_buffer(&layout).unwrap();
     // Sequence 0: a prefill chunk of 40 tokens at positions 0..40 (3 pages
