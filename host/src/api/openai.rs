@@ -1270,7 +1270,13 @@ impl ResponseMeta {
                 let mut delta = Map::new();
                 if role {
                     delta.insert("role".into(), "assistant".into());
-                    delta.insert("content".into(), "".into());
+                    // A required or named answer is calls alone: no content,
+                    // as the whole answer has none.
+                    let content = match self.calls {
+                        Some(CallsOut::Named(_) | CallsOut::Listed) => Value::Null,
+                        _ => "".into(),
+                    };
+                    delta.insert("content".into(), content);
                 }
                 if let Some(text) = text {
                     delta.insert("content".into(), text.into());

@@ -808,6 +808,30 @@ mod tests {
     }
 
     #[test]
+    fn a_named_or_required_stream_has_no_content_from_its_first_chunk_on() {
+        for tools in [CallsOut::Named("now".into()), CallsOut::Listed] {
+            let texts: &[&str] = match tools {
+                CallsOut::Named(_) => &["{\"zone\":", " \"CET\"}"],
+                _ => &["[{\"name\": \"now\", ", "\"arguments\": {}}]"],
+            };
+            let chunks = streamed(tools.clone(), texts, FinishReason::Stop);
+            let first = &chunks[0]["choices"][0]["delta"];
+            assert_eq!(first["role"], "assistant", "{tools:?}");
+            assert!(first["content"].is_null(), "{tools:?}: {first}");
+            assert_eq!(content(&chunks), "", "{tools:?}");
+            assert_eq!(calls(&chunks)[0]["function"]["name"], "now", "{tools:?}");
+            assert_eq!(finish(&chunks), "tool_calls", "{tools:?}");
+        }
+        // Text answers start with empty content, as OpenAI's do.
+        let chunks = streamed(
+            CallsOut::Tagged(vec!["now".into()]),
+            &["Hi"],
+            FinishReason::Stop,
+        );
+        assert_eq!(chunks[0]["choices"][0]["delta"]["content"], "");
+    }
+
+    #[test]
     fn a_bare_stream_gives_out_its_calls_at_the_end_or_its_text_as_it_comes() {
         let tools = CallsOut::Bare(vec!["now".into()]);
         let chunks = streamed(
