@@ -74,6 +74,11 @@ use std::sync::Arc;
 /// per KV head, merged after; a step of few sequences splits finer, down to
 /// a tile a split (see `pack::decode_span`).
 pub const SPLIT_POSITIONS: u32 = 256;
+/// Most page-locked host memory a backend takes for rows of logits (a row a
+/// sequence of its largest step, fewer where they are more): memory the
+/// system can no longer page, outside the memory budget, so bounded. 64 MiB
+/// holds 341 rows of SmolLM2's vocabulary, 110 of Qwen's.
+pub const PINNED_BYTES_MAX: u64 = 64 << 20;
 /// Bytes per step-buffer word.
 const WORD: u64 = 4;
 
@@ -260,9 +265,9 @@ pub struct CudaBackend {
     /// more than `pinned` holds (a prompt's log probabilities).
     logits: Vec<f32>,
     /// Page-locked host memory for a row of logits a sequence (a decode
-    /// step's sampled rows): read at the bus's speed, where a read into
-    /// `logits` is staged through the driver's own buffer. `None` where
-    /// the driver would not lock it.
+    /// step's sampled rows), at most [`PINNED_BYTES_MAX`]: read at the
+    /// bus's speed, where a read into `logits` is staged through the
+    /// driver's own buffer. `None` where the driver would not lock it.
     pinned: Option<HostFloats>,
     /// The last step's greedy rows, `(row, id)`.
     picks: Vec<(u32, u32)>,
@@ -279,7 +284,7 @@ pub struct CudaBackend {
 pub struct Fusions {
     /// In a step of at most [`MATMUL_TOKENS`] tokens each product makes its
     /// own activations (RMSNorm and quantization in its blocks): no norm
-    /// launch before it ([`CudaBackend::fused_shared`]).
+    /// launch before it (see `CudaBackend::fused_shared`).
     pub norms: bool,
     /// The Q/K/V product turns Q and K and stores K and V into the pages
     /// ([`mode::ROPE_KV`]): no `rope_kv` launch after it. For models
@@ -452,7 +457,8 @@ impl CudaBackend {
         };
         // Without it every read goes through `logits`, as fast as a
         // pageable read goes: not worth refusing the model for.
-        let pinned = HostFloats::zeroed(&device, (s * vocab) as usize).ok();
+        let pinned_rows = s.min(PINNED_BYTES_MAX / (4 * vocab)).max(1);
+        let pinned = HostFloats::zeroed(&device, (pinned_rows * vocab) as usize).ok();
         Ok(CudaBackend {
             graphs: HashMap::new(),
             step: None,
@@ -703,7 +709,7 @@ impl CudaBackend {
     /// floats from L2, are 13 times its weights' bytes at SmolLM2's width: a
     /// separate launch costs less once the step is not launch-bound); past
     /// the shared memory a block has without opting in; and when turned off
-    /// ([`CudaBackend::set_fused_norms`]).
+    /// ([`CudaBackend::set_fusions`]).
     fn fused_shared(&self, tokens: u32, k: u32, format: ActivationFormat) -> Option<u32> {
         self.fusions
             .norms
