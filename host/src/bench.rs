@@ -16,7 +16,7 @@ use crate::engine::build::{self, EngineSpec};
 use crate::engine::generate::{PAGE_TOKENS, PREFILL_CHUNK_TOKENS};
 use anyhow::{ensure, Result};
 use bulkhead_kernels::backend::cpu::CpuBackend;
-use bulkhead_kernels::backend::{Backend, SeqStep};
+use bulkhead_kernels::backend::{Backend, Pick, SeqStep};
 use bulkhead_kernels::kv::{OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer};
@@ -193,7 +193,7 @@ fn feed(
             pos_start: pos,
             tokens: piece,
             logits: usize::from(pos + piece.len() == ids.len()),
-            greedy: false,
+            pick: Pick::Row,
         };
         engine.backend.step(&[step], pool)?;
         pos += piece.len();
@@ -242,7 +242,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
                 pos_start: context.len(),
                 tokens: &token,
                 logits: 1,
-                greedy: false,
+                pick: Pick::Row,
             })
             .collect();
         engine.backend.step(&warm, &mut pool)?;
@@ -255,7 +255,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
                     pos_start: context.len() + i,
                     tokens: &token,
                     logits: 1,
-                    greedy: false,
+                    pick: Pick::Row,
                 })
                 .collect();
             engine.backend.step(&steps, &mut pool)?;
@@ -333,7 +333,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             pos_start: context.len() - 1 + i,
             tokens: &[token],
             logits: 1,
-            greedy: false,
+            pick: Pick::Row,
         };
         let logits = engine.backend.step(&[step], &mut pool)?;
         let row = logits.row(0).to_vec();
@@ -353,7 +353,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
                     pos_start: depth,
                     tokens: std::slice::from_ref(&token),
                     logits: 1,
-                    greedy: false,
+                    pick: Pick::Row,
                 })
                 .collect();
             let started = Instant::now();

@@ -9,6 +9,7 @@ use bulkhead::engine::request::{Event, FinishReason, NewRequest, Rejection, Requ
 use bulkhead::engine::sampling::SamplingParams;
 use bulkhead::engine::scheduler::{BatchLimits, Scheduler, TenantChangeError, TenantLimits};
 use bulkhead::tenancy::TenantId;
+use bulkhead_kernels::backend::Pick;
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::kv::{KvType, OwnerTag, PoolOptions};
 use bulkhead_kernels::model::Model;
@@ -1507,14 +1508,15 @@ fn a_prompts_log_probabilities_are_each_prefixs_next_token_distribution() {
     );
 }
 
-/// The CPU backend giving each greedy row as its argmax alone, as the CUDA
-/// backend does (`on`), or every row in full.
+/// The CPU backend giving each row wanted for its token (greedy or drawn)
+/// as that token alone, as the CUDA backend does (`on`), or every row in full.
 struct Picking {
     inner: bulkhead_kernels::backend::cpu::CpuBackend,
     on: bool,
     values: Vec<f32>,
     picks: Vec<(u32, u32)>,
     picked: usize,
+    candidates: Vec<(u32, f32)>,
 }
 
 impl bulkhead_kernels::backend::Backend for Picking {
@@ -1543,8 +1545,12 @@ impl bulkhead_kernels::backend::Backend for Picking {
         for step in steps {
             for r in 0..step.logits {
                 let i = row + r;
-                if self.on && step.greedy && r + 1 == step.logits {
-                    let id = bulkhead_kernels::backend::argmax(logits.row(i));
+                let id = match step.pick {
+                    Pick::Row => None,
+                    Pick::Argmax => Some(bulkhead_kernels::backend::argmax(logits.row(i))),
+                    Pick::Draw(draw) => Some(draw.pick(logits.row(i), &mut self.candidates)),
+                };
+                if let Some(id) = id.filter(|_| self.on && r + 1 == step.logits) {
                     self.picks.push((i as u32, id));
                 } else {
                     self.values.extend_from_slice(logits.row(i));
@@ -1562,13 +1568,13 @@ impl bulkhead_kernels::backend::Backend for Picking {
 }
 
 #[test]
-fn greedy_rows_given_as_their_ids_say_what_full_rows_say() {
+fn rows_given_as_their_tokens_say_what_full_rows_say() {
     let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap());
     let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
     let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
-    // Greedy ones a backend may pick, and ones whose rows the sampler reads:
-    // log probabilities (of the output, of the prompt), a bias, a penalty,
-    // `min_tokens`, a draw.
+    // Greedy and drawn ones a backend may pick, and ones whose rows the
+    // sampler reads: log probabilities (of the output, of the prompt), a
+    // bias, a penalty, `min_tokens`, a draw with a penalty.
     let requests: Vec<SamplingParams> = vec![
         SamplingParams::default(),
         SamplingParams {
@@ -1596,6 +1602,20 @@ fn greedy_rows_given_as_their_ids_say_what_full_rows_say() {
             seed: 3,
             ..SamplingParams::default()
         },
+        SamplingParams {
+            temperature: 1.2,
+            top_k: 30,
+            top_p: 0.9,
+            min_p: 0.02,
+            seed: 5,
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            temperature: 0.9,
+            repetition_penalty: 1.2,
+            seed: 6,
+            ..SamplingParams::default()
+        },
         SamplingParams::default(),
     ];
     let run = |on: bool| -> (Vec<Vec<Event>>, usize) {
@@ -1618,6 +1638,7 @@ fn greedy_rows_given_as_their_ids_say_what_full_rows_say() {
             values: Vec::new(),
             picks: Vec::new(),
             picked: 0,
+            candidates: Vec::new(),
         };
         let pool = build::pool(&model, &spec).unwrap();
         let tenants = vec![TenantLimits {
@@ -1682,8 +1703,10 @@ fn greedy_rows_given_as_their_ids_say_what_full_rows_say() {
             })
         ));
     }
-    // Every token of the two plain greedy requests and of the one scoring
-    // its prompt (10 each), the penalty's first (nothing to penalise yet),
-    // and the min_tokens one's after its 4 banned.
-    assert_eq!(picks, 3 * 10 + 1 + 6, "tokens picked by the backend");
+    // Every token of the two plain greedy requests, of the one scoring its
+    // prompt and of the two plain draws (10 each), the penalty's first
+    // (nothing to penalise yet), and the min_tokens one's after its 4
+    // banned; none of the draw under a repetition penalty (the prompt's
+    // tokens are penalised from the first).
+    assert_eq!(picks, 5 * 10 + 1 + 6, "tokens picked by the backend");
 }

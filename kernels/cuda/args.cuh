@@ -219,14 +219,26 @@ struct MergeArgs {
     uint32_t unused;
 };
 
-// The id of each logits row's largest value, the lowest among ties, as the
-// CPU's argmax finds it scanning in order (a NaN is never larger; a NaN at
-// index 0 is never exceeded). Grid (rows), block 256.
-struct ArgmaxArgs {
+// Each logits row's token (sample.cu): a draw's (kernels/src/backend/
+// draw.rs) where the row's DrawParams say one, else its largest value's id,
+// the lowest among ties, as the CPU's argmax finds it scanning in order (a
+// NaN is never larger; a NaN at index 0 is never exceeded).
+// Grid (rows), block 1024.
+struct PickArgs {
     uint64_t logits;  // f32 [grid][vocab]
     uint64_t out;     // u32 [grid]
+    uint64_t draws;   // DrawParams [grid]; 0: every row its argmax
     uint32_t vocab;
     uint32_t unused;
+};
+
+// One row's draw (backend::Draw); inv_t 0 is no draw (the argmax).
+struct DrawParams {
+    float inv_t;
+    uint32_t top_k;  // 0: every token
+    float top_p;     // 1: every token
+    float min_p;     // 0: every token
+    double u;        // in [0, 1)
 };
 
 // XXH3-64 of pages' used slots in the transfer's order (kv/digest.rs):

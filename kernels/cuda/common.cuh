@@ -21,6 +21,11 @@ typedef unsigned long long uint64_t;
 // A kernel takes one argument: its struct of device addresses and sizes
 // (args.cuh), passed by value.
 #define KERNEL(name, Args) extern "C" __global__ void name(const Args a)
+// A kernel launched with `threads` a block, more than a register file
+// holds at the compiler's own choice (1024 threads have 64 registers each):
+// the bound makes NVRTC fit them, where a launch would otherwise fail.
+#define KERNEL_THREADS(name, Args, threads) \
+    extern "C" __global__ void __launch_bounds__(threads) name(const Args a)
 #define DYNAMIC_SHARED(type, name)                         \
     extern __shared__ __align__(16) unsigned char name##_bytes[]; \
     type* name = reinterpret_cast<type*>(name##_bytes)

@@ -10,7 +10,7 @@
 //! cost, not a model's output.
 
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
-use bulkhead_kernels::backend::{Backend, SeqStep};
+use bulkhead_kernels::backend::{Backend, Pick, SeqStep};
 use bulkhead_kernels::kv::{KvType, OwnerTag, PartitionConfig, Pool, PoolOptions, SeqId};
 use bulkhead_kernels::model::Model;
 use std::path::PathBuf;
@@ -91,7 +91,7 @@ fn main() {
                 pos_start: depth + i,
                 tokens: &[1],
                 logits: 1,
-                greedy: false,
+                pick: Pick::Row,
             };
             backend.step(&[step], &mut pool).expect("step");
         }

@@ -10,7 +10,8 @@
 //! 2. CPU-versus-CUDA agreement on both models: the worst relative logit
 //!    error and greedy-token agreement over a few hundred decode tokens, and
 //!    each step again with its tokens picked on the device (the argmax of
-//!    the rows it gave); and
+//!    the rows it gave), and again drawn on the device (the host's draw of
+//!    the rows it gave: temperature, top-k, top-p and min-p in turn); and
 //!    on tiny models of the other families' options and weight types (Llama
 //!    3's RoPE table with Q5_K/Q5_0/BF16 matrices, qwen2, qwen3, gemma2 with
 //!    a sliding window and soft caps, gemma3), with graphs;
@@ -26,9 +27,10 @@
 //!    pages are read as allocated, not prefilled: see `check::decode_rate`).
 //!    Tokens are greedy, as a greedy request's are: each step copies back its
 //!    tokens' ids, picked on the device, not their rows of logits (25 MB a
-//!    step at batch 128); one more row, batch 128 at depth 512 copying every
-//!    row (as a sampled request's step does), says what that copy costs;
-//!    and batch 1 with a norm launch before each matrix product, with RoPE
+//!    step at batch 128); two more rows, batch 128 at depth 512 copying
+//!    every row (as a step asking for log probabilities does) and drawing
+//!    its tokens on the device (as a sampled request's step does), say what
+//!    that copy and that draw cost; and batch 1 with a norm launch before each matrix product, with RoPE
 //!    and the KV store a launch of their own, and with split attention
 //!    merged by a launch of its own: what each fusion saves.
 //!
@@ -51,6 +53,7 @@ use bulkhead_kernels::backend::cuda::check::{self, AgreementRun, DecodeRun};
 use bulkhead_kernels::backend::cuda::{
     Cuda, CudaDevice, Device, DeviceBuffer, DeviceError, Fusions,
 };
+use bulkhead_kernels::backend::{Draw, Pick};
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::kv::KvType;
 use bulkhead_kernels::model::Model;
@@ -182,18 +185,20 @@ fn copy_bandwidth(device: &Arc<dyn Device>, bytes: u64, rounds: usize) -> f64 {
     2.0 * bytes as f64 / best
 }
 
-/// The time of one launch of the smallest kernel (`argmax` of a one-value
-/// row, one block), median of `rounds` runs of `launches` launches: queued
+/// The time of one launch of the smallest kernel (`pick` of a one-value
+/// row, its argmax, one block of one warp), median of `rounds` runs of
+/// `launches` launches: queued
 /// one by one, and replayed as one captured graph. What a step of that many
 /// launches takes at the least, whatever its kernels do.
 fn launch_floor(device: &Arc<dyn Device>, launches: usize, rounds: usize) -> (f64, f64) {
-    use bulkhead_kernels::backend::cuda::launch::{ArgmaxArgs, KernelArgs};
+    use bulkhead_kernels::backend::cuda::launch::{KernelArgs, PickArgs};
     use bulkhead_kernels::backend::cuda::Geometry;
     let logits = DeviceBuffer::zeroed(device, 4).expect("device memory");
     let out = DeviceBuffer::zeroed(device, 4).expect("device memory");
-    let args = ArgmaxArgs {
+    let args = PickArgs {
         logits: logits.at(0),
         out: out.at(0),
+        draws: 0,
         vocab: 1,
         unused: 0,
     };
@@ -203,7 +208,7 @@ fn launch_floor(device: &Arc<dyn Device>, launches: usize, rounds: usize) -> (f6
         shared_bytes: 0,
     };
     // SAFETY: the kernel reads one float of `logits` and writes one word of `out`.
-    let launch = || unsafe { device.launch(ArgmaxArgs::KERNEL, geometry, args.bytes()) };
+    let launch = || unsafe { device.launch(PickArgs::KERNEL, geometry, args.bytes()) };
     let queue = || -> Result<(), DeviceError> {
         for _ in 0..launches {
             launch()?;
@@ -342,9 +347,10 @@ fn agreement_rows(
             // Greedy tokens may part only at near ties.
             let pass = a.greedy_agree + a.near_ties == a.rows
                 && a.picks_agree == a.rows
+                && a.draws_agree == a.rows
                 && a.worst_relative.max(a.worst_relative_scored) <= bound;
             let result = format!(
-                "max rel err {:.2e} ({} earlier prompt rows {:.2e}; bound {:.1e}, the CPU's own drift {:.1e}, {:?} vs portable); greedy {}/{} agree, {} near ties; device picks {}/{} ({} seqs, {} decode tokens; {:.1} s)",
+                "max rel err {:.2e} ({} earlier prompt rows {:.2e}; bound {:.1e}, the CPU's own drift {:.1e}, {:?} vs portable); greedy {}/{} agree, {} near ties; device picks {}/{}, draws {}/{} ({} seqs, {} decode tokens; {:.1} s)",
                 a.worst_relative,
                 a.scored_rows,
                 a.worst_relative_scored,
@@ -355,6 +361,8 @@ fn agreement_rows(
                 a.rows,
                 a.near_ties,
                 a.picks_agree,
+                a.rows,
+                a.draws_agree,
                 a.rows,
                 prompts.len(),
                 decode,
@@ -475,7 +483,10 @@ fn decode_rows(
             // product does them), and with split attention merged by a
             // launch of its own (attention's last split folds them); the
             // largest batch at the shallowest depth copying every row of
-            // logits to the host, as a sampled request's step does.
+            // logits to the host (as a step of requests asking for log
+            // probabilities does), and drawing each token on the device, as
+            // a sampled request's step does (temperature 0.8, top-p 0.95:
+            // its selections are passes over the row).
             let run = DecodeRun::new(batch, depth, plan.decode_steps, true, plan.chunk);
             let mut variants = vec![("", run)];
             if batch == 1 {
@@ -521,7 +532,20 @@ fn decode_rows(
                 variants.push((
                     " (full logits)",
                     DecodeRun {
-                        greedy: false,
+                        pick: Pick::Row,
+                        ..run
+                    },
+                ));
+                variants.push((
+                    " (drawn on the device)",
+                    DecodeRun {
+                        pick: Pick::Draw(Draw {
+                            inv_t: 1.0 / 0.8,
+                            top_k: 0,
+                            top_p: 0.95,
+                            min_p: 0.0,
+                            u: 0.5,
+                        }),
                         ..run
                     },
                 ));
@@ -686,7 +710,7 @@ fn main() -> ExitCode {
         // As many launches as a SmolLM2 decode step makes: 5 a layer (the
         // Q/K/V product with its RoPE and KV store, attention with its
         // merge, Wo, gate and up, down), the embedding, the head and the
-        // argmax.
+        // pick.
         let launches = 30 * 5 + 3;
         let (queued, replayed) = launch_floor(&device, launches, 5);
         let n = launches as f64;

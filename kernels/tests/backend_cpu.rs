@@ -3,7 +3,7 @@
 //! touch the pool.
 
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
-use bulkhead_kernels::backend::{Backend, SeqStep, StepError};
+use bulkhead_kernels::backend::{Backend, Pick, SeqStep, StepError};
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::kv::{
     KvType, OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId,
@@ -79,7 +79,7 @@ fn run_chunked(
             pos_start: pos,
             tokens: piece,
             logits: usize::from(pos + piece.len() == tokens.len()),
-            greedy: false,
+            pick: Pick::Row,
         };
         let logits = backend.step(&[step], pool).expect("valid step");
         if logits.rows_count() == 1 {
@@ -143,14 +143,14 @@ fn a_batch_gives_each_sequence_what_it_gets_alone() {
             pos_start: 0,
             tokens: &PROMPT_A,
             logits: 1,
-            greedy: false,
+            pick: Pick::Row,
         },
         SeqStep {
             pages: &tb,
             pos_start: 0,
             tokens: &PROMPT_B,
             logits: 1,
-            greedy: false,
+            pick: Pick::Row,
         },
     ];
     let logits = b.step(&steps, &mut p).unwrap();
@@ -182,7 +182,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
             pos_start: pos,
             tokens: std::slice::from_ref(token),
             logits: 1,
-            greedy: false,
+            pick: Pick::Row,
         };
         oracle.push(b.step(&[step], &mut p).unwrap().row(0).to_vec());
     }
@@ -206,14 +206,14 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                     pos_start: 0,
                     tokens: &PROMPT_B,
                     logits: 1,
-                    greedy: false,
+                    pick: Pick::Row,
                 },
                 SeqStep {
                     pages: &ta,
                     pos_start: pos,
                     tokens: piece,
                     logits: wanted,
-                    greedy: false,
+                    pick: Pick::Row,
                 },
             ];
             let logits = b.step(&steps, &mut p).unwrap();
@@ -248,7 +248,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 pos_start: 0,
                 tokens: &PROMPT_A,
                 logits: PROMPT_A.len() + 1,
-                greedy: false,
+                pick: Pick::Row,
             }],
             &mut p,
         )
@@ -284,7 +284,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 pos_start: 0,
                 tokens: &long,
                 logits: 67,
-                greedy: false,
+                pick: Pick::Row,
             }],
             &mut p,
         )
@@ -307,7 +307,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 pos_start: 0,
                 tokens: &long[..66],
                 logits: 66,
-                greedy: false,
+                pick: Pick::Row,
             }],
             &mut p,
         )
@@ -445,7 +445,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
         pos_start,
         tokens,
         logits: 1,
-        greedy: false,
+        pick: Pick::Row,
     };
     let vocab_len = m.config.vocab_len;
     // Each refusal names the sequence at fault, so a scheduler can fail that
@@ -490,7 +490,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
         pos_start: 0,
         tokens: &long,
         logits: 1,
-        greedy: false,
+        pick: Pick::Row,
     };
     let error = b.step(&[too_many], &mut big).err().unwrap();
     assert!(matches!(error, StepError::TooManyTokens { .. }));
@@ -511,7 +511,7 @@ fn refuses_a_table_whose_pages_are_not_leased_in_this_pool() {
         pos_start: 0,
         tokens: &[1, 2],
         logits: 1,
-        greedy: false,
+        pick: Pick::Row,
     };
     assert_eq!(
         b.step(&[step], &mut p).err(),
@@ -560,7 +560,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         pos_start: cut,
         tokens: &prompt[cut..],
         logits: 1,
-        greedy: false,
+        pick: Pick::Row,
     };
     let own = b.step(&[step], &mut p).unwrap().row(0).to_vec();
     // Its full prefix pages are shared; a second sequence of the same owner
@@ -580,7 +580,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         pos_start: cut,
         tokens: &prompt[cut..],
         logits: 1,
-        greedy: false,
+        pick: Pick::Row,
     };
     let cached = b.step(&[step], &mut p).unwrap().row(0).to_vec();
     assert_eq!(
@@ -596,7 +596,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         pos_start: cut - 1,
         tokens: &prompt[cut - 1..],
         logits: 1,
-        greedy: false,
+        pick: Pick::Row,
     };
     assert_eq!(
         b.step(&[rewrite], &mut p).err(),
@@ -676,21 +676,21 @@ fn every_isa_is_batch_invariant_bit_for_bit() {
                     pos_start: 0,
                     tokens: &PROMPT_B,
                     logits: 1,
-                    greedy: false,
+                    pick: Pick::Row,
                 },
                 SeqStep {
                     pages: &ta,
                     pos_start: 39,
                     tokens: &prompt[39..],
                     logits: 1,
-                    greedy: false,
+                    pick: Pick::Row,
                 },
                 SeqStep {
                     pages: &tc,
                     pos_start: 0,
                     tokens: &PROMPT_A[..2],
                     logits: 1,
-                    greedy: false,
+                    pick: Pick::Row,
                 },
             ];
             let batched = b.step(&steps, &mut p).unwrap().row(1).to_vec();

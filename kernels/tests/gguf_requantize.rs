@@ -8,7 +8,7 @@ use std::io::{self, Write};
 use std::sync::Arc;
 
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
-use bulkhead_kernels::backend::{Backend, SeqStep};
+use bulkhead_kernels::backend::{Backend, Pick, SeqStep};
 use bulkhead_kernels::gguf::{
     requantize_q8_0, Gguf, GgufWriter, RequantizeError, TensorInfo, Value, FILE_TYPE_KEY,
     FILE_TYPE_MOSTLY_Q8_0,
@@ -277,7 +277,7 @@ fn last_logits(model: &Arc<Model>) -> Vec<f32> {
         pos_start: 0,
         tokens: &PROMPT,
         logits: 1,
-        greedy: false,
+        pick: Pick::Row,
     };
     backend.step(&[step], &mut pool).unwrap().row(0).to_vec()
 }

@@ -17,7 +17,8 @@
 
 use super::json::Json;
 use super::schema::Schema;
-use bulkhead_kernels::backend::Logits;
+use bulkhead_kernels::backend::draw::weight;
+use bulkhead_kernels::backend::{Draw, Logits, Pick};
 use bulkhead_kernels::rng::SplitMix64;
 use bulkhead_kernels::threads::Threads;
 use bulkhead_kernels::tokenizer::{TokenType, Tokenizer};
@@ -185,8 +186,8 @@ pub fn sample_rows(
     let sample = |sampler: &mut Sampler, row: usize| {
         let started = Instant::now();
         let (token, logprobs) = match logits.pick(row) {
-            // Picked on the backend's side: a row of a sampler that
-            // `picks_argmax`, which asks for no log probabilities.
+            // Picked on the backend's side: a row its sampler's `pick`
+            // asked for the token of, which asks for no log probabilities.
             Some(id) => (sampler.take_pick(id), None),
             None => {
                 let token = sampler.sample(logits.row(row));
@@ -273,6 +274,9 @@ pub struct Sampler {
     ends: Vec<u32>,
     /// Tokens picked so far.
     sampled: u32,
+    /// The uniform of the step in flight, once drawn ([`Sampler::pick`]
+    /// hands it to the backend; the host's draw of the same step uses it).
+    pending: Option<f64>,
 }
 
 impl Sampler {
@@ -303,6 +307,7 @@ impl Sampler {
             seen: HashSet::new(),
             ends,
             sampled: 0,
+            pending: None,
         }
     }
 
@@ -359,7 +364,7 @@ impl Sampler {
         assert!(!logits.is_empty(), "the vocabulary is never empty");
         let banning = self.banning();
         let token = if !self.adjusts() {
-            self.pick(logits)
+            self.pick_within(logits)
         } else {
             let mut adjusted = std::mem::take(&mut self.adjusted);
             adjusted.clear();
@@ -393,7 +398,7 @@ impl Sampler {
                     }
                 }
             }
-            let token = self.pick(&adjusted);
+            let token = self.pick_within(&adjusted);
             self.adjusted = adjusted;
             token
         };
@@ -401,26 +406,36 @@ impl Sampler {
         token
     }
 
-    /// Whether the next pick is the largest logit's id (the lowest among
-    /// ties) and nothing else is read of the row: greedy, with nothing to
-    /// adjust (no bias, no penalty or `min_tokens` ban in force), no schema
-    /// and no log probabilities. Such a row may be picked on the backend's
-    /// side ([`SeqStep::greedy`]: a GPU then copies its id, not the row);
-    /// [`Sampler::take_pick`] counts it.
+    /// How the backend may give this step's row ([`SeqStep::pick`]): as
+    /// its token where the token is all that is read of it, that is with
+    /// nothing to adjust (no bias, no penalty or `min_tokens` ban in force),
+    /// no schema and no log probabilities: greedy, its argmax
+    /// ([`Pick::Argmax`]); sampled, this step's draw ([`Pick::Draw`], the
+    /// step's uniform drawn now and kept for it). A GPU then copies 4 bytes
+    /// for the row, not the row; [`Sampler::take_pick`] takes the token, and
+    /// [`Sampler::sample`] of the row, where the backend gave it anyway,
+    /// picks the same.
     ///
-    /// [`SeqStep::greedy`]: bulkhead_kernels::backend::SeqStep::greedy
-    pub fn picks_argmax(&self) -> bool {
-        self.params.temperature <= 0.0
-            && self.params.logprobs.is_none()
-            && self.json.is_none()
-            && !self.adjusts()
+    /// [`SeqStep::pick`]: bulkhead_kernels::backend::SeqStep::pick
+    pub fn pick(&mut self) -> Pick {
+        if self.params.logprobs.is_some() || self.json.is_some() || self.adjusts() {
+            Pick::Row
+        } else if self.params.temperature <= 0.0 {
+            Pick::Argmax
+        } else {
+            Pick::Draw(self.draw_params())
+        }
     }
 
-    /// Takes `token`, the argmax the backend picked for a row this sampler
-    /// [`picks_argmax`](Sampler::picks_argmax) for: what
-    /// [`Sampler::sample`] of that row would return, and counted as it counts.
+    /// Takes `token`, the one the backend picked for a row this sampler
+    /// asked it to ([`Sampler::pick`]): what [`Sampler::sample`] of that
+    /// row would return, and counted as it counts.
     pub fn take_pick(&mut self, token: u32) -> u32 {
-        debug_assert!(self.picks_argmax(), "a pick for a sampler that adjusts");
+        debug_assert!(
+            self.params.logprobs.is_none() && self.json.is_none() && !self.adjusts(),
+            "a pick for a sampler that reads the row"
+        );
+        self.pending = None;
         self.count(token);
         token
     }
@@ -450,7 +465,7 @@ impl Sampler {
     }
 
     /// [`Sampler::pick_free`], within the schema's constraint when there is one.
-    fn pick(&mut self, logits: &[f32]) -> u32 {
+    fn pick_within(&mut self, logits: &[f32]) -> u32 {
         let Some((json, tokenizer)) = self.json.take() else {
             return self.pick_free(logits, &|_| true);
         };
@@ -539,63 +554,34 @@ impl Sampler {
     /// A draw among the temperature's, top-k's, min-p's and top-p's
     /// candidates that fit; `None` when none does.
     ///
-    /// The draw walks the candidates in an order that depends only on the
-    /// logits and the parameters, so a seed reproduces a completion.
+    /// The draw is [`Draw`]'s (the one a GPU makes where a step asks it
+    /// to): its uniform falls on the candidates in id order, an order that
+    /// depends only on the logits, so a seed reproduces a completion. Where
+    /// the token it falls on does not fit, a race among the rest.
     fn draw(&mut self, logits: &[f32], fits: &dyn Fn(u32) -> bool) -> Option<u32> {
-        let inv_t = 1.0 / self.params.temperature;
+        let draw = self.draw_params();
+        self.pending = None;
         let c = &mut self.candidates;
-        c.clear();
-        c.extend(
-            logits
-                .iter()
-                .enumerate()
-                .map(|(i, &l)| (i as u32, l * inv_t)),
-        );
-        let k = match self.params.top_k {
-            0 => c.len(),
-            k => k.min(TOP_K_MAX).min(c.len()),
-        };
-        if k < c.len() {
-            c.select_nth_unstable_by(k - 1, likelier);
-            c.truncate(k);
-        }
-        // Weights relative to the likeliest, whose weight is 1 (below
-        // e^-87, f32's smallest normal, a token's weight is 0: a biased
-        // request would otherwise spend the step in exp's underflow path).
-        let max = c
-            .iter()
-            .map(|cand| cand.1)
-            .fold(f32::NEG_INFINITY, f32::max);
-        for cand in c.iter_mut() {
-            cand.1 = weight(cand.1 - max);
-        }
-        let min_p = self.params.min_p;
-        if min_p > 0.0 {
-            c.retain(|cand| cand.1 >= min_p);
-        }
-        let top_p = self.params.top_p.clamp(0.0, 1.0);
-        if top_p < 1.0 {
-            nucleus(c, f64::from(top_p));
-        }
-        // One draw; where it does not fit, a race among the rest.
-        let kept = weight_sum(c);
-        if c.is_empty() || kept.is_nan() || kept <= 0.0 {
-            return None;
-        }
-        let mut target = self.rng.next_f64() * kept;
-        let mut at = c.len() - 1;
-        for (i, cand) in c.iter().enumerate() {
-            target -= f64::from(cand.1);
-            if target <= 0.0 {
-                at = i;
-                break;
-            }
-        }
-        let token = c[at].0;
+        draw.candidates(logits, c);
+        let token = c[Draw::walk(c, draw.u)?].0;
         if fits(token) {
             return Some(token);
         }
         race(&mut self.rng, c, fits)
+    }
+
+    /// This step's draw: the request's options and the step's uniform,
+    /// drawn once a step (kept until the step's token is taken, whether it
+    /// is drawn here or by the backend).
+    fn draw_params(&mut self) -> Draw {
+        let u = *self.pending.get_or_insert_with(|| self.rng.next_f64());
+        Draw {
+            inv_t: 1.0 / self.params.temperature,
+            top_k: self.params.top_k.min(TOP_K_MAX) as u32,
+            top_p: self.params.top_p.clamp(0.0, 1.0),
+            min_p: self.params.min_p,
+            u,
+        }
     }
 }
 
@@ -641,57 +627,6 @@ fn race(rng: &mut SplitMix64, c: &[(u32, f32)], fits: &dyn Fn(u32) -> bool) -> O
         }
     }
     best.map(|(_, id)| id)
-}
-
-/// `e^x` for `x <= 0`, and 0 below f32's smallest normal weight.
-fn weight(x: f32) -> f32 {
-    if x < -87.0 {
-        0.0
-    } else {
-        x.exp()
-    }
-}
-
-/// Candidates' order of likelihood: the likelier first, then the lower id.
-fn likelier(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
-    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
-}
-
-fn weight_sum(c: &[(u32, f32)]) -> f64 {
-    c.iter().map(|cand| f64::from(cand.1)).sum()
-}
-
-/// Keeps the nucleus of `c` (weights): the shortest run of the likeliest
-/// whose weight reaches `top_p` of the whole. The likeliest 64 are looked at
-/// first, then 16 times as many at each round until they hold the nucleus:
-/// a nucleus is usually small, and only the run looked at is sorted.
-fn nucleus(c: &mut Vec<(u32, f32)>, top_p: f64) {
-    let target = top_p * weight_sum(c);
-    let mut head = 64;
-    loop {
-        let h = head.min(c.len());
-        if h == 0 {
-            return;
-        }
-        if h < c.len() {
-            c.select_nth_unstable_by(h - 1, likelier);
-        }
-        if h == c.len() || weight_sum(&c[..h]) >= target {
-            c[..h].sort_unstable_by(likelier);
-            let mut kept = 0.0f64;
-            let mut keep = h;
-            for (i, cand) in c[..h].iter().enumerate() {
-                kept += f64::from(cand.1);
-                if kept >= target {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            c.truncate(keep);
-            return;
-        }
-        head *= 16;
-    }
 }
 
 /// The likeliest token that `fits` (the lowest id among ties), in one pass:
@@ -1162,8 +1097,9 @@ mod tests {
     }
 
     #[test]
-    fn a_pick_is_taken_only_where_sample_would_take_the_rows_argmax() {
-        // Rows with many ties: the pick is the argmax a backend gives.
+    fn a_pick_is_taken_only_where_sample_would_pick_the_same() {
+        // Rows with many ties: the pick is the argmax or the draw a backend
+        // gives for them.
         let mut rng = SplitMix64(7);
         let rows: Vec<Vec<f32>> = (0..24)
             .map(|_| (0..64).map(|_| (rng.next_u64() % 9) as f32).collect())
@@ -1174,9 +1110,32 @@ mod tests {
                 "sampled",
                 SamplingParams {
                     temperature: 1.0,
+                    seed: 3,
                     ..SamplingParams::default()
                 },
-                0,
+                24,
+            ),
+            (
+                "sampled, every filter",
+                SamplingParams {
+                    temperature: 0.7,
+                    top_k: 20,
+                    top_p: 0.8,
+                    min_p: 0.05,
+                    seed: 4,
+                    ..SamplingParams::default()
+                },
+                24,
+            ),
+            // Nothing to penalize before the first token; a draw after it.
+            (
+                "sampled with a penalty",
+                SamplingParams {
+                    temperature: 1.0,
+                    frequency_penalty: 0.5,
+                    ..SamplingParams::default()
+                },
+                1,
             ),
             (
                 "log probabilities",
@@ -1215,21 +1174,30 @@ mod tests {
             ),
         ];
         for (name, params, picks_expected) in cases {
-            // One sampler samples every row; the other takes the backend's
-            // pick wherever it may: the same tokens, and the same state.
+            // One sampler samples every row (as from the CPU backend, which
+            // gives rows in full whatever is asked); the other takes the
+            // backend's pick wherever it may: the same tokens, the same state.
             let (mut sampling, mut picking) = (Sampler::new(params.clone()), Sampler::new(params));
-            let mut picks = 0;
+            let (mut picks, mut elsewhere) = (0, 0);
+            let mut candidates = Vec::new();
             for row in &rows {
-                assert_eq!(sampling.picks_argmax(), picking.picks_argmax(), "{name}");
-                let token = if picking.picks_argmax() {
-                    picks += 1;
-                    picking.take_pick(argmax(row))
-                } else {
-                    picking.sample(row)
+                let pick = picking.pick();
+                // Asked twice (a step retried), the same draw.
+                assert_eq!(picking.pick(), pick, "{name}");
+                assert_eq!(sampling.pick(), pick, "{name}");
+                picks += usize::from(pick.is_token());
+                let token = match pick {
+                    Pick::Row => picking.sample(row),
+                    Pick::Argmax => picking.take_pick(argmax(row)),
+                    Pick::Draw(draw) => picking.take_pick(draw.pick(row, &mut candidates)),
                 };
+                elsewhere += usize::from(token != argmax(row));
                 assert_eq!(token, sampling.sample(row), "{name}");
             }
             assert_eq!(picks, picks_expected, "{name}");
+            if sampling.params.temperature > 0.0 {
+                assert!(elsewhere > 0, "{name}: a draw that never leaves the argmax");
+            }
         }
         // A schema reads every row.
         let schema = Arc::new(Schema::compile(&serde_json::json!({"type": "integer"})).unwrap());
@@ -1237,7 +1205,10 @@ mod tests {
             json: Some(schema),
             ..SamplingParams::default()
         };
-        assert!(!Sampler::for_request(params, &tiny_tokenizer(), &[]).picks_argmax());
+        assert_eq!(
+            Sampler::for_request(params, &tiny_tokenizer(), &[]).pick(),
+            Pick::Row
+        );
     }
 
     #[test]

@@ -58,7 +58,7 @@ use super::sampling::{sample_rows, score_rows, Logprobs, Sampled, Sampler};
 use super::stats::{PoolAudit, SchedulerStats, StepCounts, TenantCounts, TenantPages, TenantStats};
 use super::stop::{Scan, StopMatcher};
 use crate::tenancy::TenantId;
-use bulkhead_kernels::backend::{Backend, SeqStep};
+use bulkhead_kernels::backend::{Backend, Pick, SeqStep};
 use bulkhead_kernels::kv::{
     tokens_digest, OwnerTag, PageHandle, PageTable, PartitionConfig, PartitionError, Pool,
     Reservation, ReserveError, SeqId, TransferIdentity, Violation,
@@ -1426,16 +1426,25 @@ impl<B: Backend> Scheduler<B> {
 
     /// Runs one step and applies its outputs; returns how many finished.
     fn run_batch(&mut self, plan: &[Planned]) -> u32 {
+        // A row whose token is all that is read of it (greedy or drawn,
+        // nothing to adjust) is picked on the backend's side where it can
+        // (a GPU copies the token alone).
+        let picks: Vec<Pick> = plan
+            .iter()
+            .map(|p| match p.rows.samples {
+                true => self.running[p.seq_index].sampler.pick(),
+                false => Pick::Row,
+            })
+            .collect();
         let steps: Vec<SeqStep> = plan
             .iter()
-            .map(|p| SeqStep {
+            .zip(&picks)
+            .map(|(p, &pick)| SeqStep {
                 pages: &self.running[p.seq_index].table,
                 pos_start: p.pos_start,
                 tokens: &p.tokens,
                 logits: p.rows.logits,
-                // A greedy row with nothing to adjust is picked on the
-                // backend's side where it can (a GPU copies the id alone).
-                greedy: p.rows.samples && self.running[p.seq_index].sampler.picks_argmax(),
+                pick,
             })
             .collect();
         let threads = self.backend.threads();

@@ -139,5 +139,7 @@ inline unsigned atomicAdd(unsigned* address, unsigned value) {
                                                   });                              \
     static void name##_body(const Args& a)
 
+#define KERNEL_THREADS(name, Args, threads) KERNEL(name, Args)
+
 // The block's dynamic shared memory as `type*`.
 #define DYNAMIC_SHARED(type, name) type* name = static_cast<type*>(emu::dynamic_shared())

@@ -7,6 +7,7 @@
 #include "../attention.cu"
 #include "../pages.cu"
 #include "../quant.cu"
+#include "../sample.cu"
 
 // The emulator's own canaries (kernels/src/backend/cuda/tests.rs): a block
 // reduction it must get right, and barrier misuse it must report.

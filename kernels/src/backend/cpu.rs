@@ -300,8 +300,8 @@ impl Backend for CpuBackend {
         }
         let wanted = self.output_logits(steps);
         let vocab_len = self.model.config.vocab_len;
-        // Every row in full: a greedy row's pick is the sampler's argmax of
-        // it, on this same host.
+        // Every row in full: a row wanted for its token (a greedy or drawn
+        // one) is picked from it by the sampler, on this same host.
         Ok(Logits {
             values: &self.scratch.logits[..wanted * vocab_len],
             vocab_len,
@@ -1520,7 +1520,7 @@ mod tests {
                     pos_start: chunk_start,
                     tokens: &tokens,
                     logits: 0,
-                    greedy: false,
+                    pick: crate::backend::Pick::Row,
                 }];
                 let mut slots: Vec<TokenSlot> = (chunk_start..len)
                     .map(|pos| TokenSlot { seq_index: 0, pos })
@@ -1535,7 +1535,7 @@ mod tests {
                         pos_start: pos,
                         tokens: &one,
                         logits: 0,
-                        greedy: false,
+                        pick: crate::backend::Pick::Row,
                     });
                 }
                 let mut q: Vec<f32> = (0..slots.len() * d)

@@ -8,7 +8,10 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod draw;
 pub mod vector;
+
+pub use draw::Draw;
 
 use crate::kv::{PageTable, Pool};
 use crate::model::ModelConfig;
@@ -29,13 +32,35 @@ pub struct SeqStep<'a> {
     /// probabilities (each position's logits score the token after it); at
     /// most `tokens.len()`.
     pub logits: usize,
-    /// The last of those rows (the one sampled from) is wanted only for its
-    /// largest logit's id, the lowest among ties ([`argmax`]): the choice
-    /// of a greedy sampler with nothing to adjust. A backend may then give
-    /// the id alone ([`Logits::pick`]) rather than the row: on a GPU 4 bytes
-    /// cross to the host where the row is the vocabulary's 4-byte logits
-    /// (25 MB a step for 128 sequences of SmolLM2). Nothing when `logits` is 0.
-    pub greedy: bool,
+    /// How the last of those rows (the one sampled from) is wanted. Nothing
+    /// when `logits` is 0.
+    pub pick: Pick,
+}
+
+/// How a step's sampled row is wanted: in full, or for its token alone.
+/// A backend may give a row wanted for its token as that token's id
+/// ([`Logits::pick`]) rather than the row: on a GPU 4 bytes cross to the
+/// host where the row is the vocabulary's 4-byte logits (25 MB a step for
+/// 128 sequences of SmolLM2). A backend may also give such a row in full
+/// (the CPU's does): its caller then finds the same token from the row.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Pick {
+    /// The whole row (log probabilities, a schema, anything adjusted).
+    #[default]
+    Row,
+    /// Its largest logit's id, the lowest among ties ([`argmax`]): the
+    /// choice of a greedy sampler with nothing to adjust.
+    Argmax,
+    /// The token of this draw ([`Draw::pick`]): a sampler's with nothing
+    /// to adjust.
+    Draw(Draw),
+}
+
+impl Pick {
+    /// Whether the row is wanted for its token alone.
+    pub fn is_token(&self) -> bool {
+        !matches!(self, Pick::Row)
+    }
 }
 
 /// Rows of logits one step may compute beyond one a sequence: a prompt's
@@ -159,35 +184,37 @@ impl StepError {
 }
 
 /// Logits of one step: `[rows][vocab]`, each sequence's [`SeqStep::logits`]
-/// rows in step order, a sequence's in the order of its tokens; a greedy
-/// row (see [`SeqStep::greedy`]) may be given as its largest logit's id alone.
+/// rows in step order, a sequence's in the order of its tokens; a row
+/// wanted for its token alone (see [`SeqStep::pick`]) may be given as that
+/// token's id.
 pub struct Logits<'a> {
     /// Row-major values of the rows given in full, in row order.
     pub values: &'a [f32],
     /// Vocabulary size (row length).
     pub vocab_len: usize,
-    /// The rows given as their largest logit's id alone, as `(row, id)` in
-    /// row order; empty from a backend that gives every row in full.
+    /// The rows given as their token's id alone ([`Pick::Argmax`],
+    /// [`Pick::Draw`]), as `(row, id)` in row order; empty from a backend
+    /// that gives every row in full.
     pub picks: &'a [(u32, u32)],
 }
 
 impl Logits<'_> {
-    /// The `i`-th row. Panics for a row given as its pick alone: only a
-    /// greedy row is, and its caller asked for the pick.
+    /// The `i`-th row. Panics for a row given as its pick alone: its caller
+    /// asked for the pick.
     pub fn row(&self, i: usize) -> &[f32] {
         let picked_before = self.picks.partition_point(|&(row, _)| (row as usize) < i);
         assert!(
             self.picks
                 .get(picked_before)
                 .is_none_or(|&(row, _)| row as usize != i),
-            "row {i} was given as its largest logit's id alone"
+            "row {i} was given as its token's id alone"
         );
         let k = i - picked_before;
         &self.values[k * self.vocab_len..(k + 1) * self.vocab_len]
     }
 
-    /// The id of the `i`-th row's largest logit where the backend gave that
-    /// alone (a greedy row); `None` where it gave the row.
+    /// The token the backend picked for the `i`-th row where it gave that
+    /// alone (see [`Pick`]); `None` where it gave the row.
     pub fn pick(&self, i: usize) -> Option<u32> {
         self.picks
             .binary_search_by_key(&i, |&(row, _)| row as usize)
@@ -203,7 +230,7 @@ impl Logits<'_> {
 
 /// Index of the largest logit, the lowest index among ties: the first
 /// index whose value no later one exceeds (a NaN is never larger, and one
-/// at index 0 is never exceeded). The CUDA backend's `argmax` kernel gives
+/// at index 0 is never exceeded). The CUDA backend's `pick` kernel gives
 /// the same index for the same values.
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;

@@ -3,7 +3,7 @@
 //! conformance tests compare with their references.
 
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
-use bulkhead_kernels::backend::{Backend, SeqStep};
+use bulkhead_kernels::backend::{Backend, Pick, SeqStep};
 use bulkhead_kernels::kv::{
     KvType, OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId,
 };
@@ -83,7 +83,7 @@ impl Harness {
                 pos_start: pos,
                 tokens: piece,
                 logits: usize::from(pos + piece.len() == pos_start + tokens.len()),
-                greedy: false,
+                pick: Pick::Row,
             };
             let out = self.backend.step(&[step], &mut self.pool).unwrap();
             if out.rows_count() == 1 {

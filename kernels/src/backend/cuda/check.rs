@@ -16,7 +16,7 @@ use super::device::{Device, LaunchTime};
 use super::storage::DeviceStorage;
 use super::{CudaBackend, CudaOptions, Fusions};
 use crate::backend::cpu::{CpuBackend, CpuOptions};
-use crate::backend::{Backend, SeqStep};
+use crate::backend::{Backend, Draw, Pick, SeqStep};
 use crate::kv::{KvType, OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId};
 use crate::model::Model;
 use crate::rng::SplitMix64;
@@ -98,9 +98,13 @@ pub struct Agreement {
     /// of each other (a near tie either backend may break).
     pub near_ties: usize,
     /// Rows whose step, run again with the row greedy (see
-    /// [`SeqStep::greedy`]), gave as its id alone the argmax of the row the
+    /// [`Pick::Argmax`]), gave as its id alone the argmax of the row the
     /// device gave in full, every other row of the step unchanged.
     pub picks_agree: usize,
+    /// Rows whose step, run again with the row drawn ([`Pick::Draw`]: a
+    /// different draw a row, see [`check_draw`]), gave as its id alone the
+    /// token [`Draw::pick`] finds on the host in the row the device gave.
+    pub draws_agree: usize,
 }
 
 /// Options of an [`agreement`] run.
@@ -132,13 +136,13 @@ fn argmax(row: &[f32]) -> usize {
 
 /// Each sequence's tokens from its position on: the prompt first, then its
 /// last token; `rows[i]` of its last tokens want logits, the last of them
-/// only its argmax where `greedy`.
+/// as `pick(i)` says.
 fn lockstep<'a>(
     tables: &'a [PageTable],
     inputs: &'a [Vec<u32>],
     positions: &[usize],
     rows: &[usize],
-    greedy: bool,
+    pick: &dyn Fn(usize) -> Pick,
 ) -> Vec<SeqStep<'a>> {
     (0..inputs.len())
         .map(|i| SeqStep {
@@ -146,9 +150,30 @@ fn lockstep<'a>(
             pos_start: positions[i],
             tokens: &inputs[i][positions[i]..],
             logits: rows[i],
-            greedy,
+            pick: pick(i),
         })
         .collect()
+}
+
+/// The draw the agreement's third pass asks of sequence `seq` at `step`:
+/// the options in turn (temperature alone; top-k with top-p; min-p with
+/// top-p; a top-k of one; a narrow nucleus), each with its own uniform.
+pub fn check_draw(seq: usize, step: usize) -> Draw {
+    let u = SplitMix64((seq as u64) << 32 | step as u64).next_f64();
+    let (temperature, top_k, top_p, min_p) = match (seq + step) % 5 {
+        0 => (1.0, 0, 1.0, 0.0),
+        1 => (0.8, 40, 0.9, 0.0),
+        2 => (0.7, 0, 0.95, 0.05),
+        3 => (1.3, 1, 1.0, 0.0),
+        _ => (0.5, 0, 0.3, 0.0),
+    };
+    Draw {
+        inv_t: 1.0 / temperature,
+        top_k,
+        top_p,
+        min_p,
+        u,
+    }
 }
 
 /// The CPU backend `run` compares against, on `isa` (`None`: the best here).
@@ -237,7 +262,7 @@ pub fn agreement(
     for step in 0..=run.decode_steps {
         let cpu_logits = cpu
             .step(
-                &lockstep(&cpu_tables, &inputs, &positions, &rows, false),
+                &lockstep(&cpu_tables, &inputs, &positions, &rows, &|_| Pick::Row),
                 &mut cpu_pool,
             )
             .expect("a valid step")
@@ -245,7 +270,7 @@ pub fn agreement(
             .to_vec();
         let dev_logits = cuda
             .step(
-                &lockstep(&dev_tables, &inputs, &positions, &rows, false),
+                &lockstep(&dev_tables, &inputs, &positions, &rows, &|_| Pick::Row),
                 &mut dev_pool,
             )
             .expect("a valid step")
@@ -256,11 +281,25 @@ pub fn agreement(
         // were, each sampled row as its id alone.
         let picked = cuda
             .step(
-                &lockstep(&dev_tables, &inputs, &positions, &rows, true),
+                &lockstep(&dev_tables, &inputs, &positions, &rows, &|_| Pick::Argmax),
                 &mut dev_pool,
             )
             .expect("a valid step");
         let (scored_again, picks) = (picked.values.to_vec(), picked.picks.to_vec());
+        // Once more, each sampled row drawn.
+        let draw = |i: usize| Pick::Draw(check_draw(i, step));
+        let drawn = cuda
+            .step(
+                &lockstep(&dev_tables, &inputs, &positions, &rows, &draw),
+                &mut dev_pool,
+            )
+            .expect("a valid step");
+        let (scored_drawn, draws) = (drawn.values.to_vec(), drawn.picks.to_vec());
+        assert!(
+            scored_drawn == scored_again,
+            "step {step}: the earlier rows changed"
+        );
+        let mut candidates = Vec::new();
         assert_eq!(
             cpu_logits.len(),
             dev_logits.len(),
@@ -268,6 +307,7 @@ pub fn agreement(
         );
         let (mut at, mut full) = (0, 0);
         let mut picks = picks.iter();
+        let mut draws = draws.iter();
         for i in 0..run.prompts.len() {
             let mut greedy = 0;
             for row in 0..rows[i] {
@@ -291,6 +331,10 @@ pub fn agreement(
                 let theirs = argmax(b);
                 if picks.next() == Some(&((at - 1) as u32, theirs as u32)) {
                     result.picks_agree += 1;
+                }
+                let drawn = check_draw(i, step).pick(b, &mut candidates);
+                if draws.next() == Some(&((at - 1) as u32, drawn)) {
+                    result.draws_agree += 1;
                 }
                 if mine == theirs {
                     result.greedy_agree += 1;
@@ -333,7 +377,7 @@ pub fn cpu_drift(model: &Arc<Model>, run: &AgreementRun<'_>) -> f32 {
         let (mut pool, tables) = pool_with_tables(model, kv, tokens, seqs, per_seq, None, false);
         let mut cpu = cpu_backend(model, run, Some(isa), tokens_max);
         cpu.step(
-            &lockstep(&tables, &inputs, &positions, &rows, false),
+            &lockstep(&tables, &inputs, &positions, &rows, &|_| Pick::Row),
             &mut pool,
         )
         .expect("a valid step")
@@ -466,7 +510,7 @@ fn prefill_run(
                 pos_start: at,
                 tokens: &tokens[at..end],
                 logits: usize::from(end == len),
-                greedy: false,
+                pick: Pick::Row,
             };
             cuda.step(&[step], &mut pool).expect("a valid step");
         }
@@ -530,10 +574,11 @@ pub struct DecodeRun {
     pub graphs: bool,
     /// The backend's prefill chunk (its step's most tokens, at least `batch`).
     pub chunk: usize,
-    /// Each step's tokens greedy ([`SeqStep::greedy`]: the device's argmax
-    /// comes back, not the rows), as a greedy request's are; otherwise every
-    /// row of logits is copied to the host, as for a sampled request.
-    pub greedy: bool,
+    /// How each step's rows are wanted: [`Pick::Argmax`] (the device's
+    /// argmax comes back, not the rows) as a greedy request's are,
+    /// [`Pick::Draw`] as a sampled request's, [`Pick::Row`] (every row of
+    /// logits copied to the host) as one asking for log probabilities.
+    pub pick: Pick,
     /// Launches folded into others ([`CudaBackend::set_fusions`]).
     pub fusions: Fusions,
 }
@@ -547,7 +592,7 @@ impl DecodeRun {
             steps,
             graphs,
             chunk,
-            greedy: true,
+            pick: Pick::Argmax,
             fusions: Fusions::default(),
         }
     }
@@ -566,7 +611,7 @@ fn decode_run(
         steps,
         graphs,
         chunk,
-        greedy,
+        pick,
         fusions,
     } = *run;
     let page_tokens = 16;
@@ -602,7 +647,7 @@ fn decode_run(
                 pos_start: depth + i,
                 tokens: &one[s],
                 logits: 1,
-                greedy,
+                pick,
             })
             .collect();
         if profile && i == warmup {
@@ -735,7 +780,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         pos_start: 0,
         tokens: &tokens,
         logits: 1,
-        greedy: false,
+        pick: Pick::Row,
     };
     cuda.step(&[step], &mut pool).expect("a valid step");
     let pages: Vec<PageId> = tables[0].handles().iter().map(|h| h.page).collect();
@@ -767,7 +812,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         pos_start: 0,
         tokens: &tokens,
         logits: 1,
-        greedy: false,
+        pick: Pick::Row,
     };
     let refused = cuda.step(&[stale_step], &mut pool).err();
     let ok = refused == Some(StepError::StaleHandle { index: 0 }) && device.launches() == before;
@@ -784,7 +829,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         pos_start: 0,
         tokens: &tokens,
         logits: 1,
-        greedy: false,
+        pick: Pick::Row,
     };
     let refused = cuda.step(&[foreign], &mut pool).err();
     let ok = refused == Some(StepError::StaleHandle { index: 0 }) && device.launches() == before;
@@ -834,7 +879,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
             pos_start: 0,
             tokens: &tokens,
             logits: 1,
-            greedy: false,
+            pick: Pick::Row,
         };
         let _ = cuda.step(&[step], &mut shared);
     }));

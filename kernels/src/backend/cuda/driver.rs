@@ -177,7 +177,7 @@ const KERNELS: [&str; 8] = [
     "embed",
     "rms_norm",
     "matmul",
-    "argmax",
+    "pick",
     "rope_kv",
     "attention",
     "attention_merge",

@@ -283,10 +283,11 @@ args! {
 }
 
 args! {
-    /// The largest logit's id of each row (greedy rows).
-    struct ArgmaxArgs for "argmax" {
+    /// Each row's token: its draw's, or its largest logit's id.
+    struct PickArgs for "pick" {
         logits: u64,
         out: u64,
+        draws: u64,
         vocab: u32,
         unused: u32,
     }
@@ -310,8 +311,10 @@ args! {
 /// Threads per block of the kernels that take a row or a token per block.
 pub const ROW_BLOCK: u32 = 128;
 /// Threads per block of `rms_norm` (one Q8_K block of 256 values per
-/// round) and of `argmax`.
+/// round).
 pub const NORM_BLOCK: u32 = 256;
+/// Threads per block of `pick` (sample.cu's PICK_BLOCK).
+pub const PICK_BLOCK: u32 = 1024;
 /// Threads per block of `attention` and `attention_merge`.
 pub const ATTENTION_BLOCK: u32 = 128;
 /// KV positions per attention tile.
@@ -355,7 +358,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<AttentionArgs>(), 120);
         assert_eq!(std::mem::size_of::<MergeArgs>(), 40);
         assert_eq!(std::mem::size_of::<DigestArgs>(), 48);
-        assert_eq!(std::mem::size_of::<ArgmaxArgs>(), 24);
+        assert_eq!(std::mem::size_of::<PickArgs>(), 32);
     }
 
     #[test]

@@ -19,15 +19,16 @@
 //!    the merge of split decode attention), Wo added into the residual
 //!    stream, RMSNorm and quantization, gate and up with SwiGLU in one
 //!    matmul, down added into the residual stream; then the final norm of
-//!    the rows that want logits, the output head, and each row's argmax.
+//!    the rows that want logits, the output head, and each row's token (`pick`).
 //!    Some of these are folded into others ([`Fusions`]): in a step of at
 //!    most 8 tokens each product makes its own activations (the norm and
 //!    quantization in its blocks), the Q/K/V product turns Q and K and
 //!    stores K and V into the pages itself, and the last of a decode
 //!    token's attention splits to finish folds them. A SmolLM2 decode step
 //!    is then 5 launches a layer and 3 more.
-//! 4. **Read** the logits back: the full rows, and a greedy row's argmax
-//!    alone ([`SeqStep::greedy`]).
+//! 4. **Read** the logits back: the full rows, and a greedy or drawn row's
+//!    token alone ([`SeqStep::pick`]: its argmax, or its draw made by the
+//!    `pick` kernel, `kernels/cuda/sample.cu`).
 //!
 //! A step of decode tokens only (each sequence one token) of up to
 //! `step_seqs_max` sequences can run as a captured CUDA graph: the launches
@@ -235,7 +236,7 @@ struct Scratch {
     sums: DeviceBuffer,
     /// f32 `[rows][vocab]`: the gathered rows' logits, full rows first.
     logits: DeviceBuffer,
-    /// u32 `[rows]`: each row's largest logit's id (`argmax`).
+    /// u32 `[rows]`: each row's token (`pick`: its draw's, or its argmax).
     picks: DeviceBuffer,
 }
 
@@ -269,9 +270,9 @@ pub struct CudaBackend {
     /// bus's speed, where a read into `logits` is staged through the
     /// driver's own buffer. `None` where the driver would not lock it.
     pinned: Option<HostFloats>,
-    /// The last step's greedy rows, `(row, id)`.
+    /// The last step's rows given as their token, `(row, id)`.
     picks: Vec<(u32, u32)>,
-    /// Host copy of the last step's greedy rows' ids.
+    /// Host copy of the last step's picked rows' tokens.
     pick_ids: Vec<u32>,
     /// Launches folded into others ([`CudaBackend::set_fusions`]).
     fusions: Fusions,
@@ -585,14 +586,14 @@ impl CudaBackend {
             // The page ids the view checked, as far as the step reaches.
             let end = step.pos_start + step.tokens.len();
             packer.table(seq as u32, &view.page_ids(seq)[..end.div_ceil(page_tokens)]);
-            packer.logits(step.logits, step.greedy);
+            packer.logits(step.logits, step.pick);
             let pos0 = step.pos_start as u32;
             match step.tokens.len() {
                 1 => packer.decode_items(seq as u32, t0, pos0, kv_heads),
                 _ => packer.prefill_items(seq as u32, t0, pos0, kv_heads, queries_per_item),
             }
         }
-        packer.greedy_rows();
+        packer.picked_rows();
         match bucket {
             None => packer.counts,
             Some(bucket) => packer.pad(bucket, kv_heads, c.context_len as u32),
@@ -944,15 +945,17 @@ impl CudaBackend {
             format: w.output.format(),
         };
         self.matmul(&[head], &input, d, counts.wanted, mode::STORE)?;
-        // Every row's pick, whichever the host reads (a graph's rows are its
-        // bucket's; the greedy ones follow the full ones).
-        let args = ArgmaxArgs {
+        // Every row's token, whichever the host reads (a graph's rows are its
+        // bucket's; the picked ones follow the full ones, a drawn one with
+        // its draw in the step buffer).
+        let args = PickArgs {
             logits: s.logits.at(0),
             out: s.picks.at(0),
+            draws: word(sl.draws),
             vocab,
             unused: 0,
         };
-        self.launch(counts.wanted, NORM_BLOCK, 0, &args)
+        self.launch(counts.wanted, PICK_BLOCK, 0, &args)
     }
 
     /// A block's output matrix (attention's `wo`, the FFN's `w_down`) on
@@ -1060,11 +1063,11 @@ impl Backend for CudaBackend {
                 .map_err(Self::device_error)?,
         }
         // The full rows are the logits' first (see `Packer::logits`), read
-        // straight into the host's floats; a greedy row is its id alone.
+        // straight into the host's floats; a picked row is its token alone.
         let vocab = self.model.config.vocab_len;
-        let greedy = |s: &SeqStep<'_>| s.greedy && s.logits > 0;
+        let picks = |s: &SeqStep<'_>| s.pick.is_token() && s.logits > 0;
         let wanted: usize = steps.iter().map(|s| s.logits).sum();
-        let picked = steps.iter().filter(|s| greedy(s)).count();
+        let picked = steps.iter().filter(|s| picks(s)).count();
         let full = wanted - picked;
         // Each read waits for the step's kernels: at least one is made
         // before the view lets the pool go.
@@ -1096,8 +1099,8 @@ impl Backend for CudaBackend {
         let mut ids = self.pick_ids.iter();
         for s in steps {
             row += s.logits;
-            if greedy(s) {
-                let id = *ids.next().expect("one id a greedy row");
+            if picks(s) {
+                let id = *ids.next().expect("one id a picked row");
                 self.picks.push(((row - 1) as u32, id));
             }
         }

@@ -41,7 +41,7 @@ const HEADERS: [Source; 3] = [
 ];
 
 /// Every kernel source, one module each.
-pub const SOURCES: [Source; 3] = [
+pub const SOURCES: [Source; 4] = [
     Source {
         name: "attention.cu",
         text: include_str!("../../../cuda/attention.cu"),
@@ -53,6 +53,10 @@ pub const SOURCES: [Source; 3] = [
     Source {
         name: "quant.cu",
         text: include_str!("../../../cuda/quant.cu"),
+    },
+    Source {
+        name: "sample.cu",
+        text: include_str!("../../../cuda/sample.cu"),
     },
 ];
 
@@ -147,6 +151,11 @@ impl Program {
     }
 }
 
+/// Set (to anything), [`compile`] prints ptxas's account of each kernel
+/// (registers, stack frame, spills) to standard error:
+/// `BULKHEAD_PTXAS_INFO=1 cargo test -p bulkhead-kernels --lib every_source -- --nocapture`.
+pub const PTXAS_INFO: &str = "BULKHEAD_PTXAS_INFO";
+
 /// Compiles `source` to CUBIN for `arch` (e.g. "sm_90").
 pub fn compile(source: &Source, arch: &str) -> Result<Vec<u8>, NvrtcError> {
     if !is_present() {
@@ -178,11 +187,18 @@ pub fn compile(source: &Source, arch: &str) -> Result<Vec<u8>, NvrtcError> {
     })?;
     let program = Program(raw);
     // Precise division and square roots (the CPU's arithmetic), no fast math.
-    let options = [
+    let mut options = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
         "--extra-device-vectorization".to_string(),
     ];
+    // Each kernel's registers, stack frame and spills, from ptxas, on
+    // standard error (a launch of many threads needs few registers a thread;
+    // a stack frame is local memory).
+    let ptxas_info = std::env::var_os(PTXAS_INFO).is_some();
+    if ptxas_info {
+        options.push("--ptxas-options=-v".to_string());
+    }
     let options: Vec<CString> = options
         .iter()
         .map(|o| CString::new(o.as_str()).expect("options have no NUL"))
@@ -197,6 +213,9 @@ pub fn compile(source: &Source, arch: &str) -> Result<Vec<u8>, NvrtcError> {
             arch: arch.to_string(),
             log: program.log(),
         });
+    }
+    if ptxas_info {
+        eprintln!("{} for {arch}:\n{}", source.name, program.log());
     }
     let mut len = 0usize;
     // SAFETY: a compiled program; the out-pointer is valid.

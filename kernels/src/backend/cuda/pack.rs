@@ -5,16 +5,18 @@
 //! regions' addresses) stay valid for every later step.
 //!
 //! ```text
-//! tokens[T] positions[T] token_seq[T] seq_pages[S] gather[R] pages[P] items[I][10] merges[M][4] counters[M]
+//! tokens[T] positions[T] token_seq[T] seq_pages[S] gather[R] draws[R][6] pages[P] items[I][10] merges[M][4] counters[M]
 //! ```
 //!
 //! `pages` holds, per sequence, the page ids the page book checked for the
-//! step, as far as the step reaches and no further; `items` are attention's
+//! step, as far as the step reaches and no further; `draws` the parameters
+//! of each drawn row's draw (zeros elsewhere: its argmax); `items` are attention's
 //! work units (`AttnItem`), `merges` the folds of split decode attention,
 //! `counters` zeros for attention to count each merge's finished splits in.
 
 use super::launch::{AttnItem, ATTENTION_TILE, ITEM_WORDS, NO_SEQ};
 use super::{CudaOptions, SPLIT_POSITIONS};
+use crate::backend::{Draw, Pick};
 use crate::kv::PageId;
 use crate::model::Model;
 
@@ -67,6 +69,7 @@ pub(super) struct StepLayout {
     pub(super) token_seq: u64,
     pub(super) seq_pages: u64,
     pub(super) gather: u64,
+    pub(super) draws: u64,
     pub(super) pages: u64,
     pub(super) items: u64,
     pub(super) merges: u64,
@@ -119,6 +122,7 @@ impl StepLayout {
         let seq_pages = region(s);
         let gather_max = options.limits().step_logits_max() as u64;
         let gather = region(gather_max);
+        let draws = region(gather_max * DRAW_WORDS as u64);
         let pages = region(pages_max);
         let items = region(items_max * ITEM_WORDS as u64);
         let merges = region(merges_max * 4);
@@ -129,6 +133,7 @@ impl StepLayout {
             token_seq,
             seq_pages,
             gather,
+            draws,
             pages,
             items,
             merges,
@@ -142,6 +147,23 @@ impl StepLayout {
             page_tokens,
         }
     }
+}
+
+/// Words of a row's draw in the step buffer (sample.cu's `DrawParams`):
+/// 1 / temperature, top-k, top-p and min-p, then the uniform as an f64.
+pub(super) const DRAW_WORDS: usize = 6;
+
+/// A draw's words as `DrawParams` lays them out.
+pub(super) fn draw_words(d: &Draw) -> [u32; DRAW_WORDS] {
+    let u = d.u.to_bits();
+    [
+        d.inv_t.to_bits(),
+        d.top_k,
+        d.top_p.to_bits(),
+        d.min_p.to_bits(),
+        u as u32,
+        (u >> 32) as u32,
+    ]
 }
 
 /// What one step launches over: the sizes of its grids (for a graph, its bucket's).
@@ -170,8 +192,9 @@ pub(super) struct Packer<'a> {
     /// Sequences the step's decode splits are sized for (its own, or its
     /// graph bucket's: a graph's grid is sized for the bucket's splits).
     split_seqs: u32,
-    /// Tokens of greedy rows, gathered after every full row ([`Packer::greedy_rows`]).
-    greedy: Vec<u32>,
+    /// Tokens of rows wanted for their token alone, and how, gathered
+    /// after every full row ([`Packer::picked_rows`]).
+    picked: Vec<(u32, Pick)>,
 }
 
 impl<'a> Packer<'a> {
@@ -192,7 +215,7 @@ impl<'a> Packer<'a> {
             },
             pages: 0,
             slots: 0,
-            greedy: Vec::new(),
+            picked: Vec::new(),
         }
     }
 
@@ -222,24 +245,30 @@ impl<'a> Packer<'a> {
         );
     }
 
-    /// The last `rows` tokens packed want logits; with `greedy`, the last of
-    /// them only its largest logit's id, its row gathered after every full
-    /// row ([`Packer::greedy_rows`]), so the full rows are one prefix of the
-    /// logits, the only rows the step copies to the host.
-    pub(super) fn logits(&mut self, rows: usize, greedy: bool) {
+    /// The last `rows` tokens packed want logits; the last of them, where
+    /// `pick` is not [`Pick::Row`], only its token, its row gathered after
+    /// every full row ([`Packer::picked_rows`]), so the full rows are one
+    /// prefix of the logits, the only rows the step copies to the host.
+    pub(super) fn logits(&mut self, rows: usize, pick: Pick) {
         let first = self.counts.tokens - rows as u32;
-        let greedy = greedy && rows > 0;
-        for token in first..self.counts.tokens - u32::from(greedy) {
+        let picked = pick.is_token() && rows > 0;
+        for token in first..self.counts.tokens - u32::from(picked) {
             self.gather(token);
         }
-        if greedy {
-            self.greedy.push(self.counts.tokens - 1);
+        if picked {
+            self.picked.push((self.counts.tokens - 1, pick));
         }
     }
 
-    /// Gathers the greedy rows, in step order, after every full row.
-    pub(super) fn greedy_rows(&mut self) {
-        for token in std::mem::take(&mut self.greedy) {
+    /// Gathers the rows wanted for their token, in step order, after every
+    /// full row, with each draw's parameters at its row.
+    pub(super) fn picked_rows(&mut self) {
+        for (token, pick) in std::mem::take(&mut self.picked) {
+            if let Pick::Draw(draw) = pick {
+                let at = self.layout.draws + (DRAW_WORDS as u64) * u64::from(self.counts.wanted);
+                let at = at as usize;
+                self.words[at..at + DRAW_WORDS].copy_from_slice(&draw_words(&draw));
+            }
             self.gather(token);
         }
     }
@@ -347,7 +376,7 @@ impl<'a> Packer<'a> {
     /// of no sequence (they store nothing), and every grid at its capacity
     /// (items and merges past the step's are zero words: no queries, no slots).
     pub(super) fn pad(mut self, bucket: u32, kv_heads: u32, context_len: u32) -> Counts {
-        debug_assert!(self.greedy.is_empty(), "greedy rows gathered first");
+        debug_assert!(self.picked.is_empty(), "picked rows gathered first");
         for pad in self.counts.tokens..bucket {
             self.set(self.layout.token_seq, pad, NO_SEQ);
         }

@@ -19,10 +19,10 @@
 use super::device::{Device, DeviceBuffer, Geometry};
 use super::emulator::Emulator;
 use super::launch::*;
-use super::pack::{decode_span, decode_splits_max};
+use super::pack::{decode_span, decode_splits_max, draw_words, DRAW_WORDS};
 use super::storage::DeviceStorage;
 use super::{attention_rows, CudaBackend, CudaOptions, Fusions, SPLIT_POSITIONS};
-use crate::backend::{Backend, SeqStep, StepError};
+use crate::backend::{Backend, Draw, Pick, SeqStep, StepError};
 use crate::gguf::Gguf;
 use crate::kv::storage::host_storage;
 use crate::kv::{KvType, PageLayout, PageStorage, PageTable, Pool, PoolGeometry};
@@ -141,7 +141,7 @@ fn argument_structs_are_the_size_the_kernel_sources_declare() {
         (AttentionArgs::KERNEL, std::mem::size_of::<AttentionArgs>()),
         (MergeArgs::KERNEL, std::mem::size_of::<MergeArgs>()),
         (DigestArgs::KERNEL, std::mem::size_of::<DigestArgs>()),
-        (ArgmaxArgs::KERNEL, std::mem::size_of::<ArgmaxArgs>()),
+        (PickArgs::KERNEL, std::mem::size_of::<PickArgs>()),
     ];
     for (kernel, size) in sizes {
         assert_eq!(Emulator::args_bytes(kernel), Some(size), "{kernel}");
@@ -558,13 +558,14 @@ fn argmax_picks_each_rows_id_as_the_cpus_argmax_does() {
     let flat: Vec<f32> = rows.concat();
     let logits = DeviceBuffer::from_bytes(&device, &to_bytes(&flat)).unwrap();
     let out = DeviceBuffer::zeroed(&device, 4 * rows.len() as u64).unwrap();
-    let args = ArgmaxArgs {
+    let args = PickArgs {
         logits: logits.at(0),
         out: out.at(0),
+        draws: 0,
         vocab: vocab as u32,
         unused: 0,
     };
-    launch(&device, rows.len() as u32, NORM_BLOCK, 0, &args);
+    launch(&device, rows.len() as u32, PICK_BLOCK, 0, &args);
     let mut bytes = vec![0u8; 4 * rows.len()];
     out.read(0, &mut bytes).unwrap();
     for (i, row) in rows.iter().enumerate() {
@@ -576,6 +577,138 @@ fn argmax_picks_each_rows_id_as_the_cpus_argmax_does() {
     assert_eq!((want(3), want(4), want(5)), (999, 640, 0));
     assert_eq!((want(7), want(8), want(9)), (3, 3, 300));
     assert_eq!((want(10), want(11), want(12)), (0, 0, 0));
+}
+
+/// Each row's draw on the device, against [`Draw::pick`] on the host.
+fn device_draws(
+    device: &Arc<dyn Device>,
+    vocab: usize,
+    rows: &[(Vec<f32>, Option<Draw>)],
+) -> Vec<u32> {
+    let flat: Vec<f32> = rows
+        .iter()
+        .flat_map(|(row, _)| row.iter().copied())
+        .collect();
+    let words: Vec<u32> = rows
+        .iter()
+        .flat_map(|(_, draw)| draw.as_ref().map_or([0; DRAW_WORDS], draw_words))
+        .collect();
+    let draws: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let logits = DeviceBuffer::from_bytes(device, &to_bytes(&flat)).unwrap();
+    let draws = DeviceBuffer::from_bytes(device, &draws).unwrap();
+    let out = DeviceBuffer::zeroed(device, 4 * rows.len() as u64).unwrap();
+    let args = PickArgs {
+        logits: logits.at(0),
+        out: out.at(0),
+        draws: draws.at(0),
+        vocab: vocab as u32,
+        unused: 0,
+    };
+    launch(device, rows.len() as u32, PICK_BLOCK, 0, &args);
+    let mut bytes = vec![0u8; 4 * rows.len()];
+    out.read(0, &mut bytes).unwrap();
+    bytes
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+#[test]
+fn a_draw_on_the_device_picks_the_token_the_hosts_draw_picks() {
+    let device = emulator(23);
+    let mut rng = SplitMix64(17);
+    // Continuous logits, and logits of few levels (ties at every boundary).
+    let mut rows: Vec<(Vec<f32>, Option<Draw>)> = Vec::new();
+    let vocab = 1000usize;
+    let settings: [(f32, u32, f32, f32); 12] = [
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 0, 0.9, 0.0),
+        (0.8, 40, 0.95, 0.0),
+        (1.0, 7, 1.0, 0.0),
+        (1.0, 1, 1.0, 0.0),
+        (1.5, 0, 1.0, 0.05),
+        (0.6, 0, 0.5, 0.1),
+        (1.0, 0, 0.0, 0.0),
+        (2.0, 999, 0.99, 0.0),
+        (1.0, 1000, 1.0, 0.0),
+        (1.0, 5000, 0.3, 0.0),
+        (0.2, 3, 0.6, 0.5),
+    ];
+    for (n, &(temperature, top_k, top_p, min_p)) in settings.iter().enumerate() {
+        for levels in [0u64, 5, 40] {
+            for u in [0.0, rng.next_f64(), rng.next_f64(), 1.0 - 1e-9] {
+                let row: Vec<f32> = (0..vocab)
+                    .map(|_| match levels {
+                        0 => (rng.next_f64() * 12.0 - 6.0) as f32,
+                        l => (rng.next_u64() % l) as f32 * 0.25,
+                    })
+                    .collect();
+                let draw = Draw {
+                    inv_t: 1.0 / temperature,
+                    top_k,
+                    top_p,
+                    min_p,
+                    u,
+                };
+                // A few rows without a draw (their argmax), among drawn ones.
+                rows.push((row, (n % 5 != 4 || levels != 5).then_some(draw)));
+            }
+        }
+    }
+    // Rows that draw nothing: a NaN, an infinite logit, all -inf.
+    let any = rows[0].1;
+    let mut with = |at: usize, v: f32| {
+        let mut row: Vec<f32> = (0..vocab).map(|_| rng.next_f64() as f32).collect();
+        row[at] = v;
+        row
+    };
+    rows.push((with(300, f32::NAN), any));
+    rows.push((with(301, f32::INFINITY), any));
+    rows.push((with(302, f32::NEG_INFINITY), any));
+    rows.push((vec![f32::NEG_INFINITY; vocab], any));
+    let picks = device_draws(&device, vocab, &rows);
+    let mut candidates = Vec::new();
+    let mut drawn_elsewhere = 0;
+    for (i, ((row, draw), &got)) in rows.iter().zip(&picks).enumerate() {
+        let want = match draw {
+            Some(draw) => draw.pick(row, &mut candidates),
+            None => crate::backend::argmax(row),
+        };
+        assert_eq!(got, want, "row {i}: {draw:?}");
+        drawn_elsewhere += usize::from(want != crate::backend::argmax(row));
+    }
+    // The draws mean something: most rows do not give their argmax.
+    assert!(
+        drawn_elsewhere > rows.len() / 2,
+        "{drawn_elsewhere} of {}",
+        rows.len()
+    );
+    // SmolLM2's vocabulary: many tokens a thread, and the full walk.
+    let vocab = 49152;
+    let rows: Vec<(Vec<f32>, Option<Draw>)> = [
+        (0.8, 0, 0.95, 0.0),
+        (1.0, 50, 1.0, 0.0),
+        (1.0, 0, 1.0, 0.02),
+    ]
+    .iter()
+    .map(|&(temperature, top_k, top_p, min_p)| {
+        let row = (0..vocab)
+            .map(|_| (rng.next_f64() * 20.0 - 10.0) as f32)
+            .collect();
+        let draw = Draw {
+            inv_t: 1.0 / temperature,
+            top_k,
+            top_p,
+            min_p,
+            u: rng.next_f64(),
+        };
+        (row, Some(draw))
+    })
+    .collect();
+    let picks = device_draws(&device, vocab, &rows);
+    for ((row, draw), got) in rows.iter().zip(picks) {
+        assert_eq!(got, draw.unwrap().pick(row, &mut candidates), "{draw:?}");
+    }
 }
 
 #[test]
@@ -839,6 +972,7 @@ fn compare_with_cpu(
         "{agreement:?}"
     );
     assert_eq!(agreement.picks_agree, agreement.rows, "{agreement:?}");
+    assert_eq!(agreement.draws_agree, agreement.rows, "{agreement:?}");
     eprintln!(
         "worst relative error of the logits: {:.2e}",
         agreement.worst_relative
@@ -947,7 +1081,7 @@ fn run_bits(spec: &TinySpec, kv_type: KvType, fusions: Fusions) -> (Vec<u32>, Ve
                     pos_start,
                     tokens: &inputs[s][pos_start..pos_start + len],
                     logits: len.min(2),
-                    greedy: false,
+                    pick: Pick::Row,
                 }
             })
             .collect();
@@ -1080,7 +1214,7 @@ fn a_decode_steps_rows_are_read_into_page_locked_memory_and_more_rows_are_not() 
                     pos_start,
                     tokens: if len == 5 { &prompt } else { &prompt[..1] },
                     logits: rows,
-                    greedy: false,
+                    pick: Pick::Row,
                 })
                 .collect();
             let logits = cuda.step(&steps, &mut pool).unwrap();
@@ -1132,7 +1266,7 @@ fn a_host_pool_is_refused_by_the_cuda_backend() {
         pos_start: 0,
         tokens: &tokens,
         logits: 1,
-        greedy: false,
+        pick: Pick::Row,
     };
     assert_eq!(
         cuda.step(&[step], &mut pool).err().unwrap(),
@@ -1376,7 +1510,7 @@ fn a_local_layer_reads_no_position_before_its_window() {
             pos_start,
             tokens,
             logits: 1,
-            greedy: false,
+            pick: Pick::Row,
         };
         backend.step(&[step(&prompt_tokens, 0)], &mut pool).unwrap();
         if poisoned {
@@ -1427,14 +1561,14 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
             pos_start: 0,
             tokens: &prefill,
             logits: 0,
-            greedy: false,
+            pick: Pick::Row,
         },
         SeqStep {
             pages: &tables[1],
             pos_start: 600,
             tokens: &decode,
             logits: 1,
-            greedy: false,
+            pick: Pick::Row,
         },
     ];
     let view = pool.step_view(&[&tables[0], &tables[1]]).unwrap();
@@ -1507,7 +1641,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
         pos_start: 40,
         tokens: &one[..1],
         logits: 1,
-        greedy: false,
+        pick: Pick::Row,
     }];
     let view = pool.step_view(&[&tables[0]]).unwrap();
     let bucket = cuda.graph_bucket(&steps).unwrap();
@@ -1556,7 +1690,7 @@ fn a_profile_times_every_launch_of_its_steps_and_none_of_a_captured_graph() {
     // launch, and attention folds its splits (two a token at depth 40),
     // with no merge launch.
     let names: Vec<&str> = profile.kernels.iter().map(|k| k.kernel).collect();
-    for kernel in ["embed", "matmul", "attention", "argmax"] {
+    for kernel in ["embed", "matmul", "attention", "pick"] {
         assert!(names.contains(&kernel), "{kernel} missing from {names:?}");
     }
     assert!(!names.contains(&"rms_norm"), "{names:?}");
