@@ -12,6 +12,8 @@ fn main() {
         // The CPU backend's arithmetic rounds every product: so must the kernels here.
         .flag("-ffp-contract=off")
         .flag_if_supported("-Wno-unused-parameter")
+        // `#pragma unroll` is for NVRTC; GCC has its own spelling.
+        .flag_if_supported("-Wno-unknown-pragmas")
         .opt_level(2)
         .include("cuda/emu")
         .file("cuda/emu/emu.cpp")

@@ -148,7 +148,11 @@ KERNEL(attention, AttentionArgs) {
             float k[8], v[8];
             kv_load16(a.kv, kv_index(a.layer, 0, page, slot, at, a.pages_count, a.page_tokens, kv_dim), a.kv_f16, k);
             kv_load16(a.kv, kv_index(a.layer, 1, page, slot, at, a.pages_count, a.page_tokens, kv_dim), a.kv_f16, v);
-            for (uint32_t x = 0; x < per; x++) {
+            // Constant indices (8, the most a load gives), so k and v stay
+            // in registers rather than local memory.
+            #pragma unroll
+            for (uint32_t x = 0; x < 8; x++) {
+                if (x >= per) break;
                 ks[j * stride + i + x] = k[x];
                 vs[j * stride + i + x] = v[x];
             }

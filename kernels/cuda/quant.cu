@@ -214,7 +214,11 @@ __device__ __forceinline__ uint32_t load_u32_aligned2(const uint8_t* p) {
 
 // Unit `u` (weights 32u..32u+32) of a row of quantized `type` blocks.
 __device__ __forceinline__ Unit decode_unit(uint32_t type, const uint8_t* row, uint32_t u) {
+    // Every quant set on every path (a type the kernel does not run is
+    // zeros): ptxas then keeps the unit in registers (96 a thread, not 119).
     Unit unit;
+    #pragma unroll
+    for (int i = 0; i < 8; i++) unit.q[i] = 0;
     unit.offset = 0;
     unit.min = 0.0f;
     unit.per_256 = false;
@@ -351,10 +355,15 @@ __device__ __forceinline__ void row_products(const MatSeg& seg, uint32_t row, co
     for (uint32_t u = lane; u < units; u += WARP_SIZE) {
         if (quantized) {
             Unit unit = decode_unit(seg.type, w, u);
+            // Unrolled, every loop over a block's tokens: acc[j] at constant
+            // indices stays in registers, where a loop's would be local
+            // memory (ptxas: a 96-byte stack frame with these loops rolled).
+            #pragma unroll
             for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {
                 if (j < n) acc[j] += unit_dot(unit, a, x, j, u);
             }
         } else {
+            #pragma unroll
             for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {
                 if (j < n) acc[j] += float_unit_dot(seg.type, w, a, t0 + j, u);
             }
@@ -521,6 +530,7 @@ KERNEL(matmul, MatmulArgs) {
     const MatSeg& seg = a.seg[s];
     float* out = reinterpret_cast<float*>(seg.out);
     float acc[MATMUL_TOKENS], up[MATMUL_TOKENS];
+    #pragma unroll
     for (uint32_t j = 0; j < MATMUL_TOKENS; j++) acc[j] = up[j] = 0.0f;
     if (per == 2) {
         uint32_t r0, r1;
@@ -528,6 +538,7 @@ KERNEL(matmul, MatmulArgs) {
         row_products(seg, r0, a, acts, t0, n, acc);
         row_products(seg, r1, a, acts, t0, n, up);
         const float* bias = reinterpret_cast<const float*>(seg.bias);
+        #pragma unroll
         for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {
             if (j >= n) break;
             float v0 = warp_sum(acc[j]), v1 = warp_sum(up[j]);
@@ -542,6 +553,7 @@ KERNEL(matmul, MatmulArgs) {
     }
     row_products(seg, row, a, acts, t0, n, acc);
     if (swiglu) row_products(a.seg[1], row, a, acts, t0, n, up);
+    #pragma unroll
     for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {
         if (j >= n) break;
         float value = warp_sum(acc[j]);
