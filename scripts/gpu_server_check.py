@@ -10,7 +10,8 @@ store on loopback ports, and checks, as rows of the check's table:
 - the server starts, and with `auto` on a machine with a GPU says in its log
   that it chose cuda and in the admin listener's /readyz which GPU;
 - a greedy completion and a streamed chat completion come back whole
-  (status 200, the tokens asked for, a finish reason), with their time;
+  (status 200, the tokens asked for, a finish reason), with their time, and
+  a seeded sampled completion twice the same (drawn on the device on a GPU);
 - the greedy completion's text on the GPU against the CPU's (the same
   random model; a difference is shown, not failed: a near tie may part them,
   and the kernels' agreement rows are the numeric check).
@@ -197,6 +198,23 @@ def serve(folder, backend):
             )
         else:
             row(f"server ({placed}): greedy completion", f"status {status}: {body[:200]}", False)
+        # A sampled completion, twice with one seed: on a GPU its tokens are
+        # drawn on the device (temperature, top-p), and a seed repeats.
+        sampled = {
+            "model": MODEL_ID,
+            "prompt": PROMPT,
+            "max_tokens": TOKENS,
+            "temperature": 0.9,
+            "top_p": 0.95,
+            "seed": 7,
+        }
+        replies = [call(server.port, "/v1/completions", sampled, KEY) for _ in range(2)]
+        texts = [json.loads(b)["choices"][0]["text"] if st == 200 else None for st, b in replies]
+        row(
+            f"server ({placed}): a seeded sampled completion, twice",
+            f"status {[st for st, _ in replies]}, {len(texts[0] or '')} characters, the same: {texts[0] == texts[1]}",
+            all(st == 200 for st, _ in replies) and texts[0] == texts[1] and bool(texts[0]),
+        )
         status, body = call(
             server.port,
             "/v1/chat/completions",
