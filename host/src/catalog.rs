@@ -1,7 +1,7 @@
 //! The catalog: the models a server serves, each with its own engine.
 //!
 //! 1. **Sources.** The policy's `[[models]]` load at every start, in policy
-//!    order; models added through the admin API are stored ([`ModelRecord`])
+//!    order; models added through the admin API are stored ([`ModelRecord`](crate::store::records::ModelRecord))
 //!    and load after them, in id order. An id names one model across both.
 //! 2. **Load** ([`load`]): map the GGUF file, build its tokenizer and chat
 //!    template, check the model's capacity contract with the tenants that may

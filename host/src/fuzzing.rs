@@ -309,7 +309,7 @@ fn common_body(common: &Common) -> Value {
 const ADMIN_KINDS: u8 = 9;
 
 /// Parses the rest of the input as the body or query the first byte picks
-/// (see [`ADMIN_KINDS`]), then checks what the handler would do with it.
+/// (see `ADMIN_KINDS`), then checks what the handler would do with it.
 pub fn admin(data: &[u8]) {
     let Some((&kind, rest)) = data.split_first() else {
         return;
@@ -651,7 +651,7 @@ impl Storage for MemoryStorage {
 const RECORD_KINDS: u8 = 10;
 
 /// Decodes arbitrary bytes as the stored value of the record kind the first
-/// byte picks ([`RECORD_KINDS`]), through the store's own read path; a
+/// byte picks (`RECORD_KINDS`), through the store's own read path; a
 /// record that decodes, written back by the store, decodes to itself.
 ///
 /// The key each kind lives under is learnt by writing a template record
@@ -943,7 +943,7 @@ pub fn openai_seeds() -> Vec<(&'static str, Vec<u8>)> {
     seeds
 }
 
-/// Seeds of the admin corpus: a kind byte (see [`ADMIN_KINDS`]), then a body
+/// Seeds of the admin corpus: a kind byte (see `ADMIN_KINDS`), then a body
 /// or query string from the README's examples.
 pub fn admin_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let inputs: [(&str, u8, &str); 10] = [
@@ -1024,7 +1024,7 @@ key_env = "KEY_B"
     ]
 }
 
-/// Seeds of the store corpus: a kind byte (see [`RECORD_KINDS`]) and the
+/// Seeds of the store corpus: a kind byte (see `RECORD_KINDS`) and the
 /// value the store itself writes for a record of that kind.
 pub fn store_records_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let mut seeds = Vec::new();

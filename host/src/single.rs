@@ -15,7 +15,7 @@
 //! 4. **The store** in `--store`, or `$XDG_STATE_HOME/bulkhead/<id>`
 //!    (`~/.local/state/bulkhead/<id>`), so keys and usage survive a restart.
 //!
-//! [`derive`] returns the policy as TOML text, which `bulkhead check --model`
+//! [`derive()`] returns the policy as TOML text, which `bulkhead check --model`
 //! prints and `serve` parses like any policy file.
 
 use crate::capacity::human_bytes;

@@ -226,9 +226,19 @@ KERNEL(page_digest, DigestArgs) {
     }
     __syncwarp();
     uint32_t acc_lane = lane % 8, group = lane / 8;
-    const uint64_t init[8] = {XXH_P32_3, XXH_P64_1, XXH_P64_2, XXH_P64_3,
-                              XXH_P64_4, XXH_P32_2, XXH_P64_5, XXH_P32_1};
-    uint64_t acc = init[acc_lane];
+    // XXH3's initial accumulators, lane by lane (a switch, not a table the
+    // lane indexes: that table would be local memory).
+    uint64_t acc;
+    switch (acc_lane) {
+        case 0: acc = XXH_P32_3; break;
+        case 1: acc = XXH_P64_1; break;
+        case 2: acc = XXH_P64_2; break;
+        case 3: acc = XXH_P64_3; break;
+        case 4: acc = XXH_P64_4; break;
+        case 5: acc = XXH_P32_2; break;
+        case 6: acc = XXH_P64_5; break;
+        default: acc = XXH_P32_1; break;
+    }
     uint64_t blocks = (w.len - 1) / XXH_BLOCK;
     for (uint64_t b = 0; b < blocks; b++) {
         uint64_t share = 0;

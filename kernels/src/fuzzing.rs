@@ -286,7 +286,7 @@ const SPECIAL: u8 = 1 << 2;
 const BOS: u8 = 1 << 3;
 
 /// Encodes arbitrary text or decodes arbitrary ids with a tiny tokenizer
-/// (the first byte chooses which, and the options; see [`SPM`]).
+/// (the first byte chooses which, and the options; see `SPM`).
 pub fn tokenizer(data: &[u8]) {
     let Some((&flags, payload)) = data.split_first() else {
         return;

@@ -266,7 +266,7 @@ pub struct ModelConfig {
     /// RMS-normalised before the residual add (gemma2, gemma3).
     pub post_norms: bool,
     /// Multiplies `q·k` (`1 / sqrt(head_dim)` but for Gemma 2/3 27B, see
-    /// [`attention_scale`]).
+    /// `attention_scale` in this module).
     pub attention_scale: f32,
     /// Attention scores become `cap · tanh(score / cap)` before the softmax.
     pub attention_softcap: Option<f32>,

@@ -1,6 +1,6 @@
 //! The admin REST API, under `/admin/v1/` on the admin listener.
 //!
-//! 1. **Authentication** is one layer ([`require_admin`]) over every route but
+//! 1. **Authentication** is one layer (`require_admin`) over every route but
 //!    the OpenAPI document: the admin token, compared as a SHA-256 digest in
 //!    constant time; anything else is a 401 before a handler runs.
 //! 2. **Handlers** parse, call the control plane ([`Control`]), and answer JSON.

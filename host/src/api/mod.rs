@@ -1,7 +1,7 @@
 //! The HTTP surface (DESIGN.md §3, §6): the inference routes a tenant calls
 //! with its API key, and the admin routes an operator calls with the admin token.
 //!
-//! A request's path through [`infer`]:
+//! A request's path through `infer`:
 //!
 //! 1. **Authenticate** the bearer key → tenant (401 otherwise), and take one of
 //!    the tenant's `pending_max` permits (429 `too_many_pending` otherwise): work
@@ -10,7 +10,7 @@
 //!    another before its queue limits apply.
 //! 2. **Read** the body under `server.body_bytes_max` (413) and a read deadline.
 //! 3. **Parse** and validate the OpenAI parameters ([`openai`]) in the
-//!    tenant's turn on the request [`lane`] (a body's JSON and its schemas'
+//!    tenant's turn on the request [`lane`](crate::lane) (a body's JSON and its schemas'
 //!    patterns are CPU work a tenant causes, tens of milliseconds at their
 //!    bounds); resolve the model
 //!    in the catalog among those the tenant may use (404 `model_not_found` for
@@ -18,7 +18,7 @@
 //!    prompt whose byte count alone proves it too long (400
 //!    `context_length_exceeded`, before any tokenization work).
 //! 4. **Tokenize** (the model's chat template for chat) in the tenant's turn on
-//!    the request [`lane`], stopping once the prompt cannot fit: a lone
+//!    the request [`lane`](crate::lane), stopping once the prompt cannot fit: a lone
 //!    prompt in the same job as its parsing, where step 3's checks pass (one
 //!    turn of the lane, not two); a batch of completion prompts, each in its
 //!    own turn, every one checked before any is submitted.

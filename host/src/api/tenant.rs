@@ -2,7 +2,7 @@
 //! the tenant's own API key.
 //!
 //! Every route acts on the caller's tenant and nothing else: the tenant is
-//! taken from the key ([`require_tenant`]), never from the path or the body,
+//! taken from the key (`require_tenant`), never from the path or the body,
 //! so no route can name another tenant. Objects are named by ids that are
 //! random (keys) or by names scoped to the tenant (plugins); asking for
 //! another tenant's object — by guessing its id, say — answers exactly what

@@ -650,7 +650,7 @@ impl<B: Backend> Scheduler<B> {
     /// tenant's queue has no room for all, none ([`Rejection::QueueFull`]);
     /// otherwise as [`Scheduler::enqueue`] refuses one. A prompt's first
     /// choice starts as any request does; its others once that one's prompt
-    /// is in KV ([`Admitted::after`]), so that they find the prompt's full
+    /// is in KV (`Admitted::after`), so that they find the prompt's full
     /// pages in the tenant's prefix cache and compute only what is past them.
     pub fn enqueue_all(&mut self, mut prompts: Vec<Vec<Admitted>>) -> Result<(), Rejection> {
         let Some(first) = prompts.iter().flatten().next() else {
@@ -733,7 +733,7 @@ impl<B: Backend> Scheduler<B> {
 
     /// Ends every queued and running request with `reason` (a shutdown or an
     /// unload, after its drain deadline); running ones release their pages
-    /// through [`Scheduler::finish`]. Returns how many it ended.
+    /// through `Scheduler::finish`. Returns how many it ended.
     pub fn finish_everything(&mut self, reason: FinishReason) -> u32 {
         let mut ended = 0u32;
         let mut preempted = Vec::new();

@@ -20,7 +20,7 @@
 //! [`unit_digits`]; see [`BOUNDED_UNITS_MAX`]), `enum`, `const`, `anyOf` and
 //! `oneOf` (`Optional[X]`; objects told apart by a first property that is
 //! a constant of each, as pydantic's discriminated union and a required
-//! tool call, are one reading ([`Node::Tagged`]); other alternatives that
+//! tool call, are one reading (`Node::Tagged`); other alternatives that
 //! begin alike, as `Union[A, B]` of two models, are read side by side
 //! until the output tells them apart; a `oneOf`'s must begin differently or
 //! be so told apart, so that the output fits exactly one), a

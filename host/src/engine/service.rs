@@ -32,7 +32,7 @@
 //!    (`bulkhead_engine_faults_total`, `bulkhead_engine_restarts_total`) and
 //!    reported to the finish sink for the audit log. Builds with feature
 //!    `fault-injection` (tests only, never a release) can plant such a panic
-//!    between two steps ([`EngineHandle::inject_panic`]).
+//!    between two steps (`EngineHandle::inject_panic`, with the `fault-injection` feature).
 
 use super::admission::Admitted;
 use super::handoff::Transferred;

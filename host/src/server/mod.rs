@@ -15,7 +15,7 @@
 //!    ([`catalog::load`]); the control plane ([`Control`]) keeps every engine in
 //!    step with the store, and loads and unloads models.
 //! 4. **Listen**: inference and admin listeners (HTTP/1.1 and HTTP/2, optional
-//!    TLS), each with its connection limits ([`accept`]: caps in all and per
+//!    TLS), each with its connection limits (`accept`: caps in all and per
 //!    peer, handshake and idle deadlines); each bound address is printed to
 //!    stderr as `listening: <name> <url>`.
 //! 5. **Shut down** on SIGINT/SIGTERM: stop accepting, mark not ready, let

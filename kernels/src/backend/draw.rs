@@ -22,7 +22,7 @@
 //! order**, each as long as its weight: an order that depends on the
 //! logits alone, which a GPU finds with a prefix sum and no sort. A row
 //! holding a NaN, or whose weights sum to nothing or to no number (an
-//! infinite logit), gives its [`argmax`](super::argmax) instead.
+//! infinite logit), gives its [`argmax`] instead.
 
 use super::argmax;
 use std::cmp::Ordering;

@@ -134,7 +134,7 @@ impl QuantizedActivations {
         }
     }
 
-    /// Quantizes `x` ([n_tokens][k]) for a dot product with `weight_ty` weights.
+    /// Quantizes `x` (`[n_tokens][k]`) for a dot product with `weight_ty` weights.
     pub fn quantize(
         &mut self,
         weight_ty: GgmlType,

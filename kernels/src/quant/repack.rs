@@ -95,8 +95,8 @@ fn fill(ty: GgmlType, w: &[u8], rows: usize, k: usize, out: &mut [u8]) {
     }
 }
 
-/// [`super::matmul`] for weights [`repack`] made: `out[t][i] = Σ_k w[rows.start
-/// + i][k] * x[t][k]`, `rows` whole groups.
+/// [`super::matmul`] for weights [`repack`] made:
+/// `out[t][i] = Σ_k w[rows.start + i][k] * x[t][k]`, `rows` whole groups.
 ///
 /// # Panics
 /// Without AVX-512 VNNI, or on shapes that do not match: activations not

@@ -7,8 +7,8 @@
 //!    hostile file. After that, encoding and decoding cannot fail on vocabulary shape.
 //! 2. [`Tokenizer::encode`] first splits out special tokens (only when
 //!    [`EncodeOptions::parse_special`] is set), then encodes each text fragment with the
-//!    model: byte-level BPE (`gpt2`, [`bpe`] after [`pretokenize`]) or SentencePiece
-//!    (`llama`, [`spm`]).
+//!    model: byte-level BPE (`gpt2`, `bpe` after `pretokenize`) or SentencePiece
+//!    (`llama`, `spm`).
 //! 3. [`Tokenizer::decode`] and the streaming [`Detokenizer`] turn ids back into text,
 //!    never splitting a UTF-8 character.
 //!

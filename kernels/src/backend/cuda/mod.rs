@@ -332,7 +332,7 @@ pub fn attention_rows(head_dim: u32, group: u32, shared_max: u32) -> Option<u32>
 
 /// Whether these kernels run `model`, without a device: every family of the
 /// blueprint (its options are the kernels' too), so what is left to check is
-/// every matrix of a type in [`DEVICE_TYPES`], widths of whole 32-blocks and
+/// every matrix of a type in `DEVICE_TYPES`, widths of whole 32-blocks and
 /// head widths of whole 16-byte rows.
 /// `Err` says what they lack (a placement of `auto` then chooses the CPU;
 /// `cuda` refuses).
