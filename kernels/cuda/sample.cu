@@ -203,7 +203,7 @@ __device__ void above(const DrawRow& r, uint32_t set, uint32_t t, uint64_t* n, u
 // In id order, the first token of `set` (only those with key `key`, where
 // `key_only`) at which the running count reaches `count` and the running
 // weight `weight`; the last of them where none does; NO_SEQ where there are
-// none. Each thread takes a contiguous run of ids; thread 0 finds the run
+// none. Each thread takes a contiguous run of ids; warp 0 finds the run
 // that holds it, whose thread walks it.
 __device__ uint32_t nth_in_id_order(const DrawRow& r, uint32_t set, bool key_only, uint32_t key,
                                     uint64_t count, uint64_t weight) {
@@ -226,22 +226,53 @@ __device__ uint32_t nth_in_id_order(const DrawRow& r, uint32_t set, bool key_onl
     counts[threadIdx.x] = n;
     weights[threadIdx.x] = w;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        uint64_t cn = 0, cw = 0, last_n = 0, last_w = 0;
-        uint32_t at = NO_SEQ;
-        for (uint32_t t = 0; t < blockDim.x; t++) {
-            if (counts[t] == 0) continue;
-            at = t;
-            last_n = cn;
-            last_w = cw;
-            if (cn + counts[t] >= count && cw + weights[t] >= weight) break;
-            cn += counts[t];
-            cw += weights[t];
+    if (threadIdx.x < WARP_SIZE) {
+        // Warp 0 finds the run: each lane sums `per` threads' counts, learns
+        // the lanes' before it by shuffles, and the first lane whose sums
+        // reach both (or, where none does, the last with any) walks its
+        // threads'. count is at least 1, so a lane that reaches holds some.
+        uint32_t lane = threadIdx.x, per = blockDim.x / WARP_SIZE;
+        uint64_t ln = 0, lw = 0;
+        for (uint32_t t = lane * per; t < (lane + 1) * per; t++) {
+            ln += counts[t];
+            lw += weights[t];
         }
-        found[0] = at;
-        found[1] = NO_SEQ;
-        before[0] = last_n;
-        before[1] = last_w;
+        uint64_t pn = 0, pw = 0;
+        for (uint32_t src = 0; src < WARP_SIZE; src++) {
+            uint64_t n = __shfl_sync(FULL_MASK, ln, src), w = __shfl_sync(FULL_MASK, lw, src);
+            if (src < lane) {
+                pn += n;
+                pw += w;
+            }
+        }
+        bool reaches = pn + ln >= count && pw + lw >= weight;
+        uint32_t first = reaches ? lane : WARP_SIZE, last = ln > 0 ? lane : 0;
+        bool any = ln > 0;
+        for (int mask = WARP_SIZE / 2; mask > 0; mask /= 2) {
+            first = umin32(first, __shfl_xor_sync(FULL_MASK, first, mask));
+            last = umax32(last, __shfl_xor_sync(FULL_MASK, last, mask));
+            any = __shfl_xor_sync(FULL_MASK, any ? 1u : 0u, mask) != 0 || any;
+        }
+        uint32_t chosen = first < WARP_SIZE ? first : (any ? last : WARP_SIZE);
+        if (lane == 0) found[0] = NO_SEQ;
+        __syncwarp();
+        if (lane == chosen) {
+            uint64_t cn = pn, cw = pw, last_n = 0, last_w = 0;
+            uint32_t at = NO_SEQ;
+            for (uint32_t t = lane * per; t < (lane + 1) * per; t++) {
+                if (counts[t] == 0) continue;
+                at = t;
+                last_n = cn;
+                last_w = cw;
+                if (cn + counts[t] >= count && cw + weights[t] >= weight) break;
+                cn += counts[t];
+                cw += weights[t];
+            }
+            found[0] = at;
+            before[0] = last_n;
+            before[1] = last_w;
+        }
+        if (lane == 0) found[1] = NO_SEQ;
     }
     __syncthreads();
     if (threadIdx.x == found[0]) {
