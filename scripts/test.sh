@@ -28,9 +28,6 @@ scripts/plugins.sh
 cargo fmt --all -- --check
 (cd plugins && cargo fmt --all -- --check)
 cargo clippy --workspace --all-targets --locked -- -D warnings
-# The API documentation, its links checked (a link to a private or renamed
-# item is an error), for the two library crates.
-RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked -p bulkhead -p bulkhead-kernels
 # End-to-end tests run the real binary (target/debug/bulkhead). Build it, and
 # every test, with `cargo test --no-run`: the workspace's dev-dependencies
 # change the features of shared dependencies, so a separate `cargo build -p

@@ -6,8 +6,8 @@
 //! - [`agreement`]: the CPU and CUDA backends in lockstep over the same
 //!   prompts and the same (teacher-forced) decode tokens: the worst relative
 //!   logit error, and how often their greedy tokens agree;
-//! - [`isolation`]: the page book's checks hold on the device (scrub, and
-//!   hostile page tables refused before any launch);
+//! - `isolation` (with `fault-injection`): the page book's checks hold on
+//!   the device (scrub, and hostile page tables refused before any launch);
 //! - [`prefill_rate`] and [`decode_rate`]: tokens per second through the
 //!   backend's `step`, as the scheduler calls it (inputs packed and copied,
 //!   logits read back), with the bytes of weights and KV a decode step reads.

@@ -1,6 +1,7 @@
 //! The device the CUDA backend runs on, behind one trait: an NVIDIA GPU
 //! through the CUDA driver ([`super::driver`]), or the emulator that runs the
-//! same kernel sources on the CPU in tests ([`super::emulator`]).
+//! same kernel sources on the CPU in tests (`super::emulator`, with the
+//! `emulator` feature).
 //!
 //! The trait is deliberately raw: device memory is addressed by 64-bit
 //! device addresses, and kernels take their one argument struct as bytes.
