@@ -696,24 +696,34 @@ fn n_choices_are_seeded_apart_streamed_by_index_and_summed_in_usage() {
 }
 
 /// How many other sequences the log's `choices` line of request `id` names,
-/// each of which the log shows finished under its own id.
+/// each of which the log shows finished under its own id. The log is read
+/// as the server writes it, and a choice's line may come after the answer:
+/// each is waited for (5 s).
 fn other_sequences_finished(server: &Server, id: &str) -> usize {
-    let lines = server.stderr_lines();
-    let listed = lines
-        .iter()
-        .find(|l| l.contains(&format!("\"request_id\":{id}")) && l.contains("choice_ids"))
-        .expect("a choices line");
-    let line: Value = serde_json::from_str(listed).unwrap();
+    let request = format!("\"request_id\":{id}");
+    let listed = || {
+        let lines = server.stderr_lines();
+        let line = lines
+            .iter()
+            .find(|l| l.contains(&request) && l.contains("choice_ids"));
+        line.cloned()
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || listed().is_some()),
+        "a choices line"
+    );
+    let line: Value = serde_json::from_str(&listed().unwrap()).unwrap();
     let others: Vec<u64> =
         serde_json::from_str(line["fields"]["choice_ids"].as_str().unwrap()).unwrap();
     for other in &others {
         let id = format!("\"request_id\":{other}");
-        assert!(
+        let finished = || {
+            let lines = server.stderr_lines();
             lines
                 .iter()
-                .any(|l| l.contains(&id) && l.contains("request finished")),
-            "{other}"
-        );
+                .any(|l| l.contains(&id) && l.contains("request finished"))
+        };
+        assert!(eventually(Duration::from_secs(5), finished), "{other}");
     }
     others.len()
 }
