@@ -169,7 +169,10 @@ struct AttnItem {
 };
 
 // Paged attention through page tables, an online softmax over tiles of
-// `tile` positions. An item with t0 == t1 is padding and does nothing.
+// `tile` positions; with `by_warps`, an item of one query (a decode token's)
+// whose head width and group the warp path takes is read by warps instead,
+// its scores in the region the tiles would use. An item with t0 == t1 is
+// padding and does nothing.
 // With `counters`, the last of a merge's items to finish folds its partials
 // (as attention_merge does, no launch of its own): each item counts itself
 // done once its partial is written and fenced, and the one whose count
@@ -197,6 +200,8 @@ struct AttentionArgs {
     float scale;        // the model's, 1 / sqrt(head_dim) but where a file says otherwise
     uint32_t window;    // > 0: a query sees only the last `window` positions, its own included
     float softcap;      // > 0: scores soft-capped, cap * tanh(score / cap)
+    uint32_t by_warps;  // 1: one-query items by warps where they can (attention.cu), 0: by tiles
+    uint32_t unused;
 };
 
 // Folds the partials of one decode token's KV head, in slot order, into its

@@ -9,7 +9,12 @@
 //
 // Attention is an online softmax over tiles of positions, for a block of
 // query rows (queries times the query heads of one KV head): each tile's K
-// and V are read from their pages once for all those rows.
+// and V are read from their pages once for all those rows. An item of one
+// query (a decode token's, where a step's bytes are K and V) is read by
+// warps instead: a few lanes a position, each lane 16 or 32 bytes of the
+// position's row, every warp its own positions with no barrier between
+// them; scores in shared memory, then one softmax over the item's span,
+// then V read the same way (attend_one).
 
 #include "common.cuh"
 #include "args.cuh"
@@ -91,29 +96,229 @@ KERNEL(rope_kv, RopeKvArgs) {
     }
 }
 
-KERNEL(attention, AttentionArgs) {
-    AttnItem item = reinterpret_cast<const AttnItem*>(a.items)[blockIdx.x];
-    if (item.t0 >= item.t1) return;  // padding
-    uint32_t hd = a.head_dim, group = a.heads / a.kv_heads, kv_dim = a.kv_heads * hd;
-    uint32_t rows = (item.t1 - item.t0) * group, tile = a.tile;
+// Values at..at + VALS (8 or 4) of K (kv 0) or V (kv 1) at position p of
+// the item's table into out[0..VALS]: one 16-byte load (8 f16 values or 4
+// f32) or two (8 f32). Zeros where `valid` is false (a lane past the span).
+template <int VALS>
+__device__ __forceinline__ void load_position(const AttentionArgs& a, const uint32_t* table,
+                                              uint32_t p, uint32_t kv, uint32_t at, bool valid,
+                                              float* out) {
+    if (!valid) {
+        #pragma unroll
+        for (int x = 0; x < 8; x++) out[x] = 0.0f;
+        return;
+    }
+    uint32_t page = table[p / a.page_tokens], slot = p % a.page_tokens;
+    uint64_t index = kv_index(a.layer, kv, page, slot, at, a.pages_count, a.page_tokens,
+                              a.kv_heads * a.head_dim);
+    kv_load16(a.kv, index, a.kv_f16, out);
+    if (VALS == 8 && !a.kv_f16) kv_load16(a.kv, index + 4, 0, out + 4);
+}
+
+// Values a lane takes of a position's row in attend_one (8, or 4 for f32
+// rows of at most 128), or 0 where the item is for the tiles: more than one
+// query, a head width whose lanes are not a power of two or more than 8
+// values a lane, a group wider than the lane's registers, or scores (and
+// later the warps' sums) that would not fit the tiles' region of shared
+// memory, `region` floats.
+__device__ __forceinline__ uint32_t by_warps_vals(const AttentionArgs& a, const AttnItem& item,
+                                                  uint32_t n, uint32_t group, uint32_t region) {
+    if (!a.by_warps || item.t1 - item.t0 != 1) return 0;
+    uint32_t hd = a.head_dim, per = a.kv_f16 ? 8 : 4;
+    uint32_t lanes = umin32(WARP_SIZE, hd / per), vals = lanes ? hd / lanes : 0;
+    bool whole = lanes > 0 && (lanes & (lanes - 1)) == 0 && lanes * vals == hd;
+    uint32_t warps = blockDim.x / WARP_SIZE;
+    if (!whole || uint64_t(group) * umax32(n, warps * hd) > region) return 0;
+    if (vals == 8 && group <= 4) return 8;
+    if (vals == 4 && group <= 8) return 4;
+    return 0;
+}
+
+// A one-query item's attention over positions start..start + n, by warps:
+// hd / VALS lanes (a "team") a position, VALS values of its row each, so a
+// warp takes 32 / (hd / VALS) positions at once and two rounds of them per
+// iteration (every load of an iteration issued before any is used). Leaves
+// the normalised-to-be output in os (unnormalised, as the tiles leave it),
+// the largest score in ms and the sum of weights in ls, a row per query
+// head. `region` holds group * max(n, warps * hd) floats: the scores
+// (`[group][n]`), then the warps' sums.
+template <int VALS, int GMAX>
+__device__ void attend_one(const AttentionArgs& a, const AttnItem& item, const uint32_t* table,
+                           uint32_t start, uint32_t n, float* os, float* ms, float* ls,
+                           float* region) {
+    uint32_t hd = a.head_dim, group = a.heads / a.kv_heads;
     uint32_t warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     uint32_t warps = blockDim.x / WARP_SIZE;
-    // Shared memory: q[rows_max][hd], o[rows_max][hd], k[tile][hd + 1],
-    // v[tile][hd + 1], p[rows_max][tile], m[rows_max], l[rows_max],
-    // alpha[rows_max]. A row of k or v is hd + 1 wide: a score's lanes, one
-    // position each, then read distinct banks (at hd they would all read
-    // one), and a tile's stores (a warp's lanes 8 values of 4 positions, or
-    // 4 of 2) fall at most two to a bank, where at hd eight would.
-    DYNAMIC_SHARED(float, shared);
-    uint32_t stride = hd + 1;
-    float* qs = shared;
-    float* os = qs + a.rows_max * hd;
-    float* ks = os + a.rows_max * hd;
-    float* vs = ks + tile * stride;
-    float* ps = vs + tile * stride;
-    float* ms = ps + a.rows_max * tile;
-    float* ls = ms + a.rows_max;
-    float* alphas = ls + a.rows_max;
+    uint32_t lanes = hd / VALS, per_warp = WARP_SIZE / lanes;
+    uint32_t team = warp * per_warp + lane / lanes, teams = warps * per_warp;
+    uint32_t part = lane % lanes, at = item.kv_head * hd + part * VALS;
+    // The query heads' values this lane multiplies, in registers.
+    const float* q = reinterpret_cast<const float*>(a.q) + uint64_t(item.t0) * a.heads * hd +
+                     uint64_t(item.kv_head) * group * hd + part * VALS;
+    float qv[GMAX][VALS];
+    #pragma unroll
+    for (uint32_t g = 0; g < GMAX; g++) {
+        #pragma unroll
+        for (uint32_t x = 0; x < VALS; x++) qv[g][x] = g < group ? q[g * hd + x] : 0.0f;
+    }
+    float* scores = region;
+    // Scores: a team's lanes' dots summed across the team (lanes a power
+    // of two, so xor stays within it). Every lane runs every iteration: the
+    // shuffles need the whole warp.
+    for (uint32_t j0 = 0; j0 < n; j0 += 2 * teams) {
+        float k[2][8];
+        #pragma unroll
+        for (uint32_t u = 0; u < 2; u++) {
+            uint32_t j = j0 + u * teams + team;
+            load_position<VALS>(a, table, start + j, 0, at, j < n, k[u]);
+        }
+        #pragma unroll
+        for (uint32_t u = 0; u < 2; u++) {
+            uint32_t j = j0 + u * teams + team;
+            float dot[GMAX];
+            #pragma unroll
+            for (uint32_t g = 0; g < GMAX; g++) {
+                dot[g] = 0.0f;
+                #pragma unroll
+                for (uint32_t x = 0; x < VALS; x++) dot[g] += qv[g][x] * k[u][x];
+            }
+            for (uint32_t mask = lanes / 2; mask > 0; mask /= 2) {
+                #pragma unroll
+                for (uint32_t g = 0; g < GMAX; g++) {
+                    if (g < group) dot[g] += __shfl_xor_sync(FULL_MASK, dot[g], mask);
+                }
+            }
+            if (j >= n || part != 0) continue;
+            #pragma unroll
+            for (uint32_t g = 0; g < GMAX; g++) {
+                if (g >= group) break;
+                float score = dot[g] * a.scale;
+                if (a.softcap > 0.0f) score = soft_cap(score, a.softcap);
+                scores[g * n + j] = score;
+            }
+        }
+    }
+    __syncthreads();
+    // One softmax over the span: a warp a query head, the weights in
+    // place of the scores.
+    for (uint32_t g = warp; g < group; g += warps) {
+        float best = NEG_INF;
+        for (uint32_t j = lane; j < n; j += WARP_SIZE) best = fmaxf(best, scores[g * n + j]);
+        best = warp_max(best);
+        float sum = 0.0f;
+        for (uint32_t j = lane; j < n; j += WARP_SIZE) {
+            float s = scores[g * n + j];
+            float p = s == NEG_INF ? 0.0f : expf(s - best);
+            scores[g * n + j] = p;
+            sum += p;
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) {
+            ms[g] = best;
+            ls[g] = sum;
+        }
+    }
+    __syncthreads();
+    // V weighted: each lane its VALS values of every query head.
+    float o[GMAX][VALS];
+    #pragma unroll
+    for (uint32_t g = 0; g < GMAX; g++) {
+        #pragma unroll
+        for (uint32_t x = 0; x < VALS; x++) o[g][x] = 0.0f;
+    }
+    for (uint32_t j0 = 0; j0 < n; j0 += 2 * teams) {
+        float v[2][8];
+        #pragma unroll
+        for (uint32_t u = 0; u < 2; u++) {
+            uint32_t j = j0 + u * teams + team;
+            load_position<VALS>(a, table, start + j, 1, at, j < n, v[u]);
+        }
+        #pragma unroll
+        for (uint32_t u = 0; u < 2; u++) {
+            uint32_t j = j0 + u * teams + team;
+            if (j >= n) break;
+            #pragma unroll
+            for (uint32_t g = 0; g < GMAX; g++) {
+                if (g >= group) break;
+                float p = scores[g * n + j];
+                #pragma unroll
+                for (uint32_t x = 0; x < VALS; x++) o[g][x] += p * v[u][x];
+            }
+        }
+    }
+    // The warp's teams summed (lanes of one part, `lanes` apart), then the
+    // warps' through the region, the scores no longer read.
+    for (uint32_t mask = lanes; mask < WARP_SIZE; mask *= 2) {
+        #pragma unroll
+        for (uint32_t g = 0; g < GMAX; g++) {
+            if (g >= group) break;
+            #pragma unroll
+            for (uint32_t x = 0; x < VALS; x++) o[g][x] += __shfl_xor_sync(FULL_MASK, o[g][x], mask);
+        }
+    }
+    __syncthreads();
+    float* sums = region;
+    if (lane < lanes) {
+        #pragma unroll
+        for (uint32_t g = 0; g < GMAX; g++) {
+            if (g >= group) break;
+            #pragma unroll
+            for (uint32_t x = 0; x < VALS; x++) sums[(warp * group + g) * hd + part * VALS + x] = o[g][x];
+        }
+    }
+    __syncthreads();
+    for (uint32_t e = threadIdx.x; e < group * hd; e += blockDim.x) {
+        float total = 0.0f;
+        for (uint32_t w = 0; w < warps; w++) total += sums[w * group * hd + e];
+        os[e] = total;
+    }
+}
+
+// Shared memory of an attention block: q[rows_max][hd], o[rows_max][hd],
+// k[tile][hd + 1], v[tile][hd + 1], p[rows_max][tile], m[rows_max],
+// l[rows_max], alpha[rows_max]. A row of k or v is hd + 1 wide: a score's
+// lanes, one position each, then read distinct banks (at hd they would all
+// read one), and a tile's stores (a warp's lanes 8 values of 4 positions,
+// or 4 of 2) fall at most two to a bank, where at hd eight would.
+struct AttnShared {
+    float* qs;
+    float* os;
+    float* ks;
+    float* vs;
+    float* ps;
+    float* ms;
+    float* ls;
+    float* alphas;
+    uint32_t stride;  // of k and v
+    uint32_t region;  // floats of k, v and p together
+};
+
+__device__ __forceinline__ AttnShared attn_shared(const AttentionArgs& a, float* shared) {
+    AttnShared sh;
+    sh.stride = a.head_dim + 1;
+    sh.qs = shared;
+    sh.os = sh.qs + a.rows_max * a.head_dim;
+    sh.ks = sh.os + a.rows_max * a.head_dim;
+    sh.vs = sh.ks + a.tile * sh.stride;
+    sh.ps = sh.vs + a.tile * sh.stride;
+    sh.ms = sh.ps + a.rows_max * a.tile;
+    sh.ls = sh.ms + a.rows_max;
+    sh.alphas = sh.ls + a.rows_max;
+    sh.region = 2 * a.tile * sh.stride + a.rows_max * a.tile;
+    return sh;
+}
+
+// The item's queries over positions start..end by tiles of `tile`
+// positions, an online softmax over them: each tile's K and V read into
+// shared memory once for every query row of the item.
+__device__ void attend_tiles(const AttentionArgs& a, const AttnItem& item, const uint32_t* table,
+                             uint32_t start, uint32_t end, const AttnShared& sh) {
+    uint32_t hd = a.head_dim, group = a.heads / a.kv_heads, kv_dim = a.kv_heads * hd;
+    uint32_t rows = (item.t1 - item.t0) * group, tile = a.tile, stride = sh.stride;
+    uint32_t warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    uint32_t warps = blockDim.x / WARP_SIZE;
+    float *qs = sh.qs, *os = sh.os, *ks = sh.ks, *vs = sh.vs, *ps = sh.ps;
+    float *ms = sh.ms, *ls = sh.ls, *alphas = sh.alphas;
     // Row r: query r / group (token t0 + r / group), head kv_head * group + r % group.
     const float* q = reinterpret_cast<const float*>(a.q);
     for (uint32_t e = threadIdx.x; e < rows * hd; e += blockDim.x) {
@@ -126,14 +331,6 @@ KERNEL(attention, AttentionArgs) {
         ms[r] = NEG_INF;
         ls[r] = 0.0f;
     }
-    const uint32_t* table = reinterpret_cast<const uint32_t*>(a.pages) +
-                            reinterpret_cast<const uint32_t*>(a.seq_pages)[item.seq];
-    // Positions the last query may see: up to its own.
-    uint32_t end = umin32(item.p1, item.pos0 + (item.t1 - item.t0));
-    // And from the first query's window on, in a local layer: pages before
-    // it are not read (a split wholly before it reads nothing, weighs nothing).
-    uint32_t start = item.p0;
-    if (a.window != 0 && item.pos0 + 1 > a.window) start = umax32(start, item.pos0 + 1 - a.window);
     for (uint32_t first = start; first < end; first += tile) {
         uint32_t n = umin32(tile, end - first);
         __syncthreads();  // the previous tile's k, v and p are no longer read
@@ -201,6 +398,35 @@ KERNEL(attention, AttentionArgs) {
             for (uint32_t j = 0; j < n; j++) acc += ps[r * tile + j] * vs[j * stride + i];
             os[e] = acc;
         }
+    }
+}
+
+KERNEL(attention, AttentionArgs) {
+    AttnItem item = reinterpret_cast<const AttnItem*>(a.items)[blockIdx.x];
+    if (item.t0 >= item.t1) return;  // padding
+    uint32_t hd = a.head_dim, group = a.heads / a.kv_heads;
+    uint32_t rows = (item.t1 - item.t0) * group;
+    DYNAMIC_SHARED(float, shared);
+    AttnShared sh = attn_shared(a, shared);
+    float *os = sh.os, *ms = sh.ms, *ls = sh.ls, *alphas = sh.alphas;
+    const uint32_t* table = reinterpret_cast<const uint32_t*>(a.pages) +
+                            reinterpret_cast<const uint32_t*>(a.seq_pages)[item.seq];
+    // Positions the last query may see: up to its own.
+    uint32_t end = umin32(item.p1, item.pos0 + (item.t1 - item.t0));
+    // And from the first query's window on, in a local layer: pages before
+    // it are not read (a split wholly before it reads nothing, weighs nothing).
+    uint32_t start = item.p0;
+    if (a.window != 0 && item.pos0 + 1 > a.window) start = umax32(start, item.pos0 + 1 - a.window);
+    // One query by warps where it can (every position of start..end is its
+    // to see), in the region of k, v and p; else by tiles.
+    uint32_t span = end > start ? end - start : 0;
+    uint32_t vals = by_warps_vals(a, item, span, group, sh.region);
+    if (vals == 8) {
+        attend_one<8, 4>(a, item, table, start, span, os, ms, ls, sh.ks);
+    } else if (vals == 4) {
+        attend_one<4, 8>(a, item, table, start, span, os, ms, ls, sh.ks);
+    } else {
+        attend_tiles(a, item, table, start, end, sh);
     }
     __syncthreads();
     float* out = reinterpret_cast<float*>(a.out);

@@ -302,18 +302,41 @@ fn families() -> Vec<(&'static str, TinySpec)> {
 /// How far a logit may part from the CPU's, relative to the row's largest.
 const AGREEMENT_BOUND: f32 = 1e-2;
 
+/// How an agreement row runs its decode steps.
+#[derive(Clone, Copy)]
+struct Mode {
+    /// As captured graphs, or launch by launch.
+    graphs: bool,
+    /// Attention by warps (as the server runs), or by tiles.
+    by_warps: bool,
+}
+
+const LAUNCHES: Mode = Mode {
+    graphs: false,
+    by_warps: true,
+};
+const GRAPHS: Mode = Mode {
+    graphs: true,
+    by_warps: true,
+};
+const TILES: Mode = Mode {
+    graphs: true,
+    by_warps: false,
+};
+
 /// The options every agreement run here shares.
-fn agreement_run(prompts: &[usize], decode: usize, graphs: bool) -> AgreementRun<'_> {
+fn agreement_run(prompts: &[usize], decode: usize, mode: Mode) -> AgreementRun<'_> {
     AgreementRun {
         kv_type: KvType::F16,
         page_tokens: 16,
         prompts,
         decode_steps: decode,
-        graphs,
+        graphs: mode.graphs,
         cpu_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
         cpu_isa: None,
         seed: 7,
         tolerance: 1e-3,
+        decode_by_warps: mode.by_warps,
     }
 }
 
@@ -331,17 +354,22 @@ fn agreement_rows(
     device: &Arc<dyn Device>,
     prompts: &[usize],
     decode: usize,
-    modes: &[bool],
+    modes: &[Mode],
 ) {
-    let drift = check::cpu_drift(model, &agreement_run(prompts, 0, false));
+    let drift = check::cpu_drift(model, &agreement_run(prompts, 0, LAUNCHES));
     let bound = AGREEMENT_BOUND + drift;
-    for &graphs in modes {
+    for &mode in modes {
         let check = format!(
-            "{name}: CPU vs CUDA{}",
-            if graphs { " (graphs)" } else { "" }
+            "{name}: CPU vs CUDA{}{}",
+            if mode.graphs { " (graphs)" } else { "" },
+            if mode.by_warps {
+                ""
+            } else {
+                " (attention by tiles)"
+            }
         );
         report.row(check, || {
-            let run = agreement_run(prompts, decode, graphs);
+            let run = agreement_run(prompts, decode, mode);
             let start = Instant::now();
             let a = check::agreement(model, device, &run);
             // Greedy tokens may part only at near ties.
@@ -486,9 +514,20 @@ fn decode_rows(
             // logits to the host (as a step of requests asking for log
             // probabilities does), and drawing each token on the device, as
             // a sampled request's step does (temperature 0.8, top-p 0.95:
-            // its selections are passes over the row).
+            // its selections are passes over the row). Batch 1 and the
+            // largest with attention by tiles too (a decode token's is by
+            // warps), at every depth.
             let run = DecodeRun::new(batch, depth, plan.decode_steps, true, plan.chunk);
             let mut variants = vec![("", run)];
+            if batch == 1 || batch == largest {
+                variants.push((
+                    " (attention by tiles)",
+                    DecodeRun {
+                        by_warps: false,
+                        ..run
+                    },
+                ));
+            }
             if batch == 1 {
                 variants.push((
                     " (no graphs)",
@@ -743,7 +782,7 @@ fn main() -> ExitCode {
             &device,
             &[5, 40, 1],
             plan.tiny_decode,
-            &[false, true],
+            &[LAUNCHES, GRAPHS, TILES],
         );
         for (name, spec) in families() {
             let model = model_of(&spec);
@@ -754,7 +793,7 @@ fn main() -> ExitCode {
                 &device,
                 &[5, 40, 1],
                 plan.tiny_decode,
-                &[true],
+                &[GRAPHS],
             );
         }
         if let Some((_, decode)) = &plan.big {
@@ -765,7 +804,7 @@ fn main() -> ExitCode {
                 &device,
                 &[40, 300],
                 *decode,
-                &[false, true],
+                &[LAUNCHES, GRAPHS],
             );
         }
     }

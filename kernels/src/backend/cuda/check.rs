@@ -128,6 +128,9 @@ pub struct AgreementRun<'a> {
     pub seed: u64,
     /// What counts as a near tie (relative to the row's largest logit).
     pub tolerance: f32,
+    /// Decode tokens' attention by warps, or by tiles
+    /// ([`CudaBackend::set_decode_attention_by_warps`]).
+    pub decode_by_warps: bool,
 }
 
 fn argmax(row: &[f32]) -> usize {
@@ -255,6 +258,7 @@ pub fn agreement(
         },
     )
     .expect("the CUDA backend runs the model");
+    cuda.set_decode_attention_by_warps(run.decode_by_warps);
     let vocab = model.config.vocab_len;
     let (mut inputs, mut rows) = prompts_of(model, run);
     let mut positions = vec![0usize; run.prompts.len()];
@@ -581,6 +585,9 @@ pub struct DecodeRun {
     pub pick: Pick,
     /// Launches folded into others ([`CudaBackend::set_fusions`]).
     pub fusions: Fusions,
+    /// Attention by warps, or by tiles
+    /// ([`CudaBackend::set_decode_attention_by_warps`]).
+    pub by_warps: bool,
 }
 
 impl DecodeRun {
@@ -594,6 +601,7 @@ impl DecodeRun {
             chunk,
             pick: Pick::Argmax,
             fusions: Fusions::default(),
+            by_warps: true,
         }
     }
 }
@@ -613,6 +621,7 @@ fn decode_run(
         chunk,
         pick,
         fusions,
+        by_warps,
     } = *run;
     let page_tokens = 16;
     let warmup = 4;
@@ -637,6 +646,7 @@ fn decode_run(
     )
     .expect("the CUDA backend runs the model");
     cuda.set_fusions(fusions);
+    cuda.set_decode_attention_by_warps(by_warps);
     let vocab = model.config.vocab_len;
     let one: Vec<[u32; 1]> = (0..batch).map(|s| [(s % vocab) as u32]).collect();
     let mut times = Vec::new();

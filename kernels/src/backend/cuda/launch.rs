@@ -251,6 +251,8 @@ args! {
         scale: f32,
         window: u32,
         softcap: f32,
+        by_warps: u32,
+        unused: u32,
     }
 }
 
@@ -355,7 +357,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<NormArgs>(), 72);
         assert_eq!(std::mem::size_of::<MatmulArgs>(), 344);
         assert_eq!(std::mem::size_of::<RopeKvArgs>(), 120);
-        assert_eq!(std::mem::size_of::<AttentionArgs>(), 120);
+        assert_eq!(std::mem::size_of::<AttentionArgs>(), 128);
         assert_eq!(std::mem::size_of::<MergeArgs>(), 40);
         assert_eq!(std::mem::size_of::<DigestArgs>(), 48);
         assert_eq!(std::mem::size_of::<PickArgs>(), 32);

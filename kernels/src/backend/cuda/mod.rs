@@ -276,6 +276,9 @@ pub struct CudaBackend {
     pick_ids: Vec<u32>,
     /// Launches folded into others ([`CudaBackend::set_fusions`]).
     fusions: Fusions,
+    /// Decode tokens' attention by warps where the kernel can
+    /// ([`CudaBackend::set_decode_attention_by_warps`]).
+    decode_by_warps: bool,
 }
 
 /// Launches a step folds into others. Each gives the bits of the separate
@@ -479,6 +482,7 @@ impl CudaBackend {
             picks: Vec::new(),
             pick_ids: Vec::new(),
             fusions: Fusions::default(),
+            decode_by_warps: true,
         })
     }
 
@@ -718,6 +722,18 @@ impl CudaBackend {
             .flatten()
     }
 
+    /// Whether a decode token's attention is read by warps (a few lanes a
+    /// position, no barrier between positions; the default) or by tiles of
+    /// positions through shared memory, as a prefill chunk's is. The sums
+    /// run in another order, so the bits may differ in their last places;
+    /// the GPU check times both.
+    pub fn set_decode_attention_by_warps(&mut self, by_warps: bool) {
+        if self.decode_by_warps != by_warps {
+            self.decode_by_warps = by_warps;
+            self.graphs.clear();
+        }
+    }
+
     /// Which launches are folded into others ([`Fusions`]; all of them
     /// unless turned off). Either way the same bits.
     pub fn set_fusions(&mut self, fusions: Fusions) {
@@ -901,6 +917,8 @@ impl CudaBackend {
                     scale: c.attention_scale,
                     window: window.unwrap_or(0) as u32,
                     softcap: c.attention_softcap.unwrap_or(0.0),
+                    by_warps: u32::from(self.decode_by_warps),
+                    unused: 0,
                 },
             )?;
             self.launch(

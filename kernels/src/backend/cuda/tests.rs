@@ -940,8 +940,6 @@ fn compare_with_cpu(
     graphs: bool,
     tolerance: f32,
 ) -> f32 {
-    let model = tiny_model(spec);
-    let device = emulator(spec.seed);
     let run = super::check::AgreementRun {
         kv_type,
         page_tokens,
@@ -955,9 +953,23 @@ fn compare_with_cpu(
         cpu_isa: Some(Isa::Scalar),
         seed: spec.seed ^ 77,
         tolerance,
+        // By tiles: a tile's sums run in the CPU's order, so a logit that
+        // parts from the CPU's by more than `tolerance` is a kernel's
+        // error, not one Q8 rounding flipped by a last-bit difference.
+        // By warps: `a_decode_tokens_attention_by_warps_is_the_tiles_and_the_reference`
+        // and `the_backend_matches_the_cpu_backend_with_decode_attention_by_warps`.
+        decode_by_warps: false,
     };
-    let agreement = super::check::agreement(&model, &device, &run);
-    assert_eq!(agreement.rows, prompts.len() * (decode_steps + 1));
+    compare_run(spec, &run)
+}
+
+/// [`compare_with_cpu`] of `run` on `spec`'s model.
+fn compare_run(spec: &TinySpec, run: &super::check::AgreementRun) -> f32 {
+    let (prompts, tolerance) = (run.prompts, run.tolerance);
+    let model = tiny_model(spec);
+    let device = emulator(spec.seed);
+    let agreement = super::check::agreement(&model, &device, run);
+    assert_eq!(agreement.rows, prompts.len() * (run.decode_steps + 1));
     // And each prompt's positions before its last (as a prompt's log
     // probabilities ask for them), within the looser bound.
     let share = 1 + crate::backend::SCORED_ROWS_MAX / prompts.len();
@@ -1436,6 +1448,345 @@ fn gate_and_up_of_different_activation_formats_run_as_two_launches() {
 }
 
 #[test]
+fn the_backend_matches_the_cpu_backend_with_decode_attention_by_warps() {
+    // The server's way. Its sums run in another order than the CPU's, so a
+    // last-bit difference may flip one Q8 rounding of the next product's
+    // activations and move a logit by ~1e-3 (the GPU check's bound, 1e-2);
+    // greedy tokens still agree, and the attention itself is within 1e-5
+    // of an f64 reference (the test above).
+    use crate::model::Architecture;
+    let specs = [
+        (TinySpec::default(), KvType::F16, vec![5, 9, 2], 1e-2),
+        (
+            TinySpec {
+                seed: 3,
+                matrix_type: GgmlType::Q8_0,
+                embedding_type: GgmlType::F16,
+                separate_output: true,
+                ..TinySpec::default()
+            },
+            KvType::F32,
+            vec![9, 2],
+            1e-2,
+        ),
+        // Group 4 of head_dim 64; the first sequence's decode tokens split
+        // into three spans of 32 and folded by the last to finish.
+        (
+            TinySpec {
+                seed: 9,
+                embedding_len: 256,
+                heads: 4,
+                kv_heads: 1,
+                ffn_len: 512,
+                layers: 1,
+                ..TinySpec::default()
+            },
+            KvType::F16,
+            vec![70, 4],
+            1e-2,
+        ),
+        // Scores capped at 1.5 and logits at 3: a flipped rounding weighs
+        // more against the row's largest (1.03e-2 here; the GPU check's
+        // tiny gemma2 parted from an AVX-512 CPU by 8.5e-3 on the H100).
+        (
+            TinySpec {
+                seed: 42,
+                architecture: Architecture::Gemma2,
+                sliding_window: Some((6, 2)),
+                softcaps: (Some(1.5), Some(3.0)),
+                ..TinySpec::default()
+            },
+            KvType::F16,
+            vec![12, 3],
+            2e-2,
+        ),
+    ];
+    for (i, (spec, kv_type, prompts, tolerance)) in specs.into_iter().enumerate() {
+        // Graphs (their captured arguments say "by warps" too) on the first.
+        let modes: &[bool] = if i == 0 { &[false, true] } else { &[false] };
+        for &graphs in modes {
+            let run = super::check::AgreementRun {
+                kv_type,
+                page_tokens: 16,
+                prompts: &prompts,
+                decode_steps: 4,
+                graphs,
+                cpu_threads: 1,
+                cpu_isa: Some(Isa::Scalar),
+                seed: spec.seed ^ 77,
+                tolerance,
+                decode_by_warps: true,
+            };
+            compare_run(&spec, &run);
+        }
+    }
+}
+
+/// A decode token's attention on one case of
+/// [`a_decode_tokens_attention_by_warps_is_the_tiles_and_the_reference`].
+#[derive(Clone, Copy, Debug)]
+struct AttnCase {
+    head_dim: u32,
+    heads: u32,
+    kv_heads: u32,
+    kv_f16: bool,
+    positions: u32,
+    window: u32,
+    softcap: f32,
+}
+
+/// `case`'s attention for one query at the last of its positions, by warps
+/// or by tiles: per KV head one item over every position (the normalised
+/// output, `[heads][head_dim]`), and three over thirds of them, folded here
+/// from their (m, l, o) partials. K and V sit in pages of 16 positions
+/// listed in reverse, among pages of other values no table lists.
+fn attend(case: AttnCase, by_warps: bool, seed: u64) -> (Vec<f32>, Vec<f32>) {
+    let AttnCase {
+        head_dim: hd,
+        heads,
+        kv_heads,
+        positions,
+        ..
+    } = case;
+    let device = emulator(seed);
+    let mut rng = SplitMix64(seed);
+    let (group, kv_dim, page_tokens) = (heads / kv_heads, kv_heads * hd, 16u32);
+    let pages_count = positions.div_ceil(page_tokens) + 2;
+    let values = (2 * pages_count * page_tokens * kv_dim) as usize;
+    let kv: Vec<f32> = (0..values).map(|_| uniform(&mut rng)).collect();
+    let kv_bytes: Vec<u8> = if case.kv_f16 {
+        kv.iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+            .collect()
+    } else {
+        to_bytes(&kv)
+    };
+    let q: Vec<f32> = (0..heads * hd).map(|_| 2.0 * uniform(&mut rng)).collect();
+    let table: Vec<u32> = (0..positions.div_ceil(page_tokens))
+        .map(|i| pages_count - 1 - i)
+        .collect();
+    let pos0 = positions - 1;
+    let cuts = [0, positions / 3, 2 * positions / 3, positions];
+    let mut items = Vec::new();
+    for kv_head in 0..kv_heads {
+        let whole = AttnItem {
+            seq: 0,
+            kv_head,
+            t0: 0,
+            t1: 1,
+            pos0,
+            p0: 0,
+            p1: positions,
+            partial: NO_SEQ,
+            merge: NO_SEQ,
+            unused: 0,
+        };
+        items.push(whole);
+        for s in 0..3 {
+            items.push(AttnItem {
+                p0: cuts[s],
+                p1: cuts[s + 1],
+                partial: kv_head * 3 + s as u32,
+                merge: 0,
+                ..whole
+            });
+        }
+    }
+    let item_words: Vec<u32> = items.iter().flat_map(|i| i.words()).collect();
+    let words = |w: &[u32]| -> Vec<u8> { w.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let q_buf = DeviceBuffer::from_bytes(&device, &to_bytes(&q)).unwrap();
+    let kv_buf = DeviceBuffer::from_bytes(&device, &kv_bytes).unwrap();
+    let items_buf = DeviceBuffer::from_bytes(&device, &words(&item_words)).unwrap();
+    let seq_pages = DeviceBuffer::from_bytes(&device, &words(&[0])).unwrap();
+    let pages = DeviceBuffer::from_bytes(&device, &words(&table)).unwrap();
+    let out = DeviceBuffer::zeroed(&device, 4 * u64::from(heads * hd)).unwrap();
+    let part_floats = (kv_heads * 3 * group * (2 + hd)) as usize;
+    let partials = DeviceBuffer::zeroed(&device, 4 * part_floats as u64).unwrap();
+    let args = AttentionArgs {
+        q: q_buf.at(0),
+        kv: kv_buf.at(0),
+        items: items_buf.at(0),
+        seq_pages: seq_pages.at(0),
+        pages: pages.at(0),
+        out: out.at(0),
+        partials: partials.at(0),
+        merges: 0,
+        counters: 0,
+        heads,
+        kv_heads,
+        head_dim: hd,
+        layer: 0,
+        pages_count,
+        page_tokens,
+        kv_f16: u32::from(case.kv_f16),
+        rows_max: group,
+        tile: ATTENTION_TILE,
+        scale: 1.0 / (hd as f32).sqrt(),
+        window: case.window,
+        softcap: case.softcap,
+        by_warps: u32::from(by_warps),
+        unused: 0,
+    };
+    let shared = attention_shared_bytes(hd, group, ATTENTION_TILE);
+    launch(&device, items.len() as u32, ATTENTION_BLOCK, shared, &args);
+    let whole = read_floats(&out, (heads * hd) as usize);
+    let part = read_floats(&partials, part_floats);
+    let mut folded = vec![0.0f32; (heads * hd) as usize];
+    for kv_head in 0..kv_heads {
+        for g in 0..group {
+            let slot = |s: u32| ((kv_head * 3 + s) * group + g) * (2 + hd);
+            let best = (0..3)
+                .map(|s| part[slot(s) as usize])
+                .fold(f32::NEG_INFINITY, f32::max);
+            let weight = |s: u32| {
+                let m = part[slot(s) as usize];
+                if m == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (m - best).exp()
+                }
+            };
+            let l: f32 = (0..3).map(|s| part[slot(s) as usize + 1] * weight(s)).sum();
+            for i in 0..hd {
+                let o: f32 = (0..3)
+                    .map(|s| part[(slot(s) + 2 + i) as usize] * weight(s))
+                    .sum();
+                folded[((kv_head * group + g) * hd + i) as usize] = o / l;
+            }
+        }
+    }
+    // The reference, in f64 from the values as the pages hold them.
+    let held = |v: f32| {
+        if case.kv_f16 {
+            f64::from(half::f16::from_f32(v).to_f32())
+        } else {
+            f64::from(v)
+        }
+    };
+    let at = |kv: u32, p: u32, i: u32| {
+        let page = table[(p / page_tokens) as usize];
+        (((kv * pages_count + page) * page_tokens + p % page_tokens) * kv_dim + i) as usize
+    };
+    let lo = if case.window > 0 && pos0 + 1 > case.window {
+        pos0 + 1 - case.window
+    } else {
+        0
+    };
+    let mut want = vec![0.0f32; (heads * hd) as usize];
+    for head in 0..heads {
+        let kv_head = head / group;
+        let scores: Vec<f64> = (lo..positions)
+            .map(|p| {
+                let dot: f64 = (0..hd)
+                    .map(|i| {
+                        f64::from(q[(head * hd + i) as usize])
+                            * held(kv[at(0, p, kv_head * hd + i)])
+                    })
+                    .sum();
+                let score = dot / f64::from(hd).sqrt();
+                let cap = f64::from(case.softcap);
+                if cap > 0.0 {
+                    cap * (score / cap).tanh()
+                } else {
+                    score
+                }
+            })
+            .collect();
+        let best = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|s| (s - best).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        for i in 0..hd {
+            let o: f64 = (lo..positions)
+                .zip(&weights)
+                .map(|(p, w)| w * held(kv[at(1, p, kv_head * hd + i)]))
+                .sum();
+            want[(head * hd + i) as usize] = (o / total) as f32;
+        }
+    }
+    // NaN counts as the worst (f32::max would pass it over).
+    let worst = |got: &[f32]| {
+        got.iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(
+                0.0f32,
+                |w, d| if d.is_nan() { f32::INFINITY } else { w.max(d) },
+            )
+    };
+    let (whole_err, folded_err) = (worst(&whole), worst(&folded));
+    assert!(
+        whole_err < 1e-5 && folded_err < 1e-5,
+        "{case:?}, by warps {by_warps}: whole {whole_err:e}, folded {folded_err:e}"
+    );
+    (whole, folded)
+}
+
+#[test]
+fn a_decode_tokens_attention_by_warps_is_the_tiles_and_the_reference() {
+    let case = |head_dim, heads, kv_heads, kv_f16, positions| AttnCase {
+        head_dim,
+        heads,
+        kv_heads,
+        kv_f16,
+        positions,
+        window: 0,
+        softcap: 0.0,
+    };
+    // Cases the warps take: SmolLM2's heads (8 values a lane, 8 lanes a
+    // position, group 3) past one split's span; 2 lanes a position; f32
+    // pages, 4 values a lane, groups of 4 and 8 (with a window and soft
+    // caps); 32 lanes of 8 values, f16 and f32 (two loads a lane); a whole
+    // span of 256.
+    let by_warps = [
+        case(64, 9, 3, true, 300),
+        case(16, 4, 2, true, 37),
+        case(64, 8, 2, false, 100),
+        AttnCase {
+            window: 20,
+            softcap: 30.0,
+            ..case(32, 16, 2, false, 70)
+        },
+        case(256, 8, 2, true, 60),
+        AttnCase {
+            softcap: 50.0,
+            ..case(256, 4, 2, false, 50)
+        },
+        case(128, 4, 1, true, 256),
+        // A window shorter than the first third: that split reads nothing.
+        AttnCase {
+            window: 9,
+            ..case(64, 6, 2, true, 40)
+        },
+        // The tiny gemma2's: a window of 6, scores capped at 1.5.
+        AttnCase {
+            window: 6,
+            softcap: 1.5,
+            ..case(16, 4, 2, true, 14)
+        },
+    ];
+    // Cases left to the tiles: a group wider than a lane's registers, lanes
+    // not a power of two (head_dim 96), scores past the tiles' region.
+    let by_tiles = [
+        case(64, 12, 2, true, 50),
+        case(96, 2, 1, true, 50),
+        case(16, 8, 2, true, 400),
+    ];
+    for (i, case) in by_warps.iter().chain(&by_tiles).enumerate() {
+        let warps = attend(*case, true, 40 + i as u64);
+        let tiles = attend(*case, false, 40 + i as u64);
+        // Each within 1e-5 of the reference (in `attend`); the same bits
+        // only where the warps left the case to the tiles: the flag takes
+        // the other path where it can, and only there.
+        let same = warps
+            .0
+            .iter()
+            .zip(&tiles.0)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert_eq!(same, i >= by_warps.len(), "{case:?}");
+    }
+}
+
+#[test]
 fn a_window_reaching_back_past_a_split_decode_span_is_merged_as_the_cpu_does() {
     // Decode attention split into spans, the older ones wholly outside a
     // local layer's window: their partials see nothing and must weigh nothing.
@@ -1817,6 +2168,7 @@ fn the_cpus_own_drift_is_measured_on_the_agreements_prompt_rows() {
         cpu_isa: None,
         seed: 7,
         tolerance: 1e-3,
+        decode_by_warps: true,
     };
     let drift = super::check::cpu_drift(&model, &run);
     // A two-layer model: the scalar and fastest paths part by at most a few
