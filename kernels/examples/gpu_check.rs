@@ -516,7 +516,9 @@ fn decode_rows(
             // a sampled request's step does (temperature 0.8, top-p 0.95:
             // its selections are passes over the row). Batch 1 and the
             // largest with attention by tiles too (a decode token's is by
-            // warps), at every depth.
+            // warps), at every depth; batch 1 in a backend sized for steps
+            // of 128 sequences, as a server's is (a larger step buffer, of
+            // which a step copies what it uses).
             let run = DecodeRun::new(batch, depth, plan.decode_steps, true, plan.chunk);
             let mut variants = vec![("", run)];
             if batch == 1 || batch == largest {
@@ -529,6 +531,13 @@ fn decode_rows(
                 ));
             }
             if batch == 1 {
+                variants.push((
+                    " (sized for 128 sequences)",
+                    DecodeRun {
+                        seqs_max: 128,
+                        ..run
+                    },
+                ));
                 variants.push((
                     " (no graphs)",
                     DecodeRun {

@@ -588,6 +588,10 @@ pub struct DecodeRun {
     /// Attention by warps, or by tiles
     /// ([`CudaBackend::set_decode_attention_by_warps`]).
     pub by_warps: bool,
+    /// The sequences a step may have ([`CudaOptions::step_seqs_max`], at
+    /// least `batch`): what the step buffer, its page tables and attention
+    /// items, is sized for.
+    pub seqs_max: usize,
 }
 
 impl DecodeRun {
@@ -602,6 +606,7 @@ impl DecodeRun {
             pick: Pick::Argmax,
             fusions: Fusions::default(),
             by_warps: true,
+            seqs_max: batch,
         }
     }
 }
@@ -622,6 +627,7 @@ fn decode_run(
         pick,
         fusions,
         by_warps,
+        seqs_max,
     } = *run;
     let page_tokens = 16;
     let warmup = 4;
@@ -640,7 +646,7 @@ fn decode_run(
         Arc::clone(device),
         CudaOptions {
             step_tokens_max: chunk.max(batch),
-            step_seqs_max: batch,
+            step_seqs_max: seqs_max.max(batch),
             graphs,
         },
     )

@@ -68,6 +68,7 @@ use crate::quant::{ActivationFormat, GgmlType};
 use launch::*;
 use pack::{Counts, Packer, StepLayout};
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 
 /// The most KV positions in one split of a decode token's attention: a
@@ -260,8 +261,12 @@ pub struct CudaBackend {
     options: CudaOptions,
     /// Query rows per attention item (a multiple of the KV group).
     attention_rows: u32,
-    /// Host staging for the packed step buffer, words.
+    /// Host staging for the packed step buffer, words: zero but where the
+    /// last step was packed (`staged`).
     staging: Vec<u32>,
+    /// The words of `staging` the last step used ([`Packer::used`]): the
+    /// only ones copied to the device, and zeroed again before the next.
+    staged: Vec<Range<usize>>,
     /// Host copy of the last step's full rows of logits, where they are
     /// more than `pinned` holds (a prompt's log probabilities).
     logits: Vec<f32>,
@@ -477,6 +482,7 @@ impl CudaBackend {
             },
             attention_rows,
             staging: Vec::new(),
+            staged: Vec::new(),
             logits: Vec::new(),
             pinned,
             picks: Vec::new(),
@@ -553,6 +559,9 @@ impl CudaBackend {
             self.attention_rows / group,
         );
         let partial_floats = step_layout.slots_max * u64::from(group) * (2 + c.head_dim as u64);
+        // Staged for another layout: made afresh for this one.
+        self.staging.clear();
+        self.staged.clear();
         self.step = Some(StepBuffer {
             buffer: DeviceBuffer::zeroed(&self.device, step_layout.words * WORD)?,
             partials: DeviceBuffer::zeroed(&self.device, partial_floats.max(1) * 4)?,
@@ -570,16 +579,24 @@ impl CudaBackend {
         (bucket as usize <= self.options.step_seqs_max).then_some(bucket)
     }
 
-    /// Packs the step into `staging` (see the module doc, and [`pack`]);
-    /// returns the launch counts. With a bucket, pads to it.
+    /// Packs the step into `staging` (see the module doc, and [`pack`]),
+    /// the words it used into `staged`; returns the launch counts. With a
+    /// bucket, pads to it.
     fn pack(&mut self, steps: &[SeqStep<'_>], view: &StepView<'_>, bucket: Option<u32>) -> Counts {
         let layout = self.step.as_ref().expect("made before packing").layout;
         let c = &self.model.config;
         let (kv_heads, group) = (c.kv_heads_count as u32, c.kv_group() as u32);
         let queries_per_item = self.attention_rows / group;
         let page_tokens = layout.page_tokens as usize;
-        self.staging.clear();
-        self.staging.resize(layout.words as usize, 0);
+        if self.staging.len() == layout.words as usize {
+            for range in self.staged.drain(..) {
+                self.staging[range].fill(0);
+            }
+        } else {
+            self.staging.clear();
+            self.staging.resize(layout.words as usize, 0);
+        }
+        debug_assert!(self.staging.iter().all(|&w| w == 0), "staging zeroed");
         let split_seqs = bucket.unwrap_or(steps.len() as u32);
         let mut packer = Packer::new(&mut self.staging, layout, split_seqs);
         for (seq, step) in steps.iter().enumerate() {
@@ -598,10 +615,12 @@ impl CudaBackend {
             }
         }
         packer.picked_rows();
-        match bucket {
+        let counts = match bucket {
             None => packer.counts,
             Some(bucket) => packer.pad(bucket, kv_heads, c.context_len as u32),
-        }
+        };
+        self.staged = packer.used(&counts, steps.len() as u32);
+        counts
     }
 
     fn launch<A: KernelArgs>(
@@ -1061,9 +1080,14 @@ impl Backend for CudaBackend {
         let bucket = self.graph_bucket(steps);
         let counts = self.pack(steps, &view, bucket);
         let step = self.step.as_ref().expect("made above");
-        step.buffer
-            .write(0, le_bytes(&self.staging))
-            .map_err(Self::device_error)?;
+        for range in &self.staged {
+            step.buffer
+                .write(
+                    range.start as u64 * WORD,
+                    le_bytes(&self.staging[range.clone()]),
+                )
+                .map_err(Self::device_error)?;
+        }
         match bucket {
             Some(bucket) => {
                 if !self.graphs.contains_key(&bucket) {

@@ -19,6 +19,7 @@ use super::{CudaOptions, SPLIT_POSITIONS};
 use crate::backend::{Draw, Pick};
 use crate::kv::PageId;
 use crate::model::Model;
+use std::ops::Range;
 
 /// Attention blocks a decode step of few sequences aims for: enough to have
 /// every multiprocessor of a large GPU (132 on an H100) hold a few.
@@ -148,6 +149,11 @@ impl StepLayout {
         }
     }
 }
+
+/// Words between two regions' used parts that are copied with them rather
+/// than split the step's copy in two: 16 KiB, some microseconds of the
+/// bus, about what one more copy costs to start.
+const COPY_GAP_WORDS: usize = 4096;
 
 /// Words of a row's draw in the step buffer (sample.cu's `DrawParams`):
 /// 1 / temperature, top-k, top-p and min-p, then the uniform as an f64.
@@ -372,10 +378,43 @@ impl<'a> Packer<'a> {
         }
     }
 
+    /// The words of the step buffer a step of `counts` (this packer's, or
+    /// its graph bucket's) over `seqs` sequences reads: each region as far
+    /// as the counts reach, in order, runs less than [`COPY_GAP_WORDS`]
+    /// apart joined. Everything the packer wrote lies within them, and
+    /// nothing a launch reads lies outside: only these are copied to the
+    /// device (a step buffer sized for 128 sequences of 8,192 positions is
+    /// some 800 KB, of which a decode step of one reads a few hundred bytes).
+    pub(super) fn used(&self, counts: &Counts, seqs: u32) -> Vec<Range<usize>> {
+        let l = &self.layout;
+        let (t, wanted) = (u64::from(counts.tokens), u64::from(counts.wanted));
+        let parts = [
+            (l.tokens, t),
+            (l.positions, t),
+            (l.token_seq, t),
+            (l.seq_pages, u64::from(seqs)),
+            (l.gather, wanted),
+            (l.draws, wanted * DRAW_WORDS as u64),
+            (l.pages, u64::from(self.pages)),
+            (l.items, u64::from(counts.items) * ITEM_WORDS as u64),
+            (l.merges, u64::from(counts.merges) * 4),
+            (l.counters, u64::from(counts.merges)),
+        ];
+        let mut ranges: Vec<Range<usize>> = Vec::new();
+        for (start, len) in parts.into_iter().filter(|&(_, len)| len > 0) {
+            let (start, end) = (start as usize, (start + len) as usize);
+            match ranges.last_mut() {
+                Some(last) if start <= last.end + COPY_GAP_WORDS => last.end = last.end.max(end),
+                _ => ranges.push(start..end),
+            }
+        }
+        ranges
+    }
+
     /// The counts of a graph of `bucket` sequences: tokens past the step's
     /// of no sequence (they store nothing), and every grid at its capacity
     /// (items and merges past the step's are zero words: no queries, no slots).
-    pub(super) fn pad(mut self, bucket: u32, kv_heads: u32, context_len: u32) -> Counts {
+    pub(super) fn pad(&mut self, bucket: u32, kv_heads: u32, context_len: u32) -> Counts {
         debug_assert!(self.picked.is_empty(), "picked rows gathered first");
         for pad in self.counts.tokens..bucket {
             self.set(self.layout.token_seq, pad, NO_SEQ);
@@ -398,6 +437,67 @@ impl<'a> Packer<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_step_copies_each_regions_used_part_joined_across_short_gaps() {
+        // A step buffer sized for many sequences: pages, items, merges
+        // far apart.
+        let mut at = 0u64;
+        let mut region = |words: u64| {
+            at += words;
+            at - words
+        };
+        let mut layout = StepLayout {
+            tokens: region(512),
+            positions: region(512),
+            token_seq: region(512),
+            seq_pages: region(128),
+            gather: region(200),
+            draws: region(1200),
+            pages: region(65_536),
+            items: region(128_000),
+            merges: region(1_536),
+            counters: region(384),
+            words: 0,
+            gather_max: 200,
+            pages_max: 65_536,
+            items_max: 12_800,
+            merges_max: 384,
+            slots_max: 12_000,
+            page_tokens: 16,
+        };
+        layout.words = at;
+        let mut words = vec![0u32; at as usize];
+        let mut packer = Packer::new(&mut words, layout, 1);
+        // One decode token at position 512 of 3 KV heads: 33 pages, 17
+        // splits of 32 a head, 3 merges.
+        packer.token(7, 512, 0);
+        packer.table(0, &[PageId(5); 33]);
+        packer.logits(1, Pick::Argmax);
+        packer.decode_items(0, 0, 512, 3);
+        packer.picked_rows();
+        let counts = packer.counts;
+        assert_eq!((counts.items, counts.merges, counts.wanted), (51, 3, 1));
+        let used = packer.used(&counts, 1);
+        let l = layout;
+        let (pages, items, merges) = (l.pages as usize, l.items as usize, l.merges as usize);
+        assert_eq!(
+            used,
+            vec![
+                // Tokens through the pages: each gap under 4,096 words.
+                0..pages + 33,
+                items..items + 51 * ITEM_WORDS,
+                // The merges and, 1,524 words on, their counters.
+                merges..l.counters as usize + 3,
+            ]
+        );
+        let copied: usize = used.iter().map(|r| r.len()).sum();
+        assert_eq!(copied, pages + 33 + 510 + 1539);
+        // Nothing packed lies outside them.
+        for (i, &w) in words.iter().enumerate() {
+            assert!(w == 0 || used.iter().any(|r| r.contains(&i)), "word {i}");
+        }
+    }
 
     #[test]
     fn decode_splits_are_whole_tiles_within_their_bound_and_finer_only_at_a_small_batch() {

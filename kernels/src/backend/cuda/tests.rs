@@ -1984,6 +1984,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
     assert_eq!((word(l.counters), word(l.counters + 1)), (0, 0));
     let merge: Vec<u32> = (0..4).map(|i| word(l.merges + i)).collect();
     assert_eq!(merge, vec![40, 0, 0, 19]);
+    copied_ranges_hold_the_step(&cuda, &counts);
     drop(view);
     // As a graph bucket of 2 (decode only): padded to the bucket's capacity.
     let one = [3u32, 4];
@@ -2025,6 +2026,39 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
         w[padding_item + 3],
         "padding items have no queries"
     );
+    // What this step reads is copied, and the prefill's items, pages and
+    // rows were zeroed again (`pack` asserts it in debug builds).
+    copied_ranges_hold_the_step(&cuda, &counts);
+}
+
+/// The step buffer's copied ranges ([`Packer::used`]) after a pack: in
+/// order and apart, every word the packer wrote within them (the rest of
+/// the staging zero), and every region's part a launch of `counts` reads.
+fn copied_ranges_hold_the_step(cuda: &CudaBackend, counts: &super::pack::Counts) {
+    let (staged, words) = (&cuda.staged, &cuda.staging);
+    assert!(
+        staged.windows(2).all(|p| p[0].end < p[1].start),
+        "{staged:?}"
+    );
+    let copied = |at: u64| staged.iter().any(|r| r.contains(&(at as usize)));
+    for (i, &w) in words.iter().enumerate() {
+        assert!(w == 0 || copied(i as u64), "word {i} packed but not copied");
+    }
+    let l = cuda.step.as_ref().unwrap().layout;
+    let last = |start: u64, len: u64| start + len - 1;
+    let tokens = u64::from(counts.tokens);
+    for at in [
+        last(l.tokens, tokens),
+        last(l.positions, tokens),
+        last(l.token_seq, tokens),
+        last(l.gather, u64::from(counts.wanted)),
+        last(l.draws, DRAW_WORDS as u64 * u64::from(counts.wanted)),
+        last(l.items, ITEM_WORDS as u64 * u64::from(counts.items)),
+        last(l.merges, 4 * u64::from(counts.merges)),
+        last(l.counters, u64::from(counts.merges)),
+    ] {
+        assert!(copied(at), "word {at} read but not copied");
+    }
 }
 
 #[test]
