@@ -384,7 +384,7 @@ impl<'a> Packer<'a> {
     /// apart joined. Everything the packer wrote lies within them, and
     /// nothing a launch reads lies outside: only these are copied to the
     /// device (a step buffer sized for 128 sequences of 8,192 positions is
-    /// some 800 KB, of which a decode step of one reads a few hundred bytes).
+    /// some 800 KB, of which a decode step of one copies 26 KB).
     pub(super) fn used(&self, counts: &Counts, seqs: u32) -> Vec<Range<usize>> {
         let l = &self.layout;
         let (t, wanted) = (u64::from(counts.tokens), u64::from(counts.wanted));
