@@ -194,6 +194,7 @@ fn feed(
             tokens: piece,
             logits: usize::from(pos + piece.len() == ids.len()),
             pick: Pick::Row,
+            adjust: &[],
         };
         engine.backend.step(&[step], pool)?;
         pos += piece.len();
@@ -243,6 +244,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
                 tokens: &token,
                 logits: 1,
                 pick: Pick::Row,
+                adjust: &[],
             })
             .collect();
         engine.backend.step(&warm, &mut pool)?;
@@ -256,6 +258,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
                     tokens: &token,
                     logits: 1,
                     pick: Pick::Row,
+                    adjust: &[],
                 })
                 .collect();
             engine.backend.step(&steps, &mut pool)?;
@@ -334,6 +337,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             tokens: &[token],
             logits: 1,
             pick: Pick::Row,
+            adjust: &[],
         };
         let logits = engine.backend.step(&[step], &mut pool)?;
         let row = logits.row(0).to_vec();
@@ -354,6 +358,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
                     tokens: std::slice::from_ref(&token),
                     logits: 1,
                     pick: Pick::Row,
+                    adjust: &[],
                 })
                 .collect();
             let started = Instant::now();

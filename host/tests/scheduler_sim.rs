@@ -1517,6 +1517,8 @@ struct Picking {
     picks: Vec<(u32, u32)>,
     picked: usize,
     candidates: Vec<(u32, f32)>,
+    /// A picked row, adjusted as its step says.
+    adjusted: Vec<f32>,
 }
 
 impl bulkhead_kernels::backend::Backend for Picking {
@@ -1545,10 +1547,16 @@ impl bulkhead_kernels::backend::Backend for Picking {
         for step in steps {
             for r in 0..step.logits {
                 let i = row + r;
+                // As a GPU picks: the row adjusted where it lies, then its
+                // argmax or draw.
+                let row = &mut self.adjusted;
+                row.clear();
+                row.extend_from_slice(logits.row(i));
+                bulkhead_kernels::backend::adjust::adjust(row, step.adjust);
                 let id = match step.pick {
                     Pick::Row => None,
-                    Pick::Argmax => Some(bulkhead_kernels::backend::argmax(logits.row(i))),
-                    Pick::Draw(draw) => Some(draw.pick(logits.row(i), &mut self.candidates)),
+                    Pick::Argmax => Some(bulkhead_kernels::backend::argmax(row)),
+                    Pick::Draw(draw) => Some(draw.pick(row, &mut self.candidates)),
                 };
                 if let Some(id) = id.filter(|_| self.on && r + 1 == step.logits) {
                     self.picks.push((i as u32, id));
@@ -1572,9 +1580,10 @@ fn rows_given_as_their_tokens_say_what_full_rows_say() {
     let gguf = Arc::new(Gguf::from_bytes(tiny_llama(&TinySpec::default())).unwrap());
     let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
     let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
-    // Greedy and drawn ones a backend may pick, and ones whose rows the
-    // sampler reads: log probabilities (of the output, of the prompt), a
-    // bias, a penalty, `min_tokens`, a draw with a penalty.
+    // Greedy and drawn ones a backend may pick, adjusted or not (a bias, a
+    // penalty, `min_tokens`, a draw with a repetition penalty), and one
+    // whose rows the sampler reads: log probabilities of the output (the
+    // prompt's are rows apart from the sampled one).
     let requests: Vec<SamplingParams> = vec![
         SamplingParams::default(),
         SamplingParams {
@@ -1639,6 +1648,7 @@ fn rows_given_as_their_tokens_say_what_full_rows_say() {
             picks: Vec::new(),
             picked: 0,
             candidates: Vec::new(),
+            adjusted: Vec::new(),
         };
         let pool = build::pool(&model, &spec).unwrap();
         let tenants = vec![TenantLimits {
@@ -1703,10 +1713,8 @@ fn rows_given_as_their_tokens_say_what_full_rows_say() {
             })
         ));
     }
-    // Every token of the two plain greedy requests, of the one scoring its
-    // prompt and of the two plain draws (10 each), the penalty's first
-    // (nothing to penalise yet), and the min_tokens one's after its 4
-    // banned; none of the draw under a repetition penalty (the prompt's
-    // tokens are penalised from the first).
-    assert_eq!(picks, 5 * 10 + 1 + 6, "tokens picked by the backend");
+    // Every token of every request but the one asking for log
+    // probabilities: the adjusted ones' too, their adjustments made where
+    // the row lies.
+    assert_eq!(picks, 9 * 10, "tokens picked by the backend");
 }

@@ -224,26 +224,40 @@ struct MergeArgs {
     uint32_t unused;
 };
 
-// Each logits row's token (sample.cu): a draw's (kernels/src/backend/
-// draw.rs) where the row's DrawParams say one, else its largest value's id,
-// the lowest among ties, as the CPU's argmax finds it scanning in order (a
-// NaN is never larger; a NaN at index 0 is never exceeded).
-// Grid (rows), block 1024.
+// Each logits row's token (sample.cu): its logits adjusted in place by the
+// row's AdjustEntry list (kernels/src/backend/adjust.rs), then a draw's
+// (kernels/src/backend/draw.rs) where the row's DrawParams say one, else its
+// largest value's id, the lowest among ties, as the CPU's argmax finds it
+// scanning in order (a NaN is never larger; a NaN at index 0 is never
+// exceeded). Grid (rows), block 1024.
 struct PickArgs {
-    uint64_t logits;  // f32 [grid][vocab]
-    uint64_t out;     // u32 [grid]
-    uint64_t draws;   // DrawParams [grid]; 0: every row its argmax
+    uint64_t logits;   // f32 [grid][vocab]
+    uint64_t out;      // u32 [grid]
+    uint64_t draws;    // DrawParams [grid]; 0: every row its argmax, unadjusted
+    uint64_t adjusts;  // AdjustEntry [], as the rows' DrawParams point into it
     uint32_t vocab;
     uint32_t unused;
 };
 
-// One row's draw (backend::Draw); inv_t 0 is no draw (the argmax).
+// One row's draw (backend::Draw); inv_t 0 is no draw (the argmax). Its
+// adjustments first: adjusts[adjust_at..adjust_at + adjust_count].
 struct DrawParams {
     float inv_t;
     uint32_t top_k;  // 0: every token
     float top_p;     // 1: every token
     float min_p;     // 0: every token
     double u;        // in [0, 1)
+    uint32_t adjust_at;
+    uint32_t adjust_count;
+};
+
+// One token's adjustment (backend::Adjust): repetition (1: none), then
+// penalty subtracted (0: none), then bias added (0: none); banned, -inf.
+struct AdjustEntry {
+    uint32_t id;  // the top bit: banned
+    float repetition;
+    float penalty;
+    float bias;
 };
 
 // XXH3-64 of pages' used slots in the transfer's order (kv/digest.rs):

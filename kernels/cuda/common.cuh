@@ -177,6 +177,15 @@ __device__ __forceinline__ float mul_rn(float a, float b) {
 #endif
 }
 
+// a / b rounded once (IEEE division, whatever the compiler's options).
+__device__ __forceinline__ float div_rn(float a, float b) {
+#ifdef BULKHEAD_EMU
+    return a / b;
+#else
+    return __fdiv_rn(a, b);
+#endif
+}
+
 // 16 aligned bytes, loaded at once.
 struct __align__(16) Int4 {
     int x, y, z, w;

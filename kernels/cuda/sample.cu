@@ -1,8 +1,10 @@
 // A sampled row's token, picked on the device: the largest logit's id for a
 // greedy row, and for a drawn one the draw of kernels/src/backend/draw.rs
 // (temperature, top-k, min-p, top-p, then one uniform number walked over the
-// kept tokens in id order). A step then copies 4 bytes a sampled row where it
-// would copy the vocabulary's logits (196,608 bytes for SmolLM2's).
+// kept tokens in id order), either after the row's adjustments (penalties,
+// biases, bans: kernels/src/backend/adjust.rs). A step then copies 4 bytes a
+// sampled row where it would copy the vocabulary's logits (196,608 bytes for
+// SmolLM2's).
 //
 // One block a row. A draw finds what it keeps by bisection over the logits'
 // order: each of 32 rounds counts (top-k) or weighs (top-p) the tokens at or
@@ -370,11 +372,35 @@ __device__ uint32_t draw_row(const float* row, uint32_t vocab, const DrawParams&
     return nth_in_id_order(r, OVER_KEPT, false, 0, 1, target);
 }
 
+// `logit` adjusted by `e`, as Adjust::apply adjusts it: each operation
+// rounded alone (never fused), and only where it changes something.
+__device__ __forceinline__ float adjusted(const AdjustEntry& e, float logit) {
+    if (e.id >> 31) return -f32_of_bits(0x7f800000u);
+    float x = logit;
+    if (e.repetition != 1.0f) x = x > 0.0f ? div_rn(x, e.repetition) : mul_rn(x, e.repetition);
+    if (e.penalty != 0.0f) x = x - e.penalty;
+    if (e.bias != 0.0f) x = x + e.bias;
+    return x;
+}
+
 KERNEL_THREADS(pick, PickArgs, PICK_BLOCK) {
-    const float* row = reinterpret_cast<const float*>(a.logits) + uint64_t(blockIdx.x) * a.vocab;
+    float* row = reinterpret_cast<float*>(a.logits) + uint64_t(blockIdx.x) * a.vocab;
     DrawParams p;
     p.inv_t = 0.0f;
+    p.adjust_count = 0;
     if (a.draws) p = reinterpret_cast<const DrawParams*>(a.draws)[blockIdx.x];
+    if (p.adjust_count > 0) {
+        // In place: a picked row's logits are scratch no one reads after,
+        // and its entries name distinct tokens (the packer sends no other
+        // list), so no two threads write one logit.
+        const AdjustEntry* list = reinterpret_cast<const AdjustEntry*>(a.adjusts) + p.adjust_at;
+        for (uint32_t i = threadIdx.x; i < p.adjust_count; i += blockDim.x) {
+            AdjustEntry e = list[i];
+            uint32_t id = e.id & 0x7FFFFFFFu;
+            if (id < a.vocab) row[id] = adjusted(e, row[id]);
+        }
+        __syncthreads();
+    }
     uint32_t id = p.inv_t > 0.0f ? draw_row(row, a.vocab, p) : NO_SEQ;
     if (id == NO_SEQ) id = row_argmax(row, a.vocab);
     if (threadIdx.x == 0) reinterpret_cast<uint32_t*>(a.out)[blockIdx.x] = id;

@@ -92,6 +92,7 @@ fn main() {
                 tokens: &[1],
                 logits: 1,
                 pick: Pick::Row,
+                adjust: &[],
             };
             backend.step(&[step], &mut pool).expect("step");
         }

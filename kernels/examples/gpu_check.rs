@@ -199,6 +199,7 @@ fn launch_floor(device: &Arc<dyn Device>, launches: usize, rounds: usize) -> (f6
         logits: logits.at(0),
         out: out.at(0),
         draws: 0,
+        adjusts: 0,
         vocab: 1,
         unused: 0,
     };
@@ -594,6 +595,20 @@ fn decode_rows(
                             min_p: 0.0,
                             u: 0.5,
                         }),
+                        ..run
+                    },
+                ));
+                variants.push((
+                    " (drawn on the device, 600 adjustments a row)",
+                    DecodeRun {
+                        pick: Pick::Draw(Draw {
+                            inv_t: 1.0 / 0.8,
+                            top_k: 0,
+                            top_p: 0.95,
+                            min_p: 0.0,
+                            u: 0.5,
+                        }),
+                        adjusts: 600,
                         ..run
                     },
                 ));

@@ -80,6 +80,7 @@ fn run_chunked(
             tokens: piece,
             logits: usize::from(pos + piece.len() == tokens.len()),
             pick: Pick::Row,
+            adjust: &[],
         };
         let logits = backend.step(&[step], pool).expect("valid step");
         if logits.rows_count() == 1 {
@@ -144,6 +145,7 @@ fn a_batch_gives_each_sequence_what_it_gets_alone() {
             tokens: &PROMPT_A,
             logits: 1,
             pick: Pick::Row,
+            adjust: &[],
         },
         SeqStep {
             pages: &tb,
@@ -151,6 +153,7 @@ fn a_batch_gives_each_sequence_what_it_gets_alone() {
             tokens: &PROMPT_B,
             logits: 1,
             pick: Pick::Row,
+            adjust: &[],
         },
     ];
     let logits = b.step(&steps, &mut p).unwrap();
@@ -183,6 +186,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
             tokens: std::slice::from_ref(token),
             logits: 1,
             pick: Pick::Row,
+            adjust: &[],
         };
         oracle.push(b.step(&[step], &mut p).unwrap().row(0).to_vec());
     }
@@ -207,6 +211,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                     tokens: &PROMPT_B,
                     logits: 1,
                     pick: Pick::Row,
+                    adjust: &[],
                 },
                 SeqStep {
                     pages: &ta,
@@ -214,6 +219,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                     tokens: piece,
                     logits: wanted,
                     pick: Pick::Row,
+                    adjust: &[],
                 },
             ];
             let logits = b.step(&steps, &mut p).unwrap();
@@ -249,6 +255,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 tokens: &PROMPT_A,
                 logits: PROMPT_A.len() + 1,
                 pick: Pick::Row,
+                adjust: &[],
             }],
             &mut p,
         )
@@ -285,6 +292,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 tokens: &long,
                 logits: 67,
                 pick: Pick::Row,
+                adjust: &[],
             }],
             &mut p,
         )
@@ -308,6 +316,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 tokens: &long[..66],
                 logits: 66,
                 pick: Pick::Row,
+                adjust: &[],
             }],
             &mut p,
         )
@@ -446,6 +455,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
         tokens,
         logits: 1,
         pick: Pick::Row,
+        adjust: &[],
     };
     let vocab_len = m.config.vocab_len;
     // Each refusal names the sequence at fault, so a scheduler can fail that
@@ -491,6 +501,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
         tokens: &long,
         logits: 1,
         pick: Pick::Row,
+        adjust: &[],
     };
     let error = b.step(&[too_many], &mut big).err().unwrap();
     assert!(matches!(error, StepError::TooManyTokens { .. }));
@@ -512,6 +523,7 @@ fn refuses_a_table_whose_pages_are_not_leased_in_this_pool() {
         tokens: &[1, 2],
         logits: 1,
         pick: Pick::Row,
+        adjust: &[],
     };
     assert_eq!(
         b.step(&[step], &mut p).err(),
@@ -561,6 +573,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         tokens: &prompt[cut..],
         logits: 1,
         pick: Pick::Row,
+        adjust: &[],
     };
     let own = b.step(&[step], &mut p).unwrap().row(0).to_vec();
     // Its full prefix pages are shared; a second sequence of the same owner
@@ -581,6 +594,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         tokens: &prompt[cut..],
         logits: 1,
         pick: Pick::Row,
+        adjust: &[],
     };
     let cached = b.step(&[step], &mut p).unwrap().row(0).to_vec();
     assert_eq!(
@@ -597,6 +611,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         tokens: &prompt[cut - 1..],
         logits: 1,
         pick: Pick::Row,
+        adjust: &[],
     };
     assert_eq!(
         b.step(&[rewrite], &mut p).err(),
@@ -677,6 +692,7 @@ fn every_isa_is_batch_invariant_bit_for_bit() {
                     tokens: &PROMPT_B,
                     logits: 1,
                     pick: Pick::Row,
+                    adjust: &[],
                 },
                 SeqStep {
                     pages: &ta,
@@ -684,6 +700,7 @@ fn every_isa_is_batch_invariant_bit_for_bit() {
                     tokens: &prompt[39..],
                     logits: 1,
                     pick: Pick::Row,
+                    adjust: &[],
                 },
                 SeqStep {
                     pages: &tc,
@@ -691,6 +708,7 @@ fn every_isa_is_batch_invariant_bit_for_bit() {
                     tokens: &PROMPT_A[..2],
                     logits: 1,
                     pick: Pick::Row,
+                    adjust: &[],
                 },
             ];
             let batched = b.step(&steps, &mut p).unwrap().row(1).to_vec();

@@ -278,6 +278,7 @@ fn last_logits(model: &Arc<Model>) -> Vec<f32> {
         tokens: &PROMPT,
         logits: 1,
         pick: Pick::Row,
+        adjust: &[],
     };
     backend.step(&[step], &mut pool).unwrap().row(0).to_vec()
 }

@@ -17,12 +17,13 @@
 
 use super::json::Json;
 use super::schema::Schema;
+use bulkhead_kernels::backend::adjust::adjust;
 use bulkhead_kernels::backend::draw::weight;
-use bulkhead_kernels::backend::{Draw, Logits, Pick};
+use bulkhead_kernels::backend::{Adjust, Draw, Logits, Pick};
 use bulkhead_kernels::rng::SplitMix64;
 use bulkhead_kernels::threads::Threads;
 use bulkhead_kernels::tokenizer::{TokenType, Tokenizer};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -261,14 +262,16 @@ pub struct Sampler {
     rng: SplitMix64,
     candidates: Vec<(u32, f32)>,
     /// How often each token was generated (kept only under a penalty).
-    generated: HashMap<u32, u32>,
+    generated: BTreeMap<u32, u32>,
+    /// This step's adjustments ([`Sampler::adjustments`]), by id.
+    adjust: Vec<Adjust>,
     /// The adjusted logits, when there is anything to adjust.
     adjusted: Vec<f32>,
     /// JSON mode's recognizer and the vocabulary it reads tokens' bytes from.
     json: Option<(Json, Arc<Tokenizer>)>,
     /// The tokens of the prompt and the output so far (kept only under a
     /// repetition penalty).
-    seen: HashSet<u32>,
+    seen: BTreeSet<u32>,
     /// The tokens that end the output (ascending): never picked before
     /// `min_tokens` (kept only when `min_tokens` is above 0).
     ends: Vec<u32>,
@@ -301,10 +304,11 @@ impl Sampler {
             rng: SplitMix64(params.seed),
             params,
             candidates: Vec::new(),
-            generated: HashMap::new(),
+            generated: BTreeMap::new(),
+            adjust: Vec::new(),
             adjusted: Vec::new(),
             json: None,
-            seen: HashSet::new(),
+            seen: BTreeSet::new(),
             ends,
             sampled: 0,
             pending: None,
@@ -325,7 +329,7 @@ impl Sampler {
         let seen = if params.repetition_penalty != 1.0 {
             prompt.iter().copied().collect()
         } else {
-            HashSet::new()
+            BTreeSet::new()
         };
         Sampler {
             json,
@@ -362,42 +366,14 @@ impl Sampler {
     /// penalties of the next.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         assert!(!logits.is_empty(), "the vocabulary is never empty");
-        let banning = self.banning();
         let token = if !self.adjusts() {
             self.pick_within(logits)
         } else {
+            self.make_adjustments();
             let mut adjusted = std::mem::take(&mut self.adjusted);
             adjusted.clear();
             adjusted.extend_from_slice(logits);
-            let repetition = self.params.repetition_penalty;
-            for &id in &self.seen {
-                if let Some(logit) = adjusted.get_mut(id as usize) {
-                    *logit = if *logit > 0.0 {
-                        *logit / repetition
-                    } else {
-                        *logit * repetition
-                    };
-                }
-            }
-            let (presence, frequency) =
-                (self.params.presence_penalty, self.params.frequency_penalty);
-            for (&id, &count) in &self.generated {
-                if let Some(logit) = adjusted.get_mut(id as usize) {
-                    *logit -= presence + frequency * count as f32;
-                }
-            }
-            for &(id, bias) in &self.params.logit_bias {
-                if let Some(logit) = adjusted.get_mut(id as usize) {
-                    *logit += bias;
-                }
-            }
-            if banning {
-                for &id in &self.ends {
-                    if let Some(logit) = adjusted.get_mut(id as usize) {
-                        *logit = f32::NEG_INFINITY;
-                    }
-                }
-            }
+            adjust(&mut adjusted, &self.adjust);
             let token = self.pick_within(&adjusted);
             self.adjusted = adjusted;
             token
@@ -408,19 +384,26 @@ impl Sampler {
 
     /// How the backend may give this step's row ([`SeqStep::pick`]): as
     /// its token where the token is all that is read of it, that is with
-    /// nothing to adjust (no bias, no penalty or `min_tokens` ban in force),
     /// no schema and no log probabilities: greedy, its argmax
     /// ([`Pick::Argmax`]); sampled, this step's draw ([`Pick::Draw`], the
-    /// step's uniform drawn now and kept for it). A GPU then copies 4 bytes
-    /// for the row, not the row; [`Sampler::take_pick`] takes the token, and
-    /// [`Sampler::sample`] of the row, where the backend gave it anyway,
-    /// picks the same.
+    /// step's uniform drawn now and kept for it); either after this step's
+    /// adjustments (biases, penalties, `min_tokens`' ban), made now
+    /// ([`Sampler::adjustments`], the step's [`SeqStep::adjust`]). A GPU
+    /// then copies 4 bytes for the row, not the row;
+    /// [`Sampler::take_pick`] takes the token, and [`Sampler::sample`] of
+    /// the row, where the backend gave it anyway, picks the same.
     ///
     /// [`SeqStep::pick`]: bulkhead_kernels::backend::SeqStep::pick
+    /// [`SeqStep::adjust`]: bulkhead_kernels::backend::SeqStep::adjust
     pub fn pick(&mut self) -> Pick {
-        if self.params.logprobs.is_some() || self.json.is_some() || self.adjusts() {
-            Pick::Row
-        } else if self.params.temperature <= 0.0 {
+        self.adjust.clear();
+        if self.params.logprobs.is_some() || self.json.is_some() {
+            return Pick::Row;
+        }
+        if self.adjusts() {
+            self.make_adjustments();
+        }
+        if self.params.temperature <= 0.0 {
             Pick::Argmax
         } else {
             Pick::Draw(self.draw_params())
@@ -432,7 +415,7 @@ impl Sampler {
     /// row would return, and counted as it counts.
     pub fn take_pick(&mut self, token: u32) -> u32 {
         debug_assert!(
-            self.params.logprobs.is_none() && self.json.is_none() && !self.adjusts(),
+            self.params.logprobs.is_none() && self.json.is_none(),
             "a pick for a sampler that reads the row"
         );
         self.pending = None;
@@ -443,6 +426,57 @@ impl Sampler {
     /// Whether `min_tokens` still bans the tokens that end the output.
     fn banning(&self) -> bool {
         self.sampled < self.params.min_tokens && !self.ends.is_empty()
+    }
+
+    /// The adjustments of the step [`Sampler::pick`] was last asked about,
+    /// by ascending id, one entry an id (empty: none, or a row read whole).
+    pub fn adjustments(&self) -> &[Adjust] {
+        &self.adjust
+    }
+
+    /// This step's adjustments into `adjust`, by id: each token of the
+    /// prompt and output so far under a repetition penalty, each generated
+    /// one under a presence or frequency penalty, each biased one, and
+    /// each that would end the output while `min_tokens` bans them.
+    fn make_adjustments(&mut self) {
+        let list = &mut self.adjust;
+        list.clear();
+        let repetition = self.params.repetition_penalty;
+        list.extend(self.seen.iter().map(|&id| Adjust {
+            repetition,
+            ..Adjust::none(id)
+        }));
+        let (presence, frequency) = (self.params.presence_penalty, self.params.frequency_penalty);
+        list.extend(self.generated.iter().map(|(&id, &count)| Adjust {
+            penalty: presence + frequency * count as f32,
+            ..Adjust::none(id)
+        }));
+        list.extend(self.params.logit_bias.iter().map(|&(id, bias)| Adjust {
+            bias,
+            ..Adjust::none(id)
+        }));
+        if self.sampled < self.params.min_tokens {
+            list.extend(self.ends.iter().map(|&id| Adjust {
+                ban: true,
+                ..Adjust::none(id)
+            }));
+        }
+        // Stable: an id's biases (were there several) add in their order.
+        list.sort_by_key(|a| a.id);
+        list.dedup_by(|later, kept| {
+            if later.id != kept.id {
+                return false;
+            }
+            if later.repetition != 1.0 {
+                kept.repetition = later.repetition;
+            }
+            if later.penalty != 0.0 {
+                kept.penalty = later.penalty;
+            }
+            kept.bias += later.bias;
+            kept.ban |= later.ban;
+            true
+        });
     }
 
     /// Whether the logits are adjusted before the pick.
@@ -997,12 +1031,12 @@ mod tests {
             });
             (0..400)
                 .map(|_| s.sample(&logits))
-                .collect::<HashSet<u32>>()
+                .collect::<std::collections::HashSet<u32>>()
         };
-        assert_eq!(picks(0.0), HashSet::from([0, 1, 2, 3]));
-        assert_eq!(picks(0.1), HashSet::from([0, 1, 2]));
-        assert_eq!(picks(0.5), HashSet::from([1, 2]));
-        assert_eq!(picks(1.0), HashSet::from([1]));
+        assert_eq!(picks(0.0), std::collections::HashSet::from([0, 1, 2, 3]));
+        assert_eq!(picks(0.1), std::collections::HashSet::from([0, 1, 2]));
+        assert_eq!(picks(0.5), std::collections::HashSet::from([1, 2]));
+        assert_eq!(picks(1.0), std::collections::HashSet::from([1]));
     }
 
     #[test]
@@ -1099,22 +1133,21 @@ mod tests {
     #[test]
     fn a_pick_is_taken_only_where_sample_would_pick_the_same() {
         // Rows with many ties: the pick is the argmax or the draw a backend
-        // gives for them.
+        // gives for them, of the row adjusted as the sampler says.
         let mut rng = SplitMix64(7);
         let rows: Vec<Vec<f32>> = (0..24)
             .map(|_| (0..64).map(|_| (rng.next_u64() % 9) as f32).collect())
             .collect();
+        let sampled = SamplingParams {
+            temperature: 1.0,
+            seed: 3,
+            ..SamplingParams::default()
+        };
+        // (name, parameters, rows the backend picks, whether adjustments
+        // change some token from the unadjusted row's pick)
         let cases = [
-            ("greedy", SamplingParams::default(), 24),
-            (
-                "sampled",
-                SamplingParams {
-                    temperature: 1.0,
-                    seed: 3,
-                    ..SamplingParams::default()
-                },
-                24,
-            ),
+            ("greedy", SamplingParams::default(), 24, false),
+            ("sampled", sampled.clone(), 24, false),
             (
                 "sampled, every filter",
                 SamplingParams {
@@ -1126,16 +1159,16 @@ mod tests {
                     ..SamplingParams::default()
                 },
                 24,
+                false,
             ),
-            // Nothing to penalize before the first token; a draw after it.
             (
                 "sampled with a penalty",
                 SamplingParams {
-                    temperature: 1.0,
                     frequency_penalty: 0.5,
-                    ..SamplingParams::default()
+                    ..sampled.clone()
                 },
-                1,
+                24,
+                true,
             ),
             (
                 "log probabilities",
@@ -1144,6 +1177,7 @@ mod tests {
                     ..SamplingParams::default()
                 },
                 0,
+                false,
             ),
             (
                 "a bias",
@@ -1151,18 +1185,18 @@ mod tests {
                     logit_bias: vec![(3, 1.0)],
                     ..SamplingParams::default()
                 },
-                0,
+                24,
+                true,
             ),
-            // Nothing to penalize before the first token.
             (
                 "a presence penalty",
                 SamplingParams {
                     presence_penalty: 0.5,
                     ..SamplingParams::default()
                 },
-                1,
+                24,
+                true,
             ),
-            // Its ends banned for 3 tokens, then nothing to adjust.
             (
                 "min_tokens",
                 SamplingParams {
@@ -1170,26 +1204,63 @@ mod tests {
                     stop_token_ids: vec![5],
                     ..SamplingParams::default()
                 },
-                21,
+                24,
+                false,
+            ),
+            (
+                "sampled with a repetition penalty over the prompt",
+                SamplingParams {
+                    repetition_penalty: 1.5,
+                    ..sampled.clone()
+                },
+                24,
+                true,
+            ),
+            (
+                "everything at once, a token under all four",
+                SamplingParams {
+                    presence_penalty: 0.3,
+                    frequency_penalty: -0.2,
+                    repetition_penalty: 0.8,
+                    logit_bias: vec![(0, -1.0), (5, 2.5), (63, 100.0)],
+                    min_tokens: 30,
+                    stop_token_ids: vec![5, 63],
+                    ..sampled.clone()
+                },
+                24,
+                true,
             ),
         ];
-        for (name, params, picks_expected) in cases {
+        let tokenizer = tiny_tokenizer();
+        let prompt: Vec<u32> = (0..40).step_by(3).collect();
+        for (name, params, picks_expected, moves) in cases {
             // One sampler samples every row (as from the CPU backend, which
             // gives rows in full whatever is asked); the other takes the
             // backend's pick wherever it may: the same tokens, the same state.
-            let (mut sampling, mut picking) = (Sampler::new(params.clone()), Sampler::new(params));
-            let (mut picks, mut elsewhere) = (0, 0);
+            let sampler = |params| Sampler::for_request(params, &tokenizer, &prompt);
+            let (mut sampling, mut picking) = (sampler(params.clone()), sampler(params));
+            let (mut picks, mut elsewhere, mut moved) = (0, 0, 0);
             let mut candidates = Vec::new();
             for row in &rows {
                 let pick = picking.pick();
-                // Asked twice (a step retried), the same draw.
+                let adjustments = picking.adjustments().to_vec();
+                // Asked twice (a step retried), the same draw and adjustments.
                 assert_eq!(picking.pick(), pick, "{name}");
+                assert_eq!(picking.adjustments(), adjustments, "{name}");
                 assert_eq!(sampling.pick(), pick, "{name}");
                 picks += usize::from(pick.is_token());
-                let token = match pick {
-                    Pick::Row => picking.sample(row),
-                    Pick::Argmax => picking.take_pick(argmax(row)),
-                    Pick::Draw(draw) => picking.take_pick(draw.pick(row, &mut candidates)),
+                // As the backend picks: the row adjusted where it lies.
+                let mut adjusted = row.clone();
+                adjust(&mut adjusted, &adjustments);
+                let mut pick_from = |row: &[f32]| match pick {
+                    Pick::Row => None,
+                    Pick::Argmax => Some(argmax(row)),
+                    Pick::Draw(draw) => Some(draw.pick(row, &mut candidates)),
+                };
+                moved += usize::from(pick_from(&adjusted) != pick_from(row));
+                let token = match pick_from(&adjusted) {
+                    None => picking.sample(row),
+                    Some(id) => picking.take_pick(id),
                 };
                 elsewhere += usize::from(token != argmax(row));
                 assert_eq!(token, sampling.sample(row), "{name}");
@@ -1198,6 +1269,7 @@ mod tests {
             if sampling.params.temperature > 0.0 {
                 assert!(elsewhere > 0, "{name}: a draw that never leaves the argmax");
             }
+            assert_eq!(moved > 0, moves, "{name}: adjustments that matter");
         }
         // A schema reads every row.
         let schema = Arc::new(Schema::compile(&serde_json::json!({"type": "integer"})).unwrap());

@@ -1427,8 +1427,8 @@ impl<B: Backend> Scheduler<B> {
     /// Runs one step and applies its outputs; returns how many finished.
     fn run_batch(&mut self, plan: &[Planned]) -> u32 {
         // A row whose token is all that is read of it (greedy or drawn,
-        // nothing to adjust) is picked on the backend's side where it can
-        // (a GPU copies the token alone).
+        // after its adjustments) is picked on the backend's side where it
+        // can (a GPU adjusts the row where it lies and copies the token alone).
         let picks: Vec<Pick> = plan
             .iter()
             .map(|p| match p.rows.samples {
@@ -1445,6 +1445,10 @@ impl<B: Backend> Scheduler<B> {
                 tokens: &p.tokens,
                 logits: p.rows.logits,
                 pick,
+                adjust: match pick.is_token() {
+                    true => self.running[p.seq_index].sampler.adjustments(),
+                    false => &[],
+                },
             })
             .collect();
         let threads = self.backend.threads();

@@ -1521,6 +1521,7 @@ mod tests {
                     tokens: &tokens,
                     logits: 0,
                     pick: crate::backend::Pick::Row,
+                    adjust: &[],
                 }];
                 let mut slots: Vec<TokenSlot> = (chunk_start..len)
                     .map(|pos| TokenSlot { seq_index: 0, pos })
@@ -1536,6 +1537,7 @@ mod tests {
                         tokens: &one,
                         logits: 0,
                         pick: crate::backend::Pick::Row,
+                        adjust: &[],
                     });
                 }
                 let mut q: Vec<f32> = (0..slots.len() * d)

@@ -6,11 +6,13 @@
 //! present; a CUDA backend joins behind the same trait without the scheduler
 //! changing.
 
+pub mod adjust;
 pub mod cpu;
 pub mod cuda;
 pub mod draw;
 pub mod vector;
 
+pub use adjust::Adjust;
 pub use draw::Draw;
 
 use crate::kv::{PageTable, Pool};
@@ -35,6 +37,11 @@ pub struct SeqStep<'a> {
     /// How the last of those rows (the one sampled from) is wanted. Nothing
     /// when `logits` is 0.
     pub pick: Pick,
+    /// What to change in that row before its token is picked, by ascending
+    /// id, one entry an id ([`Adjust`]); read only with a [`Pick`] of the
+    /// token. A backend that gives the row in full gives it unadjusted: its
+    /// caller adjusts it by the same entries (the host's sampler does).
+    pub adjust: &'a [Adjust],
 }
 
 /// How a step's sampled row is wanted: in full, or for its token alone.
@@ -42,17 +49,20 @@ pub struct SeqStep<'a> {
 /// ([`Logits::pick`]) rather than the row: on a GPU 4 bytes cross to the
 /// host where the row is the vocabulary's 4-byte logits (25 MB a step for
 /// 128 sequences of SmolLM2). A backend may also give such a row in full
-/// (the CPU's does): its caller then finds the same token from the row.
+/// (the CPU's does, and the CUDA backend where a step's adjustments
+/// outgrow its step buffer): its caller then finds the same token from the
+/// row, adjusted as the step says.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum Pick {
-    /// The whole row (log probabilities, a schema, anything adjusted).
+    /// The whole row (log probabilities, a schema).
     #[default]
     Row,
-    /// Its largest logit's id, the lowest among ties ([`argmax`]): the
-    /// choice of a greedy sampler with nothing to adjust.
+    /// Its largest logit's id, the lowest among ties ([`argmax`]), after
+    /// the step's adjustments ([`SeqStep::adjust`]): a greedy sampler's
+    /// choice.
     Argmax,
-    /// The token of this draw ([`Draw::pick`]): a sampler's with nothing
-    /// to adjust.
+    /// The token of this draw ([`Draw::pick`]) after the step's
+    /// adjustments: a sampler's choice.
     Draw(Draw),
 }
 

@@ -84,6 +84,7 @@ impl Harness {
                 tokens: piece,
                 logits: usize::from(pos + piece.len() == pos_start + tokens.len()),
                 pick: Pick::Row,
+                adjust: &[],
             };
             let out = self.backend.step(&[step], &mut self.pool).unwrap();
             if out.rows_count() == 1 {

@@ -15,8 +15,9 @@
 use super::device::{Device, LaunchTime};
 use super::storage::DeviceStorage;
 use super::{CudaBackend, CudaOptions, Fusions};
+use crate::backend::adjust::adjust;
 use crate::backend::cpu::{CpuBackend, CpuOptions};
-use crate::backend::{Backend, Draw, Pick, SeqStep};
+use crate::backend::{Adjust, Backend, Draw, Pick, SeqStep};
 use crate::kv::{KvType, OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId};
 use crate::model::Model;
 use crate::rng::SplitMix64;
@@ -102,8 +103,10 @@ pub struct Agreement {
     /// device gave in full, every other row of the step unchanged.
     pub picks_agree: usize,
     /// Rows whose step, run again with the row drawn ([`Pick::Draw`]: a
-    /// different draw a row, see [`check_draw`]), gave as its id alone the
-    /// token [`Draw::pick`] finds on the host in the row the device gave.
+    /// different draw a row, see [`check_draw`]; every other row adjusted
+    /// first, see [`check_adjust`]), gave as its id alone the token
+    /// [`Draw::pick`] finds on the host in the row the device gave,
+    /// adjusted there by the same entries.
     pub draws_agree: usize,
 }
 
@@ -146,6 +149,7 @@ fn lockstep<'a>(
     positions: &[usize],
     rows: &[usize],
     pick: &dyn Fn(usize) -> Pick,
+    adjusts: &'a [Vec<Adjust>],
 ) -> Vec<SeqStep<'a>> {
     (0..inputs.len())
         .map(|i| SeqStep {
@@ -154,8 +158,37 @@ fn lockstep<'a>(
             tokens: &inputs[i][positions[i]..],
             logits: rows[i],
             pick: pick(i),
+            adjust: adjusts.get(i).map_or(&[], Vec::as_slice),
         })
         .collect()
+}
+
+/// The adjustments the agreement's third pass asks of sequence `seq` at
+/// `step` (`input` its tokens so far), as a sampler under every option
+/// would make them: on odd sequences, a repetition penalty of 1.3 over the
+/// tokens so far, a penalty on four ids, a bias on two, and the last
+/// token banned (the likeliest next, as often as not); none on even ones.
+pub fn check_adjust(seq: usize, step: usize, input: &[u32], vocab: usize) -> Vec<Adjust> {
+    if seq.is_multiple_of(2) {
+        return Vec::new();
+    }
+    let vocab = vocab as u32;
+    let mut by_id = std::collections::BTreeMap::new();
+    fn entry(by_id: &mut std::collections::BTreeMap<u32, Adjust>, id: u32) -> &mut Adjust {
+        by_id.entry(id).or_insert(Adjust::none(id))
+    }
+    for &id in input {
+        entry(&mut by_id, id % vocab).repetition = 1.3;
+    }
+    for k in 0..4 {
+        entry(&mut by_id, (step as u32 * 7 + k * 13) % vocab).penalty = 0.4 * (k + 1) as f32;
+    }
+    entry(&mut by_id, seq as u32 * 31 % vocab).bias = 2.0;
+    entry(&mut by_id, (step as u32 * 101 + 3) % vocab).bias -= 1.5;
+    if let Some(&last) = input.last() {
+        entry(&mut by_id, last % vocab).ban = true;
+    }
+    by_id.into_values().collect()
 }
 
 /// The draw the agreement's third pass asks of sequence `seq` at `step`:
@@ -266,7 +299,7 @@ pub fn agreement(
     for step in 0..=run.decode_steps {
         let cpu_logits = cpu
             .step(
-                &lockstep(&cpu_tables, &inputs, &positions, &rows, &|_| Pick::Row),
+                &lockstep(&cpu_tables, &inputs, &positions, &rows, &|_| Pick::Row, &[]),
                 &mut cpu_pool,
             )
             .expect("a valid step")
@@ -274,7 +307,7 @@ pub fn agreement(
             .to_vec();
         let dev_logits = cuda
             .step(
-                &lockstep(&dev_tables, &inputs, &positions, &rows, &|_| Pick::Row),
+                &lockstep(&dev_tables, &inputs, &positions, &rows, &|_| Pick::Row, &[]),
                 &mut dev_pool,
             )
             .expect("a valid step")
@@ -285,16 +318,26 @@ pub fn agreement(
         // were, each sampled row as its id alone.
         let picked = cuda
             .step(
-                &lockstep(&dev_tables, &inputs, &positions, &rows, &|_| Pick::Argmax),
+                &lockstep(
+                    &dev_tables,
+                    &inputs,
+                    &positions,
+                    &rows,
+                    &|_| Pick::Argmax,
+                    &[],
+                ),
                 &mut dev_pool,
             )
             .expect("a valid step");
         let (scored_again, picks) = (picked.values.to_vec(), picked.picks.to_vec());
-        // Once more, each sampled row drawn.
+        // Once more, each sampled row drawn, every other one adjusted first.
         let draw = |i: usize| Pick::Draw(check_draw(i, step));
+        let adjusts: Vec<Vec<Adjust>> = (inputs.iter().enumerate())
+            .map(|(i, input)| check_adjust(i, step, input, vocab))
+            .collect();
         let drawn = cuda
             .step(
-                &lockstep(&dev_tables, &inputs, &positions, &rows, &draw),
+                &lockstep(&dev_tables, &inputs, &positions, &rows, &draw, &adjusts),
                 &mut dev_pool,
             )
             .expect("a valid step");
@@ -336,7 +379,9 @@ pub fn agreement(
                 if picks.next() == Some(&((at - 1) as u32, theirs as u32)) {
                     result.picks_agree += 1;
                 }
-                let drawn = check_draw(i, step).pick(b, &mut candidates);
+                let mut adjusted = b.to_vec();
+                adjust(&mut adjusted, &adjusts[i]);
+                let drawn = check_draw(i, step).pick(&adjusted, &mut candidates);
                 if draws.next() == Some(&((at - 1) as u32, drawn)) {
                     result.draws_agree += 1;
                 }
@@ -381,7 +426,7 @@ pub fn cpu_drift(model: &Arc<Model>, run: &AgreementRun<'_>) -> f32 {
         let (mut pool, tables) = pool_with_tables(model, kv, tokens, seqs, per_seq, None, false);
         let mut cpu = cpu_backend(model, run, Some(isa), tokens_max);
         cpu.step(
-            &lockstep(&tables, &inputs, &positions, &rows, &|_| Pick::Row),
+            &lockstep(&tables, &inputs, &positions, &rows, &|_| Pick::Row, &[]),
             &mut pool,
         )
         .expect("a valid step")
@@ -515,6 +560,7 @@ fn prefill_run(
                 tokens: &tokens[at..end],
                 logits: usize::from(end == len),
                 pick: Pick::Row,
+                adjust: &[],
             };
             cuda.step(&[step], &mut pool).expect("a valid step");
         }
@@ -583,6 +629,10 @@ pub struct DecodeRun {
     /// [`Pick::Draw`] as a sampled request's, [`Pick::Row`] (every row of
     /// logits copied to the host) as one asking for log probabilities.
     pub pick: Pick,
+    /// Adjustments of each sequence's row before its pick (a request under
+    /// a repetition penalty over its last tokens, and a frequency penalty):
+    /// this many entries a row, ids spread over the vocabulary.
+    pub adjusts: usize,
     /// Launches folded into others ([`CudaBackend::set_fusions`]).
     pub fusions: Fusions,
     /// Attention by warps, or by tiles
@@ -604,6 +654,7 @@ impl DecodeRun {
             graphs,
             chunk,
             pick: Pick::Argmax,
+            adjusts: 0,
             fusions: Fusions::default(),
             by_warps: true,
             seqs_max: batch,
@@ -625,6 +676,7 @@ fn decode_run(
         graphs,
         chunk,
         pick,
+        adjusts,
         fusions,
         by_warps,
         seqs_max,
@@ -655,6 +707,22 @@ fn decode_run(
     cuda.set_decode_attention_by_warps(by_warps);
     let vocab = model.config.vocab_len;
     let one: Vec<[u32; 1]> = (0..batch).map(|s| [(s % vocab) as u32]).collect();
+    let adjust: Vec<Vec<Adjust>> = (0..batch)
+        .map(|s| {
+            let mut ids: Vec<u32> = (0..adjusts)
+                .map(|k| ((s * 7919 + k * 40_503) % vocab) as u32)
+                .collect();
+            ids.sort_unstable();
+            ids.dedup();
+            ids.into_iter()
+                .map(|id| Adjust {
+                    repetition: 1.2,
+                    penalty: 0.3,
+                    ..Adjust::none(id)
+                })
+                .collect()
+        })
+        .collect();
     let mut times = Vec::new();
     for i in 0..warmup + steps {
         let seqs: Vec<SeqStep> = (0..batch)
@@ -664,6 +732,7 @@ fn decode_run(
                 tokens: &one[s],
                 logits: 1,
                 pick,
+                adjust: &adjust[s],
             })
             .collect();
         if profile && i == warmup {
@@ -797,6 +866,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         tokens: &tokens,
         logits: 1,
         pick: Pick::Row,
+        adjust: &[],
     };
     cuda.step(&[step], &mut pool).expect("a valid step");
     let pages: Vec<PageId> = tables[0].handles().iter().map(|h| h.page).collect();
@@ -829,6 +899,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         tokens: &tokens,
         logits: 1,
         pick: Pick::Row,
+        adjust: &[],
     };
     let refused = cuda.step(&[stale_step], &mut pool).err();
     let ok = refused == Some(StepError::StaleHandle { index: 0 }) && device.launches() == before;
@@ -846,6 +917,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         tokens: &tokens,
         logits: 1,
         pick: Pick::Row,
+        adjust: &[],
     };
     let refused = cuda.step(&[foreign], &mut pool).err();
     let ok = refused == Some(StepError::StaleHandle { index: 0 }) && device.launches() == before;
@@ -896,6 +968,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
             tokens: &tokens,
             logits: 1,
             pick: Pick::Row,
+            adjust: &[],
         };
         let _ = cuda.step(&[step], &mut shared);
     }));

@@ -290,6 +290,7 @@ args! {
         logits: u64,
         out: u64,
         draws: u64,
+        adjusts: u64,
         vocab: u32,
         unused: u32,
     }
@@ -360,7 +361,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<AttentionArgs>(), 128);
         assert_eq!(std::mem::size_of::<MergeArgs>(), 40);
         assert_eq!(std::mem::size_of::<DigestArgs>(), 48);
-        assert_eq!(std::mem::size_of::<PickArgs>(), 32);
+        assert_eq!(std::mem::size_of::<PickArgs>(), 40);
     }
 
     #[test]

@@ -279,6 +279,10 @@ pub struct CudaBackend {
     picks: Vec<(u32, u32)>,
     /// Host copy of the last step's picked rows' tokens.
     pick_ids: Vec<u32>,
+    /// Whether each sequence of the step being run has its sampled row
+    /// picked on the device (as its [`SeqStep::pick`] asks, where its
+    /// adjustments fit: [`Packer::logits`]).
+    picked_seqs: Vec<bool>,
     /// Launches folded into others ([`CudaBackend::set_fusions`]).
     fusions: Fusions,
     /// Decode tokens' attention by warps where the kernel can
@@ -487,6 +491,7 @@ impl CudaBackend {
             pinned,
             picks: Vec::new(),
             pick_ids: Vec::new(),
+            picked_seqs: Vec::new(),
             fusions: Fusions::default(),
             decode_by_warps: true,
         })
@@ -599,6 +604,7 @@ impl CudaBackend {
         debug_assert!(self.staging.iter().all(|&w| w == 0), "staging zeroed");
         let split_seqs = bucket.unwrap_or(steps.len() as u32);
         let mut packer = Packer::new(&mut self.staging, layout, split_seqs);
+        self.picked_seqs.clear();
         for (seq, step) in steps.iter().enumerate() {
             let t0 = packer.counts.tokens;
             for (i, &token) in step.tokens.iter().enumerate() {
@@ -607,7 +613,8 @@ impl CudaBackend {
             // The page ids the view checked, as far as the step reaches.
             let end = step.pos_start + step.tokens.len();
             packer.table(seq as u32, &view.page_ids(seq)[..end.div_ceil(page_tokens)]);
-            packer.logits(step.logits, step.pick);
+            let picked = packer.logits(step.logits, step.pick, step.adjust);
+            self.picked_seqs.push(picked);
             let pos0 = step.pos_start as u32;
             match step.tokens.len() {
                 1 => packer.decode_items(seq as u32, t0, pos0, kv_heads),
@@ -989,6 +996,7 @@ impl CudaBackend {
             logits: s.logits.at(0),
             out: s.picks.at(0),
             draws: word(sl.draws),
+            adjusts: word(sl.adjusts),
             vocab,
             unused: 0,
         };
@@ -1107,9 +1115,8 @@ impl Backend for CudaBackend {
         // The full rows are the logits' first (see `Packer::logits`), read
         // straight into the host's floats; a picked row is its token alone.
         let vocab = self.model.config.vocab_len;
-        let picks = |s: &SeqStep<'_>| s.pick.is_token() && s.logits > 0;
         let wanted: usize = steps.iter().map(|s| s.logits).sum();
-        let picked = steps.iter().filter(|s| picks(s)).count();
+        let picked = self.picked_seqs.iter().filter(|&&p| p).count();
         let full = wanted - picked;
         // Each read waits for the step's kernels: at least one is made
         // before the view lets the pool go.
@@ -1139,9 +1146,9 @@ impl Backend for CudaBackend {
         self.picks.clear();
         let mut row = 0;
         let mut ids = self.pick_ids.iter();
-        for s in steps {
+        for (s, &picked) in steps.iter().zip(&self.picked_seqs) {
             row += s.logits;
-            if picks(s) {
+            if picked {
                 let id = *ids.next().expect("one id a picked row");
                 self.picks.push(((row - 1) as u32, id));
             }

@@ -5,18 +5,20 @@
 //! regions' addresses) stay valid for every later step.
 //!
 //! ```text
-//! tokens[T] positions[T] token_seq[T] seq_pages[S] gather[R] draws[R][6] pages[P] items[I][10] merges[M][4] counters[M]
+//! tokens[T] positions[T] token_seq[T] seq_pages[S] gather[R] draws[R][8] adjusts[A][4] pages[P] items[I][10] merges[M][4] counters[M]
 //! ```
 //!
 //! `pages` holds, per sequence, the page ids the page book checked for the
 //! step, as far as the step reaches and no further; `draws` the parameters
-//! of each drawn row's draw (zeros elsewhere: its argmax); `items` are attention's
+//! of each drawn row's draw (zeros elsewhere: its argmax) and where its
+//! adjustments lie in `adjusts` (each an [`Adjust`]); `items` are attention's
 //! work units (`AttnItem`), `merges` the folds of split decode attention,
 //! `counters` zeros for attention to count each merge's finished splits in.
 
 use super::launch::{AttnItem, ATTENTION_TILE, ITEM_WORDS, NO_SEQ};
 use super::{CudaOptions, SPLIT_POSITIONS};
-use crate::backend::{Draw, Pick};
+use crate::backend::adjust::ADJUST_WORDS;
+use crate::backend::{Adjust, Draw, Pick};
 use crate::kv::PageId;
 use crate::model::Model;
 use std::ops::Range;
@@ -27,6 +29,10 @@ const DECODE_BLOCKS: u32 = 512;
 /// The most splits a decode token's attention is cut into per KV head when
 /// its step is small (a long context past 64 x 256 positions takes more).
 const DECODE_SPLITS: u32 = 64;
+/// Adjustments ([`Adjust`]) a step buffer holds per sequence of the
+/// largest step (16 KiB each): a row whose adjustments do not fit in what
+/// the step has left is given in full, and its caller adjusts it.
+const ADJUSTS_PER_SEQ: u64 = 1024;
 
 /// The splits a decode token of a step of `seqs` sequences aims for, per KV
 /// head: [`DECODE_BLOCKS`] over the step's tokens and heads, 1 to
@@ -71,6 +77,7 @@ pub(super) struct StepLayout {
     pub(super) seq_pages: u64,
     pub(super) gather: u64,
     pub(super) draws: u64,
+    pub(super) adjusts: u64,
     pub(super) pages: u64,
     pub(super) items: u64,
     pub(super) merges: u64,
@@ -78,6 +85,7 @@ pub(super) struct StepLayout {
     pub(super) words: u64,
     /// Capacities.
     pub(super) gather_max: u64,
+    pub(super) adjusts_max: u64,
     pub(super) pages_max: u64,
     pub(super) items_max: u64,
     pub(super) merges_max: u64,
@@ -124,6 +132,8 @@ impl StepLayout {
         let gather_max = options.limits().step_logits_max() as u64;
         let gather = region(gather_max);
         let draws = region(gather_max * DRAW_WORDS as u64);
+        let adjusts_max = s * ADJUSTS_PER_SEQ;
+        let adjusts = region(adjusts_max * ADJUST_WORDS as u64);
         let pages = region(pages_max);
         let items = region(items_max * ITEM_WORDS as u64);
         let merges = region(merges_max * 4);
@@ -135,12 +145,14 @@ impl StepLayout {
             seq_pages,
             gather,
             draws,
+            adjusts,
             pages,
             items,
             merges,
             counters,
             words: at,
             gather_max,
+            adjusts_max,
             pages_max,
             items_max,
             merges_max,
@@ -156,11 +168,16 @@ impl StepLayout {
 const COPY_GAP_WORDS: usize = 4096;
 
 /// Words of a row's draw in the step buffer (sample.cu's `DrawParams`):
-/// 1 / temperature, top-k, top-p and min-p, then the uniform as an f64.
-pub(super) const DRAW_WORDS: usize = 6;
+/// 1 / temperature, top-k, top-p and min-p, the uniform as an f64, then
+/// the first of the row's adjustments and their count.
+pub(super) const DRAW_WORDS: usize = 8;
 
-/// A draw's words as `DrawParams` lays them out.
-pub(super) fn draw_words(d: &Draw) -> [u32; DRAW_WORDS] {
+/// A row's pick as `DrawParams` lays it out: its draw (none: its argmax)
+/// and `adjusts` entries from `adjust_at`.
+pub(super) fn draw_words(d: Option<&Draw>, adjust_at: u32, adjusts: u32) -> [u32; DRAW_WORDS] {
+    let Some(d) = d else {
+        return [0, 0, 0, 0, 0, 0, adjust_at, adjusts];
+    };
     let u = d.u.to_bits();
     [
         d.inv_t.to_bits(),
@@ -169,7 +186,19 @@ pub(super) fn draw_words(d: &Draw) -> [u32; DRAW_WORDS] {
         d.min_p.to_bits(),
         u as u32,
         (u >> 32) as u32,
+        adjust_at,
+        adjusts,
     ]
+}
+
+/// A row wanted for its token: its token in the step, how, and its
+/// adjustments in the step buffer (first entry, count).
+#[derive(Clone, Copy, Debug)]
+struct Picked {
+    token: u32,
+    pick: Pick,
+    adjust_at: u32,
+    adjusts: u32,
 }
 
 /// What one step launches over: the sizes of its grids (for a graph, its bucket's).
@@ -198,9 +227,11 @@ pub(super) struct Packer<'a> {
     /// Sequences the step's decode splits are sized for (its own, or its
     /// graph bucket's: a graph's grid is sized for the bucket's splits).
     split_seqs: u32,
-    /// Tokens of rows wanted for their token alone, and how, gathered
-    /// after every full row ([`Packer::picked_rows`]).
-    picked: Vec<(u32, Pick)>,
+    /// Rows wanted for their token alone, gathered after every full row
+    /// ([`Packer::picked_rows`]).
+    picked: Vec<Picked>,
+    /// Adjustments packed so far.
+    adjusts: u32,
 }
 
 impl<'a> Packer<'a> {
@@ -222,6 +253,7 @@ impl<'a> Packer<'a> {
             pages: 0,
             slots: 0,
             picked: Vec::new(),
+            adjusts: 0,
         }
     }
 
@@ -252,30 +284,62 @@ impl<'a> Packer<'a> {
     }
 
     /// The last `rows` tokens packed want logits; the last of them, where
-    /// `pick` is not [`Pick::Row`], only its token, its row gathered after
-    /// every full row ([`Packer::picked_rows`]), so the full rows are one
-    /// prefix of the logits, the only rows the step copies to the host.
-    pub(super) fn logits(&mut self, rows: usize, pick: Pick) {
+    /// `pick` is not [`Pick::Row`], only its token, adjusted by `adjust`
+    /// first, its row gathered after every full row
+    /// ([`Packer::picked_rows`]), so the full rows are one prefix of the
+    /// logits, the only rows the step copies to the host. Returns whether
+    /// the row is picked on the device: not where its adjustments do not
+    /// fit in what the step buffer has left, or are not in ascending order
+    /// of distinct ids (the row is then a full one).
+    pub(super) fn logits(&mut self, rows: usize, pick: Pick, adjust: &[Adjust]) -> bool {
         let first = self.counts.tokens - rows as u32;
-        let picked = pick.is_token() && rows > 0;
+        // Entries of distinct ids in order: the kernel's threads adjust
+        // them at once, each its own logit (a list in any other order is
+        // the host's to apply, one entry after another).
+        let room = self.layout.adjusts_max - u64::from(self.adjusts);
+        let picked = pick.is_token()
+            && rows > 0
+            && adjust.len() as u64 <= room
+            && adjust.windows(2).all(|w| w[0].id < w[1].id);
         for token in first..self.counts.tokens - u32::from(picked) {
             self.gather(token);
         }
         if picked {
-            self.picked.push((self.counts.tokens - 1, pick));
+            let adjust_at = self.adjusts;
+            for words in adjust.iter().filter_map(Adjust::words) {
+                let at = self.layout.adjusts + (ADJUST_WORDS as u64) * u64::from(self.adjusts);
+                let at = at as usize;
+                self.words[at..at + ADJUST_WORDS].copy_from_slice(&words);
+                self.adjusts += 1;
+            }
+            self.picked.push(Picked {
+                token: self.counts.tokens - 1,
+                pick,
+                adjust_at,
+                adjusts: self.adjusts - adjust_at,
+            });
         }
+        picked
     }
 
     /// Gathers the rows wanted for their token, in step order, after every
-    /// full row, with each draw's parameters at its row.
+    /// full row, with each draw's parameters and adjustments at its row.
     pub(super) fn picked_rows(&mut self) {
-        for (token, pick) in std::mem::take(&mut self.picked) {
-            if let Pick::Draw(draw) = pick {
+        for p in std::mem::take(&mut self.picked) {
+            let draw = match &p.pick {
+                Pick::Draw(draw) => Some(draw),
+                _ => None,
+            };
+            if draw.is_some() || p.adjusts > 0 {
                 let at = self.layout.draws + (DRAW_WORDS as u64) * u64::from(self.counts.wanted);
                 let at = at as usize;
-                self.words[at..at + DRAW_WORDS].copy_from_slice(&draw_words(&draw));
+                self.words[at..at + DRAW_WORDS].copy_from_slice(&draw_words(
+                    draw,
+                    p.adjust_at,
+                    p.adjusts,
+                ));
             }
-            self.gather(token);
+            self.gather(p.token);
         }
     }
 
@@ -395,6 +459,7 @@ impl<'a> Packer<'a> {
             (l.seq_pages, u64::from(seqs)),
             (l.gather, wanted),
             (l.draws, wanted * DRAW_WORDS as u64),
+            (l.adjusts, u64::from(self.adjusts) * ADJUST_WORDS as u64),
             (l.pages, u64::from(self.pages)),
             (l.items, u64::from(counts.items) * ITEM_WORDS as u64),
             (l.merges, u64::from(counts.merges) * 4),
@@ -438,10 +503,9 @@ impl<'a> Packer<'a> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_step_copies_each_regions_used_part_joined_across_short_gaps() {
-        // A step buffer sized for many sequences: pages, items, merges
-        // far apart.
+    /// A step buffer sized for many sequences: pages, items, merges far
+    /// apart.
+    fn sparse_layout() -> StepLayout {
         let mut at = 0u64;
         let mut region = |words: u64| {
             at += words;
@@ -453,13 +517,15 @@ mod tests {
             token_seq: region(512),
             seq_pages: region(128),
             gather: region(200),
-            draws: region(1200),
+            draws: region(1600),
+            adjusts: region(256),
             pages: region(65_536),
             items: region(128_000),
             merges: region(1_536),
             counters: region(384),
             words: 0,
             gather_max: 200,
+            adjusts_max: 64,
             pages_max: 65_536,
             items_max: 12_800,
             merges_max: 384,
@@ -467,13 +533,19 @@ mod tests {
             page_tokens: 16,
         };
         layout.words = at;
-        let mut words = vec![0u32; at as usize];
+        layout
+    }
+
+    #[test]
+    fn a_step_copies_each_regions_used_part_joined_across_short_gaps() {
+        let layout = sparse_layout();
+        let mut words = vec![0u32; layout.words as usize];
         let mut packer = Packer::new(&mut words, layout, 1);
         // One decode token at position 512 of 3 KV heads: 33 pages, 17
         // splits of 32 a head, 3 merges.
         packer.token(7, 512, 0);
         packer.table(0, &[PageId(5); 33]);
-        packer.logits(1, Pick::Argmax);
+        assert!(packer.logits(1, Pick::Argmax, &[]));
         packer.decode_items(0, 0, 512, 3);
         packer.picked_rows();
         let counts = packer.counts;
@@ -497,6 +569,85 @@ mod tests {
         for (i, &w) in words.iter().enumerate() {
             assert!(w == 0 || used.iter().any(|r| r.contains(&i)), "word {i}");
         }
+    }
+
+    #[test]
+    fn a_picked_rows_adjustments_are_packed_at_its_draw_and_a_list_past_the_room_gives_the_row_in_full(
+    ) {
+        let layout = sparse_layout();
+        let mut words = vec![0u32; layout.words as usize];
+        let mut packer = Packer::new(&mut words, layout, 4);
+        let draw = Draw {
+            inv_t: 2.0,
+            top_k: 40,
+            top_p: 0.9,
+            min_p: 0.0,
+            u: 0.25,
+        };
+        let banned = Adjust {
+            ban: true,
+            ..Adjust::none(9)
+        };
+        let biased = Adjust {
+            bias: 1.5,
+            ..Adjust::none(3)
+        };
+        let past = Adjust::none(1 << 31);
+        let many = vec![Adjust::none(4); 63];
+        // Sequence 0: greedy, adjusted (an id past any vocabulary is left
+        // out); 1: drawn, adjusted; 2: a full row; 3: drawn, its 63
+        // adjustments past the 61 left: a full row.
+        let steps: [(Pick, &[Adjust]); 4] = [
+            (Pick::Argmax, &[biased, banned, past]),
+            (Pick::Draw(draw), &[banned]),
+            (Pick::Row, &[]),
+            (Pick::Draw(draw), &many),
+        ];
+        let mut picked = Vec::new();
+        for (seq, (pick, adjust)) in steps.into_iter().enumerate() {
+            packer.token(seq as u32, 5, seq as u32);
+            picked.push(packer.logits(1, pick, adjust));
+        }
+        packer.picked_rows();
+        assert_eq!(picked, [true, true, false, false]);
+        assert_eq!(packer.counts.wanted, 4);
+        let used = packer.used(&packer.counts, 4);
+        let l = layout;
+        let word = |region: u64, i: usize| words[region as usize + i];
+        // The full rows first (2, 3), then the picked (0, 1).
+        let gather: Vec<u32> = (0..4).map(|i| word(l.gather, i)).collect();
+        assert_eq!(gather, [2, 3, 0, 1]);
+        // Full rows have no draw words; row 2 (sequence 0) its argmax with
+        // two adjustments from 0; row 3 its draw with one from 2.
+        assert!((0..2 * DRAW_WORDS).all(|i| word(l.draws, i) == 0));
+        let row = |r: usize| -> Vec<u32> {
+            (0..DRAW_WORDS)
+                .map(|i| word(l.draws, r * DRAW_WORDS + i))
+                .collect()
+        };
+        assert_eq!(row(2), draw_words(None, 0, 2));
+        assert_eq!(row(3), draw_words(Some(&draw), 2, 1));
+        assert_eq!(f32::from_bits(row(3)[0]), 2.0);
+        let entries: Vec<u32> = (0..3 * ADJUST_WORDS).map(|i| word(l.adjusts, i)).collect();
+        let expected: Vec<u32> = [biased, banned, banned]
+            .iter()
+            .flat_map(|a| a.words().unwrap())
+            .collect();
+        assert_eq!(entries, expected);
+        // Nothing past the three entries, and all of them copied.
+        assert!((3 * ADJUST_WORDS..64 * ADJUST_WORDS).all(|i| word(l.adjusts, i) == 0));
+        for (i, &w) in words.iter().enumerate() {
+            assert!(w == 0 || used.iter().any(|r| r.contains(&i)), "word {i}");
+        }
+        // A list out of order, or naming an id twice, is the host's to
+        // apply in its order: a full row.
+        let mut words = vec![0u32; layout.words as usize];
+        let mut packer = Packer::new(&mut words, layout, 2);
+        packer.token(0, 5, 0);
+        assert!(!packer.logits(1, Pick::Argmax, &[biased, Adjust::none(2)]));
+        packer.token(1, 5, 1);
+        assert!(!packer.logits(1, Pick::Draw(draw), &[banned, banned]));
+        assert_eq!(packer.adjusts, 0);
     }
 
     #[test]

@@ -22,7 +22,8 @@ use super::launch::*;
 use super::pack::{decode_span, decode_splits_max, draw_words, DRAW_WORDS};
 use super::storage::DeviceStorage;
 use super::{attention_rows, CudaBackend, CudaOptions, Fusions, SPLIT_POSITIONS};
-use crate::backend::{Backend, Draw, Pick, SeqStep, StepError};
+use crate::backend::adjust::ADJUST_WORDS;
+use crate::backend::{Adjust, Backend, Draw, Pick, SeqStep, StepError};
 use crate::gguf::Gguf;
 use crate::kv::storage::host_storage;
 use crate::kv::{KvType, PageLayout, PageStorage, PageTable, Pool, PoolGeometry};
@@ -562,6 +563,7 @@ fn argmax_picks_each_rows_id_as_the_cpus_argmax_does() {
         logits: logits.at(0),
         out: out.at(0),
         draws: 0,
+        adjusts: 0,
         vocab: vocab as u32,
         unused: 0,
     };
@@ -585,32 +587,177 @@ fn device_draws(
     vocab: usize,
     rows: &[(Vec<f32>, Option<Draw>)],
 ) -> Vec<u32> {
+    let rows: Vec<(Vec<f32>, Option<Draw>, Vec<Adjust>)> = rows
+        .iter()
+        .map(|(row, draw)| (row.clone(), *draw, Vec::new()))
+        .collect();
+    device_picks(device, vocab, &rows).0
+}
+
+/// Each row's token picked on the device after its adjustments, and the
+/// rows as the device left them (adjusted where they lay).
+fn device_picks(
+    device: &Arc<dyn Device>,
+    vocab: usize,
+    rows: &[(Vec<f32>, Option<Draw>, Vec<Adjust>)],
+) -> (Vec<u32>, Vec<f32>) {
     let flat: Vec<f32> = rows
         .iter()
-        .flat_map(|(row, _)| row.iter().copied())
+        .flat_map(|(row, _, _)| row.iter().copied())
         .collect();
-    let words: Vec<u32> = rows
-        .iter()
-        .flat_map(|(_, draw)| draw.as_ref().map_or([0; DRAW_WORDS], draw_words))
-        .collect();
-    let draws: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let (mut words, mut entries) = (Vec::new(), Vec::new());
+    for (_, draw, adjust) in rows {
+        let at = (entries.len() / ADJUST_WORDS) as u32;
+        entries.extend(adjust.iter().flat_map(|a| a.words().unwrap()));
+        words.extend(draw_words(draw.as_ref(), at, adjust.len() as u32));
+    }
+    entries.push(0); // never an empty buffer
+    let bytes = |words: &[u32]| -> Vec<u8> { words.iter().flat_map(|w| w.to_le_bytes()).collect() };
     let logits = DeviceBuffer::from_bytes(device, &to_bytes(&flat)).unwrap();
-    let draws = DeviceBuffer::from_bytes(device, &draws).unwrap();
+    let draws = DeviceBuffer::from_bytes(device, &bytes(&words)).unwrap();
+    let adjusts = DeviceBuffer::from_bytes(device, &bytes(&entries)).unwrap();
     let out = DeviceBuffer::zeroed(device, 4 * rows.len() as u64).unwrap();
     let args = PickArgs {
         logits: logits.at(0),
         out: out.at(0),
         draws: draws.at(0),
+        adjusts: adjusts.at(0),
         vocab: vocab as u32,
         unused: 0,
     };
     launch(device, rows.len() as u32, PICK_BLOCK, 0, &args);
-    let mut bytes = vec![0u8; 4 * rows.len()];
-    out.read(0, &mut bytes).unwrap();
-    bytes
-        .chunks_exact(4)
-        .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
-        .collect()
+    let mut picked = vec![0u8; 4 * rows.len()];
+    out.read(0, &mut picked).unwrap();
+    let mut after = vec![0u8; 4 * flat.len()];
+    logits.read(0, &mut after).unwrap();
+    let words = |b: &[u8]| -> Vec<u32> {
+        b.chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    let after = words(&after).into_iter().map(f32::from_bits).collect();
+    (words(&picked), after)
+}
+
+#[test]
+fn an_adjusted_row_on_the_device_is_the_hosts_adjusted_row_and_picks_its_token() {
+    let device = emulator(29);
+    let mut rng = SplitMix64(31);
+    let vocab = 1000usize;
+    let greedy = None;
+    let drawn = |rng: &mut SplitMix64| {
+        Some(Draw {
+            inv_t: 1.0 / 0.8,
+            top_k: 0,
+            top_p: 0.95,
+            min_p: 0.0,
+            u: rng.next_f64(),
+        })
+    };
+    let random_row = |rng: &mut SplitMix64| -> Vec<f32> {
+        (0..vocab)
+            .map(|_| (rng.next_f64() * 12.0 - 6.0) as f32)
+            .collect()
+    };
+    // Distinct ascending ids, `n` of them, each adjusted by `f`.
+    let list = |rng: &mut SplitMix64, n: usize, f: &dyn Fn(u32, &mut SplitMix64) -> Adjust| {
+        let mut ids: Vec<u32> = (0..vocab as u32).collect();
+        for i in 0..n {
+            let j = i + (rng.next_u64() as usize) % (ids.len() - i);
+            ids.swap(i, j);
+        }
+        let mut ids = ids[..n].to_vec();
+        ids.sort_unstable();
+        ids.into_iter().map(|id| f(id, rng)).collect::<Vec<_>>()
+    };
+    let mut rows: Vec<(Vec<f32>, Option<Draw>, Vec<Adjust>)> = Vec::new();
+    for pick in 0..2 {
+        let draw = |rng: &mut SplitMix64| if pick == 0 { greedy } else { drawn(rng) };
+        // Repetition over many tokens (either sign of logit), then a
+        // frequency-style penalty, then biases, each alone and together.
+        let repetition = list(&mut rng, 400, &|id, _| Adjust {
+            repetition: 1.3,
+            ..Adjust::none(id)
+        });
+        let penalties = list(&mut rng, 100, &|id, rng| Adjust {
+            penalty: 0.4 + 0.6 * (rng.next_u64() % 5) as f32,
+            ..Adjust::none(id)
+        });
+        let everything = list(&mut rng, 1500.min(vocab), &|id, rng| {
+            let r = rng.next_u64();
+            Adjust {
+                id,
+                repetition: if r & 1 == 1 { 0.7 } else { 1.0 },
+                penalty: if r & 2 == 2 { -0.35 } else { 0.0 },
+                bias: if r & 4 == 4 {
+                    (r >> 8) as f32 % 7.0 - 3.0
+                } else {
+                    0.0
+                },
+                ban: r % 97 == 0,
+            }
+        });
+        for adjust in [repetition, penalties, everything] {
+            let row = random_row(&mut rng);
+            rows.push((row, draw(&mut rng), adjust));
+        }
+        // The row's likeliest banned: the next likeliest wins.
+        let row = random_row(&mut rng);
+        let best = crate::backend::argmax(&row);
+        let ban = vec![Adjust {
+            ban: true,
+            ..Adjust::none(best)
+        }];
+        rows.push((row, draw(&mut rng), ban));
+        // A bias of +100 forces a token; ids past the vocabulary change
+        // nothing; every token banned: the argmax of -inf, token 0.
+        let row = random_row(&mut rng);
+        let forced = vec![
+            Adjust {
+                bias: 100.0,
+                ..Adjust::none(17)
+            },
+            Adjust {
+                bias: 100.0,
+                ..Adjust::none(vocab as u32 + 5)
+            },
+        ];
+        rows.push((row, draw(&mut rng), forced));
+        let all = (0..vocab as u32)
+            .map(|id| Adjust {
+                ban: true,
+                ..Adjust::none(id)
+            })
+            .collect();
+        rows.push((random_row(&mut rng), draw(&mut rng), all));
+        // No adjustment: the row as it was.
+        rows.push((random_row(&mut rng), draw(&mut rng), Vec::new()));
+    }
+    let (picks, after) = device_picks(&device, vocab, &rows);
+    let mut candidates = Vec::new();
+    let mut moved = 0;
+    for (i, ((row, draw, list), &got)) in rows.iter().zip(&picks).enumerate() {
+        let mut adjusted = row.clone();
+        crate::backend::adjust::adjust(&mut adjusted, list);
+        // Bit for bit, the row the host adjusts.
+        let on_device = &after[i * vocab..(i + 1) * vocab];
+        for (id, (&d, &h)) in on_device.iter().zip(&adjusted).enumerate() {
+            assert_eq!(d.to_bits(), h.to_bits(), "row {i} token {id}: {d} vs {h}");
+        }
+        let pick = |row: &[f32], candidates: &mut Vec<(u32, f32)>| match draw {
+            Some(draw) => draw.pick(row, candidates),
+            None => crate::backend::argmax(row),
+        };
+        let want = pick(&adjusted, &mut candidates);
+        assert_eq!(got, want, "row {i}: {draw:?}");
+        moved += usize::from(want != pick(row, &mut candidates));
+    }
+    // The cases mean what they say.
+    let banned_best = rows[3].2[0].id;
+    assert_ne!(picks[3], banned_best);
+    assert_eq!((picks[4], picks[5]), (17, 0));
+    assert_eq!((picks[11], picks[12]), (17, 0));
+    assert!(moved >= 6, "adjustments that change the token: {moved}");
 }
 
 #[test]
@@ -1094,6 +1241,7 @@ fn run_bits(spec: &TinySpec, kv_type: KvType, fusions: Fusions) -> (Vec<u32>, Ve
                     tokens: &inputs[s][pos_start..pos_start + len],
                     logits: len.min(2),
                     pick: Pick::Row,
+                    adjust: &[],
                 }
             })
             .collect();
@@ -1227,6 +1375,7 @@ fn a_decode_steps_rows_are_read_into_page_locked_memory_and_more_rows_are_not() 
                     tokens: if len == 5 { &prompt } else { &prompt[..1] },
                     logits: rows,
                     pick: Pick::Row,
+                    adjust: &[],
                 })
                 .collect();
             let logits = cuda.step(&steps, &mut pool).unwrap();
@@ -1279,6 +1428,7 @@ fn a_host_pool_is_refused_by_the_cuda_backend() {
         tokens: &tokens,
         logits: 1,
         pick: Pick::Row,
+        adjust: &[],
     };
     assert_eq!(
         cuda.step(&[step], &mut pool).err().unwrap(),
@@ -1862,6 +2012,7 @@ fn a_local_layer_reads_no_position_before_its_window() {
             tokens,
             logits: 1,
             pick: Pick::Row,
+            adjust: &[],
         };
         backend.step(&[step(&prompt_tokens, 0)], &mut pool).unwrap();
         if poisoned {
@@ -1913,6 +2064,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
             tokens: &prefill,
             logits: 0,
             pick: Pick::Row,
+            adjust: &[],
         },
         SeqStep {
             pages: &tables[1],
@@ -1920,6 +2072,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
             tokens: &decode,
             logits: 1,
             pick: Pick::Row,
+            adjust: &[],
         },
     ];
     let view = pool.step_view(&[&tables[0], &tables[1]]).unwrap();
@@ -1994,6 +2147,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
         tokens: &one[..1],
         logits: 1,
         pick: Pick::Row,
+        adjust: &[],
     }];
     let view = pool.step_view(&[&tables[0]]).unwrap();
     let bucket = cuda.graph_bucket(&steps).unwrap();
