@@ -267,6 +267,11 @@ pub struct CudaBackend {
     /// The words of `staging` the last step used ([`Packer::used`]): the
     /// only ones copied to the device, and zeroed again before the next.
     staged: Vec<Range<usize>>,
+    /// The words of the device's step buffer that may hold an earlier
+    /// step's values (every other word is zero): a step copies these with
+    /// its own, zeros where it wrote nothing, so that past a step the
+    /// device holds no page id, token or position but that step's.
+    on_device: Vec<Range<usize>>,
     /// Host copy of the last step's full rows of logits, where they are
     /// more than `pinned` holds (a prompt's log probabilities).
     logits: Vec<f32>,
@@ -487,6 +492,7 @@ impl CudaBackend {
             attention_rows,
             staging: Vec::new(),
             staged: Vec::new(),
+            on_device: Vec::new(),
             logits: Vec::new(),
             pinned,
             picks: Vec::new(),
@@ -567,6 +573,7 @@ impl CudaBackend {
         // Staged for another layout: made afresh for this one.
         self.staging.clear();
         self.staged.clear();
+        self.on_device.clear();
         self.step = Some(StepBuffer {
             buffer: DeviceBuffer::zeroed(&self.device, step_layout.words * WORD)?,
             partials: DeviceBuffer::zeroed(&self.device, partial_floats.max(1) * 4)?,
@@ -1088,7 +1095,11 @@ impl Backend for CudaBackend {
         let bucket = self.graph_bucket(steps);
         let counts = self.pack(steps, &view, bucket);
         let step = self.step.as_ref().expect("made above");
-        for range in &self.staged {
+        // This step's words, and zeros over what earlier steps left: until
+        // every copy is made, any of them may hold either.
+        let copies = pack::joined(self.on_device.iter().chain(&self.staged).cloned());
+        self.on_device.clone_from(&copies);
+        for range in &copies {
             step.buffer
                 .write(
                     range.start as u64 * WORD,
@@ -1096,6 +1107,7 @@ impl Backend for CudaBackend {
                 )
                 .map_err(Self::device_error)?;
         }
+        self.on_device.clone_from(&self.staged);
         match bucket {
             Some(bucket) => {
                 if !self.graphs.contains_key(&bucket) {

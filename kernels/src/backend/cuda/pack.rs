@@ -1,8 +1,11 @@
 //! The step buffer: everything a step's kernels read that changes from one
 //! step to the next, packed into one array of words on the host and copied
-//! to the device in one write. Regions sit at fixed offsets sized for the
-//! largest step, so a captured graph's launches (whose arguments are the
-//! regions' addresses) stay valid for every later step.
+//! to the device: the parts the step uses ([`Packer::used`]), and zeros
+//! over what the step before used past them, so the device never holds
+//! an earlier step's words (page ids among them) beside a later one's.
+//! Regions sit at fixed offsets sized for the largest step, so a captured
+//! graph's launches (whose arguments are the regions' addresses) stay
+//! valid for every later step.
 //!
 //! ```text
 //! tokens[T] positions[T] token_seq[T] seq_pages[S] gather[R] draws[R][8] adjusts[A][4] pages[P] items[I][10] merges[M][4] counters[M]
@@ -199,6 +202,21 @@ struct Picked {
     pick: Pick,
     adjust_at: u32,
     adjusts: u32,
+}
+
+/// `ranges` in order, those that overlap or lie less than
+/// [`COPY_GAP_WORDS`] apart joined into one.
+pub(super) fn joined(ranges: impl IntoIterator<Item = Range<usize>>) -> Vec<Range<usize>> {
+    let mut ranges: Vec<Range<usize>> = ranges.into_iter().collect();
+    ranges.sort_unstable_by_key(|r| r.start);
+    let mut out: Vec<Range<usize>> = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end + COPY_GAP_WORDS => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
 }
 
 /// What one step launches over: the sizes of its grids (for a graph, its bucket's).
@@ -465,15 +483,12 @@ impl<'a> Packer<'a> {
             (l.merges, u64::from(counts.merges) * 4),
             (l.counters, u64::from(counts.merges)),
         ];
-        let mut ranges: Vec<Range<usize>> = Vec::new();
-        for (start, len) in parts.into_iter().filter(|&(_, len)| len > 0) {
-            let (start, end) = (start as usize, (start + len) as usize);
-            match ranges.last_mut() {
-                Some(last) if start <= last.end + COPY_GAP_WORDS => last.end = last.end.max(end),
-                _ => ranges.push(start..end),
-            }
-        }
-        ranges
+        joined(
+            parts
+                .into_iter()
+                .filter(|&(_, len)| len > 0)
+                .map(|(start, len)| start as usize..(start + len) as usize),
+        )
     }
 
     /// The counts of a graph of `bucket` sequences: tokens past the step's

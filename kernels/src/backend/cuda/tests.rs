@@ -2185,6 +2185,79 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
     copied_ranges_hold_the_step(&cuda, &counts);
 }
 
+#[test]
+fn past_a_step_the_devices_step_buffer_holds_that_step_alone() {
+    // A large step (a prefill chunk over 3 pages, a decode token over 38
+    // in 2 x 19 splits), then steps far smaller: the device's step buffer
+    // after each is the host's staging bit for bit, which is zero but for
+    // the step's own words. No page id, token or item of an earlier step
+    // (another tenant's, in a server) stays on the device past it.
+    let spec = TinySpec {
+        context_len: 1024,
+        ..TinySpec::default()
+    };
+    let model = tiny_model(&spec);
+    let device = emulator(1);
+    let (mut pool, tables) = pool_with_tables(&model, KvType::F16, 16, 2, 40, Some(&device));
+    for graphs in [false, true] {
+        let mut cuda = backend(&model, &device, 64, 4, graphs);
+        let prefill: Vec<u32> = (0..40).collect();
+        let one = [7u32];
+        let large = [
+            SeqStep {
+                pages: &tables[0],
+                pos_start: 0,
+                tokens: &prefill,
+                logits: 1,
+                pick: Pick::Row,
+                adjust: &[],
+            },
+            SeqStep {
+                pages: &tables[1],
+                pos_start: 600,
+                tokens: &one,
+                logits: 1,
+                pick: Pick::Argmax,
+                adjust: &[],
+            },
+        ];
+        let small = |pos| {
+            [SeqStep {
+                pages: &tables[0],
+                pos_start: pos,
+                tokens: &one,
+                logits: 1,
+                pick: Pick::Argmax,
+                adjust: &[],
+            }]
+        };
+        let mut nonzero_words = Vec::new();
+        for (i, steps) in [&large[..], &small(40), &small(41), &large[..], &small(42)]
+            .into_iter()
+            .enumerate()
+        {
+            cuda.step(steps, &mut pool).unwrap();
+            let step = cuda.step.as_ref().unwrap();
+            let mut bytes = vec![0u8; 4 * step.layout.words as usize];
+            step.buffer.read(0, &mut bytes).unwrap();
+            let on_device: Vec<u32> = bytes
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let differ = on_device
+                .iter()
+                .zip(&cuda.staging)
+                .position(|(d, h)| d != h);
+            assert_eq!(differ, None, "graphs {graphs}, step {i}");
+            nonzero_words.push(on_device.iter().filter(|&&w| w != 0).count());
+        }
+        // The large steps leave many more words than the small ones.
+        assert!(nonzero_words[0] > 4 * nonzero_words[1], "{nonzero_words:?}");
+        assert_eq!(nonzero_words[0], nonzero_words[3]);
+        assert_eq!(nonzero_words[1], nonzero_words[4]);
+    }
+}
+
 /// The step buffer's copied ranges ([`Packer::used`]) after a pack: in
 /// order and apart, every word the packer wrote within them (the rest of
 /// the staging zero), and every region's part a launch of `counts` reads.
