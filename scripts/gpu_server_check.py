@@ -10,11 +10,13 @@ store on loopback ports, and checks, as rows of the check's table:
 - the server starts, and with `auto` on a machine with a GPU says in its log
   that it chose cuda and in the admin listener's /readyz which GPU;
 - a greedy completion and a streamed chat completion come back whole
-  (status 200, the tokens asked for, a finish reason), with their time, and
-  a seeded sampled completion twice the same (drawn on the device on a GPU);
-- the greedy completion's text on the GPU against the CPU's (the same
-  random model; a difference is shown, not failed: a near tie may part them,
-  and the kernels' agreement rows are the numeric check).
+  (status 200, the tokens asked for, a finish reason), with their time, a
+  greedy completion under penalties, biases and min_tokens (adjusted on the
+  device on a GPU) too, and a seeded sampled completion twice the same
+  (drawn on the device on a GPU);
+- the greedy completions' texts, plain and adjusted, on the GPU against the
+  CPU's (the same random model; a difference is shown, not failed: a near
+  tie may part them, and the kernels' agreement rows are the numeric check).
 
 Without a GPU, `auto` serves on the CPU and its first row fails, saying so;
 `cpu` alone runs the flow anywhere (`scripts/gpu_server_check.py cpu`).
@@ -152,7 +154,8 @@ def last_line(text):
 
 
 def serve(folder, backend):
-    """Runs one server on `backend`; returns its greedy completion text or None."""
+    """Runs one server on `backend`; returns its greedy completions' texts
+    (plain, adjusted), or None."""
     server = Server(folder, backend)
     try:
         started = time.time()
@@ -198,6 +201,37 @@ def serve(folder, backend):
             )
         else:
             row(f"server ({placed}): greedy completion", f"status {status}: {body[:200]}", False)
+        # Greedy under every adjustment: on a GPU the pick kernel applies
+        # them to the row where it lies. min_tokens holds the output to its
+        # whole length.
+        adjusted = {
+            "model": MODEL_ID,
+            "prompt": PROMPT,
+            "max_tokens": TOKENS,
+            "temperature": 0,
+            "frequency_penalty": 0.8,
+            "presence_penalty": 0.3,
+            "repetition_penalty": 1.3,
+            "logit_bias": {"5": 4.0, "17": -100},
+            "min_tokens": TOKENS,
+        }
+        status, body = call(server.port, "/v1/completions", adjusted, KEY)
+        adjusted_text = None
+        if status == 200:
+            reply = json.loads(body)
+            adjusted_text = reply["choices"][0]["text"]
+            used = reply["usage"]["completion_tokens"]
+            row(
+                f"server ({placed}): greedy completion under penalties, biases and min_tokens",
+                f"{used} tokens, differs from the plain one: {adjusted_text != text}",
+                used == TOKENS and adjusted_text != text,
+            )
+        else:
+            row(
+                f"server ({placed}): greedy completion under penalties, biases and min_tokens",
+                f"status {status}: {body[:200]}",
+                False,
+            )
         # A sampled completion, twice with one seed: on a GPU its tokens are
         # drawn on the device (temperature, top-p), and a seed repeats.
         sampled = {
@@ -235,7 +269,7 @@ def serve(folder, backend):
         )
         if "panicked" in server.stderr():
             row(f"server ({placed}): log", "a panic was logged", False)
-        return text
+        return None if text is None or adjusted_text is None else (text, adjusted_text)
     finally:
         server.stop()
 
@@ -254,13 +288,13 @@ def main():
         texts = {backend: serve(folder, backend) for backend in backends}
     if len(texts) >= 2 and all(t is not None for t in texts.values()):
         (a, ta), (b, tb) = list(texts.items())[:2]
-        same = ta == tb
-        where = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
-        row(
-            f"server: greedy text, {a} against {b}",
-            "the same" if same else f"parts at character {where} (a near tie, or a difference: see the agreement rows)",
-            None,
-        )
+        for kind, x, y in (("greedy", ta[0], tb[0]), ("adjusted greedy", ta[1], tb[1])):
+            where = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+            row(
+                f"server: {kind} text, {a} against {b}",
+                "the same" if x == y else f"parts at character {where} (a near tie, or a difference: see the agreement rows)",
+                None,
+            )
     failed = sum(1 for r in rows if r.endswith("| FAIL |"))
     print()
     print(f"server: {failed} checks failed")
