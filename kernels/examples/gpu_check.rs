@@ -585,29 +585,18 @@ fn decode_rows(
                         ..run
                     },
                 ));
-                variants.push((
-                    " (drawn on the device)",
-                    DecodeRun {
-                        pick: Pick::Draw(Draw {
-                            inv_t: 1.0 / 0.8,
-                            top_k: 0,
-                            top_p: 0.95,
-                            min_p: 0.0,
-                            u: 0.5,
-                        }),
-                        ..run
-                    },
-                ));
+                let drawn = Pick::Draw(Draw {
+                    inv_t: 1.0 / 0.8,
+                    top_k: 0,
+                    top_p: 0.95,
+                    min_p: 0.0,
+                    u: 0.5,
+                });
+                variants.push((" (drawn on the device)", DecodeRun { pick: drawn, ..run }));
                 variants.push((
                     " (drawn on the device, 600 adjustments a row)",
                     DecodeRun {
-                        pick: Pick::Draw(Draw {
-                            inv_t: 1.0 / 0.8,
-                            top_k: 0,
-                            top_p: 0.95,
-                            min_p: 0.0,
-                            u: 0.5,
-                        }),
+                        pick: drawn,
                         adjusts: 600,
                         ..run
                     },

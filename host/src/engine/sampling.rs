@@ -263,8 +263,10 @@ pub struct Sampler {
     candidates: Vec<(u32, f32)>,
     /// How often each token was generated (kept only under a penalty).
     generated: BTreeMap<u32, u32>,
-    /// This step's adjustments ([`Sampler::adjustments`]), by id.
+    /// This step's adjustments ([`Sampler::adjustments`]), by id, once made.
     adjust: Vec<Adjust>,
+    /// Whether `adjust` is made for this step (since the last token counted).
+    adjust_made: bool,
     /// The adjusted logits, when there is anything to adjust.
     adjusted: Vec<f32>,
     /// JSON mode's recognizer and the vocabulary it reads tokens' bytes from.
@@ -306,6 +308,7 @@ impl Sampler {
             candidates: Vec::new(),
             generated: BTreeMap::new(),
             adjust: Vec::new(),
+            adjust_made: false,
             adjusted: Vec::new(),
             json: None,
             seen: BTreeSet::new(),
@@ -396,13 +399,10 @@ impl Sampler {
     /// [`SeqStep::pick`]: bulkhead_kernels::backend::SeqStep::pick
     /// [`SeqStep::adjust`]: bulkhead_kernels::backend::SeqStep::adjust
     pub fn pick(&mut self) -> Pick {
-        self.adjust.clear();
         if self.params.logprobs.is_some() || self.json.is_some() {
             return Pick::Row;
         }
-        if self.adjusts() {
-            self.make_adjustments();
-        }
+        self.make_adjustments();
         if self.params.temperature <= 0.0 {
             Pick::Argmax
         } else {
@@ -429,7 +429,8 @@ impl Sampler {
     }
 
     /// The adjustments of the step [`Sampler::pick`] was last asked about,
-    /// by ascending id, one entry an id (empty: none, or a row read whole).
+    /// by ascending id, one entry an id (empty: none), where it asked for
+    /// a token ([`Pick::Argmax`], [`Pick::Draw`]).
     pub fn adjustments(&self) -> &[Adjust] {
         &self.adjust
     }
@@ -437,8 +438,14 @@ impl Sampler {
     /// This step's adjustments into `adjust`, by id: each token of the
     /// prompt and output so far under a repetition penalty, each generated
     /// one under a presence or frequency penalty, each biased one, and
-    /// each that would end the output while `min_tokens` bans them.
+    /// each that would end the output while `min_tokens` bans them. Made
+    /// once a step: [`Sampler::pick`] and [`Sampler::sample`] of one step
+    /// share it.
     fn make_adjustments(&mut self) {
+        if self.adjust_made {
+            return;
+        }
+        self.adjust_made = true;
         let list = &mut self.adjust;
         list.clear();
         let repetition = self.params.repetition_penalty;
@@ -489,6 +496,7 @@ impl Sampler {
 
     /// Counts `token`, just picked, for the penalties and `min_tokens`.
     fn count(&mut self, token: u32) {
+        self.adjust_made = false;
         if self.params.penalizes() {
             *self.generated.entry(token).or_insert(0) += 1;
         }

@@ -2039,16 +2039,22 @@ fn a_local_layer_reads_no_position_before_its_window() {
     }
 }
 
-#[test]
-fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
-    // Tiny model: 4 heads over 2 KV heads (group 2), context 1024.
+/// The tiny model (4 heads over 2 KV heads, group 2) at a context of
+/// 1,024, on the emulator, with a pool of two sequences of 40 pages of 16.
+fn two_sequences_of_40_pages() -> (Arc<Model>, Arc<dyn Device>, Pool, Vec<PageTable>) {
     let spec = TinySpec {
         context_len: 1024,
         ..TinySpec::default()
     };
     let model = tiny_model(&spec);
     let device = emulator(1);
-    let (mut pool, tables) = pool_with_tables(&model, KvType::F16, 16, 2, 40, Some(&device));
+    let (pool, tables) = pool_with_tables(&model, KvType::F16, 16, 2, 40, Some(&device));
+    (model, device, pool, tables)
+}
+
+#[test]
+fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
+    let (model, device, mut pool, tables) = two_sequences_of_40_pages();
     let mut cuda = backend(&model, &device, 64, 4, true);
     let layout = *pool.layout();
     cuda.ensure_step_buffer(&layout).unwrap();
@@ -2192,13 +2198,7 @@ fn past_a_step_the_devices_step_buffer_holds_that_step_alone() {
     // after each is the host's staging bit for bit, which is zero but for
     // the step's own words. No page id, token or item of an earlier step
     // (another tenant's, in a server) stays on the device past it.
-    let spec = TinySpec {
-        context_len: 1024,
-        ..TinySpec::default()
-    };
-    let model = tiny_model(&spec);
-    let device = emulator(1);
-    let (mut pool, tables) = pool_with_tables(&model, KvType::F16, 16, 2, 40, Some(&device));
+    let (model, device, mut pool, tables) = two_sequences_of_40_pages();
     for graphs in [false, true] {
         let mut cuda = backend(&model, &device, 64, 4, graphs);
         let prefill: Vec<u32> = (0..40).collect();
