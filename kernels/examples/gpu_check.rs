@@ -11,13 +11,14 @@
 //!    error and greedy-token agreement over a few hundred decode tokens, and
 //!    each step again with its tokens picked on the device (the argmax of
 //!    the rows it gave), and again drawn on the device (the host's draw of
-//!    the rows it gave: temperature, top-k, top-p and min-p in turn); and
+//!    the rows it gave: temperature, top-k, top-p and min-p in turn; every
+//!    other row adjusted first by penalties, biases and a ban); and
 //!    on tiny models of the other families' options and weight types (Llama
 //!    3's RoPE table with Q5_K/Q5_0/BF16 matrices, qwen2, qwen3, gemma2 with
 //!    a sliding window and soft caps, gemma3), with graphs;
 //! 3. a released page reading back scrubbed, and a stale, foreign-pool or
 //!    cross-tenant page-table entry refused before any launch;
-//! 4. where a decode step (batch 1 and 32 at depth 512, batch 1 at 4096) and a 512-token
+//! 4. where a decode step (batch 1, 32 and 128 at depth 512, batch 1 at 4096) and a 512-token
 //!    prefill chunk spend their device time, kernel by kernel (each launch
 //!    timed alone by the device's events), so one run says what to speed up;
 //! 5. prefill tokens/s at 512 and 4096 positions;
@@ -27,10 +28,11 @@
 //!    pages are read as allocated, not prefilled: see `check::decode_rate`).
 //!    Tokens are greedy, as a greedy request's are: each step copies back its
 //!    tokens' ids, picked on the device, not their rows of logits (25 MB a
-//!    step at batch 128); two more rows, batch 128 at depth 512 copying
-//!    every row (as a step asking for log probabilities does) and drawing
-//!    its tokens on the device (as a sampled request's step does), say what
-//!    that copy and that draw cost; and batch 1 with a norm launch before each matrix product, with RoPE
+//!    step at batch 128); three more rows, batch 128 at depth 512 copying
+//!    every row (as a step asking for log probabilities does), drawing its
+//!    tokens on the device (as a sampled request's step does), and drawing
+//!    them after 600 adjustments a row (penalties), say what that copy, that
+//!    draw and those adjustments cost; and batch 1 with a norm launch before each matrix product, with RoPE
 //!    and the KV store a launch of their own, and with split attention
 //!    merged by a launch of its own: what each fusion saves.
 //!
@@ -633,10 +635,15 @@ fn decode_rows(
 /// batch 1 and a middling batch, and a prefill chunk.
 fn profile_rows(report: &mut Report, plan: &Plan, model: &Arc<Model>, device: &Arc<dyn Device>) {
     // Batch 1 at the shallowest and deepest depths (what grows with depth),
-    // and a middling batch.
+    // a middling batch, and the largest (the 40 % target's: attention's
+    // share of its step against the products').
     let (shallow, deep) = (plan.depths[0], plan.depths[plan.depths.len() - 1]);
     let middling = plan.batches[plan.batches.len().min(3) - 1];
+    let largest = plan.batches[plan.batches.len() - 1];
     let mut runs = vec![(1, shallow), (middling, shallow)];
+    if largest != middling {
+        runs.push((largest, shallow));
+    }
     if deep != shallow {
         runs.push((1, deep));
     }
