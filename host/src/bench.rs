@@ -195,6 +195,7 @@ fn feed(
             logits: usize::from(pos + piece.len() == ids.len()),
             pick: Pick::Row,
             adjust: &[],
+            logprobs: None,
         };
         engine.backend.step(&[step], pool)?;
         pos += piece.len();
@@ -245,6 +246,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
                 logits: 1,
                 pick: Pick::Row,
                 adjust: &[],
+                logprobs: None,
             })
             .collect();
         engine.backend.step(&warm, &mut pool)?;
@@ -259,6 +261,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
                     logits: 1,
                     pick: Pick::Row,
                     adjust: &[],
+                    logprobs: None,
                 })
                 .collect();
             engine.backend.step(&steps, &mut pool)?;
@@ -338,6 +341,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             logits: 1,
             pick: Pick::Row,
             adjust: &[],
+            logprobs: None,
         };
         let logits = engine.backend.step(&[step], &mut pool)?;
         let row = logits.row(0).to_vec();
@@ -359,6 +363,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
                     logits: 1,
                     pick: Pick::Row,
                     adjust: &[],
+                    logprobs: None,
                 })
                 .collect();
             let started = Instant::now();
@@ -689,6 +694,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
         values: &batch,
         vocab_len: vocab,
         picks: &[],
+        scored: &[],
     };
     let rounds = args.samples.div_ceil(8);
     const BATCHED: [&str; 3] = [

@@ -1519,6 +1519,7 @@ struct Picking {
     candidates: Vec<(u32, f32)>,
     /// A picked row, adjusted as its step says.
     adjusted: Vec<f32>,
+    scored: Vec<(u32, bulkhead_kernels::backend::Logprobs)>,
 }
 
 impl bulkhead_kernels::backend::Backend for Picking {
@@ -1543,6 +1544,7 @@ impl bulkhead_kernels::backend::Backend for Picking {
         let vocab_len = logits.vocab_len;
         self.values.clear();
         self.picks.clear();
+        self.scored.clear();
         let mut row = 0;
         for step in steps {
             for r in 0..step.logits {
@@ -1560,6 +1562,15 @@ impl bulkhead_kernels::backend::Backend for Picking {
                 };
                 if let Some(id) = id.filter(|_| self.on && r + 1 == step.logits) {
                     self.picks.push((i as u32, id));
+                    // Its log probabilities where asked, of the row as it was.
+                    if let Some(top) = step.logprobs {
+                        let scored = bulkhead_kernels::backend::Logprobs::of(
+                            logits.row(i),
+                            id,
+                            usize::from(top),
+                        );
+                        self.scored.push((i as u32, scored));
+                    }
                 } else {
                     self.values.extend_from_slice(logits.row(i));
                 }
@@ -1571,6 +1582,7 @@ impl bulkhead_kernels::backend::Backend for Picking {
             values: &self.values,
             vocab_len,
             picks: &self.picks,
+            scored: &self.scored,
         })
     }
 }
@@ -1581,9 +1593,9 @@ fn rows_given_as_their_tokens_say_what_full_rows_say() {
     let model = Arc::new(Model::load(Arc::clone(&gguf)).unwrap());
     let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
     // Greedy and drawn ones a backend may pick, adjusted or not (a bias, a
-    // penalty, `min_tokens`, a draw with a repetition penalty), and one
-    // whose rows the sampler reads: log probabilities of the output (the
-    // prompt's are rows apart from the sampled one).
+    // penalty, `min_tokens`, a draw with a repetition penalty), one asking
+    // for its tokens' log probabilities (given with the token), and one
+    // scoring its prompt (rows apart from the sampled one).
     let requests: Vec<SamplingParams> = vec![
         SamplingParams::default(),
         SamplingParams {
@@ -1649,6 +1661,7 @@ fn rows_given_as_their_tokens_say_what_full_rows_say() {
             picked: 0,
             candidates: Vec::new(),
             adjusted: Vec::new(),
+            scored: Vec::new(),
         };
         let pool = build::pool(&model, &spec).unwrap();
         let tenants = vec![TenantLimits {
@@ -1713,8 +1726,8 @@ fn rows_given_as_their_tokens_say_what_full_rows_say() {
             })
         ));
     }
-    // Every token of every request but the one asking for log
-    // probabilities: the adjusted ones' too, their adjustments made where
-    // the row lies.
-    assert_eq!(picks, 9 * 10, "tokens picked by the backend");
+    // Every token of every request: the adjusted ones' too, their
+    // adjustments made where the row lies, and the one asking for log
+    // probabilities, which come with its tokens.
+    assert_eq!(picks, 10 * 10, "tokens picked by the backend");
 }

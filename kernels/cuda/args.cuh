@@ -235,6 +235,9 @@ struct PickArgs {
     uint64_t out;      // u32 [grid]
     uint64_t draws;    // DrawParams [grid]; 0: every row its argmax, unadjusted
     uint64_t adjusts;  // AdjustEntry [], as the rows' DrawParams point into it
+    uint64_t scores;   // u32 [grid][SCORE_WORDS]: where DrawParams asks, the
+                       // token's log probability (f32), the alternatives'
+                       // count, then (id, log probability) each
     uint32_t vocab;
     uint32_t unused;
 };
@@ -249,6 +252,8 @@ struct DrawParams {
     double u;        // in [0, 1)
     uint32_t adjust_at;
     uint32_t adjust_count;
+    uint32_t top_logprobs;  // 0: none; else 1 + the alternatives wanted
+    uint32_t unused;
 };
 
 // One token's adjustment (backend::Adjust): repetition (1: none), then

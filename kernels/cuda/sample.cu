@@ -372,6 +372,89 @@ __device__ uint32_t draw_row(const float* row, uint32_t vocab, const DrawParams&
     return nth_in_id_order(r, OVER_KEPT, false, 0, 1, target);
 }
 
+// Words of a row's log probabilities (PickArgs.scores): the token's, the
+// count of alternatives, then (id, log probability) each.
+#define SCORE_WORDS (2u + 2u * TOP_LOGPROBS_MAX)
+#define TOP_LOGPROBS_MAX 20u
+
+// The sum of every thread's `value`, to every thread (blockDim.x a power
+// of two, at most PICK_BLOCK).
+__device__ double block_sum_f64(double value) {
+    __shared__ double partial[PICK_BLOCK];
+    partial[threadIdx.x] = value;
+    __syncthreads();
+    for (uint32_t half = blockDim.x / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+        __syncthreads();
+    }
+    double total = partial[0];
+    __syncthreads();  // partial may be written again by the next call
+    return total;
+}
+
+// The largest of every thread's `value`, to every thread.
+__device__ uint64_t block_max_u64(uint64_t value) {
+    __shared__ uint64_t partial[PICK_BLOCK];
+    partial[threadIdx.x] = value;
+    __syncthreads();
+    for (uint32_t half = blockDim.x / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half && partial[threadIdx.x + half] > partial[threadIdx.x]) {
+            partial[threadIdx.x] = partial[threadIdx.x + half];
+        }
+        __syncthreads();
+    }
+    uint64_t best = partial[0];
+    __syncthreads();
+    return best;
+}
+
+// x's place in f32's total order (Rust's total_cmp): a larger key, later.
+__device__ __forceinline__ uint32_t total_key(float x) {
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    return (b >> 31) ? ~b : (b | 0x80000000u);
+}
+
+// The row's log probabilities as backend::Logprobs::of finds them: the
+// log of the sum of e^(x - max) (0 below e^-87; the largest number the
+// largest, a NaN counted as the host counts it), and the likeliest `top`
+// by total order, ties to the lower id, each found by one pass over the
+// row for the best (key, id) after the one before. Writes all but the
+// token's own log probability (words 1..) and returns log Z.
+__device__ float score_row(const float* row, uint32_t vocab, uint32_t top, uint32_t* out) {
+    __shared__ float floats[32];
+    float best = -f32_of_bits(0x7f800000u);
+    for (uint32_t i = threadIdx.x; i < vocab; i += blockDim.x) best = fmaxf(best, row[i]);
+    best = block_max(best, floats);
+    double sum = 0.0;
+    for (uint32_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float x = row[i] - best;
+        sum += x < -87.0f ? 0.0 : double(expf(x));
+    }
+    sum = block_sum_f64(sum);
+    float log_z = best + float(log(sum));
+    top = umin32(umin32(top, vocab), TOP_LOGPROBS_MAX);
+    // (key << 32 | ~id): the largest is the likeliest, the lower id of a
+    // tie; 0 is none (no id is 2^32 - 1).
+    uint64_t previous = ~0ull;
+    for (uint32_t n = 0; n < top; n++) {
+        uint64_t mine = 0;
+        for (uint32_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+            uint64_t packed = uint64_t(total_key(row[i])) << 32 | uint64_t(~i);
+            if (packed < previous && packed > mine) mine = packed;
+        }
+        previous = block_max_u64(mine);
+        if (threadIdx.x == 0) {
+            uint32_t id = ~uint32_t(previous);
+            float logprob = row[id] - log_z;
+            out[2 + 2 * n] = id;
+            memcpy(&out[3 + 2 * n], &logprob, 4);
+        }
+    }
+    if (threadIdx.x == 0) out[1] = top;
+    return log_z;
+}
+
 // `logit` adjusted by `e`, as Adjust::apply adjusts it: each operation
 // rounded alone (never fused), and only where it changes something.
 __device__ __forceinline__ float adjusted(const AdjustEntry& e, float logit) {
@@ -388,7 +471,13 @@ KERNEL_THREADS(pick, PickArgs, PICK_BLOCK) {
     DrawParams p;
     p.inv_t = 0.0f;
     p.adjust_count = 0;
+    p.top_logprobs = 0;
     if (a.draws) p = reinterpret_cast<const DrawParams*>(a.draws)[blockIdx.x];
+    // The row's own log probabilities, before any adjustment (the packer
+    // sends no row that asks for both).
+    uint32_t* scores = reinterpret_cast<uint32_t*>(a.scores) + uint64_t(blockIdx.x) * SCORE_WORDS;
+    float log_z = 0.0f;
+    if (p.top_logprobs > 0) log_z = score_row(row, a.vocab, p.top_logprobs - 1, scores);
     if (p.adjust_count > 0) {
         // In place: a picked row's logits are scratch no one reads after,
         // and its entries name distinct tokens (the packer sends no other
@@ -404,4 +493,8 @@ KERNEL_THREADS(pick, PickArgs, PICK_BLOCK) {
     uint32_t id = p.inv_t > 0.0f ? draw_row(row, a.vocab, p) : NO_SEQ;
     if (id == NO_SEQ) id = row_argmax(row, a.vocab);
     if (threadIdx.x == 0) reinterpret_cast<uint32_t*>(a.out)[blockIdx.x] = id;
+    if (threadIdx.x == 0 && p.top_logprobs > 0) {
+        float logprob = row[id] - log_z;
+        memcpy(&scores[0], &logprob, 4);
+    }
 }

@@ -93,6 +93,7 @@ fn main() {
                 logits: 1,
                 pick: Pick::Row,
                 adjust: &[],
+                logprobs: None,
             };
             backend.step(&[step], &mut pool).expect("step");
         }

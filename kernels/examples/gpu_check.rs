@@ -10,7 +10,7 @@
 //! 2. CPU-versus-CUDA agreement on both models: the worst relative logit
 //!    error and greedy-token agreement over a few hundred decode tokens, and
 //!    each step again with its tokens picked on the device (the argmax of
-//!    the rows it gave), and again drawn on the device (the host's draw of
+//!    the rows it gave, with their log probabilities), and again drawn on the device (the host's draw of
 //!    the rows it gave: temperature, top-k, top-p and min-p in turn; every
 //!    other row adjusted first by penalties, biases and a ban); and
 //!    on tiny models of the other families' options and weight types (Llama
@@ -202,6 +202,7 @@ fn launch_floor(device: &Arc<dyn Device>, launches: usize, rounds: usize) -> (f6
         out: out.at(0),
         draws: 0,
         adjusts: 0,
+        scores: 0,
         vocab: 1,
         unused: 0,
     };
@@ -381,7 +382,7 @@ fn agreement_rows(
                 && a.draws_agree == a.rows
                 && a.worst_relative.max(a.worst_relative_scored) <= bound;
             let result = format!(
-                "max rel err {:.2e} ({} earlier prompt rows {:.2e}; bound {:.1e}, the CPU's own drift {:.1e}, {:?} vs portable); greedy {}/{} agree, {} near ties; device picks {}/{}, draws {}/{} ({} seqs, {} decode tokens; {:.1} s)",
+                "max rel err {:.2e} ({} earlier prompt rows {:.2e}; bound {:.1e}, the CPU's own drift {:.1e}, {:?} vs portable); greedy {}/{} agree, {} near ties; device picks with log probabilities {}/{}, draws {}/{} ({} seqs, {} decode tokens; {:.1} s)",
                 a.worst_relative,
                 a.scored_rows,
                 a.worst_relative_scored,

@@ -81,6 +81,7 @@ fn run_chunked(
             logits: usize::from(pos + piece.len() == tokens.len()),
             pick: Pick::Row,
             adjust: &[],
+            logprobs: None,
         };
         let logits = backend.step(&[step], pool).expect("valid step");
         if logits.rows_count() == 1 {
@@ -146,6 +147,7 @@ fn a_batch_gives_each_sequence_what_it_gets_alone() {
             logits: 1,
             pick: Pick::Row,
             adjust: &[],
+            logprobs: None,
         },
         SeqStep {
             pages: &tb,
@@ -154,6 +156,7 @@ fn a_batch_gives_each_sequence_what_it_gets_alone() {
             logits: 1,
             pick: Pick::Row,
             adjust: &[],
+            logprobs: None,
         },
     ];
     let logits = b.step(&steps, &mut p).unwrap();
@@ -187,6 +190,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
             logits: 1,
             pick: Pick::Row,
             adjust: &[],
+            logprobs: None,
         };
         oracle.push(b.step(&[step], &mut p).unwrap().row(0).to_vec());
     }
@@ -212,6 +216,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                     logits: 1,
                     pick: Pick::Row,
                     adjust: &[],
+                    logprobs: None,
                 },
                 SeqStep {
                     pages: &ta,
@@ -220,6 +225,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                     logits: wanted,
                     pick: Pick::Row,
                     adjust: &[],
+                    logprobs: None,
                 },
             ];
             let logits = b.step(&steps, &mut p).unwrap();
@@ -256,6 +262,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 logits: PROMPT_A.len() + 1,
                 pick: Pick::Row,
                 adjust: &[],
+                logprobs: None,
             }],
             &mut p,
         )
@@ -293,6 +300,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 logits: 67,
                 pick: Pick::Row,
                 adjust: &[],
+                logprobs: None,
             }],
             &mut p,
         )
@@ -317,6 +325,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 logits: 66,
                 pick: Pick::Row,
                 adjust: &[],
+                logprobs: None,
             }],
             &mut p,
         )
@@ -456,6 +465,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
         logits: 1,
         pick: Pick::Row,
         adjust: &[],
+        logprobs: None,
     };
     let vocab_len = m.config.vocab_len;
     // Each refusal names the sequence at fault, so a scheduler can fail that
@@ -502,6 +512,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
         logits: 1,
         pick: Pick::Row,
         adjust: &[],
+        logprobs: None,
     };
     let error = b.step(&[too_many], &mut big).err().unwrap();
     assert!(matches!(error, StepError::TooManyTokens { .. }));
@@ -524,6 +535,7 @@ fn refuses_a_table_whose_pages_are_not_leased_in_this_pool() {
         logits: 1,
         pick: Pick::Row,
         adjust: &[],
+        logprobs: None,
     };
     assert_eq!(
         b.step(&[step], &mut p).err(),
@@ -574,6 +586,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         logits: 1,
         pick: Pick::Row,
         adjust: &[],
+        logprobs: None,
     };
     let own = b.step(&[step], &mut p).unwrap().row(0).to_vec();
     // Its full prefix pages are shared; a second sequence of the same owner
@@ -595,6 +608,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         logits: 1,
         pick: Pick::Row,
         adjust: &[],
+        logprobs: None,
     };
     let cached = b.step(&[step], &mut p).unwrap().row(0).to_vec();
     assert_eq!(
@@ -612,6 +626,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         logits: 1,
         pick: Pick::Row,
         adjust: &[],
+        logprobs: None,
     };
     assert_eq!(
         b.step(&[rewrite], &mut p).err(),
@@ -693,6 +708,7 @@ fn every_isa_is_batch_invariant_bit_for_bit() {
                     logits: 1,
                     pick: Pick::Row,
                     adjust: &[],
+                    logprobs: None,
                 },
                 SeqStep {
                     pages: &ta,
@@ -701,6 +717,7 @@ fn every_isa_is_batch_invariant_bit_for_bit() {
                     logits: 1,
                     pick: Pick::Row,
                     adjust: &[],
+                    logprobs: None,
                 },
                 SeqStep {
                     pages: &tc,
@@ -709,6 +726,7 @@ fn every_isa_is_batch_invariant_bit_for_bit() {
                     logits: 1,
                     pick: Pick::Row,
                     adjust: &[],
+                    logprobs: None,
                 },
             ];
             let batched = b.step(&steps, &mut p).unwrap().row(1).to_vec();

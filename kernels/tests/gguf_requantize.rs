@@ -279,6 +279,7 @@ fn last_logits(model: &Arc<Model>) -> Vec<f32> {
         logits: 1,
         pick: Pick::Row,
         adjust: &[],
+        logprobs: None,
     };
     backend.step(&[step], &mut pool).unwrap().row(0).to_vec()
 }

@@ -18,7 +18,6 @@
 use super::json::Json;
 use super::schema::Schema;
 use bulkhead_kernels::backend::adjust::adjust;
-use bulkhead_kernels::backend::draw::weight;
 use bulkhead_kernels::backend::{Adjust, Draw, Logits, Pick};
 use bulkhead_kernels::rng::SplitMix64;
 use bulkhead_kernels::threads::Threads;
@@ -38,7 +37,7 @@ pub const PENALTY_LIMIT: f32 = 2.0;
 /// The largest `repetition_penalty` (1 is none; 1.1 to 1.3 are usual).
 pub const REPETITION_PENALTY_MAX: f32 = 2.0;
 /// Most alternatives a token's log probabilities may list (`top_logprobs`).
-pub const TOP_LOGPROBS_MAX: u8 = 20;
+pub const TOP_LOGPROBS_MAX: u8 = bulkhead_kernels::backend::logprobs::TOP_LOGPROBS_MAX as u8;
 /// Most `stop_token_ids` a request may carry.
 pub const STOP_TOKEN_IDS_MAX: usize = 64;
 
@@ -87,48 +86,7 @@ pub struct SamplingParams {
     pub prompt_logprobs: Option<u8>,
 }
 
-/// A generated token's log probability and its likeliest alternatives', in
-/// the model's own distribution: the log-softmax of its logits, before bias,
-/// penalties, temperature, top-k or top-p (vLLM's default, and what a client
-/// comparing answers or scoring a label wants).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Logprobs {
-    /// The token generated.
-    pub token: u32,
-    /// Its log probability.
-    pub logprob: f32,
-    /// The likeliest tokens, most likely first (ties: the lower id first).
-    pub top: Vec<(u32, f32)>,
-}
-
-impl Logprobs {
-    /// `token`'s entry over `logits`, with `top` alternatives.
-    pub fn of(logits: &[f32], token: u32, top: usize) -> Logprobs {
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum: f64 = logits.iter().map(|&l| f64::from(weight(l - max))).sum();
-        let log_z = max + sum.ln() as f32;
-        let logprob = |id: u32| logits[id as usize] - log_z;
-        // The likeliest `top` in one pass, kept in order (ids come in
-        // ascending order, so a tie never displaces an earlier id).
-        let top = top.min(logits.len());
-        let mut ids: Vec<u32> = Vec::with_capacity(top + 1);
-        if top > 0 {
-            for (id, &l) in logits.iter().enumerate() {
-                if ids.len() == top && l.total_cmp(&logits[ids[top - 1] as usize]).is_le() {
-                    continue;
-                }
-                let at = ids.partition_point(|&b| logits[b as usize].total_cmp(&l).is_ge());
-                ids.insert(at, id as u32);
-                ids.truncate(top);
-            }
-        }
-        Logprobs {
-            token,
-            logprob: logprob(token),
-            top: ids.into_iter().map(|id| (id, logprob(id))).collect(),
-        }
-    }
-}
+pub use bulkhead_kernels::backend::logprobs::Logprobs;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -188,8 +146,17 @@ pub fn sample_rows(
         let started = Instant::now();
         let (token, logprobs) = match logits.pick(row) {
             // Picked on the backend's side: a row its sampler's `pick`
-            // asked for the token of, which asks for no log probabilities.
-            Some(id) => (sampler.take_pick(id), None),
+            // asked for the token of, with its log probabilities where the
+            // request wants them (the step asked the backend for them).
+            Some(id) => {
+                let logprobs = sampler.params.logprobs.map(|_| {
+                    logits
+                        .scored(row)
+                        .cloned()
+                        .expect("a picked row's log probabilities come with it")
+                });
+                (sampler.take_pick(id), logprobs)
+            }
             None => {
                 let token = sampler.sample(logits.row(row));
                 (token, sampler.logprobs(logits.row(row), token))
@@ -386,8 +353,9 @@ impl Sampler {
     }
 
     /// How the backend may give this step's row ([`SeqStep::pick`]): as
-    /// its token where the token is all that is read of it, that is with
-    /// no schema and no log probabilities: greedy, its argmax
+    /// its token (and its log probabilities, where the request wants them:
+    /// [`SeqStep::logprobs`]) where that is all that is read of it, that is
+    /// without a schema: greedy, its argmax
     /// ([`Pick::Argmax`]); sampled, this step's draw ([`Pick::Draw`], the
     /// step's uniform drawn now and kept for it); either after this step's
     /// adjustments (biases, penalties, `min_tokens`' ban), made now
@@ -398,8 +366,9 @@ impl Sampler {
     ///
     /// [`SeqStep::pick`]: bulkhead_kernels::backend::SeqStep::pick
     /// [`SeqStep::adjust`]: bulkhead_kernels::backend::SeqStep::adjust
+    /// [`SeqStep::logprobs`]: bulkhead_kernels::backend::SeqStep::logprobs
     pub fn pick(&mut self) -> Pick {
-        if self.params.logprobs.is_some() || self.json.is_some() {
+        if self.json.is_some() {
             return Pick::Row;
         }
         self.make_adjustments();
@@ -415,7 +384,7 @@ impl Sampler {
     /// row would return, and counted as it counts.
     pub fn take_pick(&mut self, token: u32) -> u32 {
         debug_assert!(
-            self.params.logprobs.is_none() && self.json.is_none(),
+            self.json.is_none(),
             "a pick for a sampler that reads the row"
         );
         self.pending = None;
@@ -426,6 +395,11 @@ impl Sampler {
     /// Whether `min_tokens` still bans the tokens that end the output.
     fn banning(&self) -> bool {
         self.sampled < self.params.min_tokens && !self.ends.is_empty()
+    }
+
+    /// The request's sampling parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
     }
 
     /// The adjustments of the step [`Sampler::pick`] was last asked about,
@@ -1178,13 +1152,14 @@ mod tests {
                 24,
                 true,
             ),
+            // The backend gives the token's log probabilities with it.
             (
                 "log probabilities",
                 SamplingParams {
                     logprobs: Some(2),
                     ..SamplingParams::default()
                 },
-                0,
+                24,
                 false,
             ),
             (

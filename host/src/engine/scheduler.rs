@@ -1449,6 +1449,10 @@ impl<B: Backend> Scheduler<B> {
                     true => self.running[p.seq_index].sampler.adjustments(),
                     false => &[],
                 },
+                logprobs: match pick.is_token() {
+                    true => self.running[p.seq_index].sampler.params().logprobs,
+                    false => None,
+                },
             })
             .collect();
         let threads = self.backend.threads();

@@ -306,6 +306,7 @@ impl Backend for CpuBackend {
             values: &self.scratch.logits[..wanted * vocab_len],
             vocab_len,
             picks: &[],
+            scored: &[],
         })
     }
 }
@@ -1522,6 +1523,7 @@ mod tests {
                     logits: 0,
                     pick: crate::backend::Pick::Row,
                     adjust: &[],
+                    logprobs: None,
                 }];
                 let mut slots: Vec<TokenSlot> = (chunk_start..len)
                     .map(|pos| TokenSlot { seq_index: 0, pos })
@@ -1538,6 +1540,7 @@ mod tests {
                         logits: 0,
                         pick: crate::backend::Pick::Row,
                         adjust: &[],
+                        logprobs: None,
                     });
                 }
                 let mut q: Vec<f32> = (0..slots.len() * d)

@@ -10,10 +10,12 @@ pub mod adjust;
 pub mod cpu;
 pub mod cuda;
 pub mod draw;
+pub mod logprobs;
 pub mod vector;
 
 pub use adjust::Adjust;
 pub use draw::Draw;
+pub use logprobs::Logprobs;
 
 use crate::kv::{PageTable, Pool};
 use crate::model::ModelConfig;
@@ -42,6 +44,13 @@ pub struct SeqStep<'a> {
     /// token. A backend that gives the row in full gives it unadjusted: its
     /// caller adjusts it by the same entries (the host's sampler does).
     pub adjust: &'a [Adjust],
+    /// With a [`Pick`] of the token: that token's log probability and this
+    /// many alternatives' (at most [`logprobs::TOP_LOGPROBS_MAX`]) are
+    /// wanted too, in the row's own distribution (before its adjustments).
+    /// A backend that gives the row as its token gives them with it
+    /// ([`Logits::scored`]); one that gives the row in full leaves them to
+    /// its caller.
+    pub logprobs: Option<u8>,
 }
 
 /// How a step's sampled row is wanted: in full, or for its token alone.
@@ -206,6 +215,10 @@ pub struct Logits<'a> {
     /// [`Pick::Draw`]), as `(row, id)` in row order; empty from a backend
     /// that gives every row in full.
     pub picks: &'a [(u32, u32)],
+    /// The log probabilities of those rows given as their token whose step
+    /// asked for them ([`SeqStep::logprobs`]), as `(row, log
+    /// probabilities)` in row order.
+    pub scored: &'a [(u32, Logprobs)],
 }
 
 impl Logits<'_> {
@@ -230,6 +243,15 @@ impl Logits<'_> {
             .binary_search_by_key(&i, |&(row, _)| row as usize)
             .ok()
             .map(|k| self.picks[k].1)
+    }
+
+    /// The `i`-th row's log probabilities, where it was given as its token
+    /// with them ([`Logits::scored`]).
+    pub fn scored(&self, i: usize) -> Option<&Logprobs> {
+        self.scored
+            .binary_search_by_key(&i, |&(row, _)| row as usize)
+            .ok()
+            .map(|k| &self.scored[k].1)
     }
 
     /// Number of rows.
@@ -410,12 +432,23 @@ mod tests {
         // Rows 0, 2 and 4 in full; 1 and 3 as their ids.
         let values: Vec<f32> = [[0.0, 1.0], [2.0, 3.0], [5.0, 4.0]].concat();
         let picks = [(1, 7), (3, 9)];
+        let scored = [(
+            3,
+            Logprobs {
+                token: 9,
+                logprob: -0.5,
+                top: vec![(9, -0.5)],
+            },
+        )];
         let logits = Logits {
             values: &values,
             vocab_len: 2,
             picks: &picks,
+            scored: &scored,
         };
         assert_eq!(logits.rows_count(), 5);
+        assert_eq!(logits.scored(3).map(|s| s.logprob), Some(-0.5));
+        assert_eq!(logits.scored(1), None);
         assert_eq!(logits.row(0), [0.0, 1.0]);
         assert_eq!(logits.row(2), [2.0, 3.0]);
         assert_eq!(logits.row(4), [5.0, 4.0]);

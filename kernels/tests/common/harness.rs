@@ -85,6 +85,7 @@ impl Harness {
                 logits: usize::from(pos + piece.len() == pos_start + tokens.len()),
                 pick: Pick::Row,
                 adjust: &[],
+                logprobs: None,
             };
             let out = self.backend.step(&[step], &mut self.pool).unwrap();
             if out.rows_count() == 1 {

@@ -17,7 +17,7 @@ use super::storage::DeviceStorage;
 use super::{CudaBackend, CudaOptions, Fusions};
 use crate::backend::adjust::adjust;
 use crate::backend::cpu::{CpuBackend, CpuOptions};
-use crate::backend::{Adjust, Backend, Draw, Pick, SeqStep};
+use crate::backend::{Adjust, Backend, Draw, Logprobs, Pick, SeqStep};
 use crate::kv::{KvType, OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId};
 use crate::model::Model;
 use crate::rng::SplitMix64;
@@ -99,8 +99,11 @@ pub struct Agreement {
     /// of each other (a near tie either backend may break).
     pub near_ties: usize,
     /// Rows whose step, run again with the row greedy (see
-    /// [`Pick::Argmax`]), gave as its id alone the argmax of the row the
-    /// device gave in full, every other row of the step unchanged.
+    /// [`Pick::Argmax`]) and its log probabilities asked for (5
+    /// alternatives), gave as its id alone the argmax of the row the device
+    /// gave in full, with that row's log probabilities ([`Logprobs::of`]:
+    /// the same alternatives in order, each within 1e-4), every other row
+    /// of the step unchanged.
     pub picks_agree: usize,
     /// Rows whose step, run again with the row drawn ([`Pick::Draw`]: a
     /// different draw a row, see [`check_draw`]; every other row adjusted
@@ -150,6 +153,7 @@ fn lockstep<'a>(
     rows: &[usize],
     pick: &dyn Fn(usize) -> Pick,
     adjusts: &'a [Vec<Adjust>],
+    logprobs: Option<u8>,
 ) -> Vec<SeqStep<'a>> {
     (0..inputs.len())
         .map(|i| SeqStep {
@@ -159,6 +163,7 @@ fn lockstep<'a>(
             logits: rows[i],
             pick: pick(i),
             adjust: adjusts.get(i).map_or(&[], Vec::as_slice),
+            logprobs,
         })
         .collect()
 }
@@ -189,6 +194,17 @@ pub fn check_adjust(seq: usize, step: usize, input: &[u32], vocab: usize) -> Vec
         entry(&mut by_id, last % vocab).ban = true;
     }
     by_id.into_values().collect()
+}
+
+/// Whether `got` (the device's) is `want` (the host's from the same row):
+/// the same token and alternatives in order, each log probability within
+/// 1e-4 of the host's (relative where it is larger than 1).
+fn logprobs_close(got: &Logprobs, want: &Logprobs) -> bool {
+    let close = |a: f32, b: f32| a == b || (a - b).abs() <= 1e-4 * b.abs().max(1.0);
+    got.token == want.token
+        && close(got.logprob, want.logprob)
+        && got.top.len() == want.top.len()
+        && (got.top.iter().zip(&want.top)).all(|(g, w)| g.0 == w.0 && close(g.1, w.1))
 }
 
 /// The draw the agreement's third pass asks of sequence `seq` at `step`:
@@ -299,7 +315,15 @@ pub fn agreement(
     for step in 0..=run.decode_steps {
         let cpu_logits = cpu
             .step(
-                &lockstep(&cpu_tables, &inputs, &positions, &rows, &|_| Pick::Row, &[]),
+                &lockstep(
+                    &cpu_tables,
+                    &inputs,
+                    &positions,
+                    &rows,
+                    &|_| Pick::Row,
+                    &[],
+                    None,
+                ),
                 &mut cpu_pool,
             )
             .expect("a valid step")
@@ -307,7 +331,15 @@ pub fn agreement(
             .to_vec();
         let dev_logits = cuda
             .step(
-                &lockstep(&dev_tables, &inputs, &positions, &rows, &|_| Pick::Row, &[]),
+                &lockstep(
+                    &dev_tables,
+                    &inputs,
+                    &positions,
+                    &rows,
+                    &|_| Pick::Row,
+                    &[],
+                    None,
+                ),
                 &mut dev_pool,
             )
             .expect("a valid step")
@@ -325,11 +357,13 @@ pub fn agreement(
                     &rows,
                     &|_| Pick::Argmax,
                     &[],
+                    Some(5),
                 ),
                 &mut dev_pool,
             )
             .expect("a valid step");
         let (scored_again, picks) = (picked.values.to_vec(), picked.picks.to_vec());
+        let logprobs = picked.scored.to_vec();
         // Once more, each sampled row drawn, every other one adjusted first.
         let draw = |i: usize| Pick::Draw(check_draw(i, step));
         let adjusts: Vec<Vec<Adjust>> = (inputs.iter().enumerate())
@@ -337,7 +371,15 @@ pub fn agreement(
             .collect();
         let drawn = cuda
             .step(
-                &lockstep(&dev_tables, &inputs, &positions, &rows, &draw, &adjusts),
+                &lockstep(
+                    &dev_tables,
+                    &inputs,
+                    &positions,
+                    &rows,
+                    &draw,
+                    &adjusts,
+                    None,
+                ),
                 &mut dev_pool,
             )
             .expect("a valid step");
@@ -376,7 +418,11 @@ pub fn agreement(
                 result.worst_relative = result.worst_relative.max(error);
                 result.rows += 1;
                 let theirs = argmax(b);
-                if picks.next() == Some(&((at - 1) as u32, theirs as u32)) {
+                let scores = logprobs.iter().find(|(r, _)| *r as usize == at - 1);
+                let want = Logprobs::of(b, theirs as u32, 5);
+                if picks.next() == Some(&((at - 1) as u32, theirs as u32))
+                    && scores.is_some_and(|(_, got)| logprobs_close(got, &want))
+                {
                     result.picks_agree += 1;
                 }
                 let mut adjusted = b.to_vec();
@@ -426,7 +472,15 @@ pub fn cpu_drift(model: &Arc<Model>, run: &AgreementRun<'_>) -> f32 {
         let (mut pool, tables) = pool_with_tables(model, kv, tokens, seqs, per_seq, None, false);
         let mut cpu = cpu_backend(model, run, Some(isa), tokens_max);
         cpu.step(
-            &lockstep(&tables, &inputs, &positions, &rows, &|_| Pick::Row, &[]),
+            &lockstep(
+                &tables,
+                &inputs,
+                &positions,
+                &rows,
+                &|_| Pick::Row,
+                &[],
+                None,
+            ),
             &mut pool,
         )
         .expect("a valid step")
@@ -561,6 +615,7 @@ fn prefill_run(
                 logits: usize::from(end == len),
                 pick: Pick::Row,
                 adjust: &[],
+                logprobs: None,
             };
             cuda.step(&[step], &mut pool).expect("a valid step");
         }
@@ -733,6 +788,7 @@ fn decode_run(
                 logits: 1,
                 pick,
                 adjust: &adjust[s],
+                logprobs: None,
             })
             .collect();
         if profile && i == warmup {
@@ -867,6 +923,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         logits: 1,
         pick: Pick::Row,
         adjust: &[],
+        logprobs: None,
     };
     cuda.step(&[step], &mut pool).expect("a valid step");
     let pages: Vec<PageId> = tables[0].handles().iter().map(|h| h.page).collect();
@@ -900,6 +957,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         logits: 1,
         pick: Pick::Row,
         adjust: &[],
+        logprobs: None,
     };
     let refused = cuda.step(&[stale_step], &mut pool).err();
     let ok = refused == Some(StepError::StaleHandle { index: 0 }) && device.launches() == before;
@@ -918,6 +976,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         logits: 1,
         pick: Pick::Row,
         adjust: &[],
+        logprobs: None,
     };
     let refused = cuda.step(&[foreign], &mut pool).err();
     let ok = refused == Some(StepError::StaleHandle { index: 0 }) && device.launches() == before;
@@ -969,6 +1028,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
             logits: 1,
             pick: Pick::Row,
             adjust: &[],
+            logprobs: None,
         };
         let _ = cuda.step(&[step], &mut shared);
     }));

@@ -291,6 +291,7 @@ args! {
         out: u64,
         draws: u64,
         adjusts: u64,
+        scores: u64,
         vocab: u32,
         unused: u32,
     }
@@ -361,7 +362,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<AttentionArgs>(), 128);
         assert_eq!(std::mem::size_of::<MergeArgs>(), 40);
         assert_eq!(std::mem::size_of::<DigestArgs>(), 48);
-        assert_eq!(std::mem::size_of::<PickArgs>(), 40);
+        assert_eq!(std::mem::size_of::<PickArgs>(), 48);
     }
 
     #[test]

@@ -66,7 +66,7 @@ use crate::kv::{PageLayout, Pool, StepView};
 use crate::model::{Activation, Matrix, Model, RopeStyle};
 use crate::quant::{ActivationFormat, GgmlType};
 use launch::*;
-use pack::{Counts, Packer, StepLayout};
+use pack::{Counts, Packer, StepLayout, SCORE_WORDS};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
@@ -239,6 +239,9 @@ struct Scratch {
     logits: DeviceBuffer,
     /// u32 `[rows]`: each row's token (`pick`: its draw's, or its argmax).
     picks: DeviceBuffer,
+    /// u32 `[rows][SCORE_WORDS]`: a picked row's log probabilities, where
+    /// its step asked for them.
+    scores: DeviceBuffer,
 }
 
 /// The device side of the step buffer and its layout, made at the first step.
@@ -284,6 +287,10 @@ pub struct CudaBackend {
     picks: Vec<(u32, u32)>,
     /// Host copy of the last step's picked rows' tokens.
     pick_ids: Vec<u32>,
+    /// The last step's picked rows' log probabilities, `(row, them)`, where
+    /// asked, and the host copy of their words.
+    scored: Vec<(u32, crate::backend::Logprobs)>,
+    score_words: Vec<u32>,
     /// Whether each sequence of the step being run has its sampled row
     /// picked on the device (as its [`SeqStep::pick`] asks, where its
     /// adjustments fit: [`Packer::logits`]).
@@ -472,6 +479,7 @@ impl CudaBackend {
             sums: zeroed(4 * t * wide / 16)?,
             logits: zeroed(4 * rows * vocab)?,
             picks: zeroed(4 * rows)?,
+            scores: zeroed(4 * rows * SCORE_WORDS as u64)?,
         };
         // Without it every read goes through `logits`, as fast as a
         // pageable read goes: not worth refusing the model for.
@@ -497,6 +505,8 @@ impl CudaBackend {
             pinned,
             picks: Vec::new(),
             pick_ids: Vec::new(),
+            scored: Vec::new(),
+            score_words: Vec::new(),
             picked_seqs: Vec::new(),
             fusions: Fusions::default(),
             decode_by_warps: true,
@@ -538,7 +548,7 @@ impl CudaBackend {
             + w.layers.iter().map(matrices).sum::<u64>()
             + [
                 &s.x, &s.xn, &s.q, &s.k, &s.v, &s.attn, &s.ffn, &s.qs, &s.qd, &s.sums, &s.logits,
-                &s.picks,
+                &s.picks, &s.scores,
             ]
             .iter()
             .map(|b| b.bytes())
@@ -620,7 +630,7 @@ impl CudaBackend {
             // The page ids the view checked, as far as the step reaches.
             let end = step.pos_start + step.tokens.len();
             packer.table(seq as u32, &view.page_ids(seq)[..end.div_ceil(page_tokens)]);
-            let picked = packer.logits(step.logits, step.pick, step.adjust);
+            let picked = packer.logits(step.logits, step.pick, step.adjust, step.logprobs);
             self.picked_seqs.push(picked);
             let pos0 = step.pos_start as u32;
             match step.tokens.len() {
@@ -1004,6 +1014,7 @@ impl CudaBackend {
             out: s.picks.at(0),
             draws: word(sl.draws),
             adjusts: word(sl.adjusts),
+            scores: s.scores.at(0),
             vocab,
             unused: 0,
         };
@@ -1154,15 +1165,34 @@ impl Backend for CudaBackend {
                 .read(4 * full as u64, le_bytes_mut(&mut self.pick_ids))
                 .map_err(Self::device_error)?;
         }
+        // Picked rows' log probabilities, where any step asked: the words
+        // of every picked row (a few hundred bytes each).
+        let scores = (steps.iter().zip(&self.picked_seqs)).any(|(s, &p)| p && s.logprobs.is_some());
+        self.score_words
+            .resize(if scores { picked * SCORE_WORDS } else { 0 }, 0);
+        if scores {
+            self.scratch
+                .scores
+                .read(
+                    (4 * SCORE_WORDS * full) as u64,
+                    le_bytes_mut(&mut self.score_words),
+                )
+                .map_err(Self::device_error)?;
+        }
         drop(view);
         self.picks.clear();
+        self.scored.clear();
         let mut row = 0;
-        let mut ids = self.pick_ids.iter();
+        let mut ids = self.pick_ids.iter().enumerate();
         for (s, &picked) in steps.iter().zip(&self.picked_seqs) {
             row += s.logits;
             if picked {
-                let id = *ids.next().expect("one id a picked row");
+                let (k, &id) = ids.next().expect("one id a picked row");
                 self.picks.push(((row - 1) as u32, id));
+                if s.logprobs.is_some() {
+                    let words = &self.score_words[k * SCORE_WORDS..(k + 1) * SCORE_WORDS];
+                    self.scored.push(((row - 1) as u32, scores_of(id, words)));
+                }
             }
         }
         let values = match &self.pinned {
@@ -1173,7 +1203,21 @@ impl Backend for CudaBackend {
             values,
             vocab_len: vocab,
             picks: &self.picks,
+            scored: &self.scored,
         })
+    }
+}
+
+/// Token `id`'s log probabilities from the words `pick` wrote for its row
+/// (see `SCORE_WORDS`).
+fn scores_of(id: u32, words: &[u32]) -> crate::backend::Logprobs {
+    let top = (words[1] as usize).min((words.len() - 2) / 2);
+    crate::backend::Logprobs {
+        token: id,
+        logprob: f32::from_bits(words[0]),
+        top: (0..top)
+            .map(|j| (words[2 + 2 * j], f32::from_bits(words[3 + 2 * j])))
+            .collect(),
     }
 }
 

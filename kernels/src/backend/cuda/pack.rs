@@ -21,6 +21,7 @@
 use super::launch::{AttnItem, ATTENTION_TILE, ITEM_WORDS, NO_SEQ};
 use super::{CudaOptions, SPLIT_POSITIONS};
 use crate::backend::adjust::ADJUST_WORDS;
+use crate::backend::logprobs::TOP_LOGPROBS_MAX;
 use crate::backend::{Adjust, Draw, Pick};
 use crate::kv::PageId;
 use crate::model::Model;
@@ -171,15 +172,27 @@ impl StepLayout {
 const COPY_GAP_WORDS: usize = 4096;
 
 /// Words of a row's draw in the step buffer (sample.cu's `DrawParams`):
-/// 1 / temperature, top-k, top-p and min-p, the uniform as an f64, then
-/// the first of the row's adjustments and their count.
-pub(super) const DRAW_WORDS: usize = 8;
+/// 1 / temperature, top-k, top-p and min-p, the uniform as an f64, the
+/// first of the row's adjustments and their count, then its log
+/// probabilities' ask (0 none, else 1 + the alternatives) and a spare word.
+pub(super) const DRAW_WORDS: usize = 10;
 
-/// A row's pick as `DrawParams` lays it out: its draw (none: its argmax)
-/// and `adjusts` entries from `adjust_at`.
-pub(super) fn draw_words(d: Option<&Draw>, adjust_at: u32, adjusts: u32) -> [u32; DRAW_WORDS] {
+/// Words of a row's log probabilities as `pick` writes them (sample.cu's
+/// `SCORE_WORDS`): the token's, the alternatives' count, then (id, log
+/// probability) each.
+pub(super) const SCORE_WORDS: usize = 2 + 2 * TOP_LOGPROBS_MAX;
+
+/// A row's pick as `DrawParams` lays it out: its draw (none: its argmax),
+/// `adjusts` entries from `adjust_at`, and its log probabilities' ask.
+pub(super) fn draw_words(
+    d: Option<&Draw>,
+    adjust_at: u32,
+    adjusts: u32,
+    logprobs: Option<u8>,
+) -> [u32; DRAW_WORDS] {
+    let scores = logprobs.map_or(0, |top| 1 + u32::from(top));
     let Some(d) = d else {
-        return [0, 0, 0, 0, 0, 0, adjust_at, adjusts];
+        return [0, 0, 0, 0, 0, 0, adjust_at, adjusts, scores, 0];
     };
     let u = d.u.to_bits();
     [
@@ -191,6 +204,8 @@ pub(super) fn draw_words(d: Option<&Draw>, adjust_at: u32, adjusts: u32) -> [u32
         (u >> 32) as u32,
         adjust_at,
         adjusts,
+        scores,
+        0,
     ]
 }
 
@@ -202,6 +217,7 @@ struct Picked {
     pick: Pick,
     adjust_at: u32,
     adjusts: u32,
+    logprobs: Option<u8>,
 }
 
 /// `ranges` in order, those that overlap or lie less than
@@ -306,10 +322,18 @@ impl<'a> Packer<'a> {
     /// first, its row gathered after every full row
     /// ([`Packer::picked_rows`]), so the full rows are one prefix of the
     /// logits, the only rows the step copies to the host. Returns whether
-    /// the row is picked on the device: not where its adjustments do not
-    /// fit in what the step buffer has left, or are not in ascending order
-    /// of distinct ids (the row is then a full one).
-    pub(super) fn logits(&mut self, rows: usize, pick: Pick, adjust: &[Adjust]) -> bool {
+    /// the row is picked on the device (with its log probabilities where
+    /// `logprobs` asks): not where its adjustments do not fit in what the
+    /// step buffer has left, or are not in ascending order of distinct ids,
+    /// or where it asks for log probabilities and adjustments both (the
+    /// row is then a full one).
+    pub(super) fn logits(
+        &mut self,
+        rows: usize,
+        pick: Pick,
+        adjust: &[Adjust],
+        logprobs: Option<u8>,
+    ) -> bool {
         let first = self.counts.tokens - rows as u32;
         // Entries of distinct ids in order: the kernel's threads adjust
         // them at once, each its own logit (a list in any other order is
@@ -318,7 +342,8 @@ impl<'a> Packer<'a> {
         let picked = pick.is_token()
             && rows > 0
             && adjust.len() as u64 <= room
-            && adjust.windows(2).all(|w| w[0].id < w[1].id);
+            && adjust.windows(2).all(|w| w[0].id < w[1].id)
+            && (logprobs.is_none() || adjust.is_empty());
         for token in first..self.counts.tokens - u32::from(picked) {
             self.gather(token);
         }
@@ -335,6 +360,7 @@ impl<'a> Packer<'a> {
                 pick,
                 adjust_at,
                 adjusts: self.adjusts - adjust_at,
+                logprobs,
             });
         }
         picked
@@ -348,14 +374,11 @@ impl<'a> Packer<'a> {
                 Pick::Draw(draw) => Some(draw),
                 _ => None,
             };
-            if draw.is_some() || p.adjusts > 0 {
+            if draw.is_some() || p.adjusts > 0 || p.logprobs.is_some() {
                 let at = self.layout.draws + (DRAW_WORDS as u64) * u64::from(self.counts.wanted);
                 let at = at as usize;
-                self.words[at..at + DRAW_WORDS].copy_from_slice(&draw_words(
-                    draw,
-                    p.adjust_at,
-                    p.adjusts,
-                ));
+                let words = draw_words(draw, p.adjust_at, p.adjusts, p.logprobs);
+                self.words[at..at + DRAW_WORDS].copy_from_slice(&words);
             }
             self.gather(p.token);
         }
@@ -532,7 +555,7 @@ mod tests {
             token_seq: region(512),
             seq_pages: region(128),
             gather: region(200),
-            draws: region(1600),
+            draws: region(2000),
             adjusts: region(256),
             pages: region(65_536),
             items: region(128_000),
@@ -560,7 +583,7 @@ mod tests {
         // splits of 32 a head, 3 merges.
         packer.token(7, 512, 0);
         packer.table(0, &[PageId(5); 33]);
-        assert!(packer.logits(1, Pick::Argmax, &[]));
+        assert!(packer.logits(1, Pick::Argmax, &[], None));
         packer.decode_items(0, 0, 512, 3);
         packer.picked_rows();
         let counts = packer.counts;
@@ -621,7 +644,7 @@ mod tests {
         let mut picked = Vec::new();
         for (seq, (pick, adjust)) in steps.into_iter().enumerate() {
             packer.token(seq as u32, 5, seq as u32);
-            picked.push(packer.logits(1, pick, adjust));
+            picked.push(packer.logits(1, pick, adjust, None));
         }
         packer.picked_rows();
         assert_eq!(picked, [true, true, false, false]);
@@ -640,8 +663,8 @@ mod tests {
                 .map(|i| word(l.draws, r * DRAW_WORDS + i))
                 .collect()
         };
-        assert_eq!(row(2), draw_words(None, 0, 2));
-        assert_eq!(row(3), draw_words(Some(&draw), 2, 1));
+        assert_eq!(row(2), draw_words(None, 0, 2, None));
+        assert_eq!(row(3), draw_words(Some(&draw), 2, 1, None));
         assert_eq!(f32::from_bits(row(3)[0]), 2.0);
         let entries: Vec<u32> = (0..3 * ADJUST_WORDS).map(|i| word(l.adjusts, i)).collect();
         let expected: Vec<u32> = [biased, banned, banned]
@@ -659,10 +682,20 @@ mod tests {
         let mut words = vec![0u32; layout.words as usize];
         let mut packer = Packer::new(&mut words, layout, 2);
         packer.token(0, 5, 0);
-        assert!(!packer.logits(1, Pick::Argmax, &[biased, Adjust::none(2)]));
+        assert!(!packer.logits(1, Pick::Argmax, &[biased, Adjust::none(2)], None));
         packer.token(1, 5, 1);
-        assert!(!packer.logits(1, Pick::Draw(draw), &[banned, banned]));
+        assert!(!packer.logits(1, Pick::Draw(draw), &[banned, banned], None));
+        // Log probabilities with adjustments: the host's (the device's are
+        // of the row before them); without, the device's.
+        packer.token(2, 5, 2);
+        assert!(!packer.logits(1, Pick::Argmax, &[banned], Some(3)));
         assert_eq!(packer.adjusts, 0);
+        packer.token(3, 5, 3);
+        assert!(packer.logits(1, Pick::Argmax, &[], Some(3)));
+        packer.picked_rows();
+        let at = (layout.draws + 3 * DRAW_WORDS as u64) as usize;
+        assert_eq!(words[at..at + DRAW_WORDS], draw_words(None, 0, 0, Some(3)));
+        assert_eq!(words[at + 8], 4);
     }
 
     #[test]

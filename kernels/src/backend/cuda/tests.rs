@@ -19,7 +19,7 @@
 use super::device::{Device, DeviceBuffer, Geometry};
 use super::emulator::Emulator;
 use super::launch::*;
-use super::pack::{decode_span, decode_splits_max, draw_words, DRAW_WORDS};
+use super::pack::{decode_span, decode_splits_max, draw_words, DRAW_WORDS, SCORE_WORDS};
 use super::storage::DeviceStorage;
 use super::{attention_rows, CudaBackend, CudaOptions, Fusions, SPLIT_POSITIONS};
 use crate::backend::adjust::ADJUST_WORDS;
@@ -564,6 +564,7 @@ fn argmax_picks_each_rows_id_as_the_cpus_argmax_does() {
         out: out.at(0),
         draws: 0,
         adjusts: 0,
+        scores: 0,
         vocab: vocab as u32,
         unused: 0,
     };
@@ -587,29 +588,39 @@ fn device_draws(
     vocab: usize,
     rows: &[(Vec<f32>, Option<Draw>)],
 ) -> Vec<u32> {
-    let rows: Vec<(Vec<f32>, Option<Draw>, Vec<Adjust>)> = rows
+    let rows: Vec<PickCase> = rows
         .iter()
-        .map(|(row, draw)| (row.clone(), *draw, Vec::new()))
+        .map(|(row, draw)| (row.clone(), *draw, Vec::new(), None))
         .collect();
     device_picks(device, vocab, &rows).0
 }
 
-/// Each row's token picked on the device after its adjustments, and the
-/// rows as the device left them (adjusted where they lay).
+/// A row to pick on the device: its logits, its draw (none: its argmax),
+/// its adjustments, and the log probabilities it asks for.
+type PickCase = (Vec<f32>, Option<Draw>, Vec<Adjust>, Option<u8>);
+
+/// Each row's token picked on the device after its adjustments, the rows
+/// as the device left them (adjusted where they lay), and each row's log
+/// probabilities where it asked for them.
 fn device_picks(
     device: &Arc<dyn Device>,
     vocab: usize,
-    rows: &[(Vec<f32>, Option<Draw>, Vec<Adjust>)],
-) -> (Vec<u32>, Vec<f32>) {
+    rows: &[PickCase],
+) -> (Vec<u32>, Vec<f32>, Vec<Option<crate::backend::Logprobs>>) {
     let flat: Vec<f32> = rows
         .iter()
-        .flat_map(|(row, _, _)| row.iter().copied())
+        .flat_map(|(row, ..)| row.iter().copied())
         .collect();
     let (mut words, mut entries) = (Vec::new(), Vec::new());
-    for (_, draw, adjust) in rows {
+    for (_, draw, adjust, logprobs) in rows {
         let at = (entries.len() / ADJUST_WORDS) as u32;
         entries.extend(adjust.iter().flat_map(|a| a.words().unwrap()));
-        words.extend(draw_words(draw.as_ref(), at, adjust.len() as u32));
+        words.extend(draw_words(
+            draw.as_ref(),
+            at,
+            adjust.len() as u32,
+            *logprobs,
+        ));
     }
     entries.push(0); // never an empty buffer
     let bytes = |words: &[u32]| -> Vec<u8> { words.iter().flat_map(|w| w.to_le_bytes()).collect() };
@@ -617,11 +628,13 @@ fn device_picks(
     let draws = DeviceBuffer::from_bytes(device, &bytes(&words)).unwrap();
     let adjusts = DeviceBuffer::from_bytes(device, &bytes(&entries)).unwrap();
     let out = DeviceBuffer::zeroed(device, 4 * rows.len() as u64).unwrap();
+    let scores = DeviceBuffer::zeroed(device, (4 * SCORE_WORDS * rows.len()) as u64).unwrap();
     let args = PickArgs {
         logits: logits.at(0),
         out: out.at(0),
         draws: draws.at(0),
         adjusts: adjusts.at(0),
+        scores: scores.at(0),
         vocab: vocab as u32,
         unused: 0,
     };
@@ -636,7 +649,104 @@ fn device_picks(
             .collect()
     };
     let after = words(&after).into_iter().map(f32::from_bits).collect();
-    (words(&picked), after)
+    let picked = words(&picked);
+    let mut scored = vec![0u8; 4 * SCORE_WORDS * rows.len()];
+    scores.read(0, &mut scored).unwrap();
+    let scored = words(&scored);
+    let scored = (rows.iter().enumerate())
+        .map(|(i, (.., logprobs))| {
+            logprobs.map(|_| {
+                super::scores_of(picked[i], &scored[i * SCORE_WORDS..(i + 1) * SCORE_WORDS])
+            })
+        })
+        .collect();
+    (picked, after, scored)
+}
+
+#[test]
+fn a_picked_rows_log_probabilities_on_the_device_are_the_hosts() {
+    use crate::backend::Logprobs;
+    let device = emulator(37);
+    let mut rng = SplitMix64(41);
+    let vocab = 1000usize;
+    let mut rows: Vec<PickCase> = Vec::new();
+    let draw = |rng: &mut SplitMix64| Draw {
+        inv_t: 1.0,
+        top_k: 0,
+        top_p: 0.9,
+        min_p: 0.0,
+        u: rng.next_f64(),
+    };
+    for (n, top) in [0u8, 1, 5, 20].into_iter().enumerate() {
+        for levels in [0u64, 4] {
+            // Continuous logits, and logits of four levels (ties at every
+            // place in the top list).
+            let row: Vec<f32> = (0..vocab)
+                .map(|_| match levels {
+                    0 => (rng.next_f64() * 30.0 - 15.0) as f32,
+                    l => (rng.next_u64() % l) as f32 * 0.5,
+                })
+                .collect();
+            let drawn = (n % 2 == 1).then(|| draw(&mut rng));
+            rows.push((row, drawn, Vec::new(), Some(top)));
+        }
+    }
+    // A NaN among them, infinities, a row of -inf; one that asks nothing.
+    let mut with = |at: &[(usize, f32)]| {
+        let mut row: Vec<f32> = (0..vocab).map(|_| rng.next_f64() as f32).collect();
+        for &(i, v) in at {
+            row[i] = v;
+        }
+        row
+    };
+    rows.push((with(&[(7, f32::NAN)]), None, Vec::new(), Some(5)));
+    rows.push((with(&[(3, f32::INFINITY)]), None, Vec::new(), Some(5)));
+    rows.push((with(&[(9, f32::NEG_INFINITY)]), None, Vec::new(), Some(5)));
+    rows.push((vec![f32::NEG_INFINITY; vocab], None, Vec::new(), Some(3)));
+    rows.push((with(&[]), None, Vec::new(), None));
+    let (picks, _, scored) = device_picks(&device, vocab, &rows);
+    let close = |a: f32, b: f32| {
+        (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() <= 1e-5 * b.abs().max(1.0)
+    };
+    for (i, ((row, .., logprobs), scored)) in rows.iter().zip(&scored).enumerate() {
+        let Some(top) = logprobs else {
+            assert!(scored.is_none(), "row {i} asked for none");
+            continue;
+        };
+        let want = Logprobs::of(row, picks[i], usize::from(*top));
+        let got = scored.as_ref().expect("asked for");
+        assert_eq!(got.token, want.token, "row {i}");
+        assert!(
+            close(got.logprob, want.logprob),
+            "row {i}: {got:?} vs {want:?}"
+        );
+        let ids = |l: &Logprobs| l.top.iter().map(|&(id, _)| id).collect::<Vec<_>>();
+        assert_eq!(ids(got), ids(&want), "row {i}");
+        for (&(_, g), &(_, w)) in got.top.iter().zip(&want.top) {
+            assert!(close(g, w), "row {i}: {g} vs {w}");
+        }
+    }
+    // The cases mean what they say: 20 alternatives, ties in order.
+    let tied = scored[7].as_ref().unwrap();
+    assert_eq!(tied.top.len(), 20);
+    assert!(tied
+        .top
+        .windows(2)
+        .any(|w| w[0].1 == w[1].1 && w[0].0 < w[1].0));
+    // SmolLM2's vocabulary, its 20 likeliest.
+    let vocab = 49152;
+    let row: Vec<f32> = (0..vocab)
+        .map(|_| (rng.next_f64() * 20.0 - 10.0) as f32)
+        .collect();
+    let cases = [(row, Some(draw(&mut rng)), Vec::new(), Some(20))];
+    let (picks, _, scored) = device_picks(&device, vocab, &cases);
+    let want = Logprobs::of(&cases[0].0, picks[0], 20);
+    let got = scored[0].as_ref().unwrap();
+    assert_eq!(
+        got.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+        want.top.iter().map(|t| t.0).collect::<Vec<_>>()
+    );
+    assert!(close(got.logprob, want.logprob));
 }
 
 #[test]
@@ -670,7 +780,7 @@ fn an_adjusted_row_on_the_device_is_the_hosts_adjusted_row_and_picks_its_token()
         ids.sort_unstable();
         ids.into_iter().map(|id| f(id, rng)).collect::<Vec<_>>()
     };
-    let mut rows: Vec<(Vec<f32>, Option<Draw>, Vec<Adjust>)> = Vec::new();
+    let mut rows: Vec<PickCase> = Vec::new();
     for pick in 0..2 {
         let draw = |rng: &mut SplitMix64| if pick == 0 { greedy } else { drawn(rng) };
         // Repetition over many tokens (either sign of logit), then a
@@ -699,7 +809,7 @@ fn an_adjusted_row_on_the_device_is_the_hosts_adjusted_row_and_picks_its_token()
         });
         for adjust in [repetition, penalties, everything] {
             let row = random_row(&mut rng);
-            rows.push((row, draw(&mut rng), adjust));
+            rows.push((row, draw(&mut rng), adjust, None));
         }
         // The row's likeliest banned: the next likeliest wins.
         let row = random_row(&mut rng);
@@ -708,7 +818,7 @@ fn an_adjusted_row_on_the_device_is_the_hosts_adjusted_row_and_picks_its_token()
             ban: true,
             ..Adjust::none(best)
         }];
-        rows.push((row, draw(&mut rng), ban));
+        rows.push((row, draw(&mut rng), ban, None));
         // A bias of +100 forces a token; ids past the vocabulary change
         // nothing; every token banned: the argmax of -inf, token 0.
         let row = random_row(&mut rng);
@@ -722,21 +832,21 @@ fn an_adjusted_row_on_the_device_is_the_hosts_adjusted_row_and_picks_its_token()
                 ..Adjust::none(vocab as u32 + 5)
             },
         ];
-        rows.push((row, draw(&mut rng), forced));
+        rows.push((row, draw(&mut rng), forced, None));
         let all = (0..vocab as u32)
             .map(|id| Adjust {
                 ban: true,
                 ..Adjust::none(id)
             })
             .collect();
-        rows.push((random_row(&mut rng), draw(&mut rng), all));
+        rows.push((random_row(&mut rng), draw(&mut rng), all, None));
         // No adjustment: the row as it was.
-        rows.push((random_row(&mut rng), draw(&mut rng), Vec::new()));
+        rows.push((random_row(&mut rng), draw(&mut rng), Vec::new(), None));
     }
-    let (picks, after) = device_picks(&device, vocab, &rows);
+    let (picks, after, _) = device_picks(&device, vocab, &rows);
     let mut candidates = Vec::new();
     let mut moved = 0;
-    for (i, ((row, draw, list), &got)) in rows.iter().zip(&picks).enumerate() {
+    for (i, ((row, draw, list, _), &got)) in rows.iter().zip(&picks).enumerate() {
         let mut adjusted = row.clone();
         crate::backend::adjust::adjust(&mut adjusted, list);
         // Bit for bit, the row the host adjusts.
@@ -1242,6 +1352,7 @@ fn run_bits(spec: &TinySpec, kv_type: KvType, fusions: Fusions) -> (Vec<u32>, Ve
                     logits: len.min(2),
                     pick: Pick::Row,
                     adjust: &[],
+                    logprobs: None,
                 }
             })
             .collect();
@@ -1376,6 +1487,7 @@ fn a_decode_steps_rows_are_read_into_page_locked_memory_and_more_rows_are_not() 
                     logits: rows,
                     pick: Pick::Row,
                     adjust: &[],
+                    logprobs: None,
                 })
                 .collect();
             let logits = cuda.step(&steps, &mut pool).unwrap();
@@ -1429,6 +1541,7 @@ fn a_host_pool_is_refused_by_the_cuda_backend() {
         logits: 1,
         pick: Pick::Row,
         adjust: &[],
+        logprobs: None,
     };
     assert_eq!(
         cuda.step(&[step], &mut pool).err().unwrap(),
@@ -2013,6 +2126,7 @@ fn a_local_layer_reads_no_position_before_its_window() {
             logits: 1,
             pick: Pick::Row,
             adjust: &[],
+            logprobs: None,
         };
         backend.step(&[step(&prompt_tokens, 0)], &mut pool).unwrap();
         if poisoned {
@@ -2071,6 +2185,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
             logits: 0,
             pick: Pick::Row,
             adjust: &[],
+            logprobs: None,
         },
         SeqStep {
             pages: &tables[1],
@@ -2079,6 +2194,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
             logits: 1,
             pick: Pick::Row,
             adjust: &[],
+            logprobs: None,
         },
     ];
     let view = pool.step_view(&[&tables[0], &tables[1]]).unwrap();
@@ -2154,6 +2270,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
         logits: 1,
         pick: Pick::Row,
         adjust: &[],
+        logprobs: None,
     }];
     let view = pool.step_view(&[&tables[0]]).unwrap();
     let bucket = cuda.graph_bucket(&steps).unwrap();
@@ -2211,6 +2328,7 @@ fn past_a_step_the_devices_step_buffer_holds_that_step_alone() {
                 logits: 1,
                 pick: Pick::Row,
                 adjust: &[],
+                logprobs: None,
             },
             SeqStep {
                 pages: &tables[1],
@@ -2219,6 +2337,7 @@ fn past_a_step_the_devices_step_buffer_holds_that_step_alone() {
                 logits: 1,
                 pick: Pick::Argmax,
                 adjust: &[],
+                logprobs: None,
             },
         ];
         let small = |pos| {
@@ -2229,6 +2348,7 @@ fn past_a_step_the_devices_step_buffer_holds_that_step_alone() {
                 logits: 1,
                 pick: Pick::Argmax,
                 adjust: &[],
+                logprobs: None,
             }]
         };
         let mut nonzero_words = Vec::new();
