@@ -12,8 +12,9 @@ store on loopback ports, and checks, as rows of the check's table:
 - a greedy completion and a streamed chat completion come back whole
   (status 200, the tokens asked for, a finish reason), with their time, a
   greedy completion under penalties, biases and min_tokens (adjusted on the
-  device on a GPU) too, and a seeded sampled completion twice the same
-  (drawn on the device on a GPU);
+  device on a GPU) too, one with log probabilities (computed on the device
+  on a GPU), and a seeded sampled completion twice the same (drawn on the
+  device on a GPU);
 - the greedy completions' texts, plain and adjusted, on the GPU against the
   CPU's (the same random model; a difference is shown, not failed: a near
   tie may part them, and the kernels' agreement rows are the numeric check).
@@ -232,6 +233,29 @@ def serve(folder, backend):
                 f"status {status}: {body[:200]}",
                 False,
             )
+        # Greedy with log probabilities: on a GPU they come with each token,
+        # computed where the row lies.
+        status, body = call(
+            server.port,
+            "/v1/completions",
+            {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "logprobs": 3},
+            KEY,
+        )
+        scored = None
+        if status == 200:
+            reply = json.loads(body)
+            choice = reply["choices"][0]
+            lp = choice.get("logprobs") or {}
+            tops = lp.get("top_logprobs") or []
+            scored = lp.get("token_logprobs") or []
+            whole = len(scored) == reply["usage"]["completion_tokens"] == TOKENS and all(len(t) == 3 for t in tops)
+            row(
+                f"server ({placed}): greedy completion with log probabilities",
+                f"{len(scored)} tokens' log probabilities, {len(tops)} lists of alternatives; the text as without: {choice['text'] == text}",
+                whole and len(tops) == TOKENS and choice["text"] == text,
+            )
+        else:
+            row(f"server ({placed}): greedy completion with log probabilities", f"status {status}: {body[:200]}", False)
         # A sampled completion, twice with one seed: on a GPU its tokens are
         # drawn on the device (temperature, top-p), and a seed repeats.
         sampled = {

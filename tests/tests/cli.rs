@@ -358,6 +358,7 @@ fn the_gpu_checks_server_part_serves_and_says_when_auto_chose_no_gpu() {
         "| server --backend cpu: starts | ready in",
         "| server (cpu): greedy completion | 32 tokens in",
         "| server (cpu): greedy completion under penalties, biases and min_tokens | 32 tokens,",
+        "| server (cpu): greedy completion with log probabilities | 32 tokens' log probabilities, 32 lists",
         "| server (cpu): streamed chat completion | status 200,",
         "| server (cpu): a seeded sampled completion, twice | status [200, 200],",
     ] {
