@@ -13,11 +13,13 @@ store on loopback ports, and checks, as rows of the check's table:
   (status 200, the tokens asked for, a finish reason), with their time, a
   greedy completion under penalties, biases and min_tokens (adjusted on the
   device on a GPU) too, one with log probabilities (computed on the device
-  on a GPU), and a seeded sampled completion twice the same (drawn on the
-  device on a GPU);
-- the greedy completions' texts, plain and adjusted, on the GPU against the
-  CPU's (the same random model; a difference is shown, not failed: a near
-  tie may part them, and the kernels' agreement rows are the numeric check).
+  on a GPU), a seeded sampled completion twice the same (drawn on the
+  device on a GPU), and the prompt scored (`echo`, `max_tokens` 0; each
+  position's row scored on the device on a GPU);
+- the greedy completions' texts, plain and adjusted, and the prompt's log
+  probabilities on the GPU against the CPU's (the same random model; a
+  difference is shown, not failed: a near tie may part them, and the
+  kernels' agreement rows are the numeric check).
 
 Without a GPU, `auto` serves on the CPU and its first row fails, saying so;
 `cpu` alone runs the flow anywhere (`scripts/gpu_server_check.py cpu`).
@@ -25,6 +27,7 @@ Standard library only: the GPU machine has no package registry.
 """
 
 import json
+import math
 import os
 import re
 import socket
@@ -256,6 +259,39 @@ def serve(folder, backend):
             )
         else:
             row(f"server ({placed}): greedy completion with log probabilities", f"status {status}: {body[:200]}", False)
+        # The prompt scored (echo, nothing generated): on a GPU each
+        # position's row is scored for the prompt's next token where it lies,
+        # and only its scores cross to the host.
+        status, body = call(
+            server.port,
+            "/v1/completions",
+            {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 2},
+            KEY,
+        )
+        prompt_scores = None
+        if status == 200:
+            reply = json.loads(body)
+            lp = reply["choices"][0].get("logprobs") or {}
+            scores = lp.get("token_logprobs") or []
+            tops = lp.get("top_logprobs") or []
+            prompt_tokens = reply["usage"]["prompt_tokens"]
+            # The first token has no position before it to score it.
+            rest, rest_tops = scores[1:], tops[1:]
+            fine = (
+                len(scores) == prompt_tokens > 1
+                and scores[0] is None
+                and all(isinstance(x, (int, float)) and math.isfinite(x) and x <= 0 for x in rest)
+                # The two likeliest, and the prompt's token where it is not one.
+                and all(2 <= len(t) <= 3 for t in rest_tops)
+            )
+            prompt_scores = rest
+            row(
+                f"server ({placed}): prompt scored (echo, max_tokens 0)",
+                f"{len(rest)} of {prompt_tokens} prompt tokens scored, {len(rest_tops)} lists of alternatives",
+                fine,
+            )
+        else:
+            row(f"server ({placed}): prompt scored (echo, max_tokens 0)", f"status {status}: {body[:200]}", False)
         # A sampled completion, twice with one seed: on a GPU its tokens are
         # drawn on the device (temperature, top-p), and a seed repeats.
         sampled = {
@@ -293,7 +329,9 @@ def serve(folder, backend):
         )
         if "panicked" in server.stderr():
             row(f"server ({placed}): log", "a panic was logged", False)
-        return None if text is None or adjusted_text is None else (text, adjusted_text)
+        if text is None or adjusted_text is None or prompt_scores is None:
+            return None
+        return (text, adjusted_text, prompt_scores)
     finally:
         server.stop()
 
@@ -319,6 +357,12 @@ def main():
                 "the same" if x == y else f"parts at character {where} (a near tie, or a difference: see the agreement rows)",
                 None,
             )
+        worst = max((abs(x - y) for x, y in zip(ta[2], tb[2])), default=0.0)
+        row(
+            f"server: prompt log probabilities, {a} against {b}",
+            f"{len(ta[2])} tokens, largest difference {worst:.2e}",
+            None,
+        )
     failed = sum(1 for r in rows if r.endswith("| FAIL |"))
     print()
     print(f"server: {failed} checks failed")

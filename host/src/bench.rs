@@ -16,7 +16,7 @@ use crate::engine::build::{self, EngineSpec};
 use crate::engine::generate::{PAGE_TOKENS, PREFILL_CHUNK_TOKENS};
 use anyhow::{ensure, Result};
 use bulkhead_kernels::backend::cpu::CpuBackend;
-use bulkhead_kernels::backend::{Backend, Pick, SeqStep};
+use bulkhead_kernels::backend::{Backend, Pick, PromptScores, SeqStep};
 use bulkhead_kernels::kv::{OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer};
@@ -196,6 +196,7 @@ fn feed(
             pick: Pick::Row,
             adjust: &[],
             logprobs: None,
+            scores: PromptScores::NONE,
         };
         engine.backend.step(&[step], pool)?;
         pos += piece.len();
@@ -247,6 +248,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
                 pick: Pick::Row,
                 adjust: &[],
                 logprobs: None,
+                scores: PromptScores::NONE,
             })
             .collect();
         engine.backend.step(&warm, &mut pool)?;
@@ -262,6 +264,7 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
                     pick: Pick::Row,
                     adjust: &[],
                     logprobs: None,
+                    scores: PromptScores::NONE,
                 })
                 .collect();
             engine.backend.step(&steps, &mut pool)?;
@@ -342,6 +345,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             pick: Pick::Row,
             adjust: &[],
             logprobs: None,
+            scores: PromptScores::NONE,
         };
         let logits = engine.backend.step(&[step], &mut pool)?;
         let row = logits.row(0).to_vec();
@@ -364,6 +368,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
                     pick: Pick::Row,
                     adjust: &[],
                     logprobs: None,
+                    scores: PromptScores::NONE,
                 })
                 .collect();
             let started = Instant::now();

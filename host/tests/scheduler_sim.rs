@@ -1509,13 +1509,16 @@ fn a_prompts_log_probabilities_are_each_prefixs_next_token_distribution() {
 }
 
 /// The CPU backend giving each row wanted for its token (greedy or drawn)
-/// as that token alone, as the CUDA backend does (`on`), or every row in full.
+/// as that token alone, and each prompt row wanted for its score as that
+/// score alone, as the CUDA backend does (`on`), or every row in full.
 struct Picking {
     inner: bulkhead_kernels::backend::cpu::CpuBackend,
     on: bool,
     values: Vec<f32>,
     picks: Vec<(u32, u32)>,
     picked: usize,
+    /// Prompt rows given as their scores alone.
+    prompt_scored: usize,
     candidates: Vec<(u32, f32)>,
     /// A picked row, adjusted as its step says.
     adjusted: Vec<f32>,
@@ -1542,6 +1545,7 @@ impl bulkhead_kernels::backend::Backend for Picking {
     ) -> Result<bulkhead_kernels::backend::Logits<'_>, bulkhead_kernels::backend::StepError> {
         let logits = self.inner.step(steps, pool)?;
         let vocab_len = logits.vocab_len;
+        let prompt_scored_before = self.prompt_scored;
         self.values.clear();
         self.picks.clear();
         self.scored.clear();
@@ -1549,6 +1553,15 @@ impl bulkhead_kernels::backend::Backend for Picking {
         for step in steps {
             for r in 0..step.logits {
                 let i = row + r;
+                if let Some(&target) = step.scores.targets.get(r).filter(|_| self.on) {
+                    let top = usize::from(step.scores.top);
+                    let scored =
+                        bulkhead_kernels::backend::Logprobs::of(logits.row(i), target, top);
+                    self.picks.push((i as u32, target));
+                    self.scored.push((i as u32, scored));
+                    self.prompt_scored += 1;
+                    continue;
+                }
                 // As a GPU picks: the row adjusted where it lies, then its
                 // argmax or draw.
                 let row = &mut self.adjusted;
@@ -1577,7 +1590,7 @@ impl bulkhead_kernels::backend::Backend for Picking {
             }
             row += step.logits;
         }
-        self.picked += self.picks.len();
+        self.picked += self.picks.len() - (self.prompt_scored - prompt_scored_before);
         Ok(bulkhead_kernels::backend::Logits {
             values: &self.values,
             vocab_len,
@@ -1604,6 +1617,13 @@ fn rows_given_as_their_tokens_say_what_full_rows_say() {
         },
         SamplingParams {
             prompt_logprobs: Some(1),
+            ..SamplingParams::default()
+        },
+        SamplingParams {
+            prompt_logprobs: Some(3),
+            logprobs: Some(1),
+            temperature: 0.7,
+            seed: 9,
             ..SamplingParams::default()
         },
         SamplingParams {
@@ -1639,7 +1659,7 @@ fn rows_given_as_their_tokens_say_what_full_rows_say() {
         },
         SamplingParams::default(),
     ];
-    let run = |on: bool| -> (Vec<Vec<Event>>, usize) {
+    let run = |on: bool| -> (Vec<Vec<Event>>, usize, usize) {
         let spec = EngineSpec {
             pool_pages: 64,
             page_tokens: PAGE_TOKENS,
@@ -1659,6 +1679,7 @@ fn rows_given_as_their_tokens_say_what_full_rows_say() {
             values: Vec::new(),
             picks: Vec::new(),
             picked: 0,
+            prompt_scored: 0,
             candidates: Vec::new(),
             adjusted: Vec::new(),
             scored: Vec::new(),
@@ -1711,11 +1732,12 @@ fn rows_given_as_their_tokens_say_what_full_rows_say() {
             .iter_mut()
             .map(|rx| std::iter::from_fn(|| rx.try_recv().ok()).collect())
             .collect();
-        (events, scheduler.backend().picked)
+        let backend = scheduler.backend();
+        (events, backend.picked, backend.prompt_scored)
     };
-    let (rows, none) = run(false);
-    let (picked, picks) = run(true);
-    assert_eq!(none, 0);
+    let (rows, none, none_scored) = run(false);
+    let (picked, picks, prompt_scored) = run(true);
+    assert_eq!((none, none_scored), (0, 0));
     assert_eq!(picked, rows, "the same events, token for token");
     for events in &rows {
         assert!(matches!(
@@ -1729,5 +1751,16 @@ fn rows_given_as_their_tokens_say_what_full_rows_say() {
     // Every token of every request: the adjusted ones' too, their
     // adjustments made where the row lies, and the one asking for log
     // probabilities, which come with its tokens.
-    assert_eq!(picks, 10 * 10, "tokens picked by the backend");
+    assert_eq!(picks, 11 * 10, "tokens picked by the backend");
+    // And the two prompts scored (7 and 8 tokens: 6 and 7 rows, each
+    // scoring the token after it), by the backend alone.
+    assert_eq!(prompt_scored, 6 + 7, "prompt rows scored by the backend");
+    let prompt_logprobs = |events: &[Event]| {
+        events
+            .iter()
+            .filter(|e| matches!(e, Event::PromptLogprob(_)))
+            .count()
+    };
+    assert_eq!(prompt_logprobs(&picked[2]), 6);
+    assert_eq!(prompt_logprobs(&picked[3]), 7);
 }

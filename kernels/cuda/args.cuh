@@ -253,7 +253,8 @@ struct DrawParams {
     uint32_t adjust_at;
     uint32_t adjust_count;
     uint32_t top_logprobs;  // 0: none; else 1 + the alternatives wanted
-    uint32_t unused;
+    uint32_t target;        // 0: the row's token is picked; else 1 + the
+                            // token a prompt's row is scored for (nothing picked)
 };
 
 // One token's adjustment (backend::Adjust): repetition (1: none), then

@@ -472,12 +472,24 @@ KERNEL_THREADS(pick, PickArgs, PICK_BLOCK) {
     p.inv_t = 0.0f;
     p.adjust_count = 0;
     p.top_logprobs = 0;
+    p.target = 0;
     if (a.draws) p = reinterpret_cast<const DrawParams*>(a.draws)[blockIdx.x];
     // The row's own log probabilities, before any adjustment (the packer
     // sends no row that asks for both).
     uint32_t* scores = reinterpret_cast<uint32_t*>(a.scores) + uint64_t(blockIdx.x) * SCORE_WORDS;
     float log_z = 0.0f;
     if (p.top_logprobs > 0) log_z = score_row(row, a.vocab, p.top_logprobs - 1, scores);
+    if (p.target > 0) {
+        // A prompt's row, scored for the token after its position (checked
+        // against the vocabulary before the step): that token is its "pick".
+        uint32_t id = p.target - 1;
+        if (threadIdx.x == 0) {
+            reinterpret_cast<uint32_t*>(a.out)[blockIdx.x] = id;
+            float logprob = id < a.vocab ? row[id] - log_z : f32_of_bits(0x7fc00000u);
+            memcpy(&scores[0], &logprob, 4);
+        }
+        return;
+    }
     if (p.adjust_count > 0) {
         // In place: a picked row's logits are scratch no one reads after,
         // and its entries name distinct tokens (the packer sends no other

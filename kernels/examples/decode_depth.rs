@@ -10,7 +10,7 @@
 //! cost, not a model's output.
 
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
-use bulkhead_kernels::backend::{Backend, Pick, SeqStep};
+use bulkhead_kernels::backend::{Backend, Pick, PromptScores, SeqStep};
 use bulkhead_kernels::kv::{KvType, OwnerTag, PartitionConfig, Pool, PoolOptions, SeqId};
 use bulkhead_kernels::model::Model;
 use std::path::PathBuf;
@@ -94,6 +94,7 @@ fn main() {
                 pick: Pick::Row,
                 adjust: &[],
                 logprobs: None,
+                scores: PromptScores::NONE,
             };
             backend.step(&[step], &mut pool).expect("step");
         }

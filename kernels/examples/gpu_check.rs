@@ -380,9 +380,10 @@ fn agreement_rows(
             let pass = a.greedy_agree + a.near_ties == a.rows
                 && a.picks_agree == a.rows
                 && a.draws_agree == a.rows
+                && a.prompt_scores_agree == a.scored_rows
                 && a.worst_relative.max(a.worst_relative_scored) <= bound;
             let result = format!(
-                "max rel err {:.2e} ({} earlier prompt rows {:.2e}; bound {:.1e}, the CPU's own drift {:.1e}, {:?} vs portable); greedy {}/{} agree, {} near ties; device picks with log probabilities {}/{}, draws {}/{} ({} seqs, {} decode tokens; {:.1} s)",
+                "max rel err {:.2e} ({} earlier prompt rows {:.2e}; bound {:.1e}, the CPU's own drift {:.1e}, {:?} vs portable); greedy {}/{} agree, {} near ties; device picks with log probabilities {}/{}, draws {}/{}, prompt rows scored {}/{} ({} seqs, {} decode tokens; {:.1} s)",
                 a.worst_relative,
                 a.scored_rows,
                 a.worst_relative_scored,
@@ -396,6 +397,8 @@ fn agreement_rows(
                 a.rows,
                 a.draws_agree,
                 a.rows,
+                a.prompt_scores_agree,
+                a.scored_rows,
                 prompts.len(),
                 decode,
                 start.elapsed().as_secs_f64()

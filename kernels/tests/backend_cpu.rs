@@ -3,7 +3,7 @@
 //! touch the pool.
 
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
-use bulkhead_kernels::backend::{Backend, Pick, SeqStep, StepError};
+use bulkhead_kernels::backend::{Backend, Pick, PromptScores, SeqStep, StepError};
 use bulkhead_kernels::gguf::Gguf;
 use bulkhead_kernels::kv::{
     KvType, OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId,
@@ -82,6 +82,7 @@ fn run_chunked(
             pick: Pick::Row,
             adjust: &[],
             logprobs: None,
+            scores: PromptScores::NONE,
         };
         let logits = backend.step(&[step], pool).expect("valid step");
         if logits.rows_count() == 1 {
@@ -148,6 +149,7 @@ fn a_batch_gives_each_sequence_what_it_gets_alone() {
             pick: Pick::Row,
             adjust: &[],
             logprobs: None,
+            scores: PromptScores::NONE,
         },
         SeqStep {
             pages: &tb,
@@ -157,6 +159,7 @@ fn a_batch_gives_each_sequence_what_it_gets_alone() {
             pick: Pick::Row,
             adjust: &[],
             logprobs: None,
+            scores: PromptScores::NONE,
         },
     ];
     let logits = b.step(&steps, &mut p).unwrap();
@@ -191,6 +194,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
             pick: Pick::Row,
             adjust: &[],
             logprobs: None,
+            scores: PromptScores::NONE,
         };
         oracle.push(b.step(&[step], &mut p).unwrap().row(0).to_vec());
     }
@@ -217,6 +221,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                     pick: Pick::Row,
                     adjust: &[],
                     logprobs: None,
+                    scores: PromptScores::NONE,
                 },
                 SeqStep {
                     pages: &ta,
@@ -226,6 +231,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                     pick: Pick::Row,
                     adjust: &[],
                     logprobs: None,
+                    scores: PromptScores::NONE,
                 },
             ];
             let logits = b.step(&steps, &mut p).unwrap();
@@ -263,6 +269,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 pick: Pick::Row,
                 adjust: &[],
                 logprobs: None,
+                scores: PromptScores::NONE,
             }],
             &mut p,
         )
@@ -277,6 +284,55 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
         }
     );
     assert_eq!(error.sequence(), Some(0));
+    // Rows scored for a prompt's tokens: no more than the rows asked for,
+    // never the sampled one, each target in the vocabulary.
+    let targets = [5u32, 6, 7];
+    let mut scored = |logits: usize, pick: Pick, targets: &[u32]| -> StepError {
+        let step = SeqStep {
+            pages: &t,
+            pos_start: 0,
+            tokens: &PROMPT_A,
+            logits,
+            pick,
+            adjust: &[],
+            logprobs: None,
+            scores: PromptScores { targets, top: 1 },
+        };
+        b.step(&[step], &mut p).err().expect("refused")
+    };
+    assert_eq!(
+        scored(2, Pick::Row, &targets),
+        StepError::ScoresPastLogits {
+            index: 0,
+            scored: 3,
+            logits: 2,
+            sampled: false
+        }
+    );
+    let error = scored(3, Pick::Argmax, &targets);
+    assert_eq!(
+        error,
+        StepError::ScoresPastLogits {
+            index: 0,
+            scored: 3,
+            logits: 3,
+            sampled: true
+        }
+    );
+    assert_eq!(error.sequence(), Some(0));
+    assert_eq!(
+        error.to_string(),
+        "sequence 0 in the step asks for 3 rows scored of 3 rows of logits, the last sampled from"
+    );
+    let vocab = m.config.vocab_len as u32;
+    assert_eq!(
+        scored(4, Pick::Argmax, &[5, vocab]),
+        StepError::TokenOutOfRange {
+            index: 0,
+            token: vocab,
+            vocab_len: vocab as usize
+        }
+    );
     let mut wide = CpuBackend::new(
         Arc::clone(&m),
         CpuOptions {
@@ -301,6 +357,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 pick: Pick::Row,
                 adjust: &[],
                 logprobs: None,
+                scores: PromptScores::NONE,
             }],
             &mut p,
         )
@@ -326,6 +383,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 pick: Pick::Row,
                 adjust: &[],
                 logprobs: None,
+                scores: PromptScores::NONE,
             }],
             &mut p,
         )
@@ -466,6 +524,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
         pick: Pick::Row,
         adjust: &[],
         logprobs: None,
+        scores: PromptScores::NONE,
     };
     let vocab_len = m.config.vocab_len;
     // Each refusal names the sequence at fault, so a scheduler can fail that
@@ -513,6 +572,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
         pick: Pick::Row,
         adjust: &[],
         logprobs: None,
+        scores: PromptScores::NONE,
     };
     let error = b.step(&[too_many], &mut big).err().unwrap();
     assert!(matches!(error, StepError::TooManyTokens { .. }));
@@ -536,6 +596,7 @@ fn refuses_a_table_whose_pages_are_not_leased_in_this_pool() {
         pick: Pick::Row,
         adjust: &[],
         logprobs: None,
+        scores: PromptScores::NONE,
     };
     assert_eq!(
         b.step(&[step], &mut p).err(),
@@ -587,6 +648,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         pick: Pick::Row,
         adjust: &[],
         logprobs: None,
+        scores: PromptScores::NONE,
     };
     let own = b.step(&[step], &mut p).unwrap().row(0).to_vec();
     // Its full prefix pages are shared; a second sequence of the same owner
@@ -609,6 +671,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         pick: Pick::Row,
         adjust: &[],
         logprobs: None,
+        scores: PromptScores::NONE,
     };
     let cached = b.step(&[step], &mut p).unwrap().row(0).to_vec();
     assert_eq!(
@@ -627,6 +690,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         pick: Pick::Row,
         adjust: &[],
         logprobs: None,
+        scores: PromptScores::NONE,
     };
     assert_eq!(
         b.step(&[rewrite], &mut p).err(),
@@ -709,6 +773,7 @@ fn every_isa_is_batch_invariant_bit_for_bit() {
                     pick: Pick::Row,
                     adjust: &[],
                     logprobs: None,
+                    scores: PromptScores::NONE,
                 },
                 SeqStep {
                     pages: &ta,
@@ -718,6 +783,7 @@ fn every_isa_is_batch_invariant_bit_for_bit() {
                     pick: Pick::Row,
                     adjust: &[],
                     logprobs: None,
+                    scores: PromptScores::NONE,
                 },
                 SeqStep {
                     pages: &tc,
@@ -727,6 +793,7 @@ fn every_isa_is_batch_invariant_bit_for_bit() {
                     pick: Pick::Row,
                     adjust: &[],
                     logprobs: None,
+                    scores: PromptScores::NONE,
                 },
             ];
             let batched = b.step(&steps, &mut p).unwrap().row(1).to_vec();

@@ -8,7 +8,7 @@ use std::io::{self, Write};
 use std::sync::Arc;
 
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
-use bulkhead_kernels::backend::{Backend, Pick, SeqStep};
+use bulkhead_kernels::backend::{Backend, Pick, PromptScores, SeqStep};
 use bulkhead_kernels::gguf::{
     requantize_q8_0, Gguf, GgufWriter, RequantizeError, TensorInfo, Value, FILE_TYPE_KEY,
     FILE_TYPE_MOSTLY_Q8_0,
@@ -280,6 +280,7 @@ fn last_logits(model: &Arc<Model>) -> Vec<f32> {
         pick: Pick::Row,
         adjust: &[],
         logprobs: None,
+        scores: PromptScores::NONE,
     };
     backend.step(&[step], &mut pool).unwrap().row(0).to_vec()
 }

@@ -359,6 +359,7 @@ fn the_gpu_checks_server_part_serves_and_says_when_auto_chose_no_gpu() {
         "| server (cpu): greedy completion | 32 tokens in",
         "| server (cpu): greedy completion under penalties, biases and min_tokens | 32 tokens,",
         "| server (cpu): greedy completion with log probabilities | 32 tokens' log probabilities, 32 lists",
+        "| server (cpu): prompt scored (echo, max_tokens 0) |",
         "| server (cpu): streamed chat completion | status 200,",
         "| server (cpu): a seeded sampled completion, twice | status [200, 200],",
     ] {

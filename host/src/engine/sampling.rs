@@ -196,15 +196,20 @@ pub fn sample_rows(
 
 /// The log probabilities of each `(row, token, top)`: `token`'s under that
 /// row of `logits`, with `top` alternatives (a prompt's tokens, each scored
-/// by the position before it). Rows are independent, so with `threads` they
-/// are spread over them, as [`sample_rows`] does.
+/// by the position before it), as the backend gave them where it scored a
+/// row itself ([`Logits::scored`]). Rows are independent, so with
+/// `threads` they are spread over them, as [`sample_rows`] does.
 pub fn score_rows(
     threads: Option<&Threads>,
     rows: &[(usize, u32, usize)],
     logits: &Logits<'_>,
 ) -> Vec<Logprobs> {
-    let score =
-        |&(row, token, top): &(usize, u32, usize)| Logprobs::of(logits.row(row), token, top);
+    // A row the backend scored (a GPU's, where the row lies) is taken as
+    // it gave it; a row given in full is scored here.
+    let score = |&(row, token, top): &(usize, u32, usize)| match logits.scored(row) {
+        Some(scored) => scored.clone(),
+        None => Logprobs::of(logits.row(row), token, top),
+    };
     let threads = threads.filter(|t| rows.len() > 1 && t.threads_count() > 1);
     let Some(threads) = threads else {
         return rows.iter().map(score).collect();

@@ -58,7 +58,7 @@ use super::sampling::{sample_rows, score_rows, Logprobs, Sampled, Sampler};
 use super::stats::{PoolAudit, SchedulerStats, StepCounts, TenantCounts, TenantPages, TenantStats};
 use super::stop::{Scan, StopMatcher};
 use crate::tenancy::TenantId;
-use bulkhead_kernels::backend::{Backend, Pick, SeqStep};
+use bulkhead_kernels::backend::{Backend, Pick, PromptScores, SeqStep};
 use bulkhead_kernels::kv::{
     tokens_digest, OwnerTag, PageHandle, PageTable, PartitionConfig, PartitionError, Pool,
     Reservation, ReserveError, SeqId, TransferIdentity, Violation,
@@ -340,6 +340,19 @@ struct Planned {
 }
 
 impl Sequence {
+    /// What `p`'s first rows (its scored prompt positions) ask: each one's
+    /// score of the prompt's token after it.
+    fn prompt_scores(&self, p: &Planned) -> PromptScores<'_> {
+        let Some(scoring) = self.scoring.filter(|_| p.rows.scored > 0) else {
+            return PromptScores::NONE;
+        };
+        let first = p.pos_start + p.tokens.len() - p.rows.logits;
+        PromptScores {
+            targets: &self.tokens[first + 1..first + 1 + p.rows.scored],
+            top: scoring.top,
+        }
+    }
+
     /// The rows of logits a chunk of `n` tokens from `kv_len` asks for (the
     /// chunk's last positions): the prompt positions it scores first, then
     /// the prompt's last position when the chunk holds it, sampled from
@@ -1453,6 +1466,7 @@ impl<B: Backend> Scheduler<B> {
                     true => self.running[p.seq_index].sampler.params().logprobs,
                     false => None,
                 },
+                scores: self.running[p.seq_index].prompt_scores(p),
             })
             .collect();
         let threads = self.backend.threads();

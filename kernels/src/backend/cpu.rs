@@ -1349,6 +1349,7 @@ mod tests {
     //! prefill block (its spans folded as it goes).
 
     use super::*;
+    use crate::backend::PromptScores;
     use crate::gguf::Gguf;
     use crate::kv::{KvType, OwnerTag, PageTable, PartitionConfig, SeqId};
     use crate::rng::SplitMix64;
@@ -1524,6 +1525,7 @@ mod tests {
                     pick: crate::backend::Pick::Row,
                     adjust: &[],
                     logprobs: None,
+                    scores: PromptScores::NONE,
                 }];
                 let mut slots: Vec<TokenSlot> = (chunk_start..len)
                     .map(|pos| TokenSlot { seq_index: 0, pos })
@@ -1541,6 +1543,7 @@ mod tests {
                         pick: crate::backend::Pick::Row,
                         adjust: &[],
                         logprobs: None,
+                        scores: PromptScores::NONE,
                     });
                 }
                 let mut q: Vec<f32> = (0..slots.len() * d)

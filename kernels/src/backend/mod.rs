@@ -51,6 +51,36 @@ pub struct SeqStep<'a> {
     /// ([`Logits::scored`]); one that gives the row in full leaves them to
     /// its caller.
     pub logprobs: Option<u8>,
+    /// The first of `logits`' rows wanted for a prompt's log probabilities
+    /// alone: each row's score of the token after its position (see
+    /// [`PromptScores`]). Empty for a step that scores no prompt.
+    pub scores: PromptScores<'a>,
+}
+
+/// A sequence's first rows of logits in a step wanted for the log
+/// probability of a given token each (the prompt's next), with `top`
+/// alternatives: what a prompt's `logprobs` (`echo`, vLLM's
+/// `prompt_logprobs`) asks. A backend may give such a row as its scores
+/// alone ([`Logits::scored`], with `targets[i]` as its pick): on a GPU 168
+/// bytes cross to the host where the row is the vocabulary's 4-byte
+/// logits, and the host scores nothing. A backend may also give the row in
+/// full (the CPU's does): its caller then scores it ([`Logprobs::of`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PromptScores<'a> {
+    /// The token each row scores, one a row from the sequence's first row
+    /// of logits; at most [`SeqStep::logits`] of them, fewer where the last
+    /// row is sampled from ([`SeqStep::pick`] a token).
+    pub targets: &'a [u32],
+    /// Alternatives wanted with each (at most [`logprobs::TOP_LOGPROBS_MAX`]).
+    pub top: u8,
+}
+
+impl PromptScores<'_> {
+    /// No row scored.
+    pub const NONE: PromptScores<'static> = PromptScores {
+        targets: &[],
+        top: 0,
+    };
 }
 
 /// How a step's sampled row is wanted: in full, or for its token alone.
@@ -132,6 +162,22 @@ pub enum StepError {
         /// The limit.
         rows_max: usize,
     },
+    /// A sequence asked for more of its rows to be scored than it asked
+    /// rows for, or for its sampled row to be scored.
+    #[error(
+        "sequence {index} in the step asks for {scored} rows scored of {logits} rows of logits{sampled}",
+        sampled = if *sampled { ", the last sampled from" } else { "" }
+    )]
+    ScoresPastLogits {
+        /// Its index in the step.
+        index: usize,
+        /// Rows asked to be scored.
+        scored: usize,
+        /// Rows of logits asked for.
+        logits: usize,
+        /// Whether its last row is sampled from.
+        sampled: bool,
+    },
     /// A token id outside the vocabulary.
     #[error(
         "sequence {index} in the step has token id {token}, outside the vocabulary of {vocab_len}"
@@ -189,6 +235,7 @@ impl StepError {
         match *self {
             StepError::EmptySequence { index }
             | StepError::LogitsPastTokens { index, .. }
+            | StepError::ScoresPastLogits { index, .. }
             | StepError::TokenOutOfRange { index, .. }
             | StepError::StaleHandle { index }
             | StepError::SharedPage { index, .. }
@@ -216,8 +263,9 @@ pub struct Logits<'a> {
     /// that gives every row in full.
     pub picks: &'a [(u32, u32)],
     /// The log probabilities of those rows given as their token whose step
-    /// asked for them ([`SeqStep::logprobs`]), as `(row, log
-    /// probabilities)` in row order.
+    /// asked for them ([`SeqStep::logprobs`]), and of the rows given as
+    /// their scores alone ([`SeqStep::scores`]; their target is their
+    /// pick), as `(row, log probabilities)` in row order.
     pub scored: &'a [(u32, Logprobs)],
 }
 
@@ -346,8 +394,19 @@ pub fn validate_step(
                 tokens: step.tokens.len(),
             });
         }
+        let scored = step.scores.targets.len();
+        let sampled = step.pick.is_token() && step.logits > 0;
+        if scored + usize::from(sampled) > step.logits {
+            return Err(StepError::ScoresPastLogits {
+                index,
+                scored,
+                logits: step.logits,
+                sampled,
+            });
+        }
         rows += step.logits;
-        if let Some(&token) = step.tokens.iter().find(|&&t| t as usize >= c.vocab_len) {
+        let mut ids = step.tokens.iter().chain(step.scores.targets);
+        if let Some(&token) = ids.find(|&&t| t as usize >= c.vocab_len) {
             return Err(StepError::TokenOutOfRange {
                 index,
                 token,

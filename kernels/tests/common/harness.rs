@@ -3,7 +3,7 @@
 //! conformance tests compare with their references.
 
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
-use bulkhead_kernels::backend::{Backend, Pick, SeqStep};
+use bulkhead_kernels::backend::{Backend, Pick, PromptScores, SeqStep};
 use bulkhead_kernels::kv::{
     KvType, OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId,
 };
@@ -86,6 +86,7 @@ impl Harness {
                 pick: Pick::Row,
                 adjust: &[],
                 logprobs: None,
+                scores: PromptScores::NONE,
             };
             let out = self.backend.step(&[step], &mut self.pool).unwrap();
             if out.rows_count() == 1 {

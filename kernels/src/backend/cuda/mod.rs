@@ -66,7 +66,7 @@ use crate::kv::{PageLayout, Pool, StepView};
 use crate::model::{Activation, Matrix, Model, RopeStyle};
 use crate::quant::{ActivationFormat, GgmlType};
 use launch::*;
-use pack::{Counts, Packer, StepLayout, SCORE_WORDS};
+use pack::{Counts, Given, Packer, StepLayout, SCORE_WORDS};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
@@ -291,10 +291,11 @@ pub struct CudaBackend {
     /// asked, and the host copy of their words.
     scored: Vec<(u32, crate::backend::Logprobs)>,
     score_words: Vec<u32>,
-    /// Whether each sequence of the step being run has its sampled row
-    /// picked on the device (as its [`SeqStep::pick`] asks, where its
-    /// adjustments fit: [`Packer::logits`]).
-    picked_seqs: Vec<bool>,
+    /// How each sequence of the step being run has its rows given: its
+    /// scored prompt rows as their scores, its sampled row picked on the
+    /// device (as its [`SeqStep::pick`] asks, where its adjustments fit:
+    /// [`Packer::logits`]).
+    given: Vec<Given>,
     /// Launches folded into others ([`CudaBackend::set_fusions`]).
     fusions: Fusions,
     /// Decode tokens' attention by warps where the kernel can
@@ -507,7 +508,7 @@ impl CudaBackend {
             pick_ids: Vec::new(),
             scored: Vec::new(),
             score_words: Vec::new(),
-            picked_seqs: Vec::new(),
+            given: Vec::new(),
             fusions: Fusions::default(),
             decode_by_warps: true,
         })
@@ -621,7 +622,7 @@ impl CudaBackend {
         debug_assert!(self.staging.iter().all(|&w| w == 0), "staging zeroed");
         let split_seqs = bucket.unwrap_or(steps.len() as u32);
         let mut packer = Packer::new(&mut self.staging, layout, split_seqs);
-        self.picked_seqs.clear();
+        self.given.clear();
         for (seq, step) in steps.iter().enumerate() {
             let t0 = packer.counts.tokens;
             for (i, &token) in step.tokens.iter().enumerate() {
@@ -630,8 +631,14 @@ impl CudaBackend {
             // The page ids the view checked, as far as the step reaches.
             let end = step.pos_start + step.tokens.len();
             packer.table(seq as u32, &view.page_ids(seq)[..end.div_ceil(page_tokens)]);
-            let picked = packer.logits(step.logits, step.pick, step.adjust, step.logprobs);
-            self.picked_seqs.push(picked);
+            let given = packer.logits(
+                step.logits,
+                step.pick,
+                step.adjust,
+                step.logprobs,
+                step.scores,
+            );
+            self.given.push(given);
             let pos0 = step.pos_start as u32;
             match step.tokens.len() {
                 1 => packer.decode_items(seq as u32, t0, pos0, kv_heads),
@@ -1139,7 +1146,7 @@ impl Backend for CudaBackend {
         // straight into the host's floats; a picked row is its token alone.
         let vocab = self.model.config.vocab_len;
         let wanted: usize = steps.iter().map(|s| s.logits).sum();
-        let picked = self.picked_seqs.iter().filter(|&&p| p).count();
+        let picked: usize = self.given.iter().map(Given::on_device).sum();
         let full = wanted - picked;
         // Each read waits for the step's kernels: at least one is made
         // before the view lets the pool go.
@@ -1165,9 +1172,10 @@ impl Backend for CudaBackend {
                 .read(4 * full as u64, le_bytes_mut(&mut self.pick_ids))
                 .map_err(Self::device_error)?;
         }
-        // Picked rows' log probabilities, where any step asked: the words
-        // of every picked row (a few hundred bytes each).
-        let scores = (steps.iter().zip(&self.picked_seqs)).any(|(s, &p)| p && s.logprobs.is_some());
+        // Picked rows' log probabilities, where any step asked (or scored
+        // its prompt): the words of every picked row (168 bytes each).
+        let scores = (steps.iter().zip(&self.given))
+            .any(|(s, g)| g.scored > 0 || (g.picked && s.logprobs.is_some()));
         self.score_words
             .resize(if scores { picked * SCORE_WORDS } else { 0 }, 0);
         if scores {
@@ -1184,9 +1192,16 @@ impl Backend for CudaBackend {
         self.scored.clear();
         let mut row = 0;
         let mut ids = self.pick_ids.iter().enumerate();
-        for (s, &picked) in steps.iter().zip(&self.picked_seqs) {
-            row += s.logits;
-            if picked {
+        for (s, given) in steps.iter().zip(&self.given) {
+            for _ in 0..given.scored {
+                let (k, &id) = ids.next().expect("one id a scored row");
+                let words = &self.score_words[k * SCORE_WORDS..(k + 1) * SCORE_WORDS];
+                self.picks.push((row as u32, id));
+                self.scored.push((row as u32, scores_of(id, words)));
+                row += 1;
+            }
+            row += s.logits - given.scored as usize;
+            if given.picked {
                 let (k, &id) = ids.next().expect("one id a picked row");
                 self.picks.push(((row - 1) as u32, id));
                 if s.logprobs.is_some() {

@@ -8,13 +8,14 @@
 //! valid for every later step.
 //!
 //! ```text
-//! tokens[T] positions[T] token_seq[T] seq_pages[S] gather[R] draws[R][8] adjusts[A][4] pages[P] items[I][10] merges[M][4] counters[M]
+//! tokens[T] positions[T] token_seq[T] seq_pages[S] gather[R] draws[R][10] adjusts[A][4] pages[P] items[I][10] merges[M][4] counters[M]
 //! ```
 //!
 //! `pages` holds, per sequence, the page ids the page book checked for the
 //! step, as far as the step reaches and no further; `draws` the parameters
-//! of each drawn row's draw (zeros elsewhere: its argmax) and where its
-//! adjustments lie in `adjusts` (each an [`Adjust`]); `items` are attention's
+//! of each drawn row's draw (zeros elsewhere: its argmax), where its
+//! adjustments lie in `adjusts` (each an [`Adjust`]), the log probabilities
+//! it asks for, and a scored prompt row's token; `items` are attention's
 //! work units (`AttnItem`), `merges` the folds of split decode attention,
 //! `counters` zeros for attention to count each merge's finished splits in.
 
@@ -22,7 +23,7 @@ use super::launch::{AttnItem, ATTENTION_TILE, ITEM_WORDS, NO_SEQ};
 use super::{CudaOptions, SPLIT_POSITIONS};
 use crate::backend::adjust::ADJUST_WORDS;
 use crate::backend::logprobs::TOP_LOGPROBS_MAX;
-use crate::backend::{Adjust, Draw, Pick};
+use crate::backend::{Adjust, Draw, Pick, PromptScores};
 use crate::kv::PageId;
 use crate::model::Model;
 use std::ops::Range;
@@ -34,8 +35,10 @@ const DECODE_BLOCKS: u32 = 512;
 /// its step is small (a long context past 64 x 256 positions takes more).
 const DECODE_SPLITS: u32 = 64;
 /// Adjustments ([`Adjust`]) a step buffer holds per sequence of the
-/// largest step (16 KiB each): a row whose adjustments do not fit in what
-/// the step has left is given in full, and its caller adjusts it.
+/// largest step (16 KiB each). A row takes at most its share of them, the
+/// room over the step's sequences (1,024 at the largest step, more at a
+/// smaller one), so no sequence's list takes another's room; a row whose
+/// list is longer is given in full, and its caller adjusts it.
 const ADJUSTS_PER_SEQ: u64 = 1024;
 
 /// The splits a decode token of a step of `seqs` sequences aims for, per KV
@@ -174,7 +177,8 @@ const COPY_GAP_WORDS: usize = 4096;
 /// Words of a row's draw in the step buffer (sample.cu's `DrawParams`):
 /// 1 / temperature, top-k, top-p and min-p, the uniform as an f64, the
 /// first of the row's adjustments and their count, then its log
-/// probabilities' ask (0 none, else 1 + the alternatives) and a spare word.
+/// probabilities' ask (0 none, else 1 + the alternatives) and, for a prompt
+/// row scored for a given token rather than picked, 1 + that token.
 pub(super) const DRAW_WORDS: usize = 10;
 
 /// Words of a row's log probabilities as `pick` writes them (sample.cu's
@@ -183,16 +187,19 @@ pub(super) const DRAW_WORDS: usize = 10;
 pub(super) const SCORE_WORDS: usize = 2 + 2 * TOP_LOGPROBS_MAX;
 
 /// A row's pick as `DrawParams` lays it out: its draw (none: its argmax),
-/// `adjusts` entries from `adjust_at`, and its log probabilities' ask.
+/// `adjusts` entries from `adjust_at`, its log probabilities' ask, and the
+/// token it scores where it is a prompt's row (none picked then).
 pub(super) fn draw_words(
     d: Option<&Draw>,
     adjust_at: u32,
     adjusts: u32,
     logprobs: Option<u8>,
+    target: Option<u32>,
 ) -> [u32; DRAW_WORDS] {
     let scores = logprobs.map_or(0, |top| 1 + u32::from(top));
+    let target = target.map_or(0, |t| t + 1);
     let Some(d) = d else {
-        return [0, 0, 0, 0, 0, 0, adjust_at, adjusts, scores, 0];
+        return [0, 0, 0, 0, 0, 0, adjust_at, adjusts, scores, target];
     };
     let u = d.u.to_bits();
     [
@@ -205,12 +212,13 @@ pub(super) fn draw_words(
         adjust_at,
         adjusts,
         scores,
-        0,
+        target,
     ]
 }
 
 /// A row wanted for its token: its token in the step, how, and its
-/// adjustments in the step buffer (first entry, count).
+/// adjustments in the step buffer (first entry, count); or a prompt's row
+/// wanted for its score of `target`.
 #[derive(Clone, Copy, Debug)]
 struct Picked {
     token: u32,
@@ -218,6 +226,23 @@ struct Picked {
     adjust_at: u32,
     adjusts: u32,
     logprobs: Option<u8>,
+    target: Option<u32>,
+}
+
+/// How a sequence's rows of logits leave a step: its first `scored` as
+/// their scores alone, its last as its token alone where `picked`, every
+/// other row in full.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Given {
+    pub(super) scored: u32,
+    pub(super) picked: bool,
+}
+
+impl Given {
+    /// Rows given on the device (as their token or their scores).
+    pub(super) fn on_device(&self) -> usize {
+        self.scored as usize + usize::from(self.picked)
+    }
 }
 
 /// `ranges` in order, those that overlap or lie less than
@@ -266,6 +291,8 @@ pub(super) struct Packer<'a> {
     picked: Vec<Picked>,
     /// Adjustments packed so far.
     adjusts: u32,
+    /// The most adjustments one row may take: the room over `split_seqs`.
+    adjust_share: u64,
 }
 
 impl<'a> Packer<'a> {
@@ -288,6 +315,7 @@ impl<'a> Packer<'a> {
             slots: 0,
             picked: Vec::new(),
             adjusts: 0,
+            adjust_share: layout.adjusts_max / u64::from(split_seqs.max(1)),
         }
     }
 
@@ -317,34 +345,48 @@ impl<'a> Packer<'a> {
         );
     }
 
-    /// The last `rows` tokens packed want logits; the last of them, where
+    /// The last `rows` tokens packed want logits: the first of them that
+    /// `scores` names, only their scores of its targets; the last, where
     /// `pick` is not [`Pick::Row`], only its token, adjusted by `adjust`
-    /// first, its row gathered after every full row
+    /// first. Those rows are gathered after every full row
     /// ([`Packer::picked_rows`]), so the full rows are one prefix of the
-    /// logits, the only rows the step copies to the host. Returns whether
-    /// the row is picked on the device (with its log probabilities where
-    /// `logprobs` asks): not where its adjustments do not fit in what the
-    /// step buffer has left, or are not in ascending order of distinct ids,
-    /// or where it asks for log probabilities and adjustments both (the
-    /// row is then a full one).
+    /// logits, the only rows the step copies to the host. Returns how the
+    /// rows are given: the scored ones always on the device; the last
+    /// picked there (with its log probabilities where `logprobs` asks) but
+    /// where its adjustments are more than its share of the step buffer's
+    /// room, or not in ascending order of distinct ids, or where it asks
+    /// for log probabilities and adjustments both (the row is then a full
+    /// one).
     pub(super) fn logits(
         &mut self,
         rows: usize,
         pick: Pick,
         adjust: &[Adjust],
         logprobs: Option<u8>,
-    ) -> bool {
+        scores: PromptScores<'_>,
+    ) -> Given {
         let first = self.counts.tokens - rows as u32;
+        let scored = scores.targets.len().min(rows) as u32;
         // Entries of distinct ids in order: the kernel's threads adjust
         // them at once, each its own logit (a list in any other order is
         // the host's to apply, one entry after another).
         let room = self.layout.adjusts_max - u64::from(self.adjusts);
         let picked = pick.is_token()
-            && rows > 0
-            && adjust.len() as u64 <= room
+            && rows > scored as usize
+            && adjust.len() as u64 <= self.adjust_share.min(room)
             && adjust.windows(2).all(|w| w[0].id < w[1].id)
             && (logprobs.is_none() || adjust.is_empty());
-        for token in first..self.counts.tokens - u32::from(picked) {
+        for (i, &target) in scores.targets[..scored as usize].iter().enumerate() {
+            self.picked.push(Picked {
+                token: first + i as u32,
+                pick: Pick::Argmax,
+                adjust_at: 0,
+                adjusts: 0,
+                logprobs: Some(scores.top),
+                target: Some(target),
+            });
+        }
+        for token in first + scored..self.counts.tokens - u32::from(picked) {
             self.gather(token);
         }
         if picked {
@@ -361,9 +403,10 @@ impl<'a> Packer<'a> {
                 adjust_at,
                 adjusts: self.adjusts - adjust_at,
                 logprobs,
+                target: None,
             });
         }
-        picked
+        Given { scored, picked }
     }
 
     /// Gathers the rows wanted for their token, in step order, after every
@@ -377,7 +420,7 @@ impl<'a> Packer<'a> {
             if draw.is_some() || p.adjusts > 0 || p.logprobs.is_some() {
                 let at = self.layout.draws + (DRAW_WORDS as u64) * u64::from(self.counts.wanted);
                 let at = at as usize;
-                let words = draw_words(draw, p.adjust_at, p.adjusts, p.logprobs);
+                let words = draw_words(draw, p.adjust_at, p.adjusts, p.logprobs, p.target);
                 self.words[at..at + DRAW_WORDS].copy_from_slice(&words);
             }
             self.gather(p.token);
@@ -541,6 +584,20 @@ impl<'a> Packer<'a> {
 mod tests {
     use super::*;
 
+    /// Whether the packer picks the row of `rows` on the device, with no
+    /// prompt row scored.
+    fn on_device(
+        packer: &mut Packer<'_>,
+        rows: usize,
+        pick: Pick,
+        adjust: &[Adjust],
+        logprobs: Option<u8>,
+    ) -> bool {
+        let given = packer.logits(rows, pick, adjust, logprobs, PromptScores::NONE);
+        assert_eq!(given.scored, 0);
+        given.picked
+    }
+
     /// A step buffer sized for many sequences: pages, items, merges far
     /// apart.
     fn sparse_layout() -> StepLayout {
@@ -583,7 +640,7 @@ mod tests {
         // splits of 32 a head, 3 merges.
         packer.token(7, 512, 0);
         packer.table(0, &[PageId(5); 33]);
-        assert!(packer.logits(1, Pick::Argmax, &[], None));
+        assert!(on_device(&mut packer, 1, Pick::Argmax, &[], None));
         packer.decode_items(0, 0, 512, 3);
         packer.picked_rows();
         let counts = packer.counts;
@@ -610,7 +667,7 @@ mod tests {
     }
 
     #[test]
-    fn a_picked_rows_adjustments_are_packed_at_its_draw_and_a_list_past_the_room_gives_the_row_in_full(
+    fn a_picked_rows_adjustments_are_packed_at_its_draw_and_a_list_past_its_share_gives_the_row_in_full(
     ) {
         let layout = sparse_layout();
         let mut words = vec![0u32; layout.words as usize];
@@ -631,10 +688,11 @@ mod tests {
             ..Adjust::none(3)
         };
         let past = Adjust::none(1 << 31);
-        let many = vec![Adjust::none(4); 63];
+        let many: Vec<Adjust> = (0..17).map(Adjust::none).collect();
         // Sequence 0: greedy, adjusted (an id past any vocabulary is left
-        // out); 1: drawn, adjusted; 2: a full row; 3: drawn, its 63
-        // adjustments past the 61 left: a full row.
+        // out); 1: drawn, adjusted; 2: a full row; 3: drawn, its 17
+        // adjustments past its share of the room (64 over 4 sequences),
+        // though 61 are left: a full row.
         let steps: [(Pick, &[Adjust]); 4] = [
             (Pick::Argmax, &[biased, banned, past]),
             (Pick::Draw(draw), &[banned]),
@@ -644,7 +702,7 @@ mod tests {
         let mut picked = Vec::new();
         for (seq, (pick, adjust)) in steps.into_iter().enumerate() {
             packer.token(seq as u32, 5, seq as u32);
-            picked.push(packer.logits(1, pick, adjust, None));
+            picked.push(on_device(&mut packer, 1, pick, adjust, None));
         }
         packer.picked_rows();
         assert_eq!(picked, [true, true, false, false]);
@@ -663,8 +721,8 @@ mod tests {
                 .map(|i| word(l.draws, r * DRAW_WORDS + i))
                 .collect()
         };
-        assert_eq!(row(2), draw_words(None, 0, 2, None));
-        assert_eq!(row(3), draw_words(Some(&draw), 2, 1, None));
+        assert_eq!(row(2), draw_words(None, 0, 2, None, None));
+        assert_eq!(row(3), draw_words(Some(&draw), 2, 1, None, None));
         assert_eq!(f32::from_bits(row(3)[0]), 2.0);
         let entries: Vec<u32> = (0..3 * ADJUST_WORDS).map(|i| word(l.adjusts, i)).collect();
         let expected: Vec<u32> = [biased, banned, banned]
@@ -682,20 +740,108 @@ mod tests {
         let mut words = vec![0u32; layout.words as usize];
         let mut packer = Packer::new(&mut words, layout, 2);
         packer.token(0, 5, 0);
-        assert!(!packer.logits(1, Pick::Argmax, &[biased, Adjust::none(2)], None));
+        assert!(!on_device(
+            &mut packer,
+            1,
+            Pick::Argmax,
+            &[biased, Adjust::none(2)],
+            None
+        ));
         packer.token(1, 5, 1);
-        assert!(!packer.logits(1, Pick::Draw(draw), &[banned, banned], None));
+        assert!(!on_device(
+            &mut packer,
+            1,
+            Pick::Draw(draw),
+            &[banned, banned],
+            None
+        ));
         // Log probabilities with adjustments: the host's (the device's are
         // of the row before them); without, the device's.
         packer.token(2, 5, 2);
-        assert!(!packer.logits(1, Pick::Argmax, &[banned], Some(3)));
+        assert!(!on_device(&mut packer, 1, Pick::Argmax, &[banned], Some(3)));
         assert_eq!(packer.adjusts, 0);
         packer.token(3, 5, 3);
-        assert!(packer.logits(1, Pick::Argmax, &[], Some(3)));
+        assert!(on_device(&mut packer, 1, Pick::Argmax, &[], Some(3)));
         packer.picked_rows();
         let at = (layout.draws + 3 * DRAW_WORDS as u64) as usize;
-        assert_eq!(words[at..at + DRAW_WORDS], draw_words(None, 0, 0, Some(3)));
+        assert_eq!(
+            words[at..at + DRAW_WORDS],
+            draw_words(None, 0, 0, Some(3), None)
+        );
         assert_eq!(words[at + 8], 4);
+        // A step of one sequence: all the room is its share.
+        let mut words = vec![0u32; layout.words as usize];
+        let mut packer = Packer::new(&mut words, layout, 1);
+        packer.token(0, 5, 0);
+        let all: Vec<Adjust> = (0..64).map(Adjust::none).collect();
+        assert!(on_device(&mut packer, 1, Pick::Draw(draw), &all, None));
+        assert_eq!(packer.adjusts, 64);
+    }
+
+    #[test]
+    fn a_prompts_scored_rows_are_gathered_after_the_full_rows_each_with_its_target() {
+        let layout = sparse_layout();
+        let mut words = vec![0u32; layout.words as usize];
+        let mut packer = Packer::new(&mut words, layout, 3);
+        let targets = [11, 12, 13];
+        // Sequence 0: a prompt chunk of 5 tokens, its last 4 rows wanted,
+        // the first 3 scored for the tokens after them, the last sampled.
+        for i in 0..5 {
+            packer.token(10 + i, i, 0);
+        }
+        let scores = PromptScores {
+            targets: &targets,
+            top: 2,
+        };
+        let given = packer.logits(4, Pick::Argmax, &[], None, scores);
+        assert_eq!(
+            given,
+            Given {
+                scored: 3,
+                picked: true
+            }
+        );
+        assert_eq!(given.on_device(), 4);
+        // Sequence 1: a decode token, its row in full.
+        packer.token(20, 9, 1);
+        let given = packer.logits(1, Pick::Row, &[], None, PromptScores::NONE);
+        assert_eq!(given, Given::default());
+        // Sequence 2: a chunk of 2 tokens scored, nothing sampled.
+        packer.token(30, 0, 2);
+        packer.token(31, 1, 2);
+        let scores = PromptScores {
+            targets: &[31, 32],
+            top: 0,
+        };
+        let given = packer.logits(2, Pick::Row, &[], None, scores);
+        assert_eq!(
+            given,
+            Given {
+                scored: 2,
+                picked: false
+            }
+        );
+        packer.picked_rows();
+        assert_eq!(packer.counts.wanted, 7);
+        let l = layout;
+        let word = |i: usize| words[l.gather as usize + i];
+        // The full row (token 5) first, then sequence 0's 3 scored and its
+        // sampled, then sequence 2's two scored: step order.
+        let gather: Vec<u32> = (0..7).map(word).collect();
+        assert_eq!(gather, [5, 1, 2, 3, 4, 6, 7]);
+        let draw = |r: usize| -> Vec<u32> {
+            let at = l.draws as usize + r * DRAW_WORDS;
+            words[at..at + DRAW_WORDS].to_vec()
+        };
+        assert!(draw(0).iter().all(|&w| w == 0), "a full row draws nothing");
+        for (r, target) in [(1, 11), (2, 12), (3, 13)] {
+            assert_eq!(draw(r), draw_words(None, 0, 0, Some(2), Some(target)));
+        }
+        assert!(draw(4).iter().all(|&w| w == 0), "a greedy row: its argmax");
+        for (r, target) in [(5, 31), (6, 32)] {
+            assert_eq!(draw(r), draw_words(None, 0, 0, Some(0), Some(target)));
+            assert_eq!(draw(r)[8..], [1, target + 1]);
+        }
     }
 
     #[test]

@@ -23,7 +23,7 @@ use super::pack::{decode_span, decode_splits_max, draw_words, DRAW_WORDS, SCORE_
 use super::storage::DeviceStorage;
 use super::{attention_rows, CudaBackend, CudaOptions, Fusions, SPLIT_POSITIONS};
 use crate::backend::adjust::ADJUST_WORDS;
-use crate::backend::{Adjust, Backend, Draw, Pick, SeqStep, StepError};
+use crate::backend::{Adjust, Backend, Draw, Pick, PromptScores, SeqStep, StepError};
 use crate::gguf::Gguf;
 use crate::kv::storage::host_storage;
 use crate::kv::{KvType, PageLayout, PageStorage, PageTable, Pool, PoolGeometry};
@@ -592,27 +592,29 @@ fn device_draws(
         .iter()
         .map(|(row, draw)| (row.clone(), *draw, Vec::new(), None))
         .collect();
-    device_picks(device, vocab, &rows).0
+    device_picks(device, vocab, &rows, &[]).0
 }
 
 /// A row to pick on the device: its logits, its draw (none: its argmax),
 /// its adjustments, and the log probabilities it asks for.
 type PickCase = (Vec<f32>, Option<Draw>, Vec<Adjust>, Option<u8>);
 
-/// Each row's token picked on the device after its adjustments, the rows
-/// as the device left them (adjusted where they lay), and each row's log
-/// probabilities where it asked for them.
+/// Each row's token picked on the device after its adjustments (or, where
+/// `targets` names one for it, that token, scored and not picked), the
+/// rows as the device left them (adjusted where they lay), and each row's
+/// log probabilities where it asked for them.
 fn device_picks(
     device: &Arc<dyn Device>,
     vocab: usize,
     rows: &[PickCase],
+    targets: &[Option<u32>],
 ) -> (Vec<u32>, Vec<f32>, Vec<Option<crate::backend::Logprobs>>) {
     let flat: Vec<f32> = rows
         .iter()
         .flat_map(|(row, ..)| row.iter().copied())
         .collect();
     let (mut words, mut entries) = (Vec::new(), Vec::new());
-    for (_, draw, adjust, logprobs) in rows {
+    for (i, (_, draw, adjust, logprobs)) in rows.iter().enumerate() {
         let at = (entries.len() / ADJUST_WORDS) as u32;
         entries.extend(adjust.iter().flat_map(|a| a.words().unwrap()));
         words.extend(draw_words(
@@ -620,6 +622,7 @@ fn device_picks(
             at,
             adjust.len() as u32,
             *logprobs,
+            targets.get(i).copied().flatten(),
         ));
     }
     entries.push(0); // never an empty buffer
@@ -704,27 +707,46 @@ fn a_picked_rows_log_probabilities_on_the_device_are_the_hosts() {
     rows.push((with(&[(9, f32::NEG_INFINITY)]), None, Vec::new(), Some(5)));
     rows.push((vec![f32::NEG_INFINITY; vocab], None, Vec::new(), Some(3)));
     rows.push((with(&[]), None, Vec::new(), None));
-    let (picks, _, scored) = device_picks(&device, vocab, &rows);
     let close = |a: f32, b: f32| {
         (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() <= 1e-5 * b.abs().max(1.0)
     };
-    for (i, ((row, .., logprobs), scored)) in rows.iter().zip(&scored).enumerate() {
-        let Some(top) = logprobs else {
-            assert!(scored.is_none(), "row {i} asked for none");
-            continue;
-        };
-        let want = Logprobs::of(row, picks[i], usize::from(*top));
-        let got = scored.as_ref().expect("asked for");
-        assert_eq!(got.token, want.token, "row {i}");
-        assert!(
-            close(got.logprob, want.logprob),
-            "row {i}: {got:?} vs {want:?}"
-        );
-        let ids = |l: &Logprobs| l.top.iter().map(|&(id, _)| id).collect::<Vec<_>>();
-        assert_eq!(ids(got), ids(&want), "row {i}");
-        for (&(_, g), &(_, w)) in got.top.iter().zip(&want.top) {
-            assert!(close(g, w), "row {i}: {g} vs {w}");
+    let check = |picks: &[u32], scored: &[Option<Logprobs>]| {
+        for (i, ((row, .., logprobs), scored)) in rows.iter().zip(scored).enumerate() {
+            let Some(top) = logprobs else {
+                assert!(scored.is_none(), "row {i} asked for none");
+                continue;
+            };
+            let want = Logprobs::of(row, picks[i], usize::from(*top));
+            let got = scored.as_ref().expect("asked for");
+            assert_eq!(got.token, want.token, "row {i}");
+            assert!(
+                close(got.logprob, want.logprob),
+                "row {i}: {got:?} vs {want:?}"
+            );
+            let ids = |l: &Logprobs| l.top.iter().map(|&(id, _)| id).collect::<Vec<_>>();
+            assert_eq!(ids(got), ids(&want), "row {i}");
+            for (&(_, g), &(_, w)) in got.top.iter().zip(&want.top) {
+                assert!(close(g, w), "row {i}: {g} vs {w}");
+            }
         }
+    };
+    let (picks, _, scored) = device_picks(&device, vocab, &rows, &[]);
+    check(&picks, &scored);
+    // The same rows as a prompt's, each scored for a given token (the NaN,
+    // the infinities among them) and none picked: that token is the row's.
+    let targets: Vec<Option<u32>> = (rows.iter().enumerate())
+        .map(|(i, (.., logprobs))| logprobs.map(|_| (i as u32 * 37 + 1) % vocab as u32))
+        .collect();
+    let mut targets_at = targets.clone();
+    let (n, nan, inf, neg) = (rows.len(), rows.len() - 5, rows.len() - 4, rows.len() - 3);
+    targets_at[nan] = Some(7);
+    targets_at[inf] = Some(3);
+    targets_at[neg] = Some(9);
+    for targets in [targets, targets_at] {
+        let (scored_picks, _, scored) = device_picks(&device, vocab, &rows, &targets);
+        let want: Vec<u32> = (0..n).map(|i| targets[i].unwrap_or(picks[i])).collect();
+        assert_eq!(scored_picks, want);
+        check(&scored_picks, &scored);
     }
     // The cases mean what they say: 20 alternatives, ties in order.
     let tied = scored[7].as_ref().unwrap();
@@ -739,7 +761,7 @@ fn a_picked_rows_log_probabilities_on_the_device_are_the_hosts() {
         .map(|_| (rng.next_f64() * 20.0 - 10.0) as f32)
         .collect();
     let cases = [(row, Some(draw(&mut rng)), Vec::new(), Some(20))];
-    let (picks, _, scored) = device_picks(&device, vocab, &cases);
+    let (picks, _, scored) = device_picks(&device, vocab, &cases, &[]);
     let want = Logprobs::of(&cases[0].0, picks[0], 20);
     let got = scored[0].as_ref().unwrap();
     assert_eq!(
@@ -843,7 +865,7 @@ fn an_adjusted_row_on_the_device_is_the_hosts_adjusted_row_and_picks_its_token()
         // No adjustment: the row as it was.
         rows.push((random_row(&mut rng), draw(&mut rng), Vec::new(), None));
     }
-    let (picks, after, _) = device_picks(&device, vocab, &rows);
+    let (picks, after, _) = device_picks(&device, vocab, &rows, &[]);
     let mut candidates = Vec::new();
     let mut moved = 0;
     for (i, ((row, draw, list, _), &got)) in rows.iter().zip(&picks).enumerate() {
@@ -1242,6 +1264,10 @@ fn compare_run(spec: &TinySpec, run: &super::check::AgreementRun) -> f32 {
     );
     assert_eq!(agreement.picks_agree, agreement.rows, "{agreement:?}");
     assert_eq!(agreement.draws_agree, agreement.rows, "{agreement:?}");
+    assert_eq!(
+        agreement.prompt_scores_agree, agreement.scored_rows,
+        "{agreement:?}"
+    );
     eprintln!(
         "worst relative error of the logits: {:.2e}",
         agreement.worst_relative
@@ -1353,6 +1379,7 @@ fn run_bits(spec: &TinySpec, kv_type: KvType, fusions: Fusions) -> (Vec<u32>, Ve
                     pick: Pick::Row,
                     adjust: &[],
                     logprobs: None,
+                    scores: PromptScores::NONE,
                 }
             })
             .collect();
@@ -1488,6 +1515,7 @@ fn a_decode_steps_rows_are_read_into_page_locked_memory_and_more_rows_are_not() 
                     pick: Pick::Row,
                     adjust: &[],
                     logprobs: None,
+                    scores: PromptScores::NONE,
                 })
                 .collect();
             let logits = cuda.step(&steps, &mut pool).unwrap();
@@ -1542,6 +1570,7 @@ fn a_host_pool_is_refused_by_the_cuda_backend() {
         pick: Pick::Row,
         adjust: &[],
         logprobs: None,
+        scores: PromptScores::NONE,
     };
     assert_eq!(
         cuda.step(&[step], &mut pool).err().unwrap(),
@@ -2127,6 +2156,7 @@ fn a_local_layer_reads_no_position_before_its_window() {
             pick: Pick::Row,
             adjust: &[],
             logprobs: None,
+            scores: PromptScores::NONE,
         };
         backend.step(&[step(&prompt_tokens, 0)], &mut pool).unwrap();
         if poisoned {
@@ -2186,6 +2216,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
             pick: Pick::Row,
             adjust: &[],
             logprobs: None,
+            scores: PromptScores::NONE,
         },
         SeqStep {
             pages: &tables[1],
@@ -2195,6 +2226,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
             pick: Pick::Row,
             adjust: &[],
             logprobs: None,
+            scores: PromptScores::NONE,
         },
     ];
     let view = pool.step_view(&[&tables[0], &tables[1]]).unwrap();
@@ -2271,6 +2303,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
         pick: Pick::Row,
         adjust: &[],
         logprobs: None,
+        scores: PromptScores::NONE,
     }];
     let view = pool.step_view(&[&tables[0]]).unwrap();
     let bucket = cuda.graph_bucket(&steps).unwrap();
@@ -2329,6 +2362,7 @@ fn past_a_step_the_devices_step_buffer_holds_that_step_alone() {
                 pick: Pick::Row,
                 adjust: &[],
                 logprobs: None,
+                scores: PromptScores::NONE,
             },
             SeqStep {
                 pages: &tables[1],
@@ -2338,6 +2372,7 @@ fn past_a_step_the_devices_step_buffer_holds_that_step_alone() {
                 pick: Pick::Argmax,
                 adjust: &[],
                 logprobs: None,
+                scores: PromptScores::NONE,
             },
         ];
         let small = |pos| {
@@ -2349,6 +2384,7 @@ fn past_a_step_the_devices_step_buffer_holds_that_step_alone() {
                 pick: Pick::Argmax,
                 adjust: &[],
                 logprobs: None,
+                scores: PromptScores::NONE,
             }]
         };
         let mut nonzero_words = Vec::new();
