@@ -1607,8 +1607,9 @@ fn rows_given_as_their_tokens_say_what_full_rows_say() {
     let tokenizer = Arc::new(Tokenizer::from_gguf(&gguf).unwrap());
     // Greedy and drawn ones a backend may pick, adjusted or not (a bias, a
     // penalty, `min_tokens`, a draw with a repetition penalty), one asking
-    // for its tokens' log probabilities (given with the token), and one
-    // scoring its prompt (rows apart from the sampled one).
+    // for its tokens' log probabilities (given with the token), and two
+    // scoring their prompts (rows apart from the sampled one), one of them
+    // drawn under a penalty with its tokens' log probabilities.
     let requests: Vec<SamplingParams> = vec![
         SamplingParams::default(),
         SamplingParams {
@@ -1622,6 +1623,7 @@ fn rows_given_as_their_tokens_say_what_full_rows_say() {
         SamplingParams {
             prompt_logprobs: Some(3),
             logprobs: Some(1),
+            frequency_penalty: 0.5,
             temperature: 0.7,
             seed: 9,
             ..SamplingParams::default()

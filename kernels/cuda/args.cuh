@@ -238,6 +238,9 @@ struct PickArgs {
     uint64_t scores;   // u32 [grid][SCORE_WORDS]: where DrawParams asks, the
                        // token's log probability (f32), the alternatives'
                        // count, then (id, log probability) each
+    uint64_t originals;  // f32 [], at the adjusts' indices: each adjusted
+                         // logit as it was, where its row asks for log
+                         // probabilities
     uint32_t vocab;
     uint32_t unused;
 };

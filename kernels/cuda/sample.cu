@@ -474,8 +474,7 @@ KERNEL_THREADS(pick, PickArgs, PICK_BLOCK) {
     p.top_logprobs = 0;
     p.target = 0;
     if (a.draws) p = reinterpret_cast<const DrawParams*>(a.draws)[blockIdx.x];
-    // The row's own log probabilities, before any adjustment (the packer
-    // sends no row that asks for both).
+    // The row's own log probabilities, before any adjustment.
     uint32_t* scores = reinterpret_cast<uint32_t*>(a.scores) + uint64_t(blockIdx.x) * SCORE_WORDS;
     float log_z = 0.0f;
     if (p.top_logprobs > 0) log_z = score_row(row, a.vocab, p.top_logprobs - 1, scores);
@@ -490,15 +489,21 @@ KERNEL_THREADS(pick, PickArgs, PICK_BLOCK) {
         }
         return;
     }
+    const AdjustEntry* list = reinterpret_cast<const AdjustEntry*>(a.adjusts) + p.adjust_at;
+    float* originals = reinterpret_cast<float*>(a.originals) + p.adjust_at;
     if (p.adjust_count > 0) {
+        // Not before thread 0 has read the last alternative's logit.
+        if (p.top_logprobs > 0) __syncthreads();
         // In place: a picked row's logits are scratch no one reads after,
         // and its entries name distinct tokens (the packer sends no other
-        // list), so no two threads write one logit.
-        const AdjustEntry* list = reinterpret_cast<const AdjustEntry*>(a.adjusts) + p.adjust_at;
+        // list), so no two threads write one logit. Where the row's log
+        // probabilities are asked, each logit is kept as it was first.
         for (uint32_t i = threadIdx.x; i < p.adjust_count; i += blockDim.x) {
             AdjustEntry e = list[i];
             uint32_t id = e.id & 0x7FFFFFFFu;
-            if (id < a.vocab) row[id] = adjusted(e, row[id]);
+            if (id >= a.vocab) continue;
+            if (p.top_logprobs > 0) originals[i] = row[id];
+            row[id] = adjusted(e, row[id]);
         }
         __syncthreads();
     }
@@ -506,7 +511,20 @@ KERNEL_THREADS(pick, PickArgs, PICK_BLOCK) {
     if (id == NO_SEQ) id = row_argmax(row, a.vocab);
     if (threadIdx.x == 0) reinterpret_cast<uint32_t*>(a.out)[blockIdx.x] = id;
     if (threadIdx.x == 0 && p.top_logprobs > 0) {
-        float logprob = row[id] - log_z;
+        // The token's logit before its adjustment: its entry's original,
+        // found by bisecting the list (ascending ids), or the row's.
+        float logit = row[id];
+        uint32_t lo = 0, hi = p.adjust_count;
+        while (lo < hi) {
+            uint32_t mid = lo + (hi - lo) / 2;
+            uint32_t at = list[mid].id & 0x7FFFFFFFu;
+            if (at == id) {
+                logit = originals[mid];
+                break;
+            }
+            if (at < id) lo = mid + 1; else hi = mid;
+        }
+        float logprob = logit - log_z;
         memcpy(&scores[0], &logprob, 4);
     }
 }

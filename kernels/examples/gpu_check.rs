@@ -203,6 +203,7 @@ fn launch_floor(device: &Arc<dyn Device>, launches: usize, rounds: usize) -> (f6
         draws: 0,
         adjusts: 0,
         scores: 0,
+        originals: 0,
         vocab: 1,
         unused: 0,
     };

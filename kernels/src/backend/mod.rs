@@ -88,9 +88,9 @@ impl PromptScores<'_> {
 /// ([`Logits::pick`]) rather than the row: on a GPU 4 bytes cross to the
 /// host where the row is the vocabulary's 4-byte logits (25 MB a step for
 /// 128 sequences of SmolLM2). A backend may also give such a row in full
-/// (the CPU's does, and the CUDA backend where a step's adjustments
-/// outgrow its step buffer): its caller then finds the same token from the
-/// row, adjusted as the step says.
+/// (the CPU's does, and the CUDA backend where a row's adjustments outgrow
+/// its share of the step buffer): its caller then finds the same token
+/// from the row, adjusted as the step says.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum Pick {
     /// The whole row (log probabilities, a schema).

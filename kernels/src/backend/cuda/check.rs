@@ -113,9 +113,10 @@ pub struct Agreement {
     pub picks_agree: usize,
     /// Rows whose step, run again with the row drawn ([`Pick::Draw`]: a
     /// different draw a row, see [`check_draw`]; every other row adjusted
-    /// first, see [`check_adjust`]), gave as its id alone the token
-    /// [`Draw::pick`] finds on the host in the row the device gave,
-    /// adjusted there by the same entries.
+    /// first, see [`check_adjust`]) and its log probabilities asked for (3
+    /// alternatives), gave as its id alone the token [`Draw::pick`] finds
+    /// on the host in the row the device gave, adjusted there by the same
+    /// entries, with the log probabilities of that row before them.
     pub draws_agree: usize,
 }
 
@@ -402,13 +403,14 @@ pub fn agreement(
                     &rows,
                     &draw,
                     &adjusts,
-                    None,
+                    Some(3),
                     None,
                 ),
                 &mut dev_pool,
             )
             .expect("a valid step");
         let (scored_drawn, draws) = (drawn.values.to_vec(), drawn.picks.to_vec());
+        let drawn_scores = drawn.scored.to_vec();
         let mut candidates = Vec::new();
         assert_eq!(
             cpu_logits.len(),
@@ -457,7 +459,11 @@ pub fn agreement(
                 let mut adjusted = b.to_vec();
                 adjust(&mut adjusted, &adjusts[i]);
                 let drawn = check_draw(i, step).pick(&adjusted, &mut candidates);
-                if draws.next() == Some(&((at - 1) as u32, drawn)) {
+                let want = Logprobs::of(b, drawn, 3);
+                let scores = drawn_scores.iter().find(|s| s.0 as usize == at - 1);
+                if draws.next() == Some(&((at - 1) as u32, drawn))
+                    && scores.is_some_and(|(_, got)| logprobs_close(got, &want))
+                {
                     result.draws_agree += 1;
                 }
                 if mine == theirs {

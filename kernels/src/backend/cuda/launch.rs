@@ -292,6 +292,7 @@ args! {
         draws: u64,
         adjusts: u64,
         scores: u64,
+        originals: u64,
         vocab: u32,
         unused: u32,
     }
@@ -362,7 +363,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<AttentionArgs>(), 128);
         assert_eq!(std::mem::size_of::<MergeArgs>(), 40);
         assert_eq!(std::mem::size_of::<DigestArgs>(), 48);
-        assert_eq!(std::mem::size_of::<PickArgs>(), 48);
+        assert_eq!(std::mem::size_of::<PickArgs>(), 56);
     }
 
     #[test]

@@ -249,6 +249,9 @@ struct StepBuffer {
     layout: StepLayout,
     buffer: DeviceBuffer,
     partials: DeviceBuffer,
+    /// f32 `[adjusts_max]`: each adjusted logit as it was, where its row
+    /// asks for log probabilities (of the row before its adjustments).
+    originals: DeviceBuffer,
 }
 
 /// The CUDA backend.
@@ -555,10 +558,9 @@ impl CudaBackend {
             .map(|b| b.bytes())
             .sum::<u64>()
             + s.delta.as_ref().map_or(0, DeviceBuffer::bytes)
-            + self
-                .step
-                .as_ref()
-                .map_or(0, |b| b.buffer.bytes() + b.partials.bytes())
+            + self.step.as_ref().map_or(0, |b| {
+                b.buffer.bytes() + b.partials.bytes() + b.originals.bytes()
+            })
     }
 
     /// Makes the step buffer for `layout`'s page size (once, or again for another pool).
@@ -588,6 +590,7 @@ impl CudaBackend {
         self.step = Some(StepBuffer {
             buffer: DeviceBuffer::zeroed(&self.device, step_layout.words * WORD)?,
             partials: DeviceBuffer::zeroed(&self.device, partial_floats.max(1) * 4)?,
+            originals: DeviceBuffer::zeroed(&self.device, step_layout.adjusts_max.max(1) * 4)?,
             layout: step_layout,
         });
         Ok(())
@@ -1022,6 +1025,7 @@ impl CudaBackend {
             draws: word(sl.draws),
             adjusts: word(sl.adjusts),
             scores: s.scores.at(0),
+            originals: step.originals.at(0),
             vocab,
             unused: 0,
         };

@@ -354,9 +354,8 @@ impl<'a> Packer<'a> {
     /// rows are given: the scored ones always on the device; the last
     /// picked there (with its log probabilities where `logprobs` asks) but
     /// where its adjustments are more than its share of the step buffer's
-    /// room, or not in ascending order of distinct ids, or where it asks
-    /// for log probabilities and adjustments both (the row is then a full
-    /// one).
+    /// room, or not in ascending order of distinct ids (the row is then a
+    /// full one).
     pub(super) fn logits(
         &mut self,
         rows: usize,
@@ -374,8 +373,7 @@ impl<'a> Packer<'a> {
         let picked = pick.is_token()
             && rows > scored as usize
             && adjust.len() as u64 <= self.adjust_share.min(room)
-            && adjust.windows(2).all(|w| w[0].id < w[1].id)
-            && (logprobs.is_none() || adjust.is_empty());
+            && adjust.windows(2).all(|w| w[0].id < w[1].id);
         for (i, &target) in scores.targets[..scored as usize].iter().enumerate() {
             self.picked.push(Picked {
                 token: first + i as u32,
@@ -738,7 +736,7 @@ mod tests {
         // A list out of order, or naming an id twice, is the host's to
         // apply in its order: a full row.
         let mut words = vec![0u32; layout.words as usize];
-        let mut packer = Packer::new(&mut words, layout, 2);
+        let mut packer = Packer::new(&mut words, layout, 4);
         packer.token(0, 5, 0);
         assert!(!on_device(
             &mut packer,
@@ -755,18 +753,24 @@ mod tests {
             &[banned, banned],
             None
         ));
-        // Log probabilities with adjustments: the host's (the device's are
-        // of the row before them); without, the device's.
-        packer.token(2, 5, 2);
-        assert!(!on_device(&mut packer, 1, Pick::Argmax, &[banned], Some(3)));
         assert_eq!(packer.adjusts, 0);
+        // Log probabilities, with adjustments and without: the device's
+        // (of the row before them).
+        packer.token(2, 5, 2);
+        assert!(on_device(&mut packer, 1, Pick::Argmax, &[banned], Some(3)));
         packer.token(3, 5, 3);
         assert!(on_device(&mut packer, 1, Pick::Argmax, &[], Some(3)));
         packer.picked_rows();
-        let at = (layout.draws + 3 * DRAW_WORDS as u64) as usize;
+        let draw_at = |r: u64| (layout.draws + r * DRAW_WORDS as u64) as usize;
+        let at = draw_at(2);
         assert_eq!(
             words[at..at + DRAW_WORDS],
-            draw_words(None, 0, 0, Some(3), None)
+            draw_words(None, 0, 1, Some(3), None)
+        );
+        let at = draw_at(3);
+        assert_eq!(
+            words[at..at + DRAW_WORDS],
+            draw_words(None, 1, 0, Some(3), None)
         );
         assert_eq!(words[at + 8], 4);
         // A step of one sequence: all the room is its share.

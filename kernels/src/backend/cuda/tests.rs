@@ -565,6 +565,7 @@ fn argmax_picks_each_rows_id_as_the_cpus_argmax_does() {
         draws: 0,
         adjusts: 0,
         scores: 0,
+        originals: 0,
         vocab: vocab as u32,
         unused: 0,
     };
@@ -632,12 +633,16 @@ fn device_picks(
     let adjusts = DeviceBuffer::from_bytes(device, &bytes(&entries)).unwrap();
     let out = DeviceBuffer::zeroed(device, 4 * rows.len() as u64).unwrap();
     let scores = DeviceBuffer::zeroed(device, (4 * SCORE_WORDS * rows.len()) as u64).unwrap();
+    // What an earlier step left there: never read for this one.
+    let stale = vec![1.0e30f32; entries.len() / ADJUST_WORDS + 1];
+    let originals = DeviceBuffer::from_bytes(device, &to_bytes(&stale)).unwrap();
     let args = PickArgs {
         logits: logits.at(0),
         out: out.at(0),
         draws: draws.at(0),
         adjusts: adjusts.at(0),
         scores: scores.at(0),
+        originals: originals.at(0),
         vocab: vocab as u32,
         unused: 0,
     };
@@ -890,6 +895,33 @@ fn an_adjusted_row_on_the_device_is_the_hosts_adjusted_row_and_picks_its_token()
     assert_eq!((picks[4], picks[5]), (17, 0));
     assert_eq!((picks[11], picks[12]), (17, 0));
     assert!(moved >= 6, "adjustments that change the token: {moved}");
+    // Again, each row asking for its log probabilities: the same tokens,
+    // each scored in the row as it was before its adjustments (a forced
+    // token's own logit among them, not its +100).
+    for row in &mut rows {
+        row.3 = Some(3);
+    }
+    let (again, _, scored) = device_picks(&device, vocab, &rows, &[]);
+    assert_eq!(again, picks);
+    for (i, ((row, ..), scored)) in rows.iter().zip(&scored).enumerate() {
+        let want = crate::backend::Logprobs::of(row, picks[i], 3);
+        let got = scored.as_ref().expect("asked for");
+        let close = |a: f32, b: f32| a == b || (a - b).abs() <= 1e-5 * b.abs().max(1.0);
+        assert_eq!(got.token, want.token, "row {i}");
+        assert!(
+            close(got.logprob, want.logprob),
+            "row {i}: {got:?} vs {want:?}"
+        );
+        assert_eq!(got.top.len(), want.top.len(), "row {i}");
+        for (g, w) in got.top.iter().zip(&want.top) {
+            assert!(
+                g.0 == w.0 && close(g.1, w.1),
+                "row {i}: {got:?} vs {want:?}"
+            );
+        }
+    }
+    let forced = scored[4].as_ref().unwrap();
+    assert!(forced.logprob < -1.0, "17's own: {forced:?}");
 }
 
 #[test]
