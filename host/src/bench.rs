@@ -16,7 +16,7 @@ use crate::engine::build::{self, EngineSpec};
 use crate::engine::generate::{PAGE_TOKENS, PREFILL_CHUNK_TOKENS};
 use anyhow::{ensure, Result};
 use bulkhead_kernels::backend::cpu::CpuBackend;
-use bulkhead_kernels::backend::{Backend, Pick, PromptScores, SeqStep};
+use bulkhead_kernels::backend::{Backend, SeqStep};
 use bulkhead_kernels::kv::{OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId};
 use bulkhead_kernels::model::Model;
 use bulkhead_kernels::tokenizer::{EncodeOptions, Tokenizer};
@@ -189,14 +189,8 @@ fn feed(
     let mut pos = 0;
     for piece in ids.chunks(chunk) {
         let step = SeqStep {
-            pages: seq,
-            pos_start: pos,
-            tokens: piece,
             logits: usize::from(pos + piece.len() == ids.len()),
-            pick: Pick::Row,
-            adjust: &[],
-            logprobs: None,
-            scores: PromptScores::NONE,
+            ..SeqStep::new(seq, pos, piece)
         };
         engine.backend.step(&[step], pool)?;
         pos += piece.len();
@@ -240,32 +234,14 @@ fn decode(engine: &mut Engine, args: &EngineBenchArgs, batch: usize) -> Result<f
         // The timed steps then rewrite its position, so the depth stays N.
         let warm: Vec<SeqStep> = seqs
             .iter()
-            .map(|table| SeqStep {
-                pages: table,
-                pos_start: context.len(),
-                tokens: &token,
-                logits: 1,
-                pick: Pick::Row,
-                adjust: &[],
-                logprobs: None,
-                scores: PromptScores::NONE,
-            })
+            .map(|table| SeqStep::new(table, context.len(), &token))
             .collect();
         engine.backend.step(&warm, &mut pool)?;
         let started = Instant::now();
         for i in 0..args.decode_tokens {
             let steps: Vec<SeqStep> = seqs
                 .iter()
-                .map(|table| SeqStep {
-                    pages: table,
-                    pos_start: context.len() + i,
-                    tokens: &token,
-                    logits: 1,
-                    pick: Pick::Row,
-                    adjust: &[],
-                    logprobs: None,
-                    scores: PromptScores::NONE,
-                })
+                .map(|table| SeqStep::new(table, context.len() + i, &token))
                 .collect();
             engine.backend.step(&steps, &mut pool)?;
         }
@@ -337,16 +313,8 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
     let mut rows: Vec<Vec<f32>> = Vec::with_capacity(ROWS);
     let mut token = context[context.len() - 1];
     for i in 0..ROWS {
-        let step = SeqStep {
-            pages: &seqs[0],
-            pos_start: context.len() - 1 + i,
-            tokens: &[token],
-            logits: 1,
-            pick: Pick::Row,
-            adjust: &[],
-            logprobs: None,
-            scores: PromptScores::NONE,
-        };
+        let tokens = [token];
+        let step = SeqStep::new(&seqs[0], context.len() - 1 + i, &tokens);
         let logits = engine.backend.step(&[step], &mut pool)?;
         let row = logits.row(0).to_vec();
         token = crate::engine::sampling::argmax(&row);
@@ -360,16 +328,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
         for _ in 0..8 {
             let steps: Vec<SeqStep> = seqs[..batch]
                 .iter()
-                .map(|table| SeqStep {
-                    pages: table,
-                    pos_start: depth,
-                    tokens: std::slice::from_ref(&token),
-                    logits: 1,
-                    pick: Pick::Row,
-                    adjust: &[],
-                    logprobs: None,
-                    scores: PromptScores::NONE,
-                })
+                .map(|table| SeqStep::new(table, depth, std::slice::from_ref(&token)))
                 .collect();
             let started = Instant::now();
             engine.backend.step(&steps, &mut pool)?;

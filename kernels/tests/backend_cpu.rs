@@ -75,14 +75,8 @@ fn run_chunked(
     let mut pos = 0;
     for piece in tokens.chunks(chunk) {
         let step = SeqStep {
-            pages: table,
-            pos_start: pos,
-            tokens: piece,
             logits: usize::from(pos + piece.len() == tokens.len()),
-            pick: Pick::Row,
-            adjust: &[],
-            logprobs: None,
-            scores: PromptScores::NONE,
+            ..SeqStep::new(table, pos, piece)
         };
         let logits = backend.step(&[step], pool).expect("valid step");
         if logits.rows_count() == 1 {
@@ -141,26 +135,8 @@ fn a_batch_gives_each_sequence_what_it_gets_alone() {
     let ta = table(&mut p, ALPHA, 1, 3);
     let tb = table(&mut p, BETA, 2, 3);
     let steps = [
-        SeqStep {
-            pages: &ta,
-            pos_start: 0,
-            tokens: &PROMPT_A,
-            logits: 1,
-            pick: Pick::Row,
-            adjust: &[],
-            logprobs: None,
-            scores: PromptScores::NONE,
-        },
-        SeqStep {
-            pages: &tb,
-            pos_start: 0,
-            tokens: &PROMPT_B,
-            logits: 1,
-            pick: Pick::Row,
-            adjust: &[],
-            logprobs: None,
-            scores: PromptScores::NONE,
-        },
+        SeqStep::new(&ta, 0, &PROMPT_A),
+        SeqStep::new(&tb, 0, &PROMPT_B),
     ];
     let logits = b.step(&steps, &mut p).unwrap();
     assert_eq!(logits.rows_count(), 2);
@@ -186,16 +162,7 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
     let t = table(&mut p, ALPHA, 1, 3);
     let mut oracle = Vec::new();
     for (pos, token) in PROMPT_A.iter().enumerate() {
-        let step = SeqStep {
-            pages: &t,
-            pos_start: pos,
-            tokens: std::slice::from_ref(token),
-            logits: 1,
-            pick: Pick::Row,
-            adjust: &[],
-            logprobs: None,
-            scores: PromptScores::NONE,
-        };
+        let step = SeqStep::new(&t, pos, std::slice::from_ref(token));
         oracle.push(b.step(&[step], &mut p).unwrap().row(0).to_vec());
     }
     for chunk in [PROMPT_A.len(), 4, 3] {
@@ -213,25 +180,10 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
                 piece.len()
             };
             let steps = [
+                SeqStep::new(&tb, 0, &PROMPT_B),
                 SeqStep {
-                    pages: &tb,
-                    pos_start: 0,
-                    tokens: &PROMPT_B,
-                    logits: 1,
-                    pick: Pick::Row,
-                    adjust: &[],
-                    logprobs: None,
-                    scores: PromptScores::NONE,
-                },
-                SeqStep {
-                    pages: &ta,
-                    pos_start: pos,
-                    tokens: piece,
                     logits: wanted,
-                    pick: Pick::Row,
-                    adjust: &[],
-                    logprobs: None,
-                    scores: PromptScores::NONE,
+                    ..SeqStep::new(&ta, pos, piece)
                 },
             ];
             let logits = b.step(&steps, &mut p).unwrap();
@@ -262,14 +214,8 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
     let error = b
         .step(
             &[SeqStep {
-                pages: &t,
-                pos_start: 0,
-                tokens: &PROMPT_A,
                 logits: PROMPT_A.len() + 1,
-                pick: Pick::Row,
-                adjust: &[],
-                logprobs: None,
-                scores: PromptScores::NONE,
+                ..SeqStep::new(&t, 0, &PROMPT_A)
             }],
             &mut p,
         )
@@ -289,14 +235,10 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
     let targets = [5u32, 6, 7];
     let mut scored = |logits: usize, pick: Pick, targets: &[u32]| -> StepError {
         let step = SeqStep {
-            pages: &t,
-            pos_start: 0,
-            tokens: &PROMPT_A,
             logits,
             pick,
-            adjust: &[],
-            logprobs: None,
             scores: PromptScores { targets, top: 1 },
+            ..SeqStep::new(&t, 0, &PROMPT_A)
         };
         b.step(&[step], &mut p).err().expect("refused")
     };
@@ -350,14 +292,8 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
     let error = wide
         .step(
             &[SeqStep {
-                pages: &t,
-                pos_start: 0,
-                tokens: &long,
                 logits: 67,
-                pick: Pick::Row,
-                adjust: &[],
-                logprobs: None,
-                scores: PromptScores::NONE,
+                ..SeqStep::new(&t, 0, &long)
             }],
             &mut p,
         )
@@ -376,14 +312,8 @@ fn every_positions_logits_are_each_positions_own_in_any_chunking_and_batch() {
     let logits = wide
         .step(
             &[SeqStep {
-                pages: &t,
-                pos_start: 0,
-                tokens: &long[..66],
                 logits: 66,
-                pick: Pick::Row,
-                adjust: &[],
-                logprobs: None,
-                scores: PromptScores::NONE,
+                ..SeqStep::new(&t, 0, &long[..66])
             }],
             &mut p,
         )
@@ -516,16 +446,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
     let mut p = pool(&m, 16, PoolOptions::default());
     let t = table(&mut p, ALPHA, 1, 2);
     let before = p.stats();
-    let step = |tokens: &'static [u32], pos_start| SeqStep {
-        pages: &t,
-        pos_start,
-        tokens,
-        logits: 1,
-        pick: Pick::Row,
-        adjust: &[],
-        logprobs: None,
-        scores: PromptScores::NONE,
-    };
+    let step = |tokens: &'static [u32], pos_start| SeqStep::new(&t, pos_start, tokens);
     let vocab_len = m.config.vocab_len;
     // Each refusal names the sequence at fault, so a scheduler can fail that
     // one alone; a step too big as a whole names none.
@@ -564,16 +485,7 @@ fn refuses_bad_steps_without_touching_the_pool() {
     let long = vec![1u32; 65];
     let mut big = pool(&m, 40, PoolOptions::default());
     let big_table = table(&mut big, ALPHA, 1, 17);
-    let too_many = SeqStep {
-        pages: &big_table,
-        pos_start: 0,
-        tokens: &long,
-        logits: 1,
-        pick: Pick::Row,
-        adjust: &[],
-        logprobs: None,
-        scores: PromptScores::NONE,
-    };
+    let too_many = SeqStep::new(&big_table, 0, &long);
     let error = b.step(&[too_many], &mut big).err().unwrap();
     assert!(matches!(error, StepError::TooManyTokens { .. }));
     assert_eq!(error.sequence(), None);
@@ -588,16 +500,7 @@ fn refuses_a_table_whose_pages_are_not_leased_in_this_pool() {
     let foreign = table(&mut elsewhere, ALPHA, 1, 2);
     let mut p = pool(&m, 16, PoolOptions::default());
     let before = p.stats();
-    let step = SeqStep {
-        pages: &foreign,
-        pos_start: 0,
-        tokens: &[1, 2],
-        logits: 1,
-        pick: Pick::Row,
-        adjust: &[],
-        logprobs: None,
-        scores: PromptScores::NONE,
-    };
+    let step = SeqStep::new(&foreign, 0, &[1, 2]);
     assert_eq!(
         b.step(&[step], &mut p).err(),
         Some(StepError::StaleHandle { index: 0 })
@@ -640,16 +543,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
     let pages = (prompt.len() as u32).div_ceil(PAGE_TOKENS);
     let first = table(&mut p, ALPHA, 1, pages);
     run_chunked(&mut b, &mut p, &first, &prompt[..cut], cut);
-    let step = SeqStep {
-        pages: &first,
-        pos_start: cut,
-        tokens: &prompt[cut..],
-        logits: 1,
-        pick: Pick::Row,
-        adjust: &[],
-        logprobs: None,
-        scores: PromptScores::NONE,
-    };
+    let step = SeqStep::new(&first, cut, &prompt[cut..]);
     let own = b.step(&[step], &mut p).unwrap().row(0).to_vec();
     // Its full prefix pages are shared; a second sequence of the same owner
     // attaches them and computes only the suffix, in pages of its own.
@@ -663,16 +557,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
         p.acquire(&mut reservation, &mut second).unwrap();
     }
     p.release_reservation(reservation);
-    let step = SeqStep {
-        pages: &second,
-        pos_start: cut,
-        tokens: &prompt[cut..],
-        logits: 1,
-        pick: Pick::Row,
-        adjust: &[],
-        logprobs: None,
-        scores: PromptScores::NONE,
-    };
+    let step = SeqStep::new(&second, cut, &prompt[cut..]);
     let cached = b.step(&[step], &mut p).unwrap().row(0).to_vec();
     assert_eq!(
         max_abs_diff(&own, &cached),
@@ -682,16 +567,7 @@ fn a_shared_prefix_reads_exactly_like_its_own_pages_and_is_never_written() {
     p.check_page_tables(&[&first, &second]).unwrap();
     // A step that would write a position of a shared page is refused.
     let before = p.stats();
-    let rewrite = SeqStep {
-        pages: &second,
-        pos_start: cut - 1,
-        tokens: &prompt[cut - 1..],
-        logits: 1,
-        pick: Pick::Row,
-        adjust: &[],
-        logprobs: None,
-        scores: PromptScores::NONE,
-    };
+    let rewrite = SeqStep::new(&second, cut - 1, &prompt[cut - 1..]);
     assert_eq!(
         b.step(&[rewrite], &mut p).err(),
         Some(StepError::SharedPage {
@@ -765,36 +641,9 @@ fn every_isa_is_batch_invariant_bit_for_bit() {
             );
             run_chunked(&mut b, &mut p, &ta, &prompt[..39], 39);
             let steps = [
-                SeqStep {
-                    pages: &tb,
-                    pos_start: 0,
-                    tokens: &PROMPT_B,
-                    logits: 1,
-                    pick: Pick::Row,
-                    adjust: &[],
-                    logprobs: None,
-                    scores: PromptScores::NONE,
-                },
-                SeqStep {
-                    pages: &ta,
-                    pos_start: 39,
-                    tokens: &prompt[39..],
-                    logits: 1,
-                    pick: Pick::Row,
-                    adjust: &[],
-                    logprobs: None,
-                    scores: PromptScores::NONE,
-                },
-                SeqStep {
-                    pages: &tc,
-                    pos_start: 0,
-                    tokens: &PROMPT_A[..2],
-                    logits: 1,
-                    pick: Pick::Row,
-                    adjust: &[],
-                    logprobs: None,
-                    scores: PromptScores::NONE,
-                },
+                SeqStep::new(&tb, 0, &PROMPT_B),
+                SeqStep::new(&ta, 39, &prompt[39..]),
+                SeqStep::new(&tc, 0, &PROMPT_A[..2]),
             ];
             let batched = b.step(&steps, &mut p).unwrap().row(1).to_vec();
             assert_eq!(

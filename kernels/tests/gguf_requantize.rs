@@ -8,7 +8,7 @@ use std::io::{self, Write};
 use std::sync::Arc;
 
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
-use bulkhead_kernels::backend::{Backend, Pick, PromptScores, SeqStep};
+use bulkhead_kernels::backend::{Backend, SeqStep};
 use bulkhead_kernels::gguf::{
     requantize_q8_0, Gguf, GgufWriter, RequantizeError, TensorInfo, Value, FILE_TYPE_KEY,
     FILE_TYPE_MOSTLY_Q8_0,
@@ -272,16 +272,7 @@ fn last_logits(model: &Arc<Model>) -> Vec<f32> {
         isa: Some(Isa::Scalar),
     };
     let mut backend = CpuBackend::new(Arc::clone(model), options);
-    let step = SeqStep {
-        pages: &table,
-        pos_start: 0,
-        tokens: &PROMPT,
-        logits: 1,
-        pick: Pick::Row,
-        adjust: &[],
-        logprobs: None,
-        scores: PromptScores::NONE,
-    };
+    let step = SeqStep::new(&table, 0, &PROMPT);
     backend.step(&[step], &mut pool).unwrap().row(0).to_vec()
 }
 

@@ -1349,7 +1349,6 @@ mod tests {
     //! prefill block (its spans folded as it goes).
 
     use super::*;
-    use crate::backend::PromptScores;
     use crate::gguf::Gguf;
     use crate::kv::{KvType, OwnerTag, PageTable, PartitionConfig, SeqId};
     use crate::rng::SplitMix64;
@@ -1518,14 +1517,8 @@ mod tests {
                 let tokens = vec![0u32; chunk];
                 let one = [0u32];
                 let mut steps = vec![SeqStep {
-                    pages: &table,
-                    pos_start: chunk_start,
-                    tokens: &tokens,
                     logits: 0,
-                    pick: crate::backend::Pick::Row,
-                    adjust: &[],
-                    logprobs: None,
-                    scores: PromptScores::NONE,
+                    ..SeqStep::new(&table, chunk_start, &tokens)
                 }];
                 let mut slots: Vec<TokenSlot> = (chunk_start..len)
                     .map(|pos| TokenSlot { seq_index: 0, pos })
@@ -1536,14 +1529,8 @@ mod tests {
                         pos,
                     });
                     steps.push(SeqStep {
-                        pages: &table,
-                        pos_start: pos,
-                        tokens: &one,
                         logits: 0,
-                        pick: crate::backend::Pick::Row,
-                        adjust: &[],
-                        logprobs: None,
-                        scores: PromptScores::NONE,
+                        ..SeqStep::new(&table, pos, &one)
                     });
                 }
                 let mut q: Vec<f32> = (0..slots.len() * d)

@@ -57,6 +57,25 @@ pub struct SeqStep<'a> {
     pub scores: PromptScores<'a>,
 }
 
+impl<'a> SeqStep<'a> {
+    /// `tokens` of the sequence on `pages` from position `pos_start`, the
+    /// last one's row of logits wanted in full, nothing else asked: the
+    /// plainest step, whose other fields a caller sets by struct update
+    /// (`SeqStep { logits: 0, ..SeqStep::new(pages, 0, &prompt) }`).
+    pub fn new(pages: &'a PageTable, pos_start: usize, tokens: &'a [u32]) -> SeqStep<'a> {
+        SeqStep {
+            pages,
+            pos_start,
+            tokens,
+            logits: 1,
+            pick: Pick::Row,
+            adjust: &[],
+            logprobs: None,
+            scores: PromptScores::NONE,
+        }
+    }
+}
+
 /// A sequence's first rows of logits in a step wanted for the log
 /// probability of a given token each (the prompt's next), with `top`
 /// alternatives: what a prompt's `logprobs` (`echo`, vLLM's

@@ -3,7 +3,7 @@
 //! conformance tests compare with their references.
 
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
-use bulkhead_kernels::backend::{Backend, Pick, PromptScores, SeqStep};
+use bulkhead_kernels::backend::{Backend, SeqStep};
 use bulkhead_kernels::kv::{
     KvType, OwnerTag, PageTable, PartitionConfig, Pool, PoolOptions, SeqId,
 };
@@ -79,14 +79,8 @@ impl Harness {
         let mut pos = pos_start;
         for piece in tokens.chunks(CHUNK_TOKENS) {
             let step = SeqStep {
-                pages: &self.table,
-                pos_start: pos,
-                tokens: piece,
                 logits: usize::from(pos + piece.len() == pos_start + tokens.len()),
-                pick: Pick::Row,
-                adjust: &[],
-                logprobs: None,
-                scores: PromptScores::NONE,
+                ..SeqStep::new(&self.table, pos, piece)
             };
             let out = self.backend.step(&[step], &mut self.pool).unwrap();
             if out.rows_count() == 1 {

@@ -645,14 +645,8 @@ fn prefill_run(
         for at in (0..len).step_by(chunk) {
             let end = (at + chunk).min(len);
             let step = SeqStep {
-                pages: &tables[0],
-                pos_start: at,
-                tokens: &tokens[at..end],
                 logits: usize::from(end == len),
-                pick: Pick::Row,
-                adjust: &[],
-                logprobs: None,
-                scores: PromptScores::NONE,
+                ..SeqStep::new(&tables[0], at, &tokens[at..end])
             };
             cuda.step(&[step], &mut pool).expect("a valid step");
         }
@@ -819,14 +813,9 @@ fn decode_run(
     for i in 0..warmup + steps {
         let seqs: Vec<SeqStep> = (0..batch)
             .map(|s| SeqStep {
-                pages: &tables[s],
-                pos_start: depth + i,
-                tokens: &one[s],
-                logits: 1,
                 pick,
                 adjust: &adjust[s],
-                logprobs: None,
-                scores: PromptScores::NONE,
+                ..SeqStep::new(&tables[s], depth + i, &one[s])
             })
             .collect();
         if profile && i == warmup {
@@ -954,16 +943,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         CudaBackend::new(Arc::clone(model), Arc::clone(device), options).expect("backend");
     let (mut pool, mut tables) = pool_with_tables(model, KvType::F16, 16, 2, 2, Some(device), true);
     let tokens: Vec<u32> = (0..20).collect();
-    let step = SeqStep {
-        pages: &tables[0],
-        pos_start: 0,
-        tokens: &tokens,
-        logits: 1,
-        pick: Pick::Row,
-        adjust: &[],
-        logprobs: None,
-        scores: PromptScores::NONE,
-    };
+    let step = SeqStep::new(&tables[0], 0, &tokens);
     cuda.step(&[step], &mut pool).expect("a valid step");
     let pages: Vec<PageId> = tables[0].handles().iter().map(|h| h.page).collect();
     let old = tables[0].handles().to_vec();
@@ -989,16 +969,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         stale.plant_fault_push(handle);
     }
     let before = device.launches();
-    let stale_step = SeqStep {
-        pages: &stale,
-        pos_start: 0,
-        tokens: &tokens,
-        logits: 1,
-        pick: Pick::Row,
-        adjust: &[],
-        logprobs: None,
-        scores: PromptScores::NONE,
-    };
+    let stale_step = SeqStep::new(&stale, 0, &tokens);
     let refused = cuda.step(&[stale_step], &mut pool).err();
     let ok = refused == Some(StepError::StaleHandle { index: 0 }) && device.launches() == before;
     rows.push(Outcome {
@@ -1009,16 +980,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
     // Foreign pool: a table of another pool.
     let (_other, other_tables) =
         pool_with_tables(model, KvType::F16, 16, 1, 2, Some(device), false);
-    let foreign = SeqStep {
-        pages: &other_tables[0],
-        pos_start: 0,
-        tokens: &tokens,
-        logits: 1,
-        pick: Pick::Row,
-        adjust: &[],
-        logprobs: None,
-        scores: PromptScores::NONE,
-    };
+    let foreign = SeqStep::new(&other_tables[0], 0, &tokens);
     let refused = cuda.step(&[foreign], &mut pool).err();
     let ok = refused == Some(StepError::StaleHandle { index: 0 }) && device.launches() == before;
     rows.push(Outcome {
@@ -1062,16 +1024,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
     table.plant_fault_push(their_table.handles()[0]);
     let before = device.launches();
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let step = SeqStep {
-            pages: &table,
-            pos_start: 0,
-            tokens: &tokens,
-            logits: 1,
-            pick: Pick::Row,
-            adjust: &[],
-            logprobs: None,
-            scores: PromptScores::NONE,
-        };
+        let step = SeqStep::new(&table, 0, &tokens);
         let _ = cuda.step(&[step], &mut shared);
     }));
     let message = outcome

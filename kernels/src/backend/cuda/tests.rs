@@ -23,7 +23,7 @@ use super::pack::{decode_span, decode_splits_max, draw_words, DRAW_WORDS, SCORE_
 use super::storage::DeviceStorage;
 use super::{attention_rows, CudaBackend, CudaOptions, Fusions, SPLIT_POSITIONS};
 use crate::backend::adjust::ADJUST_WORDS;
-use crate::backend::{Adjust, Backend, Draw, Pick, PromptScores, SeqStep, StepError};
+use crate::backend::{Adjust, Backend, Draw, Pick, SeqStep, StepError};
 use crate::gguf::Gguf;
 use crate::kv::storage::host_storage;
 use crate::kv::{KvType, PageLayout, PageStorage, PageTable, Pool, PoolGeometry};
@@ -1404,14 +1404,12 @@ fn run_bits(spec: &TinySpec, kv_type: KvType, fusions: Fusions) -> (Vec<u32>, Ve
                     _ => (prompts[s] + i - 1, 1),
                 };
                 SeqStep {
-                    pages: &tables[s],
-                    pos_start,
-                    tokens: &inputs[s][pos_start..pos_start + len],
                     logits: len.min(2),
-                    pick: Pick::Row,
-                    adjust: &[],
-                    logprobs: None,
-                    scores: PromptScores::NONE,
+                    ..SeqStep::new(
+                        &tables[s],
+                        pos_start,
+                        &inputs[s][pos_start..pos_start + len],
+                    )
                 }
             })
             .collect();
@@ -1540,14 +1538,12 @@ fn a_decode_steps_rows_are_read_into_page_locked_memory_and_more_rows_are_not() 
             let steps: Vec<SeqStep> = tables
                 .iter()
                 .map(|table| SeqStep {
-                    pages: table,
-                    pos_start,
-                    tokens: if len == 5 { &prompt } else { &prompt[..1] },
                     logits: rows,
-                    pick: Pick::Row,
-                    adjust: &[],
-                    logprobs: None,
-                    scores: PromptScores::NONE,
+                    ..SeqStep::new(
+                        table,
+                        pos_start,
+                        if len == 5 { &prompt } else { &prompt[..1] },
+                    )
                 })
                 .collect();
             let logits = cuda.step(&steps, &mut pool).unwrap();
@@ -1594,16 +1590,7 @@ fn a_host_pool_is_refused_by_the_cuda_backend() {
     let (mut pool, tables) = pool_with_tables(&model, KvType::F16, 16, 1, 2, None);
     let mut cuda = backend(&model, &device, 64, 4, false);
     let tokens = [1u32];
-    let step = SeqStep {
-        pages: &tables[0],
-        pos_start: 0,
-        tokens: &tokens,
-        logits: 1,
-        pick: Pick::Row,
-        adjust: &[],
-        logprobs: None,
-        scores: PromptScores::NONE,
-    };
+    let step = SeqStep::new(&tables[0], 0, &tokens);
     assert_eq!(
         cuda.step(&[step], &mut pool).err().unwrap(),
         StepError::DeviceStorage
@@ -2180,16 +2167,7 @@ fn a_local_layer_reads_no_position_before_its_window() {
             ))
         };
         let table = &tables[0];
-        let step = |tokens, pos_start| SeqStep {
-            pages: table,
-            pos_start,
-            tokens,
-            logits: 1,
-            pick: Pick::Row,
-            adjust: &[],
-            logprobs: None,
-            scores: PromptScores::NONE,
-        };
+        let step = |tokens, pos_start| SeqStep::new(table, pos_start, tokens);
         backend.step(&[step(&prompt_tokens, 0)], &mut pool).unwrap();
         if poisoned {
             let nan = vec![f32::NAN; kv_dim];
@@ -2241,25 +2219,10 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
     let decode = [7u32];
     let steps = [
         SeqStep {
-            pages: &tables[0],
-            pos_start: 0,
-            tokens: &prefill,
             logits: 0,
-            pick: Pick::Row,
-            adjust: &[],
-            logprobs: None,
-            scores: PromptScores::NONE,
+            ..SeqStep::new(&tables[0], 0, &prefill)
         },
-        SeqStep {
-            pages: &tables[1],
-            pos_start: 600,
-            tokens: &decode,
-            logits: 1,
-            pick: Pick::Row,
-            adjust: &[],
-            logprobs: None,
-            scores: PromptScores::NONE,
-        },
+        SeqStep::new(&tables[1], 600, &decode),
     ];
     let view = pool.step_view(&[&tables[0], &tables[1]]).unwrap();
     let rows = cuda.attention_rows;
@@ -2327,16 +2290,7 @@ fn a_step_packs_only_the_pages_it_reaches_with_items_merges_and_logit_rows() {
     drop(view);
     // As a graph bucket of 2 (decode only): padded to the bucket's capacity.
     let one = [3u32, 4];
-    let steps = [SeqStep {
-        pages: &tables[0],
-        pos_start: 40,
-        tokens: &one[..1],
-        logits: 1,
-        pick: Pick::Row,
-        adjust: &[],
-        logprobs: None,
-        scores: PromptScores::NONE,
-    }];
+    let steps = [SeqStep::new(&tables[0], 40, &one[..1])];
     let view = pool.step_view(&[&tables[0]]).unwrap();
     let bucket = cuda.graph_bucket(&steps).unwrap();
     assert_eq!(bucket, 1);
@@ -2386,37 +2340,16 @@ fn past_a_step_the_devices_step_buffer_holds_that_step_alone() {
         let prefill: Vec<u32> = (0..40).collect();
         let one = [7u32];
         let large = [
+            SeqStep::new(&tables[0], 0, &prefill),
             SeqStep {
-                pages: &tables[0],
-                pos_start: 0,
-                tokens: &prefill,
-                logits: 1,
-                pick: Pick::Row,
-                adjust: &[],
-                logprobs: None,
-                scores: PromptScores::NONE,
-            },
-            SeqStep {
-                pages: &tables[1],
-                pos_start: 600,
-                tokens: &one,
-                logits: 1,
                 pick: Pick::Argmax,
-                adjust: &[],
-                logprobs: None,
-                scores: PromptScores::NONE,
+                ..SeqStep::new(&tables[1], 600, &one)
             },
         ];
         let small = |pos| {
             [SeqStep {
-                pages: &tables[0],
-                pos_start: pos,
-                tokens: &one,
-                logits: 1,
                 pick: Pick::Argmax,
-                adjust: &[],
-                logprobs: None,
-                scores: PromptScores::NONE,
+                ..SeqStep::new(&tables[0], pos, &one)
             }]
         };
         let mut nonzero_words = Vec::new();
