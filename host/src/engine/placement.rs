@@ -6,8 +6,10 @@
 //!
 //! ```text
 //! cpu    the CPU backend, always available
-//! cuda   the CUDA backend on device 0; a start-up error naming what is
-//!        missing (the driver, a device, NVRTC) where it cannot run
+//! cuda   the CUDA backend on device 0 (the first GPU the driver shows
+//!        the process: `CUDA_VISIBLE_DEVICES` chooses); a start-up error
+//!        naming what is missing (the driver, a device, NVRTC) where it
+//!        cannot run
 //! auto   cuda when a driver, a device and NVRTC are all present and the
 //!        CUDA kernels run the model (every family and weight type the CPU
 //!        runs, in widths of whole 32-blocks), else cpu; the log and the
