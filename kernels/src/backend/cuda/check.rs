@@ -150,21 +150,36 @@ fn argmax(row: &[f32]) -> usize {
     crate::backend::argmax(row) as usize
 }
 
+/// What [`lockstep`] asks of each sequence's rows beyond their logits.
+#[derive(Clone, Copy)]
+struct Asks<'a> {
+    /// How sequence i's last row is wanted.
+    pick: &'a dyn Fn(usize) -> Pick,
+    /// Each sequence's adjustments of that row (none past the list).
+    adjusts: &'a [Vec<Adjust>],
+    /// That row's log probabilities, with this many alternatives.
+    logprobs: Option<u8>,
+    /// Every row before it scored for the token after its position, with
+    /// this many alternatives (as a prompt's log probabilities ask).
+    scores: Option<u8>,
+}
+
+/// Every row in full, nothing else asked.
+const FULL_ROWS: Asks<'static> = Asks {
+    pick: &|_| Pick::Row,
+    adjusts: &[],
+    logprobs: None,
+    scores: None,
+};
+
 /// Each sequence's tokens from its position on: the prompt first, then its
-/// last token; `rows[i]` of its last tokens want logits, the last of them
-/// as `pick(i)` says, and with `scores`, every one before it scored for
-/// the token after it, with that many alternatives (as a prompt's log
-/// probabilities ask).
-#[allow(clippy::too_many_arguments)]
+/// last token; `rows[i]` of its last tokens want logits, as `asks` says.
 fn lockstep<'a>(
     tables: &'a [PageTable],
     inputs: &'a [Vec<u32>],
     positions: &[usize],
     rows: &[usize],
-    pick: &dyn Fn(usize) -> Pick,
-    adjusts: &'a [Vec<Adjust>],
-    logprobs: Option<u8>,
-    scores: Option<u8>,
+    asks: Asks<'a>,
 ) -> Vec<SeqStep<'a>> {
     (0..inputs.len())
         .map(|i| SeqStep {
@@ -172,10 +187,10 @@ fn lockstep<'a>(
             pos_start: positions[i],
             tokens: &inputs[i][positions[i]..],
             logits: rows[i],
-            pick: pick(i),
-            adjust: adjusts.get(i).map_or(&[], Vec::as_slice),
-            logprobs,
-            scores: match scores {
+            pick: (asks.pick)(i),
+            adjust: asks.adjusts.get(i).map_or(&[], Vec::as_slice),
+            logprobs: asks.logprobs,
+            scores: match asks.scores {
                 // Rows at the last rows[i] positions; each but the last
                 // scores the next position's token.
                 Some(top) if rows[i] > 1 => PromptScores {
@@ -335,16 +350,7 @@ pub fn agreement(
     for step in 0..=run.decode_steps {
         let cpu_logits = cpu
             .step(
-                &lockstep(
-                    &cpu_tables,
-                    &inputs,
-                    &positions,
-                    &rows,
-                    &|_| Pick::Row,
-                    &[],
-                    None,
-                    None,
-                ),
+                &lockstep(&cpu_tables, &inputs, &positions, &rows, FULL_ROWS),
                 &mut cpu_pool,
             )
             .expect("a valid step")
@@ -352,16 +358,7 @@ pub fn agreement(
             .to_vec();
         let dev_logits = cuda
             .step(
-                &lockstep(
-                    &dev_tables,
-                    &inputs,
-                    &positions,
-                    &rows,
-                    &|_| Pick::Row,
-                    &[],
-                    None,
-                    None,
-                ),
+                &lockstep(&dev_tables, &inputs, &positions, &rows, FULL_ROWS),
                 &mut dev_pool,
             )
             .expect("a valid step")
@@ -378,10 +375,12 @@ pub fn agreement(
                     &inputs,
                     &positions,
                     &rows,
-                    &|_| Pick::Argmax,
-                    &[],
-                    Some(5),
-                    Some(5),
+                    Asks {
+                        pick: &|_| Pick::Argmax,
+                        adjusts: &[],
+                        logprobs: Some(5),
+                        scores: Some(5),
+                    },
                 ),
                 &mut dev_pool,
             )
@@ -401,10 +400,12 @@ pub fn agreement(
                     &inputs,
                     &positions,
                     &rows,
-                    &draw,
-                    &adjusts,
-                    Some(3),
-                    None,
+                    Asks {
+                        pick: &draw,
+                        adjusts: &adjusts,
+                        logprobs: Some(3),
+                        scores: None,
+                    },
                 ),
                 &mut dev_pool,
             )
@@ -507,16 +508,7 @@ pub fn cpu_drift(model: &Arc<Model>, run: &AgreementRun<'_>) -> f32 {
         let (mut pool, tables) = pool_with_tables(model, kv, tokens, seqs, per_seq, None, false);
         let mut cpu = cpu_backend(model, run, Some(isa), tokens_max);
         cpu.step(
-            &lockstep(
-                &tables,
-                &inputs,
-                &positions,
-                &rows,
-                &|_| Pick::Row,
-                &[],
-                None,
-                None,
-            ),
+            &lockstep(&tables, &inputs, &positions, &rows, FULL_ROWS),
             &mut pool,
         )
         .expect("a valid step")
