@@ -210,3 +210,41 @@ __device__ __forceinline__ float soft_cap(float value, float cap) {
     float y = mul_rn(value, 1.0f / cap);
     return mul_rn(cap, 1.0f - 2.0f / (1.0f + expf(2.0f * y)));
 }
+
+// D = A . B + D on the tensor cores, the warp together (PTX mma.sync
+// m16n8k32, s8 x s8 -> s32; sm_80 and later: the host launches no kernel
+// using it on an older device). A is 16 rows of 32 k, B 32 k of 8 columns,
+// D 16 x 8. Lane (g = lane / 4, i = lane % 4) holds, four signed bytes a
+// word, lowest k first:
+//   a[0] = A[g][4i..4i+4]   a[1] = A[g+8][4i..4i+4]
+//   a[2] = A[g][16+4i..]    a[3] = A[g+8][16+4i..]
+//   b[0] = B[4i..4i+4][g]   b[1] = B[16+4i..16+4i+4][g]
+//   d[0], d[1] = D[g][2i], D[g][2i+1]     d[2], d[3] = D[g+8][2i], D[g+8][2i+1]
+// The k16 form takes a[0], a[1] and b[0] alone (k 0..16).
+__device__ __forceinline__ void mma_s8_k32(int d[4], const uint32_t a[4], const uint32_t b[2]) {
+#ifdef BULKHEAD_EMU
+    emu::mma_s8(d, a, b, 32);
+#elif __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void mma_s8_k16(int d[4], const uint32_t a[2], uint32_t b) {
+#ifdef BULKHEAD_EMU
+    emu::mma_s8(d, a, &b, 16);
+#elif __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b));
+#else
+    __trap();
+#endif
+}

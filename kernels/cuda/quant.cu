@@ -306,6 +306,17 @@ struct Acts {
     const int32_t* sums;
 };
 
+// A unit's value for one token from its integer dots with the token's Q8
+// quants over weights 0..16 (lo) and 16..32 (hi), the sums of those quants,
+// and the token's scale for the unit.
+__device__ __forceinline__ float unit_value(float scale_lo, float scale_hi, int offset, float min,
+                                            int lo, int hi, int sum_lo, int sum_hi, float dx) {
+    lo -= offset * sum_lo;
+    hi -= offset * sum_hi;
+    float scaled = scale_lo * float(lo) + scale_hi * float(hi);
+    return dx * scaled + min * (dx * float(sum_lo + sum_hi));
+}
+
 // The unit's dot with the block's token j's Q8 activations.
 __device__ __forceinline__ float unit_dot(const Unit& unit, const MatmulArgs& a, const Acts& x,
                                           uint32_t j, uint32_t u) {
@@ -322,13 +333,10 @@ __device__ __forceinline__ float unit_dot(const Unit& unit, const MatmulArgs& a,
     hi = __dp4a(unit.q[6], x1.z, hi);
     hi = __dp4a(unit.q[7], x1.w, hi);
     const int32_t* sums = x.sums + at / 16;
-    int sum_lo = sums[0], sum_hi = sums[1];
-    lo -= unit.offset * sum_lo;
-    hi -= unit.offset * sum_hi;
     uint32_t blocks = unit.per_256 ? a.k / QK_K : a.k / QK;
     float dx = x.d[uint64_t(j) * blocks + (unit.per_256 ? u / 8 : u)];
-    float scaled = unit.scale_lo * float(lo) + unit.scale_hi * float(hi);
-    return dx * scaled + unit.min * (dx * float(sum_lo + sum_hi));
+    return unit_value(unit.scale_lo, unit.scale_hi, unit.offset, unit.min, lo, hi, sums[0], sums[1],
+                      dx);
 }
 
 // Unit u of an f32, f16 or bf16 row with token t's f32 activations.
@@ -490,6 +498,40 @@ __device__ void rope_kv_store(const MatmulArgs& a, const MatSeg& seg, uint32_t s
     store_token_kv(r, seq, pos, s - 1, r1, v1);
 }
 
+// Row `*row` of the launch's rows (a warp's, in pairs where `per` is 2):
+// the segment holding it in *s and the row within that segment in *row
+// (SWIGLU and GEGLU: a row of the gate, segment 0, and the same row of up).
+// False past the last segment's rows.
+__device__ __forceinline__ bool find_row(const MatmulArgs& a, bool swiglu, uint32_t per,
+                                         uint32_t* row, uint32_t* s) {
+    *s = 0;
+    if (!swiglu) {
+        while (*s + 1 < a.segs && *row >= a.seg[*s].rows / per) {
+            *row -= a.seg[*s].rows / per;
+            *s += 1;
+        }
+    }
+    return *row < a.seg[*s].rows / per;
+}
+
+// Token t's product `value` with row `row` of `seg` (SWIGLU and GEGLU: the
+// gate's, and `up` the up row's), finished and stored as the launch's mode
+// says.
+__device__ __forceinline__ void store_product(const MatmulArgs& a, const MatSeg& seg, uint32_t row,
+                                              uint32_t t, float value, float up) {
+    if (a.mode == MATMUL_SWIGLU) value = value / (1.0f + expf(-value)) * up;
+    if (a.mode == MATMUL_GEGLU) value = gelu_tanh(value) * up;
+    if (seg.bias) value += reinterpret_cast<const float*>(seg.bias)[row];
+    if (seg.cap > 0.0f) value = soft_cap(value, seg.cap);
+    float* dst = reinterpret_cast<float*>(seg.out) + uint64_t(t) * seg.out_stride + row;
+    switch (a.mode) {
+        case MATMUL_ADD: *dst = *dst + value; break;
+        case MATMUL_SILU_MUL: *dst = *dst / (1.0f + expf(-*dst)) * value; break;
+        case MATMUL_GELU_MUL: *dst = gelu_tanh(*dst) * value; break;
+        default: *dst = value; break;
+    }
+}
+
 // Block b takes rows (b % row_blocks) * MATMUL_WARPS.., a warp a row, for
 // the MATMUL_TOKENS tokens of group b / row_blocks: a step of many tokens
 // (a large batch, a prefill chunk) is as many blocks again per group, each
@@ -518,17 +560,9 @@ KERNEL(matmul, MatmulArgs) {
         acts.sums = reinterpret_cast<const int32_t*>(a.sums) + uint64_t(t0) * a.k / 16;
     }
     uint32_t row = blockIdx.x % row_blocks * MATMUL_WARPS + threadIdx.x / WARP_SIZE;
-    // The segment holding this warp's row (SWIGLU: a row of the gate and the same row of up).
-    uint32_t s = 0;
-    if (!swiglu) {
-        while (s + 1 < a.segs && row >= a.seg[s].rows / per) {
-            row -= a.seg[s].rows / per;
-            s++;
-        }
-    }
-    if (row >= a.seg[s].rows / per) return;  // the whole warp: rows are per warp
+    uint32_t s;
+    if (!find_row(a, swiglu, per, &row, &s)) return;  // the whole warp: rows are per warp
     const MatSeg& seg = a.seg[s];
-    float* out = reinterpret_cast<float*>(seg.out);
     float acc[MATMUL_TOKENS], up[MATMUL_TOKENS];
     #pragma unroll
     for (uint32_t j = 0; j < MATMUL_TOKENS; j++) acc[j] = up[j] = 0.0f;
@@ -557,20 +591,142 @@ KERNEL(matmul, MatmulArgs) {
     for (uint32_t j = 0; j < MATMUL_TOKENS; j++) {
         if (j >= n) break;
         float value = warp_sum(acc[j]);
-        if (swiglu) {
-            float u = warp_sum(up[j]);
-            value = a.mode == MATMUL_SWIGLU ? value / (1.0f + expf(-value)) * u
-                                            : gelu_tanh(value) * u;
+        float u = swiglu ? warp_sum(up[j]) : 0.0f;
+        if (lane == 0) store_product(a, seg, row, t0 + j, value, u);
+    }
+}
+
+// Tokens a matmul_mma block takes: four of the tensor cores' 8-column tiles.
+#define MMA_TOKENS 32u
+// Rows a warp of matmul_mma takes: the tensor cores' 16-row tile.
+#define MMA_ROWS 16u
+// Words between two rows' quants in a warp's decoded units: at 12 the eight
+// rows a fragment load reads, four lanes a row, fall in 32 different banks.
+#define MMA_PITCH 12u
+
+// The products of a step of more than MATMUL_TOKENS tokens (a large batch, a
+// prefill chunk) on the tensor cores: quantized weights, rms_norm's Q8
+// activations, every mode but ROPE_KV (the host launches it for no other).
+// Block b takes rows (b % row_blocks) * 64.., 16 a warp, for the 32 tokens
+// of group b / row_blocks. Each round a warp decodes two units of its 16
+// rows into shared memory (lanes 0..16 unit u, lanes 16..32 unit u + 1, a
+// row a lane); for each unit and 8-token tile the tensor cores take the
+// integer dots (one k32 product, or two k16 in a warp with a row that scales
+// its halves apart, Q6_K's), and each lane scales its four as matmul does.
+// The units' sums run in order, one accumulator an element: the same value
+// as matmul's up to the order of f32 sums.
+KERNEL(matmul_mma, MatmulArgs) {
+    __shared__ int mma_q[MATMUL_WARPS][2][MMA_ROWS * MMA_PITCH];
+    // A row's scale_lo, scale_hi, min and offset, for each of the round's two units.
+    __shared__ float mma_scale[MATMUL_WARPS][2][MMA_ROWS][4];
+    uint32_t lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    bool swiglu = a.mode == MATMUL_SWIGLU || a.mode == MATMUL_GEGLU;
+    uint32_t rows_total = a.seg[0].rows;
+    for (uint32_t s = 1; !swiglu && s < a.segs; s++) rows_total += a.seg[s].rows;
+    uint32_t row_blocks = (rows_total + MATMUL_WARPS * MMA_ROWS - 1) / (MATMUL_WARPS * MMA_ROWS);
+    uint32_t t0 = blockIdx.x / row_blocks * MMA_TOKENS;
+    uint32_t row0 = (blockIdx.x % row_blocks * MATMUL_WARPS + warp) * MMA_ROWS;
+    if (t0 >= a.tokens || row0 >= rows_total) return;  // the whole warp
+    uint32_t g = lane / 4, i = lane % 4;
+    uint32_t units = a.k / QK, sets = swiglu ? 2 : 1, blocks = a.k / a.block_len;
+    const int8_t* qs = reinterpret_cast<const int8_t*>(a.qs);
+    const float* ds = reinterpret_cast<const float*>(a.d);
+    const int32_t* sums = reinterpret_cast<const int32_t*>(a.sums);
+    // This lane's row to decode, and whether the warp takes the k16 way.
+    uint32_t my_row = row0 + lane % MMA_ROWS, my_seg;
+    bool my_in = find_row(a, swiglu, 1, &my_row, &my_seg);
+    int split = 0;
+    for (uint32_t set = 0; set < sets; set++) {
+        split |= my_in && a.seg[swiglu ? set : my_seg].type == TYPE_Q6_K;
+    }
+    split = warp_sum_int(split);
+    float acc[2][MMA_TOKENS / 8][4];
+    #pragma unroll
+    for (uint32_t set = 0; set < 2; set++) {
+        #pragma unroll
+        for (uint32_t j = 0; j < MMA_TOKENS / 8; j++) {
+            #pragma unroll
+            for (uint32_t e = 0; e < 4; e++) acc[set][j][e] = 0.0f;
         }
-        if (lane != 0) continue;
-        if (seg.bias) value += reinterpret_cast<const float*>(seg.bias)[row];
-        if (seg.cap > 0.0f) value = soft_cap(value, seg.cap);
-        float* dst = out + uint64_t(t0 + j) * seg.out_stride + row;
-        switch (a.mode) {
-            case MATMUL_ADD: *dst = *dst + value; break;
-            case MATMUL_SILU_MUL: *dst = *dst / (1.0f + expf(-*dst)) * value; break;
-            case MATMUL_GELU_MUL: *dst = gelu_tanh(*dst) * value; break;
-            default: *dst = value; break;
+    }
+    for (uint32_t u0 = 0; u0 < units; u0 += 2) {
+        #pragma unroll
+        for (uint32_t set = 0; set < 2; set++) {
+            if (set >= sets) break;
+            {
+                uint32_t h = lane / MMA_ROWS, r = lane % MMA_ROWS, u = u0 + h;
+                bool in = my_in && u < units;
+                const MatSeg& seg = a.seg[swiglu ? set : my_seg];
+                Unit unit;
+                if (in) {
+                    const uint8_t* w = reinterpret_cast<const uint8_t*>(seg.w);
+                    unit = decode_unit(seg.type, w + uint64_t(my_row) * seg.row_bytes, u);
+                }
+                int* q = &mma_q[warp][h][r * MMA_PITCH];
+                #pragma unroll
+                for (uint32_t k = 0; k < 8; k++) q[k] = in ? unit.q[k] : 0;
+                float* sc = mma_scale[warp][h][r];
+                sc[0] = in ? unit.scale_lo : 0.0f;
+                sc[1] = in ? unit.scale_hi : 0.0f;
+                sc[2] = in ? unit.min : 0.0f;
+                sc[3] = in ? float(unit.offset) : 0.0f;
+            }
+            __syncwarp();
+            for (uint32_t h = 0; h < 2 && u0 + h < units; h++) {
+                uint32_t u = u0 + h;
+                const int* q = mma_q[warp][h];
+                uint32_t frag[4] = {uint32_t(q[g * MMA_PITCH + i]), uint32_t(q[(g + 8) * MMA_PITCH + i]),
+                                    uint32_t(q[g * MMA_PITCH + 4 + i]),
+                                    uint32_t(q[(g + 8) * MMA_PITCH + 4 + i])};
+                #pragma unroll
+                for (uint32_t j = 0; j < MMA_TOKENS / 8; j++) {
+                    uint32_t tile = t0 + 8 * j;
+                    if (tile >= a.tokens) break;
+                    // B's column g: token tile + g's quants of the unit.
+                    uint32_t b[2] = {0, 0};
+                    if (tile + g < a.tokens) {
+                        const int8_t* x = qs + uint64_t(tile + g) * a.k + u * QK + 4 * i;
+                        b[0] = *reinterpret_cast<const uint32_t*>(x);
+                        b[1] = *reinterpret_cast<const uint32_t*>(x + 16);
+                    }
+                    int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+                    if (split) {
+                        uint32_t frag_hi[2] = {frag[2], frag[3]};
+                        mma_s8_k16(lo, frag, b[0]);
+                        mma_s8_k16(hi, frag_hi, b[1]);
+                    } else {
+                        mma_s8_k32(lo, frag, b);
+                    }
+                    #pragma unroll
+                    for (uint32_t e = 0; e < 4; e++) {
+                        uint32_t t = tile + 2 * i + e % 2;
+                        if (t >= a.tokens) continue;
+                        const float* sc = mma_scale[warp][h][g + 8 * (e / 2)];
+                        const int32_t* ts = sums + uint64_t(t) * (a.k / 16) + 2 * u;
+                        float dx = ds[uint64_t(t) * blocks + u * QK / a.block_len];
+                        int offset = int(sc[3]);
+                        float value;
+                        if (split) {
+                            value = unit_value(sc[0], sc[1], offset, sc[2], lo[e], hi[e], ts[0], ts[1], dx);
+                        } else {
+                            int sum = ts[0] + ts[1];
+                            value = dx * (sc[0] * float(lo[e] - offset * sum)) + sc[2] * (dx * float(sum));
+                        }
+                        acc[set][j][e] += value;
+                    }
+                }
+            }
+            __syncwarp();  // every lane's fragments read before the next decode
+        }
+    }
+    #pragma unroll
+    for (uint32_t j = 0; j < MMA_TOKENS / 8; j++) {
+        #pragma unroll
+        for (uint32_t e = 0; e < 4; e++) {
+            uint32_t row = row0 + g + 8 * (e / 2), t = t0 + 8 * j + 2 * i + e % 2, s;
+            if (t < a.tokens && find_row(a, swiglu, 1, &row, &s)) {
+                store_product(a, a.seg[s], row, t, acc[0][j][e], acc[1][j][e]);
+            }
         }
     }
 }

@@ -21,7 +21,8 @@
 //! 4. where a decode step (batch 1, 32 and 128 at depth 512, batch 1 at 4096) and a 512-token
 //!    prefill chunk spend their device time, kernel by kernel (each launch
 //!    timed alone by the device's events), so one run says what to speed up;
-//! 5. prefill tokens/s at 512 and 4096 positions;
+//! 5. prefill tokens/s at 512 and 4096 positions, and at 512 with every
+//!    product a warp a row rather than on the tensor cores (what they save);
 //! 6. decode tokens/s at batch 1, 8, 32 and 128, depth 512 and 4096, with
 //!    captured graphs (batch 1 also without), each with the fraction of the
 //!    measured copy bandwidth its weight and KV bytes reach (the depth's
@@ -32,7 +33,9 @@
 //!    every row (as a step asking for log probabilities does), drawing its
 //!    tokens on the device (as a sampled request's step does), and drawing
 //!    them after 600 adjustments a row (penalties), say what that copy, that
-//!    draw and those adjustments cost; and batch 1 with a norm launch before each matrix product, with RoPE
+//!    draw and those adjustments cost; one more, batch 128 at depth 512
+//!    with its products a warp a row, what the tensor cores save; and batch
+//!    1 with a norm launch before each matrix product, with RoPE
 //!    and the KV store a launch of their own, and with split attention
 //!    merged by a launch of its own: what each fusion saves.
 //!
@@ -342,6 +345,7 @@ fn agreement_run(prompts: &[usize], decode: usize, mode: Mode) -> AgreementRun<'
         seed: 7,
         tolerance: 1e-3,
         decode_by_warps: mode.by_warps,
+        tensor_cores: true,
     }
 }
 
@@ -522,7 +526,8 @@ fn decode_rows(
             // logits to the host (as a step of requests asking for log
             // probabilities does), and drawing each token on the device, as
             // a sampled request's step does (temperature 0.8, top-p 0.95:
-            // its selections are passes over the row). Batch 1 and the
+            // its selections are passes over the row), and with its
+            // products a warp a row, not on the tensor cores. Batch 1 and the
             // largest with attention by tiles too (a decode token's is by
             // warps), at every depth; batch 1 in a backend sized for steps
             // of 128 sequences, as a server's is (a larger step buffer, of
@@ -585,6 +590,13 @@ fn decode_rows(
                 ));
             }
             if batch == largest && depth == plan.depths[0] {
+                variants.push((
+                    " (no tensor cores)",
+                    DecodeRun {
+                        tensor_cores: false,
+                        ..run
+                    },
+                ));
                 variants.push((
                     " (full logits)",
                     DecodeRun {
@@ -840,9 +852,18 @@ fn main() -> ExitCode {
         profile_rows(&mut report, &plan, &model, &device);
     }
     if parts.contains(&"speed") {
-        for &len in &plan.prefill {
-            report.row(format!("prefill {len} (chunks of {})", plan.chunk), || {
-                let rate = check::prefill_rate(&model, &device, len, plan.chunk, 3);
+        // The shortest prefill without the tensor cores too.
+        let without = plan.prefill.first().map(|&len| (len, false));
+        let prefills = plan.prefill.iter().map(|&len| (len, true)).chain(without);
+        for (len, tensor_cores) in prefills {
+            let variant = if tensor_cores {
+                ""
+            } else {
+                ", no tensor cores"
+            };
+            let check = format!("prefill {len} (chunks of {}{variant})", plan.chunk);
+            report.row(check, || {
+                let rate = check::prefill_rate(&model, &device, len, plan.chunk, 3, tensor_cores);
                 (format!("{:.0} tokens/s", rate.tokens_per_s), None)
             });
         }

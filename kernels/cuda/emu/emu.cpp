@@ -282,6 +282,15 @@ void sync_block() { yield(WAIT_BLOCK); }
 
 void sync_warp() { yield(WAIT_WARP); }
 
+void gather(uint64_t bits, uint64_t* all) {
+    unsigned linear = current->linear;
+    unsigned parity = current->shuffles++ & 1;
+    size_t warp_base = size_t(linear / WARP) * 2 * WARP + parity * WARP;
+    launch.slots[warp_base + linear % WARP] = bits;
+    yield(WAIT_WARP);
+    std::memcpy(all, &launch.slots[warp_base], WARP * sizeof(uint64_t));
+}
+
 uint64_t exchange(uint64_t bits, unsigned src) {
     unsigned linear = current->linear;
     unsigned parity = current->shuffles++ & 1;

@@ -50,6 +50,8 @@ void sync_warp();
 // Publishes `bits` for this lane's shuffle, waits for the warp, and returns the
 // bits lane `src` published in the same shuffle.
 uint64_t exchange(uint64_t bits, unsigned src);
+// Publishes `bits`, waits for the warp, and copies every lane's into all[32].
+void gather(uint64_t bits, uint64_t* all);
 void* dynamic_shared();
 
 inline unsigned lane() { return current->linear % 32; }
@@ -92,6 +94,31 @@ inline int dp4a(int a, int b, int c) {
         c += int(int8_t(uint32_t(a) >> (8 * i))) * int(int8_t(uint32_t(b) >> (8 * i)));
     }
     return c;
+}
+
+// PTX mma.sync m16n8k32 (k = 32) or m16n8k16 (k = 16), s8 x s8 -> s32, by
+// the fragment layout common.cuh documents: every lane gathers the warp's
+// fragments and computes its own four elements of D.
+inline void mma_s8(int d[4], const uint32_t* a, const uint32_t* b, unsigned k) {
+    uint64_t a_lo[32], a_hi[32], b_all[32];
+    gather(uint64_t(a[0]) | uint64_t(a[1]) << 32, a_lo);
+    gather(k == 32 ? uint64_t(a[2]) | uint64_t(a[3]) << 32 : 0, a_hi);
+    gather(k == 32 ? uint64_t(b[0]) | uint64_t(b[1]) << 32 : uint64_t(b[0]), b_all);
+    unsigned g = lane() / 4, i = lane() % 4;
+    for (unsigned e = 0; e < 4; e++) {
+        unsigned row = g + 8 * (e / 2), col = 2 * i + e % 2;
+        int sum = d[e];
+        for (unsigned kk = 0; kk < k; kk++) {
+            // A[row][kk] is in lane (row % 8, kk % 16 / 4), word (row / 8) + 2 (kk / 16);
+            // B[kk][col] in lane (col, kk % 16 / 4), word kk / 16.
+            unsigned owner = kk % 16 / 4, byte = kk % 4;
+            uint64_t a_words = (kk < 16 ? a_lo : a_hi)[(row % 8) * 4 + owner];
+            uint32_t a_word = uint32_t(a_words >> (32 * (row / 8)));
+            uint32_t b_word = uint32_t(b_all[col * 4 + owner] >> (32 * (kk / 16)));
+            sum += int(int8_t(a_word >> (8 * byte))) * int(int8_t(b_word >> (8 * byte)));
+        }
+        d[e] = sum;
+    }
 }
 
 // Every launch registers its kernels by name at start-up (KERNEL below).

@@ -144,6 +144,9 @@ pub struct AgreementRun<'a> {
     /// Decode tokens' attention by warps, or by tiles
     /// ([`CudaBackend::set_decode_attention_by_warps`]).
     pub decode_by_warps: bool,
+    /// Products of steps past 8 tokens on the tensor cores, or a warp a row
+    /// ([`CudaBackend::set_tensor_cores`]).
+    pub tensor_cores: bool,
 }
 
 fn argmax(row: &[f32]) -> usize {
@@ -343,6 +346,7 @@ pub fn agreement(
     )
     .expect("the CUDA backend runs the model");
     cuda.set_decode_attention_by_warps(run.decode_by_warps);
+    cuda.set_tensor_cores(run.tensor_cores);
     let vocab = model.config.vocab_len;
     let (mut inputs, mut rows) = prompts_of(model, run);
     let mut positions = vec![0usize; run.prompts.len()];
@@ -572,14 +576,18 @@ pub fn weight_bytes(model: &Model) -> u64 {
 
 /// Prefill of one `len`-token prompt in chunks of `chunk` tokens, best of
 /// `rounds` after one warm-up: tokens per second.
+///
+/// `tensor_cores` false runs its products a warp a row
+/// ([`CudaBackend::set_tensor_cores`]), to measure what the tensor cores save.
 pub fn prefill_rate(
     model: &Arc<Model>,
     device: &Arc<dyn Device>,
     len: usize,
     chunk: usize,
     rounds: usize,
+    tensor_cores: bool,
 ) -> Rate {
-    prefill_run(model, device, len, chunk, rounds, false).0
+    prefill_run(model, device, len, chunk, rounds, false, tensor_cores).0
 }
 
 /// Where a `len`-token prefill's steps (chunks of `chunk`) spend their time
@@ -591,7 +599,7 @@ pub fn prefill_profile(
     len: usize,
     chunk: usize,
 ) -> StepProfile {
-    let (rate, launches) = prefill_run(model, device, len, chunk, 1, true);
+    let (rate, launches) = prefill_run(model, device, len, chunk, 1, true, true);
     StepProfile::of(&launches, len.div_ceil(chunk), rate.step_secs)
 }
 
@@ -603,6 +611,7 @@ fn prefill_run(
     chunk: usize,
     rounds: usize,
     profile: bool,
+    tensor_cores: bool,
 ) -> (Rate, Vec<LaunchTime>) {
     let page_tokens = 16;
     let per_seq = (len as u32).div_ceil(page_tokens);
@@ -625,6 +634,7 @@ fn prefill_run(
         },
     )
     .expect("the CUDA backend runs the model");
+    cuda.set_tensor_cores(tensor_cores);
     let tokens: Vec<u32> = (0..len)
         .map(|i| (i * 7919 % model.config.vocab_len) as u32)
         .collect();
@@ -716,6 +726,9 @@ pub struct DecodeRun {
     /// Attention by warps, or by tiles
     /// ([`CudaBackend::set_decode_attention_by_warps`]).
     pub by_warps: bool,
+    /// Products of steps past 8 tokens on the tensor cores, or a warp a row
+    /// ([`CudaBackend::set_tensor_cores`]).
+    pub tensor_cores: bool,
     /// The sequences a step may have ([`CudaOptions::step_seqs_max`], at
     /// least `batch`): what the step buffer, its page tables and attention
     /// items, is sized for.
@@ -735,6 +748,7 @@ impl DecodeRun {
             adjusts: 0,
             fusions: Fusions::default(),
             by_warps: true,
+            tensor_cores: true,
             seqs_max: batch,
         }
     }
@@ -757,6 +771,7 @@ fn decode_run(
         adjusts,
         fusions,
         by_warps,
+        tensor_cores,
         seqs_max,
     } = *run;
     let page_tokens = 16;
@@ -783,6 +798,7 @@ fn decode_run(
     .expect("the CUDA backend runs the model");
     cuda.set_fusions(fusions);
     cuda.set_decode_attention_by_warps(by_warps);
+    cuda.set_tensor_cores(tensor_cores);
     let vocab = model.config.vocab_len;
     let one: Vec<[u32; 1]> = (0..batch).map(|s| [(s % vocab) as u32]).collect();
     let adjust: Vec<Vec<Adjust>> = (0..batch)

@@ -121,6 +121,11 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// Largest dynamic shared memory one block may use.
     fn shared_bytes_max(&self) -> u32;
 
+    /// Whether the tensor cores take 8-bit integer products (`mma.sync`
+    /// m16n8k32 s8: compute capability 8.0 and later), so that
+    /// `matmul_mma` may be launched.
+    fn tensor_cores(&self) -> bool;
+
     /// Allocates `bytes` of zeroed device memory (never managed memory).
     fn alloc(&self, bytes: u64) -> Result<u64, DeviceError>;
 

@@ -67,6 +67,8 @@ pub struct ProbedDevice {
     pub name: String,
     /// Its architecture ("sm_90").
     pub arch: String,
+    /// Its compute capability's major number (9).
+    pub compute_major: u32,
     /// Its memory in bytes.
     pub memory_bytes: u64,
 }
@@ -88,6 +90,7 @@ fn describe_device(device: sys::CUdevice) -> Result<ProbedDevice, DeviceError> {
     Ok(ProbedDevice {
         name,
         arch: format!("sm_{major}{minor}"),
+        compute_major: major.max(0) as u32,
         memory_bytes,
     })
 }
@@ -139,6 +142,7 @@ pub struct CudaDevice {
     functions: HashMap<&'static str, sys::CUfunction>,
     name: String,
     arch: String,
+    compute_major: u32,
     memory_bytes: u64,
     shared_bytes_max: u32,
     /// The largest pitch a 2D copy or memset takes; a pool's slab stride can
@@ -173,10 +177,11 @@ impl std::fmt::Debug for CudaDevice {
 }
 
 /// Kernels the backend launches (every `KERNEL` in the sources).
-const KERNELS: [&str; 8] = [
+const KERNELS: [&str; 9] = [
     "embed",
     "rms_norm",
     "matmul",
+    "matmul_mma",
     "pick",
     "rope_kv",
     "attention",
@@ -199,6 +204,7 @@ impl CudaDevice {
         let ProbedDevice {
             name,
             arch,
+            compute_major,
             memory_bytes,
         } = describe_device(device)?;
         // SAFETY: `device` came from cuDeviceGet.
@@ -233,6 +239,7 @@ impl CudaDevice {
             functions: HashMap::new(),
             name,
             arch,
+            compute_major,
             memory_bytes,
             shared_bytes_max: shared_bytes_max.max(0) as u32,
             max_pitch: max_pitch.max(0) as u64,
@@ -397,6 +404,10 @@ impl Device for Cuda {
 
     fn shared_bytes_max(&self) -> u32 {
         self.0.shared_bytes_max
+    }
+
+    fn tensor_cores(&self) -> bool {
+        self.0.compute_major >= 8
     }
 
     fn alloc(&self, bytes: u64) -> Result<u64, DeviceError> {

@@ -168,6 +168,10 @@ impl Device for Emulator {
         SHARED_BYTES_MAX
     }
 
+    fn tensor_cores(&self) -> bool {
+        true
+    }
+
     fn alloc(&self, bytes: u64) -> Result<u64, DeviceError> {
         let out_of_memory = || DeviceError::OutOfMemory {
             bytes,

@@ -338,6 +338,28 @@ pub fn attention_shared_bytes(head_dim: u32, rows_max: u32, tile: u32) -> u32 {
 /// unit is decoded once for this many.
 pub const MATMUL_TOKENS: u32 = 8;
 
+/// [`MatmulArgs`] for the tensor cores' product, `matmul_mma` (quant.cu):
+/// the same fields, another kernel.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MatmulMmaArgs(pub MatmulArgs);
+
+impl KernelArgs for MatmulMmaArgs {
+    const KERNEL: &'static str = "matmul_mma";
+}
+
+/// Tokens one `matmul_mma` block takes (quant.cu's MMA_TOKENS).
+pub const MMA_TOKENS: u32 = 32;
+/// Rows one `matmul_mma` warp takes (MMA_ROWS): a block takes
+/// [`MATMUL_WARPS`] times as many.
+pub const MMA_ROWS: u32 = 16;
+
+/// Blocks of a `matmul_mma` launch over `rows` output rows and `tokens`
+/// tokens: the rows' blocks once per group of [`MMA_TOKENS`].
+pub fn matmul_mma_blocks(rows: u32, tokens: u32) -> u32 {
+    rows.div_ceil(MATMUL_WARPS * MMA_ROWS) * tokens.div_ceil(MMA_TOKENS)
+}
+
 /// Blocks of a matmul launch over `rows` output rows (one warp a row, or in
 /// [`mode::ROPE_KV`] a pair) and `tokens` tokens: the rows' blocks once per
 /// group of [`MATMUL_TOKENS`].

@@ -304,6 +304,9 @@ pub struct CudaBackend {
     /// Decode tokens' attention by warps where the kernel can
     /// ([`CudaBackend::set_decode_attention_by_warps`]).
     decode_by_warps: bool,
+    /// Products of steps past [`MATMUL_TOKENS`] tokens on the tensor cores
+    /// where the device has them ([`CudaBackend::set_tensor_cores`]).
+    tensor_cores: bool,
 }
 
 /// Launches a step folds into others. Each gives the bits of the separate
@@ -489,6 +492,7 @@ impl CudaBackend {
         // pageable read goes: not worth refusing the model for.
         let pinned_rows = s.min(PINNED_BYTES_MAX / (4 * vocab)).max(1);
         let pinned = HostFloats::zeroed(&device, (pinned_rows * vocab) as usize).ok();
+        let tensor_cores = device.tensor_cores();
         Ok(CudaBackend {
             graphs: HashMap::new(),
             step: None,
@@ -514,6 +518,7 @@ impl CudaBackend {
             given: Vec::new(),
             fusions: Fusions::default(),
             decode_by_warps: true,
+            tensor_cores,
         })
     }
 
@@ -755,6 +760,10 @@ impl CudaBackend {
             eps: self.model.config.rms_eps,
             rope,
         };
+        if mode != mode::ROPE_KV && fused.is_none() && self.on_tensor_cores(tokens, input.format) {
+            let geometry = matmul_mma_blocks(rows, tokens);
+            return self.launch(geometry, MATMUL_WARPS * 32, 0, &MatmulMmaArgs(args));
+        }
         let geometry = matmul_blocks(rows, tokens, mode);
         self.launch(geometry, MATMUL_WARPS * 32, fused.unwrap_or(0), &args)
     }
@@ -785,6 +794,28 @@ impl CudaBackend {
             self.decode_by_warps = by_warps;
             self.graphs.clear();
         }
+    }
+
+    /// Whether the quantized products of a step of more than
+    /// [`MATMUL_TOKENS`] tokens (a large batch, a prefill chunk) run on the
+    /// tensor cores (`matmul_mma`: the default where the device has them)
+    /// or as smaller steps' do (a warp a row, `matmul`). The sums run in
+    /// another order, so the bits may differ in their last places; the GPU
+    /// check times both. Such a step's Q/K/V product then stores Q, K and V
+    /// and a `rope_kv` launch turns and stores them (`matmul_mma` has no
+    /// `ROPE_KV` mode). Off where the device has no tensor cores for it.
+    pub fn set_tensor_cores(&mut self, on: bool) {
+        let on = on && self.device.tensor_cores();
+        if self.tensor_cores != on {
+            self.tensor_cores = on;
+            self.graphs.clear();
+        }
+    }
+
+    /// Whether a product of `tokens` tokens with weights taking `format`
+    /// runs on the tensor cores.
+    fn on_tensor_cores(&self, tokens: u32, format: ActivationFormat) -> bool {
+        self.tensor_cores && tokens > MATMUL_TOKENS && block_len(format) != 0
     }
 
     /// Which launches are folded into others ([`Fusions`]; all of them
@@ -903,7 +934,8 @@ impl CudaBackend {
             ];
             let format = lw.wq.format();
             let one_launch = qkv.iter().all(|(m, ..)| m.format() == format);
-            if self.fusions.rope && lw.qk_norm.is_none() && one_launch {
+            let rope_in_product = !self.on_tensor_cores(t, format);
+            if self.fusions.rope && lw.qk_norm.is_none() && one_launch && rope_in_product {
                 let input = Input {
                     x: s.x.at(0),
                     gather: 0,

@@ -138,6 +138,7 @@ fn argument_structs_are_the_size_the_kernel_sources_declare() {
         (EmbedArgs::KERNEL, std::mem::size_of::<EmbedArgs>()),
         (NormArgs::KERNEL, std::mem::size_of::<NormArgs>()),
         (MatmulArgs::KERNEL, std::mem::size_of::<MatmulArgs>()),
+        (MatmulMmaArgs::KERNEL, std::mem::size_of::<MatmulMmaArgs>()),
         (RopeKvArgs::KERNEL, std::mem::size_of::<RopeKvArgs>()),
         (AttentionArgs::KERNEL, std::mem::size_of::<AttentionArgs>()),
         (MergeArgs::KERNEL, std::mem::size_of::<MergeArgs>()),
@@ -1217,6 +1218,155 @@ fn matrix_products_of_every_weight_type_match_the_scalar_reference() {
     }
 }
 
+/// A matrix of a test launch: its type, rows, weights and bias.
+type TestSeg<'a> = (GgmlType, usize, &'a DeviceBuffer, Option<&'a DeviceBuffer>);
+
+/// One launch of `mode` over the matrices `segs` (type, rows, bytes, bias)
+/// with the activations `acts` of `tokens` tokens of `k`, on the tensor
+/// cores (`mma`) or a warp a row; each matrix's output, every token's row,
+/// starting from `start` (a residual stream for ADD, a gate for SILU_MUL).
+#[allow(clippy::too_many_arguments)]
+fn segment_products(
+    device: &Arc<dyn Device>,
+    segs: &[TestSeg<'_>],
+    acts: &DeviceActivations,
+    tokens: usize,
+    k: usize,
+    mode: u32,
+    start: &[f32],
+    mma: bool,
+) -> Vec<Vec<f32>> {
+    let ty = segs[0].0;
+    let block_len = match quant::ActivationFormat::for_weights(ty) {
+        quant::ActivationFormat::Q8_K => 256,
+        _ => 32,
+    };
+    let outs: Vec<DeviceBuffer> = segs
+        .iter()
+        .map(|&(_, rows, ..)| {
+            DeviceBuffer::from_bytes(device, &to_bytes(&start[..tokens * rows])).unwrap()
+        })
+        .collect();
+    let mut seg = [MatSeg::default(); MATMUL_SEGS_MAX];
+    for (i, &(ty, rows, w, bias)) in segs.iter().enumerate() {
+        seg[i] = MatSeg {
+            w: w.at(0),
+            out: outs[i].at(0),
+            bias: bias.map_or(0, |b| b.at(0)),
+            ty: ty as u32,
+            rows: rows as u32,
+            row_bytes: (k / ty.block_len() * ty.block_bytes()) as u32,
+            out_stride: rows as u32,
+            ..MatSeg::default()
+        };
+    }
+    let swiglu = mode == mode::SWIGLU || mode == mode::GEGLU;
+    let rows: usize = if swiglu {
+        segs[0].1
+    } else {
+        segs.iter().map(|s| s.1).sum()
+    };
+    let args = MatmulArgs {
+        seg,
+        qs: acts.qs.at(0),
+        d: acts.d.at(0),
+        sums: acts.sums.at(0),
+        segs: segs.len() as u32,
+        k: k as u32,
+        tokens: tokens as u32,
+        mode,
+        block_len,
+        ..MatmulArgs::default()
+    };
+    let (rows, tokens32) = (rows as u32, tokens as u32);
+    if mma {
+        let blocks = matmul_mma_blocks(rows, tokens32);
+        launch(device, blocks, MATMUL_WARPS * 32, 0, &MatmulMmaArgs(args));
+    } else {
+        let blocks = matmul_blocks(rows, tokens32, mode);
+        launch(device, blocks, MATMUL_WARPS * 32, 0, &args);
+    }
+    // SWIGLU and GEGLU store into the gate's output alone.
+    let stored = if swiglu { 1 } else { segs.len() };
+    outs.iter()
+        .zip(segs)
+        .take(stored)
+        .map(|(out, s)| read_floats(out, tokens * s.1))
+        .collect()
+}
+
+#[test]
+fn the_tensor_cores_product_is_the_warps_product_for_every_weight_type_and_mode() {
+    let device = emulator(7);
+    let mut rng = SplitMix64(11);
+    let k = 512usize;
+    // Tokens past one 8-token tile and past one 32-token block, each with a
+    // part-filled tile; rows not a whole 16-row tile, segments apart.
+    for tokens in [9usize, 37] {
+        let x: Vec<f32> = (0..tokens * k).map(|_| uniform(&mut rng) * 2.0).collect();
+        let start: Vec<f32> = (0..tokens * 64).map(|_| uniform(&mut rng)).collect();
+        for ty in TYPES {
+            let format = quant::ActivationFormat::for_weights(ty);
+            if format == quant::ActivationFormat::F32 {
+                continue;
+            }
+            let block_len = if format == quant::ActivationFormat::Q8_K {
+                256
+            } else {
+                32
+            };
+            let acts = quantize_on_device(&device, &x, tokens, k, block_len, None);
+            let matrix = |rows, ty, rng: &mut SplitMix64| {
+                DeviceBuffer::from_bytes(&device, &random_matrix(ty, rows, k, rng)).unwrap()
+            };
+            // A Q8_K launch whose last matrix is Q6_K: a warp's rows that
+            // scale their halves apart and rows that do not.
+            let other = if format == quant::ActivationFormat::Q8_K {
+                GgmlType::Q6_K
+            } else {
+                ty
+            };
+            let (a, b, c) = (
+                matrix(21, ty, &mut rng),
+                matrix(12, ty, &mut rng),
+                matrix(30, other, &mut rng),
+            );
+            let bias_values: Vec<f32> = (0..21).map(|_| uniform(&mut rng)).collect();
+            let bias = DeviceBuffer::from_bytes(&device, &to_bytes(&bias_values)).unwrap();
+            let cases: [(u32, Vec<TestSeg<'_>>); 5] = [
+                (
+                    mode::STORE,
+                    vec![
+                        (ty, 21, &a, Some(&bias)),
+                        (ty, 12, &b, None),
+                        (other, 30, &c, None),
+                    ],
+                ),
+                (mode::ADD, vec![(other, 30, &c, None)]),
+                (mode::SWIGLU, vec![(ty, 21, &a, None), (ty, 21, &a, None)]),
+                (mode::GEGLU, vec![(ty, 21, &a, None), (ty, 21, &a, None)]),
+                (mode::SILU_MUL, vec![(ty, 12, &b, None)]),
+            ];
+            for (mode, segs) in &cases {
+                let products =
+                    |mma| segment_products(&device, segs, &acts, tokens, k, *mode, &start, mma);
+                let (warps, cores) = (products(false), products(true));
+                for (s, (want, got)) in warps.iter().zip(&cores).enumerate() {
+                    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    assert!(scale > 0.0);
+                    for (i, (&w, &g)) in want.iter().zip(got).enumerate() {
+                        assert!(
+                            (w - g).abs() <= 1e-5 * scale,
+                            "{} mode {mode} tokens {tokens} matrix {s} output {i}: {g} vs {w}",
+                            ty.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------- the backend
 
 fn tiny_model(spec: &TinySpec) -> Arc<Model> {
@@ -1284,6 +1434,7 @@ fn compare_with_cpu(
         // By warps: `a_decode_tokens_attention_by_warps_is_the_tiles_and_the_reference`
         // and `the_backend_matches_the_cpu_backend_with_decode_attention_by_warps`.
         decode_by_warps: false,
+        tensor_cores: true,
     };
     compare_run(spec, &run)
 }
@@ -1325,6 +1476,28 @@ fn compare_run(spec: &TinySpec, run: &super::check::AgreementRun) -> f32 {
 fn the_backend_matches_the_cpu_backend_on_a_tiny_q4_1_model() {
     let spec = TinySpec::default();
     compare_with_cpu(&spec, KvType::F16, 16, &[5, 17, 1], 6, false, 1e-4);
+}
+
+#[test]
+fn the_backend_matches_the_cpu_backend_with_a_large_steps_products_a_warp_a_row() {
+    // The first step has 23 tokens: on the tensor cores by default (every
+    // other agreement test), here as steps of at most 8 tokens run, with
+    // RoPE and the KV store in the Q/K/V product.
+    let spec = TinySpec::default();
+    let run = super::check::AgreementRun {
+        kv_type: KvType::F16,
+        page_tokens: 16,
+        prompts: &[5, 17, 1],
+        decode_steps: 2,
+        graphs: false,
+        cpu_threads: 1,
+        cpu_isa: Some(Isa::Scalar),
+        seed: spec.seed ^ 77,
+        tolerance: 1e-4,
+        decode_by_warps: false,
+        tensor_cores: false,
+    };
+    compare_run(&spec, &run);
 }
 
 #[test]
@@ -1841,6 +2014,7 @@ fn the_backend_matches_the_cpu_backend_with_decode_attention_by_warps() {
                 seed: spec.seed ^ 77,
                 tolerance,
                 decode_by_warps: true,
+                tensor_cores: true,
             };
             compare_run(&spec, &run);
         }
@@ -2565,6 +2739,7 @@ fn the_cpus_own_drift_is_measured_on_the_agreements_prompt_rows() {
         seed: 7,
         tolerance: 1e-3,
         decode_by_warps: true,
+        tensor_cores: true,
     };
     let drift = super::check::cpu_drift(&model, &run);
     // A two-layer model: the scalar and fastest paths part by at most a few
