@@ -739,7 +739,7 @@ impl CudaBackend {
         } else {
             segs.iter().map(|s| s.rows).sum()
         };
-        let fused = self.fused_shared(tokens, k, input.format);
+        let fused = self.fused_shared(tokens, k, rows, input.format);
         if fused.is_none() {
             self.norm(input, tokens, k)?;
         }
@@ -775,12 +775,20 @@ impl CudaBackend {
     /// read and normalise the same rows again (a block's rows, tokens x k
     /// floats from L2, are 13 times its weights' bytes at SmolLM2's width: a
     /// separate launch costs less once the step is not launch-bound); past
-    /// the shared memory a block has without opting in; and when turned off
+    /// [`FUSED_ROWS_MAX`] rows (an output head), whose many blocks would
+    /// each normalise the same rows; past the shared memory a block has
+    /// without opting in; and when turned off
     /// ([`CudaBackend::set_fusions`]).
-    fn fused_shared(&self, tokens: u32, k: u32, format: ActivationFormat) -> Option<u32> {
+    fn fused_shared(
+        &self,
+        tokens: u32,
+        k: u32,
+        rows: u32,
+        format: ActivationFormat,
+    ) -> Option<u32> {
         self.fusions
             .norms
-            .then(|| fused_shared_bytes(tokens, k, format))
+            .then(|| fused_shared_bytes(tokens, k, rows, format))
             .flatten()
     }
 
@@ -1291,17 +1299,27 @@ fn block_len(format: ActivationFormat) -> u32 {
     }
 }
 
-/// The dynamic shared memory of a product whose blocks make their own
-/// activations for `tokens` of `k` (`None`: a norm launch makes them; see
-/// [`CudaBackend::fused_shared`]).
-fn fused_shared_bytes(tokens: u32, k: u32, format: ActivationFormat) -> Option<u32> {
+/// The dynamic shared memory of a product of `rows` rows whose blocks make
+/// their own activations for `tokens` of `k` (`None`: a norm launch makes
+/// them; see [`CudaBackend::fused_shared`]).
+fn fused_shared_bytes(tokens: u32, k: u32, rows: u32, format: ActivationFormat) -> Option<u32> {
     let block_len = block_len(format);
-    if block_len == 0 || tokens > MATMUL_TOKENS {
+    if block_len == 0 || tokens > MATMUL_TOKENS || rows > FUSED_ROWS_MAX {
         return None;
     }
     let bytes = u64::from(tokens) * u64::from(k + 4 * k / block_len + 4 * k / 16);
     (bytes <= SHARED_DEFAULT_MAX).then_some(bytes as u32)
 }
+
+/// The most rows of a product whose blocks make their own activations: past
+/// them (an output head over a vocabulary) a norm launch makes them once.
+/// SmolLM2's head is 12,288 blocks of 4 rows, and each would read and
+/// normalise the same token rows again, 4.6 KB of floats and gains and four
+/// barriers a block against its 2.4 KB of weights, where one launch of a
+/// block a token does it for all of them. A layer's products (960 to 1,536
+/// rows in SmolLM2, 8,192 in a 1B model's FFN) are a wave of blocks or two,
+/// whose prologues run side by side.
+const FUSED_ROWS_MAX: u32 = 16_384;
 
 /// Dynamic shared memory a matmul block may take: the 48 KiB a block has
 /// without opting in (only attention opts in), less a KiB for the kernel's

@@ -1041,21 +1041,31 @@ fn a_draw_on_the_device_picks_the_token_the_hosts_draw_picks() {
 fn a_product_makes_its_own_activations_for_a_few_tokens_within_the_default_shared_memory() {
     use super::fused_shared_bytes;
     use crate::quant::ActivationFormat::{F32, Q8_1, Q8_K};
-    // SmolLM2: every product of a decode step of up to 8 sequences.
+    // SmolLM2: every product of a decode step of up to 8 sequences but the
+    // head (49,152 rows: a norm launch does it once for its 12,288 blocks).
     for k in [576, 1536] {
         for tokens in 1..=8 {
-            let bytes = fused_shared_bytes(tokens, k, Q8_1).expect("fused");
+            let bytes = fused_shared_bytes(tokens, k, 1536, Q8_1).expect("fused");
             assert_eq!(bytes, tokens * (k + k / 8 + k / 4));
         }
-        assert_eq!(fused_shared_bytes(9, k, Q8_1), None, "a prefill chunk");
-        assert_eq!(fused_shared_bytes(1, k, F32), None, "float weights");
+        assert_eq!(
+            fused_shared_bytes(9, k, 1536, Q8_1),
+            None,
+            "a prefill chunk"
+        );
+        assert_eq!(fused_shared_bytes(1, k, 1536, F32), None, "float weights");
     }
+    assert_eq!(fused_shared_bytes(1, 576, 49_152, Q8_1), None, "the head");
+    assert!(fused_shared_bytes(1, 576, 16_384, Q8_1).is_some());
     // Q8_K's scales are one per 256.
-    assert_eq!(fused_shared_bytes(2, 512, Q8_K), Some(2 * (512 + 8 + 128)));
+    assert_eq!(
+        fused_shared_bytes(2, 512, 960, Q8_K),
+        Some(2 * (512 + 8 + 128))
+    );
     // A wide FFN (8192: Llama 3.2 1B's down) fits alone, not 8 at a time.
-    assert!(fused_shared_bytes(1, 8192, Q8_1).is_some());
-    assert_eq!(fused_shared_bytes(8, 8192, Q8_1), None);
-    assert!(fused_shared_bytes(8, 4352, Q8_1).unwrap() <= 47 * 1024);
+    assert!(fused_shared_bytes(1, 8192, 2048, Q8_1).is_some());
+    assert_eq!(fused_shared_bytes(8, 8192, 2048, Q8_1), None);
+    assert!(fused_shared_bytes(8, 4352, 2048, Q8_1).unwrap() <= 47 * 1024);
 }
 
 /// `ty`'s product of `w` with the rows `x` (RMS-normalised with `gain`
@@ -2654,6 +2664,17 @@ fn a_profile_times_every_launch_of_its_steps_and_none_of_a_captured_graph() {
     assert_eq!(separate.launches(), profile.launches() + layers);
     let none = without(Fusions::NONE);
     assert_eq!(none.launches(), profile.launches() + 6.0 * layers + 1.0);
+    // An output head past FUSED_ROWS_MAX rows (a real vocabulary) takes its
+    // activations from a norm launch, a block a token; the layers' products
+    // still make their own.
+    let wide = tiny_model(&TinySpec {
+        filler_tokens: 16_400,
+        ..TinySpec::default()
+    });
+    let head = super::check::decode_profile(&wide, &device, &run);
+    assert!(wide.config.vocab_len > 16_384);
+    assert_eq!(launches_of(&head, "rms_norm"), Some((1.0, 2)));
+    assert_eq!(head.launches(), profile.launches() + 1.0);
     // Every step launches alike: a whole number of launches a step.
     let launches = profile.launches();
     assert!((launches - launches.round()).abs() < 1e-9, "{launches}");
