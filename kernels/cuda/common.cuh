@@ -191,6 +191,15 @@ struct __align__(16) Int4 {
     int x, y, z, w;
 };
 
+struct __align__(16) Float4 {
+    float x, y, z, w;
+};
+
+// 8 aligned bytes, loaded at once.
+struct __align__(8) Int2 {
+    int x, y;
+};
+
 __device__ __forceinline__ uint32_t umin32(uint32_t a, uint32_t b) { return a < b ? a : b; }
 __device__ __forceinline__ uint32_t umax32(uint32_t a, uint32_t b) { return a > b ? a : b; }
 

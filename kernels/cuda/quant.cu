@@ -618,7 +618,7 @@ KERNEL(matmul, MatmulArgs) {
 KERNEL(matmul_mma, MatmulArgs) {
     __shared__ int mma_q[MATMUL_WARPS][2][MMA_ROWS * MMA_PITCH];
     // A row's scale_lo, scale_hi, min and offset, for each of the round's two units.
-    __shared__ float mma_scale[MATMUL_WARPS][2][MMA_ROWS][4];
+    __shared__ Float4 mma_scale[MATMUL_WARPS][2][MMA_ROWS];
     uint32_t lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     bool swiglu = a.mode == MATMUL_SWIGLU || a.mode == MATMUL_GEGLU;
     uint32_t rows_total = a.seg[0].rows;
@@ -665,11 +665,9 @@ KERNEL(matmul_mma, MatmulArgs) {
                 int* q = &mma_q[warp][h][r * MMA_PITCH];
                 #pragma unroll
                 for (uint32_t k = 0; k < 8; k++) q[k] = in ? unit.q[k] : 0;
-                float* sc = mma_scale[warp][h][r];
-                sc[0] = in ? unit.scale_lo : 0.0f;
-                sc[1] = in ? unit.scale_hi : 0.0f;
-                sc[2] = in ? unit.min : 0.0f;
-                sc[3] = in ? float(unit.offset) : 0.0f;
+                Float4 sc = {0.0f, 0.0f, 0.0f, 0.0f};
+                if (in) sc = {unit.scale_lo, unit.scale_hi, unit.min, float(unit.offset)};
+                mma_scale[warp][h][r] = sc;
             }
             __syncwarp();
             for (uint32_t h = 0; h < 2 && u0 + h < units; h++) {
@@ -697,20 +695,32 @@ KERNEL(matmul_mma, MatmulArgs) {
                     } else {
                         mma_s8_k32(lo, frag, b);
                     }
+                    // This lane's two tokens (D's columns 2i, 2i + 1): their
+                    // sums of the unit's halves and their scale, each read
+                    // once for both of its rows.
+                    Int2 half_sums[2] = {{0, 0}, {0, 0}};
+                    float dx[2] = {0.0f, 0.0f};
+                    #pragma unroll
+                    for (uint32_t c = 0; c < 2; c++) {
+                        uint32_t t = tile + 2 * i + c;
+                        if (t >= a.tokens) continue;
+                        uint64_t at = uint64_t(t) * (a.k / 16) + 2 * u;
+                        half_sums[c] = *reinterpret_cast<const Int2*>(sums + at);
+                        dx[c] = ds[uint64_t(t) * blocks + u * QK / a.block_len];
+                    }
                     #pragma unroll
                     for (uint32_t e = 0; e < 4; e++) {
-                        uint32_t t = tile + 2 * i + e % 2;
-                        if (t >= a.tokens) continue;
-                        const float* sc = mma_scale[warp][h][g + 8 * (e / 2)];
-                        const int32_t* ts = sums + uint64_t(t) * (a.k / 16) + 2 * u;
-                        float dx = ds[uint64_t(t) * blocks + u * QK / a.block_len];
-                        int offset = int(sc[3]);
-                        float value;
+                        if (tile + 2 * i + e % 2 >= a.tokens) continue;
+                        // The row's scale_lo, scale_hi, min and offset.
+                        Float4 sc = mma_scale[warp][h][g + 8 * (e / 2)];
+                        Int2 hs = half_sums[e % 2];
+                        float x = dx[e % 2], value;
+                        int offset = int(sc.w);
                         if (split) {
-                            value = unit_value(sc[0], sc[1], offset, sc[2], lo[e], hi[e], ts[0], ts[1], dx);
+                            value = unit_value(sc.x, sc.y, offset, sc.z, lo[e], hi[e], hs.x, hs.y, x);
                         } else {
-                            int sum = ts[0] + ts[1];
-                            value = dx * (sc[0] * float(lo[e] - offset * sum)) + sc[2] * (dx * float(sum));
+                            int sum = hs.x + hs.y;
+                            value = x * (sc.x * float(lo[e] - offset * sum)) + sc.z * (x * float(sum));
                         }
                         acc[set][j][e] += value;
                     }
