@@ -13,7 +13,8 @@
 //!    the rows it gave, with their log probabilities), and again drawn on the device (the host's draw of
 //!    the rows it gave: temperature, top-k, top-p and min-p in turn; every
 //!    other row adjusted first by penalties, biases and a ban); and
-//!    on tiny models of the other families' options and weight types (Llama
+//!    on the tiny model with 12 sequences (a decode step's products on the
+//!    tensor cores), and on tiny models of the other families' options and weight types (Llama
 //!    3's RoPE table with Q5_K/Q5_0/BF16 matrices, qwen2, qwen3, gemma2 with
 //!    a sliding window and soft caps, gemma3), with graphs;
 //! 3. a released page reading back scrubbed, and a stale, foreign-pool or
@@ -821,6 +822,17 @@ fn main() -> ExitCode {
             &[5, 40, 1],
             plan.tiny_decode,
             &[LAUNCHES, GRAPHS, TILES],
+        );
+        // Twelve sequences: past 8 tokens a decode step's products run on
+        // the tensor cores, in the captured graphs too.
+        agreement_rows(
+            &mut report,
+            "tiny model, 12 sequences",
+            &tiny,
+            &device,
+            &[3, 9, 1, 4, 2, 7, 1, 5, 2, 6, 1, 3],
+            plan.tiny_decode,
+            &[GRAPHS],
         );
         for (name, spec) in families() {
             let model = model_of(&spec);

@@ -1511,6 +1511,22 @@ fn the_backend_matches_the_cpu_backend_with_a_large_steps_products_a_warp_a_row(
 }
 
 #[test]
+fn decode_steps_of_more_than_8_sequences_match_the_cpu_backend_in_graphs() {
+    // Ten sequences: each decode step's products take the tensor cores'
+    // kernel and its Q/K/V a rope_kv launch, captured and replayed.
+    let spec = TinySpec::default();
+    compare_with_cpu(
+        &spec,
+        KvType::F16,
+        4,
+        &[3, 1, 4, 1, 5, 2, 6, 1, 2, 3],
+        3,
+        true,
+        1e-4,
+    );
+}
+
+#[test]
 fn the_backend_matches_the_cpu_backend_with_f32_pages_and_q8_0_weights() {
     let spec = TinySpec {
         seed: 3,
