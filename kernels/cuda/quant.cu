@@ -606,7 +606,7 @@ KERNEL(matmul, MatmulArgs) {
 
 // The products of a step of more than MATMUL_TOKENS tokens (a large batch, a
 // prefill chunk) on the tensor cores: quantized weights, rms_norm's Q8
-// activations, every mode but ROPE_KV (the host launches it for no other).
+// activations, every mode but ROPE_KV (never launched in that mode).
 // Block b takes rows (b % row_blocks) * 64.., 16 a warp, for the 32 tokens
 // of group b / row_blocks. Each round a warp decodes two units of its 16
 // rows into shared memory (lanes 0..16 unit u, lanes 16..32 unit u + 1, a
@@ -688,6 +688,8 @@ KERNEL(matmul_mma, MatmulArgs) {
                         b[1] = *reinterpret_cast<const uint32_t*>(x + 16);
                     }
                     int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+                    // mma.sync.aligned: every lane, converged after the loads' branch.
+                    __syncwarp();
                     if (split) {
                         uint32_t frag_hi[2] = {frag[2], frag[3]};
                         mma_s8_k16(lo, frag, b[0]);
