@@ -22,8 +22,10 @@
 //! 4. where a decode step (batch 1, 32 and 128 at depth 512, batch 1 at 4096) and a 512-token
 //!    prefill chunk spend their device time, kernel by kernel (each launch
 //!    timed alone by the device's events), so one run says what to speed up;
-//! 5. prefill tokens/s at 512 and 4096 positions, and at 512 with every
-//!    product a warp a row rather than on the tensor cores (what they save);
+//! 5. prefill tokens/s at 512 and 4096 positions, at 512 with every
+//!    product a warp a row rather than on the tensor cores (what they save),
+//!    and at 4096 with attention items of half the queries (twice the
+//!    blocks);
 //! 6. decode tokens/s at batch 1, 8, 32 and 128, depth 512 and 4096, with
 //!    captured graphs (batch 1 also without), each with the fraction of the
 //!    measured copy bandwidth its weight and KV bytes reach (the depth's
@@ -55,9 +57,9 @@
 //! parts still run. The table is printed again, whole, at the end.
 //! Exit status: 0 when every check passed, 1 when one failed, 2 without a GPU.
 
-use bulkhead_kernels::backend::cuda::check::{self, AgreementRun, DecodeRun};
+use bulkhead_kernels::backend::cuda::check::{self, AgreementRun, DecodeRun, PrefillWay};
 use bulkhead_kernels::backend::cuda::{
-    Cuda, CudaDevice, Device, DeviceBuffer, DeviceError, Fusions,
+    attention_rows, Cuda, CudaDevice, Device, DeviceBuffer, DeviceError, Fusions,
 };
 use bulkhead_kernels::backend::{Draw, Pick};
 use bulkhead_kernels::gguf::Gguf;
@@ -865,18 +867,39 @@ fn main() -> ExitCode {
         profile_rows(&mut report, &plan, &model, &device);
     }
     if parts.contains(&"speed") {
-        // The shortest prefill without the tensor cores too.
-        let without = plan.prefill.first().map(|&len| (len, false));
-        let prefills = plan.prefill.iter().map(|&len| (len, true)).chain(without);
-        for (len, tensor_cores) in prefills {
-            let variant = if tensor_cores {
-                ""
-            } else {
-                ", no tensor cores"
+        // The shortest prefill without the tensor cores too, and the
+        // longest with its attention in items of half the queries (twice
+        // the blocks, each reading K and V again).
+        let c = &model.config;
+        let group = c.kv_group() as u32;
+        let rows = attention_rows(c.head_dim as u32, group, device.shared_bytes_max());
+        let half = rows.map_or(1, |rows| (rows / group / 2).max(1));
+        let server = PrefillWay::SERVER;
+        let mut prefills: Vec<(usize, String, PrefillWay)> = plan
+            .prefill
+            .iter()
+            .map(|&len| (len, String::new(), server))
+            .collect();
+        if let (Some(&first), Some(&last)) = (plan.prefill.first(), plan.prefill.last()) {
+            let no_cores = PrefillWay {
+                tensor_cores: false,
+                ..server
             };
+            prefills.push((first, ", no tensor cores".into(), no_cores));
+            let smaller = PrefillWay {
+                item_queries: Some(half),
+                ..server
+            };
+            prefills.push((
+                last,
+                format!(", attention items of {half} queries"),
+                smaller,
+            ));
+        }
+        for (len, variant, way) in prefills {
             let check = format!("prefill {len} (chunks of {}{variant})", plan.chunk);
             report.row(check, || {
-                let rate = check::prefill_rate(&model, &device, len, plan.chunk, 3, tensor_cores);
+                let rate = check::prefill_rate(&model, &device, len, plan.chunk, 3, way);
                 (format!("{:.0} tokens/s", rate.tokens_per_s), None)
             });
         }

@@ -574,20 +574,37 @@ pub fn weight_bytes(model: &Model) -> u64 {
     model.layers.iter().map(layer).sum::<u64>() + model.output.info.bytes_len
 }
 
+/// How a prefill runs, beyond its length and chunks: as the server runs it
+/// ([`PrefillWay::SERVER`]) or with one choice undone, to measure it.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillWay {
+    /// Products on the tensor cores, or a warp a row
+    /// ([`CudaBackend::set_tensor_cores`]).
+    pub tensor_cores: bool,
+    /// Queries an attention item takes (`None`: the most its block holds;
+    /// [`CudaBackend::set_prefill_item_queries`]).
+    pub item_queries: Option<u32>,
+}
+
+impl PrefillWay {
+    /// As the server runs a prefill.
+    pub const SERVER: PrefillWay = PrefillWay {
+        tensor_cores: true,
+        item_queries: None,
+    };
+}
+
 /// Prefill of one `len`-token prompt in chunks of `chunk` tokens, best of
-/// `rounds` after one warm-up: tokens per second.
-///
-/// `tensor_cores` false runs its products a warp a row
-/// ([`CudaBackend::set_tensor_cores`]), to measure what the tensor cores save.
+/// `rounds` after one warm-up, run `way`: tokens per second.
 pub fn prefill_rate(
     model: &Arc<Model>,
     device: &Arc<dyn Device>,
     len: usize,
     chunk: usize,
     rounds: usize,
-    tensor_cores: bool,
+    way: PrefillWay,
 ) -> Rate {
-    prefill_run(model, device, len, chunk, rounds, false, tensor_cores).0
+    prefill_run(model, device, len, chunk, rounds, false, way).0
 }
 
 /// Where a `len`-token prefill's steps (chunks of `chunk`) spend their time
@@ -599,7 +616,7 @@ pub fn prefill_profile(
     len: usize,
     chunk: usize,
 ) -> StepProfile {
-    let (rate, launches) = prefill_run(model, device, len, chunk, 1, true, true);
+    let (rate, launches) = prefill_run(model, device, len, chunk, 1, true, PrefillWay::SERVER);
     StepProfile::of(&launches, len.div_ceil(chunk), rate.step_secs)
 }
 
@@ -611,7 +628,7 @@ fn prefill_run(
     chunk: usize,
     rounds: usize,
     profile: bool,
-    tensor_cores: bool,
+    way: PrefillWay,
 ) -> (Rate, Vec<LaunchTime>) {
     let page_tokens = 16;
     let per_seq = (len as u32).div_ceil(page_tokens);
@@ -634,7 +651,10 @@ fn prefill_run(
         },
     )
     .expect("the CUDA backend runs the model");
-    cuda.set_tensor_cores(tensor_cores);
+    cuda.set_tensor_cores(way.tensor_cores);
+    if let Some(queries) = way.item_queries {
+        cuda.set_prefill_item_queries(queries);
+    }
     let tokens: Vec<u32> = (0..len)
         .map(|i| (i * 7919 % model.config.vocab_len) as u32)
         .collect();

@@ -307,6 +307,9 @@ pub struct CudaBackend {
     /// Products of steps past [`MATMUL_TOKENS`] tokens on the tensor cores
     /// where the device has them ([`CudaBackend::set_tensor_cores`]).
     tensor_cores: bool,
+    /// Queries of a prefill chunk's attention item, a block each
+    /// ([`CudaBackend::set_prefill_item_queries`]).
+    prefill_queries: u32,
 }
 
 /// Launches a step folds into others. Each gives the bits of the separate
@@ -519,6 +522,7 @@ impl CudaBackend {
             fusions: Fusions::default(),
             decode_by_warps: true,
             tensor_cores,
+            prefill_queries: attention_rows / group,
         })
     }
 
@@ -585,7 +589,7 @@ impl CudaBackend {
             &self.options,
             &self.model,
             page_tokens,
-            self.attention_rows / group,
+            self.prefill_queries,
         );
         let partial_floats = step_layout.slots_max * u64::from(group) * (2 + c.head_dim as u64);
         // Staged for another layout: made afresh for this one.
@@ -616,8 +620,8 @@ impl CudaBackend {
     fn pack(&mut self, steps: &[SeqStep<'_>], view: &StepView<'_>, bucket: Option<u32>) -> Counts {
         let layout = self.step.as_ref().expect("made before packing").layout;
         let c = &self.model.config;
-        let (kv_heads, group) = (c.kv_heads_count as u32, c.kv_group() as u32);
-        let queries_per_item = self.attention_rows / group;
+        let kv_heads = c.kv_heads_count as u32;
+        let queries_per_item = self.prefill_queries;
         let page_tokens = layout.page_tokens as usize;
         if self.staging.len() == layout.words as usize {
             for range in self.staged.drain(..) {
@@ -816,6 +820,27 @@ impl CudaBackend {
         let on = on && self.device.tensor_cores();
         if self.tensor_cores != on {
             self.tensor_cores = on;
+            self.graphs.clear();
+        }
+    }
+
+    /// How many queries of a prefill chunk one attention block takes (their
+    /// rows times the group's query heads; by default as many as its shared
+    /// memory holds, each tile of K and V read once for them all), at least
+    /// one. Fewer make more blocks of the same work, each reading the tiles
+    /// again: a chunk of 512 over a 4,096-token prompt is 156 blocks of 10
+    /// queries on SmolLM2, about one an SM. Every row's sums run in the
+    /// same order either way (the same bits) but in an item of one query,
+    /// read by warps as a decode token's is (its last places may differ;
+    /// a chunk's last item may be one query at any size). The GPU check
+    /// times both.
+    pub fn set_prefill_item_queries(&mut self, queries: u32) {
+        let most = self.attention_rows / self.model.config.kv_group() as u32;
+        let queries = queries.clamp(1, most);
+        if self.prefill_queries != queries {
+            self.prefill_queries = queries;
+            // The step buffer holds as many items as its chunks make.
+            self.step = None;
             self.graphs.clear();
         }
     }

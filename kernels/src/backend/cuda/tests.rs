@@ -1583,12 +1583,17 @@ fn graphs_replay_decode_steps_with_the_same_results_as_launches() {
     );
 }
 
-/// The bits of every logit of a run on the emulator with `fusions`, and the
-/// digest of every page after it: three prompts in one step (52 tokens:
-/// norm launches), then decode steps of the three (products that make their
-/// own activations; the longest sequence's attention split in two and
-/// merged) as a captured graph with a padding sequence.
-fn run_bits(spec: &TinySpec, kv_type: KvType, fusions: Fusions) -> (Vec<u32>, Vec<u64>) {
+/// The bits of every logit of a run on the emulator of a backend as
+/// `configure` sets it, and the digest of every page after it: three
+/// prompts in one step (52 tokens: norm launches), then decode steps of the
+/// three (products that make their own activations; the longest sequence's
+/// attention split in two and merged) as a captured graph with a padding
+/// sequence.
+fn run_bits(
+    spec: &TinySpec,
+    kv_type: KvType,
+    configure: &dyn Fn(&mut CudaBackend),
+) -> (Vec<u32>, Vec<u64>) {
     let model = tiny_model(spec);
     let device = emulator(spec.seed);
     let (page_tokens, prompts, decode_steps) = (4u32, [9usize, 3, 40], 3);
@@ -1597,7 +1602,7 @@ fn run_bits(spec: &TinySpec, kv_type: KvType, fusions: Fusions) -> (Vec<u32>, Ve
     let (mut pool, tables) =
         pool_with_tables(&model, kv_type, page_tokens, 3, per_seq, Some(&device));
     let mut cuda = backend(&model, &device, 64, 4, true);
-    cuda.set_fusions(fusions);
+    configure(&mut cuda);
     let mut rng = SplitMix64(spec.seed);
     let vocab = model.config.vocab_len as u64;
     let inputs: Vec<Vec<u32>> = prompts
@@ -1682,7 +1687,7 @@ fn each_fusion_gives_the_bits_of_the_launches_it_replaces() {
             model.config.rope_dim,
             spec.rope_dim.map_or(16, |r| r as usize)
         );
-        let fused = run_bits(&spec, kv_type, Fusions::default());
+        let fused = run_bits(&spec, kv_type, &|_| {});
         // 3 prompts' last 2 rows, then 3 decode rows a step, 3 steps.
         assert_eq!(fused.0.len(), (6 + 9) * model.config.vocab_len, "{name}");
         // 12, 6 and 43 positions written: 16 pages, each its own values,
@@ -1703,12 +1708,67 @@ fn each_fusion_gives_the_bits_of_the_launches_it_replaces() {
             Fusions::NONE,
         ];
         for fusions in each_off {
-            let other = run_bits(&spec, kv_type, fusions);
+            let other = run_bits(&spec, kv_type, &|c| c.set_fusions(fusions));
             let logit = fused.0.iter().zip(&other.0).position(|(a, b)| a != b);
             assert_eq!(logit, None, "{name}, {fusions:?}: the first logit apart");
             assert_eq!(fused.1, other.1, "{name}, {fusions:?}: page digests");
         }
     }
+}
+
+#[test]
+fn a_prefill_chunks_attention_in_smaller_items_gives_the_same_logits() {
+    // The tiny model's group is 2: items of 16 queries by default (32 rows),
+    // and its prompts are 9, 3 and 40 tokens: in items of 5, no item of one
+    // query, whose rows are read by warps as a decode token's are (in
+    // another order: within 1e-5), and every row's sums in the same order.
+    let spec = TinySpec::default();
+    let model = tiny_model(&spec);
+    let default = run_bits(&spec, KvType::F16, &|_| {});
+    for queries in [1, 2, 5, 7] {
+        let other = run_bits(&spec, KvType::F16, &|c| c.set_prefill_item_queries(queries));
+        if queries == 5 {
+            // A layer's K and V come from the attention of the layer before.
+            assert_eq!(default.1, other.1, "items of 5: page digests");
+        }
+        let vocab = model.config.vocab_len;
+        for (row, (want, got)) in default
+            .0
+            .chunks(vocab)
+            .zip(other.0.chunks(vocab))
+            .enumerate()
+        {
+            if queries == 5 {
+                assert_eq!(want, got, "items of 5, row {row}: the same bits");
+            }
+            let value = |bits: &u32| f32::from_bits(*bits);
+            let scale = want.iter().map(value).fold(0.0f32, |m, v| m.max(v.abs()));
+            for (w, g) in want.iter().map(value).zip(got.iter().map(value)) {
+                assert!(
+                    (w - g).abs() <= 1e-5 * scale,
+                    "items of {queries}, row {row}: {g} vs {w}"
+                );
+            }
+        }
+    }
+    // More items, each a block: the profile counts their blocks.
+    let device = emulator(4);
+    let blocks = |queries: u32| {
+        let mut cuda = backend(&model, &device, 64, 1, false);
+        cuda.set_prefill_item_queries(queries);
+        let (mut pool, tables) = pool_with_tables(&model, KvType::F16, 16, 1, 4, Some(&device));
+        let tokens: Vec<u32> = (0..40).collect();
+        device.profile_start();
+        cuda.step(&[SeqStep::new(&tables[0], 0, &tokens)], &mut pool)
+            .unwrap();
+        let launches = device.profile_take();
+        let attention = launches.iter().find(|l| l.kernel == "attention").unwrap();
+        attention.grid
+    };
+    let kv_heads = model.config.kv_heads_count as u32;
+    let most = blocks(u32::MAX);
+    assert_eq!(blocks(5), kv_heads * 40u32.div_ceil(5));
+    assert!(most < blocks(5), "{most}");
 }
 
 #[test]
