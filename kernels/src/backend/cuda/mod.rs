@@ -764,7 +764,11 @@ impl CudaBackend {
             eps: self.model.config.rms_eps,
             rope,
         };
-        if mode != mode::ROPE_KV && fused.is_none() && self.on_tensor_cores(tokens, input.format) {
+        // ROPE_KV has no tensor-core form (the step's Q/K/V product is
+        // launched as STORE where the tensor cores take it); past
+        // MATMUL_TOKENS the norm launch above made the activations.
+        if mode != mode::ROPE_KV && self.on_tensor_cores(tokens, input.format) {
+            debug_assert!(fused.is_none());
             let geometry = matmul_mma_blocks(rows, tokens);
             return self.launch(geometry, MATMUL_WARPS * 32, 0, &MatmulMmaArgs(args));
         }
