@@ -7,7 +7,9 @@
 //! 1. the device-to-device copy bandwidth (bytes read plus written per
 //!    second), and the launch floor: the smallest kernel's time a launch,
 //!    queued and in a graph (what a step's launches cost at the least);
-//! 2. CPU-versus-CUDA agreement on both models: the worst relative logit
+//! 2. the tensor cores' start-up probe on every model here (each quantized
+//!    weight type's product on them and a warp a row agree), then
+//!    CPU-versus-CUDA agreement on both models: the worst relative logit
 //!    error and greedy-token agreement over a few hundred decode tokens, and
 //!    each step again with its tokens picked on the device (the argmax of
 //!    the rows it gave, with their log probabilities), and again drawn on the device (the host's draw of
@@ -59,7 +61,8 @@
 
 use bulkhead_kernels::backend::cuda::check::{self, AgreementRun, DecodeRun, PrefillWay};
 use bulkhead_kernels::backend::cuda::{
-    attention_rows, Cuda, CudaDevice, Device, DeviceBuffer, DeviceError, Fusions,
+    attention_rows, Cuda, CudaBackend, CudaDevice, CudaOptions, Device, DeviceBuffer, DeviceError,
+    Fusions, TensorCoresProbe,
 };
 use bulkhead_kernels::backend::{Draw, Pick};
 use bulkhead_kernels::gguf::Gguf;
@@ -414,6 +417,45 @@ fn agreement_rows(
             (result, Some(pass))
         });
     }
+}
+
+/// What each model's backend's start-up probe found of the tensor cores:
+/// passes where every one agreed (or, on a device without them, none
+/// used them). A refusal means the tensor-core rows below timed products
+/// a warp a row.
+fn probe_row(device: &Arc<dyn Device>, models: &[(&str, Arc<Model>)]) -> (String, Option<bool>) {
+    let options = CudaOptions {
+        step_tokens_max: 64,
+        step_seqs_max: 1,
+        graphs: false,
+    };
+    let mut pass = true;
+    let mut cells = Vec::new();
+    for (name, model) in models {
+        let cell = match CudaBackend::new(Arc::clone(model), Arc::clone(device), options.clone()) {
+            Ok(backend) => {
+                let probe = backend.tensor_cores_probe();
+                pass &= match probe {
+                    TensorCoresProbe::Agreed { .. } => true,
+                    TensorCoresProbe::Unused => !device.tensor_cores(),
+                    TensorCoresProbe::Refused { .. } => false,
+                };
+                match probe {
+                    TensorCoresProbe::Agreed { types, worst } => {
+                        let names: Vec<&str> = types.iter().map(|t| t.name()).collect();
+                        format!("{name}: {} agree ({worst:.1e})", names.join(", "))
+                    }
+                    other => format!("{name}: {other}"),
+                }
+            }
+            Err(e) => {
+                pass = false;
+                format!("{name}: {e}")
+            }
+        };
+        cells.push(cell);
+    }
+    (cells.join("; "), Some(pass))
 }
 
 /// The isolation checks of `check::isolation`, as rows.
@@ -816,6 +858,23 @@ fn main() -> ExitCode {
         None => Arc::clone(&tiny),
     };
     if parts.contains(&"agreement") {
+        report.row("tensor cores: start-up probe".into(), || {
+            let mut models = vec![("tiny", Arc::clone(&tiny))];
+            models.extend(families().into_iter().map(|(n, s)| (n, model_of(&s))));
+            // The K-quants' products, Q6_K's halves scaled apart.
+            let k_quants = TinySpec {
+                embedding_len: 256,
+                ffn_len: 512,
+                matrix_type: GgmlType::Q4_K,
+                ffn_up_type: Some(GgmlType::Q6_K),
+                ..TinySpec::default()
+            };
+            models.push(("tiny Q4_K, Q6_K up", model_of(&k_quants)));
+            if plan.big.is_some() {
+                models.push(("SmolLM2-135M shape", Arc::clone(&model)));
+            }
+            probe_row(&device, &models)
+        });
         agreement_rows(
             &mut report,
             "tiny model",

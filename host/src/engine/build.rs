@@ -8,7 +8,7 @@ use super::placement::{Gpu, Placement};
 use super::scheduler::{BatchLimits, Scheduler, TenantChangeError, TenantLimits};
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::backend::cuda::{
-    Cuda, CudaBackend, CudaDevice, CudaOptions, Device, DeviceStorage,
+    Cuda, CudaBackend, CudaDevice, CudaOptions, Device, DeviceStorage, TensorCoresProbe,
 };
 use bulkhead_kernels::backend::Backend;
 use bulkhead_kernels::kv::{KvType, Pool, PoolError, PoolOptions};
@@ -101,6 +101,13 @@ fn cuda_parts(
         graphs: true,
     };
     let backend = CudaBackend::new(Arc::clone(model), device, options).map_err(|e| cuda(&e))?;
+    // Wrong products of large steps would fail nothing: say it loudly.
+    match backend.tensor_cores_probe() {
+        probe @ TensorCoresProbe::Refused { .. } => {
+            tracing::warn!(gpu = %gpu.name, "tensor cores {probe}")
+        }
+        probe => tracing::info!(gpu = %gpu.name, "tensor cores: {probe}"),
+    }
     Ok((Box::new(backend), pool))
 }
 

@@ -52,6 +52,7 @@ pub mod launch;
 pub mod nvrtc;
 mod pack;
 pub mod storage;
+mod tensor_cores;
 #[cfg(all(test, feature = "emulator"))]
 mod tests;
 
@@ -60,6 +61,7 @@ pub use device::{
 };
 pub use driver::{probe, Cuda, CudaDevice, CudaUnavailable, Probe, ProbedDevice};
 pub use storage::{device_identity, DeviceStorage};
+pub use tensor_cores::{TensorCoresProbe, PROBE_TOLERANCE};
 
 use super::{validate_step, Backend, Logits, SeqStep, StepError, StepLimits};
 use crate::kv::{PageLayout, Pool, StepView};
@@ -305,8 +307,10 @@ pub struct CudaBackend {
     /// ([`CudaBackend::set_decode_attention_by_warps`]).
     decode_by_warps: bool,
     /// Products of steps past [`MATMUL_TOKENS`] tokens on the tensor cores
-    /// where the device has them ([`CudaBackend::set_tensor_cores`]).
+    /// where the device has them ([`CudaBackend::set_tensor_cores`]) and
+    /// the start-up probe found them agreeing with the warps.
     tensor_cores: bool,
+    tensor_cores_probe: TensorCoresProbe,
     /// Queries of a prefill chunk's attention item, a block each
     /// ([`CudaBackend::set_prefill_item_queries`]).
     prefill_queries: u32,
@@ -496,7 +500,7 @@ impl CudaBackend {
         let pinned_rows = s.min(PINNED_BYTES_MAX / (4 * vocab)).max(1);
         let pinned = HostFloats::zeroed(&device, (pinned_rows * vocab) as usize).ok();
         let tensor_cores = device.tensor_cores();
-        Ok(CudaBackend {
+        let mut backend = CudaBackend {
             graphs: HashMap::new(),
             step: None,
             scratch,
@@ -522,8 +526,11 @@ impl CudaBackend {
             fusions: Fusions::default(),
             decode_by_warps: true,
             tensor_cores,
+            tensor_cores_probe: TensorCoresProbe::Unused,
             prefill_queries: attention_rows / group,
-        })
+        };
+        backend.tensor_cores_probe = backend.probe_tensor_cores()?;
+        Ok(backend)
     }
 
     /// The model this backend runs.
@@ -819,9 +826,12 @@ impl CudaBackend {
     /// another order, so the bits may differ in their last places; the GPU
     /// check times both. Such a step's Q/K/V product then stores Q, K and V
     /// and a `rope_kv` launch turns and stores them (`matmul_mma` has no
-    /// `ROPE_KV` mode). Off where the device has no tensor cores for it.
+    /// `ROPE_KV` mode). Off where the device has no tensor cores for it,
+    /// and where the start-up probe refused them
+    /// ([`CudaBackend::tensor_cores_probe`]).
     pub fn set_tensor_cores(&mut self, on: bool) {
-        let on = on && self.device.tensor_cores();
+        let refused = matches!(self.tensor_cores_probe, TensorCoresProbe::Refused { .. });
+        let on = on && self.device.tensor_cores() && !refused;
         if self.tensor_cores != on {
             self.tensor_cores = on;
             self.graphs.clear();

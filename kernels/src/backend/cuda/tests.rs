@@ -1451,10 +1451,18 @@ fn compare_with_cpu(
 
 /// [`compare_with_cpu`] of `run` on `spec`'s model.
 fn compare_run(spec: &TinySpec, run: &super::check::AgreementRun) -> f32 {
+    compare_run_on(spec, run, &emulator(spec.seed))
+}
+
+/// [`compare_run`] on `device`.
+fn compare_run_on(
+    spec: &TinySpec,
+    run: &super::check::AgreementRun,
+    device: &Arc<dyn Device>,
+) -> f32 {
     let (prompts, tolerance) = (run.prompts, run.tolerance);
     let model = tiny_model(spec);
-    let device = emulator(spec.seed);
-    let agreement = super::check::agreement(&model, &device, run);
+    let agreement = super::check::agreement(&model, device, run);
     assert_eq!(agreement.rows, prompts.len() * (run.decode_steps + 1));
     // And each prompt's positions before its last (as a prompt's log
     // probabilities ask for them), within the looser bound.
@@ -1508,6 +1516,174 @@ fn the_backend_matches_the_cpu_backend_with_a_large_steps_products_a_warp_a_row(
         tensor_cores: false,
     };
     compare_run(&spec, &run);
+}
+
+/// The emulator, but its tensor cores' products leave a step's last token
+/// unwritten (as a fragment laid out otherwise would leave outputs wrong);
+/// counts their launches.
+#[derive(Debug)]
+struct WrongTensorCores {
+    inner: Arc<dyn Device>,
+    mma_launches: std::sync::atomic::AtomicU64,
+}
+
+impl WrongTensorCores {
+    fn new(seed: u64) -> Arc<WrongTensorCores> {
+        Arc::new(WrongTensorCores {
+            inner: emulator(seed),
+            mma_launches: 0.into(),
+        })
+    }
+
+    fn mma_launches(&self) -> u64 {
+        self.mma_launches.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Device for WrongTensorCores {
+    fn describe(&self) -> String {
+        "CUDA emulator with wrong tensor cores".into()
+    }
+    fn memory_bytes(&self) -> u64 {
+        self.inner.memory_bytes()
+    }
+    fn shared_bytes_max(&self) -> u32 {
+        self.inner.shared_bytes_max()
+    }
+    fn tensor_cores(&self) -> bool {
+        true
+    }
+    fn alloc(&self, bytes: u64) -> Result<u64, super::DeviceError> {
+        self.inner.alloc(bytes)
+    }
+    unsafe fn free(&self, at: u64, bytes: u64) {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.inner.free(at, bytes) }
+    }
+    unsafe fn write(&self, at: u64, src: &[u8]) -> Result<(), super::DeviceError> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.inner.write(at, src) }
+    }
+    unsafe fn read(&self, at: u64, dst: &mut [u8]) -> Result<(), super::DeviceError> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.inner.read(at, dst) }
+    }
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: u64) -> Result<(), super::DeviceError> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.inner.copy(dst, src, bytes) }
+    }
+    unsafe fn fill(
+        &self,
+        rect: super::device::Rect,
+        fill: super::device::Fill,
+    ) -> Result<(), super::DeviceError> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.inner.fill(rect, fill) }
+    }
+    unsafe fn read_rect(
+        &self,
+        rect: super::device::Rect,
+        dst: &mut [u8],
+    ) -> Result<(), super::DeviceError> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.inner.read_rect(rect, dst) }
+    }
+    unsafe fn write_rect(
+        &self,
+        rect: super::device::Rect,
+        src: &[u8],
+    ) -> Result<(), super::DeviceError> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.inner.write_rect(rect, src) }
+    }
+    unsafe fn launch(
+        &self,
+        kernel: &'static str,
+        geometry: Geometry,
+        args: &[u8],
+    ) -> Result<(), super::DeviceError> {
+        let mut args = args.to_vec();
+        if kernel == MatmulMmaArgs::KERNEL {
+            self.mma_launches
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let at = std::mem::offset_of!(MatmulArgs, tokens);
+            let tokens = u32::from_le_bytes(args[at..at + 4].try_into().unwrap());
+            args[at..at + 4].copy_from_slice(&(tokens - 1).to_le_bytes());
+        }
+        // SAFETY: the caller's promise, for fewer tokens than it made.
+        unsafe { self.inner.launch(kernel, geometry, &args) }
+    }
+    fn synchronize(&self) -> Result<(), super::DeviceError> {
+        self.inner.synchronize()
+    }
+    fn capture(
+        &self,
+        record: &mut dyn FnMut() -> Result<(), super::DeviceError>,
+    ) -> Result<Box<dyn super::DeviceGraph>, super::DeviceError> {
+        self.inner.capture(record)
+    }
+    fn launches(&self) -> u64 {
+        self.inner.launches()
+    }
+}
+
+#[test]
+fn the_start_up_probe_keeps_tensor_cores_that_agree_and_refuses_others() {
+    let spec = TinySpec::default();
+    let model = tiny_model(&spec);
+    // The emulator's agree: every quantized type the model has, in the
+    // model's order (Q4_1 blocks, the tied Q8_0 head).
+    let good = emulator(spec.seed);
+    let cuda = backend(&model, &good, 64, 4, true);
+    match cuda.tensor_cores_probe() {
+        super::TensorCoresProbe::Agreed { types, worst } => {
+            assert_eq!(types, &[GgmlType::Q4_1, GgmlType::Q8_0]);
+            assert!(*worst <= 1e-5, "{worst}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(cuda.tensor_cores);
+    // Steps of at most 8 tokens never take them: not probed.
+    let wrong = WrongTensorCores::new(spec.seed);
+    let device: Arc<dyn Device> = wrong.clone();
+    let small = backend(&model, &device, 8, 8, true);
+    assert_eq!(small.tensor_cores_probe(), &super::TensorCoresProbe::Unused);
+    assert_eq!(wrong.mma_launches(), 0);
+    // Wrong ones are refused at the first type, after one launch, and stay
+    // off whatever is asked.
+    let mut cuda = backend(&model, &device, 64, 4, true);
+    match cuda.tensor_cores_probe() {
+        super::TensorCoresProbe::Refused { ty, worst } => {
+            assert_eq!(*ty, GgmlType::Q4_1);
+            assert!(*worst > super::PROBE_TOLERANCE, "{worst}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(wrong.mma_launches(), 1);
+    cuda.set_tensor_cores(true);
+    assert!(!cuda.tensor_cores);
+    drop(cuda);
+    // A backend on them then matches the CPU's, prompts of 23 tokens and
+    // decode steps of 12 sequences, without launching them again.
+    let prompts = [5, 17, 1];
+    let twelve = [3, 9, 1, 4, 2, 7, 1, 5, 2, 6, 1, 3];
+    for (prompts, graphs) in [(&prompts[..], false), (&twelve[..], true)] {
+        let run = super::check::AgreementRun {
+            kv_type: KvType::F16,
+            page_tokens: 16,
+            prompts,
+            decode_steps: 2,
+            graphs,
+            cpu_threads: 1,
+            cpu_isa: Some(Isa::Scalar),
+            seed: spec.seed ^ 77,
+            tolerance: 1e-4,
+            decode_by_warps: false,
+            tensor_cores: true,
+        };
+        compare_run_on(&spec, &run, &device);
+    }
+    assert_eq!(wrong.mma_launches(), 3, "only the probes launched them");
 }
 
 #[test]
