@@ -234,19 +234,25 @@ struct PickArgs {
     uint64_t logits;   // f32 [grid][vocab]
     uint64_t out;      // u32 [grid]
     uint64_t draws;    // DrawParams [grid]; 0: every row its argmax, unadjusted
-    uint64_t adjusts;  // AdjustEntry [], as the rows' DrawParams point into it
+    uint64_t adjusts;  // AdjustEntry [], as the rows' DrawParams point into
+                       // it: a row's own entries, then where it has one its
+                       // shared entry and that entry's ids, a word each
     uint64_t scores;   // u32 [grid][SCORE_WORDS]: where DrawParams asks, the
                        // token's log probability (f32), the alternatives'
                        // count, then (id, log probability) each
-    uint64_t originals;  // f32 [], at the adjusts' indices: each adjusted
-                         // logit as it was, where its row asks for log
-                         // probabilities
+    uint64_t originals;  // f32 [4 x the adjusts' entries]: from 4 x a row's
+                         // adjust_at, each adjusted logit as it was (its own
+                         // entries', then its shared ids'), where its row
+                         // asks for log probabilities
     uint32_t vocab;
     uint32_t unused;
 };
 
 // One row's draw (backend::Draw); inv_t 0 is no draw (the argmax). Its
-// adjustments first: adjusts[adjust_at..adjust_at + adjust_count].
+// adjustments first: adjusts[adjust_at..adjust_at + adjust_count], each its
+// own token's, and where shared_count > 0 the entry after them applied to
+// each of the shared_count ids (u32, ascending) in the entries after it (the
+// entry's id holds only its ban). No id is in both.
 struct DrawParams {
     float inv_t;
     uint32_t top_k;  // 0: every token
@@ -258,6 +264,8 @@ struct DrawParams {
     uint32_t top_logprobs;  // 0: none; else 1 + the alternatives wanted
     uint32_t target;        // 0: the row's token is picked; else 1 + the
                             // token a prompt's row is scored for (nothing picked)
+    uint32_t shared_count;
+    uint32_t unused;
 };
 
 // One token's adjustment (backend::Adjust): repetition (1: none), then

@@ -466,11 +466,25 @@ __device__ __forceinline__ float adjusted(const AdjustEntry& e, float logit) {
     return x;
 }
 
+// The index of `id` among `n` ascending ids a `stride` words apart, or n.
+__device__ __forceinline__ uint32_t find_id(const uint32_t* ids, uint32_t stride, uint32_t n,
+                                            uint32_t id) {
+    uint32_t lo = 0, hi = n;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        uint32_t at = ids[uint64_t(mid) * stride] & 0x7FFFFFFFu;
+        if (at == id) return mid;
+        if (at < id) lo = mid + 1; else hi = mid;
+    }
+    return n;
+}
+
 KERNEL_THREADS(pick, PickArgs, PICK_BLOCK) {
     float* row = reinterpret_cast<float*>(a.logits) + uint64_t(blockIdx.x) * a.vocab;
     DrawParams p;
     p.inv_t = 0.0f;
     p.adjust_count = 0;
+    p.shared_count = 0;
     p.top_logprobs = 0;
     p.target = 0;
     if (a.draws) p = reinterpret_cast<const DrawParams*>(a.draws)[blockIdx.x];
@@ -490,16 +504,25 @@ KERNEL_THREADS(pick, PickArgs, PICK_BLOCK) {
         return;
     }
     const AdjustEntry* list = reinterpret_cast<const AdjustEntry*>(a.adjusts) + p.adjust_at;
-    float* originals = reinterpret_cast<float*>(a.originals) + p.adjust_at;
-    if (p.adjust_count > 0) {
+    const uint32_t* shared_ids = reinterpret_cast<const uint32_t*>(list + p.adjust_count + 1);
+    float* originals = reinterpret_cast<float*>(a.originals) + 4ull * p.adjust_at;
+    uint32_t adjusts = p.adjust_count + p.shared_count;
+    if (adjusts > 0) {
         // Not before thread 0 has read the last alternative's logit.
         if (p.top_logprobs > 0) __syncthreads();
         // In place: a picked row's logits are scratch no one reads after,
-        // and its entries name distinct tokens (the packer sends no other
-        // list), so no two threads write one logit. Where the row's log
-        // probabilities are asked, each logit is kept as it was first.
-        for (uint32_t i = threadIdx.x; i < p.adjust_count; i += blockDim.x) {
-            AdjustEntry e = list[i];
+        // and its entries and shared ids name distinct tokens (the packer
+        // sends no other list), so no two threads write one logit. Where
+        // the row's log probabilities are asked, each logit is kept as it
+        // was first.
+        for (uint32_t i = threadIdx.x; i < adjusts; i += blockDim.x) {
+            AdjustEntry e;
+            if (i < p.adjust_count) {
+                e = list[i];
+            } else {
+                e = list[p.adjust_count];
+                e.id |= shared_ids[i - p.adjust_count];
+            }
             uint32_t id = e.id & 0x7FFFFFFFu;
             if (id >= a.vocab) continue;
             if (p.top_logprobs > 0) originals[i] = row[id];
@@ -511,18 +534,17 @@ KERNEL_THREADS(pick, PickArgs, PICK_BLOCK) {
     if (id == NO_SEQ) id = row_argmax(row, a.vocab);
     if (threadIdx.x == 0) reinterpret_cast<uint32_t*>(a.out)[blockIdx.x] = id;
     if (threadIdx.x == 0 && p.top_logprobs > 0) {
-        // The token's logit before its adjustment: its entry's original,
-        // found by bisecting the list (ascending ids), or the row's.
+        // The token's logit before its adjustment: its entry's or its
+        // shared id's original, found by bisecting each (ascending ids), or
+        // the row's.
         float logit = row[id];
-        uint32_t lo = 0, hi = p.adjust_count;
-        while (lo < hi) {
-            uint32_t mid = lo + (hi - lo) / 2;
-            uint32_t at = list[mid].id & 0x7FFFFFFFu;
-            if (at == id) {
-                logit = originals[mid];
-                break;
-            }
-            if (at < id) lo = mid + 1; else hi = mid;
+        const uint32_t* own = reinterpret_cast<const uint32_t*>(list);
+        uint32_t at = find_id(own, 4, p.adjust_count, id);
+        if (at < p.adjust_count) {
+            logit = originals[at];
+        } else {
+            at = find_id(shared_ids, 1, p.shared_count, id);
+            if (at < p.shared_count) logit = originals[p.adjust_count + at];
         }
         float logprob = logit - log_z;
         memcpy(&scores[0], &logprob, 4);

@@ -37,7 +37,8 @@
 //!    step at batch 128); three more rows, batch 128 at depth 512 copying
 //!    every row (as a step asking for log probabilities does), drawing its
 //!    tokens on the device (as a sampled request's step does), and drawing
-//!    them after 600 adjustments a row (penalties), say what that copy, that
+//!    them after 600 and 3,000 adjustments a row (penalties over a short
+//!    context, a repetition penalty over a long prompt), say what that copy, that
 //!    draw and those adjustments cost; one more, batch 128 at depth 512
 //!    with its products a warp a row, what the tensor cores save; and batch
 //!    1 with a norm launch before each matrix product, with RoPE
@@ -657,14 +658,22 @@ fn decode_rows(
                     u: 0.5,
                 });
                 variants.push((" (drawn on the device)", DecodeRun { pick: drawn, ..run }));
-                variants.push((
-                    " (drawn on the device, 600 adjustments a row)",
-                    DecodeRun {
-                        pick: drawn,
-                        adjusts: 600,
-                        ..run
-                    },
-                ));
+                // Penalties over a short context, and a repetition penalty
+                // over a long prompt's tokens (past the 1,024 entries of
+                // their own a row's share holds).
+                for (variant, adjusts) in [
+                    (" (drawn on the device, 600 adjustments a row)", 600),
+                    (" (drawn on the device, 3000 adjustments a row)", 3000),
+                ] {
+                    variants.push((
+                        variant,
+                        DecodeRun {
+                            pick: drawn,
+                            adjusts,
+                            ..run
+                        },
+                    ));
+                }
             }
             for (variant, run) in variants {
                 let check = format!("decode batch {batch} depth {depth}{variant}");

@@ -251,8 +251,9 @@ struct StepBuffer {
     layout: StepLayout,
     buffer: DeviceBuffer,
     partials: DeviceBuffer,
-    /// f32 `[adjusts_max]`: each adjusted logit as it was, where its row
-    /// asks for log probabilities (of the row before its adjustments).
+    /// f32 `[adjusts_max][4]`, a word of the adjustments' rooms each: each
+    /// adjusted logit as it was, where its row asks for log probabilities
+    /// (of the row before its adjustments).
     originals: DeviceBuffer,
 }
 
@@ -606,7 +607,7 @@ impl CudaBackend {
         self.step = Some(StepBuffer {
             buffer: DeviceBuffer::zeroed(&self.device, step_layout.words * WORD)?,
             partials: DeviceBuffer::zeroed(&self.device, partial_floats.max(1) * 4)?,
-            originals: DeviceBuffer::zeroed(&self.device, step_layout.adjusts_max.max(1) * 4)?,
+            originals: DeviceBuffer::zeroed(&self.device, step_layout.adjusts_max.max(1) * 16)?,
             layout: step_layout,
         });
         Ok(())

@@ -8,13 +8,13 @@
 //! valid for every later step.
 //!
 //! ```text
-//! tokens[T] positions[T] token_seq[T] seq_pages[S] gather[R] draws[R][10] adjusts[A][4] pages[P] items[I][10] merges[M][4] counters[M]
+//! tokens[T] positions[T] token_seq[T] seq_pages[S] gather[R] draws[R][12] adjusts[A][4] pages[P] items[I][10] merges[M][4] counters[M]
 //! ```
 //!
 //! `pages` holds, per sequence, the page ids the page book checked for the
 //! step, as far as the step reaches and no further; `draws` the parameters
 //! of each drawn row's draw (zeros elsewhere: its argmax), where its
-//! adjustments lie in `adjusts` (each an [`Adjust`]), the log probabilities
+//! adjustments lie in `adjusts` ([`AdjustPlan`]), the log probabilities
 //! it asks for, and a scored prompt row's token; `items` are attention's
 //! work units (`AttnItem`), `merges` the folds of split decode attention,
 //! `counters` zeros for attention to count each merge's finished splits in.
@@ -34,12 +34,119 @@ const DECODE_BLOCKS: u32 = 512;
 /// The most splits a decode token's attention is cut into per KV head when
 /// its step is small (a long context past 64 x 256 positions takes more).
 const DECODE_SPLITS: u32 = 64;
-/// Adjustments ([`Adjust`]) a step buffer holds per sequence of the
-/// largest step (16 KiB each). A row takes at most its share of them, the
-/// room over the step's sequences (1,024 at the largest step, more at a
-/// smaller one), so no sequence's list takes another's room; a row whose
-/// list is longer is given in full, and its caller adjusts it.
+/// Rooms of an adjustment ([`Adjust`], 4 words) a step buffer holds per
+/// sequence of the largest step (16 KiB each). A row takes at most its
+/// share of them, the room over the step's sequences (1,024 at the largest
+/// step, more at a smaller one), so no sequence's list takes another's
+/// room; a row whose list takes more is given in full, and its caller
+/// adjusts it. A list whose entries mostly share one adjustment (a
+/// repetition penalty over a long prompt's tokens) takes a room for that
+/// one and a word an id ([`AdjustPlan`]): some 4,000 ids in a share.
 const ADJUSTS_PER_SEQ: u64 = 1024;
+
+/// How a row's adjustments are laid out in the step buffer for the pick
+/// kernel (sample.cu's `DrawParams`): the entries of their own adjustment
+/// first, a room each; then, where at least [`SHARED_MIN`] entries share
+/// the list's most common adjustment, that adjustment once (its id word
+/// holding only its ban) and their ids after it, four to a room, ascending
+/// as the list is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct AdjustPlan {
+    /// The entries with an id a vocabulary can reach ([`Adjust::words`]).
+    entries: u32,
+    /// The shared adjustment's words with no id, and the entries sharing it.
+    shared: Option<([u32; ADJUST_WORDS], u32)>,
+}
+
+/// Counters of [`AdjustPlan::of`]'s vote.
+const VOTE_SLOTS: usize = 4;
+
+/// The fewest entries that share one room: three ids in a room and the
+/// adjustment's are two rooms where their own entries were three.
+const SHARED_MIN: u32 = 3;
+
+/// An entry's adjustment: its words ([`Adjust::words`]) with no id, the
+/// ban's bit kept.
+fn adjustment_key(words: [u32; ADJUST_WORDS]) -> [u32; ADJUST_WORDS] {
+    [words[0] & 1 << 31, words[1], words[2], words[3]]
+}
+
+impl AdjustPlan {
+    /// The layout of `list` (distinct ascending ids): the adjustment most of
+    /// them share, found among the candidates of one pass of Misra and
+    /// Gries' frequent-items count with [`VOTE_SLOTS`] counters (any
+    /// adjustment of more than a fifth of the list is among them), each
+    /// then counted exactly. No allocation, a few comparisons an entry:
+    /// every sampled row's list, every step.
+    pub(super) fn of(list: &[Adjust]) -> AdjustPlan {
+        let keys = || list.iter().filter_map(Adjust::words).map(adjustment_key);
+        let mut slots = [([0u32; ADJUST_WORDS], 0u32); VOTE_SLOTS];
+        for key in keys() {
+            if let Some(slot) = slots.iter_mut().find(|s| s.1 > 0 && s.0 == key) {
+                slot.1 += 1;
+            } else if let Some(slot) = slots.iter_mut().find(|s| s.1 == 0) {
+                *slot = (key, 1);
+            } else {
+                slots.iter_mut().for_each(|s| s.1 -= 1);
+            }
+        }
+        let mut counts = [0u32; VOTE_SLOTS];
+        let mut entries = 0;
+        for key in keys() {
+            entries += 1;
+            if let Some(i) = slots.iter().position(|s| s.1 > 0 && s.0 == key) {
+                counts[i] += 1;
+            }
+        }
+        let (best, sharing) = (0..VOTE_SLOTS)
+            .map(|i| (slots[i].0, counts[i]))
+            .max_by_key(|&(_, n)| n)
+            .expect("VOTE_SLOTS > 0");
+        AdjustPlan {
+            entries,
+            shared: (sharing >= SHARED_MIN).then_some((best, sharing)),
+        }
+    }
+
+    /// Entries with their own adjustment, and ids sharing one.
+    pub(super) fn counts(&self) -> (u32, u32) {
+        let sharing = self.shared.map_or(0, |(_, n)| n);
+        (self.entries - sharing, sharing)
+    }
+
+    /// The rooms it takes.
+    pub(super) fn rooms(&self) -> u64 {
+        let (own, sharing) = self.counts();
+        let shared_rooms = match sharing {
+            0 => 0,
+            n => 1 + n.div_ceil(ADJUST_WORDS as u32),
+        };
+        u64::from(own + shared_rooms)
+    }
+
+    /// Writes `list`, the list it was made of, into `out` (its rooms' words).
+    pub(super) fn write(&self, list: &[Adjust], out: &mut [u32]) {
+        assert_eq!(out.len() as u64, self.rooms() * ADJUST_WORDS as u64);
+        let (own, _) = self.counts();
+        let ids_at = ADJUST_WORDS * (own as usize + 1);
+        if let Some((key, _)) = self.shared {
+            out[ADJUST_WORDS * own as usize..ids_at].copy_from_slice(&key);
+        }
+        let (mut next_own, mut next_id) = (0, ids_at);
+        for words in list.iter().filter_map(Adjust::words) {
+            match self.shared {
+                Some((key, _)) if adjustment_key(words) == key => {
+                    out[next_id] = words[0] & !(1 << 31);
+                    next_id += 1;
+                }
+                _ => {
+                    out[next_own..next_own + ADJUST_WORDS].copy_from_slice(&words);
+                    next_own += ADJUST_WORDS;
+                }
+            }
+        }
+    }
+}
 
 /// The splits a decode token of a step of `seqs` sequences aims for, per KV
 /// head: [`DECODE_BLOCKS`] over the step's tokens and heads, 1 to
@@ -176,10 +283,12 @@ const COPY_GAP_WORDS: usize = 4096;
 
 /// Words of a row's draw in the step buffer (sample.cu's `DrawParams`):
 /// 1 / temperature, top-k, top-p and min-p, the uniform as an f64, the
-/// first of the row's adjustments and their count, then its log
-/// probabilities' ask (0 none, else 1 + the alternatives) and, for a prompt
-/// row scored for a given token rather than picked, 1 + that token.
-pub(super) const DRAW_WORDS: usize = 10;
+/// first room of the row's adjustments and the count of its own entries,
+/// then its log probabilities' ask (0 none, else 1 + the alternatives)
+/// and, for a prompt row scored for a given token rather than picked, 1 +
+/// that token; the count of ids sharing an adjustment ([`AdjustPlan`]),
+/// and a word unused.
+pub(super) const DRAW_WORDS: usize = 12;
 
 /// Words of a row's log probabilities as `pick` writes them (sample.cu's
 /// `SCORE_WORDS`): the token's, the alternatives' count, then (id, log
@@ -187,44 +296,55 @@ pub(super) const DRAW_WORDS: usize = 10;
 pub(super) const SCORE_WORDS: usize = 2 + 2 * TOP_LOGPROBS_MAX;
 
 /// A row's pick as `DrawParams` lays it out: its draw (none: its argmax),
-/// `adjusts` entries from `adjust_at`, its log probabilities' ask, and the
-/// token it scores where it is a prompt's row (none picked then).
+/// its adjustments from room `adjust_at` (`adjusts`: its own entries and
+/// the ids sharing one, [`AdjustPlan::counts`]), its log probabilities'
+/// ask, and the token it scores where it is a prompt's row (none picked
+/// then).
 pub(super) fn draw_words(
     d: Option<&Draw>,
     adjust_at: u32,
-    adjusts: u32,
+    adjusts: (u32, u32),
     logprobs: Option<u8>,
     target: Option<u32>,
 ) -> [u32; DRAW_WORDS] {
     let scores = logprobs.map_or(0, |top| 1 + u32::from(top));
     let target = target.map_or(0, |t| t + 1);
-    let Some(d) = d else {
-        return [0, 0, 0, 0, 0, 0, adjust_at, adjusts, scores, target];
+    let (own, sharing) = adjusts;
+    let (inv_t, top_k, top_p, min_p, u) = match d {
+        Some(d) => (
+            d.inv_t.to_bits(),
+            d.top_k,
+            d.top_p.to_bits(),
+            d.min_p.to_bits(),
+            d.u.to_bits(),
+        ),
+        None => (0, 0, 0, 0, 0),
     };
-    let u = d.u.to_bits();
     [
-        d.inv_t.to_bits(),
-        d.top_k,
-        d.top_p.to_bits(),
-        d.min_p.to_bits(),
+        inv_t,
+        top_k,
+        top_p,
+        min_p,
         u as u32,
         (u >> 32) as u32,
         adjust_at,
-        adjusts,
+        own,
         scores,
         target,
+        sharing,
+        0,
     ]
 }
 
 /// A row wanted for its token: its token in the step, how, and its
-/// adjustments in the step buffer (first entry, count); or a prompt's row
-/// wanted for its score of `target`.
+/// adjustments in the step buffer (first room; own entries and shared
+/// ids); or a prompt's row wanted for its score of `target`.
 #[derive(Clone, Copy, Debug)]
 struct Picked {
     token: u32,
     pick: Pick,
     adjust_at: u32,
-    adjusts: u32,
+    adjusts: (u32, u32),
     logprobs: Option<u8>,
     target: Option<u32>,
 }
@@ -289,9 +409,9 @@ pub(super) struct Packer<'a> {
     /// Rows wanted for their token alone, gathered after every full row
     /// ([`Packer::picked_rows`]).
     picked: Vec<Picked>,
-    /// Adjustments packed so far.
+    /// Adjustments' rooms packed so far.
     adjusts: u32,
-    /// The most adjustments one row may take: the room over `split_seqs`.
+    /// The most rooms one row's adjustments may take: the room over `split_seqs`.
     adjust_share: u64,
 }
 
@@ -354,8 +474,8 @@ impl<'a> Packer<'a> {
     /// rows are given: the scored ones always on the device; the last
     /// picked there (with its log probabilities where `logprobs` asks) but
     /// where its adjustments are more than its share of the step buffer's
-    /// room, or not in ascending order of distinct ids (the row is then a
-    /// full one).
+    /// room ([`AdjustPlan::rooms`]), or not in ascending order of distinct
+    /// ids (the row is then a full one).
     pub(super) fn logits(
         &mut self,
         rows: usize,
@@ -370,16 +490,17 @@ impl<'a> Packer<'a> {
         // them at once, each its own logit (a list in any other order is
         // the host's to apply, one entry after another).
         let room = self.layout.adjusts_max - u64::from(self.adjusts);
+        let plan = AdjustPlan::of(adjust);
         let picked = pick.is_token()
             && rows > scored as usize
-            && adjust.len() as u64 <= self.adjust_share.min(room)
+            && plan.rooms() <= self.adjust_share.min(room)
             && adjust.windows(2).all(|w| w[0].id < w[1].id);
         for (i, &target) in scores.targets[..scored as usize].iter().enumerate() {
             self.picked.push(Picked {
                 token: first + i as u32,
                 pick: Pick::Argmax,
                 adjust_at: 0,
-                adjusts: 0,
+                adjusts: (0, 0),
                 logprobs: Some(scores.top),
                 target: Some(target),
             });
@@ -389,17 +510,15 @@ impl<'a> Packer<'a> {
         }
         if picked {
             let adjust_at = self.adjusts;
-            for words in adjust.iter().filter_map(Adjust::words) {
-                let at = self.layout.adjusts + (ADJUST_WORDS as u64) * u64::from(self.adjusts);
-                let at = at as usize;
-                self.words[at..at + ADJUST_WORDS].copy_from_slice(&words);
-                self.adjusts += 1;
-            }
+            let at = (self.layout.adjusts + ADJUST_WORDS as u64 * u64::from(adjust_at)) as usize;
+            let words = ADJUST_WORDS * plan.rooms() as usize;
+            plan.write(adjust, &mut self.words[at..at + words]);
+            self.adjusts += plan.rooms() as u32;
             self.picked.push(Picked {
                 token: self.counts.tokens - 1,
                 pick,
                 adjust_at,
-                adjusts: self.adjusts - adjust_at,
+                adjusts: plan.counts(),
                 logprobs,
                 target: None,
             });
@@ -415,7 +534,7 @@ impl<'a> Packer<'a> {
                 Pick::Draw(draw) => Some(draw),
                 _ => None,
             };
-            if draw.is_some() || p.adjusts > 0 || p.logprobs.is_some() {
+            if draw.is_some() || p.adjusts != (0, 0) || p.logprobs.is_some() {
                 let at = self.layout.draws + (DRAW_WORDS as u64) * u64::from(self.counts.wanted);
                 let at = at as usize;
                 let words = draw_words(draw, p.adjust_at, p.adjusts, p.logprobs, p.target);
@@ -686,7 +805,16 @@ mod tests {
             ..Adjust::none(3)
         };
         let past = Adjust::none(1 << 31);
-        let many: Vec<Adjust> = (0..17).map(Adjust::none).collect();
+        // Each its own adjustment: a room each.
+        let distinct = |n: u32| -> Vec<Adjust> {
+            (0..n)
+                .map(|id| Adjust {
+                    bias: id as f32 + 1.0,
+                    ..Adjust::none(id)
+                })
+                .collect()
+        };
+        let many = distinct(17);
         // Sequence 0: greedy, adjusted (an id past any vocabulary is left
         // out); 1: drawn, adjusted; 2: a full row; 3: drawn, its 17
         // adjustments past its share of the room (64 over 4 sequences),
@@ -719,8 +847,8 @@ mod tests {
                 .map(|i| word(l.draws, r * DRAW_WORDS + i))
                 .collect()
         };
-        assert_eq!(row(2), draw_words(None, 0, 2, None, None));
-        assert_eq!(row(3), draw_words(Some(&draw), 2, 1, None, None));
+        assert_eq!(row(2), draw_words(None, 0, (2, 0), None, None));
+        assert_eq!(row(3), draw_words(Some(&draw), 2, (1, 0), None, None));
         assert_eq!(f32::from_bits(row(3)[0]), 2.0);
         let entries: Vec<u32> = (0..3 * ADJUST_WORDS).map(|i| word(l.adjusts, i)).collect();
         let expected: Vec<u32> = [biased, banned, banned]
@@ -765,21 +893,125 @@ mod tests {
         let at = draw_at(2);
         assert_eq!(
             words[at..at + DRAW_WORDS],
-            draw_words(None, 0, 1, Some(3), None)
+            draw_words(None, 0, (1, 0), Some(3), None)
         );
         let at = draw_at(3);
         assert_eq!(
             words[at..at + DRAW_WORDS],
-            draw_words(None, 1, 0, Some(3), None)
+            draw_words(None, 1, (0, 0), Some(3), None)
         );
         assert_eq!(words[at + 8], 4);
         // A step of one sequence: all the room is its share.
         let mut words = vec![0u32; layout.words as usize];
         let mut packer = Packer::new(&mut words, layout, 1);
         packer.token(0, 5, 0);
-        let all: Vec<Adjust> = (0..64).map(Adjust::none).collect();
-        assert!(on_device(&mut packer, 1, Pick::Draw(draw), &all, None));
+        assert!(on_device(
+            &mut packer,
+            1,
+            Pick::Draw(draw),
+            &distinct(64),
+            None
+        ));
         assert_eq!(packer.adjusts, 64);
+    }
+
+    #[test]
+    fn ids_sharing_an_adjustment_take_a_word_each_after_the_others_entries() {
+        let layout = sparse_layout();
+        let repeated = |id| Adjust {
+            repetition: 1.3,
+            ..Adjust::none(id)
+        };
+        let biased = Adjust {
+            bias: -2.0,
+            ..Adjust::none(7)
+        };
+        let banned = Adjust {
+            ban: true,
+            ..Adjust::none(51)
+        };
+        // 40 ids under one repetition penalty, a bias and a ban among them
+        // (and an id past any vocabulary, left out): 2 rooms of their own,
+        // 1 for the shared adjustment, 10 of ids. 42 entries in 13 of the
+        // 16 rooms of a share (64 over 4 sequences).
+        let list = |shared: u32| -> Vec<Adjust> {
+            let mut list: Vec<Adjust> = (0..shared).map(|i| repeated(2 * i)).collect();
+            list.extend([biased, banned, Adjust::none(1 << 31)]);
+            list.sort_by_key(|a| a.id);
+            list
+        };
+        let fits = list(40);
+        let plan = AdjustPlan::of(&fits);
+        assert_eq!((plan.counts(), plan.rooms()), ((2, 40), 13));
+        let mut words = vec![0u32; layout.words as usize];
+        let mut packer = Packer::new(&mut words, layout, 4);
+        packer.token(0, 5, 0);
+        assert!(on_device(&mut packer, 1, Pick::Argmax, &fits, None));
+        // 61 ids: 19 rooms, past the share: a full row.
+        packer.token(1, 5, 1);
+        assert!(!on_device(&mut packer, 1, Pick::Argmax, &list(61), None));
+        assert_eq!(packer.adjusts, 13);
+        packer.picked_rows();
+        let at = (layout.draws + DRAW_WORDS as u64) as usize;
+        assert_eq!(
+            words[at..at + DRAW_WORDS],
+            draw_words(None, 0, (2, 40), None, None)
+        );
+        let at = layout.adjusts as usize;
+        let rooms: Vec<u32> = words[at..at + 13 * ADJUST_WORDS].to_vec();
+        let mut want: Vec<u32> = [biased, banned]
+            .iter()
+            .flat_map(|a| a.words().unwrap())
+            .collect();
+        want.extend([0, 1.3f32.to_bits(), 0, 0]);
+        want.extend((0..40).map(|i| 2 * i));
+        assert_eq!(rooms, want);
+        // A shared ban keeps its bit in the shared entry; fewer than three
+        // sharing take their own rooms.
+        let bans: Vec<Adjust> = (0..5)
+            .map(|id| Adjust {
+                ban: true,
+                ..Adjust::none(id)
+            })
+            .collect();
+        let plan = AdjustPlan::of(&bans);
+        assert_eq!((plan.counts(), plan.rooms()), ((0, 5), 3));
+        let mut out = vec![0u32; 3 * ADJUST_WORDS];
+        plan.write(&bans, &mut out);
+        assert_eq!(
+            out,
+            [1 << 31, 1.0f32.to_bits(), 0, 0, 0, 1, 2, 3, 4, 0, 0, 0]
+        );
+        let two = [repeated(1), repeated(2), biased];
+        let plan = AdjustPlan::of(&two);
+        assert_eq!((plan.counts(), plan.rooms()), ((3, 0), 3));
+        // An adjustment of a third of the list, the rest each its own:
+        // found whatever the order (a majority vote would end on a bias).
+        let mixed: Vec<Adjust> = (0..12)
+            .map(|id| match id % 3 {
+                0 => repeated(id),
+                _ => Adjust {
+                    bias: id as f32,
+                    ..Adjust::none(id)
+                },
+            })
+            .collect();
+        assert_eq!(AdjustPlan::of(&mixed).counts(), (8, 4));
+    }
+
+    #[test]
+    fn the_gpu_checks_adjustments_fit_a_rows_share_at_128_sequences() {
+        // Its row "3000 adjustments a row" times what it says: picked on the
+        // device, not the whole row to the host.
+        let share = ADJUSTS_PER_SEQ;
+        for seq in [0, 1, 127] {
+            let list = super::super::check::decode_adjusts(seq, 3000, 49_152);
+            assert_eq!(list.len(), 3000);
+            let plan = AdjustPlan::of(&list);
+            assert_eq!(plan.counts(), (188, 2812));
+            assert_eq!(plan.rooms(), 892);
+            assert!(plan.rooms() <= share);
+        }
     }
 
     #[test]
@@ -839,12 +1071,12 @@ mod tests {
         };
         assert!(draw(0).iter().all(|&w| w == 0), "a full row draws nothing");
         for (r, target) in [(1, 11), (2, 12), (3, 13)] {
-            assert_eq!(draw(r), draw_words(None, 0, 0, Some(2), Some(target)));
+            assert_eq!(draw(r), draw_words(None, 0, (0, 0), Some(2), Some(target)));
         }
         assert!(draw(4).iter().all(|&w| w == 0), "a greedy row: its argmax");
         for (r, target) in [(5, 31), (6, 32)] {
-            assert_eq!(draw(r), draw_words(None, 0, 0, Some(0), Some(target)));
-            assert_eq!(draw(r)[8..], [1, target + 1]);
+            assert_eq!(draw(r), draw_words(None, 0, (0, 0), Some(0), Some(target)));
+            assert_eq!(draw(r)[8..10], [1, target + 1]);
         }
     }
 

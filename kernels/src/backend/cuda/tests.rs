@@ -19,7 +19,9 @@
 use super::device::{Device, DeviceBuffer, Geometry};
 use super::emulator::Emulator;
 use super::launch::*;
-use super::pack::{decode_span, decode_splits_max, draw_words, DRAW_WORDS, SCORE_WORDS};
+use super::pack::{
+    decode_span, decode_splits_max, draw_words, AdjustPlan, DRAW_WORDS, SCORE_WORDS,
+};
 use super::storage::DeviceStorage;
 use super::{attention_rows, CudaBackend, CudaOptions, Fusions, SPLIT_POSITIONS};
 use crate::backend::adjust::ADJUST_WORDS;
@@ -617,12 +619,15 @@ fn device_picks(
         .collect();
     let (mut words, mut entries) = (Vec::new(), Vec::new());
     for (i, (_, draw, adjust, logprobs)) in rows.iter().enumerate() {
-        let at = (entries.len() / ADJUST_WORDS) as u32;
-        entries.extend(adjust.iter().flat_map(|a| a.words().unwrap()));
+        // As the packer lays them out: ids sharing an adjustment a word each.
+        let at = entries.len();
+        let plan = AdjustPlan::of(adjust);
+        entries.resize(at + ADJUST_WORDS * plan.rooms() as usize, 0);
+        plan.write(adjust, &mut entries[at..]);
         words.extend(draw_words(
             draw.as_ref(),
-            at,
-            adjust.len() as u32,
+            (at / ADJUST_WORDS) as u32,
+            plan.counts(),
             *logprobs,
             targets.get(i).copied().flatten(),
         ));
@@ -635,7 +640,7 @@ fn device_picks(
     let out = DeviceBuffer::zeroed(device, 4 * rows.len() as u64).unwrap();
     let scores = DeviceBuffer::zeroed(device, (4 * SCORE_WORDS * rows.len()) as u64).unwrap();
     // What an earlier step left there: never read for this one.
-    let stale = vec![1.0e30f32; entries.len() / ADJUST_WORDS + 1];
+    let stale = vec![1.0e30f32; entries.len() + ADJUST_WORDS];
     let originals = DeviceBuffer::from_bytes(device, &to_bytes(&stale)).unwrap();
     let args = PickArgs {
         logits: logits.at(0),
@@ -885,6 +890,30 @@ fn adjusted_rows_on(device: &Arc<dyn Device>) {
         // No adjustment: the row as it was.
         rows.push((random_row(&mut rng), draw(&mut rng), Vec::new(), None));
     }
+    // Own entries before shared ids, a shared id forced (+100): its log
+    // probability is of its logit before, kept after the own entries'.
+    for draw in [greedy, drawn(&mut rng)] {
+        let mut list: Vec<Adjust> = (0..6)
+            .map(|id| Adjust {
+                bias: 0.1 * id as f32 + 0.1,
+                ..Adjust::none(id)
+            })
+            .collect();
+        list.extend([10, 20, 30].map(|id| Adjust {
+            bias: 100.0,
+            ..Adjust::none(id)
+        }));
+        rows.push((random_row(&mut rng), draw, list, None));
+    }
+    // Laid out as the packer lays them: the repetition's 400 ids a word
+    // each after its one entry; the mixed lists' most common adjustment so
+    // too, the rest each its own entry; two biases their own.
+    let counts = |row: usize| AdjustPlan::of(&rows[row].2).counts();
+    assert_eq!(counts(0), (0, 400));
+    assert!(counts(1).0 > 0 && counts(1).1 >= 20, "{:?}", counts(1));
+    assert!(counts(2).0 > 800 && counts(2).1 >= 100, "{:?}", counts(2));
+    assert_eq!((counts(4), counts(5)), ((2, 0), (0, vocab as u32)));
+    assert_eq!(counts(14), (6, 3));
     let (picks, after, _) = device_picks(device, vocab, &rows, &[]);
     let mut candidates = Vec::new();
     let mut moved = 0;
@@ -937,6 +966,11 @@ fn adjusted_rows_on(device: &Arc<dyn Device>) {
     }
     let forced = scored[4].as_ref().unwrap();
     assert!(forced.logprob < -1.0, "17's own: {forced:?}");
+    for row in [14, 15] {
+        assert!([10, 20, 30].contains(&picks[row]), "{}", picks[row]);
+        let shared = scored[row].as_ref().unwrap();
+        assert!(shared.logprob < -1.0, "its own: {shared:?}");
+    }
 }
 
 #[test]
