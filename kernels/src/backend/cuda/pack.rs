@@ -54,52 +54,84 @@ const ADJUSTS_PER_SEQ: u64 = 1024;
 pub(super) struct AdjustPlan {
     /// The entries with an id a vocabulary can reach ([`Adjust::words`]).
     entries: u32,
-    /// The shared adjustment's words with no id, and the entries sharing it.
-    shared: Option<([u32; ADJUST_WORDS], u32)>,
+    /// The shared adjustment ([`adjustment_key`]), and the entries sharing it.
+    shared: Option<(u128, u32)>,
 }
 
 /// Counters of [`AdjustPlan::of`]'s vote.
 const VOTE_SLOTS: usize = 4;
+/// Entries of a list [`AdjustPlan::of`]'s vote reads at most.
+const VOTE_SAMPLE: usize = 64;
 
 /// The fewest entries that share one room: three ids in a room and the
 /// adjustment's are two rooms where their own entries were three.
 const SHARED_MIN: u32 = 3;
 
-/// An entry's adjustment: its words ([`Adjust::words`]) with no id, the
-/// ban's bit kept.
-fn adjustment_key(words: [u32; ADJUST_WORDS]) -> [u32; ADJUST_WORDS] {
-    [words[0] & 1 << 31, words[1], words[2], words[3]]
+/// An entry's adjustment as one value, its ban's bit and its repetition's,
+/// penalty's and bias's bits; `None` for an id no vocabulary reaches
+/// ([`Adjust::words`]: left out).
+fn adjustment_key(a: &Adjust) -> Option<u128> {
+    (a.id < 1 << 31).then(|| {
+        u128::from(a.ban) << 96
+            | u128::from(a.repetition.to_bits()) << 64
+            | u128::from(a.penalty.to_bits()) << 32
+            | u128::from(a.bias.to_bits())
+    })
+}
+
+/// The words of the entry an adjustment's ids share: its ban in the id's
+/// top bit, no id.
+fn shared_entry(key: u128) -> [u32; ADJUST_WORDS] {
+    [
+        ((key >> 96) as u32) << 31,
+        (key >> 64) as u32,
+        (key >> 32) as u32,
+        key as u32,
+    ]
 }
 
 impl AdjustPlan {
     /// The layout of `list` (distinct ascending ids): the adjustment most of
-    /// them share, found among the candidates of one pass of Misra and
-    /// Gries' frequent-items count with [`VOTE_SLOTS`] counters (any
-    /// adjustment of more than a fifth of the list is among them), each
-    /// then counted exactly. No allocation, a few comparisons an entry:
-    /// every sampled row's list, every step.
+    /// them share, found among the candidates of Misra and Gries'
+    /// frequent-items count with [`VOTE_SLOTS`] counters over
+    /// [`VOTE_SAMPLE`] entries evenly apart (any adjustment of more than a
+    /// fifth of them is among its candidates), each then counted exactly
+    /// over the list. No allocation, a few comparisons an entry: every
+    /// sampled row's list, every step.
     pub(super) fn of(list: &[Adjust]) -> AdjustPlan {
-        let keys = || list.iter().filter_map(Adjust::words).map(adjustment_key);
-        let mut slots = [([0u32; ADJUST_WORDS], 0u32); VOTE_SLOTS];
-        for key in keys() {
-            if let Some(slot) = slots.iter_mut().find(|s| s.1 > 0 && s.0 == key) {
-                slot.1 += 1;
-            } else if let Some(slot) = slots.iter_mut().find(|s| s.1 == 0) {
-                *slot = (key, 1);
-            } else {
-                slots.iter_mut().for_each(|s| s.1 -= 1);
+        let keys = || list.iter().filter_map(adjustment_key);
+        let apart = list.len().div_ceil(VOTE_SAMPLE).max(1);
+        let sample = list.iter().step_by(apart).filter_map(adjustment_key);
+        let (mut slots, mut leads) = ([0u128; VOTE_SLOTS], [0u32; VOTE_SLOTS]);
+        'entries: for key in sample {
+            for i in 0..VOTE_SLOTS {
+                if leads[i] > 0 && slots[i] == key {
+                    leads[i] += 1;
+                    continue 'entries;
+                }
             }
+            for i in 0..VOTE_SLOTS {
+                if leads[i] == 0 {
+                    (slots[i], leads[i]) = (key, 1);
+                    continue 'entries;
+                }
+            }
+            leads.iter_mut().for_each(|lead| *lead -= 1);
         }
-        let mut counts = [0u32; VOTE_SLOTS];
-        let mut entries = 0;
+        // The candidates, the likeliest first (most lists are most of one).
+        let mut order: [usize; VOTE_SLOTS] = std::array::from_fn(|i| i);
+        order.sort_by_key(|&i| std::cmp::Reverse(leads[i]));
+        let candidates = order.iter().take_while(|&&i| leads[i] > 0).count();
+        let slots = order.map(|i| slots[i]);
+        let (mut counts, mut entries) = ([0u32; VOTE_SLOTS], 0);
         for key in keys() {
             entries += 1;
-            if let Some(i) = slots.iter().position(|s| s.1 > 0 && s.0 == key) {
+            if let Some(i) = slots[..candidates].iter().position(|&s| s == key) {
                 counts[i] += 1;
             }
         }
         let (best, sharing) = (0..VOTE_SLOTS)
-            .map(|i| (slots[i].0, counts[i]))
+            .map(|i| (slots[i], counts[i]))
             .max_by_key(|&(_, n)| n)
             .expect("VOTE_SLOTS > 0");
         AdjustPlan {
@@ -129,20 +161,22 @@ impl AdjustPlan {
         assert_eq!(out.len() as u64, self.rooms() * ADJUST_WORDS as u64);
         let (own, _) = self.counts();
         let ids_at = ADJUST_WORDS * (own as usize + 1);
-        if let Some((key, _)) = self.shared {
-            out[ADJUST_WORDS * own as usize..ids_at].copy_from_slice(&key);
+        let shared = self.shared.map(|(key, _)| key);
+        if let Some(key) = shared {
+            out[ADJUST_WORDS * own as usize..ids_at].copy_from_slice(&shared_entry(key));
         }
         let (mut next_own, mut next_id) = (0, ids_at);
-        for words in list.iter().filter_map(Adjust::words) {
-            match self.shared {
-                Some((key, _)) if adjustment_key(words) == key => {
-                    out[next_id] = words[0] & !(1 << 31);
-                    next_id += 1;
-                }
-                _ => {
-                    out[next_own..next_own + ADJUST_WORDS].copy_from_slice(&words);
-                    next_own += ADJUST_WORDS;
-                }
+        for a in list {
+            let Some(key) = adjustment_key(a) else {
+                continue;
+            };
+            if Some(key) == shared {
+                out[next_id] = a.id;
+                next_id += 1;
+            } else {
+                let words = a.words().expect("an id below 2^31");
+                out[next_own..next_own + ADJUST_WORDS].copy_from_slice(&words);
+                next_own += ADJUST_WORDS;
             }
         }
     }
@@ -986,10 +1020,11 @@ mod tests {
         let plan = AdjustPlan::of(&two);
         assert_eq!((plan.counts(), plan.rooms()), ((3, 0), 3));
         // An adjustment of a third of the list, the rest each its own:
-        // found whatever the order (a majority vote would end on a bias).
+        // found whatever the order (a majority vote would end on a bias),
+        // every entry of a short list read (two evenly apart would miss it).
         let mixed: Vec<Adjust> = (0..12)
             .map(|id| match id % 3 {
-                0 => repeated(id),
+                1 => repeated(id),
                 _ => Adjust {
                     bias: id as f32,
                     ..Adjust::none(id)
