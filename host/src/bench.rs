@@ -704,6 +704,41 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
             per_step[0] / per_step[1]
         );
     }
+    // What a step of 128 sequences asking a GPU for their tokens spends
+    // on their adjustment lists, each a 3,000-token prompt's under a
+    // repetition and a frequency penalty: kept token by token, and made
+    // whole every step (as before 2026-12-07).
+    let prompt: Vec<u32> = (0..3000u32).map(|i| i * 16 % vocab as u32).collect();
+    let penalized = SamplingParams {
+        repetition_penalty: 1.1,
+        frequency_penalty: 0.2,
+        ..sampled(1.0)
+    };
+    let mut per_step = Vec::new();
+    for whole in [false, true] {
+        let mut samplers: Vec<Sampler> = (0..128)
+            .map(|_| Sampler::for_request(penalized.clone(), &tokenizer, &prompt))
+            .collect();
+        let steps = args.samples.clamp(1, 100);
+        let started = Instant::now();
+        for step in 0..steps {
+            for (seq, sampler) in samplers.iter_mut().enumerate() {
+                if whole {
+                    sampler.forget_adjustments();
+                }
+                std::hint::black_box(sampler.pick());
+                std::hint::black_box(sampler.adjustments().len());
+                sampler.take_pick(((step * 7919 + seq * 104_729) % vocab) as u32);
+            }
+        }
+        per_step.push(started.elapsed().as_secs_f64() / steps as f64 * 1e3);
+    }
+    println!(
+        "128 picks' adjustments of a 3,000-token prompt {:>6.2} ms a step kept token by token, {:>6.2} ms made whole ({:.1}x)",
+        per_step[0],
+        per_step[1],
+        per_step[1] / per_step[0]
+    );
     Ok(())
 }
 
