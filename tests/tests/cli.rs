@@ -133,6 +133,7 @@ fn bench_sampling_measures_every_option_on_the_real_model() {
     }
     // One row per option, the hostile ones included, each with a mean and
     // a worst time that are numbers, the worst no less than the mean.
+    let (rest, adjustments) = rest.split_at(rest.len().saturating_sub(1));
     let (options, batches) = rest.split_at(rest.len().saturating_sub(3));
     let rows: Vec<(f64, f64)> = options
         .iter()
@@ -172,6 +173,17 @@ fn bench_sampling_measures_every_option_on_the_real_model() {
         );
         assert!(ms.len() == 2 && ms.iter().all(|&t| t > 0.0), "{line}");
     }
+    // Then 128 sequences' adjustment lists a step, kept and made whole.
+    let line = adjustments.first().expect("the adjustments' line");
+    assert!(
+        line.starts_with("128 picks' adjustments of a 3,000-token prompt"),
+        "{line}"
+    );
+    let ms: Vec<f64> = line
+        .split(" ms ")
+        .filter_map(|part| part.split_whitespace().last()?.parse().ok())
+        .collect();
+    assert!(ms.len() == 2 && ms.iter().all(|&t| t > 0.0), "{line}");
     let out = run(bulkhead()
         .args(["bench", "sampling", "--samples", "0", "--model"])
         .arg(&model));
