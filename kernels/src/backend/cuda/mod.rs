@@ -311,6 +311,7 @@ pub struct CudaBackend {
     /// where the device has them ([`CudaBackend::set_tensor_cores`]) and
     /// the start-up probe found them agreeing with the warps.
     tensor_cores: bool,
+    /// What the start-up probe found of them (`tensor_cores.rs`).
     tensor_cores_probe: TensorCoresProbe,
     /// Queries of a prefill chunk's attention item, a block each
     /// ([`CudaBackend::set_prefill_item_queries`]).
