@@ -8,7 +8,10 @@ writes, once per backend named (default: auto, then cpu), each from a fresh
 store on loopback ports, and checks, as rows of the check's table:
 
 - the server starts, and with `auto` on a machine with a GPU says in its log
-  that it chose cuda and in the admin listener's /readyz which GPU;
+  that it chose cuda and in the admin listener's /readyz which GPU, with
+  graphs and tensor cores on (the tensor cores' start-up probe agreed);
+  `eager` is `--backend cuda` with both turned off (`[engine.cuda]`), which
+  /readyz says;
 - a greedy completion and a streamed chat completion come back whole
   (status 200, the tokens asked for, a finish reason), with their time, a
   greedy completion under penalties, biases and min_tokens (adjusted on the
@@ -21,8 +24,10 @@ store on loopback ports, and checks, as rows of the check's table:
   difference is shown, not failed: a near tie may part them, and the
   kernels' agreement rows are the numeric check).
 
-Without a GPU, `auto` serves on the CPU and its first row fails, saying so;
-`cpu` alone runs the flow anywhere (`scripts/gpu_server_check.py cpu`).
+Each backend after the first has its texts compared with the first's.
+Without a GPU, `auto` serves on the CPU and its first row fails, saying so,
+and `eager` does not start; `cpu` alone runs the flow anywhere
+(`scripts/gpu_server_check.py cpu`).
 Standard library only: the GPU machine has no package registry.
 """
 
@@ -65,8 +70,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def policy(folder, backend_dir, listen, admin):
-    return f"""
+# `eager`: the server's CUDA switches off (each kernel launched on its own,
+# products a warp a row).
+EAGER = """
+[engine.cuda]
+graphs = false
+tensor_cores = false
+"""
+
+
+def policy(folder, backend_dir, listen, admin, eager):
+    return (EAGER if eager else "") + f"""
 [server]
 listen = "127.0.0.1:{listen}"
 admin_listen = "127.0.0.1:{admin}"
@@ -113,11 +127,11 @@ class Server:
         self.port, self.admin = free_port(), free_port()
         config = os.path.join(self.dir, "policy.toml")
         with open(config, "w") as f:
-            f.write(policy(folder, self.dir, self.port, self.admin))
+            f.write(policy(folder, self.dir, self.port, self.admin, backend == "eager"))
         env = dict(os.environ, BULKHEAD_KEY_ALPHA=KEY, BULKHEAD_ADMIN_TOKEN=ADMIN)
         self.log = open(os.path.join(self.dir, "stderr.log"), "w+")
         self.process = subprocess.Popen(
-            [BULKHEAD, "serve", "--config", config, "--backend", backend],
+            [BULKHEAD, "serve", "--config", config, "--backend", "cuda" if backend == "eager" else backend],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=self.log,
@@ -165,8 +179,13 @@ def serve(folder, backend):
         started = time.time()
         ready = server.ready()
         log = server.stderr()
+        starts = (
+            "server --backend cuda, graphs and tensor cores off: starts"
+            if backend == "eager"
+            else f"server --backend {backend}: starts"
+        )
         if ready is None:
-            row(f"server --backend {backend}: starts", f"did not become ready: {last_line(log)}", False)
+            row(starts, f"did not become ready: {last_line(log)}", False)
             return None
         placed = ready.get("backends", {}).get(MODEL_ID, "?")
         if backend == "auto":
@@ -175,11 +194,20 @@ def serve(folder, backend):
             row(
                 "server --backend auto: chooses the GPU",
                 f"/readyz backends: {placed!r}; log: {said}",
-                placed.startswith("cuda") and said.startswith("backend auto chose cuda"),
+                placed.startswith("cuda")
+                # "not used" on a device without tensor cores for these products.
+                and re.search(r": graphs on, tensor cores (on|not used)$", placed) is not None
+                and said.startswith("backend auto chose cuda"),
+            )
+        elif backend == "eager":
+            row(
+                starts,
+                f"ready in {time.time() - started:.1f} s; /readyz backends: {placed!r}",
+                placed.startswith("cuda") and placed.endswith(": graphs off, tensor cores off"),
             )
         else:
             row(
-                f"server --backend {backend}: starts",
+                starts,
                 f"ready in {time.time() - started:.1f} s; /readyz backends: {placed!r}",
                 placed.startswith(backend),
             )
@@ -337,7 +365,7 @@ def serve(folder, backend):
 
 
 def main():
-    backends = sys.argv[1:] or ["auto", "cpu"]
+    backends = sys.argv[1:] or ["auto", "cpu", "eager"]
     for path in (BULKHEAD, GPU_CHECK):
         if not os.access(path, os.X_OK):
             print(f"gpu_server_check: {path} is missing: run scripts/gpu-check.sh --build", file=sys.stderr)
@@ -348,8 +376,10 @@ def main():
             row("server: the model file", "gpu-check --write-model failed", False)
             return 1
         texts = {backend: serve(folder, backend) for backend in backends}
-    if len(texts) >= 2 and all(t is not None for t in texts.values()):
-        (a, ta), (b, tb) = list(texts.items())[:2]
+    (a, ta), others = list(texts.items())[0], list(texts.items())[1:]
+    for b, tb in others:
+        if ta is None or tb is None:
+            continue
         for kind, x, y in (("greedy", ta[0], tb[0]), ("adjusted greedy", ta[1], tb[1])):
             where = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
             row(

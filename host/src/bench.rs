@@ -99,6 +99,7 @@ pub fn engine(model: Arc<Model>, tokenizer: Tokenizer, args: &EngineBenchArgs) -
         step_seqs_max: batch_max as u32,
         pool_options: PoolOptions::default(),
         placement: crate::engine::placement::Placement::Cpu,
+        cuda: Default::default(),
     };
     let mut engine = Engine::new(model, tokenizer, spec);
     let layout = engine.pool(1)?.layout().to_owned();
@@ -292,6 +293,7 @@ pub fn sampling(model: Arc<Model>, tokenizer: Tokenizer, args: &SamplingBenchArg
         step_seqs_max: 8,
         pool_options: PoolOptions::default(),
         placement: crate::engine::placement::Placement::Cpu,
+        cuda: Default::default(),
     };
     let mut engine = Engine::new(model, tokenizer, spec);
     // The logits: the benchmark text, then a greedy continuation.

@@ -71,7 +71,11 @@ pub fn run(args: &PluginBenchArgs) -> Result<()> {
     let scheduler = build::scheduler(
         &model,
         &tokenizer,
-        &catalog::engine_spec(&spec, crate::engine::placement::Placement::Cpu),
+        &catalog::engine_spec(
+            &spec,
+            crate::engine::placement::Placement::Cpu,
+            Default::default(),
+        ),
         limits,
     )?;
     let engine = EngineService::start(scheduler)?;

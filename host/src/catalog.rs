@@ -26,7 +26,7 @@ use crate::config::ModelSpec;
 use crate::engine::admission::Admission;
 use crate::engine::build::{self, EngineSpec};
 use crate::engine::chat::ChatTemplate;
-use crate::engine::placement::{self, BackendChoice, Placement, PlacementError};
+use crate::engine::placement::{self, BackendChoice, CudaSwitches, Placement, PlacementError};
 use crate::engine::scheduler::{FinishSink, TenantLimits};
 use crate::engine::service::{EngineHandle, EngineService, RestartPolicy, Supervision};
 use crate::store::records::TenantRecord;
@@ -283,8 +283,8 @@ pub fn tenant_limits(tenant: &TenantRecord, spec: &ModelSpec) -> TenantLimits {
     }
 }
 
-/// The engine of `spec`, computing on `placement`.
-pub fn engine_spec(spec: &ModelSpec, placement: Placement) -> EngineSpec {
+/// The engine of `spec`, computing on `placement` (`cuda`: how, on a GPU).
+pub fn engine_spec(spec: &ModelSpec, placement: Placement, cuda: CudaSwitches) -> EngineSpec {
     EngineSpec {
         pool_pages: spec.pool_pages,
         page_tokens: spec.page_tokens,
@@ -294,40 +294,46 @@ pub fn engine_spec(spec: &ModelSpec, placement: Placement) -> EngineSpec {
         step_seqs_max: spec.step_seqs_max,
         pool_options: PoolOptions::default(),
         placement,
+        cuda,
     }
 }
 
 /// Loads `spec` and starts its engine, with a partition for each of `tenants`
-/// that may use it; every request's end goes to `finishes`. `default` is the
-/// backend of a model that names none.
+/// that may use it; every request's end goes to `finishes`. `config` gives
+/// the backend of a model that names none, and how CUDA models run.
 pub fn load(
     spec: ModelSpec,
     source: Source,
     tenants: &[TenantRecord],
     finishes: Arc<dyn FinishSink>,
     role: crate::transfer::Role,
-    default: BackendChoice,
+    config: &crate::config::EngineConfig,
 ) -> Result<Loaded, LoadError> {
     regular_file(&spec)?;
-    let (placement, why) = placement_of(&spec, default)?;
+    let (placement, why) = placement_of(&spec, config.backend)?;
     tracing::info!(model = %spec.id, backend = %placement, "{why}");
     let model = Arc::new(Model::open(&spec.path).map_err(|e| file_error(&spec, e))?);
     let tokenizer = Arc::new(Tokenizer::from_gguf(&model.gguf).map_err(|e| file_error(&spec, e))?);
     let file_context_tokens = model.config.context_len as u64;
     Capacity::of_model(&spec, file_context_tokens, &quotas_for(&spec, tenants)).check()?;
     let memory = memory_of(&spec, &model.gguf, &model.config, &placement)?;
-    let backend = placement.to_string();
     let limits = tenants
         .iter()
         .filter(|t| t.models.allows(&spec.id))
         .map(|t| tenant_limits(t, &spec))
         .collect();
-    let engine = engine_spec(&spec, placement);
+    let engine = engine_spec(&spec, placement, config.cuda);
     let mut scheduler =
         build::scheduler(&model, &tokenizer, &engine, limits).map_err(|e| LoadError::Engine {
             id: spec.id.clone(),
             message: e.to_string(),
         })?;
+    // What the backend chose at start-up (the tensor cores' probe) is the
+    // operator's to see in /readyz.
+    let backend = match scheduler.backend().modes() {
+        Some(modes) => format!("{}: {modes}", engine.placement),
+        None => engine.placement.to_string(),
+    };
     scheduler.set_finish_sink(finishes);
     let admission = scheduler.admission(spec.context_tokens);
     let (transfer, remote) = transfer_of(&spec, &model, &scheduler, role);

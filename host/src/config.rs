@@ -473,6 +473,8 @@ pub struct EngineConfig {
     /// default: CUDA where a driver, a device and NVRTC are present), `cpu`
     /// or `cuda`. `--backend` overrides it.
     pub backend: crate::engine::placement::BackendChoice,
+    /// How CUDA models run (`[engine.cuda]`: `graphs`, `tensor_cores`).
+    pub cuda: crate::engine::placement::CudaSwitches,
 }
 
 /// A byte count: an integer, or a string of a number and a unit (`B`, `KiB`,
@@ -1029,6 +1031,45 @@ models = ["m"]
         assert!(config.tenants["alpha"].models.allows("m-q8"));
         assert!(config.tenants["beta"].models.allows("m"));
         assert!(!config.tenants["beta"].models.allows("m-q8"));
+    }
+
+    #[test]
+    fn the_cuda_switches_are_on_unless_the_policy_turns_one_off() {
+        use crate::engine::placement::CudaSwitches;
+        let on = CudaSwitches {
+            graphs: true,
+            tensor_cores: true,
+        };
+        assert_eq!(Config::parse(BASE).unwrap().engine.cuda, on);
+        let with = |table: &str| {
+            Config::parse(&BASE.replace(
+                "memory_max = \"2 GiB\"\n",
+                &format!("memory_max = \"2 GiB\"\n\n[engine.cuda]\n{table}\n"),
+            ))
+        };
+        let eager = with("graphs = false").unwrap().engine.cuda;
+        assert_eq!(
+            eager,
+            CudaSwitches {
+                graphs: false,
+                ..on
+            }
+        );
+        let warps = with("tensor_cores = false").unwrap().engine.cuda;
+        assert_eq!(
+            warps,
+            CudaSwitches {
+                tensor_cores: false,
+                ..on
+            }
+        );
+        for (bad, needle) in [
+            ("enforce_eager = true", "enforce_eager"),
+            ("graphs = 0", "graphs"),
+        ] {
+            let err = with(bad).expect_err(bad).to_string();
+            assert!(err.contains(needle), "{bad}: {err}");
+        }
     }
 
     #[test]

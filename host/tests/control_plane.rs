@@ -148,7 +148,10 @@ fn start(dir: &Path) -> Plane {
             &tenants,
             Arc::clone(&sink),
             bulkhead::transfer::Role::Both,
-            bulkhead::engine::placement::BackendChoice::Cpu,
+            &bulkhead::config::EngineConfig {
+                backend: bulkhead::engine::placement::BackendChoice::Cpu,
+                ..Default::default()
+            },
         )
         .unwrap();
         catalog.insert(loaded);

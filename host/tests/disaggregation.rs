@@ -59,6 +59,7 @@ fn spec() -> EngineSpec {
             paranoid: true,
         },
         placement: bulkhead::engine::placement::Placement::Cpu,
+        cuda: Default::default(),
     }
 }
 

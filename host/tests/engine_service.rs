@@ -38,6 +38,7 @@ fn engine_spec(threads: usize) -> EngineSpec {
         step_seqs_max: 4,
         pool_options: PoolOptions::default(),
         placement: bulkhead::engine::placement::Placement::Cpu,
+        cuda: Default::default(),
     }
 }
 

@@ -68,6 +68,7 @@ fn sim(tenants: &[Tenant], pool_pages: u32, limits: BatchLimits) -> Sim {
             paranoid: true,
         },
         placement: bulkhead::engine::placement::Placement::Cpu,
+        cuda: Default::default(),
     };
     let tenant_limits = tenants
         .iter()
@@ -1674,6 +1675,7 @@ fn rows_given_as_their_tokens_say_what_full_rows_say() {
                 paranoid: true,
             },
             placement: bulkhead::engine::placement::Placement::Cpu,
+            cuda: Default::default(),
         };
         let backend = Picking {
             inner: build::backend(&model, &spec),

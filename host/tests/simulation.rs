@@ -265,6 +265,7 @@ fn spec() -> EngineSpec {
             paranoid: true,
         },
         placement: bulkhead::engine::placement::Placement::Cpu,
+        cuda: Default::default(),
     }
 }
 

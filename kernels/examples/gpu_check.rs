@@ -429,6 +429,7 @@ fn probe_row(device: &Arc<dyn Device>, models: &[(&str, Arc<Model>)]) -> (String
         step_tokens_max: 64,
         step_seqs_max: 1,
         graphs: false,
+        tensor_cores: true,
     };
     let mut pass = true;
     let mut cells = Vec::new();
@@ -439,7 +440,8 @@ fn probe_row(device: &Arc<dyn Device>, models: &[(&str, Arc<Model>)]) -> (String
                 pass &= match probe {
                     TensorCoresProbe::Agreed { .. } => true,
                     TensorCoresProbe::Unused => !device.tensor_cores(),
-                    TensorCoresProbe::Refused { .. } => false,
+                    // Not asked for here: the options turn them on.
+                    TensorCoresProbe::Refused { .. } | TensorCoresProbe::Off => false,
                 };
                 match probe {
                     TensorCoresProbe::Agreed { types, worst } => {

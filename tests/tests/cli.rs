@@ -340,7 +340,8 @@ fn check_names_each_models_backend_and_refuses_cuda_without_a_gpu() {
 
 /// The server's part of the GPU check (`scripts/gpu_server_check.py`), run
 /// here on the CPU with this build's binaries: its flow works end to end, and
-/// without a GPU its `auto` row fails, naming the missing driver.
+/// without a GPU its `auto` row fails, naming the missing driver, as its
+/// `eager` server's start does.
 #[test]
 fn the_gpu_checks_server_part_serves_and_says_when_auto_chose_no_gpu() {
     let Some(_model) = smollm2() else { return };
@@ -394,6 +395,19 @@ fn the_gpu_checks_server_part_serves_and_says_when_auto_chose_no_gpu() {
         .unwrap_or_else(|| panic!("{table}"));
     assert!(
         row.ends_with("| FAIL |") && row.contains("backend auto chose cpu: no NVIDIA driver"),
+        "{row}"
+    );
+    // `eager` (--backend cuda with `[engine.cuda]` turning graphs and
+    // tensor cores off) parses, and refuses to start without a GPU.
+    let out = check(&["eager"]);
+    let table = stdout(&out);
+    assert!(!out.status.success(), "{table}");
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("| server --backend cuda, graphs and tensor cores off: starts |"))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(
+        row.ends_with("| FAIL |") && row.contains("backend cuda: no NVIDIA driver"),
         "{row}"
     );
 }

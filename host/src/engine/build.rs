@@ -4,7 +4,7 @@
 //! (every served model), `bulkhead generate`, the benchmarks and the tests
 //! all build through here, so they run the same stack.
 
-use super::placement::{Gpu, Placement};
+use super::placement::{CudaSwitches, Gpu, Placement};
 use super::scheduler::{BatchLimits, Scheduler, TenantChangeError, TenantLimits};
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::backend::cuda::{
@@ -38,6 +38,8 @@ pub struct EngineSpec {
     pub pool_options: PoolOptions,
     /// Where it computes.
     pub placement: Placement,
+    /// How, where that is a GPU.
+    pub cuda: CudaSwitches,
 }
 
 /// Why an engine could not be built.
@@ -98,7 +100,8 @@ fn cuda_parts(
     let options = CudaOptions {
         step_tokens_max: spec.step_tokens_max as usize,
         step_seqs_max: spec.step_seqs_max as usize,
-        graphs: true,
+        graphs: spec.cuda.graphs,
+        tensor_cores: spec.cuda.tensor_cores,
     };
     let backend = CudaBackend::new(Arc::clone(model), device, options).map_err(|e| cuda(&e))?;
     // Wrong products of large steps would fail nothing: say it loudly.
@@ -107,6 +110,9 @@ fn cuda_parts(
             tracing::warn!(gpu = %gpu.name, "tensor cores {probe}")
         }
         probe => tracing::info!(gpu = %gpu.name, "tensor cores: {probe}"),
+    }
+    if !spec.cuda.graphs {
+        tracing::info!(gpu = %gpu.name, "cuda graphs: off, as configured");
     }
     Ok((Box::new(backend), pool))
 }

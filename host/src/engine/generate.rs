@@ -86,6 +86,7 @@ pub fn generate(
         step_seqs_max: 1,
         pool_options: PoolOptions::default(),
         placement: crate::engine::placement::Placement::Cpu,
+        cuda: Default::default(),
     };
     let tenants = vec![TenantLimits {
         id: tenant,

@@ -59,6 +59,32 @@ impl BackendChoice {
     }
 }
 
+/// How CUDA models run, for the whole server (`[engine.cuda]`): both on by
+/// default. Each is a way to take a suspected fault out of the path without
+/// a rebuild, at the cost of speed (what each costs is the GPU check's
+/// with/without rows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CudaSwitches {
+    /// Decode steps run as captured CUDA graphs; off, each kernel is
+    /// launched on its own every step (vLLM's `--enforce-eager`).
+    pub graphs: bool,
+    /// Steps of more than 8 tokens (prefill chunks, large batches) multiply
+    /// by the quantized weights on the tensor cores, where the device has
+    /// them and the start-up probe finds them agreeing with the warps'
+    /// products; off, those products run a warp a row and nothing is probed.
+    pub tensor_cores: bool,
+}
+
+impl Default for CudaSwitches {
+    fn default() -> CudaSwitches {
+        CudaSwitches {
+            graphs: true,
+            tensor_cores: true,
+        }
+    }
+}
+
 /// Where a model computes, once resolved.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Placement {

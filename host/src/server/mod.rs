@@ -241,7 +241,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
             &tenants,
             sink,
             config.server.role,
-            config.engine.backend,
+            &config.engine,
         ) {
             Ok(loaded) => loaded,
             Err(error) => {

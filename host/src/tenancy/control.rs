@@ -1081,9 +1081,9 @@ impl Control {
             .memory(&self.config.engine, Some(inspected.memory))
             .check()?;
         let (to_load, finishes) = (spec.clone(), Arc::clone(&self.finishes));
-        let role = self.config.server.role;
+        let (role, engine) = (self.config.server.role, self.config.engine.clone());
         run_blocking(move || {
-            catalog::load(to_load, Source::Admin, &tenants, finishes, role, backend)
+            catalog::load(to_load, Source::Admin, &tenants, finishes, role, &engine)
         })
         .await?
         .map_err(|e| match e {

@@ -363,6 +363,13 @@ pub trait Backend: Send {
     fn threads(&self) -> Option<Arc<Threads>> {
         None
     }
+
+    /// How it runs, where its name does not say all an operator may want to
+    /// know (the CUDA backend: "graphs on, tensor cores on"); `None` where
+    /// the name says it all.
+    fn modes(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The size of the largest step a backend's scratch holds.

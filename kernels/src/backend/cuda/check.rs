@@ -342,6 +342,7 @@ pub fn agreement(
             step_tokens_max: tokens_max,
             step_seqs_max: run.prompts.len(),
             graphs: run.graphs,
+            tensor_cores: true,
         },
     )
     .expect("the CUDA backend runs the model");
@@ -648,6 +649,7 @@ fn prefill_run(
             step_tokens_max: chunk,
             step_seqs_max: 1,
             graphs: false,
+            tensor_cores: true,
         },
     )
     .expect("the CUDA backend runs the model");
@@ -838,6 +840,7 @@ fn decode_run(
             step_tokens_max: chunk.max(batch),
             step_seqs_max: seqs_max.max(batch),
             graphs,
+            tensor_cores: true,
         },
     )
     .expect("the CUDA backend runs the model");
@@ -978,6 +981,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         step_tokens_max: 64,
         step_seqs_max: 4,
         graphs: false,
+        tensor_cores: true,
     };
     let mut cuda =
         CudaBackend::new(Arc::clone(model), Arc::clone(device), options).expect("backend");

@@ -95,6 +95,11 @@ pub struct CudaOptions {
     pub step_seqs_max: usize,
     /// Whether decode-only steps run as captured graphs.
     pub graphs: bool,
+    /// Whether large steps' quantized products may run on the tensor cores:
+    /// where the device has them and the start-up probe finds them agreeing
+    /// with the warps' ([`CudaBackend::tensor_cores_probe`]). Off, nothing
+    /// is probed and [`CudaBackend::set_tensor_cores`] cannot turn them on.
+    pub tensor_cores: bool,
 }
 
 impl CudaOptions {
@@ -501,7 +506,7 @@ impl CudaBackend {
         // pageable read goes: not worth refusing the model for.
         let pinned_rows = s.min(PINNED_BYTES_MAX / (4 * vocab)).max(1);
         let pinned = HostFloats::zeroed(&device, (pinned_rows * vocab) as usize).ok();
-        let tensor_cores = device.tensor_cores();
+        let tensor_cores = device.tensor_cores() && options.tensor_cores;
         let mut backend = CudaBackend {
             graphs: HashMap::new(),
             step: None,
@@ -829,11 +834,15 @@ impl CudaBackend {
     /// check times both. Such a step's Q/K/V product then stores Q, K and V
     /// and a `rope_kv` launch turns and stores them (`matmul_mma` has no
     /// `ROPE_KV` mode). Off where the device has no tensor cores for it,
-    /// and where the start-up probe refused them
-    /// ([`CudaBackend::tensor_cores_probe`]).
+    /// where the start-up probe refused them
+    /// ([`CudaBackend::tensor_cores_probe`]), and where the options turned
+    /// them off ([`CudaOptions::tensor_cores`]).
     pub fn set_tensor_cores(&mut self, on: bool) {
-        let refused = matches!(self.tensor_cores_probe, TensorCoresProbe::Refused { .. });
-        let on = on && self.device.tensor_cores() && !refused;
+        let barred = matches!(
+            self.tensor_cores_probe,
+            TensorCoresProbe::Refused { .. } | TensorCoresProbe::Off
+        );
+        let on = on && self.device.tensor_cores() && !barred;
         if self.tensor_cores != on {
             self.tensor_cores = on;
             self.graphs.clear();
@@ -1162,6 +1171,17 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     fn name(&self) -> String {
         "cuda".to_string()
+    }
+
+    fn modes(&self) -> Option<String> {
+        let graphs = if self.options.graphs { "on" } else { "off" };
+        let cores = match self.tensor_cores_probe {
+            TensorCoresProbe::Agreed { .. } if self.tensor_cores => "on",
+            TensorCoresProbe::Agreed { .. } | TensorCoresProbe::Off => "off",
+            TensorCoresProbe::Refused { .. } => "refused by the start-up probe",
+            TensorCoresProbe::Unused => "not used",
+        };
+        Some(format!("graphs {graphs}, tensor cores {cores}"))
     }
 
     fn step_tokens_max(&self) -> usize {

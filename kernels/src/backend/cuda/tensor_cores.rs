@@ -34,6 +34,9 @@ pub enum TensorCoresProbe {
     /// products, no step of this backend is past [`MATMUL_TOKENS`] tokens,
     /// or the model has no quantized weights.
     Unused,
+    /// Turned off by the backend's options ([`super::CudaOptions::tensor_cores`]):
+    /// not probed, and off whatever [`CudaBackend::set_tensor_cores`] asks.
+    Off,
     /// Every quantized weight type's product agreed: on.
     Agreed {
         /// The types, in the order the model first uses them.
@@ -56,6 +59,7 @@ impl fmt::Display for TensorCoresProbe {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             TensorCoresProbe::Unused => write!(f, "not used"),
+            TensorCoresProbe::Off => write!(f, "off, as configured"),
             TensorCoresProbe::Agreed { types, worst } => {
                 let names: Vec<&str> = types.iter().map(|t| t.name()).collect();
                 write!(
@@ -82,6 +86,9 @@ impl CudaBackend {
 
     /// Runs the probe (`new`, once): on a refusal the tensor cores are off.
     pub(super) fn probe_tensor_cores(&mut self) -> Result<TensorCoresProbe, DeviceError> {
+        if !self.options.tensor_cores {
+            return Ok(TensorCoresProbe::Off);
+        }
         let tokens = (self.options.step_tokens_max as u32).min(PROBE_TOKENS);
         if !self.tensor_cores || tokens <= MATMUL_TOKENS {
             return Ok(TensorCoresProbe::Unused);

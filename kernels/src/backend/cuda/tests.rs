@@ -1442,6 +1442,7 @@ fn backend(
         step_tokens_max: tokens,
         step_seqs_max: seqs,
         graphs,
+        tensor_cores: true,
     };
     CudaBackend::new(Arc::clone(model), Arc::clone(device), options).unwrap()
 }
@@ -1677,6 +1678,7 @@ fn the_start_up_probe_keeps_tensor_cores_that_agree_and_refuses_others() {
         other => panic!("{other:?}"),
     }
     assert!(cuda.tensor_cores);
+    assert_eq!(cuda.modes().unwrap(), "graphs on, tensor cores on");
     // Steps of at most 8 tokens never take them: not probed.
     let wrong = WrongTensorCores::new(spec.seed);
     let device: Arc<dyn Device> = wrong.clone();
@@ -1696,7 +1698,27 @@ fn the_start_up_probe_keeps_tensor_cores_that_agree_and_refuses_others() {
     assert_eq!(wrong.mma_launches(), 1);
     cuda.set_tensor_cores(true);
     assert!(!cuda.tensor_cores);
+    assert_eq!(
+        cuda.modes().unwrap(),
+        "graphs on, tensor cores refused by the start-up probe"
+    );
     drop(cuda);
+    // Turned off by the options (the operator's `[engine.cuda]`): not
+    // probed, and off whatever is asked later.
+    let options = CudaOptions {
+        step_tokens_max: 64,
+        step_seqs_max: 4,
+        graphs: false,
+        tensor_cores: false,
+    };
+    let mut off = CudaBackend::new(Arc::clone(&model), Arc::clone(&device), options).unwrap();
+    assert_eq!(off.tensor_cores_probe(), &super::TensorCoresProbe::Off);
+    assert!(!off.tensor_cores);
+    assert_eq!(wrong.mma_launches(), 1);
+    off.set_tensor_cores(true);
+    assert!(!off.tensor_cores);
+    assert_eq!(off.modes().unwrap(), "graphs off, tensor cores off");
+    drop(off);
     // A backend on them then matches the CPU's, prompts of 23 tokens and
     // decode steps of 12 sequences, without launching them again.
     let prompts = [5, 17, 1];
@@ -3022,6 +3044,7 @@ fn a_head_width_the_attention_loads_cannot_take_is_refused_before_the_device() {
         step_tokens_max: 8,
         step_seqs_max: 1,
         graphs: false,
+        tensor_cores: true,
     };
     let made = CudaBackend::new(model, emulator(1), options);
     assert!(
