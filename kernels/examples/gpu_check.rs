@@ -51,7 +51,9 @@
 //! `gpu_check --dry-run` runs every part on the tiny model on the CPU
 //! emulator (built with the `emulator` feature), to check the check itself;
 //! `--only agreement,isolation,profile,speed` runs those parts alone (a rerun of what
-//! failed, on a machine lent for minutes).
+//! failed, on a machine lent for minutes); `--budget SECONDS` lists the rows
+//! not yet begun after that many seconds as not measured (neither passed
+//! nor failed), so that a run ends on time with a whole table.
 //!
 //! A GPU is lent for minutes, so one run must say as much as it can: each row
 //! is printed as soon as it is measured (a run cut short still shows how far
@@ -106,21 +108,56 @@ fn stopped(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// The rows so far: each printed as it comes, and all again by [`Report::table`].
-#[derive(Default)]
 struct Report {
     rows: Vec<Row>,
+    /// When rows stop being measured (`--budget`), so that one loan of a
+    /// machine brings back a whole table and the server's part after it.
+    budget: Option<(Instant, u64)>,
+    /// Rows not measured for it.
+    unmeasured: usize,
 }
 
 impl Report {
+    /// A report whose rows stop being measured `budget_s` seconds after
+    /// `started` (none where `None`).
+    fn new(started: Instant, budget_s: Option<u64>) -> Report {
+        Report {
+            rows: Vec::new(),
+            budget: budget_s.map(|s| (started, s)),
+            unmeasured: 0,
+        }
+    }
+
     fn push(&mut self, row: Row) {
         println!("{}", row.line());
         self.rows.push(row);
     }
 
+    /// Whether the budget is spent: the row `check` is then listed as not
+    /// measured (neither passed nor failed) and `true` returned.
+    fn spent(&mut self, check: &str) -> bool {
+        let Some((started, budget_s)) = self.budget else {
+            return false;
+        };
+        if started.elapsed().as_secs() < budget_s {
+            return false;
+        }
+        self.unmeasured += 1;
+        self.push(Row {
+            check: check.to_string(),
+            result: format!("not measured: the check's budget of {budget_s} s was spent"),
+            pass: None,
+        });
+        true
+    }
+
     /// Measures the row `check`; a panic in it (a kernel fault, a refused
     /// launch, a non-finite logit) fails the row, with the panic's message,
-    /// and the next row runs.
+    /// and the next row runs. Past the budget it is not measured.
     fn row(&mut self, check: String, measure: impl FnOnce() -> (String, Option<bool>)) {
+        if self.spent(&check) {
+            return;
+        }
         let (result, pass) = match panic::catch_unwind(AssertUnwindSafe(measure)) {
             Ok(measured) => measured,
             Err(payload) => (stopped(&*payload), Some(false)),
@@ -133,7 +170,11 @@ impl Report {
     }
 
     /// The rows of one part, or one failed row `check` where it panics.
+    /// Past the budget it is not measured.
     fn rows(&mut self, check: &str, measure: impl FnOnce() -> Vec<Row>) {
+        if self.spent(check) {
+            return;
+        }
         match panic::catch_unwind(AssertUnwindSafe(measure)) {
             Ok(rows) => rows.into_iter().for_each(|row| self.push(row)),
             Err(payload) => self.push(Row {
@@ -372,6 +413,9 @@ fn agreement_rows(
     decode: usize,
     modes: &[Mode],
 ) {
+    if report.spent(&format!("{name}: CPU vs CUDA")) {
+        return;
+    }
     let drift = check::cpu_drift(model, &agreement_run(prompts, 0, LAUNCHES));
     let bound = AGREEMENT_BOUND + drift;
     for &mode in modes {
@@ -788,6 +832,21 @@ fn parts(args: &[String]) -> Result<Vec<&'static str>, String> {
         .collect()
 }
 
+/// `--budget SECONDS`: rows begun after that many seconds are listed as not
+/// measured (a row begun before it runs to its end).
+fn budget(args: &[String]) -> Result<Option<u64>, String> {
+    let Some(at) = args.iter().position(|a| a == "--budget") else {
+        return Ok(None);
+    };
+    let seconds = args
+        .get(at + 1)
+        .ok_or("--budget needs a number of seconds")?;
+    seconds
+        .parse()
+        .map(Some)
+        .map_err(|_| format!("--budget: {seconds:?} is not a number of seconds"))
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     // The SmolLM2-shaped model as a file, for the server's check on the GPU
@@ -806,6 +865,13 @@ fn main() -> ExitCode {
         };
     }
     let plan = Plan::of(&args);
+    let budget = match budget(&args) {
+        Ok(budget) => budget,
+        Err(why) => {
+            eprintln!("gpu-check: {why}");
+            return ExitCode::from(2);
+        }
+    };
     let parts = match parts(&args) {
         Ok(parts) => parts,
         Err(why) => {
@@ -827,7 +893,7 @@ fn main() -> ExitCode {
         device.memory_bytes() >> 30,
         parts.join(", ")
     );
-    let mut report = Report::default();
+    let mut report = Report::new(started, budget);
     let mut bandwidth = f64::NAN;
     report.row("device-to-device copy".into(), || {
         bandwidth = copy_bandwidth(&device, plan.copy_bytes, 5);
@@ -981,6 +1047,12 @@ fn main() -> ExitCode {
     }
     let failed = report.table();
     println!();
+    if report.unmeasured > 0 {
+        println!(
+            "{} rows not measured: the budget was spent (--budget; rerun them with --only)",
+            report.unmeasured
+        );
+    }
     println!(
         "{} checks failed; {:.0} s",
         failed,

@@ -412,6 +412,68 @@ fn the_gpu_checks_server_part_serves_and_says_when_auto_chose_no_gpu() {
     );
 }
 
+/// The GPU check's `--budget`: rows not begun within it are listed as not
+/// measured, neither passed nor failed, and the table still ends whole (run
+/// on the CPU emulator: `--dry-run`).
+#[test]
+fn the_gpu_check_lists_the_rows_past_its_budget_as_not_measured() {
+    let check = bulkhead_exe()
+        .parent()
+        .expect("target dir")
+        .join("examples/gpu_check");
+    let dry = |budget: &str| run(Command::new(&check).args(["--dry-run", "--budget", budget]));
+    let required = std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_some();
+    if !check.exists() {
+        // Built by `cargo test`, with the kernels' emulator feature.
+        assert!(!required, "{} is missing", check.display());
+        eprintln!("skipped: {} is missing", check.display());
+        return;
+    }
+    let out = dry("0");
+    let table = stdout(&out);
+    if table.contains("needs the emulator feature") && !required {
+        eprintln!(
+            "skipped: {} was built without the emulator",
+            check.display()
+        );
+        return;
+    }
+    assert!(out.status.success(), "{table}{}", stderr(&out));
+    let rows: Vec<&str> = table
+        .lines()
+        .skip_while(|l| !l.starts_with("| check |"))
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| check |"))
+        .collect();
+    assert!(rows.len() > 20, "{table}");
+    for row in &rows {
+        assert!(
+            row.ends_with("| not measured: the check's budget of 0 s was spent |  |"),
+            "{row}"
+        );
+    }
+    for row in [
+        "| device-to-device copy |",
+        "| isolation |",
+        "| tiny model: CPU vs CUDA |",
+    ] {
+        assert!(rows.iter().any(|r| r.starts_with(row)), "{row}: {table}");
+    }
+    assert!(
+        table.contains(&format!(
+            "{} rows not measured: the budget was spent",
+            rows.len()
+        )) && table.contains("0 checks failed"),
+        "{table}"
+    );
+    let out = dry("soon");
+    assert_eq!(out.status.code(), Some(2), "{}", stdout(&out));
+    assert!(
+        stderr(&out).contains("--budget: \"soon\" is not a number of seconds"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 #[test]
 fn check_prints_the_capacity_table_and_refuses_a_broken_promise() {
     let Some(_model) = smollm2() else { return };
