@@ -8,8 +8,10 @@
 //! launches, arguments by value, and replay them: what a captured launch
 //! reads must come from device memory, as on a GPU.
 //!
-//! It runs the kernels' arithmetic, indexing and barriers; it cannot show
-//! races between blocks, the GPU's memory model or its speed. Tests only.
+//! It runs the kernels' arithmetic, indexing and barriers, and stops at an
+//! access a GPU would fault on for its alignment (`kernels/build.rs`); it
+//! cannot show races between blocks, the GPU's memory model or its speed.
+//! Tests only.
 
 use super::device::{Device, DeviceError, DeviceGraph, Fill, Geometry, LaunchTime, Rect};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
