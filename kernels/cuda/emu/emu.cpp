@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace emu {
@@ -374,19 +375,24 @@ int bulkhead_emu_launch(const char* name, const uint32_t grid[3], const uint32_t
     launch.error.clear();
     grid_dim = {grid[0], grid[1], grid[2]};
     block_dim = {block[0], block[1], block[2]};
-    for (unsigned z = 0; z < grid[2]; z++) {
-        for (unsigned y = 0; y < grid[1]; y++) {
-            for (unsigned x = 0; x < grid[0]; x++) {
-                block_idx = {x, y, z};
-                if (!run_block(unsigned(threads), shared_bytes)) {
-                    set_error(error, error_len,
-                              std::string(name) + " block (" + std::to_string(x) + ", " +
-                                  std::to_string(y) + ", " + std::to_string(z) +
-                                  "): " + launch.error);
-                    current = nullptr;
-                    return 1;
-                }
-            }
+    // The blocks in an order drawn from the seed (Fisher-Yates), as a GPU
+    // promises none: a block that reads what another block of the same
+    // launch writes, without the fence-and-count that makes it safe, sees a
+    // different order than it assumed.
+    uint64_t blocks = uint64_t(grid[0]) * grid[1] * grid[2];
+    std::vector<uint64_t> order(blocks);
+    for (uint64_t b = 0; b < blocks; b++) order[b] = b;
+    for (uint64_t b = blocks; b > 1; b--) std::swap(order[b - 1], order[next_random() % b]);
+    for (uint64_t b : order) {
+        unsigned x = unsigned(b % grid[0]), y = unsigned(b / grid[0] % grid[1]),
+                 z = unsigned(b / grid[0] / grid[1]);
+        block_idx = {x, y, z};
+        if (!run_block(unsigned(threads), shared_bytes)) {
+            set_error(error, error_len,
+                      std::string(name) + " block (" + std::to_string(x) + ", " +
+                          std::to_string(y) + ", " + std::to_string(z) + "): " + launch.error);
+            current = nullptr;
+            return 1;
         }
     }
     current = nullptr;

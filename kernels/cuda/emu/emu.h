@@ -3,7 +3,8 @@
 // machine without a GPU.
 //
 // How it runs a launch (emu.cpp):
-//   1. Blocks run one after another, in grid order.
+//   1. Blocks run one after another, in an order drawn afresh for each
+//      launch from its seed (a GPU promises no order).
 //   2. A block's threads are fibers (ucontext) on one OS thread, switched only
 //      at barriers: __syncthreads, __syncwarp and every warp shuffle. Between
 //      barriers the fibers run in an order drawn afresh for each round from a

@@ -10,7 +10,8 @@
 #include "../sample.cu"
 
 // The emulator's own canaries (kernels/src/backend/cuda/tests.rs): a block
-// reduction it must get right, and barrier misuse it must report.
+// reduction it must get right, barrier misuse it must report, a race and
+// an order of blocks its seed must change.
 struct SelfTestArgs {
     uint64_t out;
     uint32_t mode;
@@ -40,6 +41,11 @@ KERNEL(emu_selftest, SelfTestArgs) {
             if (threadIdx.x == 1) cell = 1.0f;
             if (threadIdx.x == 0) out[0] = cell;
             break;
+        case 4: {  // out[block] = how many blocks ran before it (a count in out[1023])
+            unsigned* count = reinterpret_cast<unsigned*>(out + 1023);
+            if (threadIdx.x == 0) out[blockIdx.x] = float(atomicAdd(count, 1u));
+            break;
+        }
     }
 }
 

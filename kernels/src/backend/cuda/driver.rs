@@ -14,7 +14,7 @@
 //! thread is not the one that opened the device).
 
 use super::device::{Device, DeviceError, DeviceGraph, Fill, Geometry, LaunchTime, Rect};
-use super::launch::{attention_shared_bytes, ATTENTION_TILE};
+use super::launch::{shared_opt_in_bytes, SHARED_OPT_IN_KERNEL};
 use super::nvrtc::{self, NvrtcError};
 use cudarc::driver::result;
 use cudarc::driver::sys;
@@ -270,8 +270,8 @@ impl CudaDevice {
             opened.functions.insert(kernel, function);
         }
         // Attention's tiles may need more than the default 48 KiB of shared memory.
-        let attention = opened.functions["attention"];
-        let wanted = attention_shared_bytes(256, 32, ATTENTION_TILE).min(opened.shared_bytes_max);
+        let attention = opened.functions[SHARED_OPT_IN_KERNEL];
+        let wanted = shared_opt_in_bytes(opened.shared_bytes_max);
         // SAFETY: a live function.
         unsafe {
             result::function::set_function_attribute(

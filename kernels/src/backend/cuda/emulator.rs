@@ -14,6 +14,7 @@
 //! Tests only.
 
 use super::device::{Device, DeviceError, DeviceGraph, Fill, Geometry, LaunchTime, Rect};
+use super::launch::{shared_opt_in_bytes, SHARED_DEFAULT_BYTES, SHARED_OPT_IN_KERNEL};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -39,8 +40,9 @@ extern "C" {
 
 /// Device memory the emulator offers (a cap on tests, not a real size).
 const MEMORY_BYTES: u64 = 4 << 30;
-/// Dynamic shared memory per block, as on an H100/H200 with the opt-in limit.
-const SHARED_BYTES_MAX: u32 = 227 * 1024;
+/// The opt-in limit of dynamic shared memory per block, as on an H100/H200
+/// (of which attention takes what [`shared_opt_in_bytes`] says, as on a GPU).
+const SHARED_OPT_IN_MAX: u32 = 227 * 1024;
 
 /// One recorded launch of a captured graph: its arguments by value.
 struct Recorded {
@@ -167,7 +169,7 @@ impl Device for Emulator {
     }
 
     fn shared_bytes_max(&self) -> u32 {
-        SHARED_BYTES_MAX
+        shared_opt_in_bytes(SHARED_OPT_IN_MAX)
     }
 
     fn tensor_cores(&self) -> bool {
@@ -259,6 +261,23 @@ impl Device for Emulator {
         geometry: Geometry,
         args: &[u8],
     ) -> Result<(), DeviceError> {
+        // A GPU refuses a launch past its kernel's shared memory limit
+        // (CUDA_ERROR_INVALID_VALUE): the default, but for the kernel that
+        // opts in to more.
+        let limit = match kernel {
+            SHARED_OPT_IN_KERNEL => self.shared_bytes_max(),
+            _ => SHARED_DEFAULT_BYTES,
+        };
+        if geometry.shared_bytes > limit {
+            return Err(DeviceError::Launch {
+                kernel,
+                message: format!(
+                    "{} bytes of dynamic shared memory, past the {limit} a launch of it may \
+                     take (only {SHARED_OPT_IN_KERNEL} opts in to more)",
+                    geometry.shared_bytes
+                ),
+            });
+        }
         let mut capturing = self.capturing.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(recorded) = capturing.as_mut() {
             recorded.push(Recorded {

@@ -327,6 +327,22 @@ pub const ATTENTION_TILE: u32 = 32;
 /// Query rows (queries times the KV head's query heads) per attention item.
 pub const ATTENTION_ROWS_MAX: u32 = 32;
 
+/// Dynamic shared memory a block may take without opting in: CUDA's default
+/// 48 KiB (a kernel's static shared memory counts against it too).
+pub const SHARED_DEFAULT_BYTES: u32 = 48 * 1024;
+
+/// The one kernel that opts in to more (`cuFuncSetAttribute`, as the
+/// device is opened; the emulator refuses any other launch past
+/// [`SHARED_DEFAULT_BYTES`], as a GPU does).
+pub const SHARED_OPT_IN_KERNEL: &str = "attention";
+
+/// What it opts in to: an attention block of the widest head the kernels
+/// run (256) at the most rows, at most `device_max`, the device's opt-in
+/// limit (227 KiB on an H100 or H200).
+pub fn shared_opt_in_bytes(device_max: u32) -> u32 {
+    attention_shared_bytes(256, ATTENTION_ROWS_MAX, ATTENTION_TILE).min(device_max)
+}
+
 /// Dynamic shared memory of an attention block: q and o `[rows][head_dim]`,
 /// k and v `[tile][head_dim + 1]` (rows padded apart in banks), p
 /// `[rows][tile]`, and m, l, alpha per row.

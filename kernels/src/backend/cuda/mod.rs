@@ -1385,7 +1385,7 @@ const FUSED_ROWS_MAX: u32 = 16_384;
 /// Dynamic shared memory a matmul block may take: the 48 KiB a block has
 /// without opting in (only attention opts in), less a KiB for the kernel's
 /// own static shared memory (32 bytes today).
-const SHARED_DEFAULT_MAX: u64 = 47 * 1024;
+const SHARED_DEFAULT_MAX: u64 = SHARED_DEFAULT_BYTES as u64 - 1024;
 
 // The device and the host share one byte order: CUDA runs on x86-64 and
 // aarch64 hosts, both little-endian.

@@ -135,6 +135,56 @@ fn the_emulators_schedule_changes_with_the_seed_so_a_race_shows() {
 }
 
 #[test]
+fn the_emulator_runs_a_launchs_blocks_in_an_order_drawn_from_its_seed() {
+    let orders: std::collections::HashSet<Vec<u32>> = (0..16)
+        .map(|seed| {
+            let ran = selftest(&emulator(seed), 4, 8, 32).unwrap();
+            let order: Vec<u32> = ran[..8].iter().map(|&n| n as u32).collect();
+            // Each block once: a permutation of 0..8.
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..8).collect::<Vec<u32>>(), "{order:?}");
+            order
+        })
+        .collect();
+    assert!(orders.len() > 8, "{} orders in 16 seeds", orders.len());
+}
+
+#[test]
+fn the_emulator_refuses_shared_memory_past_a_kernels_limit_as_a_gpu_does() {
+    let device = emulator(1);
+    let out = DeviceBuffer::zeroed(&device, 4 * 1024).unwrap();
+    let args = SelfTestArgs {
+        out: out.at(0),
+        mode: 0,
+        unused: 0,
+    };
+    let run = |kernel: &'static str, shared_bytes: u32| {
+        let geometry = Geometry {
+            grid: 1,
+            block: 64,
+            shared_bytes,
+        };
+        // SAFETY: the self-test writes one float of `out`; the refused
+        // launches run nothing.
+        unsafe { device.launch(kernel, geometry, args.bytes()) }.map_err(|e| e.to_string())
+    };
+    // Up to the default 48 KiB any kernel may take; past it only attention,
+    // which opts in, up to what it opts in to.
+    run(SelfTestArgs::KERNEL, SHARED_DEFAULT_BYTES).unwrap();
+    let refused = run(SelfTestArgs::KERNEL, SHARED_DEFAULT_BYTES + 4).unwrap_err();
+    assert!(
+        refused.contains("past the 49152") && refused.contains("only attention opts in"),
+        "{refused}"
+    );
+    let opt_in = device.shared_bytes_max();
+    assert_eq!(opt_in, shared_opt_in_bytes(227 * 1024));
+    assert!(opt_in > SHARED_DEFAULT_BYTES);
+    let refused = run(AttentionArgs::KERNEL, opt_in + 4).unwrap_err();
+    assert!(refused.contains(&format!("past the {opt_in}")), "{refused}");
+}
+
+#[test]
 fn argument_structs_are_the_size_the_kernel_sources_declare() {
     let sizes = [
         (EmbedArgs::KERNEL, std::mem::size_of::<EmbedArgs>()),
