@@ -320,6 +320,9 @@ pub const ROW_BLOCK: u32 = 128;
 pub const NORM_BLOCK: u32 = 256;
 /// Threads per block of `pick` (sample.cu's PICK_BLOCK).
 pub const PICK_BLOCK: u32 = 1024;
+/// Threads per block of `page_digest` (a warp: one page, its lanes a
+/// stripe's lanes each).
+pub const DIGEST_BLOCK: u32 = 32;
 /// Threads per block of `attention` and `attention_merge`.
 pub const ATTENTION_BLOCK: u32 = 128;
 /// KV positions per attention tile.

@@ -158,6 +158,21 @@ pub const PTXAS_INFO: &str = "BULKHEAD_PTXAS_INFO";
 
 /// Compiles `source` to CUBIN for `arch` (e.g. "sm_90").
 pub fn compile(source: &Source, arch: &str) -> Result<Vec<u8>, NvrtcError> {
+    let ptxas_info = std::env::var_os(PTXAS_INFO).is_some();
+    let (cubin, log) = compile_reporting(source, arch, ptxas_info)?;
+    if ptxas_info {
+        eprintln!("{} for {arch}:\n{log}", source.name);
+    }
+    Ok(cubin)
+}
+
+/// [`compile`], with NVRTC's log; `ptxas_info` adds ptxas's account of each
+/// kernel to it (registers, stack frame, spills, static shared memory).
+fn compile_reporting(
+    source: &Source,
+    arch: &str,
+    ptxas_info: bool,
+) -> Result<(Vec<u8>, String), NvrtcError> {
     if !is_present() {
         return Err(NvrtcError::Missing);
     }
@@ -192,10 +207,9 @@ pub fn compile(source: &Source, arch: &str) -> Result<Vec<u8>, NvrtcError> {
         "--std=c++17".to_string(),
         "--extra-device-vectorization".to_string(),
     ];
-    // Each kernel's registers, stack frame and spills, from ptxas, on
-    // standard error (a launch of many threads needs few registers a thread;
-    // a stack frame is local memory).
-    let ptxas_info = std::env::var_os(PTXAS_INFO).is_some();
+    // Each kernel's registers, stack frame and spills, from ptxas (a launch
+    // of many threads needs few registers a thread; a stack frame is local
+    // memory).
     if ptxas_info {
         options.push("--ptxas-options=-v".to_string());
     }
@@ -214,9 +228,7 @@ pub fn compile(source: &Source, arch: &str) -> Result<Vec<u8>, NvrtcError> {
             log: program.log(),
         });
     }
-    if ptxas_info {
-        eprintln!("{} for {arch}:\n{}", source.name, program.log());
-    }
+    let log = program.log();
     let mut len = 0usize;
     // SAFETY: a compiled program; the out-pointer is valid.
     check("nvrtcGetCUBINSize", unsafe {
@@ -227,7 +239,7 @@ pub fn compile(source: &Source, arch: &str) -> Result<Vec<u8>, NvrtcError> {
     check("nvrtcGetCUBIN", unsafe {
         sys::nvrtcGetCUBIN(program.0, cubin.as_mut_ptr().cast::<c_char>())
     })?;
-    Ok(cubin)
+    Ok((cubin, log))
 }
 
 /// The CUBIN image of every source, in [`SOURCES`] order.
@@ -277,6 +289,114 @@ mod tests {
             // An ELF image.
             assert_eq!(&cubin[..4], b"\x7fELF", "{}", source.name);
         }
+    }
+
+    /// What ptxas reports of one kernel.
+    #[derive(Debug, Default)]
+    struct Resources {
+        registers: u32,
+        static_shared: u32,
+        spill_stores: u32,
+    }
+
+    /// The number before `unit` in `line` ("Used 96 registers" → 96).
+    fn number_before(line: &str, unit: &str) -> Option<u32> {
+        let at = line.find(unit)?;
+        line[..at].split_whitespace().last()?.parse().ok()
+    }
+
+    /// Each kernel's resources, from ptxas's report in NVRTC's log.
+    fn resources(log: &str) -> Vec<(String, Resources)> {
+        let mut kernels: Vec<(String, Resources)> = Vec::new();
+        for line in log.lines() {
+            if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+                let name = rest.split('\'').next().unwrap_or_default();
+                kernels.push((name.to_string(), Resources::default()));
+            } else if let Some((_, r)) = kernels.last_mut() {
+                if let Some(n) = number_before(line, " registers") {
+                    r.registers = n;
+                }
+                if let Some(n) = number_before(line, " bytes smem") {
+                    r.static_shared = n;
+                }
+                if let Some(n) = number_before(line, " bytes spill stores") {
+                    r.spill_stores = n;
+                }
+            }
+        }
+        kernels
+    }
+
+    #[test]
+    fn every_kernel_fits_the_launches_the_backend_makes_of_it_on_sm_90() {
+        use super::super::launch::*;
+        if !is_present() {
+            assert!(
+                !nvrtc_required(),
+                "BULKHEAD_REQUIRE_NVRTC is set but NVRTC is missing"
+            );
+            eprintln!("skipped: NVRTC is not on the loader path");
+            return;
+        }
+        // Each kernel's threads a block and the most dynamic shared memory
+        // the backend launches it with.
+        let fused = super::super::SHARED_DEFAULT_MAX as u32;
+        let opt_in = shared_opt_in_bytes(227 * 1024);
+        let launches: [(&str, u32, u32); 9] = [
+            (EmbedArgs::KERNEL, ROW_BLOCK, 0),
+            (NormArgs::KERNEL, NORM_BLOCK, 0),
+            (MatmulArgs::KERNEL, MATMUL_WARPS * 32, fused),
+            (MatmulMmaArgs::KERNEL, MATMUL_WARPS * 32, 0),
+            (RopeKvArgs::KERNEL, ROW_BLOCK, 0),
+            (AttentionArgs::KERNEL, ATTENTION_BLOCK, opt_in),
+            (MergeArgs::KERNEL, ATTENTION_BLOCK, 0),
+            (PickArgs::KERNEL, PICK_BLOCK, 0),
+            (DigestArgs::KERNEL, DIGEST_BLOCK, 0),
+        ];
+        let mut seen = Vec::new();
+        for source in &SOURCES {
+            let (_, log) = compile_reporting(source, "sm_90", true).unwrap();
+            for (kernel, r) in resources(&log) {
+                let &(_, threads, dynamic) = launches
+                    .iter()
+                    .find(|(name, ..)| *name == kernel)
+                    .unwrap_or_else(|| panic!("{kernel} ({}) has no launch here", source.name));
+                eprintln!(
+                    "{kernel}: {} registers x {threads} threads, {} + {dynamic} bytes of shared memory, {} bytes spilled",
+                    r.registers, r.static_shared, r.spill_stores
+                );
+                // sm_90: at most 255 registers a thread, given out a warp at
+                // a time in units of 256 (8 a thread), 64 Ki a block; else
+                // the launch fails ("too many resources requested").
+                assert!(r.registers > 0 && r.registers <= 255, "{kernel}: {r:?}");
+                let given = r.registers.div_ceil(8) * 8;
+                assert!(
+                    given * threads <= 64 * 1024,
+                    "{kernel}: {given} registers x {threads} threads is past a block's 65,536"
+                );
+                // Static and dynamic shared memory together within the
+                // default 48 KiB, or the opt-in limit for the kernel that
+                // opts in.
+                let limit = if kernel == SHARED_OPT_IN_KERNEL {
+                    227 * 1024
+                } else {
+                    SHARED_DEFAULT_BYTES
+                };
+                assert!(
+                    r.static_shared + dynamic <= limit,
+                    "{kernel}: {} + {dynamic} bytes of shared memory, past {limit}",
+                    r.static_shared
+                );
+                seen.push(kernel);
+            }
+        }
+        seen.sort_unstable();
+        let mut wanted: Vec<String> = launches.iter().map(|(k, ..)| k.to_string()).collect();
+        wanted.sort_unstable();
+        assert_eq!(
+            seen, wanted,
+            "ptxas reported every kernel the backend launches"
+        );
     }
 
     #[test]

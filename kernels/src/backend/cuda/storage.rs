@@ -194,7 +194,7 @@ impl PageStorage for DeviceStorage {
         };
         let geometry = Geometry {
             grid: 1,
-            block: 32,
+            block: super::launch::DIGEST_BLOCK,
             shared_bytes: 0,
         };
         // SAFETY: the kernel reads the one entry at `pages`, writes 8 bytes
