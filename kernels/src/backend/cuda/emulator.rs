@@ -159,6 +159,31 @@ unsafe fn rows(rect: Rect) -> impl Iterator<Item = *mut u8> {
     (0..rect.rows).map(move |row| (rect.at + row * rect.pitch) as *mut u8)
 }
 
+impl Emulator {
+    /// Refuses `call` while launches are being captured, as a GPU's stream
+    /// does for what may not be captured (a copy from pageable memory, a
+    /// synchronisation, an allocation): and a copy or a fill the GPU would
+    /// capture into the graph would run here at once, not at each replay,
+    /// so none may come between the launches of a capture
+    /// ([`Device::capture`]).
+    fn outside_capture(&self, call: &'static str) -> Result<(), DeviceError> {
+        if self
+            .capturing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+        {
+            return Err(DeviceError::Driver {
+                call,
+                message: "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: operation not permitted \
+                          when stream is capturing (only launches are captured)"
+                    .to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
 impl Device for Emulator {
     fn describe(&self) -> String {
         "CUDA emulator (CPU)".to_string()
@@ -177,6 +202,7 @@ impl Device for Emulator {
     }
 
     fn alloc(&self, bytes: u64) -> Result<u64, DeviceError> {
+        self.outside_capture("cuMemAlloc")?;
         let out_of_memory = || DeviceError::OutOfMemory {
             bytes,
             message: "emulator".to_string(),
@@ -196,24 +222,28 @@ impl Device for Emulator {
     }
 
     unsafe fn write(&self, at: u64, src: &[u8]) -> Result<(), DeviceError> {
+        self.outside_capture("cuMemcpyHtoDAsync")?;
         // SAFETY: the caller vouched the range is one live allocation.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), at as *mut u8, src.len()) };
         Ok(())
     }
 
     unsafe fn read(&self, at: u64, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.outside_capture("cuMemcpyDtoHAsync")?;
         // SAFETY: as above.
         unsafe { std::ptr::copy_nonoverlapping(at as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
     unsafe fn copy(&self, dst: u64, src: u64, bytes: u64) -> Result<(), DeviceError> {
+        self.outside_capture("cuMemcpyDtoDAsync")?;
         // SAFETY: the caller vouched both ranges are live and apart.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes as usize) };
         Ok(())
     }
 
     unsafe fn fill(&self, rect: Rect, fill: Fill) -> Result<(), DeviceError> {
+        self.outside_capture("cuMemsetD2D8Async")?;
         // SAFETY: the caller vouched every row is within one live allocation.
         for row in unsafe { rows(rect) } {
             // SAFETY: as above; rows of u16/u32 fills are whole values.
@@ -236,6 +266,7 @@ impl Device for Emulator {
     }
 
     unsafe fn read_rect(&self, rect: Rect, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.outside_capture("cuMemcpy2DAsync")?;
         let width = rect.width as usize;
         // SAFETY: the caller vouched every row is within one live allocation.
         for (row, out) in unsafe { rows(rect) }.zip(dst.chunks_exact_mut(width.max(1))) {
@@ -246,6 +277,7 @@ impl Device for Emulator {
     }
 
     unsafe fn write_rect(&self, rect: Rect, src: &[u8]) -> Result<(), DeviceError> {
+        self.outside_capture("cuMemcpy2DAsync")?;
         let width = rect.width as usize;
         // SAFETY: as above.
         for (row, data) in unsafe { rows(rect) }.zip(src.chunks_exact(width.max(1))) {
@@ -319,6 +351,7 @@ impl Device for Emulator {
     }
 
     fn synchronize(&self) -> Result<(), DeviceError> {
+        self.outside_capture("cuStreamSynchronize")?;
         Ok(())
     }
 

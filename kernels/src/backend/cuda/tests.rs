@@ -185,6 +185,57 @@ fn the_emulator_refuses_shared_memory_past_a_kernels_limit_as_a_gpu_does() {
 }
 
 #[test]
+fn the_emulator_refuses_all_but_launches_while_capturing_as_a_gpus_stream_does() {
+    let device = emulator(1);
+    let buffer = DeviceBuffer::zeroed(&device, 64).unwrap();
+    let mut bytes = [0u8; 4];
+    // Each would run at once here, where a GPU refuses it or would replay it.
+    let refused = [
+        device.capture(&mut || buffer.write(0, &[1, 2, 3, 4])),
+        device.capture(&mut || buffer.read(0, &mut bytes)),
+        device.capture(&mut || device.synchronize()),
+        device.capture(&mut || DeviceBuffer::zeroed(&device, 16).map(drop)),
+    ];
+    for (result, call) in refused.into_iter().zip([
+        "cuMemcpyHtoDAsync",
+        "cuMemcpyDtoHAsync",
+        "cuStreamSynchronize",
+        "cuMemAlloc",
+    ]) {
+        let error = result.err().expect("refused").to_string();
+        assert!(
+            error.contains(call) && error.contains("stream is capturing"),
+            "{error}"
+        );
+    }
+    // Nothing was written, and the device is usable again.
+    buffer.read(0, &mut bytes).unwrap();
+    assert_eq!(bytes, [0; 4]);
+    buffer.write(0, &[5; 4]).unwrap();
+    // A capture of launches alone is kept and replays.
+    let out = DeviceBuffer::zeroed(&device, 4 * 1024).unwrap();
+    let args = SelfTestArgs {
+        out: out.at(0),
+        mode: 0,
+        unused: 0,
+    };
+    let graph = device
+        .capture(&mut || {
+            let geometry = Geometry {
+                grid: 1,
+                block: 32,
+                shared_bytes: 0,
+            };
+            // SAFETY: the self-test writes one float of `out`.
+            unsafe { device.launch(SelfTestArgs::KERNEL, geometry, args.bytes()) }
+        })
+        .unwrap();
+    assert_eq!(read_floats(&out, 1)[0], 0.0, "captured, not run");
+    graph.replay().unwrap();
+    assert_eq!(read_floats(&out, 1)[0], (0..32).sum::<u32>() as f32);
+}
+
+#[test]
 fn argument_structs_are_the_size_the_kernel_sources_declare() {
     let sizes = [
         (EmbedArgs::KERNEL, std::mem::size_of::<EmbedArgs>()),
