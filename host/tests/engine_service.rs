@@ -212,6 +212,8 @@ enum Faulty {
     Stuck,
     Panics,
     PanicsInTask(bulkhead_kernels::threads::Threads),
+    /// The device is lost mid-step (a sticky CUDA error).
+    DeviceLost,
     /// No fault: the CPU backend (what a restart builds).
     Works(Box<bulkhead_kernels::backend::cpu::CpuBackend>),
 }
@@ -245,6 +247,9 @@ impl bulkhead_kernels::backend::Backend for Faulty {
                 });
                 unreachable!("the task's panic is re-raised on the engine thread")
             }
+            Faulty::DeviceLost => Err(bulkhead_kernels::backend::StepError::DeviceLost(
+                "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered".into(),
+            )),
             Faulty::Works(backend) => backend.step(steps, pool),
         }
     }
@@ -404,10 +409,12 @@ fn await_accepting(handle: &bulkhead::engine::service::EngineHandle, want: bool)
     assert_eq!(handle.is_accepting(), want);
 }
 
-/// A panic on the engine thread, or in one of its compute tasks, ends the
-/// request in flight through the finish path (`engine_fault`, a clear 5xx at
-/// the API), is reported, and the supervisor rebuilds the engine for the same
-/// tenants after its backoff: a request admitted as before is then served.
+/// A panic on the engine thread, or in one of its compute tasks, or a step
+/// that lost its device (which the engine answers with a panic: nothing
+/// more would run on it), ends the request in flight through the finish
+/// path (`engine_fault`, a clear 5xx at the API), is reported, and the
+/// supervisor rebuilds the engine for the same tenants after its backoff: a
+/// request admitted as before is then served.
 #[test]
 fn a_supervised_engine_that_panics_ends_its_requests_and_restarts() {
     let policy = RestartPolicy {
@@ -419,6 +426,7 @@ fn a_supervised_engine_that_panics_ends_its_requests_and_restarts() {
     for planted in [
         Faulty::Panics,
         Faulty::PanicsInTask(bulkhead_kernels::threads::Threads::new(2)),
+        Faulty::DeviceLost,
     ] {
         let faults = Arc::new(Faults::default());
         let mut scheduler = faulty_scheduler(planted, vec![alpha()]);

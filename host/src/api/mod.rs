@@ -211,7 +211,21 @@ fn json(status: StatusCode, value: &serde_json::Value) -> Response<Body> {
 }
 
 async fn healthz() -> Response<Body> {
-    json(StatusCode::OK, &serde_json::json!({"status": "ok"}))
+    liveness(bulkhead_kernels::backend::cuda::lost())
+}
+
+/// Alive, unless the process's GPU context was lost (one of CUDA's sticky
+/// errors: `lost` says which): then nothing more runs on the GPU until the
+/// process restarts, and a failing liveness probe is how an orchestrator
+/// learns to restart it.
+fn liveness(lost: Option<&str>) -> Response<Body> {
+    match lost {
+        None => json(StatusCode::OK, &serde_json::json!({"status": "ok"})),
+        Some(why) => json(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &serde_json::json!({"status": "gpu lost", "error": why}),
+        ),
+    }
 }
 
 /// Ready: not shutting down, and every model of the catalog accepting. The
@@ -1343,4 +1357,30 @@ fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn body_of(response: Response<Body>) -> serde_json::Value {
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    #[tokio::test]
+    async fn liveness_fails_once_the_gpu_context_is_lost() {
+        let alive = liveness(None);
+        assert_eq!(alive.status(), StatusCode::OK);
+        assert_eq!(body_of(alive).await, serde_json::json!({"status": "ok"}));
+        let why = "cuStreamSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access";
+        let lost = liveness(Some(why));
+        assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            body_of(lost).await,
+            serde_json::json!({"status": "gpu lost", "error": why})
+        );
+        // Nothing in this process reached a GPU: the route answers alive.
+        assert_eq!(healthz().await.status(), StatusCode::OK);
+    }
 }

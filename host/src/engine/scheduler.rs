@@ -58,7 +58,7 @@ use super::sampling::{sample_rows, score_rows, Logprobs, Sampled, Sampler};
 use super::stats::{PoolAudit, SchedulerStats, StepCounts, TenantCounts, TenantPages, TenantStats};
 use super::stop::{Scan, StopMatcher};
 use crate::tenancy::TenantId;
-use bulkhead_kernels::backend::{Backend, Pick, PromptScores, SeqStep};
+use bulkhead_kernels::backend::{Backend, Pick, PromptScores, SeqStep, StepError};
 use bulkhead_kernels::kv::{
     tokens_digest, OwnerTag, PageHandle, PageTable, PartitionConfig, PartitionError, Pool,
     Reservation, ReserveError, SeqId, TransferIdentity, Violation,
@@ -1517,6 +1517,9 @@ impl<B: Backend> Scheduler<B> {
                 steps.sampling_nanos_total += nanos(started.elapsed() - forward);
                 (sampled, scores)
             }
+            // A lost device runs nothing more in this process: the engine
+            // stops, and its supervisor ends the requests in flight.
+            Err(error @ StepError::DeviceLost(_)) => panic!("{error}"),
             // A refused step changed nothing. When the backend names the
             // sequence at fault, only that one fails: the others (any
             // tenant's) step again next tick. Otherwise the whole batch fails.

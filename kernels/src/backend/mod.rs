@@ -232,6 +232,12 @@ pub enum StepError {
     /// pages may hold partial writes, and its sequences fail.
     #[error("device: {0}")]
     Device(String),
+    /// The device was lost during the step (one of CUDA's sticky errors):
+    /// nothing more can run on it in this process. The engine stops (a
+    /// panic, which its supervisor answers: its requests end, and a rebuild
+    /// on the lost device is refused).
+    #[error("device lost: {0}")]
+    DeviceLost(String),
     /// Positions past the model's context or the sequence's pages.
     #[error("sequence {index} in the step has positions up to {end}, past capacity {capacity} ({limit})")]
     PositionOutOfRange {
@@ -263,7 +269,8 @@ impl StepError {
             | StepError::TooManySequences { .. }
             | StepError::TooManyLogits { .. }
             | StepError::DeviceStorage
-            | StepError::Device(_) => None,
+            | StepError::Device(_)
+            | StepError::DeviceLost(_) => None,
         }
     }
 }

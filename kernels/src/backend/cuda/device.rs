@@ -29,6 +29,20 @@ pub enum DeviceError {
         /// The driver's name and description of the error.
         message: String,
     },
+    /// The driver answered with one of CUDA's sticky errors (a kernel's
+    /// illegal or misaligned address, a failed launch, an uncorrectable ECC
+    /// error): the process's context is unusable and every later call fails
+    /// the same way until the process restarts ([`super::driver::lost`]).
+    #[error(
+        "CUDA driver: {call}: {message} (the GPU's context is lost: every later CUDA call of \
+         this process fails; the process must restart)"
+    )]
+    Lost {
+        /// The call that failed.
+        call: &'static str,
+        /// The driver's name and description of the error.
+        message: String,
+    },
     /// The device has no memory left for an allocation.
     #[error("device memory: {bytes} bytes could not be allocated ({message})")]
     OutOfMemory {

@@ -21,7 +21,7 @@ use cudarc::driver::sys;
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Why no CUDA device could be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -49,6 +49,12 @@ pub enum CudaUnavailable {
     /// A driver call failed while opening the device.
     #[error(transparent)]
     Driver(#[from] DeviceError),
+    /// The process's context was lost earlier ([`lost`]).
+    #[error(
+        "the GPU's context was lost earlier in this process ({0}): nothing more can run on it \
+         until the process restarts"
+    )]
+    Lost(String),
 }
 
 /// What [`probe`] found.
@@ -104,10 +110,45 @@ fn driver_error(call: &'static str, error: result::DriverError) -> DeviceError {
         .error_string()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_default();
-    DeviceError::Driver {
-        call,
-        message: format!("{name}: {text}"),
+    let message = format!("{name}: {text}");
+    if !sticky(error.0) {
+        return DeviceError::Driver { call, message };
     }
+    // The first is the cause; later calls answer the same.
+    let _ = LOST.set(format!("{call}: {message}"));
+    DeviceError::Lost { call, message }
+}
+
+/// The first sticky error of this process, once one has happened.
+static LOST: OnceLock<String> = OnceLock::new();
+
+/// Whether this process's GPU context is lost, and to what (the call and
+/// the driver's error): after one of CUDA's sticky errors every later CUDA
+/// call fails the same way, so no engine can be rebuilt on the device
+/// ([`CudaDevice::open`] refuses) and the server's `/healthz` fails, for
+/// the orchestrator to restart the process.
+pub fn lost() -> Option<&'static str> {
+    LOST.get().map(String::as_str)
+}
+
+/// Whether `code` is one of the errors after which the CUDA documentation
+/// says the context cannot be used again ("the process must be terminated
+/// and relaunched").
+fn sticky(code: sys::CUresult) -> bool {
+    use sys::CUresult::*;
+    matches!(
+        code,
+        CUDA_ERROR_ECC_UNCORRECTABLE
+            | CUDA_ERROR_ILLEGAL_ADDRESS
+            | CUDA_ERROR_LAUNCH_TIMEOUT
+            | CUDA_ERROR_ASSERT
+            | CUDA_ERROR_HARDWARE_STACK_ERROR
+            | CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | CUDA_ERROR_MISALIGNED_ADDRESS
+            | CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | CUDA_ERROR_INVALID_PC
+            | CUDA_ERROR_LAUNCH_FAILED
+    )
 }
 
 /// Whether a driver and a device are present, without opening a context.
@@ -192,6 +233,9 @@ const KERNELS: [&str; 9] = [
 impl CudaDevice {
     /// Opens device `ordinal` and loads the kernels for it.
     pub fn open(ordinal: u32) -> Result<Arc<CudaDevice>, CudaUnavailable> {
+        if let Some(why) = lost() {
+            return Err(CudaUnavailable::Lost(why.to_string()));
+        }
         let probe = probe()?;
         if ordinal >= probe.devices {
             return Err(CudaUnavailable::Ordinal {
@@ -737,6 +781,42 @@ impl Device for Cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_errors_that_lose_the_context_are_told_from_those_that_do_not() {
+        use sys::CUresult::*;
+        for code in [
+            CUDA_ERROR_ILLEGAL_ADDRESS,
+            CUDA_ERROR_LAUNCH_FAILED,
+            CUDA_ERROR_MISALIGNED_ADDRESS,
+            CUDA_ERROR_ILLEGAL_INSTRUCTION,
+            CUDA_ERROR_ECC_UNCORRECTABLE,
+            CUDA_ERROR_ASSERT,
+        ] {
+            assert!(sticky(code), "{code:?}");
+        }
+        // Refused calls the context survives: a step may fail, the next run.
+        for code in [
+            CUDA_SUCCESS,
+            CUDA_ERROR_OUT_OF_MEMORY,
+            CUDA_ERROR_INVALID_VALUE,
+            CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES,
+            CUDA_ERROR_NOT_READY,
+            CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+        ] {
+            assert!(!sticky(code), "{code:?}");
+        }
+        // No context was lost in this process: nothing here reached a driver.
+        assert_eq!(lost(), None);
+        let error = DeviceError::Lost {
+            call: "cuStreamSynchronize",
+            message: "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered".into(),
+        };
+        assert!(
+            error.to_string().ends_with("the process must restart)"),
+            "{error}"
+        );
+    }
 
     #[test]
     fn a_2d_copy_description_names_both_memory_types_and_nothing_else() {

@@ -59,7 +59,7 @@ mod tests;
 pub use device::{
     Device, DeviceBuffer, DeviceError, DeviceGraph, Geometry, HostFloats, LaunchTime,
 };
-pub use driver::{probe, Cuda, CudaDevice, CudaUnavailable, Probe, ProbedDevice};
+pub use driver::{lost, probe, Cuda, CudaDevice, CudaUnavailable, Probe, ProbedDevice};
 pub use storage::{device_identity, DeviceStorage};
 pub use tensor_cores::{TensorCoresProbe, PROBE_TOLERANCE};
 
@@ -1164,7 +1164,10 @@ impl CudaBackend {
     }
 
     fn device_error(error: DeviceError) -> StepError {
-        StepError::Device(error.to_string())
+        match error {
+            DeviceError::Lost { .. } => StepError::DeviceLost(error.to_string()),
+            _ => StepError::Device(error.to_string()),
+        }
     }
 }
 

@@ -16,7 +16,7 @@
 //! Tests that need a real GPU run where one is present and print "skipped"
 //! elsewhere.
 
-use super::device::{Device, DeviceBuffer, Geometry};
+use super::device::{Device, DeviceBuffer, DeviceError, Geometry};
 use super::emulator::Emulator;
 use super::launch::*;
 use super::pack::{
@@ -233,6 +233,26 @@ fn the_emulator_refuses_all_but_launches_while_capturing_as_a_gpus_stream_does()
     assert_eq!(read_floats(&out, 1)[0], 0.0, "captured, not run");
     graph.replay().unwrap();
     assert_eq!(read_floats(&out, 1)[0], (0..32).sum::<u32>() as f32);
+}
+
+#[test]
+fn a_lost_device_fails_the_step_as_lost_and_other_device_errors_as_failed() {
+    let lost = DeviceError::Lost {
+        call: "cuStreamSynchronize",
+        message: "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered".into(),
+    };
+    match CudaBackend::device_error(lost) {
+        StepError::DeviceLost(why) => assert!(why.contains("ILLEGAL_ADDRESS"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    let refused = DeviceError::Driver {
+        call: "cuLaunchKernel",
+        message: "CUDA_ERROR_INVALID_VALUE: invalid argument".into(),
+    };
+    assert!(matches!(
+        CudaBackend::device_error(refused),
+        StepError::Device(_)
+    ));
 }
 
 #[test]
