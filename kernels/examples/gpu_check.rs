@@ -20,7 +20,9 @@
 //!    3's RoPE table with Q5_K/Q5_0/BF16 matrices, qwen2, qwen3, gemma2 with
 //!    a sliding window and soft caps, gemma3), with graphs;
 //! 3. a released page reading back scrubbed, and a stale, foreign-pool or
-//!    cross-tenant page-table entry refused before any launch;
+//!    cross-tenant page-table entry refused before any launch; and, in a
+//!    process of its own, a kernel fault (a read of an address nothing
+//!    holds) seen as a lost context: later calls and reopening refused;
 //! 4. where a decode step (batch 1, 32 and 128 at depth 512, batch 1 at 4096) and a 512-token
 //!    prefill chunk spend their device time, kernel by kernel (each launch
 //!    timed alone by the device's events), so one run says what to speed up;
@@ -63,9 +65,10 @@
 //! Exit status: 0 when every check passed, 1 when one failed, 2 without a GPU.
 
 use bulkhead_kernels::backend::cuda::check::{self, AgreementRun, DecodeRun, PrefillWay};
+use bulkhead_kernels::backend::cuda::launch::{EmbedArgs, KernelArgs};
 use bulkhead_kernels::backend::cuda::{
-    attention_rows, Cuda, CudaBackend, CudaDevice, CudaOptions, Device, DeviceBuffer, DeviceError,
-    Fusions, TensorCoresProbe,
+    self as cuda, attention_rows, Cuda, CudaBackend, CudaDevice, CudaOptions, CudaUnavailable,
+    Device, DeviceBuffer, DeviceError, Fusions, Geometry, TensorCoresProbe,
 };
 use bulkhead_kernels::backend::{Draw, Pick};
 use bulkhead_kernels::gguf::Gguf;
@@ -832,6 +835,84 @@ fn parts(args: &[String]) -> Result<Vec<&'static str>, String> {
         .collect()
 }
 
+/// `--lose-device`: on GPU 0, in this process alone (its context is lost
+/// after it), a kernel reads an address nothing holds. Prints what came of
+/// it, one line, and exits 0 where Bulkhead saw the loss as it must: the
+/// error a sticky one ([`DeviceError::Lost`]), the loss recorded
+/// ([`cuda::lost`]), a later call refused the same way, and the device not
+/// opened again.
+fn lose_device() -> ExitCode {
+    let device: Arc<dyn Device> = match CudaDevice::open(0) {
+        Ok(device) => Arc::new(Cuda(device)),
+        Err(why) => {
+            println!("the device did not open: {why}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let out = DeviceBuffer::zeroed(&device, 4 * 64).expect("64 floats");
+    let args = EmbedArgs {
+        table: 8,
+        tokens: 8,
+        out: out.at(0),
+        ty: GgmlType::F32 as u32,
+        width: 16,
+        row_bytes: 64,
+        rows: 1,
+        scale: 1.0,
+        unused: 0,
+    };
+    let geometry = Geometry {
+        grid: 1,
+        block: 32,
+        shared_bytes: 0,
+    };
+    // SAFETY: not safe, on purpose: `tokens` and `table` are addresses no
+    // allocation holds. The process ends after this.
+    let launched = unsafe { device.launch(EmbedArgs::KERNEL, geometry, args.bytes()) };
+    let fault = launched.and_then(|()| device.synchronize());
+    let later = out.read(0, &mut [0u8; 4]);
+    let reopened = CudaDevice::open(0);
+    let lost_fault = matches!(fault, Err(DeviceError::Lost { .. }));
+    let lost_later = matches!(later, Err(DeviceError::Lost { .. }));
+    let refused = matches!(reopened, Err(CudaUnavailable::Lost(_)));
+    let recorded = cuda::lost();
+    println!(
+        "fault: {}; recorded: {}; a later read: {}; reopening: {}",
+        fault.err().map_or("none".to_string(), |e| e.to_string()),
+        recorded.unwrap_or("nothing"),
+        if lost_later {
+            "refused, lost"
+        } else {
+            "not refused as lost"
+        },
+        if refused { "refused" } else { "not refused" },
+    );
+    if lost_fault && lost_later && refused && recorded.is_some() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// The `--lose-device` row: this binary again, in a process of its own.
+fn lost_device_row() -> (String, Option<bool>) {
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return (format!("this binary's path: {e}"), Some(false)),
+    };
+    match std::process::Command::new(exe)
+        .arg("--lose-device")
+        .output()
+    {
+        Ok(out) => {
+            let said = String::from_utf8_lossy(&out.stdout);
+            let line = said.lines().last().unwrap_or("nothing printed");
+            (line.replace('|', "/"), Some(out.status.success()))
+        }
+        Err(e) => (format!("did not start: {e}"), Some(false)),
+    }
+}
+
 /// `--budget SECONDS`: rows begun after that many seconds are listed as not
 /// measured (a row begun before it runs to its end).
 fn budget(args: &[String]) -> Result<Option<u64>, String> {
@@ -863,6 +944,9 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         };
+    }
+    if args.iter().any(|a| a == "--lose-device") {
+        return lose_device();
     }
     let plan = Plan::of(&args);
     let budget = match budget(&args) {
@@ -998,6 +1082,18 @@ fn main() -> ExitCode {
     }
     if parts.contains(&"isolation") {
         report.rows("isolation", || isolation_rows(&model, &device));
+        // Last of the part, in a process of its own: the fault loses that
+        // process's context.
+        let check = "a kernel fault loses the context (another process): seen as lost, later calls and reopening refused";
+        if args.iter().any(|a| a == "--dry-run") {
+            report.push(Row {
+                check: check.into(),
+                result: "not on the emulator (its device memory is this process's)".into(),
+                pass: None,
+            });
+        } else {
+            report.row(check.into(), lost_device_row);
+        }
     }
     if parts.contains(&"profile") {
         profile_rows(&mut report, &plan, &model, &device);
