@@ -8,6 +8,7 @@ pub mod api;
 pub mod bench;
 pub mod bench_http;
 pub mod bench_plugins;
+pub mod bench_scheduler;
 pub mod capacity;
 pub mod catalog;
 pub mod clock;

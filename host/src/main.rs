@@ -187,6 +187,8 @@ enum BenchCommand {
     Digest(bench::DigestBenchArgs),
     /// What each sampling option costs per token, beside a decode step.
     Sampling(bench::SamplingBenchArgs),
+    /// The host's part of a decode step: the scheduler over a backend that computes nothing.
+    Scheduler(bulkhead::bench_scheduler::SchedulerBenchArgs),
     /// Load on an OpenAI-compatible server: throughput and latency per concurrency level.
     Http(bulkhead::bench_http::HttpBenchArgs),
     /// Noisy neighbours: alpha alone, alpha while beta floods, both saturated.
@@ -543,6 +545,10 @@ fn run(cli: Cli) -> Result<()> {
             BenchCommand::Sampling(args) => {
                 let (model, tokenizer) = load(&args.model)?;
                 bench::sampling(model, tokenizer, &args)
+            }
+            BenchCommand::Scheduler(args) => {
+                let (model, tokenizer) = load(&args.model)?;
+                bulkhead::bench_scheduler::run(model, tokenizer, &args)
             }
             BenchCommand::Http(args) => bulkhead::bench_http::run(&args),
             BenchCommand::Noisy(args) => bulkhead::bench_http::noisy(&args),

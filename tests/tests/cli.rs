@@ -191,6 +191,51 @@ fn bench_sampling_measures_every_option_on_the_real_model() {
 }
 
 #[test]
+fn bench_scheduler_times_the_steps_in_which_every_sequence_decodes() {
+    let Some(model) = smollm2() else { return };
+    let out = run(bulkhead()
+        .args([
+            "bench",
+            "scheduler",
+            "--batches",
+            "1,4",
+            "--prompt-tokens",
+            "20",
+            "--max-tokens",
+            "9",
+            "--model",
+        ])
+        .arg(&model));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines[0].contains("20 prompt tokens, 9 generated a request"),
+        "{text}"
+    );
+    // Each batch: its 8 steps after the first token (which the prompt's
+    // step gives), all of them with every sequence decoding.
+    for (line, batch) in lines[1..].iter().zip([1, 4]) {
+        assert!(
+            line.starts_with(&format!("batch {batch:>4}: ")) && line.contains("(median of 8)"),
+            "{line}"
+        );
+        let numbers: Vec<f64> = line
+            .split(" us")
+            .filter_map(|part| part.split_whitespace().last()?.parse().ok())
+            .collect();
+        assert_eq!(numbers.len(), 3, "{line}");
+        let (median, p90) = (numbers[0], numbers[1]);
+        assert!(median > 0.0 && p90 >= median, "{line}");
+    }
+    assert_eq!(lines.len(), 3, "{text}");
+    let out = run(bulkhead()
+        .args(["bench", "scheduler", "--max-tokens", "1", "--model"])
+        .arg(&model));
+    assert_clean_failure(&out, "--max-tokens is at least 2");
+}
+
+#[test]
 fn tokenize_prints_the_reference_ids() {
     let Some(model) = smollm2() else { return };
     let fixture: serde_json::Value = serde_json::from_str(
