@@ -894,23 +894,44 @@ fn lose_device() -> ExitCode {
     }
 }
 
-/// The `--lose-device` row: this binary again, in a process of its own.
+/// The `--lose-device` row: this binary again, in a process of its own,
+/// stopped if it has not ended within a minute (a loan is minutes long).
 fn lost_device_row() -> (String, Option<bool>) {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
     let exe = match std::env::current_exe() {
         Ok(exe) => exe,
         Err(e) => return (format!("this binary's path: {e}"), Some(false)),
     };
-    match std::process::Command::new(exe)
+    let mut child = match Command::new(exe)
         .arg("--lose-device")
-        .output()
+        .stdout(Stdio::piped())
+        .spawn()
     {
-        Ok(out) => {
-            let said = String::from_utf8_lossy(&out.stdout);
-            let line = said.lines().last().unwrap_or("nothing printed");
-            (line.replace('|', "/"), Some(out.status.success()))
+        Ok(child) => child,
+        Err(e) => return (format!("did not start: {e}"), Some(false)),
+    };
+    let deadline = Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(100))
+            }
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return ("did not end within 60 s: stopped".into(), Some(false));
+            }
+            Err(e) => return (format!("could not wait for it: {e}"), Some(false)),
         }
-        Err(e) => (format!("did not start: {e}"), Some(false)),
+    };
+    let mut said = String::new();
+    if let Some(mut out) = child.stdout.take() {
+        let _ = out.read_to_string(&mut said);
     }
+    let line = said.lines().last().unwrap_or("nothing printed");
+    (line.replace('|', "/"), Some(status.success()))
 }
 
 /// `--budget SECONDS`: rows begun after that many seconds are listed as not
