@@ -45,10 +45,15 @@
 //!    with its products a warp a row, what the tensor cores save; and batch
 //!    1 with a norm launch before each matrix product, with RoPE
 //!    and the KV store a launch of their own, and with split attention
-//!    merged by a launch of its own: what each fusion saves.
+//!    merged by a launch of its own: what each fusion saves;
+//! 7. the host's part of each of those decode steps (the backend's packing,
+//!    page checks and step buffer, with no kernel run: the emulator's
+//!    host-only mode), which adds to every step's time on the GPU.
 //!
 //! `gpu_check --write-model PATH` writes the SmolLM2-shaped model's GGUF file
 //! to PATH and exits (the server's part of `scripts/gpu-check.sh` serves it).
+//! `gpu_check --host-part` runs the seventh part alone, on any machine (no
+//! GPU needed; `--quick` and `--dry-run` choose its sizes as below).
 //! `gpu_check --quick` runs smaller sizes (a smoke test, about a minute);
 //! `gpu_check --dry-run` runs every part on the tiny model on the CPU
 //! emulator (built with the `emulator` feature), to check the check itself;
@@ -751,6 +756,41 @@ fn decode_rows(
     }
 }
 
+/// Rows of the host's own part of a decode step: the speed rows' steps (with
+/// graphs) on the emulator in its host-only mode, whose launches are checked,
+/// counted and captured as on a GPU but run no kernel, and whose copies are
+/// `memcpy`. What is left is the backend's work on the host: page tables
+/// checked by the page book and packed, the step buffer written, rows and
+/// tokens read back; not the driver's calls. A decode step's next inputs
+/// wait for its tokens, so this time adds to each step's on a GPU.
+fn host_part_rows(report: &mut Report, plan: &Plan, model: &Arc<Model>) {
+    #[cfg(feature = "emulator")]
+    let device: Arc<dyn Device> = bulkhead_kernels::backend::cuda::emulator::Emulator::host_only(1);
+    for &depth in &plan.depths {
+        for &batch in &plan.batches {
+            let check = format!("decode batch {batch} depth {depth}: the host's part");
+            report.row(check, || {
+                #[cfg(feature = "emulator")]
+                {
+                    let run = DecodeRun::new(batch, depth, plan.decode_steps, true, plan.chunk);
+                    let rate = check::decode_rate(model, &device, &run);
+                    let result = format!(
+                        "{:.1} us a step (page tables checked and packed, the step buffer, \
+                         tokens read back; no kernel, no driver call)",
+                        rate.step_secs * 1e6
+                    );
+                    (result, None)
+                }
+                #[cfg(not(feature = "emulator"))]
+                {
+                    let _ = (model, batch, depth);
+                    ("needs the emulator feature".into(), None)
+                }
+            });
+        }
+    }
+}
+
 /// Rows of where a step's device time goes, kernel by kernel: decode at
 /// batch 1 and a middling batch, and a prefill chunk.
 fn profile_rows(report: &mut Report, plan: &Plan, model: &Arc<Model>, device: &Arc<dyn Device>) {
@@ -970,6 +1010,19 @@ fn main() -> ExitCode {
         return lose_device();
     }
     let plan = Plan::of(&args);
+    // The host's part of the speed rows' decode steps alone: no device needed.
+    if args.iter().any(|a| a == "--host-part") {
+        let started = Instant::now();
+        let model = match &plan.big {
+            Some((spec, _)) => model_of(spec),
+            None => model_of(&TinySpec::default()),
+        };
+        println!("gpu-check: the host's part of a decode step, on this machine's CPU");
+        let mut report = Report::new(started, None);
+        host_part_rows(&mut report, &plan, &model);
+        report.table();
+        return ExitCode::SUCCESS;
+    }
     let budget = match budget(&args) {
         Ok(budget) => budget,
         Err(why) => {
@@ -1156,6 +1209,7 @@ fn main() -> ExitCode {
             });
         }
         decode_rows(&mut report, &plan, &model, &device, bandwidth);
+        host_part_rows(&mut report, &plan, &model);
         println!(
             "weights read per decode step: {:.1} MB",
             check::weight_bytes(&model) as f64 / 1e6

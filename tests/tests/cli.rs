@@ -500,6 +500,7 @@ fn the_gpu_check_lists_the_rows_past_its_budget_as_not_measured() {
         "| device-to-device copy |",
         "| isolation |",
         "| tiny model: CPU vs CUDA |",
+        "| decode batch 2 depth 40: the host's part |",
     ] {
         assert!(rows.iter().any(|r| r.starts_with(row)), "{row}: {table}");
     }
@@ -517,6 +518,45 @@ fn the_gpu_check_lists_the_rows_past_its_budget_as_not_measured() {
         "{}",
         stderr(&out)
     );
+}
+
+/// The GPU check's `--host-part`: the backend's own work a decode step,
+/// with no kernel run, measured on any machine (here at the dry run's sizes).
+#[test]
+fn the_gpu_checks_host_part_times_steps_without_a_gpu() {
+    let check = bulkhead_exe()
+        .parent()
+        .expect("target dir")
+        .join("examples/gpu_check");
+    if !check.exists() {
+        assert!(
+            std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_none(),
+            "{} is missing",
+            check.display()
+        );
+        eprintln!("skipped: {} is missing", check.display());
+        return;
+    }
+    let out = run(Command::new(&check).args(["--host-part", "--dry-run"]));
+    let table = stdout(&out);
+    assert!(out.status.success(), "{table}{}", stderr(&out));
+    let rows: Vec<&str> = table
+        .lines()
+        .skip_while(|l| !l.starts_with("| check |"))
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| check |"))
+        .collect();
+    // The dry run's batches (1, 2) at its depth (40), and nothing else.
+    assert_eq!(rows.len(), 2, "{table}");
+    for (row, batch) in rows.iter().zip([1, 2]) {
+        let prefix = format!("| decode batch {batch} depth 40: the host's part | ");
+        let us: f64 = row
+            .strip_prefix(&prefix)
+            .and_then(|rest| rest.split(" us a step").next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{row}"));
+        assert!(us > 0.0 && us < 1e6, "{row}");
+    }
+    assert!(!table.contains("FAIL"), "{table}");
 }
 
 #[test]

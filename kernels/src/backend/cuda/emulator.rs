@@ -62,6 +62,8 @@ pub struct Emulator {
     /// While a profile is taken, the launches timed so far (by the host's clock).
     profile: Mutex<Option<Vec<LaunchTime>>>,
     seed: u64,
+    /// Whether launches run their kernels ([`Emulator::host_only`]: not).
+    kernels: bool,
     /// Itself, for the graphs it captures.
     this: Weak<Emulator>,
 }
@@ -75,6 +77,17 @@ impl std::fmt::Debug for Emulator {
 impl Emulator {
     /// An emulated device whose launches' schedules derive from `seed`.
     pub fn new(seed: u64) -> Arc<Emulator> {
+        Emulator::with_kernels(seed, true)
+    }
+
+    /// An emulated device whose launches are checked, counted and recorded
+    /// as [`Emulator::new`]'s, and run nothing: what a step costs the host
+    /// (packing, checks, copies, launches) without the device's work.
+    pub fn host_only(seed: u64) -> Arc<Emulator> {
+        Emulator::with_kernels(seed, false)
+    }
+
+    fn with_kernels(seed: u64, kernels: bool) -> Arc<Emulator> {
         // SAFETY: a function without arguments; referencing it links the kernels in.
         let linked = unsafe { bulkhead_emu_kernels_linked() };
         assert_eq!(linked, 1, "the emulator's kernels are linked");
@@ -84,6 +97,7 @@ impl Emulator {
             running: Mutex::new(()),
             profile: Mutex::new(None),
             seed,
+            kernels,
             this: this.clone(),
         })
     }
@@ -105,6 +119,9 @@ impl Emulator {
     ) -> Result<(), DeviceError> {
         let _running = self.running.lock().unwrap_or_else(|e| e.into_inner());
         let launch = self.launches.fetch_add(1, Ordering::Relaxed);
+        if !self.kernels {
+            return Ok(());
+        }
         let name = CString::new(kernel).expect("kernel names have no NUL");
         let grid = [geometry.grid, 1, 1];
         let block = [geometry.block, 1, 1];
