@@ -228,24 +228,43 @@ fn liveness(lost: Option<&str>) -> Response<Body> {
     }
 }
 
-/// Ready: not shutting down, and every model of the catalog accepting. The
-/// inference listener says only that (its callers are tenants, who must not
-/// learn the catalog); the admin listener lists every model.
+/// Ready: not shutting down, the process's GPU context not lost, and every
+/// model of the catalog accepting. The inference listener says only that
+/// (its callers are tenants, who must not learn the catalog); the admin
+/// listener lists every model.
 fn readiness(app: &App) -> (bool, serde_json::Map<String, serde_json::Value>) {
+    let gpu_lost = bulkhead_kernels::backend::cuda::lost().is_some();
     let mut models = serde_json::Map::new();
-    let mut ready = !app.shutting_down.load(Ordering::SeqCst) && !app.control.refusing();
+    let mut ready =
+        !app.shutting_down.load(Ordering::SeqCst) && !app.control.refusing() && !gpu_lost;
     for model in app.control.catalog().snapshot().all() {
         // Role decode: a model is ready once a prefill peer pairs for it.
         let paired = model
             .transfer
             .as_ref()
             .is_none_or(|t| !t.decode || t.link.paired.load(Ordering::Relaxed));
-        let accepting = model.engine.is_accepting() && paired;
-        ready &= accepting;
-        let state = if accepting { "ready" } else { "not ready" };
+        let state = model_state(
+            model.engine.is_accepting() && paired,
+            model.backend.starts_with("cuda"),
+            gpu_lost,
+        );
+        ready &= state == "ready";
         models.insert(model.spec.id.clone(), state.into());
     }
     (ready, models)
+}
+
+/// A model's word in the admin `/readyz`. A model on the GPU is not ready
+/// from the moment the process's context is lost, whether or not its own
+/// engine has stepped since (an idle one learns it at its next step); the
+/// whole process is then not ready (and not alive, `/healthz`), so that no
+/// new request comes to it before the orchestrator restarts it.
+fn model_state(accepting: bool, on_gpu: bool, gpu_lost: bool) -> &'static str {
+    match (accepting, on_gpu && gpu_lost) {
+        (_, true) => "not ready (gpu lost)",
+        (true, false) => "ready",
+        (false, false) => "not ready",
+    }
 }
 
 /// The store's state as `/readyz` shows it: `away` while a shared store
@@ -1382,5 +1401,18 @@ mod tests {
         );
         // Nothing in this process reached a GPU: the route answers alive.
         assert_eq!(healthz().await.status(), StatusCode::OK);
+    }
+
+    #[test]
+    fn a_lost_gpu_context_leaves_its_models_not_ready_at_once() {
+        assert_eq!(model_state(true, false, false), "ready");
+        assert_eq!(model_state(true, true, false), "ready");
+        assert_eq!(model_state(false, true, false), "not ready");
+        // An idle model on the GPU, its engine still accepting: not ready.
+        assert_eq!(model_state(true, true, true), "not ready (gpu lost)");
+        assert_eq!(model_state(false, true, true), "not ready (gpu lost)");
+        // A model on the CPU keeps its own word (the process is not ready).
+        assert_eq!(model_state(true, false, true), "ready");
+        assert_eq!(model_state(false, false, true), "not ready");
     }
 }
