@@ -10,8 +10,8 @@ store on loopback ports, and checks, as rows of the check's table:
 - the server starts, and with `auto` on a machine with a GPU says in its log
   that it chose cuda and in the admin listener's /readyz which GPU, with
   graphs and tensor cores on (the tensor cores' start-up probe agreed);
-  `eager` is `--backend cuda` with both turned off (`[engine.cuda]`), which
-  /readyz says;
+  `eager` is `--backend cuda` with both turned off by the command line
+  (`--enforce-eager --no-tensor-cores`), which /readyz says;
 - a greedy completion and a streamed chat completion come back whole
   (status 200, the tokens asked for, a finish reason), with their time, a
   greedy completion under penalties, biases and min_tokens (adjusted on the
@@ -70,17 +70,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-# `eager`: the server's CUDA switches off (each kernel launched on its own,
-# products a warp a row).
-EAGER = """
-[engine.cuda]
-graphs = false
-tensor_cores = false
-"""
+# `eager`: the server's CUDA switches off by its flags (each kernel launched
+# on its own, products a warp a row): `--enforce-eager --no-tensor-cores`,
+# as `[engine.cuda] graphs = false, tensor_cores = false` would.
+EAGER_FLAGS = ["--backend", "cuda", "--enforce-eager", "--no-tensor-cores"]
 
 
-def policy(folder, backend_dir, listen, admin, eager):
-    return (EAGER if eager else "") + f"""
+def policy(folder, backend_dir, listen, admin):
+    return f"""
 [server]
 listen = "127.0.0.1:{listen}"
 admin_listen = "127.0.0.1:{admin}"
@@ -127,11 +124,12 @@ class Server:
         self.port, self.admin = free_port(), free_port()
         config = os.path.join(self.dir, "policy.toml")
         with open(config, "w") as f:
-            f.write(policy(folder, self.dir, self.port, self.admin, backend == "eager"))
+            f.write(policy(folder, self.dir, self.port, self.admin))
         env = dict(os.environ, BULKHEAD_KEY_ALPHA=KEY, BULKHEAD_ADMIN_TOKEN=ADMIN)
         self.log = open(os.path.join(self.dir, "stderr.log"), "w+")
         self.process = subprocess.Popen(
-            [BULKHEAD, "serve", "--config", config, "--backend", "cuda" if backend == "eager" else backend],
+            [BULKHEAD, "serve", "--config", config]
+            + (EAGER_FLAGS if backend == "eager" else ["--backend", backend]),
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=self.log,

@@ -127,6 +127,16 @@ enum Command {
         /// `engine.backend`.
         #[arg(long)]
         backend: Option<BackendChoice>,
+        /// On CUDA, launch each kernel of a decode step on its own rather
+        /// than replaying the step as a captured graph (vLLM's flag; sets
+        /// `[engine.cuda] graphs = false`).
+        #[arg(long)]
+        enforce_eager: bool,
+        /// On CUDA, multiply large steps (prefill chunks, batches past 8) a
+        /// warp a row rather than on the tensor cores, and probe nothing at
+        /// start-up (sets `[engine.cuda] tensor_cores = false`).
+        #[arg(long)]
+        no_tensor_cores: bool,
     },
     /// Print each model's capacity table and the memory budget of a deployment,
     /// as `serve` would check them: the policy's models and those added through
@@ -469,6 +479,8 @@ fn run(cli: Cli) -> Result<()> {
             transfer_listen,
             prefill_peers,
             backend,
+            enforce_eager,
+            no_tensor_cores,
         } => {
             let policy = match &model {
                 Some(model) => {
@@ -510,6 +522,8 @@ fn run(cli: Cli) -> Result<()> {
                 transfer_listen,
                 prefill_peers,
                 backend,
+                enforce_eager,
+                no_tensor_cores,
             })?)
         }
         Command::Check {

@@ -442,8 +442,8 @@ fn the_gpu_checks_server_part_serves_and_says_when_auto_chose_no_gpu() {
         row.ends_with("| FAIL |") && row.contains("backend auto chose cpu: no NVIDIA driver"),
         "{row}"
     );
-    // `eager` (--backend cuda with `[engine.cuda]` turning graphs and
-    // tensor cores off) parses, and refuses to start without a GPU.
+    // `eager` (--backend cuda --enforce-eager --no-tensor-cores: graphs
+    // and tensor cores off) parses, and refuses to start without a GPU.
     let out = check(&["eager"]);
     let table = stdout(&out);
     assert!(!out.status.success(), "{table}");

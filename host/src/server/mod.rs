@@ -82,6 +82,10 @@ pub struct ServeOptions {
     pub prefill_peers: Vec<String>,
     /// Overrides `engine.backend` (models that name their own keep it).
     pub backend: Option<crate::engine::placement::BackendChoice>,
+    /// Sets `[engine.cuda] graphs = false`.
+    pub enforce_eager: bool,
+    /// Sets `[engine.cuda] tensor_cores = false`.
+    pub no_tensor_cores: bool,
 }
 
 /// Why the server could not start (or stopped with an error).
@@ -466,6 +470,12 @@ impl ServeOptions {
         if let Some(backend) = self.backend {
             config.engine.backend = backend;
         }
+        if self.enforce_eager {
+            config.engine.cuda.graphs = false;
+        }
+        if self.no_tensor_cores {
+            config.engine.cuda.tensor_cores = false;
+        }
         config.validate_role()?;
         Ok(config)
     }
@@ -742,5 +752,49 @@ impl Signals {
             _ = self.term.recv() => tracing::info!(signal = "SIGTERM", "signal received"),
             _ = self.int.recv() => tracing::info!(signal = "SIGINT", "signal received"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::placement::CudaSwitches;
+
+    #[test]
+    fn the_command_lines_cuda_flags_turn_the_policys_switches_off() {
+        let on = CudaSwitches {
+            graphs: true,
+            tensor_cores: true,
+        };
+        let demo = || Config::parse(include_str!("../../../policies/demo.toml")).unwrap();
+        let apply = |options: ServeOptions| options.apply(demo()).unwrap().engine.cuda;
+        assert_eq!(apply(ServeOptions::default()), on);
+        let eager = ServeOptions {
+            enforce_eager: true,
+            ..ServeOptions::default()
+        };
+        assert_eq!(
+            apply(eager),
+            CudaSwitches {
+                graphs: false,
+                ..on
+            }
+        );
+        let warps = ServeOptions {
+            no_tensor_cores: true,
+            ..ServeOptions::default()
+        };
+        assert_eq!(
+            apply(warps),
+            CudaSwitches {
+                tensor_cores: false,
+                ..on
+            }
+        );
+        // A flag turns a switch off; leaving it out keeps the policy's word.
+        let mut policy = demo();
+        policy.engine.cuda.graphs = false;
+        let kept = ServeOptions::default().apply(policy).unwrap().engine.cuda;
+        assert!(!kept.graphs && kept.tensor_cores);
     }
 }
