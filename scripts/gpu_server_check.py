@@ -9,9 +9,10 @@ store on loopback ports, and checks, as rows of the check's table:
 
 - the server starts, and with `auto` on a machine with a GPU says in its log
   that it chose cuda and in the admin listener's /readyz which GPU, with
-  graphs and tensor cores on (the tensor cores' start-up probe agreed);
-  `eager` is `--backend cuda` with both turned off by the command line
-  (`--enforce-eager --no-tensor-cores`), which /readyz says;
+  graphs, tensor cores and dependent launches on (their start-up probes
+  agreed); `eager` is `--backend cuda` with all three turned off by the
+  command line (`--enforce-eager --no-tensor-cores --no-dependent-launches`),
+  which /readyz says;
 - a greedy completion and a streamed chat completion come back whole
   (status 200, the tokens asked for, a finish reason), with their time, a
   greedy completion under penalties, biases and min_tokens (adjusted on the
@@ -70,10 +71,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-# `eager`: the server's CUDA switches off by its flags (each kernel launched
-# on its own, products a warp a row): `--enforce-eager --no-tensor-cores`,
-# as `[engine.cuda] graphs = false, tensor_cores = false` would.
-EAGER_FLAGS = ["--backend", "cuda", "--enforce-eager", "--no-tensor-cores"]
+# `eager`: every CUDA switch of the server off by its flags (each kernel
+# launched on its own once the one before it has ended, products a warp a
+# row), as `[engine.cuda]` `graphs`, `tensor_cores` and `dependent_launches`
+# false would.
+EAGER_FLAGS = [
+    "--backend",
+    "cuda",
+    "--enforce-eager",
+    "--no-tensor-cores",
+    "--no-dependent-launches",
+]
 
 
 def policy(folder, backend_dir, listen, admin):
@@ -178,7 +186,7 @@ def serve(folder, backend):
         ready = server.ready()
         log = server.stderr()
         starts = (
-            "server --backend cuda, graphs and tensor cores off: starts"
+            "server --backend cuda, every CUDA switch off: starts"
             if backend == "eager"
             else f"server --backend {backend}: starts"
         )
@@ -193,15 +201,21 @@ def serve(folder, backend):
                 "server --backend auto: chooses the GPU",
                 f"/readyz backends: {placed!r}; log: {said}",
                 placed.startswith("cuda")
-                # "not used" on a device without tensor cores for these products.
-                and re.search(r": graphs on, tensor cores (on|not used)$", placed) is not None
+                # "not used" on a device without tensor cores for these
+                # products, "not supported" before compute capability 9.0.
+                and re.search(
+                    r": graphs on, tensor cores (on|not used), dependent launches (on|not supported)$",
+                    placed,
+                )
+                is not None
                 and said.startswith("backend auto chose cuda"),
             )
         elif backend == "eager":
             row(
                 starts,
                 f"ready in {time.time() - started:.1f} s; /readyz backends: {placed!r}",
-                placed.startswith("cuda") and placed.endswith(": graphs off, tensor cores off"),
+                placed.startswith("cuda")
+                and placed.endswith(": graphs off, tensor cores off, dependent launches off"),
             )
         else:
             row(

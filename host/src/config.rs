@@ -1039,6 +1039,7 @@ models = ["m"]
         let on = CudaSwitches {
             graphs: true,
             tensor_cores: true,
+            dependent_launches: true,
         };
         assert_eq!(Config::parse(BASE).unwrap().engine.cuda, on);
         let with = |table: &str| {
@@ -1060,6 +1061,14 @@ models = ["m"]
             warps,
             CudaSwitches {
                 tensor_cores: false,
+                ..on
+            }
+        );
+        let chained = with("dependent_launches = false").unwrap().engine.cuda;
+        assert_eq!(
+            chained,
+            CudaSwitches {
+                dependent_launches: false,
                 ..on
             }
         );

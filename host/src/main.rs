@@ -137,6 +137,11 @@ enum Command {
         /// start-up (sets `[engine.cuda] tensor_cores = false`).
         #[arg(long)]
         no_tensor_cores: bool,
+        /// On CUDA, start each kernel of a step once the one before it has
+        /// ended, rather than letting it begin early and wait in the kernel
+        /// (sets `[engine.cuda] dependent_launches = false`).
+        #[arg(long)]
+        no_dependent_launches: bool,
     },
     /// Print each model's capacity table and the memory budget of a deployment,
     /// as `serve` would check them: the policy's models and those added through
@@ -481,6 +486,7 @@ fn run(cli: Cli) -> Result<()> {
             backend,
             enforce_eager,
             no_tensor_cores,
+            no_dependent_launches,
         } => {
             let policy = match &model {
                 Some(model) => {
@@ -524,6 +530,7 @@ fn run(cli: Cli) -> Result<()> {
                 backend,
                 enforce_eager,
                 no_tensor_cores,
+                no_dependent_launches,
             })?)
         }
         Command::Check {

@@ -18,14 +18,40 @@ typedef unsigned int uint32_t;
 typedef long long int64_t;
 typedef unsigned long long uint64_t;
 
+// A dependent launch (programmatic dependent launch, sm_90 and later: the
+// backend's launches after a step's first, CudaBackend::launch) may begin
+// while the kernel queued before it still runs. Every kernel therefore lets
+// the next one begin (`launch_dependents`: its blocks are placed and run up
+// to their own wait as soon as every block of this one has begun), then
+// waits (`wait`: until the kernel before has ended and its writes are
+// visible) before it reads or writes anything: what it sees is what it
+// would see launched after. Launched otherwise, both do nothing.
+__device__ __forceinline__ void grid_dependency() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // A kernel takes one argument: its struct of device addresses and sizes
-// (args.cuh), passed by value.
-#define KERNEL(name, Args) extern "C" __global__ void name(const Args a)
+// (args.cuh), passed by value; its body runs after grid_dependency().
+#define KERNEL(name, Args)                                    \
+    __device__ __forceinline__ void name##_body(const Args a); \
+    extern "C" __global__ void name(const Args a) {           \
+        grid_dependency();                                    \
+        name##_body(a);                                       \
+    }                                                         \
+    __device__ __forceinline__ void name##_body(const Args a)
 // A kernel launched with `threads` a block, more than a register file
 // holds at the compiler's own choice (1024 threads have 64 registers each):
 // the bound makes NVRTC fit them, where a launch would otherwise fail.
-#define KERNEL_THREADS(name, Args, threads) \
-    extern "C" __global__ void __launch_bounds__(threads) name(const Args a)
+#define KERNEL_THREADS(name, Args, threads)                                     \
+    __device__ __forceinline__ void name##_body(const Args a);                  \
+    extern "C" __global__ void __launch_bounds__(threads) name(const Args a) {  \
+        grid_dependency();                                                      \
+        name##_body(a);                                                         \
+    }                                                                           \
+    __device__ __forceinline__ void name##_body(const Args a)
 #define DYNAMIC_SHARED(type, name)                         \
     extern __shared__ __align__(16) unsigned char name##_bytes[]; \
     type* name = reinterpret_cast<type*>(name##_bytes)

@@ -6,9 +6,11 @@
 //!
 //! 1. the device-to-device copy bandwidth (bytes read plus written per
 //!    second), and the launch floor: the smallest kernel's time a launch,
-//!    queued and in a graph (what a step's launches cost at the least);
+//!    queued, in a graph, and in a graph of dependent launches (what a
+//!    step's launches cost at the least);
 //! 2. the tensor cores' start-up probe on every model here (each quantized
-//!    weight type's product on them and a warp a row agree), then
+//!    weight type's product on them and a warp a row agree), and the
+//!    dependent launches' (a chain of dependent copies comes out whole), then
 //!    CPU-versus-CUDA agreement on both models: the worst relative logit
 //!    error and greedy-token agreement over a few hundred decode tokens, and
 //!    each step again with its tokens picked on the device (the argmax of
@@ -45,7 +47,9 @@
 //!    with its products a warp a row, what the tensor cores save; and batch
 //!    1 with a norm launch before each matrix product, with RoPE
 //!    and the KV store a launch of their own, and with split attention
-//!    merged by a launch of its own: what each fusion saves;
+//!    merged by a launch of its own: what each fusion saves; and batch 1
+//!    with each kernel started once the one before has ended (no dependent
+//!    launches);
 //! 7. the host's part of each of those decode steps (the backend's packing,
 //!    page checks and step buffer, with no kernel run: the emulator's
 //!    host-only mode), which adds to every step's time on the GPU.
@@ -73,7 +77,7 @@ use bulkhead_kernels::backend::cuda::check::{self, AgreementRun, DecodeRun, Pref
 use bulkhead_kernels::backend::cuda::launch::{EmbedArgs, KernelArgs};
 use bulkhead_kernels::backend::cuda::{
     self as cuda, attention_rows, Cuda, CudaBackend, CudaDevice, CudaOptions, CudaUnavailable,
-    Device, DeviceBuffer, DeviceError, Fusions, Geometry, TensorCoresProbe,
+    DependentLaunches, Device, DeviceBuffer, DeviceError, Fusions, Geometry, TensorCoresProbe,
 };
 use bulkhead_kernels::backend::{Draw, Pick};
 use bulkhead_kernels::gguf::Gguf;
@@ -251,7 +255,7 @@ fn copy_bandwidth(device: &Arc<dyn Device>, bytes: u64, rounds: usize) -> f64 {
 /// `launches` launches: queued
 /// one by one, and replayed as one captured graph. What a step of that many
 /// launches takes at the least, whatever its kernels do.
-fn launch_floor(device: &Arc<dyn Device>, launches: usize, rounds: usize) -> (f64, f64) {
+fn launch_floor(device: &Arc<dyn Device>, launches: usize, rounds: usize) -> (f64, f64, f64) {
     use bulkhead_kernels::backend::cuda::launch::{KernelArgs, PickArgs};
     use bulkhead_kernels::backend::cuda::Geometry;
     let logits = DeviceBuffer::zeroed(device, 4).expect("device memory");
@@ -271,15 +275,25 @@ fn launch_floor(device: &Arc<dyn Device>, launches: usize, rounds: usize) -> (f6
         block: 32,
         shared_bytes: 0,
     };
-    // SAFETY: the kernel reads one float of `logits` and writes one word of `out`.
-    let launch = || unsafe { device.launch(PickArgs::KERNEL, geometry, args.bytes()) };
-    let queue = || -> Result<(), DeviceError> {
-        for _ in 0..launches {
-            launch()?;
+    // SAFETY: the kernel reads one float of `logits` and writes one word of
+    // `out`; a dependent follows a launch (`queue` makes the first plain).
+    let launch = |dependent: bool| unsafe {
+        match dependent {
+            true => device.launch_dependent(PickArgs::KERNEL, geometry, args.bytes()),
+            false => device.launch(PickArgs::KERNEL, geometry, args.bytes()),
+        }
+    };
+    let queue_as = |dependents: bool| -> Result<(), DeviceError> {
+        for i in 0..launches {
+            launch(dependents && i > 0)?;
         }
         Ok(())
     };
+    let queue = || queue_as(false);
     let graph = device.capture(&mut || queue()).expect("a captured graph");
+    let chained = device
+        .capture(&mut || queue_as(true))
+        .expect("a captured graph of dependent launches");
     let median = |run: &dyn Fn()| {
         let mut times: Vec<f64> = (0..=rounds)
             .map(|_| {
@@ -296,7 +310,8 @@ fn launch_floor(device: &Arc<dyn Device>, launches: usize, rounds: usize) -> (f6
     };
     let queued = median(&|| queue().expect("launches"));
     let replayed = median(&|| graph.replay().expect("a replay"));
-    (queued, replayed)
+    let dependents = median(&|| chained.replay().expect("a replay"));
+    (queued, replayed, dependents)
 }
 
 /// Tiny models of each family's options the CUDA kernels run beyond plain
@@ -482,6 +497,7 @@ fn probe_row(device: &Arc<dyn Device>, models: &[(&str, Arc<Model>)]) -> (String
         step_seqs_max: 1,
         graphs: false,
         tensor_cores: true,
+        dependent_launches: true,
     };
     let mut pass = true;
     let mut cells = Vec::new();
@@ -511,6 +527,31 @@ fn probe_row(device: &Arc<dyn Device>, models: &[(&str, Arc<Model>)]) -> (String
         cells.push(cell);
     }
     (cells.join("; "), Some(pass))
+}
+
+/// The dependent launches' start-up probe on `model`'s backend: on wherever
+/// the device has them (compute capability 9.0 and later), else the rows
+/// timing them would time plain launches.
+fn dependent_probe_row(device: &Arc<dyn Device>, model: &Arc<Model>) -> (String, Option<bool>) {
+    let options = CudaOptions {
+        step_tokens_max: 8,
+        step_seqs_max: 1,
+        graphs: true,
+        tensor_cores: true,
+        dependent_launches: true,
+    };
+    match CudaBackend::new(Arc::clone(model), Arc::clone(device), options) {
+        Ok(backend) => {
+            let probe = backend.dependent_launches();
+            let pass = match probe {
+                DependentLaunches::Agreed => true,
+                DependentLaunches::Unsupported => !device.dependent_launches(),
+                DependentLaunches::Refused { .. } | DependentLaunches::Off => false,
+            };
+            (probe.to_string(), Some(pass))
+        }
+        Err(e) => (e.to_string(), Some(false)),
+    }
 }
 
 /// The isolation checks of `check::isolation`, as rows.
@@ -621,7 +662,9 @@ fn decode_rows(
             // step of at most 8 tokens make their own activations), and
             // with RoPE and the KV store a launch of their own (the Q/K/V
             // product does them), and with split attention merged by a
-            // launch of its own (attention's last split folds them); the
+            // launch of its own (attention's last split folds them), and
+            // with each kernel started once the one before has ended (no
+            // dependent launches); the
             // largest batch at the shallowest depth copying every row of
             // logits to the host (as a step of requests asking for log
             // probabilities does), and drawing each token on the device, as
@@ -655,6 +698,13 @@ fn decode_rows(
                     " (no graphs)",
                     DecodeRun {
                         graphs: false,
+                        ..run
+                    },
+                ));
+                variants.push((
+                    " (no dependent launches)",
+                    DecodeRun {
+                        dependent_launches: false,
                         ..run
                     },
                 ));
@@ -1069,14 +1119,16 @@ fn main() -> ExitCode {
         // (its 12,288 blocks do not each make their own), the head and
         // the pick.
         let launches = 30 * 5 + 4;
-        let (queued, replayed) = launch_floor(&device, launches, 5);
+        let (queued, replayed, dependents) = launch_floor(&device, launches, 5);
         let n = launches as f64;
         let result = format!(
-            "the smallest kernel: {:.2} us a launch queued one by one, {:.2} us in a graph ({launches} launches: {:.3} ms and {:.3} ms; a step of batch 1 at 1500 tokens/s has 0.667 ms)",
+            "the smallest kernel: {:.2} us a launch queued one by one, {:.2} us in a graph, {:.2} us in a graph of dependent launches ({launches} launches: {:.3}, {:.3} and {:.3} ms; a step of batch 1 at 1500 tokens/s has 0.667 ms)",
             queued * 1e6,
             replayed * 1e6,
+            dependents * 1e6,
             queued * n * 1e3,
             replayed * n * 1e3,
+            dependents * n * 1e3,
         );
         (result, None)
     });
@@ -1109,6 +1161,9 @@ fn main() -> ExitCode {
                 models.push(("SmolLM2-135M shape", Arc::clone(&model)));
             }
             probe_row(&device, &models)
+        });
+        report.row("dependent launches: start-up probe".into(), || {
+            dependent_probe_row(&device, &tiny)
         });
         agreement_rows(
             &mut report,

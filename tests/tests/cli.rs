@@ -442,14 +442,15 @@ fn the_gpu_checks_server_part_serves_and_says_when_auto_chose_no_gpu() {
         row.ends_with("| FAIL |") && row.contains("backend auto chose cpu: no NVIDIA driver"),
         "{row}"
     );
-    // `eager` (--backend cuda --enforce-eager --no-tensor-cores: graphs
-    // and tensor cores off) parses, and refuses to start without a GPU.
+    // `eager` (--backend cuda --enforce-eager --no-tensor-cores
+    // --no-dependent-launches: every CUDA switch off) parses, and refuses
+    // to start without a GPU.
     let out = check(&["eager"]);
     let table = stdout(&out);
     assert!(!out.status.success(), "{table}");
     let row = table
         .lines()
-        .find(|l| l.starts_with("| server --backend cuda, graphs and tensor cores off: starts |"))
+        .find(|l| l.starts_with("| server --backend cuda, every CUDA switch off: starts |"))
         .unwrap_or_else(|| panic!("{table}"));
     assert!(
         row.ends_with("| FAIL |") && row.contains("backend cuda: no NVIDIA driver"),

@@ -8,7 +8,8 @@ use super::placement::{CudaSwitches, Gpu, Placement};
 use super::scheduler::{BatchLimits, Scheduler, TenantChangeError, TenantLimits};
 use bulkhead_kernels::backend::cpu::{CpuBackend, CpuOptions};
 use bulkhead_kernels::backend::cuda::{
-    Cuda, CudaBackend, CudaDevice, CudaOptions, Device, DeviceStorage, TensorCoresProbe,
+    Cuda, CudaBackend, CudaDevice, CudaOptions, DependentLaunches, Device, DeviceStorage,
+    TensorCoresProbe,
 };
 use bulkhead_kernels::backend::Backend;
 use bulkhead_kernels::kv::{KvType, Pool, PoolError, PoolOptions};
@@ -102,6 +103,7 @@ fn cuda_parts(
         step_seqs_max: spec.step_seqs_max as usize,
         graphs: spec.cuda.graphs,
         tensor_cores: spec.cuda.tensor_cores,
+        dependent_launches: spec.cuda.dependent_launches,
     };
     let backend = CudaBackend::new(Arc::clone(model), device, options).map_err(|e| cuda(&e))?;
     // Wrong products of large steps would fail nothing: say it loudly.
@@ -110,6 +112,12 @@ fn cuda_parts(
             tracing::warn!(gpu = %gpu.name, "tensor cores {probe}")
         }
         probe => tracing::info!(gpu = %gpu.name, "tensor cores: {probe}"),
+    }
+    match backend.dependent_launches() {
+        probe @ DependentLaunches::Refused { .. } => {
+            tracing::warn!(gpu = %gpu.name, "dependent launches {probe}")
+        }
+        probe => tracing::info!(gpu = %gpu.name, "dependent launches: {probe}"),
     }
     if !spec.cuda.graphs {
         tracing::info!(gpu = %gpu.name, "cuda graphs: off, as configured");

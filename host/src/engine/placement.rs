@@ -74,6 +74,11 @@ pub struct CudaSwitches {
     /// them and the start-up probe finds them agreeing with the warps'
     /// products; off, those products run a warp a row and nothing is probed.
     pub tensor_cores: bool,
+    /// A step's launches after its first may begin before the kernel before
+    /// them ends (CUDA's programmatic dependent launch, compute capability
+    /// 9.0 and later), where a start-up probe finds them sound; off, each
+    /// kernel starts once the one before it has ended and nothing is probed.
+    pub dependent_launches: bool,
 }
 
 impl Default for CudaSwitches {
@@ -81,6 +86,7 @@ impl Default for CudaSwitches {
         CudaSwitches {
             graphs: true,
             tensor_cores: true,
+            dependent_launches: true,
         }
     }
 }

@@ -86,6 +86,8 @@ pub struct ServeOptions {
     pub enforce_eager: bool,
     /// Sets `[engine.cuda] tensor_cores = false`.
     pub no_tensor_cores: bool,
+    /// Sets `[engine.cuda] dependent_launches = false`.
+    pub no_dependent_launches: bool,
 }
 
 /// Why the server could not start (or stopped with an error).
@@ -476,6 +478,9 @@ impl ServeOptions {
         if self.no_tensor_cores {
             config.engine.cuda.tensor_cores = false;
         }
+        if self.no_dependent_launches {
+            config.engine.cuda.dependent_launches = false;
+        }
         config.validate_role()?;
         Ok(config)
     }
@@ -765,6 +770,7 @@ mod tests {
         let on = CudaSwitches {
             graphs: true,
             tensor_cores: true,
+            dependent_launches: true,
         };
         let demo = || Config::parse(include_str!("../../../policies/demo.toml")).unwrap();
         let apply = |options: ServeOptions| options.apply(demo()).unwrap().engine.cuda;
@@ -788,6 +794,17 @@ mod tests {
             apply(warps),
             CudaSwitches {
                 tensor_cores: false,
+                ..on
+            }
+        );
+        let chained = ServeOptions {
+            no_dependent_launches: true,
+            ..ServeOptions::default()
+        };
+        assert_eq!(
+            apply(chained),
+            CudaSwitches {
+                dependent_launches: false,
                 ..on
             }
         );

@@ -343,6 +343,7 @@ pub fn agreement(
             step_seqs_max: run.prompts.len(),
             graphs: run.graphs,
             tensor_cores: true,
+            dependent_launches: true,
         },
     )
     .expect("the CUDA backend runs the model");
@@ -650,6 +651,7 @@ fn prefill_run(
             step_seqs_max: 1,
             graphs: false,
             tensor_cores: true,
+            dependent_launches: true,
         },
     )
     .expect("the CUDA backend runs the model");
@@ -759,6 +761,9 @@ pub struct DecodeRun {
     /// least `batch`): what the step buffer, its page tables and attention
     /// items, is sized for.
     pub seqs_max: usize,
+    /// A step's launches after its first as dependent launches, where the
+    /// device has them ([`CudaBackend::set_dependent_launches`]).
+    pub dependent_launches: bool,
 }
 
 impl DecodeRun {
@@ -776,6 +781,7 @@ impl DecodeRun {
             by_warps: true,
             tensor_cores: true,
             seqs_max: batch,
+            dependent_launches: true,
         }
     }
 }
@@ -820,6 +826,7 @@ fn decode_run(
         by_warps,
         tensor_cores,
         seqs_max,
+        dependent_launches,
     } = *run;
     let page_tokens = 16;
     let warmup = 4;
@@ -841,12 +848,14 @@ fn decode_run(
             step_seqs_max: seqs_max.max(batch),
             graphs,
             tensor_cores: true,
+            dependent_launches: true,
         },
     )
     .expect("the CUDA backend runs the model");
     cuda.set_fusions(fusions);
     cuda.set_decode_attention_by_warps(by_warps);
     cuda.set_tensor_cores(tensor_cores);
+    cuda.set_dependent_launches(dependent_launches);
     let vocab = model.config.vocab_len;
     let one: Vec<[u32; 1]> = (0..batch).map(|s| [(s % vocab) as u32]).collect();
     let adjust: Vec<Vec<Adjust>> = (0..batch)
@@ -982,6 +991,7 @@ pub fn isolation(model: &Arc<Model>, device: &Arc<dyn Device>) -> Vec<Outcome> {
         step_seqs_max: 4,
         graphs: false,
         tensor_cores: true,
+        dependent_launches: true,
     };
     let mut cuda =
         CudaBackend::new(Arc::clone(model), Arc::clone(device), options).expect("backend");

@@ -227,6 +227,34 @@ pub trait Device: Send + Sync + fmt::Debug {
         args: &[u8],
     ) -> Result<(), DeviceError>;
 
+    /// Queues `kernel` as [`Device::launch`] does, as a dependent of the
+    /// launch queued just before it (CUDA's programmatic dependent launch,
+    /// compute capability 9.0 and later): its blocks may be placed and begin
+    /// while that kernel's last blocks still run, and wait in the kernel
+    /// (`common.cuh`'s `grid_dependency`, before any memory is touched) for
+    /// it to end. What it computes is the same; what it saves is the gap
+    /// between two kernels. A device that has no such launch queues it as
+    /// [`Device::launch`] does.
+    ///
+    /// # Safety
+    /// As [`Device::launch`]; and what was queued just before it is a
+    /// launch, not a copy or a fill.
+    unsafe fn launch_dependent(
+        &self,
+        kernel: &'static str,
+        geometry: Geometry,
+        args: &[u8],
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the caller's promises are `launch`'s.
+        unsafe { self.launch(kernel, geometry, args) }
+    }
+
+    /// Whether [`Device::launch_dependent`] launches kernels as dependents
+    /// (not merely as [`Device::launch`] does).
+    fn dependent_launches(&self) -> bool {
+        false
+    }
+
     /// Waits for all queued work.
     fn synchronize(&self) -> Result<(), DeviceError>;
 

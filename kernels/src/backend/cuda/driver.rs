@@ -633,51 +633,22 @@ impl Device for Cuda {
         geometry: Geometry,
         args: &[u8],
     ) -> Result<(), DeviceError> {
-        let function = *self.0.functions.get(kernel).ok_or(DeviceError::Launch {
-            kernel,
-            message: "no such kernel".to_string(),
-        })?;
-        self.0.bind()?;
-        // The kernel's one parameter is its argument struct, by value.
-        let mut params = [args.as_ptr() as *mut c_void];
-        self.0.launches.fetch_add(1, Ordering::Relaxed);
-        let mut profile = self.0.profile.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = profile.as_ref() {
-            // SAFETY: an event of this context, recorded on its live stream.
-            unsafe { result::event::record(p.start, self.0.stream) }
-                .map_err(|e| driver_error("cuEventRecord", e))?;
-        }
-        // SAFETY: the caller vouched for the device addresses inside `args`;
-        // the driver copies the parameter bytes before returning.
-        unsafe {
-            result::launch_kernel(
-                function,
-                (geometry.grid, 1, 1),
-                (geometry.block, 1, 1),
-                geometry.shared_bytes,
-                self.0.stream,
-                &mut params,
-            )
-        }
-        .map_err(|e| DeviceError::Launch {
-            kernel,
-            message: driver_error("cuLaunchKernel", e).to_string(),
-        })?;
-        if let Some(p) = profile.as_mut() {
-            // SAFETY: events of this context; `start` was recorded above.
-            let ms = unsafe {
-                result::event::record(p.end, self.0.stream)
-                    .and_then(|()| result::event::synchronize(p.end))
-                    .and_then(|()| result::event::elapsed(p.start, p.end))
-            }
-            .map_err(|e| driver_error("cuEventElapsedTime", e))?;
-            p.launches.push(LaunchTime {
-                kernel,
-                grid: geometry.grid,
-                secs: f64::from(ms) / 1e3,
-            });
-        }
-        Ok(())
+        // SAFETY: the caller's promises.
+        unsafe { self.launch_as(kernel, geometry, args, false) }
+    }
+
+    unsafe fn launch_dependent(
+        &self,
+        kernel: &'static str,
+        geometry: Geometry,
+        args: &[u8],
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the caller's promises.
+        unsafe { self.launch_as(kernel, geometry, args, self.dependent_launches()) }
+    }
+
+    fn dependent_launches(&self) -> bool {
+        self.0.compute_major >= 9
     }
 
     fn profile_start(&self) {
@@ -775,6 +746,100 @@ impl Device for Cuda {
 
     fn launches(&self) -> u64 {
         self.0.launches.load(Ordering::Relaxed)
+    }
+}
+
+impl Cuda {
+    /// Queues `kernel`, as a dependent of the launch before it where
+    /// `dependent` (see [`Device::launch_dependent`]).
+    ///
+    /// # Safety
+    /// [`Device::launch`]'s, and [`Device::launch_dependent`]'s where `dependent`.
+    unsafe fn launch_as(
+        &self,
+        kernel: &'static str,
+        geometry: Geometry,
+        args: &[u8],
+        dependent: bool,
+    ) -> Result<(), DeviceError> {
+        let function = *self.0.functions.get(kernel).ok_or(DeviceError::Launch {
+            kernel,
+            message: "no such kernel".to_string(),
+        })?;
+        self.0.bind()?;
+        // The kernel's one parameter is its argument struct, by value.
+        let mut params = [args.as_ptr() as *mut c_void];
+        self.0.launches.fetch_add(1, Ordering::Relaxed);
+        let mut profile = self.0.profile.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = profile.as_ref() {
+            // SAFETY: an event of this context, recorded on its live stream.
+            unsafe { result::event::record(p.start, self.0.stream) }
+                .map_err(|e| driver_error("cuEventRecord", e))?;
+        }
+        // A profile times each kernel alone, after an event: never as a dependent.
+        let launched = if dependent && profile.is_none() {
+            // The launch may begin before the kernel queued before it ends
+            // (each kernel waits for it before touching memory: common.cuh).
+            let mut value = sys::CUlaunchAttributeValue { pad: [0; 64] };
+            value.programmaticStreamSerializationAllowed = 1;
+            let mut attribute = sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value,
+            };
+            let config = sys::CUlaunchConfig {
+                gridDimX: geometry.grid,
+                gridDimY: 1,
+                gridDimZ: 1,
+                blockDimX: geometry.block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: geometry.shared_bytes,
+                hStream: self.0.stream,
+                attrs: &mut attribute,
+                numAttrs: 1,
+            };
+            // SAFETY: as below; `config` and its one attribute outlive the
+            // call, which copies them.
+            unsafe {
+                sys::cuLaunchKernelEx(&config, function, params.as_mut_ptr(), std::ptr::null_mut())
+            }
+            .result()
+            .map_err(|e| ("cuLaunchKernelEx", e))
+        } else {
+            // SAFETY: the caller vouched for the device addresses inside `args`;
+            // the driver copies the parameter bytes before returning.
+            unsafe {
+                result::launch_kernel(
+                    function,
+                    (geometry.grid, 1, 1),
+                    (geometry.block, 1, 1),
+                    geometry.shared_bytes,
+                    self.0.stream,
+                    &mut params,
+                )
+            }
+            .map_err(|e| ("cuLaunchKernel", e))
+        };
+        launched.map_err(|(call, e)| DeviceError::Launch {
+            kernel,
+            message: driver_error(call, e).to_string(),
+        })?;
+        if let Some(p) = profile.as_mut() {
+            // SAFETY: events of this context; `start` was recorded above.
+            let ms = unsafe {
+                result::event::record(p.end, self.0.stream)
+                    .and_then(|()| result::event::synchronize(p.end))
+                    .and_then(|()| result::event::elapsed(p.start, p.end))
+            }
+            .map_err(|e| driver_error("cuEventElapsedTime", e))?;
+            p.launches.push(LaunchTime {
+                kernel,
+                grid: geometry.grid,
+                secs: f64::from(ms) / 1e3,
+            });
+        }
+        Ok(())
     }
 }
 

@@ -16,7 +16,7 @@
 use super::device::{Device, DeviceError, DeviceGraph, Fill, Geometry, LaunchTime, Rect};
 use super::launch::{shared_opt_in_bytes, SHARED_DEFAULT_BYTES, SHARED_OPT_IN_KERNEL};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 extern "C" {
@@ -49,12 +49,20 @@ struct Recorded {
     kernel: &'static str,
     geometry: Geometry,
     args: Vec<u8>,
+    /// Launched as a dependent of the launch before it.
+    dependent: bool,
 }
 
 /// The emulated device.
 pub struct Emulator {
     /// Launches so far; also the seed of each launch's schedule.
     launches: AtomicU64,
+    /// Of them, those launched as dependents ([`Device::launch_dependent`]).
+    dependents: AtomicU64,
+    /// Whether the last work queued (or captured) was a launch: a
+    /// dependent launch must follow one ([`Device::launch_dependent`]'s
+    /// promise), which the emulator holds the backend to.
+    after_launch: AtomicBool,
     /// Set while a graph is being captured: launches are recorded, not run.
     capturing: Mutex<Option<Vec<Recorded>>>,
     /// One launch runs at a time (the runtime keeps one launch's state).
@@ -93,6 +101,8 @@ impl Emulator {
         assert_eq!(linked, 1, "the emulator's kernels are linked");
         Arc::new_cyclic(|this| Emulator {
             launches: AtomicU64::new(0),
+            dependents: AtomicU64::new(0),
+            after_launch: AtomicBool::new(false),
             capturing: Mutex::new(None),
             running: Mutex::new(()),
             profile: Mutex::new(None),
@@ -111,14 +121,25 @@ impl Emulator {
         (bytes > 0).then_some(bytes)
     }
 
+    /// Launches run so far as dependents of the launch before them (graph
+    /// replays count theirs): the emulator runs one launch after another,
+    /// so a dependent one runs as any other.
+    pub fn dependent_launches_run(&self) -> u64 {
+        self.dependents.load(Ordering::Relaxed)
+    }
+
     fn run(
         &self,
         kernel: &'static str,
         geometry: Geometry,
         args: &[u8],
+        dependent: bool,
     ) -> Result<(), DeviceError> {
         let _running = self.running.lock().unwrap_or_else(|e| e.into_inner());
         let launch = self.launches.fetch_add(1, Ordering::Relaxed);
+        if dependent {
+            self.dependents.fetch_add(1, Ordering::Relaxed);
+        }
         if !self.kernels {
             return Ok(());
         }
@@ -160,9 +181,14 @@ struct EmulatedGraph {
 
 impl DeviceGraph for EmulatedGraph {
     fn replay(&self) -> Result<(), DeviceError> {
+        self.device.after_launch.store(false, Ordering::Relaxed);
         for launch in &self.launches {
-            self.device
-                .run(launch.kernel, launch.geometry, &launch.args)?;
+            self.device.run(
+                launch.kernel,
+                launch.geometry,
+                &launch.args,
+                launch.dependent,
+            )?;
         }
         Ok(())
     }
@@ -184,6 +210,8 @@ impl Emulator {
     /// so none may come between the launches of a capture
     /// ([`Device::capture`]).
     fn outside_capture(&self, call: &'static str) -> Result<(), DeviceError> {
+        // What comes next follows this call, not a launch.
+        self.after_launch.store(false, Ordering::Relaxed);
         if self
             .capturing
             .lock()
@@ -195,6 +223,68 @@ impl Emulator {
                 message: "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: operation not permitted \
                           when stream is capturing (only launches are captured)"
                     .to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks, records or runs a launch (see [`Device::launch`]).
+    fn launch_as(
+        &self,
+        kernel: &'static str,
+        geometry: Geometry,
+        args: &[u8],
+        dependent: bool,
+    ) -> Result<(), DeviceError> {
+        if dependent && !self.after_launch.load(Ordering::Relaxed) {
+            return Err(DeviceError::Launch {
+                kernel,
+                message: "launched as a dependent of something other than a launch (a copy, a \
+                          fill, a wait, a graph, or nothing in this capture)"
+                    .to_string(),
+            });
+        }
+        self.after_launch.store(true, Ordering::Relaxed);
+        // A GPU refuses a launch past its kernel's shared memory limit
+        // (CUDA_ERROR_INVALID_VALUE): the default, but for the kernel that
+        // opts in to more.
+        let limit = match kernel {
+            SHARED_OPT_IN_KERNEL => self.shared_bytes_max(),
+            _ => SHARED_DEFAULT_BYTES,
+        };
+        if geometry.shared_bytes > limit {
+            return Err(DeviceError::Launch {
+                kernel,
+                message: format!(
+                    "{} bytes of dynamic shared memory, past the {limit} a launch of it may \
+                     take (only {SHARED_OPT_IN_KERNEL} opts in to more)",
+                    geometry.shared_bytes
+                ),
+            });
+        }
+        let mut capturing = self.capturing.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(recorded) = capturing.as_mut() {
+            recorded.push(Recorded {
+                kernel,
+                geometry,
+                args: args.to_vec(),
+                dependent,
+            });
+            return Ok(());
+        }
+        drop(capturing);
+        let started = std::time::Instant::now();
+        self.run(kernel, geometry, args, dependent)?;
+        if let Some(launches) = self
+            .profile
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            launches.push(LaunchTime {
+                kernel,
+                grid: geometry.grid,
+                secs: started.elapsed().as_secs_f64(),
             });
         }
         Ok(())
@@ -310,48 +400,20 @@ impl Device for Emulator {
         geometry: Geometry,
         args: &[u8],
     ) -> Result<(), DeviceError> {
-        // A GPU refuses a launch past its kernel's shared memory limit
-        // (CUDA_ERROR_INVALID_VALUE): the default, but for the kernel that
-        // opts in to more.
-        let limit = match kernel {
-            SHARED_OPT_IN_KERNEL => self.shared_bytes_max(),
-            _ => SHARED_DEFAULT_BYTES,
-        };
-        if geometry.shared_bytes > limit {
-            return Err(DeviceError::Launch {
-                kernel,
-                message: format!(
-                    "{} bytes of dynamic shared memory, past the {limit} a launch of it may \
-                     take (only {SHARED_OPT_IN_KERNEL} opts in to more)",
-                    geometry.shared_bytes
-                ),
-            });
-        }
-        let mut capturing = self.capturing.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(recorded) = capturing.as_mut() {
-            recorded.push(Recorded {
-                kernel,
-                geometry,
-                args: args.to_vec(),
-            });
-            return Ok(());
-        }
-        drop(capturing);
-        let started = std::time::Instant::now();
-        self.run(kernel, geometry, args)?;
-        if let Some(launches) = self
-            .profile
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_mut()
-        {
-            launches.push(LaunchTime {
-                kernel,
-                grid: geometry.grid,
-                secs: started.elapsed().as_secs_f64(),
-            });
-        }
-        Ok(())
+        self.launch_as(kernel, geometry, args, false)
+    }
+
+    unsafe fn launch_dependent(
+        &self,
+        kernel: &'static str,
+        geometry: Geometry,
+        args: &[u8],
+    ) -> Result<(), DeviceError> {
+        self.launch_as(kernel, geometry, args, true)
+    }
+
+    fn dependent_launches(&self) -> bool {
+        true
     }
 
     fn profile_start(&self) {
@@ -377,7 +439,10 @@ impl Device for Emulator {
         record: &mut dyn FnMut() -> Result<(), DeviceError>,
     ) -> Result<Box<dyn DeviceGraph>, DeviceError> {
         *self.capturing.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+        // A capture's first launch has nothing before it in the graph.
+        self.after_launch.store(false, Ordering::Relaxed);
         let result = record();
+        self.after_launch.store(false, Ordering::Relaxed);
         let launches = self
             .capturing
             .lock()

@@ -44,6 +44,7 @@
 
 #[doc(hidden)]
 pub mod check;
+mod dependent;
 pub mod device;
 pub mod driver;
 #[cfg(feature = "emulator")]
@@ -56,6 +57,7 @@ mod tensor_cores;
 #[cfg(all(test, feature = "emulator"))]
 mod tests;
 
+pub use dependent::DependentLaunches;
 pub use device::{
     Device, DeviceBuffer, DeviceError, DeviceGraph, Geometry, HostFloats, LaunchTime,
 };
@@ -100,6 +102,12 @@ pub struct CudaOptions {
     /// with the warps' ([`CudaBackend::tensor_cores_probe`]). Off, nothing
     /// is probed and [`CudaBackend::set_tensor_cores`] cannot turn them on.
     pub tensor_cores: bool,
+    /// Whether a step's launches after its first are dependent launches
+    /// (each may begin before the kernel before it ends: `dependent.rs`),
+    /// where the device has them and the start-up probe finds them sound
+    /// ([`CudaBackend::dependent_launches`]). Off, nothing is probed and
+    /// [`CudaBackend::set_dependent_launches`] cannot turn them on.
+    pub dependent_launches: bool,
 }
 
 impl CudaOptions {
@@ -318,6 +326,16 @@ pub struct CudaBackend {
     tensor_cores: bool,
     /// What the start-up probe found of them (`tensor_cores.rs`).
     tensor_cores_probe: TensorCoresProbe,
+    /// A step's launches after its first are dependent launches
+    /// ([`CudaBackend::set_dependent_launches`]) where the start-up probe
+    /// agreed (`dependent.rs`).
+    dependent: bool,
+    /// What that probe found.
+    dependent_probe: DependentLaunches,
+    /// Inside a chain of launches ([`CudaBackend::chained`]): whether one
+    /// was made yet (the next may then be a dependent). `None` outside one:
+    /// every launch is made as it always was.
+    chain: std::cell::Cell<Option<bool>>,
     /// Queries of a prefill chunk's attention item, a block each
     /// ([`CudaBackend::set_prefill_item_queries`]).
     prefill_queries: u32,
@@ -534,9 +552,13 @@ impl CudaBackend {
             decode_by_warps: true,
             tensor_cores,
             tensor_cores_probe: TensorCoresProbe::Unused,
+            dependent: false,
+            dependent_probe: DependentLaunches::Off,
+            chain: std::cell::Cell::new(None),
             prefill_queries: attention_rows / group,
         };
         backend.tensor_cores_probe = backend.probe_tensor_cores()?;
+        backend.dependent_probe = backend.probe_dependent_launches()?;
         Ok(backend)
     }
 
@@ -695,12 +717,54 @@ impl CudaBackend {
             block,
             shared_bytes,
         };
+        // In a chain, after its first launch, a dependent where they are on.
+        let dependent = match self.chain.get() {
+            Some(after) => {
+                self.chain.set(Some(true));
+                after && self.dependent
+            }
+            None => false,
+        };
         // SAFETY: every address in `args` is one of this backend's buffers or
         // the pool's values, each sized for the largest step (`new`,
         // `ensure_step_buffer`); indices into them come from the packed
         // step, whose page ids the page book checked and whose counts
-        // validation bounded.
-        unsafe { self.device.launch(A::KERNEL, geometry, args.bytes()) }
+        // validation bounded. A dependent follows a launch of the chain.
+        unsafe {
+            match dependent {
+                true => self
+                    .device
+                    .launch_dependent(A::KERNEL, geometry, args.bytes()),
+                false => self.device.launch(A::KERNEL, geometry, args.bytes()),
+            }
+        }
+    }
+
+    /// Runs `launches`, which queue launches and nothing else (a step's
+    /// forward pass, whether captured or queued), as one chain: every
+    /// launch after the first a dependent of the one before it, where
+    /// dependent launches are on.
+    fn chained(
+        &self,
+        launches: impl FnOnce() -> Result<(), DeviceError>,
+    ) -> Result<(), DeviceError> {
+        self.chain.set(Some(false));
+        let ran = launches();
+        self.chain.set(None);
+        ran
+    }
+
+    /// Whether a step's launches after its first are dependent launches
+    /// (the default where the device has them and the start-up probe
+    /// agreed: [`CudaBackend::dependent_launches`]) or each starts once the
+    /// one before it has ended. The same bits either way; the GPU check
+    /// times both.
+    pub fn set_dependent_launches(&mut self, on: bool) {
+        let on = on && self.dependent_probe == DependentLaunches::Agreed;
+        if self.dependent != on {
+            self.dependent = on;
+            self.graphs.clear();
+        }
     }
 
     /// `out[r] = rmsnorm(x[src]) * gain` (or `x[src]` without a gain) and its
@@ -1184,7 +1248,15 @@ impl Backend for CudaBackend {
             TensorCoresProbe::Refused { .. } => "refused by the start-up probe",
             TensorCoresProbe::Unused => "not used",
         };
-        Some(format!("graphs {graphs}, tensor cores {cores}"))
+        let dependent = match self.dependent_probe {
+            DependentLaunches::Agreed if self.dependent => "on",
+            DependentLaunches::Agreed | DependentLaunches::Off => "off",
+            DependentLaunches::Refused { .. } => "refused by the start-up probe",
+            DependentLaunches::Unsupported => "not supported",
+        };
+        Some(format!(
+            "graphs {graphs}, tensor cores {cores}, dependent launches {dependent}"
+        ))
     }
 
     fn step_tokens_max(&self) -> usize {
@@ -1240,14 +1312,14 @@ impl Backend for CudaBackend {
                     let this = &*self;
                     let graph = this
                         .device
-                        .capture(&mut || this.forward(counts, values.at, &layout))
+                        .capture(&mut || this.chained(|| this.forward(counts, values.at, &layout)))
                         .map_err(Self::device_error)?;
                     self.graphs.insert(bucket, graph);
                 }
                 self.graphs[&bucket].replay().map_err(Self::device_error)?;
             }
             None => self
-                .forward(counts, values.at, &layout)
+                .chained(|| self.forward(counts, values.at, &layout))
                 .map_err(Self::device_error)?,
         }
         // The full rows are the logits' first (see `Packer::logits`), read

@@ -173,6 +173,27 @@ fn compile_reporting(
     arch: &str,
     ptxas_info: bool,
 ) -> Result<(Vec<u8>, String), NvrtcError> {
+    let (program, log) = compiled(source, arch, ptxas_info)?;
+    let mut len = 0usize;
+    // SAFETY: a compiled program; the out-pointer is valid.
+    check("nvrtcGetCUBINSize", unsafe {
+        sys::nvrtcGetCUBINSize(program.0, &mut len)
+    })?;
+    let mut cubin = vec![0u8; len];
+    // SAFETY: `cubin` holds the size NVRTC reported.
+    check("nvrtcGetCUBIN", unsafe {
+        sys::nvrtcGetCUBIN(program.0, cubin.as_mut_ptr().cast::<c_char>())
+    })?;
+    Ok((cubin, log))
+}
+
+/// `source` compiled for `arch` ("sm_90": machine code; "compute_90": PTX
+/// alone), with NVRTC's log.
+fn compiled(
+    source: &Source,
+    arch: &str,
+    ptxas_info: bool,
+) -> Result<(Program, String), NvrtcError> {
     if !is_present() {
         return Err(NvrtcError::Missing);
     }
@@ -229,17 +250,7 @@ fn compile_reporting(
         });
     }
     let log = program.log();
-    let mut len = 0usize;
-    // SAFETY: a compiled program; the out-pointer is valid.
-    check("nvrtcGetCUBINSize", unsafe {
-        sys::nvrtcGetCUBINSize(program.0, &mut len)
-    })?;
-    let mut cubin = vec![0u8; len];
-    // SAFETY: `cubin` holds the size NVRTC reported.
-    check("nvrtcGetCUBIN", unsafe {
-        sys::nvrtcGetCUBIN(program.0, cubin.as_mut_ptr().cast::<c_char>())
-    })?;
-    Ok((cubin, log))
+    Ok((program, log))
 }
 
 /// The CUBIN image of every source, in [`SOURCES`] order.
@@ -396,6 +407,85 @@ mod tests {
             seen, wanted,
             "ptxas reported every kernel the backend launches"
         );
+    }
+
+    /// `source`'s PTX for `compute_90`.
+    fn ptx(source: &Source) -> String {
+        let (program, _) = compiled(source, "compute_90", false).unwrap();
+        let mut len = 0usize;
+        // SAFETY: a compiled program; the out-pointer is valid.
+        check("nvrtcGetPTXSize", unsafe {
+            sys::nvrtcGetPTXSize(program.0, &mut len)
+        })
+        .unwrap();
+        let mut text = vec![0u8; len.max(1)];
+        // SAFETY: `text` holds the size NVRTC reported.
+        check("nvrtcGetPTX", unsafe {
+            sys::nvrtcGetPTX(program.0, text.as_mut_ptr().cast::<c_char>())
+        })
+        .unwrap();
+        CStr::from_bytes_until_nul(&text)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// Each kernel (`.entry`) of `ptx` with its body's instructions.
+    fn entries(ptx: &str) -> Vec<(String, Vec<&str>)> {
+        let mut entries: Vec<(String, Vec<&str>)> = Vec::new();
+        let mut inside = false;
+        for line in ptx.lines() {
+            if let Some(rest) = line.split(".entry ").nth(1) {
+                let name = rest.split('(').next().unwrap_or_default().trim();
+                entries.push((name.to_string(), Vec::new()));
+                inside = true;
+            } else if inside && line.starts_with('}') {
+                inside = false;
+            } else if let (true, Some((_, body))) = (inside, entries.last_mut()) {
+                let instruction = line.trim();
+                if !instruction.is_empty() && !instruction.starts_with("//") {
+                    body.push(instruction);
+                }
+            }
+        }
+        entries
+    }
+
+    #[test]
+    fn every_kernel_waits_for_the_kernel_before_it_before_touching_memory() {
+        if !nvrtc_here() {
+            return;
+        }
+        // A dependent launch may begin while the kernel before it runs
+        // (common.cuh's grid_dependency): before its wait a kernel may read
+        // its parameters and nothing else, nor write, nor call.
+        let touches = [
+            "ld.", "st.", "atom.", "red.", "call", "cp.", "tex.", "prefetch",
+        ];
+        let mut kernels = 0;
+        for source in &SOURCES {
+            let ptx = ptx(source);
+            for (kernel, body) in entries(&ptx) {
+                kernels += 1;
+                let wait = body
+                    .iter()
+                    .position(|i| i.starts_with("griddepcontrol.wait"))
+                    .unwrap_or_else(|| panic!("{kernel} ({}) never waits", source.name));
+                let before = &body[..wait];
+                assert!(
+                    before
+                        .iter()
+                        .any(|i| i.starts_with("griddepcontrol.launch_dependents")),
+                    "{kernel} does not let the next kernel begin before it waits"
+                );
+                for i in before {
+                    let early =
+                        touches.iter().any(|t| i.starts_with(t)) && !i.starts_with("ld.param");
+                    assert!(!early, "{kernel}: `{i}` before its wait");
+                }
+            }
+        }
+        assert_eq!(kernels, 9, "every kernel of the sources seen");
     }
 
     #[test]

@@ -23,7 +23,9 @@ use super::pack::{
     decode_span, decode_splits_max, draw_words, AdjustPlan, DRAW_WORDS, SCORE_WORDS,
 };
 use super::storage::DeviceStorage;
-use super::{attention_rows, CudaBackend, CudaOptions, Fusions, SPLIT_POSITIONS};
+use super::{
+    attention_rows, CudaBackend, CudaOptions, DependentLaunches, Fusions, SPLIT_POSITIONS,
+};
 use crate::backend::adjust::ADJUST_WORDS;
 use crate::backend::{Adjust, Backend, Draw, Pick, SeqStep, StepError};
 use crate::gguf::Gguf;
@@ -1564,6 +1566,7 @@ fn backend(
         step_seqs_max: seqs,
         graphs,
         tensor_cores: true,
+        dependent_launches: true,
     };
     CudaBackend::new(Arc::clone(model), Arc::clone(device), options).unwrap()
 }
@@ -1674,31 +1677,52 @@ fn the_backend_matches_the_cpu_backend_with_a_large_steps_products_a_warp_a_row(
     compare_run(&spec, &run);
 }
 
-/// The emulator, but its tensor cores' products leave a step's last token
-/// unwritten (as a fragment laid out otherwise would leave outputs wrong);
-/// counts their launches.
+/// The emulator, but for what a test makes go wrong: its tensor cores'
+/// products leave a step's last token unwritten (as a fragment laid out
+/// otherwise would leave outputs wrong), or its dependent launches are
+/// refused by the driver, or are dropped (run nothing, as a kernel that
+/// ran before the one it depends on would leave its outputs stale). Counts
+/// tensor-core and dependent launches asked of it.
 #[derive(Debug)]
-struct WrongTensorCores {
+struct FaultyDevice {
     inner: Arc<dyn Device>,
+    wrong_mma: bool,
+    dependents: Option<DependentFault>,
     mma_launches: std::sync::atomic::AtomicU64,
+    dependent_launches: std::sync::atomic::AtomicU64,
 }
 
-impl WrongTensorCores {
-    fn new(seed: u64) -> Arc<WrongTensorCores> {
-        Arc::new(WrongTensorCores {
+/// What goes wrong of a [`FaultyDevice`]'s dependent launches.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum DependentFault {
+    Refused,
+    Dropped,
+}
+
+impl FaultyDevice {
+    fn new(seed: u64, wrong_mma: bool, dependents: Option<DependentFault>) -> Arc<FaultyDevice> {
+        Arc::new(FaultyDevice {
             inner: emulator(seed),
+            wrong_mma,
+            dependents,
             mma_launches: 0.into(),
+            dependent_launches: 0.into(),
         })
     }
 
     fn mma_launches(&self) -> u64 {
         self.mma_launches.load(std::sync::atomic::Ordering::Relaxed)
     }
+
+    fn dependent_launches_asked(&self) -> u64 {
+        self.dependent_launches
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
-impl Device for WrongTensorCores {
+impl Device for FaultyDevice {
     fn describe(&self) -> String {
-        "CUDA emulator with wrong tensor cores".into()
+        "CUDA emulator with faults".into()
     }
     fn memory_bytes(&self) -> u64 {
         self.inner.memory_bytes()
@@ -1759,7 +1783,7 @@ impl Device for WrongTensorCores {
         args: &[u8],
     ) -> Result<(), super::DeviceError> {
         let mut args = args.to_vec();
-        if kernel == MatmulMmaArgs::KERNEL {
+        if self.wrong_mma && kernel == MatmulMmaArgs::KERNEL {
             self.mma_launches
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let at = std::mem::offset_of!(MatmulArgs, tokens);
@@ -1768,6 +1792,28 @@ impl Device for WrongTensorCores {
         }
         // SAFETY: the caller's promise, for fewer tokens than it made.
         unsafe { self.inner.launch(kernel, geometry, &args) }
+    }
+    unsafe fn launch_dependent(
+        &self,
+        kernel: &'static str,
+        geometry: Geometry,
+        args: &[u8],
+    ) -> Result<(), super::DeviceError> {
+        self.dependent_launches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        match self.dependents {
+            Some(DependentFault::Refused) => Err(super::DeviceError::Launch {
+                kernel,
+                message: "cuLaunchKernelEx: CUDA_ERROR_NOT_SUPPORTED: operation not supported"
+                    .into(),
+            }),
+            Some(DependentFault::Dropped) => Ok(()),
+            // SAFETY: the caller's promise, passed on.
+            None => unsafe { self.launch(kernel, geometry, args) },
+        }
+    }
+    fn dependent_launches(&self) -> bool {
+        self.dependents.is_some()
     }
     fn synchronize(&self) -> Result<(), super::DeviceError> {
         self.inner.synchronize()
@@ -1799,9 +1845,12 @@ fn the_start_up_probe_keeps_tensor_cores_that_agree_and_refuses_others() {
         other => panic!("{other:?}"),
     }
     assert!(cuda.tensor_cores);
-    assert_eq!(cuda.modes().unwrap(), "graphs on, tensor cores on");
+    assert_eq!(
+        cuda.modes().unwrap(),
+        "graphs on, tensor cores on, dependent launches on"
+    );
     // Steps of at most 8 tokens never take them: not probed.
-    let wrong = WrongTensorCores::new(spec.seed);
+    let wrong = FaultyDevice::new(spec.seed, true, None);
     let device: Arc<dyn Device> = wrong.clone();
     let small = backend(&model, &device, 8, 8, true);
     assert_eq!(small.tensor_cores_probe(), &super::TensorCoresProbe::Unused);
@@ -1821,7 +1870,7 @@ fn the_start_up_probe_keeps_tensor_cores_that_agree_and_refuses_others() {
     assert!(!cuda.tensor_cores);
     assert_eq!(
         cuda.modes().unwrap(),
-        "graphs on, tensor cores refused by the start-up probe"
+        "graphs on, tensor cores refused by the start-up probe, dependent launches not supported"
     );
     drop(cuda);
     // Turned off by the options (the operator's `[engine.cuda]`): not
@@ -1831,6 +1880,7 @@ fn the_start_up_probe_keeps_tensor_cores_that_agree_and_refuses_others() {
         step_seqs_max: 4,
         graphs: false,
         tensor_cores: false,
+        dependent_launches: true,
     };
     let mut off = CudaBackend::new(Arc::clone(&model), Arc::clone(&device), options).unwrap();
     assert_eq!(off.tensor_cores_probe(), &super::TensorCoresProbe::Off);
@@ -1838,7 +1888,10 @@ fn the_start_up_probe_keeps_tensor_cores_that_agree_and_refuses_others() {
     assert_eq!(wrong.mma_launches(), 1);
     off.set_tensor_cores(true);
     assert!(!off.tensor_cores);
-    assert_eq!(off.modes().unwrap(), "graphs off, tensor cores off");
+    assert_eq!(
+        off.modes().unwrap(),
+        "graphs off, tensor cores off, dependent launches not supported"
+    );
     drop(off);
     // A backend on them then matches the CPU's, prompts of 23 tokens and
     // decode steps of 12 sequences, without launching them again.
@@ -1861,6 +1914,195 @@ fn the_start_up_probe_keeps_tensor_cores_that_agree_and_refuses_others() {
         compare_run_on(&spec, &run, &device);
     }
     assert_eq!(wrong.mma_launches(), 3, "only the probes launched them");
+}
+
+/// One decode step of `tables`' sequences at `position` on `cuda`: the
+/// launches it made and, of them, those the emulator ran as dependents.
+fn launches_of_a_step(
+    cuda: &mut CudaBackend,
+    pool: &mut Pool,
+    tables: &[PageTable],
+    position: usize,
+    emulator: &Emulator,
+) -> (u64, u64) {
+    let inputs: Vec<[u32; 1]> = (0..tables.len()).map(|s| [s as u32 + 1]).collect();
+    let steps: Vec<SeqStep> = tables
+        .iter()
+        .zip(&inputs)
+        .map(|(table, input)| SeqStep::new(table, position, input))
+        .collect();
+    let (launches, dependents) = (emulator.launches(), emulator.dependent_launches_run());
+    cuda.step(&steps, pool).unwrap();
+    (
+        emulator.launches() - launches,
+        emulator.dependent_launches_run() - dependents,
+    )
+}
+
+#[test]
+fn a_steps_launches_after_its_first_are_dependents_and_change_no_bit() {
+    let spec = TinySpec {
+        seed: 29,
+        ..TinySpec::default()
+    };
+    // Prefill, decode in graphs with a padding sequence, a decode token
+    // split and merged, page digests: the same bits either way.
+    let on = run_bits(&spec, KvType::F16, &|_| {});
+    let off = run_bits(&spec, KvType::F16, &|cuda| {
+        cuda.set_dependent_launches(false)
+    });
+    assert_eq!(on, off);
+    // Every launch of a step but its first is a dependent, queued or
+    // replayed in a graph; none once they are turned off.
+    let model = tiny_model(&spec);
+    let emu = Emulator::new(spec.seed);
+    let device: Arc<dyn Device> = emu.clone();
+    let (mut pool, tables) = pool_with_tables(&model, KvType::F16, 16, 2, 1, Some(&device));
+    for graphs in [false, true] {
+        let mut cuda = backend(&model, &device, 16, 2, graphs);
+        assert_eq!(cuda.dependent_launches(), &DependentLaunches::Agreed);
+        assert!(cuda.modes().unwrap().ends_with(", dependent launches on"));
+        for (position, on) in [(0, true), (1, true), (2, true), (3, false), (4, true)] {
+            cuda.set_dependent_launches(on);
+            let (launched, dependents) =
+                launches_of_a_step(&mut cuda, &mut pool, &tables, position, &emu);
+            assert!(launched > 10, "{launched}");
+            let want = if on { launched - 1 } else { 0 };
+            assert_eq!(dependents, want, "graphs {graphs}, step {position}");
+        }
+        cuda.set_dependent_launches(false);
+        assert!(cuda.modes().unwrap().ends_with(", dependent launches off"));
+    }
+    // Turned off by the options: not probed, never on.
+    let options = CudaOptions {
+        step_tokens_max: 16,
+        step_seqs_max: 2,
+        graphs: true,
+        tensor_cores: true,
+        dependent_launches: false,
+    };
+    let mut off = CudaBackend::new(Arc::clone(&model), Arc::clone(&device), options).unwrap();
+    assert_eq!(off.dependent_launches(), &DependentLaunches::Off);
+    off.set_dependent_launches(true);
+    let (launched, dependents) = launches_of_a_step(&mut off, &mut pool, &tables, 5, &emu);
+    assert!(launched > 10 && dependents == 0, "{launched} {dependents}");
+    assert!(off.modes().unwrap().ends_with(", dependent launches off"));
+}
+
+#[test]
+fn the_start_up_probe_keeps_dependent_launches_that_come_out_whole_and_refuses_others() {
+    let spec = TinySpec::default();
+    let model = tiny_model(&spec);
+    let run = super::check::AgreementRun {
+        kv_type: KvType::F16,
+        page_tokens: 16,
+        prompts: &[5, 17, 1],
+        decode_steps: 2,
+        graphs: true,
+        cpu_threads: 1,
+        cpu_isa: Some(Isa::Scalar),
+        seed: spec.seed ^ 91,
+        tolerance: 1e-4,
+        decode_by_warps: true,
+        tensor_cores: true,
+    };
+    // A driver that refuses them, and one that drops them (as a kernel that
+    // ran before the one it depends on would leave stale outputs): both
+    // refused, and steps then launch as before, with no dependent asked.
+    for (fault, why) in [
+        (DependentFault::Refused, "CUDA_ERROR_NOT_SUPPORTED"),
+        (DependentFault::Dropped, "gave another value at float 0"),
+    ] {
+        let faulty = FaultyDevice::new(spec.seed, false, Some(fault));
+        let device: Arc<dyn Device> = faulty.clone();
+        let mut cuda = backend(&model, &device, 16, 2, true);
+        match cuda.dependent_launches() {
+            DependentLaunches::Refused { why: found } => {
+                assert!(found.contains(why), "{fault:?}: {found}")
+            }
+            other => panic!("{fault:?}: {other:?}"),
+        }
+        cuda.set_dependent_launches(true);
+        assert!(
+            cuda.modes()
+                .unwrap()
+                .ends_with(", dependent launches refused by the start-up probe"),
+            "{:?}",
+            cuda.modes()
+        );
+        let asked = faulty.dependent_launches_asked();
+        assert!(asked > 0);
+        let (mut pool, tables) = pool_with_tables(&model, KvType::F16, 16, 2, 1, Some(&device));
+        let inputs = [[3u32], [4u32]];
+        for position in 0..3 {
+            let steps: Vec<SeqStep> = tables
+                .iter()
+                .zip(&inputs)
+                .map(|(table, input)| SeqStep::new(table, position, input))
+                .collect();
+            cuda.step(&steps, &mut pool).unwrap();
+        }
+        assert_eq!(faulty.dependent_launches_asked(), asked, "{fault:?}");
+        // And what those steps compute is the CPU's.
+        compare_run_on(&spec, &run, &device);
+    }
+    // A device without them: not probed.
+    let plain: Arc<dyn Device> = FaultyDevice::new(spec.seed, false, None);
+    let cuda = backend(&model, &plain, 16, 2, true);
+    assert_eq!(cuda.dependent_launches(), &DependentLaunches::Unsupported);
+    assert!(cuda
+        .modes()
+        .unwrap()
+        .ends_with(", dependent launches not supported"));
+}
+
+#[test]
+fn the_emulator_refuses_a_dependent_launch_that_follows_anything_but_a_launch() {
+    let emu = Emulator::new(3);
+    let device: Arc<dyn Device> = emu.clone();
+    let (a, b) = (
+        DeviceBuffer::zeroed(&device, 4 * 256).unwrap(),
+        DeviceBuffer::zeroed(&device, 4 * 256).unwrap(),
+    );
+    let copy = NormArgs {
+        x: a.at(0),
+        gather: 0,
+        gain: 0,
+        out: b.at(0),
+        qs: 0,
+        d: 0,
+        sums: 0,
+        width: 256,
+        block_len: 32,
+        eps: 0.0,
+        accumulate: 0,
+    };
+    let geometry = Geometry {
+        grid: 1,
+        block: NORM_BLOCK,
+        shared_bytes: 0,
+    };
+    // SAFETY (each launch below): `copy` reads and writes 256 floats of a
+    // and b, which hold them.
+    let dependent = || unsafe { device.launch_dependent(NormArgs::KERNEL, geometry, copy.bytes()) };
+    let plain = || unsafe { device.launch(NormArgs::KERNEL, geometry, copy.bytes()) };
+    a.write(0, &to_bytes(&[1.5; 256])).unwrap();
+    let refused = dependent().unwrap_err().to_string();
+    assert!(refused.contains("other than a launch"), "{refused}");
+    plain().unwrap();
+    dependent().unwrap();
+    assert_eq!(read_floats(&b, 256), vec![1.5; 256]);
+    assert_eq!(emu.dependent_launches_run(), 1);
+    // The first launch of a capture follows nothing in its graph.
+    assert!(device.capture(&mut || dependent()).is_err());
+    let graph = device
+        .capture(&mut || {
+            plain()?;
+            dependent()
+        })
+        .unwrap();
+    graph.replay().unwrap();
+    assert_eq!(emu.dependent_launches_run(), 2);
 }
 
 #[test]
@@ -3166,6 +3408,7 @@ fn a_head_width_the_attention_loads_cannot_take_is_refused_before_the_device() {
         step_seqs_max: 1,
         graphs: false,
         tensor_cores: true,
+        dependent_launches: true,
     };
     let made = CudaBackend::new(model, emulator(1), options);
     assert!(
