@@ -42,6 +42,18 @@ __device__ __forceinline__ void grid_dependency() {
         name##_body(a);                                       \
     }                                                         \
     __device__ __forceinline__ void name##_body(const Args a)
+// A kernel that asks for what it will read of memory no kernel writes (a
+// weight matrix) before it waits: `name##_prefetch(a)`, defined after it,
+// may issue prefetch_l2 hints and read its parameters, nothing else.
+#define KERNEL_PREFETCHING(name, Args)                         \
+    __device__ __forceinline__ void name##_prefetch(const Args a); \
+    __device__ __forceinline__ void name##_body(const Args a);     \
+    extern "C" __global__ void name(const Args a) {               \
+        name##_prefetch(a);                                       \
+        grid_dependency();                                        \
+        name##_body(a);                                           \
+    }                                                             \
+    __device__ __forceinline__ void name##_body(const Args a)
 // A kernel launched with `threads` a block, more than a register file
 // holds at the compiler's own choice (1024 threads have 64 registers each):
 // the bound makes NVRTC fit them, where a launch would otherwise fail.
@@ -56,6 +68,18 @@ __device__ __forceinline__ void grid_dependency() {
     extern __shared__ __align__(16) unsigned char name##_bytes[]; \
     type* name = reinterpret_cast<type*>(name##_bytes)
 #endif
+
+// Asks for the cache line holding `p` to be brought into L2: a hint that
+// reads no value (so it may come before a dependent kernel's wait, and a
+// line no kernel writes is all it may name). The emulator reads the byte
+// at `p`, so that an address outside every allocation faults there.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifdef BULKHEAD_EMU
+    (void)*static_cast<const volatile unsigned char*>(p);
+#else
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
 
 #define WARP_SIZE 32
 #define FULL_MASK 0xffffffffu

@@ -536,8 +536,11 @@ __device__ __forceinline__ void store_product(const MatmulArgs& a, const MatSeg&
 // the MATMUL_TOKENS tokens of group b / row_blocks: a step of many tokens
 // (a large batch, a prefill chunk) is as many blocks again per group, each
 // reading the matrix from L2, rather than each warp taking every token in
-// turn. In ROPE_KV a warp's "row" is a pair of rows.
-KERNEL(matmul, MatmulArgs) {
+// turn. In ROPE_KV a warp's "row" is a pair of rows. Before it waits for the
+// kernel before it (a dependent launch), each warp asks for its weight rows'
+// lines in L2 (matmul_prefetch, below): they do not depend on that kernel,
+// and the activations they multiply do.
+KERNEL_PREFETCHING(matmul, MatmulArgs) {
     uint32_t lane = threadIdx.x % WARP_SIZE;
     bool swiglu = a.mode == MATMUL_SWIGLU || a.mode == MATMUL_GEGLU;
     uint32_t per = a.mode == MATMUL_ROPE_KV ? 2 : 1;  // rows a warp takes
@@ -593,6 +596,45 @@ KERNEL(matmul, MatmulArgs) {
         float value = warp_sum(acc[j]);
         float u = swiglu ? warp_sum(up[j]) : 0.0f;
         if (lane == 0) store_product(a, seg, row, t0 + j, value, u);
+    }
+}
+
+// The lines of `bytes` bytes of weights from `w`, a warp's lanes a line
+// each in turn (the first line from `w` itself, within its allocation).
+__device__ __forceinline__ void prefetch_row(const uint8_t* w, uint64_t bytes, uint32_t lane) {
+    uint64_t base = reinterpret_cast<uint64_t>(w), end = base + bytes;
+    for (uint64_t line = (base & ~uint64_t(127)) + 128 * lane; line < end; line += 128 * WARP_SIZE) {
+        prefetch_l2(reinterpret_cast<const void*>(line < base ? base : line));
+    }
+}
+
+// matmul's weight rows for this warp, as the kernel finds them (its
+// parameters alone), asked for in L2 before the kernel waits.
+__device__ __forceinline__ void matmul_prefetch(const MatmulArgs a) {
+    uint32_t lane = threadIdx.x % WARP_SIZE;
+    bool swiglu = a.mode == MATMUL_SWIGLU || a.mode == MATMUL_GEGLU;
+    uint32_t per = a.mode == MATMUL_ROPE_KV ? 2 : 1;
+    uint32_t rows_total = a.seg[0].rows / per;
+    for (uint32_t s = 1; !swiglu && s < a.segs; s++) rows_total += a.seg[s].rows / per;
+    uint32_t row_blocks = (rows_total + MATMUL_WARPS - 1) / MATMUL_WARPS;
+    if (blockIdx.x / row_blocks * MATMUL_TOKENS >= a.tokens) return;
+    uint32_t row = blockIdx.x % row_blocks * MATMUL_WARPS + threadIdx.x / WARP_SIZE;
+    uint32_t s;
+    if (!find_row(a, swiglu, per, &row, &s)) return;
+    const MatSeg& seg = a.seg[s];
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(seg.w);
+    if (per == 2) {
+        uint32_t r0, r1;
+        rope_rows(a.rope, s, row, &r0, &r1);
+        prefetch_row(w + uint64_t(r0) * seg.row_bytes, seg.row_bytes, lane);
+        prefetch_row(w + uint64_t(r1) * seg.row_bytes, seg.row_bytes, lane);
+        return;
+    }
+    prefetch_row(w + uint64_t(row) * seg.row_bytes, seg.row_bytes, lane);
+    if (swiglu) {
+        const MatSeg& up = a.seg[1];
+        prefetch_row(reinterpret_cast<const uint8_t*>(up.w) + uint64_t(row) * up.row_bytes,
+                     up.row_bytes, lane);
     }
 }
 

@@ -173,5 +173,19 @@ inline unsigned atomicAdd(unsigned* address, unsigned value) {
 
 #define KERNEL_THREADS(name, Args, threads) KERNEL(name, Args)
 
+// KERNEL_PREFETCHING: its prefetch runs first, as on a GPU (no launch runs
+// beside another here, so there is no wait to come after it).
+#define KERNEL_PREFETCHING(name, Args)                                             \
+    static void name##_prefetch(const Args a);                                     \
+    static void name##_body(const Args& a);                                        \
+    static emu::Registration name##_registration(#name, sizeof(Args),              \
+                                                  [](const void* args) {           \
+                                                      const Args& a =              \
+                                                          *static_cast<const Args*>(args); \
+                                                      name##_prefetch(a);          \
+                                                      name##_body(a);              \
+                                                  });                              \
+    static void name##_body(const Args& a)
+
 // The block's dynamic shared memory as `type*`.
 #define DYNAMIC_SHARED(type, name) type* name = static_cast<type*>(emu::dynamic_shared())
