@@ -58,9 +58,9 @@ pub(super) struct AdjustPlan {
     shared: Option<(u128, u32)>,
 }
 
-/// Counters of [`AdjustPlan::of`]'s vote.
+/// Counters of [`AdjustPlan::vote`].
 const VOTE_SLOTS: usize = 4;
-/// Entries of a list [`AdjustPlan::of`]'s vote reads at most.
+/// Entries of a list [`AdjustPlan::vote`] reads at most.
 const VOTE_SAMPLE: usize = 64;
 
 /// The fewest entries that share one room: three ids in a room and the
@@ -91,15 +91,13 @@ fn shared_entry(key: u128) -> [u32; ADJUST_WORDS] {
 }
 
 impl AdjustPlan {
-    /// The layout of `list` (distinct ascending ids): the adjustment most of
-    /// them share, found among the candidates of Misra and Gries'
-    /// frequent-items count with [`VOTE_SLOTS`] counters over
-    /// [`VOTE_SAMPLE`] entries evenly apart (any adjustment of more than a
-    /// fifth of them is among its candidates), each then counted exactly
-    /// over the list. No allocation, a few comparisons an entry: every
-    /// sampled row's list, every step.
-    pub(super) fn of(list: &[Adjust]) -> AdjustPlan {
-        let keys = || list.iter().filter_map(adjustment_key);
+    /// The adjustment most of `list`'s entries likely share: the leading
+    /// candidate of Misra and Gries' frequent-items count with
+    /// [`VOTE_SLOTS`] counters over [`VOTE_SAMPLE`] entries evenly apart
+    /// (an adjustment of more than a fifth of them is among its
+    /// candidates, and one of most of them leads). No allocation, a few
+    /// comparisons an entry sampled.
+    fn vote(list: &[Adjust]) -> Option<u128> {
         let apart = list.len().div_ceil(VOTE_SAMPLE).max(1);
         let sample = list.iter().step_by(apart).filter_map(adjustment_key);
         let (mut slots, mut leads) = ([0u128; VOTE_SLOTS], [0u32; VOTE_SLOTS]);
@@ -118,26 +116,92 @@ impl AdjustPlan {
             }
             leads.iter_mut().for_each(|lead| *lead -= 1);
         }
-        // The candidates, the likeliest first (most lists are most of one).
-        let mut order: [usize; VOTE_SLOTS] = std::array::from_fn(|i| i);
-        order.sort_by_key(|&i| std::cmp::Reverse(leads[i]));
-        let candidates = order.iter().take_while(|&&i| leads[i] > 0).count();
-        let slots = order.map(|i| slots[i]);
-        let (mut counts, mut entries) = ([0u32; VOTE_SLOTS], 0);
-        for key in keys() {
-            entries += 1;
-            if let Some(i) = slots[..candidates].iter().position(|&s| s == key) {
-                counts[i] += 1;
+        // The first of the leading (the earliest counted, on a tie).
+        let best = (0..VOTE_SLOTS).rev().max_by_key(|&i| leads[i])?;
+        (leads[best] > 0).then_some(slots[best])
+    }
+
+    /// Lays out `list` into `out` (a row's share of the step buffer's rooms,
+    /// zero) in one pass over it: its entries of their own first, then the
+    /// voted adjustment once and the ids sharing it, where at least
+    /// [`SHARED_MIN`] do ([`AdjustPlan::vote`]; else every entry its own).
+    /// `ids` is scratch. `None`, with `out` zero again, where the list's
+    /// ids do not ascend (distinct and in order: the kernel's threads
+    /// adjust them at once) or its rooms are more than `out` holds.
+    pub(super) fn lay_out(
+        list: &[Adjust],
+        out: &mut [u32],
+        ids: &mut Vec<u32>,
+    ) -> Option<AdjustPlan> {
+        let shared = AdjustPlan::vote(list);
+        match AdjustPlan::lay_out_sharing(list, shared, out, ids) {
+            // Too few share it to save a room: every entry its own.
+            Some(plan) if shared.is_some() && plan.shared.is_none() => {
+                AdjustPlan::lay_out_sharing(list, None, out, ids)
             }
+            laid => laid,
         }
-        let (best, sharing) = (0..VOTE_SLOTS)
-            .map(|i| (slots[i], counts[i]))
-            .max_by_key(|&(_, n)| n)
-            .expect("VOTE_SLOTS > 0");
-        AdjustPlan {
+    }
+
+    /// [`AdjustPlan::lay_out`] with `shared` as the shared adjustment; a
+    /// plan with none where fewer than [`SHARED_MIN`] entries have it (and
+    /// `out` zero).
+    fn lay_out_sharing(
+        list: &[Adjust],
+        shared: Option<u128>,
+        out: &mut [u32],
+        ids: &mut Vec<u32>,
+    ) -> Option<AdjustPlan> {
+        ids.clear();
+        let (mut own, mut entries, mut last) = (0usize, 0u32, None::<u32>);
+        // Zeroes what was written, and refuses the list.
+        let refuse = |out: &mut [u32], own: usize| {
+            out[..own].fill(0);
+            None
+        };
+        for a in list {
+            if last.is_some_and(|last| last >= a.id) {
+                return refuse(out, own);
+            }
+            last = Some(a.id);
+            let Some(key) = adjustment_key(a) else {
+                continue;
+            };
+            entries += 1;
+            if Some(key) == shared {
+                ids.push(a.id);
+                continue;
+            }
+            if own + ADJUST_WORDS > out.len() {
+                return refuse(out, own);
+            }
+            let words = a.words().expect("an id below 2^31");
+            out[own..own + ADJUST_WORDS].copy_from_slice(&words);
+            own += ADJUST_WORDS;
+        }
+        let sharing = ids.len() as u32;
+        let Some(key) = shared.filter(|_| sharing >= SHARED_MIN) else {
+            if sharing > 0 {
+                // Too few share it, and they are not laid out: the caller
+                // lays the list out again, each entry its own.
+                out[..own].fill(0);
+            }
+            return Some(AdjustPlan {
+                entries,
+                shared: None,
+            });
+        };
+        let plan = AdjustPlan {
             entries,
-            shared: (sharing >= SHARED_MIN).then_some((best, sharing)),
+            shared: Some((key, sharing)),
+        };
+        let words = ADJUST_WORDS * plan.rooms() as usize;
+        if words > out.len() {
+            return refuse(out, own);
         }
+        out[own..own + ADJUST_WORDS].copy_from_slice(&shared_entry(key));
+        out[own + ADJUST_WORDS..own + ADJUST_WORDS + ids.len()].copy_from_slice(ids);
+        Some(plan)
     }
 
     /// Entries with their own adjustment, and ids sharing one.
@@ -155,30 +219,22 @@ impl AdjustPlan {
         };
         u64::from(own + shared_rooms)
     }
+}
 
-    /// Writes `list`, the list it was made of, into `out` (its rooms' words).
-    pub(super) fn write(&self, list: &[Adjust], out: &mut [u32]) {
-        assert_eq!(out.len() as u64, self.rooms() * ADJUST_WORDS as u64);
-        let (own, _) = self.counts();
-        let ids_at = ADJUST_WORDS * (own as usize + 1);
-        let shared = self.shared.map(|(key, _)| key);
-        if let Some(key) = shared {
-            out[ADJUST_WORDS * own as usize..ids_at].copy_from_slice(&shared_entry(key));
-        }
-        let (mut next_own, mut next_id) = (0, ids_at);
-        for a in list {
-            let Some(key) = adjustment_key(a) else {
-                continue;
-            };
-            if Some(key) == shared {
-                out[next_id] = a.id;
-                next_id += 1;
-            } else {
-                let words = a.words().expect("an id below 2^31");
-                out[next_own..next_own + ADJUST_WORDS].copy_from_slice(&words);
-                next_own += ADJUST_WORDS;
-            }
-        }
+#[cfg(test)]
+impl AdjustPlan {
+    /// `list` laid out with room for every entry (its ids ascending): the
+    /// plan, and its rooms' words.
+    pub(super) fn laid_out(list: &[Adjust]) -> (AdjustPlan, Vec<u32>) {
+        let mut out = vec![0u32; ADJUST_WORDS * list.len()];
+        let plan = AdjustPlan::lay_out(list, &mut out, &mut Vec::new()).expect("ascending ids");
+        out.truncate(ADJUST_WORDS * plan.rooms() as usize);
+        (plan, out)
+    }
+
+    /// The plan of [`AdjustPlan::laid_out`].
+    pub(super) fn of(list: &[Adjust]) -> AdjustPlan {
+        AdjustPlan::laid_out(list).0
     }
 }
 
@@ -447,6 +503,8 @@ pub(super) struct Packer<'a> {
     adjusts: u32,
     /// The most rooms one row's adjustments may take: the room over `split_seqs`.
     adjust_share: u64,
+    /// Scratch of [`AdjustPlan::lay_out`].
+    shared_ids: Vec<u32>,
 }
 
 impl<'a> Packer<'a> {
@@ -470,6 +528,7 @@ impl<'a> Packer<'a> {
             picked: Vec::new(),
             adjusts: 0,
             adjust_share: layout.adjusts_max / u64::from(split_seqs.max(1)),
+            shared_ids: Vec::new(),
         }
     }
 
@@ -523,12 +582,18 @@ impl<'a> Packer<'a> {
         // Entries of distinct ids in order: the kernel's threads adjust
         // them at once, each its own logit (a list in any other order is
         // the host's to apply, one entry after another).
-        let room = self.layout.adjusts_max - u64::from(self.adjusts);
-        let plan = AdjustPlan::of(adjust);
-        let picked = pick.is_token()
-            && rows > scored as usize
-            && plan.rooms() <= self.adjust_share.min(room)
-            && adjust.windows(2).all(|w| w[0].id < w[1].id);
+        // Laid out where the row is picked here, within its share.
+        let plan = match pick.is_token() && rows > scored as usize {
+            true => {
+                let room = self.layout.adjusts_max - u64::from(self.adjusts);
+                let at = self.layout.adjusts + ADJUST_WORDS as u64 * u64::from(self.adjusts);
+                let words = ADJUST_WORDS as u64 * self.adjust_share.min(room);
+                let out = &mut self.words[at as usize..(at + words) as usize];
+                AdjustPlan::lay_out(adjust, out, &mut self.shared_ids)
+            }
+            false => None,
+        };
+        let picked = plan.is_some();
         for (i, &target) in scores.targets[..scored as usize].iter().enumerate() {
             self.picked.push(Picked {
                 token: first + i as u32,
@@ -542,11 +607,8 @@ impl<'a> Packer<'a> {
         for token in first + scored..self.counts.tokens - u32::from(picked) {
             self.gather(token);
         }
-        if picked {
+        if let Some(plan) = plan {
             let adjust_at = self.adjusts;
-            let at = (self.layout.adjusts + ADJUST_WORDS as u64 * u64::from(adjust_at)) as usize;
-            let words = ADJUST_WORDS * plan.rooms() as usize;
-            plan.write(adjust, &mut self.words[at..at + words]);
             self.adjusts += plan.rooms() as u32;
             self.picked.push(Picked {
                 token: self.counts.tokens - 1,
@@ -981,10 +1043,14 @@ mod tests {
         let mut packer = Packer::new(&mut words, layout, 4);
         packer.token(0, 5, 0);
         assert!(on_device(&mut packer, 1, Pick::Argmax, &fits, None));
-        // 61 ids: 19 rooms, past the share: a full row.
+        // 61 ids: 19 rooms, past the share: a full row, and nothing of it
+        // left in the buffer.
         packer.token(1, 5, 1);
         assert!(!on_device(&mut packer, 1, Pick::Argmax, &list(61), None));
         assert_eq!(packer.adjusts, 13);
+        let past = (layout.adjusts + 13 * ADJUST_WORDS as u64) as usize;
+        let end = (layout.adjusts + layout.adjusts_max * ADJUST_WORDS as u64) as usize;
+        assert!(packer.words[past..end].iter().all(|&w| w == 0));
         packer.picked_rows();
         let at = (layout.draws + DRAW_WORDS as u64) as usize;
         assert_eq!(
@@ -1008,10 +1074,8 @@ mod tests {
                 ..Adjust::none(id)
             })
             .collect();
-        let plan = AdjustPlan::of(&bans);
+        let (plan, out) = AdjustPlan::laid_out(&bans);
         assert_eq!((plan.counts(), plan.rooms()), ((0, 5), 3));
-        let mut out = vec![0u32; 3 * ADJUST_WORDS];
-        plan.write(&bans, &mut out);
         assert_eq!(
             out,
             [1 << 31, 1.0f32.to_bits(), 0, 0, 0, 1, 2, 3, 4, 0, 0, 0]
@@ -1032,6 +1096,56 @@ mod tests {
             })
             .collect();
         assert_eq!(AdjustPlan::of(&mixed).counts(), (8, 4));
+    }
+
+    #[test]
+    fn a_list_is_laid_out_in_one_pass_or_refused_with_nothing_left() {
+        let repeated = |id: u32| Adjust {
+            repetition: 1.3,
+            ..Adjust::none(id)
+        };
+        let biased = |id: u32| Adjust {
+            bias: id as f32,
+            ..Adjust::none(id)
+        };
+        let mut ids = Vec::new();
+        // Own entries past the room: refused at the first that does not
+        // fit, the room zero again.
+        let own: Vec<Adjust> = (0..6).map(biased).collect();
+        let mut out = vec![0u32; 5 * ADJUST_WORDS];
+        assert_eq!(AdjustPlan::lay_out(&own, &mut out, &mut ids), None);
+        assert!(out.iter().all(|&w| w == 0));
+        // Ids out of order (here a repeat) after some were written: refused, zero.
+        let mut unordered: Vec<Adjust> = (0..4).map(biased).collect();
+        unordered.push(biased(2));
+        assert_eq!(AdjustPlan::lay_out(&unordered, &mut out, &mut ids), None);
+        assert!(out.iter().all(|&w| w == 0));
+        // Shared ids past the room (3 own, 1 shared entry and 5 rooms of
+        // 17 ids: 9 rooms in 8): refused, zero.
+        let mut both: Vec<Adjust> = (0..17).map(|i| repeated(2 * i)).collect();
+        both.extend([1, 3, 5].map(biased));
+        both.sort_by_key(|a| a.id);
+        let mut eight = vec![0u32; 8 * ADJUST_WORDS];
+        assert_eq!(AdjustPlan::lay_out(&both, &mut eight, &mut ids), None);
+        assert!(eight.iter().all(|&w| w == 0));
+        let (plan, laid) = AdjustPlan::laid_out(&both);
+        assert_eq!((plan.counts(), plan.rooms()), ((3, 17), 9));
+        let mut want: Vec<u32> = [1, 3, 5]
+            .map(biased)
+            .iter()
+            .flat_map(|a| a.words().unwrap())
+            .collect();
+        want.extend([0, 1.3f32.to_bits(), 0, 0]);
+        want.extend((0..17).map(|i| 2 * i));
+        want.resize(9 * ADJUST_WORDS, 0);
+        assert_eq!(laid, want);
+        // The vote's adjustment shared by two only: every entry its own, in
+        // the list's order.
+        let two = [repeated(4), biased(5), repeated(6)];
+        let (plan, laid) = AdjustPlan::laid_out(&two);
+        assert_eq!((plan.counts(), plan.rooms()), ((3, 0), 3));
+        let want: Vec<u32> = two.iter().flat_map(|a| a.words().unwrap()).collect();
+        assert_eq!(laid, want);
     }
 
     #[test]

@@ -744,9 +744,8 @@ fn device_picks(
     for (i, (_, draw, adjust, logprobs)) in rows.iter().enumerate() {
         // As the packer lays them out: ids sharing an adjustment a word each.
         let at = entries.len();
-        let plan = AdjustPlan::of(adjust);
-        entries.resize(at + ADJUST_WORDS * plan.rooms() as usize, 0);
-        plan.write(adjust, &mut entries[at..]);
+        let (plan, laid) = AdjustPlan::laid_out(adjust);
+        entries.extend(laid);
         words.extend(draw_words(
             draw.as_ref(),
             (at / ADJUST_WORDS) as u32,
