@@ -383,6 +383,26 @@ fn check_names_each_models_backend_and_refuses_cuda_without_a_gpu() {
     );
 }
 
+/// The GPU check's binary beside this build's `bulkhead` (`cargo test`
+/// builds it, with the kernels' fault-injection and emulator features), or
+/// `None`, reported as skipped, where it is missing and not required.
+fn gpu_check_binary() -> Option<std::path::PathBuf> {
+    let check = bulkhead_exe()
+        .parent()
+        .expect("target dir")
+        .join("examples/gpu_check");
+    if check.exists() {
+        return Some(check);
+    }
+    assert!(
+        std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_none(),
+        "{} is missing",
+        check.display()
+    );
+    eprintln!("skipped: {} is missing", check.display());
+    None
+}
+
 /// The server's part of the GPU check (`scripts/gpu_server_check.py`), run
 /// here on the CPU with this build's binaries: its flow works end to end, and
 /// without a GPU its `auto` row fails, naming the missing driver, as its
@@ -391,17 +411,9 @@ fn check_names_each_models_backend_and_refuses_cuda_without_a_gpu() {
 fn the_gpu_checks_server_part_serves_and_says_when_auto_chose_no_gpu() {
     let Some(_model) = smollm2() else { return };
     let exe = bulkhead_exe();
-    let writer = exe.parent().expect("target dir").join("examples/gpu_check");
-    if !writer.exists() {
-        // Built by `cargo test` with the kernels' fault-injection feature.
-        assert!(
-            std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_none(),
-            "{} is missing",
-            writer.display()
-        );
-        eprintln!("skipped: {} is missing", writer.display());
+    let Some(writer) = gpu_check_binary() else {
         return;
-    }
+    };
     let check = |backends: &[&str]| {
         run(Command::new("python3")
             .arg(repo_root().join("scripts/gpu_server_check.py"))
@@ -463,18 +475,11 @@ fn the_gpu_checks_server_part_serves_and_says_when_auto_chose_no_gpu() {
 /// on the CPU emulator: `--dry-run`).
 #[test]
 fn the_gpu_check_lists_the_rows_past_its_budget_as_not_measured() {
-    let check = bulkhead_exe()
-        .parent()
-        .expect("target dir")
-        .join("examples/gpu_check");
+    let Some(check) = gpu_check_binary() else {
+        return;
+    };
     let dry = |budget: &str| run(Command::new(&check).args(["--dry-run", "--budget", budget]));
     let required = std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_some();
-    if !check.exists() {
-        // Built by `cargo test`, with the kernels' emulator feature.
-        assert!(!required, "{} is missing", check.display());
-        eprintln!("skipped: {} is missing", check.display());
-        return;
-    }
     let out = dry("0");
     let table = stdout(&out);
     if table.contains("needs the emulator feature") && !required {
@@ -525,19 +530,9 @@ fn the_gpu_check_lists_the_rows_past_its_budget_as_not_measured() {
 /// with no kernel run, measured on any machine (here at the dry run's sizes).
 #[test]
 fn the_gpu_checks_host_part_times_steps_without_a_gpu() {
-    let check = bulkhead_exe()
-        .parent()
-        .expect("target dir")
-        .join("examples/gpu_check");
-    if !check.exists() {
-        assert!(
-            std::env::var_os("BULKHEAD_REQUIRE_MODEL").is_none(),
-            "{} is missing",
-            check.display()
-        );
-        eprintln!("skipped: {} is missing", check.display());
+    let Some(check) = gpu_check_binary() else {
         return;
-    }
+    };
     let out = run(Command::new(&check).args(["--host-part", "--dry-run"]));
     let table = stdout(&out);
     assert!(out.status.success(), "{table}{}", stderr(&out));
