@@ -401,7 +401,18 @@ __device__ void attend_tiles(const AttentionArgs& a, const AttnItem& item, const
     }
 }
 
-KERNEL(attention, AttentionArgs) {
+// An item's positions a block asks for in L2 before it waits for the kernel
+// before it (attention_prefetch): a decode split's whole span at the
+// smaller batches, a longer span's first two tiles.
+#define PREFETCH_POSITIONS 64u
+
+// Before it waits (a dependent launch), each block asks for the lines of K
+// and V its item will read first: their pages were written by earlier steps
+// (the token's own position by the kernel before, which L2, coherent for
+// every multiprocessor, takes in whichever order), and the item and its
+// page table are the step buffer's. The softmax's two reads of K and of V
+// then find them in L2 rather than in memory.
+KERNEL_PREFETCHING(attention, AttentionArgs) {
     AttnItem item = reinterpret_cast<const AttnItem*>(a.items)[blockIdx.x];
     if (item.t0 >= item.t1) return;  // padding
     uint32_t hd = a.head_dim, group = a.heads / a.kv_heads;
@@ -463,6 +474,35 @@ KERNEL(attention, AttentionArgs) {
     if (alphas[0] == 0.0f) return;
     __threadfence();
     merge_partials(a.partials, a.out, merge, a.heads, a.kv_heads, hd);
+}
+
+// attention's prefetch: the item's first PREFETCH_POSITIONS positions of K
+// and V, found as the kernel finds them (its parameters and the step
+// buffer's words alone), a line a thread in turn.
+__device__ __forceinline__ void attention_prefetch(const AttentionArgs a) {
+    const uint32_t* item = reinterpret_cast<const uint32_t*>(a.items) +
+                           uint64_t(blockIdx.x) * (sizeof(AttnItem) / 4);
+    // AttnItem's words: seq, kv_head, t0, t1, pos0, p0, p1.
+    uint32_t seq = load_step_word(item), kv_head = load_step_word(item + 1);
+    uint32_t t0 = load_step_word(item + 2), t1 = load_step_word(item + 3);
+    uint32_t pos0 = load_step_word(item + 4), p0 = load_step_word(item + 5);
+    uint32_t p1 = load_step_word(item + 6);
+    if (t0 >= t1) return;  // padding
+    uint32_t end = umin32(p1, pos0 + (t1 - t0)), start = p0;
+    if (a.window != 0 && pos0 + 1 > a.window) start = umax32(start, pos0 + 1 - a.window);
+    if (end <= start) return;
+    uint32_t n = umin32(end - start, PREFETCH_POSITIONS);
+    const uint32_t* table = reinterpret_cast<const uint32_t*>(a.pages) +
+                            load_step_word(reinterpret_cast<const uint32_t*>(a.seq_pages) + seq);
+    uint32_t value_bytes = a.kv_f16 ? 2 : 4, kv_dim = a.kv_heads * a.head_dim;
+    uint32_t lines = (a.head_dim * value_bytes + 127) / 128;  // of a position's head
+    for (uint32_t e = threadIdx.x; e < 2 * n * lines; e += blockDim.x) {
+        uint32_t kv = e / (n * lines), p = start + e % (n * lines) / lines, line = e % lines;
+        uint32_t page = load_step_word(table + p / a.page_tokens);
+        uint64_t index = kv_index(a.layer, kv, page, p % a.page_tokens, kv_head * a.head_dim,
+                                  a.pages_count, a.page_tokens, kv_dim);
+        prefetch_l2(reinterpret_cast<const uint8_t*>(a.kv) + index * value_bytes + 128 * line);
+    }
 }
 
 KERNEL(attention_merge, MergeArgs) {

@@ -81,6 +81,18 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
+// A word of memory no kernel of the step writes (the step buffer: copied
+// before the step's first launch, read-only until the step ends), read
+// through the read-only path (ld.global.nc): the one load that may come
+// before a dependent kernel's wait, to find what to prefetch.
+__device__ __forceinline__ uint32_t load_step_word(const uint32_t* p) {
+#ifdef BULKHEAD_EMU
+    return *p;
+#else
+    return __ldg(p);
+#endif
+}
+
 #define WARP_SIZE 32
 #define FULL_MASK 0xffffffffu
 // A sequence index meaning "no sequence": a padding token of a captured step.

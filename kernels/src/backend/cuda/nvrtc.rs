@@ -458,12 +458,14 @@ mod tests {
         }
         // A dependent launch may begin while the kernel before it runs
         // (common.cuh's grid_dependency): before its wait a kernel may read
-        // its parameters and ask for lines in L2 (prefetch_l2: a hint that
-        // reads no value), nothing else, nor write, nor call.
+        // its parameters and the step buffer's words through the read-only
+        // path (load_step_word: no kernel writes them) and ask for lines in
+        // L2 (prefetch_l2: a hint that reads no value), nothing else, nor
+        // write, nor call.
         let touches = [
             "ld.", "st.", "atom.", "red.", "call", "cp.", "tex.", "prefetch",
         ];
-        let allowed = ["ld.param", "prefetch.global.L2 "];
+        let allowed = ["ld.param", "ld.global.nc.", "prefetch.global.L2 "];
         let mut prefetching = Vec::new();
         let mut kernels = 0;
         for source in &SOURCES {
@@ -492,8 +494,9 @@ mod tests {
             }
         }
         assert_eq!(kernels, 9, "every kernel of the sources seen");
-        // The products ask for their weights' lines before they wait.
-        assert_eq!(prefetching, ["matmul"]);
+        // Attention asks for its K and V lines, the products for their
+        // weights', before they wait.
+        assert_eq!(prefetching, ["attention", "matmul"]);
     }
 
     #[test]
