@@ -403,6 +403,15 @@ fn gpu_check_binary() -> Option<std::path::PathBuf> {
     None
 }
 
+/// The rows of the GPU check's final table (printed after its rows as
+/// they were measured), its header left out.
+fn table_rows(out: &str) -> Vec<&str> {
+    out.lines()
+        .skip_while(|l| !l.starts_with("| check |"))
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| check |"))
+        .collect()
+}
+
 /// The server's part of the GPU check (`scripts/gpu_server_check.py`), run
 /// here on the CPU with this build's binaries: its flow works end to end, and
 /// without a GPU its `auto` row fails, naming the missing driver, as its
@@ -490,11 +499,7 @@ fn the_gpu_check_lists_the_rows_past_its_budget_as_not_measured() {
         return;
     }
     assert!(out.status.success(), "{table}{}", stderr(&out));
-    let rows: Vec<&str> = table
-        .lines()
-        .skip_while(|l| !l.starts_with("| check |"))
-        .filter(|l| l.starts_with("| ") && !l.starts_with("| check |"))
-        .collect();
+    let rows = table_rows(&table);
     assert!(rows.len() > 20, "{table}");
     for row in &rows {
         assert!(
@@ -536,11 +541,7 @@ fn the_gpu_checks_host_part_times_steps_without_a_gpu() {
     let out = run(Command::new(&check).args(["--host-part", "--dry-run"]));
     let table = stdout(&out);
     assert!(out.status.success(), "{table}{}", stderr(&out));
-    let rows: Vec<&str> = table
-        .lines()
-        .skip_while(|l| !l.starts_with("| check |"))
-        .filter(|l| l.starts_with("| ") && !l.starts_with("| check |"))
-        .collect();
+    let rows = table_rows(&table);
     // The dry run's batches (1, 2) at its depth (40), and nothing else.
     assert_eq!(rows.len(), 2, "{table}");
     for (row, batch) in rows.iter().zip([1, 2]) {
