@@ -244,7 +244,6 @@ impl Emulator {
                     .to_string(),
             });
         }
-        self.after_launch.store(true, Ordering::Relaxed);
         // A GPU refuses a launch past its kernel's shared memory limit
         // (CUDA_ERROR_INVALID_VALUE): the default, but for the kernel that
         // opts in to more.
@@ -262,6 +261,8 @@ impl Emulator {
                 ),
             });
         }
+        // Queued (or captured): what comes next follows a launch.
+        self.after_launch.store(true, Ordering::Relaxed);
         let mut capturing = self.capturing.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(recorded) = capturing.as_mut() {
             recorded.push(Recorded {
