@@ -116,7 +116,10 @@ pub struct Served {
     pub created: u64,
     /// Its part in disaggregation (none with role `both`).
     pub transfer: Option<ModelTransfer>,
-    /// Where it computes ("cpu", "cuda (NVIDIA H200, sm_90)").
+    /// Where it computes.
+    pub placement: Placement,
+    /// That in words, with the backend's modes where it has them ("cpu",
+    /// "cuda (NVIDIA H200, sm_90): graphs on, ...").
     pub backend: String,
 }
 
@@ -330,6 +333,7 @@ pub fn load(
         })?;
     // What the backend chose at start-up (the tensor cores' probe) is the
     // operator's to see in /readyz.
+    let placement = engine.placement.clone();
     let backend = match scheduler.backend().modes() {
         Some(modes) => format!("{}: {modes}", engine.placement),
         None => engine.placement.to_string(),
@@ -383,6 +387,7 @@ pub fn load(
         spec,
         source,
         transfer,
+        placement,
         backend,
     };
     Ok(Loaded {

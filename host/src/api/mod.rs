@@ -53,6 +53,7 @@ pub mod tools;
 use crate::catalog::Served;
 use crate::clock::now_ms;
 use crate::engine::chat::ChatError;
+use crate::engine::placement::Placement;
 use crate::engine::request::{Event, NewRequest, RequestId};
 use crate::policy::{plugin_headers, AdmitInput, PolicyRuntime, Route, Verdict};
 use crate::telemetry;
@@ -245,7 +246,7 @@ fn readiness(app: &App) -> (bool, serde_json::Map<String, serde_json::Value>) {
             .is_none_or(|t| !t.decode || t.link.paired.load(Ordering::Relaxed));
         let state = model_state(
             model.engine.is_accepting() && paired,
-            model.backend.starts_with("cuda"),
+            matches!(model.placement, Placement::Cuda(_)),
             gpu_lost,
         );
         ready &= state == "ready";
