@@ -239,6 +239,15 @@ __device__ __forceinline__ float mul_rn(float a, float b) {
 #endif
 }
 
+// a + b rounded once, never fused with the product before it.
+__device__ __forceinline__ float add_rn(float a, float b) {
+#ifdef BULKHEAD_EMU
+    return a + b;
+#else
+    return __fadd_rn(a, b);
+#endif
+}
+
 // a / b rounded once (IEEE division, whatever the compiler's options).
 __device__ __forceinline__ float div_rn(float a, float b) {
 #ifdef BULKHEAD_EMU

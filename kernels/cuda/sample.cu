@@ -14,8 +14,8 @@
 // passes over the row; top-p adds 35, top-k 34, min-p 1. Weights are summed
 // in fixed point (units of 2^-40 of the likeliest's), so every sum is exact
 // and the same whatever the order of its terms: a seed gives the same token
-// on every run. The host's sums are f64 in id order; the two can differ only
-// where a boundary falls within 2^-40 of a weight.
+// on every run, the one the host draws from the same row (its weights are
+// the same bits, exp_rn, and its sums the same integers).
 
 #include "common.cuh"
 #include "args.cuh"
@@ -91,6 +91,26 @@ __device__ __forceinline__ float f32_of_bits(uint32_t bits) {
     return x;
 }
 
+// e^x for x in [-87, 88], in single operations each rounded once and none
+// fused, so that the host's `exp_rn` (kernels/src/backend/draw.rs) gives
+// the same bits (CUDA's expf is within 2 ulp of e^x, not the host's): x =
+// n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts, the first exact
+// times any n), e^r by Taylor's polynomial to r^7 (within 1.2 ulp of e^x
+// over the range), times 2^n. The constants are given by their bits.
+__device__ __forceinline__ float exp_rn(float x) {
+    // x log2(e) to the nearest integer (ties to even): 1.5 * 2^23 added and
+    // taken away, as the host does (the integer is also the sum's low bits).
+    float shifted = add_rn(mul_rn(x, f32_of_bits(0x3fb8aa3bu)), 12582912.0f);
+    float n = add_rn(shifted, -12582912.0f);
+    float r = add_rn(x, -mul_rn(n, f32_of_bits(0x3f317200u)));  // ln 2, high part
+    r = add_rn(r, -mul_rn(n, f32_of_bits(0x35bfbe8eu)));  // ln 2, low part
+    const uint32_t taylor[8] = {0x39500d01u, 0x3ab60b61u, 0x3c088889u, 0x3d2aaaabu,
+                                0x3e2aaaabu, 0x3f000000u, 0x3f800000u, 0x3f800000u};
+    float p = f32_of_bits(taylor[0]);  // 1/7!
+    for (int k = 1; k < 8; k++) p = add_rn(mul_rn(p, r), f32_of_bits(taylor[k]));
+    return mul_rn(p, f32_of_bits((f32_bits(shifted) - 0x4b400000u + 127u) << 23));
+}
+
 // Floats as keys that order as the floats do (-0 below +0, as total_cmp).
 __device__ __forceinline__ uint32_t ordered(float x) {
     uint32_t bits = f32_bits(x);
@@ -144,7 +164,7 @@ __device__ __forceinline__ float x_at(const DrawRow& r, uint32_t i) { return mul
 // A token's weight, e^(x - max) (0 below e^-87) as the host computes it.
 __device__ __forceinline__ float weight_of(const DrawRow& r, float x) {
     float d = x - r.max;
-    return d < -87.0f ? 0.0f : expf(d);
+    return d < -87.0f ? 0.0f : exp_rn(d);
 }
 
 // That weight in fixed point.

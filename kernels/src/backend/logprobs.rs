@@ -5,10 +5,8 @@
 //! the row lies, for a row it gives as its token alone
 //! ([`SeqStep::logprobs`](super::SeqStep::logprobs)): the same top tokens
 //! in the same order, each log probability within float rounding of the
-//! host's (the device sums its weights in another order, and its `expf`
-//! may differ from the host's by an ulp).
-
-use super::draw::weight;
+//! host's (the device sums its weights in another order, and CUDA's `expf`
+//! is within 2 ulp of e^x, libm's within 1).
 
 /// Most alternatives a row's log probabilities may list (OpenAI's
 /// `top_logprobs` bound).
@@ -54,5 +52,16 @@ impl Logprobs {
             logprob: logprob(token),
             top: ids.into_iter().map(|id| (id, logprob(id))).collect(),
         }
+    }
+}
+
+/// `e^x` for `x <= 0` (libm's: a log probability needs no device's bits,
+/// unlike a draw's [`super::draw::weight`]), and 0 below f32's smallest
+/// normal weight.
+fn weight(x: f32) -> f32 {
+    if x < -87.0 {
+        0.0
+    } else {
+        x.exp()
     }
 }

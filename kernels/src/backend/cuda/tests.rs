@@ -153,6 +153,41 @@ fn the_emulator_runs_a_launchs_blocks_in_an_order_drawn_from_its_seed() {
 }
 
 #[test]
+fn the_devices_exp_gives_the_hosts_bits() {
+    // The pick kernel's weights are exp_rn's; a draw is the host's only
+    // where they are the same bits. Over [-87, 0]: both ends, 0's
+    // neighbour, and values spread between.
+    let device = emulator(1);
+    let mut xs: Vec<f32> = vec![0.0, -0.0, -87.0, -f32::MIN_POSITIVE, -1e-30, -0.5];
+    xs.extend((0..1024 - xs.len()).map(|i| -87.0 * (i as f32 / 1017.0).powf(0.7)));
+    let values = DeviceBuffer::zeroed(&device, 4 * 1024).unwrap();
+    let bytes: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
+    values.write(0, &bytes).unwrap();
+    let args = SelfTestArgs {
+        out: values.at(0),
+        mode: 5,
+        unused: 0,
+    };
+    let geometry = Geometry {
+        grid: 4,
+        block: 256,
+        shared_bytes: 0,
+    };
+    // SAFETY: the self-test reads and writes 1024 floats of `values`.
+    unsafe { device.launch(SelfTestArgs::KERNEL, geometry, args.bytes()) }.unwrap();
+    let device_exp = read_floats(&values, 1024);
+    for (x, got) in xs.iter().zip(&device_exp) {
+        let want = crate::backend::draw::exp_rn(*x);
+        assert_eq!(
+            got.to_bits(),
+            want.to_bits(),
+            "exp_rn({x:e}): {got:e} on the device, {want:e} on the host"
+        );
+    }
+    assert_eq!(device_exp[0], 1.0, "the likeliest weighs 1");
+}
+
+#[test]
 fn the_emulator_refuses_shared_memory_past_a_kernels_limit_as_a_gpu_does() {
     let device = emulator(1);
     let out = DeviceBuffer::zeroed(&device, 4 * 1024).unwrap();
@@ -1148,6 +1183,31 @@ fn a_draw_on_the_device_picks_the_token_the_hosts_draw_picks() {
     rows.push((with(301, f32::INFINITY), any));
     rows.push((with(302, f32::NEG_INFINITY), any));
     rows.push((vec![f32::NEG_INFINITY; vocab], any));
+    // Two logits of the same weight (1), the larger the likelier (a nucleus
+    // of one keeps it); and min-p where exp_rn falls as x rises (it keeps
+    // the larger logit, weighing an ulp below min_p).
+    let exp_rn = crate::backend::draw::exp_rn;
+    let fall = -0.249_998_12f32;
+    let below = (1..64)
+        .map(|ulps| f32::from_bits(fall.to_bits() + ulps))
+        .find(|&x| exp_rn(x) > exp_rn(fall))
+        .expect("exp_rn falls at -0.24999812");
+    let mut ties = vec![-9.0f32; vocab];
+    (ties[10], ties[11]) = (-2e-9, -1e-9);
+    let mut falls = vec![-9.0f32; vocab];
+    (falls[12], falls[13], falls[14]) = (0.0, fall, below);
+    for (row, top_p, min_p) in [(ties, 0.3, 0.0), (falls, 1.0, exp_rn(below))] {
+        for u in [0.0, 0.5, 1.0 - 1e-9] {
+            let draw = Draw {
+                inv_t: 1.0,
+                top_k: 0,
+                top_p,
+                min_p,
+                u,
+            };
+            rows.push((row.clone(), Some(draw)));
+        }
+    }
     let picks = device_draws(&device, vocab, &rows);
     let mut candidates = Vec::new();
     let mut drawn_elsewhere = 0;
