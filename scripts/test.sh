@@ -28,6 +28,9 @@ scripts/plugins.sh
 cargo fmt --all -- --check
 (cd plugins && cargo fmt --all -- --check)
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# Every doc link resolves, private items' too (rustdoc alone: the
+# dependencies' metadata is clippy's, so this costs seconds).
+RUSTDOCFLAGS="--document-private-items -D warnings" cargo doc --workspace --no-deps --locked --quiet
 # End-to-end tests run the real binary (target/debug/bulkhead). Build it, and
 # every test, with `cargo test --no-run`: the workspace's dev-dependencies
 # change the features of shared dependencies, so a separate `cargo build -p

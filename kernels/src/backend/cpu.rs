@@ -94,7 +94,7 @@ struct Scratch {
     xq: QuantizedActivations,
     out_norm: Vec<f32>, // [rows][d] the rows that want logits
     logits: Vec<f32>,   // [rows][vocab]: one a sequence, grown for a prompt's log probabilities
-    /// Decode tokens' attention partials: [decode][head][span][m, l, o[head_dim]];
+    /// Decode tokens' attention partials: `[decode][head][span][m, l, o[head_dim]]`;
     /// grows to the largest step's need.
     partials: Vec<f32>,
     /// Per worker: matrix-product output before it is scattered, and attention scores.

@@ -80,9 +80,9 @@ pub struct QuantizedActivations {
     format: ActivationFormat,
     n_tokens: usize,
     k: usize,
-    /// [n_tokens][k] (F32 format only).
+    /// `[n_tokens][k]` (F32 format only).
     values: Vec<f32>,
-    /// [n_tokens][qs_stride] quants (Q8 formats).
+    /// `[n_tokens][qs_stride]` quants (Q8 formats).
     qs: Vec<i8>,
     /// Q8_1: [n_tokens][scale_stride / 2][d, s]; Q8_K: [n_tokens][k / 256] scales d.
     d: Vec<f32>,
@@ -277,7 +277,7 @@ impl QuantizedActivations {
         (block, ds[b * Q8_1_DS], ds[b * Q8_1_DS + 1])
     }
 
-    /// Token `t`'s Q8_K quants ([k]) and scales ([k / 256]).
+    /// Token `t`'s Q8_K quants (`[k]`) and scales (`[k / 256]`).
     pub(crate) fn q8_k_row(&self, t: usize) -> (&[i8], &[f32]) {
         debug_assert_eq!(self.format, ActivationFormat::Q8_K);
         let blocks = self.k / QK_K;
@@ -287,7 +287,7 @@ impl QuantizedActivations {
         )
     }
 
-    /// Token `t`'s Q8_K block sums ([k / 256][16]).
+    /// Token `t`'s Q8_K block sums (`[k / 256][16]`).
     pub(crate) fn bsums(&self, t: usize) -> &[i16] {
         let stride = self.k / Q8_K_BSUM_LEN;
         &self.bsums[t * stride..(t + 1) * stride]

@@ -371,7 +371,7 @@ struct DirectTile<'a> {
     prefetch: bool,
 }
 
-/// Per-row packed mins of one k-chunk: [row][pair][0, m_b, 0, m_b+1].
+/// Per-row packed mins of one k-chunk: `[row][pair][0, m_b, 0, m_b+1]`.
 type ChunkMins = [[f32; CHUNK_BLOCKS / PAIR * PAIR_DS]; TILE_ROWS];
 
 /// `direct_tile` for a run-time token count up to `DIRECT_TILE_TOKENS`.
@@ -551,11 +551,11 @@ unsafe fn fold(v: __m512) -> __m256 {
 
 /// One row tile's packed k-chunk.
 struct Packed {
-    /// [TILE_ROWS][pair][64] unsigned codes in pair layout.
+    /// `[TILE_ROWS][pair][64]` unsigned codes in pair layout.
     codes: [[u8; CHUNK_BLOCKS * QK32]; TILE_ROWS],
-    /// [TILE_ROWS][pair][16] block scales spread to the i32 lanes.
+    /// `[TILE_ROWS][pair][16]` block scales spread to the i32 lanes.
     dw: [[f32; CHUNK_BLOCKS / PAIR * LANES]; TILE_ROWS],
-    /// [TILE_ROWS][pair][0, m_b, 0, m_b+1], zero past the chunk to a whole vector.
+    /// `[TILE_ROWS][pair][0, m_b, 0, m_b+1]`, zero past the chunk to a whole vector.
     m: [[f32; CHUNK_BLOCKS / PAIR * PAIR_DS]; TILE_ROWS],
 }
 
