@@ -14,7 +14,9 @@
 //!    ties); 0 keeps every token.
 //! 2. Each kept token weighs `e^(x - max)`, `x` its logit over the
 //!    temperature (0 below e^-87, f32's smallest normal).
-//! 3. `min_p`: those weighing at least `min_p` (the likeliest weighs 1).
+//! 3. `min_p`: those weighing at least `min_p` (the likeliest weighs 1),
+//!    and any of a larger logit (below: a weight can fall by an ulp where
+//!    the logit rises).
 //! 4. `top_p`: the shortest run of the likeliest whose weight reaches
 //!    `top_p` of what is still kept.
 //!
