@@ -291,3 +291,12 @@ struct DigestArgs {
     uint32_t value_bytes;  // 2 (f16) or 4 (f32)
     uint32_t unused;
 };
+
+// A draw's weights, exp_rn of each value in place (sample.cu), for the GPU
+// check to compare with the host's bit for bit. Grid (count / 128 rounded
+// up), block 128.
+struct DrawWeightsArgs {
+    uint64_t values;  // f32 [count]
+    uint32_t count;
+    uint32_t unused;
+};

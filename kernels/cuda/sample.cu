@@ -570,3 +570,12 @@ KERNEL_THREADS(pick, PickArgs, PICK_BLOCK) {
         memcpy(&scores[0], &logprob, 4);
     }
 }
+
+// exp_rn of each value in place: what the draw's weights are made of, for
+// the GPU check (and the emulator's tests) to compare with the host's
+// `exp_rn` bit for bit, since a draw is the host's only where they agree.
+KERNEL(draw_weights, DrawWeightsArgs) {
+    float* values = reinterpret_cast<float*>(a.values);
+    uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < a.count) values[i] = exp_rn(values[i]);
+}

@@ -10,7 +10,8 @@
 //!    step's launches cost at the least);
 //! 2. the tensor cores' start-up probe on every model here (each quantized
 //!    weight type's product on them and a warp a row agree), and the
-//!    dependent launches' (a chain of dependent copies comes out whole), then
+//!    dependent launches' (a chain of dependent copies comes out whole), the
+//!    draw's weights (the device's `exp_rn` the host's bits), then
 //!    CPU-versus-CUDA agreement on both models: the worst relative logit
 //!    error and greedy-token agreement over a few hundred decode tokens, and
 //!    each step again with its tokens picked on the device (the argmax of
@@ -549,6 +550,29 @@ fn dependent_probe_row(device: &Arc<dyn Device>, model: &Arc<Model>) -> (String,
                 DependentLaunches::Refused { .. } | DependentLaunches::Off => false,
             };
             (probe.to_string(), Some(pass))
+        }
+        Err(e) => (e.to_string(), Some(false)),
+    }
+}
+
+/// The `pick` kernel's weights against the host's, bit for bit
+/// (`check::draw_weights`): a draw on the device is the host's only where
+/// they agree.
+fn draw_weights_row(device: &Arc<dyn Device>) -> (String, Option<bool>) {
+    match check::draw_weights(device) {
+        Ok(report) => {
+            let mut result = format!(
+                "{}/{} values of [-87, 0] weigh the host's bits",
+                report.equal, report.values
+            );
+            if let Some((x, got, want)) = report.first_apart {
+                result += &format!(
+                    "; first apart: exp_rn({x:e}) = {got:e} ({:#010x}) on the device, {want:e} ({:#010x}) on the host",
+                    got.to_bits(),
+                    want.to_bits()
+                );
+            }
+            (result, Some(report.equal == report.values))
         }
         Err(e) => (e.to_string(), Some(false)),
     }
@@ -1164,6 +1188,9 @@ fn main() -> ExitCode {
         });
         report.row("dependent launches: start-up probe".into(), || {
             dependent_probe_row(&device, &tiny)
+        });
+        report.row("draw weights: the device's exp_rn".into(), || {
+            draw_weights_row(&device)
         });
         agreement_rows(
             &mut report,

@@ -786,6 +786,65 @@ impl DecodeRun {
     }
 }
 
+/// The device's weights of a draw against the host's: the `draw_weights`
+/// kernel (sample.cu's `exp_rn`, what the `pick` kernel weighs tokens by)
+/// over every 4,099th f32 of [-87, 0] and the ends, compared bit for bit
+/// with [`draw::exp_rn`](crate::backend::draw::exp_rn). A draw on the
+/// device is the host's only where every weight is.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DrawWeights {
+    /// Values compared.
+    pub values: usize,
+    /// Those whose bits are the host's.
+    pub equal: usize,
+    /// The first that is not: the value, the device's weight, the host's.
+    pub first_apart: Option<(f32, f32, f32)>,
+}
+
+/// Runs [`DrawWeights`]'s comparison on `device`.
+pub fn draw_weights(device: &Arc<dyn Device>) -> Result<DrawWeights, super::device::DeviceError> {
+    use super::device::{DeviceBuffer, Geometry};
+    use super::launch::{DrawWeightsArgs, KernelArgs, ROW_BLOCK};
+    use crate::backend::draw::exp_rn;
+    // Negative floats rise as their bits fall, down to -0.
+    let mut xs: Vec<f32> = ((0x8000_0000u32..=(-87.0f32).to_bits()).step_by(4099))
+        .map(f32::from_bits)
+        .collect();
+    xs.extend([0.0, -0.0, -87.0, -f32::MIN_POSITIVE, -0.249_998_12]);
+    let bytes: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let values = DeviceBuffer::zeroed(device, bytes.len() as u64)?;
+    values.write(0, &bytes)?;
+    let args = DrawWeightsArgs {
+        values: values.at(0),
+        count: xs.len() as u32,
+        unused: 0,
+    };
+    let geometry = Geometry {
+        grid: (xs.len() as u32).div_ceil(ROW_BLOCK),
+        block: ROW_BLOCK,
+        shared_bytes: 0,
+    };
+    // SAFETY: the kernel reads and writes `count` floats of `values`.
+    unsafe { device.launch(DrawWeightsArgs::KERNEL, geometry, args.bytes()) }?;
+    let mut out = vec![0u8; bytes.len()];
+    values.read(0, &mut out)?;
+    let mut report = DrawWeights {
+        values: xs.len(),
+        equal: 0,
+        first_apart: None,
+    };
+    for (x, word) in xs.iter().zip(out.chunks_exact(4)) {
+        let got = f32::from_le_bytes(word.try_into().expect("4 bytes"));
+        let want = exp_rn(*x);
+        if got.to_bits() == want.to_bits() {
+            report.equal += 1;
+        } else {
+            report.first_apart.get_or_insert((*x, got, want));
+        }
+    }
+    Ok(report)
+}
+
 /// Sequence `seq`'s `n` adjustments of [`DecodeRun::adjusts`], in a
 /// vocabulary of `vocab`.
 pub fn decode_adjusts(seq: usize, n: usize, vocab: usize) -> Vec<Adjust> {

@@ -313,6 +313,15 @@ args! {
     }
 }
 
+args! {
+    /// A draw's weights, `exp_rn` of each value in place (the GPU check's).
+    struct DrawWeightsArgs for "draw_weights" {
+        values: u64,
+        count: u32,
+        unused: u32,
+    }
+}
+
 /// Threads per block of the kernels that take a row or a token per block.
 pub const ROW_BLOCK: u32 = 128;
 /// Threads per block of `rms_norm` (one Q8_K block of 256 values per
@@ -405,6 +414,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<MergeArgs>(), 40);
         assert_eq!(std::mem::size_of::<DigestArgs>(), 48);
         assert_eq!(std::mem::size_of::<PickArgs>(), 56);
+        assert_eq!(std::mem::size_of::<DrawWeightsArgs>(), 16);
     }
 
     #[test]

@@ -352,7 +352,7 @@ mod tests {
         // the backend launches it with.
         let fused = super::super::SHARED_DEFAULT_MAX as u32;
         let opt_in = shared_opt_in_bytes(227 * 1024);
-        let launches: [(&str, u32, u32); 9] = [
+        let launches: [(&str, u32, u32); 10] = [
             (EmbedArgs::KERNEL, ROW_BLOCK, 0),
             (NormArgs::KERNEL, NORM_BLOCK, 0),
             (MatmulArgs::KERNEL, MATMUL_WARPS * 32, fused),
@@ -362,6 +362,7 @@ mod tests {
             (MergeArgs::KERNEL, ATTENTION_BLOCK, 0),
             (PickArgs::KERNEL, PICK_BLOCK, 0),
             (DigestArgs::KERNEL, DIGEST_BLOCK, 0),
+            (DrawWeightsArgs::KERNEL, ROW_BLOCK, 0),
         ];
         let mut seen = Vec::new();
         for source in &SOURCES {
@@ -493,7 +494,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(kernels, 9, "every kernel of the sources seen");
+        assert_eq!(kernels, 10, "every kernel of the sources seen");
         // Attention asks for its K and V lines, the products for their
         // weights', before they wait.
         assert_eq!(prefetching, ["attention", "matmul"]);

@@ -153,38 +153,13 @@ fn the_emulator_runs_a_launchs_blocks_in_an_order_drawn_from_its_seed() {
 }
 
 #[test]
-fn the_devices_exp_gives_the_hosts_bits() {
+fn the_devices_draw_weights_are_the_hosts_bits() {
     // The pick kernel's weights are exp_rn's; a draw is the host's only
-    // where they are the same bits. Over [-87, 0]: both ends, 0's
-    // neighbour, and values spread between.
-    let device = emulator(1);
-    let mut xs: Vec<f32> = vec![0.0, -0.0, -87.0, -f32::MIN_POSITIVE, -1e-30, -0.5];
-    xs.extend((0..1024 - xs.len()).map(|i| -87.0 * (i as f32 / 1017.0).powf(0.7)));
-    let values = DeviceBuffer::zeroed(&device, 4 * 1024).unwrap();
-    let bytes: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
-    values.write(0, &bytes).unwrap();
-    let args = SelfTestArgs {
-        out: values.at(0),
-        mode: 5,
-        unused: 0,
-    };
-    let geometry = Geometry {
-        grid: 4,
-        block: 256,
-        shared_bytes: 0,
-    };
-    // SAFETY: the self-test reads and writes 1024 floats of `values`.
-    unsafe { device.launch(SelfTestArgs::KERNEL, geometry, args.bytes()) }.unwrap();
-    let device_exp = read_floats(&values, 1024);
-    for (x, got) in xs.iter().zip(&device_exp) {
-        let want = crate::backend::draw::exp_rn(*x);
-        assert_eq!(
-            got.to_bits(),
-            want.to_bits(),
-            "exp_rn({x:e}): {got:e} on the device, {want:e} on the host"
-        );
-    }
-    assert_eq!(device_exp[0], 1.0, "the likeliest weighs 1");
+    // where they are the same bits (the emulator's C++ against the Rust).
+    let report = super::check::draw_weights(&emulator(1)).unwrap();
+    assert!(report.values > 270_000, "{report:?}");
+    assert_eq!(report.equal, report.values, "{report:?}");
+    assert_eq!(report.first_apart, None);
 }
 
 #[test]
@@ -304,6 +279,10 @@ fn argument_structs_are_the_size_the_kernel_sources_declare() {
         (MergeArgs::KERNEL, std::mem::size_of::<MergeArgs>()),
         (DigestArgs::KERNEL, std::mem::size_of::<DigestArgs>()),
         (PickArgs::KERNEL, std::mem::size_of::<PickArgs>()),
+        (
+            DrawWeightsArgs::KERNEL,
+            std::mem::size_of::<DrawWeightsArgs>(),
+        ),
     ];
     for (kernel, size) in sizes {
         assert_eq!(Emulator::args_bytes(kernel), Some(size), "{kernel}");
