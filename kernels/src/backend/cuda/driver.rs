@@ -217,8 +217,9 @@ impl std::fmt::Debug for CudaDevice {
     }
 }
 
-/// Kernels the backend launches (every `KERNEL` in the sources).
-const KERNELS: [&str; 9] = [
+/// Kernels a device opens (every `KERNEL` in the sources: a test holds
+/// them to the PTX's entries).
+pub(super) const KERNELS: [&str; 10] = [
     "embed",
     "rms_norm",
     "matmul",
@@ -228,6 +229,7 @@ const KERNELS: [&str; 9] = [
     "attention",
     "attention_merge",
     "page_digest",
+    "draw_weights",
 ];
 
 impl CudaDevice {

@@ -468,11 +468,11 @@ mod tests {
         ];
         let allowed = ["ld.param", "ld.global.nc.", "prefetch.global.L2 "];
         let mut prefetching = Vec::new();
-        let mut kernels = 0;
+        let mut kernels = Vec::new();
         for source in &SOURCES {
             let ptx = ptx(source);
             for (kernel, body) in entries(&ptx) {
-                kernels += 1;
+                kernels.push(kernel.to_string());
                 let wait = body
                     .iter()
                     .position(|i| i.starts_with("griddepcontrol.wait"))
@@ -494,7 +494,14 @@ mod tests {
                 }
             }
         }
-        assert_eq!(kernels, 10, "every kernel of the sources seen");
+        // Every kernel, and each one a device opens by name.
+        kernels.sort_unstable();
+        let mut opened = super::super::driver::KERNELS.map(String::from);
+        opened.sort_unstable();
+        assert_eq!(
+            kernels, opened,
+            "the sources' kernels, and those a device opens"
+        );
         // Attention asks for its K and V lines, the products for their
         // weights', before they wait.
         assert_eq!(prefetching, ["attention", "matmul"]);
