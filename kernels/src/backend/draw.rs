@@ -85,7 +85,7 @@ impl Draw {
                 let floor = max + (self.min_p.ln() - 1.0);
                 dropped_weighs = c[k..]
                     .iter()
-                    .any(|cand| cand.1 >= floor && weight_below(cand.1 - max) >= self.min_p);
+                    .any(|cand| cand.1 >= floor && weight(cand.1 - max) >= self.min_p);
             }
             c.truncate(k);
             reordered = true;
@@ -96,7 +96,7 @@ impl Draw {
             return;
         }
         for cand in c.iter_mut() {
-            cand.1 = weight_below(cand.1 - max);
+            cand.1 = weight(cand.1 - max);
         }
         if self.min_p > 0.0 && !dropped_weighs {
             min_p(c, self.min_p, x_of);
@@ -142,21 +142,12 @@ impl Draw {
     }
 }
 
-/// `e^x` for `x <= 0` ([`exp_rn`]), and 0 below f32's smallest normal
-/// weight (a biased or peaked row would otherwise spend its time in exp's
-/// underflow path).
-pub fn weight(x: f32) -> f32 {
-    if x > 88.0 || x.is_nan() {
-        x.exp()
-    } else {
-        weight_below(x)
-    }
-}
-
-/// [`weight`] of an `x` at or below 88, not NaN (a logit less the row's
-/// largest): no branch, so that a loop of it vectorizes.
+/// A token's weight: `e^x` ([`exp_rn`]) of `x`, its logit less the row's
+/// largest (at most 0, not NaN), and 0 below f32's smallest normal weight
+/// (a biased or peaked row would otherwise spend its time in exp's
+/// underflow path). No branch, so that a loop of it vectorizes.
 #[inline]
-fn weight_below(x: f32) -> f32 {
+fn weight(x: f32) -> f32 {
     let w = exp_rn(x.max(-87.0));
     if x < -87.0 {
         0.0
@@ -280,7 +271,7 @@ fn nucleus(c: &mut Vec<(u32, f32)>, max: f32, top_p: f32, x_of: impl Fn(u32) -> 
     for cand in c.iter_mut() {
         cand.1 = x_of(cand.0);
     }
-    let fixed_of = |cand: &(u32, f32)| fixed(weight_below(cand.1 - max));
+    let fixed_of = |cand: &(u32, f32)| fixed(weight(cand.1 - max));
     let mut head = 64;
     loop {
         let h = head.min(c.len());
@@ -303,7 +294,7 @@ fn nucleus(c: &mut Vec<(u32, f32)>, max: f32, top_p: f32, x_of: impl Fn(u32) -> 
             }
             c.truncate(keep);
             for cand in c.iter_mut() {
-                cand.1 = weight_below(cand.1 - max);
+                cand.1 = weight(cand.1 - max);
             }
             return;
         }
@@ -383,10 +374,9 @@ mod tests {
         assert!(worst <= 1.2, "{worst} ulp");
         assert_eq!(exp_rn(0.0), 1.0);
         assert_eq!(exp_rn(-0.0), 1.0);
-        // Past the range the weight is libm's, and below it none.
+        // Below the range, no weight.
         assert_eq!(weight(-87.5), 0.0);
-        assert!(weight(f32::NAN).is_nan());
-        assert_eq!(weight(f32::INFINITY), f32::INFINITY);
+        assert_eq!(weight(-87.0), exp_rn(-87.0));
     }
 
     /// Every f32 in [-87, 0]: exp_rn may fall as x rises (it does, by an

@@ -56,8 +56,8 @@ impl Logprobs {
 }
 
 /// `e^x` for `x <= 0` (libm's: a log probability needs no device's bits,
-/// unlike a draw's [`super::draw::weight`]), and 0 below f32's smallest
-/// normal weight.
+/// unlike a draw's weight, [`super::draw::exp_rn`]), and 0 below f32's
+/// smallest normal weight.
 fn weight(x: f32) -> f32 {
     if x < -87.0 {
         0.0
