@@ -339,6 +339,7 @@ pub fn load(
         None => engine.placement.to_string(),
     };
     scheduler.set_finish_sink(finishes);
+    scheduler.set_model_id(&spec.id);
     let admission = scheduler.admission(spec.context_tokens);
     let (transfer, remote) = transfer_of(&spec, &model, &scheduler, role);
     if let Some(remote) = &remote {
@@ -355,9 +356,11 @@ pub fn load(
     // then has (the supervisor sets the finish sink again).
     let rebuild = {
         let (model, tokenizer) = (Arc::clone(&model), Arc::clone(&tokenizer));
+        let id = spec.id.clone();
         Box::new(move |tenants| {
             let mut scheduler = build::scheduler(&model, &tokenizer, &engine, tenants)
                 .map_err(|e| e.to_string())?;
+            scheduler.set_model_id(&id);
             if let Some(remote) = &remote {
                 scheduler.set_remote_prefill(remote.clone());
             }

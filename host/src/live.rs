@@ -52,7 +52,8 @@ pub struct Point {
     pub at_ms: u64,
     /// Requests that ended in it (served, cancelled or ended by the engine).
     pub requests: u64,
-    /// Prompt tokens of those requests.
+    /// Prompt tokens of the requests the engine ended in it (those whose
+    /// client left before the end too).
     pub prompt_tokens: u64,
     /// Tokens those requests generated (counted when each request ends).
     pub generated_tokens: u64,
@@ -141,11 +142,17 @@ impl Recent {
         f(&mut self.series.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    /// A request of `model` ended at `now_ms`.
-    pub fn finished(&self, model: &str, now_ms: u64, prompt: u32, generated: u32) {
+    /// A request of `model` ended at `now_ms`, as its client heard of it
+    /// (or left).
+    pub fn finished(&self, model: &str, now_ms: u64) {
+        self.with(|s| s.bucket(model, now_ms).requests += 1);
+    }
+
+    /// The engine of `model` ended a request at `now_ms` that took `prompt`
+    /// tokens and generated `generated`.
+    pub fn tokens(&self, model: &str, now_ms: u64, prompt: u32, generated: u32) {
         self.with(|s| {
             let point = s.bucket(model, now_ms);
-            point.requests += 1;
             point.prompt_tokens += u64::from(prompt);
             point.generated_tokens += u64::from(generated);
         });
@@ -216,12 +223,17 @@ mod tests {
     #[test]
     fn events_land_in_their_five_second_bucket() {
         let recent = Recent::new();
-        recent.finished("m", T0 + 1, 10, 20);
-        recent.finished("m", T0 + 4_999, 5, 7);
+        recent.tokens("m", T0 + 1, 10, 20);
+        recent.finished("m", T0 + 2);
+        // A client that left: counted when it left, its tokens when the
+        // engine ends the request.
+        recent.finished("m", T0 + 3);
+        recent.tokens("m", T0 + 4_999, 5, 7);
         recent.first_token("m", T0 + 2_000, Duration::from_millis(30));
         recent.first_token("m", T0 + 3_000, Duration::from_millis(90));
-        recent.finished("m", T0 + 5_000, 1, 1);
-        recent.finished("other", T0, 100, 100);
+        recent.tokens("m", T0 + 5_000, 1, 1);
+        recent.tokens("other", T0, 100, 100);
+        recent.finished("other", T0);
         let points = recent.window("m", T0 + 6_000);
         assert_eq!(points.len(), 2);
         assert_eq!(points[0].at_ms, T0);
@@ -232,7 +244,7 @@ mod tests {
         assert!((points[0].ttft_ms_sum - 120.0).abs() < 1e-6);
         assert!((points[0].ttft_ms_max - 90.0).abs() < 1e-6);
         assert_eq!(points[1].at_ms, T0 + 5_000);
-        assert_eq!(points[1].generated_tokens, 1);
+        assert_eq!((points[1].requests, points[1].generated_tokens), (0, 1));
         assert!(recent.window("nobody", T0).is_empty());
     }
 
@@ -241,7 +253,7 @@ mod tests {
         let recent = Recent::new();
         // An event every bucket for half an hour.
         for i in 0..360 {
-            recent.finished("m", T0 + i * BUCKET_MS, 1, 1);
+            recent.finished("m", T0 + i * BUCKET_MS);
         }
         let now = T0 + 359 * BUCKET_MS;
         let points = recent.window("m", now);
@@ -293,8 +305,8 @@ mod tests {
     #[test]
     fn a_clock_stepped_back_counts_in_the_newest_bucket() {
         let recent = Recent::new();
-        recent.finished("m", T0 + 10_000, 1, 1);
-        recent.finished("m", T0, 1, 2);
+        recent.tokens("m", T0 + 10_000, 1, 1);
+        recent.tokens("m", T0, 1, 2);
         let points = recent.window("m", T0 + 10_000);
         assert_eq!(points.len(), 1);
         assert_eq!(points[0].generated_tokens, 3);

@@ -27,9 +27,10 @@ pub const REQUESTS_TOTAL: &str = "bulkhead_requests_total";
 pub const REQUESTS_ABANDONED_TOTAL: &str = "bulkhead_requests_abandoned_total";
 /// Requests refused with an error, by tenant and error code.
 pub const REJECTIONS_TOTAL: &str = "bulkhead_rejections_total";
-/// Prompt tokens of finished requests, by model and tenant.
+/// Prompt tokens of the requests an engine ended, by model and tenant (those
+/// whose client left first too: the usage store's count).
 pub const PROMPT_TOKENS_TOTAL: &str = "bulkhead_prompt_tokens_total";
-/// Generated tokens of finished requests, by model and tenant.
+/// Generated tokens of the requests an engine ended, by model and tenant.
 pub const GENERATED_TOKENS_TOTAL: &str = "bulkhead_generated_tokens_total";
 /// Seconds from arrival to the first generated text, by model and tenant.
 pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "bulkhead_time_to_first_token_seconds";
@@ -255,31 +256,30 @@ pub fn count_plugin_disabled() {
     counter!(PLUGINS_DISABLED_TOTAL).increment(1);
 }
 
-/// Counts a finished request and its tokens.
-pub fn count_finished(
-    model: &str,
-    tenant: &str,
-    reason: &'static str,
-    prompt: u32,
-    generated: u32,
-) {
+/// Counts a finished request, as its client heard of it (its tokens are
+/// counted by the engine: [`count_tokens`]).
+pub fn count_finished(model: &str, tenant: &str, reason: &'static str) {
+    crate::live::recent().finished(model, crate::clock::now_ms());
     let (model, tenant) = (model.to_string(), tenant.to_string());
-    counter!(REQUESTS_TOTAL, "model" => model.clone(), "tenant" => tenant.clone(), "reason" => reason)
-        .increment(1);
-    counter!(PROMPT_TOKENS_TOTAL, "model" => model.clone(), "tenant" => tenant.clone())
-        .increment(u64::from(prompt));
-    crate::live::recent().finished(&model, crate::clock::now_ms(), prompt, generated);
-    counter!(GENERATED_TOKENS_TOTAL, "model" => model, "tenant" => tenant)
-        .increment(u64::from(generated));
+    counter!(REQUESTS_TOTAL, "model" => model, "tenant" => tenant, "reason" => reason).increment(1);
 }
 
 /// Counts a request whose client went away before its end (reason
-/// `cancelled`; its tokens are not counted).
+/// `cancelled`; the engine counts its tokens when it ends it).
 pub fn count_cancelled(model: &str, tenant: &str) {
-    crate::live::recent().finished(model, crate::clock::now_ms(), 0, 0);
+    count_finished(model, tenant, "cancelled");
+}
+
+/// Counts the tokens of a request the engine ended, whatever the reason and
+/// whether or not its client was still there to hear it: the tokens the
+/// usage store counts for the same end.
+pub fn count_tokens(model: &str, tenant: &str, prompt: u32, generated: u32) {
+    crate::live::recent().tokens(model, crate::clock::now_ms(), prompt, generated);
     let (model, tenant) = (model.to_string(), tenant.to_string());
-    counter!(REQUESTS_TOTAL, "model" => model, "tenant" => tenant, "reason" => "cancelled")
-        .increment(1);
+    counter!(PROMPT_TOKENS_TOTAL, "model" => model.clone(), "tenant" => tenant.clone())
+        .increment(u64::from(prompt));
+    counter!(GENERATED_TOKENS_TOTAL, "model" => model, "tenant" => tenant)
+        .increment(u64::from(generated));
 }
 
 /// Counts a request whose client left before it reached an engine.

@@ -1845,6 +1845,47 @@ fn a_client_disconnect_mid_stream_cancels_and_frees_pages() {
     let finished = server
         .metric(r#"bulkhead_requests_total{model="smollm2-test",tenant="beta",reason="length"}"#);
     assert_eq!(finished, 0.0, "it did not run to max_tokens");
+    let cancelled = server.metric(
+        r#"bulkhead_requests_total{model="smollm2-test",tenant="beta",reason="cancelled"}"#,
+    );
+    assert_eq!(cancelled, 1.0);
+
+    // The tokens the engine spent on it are counted, in the metrics as in
+    // the usage store (they were not: a client that left took its tokens
+    // out of the metrics, and the console's series, alone).
+    let usage = || {
+        server
+            .admin_call("GET", "/admin/v1/usage?tenant=beta", None)
+            .json()
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || usage()["total"]["requests"] == 1),
+        "{}",
+        usage()
+    );
+    let total = &usage()["total"];
+    assert_eq!(total["outcomes"]["cancelled"], 1, "{total}");
+    let generated = total["completion_tokens"].as_f64().unwrap();
+    assert!(generated >= 2.0, "two texts were read: {total}");
+    let metrics = server.metrics();
+    let tokens = |name: &str| {
+        metric_value(
+            &metrics,
+            &format!(r#"bulkhead_{name}_tokens_total{{model="smollm2-test",tenant="beta"}}"#),
+        )
+    };
+    assert_eq!(tokens("generated"), generated, "{total}");
+    assert_eq!(tokens("prompt"), total["prompt_tokens"].as_f64().unwrap());
+    let stats = server.admin_call("GET", "/admin/v1/stats", None).json();
+    let recent = stats["models"][0]["recent"].as_array().unwrap().clone();
+    let sum = |field: &str| {
+        recent
+            .iter()
+            .map(|p| p[field].as_f64().unwrap())
+            .sum::<f64>()
+    };
+    assert_eq!(sum("generated_tokens"), generated, "{stats}");
+    assert_eq!(sum("requests"), 1.0, "{stats}");
 }
 
 #[test]

@@ -30,7 +30,7 @@ use std::time::Instant;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 /// Watches one request's events for metrics and its closing log line (its
-/// usage is counted by the scheduler, which sees every end).
+/// usage and its tokens are counted by the scheduler, which sees every end).
 pub struct Tracker {
     request_id: RequestId,
     tenant: String,
@@ -73,13 +73,7 @@ impl Tracker {
             Event::Logprob(_) | Event::PromptLogprob(_) => {}
             Event::Finished { reason, usage } => {
                 self.finished = true;
-                telemetry::count_finished(
-                    &self.model,
-                    &self.tenant,
-                    reason.as_str(),
-                    usage.prompt_tokens,
-                    usage.completion_tokens,
-                );
+                telemetry::count_finished(&self.model, &self.tenant, reason.as_str());
                 tracing::info!(
                     request_id = self.request_id.0,
                     tenant = %self.tenant,
@@ -116,7 +110,7 @@ impl Drop for Tracker {
         if !self.finished {
             // The client went away (or the handler was dropped) first: the
             // engine cancels it at its next step. Counted here, where it is
-            // seen; its tokens are not known here and are not counted.
+            // seen; the engine counts its tokens when it ends it.
             telemetry::count_cancelled(&self.model, &self.tenant);
             tracing::info!(
                 request_id = self.request_id.0,

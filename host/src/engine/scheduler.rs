@@ -153,7 +153,45 @@ pub struct EngineFault<'a> {
     pub restart_in: Option<std::time::Duration>,
 }
 
-type Sink = Option<Arc<dyn FinishSink>>;
+/// Where a request's end goes: the finish sink, and the process's token
+/// counters under the model's id.
+#[derive(Default)]
+struct Ends {
+    sink: Option<Arc<dyn FinishSink>>,
+    /// The model's id in metrics; `None` (tests, benches, `bulkhead
+    /// generate`) counts nothing.
+    model: Option<Arc<str>>,
+}
+
+impl Ends {
+    /// Ends `tenant`'s request `request` (the tenant named `name`) with
+    /// `reason`: counts its tokens, tells its client through `events`, and
+    /// reports it to the sink. The tokens are counted here, where every end
+    /// passes, before the client can hear of it and whether or not it is
+    /// still there (the API layer counts a request whose client left as
+    /// `cancelled`, knowing none of its tokens); the usage store counts the
+    /// same tokens from the sink.
+    fn report(
+        &self,
+        (request, tenant, name): (RequestId, TenantId, &str),
+        events: &UnboundedSender<Event>,
+        reason: FinishReason,
+        usage: Usage,
+    ) {
+        if let Some(model) = &self.model {
+            crate::telemetry::count_tokens(
+                model,
+                name,
+                usage.prompt_tokens,
+                usage.completion_tokens,
+            );
+        }
+        let _ = events.send(Event::Finished { reason, usage });
+        if let Some(sink) = &self.sink {
+            sink.finished(request, tenant, reason, usage);
+        }
+    }
+}
 
 /// Batch limits.
 #[derive(Clone, Copy, Debug)]
@@ -314,7 +352,7 @@ pub struct Scheduler<B: Backend> {
     /// Pages scrubbed so far (observability).
     pages_scrubbed: u64,
     /// Where ends are reported.
-    sink: Sink,
+    ends: Ends,
     /// Decode role: where prompts' KV comes from.
     remote: Option<RemotePrefill>,
 }
@@ -412,7 +450,7 @@ impl<B: Backend> Scheduler<B> {
             tokens_generated: 0,
             steps: StepCounts::default(),
             pages_scrubbed: 0,
-            sink: None,
+            ends: Ends::default(),
             remote: None,
         };
         for tenant in tenants {
@@ -490,7 +528,7 @@ impl<B: Backend> Scheduler<B> {
         let reason = FinishReason::TenantRemoved;
         let mut ended = 0;
         for admitted in std::mem::take(&mut tenant.queue) {
-            finish_queued(&self.sink, admitted, &tenant.limits.name, reason);
+            finish_queued(&self.ends, admitted, &tenant.limits.name, reason);
             ended += 1;
         }
         for s in std::mem::take(&mut tenant.preempted) {
@@ -533,12 +571,18 @@ impl<B: Backend> Scheduler<B> {
 
     /// Reports every request's end to `sink` from now on.
     pub fn set_finish_sink(&mut self, sink: Arc<dyn FinishSink>) {
-        self.sink = Some(sink);
+        self.ends.sink = Some(sink);
+    }
+
+    /// Counts every request's tokens in the process's metrics, and in the
+    /// console's series, under the model id `model` from now on.
+    pub fn set_model_id(&mut self, model: &str) {
+        self.ends.model = Some(Arc::from(model));
     }
 
     /// Where request ends are reported, if anywhere.
     pub fn finish_sink(&self) -> Option<Arc<dyn FinishSink>> {
-        self.sink.clone()
+        self.ends.sink.clone()
     }
 
     /// Every tenant's limits, in id order: what a rebuilt engine starts with.
@@ -752,7 +796,7 @@ impl<B: Backend> Scheduler<B> {
         let mut preempted = Vec::new();
         for tenant in self.tenants.values_mut() {
             for admitted in tenant.queue.drain(..) {
-                finish_queued(&self.sink, admitted, &tenant.limits.name, reason);
+                finish_queued(&self.ends, admitted, &tenant.limits.name, reason);
                 ended = ended.saturating_add(1);
             }
             preempted.extend(tenant.preempted.drain(..));
@@ -786,7 +830,7 @@ impl<B: Backend> Scheduler<B> {
                 } else {
                     FinishReason::Timeout
                 };
-                finish_queued(&self.sink, admitted, &tenant.limits.name, reason);
+                finish_queued(&self.ends, admitted, &tenant.limits.name, reason);
                 finished += 1;
             }
             let (kept, expired): (VecDeque<Sequence>, VecDeque<Sequence>) =
@@ -964,7 +1008,7 @@ impl<B: Backend> Scheduler<B> {
                     None => {
                         let admitted = tenant.queue.pop_front().expect("has work");
                         finish_queued(
-                            &self.sink,
+                            &self.ends,
                             admitted,
                             &tenant.limits.name,
                             FinishReason::Error,
@@ -1703,10 +1747,8 @@ impl<B: Backend> Scheduler<B> {
                 let _ = s.events.send(Event::Text(rest));
             }
         }
-        let _ = s.events.send(Event::Finished { reason, usage });
-        if let Some(sink) = &self.sink {
-            sink.finished(s.id, s.tenant, reason, usage);
-        }
+        let whose = (s.id, s.tenant, tenant.limits.name.as_str());
+        self.ends.report(whose, &s.events, reason, usage);
         tracing::info!(
             request_id = s.id.0,
             tenant = %tenant.limits.name,
@@ -1876,16 +1918,14 @@ impl Sequence {
 /// Ends a request that never started: it holds no page, so there is nothing
 /// to release; its client hears why, with the prompt it sent and nothing
 /// generated.
-fn finish_queued(sink: &Sink, admitted: Admitted, tenant: &str, reason: FinishReason) {
+fn finish_queued(ends: &Ends, admitted: Admitted, tenant: &str, reason: FinishReason) {
     let request = admitted.request;
     let usage = Usage {
         prompt_tokens: request.prompt.len() as u32,
         ..Usage::default()
     };
-    let _ = request.events.send(Event::Finished { reason, usage });
-    if let Some(sink) = sink {
-        sink.finished(request.id, request.tenant, reason, usage);
-    }
+    let whose = (request.id, request.tenant, tenant);
+    ends.report(whose, &request.events, reason, usage);
     tracing::info!(
         request_id = request.id.0,
         tenant,
