@@ -494,12 +494,20 @@ impl Snapshot {
     }
 }
 
+/// A lock of plain maps: a poisoned one still holds whole entries.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// The live catalog: a snapshot replaced whole on every change, and the
 /// engines of the models in it.
 #[derive(Default)]
 pub struct Catalog {
     current: RwLock<Arc<Snapshot>>,
     services: Mutex<BTreeMap<String, EngineService>>,
+    /// The engines of models taken out, by id: one loaded again under the
+    /// same id goes on from its last engine's totals.
+    retired: Mutex<BTreeMap<String, EngineHandle>>,
 }
 
 impl Catalog {
@@ -515,12 +523,18 @@ impl Catalog {
     pub fn insert(&self, loaded: Loaded) {
         let mut current = self.current.write().unwrap_or_else(|p| p.into_inner());
         debug_assert!(current.get(&loaded.served.spec.id).is_none());
+        let retired = lock(&self.retired).remove(&loaded.served.spec.id);
+        if let Some(retired) = retired {
+            // Taken out before (its engine was shut down then): the new
+            // engine hears of the totals before any request can reach it.
+            loaded
+                .service
+                .handle()
+                .carry_totals(retired.stats().totals());
+        }
         let mut models = current.models.clone();
         models.push(loaded.served);
-        self.services
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(models[models.len() - 1].spec.id.clone(), loaded.service);
+        lock(&self.services).insert(models[models.len() - 1].spec.id.clone(), loaded.service);
         *current = Arc::new(Snapshot { models });
     }
 
@@ -532,11 +546,8 @@ impl Catalog {
         let mut models = current.models.clone();
         let served = models.remove(at);
         *current = Arc::new(Snapshot { models });
-        let service = self
-            .services
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(id)?;
+        let service = lock(&self.services).remove(id)?;
+        lock(&self.retired).insert(id.to_string(), service.handle());
         Some((served, service))
     }
 

@@ -472,6 +472,15 @@ fn a_supervised_engine_that_panics_ends_its_requests_and_restarts() {
             matches!(reason, FinishReason::Length | FinishReason::Stop),
             "{reason:?}"
         );
+        // The rebuilt engine's counts go on from the broken one's (the
+        // metrics recorder keeps a counter's largest value: counts begun
+        // again at zero would hold it still). Published after the turn.
+        let enqueued = || handle.stats().tenants[0].counts.enqueued_total;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while enqueued() < 2 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(enqueued(), 2, "one request in each engine");
         service.shutdown(Duration::ZERO, FinishReason::Shutdown);
     }
 }

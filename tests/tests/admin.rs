@@ -862,7 +862,17 @@ fn an_injected_engine_panic_ends_the_stream_and_the_engine_comes_back() {
     assert!(eventually(Duration::from_secs(30), || {
         server.get(&server.inference, "/readyz", None).status == 200
     }));
+    let enqueued = r#"bulkhead_enqueued_total{model="smollm2-test",tenant="alpha"}"#;
+    assert_eq!(server.metric(enqueued), 1.0);
     assert_eq!(chat(&server, KEY_ALPHA).status, 200);
+    // The rebuilt engine's counts go on from the broken one's: begun again
+    // at zero, they held the counters still (the recorder keeps a counter's
+    // largest value) until they passed the old.
+    assert!(
+        eventually(Duration::from_secs(5), || server.metric(enqueued) == 2.0),
+        "{}",
+        server.metric(enqueued)
+    );
     let mut after = Value::Null;
     let settled = eventually(Duration::from_secs(10), || {
         after = pool_audit(&server);

@@ -305,6 +305,17 @@ fn a_model_added_and_removed_under_load_leaves_the_other_model_untouched() {
             .status,
         201
     );
+    // Its counters go on from the first engine's (a completion and the
+    // stream, then one more): begun again at zero, they held still at the
+    // largest value a scrape had seen until the new engine passed it.
+    let r = server.post_json("/v1/completions", Some(KEY_ALPHA), &completion("hot-q8", 4));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let enqueued = r#"bulkhead_enqueued_total{model="hot-q8",tenant="alpha"}"#;
+    assert!(
+        eventually(Duration::from_secs(5), || server.metric(enqueued) == 3.0),
+        "{}",
+        server.metric(enqueued)
+    );
     // The endpoint picker's view (vLLM's gauge names): served, then not.
     let picker = |text: &str| -> Vec<String> {
         text.lines()

@@ -55,7 +55,9 @@ use super::handoff::{ExportTo, PrefillRequest, RemotePrefill, Transferred};
 use super::prefix::PrefixCache;
 use super::request::{Event, FinishReason, Rejection, RequestId, TokenLogprob, Usage};
 use super::sampling::{sample_rows, score_rows, Logprobs, Sampled, Sampler};
-use super::stats::{PoolAudit, SchedulerStats, StepCounts, TenantCounts, TenantPages, TenantStats};
+use super::stats::{
+    EngineTotals, PoolAudit, SchedulerStats, StepCounts, TenantCounts, TenantPages, TenantStats,
+};
 use super::stop::{Scan, StopMatcher};
 use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::{Backend, Pick, PromptScores, SeqStep, StepError};
@@ -583,6 +585,33 @@ impl<B: Backend> Scheduler<B> {
     /// Where request ends are reported, if anywhere.
     pub fn finish_sink(&self) -> Option<Arc<dyn FinishSink>> {
         self.ends.sink.clone()
+    }
+
+    /// The engine's cumulative counts: what a rebuilt engine starts from.
+    pub fn totals(&self) -> EngineTotals {
+        EngineTotals {
+            pages_scrubbed: self.pages_scrubbed,
+            tokens_generated: self.tokens_generated,
+            steps: self.steps,
+            tenants: self
+                .tenants
+                .iter()
+                .map(|(id, t)| (id.0, t.counts))
+                .collect(),
+        }
+    }
+
+    /// Adds a broken engine's `totals` to this one's counts (a tenant since
+    /// removed has no counts to carry).
+    pub fn carry_totals(&mut self, totals: &EngineTotals) {
+        self.pages_scrubbed += totals.pages_scrubbed;
+        self.tokens_generated += totals.tokens_generated;
+        self.steps.add(&totals.steps);
+        for (id, counts) in &totals.tenants {
+            if let Some(tenant) = self.tenants.get_mut(&TenantId(*id)) {
+                tenant.counts.add(counts);
+            }
+        }
     }
 
     /// Every tenant's limits, in id order: what a rebuilt engine starts with.

@@ -38,7 +38,7 @@ use super::admission::Admitted;
 use super::handoff::Transferred;
 use super::request::{FinishReason, Rejection, RequestId};
 use super::scheduler::{EngineFault, Scheduler, TenantChangeError, TenantLimits, TickReport};
-use super::stats::{PoolAudit, SchedulerStats};
+use super::stats::{EngineTotals, PoolAudit, SchedulerStats};
 use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::Backend;
 use bulkhead_kernels::kv::PoolId;
@@ -74,6 +74,9 @@ enum Command {
         result: Transferred,
         verdict: oneshot::Sender<Result<(), &'static str>>,
     },
+    /// The totals of the model's engine before this one (unloaded, then
+    /// loaded again), to go on from.
+    Carry(EngineTotals),
     /// Panics the engine thread when taken (tests: the fault path end to end).
     #[cfg(feature = "fault-injection")]
     Panic,
@@ -292,6 +295,13 @@ impl EngineHandle {
         )
     }
 
+    /// Has the engine go on from `totals` (those of the engine this model
+    /// had before it was unloaded and loaded again), so that its counters
+    /// do not begin again; applied at the engine's next turn.
+    pub fn carry_totals(&self, totals: EngineTotals) {
+        let _ = self.commands.send(Command::Carry(totals));
+    }
+
     /// The latest counts the engine thread published (for metrics).
     pub fn stats(&self) -> SchedulerStats {
         // A poisoned lock means the engine thread panicked mid-publish; the
@@ -458,11 +468,14 @@ fn supervise<B: Backend>(
         let broken = scheduler.take().expect("it was running");
         let sink = broken.finish_sink();
         let tenants = broken.tenant_limits();
+        let mut totals = broken.totals();
         // The one finish path for everything in flight; if even that panics,
         // dropping the scheduler closes the requests' channels (a 5xx too).
         let ended = catch_unwind(AssertUnwindSafe(|| {
             let mut broken = broken;
-            broken.finish_everything(FinishReason::EngineFault)
+            let ended = broken.finish_everything(FinishReason::EngineFault);
+            totals = broken.totals();
+            ended
         }))
         .unwrap_or(0);
         if started.elapsed()
@@ -506,6 +519,7 @@ fn supervise<B: Backend>(
                 if let Some(sink) = sink {
                     rebuilt.set_finish_sink(sink);
                 }
+                rebuilt.carry_totals(&totals);
                 publish(&rebuilt, stats);
                 scheduler = Some(rebuilt);
                 started = Instant::now();
@@ -618,6 +632,7 @@ fn engine_loop<B: Backend>(
                 Command::Audit(reply) => {
                     let _ = reply.send(scheduler.audit());
                 }
+                Command::Carry(totals) => scheduler.carry_totals(&totals),
                 Command::Transferred {
                     request,
                     job,

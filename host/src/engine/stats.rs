@@ -21,6 +21,17 @@ pub struct TenantCounts {
     pub sampling_nanos_total: u64,
 }
 
+impl TenantCounts {
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &TenantCounts) {
+        self.enqueued_total += other.enqueued_total;
+        self.pages_acquired_total += other.pages_acquired_total;
+        self.cached_tokens_total += other.cached_tokens_total;
+        self.preempted_total += other.preempted_total;
+        self.sampling_nanos_total += other.sampling_nanos_total;
+    }
+}
+
 /// One tenant's scheduler and KV partition counts.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TenantStats {
@@ -59,12 +70,24 @@ pub struct SchedulerStats {
     pub page_tokens: u32,
     /// Clean pages on the free list.
     pub pages_free: u32,
-    /// Pages scrubbed since start.
+    /// Pages scrubbed since the model was loaded (see [`EngineTotals`]).
     pub pages_scrubbed_total: u64,
-    /// Tokens sampled since start.
+    /// Tokens sampled since the model was loaded.
     pub tokens_generated_total: u64,
-    /// The steps run since start.
+    /// The steps run since the model was loaded.
     pub steps: StepCounts,
+}
+
+impl SchedulerStats {
+    /// The cumulative counts in this snapshot.
+    pub fn totals(&self) -> EngineTotals {
+        EngineTotals {
+            pages_scrubbed: self.pages_scrubbed_total,
+            tokens_generated: self.tokens_generated_total,
+            steps: self.steps,
+            tenants: self.tenants.iter().map(|t| (t.id, t.counts)).collect(),
+        }
+    }
 }
 
 /// Cumulative counts of an engine's steps: with their rates, an operator
@@ -81,6 +104,33 @@ pub struct StepCounts {
     /// Their time sampling, in nanoseconds (wall time: a step's rows are
     /// sampled in parallel where the backend lends its threads).
     pub sampling_nanos_total: u64,
+}
+
+impl StepCounts {
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &StepCounts) {
+        self.steps_total += other.steps_total;
+        self.tokens_total += other.tokens_total;
+        self.forward_nanos_total += other.forward_nanos_total;
+        self.sampling_nanos_total += other.sampling_nanos_total;
+    }
+}
+
+/// An engine's cumulative counts. The engine rebuilt after a panic, or
+/// built when a model is loaded again under the same id, starts from its
+/// predecessor's, so that no total a model reports goes back: the metrics
+/// recorder keeps the largest value a counter was set to, and would hold a
+/// model's counters still until a new engine's counts passed the old.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EngineTotals {
+    /// Pages scrubbed.
+    pub pages_scrubbed: u64,
+    /// Tokens sampled.
+    pub tokens_generated: u64,
+    /// Steps run.
+    pub steps: StepCounts,
+    /// Per tenant, by id.
+    pub tenants: Vec<(u32, TenantCounts)>,
 }
 
 /// One tenant's pages, as an audit counts them (from its partition).
