@@ -75,8 +75,9 @@ pub const KV_PAGES_SCRUBBED_TOTAL: &str = "bulkhead_kv_pages_scrubbed_total";
 pub const VLLM_WAITING: &str = "vllm:num_requests_waiting";
 /// ... sequences running in it ...
 pub const VLLM_RUNNING: &str = "vllm:num_requests_running";
-/// ... the fraction (0 to 1, despite the name) of its pool's pages not on
-/// the free list (leased, cached, awaiting their scrub) ...
+/// ... the fraction (0 to 1, despite the name) of its pool's pages in use:
+/// neither on the free list nor kept by a prefix cache alone (leased, held
+/// by a sequence's table, awaiting their scrub) ...
 pub const VLLM_KV_USAGE: &str = "vllm:kv_cache_usage_perc";
 /// ... and its pool's shape, as labels of a gauge that is 1:
 /// `block_size` (tokens a page holds) and `num_gpu_blocks` (pages).
@@ -348,10 +349,17 @@ fn set_picker_gauges(model: &str, stats: Option<&SchedulerStats>) {
     let s = stats.unwrap_or(&zero);
     let waiting: u32 = s.tenants.iter().map(|t| t.queued).sum();
     let running: u32 = s.tenants.iter().map(|t| t.running).sum();
+    // Idle prefix-cache pages are free to vLLM (its freed blocks keep
+    // their hashes on the free queue until reused), and to a tenant that
+    // needs pages (evicted on demand): counted in use, a pod with a warm
+    // cache would read as full to the picker while idle.
+    let in_use = s
+        .pages_count
+        .saturating_sub(s.pages_free + s.pages_cached_idle);
     let usage = if s.pages_count == 0 {
         0.0
     } else {
-        f64::from(s.pages_count.saturating_sub(s.pages_free)) / f64::from(s.pages_count)
+        f64::from(in_use) / f64::from(s.pages_count)
     };
     let name = || metrics::Label::new("model_name", model.to_string());
     gauge!(VLLM_WAITING, vec![name()]).set(f64::from(waiting));

@@ -2198,6 +2198,40 @@ fn the_endpoint_pickers_gauges_have_vllms_names_and_meanings() {
     assert!(usage <= 64.0 / 224.0 + 1e-9, "{usage}");
 }
 
+/// A prefix-cache page no sequence holds is free to the picker, as vLLM
+/// counts its cached free blocks: its tenant evicts it when it needs the
+/// page. Counted in use, an idle pod with a warm cache read as busy (a
+/// cache as large as the tenants' reservations, as full).
+#[test]
+fn an_idle_prefix_cache_is_not_in_use_to_the_endpoint_picker() {
+    let Some(model) = smollm2() else { return };
+    let server = start(&model, &Policy::default());
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(8);
+    let r = server.post_json(
+        "/v1/completions",
+        Some(KEY_ALPHA),
+        &json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": 2}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let m = [("model_name", MODEL_ID)];
+    let cached = r#"bulkhead_kv_pages{model="smollm2-test",tenant="alpha",state="cached"}"#;
+    let mut text = String::new();
+    let settled = eventually(Duration::from_secs(10), || {
+        text = server.metrics();
+        metric_value(&text, cached) >= 4.0
+            && picker_sample(&text, "vllm:kv_cache_usage_perc", &m) == 0.0
+    });
+    assert!(settled, "a cached prompt, nothing in use:\n{text}");
+    // Held again by a sequence, they are in use.
+    let mut body = json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": 200});
+    body["stream"] = json!(true);
+    let (status, mut sse) = server.stream("/v1/completions", KEY_ALPHA, &body);
+    assert_eq!(status, 200);
+    sse.next_data().unwrap();
+    let usage = picker_sample(&server.metrics(), "vllm:kv_cache_usage_perc", &m);
+    assert!(usage >= 4.0 / 224.0, "{usage}");
+}
+
 /// Envoy's `ext_authz` HTTP protocol under `/ext-authz/`: a valid key gets
 /// 200 with the picker's fairness id set to its tenant's registry id
 /// (whatever the client sent) and the other client-settable picker headers

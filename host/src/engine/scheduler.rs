@@ -1992,6 +1992,7 @@ impl<B: Backend> Scheduler<B> {
             pages_count: pool.pages_count,
             page_tokens: self.pool.layout().geometry().page_tokens,
             pages_free: pool.pages_free,
+            pages_cached_idle: pool.pages_shared_idle,
             pages_scrubbed_total: self.pages_scrubbed,
             tokens_generated_total: self.tokens_generated,
             steps: self.steps,

@@ -70,6 +70,9 @@ pub struct SchedulerStats {
     pub page_tokens: u32,
     /// Clean pages on the free list.
     pub pages_free: u32,
+    /// Prefix-cache pages no sequence holds: each tenant's to evict when it
+    /// needs pages.
+    pub pages_cached_idle: u32,
     /// Pages scrubbed since the model was loaded (see [`EngineTotals`]).
     pub pages_scrubbed_total: u64,
     /// Tokens sampled since the model was loaded.

@@ -157,6 +157,7 @@ pub enum Violation {
 struct Recount {
     pages_owned: u32,
     pages_shared: u32,
+    pages_shared_idle: u32,
     pages_released: u32,
 }
 
@@ -329,7 +330,10 @@ impl Pool {
             let recount = &mut recounts[at];
             match meta.state {
                 PageState::Owned { .. } => recount.pages_owned += 1,
-                PageState::Shared { .. } => recount.pages_shared += 1,
+                PageState::Shared { refs, .. } => {
+                    recount.pages_shared += 1;
+                    recount.pages_shared_idle += u32::from(refs == 0);
+                }
                 _ => recount.pages_released += 1,
             }
         }
@@ -339,6 +343,11 @@ impl Pool {
             let pairs = [
                 ("pages_owned", partition.pages_owned, recount.pages_owned),
                 ("pages_shared", partition.pages_shared, recount.pages_shared),
+                (
+                    "pages_shared_idle",
+                    partition.pages_shared_idle,
+                    recount.pages_shared_idle,
+                ),
                 (
                     "pages_released",
                     partition.pages_released,

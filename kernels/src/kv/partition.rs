@@ -137,10 +137,25 @@ pub(super) struct Partition {
     pub(super) pages_booked: u32,
     pub(super) pages_owned: u32,
     pub(super) pages_shared: u32,
+    /// Of `pages_shared`, those no table holds (only the owner's cache
+    /// keeps them): evicted when the owner needs pages.
+    pub(super) pages_shared_idle: u32,
     pub(super) pages_released: u32,
 }
 
 impl Partition {
+    /// A partition of `config` holding nothing.
+    fn empty(config: PartitionConfig) -> Partition {
+        Partition {
+            config,
+            pages_booked: 0,
+            pages_owned: 0,
+            pages_shared: 0,
+            pages_shared_idle: 0,
+            pages_released: 0,
+        }
+    }
+
     /// Pages this owner keeps from everyone else right now, reservation aside.
     pub(super) fn pages_held(&self) -> u32 {
         // Cannot overflow: each term is bounded by pages_max ≤ pages_count ≤ 2^24, and
@@ -186,13 +201,7 @@ impl Partitions {
         }
         let mut list: Vec<Partition> = configs
             .iter()
-            .map(|&config| Partition {
-                config,
-                pages_booked: 0,
-                pages_owned: 0,
-                pages_shared: 0,
-                pages_released: 0,
-            })
+            .map(|&config| Partition::empty(config))
             .collect();
         list.sort_by_key(|p| p.config.owner);
         if let Some(pair) = list
@@ -231,16 +240,7 @@ impl Partitions {
             });
         }
         self.check_claim(None, &config, 0)?;
-        self.list.insert(
-            at,
-            Partition {
-                config,
-                pages_booked: 0,
-                pages_owned: 0,
-                pages_shared: 0,
-                pages_released: 0,
-            },
-        );
+        self.list.insert(at, Partition::empty(config));
         Ok(())
     }
 

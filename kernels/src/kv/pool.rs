@@ -242,6 +242,10 @@ pub struct PoolStats {
     pub pages_released: u32,
     /// Shared (prefix-cache) pages.
     pub pages_shared: u32,
+    /// Of those, the pages no table holds (only a cache keeps them): each
+    /// owner's to evict when it needs pages, so not in use (a vLLM pool
+    /// counts such blocks free).
+    pub pages_shared_idle: u32,
     /// Pages booked by live reservations, not yet acquired.
     pub pages_booked: u32,
 }
@@ -359,12 +363,19 @@ impl Pool {
         let pages_released = self.pages_released.len() as u32;
         let pages_booked = self.partitions.list.iter().map(|p| p.pages_booked).sum();
         let pages_shared: u32 = self.partitions.list.iter().map(|p| p.pages_shared).sum();
+        let pages_shared_idle = self
+            .partitions
+            .list
+            .iter()
+            .map(|p| p.pages_shared_idle)
+            .sum();
         PoolStats {
             pages_count,
             pages_free,
             pages_owned: pages_count - pages_free - pages_released - pages_shared,
             pages_released,
             pages_shared,
+            pages_shared_idle,
             pages_booked,
         }
     }
@@ -572,6 +583,10 @@ impl Pool {
                 owner,
                 refs: refs - 1,
             };
+            if refs == 1 {
+                let at = self.partition_index(owner);
+                self.partitions.list[at].pages_shared_idle += 1;
+            }
             return Some(handle);
         }
         assert_eq!(
@@ -645,6 +660,15 @@ impl Pool {
             refs: refs.checked_add(1).expect("references fit u32"),
         };
         table.push(handle);
+        if refs == 0 {
+            let at = self.partition_index(owner);
+            let partition = &mut self.partitions.list[at];
+            assert!(
+                partition.pages_shared_idle > 0,
+                "idle count below an idle page"
+            );
+            partition.pages_shared_idle -= 1;
+        }
         Ok(())
     }
 
@@ -674,10 +698,11 @@ impl Pool {
         let at = self.partition_index(owner);
         let partition = &mut self.partitions.list[at];
         assert!(
-            partition.pages_shared > 0,
+            partition.pages_shared > 0 && partition.pages_shared_idle > 0,
             "shared count below a shared page"
         );
         partition.pages_shared -= 1;
+        partition.pages_shared_idle -= 1;
         partition.pages_released += 1;
         Ok(())
     }

@@ -840,10 +840,22 @@ fn shared_pages_are_read_by_every_holder_and_written_by_none() {
             refs: 1
         })
     );
+    assert_eq!(pool.stats().pages_shared_idle, 0, "a table holds it");
     pool.release(&mut second);
     pool.check_page_tables(&[]).unwrap();
     assert_eq!(pool.partition_stats(A).unwrap().pages_shared, 1);
+    // Kept by the cache alone it is idle (the invariants' recount agrees),
+    // and in use again once a table attaches it.
+    assert_eq!(pool.stats().pages_shared_idle, 1);
+    pool.check_invariants().unwrap();
+    let mut again = empty_table(&mut pool, A, 4);
+    pool.attach(&mut again, shared[0]).unwrap();
+    assert_eq!(pool.stats().pages_shared_idle, 0);
+    pool.check_invariants().unwrap();
+    pool.release(&mut again);
+    assert_eq!(pool.stats().pages_shared_idle, 1);
     pool.evict(A, shared[0]).unwrap();
+    assert_eq!(pool.stats().pages_shared_idle, 0);
     // With the first sequence's own page, both wait for the scrub.
     assert_eq!(pool.partition_stats(A).unwrap().pages_released, 2);
     // Scrubbed like any release, and its handle is dead.
