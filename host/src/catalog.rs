@@ -29,6 +29,7 @@ use crate::engine::chat::ChatTemplate;
 use crate::engine::placement::{self, BackendChoice, CudaSwitches, Placement, PlacementError};
 use crate::engine::scheduler::{FinishSink, TenantLimits};
 use crate::engine::service::{EngineHandle, EngineService, RestartPolicy, Supervision};
+use crate::engine::stats::EngineTotals;
 use crate::store::records::TenantRecord;
 use crate::tenancy::{Quota, TenantId};
 use bulkhead_kernels::gguf::Gguf;
@@ -303,7 +304,10 @@ pub fn engine_spec(spec: &ModelSpec, placement: Placement, cuda: CudaSwitches) -
 
 /// Loads `spec` and starts its engine, with a partition for each of `tenants`
 /// that may use it; every request's end goes to `finishes`. `config` gives
-/// the backend of a model that names none, and how CUDA models run.
+/// the backend of a model that names none, and how CUDA models run. The
+/// engine's counts go on from `carried`, the totals of the engine the
+/// model's id had before ([`Catalog::retired_totals`]), so that none of its
+/// counters begins again.
 pub fn load(
     spec: ModelSpec,
     source: Source,
@@ -311,6 +315,7 @@ pub fn load(
     finishes: Arc<dyn FinishSink>,
     role: crate::transfer::Role,
     config: &crate::config::EngineConfig,
+    carried: Option<EngineTotals>,
 ) -> Result<Loaded, LoadError> {
     regular_file(&spec)?;
     let (placement, why) = placement_of(&spec, config.backend)?;
@@ -340,6 +345,9 @@ pub fn load(
     };
     scheduler.set_finish_sink(finishes);
     scheduler.set_model_id(&spec.id);
+    if let Some(totals) = &carried {
+        scheduler.carry_totals(totals);
+    }
     let admission = scheduler.admission(spec.context_tokens);
     let (transfer, remote) = transfer_of(&spec, &model, &scheduler, role);
     if let Some(remote) = &remote {
@@ -523,19 +531,21 @@ impl Catalog {
     pub fn insert(&self, loaded: Loaded) {
         let mut current = self.current.write().unwrap_or_else(|p| p.into_inner());
         debug_assert!(current.get(&loaded.served.spec.id).is_none());
-        let retired = lock(&self.retired).remove(&loaded.served.spec.id);
-        if let Some(retired) = retired {
-            // Taken out before (its engine was shut down then): the new
-            // engine hears of the totals before any request can reach it.
-            loaded
-                .service
-                .handle()
-                .carry_totals(retired.stats().totals());
-        }
+        lock(&self.retired).remove(&loaded.served.spec.id);
         let mut models = current.models.clone();
         models.push(loaded.served);
         lock(&self.services).insert(models[models.len() - 1].spec.id.clone(), loaded.service);
         *current = Arc::new(Snapshot { models });
+    }
+
+    /// The totals of model `id`'s last engine, if it was taken out since
+    /// the process started: a model loaded again under its id goes on from
+    /// them (read once the old engine is shut down, its last counts
+    /// published).
+    pub fn retired_totals(&self, id: &str) -> Option<EngineTotals> {
+        lock(&self.retired)
+            .get(id)
+            .map(|handle| handle.stats().totals())
     }
 
     /// Takes model `id` out: new requests no longer find it. Its engine is

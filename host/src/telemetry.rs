@@ -11,9 +11,10 @@
 //!    are set from each model's engine thread's latest snapshot when `/metrics`
 //!    is scraped.
 
-use crate::engine::stats::SchedulerStats;
+use crate::engine::stats::{SchedulerStats, TenantCounts};
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// The tenant label of requests that never authenticated.
@@ -305,6 +306,10 @@ pub fn observe_inter_token(model: &str, tenant: &str, gap: Duration) {
 struct Published {
     /// (model, tenant) pairs.
     pairs: Vec<(String, String)>,
+    /// Each (model, tenant id)'s counts as last published: a counter moves
+    /// by what they grew since, so a tenant deleted and created again under
+    /// its name (a new id, counts from zero) adds to the name's counters.
+    counts: BTreeMap<(String, u32), TenantCounts>,
     /// Models.
     models: Vec<String>,
     /// Each model's pool shape as `vllm:cache_config_info` labelled it.
@@ -315,6 +320,7 @@ struct Published {
 /// gone has its gauges set to zero once, not left at their last values.
 static PUBLISHED: std::sync::Mutex<Published> = std::sync::Mutex::new(Published {
     pairs: Vec::new(),
+    counts: BTreeMap::new(),
     models: Vec::new(),
     configs: Vec::new(),
 });
@@ -388,12 +394,23 @@ pub fn publish_engine_stats(
     models: &[(String, SchedulerStats)],
     name_of: impl Fn(u32) -> Option<String>,
 ) {
+    let mut last = PUBLISHED.lock().unwrap_or_else(|p| p.into_inner());
     let mut pairs = Vec::new();
+    let mut counts = BTreeMap::new();
     for (model, stats) in models {
         for t in &stats.tenants {
             let Some(name) = name_of(t.id) else {
                 continue;
             };
+            let key = (model.clone(), t.id);
+            let was = last.counts.get(&key).copied().unwrap_or_default();
+            counts.insert(key, t.counts);
+            // An engine's counts only grow (a rebuilt or reloaded engine
+            // goes on from its predecessor's); counts below the last are a
+            // partition begun again (the tenant's access to the model taken
+            // and given back since), counted from zero.
+            let grew = |now: u64, then: u64| if now >= then { now - then } else { now };
+            let (now, was) = (&t.counts, &was);
             let pages = [
                 t.pages_owned,
                 t.pages_released,
@@ -403,15 +420,18 @@ pub fn publish_engine_stats(
             ];
             set_tenant_gauges(model, &name, t.queued, t.running, pages);
             counter!(ENQUEUED_TOTAL, "model" => model.clone(), "tenant" => name.clone())
-                .absolute(t.counts.enqueued_total);
+                .increment(grew(now.enqueued_total, was.enqueued_total));
             counter!(KV_PAGES_ACQUIRED_TOTAL, "model" => model.clone(), "tenant" => name.clone())
-                .absolute(t.counts.pages_acquired_total);
+                .increment(grew(now.pages_acquired_total, was.pages_acquired_total));
             counter!(PREFIX_CACHED_TOKENS_TOTAL, "model" => model.clone(), "tenant" => name.clone())
-                .absolute(t.counts.cached_tokens_total);
+                .increment(grew(now.cached_tokens_total, was.cached_tokens_total));
             counter!(PREEMPTED_TOTAL, "model" => model.clone(), "tenant" => name.clone())
-                .absolute(t.counts.preempted_total);
+                .increment(grew(now.preempted_total, was.preempted_total));
             counter!(SAMPLING_MICROSECONDS_TOTAL, "model" => model.clone(), "tenant" => name.clone())
-                .absolute(t.counts.sampling_nanos_total / 1_000);
+                .increment(grew(
+                    now.sampling_nanos_total / 1_000,
+                    was.sampling_nanos_total / 1_000,
+                ));
             pairs.push((model.clone(), name));
         }
         set_picker_gauges(model, Some(stats));
@@ -437,7 +457,6 @@ pub fn publish_engine_stats(
         .iter()
         .map(|(m, s)| (m.clone(), s.page_tokens, s.pages_count))
         .collect();
-    let mut last = PUBLISHED.lock().unwrap_or_else(|p| p.into_inner());
     for (model, tenant) in last.pairs.iter().filter(|p| !pairs.contains(p)) {
         set_tenant_gauges(model, tenant, 0, 0, [0; 5]);
     }
@@ -452,8 +471,15 @@ pub fn publish_engine_stats(
     for (model, page_tokens, pages) in last.configs.iter().filter(|c| !configs.contains(c)) {
         set_cache_config(model, *page_tokens, *pages, 0.0);
     }
+    // A model gone keeps its tenants' counts (loaded again, its engine goes
+    // on from them); a tenant gone from a model that is here is forgotten.
+    let kept = std::mem::take(&mut last.counts)
+        .into_iter()
+        .filter(|((model, _), _)| !ids.contains(model));
+    counts.extend(kept);
     *last = Published {
         pairs,
+        counts,
         models: ids,
         configs,
     };

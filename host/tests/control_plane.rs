@@ -152,6 +152,7 @@ fn start(dir: &Path) -> Plane {
                 backend: bulkhead::engine::placement::BackendChoice::Cpu,
                 ..Default::default()
             },
+            None,
         )
         .unwrap();
         catalog.insert(loaded);

@@ -166,6 +166,10 @@ fn changes_apply_on_the_next_request_without_a_restart() {
     let r = chat(&server, &secret);
     assert_eq!((r.status, r.error().1), (429, json!("queue_full")));
 
+    let enqueued = r#"bulkhead_enqueued_total{model="smollm2-test",tenant="delta"}"#;
+    let enqueued_before = server.metric(enqueued);
+    assert!(enqueued_before >= 3.0, "{enqueued_before}");
+
     // Deleting delta mid-request: its key fails at once, its running and queued
     // requests end with tenant_removed (not a 5xx), its partition goes.
     let r = server.admin_call("DELETE", "/admin/v1/tenants/delta", None);
@@ -196,6 +200,17 @@ fn changes_apply_on_the_next_request_without_a_restart() {
     assert!(
         r.json()["id"].as_u64().unwrap() > delta_id,
         "ids are never reused"
+    );
+    // Its counters, under the same name, go on from the old tenant's: the
+    // new one's counts, begun at zero, held them still (the recorder keeps
+    // a counter's largest value) until they passed the old.
+    let (secret, _) = issue(&server, "delta");
+    assert_eq!(chat(&server, &secret).status, 200);
+    assert!(
+        eventually(Duration::from_secs(5), || server.metric(enqueued)
+            == enqueued_before + 1.0),
+        "{} after {enqueued_before}",
+        server.metric(enqueued)
     );
 
     let actions = audit_actions(&server);

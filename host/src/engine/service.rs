@@ -38,7 +38,7 @@ use super::admission::Admitted;
 use super::handoff::Transferred;
 use super::request::{FinishReason, Rejection, RequestId};
 use super::scheduler::{EngineFault, Scheduler, TenantChangeError, TenantLimits, TickReport};
-use super::stats::{EngineTotals, PoolAudit, SchedulerStats};
+use super::stats::{PoolAudit, SchedulerStats};
 use crate::tenancy::TenantId;
 use bulkhead_kernels::backend::Backend;
 use bulkhead_kernels::kv::PoolId;
@@ -74,9 +74,6 @@ enum Command {
         result: Transferred,
         verdict: oneshot::Sender<Result<(), &'static str>>,
     },
-    /// The totals of the model's engine before this one (unloaded, then
-    /// loaded again), to go on from.
-    Carry(EngineTotals),
     /// Panics the engine thread when taken (tests: the fault path end to end).
     #[cfg(feature = "fault-injection")]
     Panic,
@@ -293,13 +290,6 @@ impl EngineHandle {
             self.faults.panics.load(Ordering::Relaxed),
             self.faults.restarts.load(Ordering::Relaxed),
         )
-    }
-
-    /// Has the engine go on from `totals` (those of the engine this model
-    /// had before it was unloaded and loaded again), so that its counters
-    /// do not begin again; applied at the engine's next turn.
-    pub fn carry_totals(&self, totals: EngineTotals) {
-        let _ = self.commands.send(Command::Carry(totals));
     }
 
     /// The latest counts the engine thread published (for metrics).
@@ -632,7 +622,6 @@ fn engine_loop<B: Backend>(
                 Command::Audit(reply) => {
                     let _ = reply.send(scheduler.audit());
                 }
-                Command::Carry(totals) => scheduler.carry_totals(&totals),
                 Command::Transferred {
                     request,
                     job,

@@ -248,6 +248,7 @@ pub fn serve(options: ServeOptions) -> Result<(), ServeError> {
             sink,
             config.server.role,
             &config.engine,
+            None,
         ) {
             Ok(loaded) => loaded,
             Err(error) => {

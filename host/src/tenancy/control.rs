@@ -1082,8 +1082,10 @@ impl Control {
             .check()?;
         let (to_load, finishes) = (spec.clone(), Arc::clone(&self.finishes));
         let (role, engine) = (self.config.server.role, self.config.engine.clone());
+        let carried = self.catalog.retired_totals(&spec.id);
         run_blocking(move || {
-            catalog::load(to_load, Source::Admin, &tenants, finishes, role, &engine)
+            let source = Source::Admin;
+            catalog::load(to_load, source, &tenants, finishes, role, &engine, carried)
         })
         .await?
         .map_err(|e| match e {
