@@ -6,7 +6,8 @@
 //! ```text
 //! pages_held    = pages_booked (reserved, not yet acquired)
 //!               + pages_owned  (acquired, in a page table)
-//!               + pages_shared (its prefix cache: read-only, in its tables or kept)
+//!               + pages_shared (its prefix cache: read-only, in its tables or kept;
+//!                               pages_shared_idle of them in no table, evictable)
 //!               + pages_released (released, dirty until scrubbed: still charged to it)
 //! pages_claimed = max(pages_held, pages_reserved)   // what the owner keeps from the pool
 //!
