@@ -9,8 +9,9 @@
 //! validated name, bounded by the catalog), never request text (invariant
 //! I9). They live in memory and start empty on every start.
 //!
-//! Recording is one short mutex hold per finished request and per first
-//! token; a bucket older than [`WINDOW_BUCKETS`] is dropped as time moves on,
+//! Recording is one short mutex hold per request's end as its client heard
+//! it, per end in the engine (its tokens, a client's that left too) and per
+//! first token; a bucket older than [`WINDOW_BUCKETS`] is dropped as time moves on,
 //! so memory is bounded by models x buckets whatever the traffic. Alarms (a
 //! blocked canary, an engine panic, a plugin disabled or tripped by its
 //! faults) keep the latest [`ALARMS_KEPT`] of each kind, so a tenant whose
