@@ -2222,14 +2222,19 @@ fn an_idle_prefix_cache_is_not_in_use_to_the_endpoint_picker() {
             && picker_sample(&text, "vllm:kv_cache_usage_perc", &m) == 0.0
     });
     assert!(settled, "a cached prompt, nothing in use:\n{text}");
-    // Held again by a sequence, they are in use.
-    let mut body = json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": 200});
-    body["stream"] = json!(true);
+    // Held again by a sequence, they are in use (the engine publishes its
+    // counts after its turn, which may come after the first text).
+    let body = json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": 400,
+                      "ignore_eos": true, "stream": true});
     let (status, mut sse) = server.stream("/v1/completions", KEY_ALPHA, &body);
     assert_eq!(status, 200);
     sse.next_data().unwrap();
-    let usage = picker_sample(&server.metrics(), "vllm:kv_cache_usage_perc", &m);
-    assert!(usage >= 4.0 / 224.0, "{usage}");
+    let mut usage = 0.0;
+    let held = eventually(Duration::from_secs(10), || {
+        usage = picker_sample(&server.metrics(), "vllm:kv_cache_usage_perc", &m);
+        usage >= 4.0 / 224.0
+    });
+    assert!(held, "{usage}");
 }
 
 /// Envoy's `ext_authz` HTTP protocol under `/ext-authz/`: a valid key gets
